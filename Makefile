@@ -1,0 +1,28 @@
+# Two commands for a fresh machine: `make train` (the main job) and `make test` (the suite).
+# Each creates its own virtual environment first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.zeroplus-installed
+
+.PHONY: venv train test bench clean
+
+$(STAMP): setup.py
+	python3 -m venv $(VENV)
+	# torch==2.13.0 first: the CPU build on this machine's disk, not a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test,deepspeed]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+train: $(STAMP)
+	$(VENV)/bin/zeroplus train $(ARGS)
+
+test: $(STAMP)
+	DS_ACCELERATOR=cpu $(PY) -m pytest -q tests $(ARGS)
+
+bench: $(STAMP)
+	DS_ACCELERATOR=cpu $(PY) bench/bench_zero.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

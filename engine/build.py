@@ -1,0 +1,144 @@
+"""``initialize``: from a model and a DeepSpeed-style config to a ready ``Engine``.
+
+Order: initialise torch.distributed if a launcher asked for it; parse and validate the config;
+resolve the batch triple against the data-parallel size and every ``"auto"``; move the model to
+the device and the compute dtype; broadcast rank 0's parameters and buffers so every rank starts
+alike; partition (this is where the flat buffers, masters and shards are allocated, through the
+ledger); build or adopt the optimizer over the master shards; build the schedule.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from zeroplus.accelerator import get_accelerator
+from zeroplus.comm import DataParallelGroup, init_distributed_if_launched
+from zeroplus.config import ConfigError, ZeroplusConfig, parse_config, resolve_auto, resolve_batch
+from zeroplus.ledger import Ledger
+from zeroplus.logs import log_rank0, setup_logging
+from zeroplus.optim.build import adopt_client_optimizer, build_optimizer
+from zeroplus.optim.schedulers import build_scheduler
+from zeroplus.zero import ShardedStep, ZeroPartition
+
+from .engine import Engine
+from .loss_scaler import LossScaler
+
+logger = logging.getLogger("zeroplus.engine")
+
+
+def _compute_dtype(cfg: ZeroplusConfig) -> torch.dtype:
+    if cfg.fp16.enabled is True and cfg.bf16.enabled is True:
+        raise ConfigError("config enables both fp16 and bf16; enable at most one")
+    if cfg.fp16.enabled is True:
+        return torch.float16
+    if cfg.bf16.enabled is True:
+        return torch.bfloat16
+    return torch.float32
+
+
+def _param_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                  model_parameters: Iterable[Any] | None) -> list[dict[str, Any]]:
+    """Parameter groups as dicts (``params`` plus per-group options), in the optimizer's order."""
+    if optimizer is not None:
+        return [dict(g) for g in optimizer.param_groups]
+    if model_parameters is None:
+        return [{"params": list(model.parameters())}]
+    items = list(model_parameters)
+    if items and isinstance(items[0], dict):
+        return [dict(g, params=list(g["params"])) for g in items]
+    return [{"params": items}]
+
+
+def _broadcast_from_first(module: torch.nn.Module, dp: DataParallelGroup) -> None:
+    if dp.size == 1:
+        return
+    src = dist.get_global_rank(dp.group, 0) if dp.group is not None else 0
+    with torch.no_grad():
+        for t in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(t.data, src=src, group=dp.group)
+
+
+def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLike, *,
+               optimizer: torch.optim.Optimizer | None = None, lr_scheduler: Any = None,
+               model_parameters: Iterable[Any] | None = None, process_group: Any = None) -> Engine:
+    """Wrap ``model`` for ZeRO training as ``config`` (a dict or JSON path) describes."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    accel = get_accelerator()
+    rss_at_start = accel.memory_allocated()
+    init_distributed_if_launched()
+    cfg, unimplemented = parse_config(config)
+    setup_logging(cfg.zeroplus.log_level)
+    if unimplemented:
+        log_rank0("config keys DeepSpeed knows but zeroplus does not implement yet (ignored): %s",
+                  ", ".join(unimplemented), level=logging.WARNING)
+    dp = DataParallelGroup(process_group)
+    resolve_batch(cfg, dp.size)
+    resolve_auto(cfg, model, optimizer is not None)
+    if optimizer is not None and cfg.optimizer is not None:
+        raise ConfigError("an optimizer was passed to initialize() and the config has an 'optimizer' block; "
+                          "give one or the other")
+    if optimizer is None and cfg.optimizer is None:
+        raise ConfigError("no optimizer: add an 'optimizer' block to the config or pass optimizer=")
+    if lr_scheduler is not None and cfg.scheduler is not None:
+        raise ConfigError("an lr_scheduler was passed to initialize() and the config has a 'scheduler' block; "
+                          "give one or the other")
+    _warn_inert_options(cfg)
+
+    dtype = _compute_dtype(cfg)
+    model.to(accel.device())
+    if dtype != torch.float32:
+        model.to(dtype)
+    _broadcast_from_first(model, dp)
+
+    groups = _param_groups(model, optimizer, model_parameters)
+    group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
+    untrained = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in group_of]
+    if untrained:
+        log_rank0("parameters that require grad but are in no optimizer group stay fixed: %s", untrained[:8],
+                  level=logging.WARNING)
+    ledger = Ledger()
+    partition = ZeroPartition(model, cfg.zero_optimization, dp, ledger, dtype, group_of, cfg.zeroplus.unit_modules)
+    masters = [[g.master_param for g in partition.groups if g.group_index == gi] for gi in range(len(groups))]
+    if optimizer is not None:
+        opt = adopt_client_optimizer(optimizer, masters)
+    else:
+        assert cfg.optimizer is not None
+        opt_groups = [dict({k: v for k, v in g.items() if k != "params"}, params=m) for g, m in zip(groups, masters)]
+        opt = build_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params), opt_groups,
+                              cfg.zeroplus.fused_optimizer)
+    if cfg.scheduler is not None:
+        scheduler = build_scheduler(cfg.scheduler.type, dict(cfg.scheduler.params), opt)
+    elif lr_scheduler is not None and callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+        scheduler = lr_scheduler(opt)
+    else:
+        scheduler = lr_scheduler
+    step = ShardedStep(partition, opt, float(cfg.gradient_clipping), dp, ledger)
+    log_rank0("%s; compute dtype %s; optimizer %s; micro-batch %s x accumulation %s x dp %d = batch %s",
+              partition.describe().splitlines()[0], str(dtype).replace("torch.", ""), type(opt).__name__,
+              cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, dp.size, cfg.train_batch_size)
+    return Engine(model, cfg, partition, step, opt, scheduler, LossScaler(cfg.fp16), dp, ledger, accel, rss_at_start)
+
+
+def _warn_inert_options(cfg: ZeroplusConfig) -> None:
+    """Say once which accepted options have no effect yet."""
+    zero = cfg.zero_optimization
+    inert = []
+    for block, name in ((zero.offload_optimizer, "offload_optimizer"), (zero.offload_param, "offload_param")):
+        if block is not None and block.device != "none":
+            inert.append(f"zero_optimization.{name}.device={block.device} (offload tiers are not built yet)")
+    if zero.stage == 3:
+        if zero.stage3_max_live_parameters != 1_000_000_000:
+            inert.append("zero_optimization.stage3_max_live_parameters")
+        if zero.stage3_max_reuse_distance != 1_000_000_000:
+            inert.append("zero_optimization.stage3_max_reuse_distance")
+    if cfg.activation_checkpointing != type(cfg.activation_checkpointing)():
+        inert.append("activation_checkpointing (nothing calls a checkpoint API yet)")
+    if cfg.wall_clock_breakdown:
+        inert.append("wall_clock_breakdown")
+    if inert:
+        log_rank0("accepted but without effect yet: %s", "; ".join(inert), level=logging.WARNING)

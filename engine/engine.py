@@ -1,0 +1,147 @@
+"""The engine: forward, backward, step, in DeepSpeed's shape, delegating the mechanisms.
+
+``engine(*args)`` runs the model's forward (waiting for post-step all-gathers, gathering the
+stage-3 root unit); ``backward(loss)`` scales the loss by ``loss_scale / gradient_accumulation_steps``
+and lets the partition reduce gradients (at every micro-batch at stages 2-3, at the boundary at
+0-1, never inside ``no_sync()``); ``step()`` counts micro-batches and, at the accumulation
+boundary, runs the sharded optimizer step, the loss scaler and the learning-rate schedule.
+The engine itself allocates nothing large.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator
+
+import torch
+
+from zeroplus.accelerator import Accelerator
+from zeroplus.comm import DataParallelGroup
+from zeroplus.config import ZeroplusConfig
+from zeroplus.ledger import Ledger
+from zeroplus.memory_report import MemoryReport
+from zeroplus.zero import ShardedStep, ZeroPartition
+
+from .loss_scaler import LossScaler
+
+logger = logging.getLogger("zeroplus.engine")
+
+
+class Engine:
+    def __init__(self, module: torch.nn.Module, config: ZeroplusConfig, partition: ZeroPartition,
+                 sharded_step: ShardedStep, optimizer: torch.optim.Optimizer, lr_scheduler: Any,
+                 loss_scaler: LossScaler, dp: DataParallelGroup, ledger: Ledger, accelerator: Accelerator,
+                 rss_at_start_bytes: int) -> None:
+        self.module = module
+        self.config = config
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.loss_scaler = loss_scaler
+        self.dp = dp
+        self.ledger = ledger
+        self.accelerator = accelerator
+        self._partition = partition
+        self._step = sharded_step
+        self._rss_at_start = rss_at_start_bytes
+        self._no_sync = False
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+
+    # -- DeepSpeed-style accessors ------------------------------------------------------------
+    def train_batch_size(self) -> int:
+        return int(self.config.train_batch_size)  # type: ignore[arg-type]
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return int(self.config.train_micro_batch_size_per_gpu)  # type: ignore[arg-type]
+
+    def gradient_accumulation_steps(self) -> int:
+        return int(self.config.gradient_accumulation_steps)  # type: ignore[arg-type]
+
+    def zero_optimization_stage(self) -> int:
+        return self._partition.stage
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm (unscaled, before clipping) of the last step; inf on overflow."""
+        return self._step.last_grad_norm
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+    # -- forward / backward / step ------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._partition.before_forward()
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            self._partition.after_forward()
+
+    forward = __call__
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without reducing them (stages 0 and 1 only, as in DeepSpeed)."""
+        if self._partition.stage >= 2:
+            raise ValueError(f"no_sync() is not possible at ZeRO stage {self._partition.stage}: gradients are "
+                             f"partitioned during backward (rank {self.dp.rank})")
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError(f"backward() needs a scalar loss tensor, got {type(loss).__name__} "
+                            f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''} (rank {self.dp.rank})")
+        factor = self.loss_scaler.scale / self.gradient_accumulation_steps()
+        reduce = self.is_gradient_accumulation_boundary() and not self._no_sync
+        self._partition.begin_backward(reduce)
+        (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
+        self._partition.end_backward()
+        return loss
+
+    def step(self) -> None:
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        stepped = self._step.step(self.loss_scaler.scale)
+        self.loss_scaler.update(overflow=not stepped)
+        if stepped:
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        else:
+            self.skipped_steps += 1
+            logger.info("step %d skipped: gradient overflow; loss scale now %g", self.global_steps,
+                        self.loss_scaler.scale)
+        self._partition.after_step()
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        if self.global_steps % self.config.steps_per_print == 0 and self.dp.rank == 0:
+            logger.info("step %d: lr %s, grad norm %.4g, loss scale %g", self.global_steps, self.get_lr(),
+                        self._step.last_grad_norm or 0.0, self.loss_scaler.scale)
+
+    # -- memory --------------------------------------------------------------------------------
+    def memory_report(self) -> MemoryReport:
+        peak = max(0, self.accelerator.max_memory_allocated() - self._rss_at_start)
+        return MemoryReport.from_ledger(self.dp.rank, self.ledger, peak)
+
+    def destroy(self) -> None:
+        """Wait for in-flight collectives and remove hooks (call before destroying the process group)."""
+        self._partition.wait_all()

@@ -1,0 +1,14 @@
+"""zeroplus: a memory-first ZeRO-style training engine for PyTorch.
+
+    engine = zeroplus.initialize(model, "ds_config.json")
+    loss = loss_fn(engine(batch), target)
+    engine.backward(loss)
+    engine.step()
+"""
+from .config import ConfigError
+from .engine.build import initialize
+from .engine.engine import Engine
+from .memory_report import MemoryReport
+
+__all__ = ["ConfigError", "Engine", "MemoryReport", "initialize"]
+__version__ = "0.1.0"

@@ -1,0 +1,200 @@
+"""Accelerator layer: one object that knows the device, the comm backend, streams and pinned memory.
+
+``get_accelerator()`` picks npu (torch_npu present and a device visible), then cuda, then cpu;
+``ZEROPLUS_ACCELERATOR=cpu|cuda|npu`` forces one. On CPU streams and events are no-ops and
+"pinned" memory is ordinary memory (host and device are the same RAM), so no second copy exists.
+torch_npu is imported only when present.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import resource
+from typing import Any, Iterator
+
+import torch
+
+
+class _NullStream:
+    """Stands in for a stream on CPU: work runs in program order."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait_stream(self, other: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+
+class _NullEvent:
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class Accelerator:
+    """Device-specific operations behind one interface. Subclasses override what differs."""
+
+    name = "cpu"
+    comm_backend = "gloo"
+
+    def device(self, index: int | None = None) -> torch.device:
+        return torch.device("cpu")
+
+    def set_device(self, local_rank: int) -> None:
+        return None
+
+    def is_available(self) -> bool:
+        return True
+
+    def current_stream(self) -> Any:
+        return _NullStream()
+
+    def new_stream(self) -> Any:
+        return _NullStream()
+
+    def new_event(self) -> Any:
+        return _NullEvent()
+
+    @contextlib.contextmanager
+    def stream(self, stream: Any) -> Iterator[None]:
+        yield
+
+    def synchronize(self) -> None:
+        return None
+
+    def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
+        """On CPU, pinning buys nothing: host memory is device memory. Return the tensor as is."""
+        return tensor
+
+    @property
+    def host_is_device(self) -> bool:
+        return True
+
+    def max_memory_allocated(self) -> int:
+        """Peak resident bytes of this process (VmHWM on Linux), the CPU stand-in for device peak."""
+        return _peak_rss_bytes()
+
+    def memory_allocated(self) -> int:
+        return _current_rss_bytes()
+
+    def reset_peak_memory_stats(self) -> None:
+        """Reset VmHWM so a phase's peak can be read on its own (Linux ``clear_refs``)."""
+        with contextlib.suppress(OSError):
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+
+
+class _StreamAccelerator(Accelerator):
+    """Shared code for CUDA and NPU, whose torch modules expose the same stream API."""
+
+    module: Any = None
+
+    def device(self, index: int | None = None) -> torch.device:
+        return torch.device(self.name, self.module.current_device() if index is None else index)
+
+    def set_device(self, local_rank: int) -> None:
+        self.module.set_device(local_rank)
+
+    def is_available(self) -> bool:
+        return bool(self.module.is_available())
+
+    def current_stream(self) -> Any:
+        return self.module.current_stream()
+
+    def new_stream(self) -> Any:
+        return self.module.Stream()
+
+    def new_event(self) -> Any:
+        return self.module.Event()
+
+    def stream(self, stream: Any) -> contextlib.AbstractContextManager:
+        return self.module.stream(stream)
+
+    def synchronize(self) -> None:
+        self.module.synchronize()
+
+    def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.pin_memory()
+
+    @property
+    def host_is_device(self) -> bool:
+        return False
+
+    def max_memory_allocated(self) -> int:
+        return int(self.module.max_memory_allocated())
+
+    def memory_allocated(self) -> int:
+        return int(self.module.memory_allocated())
+
+    def reset_peak_memory_stats(self) -> None:
+        self.module.reset_peak_memory_stats()
+
+
+class CudaAccelerator(_StreamAccelerator):
+    name = "cuda"
+    comm_backend = "nccl"
+    module = torch.cuda
+
+
+class NpuAccelerator(_StreamAccelerator):
+    name = "npu"
+    comm_backend = "hccl"
+
+    def __init__(self) -> None:
+        import torch_npu  # noqa: F401  (registers torch.npu)
+
+        self.module = torch.npu  # type: ignore[attr-defined]
+
+
+def _read_status_kib(field: str) -> int | None:
+    with contextlib.suppress(OSError):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    return None
+
+
+def _peak_rss_bytes() -> int:
+    value = _read_status_kib("VmHWM")
+    return value if value is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _current_rss_bytes() -> int:
+    value = _read_status_kib("VmRSS")
+    return value if value is not None else _peak_rss_bytes()
+
+
+@functools.lru_cache(maxsize=1)
+def get_accelerator() -> Accelerator:
+    """The accelerator of this process, chosen once."""
+    forced = os.environ.get("ZEROPLUS_ACCELERATOR", "").lower()
+    if forced not in ("", "cpu", "cuda", "npu"):
+        raise ValueError(f"ZEROPLUS_ACCELERATOR must be cpu, cuda or npu, got {forced!r}")
+    if forced == "cpu":
+        return Accelerator()
+    if forced in ("", "npu"):
+        try:
+            accel = NpuAccelerator()
+            if accel.is_available():
+                return accel
+        except ImportError:
+            if forced == "npu":
+                raise ValueError("ZEROPLUS_ACCELERATOR=npu but torch_npu is not installed") from None
+    if forced in ("", "cuda") and torch.cuda.is_available():
+        return CudaAccelerator()
+    if forced:
+        raise ValueError(f"ZEROPLUS_ACCELERATOR={forced} but no such device is available")
+    return Accelerator()

@@ -1,0 +1,13 @@
+"""Config layer: DeepSpeed's keys validated strictly, plus zeroplus's own ``"zeroplus"`` block.
+
+Imports nothing else of zeroplus, so every layer may read its own part.
+"""
+from .blocks import (ActivationCheckpointingConfig, BF16Config, FP16Config, OffloadOptimizerConfig,
+                     OffloadParamConfig, OptimizerConfig, SchedulerConfig, ZeroConfig, ZeroplusBlock)
+from .keys import ConfigError
+from .model import ZeroplusConfig
+from .resolve import model_hidden_size, parse_config, resolve_auto, resolve_batch
+
+__all__ = ["ActivationCheckpointingConfig", "BF16Config", "ConfigError", "FP16Config", "OffloadOptimizerConfig",
+           "OffloadParamConfig", "OptimizerConfig", "SchedulerConfig", "ZeroConfig", "ZeroplusBlock",
+           "ZeroplusConfig", "model_hidden_size", "parse_config", "resolve_auto", "resolve_batch"]

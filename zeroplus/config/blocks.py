@@ -1,0 +1,120 @@
+"""Validated config blocks, one pydantic model per DeepSpeed block, plus zeroplus's own block.
+
+Every model forbids unknown keys; ``ds_unimplemented`` lists DeepSpeed keys that are accepted
+with one warning (see ``keys.check_keys``). ``"auto"`` is accepted where Hugging Face templates
+use it and resolved later by ``resolve.py``; it is never read as true.
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+Auto = Literal["auto"]
+
+
+class Block(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True)
+    ds_unimplemented: ClassVar[frozenset[str]] = frozenset()
+
+
+class OptimizerConfig(Block):
+    type: str = Field(description="Adam, AdamW, SGD, Lamb (any case) or any torch.optim class name.")
+    params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the optimizer.")
+
+
+class SchedulerConfig(Block):
+    type: str = Field(description="WarmupLR, WarmupDecayLR, WarmupCosineLR or OneCycle.")
+    params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the schedule.")
+
+
+class FP16Config(Block):
+    ds_unimplemented = frozenset({"auto_cast", "fp16_master_weights_and_grads"})
+    enabled: bool | Auto = False
+    loss_scale: float = Field(0.0, ge=0, description="0 means dynamic loss scaling; >0 is a static scale.")
+    initial_scale_power: int = Field(16, ge=0, description="Dynamic scaling starts at 2**initial_scale_power.")
+    loss_scale_window: int = Field(1000, ge=1, description="Overflow-free steps before the scale doubles.")
+    hysteresis: int = Field(2, ge=1, description="Overflows tolerated before the scale halves.")
+    consecutive_hysteresis: bool = Field(False, description="Refill hysteresis after every good step.")
+    min_loss_scale: float = Field(1.0, gt=0, description="The dynamic scale never drops below this.")
+
+
+class BF16Config(Block):
+    ds_unimplemented = frozenset({"immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
+                                  "bf16_optimizer_states"})
+    enabled: bool | Auto = False
+
+
+class OffloadOptimizerConfig(Block):
+    """Parsed and validated now; the offload tiers implement it (see the offload issue)."""
+
+    ds_unimplemented = frozenset({"fast_init", "pipeline", "pipeline_read", "pipeline_write"})
+    device: Literal["none", "cpu", "nvme"] = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = False
+    buffer_count: int = Field(4, ge=1)
+    ratio: float = Field(1.0, ge=0.0, le=1.0)
+
+
+class OffloadParamConfig(Block):
+    """Parsed and validated now; the offload tiers implement it (see the offload issue)."""
+
+    device: Literal["none", "cpu", "nvme"] = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = False
+    buffer_count: int = Field(5, ge=1)
+    buffer_size: int = Field(100_000_000, ge=1)
+    max_in_cpu: int = Field(1_000_000_000, ge=0)
+
+
+class ZeroConfig(Block):
+    ds_unimplemented = frozenset({
+        "allgather_partitions", "round_robin_gradients", "elastic_checkpoint", "load_from_fp32_weights",
+        "ignore_unused_parameters", "zero_hpz_partition_size", "zero_quantized_weights",
+        "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "mics_shard_size",
+        "mics_hierarchical_params_gather", "memory_efficient_linear", "stage3_module_granularity_threshold",
+        "cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory", "legacy_stage1",
+        "use_multi_rank_bucket_allreduce", "pipeline_loading_checkpoint", "override_module_apply",
+        "log_trace_cache_warnings", "use_all_reduce_for_fetch_params", "save_muon_momentum_buffer_in_memory",
+    })
+    stage: int = Field(0, ge=0, le=3, description="ZeRO stage: 0 none, 1 optimizer states, 2 +grads, 3 +params.")
+    overlap_comm: bool | None = Field(None, description="Overlap gradient reduction with backward (default: on).")
+    contiguous_gradients: bool = True
+    reduce_bucket_size: int | Auto = Field(500_000_000, ge=1, description="Elements per gradient bucket.")
+    allgather_bucket_size: int = Field(500_000_000, ge=1, description="Elements per all-gather bucket (stages 1-2).")
+    reduce_scatter: bool = Field(True, description="Reduce-scatter gradients (False: all-reduce, keep own shard).")
+    stage3_prefetch_bucket_size: int | Auto = Field(50_000_000, ge=0, alias="stage3_prefetch_bucket_size")
+    stage3_param_persistence_threshold: int | Auto = Field(100_000, ge=0)
+    stage3_max_live_parameters: int = Field(1_000_000_000, ge=0)
+    stage3_max_reuse_distance: int = Field(1_000_000_000, ge=0)
+    stage3_gather_16bit_weights_on_model_save: bool = Field(
+        False, json_schema_extra={"aliases": ["gather_16bit_weights_on_model_save",
+                                              "stage3_gather_fp16_weights_on_model_save"]})
+    sub_group_size: int = Field(1_000_000_000, ge=1, description="Elements per optimizer sub-group.")
+    offload_optimizer: OffloadOptimizerConfig | None = None
+    offload_param: OffloadParamConfig | None = None
+
+
+class ActivationCheckpointingConfig(Block):
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    contiguous_memory_optimization: bool = False
+    number_checkpoints: int | None = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+
+class ZeroplusBlock(Block):
+    """zeroplus-only options; DeepSpeed ignores this block, so one file runs under both."""
+
+    unit_modules: list[str] | None = Field(
+        None, description="Module class names that each become one partition unit (default: repeated blocks).")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    fused_optimizer: bool = Field(True, description="Use torch's fused optimizer kernel where it exists.")
+
+    @field_validator("unit_modules")
+    @classmethod
+    def _non_empty(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and not value:
+            raise ValueError("zeroplus.unit_modules must name at least one module class, or be left out")
+        return value

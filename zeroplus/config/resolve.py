@@ -1,0 +1,162 @@
+"""Turn a raw dict (or JSON path) into a validated, fully resolved ``ZeroplusConfig``.
+
+Order: strict key check (path + "did you mean"), pydantic validation, then resolution of
+``"auto"`` values and of the batch triple once the data-parallel size is known. Every
+resolution is logged once on rank 0; a value that cannot be derived is a ``ConfigError``.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import re
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+
+from .keys import ConfigError, check_keys
+from .model import ZeroplusConfig
+
+logger = logging.getLogger("zeroplus.config")
+_TYPE_TAG = re.compile(r"^(int|float|bool|str|dict|list|none|literal\[.*\]|function-.*)$")
+
+
+def parse_config(config: dict[str, Any] | str | os.PathLike) -> tuple[ZeroplusConfig, list[str]]:
+    """Validate keys and types; return the model and the DeepSpeed keys that are not implemented."""
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file '{path}' does not exist")
+        with open(path, encoding="utf-8") as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"config file '{path}' is not valid JSON: {err}") from None
+    elif isinstance(config, dict):
+        data = copy.deepcopy(config)
+    else:
+        raise TypeError(f"config must be a dict or a path to a JSON file, got {type(config).__name__}")
+    unimplemented: list[str] = []
+    check_keys(data, ZeroplusConfig, "", unimplemented)
+    try:
+        cfg = ZeroplusConfig.model_validate(data)
+    except ValidationError as err:
+        lines: list[str] = []
+        for e in err.errors():
+            # Drop union-branch tags such as 'int' or "literal['auto']" from the location.
+            where = ".".join(str(p) for p in e["loc"] if not _TYPE_TAG.match(str(p)))
+            line = f"config key '{where}': {e['msg']} (got {e.get('input')!r})"
+            if line not in lines:
+                lines.append(line)
+        raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
+    return cfg, unimplemented
+
+
+def resolve_batch(cfg: ZeroplusConfig, dp_size: int) -> None:
+    """Apply DeepSpeed's rule ``train_batch_size == micro * accumulation * dp_size``; derive the missing one."""
+    tbs, mbs, gas = cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
+    names = {"train_batch_size": tbs, "train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": gas}
+    if any(v == "auto" for v in names.values()):
+        given = {k: v for k, v in names.items() if v not in (None, "auto")}
+        if len(given) < 2:
+            autos = [k for k, v in names.items() if v == "auto"]
+            raise ConfigError(f"cannot resolve 'auto' for {autos}: at least two of train_batch_size, "
+                              f"train_micro_batch_size_per_gpu, gradient_accumulation_steps must be numbers "
+                              f"(got {names}, data-parallel size {dp_size})")
+        tbs, mbs, gas = (None if v == "auto" else v for v in (tbs, mbs, gas))
+    derived = []
+    if tbs is not None and mbs is not None and gas is None:
+        gas = tbs // (mbs * dp_size)
+        derived.append("gradient_accumulation_steps")
+    elif tbs is not None and gas is not None and mbs is None:
+        mbs = tbs // (gas * dp_size)
+        derived.append("train_micro_batch_size_per_gpu")
+    elif mbs is not None and gas is not None and tbs is None:
+        tbs = mbs * gas * dp_size
+        derived.append("train_batch_size")
+    elif tbs is not None and mbs is None and gas is None:
+        gas, mbs = 1, tbs // dp_size
+        derived += ["gradient_accumulation_steps", "train_micro_batch_size_per_gpu"]
+    elif mbs is not None and tbs is None and gas is None:
+        gas, tbs = 1, mbs * dp_size
+        derived += ["gradient_accumulation_steps", "train_batch_size"]
+    elif tbs is None and mbs is None and gas is None:
+        raise ConfigError("the config must give train_batch_size or train_micro_batch_size_per_gpu")
+    if not mbs or not gas or tbs != mbs * gas * dp_size:
+        raise ConfigError(
+            f"batch sizes do not fit: train_batch_size ({tbs}) must equal train_micro_batch_size_per_gpu ({mbs}) "
+            f"* gradient_accumulation_steps ({gas}) * data-parallel size ({dp_size})")
+    for key in derived:
+        logger.info("config: derived %s = %s", key, {"train_batch_size": tbs, "train_micro_batch_size_per_gpu": mbs,
+                                                    "gradient_accumulation_steps": gas}[key])
+    cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps = tbs, mbs, gas
+
+
+def model_hidden_size(model: torch.nn.Module) -> int:
+    """The model's largest hidden size, as Hugging Face's integration reads it for bucket sizes."""
+    conf = getattr(model, "config", None)
+    for attr in ("hidden_size", "d_model", "n_embd", "dim"):
+        value = getattr(conf, attr, None)
+        if isinstance(value, int):
+            return value
+    sizes = getattr(conf, "hidden_sizes", None)
+    if sizes:
+        return max(sizes)
+    norms = [m.normalized_shape[-1] for m in model.modules()
+             if isinstance(m, torch.nn.LayerNorm) and m.normalized_shape]
+    if norms:
+        return max(norms)
+    linears = [m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if linears:
+        return max(linears)
+    raise ConfigError("cannot resolve 'auto' bucket sizes: the model has no config.hidden_size, norm or linear layer")
+
+
+def resolve_auto(cfg: ZeroplusConfig, model: torch.nn.Module, has_client_optimizer: bool) -> None:
+    """Resolve every ``"auto"`` outside the batch triple, logging each resolution."""
+    param_dtypes = {p.dtype for p in model.parameters()}
+    for block, dtype in ((cfg.fp16, torch.float16), (cfg.bf16, torch.bfloat16)):
+        if block.enabled == "auto":
+            block.enabled = param_dtypes == {dtype}
+            logger.info("config: resolved %s.enabled 'auto' = %s (model parameters are %s)",
+                        "fp16" if dtype == torch.float16 else "bf16", block.enabled, sorted(map(str, param_dtypes)))
+    if cfg.gradient_clipping == "auto":
+        raise ConfigError("config key 'gradient_clipping' is 'auto', which zeroplus cannot derive: give a number "
+                          "(0 disables clipping)")
+    zero = cfg.zero_optimization
+    autos = {k: getattr(zero, k) for k in ("reduce_bucket_size", "stage3_prefetch_bucket_size",
+                                           "stage3_param_persistence_threshold")}
+    if "auto" in autos.values():
+        h = model_hidden_size(model)
+        values = {"reduce_bucket_size": h * h, "stage3_prefetch_bucket_size": int(0.9 * h * h),
+                  "stage3_param_persistence_threshold": 10 * h}
+        for key, value in autos.items():
+            if value == "auto":
+                setattr(zero, key, values[key])
+                logger.info("config: resolved zero_optimization.%s 'auto' = %d (hidden size %d)", key, values[key], h)
+    if cfg.optimizer is not None:
+        for key, value in list(cfg.optimizer.params.items()):
+            if value != "auto":
+                continue
+            if key == "lr":
+                raise ConfigError("config key 'optimizer.params.lr' is 'auto', which zeroplus cannot derive: give a "
+                                  "number, or pass optimizer= to zeroplus.initialize")
+            del cfg.optimizer.params[key]
+            logger.info("config: resolved optimizer.params.%s 'auto' = the optimizer's default", key)
+    elif has_client_optimizer is False and cfg.scheduler is not None and cfg.optimizer is None:
+        raise ConfigError("config has a 'scheduler' but no 'optimizer' block and no optimizer= was passed")
+    if cfg.scheduler is not None:
+        lr = (cfg.optimizer.params.get("lr") if cfg.optimizer is not None else None)
+        for key, value in list(cfg.scheduler.params.items()):
+            if value != "auto":
+                continue
+            if key in ("warmup_max_lr", "cycle_max_lr") and lr is not None:
+                cfg.scheduler.params[key] = lr
+            elif key in ("warmup_min_lr", "cycle_min_lr"):
+                cfg.scheduler.params[key] = 0.0
+            else:
+                raise ConfigError(f"config key 'scheduler.params.{key}' is 'auto', which zeroplus cannot derive: "
+                                  f"give a number")
+            logger.info("config: resolved scheduler.params.%s 'auto' = %s", key, cfg.scheduler.params[key])

@@ -1,0 +1,124 @@
+"""The memory ledger: the one allocation seam for every large buffer.
+
+Every flat parameter, gradient, master, optimizer-state and communication buffer is allocated
+through ``Ledger.empty`` / ``Ledger.zeros`` (or registered with ``Ledger.track``) under a
+category. The ledger keeps live and peak bytes per category and overall, and forgets a buffer
+when its storage is freed (a weakref finalizer on the storage), when ``release`` is called, or
+when its storage is resized (``resized``). Tests assert bytes per category against parameter
+counts; the memory report prints the same numbers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+
+class Category(str, enum.Enum):
+    PARAM = "param"                    # low-precision parameters (full or shard)
+    PARAM_GATHERED = "param_gathered"  # stage-3 parameters gathered for compute
+    GRAD = "grad"                      # gradients (full buffers and reduced shards)
+    MASTER = "master"                  # fp32 master weights
+    OPTIM_STATE = "optim_state"        # optimizer states (exp_avg, exp_avg_sq, momentum, ...)
+    ACTIVATION = "activation"          # saved activations the engine manages
+    COMM_BUFFER = "comm_buffer"        # buckets in flight
+    OFFLOAD_BUFFER = "offload_buffer"  # windows of lower memory tiers
+
+
+@dataclasses.dataclass
+class CategoryBytes:
+    live_bytes: int = 0
+    peak_bytes: int = 0
+
+
+class Ledger:
+    """Live and peak bytes per category for this rank. Thread-safe (comm threads free buffers)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bytes = {c: CategoryBytes() for c in Category}
+        self._entries: dict[int, tuple[Category, int]] = {}
+        self.total = CategoryBytes()
+        self._next_id = 0
+
+    # -- allocation -------------------------------------------------------------------------
+    def empty(self, numel: int, dtype: torch.dtype, category: Category, device: torch.device | str = "cpu",
+              pin: bool = False) -> torch.Tensor:
+        t = torch.empty(numel, dtype=dtype, device=device, pin_memory=pin)
+        return self.track(t, category)
+
+    def zeros(self, numel: int, dtype: torch.dtype, category: Category,
+              device: torch.device | str = "cpu") -> torch.Tensor:
+        return self.track(torch.zeros(numel, dtype=dtype, device=device), category)
+
+    def track(self, tensor: torch.Tensor, category: Category) -> torch.Tensor:
+        """Count ``tensor``'s storage under ``category`` until the storage dies or is released."""
+        storage = tensor.untyped_storage()
+        key = id(storage)  # placeholder key replaced by a stable id below
+        with self._lock:
+            self._next_id += 1
+            key = self._next_id
+        nbytes = storage.nbytes()
+        self._add(key, category, nbytes)
+        tensor._zeroplus_ledger_key = key  # type: ignore[attr-defined]
+        weakref.finalize(storage, self._remove, key)
+        return tensor
+
+    def release(self, tensor: torch.Tensor) -> None:
+        """Stop counting ``tensor`` now (its storage may live on elsewhere, e.g. in a comm thread)."""
+        key = getattr(tensor, "_zeroplus_ledger_key", None)
+        if key is not None:
+            self._remove(key)
+
+    def resized(self, tensor: torch.Tensor) -> None:
+        """Record that ``tensor``'s storage was resized (stage-3 gather and release use this)."""
+        key = getattr(tensor, "_zeroplus_ledger_key", None)
+        if key is None:
+            raise AssertionError("resized() on a tensor the ledger does not track")
+        with self._lock:
+            category, old = self._entries.get(key, (None, 0))
+        if category is None:
+            raise AssertionError("resized() on a released tensor")
+        self._remove(key)
+        self._add(key, category, tensor.untyped_storage().nbytes())
+
+    # -- bookkeeping ------------------------------------------------------------------------
+    def _add(self, key: int, category: Category, nbytes: int) -> None:
+        with self._lock:
+            self._entries[key] = (category, nbytes)
+            cat = self._bytes[category]
+            cat.live_bytes += nbytes
+            cat.peak_bytes = max(cat.peak_bytes, cat.live_bytes)
+            self.total.live_bytes += nbytes
+            self.total.peak_bytes = max(self.total.peak_bytes, self.total.live_bytes)
+
+    def _remove(self, key: int) -> None:
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is None:
+                return
+            category, nbytes = entry
+            self._bytes[category].live_bytes -= nbytes
+            self.total.live_bytes -= nbytes
+
+    def live_bytes(self, category: Category | None = None) -> int:
+        return self.total.live_bytes if category is None else self._bytes[Category(category)].live_bytes
+
+    def peak_bytes(self, category: Category | None = None) -> int:
+        return self.total.peak_bytes if category is None else self._bytes[Category(category)].peak_bytes
+
+    def reset_peaks(self) -> None:
+        with self._lock:
+            for cat in self._bytes.values():
+                cat.peak_bytes = cat.live_bytes
+            self.total.peak_bytes = self.total.live_bytes
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            out = {c.value: dataclasses.asdict(b) for c, b in self._bytes.items()}
+            out["total"] = dataclasses.asdict(self.total)
+        return out

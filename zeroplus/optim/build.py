@@ -1,0 +1,95 @@
+"""Build the optimizer from the config's ``optimizer`` block, or adopt a client optimizer.
+
+Names follow DeepSpeed, case-insensitively: ``Adam`` is AdamW (decoupled weight decay) unless
+``adam_w_mode: false``, as DeepSpeed's Adam is; ``AdamW``; ``SGD``; ``Lamb`` (zeroplus's own,
+``lamb.py``); any other ``torch.optim`` class by name. DeepSpeed-only parameters with no meaning
+here (``torch_adam``, ``fused``-kernel switches of DeepSpeed, ...) are dropped with one warning;
+an unknown parameter is an error naming it. Where torch has a fused kernel for the device
+(Adam, AdamW, SGD, Adagrad on CPU and CUDA), it is used unless ``zeroplus.fused_optimizer`` is
+false: DESIGN.md measured it adding no shard-sized temporary, against one or two for the
+foreach and loop paths.
+"""
+from __future__ import annotations
+
+import difflib
+import inspect
+import logging
+from typing import Any
+
+import torch
+
+from .lamb import Lamb
+
+logger = logging.getLogger("zeroplus.optim")
+
+# DeepSpeed optimizer parameters that mean nothing to the torch or zeroplus implementation.
+_DS_ONLY = {"torch_adam", "adam_w_mode", "fp32_optimizer_states", "cuda_aware", "comm_backend_name", "freeze_step",
+            "set_grad_none", "bias_correction", "max_grad_norm", "amsgrad_mode"}
+_FUSED_CAPABLE = {"Adam", "AdamW", "SGD", "Adagrad"}
+
+
+def resolve_optimizer_class(type_name: str, params: dict[str, Any]) -> type[torch.optim.Optimizer]:
+    name = type_name.lower()
+    if name == "adam":
+        return torch.optim.AdamW if params.get("adam_w_mode", True) else torch.optim.Adam
+    if name == "lamb":
+        return Lamb
+    for attr in dir(torch.optim):
+        cls = getattr(torch.optim, attr)
+        if attr.lower() == name and isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer):
+            return cls
+    raise ValueError(f"optimizer.type {type_name!r} is not supported: use Adam, AdamW, SGD, Lamb or a torch.optim "
+                     f"class name")
+
+
+def optimizer_kwargs(cls: type[torch.optim.Optimizer], type_name: str, params: dict[str, Any],
+                     fused: bool) -> dict[str, Any]:
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+    kwargs: dict[str, Any] = {}
+    dropped = []
+    for key, value in params.items():
+        if key in accepted and not (cls is not Lamb and key == "bias_correction"):
+            kwargs[key] = tuple(value) if key == "betas" else value
+        elif key in _DS_ONLY:
+            dropped.append(key)
+        else:
+            close = difflib.get_close_matches(key, sorted(accepted), n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ValueError(f"config key 'optimizer.params.{key}' (value {value!r}) is not a parameter of "
+                             f"{cls.__name__}{hint}")
+    if "bias_correction" in dropped and params.get("bias_correction") is False:
+        raise ValueError(f"config key 'optimizer.params.bias_correction' is false, which torch's {cls.__name__} "
+                         f"cannot do")
+    if dropped:
+        logger.warning("optimizer.params %s are DeepSpeed-only and have no effect with %s", sorted(dropped),
+                       cls.__name__)
+    if fused and cls.__name__ in _FUSED_CAPABLE and "fused" in accepted and "foreach" not in kwargs:
+        kwargs.setdefault("fused", True)
+    return kwargs
+
+
+def build_optimizer(type_name: str, params: dict[str, Any], param_groups: list[dict[str, Any]],
+                    fused: bool) -> torch.optim.Optimizer:
+    cls = resolve_optimizer_class(type_name, params)
+    kwargs = optimizer_kwargs(cls, type_name, params, fused)
+    try:
+        return cls(param_groups, **kwargs)
+    except (RuntimeError, ValueError, TypeError) as err:
+        if kwargs.pop("fused", None):
+            logger.info("fused %s unavailable here (%s); using the default kernel", cls.__name__, err)
+            return cls(param_groups, **kwargs)
+        raise ValueError(f"optimizer {type_name} with params {params}: {err}") from None
+
+
+def adopt_client_optimizer(optimizer: torch.optim.Optimizer, groups_params: list[list[torch.nn.Parameter]]
+                           ) -> torch.optim.Optimizer:
+    """Point a client optimizer's param groups at the master shards, keeping the object (and any
+    scheduler bound to it) and its per-group hyper-parameters."""
+    if len(groups_params) != len(optimizer.param_groups):
+        raise AssertionError("one list of master parameters per client param group expected")
+    if optimizer.state:
+        logger.warning("the client optimizer already has state; it is discarded (states live on the shards)")
+        optimizer.state.clear()
+    for group, params in zip(optimizer.param_groups, groups_params):
+        group["params"] = params
+    return optimizer

@@ -1,0 +1,158 @@
+"""One flat buffer: the trainable parameters of one unit that share one optimizer param group.
+
+Layout. The parameters are laid end to end (``numel`` elements), padded with zeros to
+``padded_numel = ceil(numel / N) * N`` and cut into ``N`` equal shards of ``shard_numel``
+elements; rank r owns ``[r * shard_numel, (r + 1) * shard_numel)``. At stage 0 a rank owns the
+whole buffer (every rank steps everything).
+
+Memory per rank (P = padded_numel, S = P / N, c = bytes of the compute dtype):
+
+=========  ==========================  ====================  ==========================
+stage      low-precision params        fp32 master           gradients (during backward)
+=========  ==========================  ====================  ==========================
+0          c * P (``full``)            4 * P (alias if fp32) c * P, then 4 * P at step*
+1, 2       c * P (``full``)            4 * S (alias if fp32) c * P, reduced into 4 * S
+3          c * S (``shard``) + c * P   4 * S (alias if fp32) c * P transient, 4 * S
+           while gathered
+=========  ==========================  ====================  ==========================
+
+(*) stage 0 with a low-precision compute dtype builds each group's fp32 gradient only while that
+group steps. ``full`` at stage 3 is one tensor object whose storage is resized to 0 when released
+and back to ``c * P`` when gathered, so the views the parameters and autograd hold stay valid.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..comm import DataParallelGroup, Handle
+from ..ledger import Category, Ledger
+
+
+class FlatParamGroup:
+    """Flat storage, shard bookkeeping and gradient accumulation for one list of parameters."""
+
+    def __init__(self, name: str, named_params: list[tuple[str, torch.nn.Parameter]], group_index: int,
+                 stage: int, dp: DataParallelGroup, compute_dtype: torch.dtype, ledger: Ledger) -> None:
+        self.name = name
+        self.names = [n for n, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.group_index = group_index
+        self.stage = stage
+        self.dp = dp
+        self.ledger = ledger
+        self.compute_dtype = compute_dtype
+        self.device = self.params[0].device
+        self.shapes = [p.shape for p in self.params]
+        self.numels = [p.numel() for p in self.params]
+        self.offsets = [0]
+        for n in self.numels[:-1]:
+            self.offsets.append(self.offsets[-1] + n)
+        self.numel = sum(self.numels)
+        self.padded_numel = math.ceil(self.numel / dp.size) * dp.size
+        self.shard_numel = self.padded_numel // dp.size
+        start = 0 if stage == 0 else dp.rank * self.shard_numel
+        self.owned_start = start
+        self.owned_numel = self.padded_numel if stage == 0 else self.shard_numel
+
+        # The full low-precision buffer; the parameters become views into it.
+        full_category = Category.PARAM_GATHERED if stage == 3 else Category.PARAM
+        self.full = ledger.empty(self.padded_numel, compute_dtype, full_category, self.device)
+        with torch.no_grad():
+            for p, off, n in zip(self.params, self.offsets, self.numels):
+                self.full[off:off + n].copy_(p.detach().reshape(-1))
+            self.full[self.numel:].zero_()
+        # ``.data`` has its own version counter: writing through it (gathers, post-step copies)
+        # does not invalidate the parameter views autograd saved for backward.
+        self._full_data = self.full.data
+        for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
+            p.data = self.full[off:off + n].view(shape)
+
+        owned_view = self._full_data[start:start + self.owned_numel]
+        if stage == 3:
+            self.shard = ledger.empty(self.shard_numel, compute_dtype, Category.PARAM, self.device)
+            self.shard.copy_(owned_view)
+        else:
+            self.shard = owned_view
+        if compute_dtype == torch.float32:
+            self.master = self.shard  # no second copy: the fp32 shard is the master
+        else:
+            self.master = ledger.empty(self.owned_numel, torch.float32, Category.MASTER, self.device)
+            self.master.copy_(owned_view)
+        self.master_param = torch.nn.Parameter(self.master, requires_grad=False)
+        self.grad_full: torch.Tensor | None = None    # compute dtype, padded_numel
+        self.master_grad: torch.Tensor | None = None  # fp32, owned_numel (stages 1-3)
+        self.pending: list[Handle] = []
+        self.gathered = True
+        self.grads_seen = 0
+        if stage == 3:
+            self.release()
+
+    # -- stage-3 gather / release -----------------------------------------------------------
+    def gather(self) -> Handle | None:
+        """Start the all-gather of the shards into ``full``; ``None`` if already gathered."""
+        if self.gathered:
+            return None
+        self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
+        self.ledger.resized(self.full)
+        self.gathered = True
+        return self.dp.all_gather(self._full_data, self.shard)
+
+    def release(self) -> None:
+        """Free the gathered buffer (stage 3); the parameter views stay but hold no memory."""
+        if self.gathered:
+            self.full.untyped_storage().resize_(0)
+            self.ledger.resized(self.full)
+            self.gathered = False
+
+    # -- gradients ----------------------------------------------------------------------------
+    def accumulate_grad(self, index: int, grad: torch.Tensor) -> None:
+        """Add one parameter's gradient into the flat gradient buffer (allocated on first use)."""
+        if self.grad_full is None:
+            self.grad_full = self.ledger.zeros(self.padded_numel, self.compute_dtype, Category.GRAD, self.device)
+        off, n = self.offsets[index], self.numels[index]
+        self.grad_full[off:off + n].add_(grad.reshape(-1))
+        self.grads_seen += 1
+
+    def ensure_grad_full(self) -> torch.Tensor:
+        """The flat gradient, zeros if no parameter received one (unused parameters still reduce)."""
+        if self.grad_full is None:
+            self.grad_full = self.ledger.zeros(self.padded_numel, self.compute_dtype, Category.GRAD, self.device)
+        return self.grad_full
+
+    def ensure_master_grad(self) -> torch.Tensor:
+        if self.master_grad is None:
+            self.master_grad = self.ledger.zeros(self.owned_numel, torch.float32, Category.GRAD, self.device)
+        return self.master_grad
+
+    def wait_pending(self) -> None:
+        for handle in self.pending:
+            handle.wait()
+        self.pending.clear()
+
+    def free_grads(self) -> None:
+        self.grad_full = None
+        self.master_grad = None
+        self.master_param.grad = None
+        self.grads_seen = 0
+
+    # -- after the optimizer step -------------------------------------------------------------
+    def master_to_params(self) -> Handle | None:
+        """Write the stepped master into the compute-dtype parameters; start the all-gather (1, 2)."""
+        with torch.no_grad():
+            if self.master is not self.shard:
+                self.shard.copy_(self.master)
+        if self.stage in (1, 2):
+            return self.dp.all_gather(self._full_data, self.shard)
+        return None
+
+    def param_segments(self) -> list[tuple[int, int, int]]:
+        """``(param_index, start, end)`` of each parameter inside this rank's owned range."""
+        lo, hi = self.owned_start, self.owned_start + self.owned_numel
+        out = []
+        for i, (off, n) in enumerate(zip(self.offsets, self.numels)):
+            s, e = max(off, lo), min(off + n, hi)
+            if s < e:
+                out.append((i, s - lo, e - lo))
+        return out

@@ -1,0 +1,81 @@
+"""Bucketed, asynchronous gradient reduction for flat groups.
+
+Stage 0 all-reduces the flat gradient in place, in contiguous buckets of ``reduce_bucket_size``
+elements; nothing is copied. Stages 1-3 reduce-scatter: the flat gradient seen as an
+``(N, S)`` matrix has rank r's shard in row r, so a bucket is a block of columns
+``[c0, c1)``. When one bucket covers the whole group the flat gradient is the collective's
+input as is; otherwise each bucket's columns are copied into a contiguous ``N * (c1 - c0)``
+comm buffer (category ``comm_buffer``), so buckets smaller than one parameter are fine. The
+reduced ``c1 - c0`` elements are added, divided by N, into the fp32 gradient shard when the
+handle is waited on. With ``reduce_scatter: false`` each bucket is all-reduced and the owned part
+kept.
+
+Memory in flight: at most one group's flat gradient (c * P) plus the comm buffers of the
+buckets not yet waited on. Communication: c * P bytes per group per reduction.
+"""
+from __future__ import annotations
+
+from ..comm import DataParallelGroup
+from ..ledger import Category, Ledger
+from .flat_group import FlatParamGroup
+
+
+class GradReducer:
+    def __init__(self, stage: int, dp: DataParallelGroup, bucket_numel: int, use_reduce_scatter: bool,
+                 overlap: bool, ledger: Ledger) -> None:
+        self.stage = stage
+        self.dp = dp
+        self.bucket_numel = max(1, int(bucket_numel))
+        self.use_reduce_scatter = use_reduce_scatter
+        self.overlap = overlap
+        self.ledger = ledger
+
+    def reduce(self, group: FlatParamGroup) -> None:
+        """Start reducing ``group``'s flat gradient; results land when ``group.wait_pending()`` runs."""
+        grad = group.ensure_grad_full()
+        if self.stage == 0:
+            for a in range(0, group.padded_numel, self.bucket_numel):
+                group.pending.append(self.dp.all_reduce(grad[a:a + self.bucket_numel]))
+        elif self.use_reduce_scatter:
+            self._reduce_scatter(group, grad)
+        else:
+            self._all_reduce_keep_shard(group, grad)
+        if self.stage > 0:
+            group.grad_full = None  # the handles keep what they still need alive
+        if not self.overlap:
+            group.wait_pending()
+
+    def _reduce_scatter(self, group: FlatParamGroup, grad) -> None:
+        n, s = self.dp.size, group.shard_numel
+        master_grad = group.ensure_master_grad()
+        scale = 1.0 / n
+        cols = max(1, self.bucket_numel // n)
+        if cols >= s:
+            out = self.ledger.empty(s, grad.dtype, Category.COMM_BUFFER, grad.device)
+            group.pending.append(self.dp.reduce_scatter(
+                out, grad, on_done=lambda: master_grad.add_(out, alpha=scale)))
+            return
+        matrix = grad.view(n, s)
+        for c0 in range(0, s, cols):
+            c1 = min(s, c0 + cols)
+            inp = self.ledger.empty(n * (c1 - c0), grad.dtype, Category.COMM_BUFFER, grad.device)
+            inp.view(n, c1 - c0).copy_(matrix[:, c0:c1])
+            out = self.ledger.empty(c1 - c0, grad.dtype, Category.COMM_BUFFER, grad.device)
+            target = master_grad[c0:c1]
+            group.pending.append(self.dp.reduce_scatter(
+                out, inp, on_done=lambda t=target, o=out: t.add_(o, alpha=scale)))
+
+    def _all_reduce_keep_shard(self, group: FlatParamGroup, grad) -> None:
+        master_grad = group.ensure_master_grad()
+        lo, hi = group.owned_start, group.owned_start + group.owned_numel
+        scale = 1.0 / self.dp.size
+        for a in range(0, group.padded_numel, self.bucket_numel):
+            b = min(group.padded_numel, a + self.bucket_numel)
+            bucket = grad[a:b]
+            s, e = max(a, lo), min(b, hi)
+
+            def keep(bucket=bucket, s=s, e=e, a=a) -> None:
+                if s < e:
+                    master_grad[s - lo:e - lo].add_(bucket[s - a:e - a], alpha=scale)
+
+            group.pending.append(self.dp.all_reduce(bucket, on_done=keep))

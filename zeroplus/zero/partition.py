@@ -1,0 +1,140 @@
+"""ZeRO partitioning of a model over a data-parallel group: one code path for stages 0-3.
+
+The partition owns the units and their flat groups (``units.py``, ``flat_group.py``), hooks
+every trainable parameter's gradient accumulation, reduces gradients (``grad_reducer.py``) and,
+at stage 3, gathers and releases parameters (``stage3.py``).
+
+When gradients are reduced: stages 0 and 1 at the accumulation boundary only (gradients
+accumulate in the flat compute-dtype buffer between micro-batches); stages 2 and 3 after every
+micro-batch, into the fp32 gradient shard, freeing the flat buffer. Each flat group's reduction
+starts as soon as its last gradient has arrived, so communication overlaps the rest of the
+backward; the handles are waited on when the backward is over.
+
+After the optimizer step, the new master values are written into the compute-dtype parameters;
+stages 1 and 2 all-gather them asynchronously and the next forward waits for them.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..comm import DataParallelGroup
+from ..config import ZeroConfig
+from ..ledger import Ledger
+from .flat_group import FlatParamGroup
+from .grad_reducer import GradReducer
+from .stage3 import Stage3Scheduler
+from .units import Unit, assign_parameters, find_unit_modules
+
+logger = logging.getLogger("zeroplus.zero")
+
+
+class ZeroPartition:
+    def __init__(self, model: torch.nn.Module, zero: ZeroConfig, dp: DataParallelGroup, ledger: Ledger,
+                 compute_dtype: torch.dtype, param_group_of: dict[int, int],
+                 unit_class_names: list[str] | None = None) -> None:
+        self.stage = zero.stage
+        self.dp = dp
+        self.ledger = ledger
+        unit_modules = find_unit_modules(model, unit_class_names)
+        self.units: list[Unit] = []
+        for index, (name, module, params) in enumerate(assign_parameters(model, unit_modules)):
+            groups = []
+            by_group: dict[int, list[tuple[str, torch.nn.Parameter]]] = {}
+            for pname, p in params:
+                if id(p) in param_group_of:
+                    by_group.setdefault(param_group_of[id(p)], []).append((pname, p))
+            for gi in sorted(by_group):
+                groups.append(FlatParamGroup(f"{name}#{gi}", by_group[gi], gi, self.stage, dp, compute_dtype, ledger))
+            unit = Unit(index=index, name=name, module=module, groups=groups, is_root=(module is model))
+            if self.stage == 3 and unit.numel <= int(zero.stage3_param_persistence_threshold):
+                unit.persistent = True
+                unit.wait_gather()
+            self.units.append(unit)
+        self.root = self.units[-1]
+        self.groups: list[FlatParamGroup] = [g for u in self.units for g in u.groups]
+        overlap = True if zero.overlap_comm is None else zero.overlap_comm
+        self.reducer = GradReducer(self.stage, dp, int(zero.reduce_bucket_size), zero.reduce_scatter, overlap, ledger)
+        self.reduce_this_backward = True
+        self._ready: set[int] = set()
+        self._unit_of_group = {id(g): u for u in self.units for g in u.groups}
+        self._hooks = []
+        for g in self.groups:
+            for i, p in enumerate(g.params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(g, i)))
+        self.stage3 = (Stage3Scheduler(self.units[:-1], self.root, int(zero.stage3_prefetch_bucket_size))
+                       if self.stage == 3 else None)
+
+    # -- forward ------------------------------------------------------------------------------
+    def before_forward(self) -> None:
+        for g in self.groups:
+            g.wait_pending()  # post-step all-gathers (stages 1, 2) and persistent refreshes (3)
+        if self.stage3 is not None:
+            self.stage3.begin_forward()
+
+    def after_forward(self) -> None:
+        if self.stage3 is not None:
+            self.stage3.end_forward()
+
+    # -- backward -----------------------------------------------------------------------------
+    def begin_backward(self, reduce: bool) -> None:
+        """``reduce``: reduce gradients in this backward (always at stages 2-3, at the boundary at 0-1)."""
+        self.reduce_this_backward = reduce or self.stage >= 2
+        self._ready.clear()
+        for u in self.units:
+            u.groups_ready = 0
+
+    def _make_grad_hook(self, group: FlatParamGroup, index: int):
+        def hook(param: torch.nn.Parameter) -> None:
+            grad = param.grad
+            param.grad = None
+            group.accumulate_grad(index, grad)
+            if group.grads_seen == len(group.params):
+                self._group_ready(group)
+        return hook
+
+    def _group_ready(self, group: FlatParamGroup) -> None:
+        if id(group) in self._ready:
+            return
+        self._ready.add(id(group))
+        if self.reduce_this_backward:
+            self.reducer.reduce(group)
+        group.grads_seen = 0
+        unit = self._unit_of_group[id(group)]
+        unit.groups_ready += 1
+        if self.stage3 is not None and unit.groups_ready == len(unit.groups):
+            self.stage3.on_unit_grads_done(unit)
+
+    def end_backward(self) -> None:
+        """Reduce groups some of whose parameters got no gradient, then wait for every reduction."""
+        for g in self.groups:  # fixed order: every rank issues the same collectives
+            if id(g) not in self._ready and (g.grad_full is not None or self.reduce_this_backward):
+                self._group_ready(g)
+            g.grads_seen = 0
+        for g in self.groups:
+            g.wait_pending()
+        if self.stage3 is not None:
+            self.stage3.end_backward()
+
+    # -- after the optimizer step ------------------------------------------------------------
+    def after_step(self) -> None:
+        for g in self.groups:
+            handle = g.master_to_params()
+            if handle is not None:
+                g.pending.append(handle)
+            g.free_grads()
+        if self.stage3 is not None:
+            self.stage3.refresh_persistent()
+
+    def wait_all(self) -> None:
+        for g in self.groups:
+            g.wait_pending()
+
+    def describe(self) -> str:
+        lines = [f"ZeRO stage {self.stage}, data-parallel size {self.dp.size}, {len(self.units)} units, "
+                 f"{len(self.groups)} flat groups"]
+        for u in self.units:
+            lines.append(f"  unit {u.name}: {u.numel} elements in {len(u.groups)} group(s)"
+                         + (" (persistent)" if u.persistent else ""))
+        return "\n".join(lines)

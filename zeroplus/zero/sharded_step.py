@@ -1,0 +1,104 @@
+"""The optimizer step over fp32 master shards: norm, overflow, clipping, then one group at a time.
+
+1. Global gradient norm: each rank sums the squares of the gradient elements it owns (stage 0:
+   the all-reduced full gradient, identical on every rank; stages 1-3: its fp32 shard, padding
+   being zero), one all-reduce of one scalar at stages 1-3, then the square root, divided by the
+   loss scale. A non-finite norm is an overflow on every rank at once: the step is skipped.
+2. One coefficient per step: ``1 / (N at stage 0) / loss_scale * min(1, clip / (norm + 1e-6))``
+   (torch's ``clip_grad_norm_`` rule, applied to unscaled gradients).
+3. The step runs flat group by flat group: only one group's fp32 gradient exists at a time at
+   stage 0 (built from the low-precision flat gradient), and the optimizer's temporaries are
+   bounded by one group (none with torch's fused kernels).
+Optimizer states that torch creates lazily are registered with the ledger (``optim_state``)
+right after the step that creates them.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..comm import DataParallelGroup
+from ..ledger import Category, Ledger
+from ..optim.lamb import Lamb
+from .flat_group import FlatParamGroup
+from .partition import ZeroPartition
+
+_NORM_CHUNK = 1 << 20  # elements per float64 temporary (8 MiB)
+
+
+class _LocalGroup:
+    """Stands in for a data-parallel group where nothing needs summing (stage 0 owns everything)."""
+
+    size = 1
+
+    def sum_scalar(self, value: torch.Tensor) -> torch.Tensor:
+        return value
+
+
+def _sum_of_squares(t: torch.Tensor) -> torch.Tensor:
+    total = torch.zeros((), dtype=torch.float64, device=t.device)
+    for a in range(0, t.numel(), _NORM_CHUNK):
+        chunk = t[a:a + _NORM_CHUNK].double()  # float64 so the sum hardly depends on the sharding
+        total += torch.dot(chunk, chunk)
+    return total
+
+
+class ShardedStep:
+    def __init__(self, partition: ZeroPartition, optimizer: torch.optim.Optimizer, gradient_clipping: float,
+                 dp: DataParallelGroup, ledger: Ledger) -> None:
+        self.partition = partition
+        self.optimizer = optimizer
+        self.clip = float(gradient_clipping)
+        self.dp = dp
+        self.ledger = ledger
+        self.last_grad_norm: float | None = None
+        if isinstance(optimizer, Lamb):
+            for g in partition.groups:
+                optimizer.set_segments(g.master_param, g.param_segments(), len(g.params),
+                                       dp if partition.stage > 0 else _LocalGroup())
+
+    def _grad_norm(self, loss_scale: float) -> float:
+        stage0 = self.partition.stage == 0
+        total = torch.zeros((), dtype=torch.float64)
+        for g in self.partition.groups:
+            source = g.ensure_grad_full() if stage0 else g.ensure_master_grad()
+            total += _sum_of_squares(source)
+        if not stage0:
+            self.dp.sum_scalar(total)
+        norm = math.sqrt(total.item()) if math.isfinite(total.item()) else float("inf")
+        if stage0:
+            norm /= self.dp.size
+        return norm / loss_scale
+
+    def _master_grad(self, g: FlatParamGroup, coef: float) -> torch.Tensor:
+        if self.partition.stage > 0:
+            grad = g.ensure_master_grad()
+        else:
+            grad = g.ensure_grad_full()
+            if grad.dtype != torch.float32:  # stage 0, low precision: this group's fp32 gradient only
+                grad = self.ledger.empty(grad.numel(), torch.float32, Category.GRAD, grad.device).copy_(grad)
+        return grad.mul_(coef) if coef != 1.0 else grad
+
+    def step(self, loss_scale: float) -> bool:
+        """Step every flat group; return False (and change nothing) if the gradients overflowed."""
+        norm = self._grad_norm(loss_scale)
+        self.last_grad_norm = norm
+        if not math.isfinite(norm):
+            return False
+        coef = 1.0 / loss_scale
+        if self.partition.stage == 0:
+            coef /= self.dp.size
+        if self.clip > 0:
+            coef *= min(1.0, self.clip / (norm + 1e-6))
+        for g in self.partition.groups:
+            g.master_param.grad = self._master_grad(g, coef)
+            self.optimizer.step()
+            g.master_param.grad = None
+            self._track_states(g)
+        return True
+
+    def _track_states(self, g: FlatParamGroup) -> None:
+        for value in self.optimizer.state.get(g.master_param, {}).values():
+            if isinstance(value, torch.Tensor) and not hasattr(value, "_zeroplus_ledger_key") and value.numel() > 1:
+                self.ledger.track(value, Category.OPTIM_STATE)

@@ -1,0 +1,109 @@
+"""Stage-3 parameter lifecycle: gather before use, prefetch ahead, release after use.
+
+Forward: a pre-hook on each unit's module waits for its all-gather (issuing it if no prefetch
+did), then issues the all-gathers of the next units in the recorded forward order until
+``stage3_prefetch_bucket_size`` elements are in flight (at least one unit). A post-hook releases
+the unit (its storage is resized to 0) and hooks the unit's output tensors so that, when their
+gradient arrives, the unit is gathered again for its backward and the units before it are
+prefetched. A unit is released in backward as soon as all its gradients have arrived (the
+partition calls ``on_unit_grads_done``). The root unit (parameters outside any repeated block,
+such as tied embeddings) stays gathered from the start of forward to the end of backward, and
+units below ``stage3_param_persistence_threshold`` elements stay gathered for good.
+
+Peak gathered memory: the root unit, plus the unit computing, plus the prefetch window.
+Communication: every non-persistent unit is all-gathered twice per step (forward, backward).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from .units import Unit
+
+
+class Stage3Scheduler:
+    def __init__(self, units: list[Unit], root: Unit, prefetch_numel: int) -> None:
+        self.units = units
+        self.root = root
+        self.prefetch_numel = prefetch_numel
+        self.forward_order: list[int] = []
+        self._recording: list[int] = []
+        self._handles: list[Any] = []
+        for unit in units:
+            self._handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
+            self._handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
+
+    # -- forward ------------------------------------------------------------------------------
+    def begin_forward(self) -> None:
+        self._recording = []
+        self.root.wait_gather()
+
+    def end_forward(self) -> None:
+        if self._recording:
+            self.forward_order = self._recording
+        if not torch.is_grad_enabled():
+            self.root.release()
+
+    def _prefetch(self, order: list[int], start: int) -> None:
+        budget = self.prefetch_numel
+        for position in range(start, len(order)):
+            unit = self.units[order[position]]
+            unit.start_gather()
+            budget -= unit.numel
+            if budget <= 0:
+                break
+
+    def _make_pre_forward(self, unit: Unit):
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            unit.wait_gather()
+            self._recording.append(unit.index)
+            order = self.forward_order
+            if order and unit.index in order and self.prefetch_numel > 0:
+                self._prefetch(order, order.index(unit.index) + 1)
+        return hook
+
+    def _make_post_forward(self, unit: Unit):
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
+            if torch.is_grad_enabled():
+                unit.backward_gathered = False
+                for t in tree_flatten(output)[0]:
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(self._make_pre_backward(unit))
+            unit.release()
+            return output
+        return hook
+
+    # -- backward -----------------------------------------------------------------------------
+    def _make_pre_backward(self, unit: Unit):
+        def hook(grad: torch.Tensor) -> None:
+            if unit.backward_gathered:
+                return None
+            unit.backward_gathered = True
+            unit.wait_gather()
+            order = list(reversed(self.forward_order))
+            if unit.index in order and self.prefetch_numel > 0:
+                self._prefetch(order, order.index(unit.index) + 1)
+            return None
+        return hook
+
+    def on_unit_grads_done(self, unit: Unit) -> None:
+        if unit is not self.root:
+            unit.release()
+
+    def end_backward(self) -> None:
+        for unit in self.units:
+            unit.release()
+        self.root.release()
+
+    def refresh_persistent(self) -> None:
+        """After a step, persistent units re-gather the new shards (they are never released)."""
+        for unit in self.units + [self.root]:
+            if unit.persistent:
+                for g in unit.groups:
+                    g.pending.append(g.dp.all_gather(g._full_data, g.shard))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()

@@ -1,0 +1,115 @@
+"""Partition units: which parameters are flattened together.
+
+A unit is a module whose parameters are gathered, released and reduced together. By default
+every child of a ``ModuleList``/``Sequential`` whose children (two or more) share one class is a
+unit (the repeated transformer blocks); ``zeroplus.unit_modules`` names classes instead. All
+parameters outside any unit form the root unit (embeddings, final norm, head). A parameter that
+appears in several modules (tied weights) belongs to the first unit that reaches it in module
+order, and is counted once. Frozen parameters (``requires_grad=False``) are not flattened: they
+stay in place on every rank in the compute dtype.
+
+Within a unit, parameters are split further by optimizer param group, one ``FlatParamGroup``
+each, so every flat buffer has one set of hyper-parameters.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..comm import Handle
+from .flat_group import FlatParamGroup
+
+
+@dataclasses.dataclass
+class Unit:
+    """One module's flat groups and its stage-3 gather state."""
+
+    index: int
+    name: str
+    module: torch.nn.Module
+    groups: list[FlatParamGroup]
+    is_root: bool = False
+    persistent: bool = False
+    gather_handles: list[Handle] = dataclasses.field(default_factory=list)
+    groups_ready: int = 0
+    backward_gathered: bool = False
+
+    @property
+    def numel(self) -> int:
+        return sum(g.padded_numel for g in self.groups)
+
+    def start_gather(self) -> None:
+        for g in self.groups:
+            handle = g.gather()
+            if handle is not None:
+                self.gather_handles.append(handle)
+
+    def wait_gather(self) -> None:
+        self.start_gather()
+        for handle in self.gather_handles:
+            handle.wait()
+        self.gather_handles.clear()
+
+    def release(self) -> None:
+        if self.persistent:
+            return
+        # An in-flight prefetch must land before its buffer goes away.
+        for handle in self.gather_handles:
+            handle.wait()
+        self.gather_handles.clear()
+        for g in self.groups:
+            g.release()
+
+
+def find_unit_modules(model: torch.nn.Module, class_names: list[str] | None) -> list[tuple[str, torch.nn.Module]]:
+    """The (qualified name, module) of every unit other than the root, in module order."""
+    found: list[tuple[str, torch.nn.Module]] = []
+    taken: set[int] = set()
+
+    def inside_taken(name: str) -> bool:
+        return any(name == n or name.startswith(n + ".") for n, _ in found)
+
+    if class_names is not None:
+        wanted = set(class_names)
+        present = {type(m).__name__ for m in model.modules()}
+        missing = wanted - present
+        if missing:
+            raise ValueError(f"zeroplus.unit_modules names {sorted(missing)}, which the model does not contain "
+                             f"(its module classes: {sorted(present)})")
+        for name, module in model.named_modules():
+            if name and type(module).__name__ in wanted and not inside_taken(name):
+                found.append((name, module))
+        return found
+    for name, module in model.named_modules():
+        if not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) or inside_taken(name):
+            continue
+        children = list(module.named_children())
+        classes = {type(c) for _, c in children}
+        if len(children) >= 2 and len(classes) == 1 and id(module) not in taken:
+            for child_name, child in children:
+                if any(p.requires_grad for p in child.parameters()):
+                    found.append((f"{name}.{child_name}" if name else child_name, child))
+            taken.add(id(module))
+    return found
+
+
+def assign_parameters(model: torch.nn.Module, unit_modules: list[tuple[str, torch.nn.Module]]
+                      ) -> list[tuple[str, torch.nn.Module, list[tuple[str, torch.nn.Parameter]]]]:
+    """Trainable parameters per unit, root last; each parameter once (tied weights deduplicated)."""
+    seen: set[int] = set()
+    units: list[tuple[str, torch.nn.Module, list[tuple[str, torch.nn.Parameter]]]] = []
+    for name, module in unit_modules:
+        params = []
+        for pname, p in module.named_parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append((f"{name}.{pname}", p))
+        units.append((name, module, params))
+    root_params = []
+    for pname, p in model.named_parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            root_params.append((pname, p))
+    units.append(("<root>", model, root_params))
+    return units
