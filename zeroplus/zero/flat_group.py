@@ -147,6 +147,14 @@ class FlatParamGroup:
             return self.dp.all_gather(self._full_data, self.shard)
         return None
 
+    def gather_master(self) -> torch.Tensor:
+        """The whole fp32 master (``numel`` elements, unpadded), assembled from every rank's shard."""
+        if self.stage == 0:
+            return self.master[:self.numel].clone()
+        full = torch.empty(self.padded_numel, dtype=torch.float32, device=self.device)
+        self.dp.all_gather(full, self.master).wait()
+        return full[:self.numel]
+
     def param_segments(self) -> list[tuple[int, int, int]]:
         """``(param_index, start, end)`` of each parameter inside this rank's owned range."""
         lo, hi = self.owned_start, self.owned_start + self.owned_numel

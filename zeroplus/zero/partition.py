@@ -131,6 +131,15 @@ class ZeroPartition:
         for g in self.groups:
             g.wait_pending()
 
+    def consolidated_fp32_state(self) -> dict[str, torch.Tensor]:
+        """Every trainable parameter's full fp32 master value by qualified name (a collective)."""
+        out: dict[str, torch.Tensor] = {}
+        for g in self.groups:
+            flat = g.gather_master()
+            for name, off, n, shape in zip(g.names, g.offsets, g.numels, g.shapes):
+                out[name] = flat[off:off + n].view(shape).clone()
+        return out
+
     def describe(self) -> str:
         lines = [f"ZeRO stage {self.stage}, data-parallel size {self.dp.size}, {len(self.units)} units, "
                  f"{len(self.groups)} flat groups"]

@@ -1,0 +1,78 @@
+"""Run a function on N gloo ranks on CPU, each a fresh spawned process.
+
+``run_distributed(fn, world_size, *args)`` returns ``[fn(*args) on rank 0, ..., rank N-1]``.
+A free port per call; a timeout per call; a rank's exception is re-raised in the test with the
+rank and its traceback. ``fn`` must be importable (defined at module level).
+"""
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, results: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), ZEROPLUS_ACCELERATOR="cpu",
+                      DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=180))
+    try:
+        value = fn(*args)
+        buf = io.BytesIO()
+        torch.save(value, buf)  # bytes, not shared-memory tensors: this process exits right after
+        results.put((rank, True, buf.getvalue()))
+    except BaseException:  # noqa: BLE001 - every failure goes back to the test
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=False)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outputs: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world_size):
+            try:
+                rank, ok, value = results.get(timeout=timeout)
+            except queue.Empty:
+                errors.append(f"timed out after {timeout}s waiting for a rank (got ranks {sorted(outputs)})")
+                break
+            if ok:
+                outputs[rank] = torch.load(io.BytesIO(value), weights_only=False)
+            else:
+                errors.append(f"rank {rank} failed:\n{value}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=10 if not errors else 1)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [outputs[r] for r in range(world_size)]

@@ -1,0 +1,56 @@
+"""The single-process reference: the plain module, ``torch.optim.AdamW`` and global-norm clipping.
+
+It sees the same global batch as the N ranks together: at step s, micro-step k, rank r trains on
+batch ``(s * GA + k) * N + r``; the reference sums the gradients of all ``N * GA`` micro-batches,
+each loss divided by ``N * GA``. Clipping uses the global norm computed in float64 (torch's rule
+``min(1, clip / (norm + 1e-6))``), as the engine does, so fp32 runs can agree to rounding.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+
+def reference_train(model: torch.nn.Module, batches: list, steps: int, world_size: int, gas: int, lr: float,
+                    clip: float, weight_decay: float = 0.01,
+                    autocast: torch.dtype | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses of rank 0's micro-batches (as the engine reports them) and the final parameters."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    losses = []
+    for s in range(steps):
+        for k in range(gas):
+            for r in range(world_size):
+                x, y = batches[(s * gas + k) * world_size + r]
+                with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                    loss = model(x, y)
+                (loss / (world_size * gas)).backward()
+                if r == 0:
+                    losses.append(loss.item())
+        if clip > 0:
+            total = math.sqrt(sum(float(torch.dot(p.grad.reshape(-1).double(), p.grad.reshape(-1).double()))
+                                  for p in params if p.grad is not None))
+            coef = min(1.0, clip / (total + 1e-6))
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def engine_train(engine, batches: list, steps: int, rank: int, world_size: int, gas: int,
+                 on_step: Callable[[], None] | None = None) -> list[float]:
+    losses = []
+    for s in range(steps):
+        for k in range(gas):
+            x, y = batches[(s * gas + k) * world_size + rank]
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        if on_step is not None:
+            on_step()
+    return losses
