@@ -14,11 +14,17 @@ import torch
 
 
 def reference_train(model: torch.nn.Module, batches: list, steps: int, world_size: int, gas: int, lr: float,
-                    clip: float, weight_decay: float = 0.01,
-                    autocast: torch.dtype | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Losses of rank 0's micro-batches (as the engine reports them) and the final parameters."""
+                    clip: float, weight_decay: float = 0.01, autocast: torch.dtype | None = None,
+                    optimizer: str = "AdamW") -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses of rank 0's micro-batches (as the engine reports them) and the final parameters.
+
+    ``optimizer``: "AdamW", or "SGD" (momentum 0.9), which unlike Adam is not invariant to the
+    gradient's scale, so it catches a wrong averaging factor."""
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    if optimizer == "SGD":
+        opt = torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+    else:
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     losses = []
     for s in range(steps):
         for k in range(gas):

@@ -26,8 +26,9 @@ STEPS, GAS, MICRO, LR, CLIP = 5, 2, 2, 1e-2, 0.5
 
 def _config(case: dict) -> dict:
     return {
-        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "gradient_clipping": CLIP,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
+        "gradient_clipping": case.get("clip", CLIP),
+        "optimizer": {"type": case.get("opt", "AdamW"), "params": _opt_params(case.get("opt", "AdamW"))},
         "zero_optimization": {"stage": case["stage"], "reduce_bucket_size": case["bucket"],
                               "reduce_scatter": case.get("reduce_scatter", True),
                               "overlap_comm": case.get("overlap", True),
@@ -35,6 +36,12 @@ def _config(case: dict) -> dict:
                               "stage3_prefetch_bucket_size": case.get("prefetch", 200)},
         "zeroplus": {"log_level": "warning"},
     }
+
+
+def _opt_params(name: str) -> dict:
+    if name == "SGD":
+        return {"lr": LR, "momentum": 0.9, "weight_decay": 0.01}
+    return {"lr": LR, "weight_decay": 0.01}
 
 
 def run_cases(cases: list[dict]) -> list[dict]:
@@ -53,11 +60,21 @@ def run_cases(cases: list[dict]) -> list[dict]:
     return out
 
 
-def _reference(world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference(world: int, case: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     model = ParityNet()
     batches = make_batches(STEPS * GAS * world, MICRO)
-    return reference_train(model, batches, STEPS, world, GAS, LR, CLIP)
+    return reference_train(model, batches, STEPS, world, GAS, LR, case.get("clip", CLIP),
+                           optimizer=case.get("opt", "AdamW"))
+
+
+def _check_all(world: int, cases: list[dict], results: list[dict]) -> None:
+    refs: dict[tuple, tuple] = {}
+    for case, result in zip(cases, results):
+        key = (case.get("clip", CLIP), case.get("opt", "AdamW"))
+        if key not in refs:
+            refs[key] = _reference(world, case)
+        _assert_parity(result, *refs[key], f"world {world} {case}")
 
 
 def _assert_parity(result: dict, ref_losses: list[float], ref_state: dict, label: str) -> None:
@@ -73,13 +90,13 @@ def _assert_parity(result: dict, ref_losses: list[float], ref_state: dict, label
     assert set(result["state"]) == trainable, f"{label}: masters cover {sorted(result['state'])}"
 
 
-GRID = [dict(stage=s, bucket=b) for s in (0, 1, 2, 3) for b in (5, 100, 10**8)]
+# SGD without binding clipping catches gradient-scale errors that Adam and clipping would hide.
+GRID = [dict(stage=s, bucket=b) for s in (0, 1, 2, 3) for b in (5, 100, 10**8)] + \
+    [dict(stage=s, bucket=b, opt="SGD", clip=0.0) for s in (0, 1, 2, 3) for b in (100, 10**8)]
 
 
 def test_parity_world_1():
-    ref_losses, ref_state = _reference(1)
-    for case, result in zip(GRID, run_cases(GRID)):
-        _assert_parity(result, ref_losses, ref_state, f"world 1 {case}")
+    _check_all(1, GRID, run_cases(GRID))
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -89,11 +106,10 @@ def test_parity_distributed(world):
              dict(stage=1, bucket=7, reduce_scatter=False)]
     # Four ranks share two cores: keep the per-collective count down there (buckets of 40 elements
     # are still smaller than any weight matrix; 5-element buckets run at two ranks).
-    cases = GRID + extra if world == 2 else [dict(stage=s, bucket=b) for s in (0, 1, 2, 3) for b in (40, 10**8)]
+    cases = GRID + extra if world == 2 else [dict(stage=s, bucket=b) for s in (0, 1, 2, 3) for b in (40, 10**8)] \
+        + [dict(stage=s, bucket=40, opt="SGD", clip=0.0) for s in (0, 1, 2, 3)]
     results = run_distributed(run_cases, world, cases)
-    ref_losses, ref_state = _reference(world)
-    for case, result in zip(cases, results[0]):
-        _assert_parity(result, ref_losses, ref_state, f"world {world} {case}")
+    _check_all(world, cases, results[0])
     for r in range(1, world):  # every rank holds the same consolidated master
         for case, a, b in zip(cases, results[0], results[r]):
             for name in a["state"]:
