@@ -6,11 +6,14 @@ use it and resolved later by ``resolve.py``; it is never read as true.
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Auto = Literal["auto"]
+PositiveInt = Annotated[int, Field(ge=1)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+NonNegativeFloat = Annotated[float, Field(ge=0.0)]
 
 
 class Block(BaseModel):
@@ -80,11 +83,13 @@ class ZeroConfig(Block):
     stage: int = Field(0, ge=0, le=3, description="ZeRO stage: 0 none, 1 optimizer states, 2 +grads, 3 +params.")
     overlap_comm: bool | None = Field(None, description="Overlap gradient reduction with backward (default: on).")
     contiguous_gradients: bool = True
-    reduce_bucket_size: int | Auto = Field(500_000_000, ge=1, description="Elements per gradient bucket.")
+    reduce_bucket_size: PositiveInt | Auto = Field(500_000_000, description="Elements per gradient bucket.")
     allgather_bucket_size: int = Field(500_000_000, ge=1, description="Elements per all-gather bucket (stages 1-2).")
     reduce_scatter: bool = Field(True, description="Reduce-scatter gradients (False: all-reduce, keep own shard).")
-    stage3_prefetch_bucket_size: int | Auto = Field(50_000_000, ge=0, alias="stage3_prefetch_bucket_size")
-    stage3_param_persistence_threshold: int | Auto = Field(100_000, ge=0)
+    stage3_prefetch_bucket_size: NonNegativeInt | Auto = Field(
+        50_000_000, description="Elements of the next units gathered ahead of use (stage 3).")
+    stage3_param_persistence_threshold: NonNegativeInt | Auto = Field(
+        100_000, description="Units with at most this many elements stay gathered (stage 3).")
     stage3_max_live_parameters: int = Field(1_000_000_000, ge=0)
     stage3_max_reuse_distance: int = Field(1_000_000_000, ge=0)
     stage3_gather_16bit_weights_on_model_save: bool = Field(

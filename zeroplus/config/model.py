@@ -5,7 +5,7 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from .blocks import (ActivationCheckpointingConfig, Auto, BF16Config, Block, FP16Config, OptimizerConfig,
+from .blocks import (ActivationCheckpointingConfig, Auto, NonNegativeFloat, PositiveInt, BF16Config, Block, FP16Config, OptimizerConfig,
                      SchedulerConfig, ZeroConfig, ZeroplusBlock)
 
 
@@ -23,10 +23,10 @@ class ZeroplusConfig(Block):
         "compile", "use_node_local_storage", "load_universal_checkpoint", "dataloader_drop_last",
         "optimizer_legacy_fusion", "zero_optimization_stage_3_legacy", "sequence_parallel_size",
     })
-    train_batch_size: int | Auto | None = Field(None, ge=1)
-    train_micro_batch_size_per_gpu: int | Auto | None = Field(None, ge=1)
-    gradient_accumulation_steps: int | Auto | None = Field(None, ge=1)
-    gradient_clipping: float | Auto = Field(0.0, ge=0.0, description="Max global grad norm; 0 disables.")
+    train_batch_size: PositiveInt | Auto | None = None
+    train_micro_batch_size_per_gpu: PositiveInt | Auto | None = None
+    gradient_accumulation_steps: PositiveInt | Auto | None = None
+    gradient_clipping: NonNegativeFloat | Auto = Field(0.0, description="Max global grad norm; 0 disables.")
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     fp16: FP16Config = Field(default_factory=FP16Config)

@@ -57,15 +57,8 @@ def parse_config(config: dict[str, Any] | str | os.PathLike) -> tuple[ZeroplusCo
 def resolve_batch(cfg: ZeroplusConfig, dp_size: int) -> None:
     """Apply DeepSpeed's rule ``train_batch_size == micro * accumulation * dp_size``; derive the missing one."""
     tbs, mbs, gas = cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
-    names = {"train_batch_size": tbs, "train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": gas}
-    if any(v == "auto" for v in names.values()):
-        given = {k: v for k, v in names.items() if v not in (None, "auto")}
-        if len(given) < 2:
-            autos = [k for k, v in names.items() if v == "auto"]
-            raise ConfigError(f"cannot resolve 'auto' for {autos}: at least two of train_batch_size, "
-                              f"train_micro_batch_size_per_gpu, gradient_accumulation_steps must be numbers "
-                              f"(got {names}, data-parallel size {dp_size})")
-        tbs, mbs, gas = (None if v == "auto" else v for v in (tbs, mbs, gas))
+    # "auto" is treated as "not given": DeepSpeed's rule derives it from the others.
+    tbs, mbs, gas = (None if v == "auto" else v for v in (tbs, mbs, gas))
     derived = []
     if tbs is not None and mbs is not None and gas is None:
         gas = tbs // (mbs * dp_size)

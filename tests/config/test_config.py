@@ -1,0 +1,139 @@
+"""Config validation: every bad input gives the promised message; DeepSpeed's real-config habits pass."""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+import zeroplus
+from zeroplus.config import ConfigError, parse_config, resolve_auto, resolve_batch
+from zeroplus.models import GPT, gpt_config
+
+
+def _resolved(raw: dict, dp: int = 1, model: torch.nn.Module | None = None):
+    cfg, unimplemented = parse_config(raw)
+    resolve_batch(cfg, dp)
+    resolve_auto(cfg, model or GPT(gpt_config("tiny")), has_client_optimizer=False)
+    return cfg, unimplemented
+
+
+def test_misspelt_top_level_key_is_an_error_with_suggestion():
+    with pytest.raises(ConfigError, match=r"unknown config key 'gradient_clippping'.*did you mean 'gradient_clipping'"):
+        parse_config({"train_batch_size": 8, "gradient_clippping": 1.0})
+
+
+def test_misspelt_nested_key_names_its_path():
+    with pytest.raises(ConfigError, match=r"'zero_optimization.reduce_bucket_sise'.*did you mean "
+                                          r"'zero_optimization.reduce_bucket_size'"):
+        parse_config({"zero_optimization": {"stage": 2, "reduce_bucket_sise": 5e8}})
+    with pytest.raises(ConfigError, match=r"'zero_optimization.offload_optimizer.devcie'.*did you mean "
+                                          r"'zero_optimization.offload_optimizer.device'"):
+        parse_config({"zero_optimization": {"offload_optimizer": {"devcie": "cpu"}}})
+
+
+def test_unimplemented_deepspeed_keys_are_collected_not_fatal():
+    _, unimplemented = parse_config({"train_batch_size": 8, "wandb": {"enabled": False},
+                                     "zero_optimization": {"stage": 1, "round_robin_gradients": True}})
+    assert unimplemented == ["wandb", "zero_optimization.round_robin_gradients"]
+
+
+def test_wrong_type_and_range_name_key_and_value():
+    with pytest.raises(ConfigError, match=r"'zero_optimization.stage'.*less than or equal to 3.*got 4"):
+        parse_config({"zero_optimization": {"stage": 4}})
+    with pytest.raises(ConfigError, match=r"'fp16.hysteresis'.*got 'two'"):
+        parse_config({"fp16": {"hysteresis": "two"}})
+
+
+def test_integral_floats_are_accepted_for_integer_fields():
+    cfg, _ = parse_config({"zero_optimization": {"reduce_bucket_size": 2e8, "sub_group_size": 1e9}})
+    assert cfg.zero_optimization.reduce_bucket_size == 200_000_000
+    assert cfg.zero_optimization.sub_group_size == 1_000_000_000
+
+
+@pytest.mark.parametrize("raw,dp,expected", [
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, 2, (32, 4, 4)),
+    ({"train_batch_size": 32, "gradient_accumulation_steps": 2}, 4, (32, 4, 2)),
+    ({"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 5}, 2, (30, 3, 5)),
+    ({"train_batch_size": 16}, 4, (16, 4, 1)),
+    ({"train_micro_batch_size_per_gpu": 2}, 3, (6, 2, 1)),
+    ({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": "auto"},
+     2, (4, 2, 1)),
+])
+def test_batch_triple_is_derived(raw, dp, expected):
+    cfg, _ = _resolved(raw, dp)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == expected
+
+
+def test_inconsistent_batch_triple_shows_all_four_numbers():
+    with pytest.raises(ConfigError, match=r"train_batch_size \(30\).*micro_batch_size_per_gpu \(4\).*"
+                                          r"gradient_accumulation_steps \(2\).*data-parallel size \(4\)"):
+        _resolved({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, 4)
+
+
+def test_auto_values_are_resolved_and_logged(caplog):
+    model = GPT(gpt_config("tiny"))  # hidden size 64
+    raw = {"train_micro_batch_size_per_gpu": 2, "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
+           "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                                 "stage3_param_persistence_threshold": "auto"},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": "auto", "eps": "auto"}},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto", "warmup_min_lr": "auto",
+                                                        "warmup_num_steps": 10}}}
+    with caplog.at_level(logging.INFO, logger="zeroplus.config"):
+        cfg, _ = _resolved(raw, 1, model)
+    zero = cfg.zero_optimization
+    assert (zero.reduce_bucket_size, zero.stage3_prefetch_bucket_size, zero.stage3_param_persistence_threshold) == \
+        (64 * 64, int(0.9 * 64 * 64), 640)
+    assert cfg.fp16.enabled is False and cfg.bf16.enabled is False  # fp32 model: never "auto" -> true
+    assert "betas" not in cfg.optimizer.params and cfg.scheduler.params["warmup_max_lr"] == 1e-3
+    assert "reduce_bucket_size 'auto' = 4096" in caplog.text
+
+
+def test_auto_precision_follows_model_dtype():
+    cfg, _ = _resolved({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": "auto"}}, 1,
+                       GPT(gpt_config("tiny")).to(torch.bfloat16))
+    assert cfg.bf16.enabled is True
+
+
+def test_underivable_auto_is_an_error_naming_the_key():
+    with pytest.raises(ConfigError, match=r"'optimizer.params.lr' is 'auto'"):
+        _resolved({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}})
+    with pytest.raises(ConfigError, match=r"'gradient_clipping' is 'auto'"):
+        _resolved({"train_micro_batch_size_per_gpu": 1, "gradient_clipping": "auto"})
+
+
+def test_config_from_json_path_and_bad_paths(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 4, "zero_optimization": {"stage": 2}}))
+    cfg, _ = parse_config(str(path))
+    assert cfg.zero_optimization.stage == 2
+    with pytest.raises(ConfigError, match="does not exist"):
+        parse_config(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        parse_config(str(bad))
+
+
+def test_initialize_rejects_bad_optimizer_params_and_both_precisions():
+    base = {"train_micro_batch_size_per_gpu": 1, "zeroplus": {"log_level": "error"}}
+    with pytest.raises(ValueError, match=r"'optimizer.params.weight_decya'.*did you mean 'weight_decay'"):
+        zeroplus.initialize(GPT(gpt_config("tiny")), {**base, "optimizer": {"type": "AdamW",
+                                                                           "params": {"weight_decya": 0.1}}})
+    with pytest.raises(ConfigError, match="both fp16 and bf16"):
+        zeroplus.initialize(GPT(gpt_config("tiny")), {**base, "fp16": {"enabled": True}, "bf16": {"enabled": True},
+                                                      "optimizer": {"type": "AdamW", "params": {}}})
+    with pytest.raises(ValueError, match="optimizer.type 'Adamax2' is not supported"):
+        zeroplus.initialize(GPT(gpt_config("tiny")), {**base, "optimizer": {"type": "Adamax2", "params": {}}})
+    with pytest.raises(ConfigError, match="no optimizer"):
+        zeroplus.initialize(GPT(gpt_config("tiny")), base)
+
+
+def test_example_configs_parse():
+    import pathlib
+    configs = sorted(pathlib.Path(zeroplus.__file__).parent.joinpath("configs").glob("*.json"))
+    assert len(configs) >= 6
+    for path in configs:
+        cfg, unimplemented = parse_config(str(path))
+        assert not unimplemented, path
