@@ -23,6 +23,8 @@ def reference_train(model: torch.nn.Module, batches: list, steps: int, world_siz
     params = [p for p in model.parameters() if p.requires_grad]
     if optimizer == "SGD":
         opt = torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+    elif optimizer == "Lamb":
+        opt = PlainLamb(params, lr=lr, weight_decay=weight_decay)
     else:
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     losses = []
@@ -60,3 +62,33 @@ def engine_train(engine, batches: list, steps: int, rank: int, world_size: int, 
         if on_step is not None:
             on_step()
     return losses
+
+
+class PlainLamb(torch.optim.Optimizer):
+    """LAMB written out the obvious way, one whole tensor at a time, in float64 norms: the reference
+    for ``zeroplus.optim.lamb.Lamb`` (DeepSpeed FusedLamb semantics: bias correction, decoupled
+    weight decay inside the update, trust ratio clamped to [0.01, 10], 1 if a norm is 0)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["t"], st["m"], st["v"] = 0, torch.zeros_like(p), torch.zeros_like(p)
+                st["t"] += 1
+                st["m"] = b1 * st["m"] + (1 - b1) * p.grad
+                st["v"] = b2 * st["v"] + (1 - b2) * p.grad * p.grad
+                m_hat = st["m"] / (1 - b1 ** st["t"])
+                v_hat = st["v"] / (1 - b2 ** st["t"])
+                update = m_hat / (v_hat.sqrt() + group["eps"]) + group["weight_decay"] * p
+                w_norm = p.double().norm().item()
+                u_norm = update.double().norm().item()
+                ratio = min(max(w_norm / u_norm, 0.01), 10.0) if w_norm > 0 and u_norm > 0 else 1.0
+                p -= group["lr"] * ratio * update
