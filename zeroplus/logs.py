@@ -13,9 +13,11 @@ def rank() -> int:
 
 
 class _RankFilter(logging.Filter):
+    """Tags records with the rank; config resolutions are the same on every rank, so only rank 0 logs them."""
+
     def filter(self, record: logging.LogRecord) -> bool:
         record.rank = rank()
-        return True
+        return not (record.name == "zeroplus.config" and record.rank != 0)
 
 
 def setup_logging(level: str = "info") -> None:

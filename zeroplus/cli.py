@@ -1,0 +1,47 @@
+"""The ``zeroplus`` command: ``run`` (launch ranks) and ``train`` (the main job)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .launcher import run, torchrun_command
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="zeroplus", description="memory-first ZeRO training for PyTorch")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("run", help="launch N local ranks of a script through torchrun: zeroplus run -n N script.py",
+                   add_help=False)
+    train = sub.add_parser("train", help="train the built-in byte-level GPT (the main job)", add_help=False)
+    train.add_argument("-n", "--nproc", type=int, default=2)
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "run":
+        try:
+            return run(rest)
+        except ValueError as err:
+            print(f"zeroplus run: {err}", file=sys.stderr)
+            return 2
+    if command == "train":
+        known, passthrough = train.parse_known_args(rest)
+        if "RANK" in os.environ:  # already under a launcher
+            from .train_job import main as train_main
+            train_main(passthrough)
+            return 0
+        cmd = torchrun_command(known.nproc, [], ["-m", "zeroplus.train_job", *passthrough])
+        # torchrun's -m runs a module; it must come before the module name, not as a flag value.
+        cmd = cmd[:cmd.index("-m", 3)] + ["--module", "zeroplus.train_job"] + passthrough
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // known.nproc)))
+        import subprocess
+        return subprocess.call(cmd, env=env)
+    parser.error(f"unknown command {command!r}; use run or train")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
