@@ -31,7 +31,7 @@ _SIZES = {
     "tiny": dict(n_layer=2, n_head=2, n_embd=64),
     "small": dict(n_layer=4, n_head=4, n_embd=128),
     "medium": dict(n_layer=6, n_head=6, n_embd=384),
-    "111m": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, block_size=1024),
+    "111m": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=32000, block_size=1024),
 }
 
 

@@ -1,0 +1,112 @@
+"""One benchmark run on one rank (launched by ``bench_zero.py`` through torchrun).
+
+Builds the GPT, wraps it with zeroplus, DeepSpeed or FSDP2, trains ``--steps`` steps of random
+tokens, and writes ``{"peak_above_start_bytes", "step_seconds": [...], ...}`` to
+``--out-prefix.RANK.json``. "Start" is this process's resident memory after imports and process
+group set-up, before the model exists; the peak is VmHWM (reset at that point).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def ds_config(stage: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+            "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1, "torch_adam": True}},
+            "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True},
+            "steps_per_print": 10**6, "zeroplus": {"log_level": "warning"}}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--framework", choices=["zeroplus", "deepspeed", "fsdp2"], required=True)
+    p.add_argument("--stage", type=int, default=3)
+    p.add_argument("--model", default="111m")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--out-prefix", required=True)
+    args = p.parse_args()
+
+    from zeroplus.models import GPT, gpt_config
+    if args.framework == "deepspeed":
+        import deepspeed
+    import zeroplus
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    start_rss = rss_bytes("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+    model = GPT(gpt_config(args.model, block_size=max(64, args.seq)))
+    cfg = ds_config(args.stage)
+    if args.framework == "zeroplus":
+        engine = zeroplus.initialize(model, cfg)
+
+        def train_step(x: torch.Tensor) -> float:
+            loss = engine(x, x)
+            engine.backward(loss)
+            engine.step()
+            return loss.item()
+    elif args.framework == "deepspeed":
+        cfg.pop("zeroplus")
+        engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+
+        def train_step(x: torch.Tensor) -> float:
+            loss = engine(x, x)
+            engine.backward(loss)
+            engine.step()
+            return loss.item()
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        reshard = args.stage == 3
+        for block in model.blocks:
+            fully_shard(block, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(model, mp_policy=mp, reshard_after_forward=reshard)
+        try:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+        except RuntimeError:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+
+        def train_step(x: torch.Tensor) -> float:
+            loss = model(x, x)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.item()
+
+    g = torch.Generator().manual_seed(rank)
+    times, losses = [], []
+    for _ in range(args.steps):
+        x = torch.randint(0, model.config.vocab_size, (1, args.seq), generator=g)
+        t0 = time.perf_counter()
+        losses.append(train_step(x))
+        times.append(time.perf_counter() - t0)
+    peak = rss_bytes("VmHWM") - start_rss
+    with open(f"{args.out_prefix}.{rank}.json", "w") as f:
+        json.dump({"rank": rank, "peak_above_start_bytes": peak, "step_seconds": times, "losses": losses,
+                   "params": sum(p.numel() for p in model.parameters())}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)  # skip interpreter teardown (DeepSpeed aborts in it on CPU)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Benchmark: zeroplus vs DeepSpeed (same JSON config) vs FSDP2, GPT-111M bf16, 2 ranks, CPU.
+
+For each framework and stage, two fresh torchrun launches: one for memory with glibc told to
+return freed memory (``MALLOC_MMAP_THRESHOLD_=131072 MALLOC_TRIM_THRESHOLD_=131072``, else
+retained heap hides real differences), one for time without it. Reports per-rank peak resident
+memory above process start (max over ranks), median step time after the warm-up steps, tokens/s,
+and ratios to DeepSpeed at the same stage. FSDP2 "stage 3" reshards after forward; "stage 2"
+does not (its parameters stay unsharded between forward and backward); it has no stage 1.
+
+    python bench/bench_zero.py                      # the full table (about 20 minutes here)
+    python bench/bench_zero.py --stages 3 --steps 6 # quicker
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+
+
+def launch(framework: str, stage: int, args: argparse.Namespace, malloc: bool) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        prefix = os.path.join(tmp, "result")
+        env = dict(os.environ, DS_ACCELERATOR="cpu", ZEROPLUS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+        for key in MALLOC_ENV:
+            env.pop(key, None)
+        if malloc:
+            env.update(MALLOC_ENV)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               os.path.join(HERE, "bench_worker.py"), "--framework", framework, "--stage", str(stage),
+               "--model", args.model, "--seq", str(args.seq), "--steps", str(args.steps), "--out-prefix", prefix]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        results = []
+        for rank in range(2):
+            path = f"{prefix}.{rank}.json"
+            if not os.path.exists(path):
+                raise RuntimeError(f"{framework} stage {stage} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            with open(path) as f:
+                results.append(json.load(f))
+        return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stages", default="1,2,3")
+    p.add_argument("--frameworks", default="zeroplus,deepspeed,fsdp2")
+    p.add_argument("--model", default="111m")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--json", action="store_true", help="print the rows as JSON too")
+    args = p.parse_args()
+    rows = []
+    for stage in (int(s) for s in args.stages.split(",")):
+        for framework in args.frameworks.split(","):
+            if framework == "fsdp2" and stage == 1:
+                continue
+            mem = launch(framework, stage, args, malloc=True)
+            timed = launch(framework, stage, args, malloc=False)
+            step = statistics.median(t for r in timed for t in r["step_seconds"][args.warmup:])
+            rows.append({"framework": framework, "stage": stage,
+                         "peak_gib": max(r["peak_above_start_bytes"] for r in mem) / 2**30,
+                         "step_s": step, "tokens_per_s": 2 * args.seq / step,
+                         "final_loss": timed[0]["losses"][-1], "params": timed[0]["params"]})
+            print(f"  done: {framework} stage {stage}: {rows[-1]['peak_gib']:.2f} GiB, {step:.2f} s/step",
+                  file=sys.stderr, flush=True)
+    base = {r["stage"]: r for r in rows if r["framework"] == "deepspeed"}
+    print(f"GPT {args.model} ({rows[0]['params'] / 1e6:.0f}M parameters), bf16, 2 ranks (gloo, CPU), micro-batch 1, "
+          f"sequence {args.seq}, {args.steps} steps (median of the last {args.steps - args.warmup})")
+    header = f"{'framework':<10}{'stage':>6}{'peak GiB/rank':>15}{'vs DS':>8}{'step s':>9}{'vs DS':>8}{'tokens/s':>10}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        b = base.get(r["stage"])
+        mem_ratio = f"{r['peak_gib'] / b['peak_gib']:.2f}" if b else "-"
+        time_ratio = f"{r['step_s'] / b['step_s']:.2f}" if b else "-"
+        print(f"{r['framework']:<10}{r['stage']:>6}{r['peak_gib']:>15.2f}{mem_ratio:>8}{r['step_s']:>9.2f}"
+              f"{time_ratio:>8}{r['tokens_per_s']:>10.1f}")
+    if args.json:
+        print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
