@@ -102,7 +102,8 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
         log_rank0("parameters that require grad but are in no optimizer group stay fixed: %s", untrained[:8],
                   level=logging.WARNING)
     ledger = Ledger()
-    partition = ZeroPartition(model, cfg.zero_optimization, dp, ledger, dtype, group_of, cfg.zeroplus.unit_modules)
+    partition = ZeroPartition(model, cfg.zero_optimization, dp, ledger, dtype, group_of, cfg.zeroplus.unit_modules,
+                              int(cfg.gradient_accumulation_steps))  # type: ignore[arg-type]
     masters = [[g.master_param for g in partition.groups if g.group_index == gi] for gi in range(len(groups))]
     if optimizer is not None:
         opt = adopt_client_optimizer(optimizer, masters)

@@ -1,8 +1,8 @@
 """Bytes per ledger category, asserted against the partition math from parameter counts.
 
 After a step (2 ranks, ParityNet, AdamW), for each group of P padded elements and S = P / 2:
-  stage 0-2: param = c * P;              stage 3: param = c * S (+ c * P gathered for persistent units)
-  master     = 4 * owned (0 when fp32: the fp32 shard is the master, no second copy)
+  stage 0-2: param = c * P;              stage 3: param = 0 (gathers cast the master)
+  master     = 4 * owned at stages 0-2 (0 when fp32: the parameter is the master); 4 * S at stage 3
   optim_state = 2 * 4 * owned (exp_avg, exp_avg_sq)
   grad = 0 (gradients are freed after the step)
 with owned = P at stage 0 and S otherwise, c = 2 for bf16 and 4 for fp32. At stage 3 the
@@ -61,9 +61,10 @@ def test_ledger_bytes_per_category_match_partition_math():
             owned = sum(o for _, _, o in groups)
             live = {k: v["live_bytes"] for k, v in r["report"]["categories"].items()}
             label = f"stage {stage} {dtype} rank {rank}"
-            expected_param = c * sum(s for _, s, _ in groups) if stage == 3 else c * sum(p for p, _, _ in groups)
+            expected_param = 0 if stage == 3 else c * sum(p for p, _, _ in groups)
+            expected_master = 4 * owned if stage == 3 or dtype == "bf16" else 0
             assert live[Category.PARAM.value] == expected_param, label
-            assert live[Category.MASTER.value] == (0 if dtype == "fp32" else 4 * owned), label
+            assert live[Category.MASTER.value] == expected_master, label
             assert live[Category.OPTIM_STATE.value] == 2 * 4 * owned, label
             assert live[Category.GRAD.value] == 0, label
             assert live[Category.PARAM_GATHERED.value] == 0, label
@@ -76,9 +77,12 @@ def test_ledger_bytes_per_category_match_partition_math():
                 assert 0 < peak <= bound, f"{label}: gathered peak {peak} > {bound}"
 
 
-def test_stage3_holds_one_shard_of_parameters():
-    """At stage 3 with 2 ranks, parameter bytes are half of stage 2's (up to padding)."""
+def test_stage3_model_states_are_one_shard():
+    """At stage 3 with 2 ranks, parameters + masters take 4 bytes per owned element (bf16 adds
+    nothing: no low-precision shard is kept), against stage 2's 2 * P + 4 * S."""
     results = run_distributed(_run, 2, [(2, "bf16"), (3, "bf16")])[0]
-    p2 = results[0]["report"]["categories"][Category.PARAM.value]["live_bytes"]
-    p3 = results[1]["report"]["categories"][Category.PARAM.value]["live_bytes"]
-    assert p3 * 2 == p2
+    sizes = [sum(p for _, gs in r["units"] for p, _, _ in gs) for r in results]
+    states = [r["report"]["categories"][Category.PARAM.value]["live_bytes"]
+              + r["report"]["categories"][Category.MASTER.value]["live_bytes"] for r in results]
+    assert states[0] == 2 * sizes[0] + 4 * sizes[0] // 2
+    assert states[1] == 4 * sizes[1] // 2

@@ -7,18 +7,24 @@ whole buffer (every rank steps everything).
 
 Memory per rank (P = padded_numel, S = P / N, c = bytes of the compute dtype):
 
-=========  ==========================  ====================  ==========================
-stage      low-precision params        fp32 master           gradients (during backward)
-=========  ==========================  ====================  ==========================
-0          c * P (``full``)            4 * P (alias if fp32) c * P, then 4 * P at step*
-1, 2       c * P (``full``)            4 * S (alias if fp32) c * P, reduced into 4 * S
-3          c * S (``shard``) + c * P   4 * S (alias if fp32) c * P transient, 4 * S
-           while gathered
-=========  ==========================  ====================  ==========================
+=========  =========================  =====================  ================================
+stage      low-precision params       fp32 master            gradients
+=========  =========================  =====================  ================================
+0          c * P (``full``)           4 * P (alias if fp32)  c * P, plus one group's 4 * P at
+                                                             the step
+1          c * P (``full``)           4 * S (alias if fp32)  c * P until the boundary, then
+                                                             c * S reduced
+2          c * P (``full``)           4 * S (alias if fp32)  c * P per group while it reduces;
+                                                             c * S reduced (4 * S when
+                                                             accumulating micro-batches)
+3          c * P only while gathered  4 * S                  as stage 2
+=========  =========================  =====================  ================================
 
-(*) stage 0 with a low-precision compute dtype builds each group's fp32 gradient only while that
-group steps. ``full`` at stage 3 is one tensor object whose storage is resized to 0 when released
-and back to ``c * P`` when gathered, so the views the parameters and autograd hold stay valid.
+At stage 3 no low-precision shard is kept: the gather casts the fp32 master shard into a c * S
+buffer that lives only until the all-gather is done (FSDP2 keeps its sharded parameters in
+fp32 the same way). ``full`` at stage 3 is one tensor object whose storage is resized to 0 when
+released and back to ``c * P`` when gathered, so the views the parameters and autograd hold stay
+valid. A reduced shard in the compute dtype becomes fp32 one group at a time inside the step.
 """
 from __future__ import annotations
 
@@ -70,11 +76,14 @@ class FlatParamGroup:
             p.data = self.full[off:off + n].view(shape)
 
         owned_view = self._full_data[start:start + self.owned_numel]
-        if stage == 3:
-            self.shard = ledger.empty(self.shard_numel, compute_dtype, Category.PARAM, self.device)
-            self.shard.copy_(owned_view)
-        else:
+        # ``shard``: this rank's low-precision values (what an all-gather sends). Stage 3 in low
+        # precision keeps none: the gather casts the master. In fp32 the shard is the master.
+        self.shard: torch.Tensor | None = None
+        if stage < 3:
             self.shard = owned_view
+        elif compute_dtype == torch.float32:
+            self.shard = ledger.empty(self.shard_numel, compute_dtype, Category.MASTER, self.device)
+            self.shard.copy_(owned_view)
         if compute_dtype == torch.float32:
             self.master = self.shard  # no second copy: the fp32 shard is the master
         else:
@@ -82,7 +91,7 @@ class FlatParamGroup:
             self.master.copy_(owned_view)
         self.master_param = torch.nn.Parameter(self.master, requires_grad=False)
         self.grad_full: torch.Tensor | None = None    # compute dtype, padded_numel
-        self.master_grad: torch.Tensor | None = None  # fp32, owned_numel (stages 1-3)
+        self.master_grad: torch.Tensor | None = None  # reduced gradient of the owned range (stages 1-3)
         self.pending: list[Handle] = []
         self.gathered = True
         self.grads_seen = 0
@@ -97,7 +106,15 @@ class FlatParamGroup:
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
         self.ledger.resized(self.full)
         self.gathered = True
-        return self.dp.all_gather(self._full_data, self.shard)
+        return self.all_gather_into_full()
+
+    def all_gather_into_full(self) -> Handle:
+        """All-gather every rank's low-precision shard into ``full`` (which must be allocated)."""
+        source = self.shard
+        if source is None:  # stage 3, low precision: cast the master for the wire only
+            source = self.ledger.empty(self.shard_numel, self.compute_dtype, Category.COMM_BUFFER, self.device)
+            source.copy_(self.master)
+        return self.dp.all_gather(self._full_data, source)
 
     def release(self) -> None:
         """Free the gathered buffer (stage 3); the parameter views stay but hold no memory."""
@@ -121,9 +138,10 @@ class FlatParamGroup:
             self.grad_full = self.ledger.zeros(self.padded_numel, self.compute_dtype, Category.GRAD, self.device)
         return self.grad_full
 
-    def ensure_master_grad(self) -> torch.Tensor:
+    def ensure_master_grad(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The reduced gradient of the owned range, zeros in ``dtype`` if none exists yet."""
         if self.master_grad is None:
-            self.master_grad = self.ledger.zeros(self.owned_numel, torch.float32, Category.GRAD, self.device)
+            self.master_grad = self.ledger.zeros(self.owned_numel, dtype, Category.GRAD, self.device)
         return self.master_grad
 
     def wait_pending(self) -> None:
@@ -140,6 +158,8 @@ class FlatParamGroup:
     # -- after the optimizer step -------------------------------------------------------------
     def master_to_params(self) -> Handle | None:
         """Write the stepped master into the compute-dtype parameters; start the all-gather (1, 2)."""
+        if self.stage == 3:
+            return None  # the next gather reads the master
         with torch.no_grad():
             if self.master is not self.shard:
                 self.shard.copy_(self.master)

@@ -7,8 +7,10 @@ elements; nothing is copied. Stages 1-3 reduce-scatter: the flat gradient seen a
 input as is; otherwise each bucket's columns are copied into a contiguous ``N * (c1 - c0)``
 comm buffer (category ``comm_buffer``), so buckets smaller than one parameter are fine. The
 reduced ``c1 - c0`` elements are added, divided by N, into the fp32 gradient shard when the
-handle is waited on. With ``reduce_scatter: false`` each bucket is all-reduced and the owned part
-kept.
+handle is waited on. When gradients are reduced once per step (stage 1, or no accumulation at
+stages 2-3) the collective writes straight into a gradient shard in the compute dtype (c * S),
+divided by N in place, and there is no fp32 accumulator. With ``reduce_scatter: false`` each
+bucket is all-reduced and the owned part kept.
 
 Memory in flight: at most one group's flat gradient (c * P) plus the comm buffers of the
 buckets not yet waited on. Communication: c * P bytes per group per reduction.
@@ -22,8 +24,9 @@ from .flat_group import FlatParamGroup
 
 class GradReducer:
     def __init__(self, stage: int, dp: DataParallelGroup, bucket_numel: int, use_reduce_scatter: bool,
-                 overlap: bool, ledger: Ledger) -> None:
+                 overlap: bool, ledger: Ledger, accumulate_fp32: bool) -> None:
         self.stage = stage
+        self.accumulate_fp32 = accumulate_fp32
         self.dp = dp
         self.bucket_numel = max(1, int(bucket_numel))
         self.use_reduce_scatter = use_reduce_scatter
@@ -47,9 +50,12 @@ class GradReducer:
 
     def _reduce_scatter(self, group: FlatParamGroup, grad) -> None:
         n, s = self.dp.size, group.shard_numel
-        master_grad = group.ensure_master_grad()
         scale = 1.0 / n
         cols = max(1, self.bucket_numel // n)
+        if not self.accumulate_fp32:
+            self._reduce_scatter_direct(group, grad, cols)
+            return
+        master_grad = group.ensure_master_grad()
         if cols >= s:
             out = self.ledger.empty(s, grad.dtype, Category.COMM_BUFFER, grad.device)
             group.pending.append(self.dp.reduce_scatter(
@@ -64,6 +70,25 @@ class GradReducer:
             target = master_grad[c0:c1]
             group.pending.append(self.dp.reduce_scatter(
                 out, inp, on_done=lambda t=target, o=out: t.add_(o, alpha=scale)))
+
+    def _reduce_scatter_direct(self, group: FlatParamGroup, grad, cols: int) -> None:
+        """One reduction per step: the collective writes straight into the gradient shard
+        (compute dtype), which is then divided by N; no comm buffer for the output."""
+        if group.master_grad is not None:
+            raise AssertionError(f"{group.name}: reduced twice in one step without accumulation")
+        n, s = self.dp.size, group.shard_numel
+        shard = group.master_grad = self.ledger.empty(s, grad.dtype, Category.GRAD, grad.device)
+        scale = 1.0 / n
+        if cols >= s:
+            group.pending.append(self.dp.reduce_scatter(shard, grad, on_done=lambda: shard.mul_(scale)))
+            return
+        matrix = grad.view(n, s)
+        for c0 in range(0, s, cols):
+            c1 = min(s, c0 + cols)
+            inp = self.ledger.empty(n * (c1 - c0), grad.dtype, Category.COMM_BUFFER, grad.device)
+            inp.view(n, c1 - c0).copy_(matrix[:, c0:c1])
+            part = shard[c0:c1]
+            group.pending.append(self.dp.reduce_scatter(part, inp, on_done=lambda p=part: p.mul_(scale)))
 
     def _all_reduce_keep_shard(self, group: FlatParamGroup, grad) -> None:
         master_grad = group.ensure_master_grad()

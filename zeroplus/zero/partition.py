@@ -8,13 +8,14 @@ When gradients are reduced: stages 0 and 1 at the accumulation boundary only (gr
 accumulate in the flat compute-dtype buffer between micro-batches); stages 2 and 3 after every
 micro-batch, into the fp32 gradient shard, freeing the flat buffer. Each flat group's reduction
 starts as soon as its last gradient has arrived, so communication overlaps the rest of the
-backward; the handles are waited on when the backward is over.
+backward; the handles are waited on when the backward is over, or earlier once more than ``MAX_GROUPS_IN_FLIGHT`` groups are in flight.
 
 After the optimizer step, the new master values are written into the compute-dtype parameters;
 stages 1 and 2 all-gather them asynchronously and the next forward waits for them.
 """
 from __future__ import annotations
 
+import collections
 import logging
 
 import torch
@@ -29,11 +30,15 @@ from .units import Unit, assign_parameters, find_unit_modules
 
 logger = logging.getLogger("zeroplus.zero")
 
+# Reductions still in flight when the next one starts; older ones are waited on, which bounds
+# the flat gradients and comm buffers alive during backward to about this many groups.
+MAX_GROUPS_IN_FLIGHT = 2
+
 
 class ZeroPartition:
     def __init__(self, model: torch.nn.Module, zero: ZeroConfig, dp: DataParallelGroup, ledger: Ledger,
                  compute_dtype: torch.dtype, param_group_of: dict[int, int],
-                 unit_class_names: list[str] | None = None) -> None:
+                 unit_class_names: list[str] | None = None, gradient_accumulation_steps: int = 1) -> None:
         self.stage = zero.stage
         self.dp = dp
         self.ledger = ledger
@@ -55,7 +60,10 @@ class ZeroPartition:
         self.root = self.units[-1]
         self.groups: list[FlatParamGroup] = [g for u in self.units for g in u.groups]
         overlap = True if zero.overlap_comm is None else zero.overlap_comm
-        self.reducer = GradReducer(self.stage, dp, int(zero.reduce_bucket_size), zero.reduce_scatter, overlap, ledger)
+        accumulate_fp32 = self.stage >= 2 and gradient_accumulation_steps > 1
+        self.reducer = GradReducer(self.stage, dp, int(zero.reduce_bucket_size), zero.reduce_scatter, overlap, ledger,
+                                   accumulate_fp32)
+        self._in_flight: collections.deque[FlatParamGroup] = collections.deque()
         self.reduce_this_backward = True
         self._ready: set[int] = set()
         self._unit_of_group = {id(g): u for u in self.units for g in u.groups}
@@ -100,6 +108,9 @@ class ZeroPartition:
         self._ready.add(id(group))
         if self.reduce_this_backward:
             self.reducer.reduce(group)
+            self._in_flight.append(group)
+            while len(self._in_flight) > MAX_GROUPS_IN_FLIGHT:
+                self._in_flight.popleft().wait_pending()
         group.grads_seen = 0
         unit = self._unit_of_group[id(group)]
         unit.groups_ready += 1
@@ -114,6 +125,7 @@ class ZeroPartition:
             g.grads_seen = 0
         for g in self.groups:
             g.wait_pending()
+        self._in_flight.clear()
         if self.stage3 is not None:
             self.stage3.end_backward()
 

@@ -72,12 +72,9 @@ class ShardedStep:
         return norm / loss_scale
 
     def _master_grad(self, g: FlatParamGroup, coef: float) -> torch.Tensor:
-        if self.partition.stage > 0:
-            grad = g.ensure_master_grad()
-        else:
-            grad = g.ensure_grad_full()
-            if grad.dtype != torch.float32:  # stage 0, low precision: this group's fp32 gradient only
-                grad = self.ledger.empty(grad.numel(), torch.float32, Category.GRAD, grad.device).copy_(grad)
+        grad = g.ensure_grad_full() if self.partition.stage == 0 else g.ensure_master_grad()
+        if grad.dtype != torch.float32:  # low precision: this group's fp32 gradient only, for its step
+            grad = self.ledger.empty(grad.numel(), torch.float32, Category.GRAD, grad.device).copy_(grad)
         return grad.mul_(coef) if coef != 1.0 else grad
 
     def step(self, loss_scale: float) -> bool:
