@@ -71,7 +71,8 @@ class ZeroPartition:
         for g in self.groups:
             for i, p in enumerate(g.params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(g, i)))
-        self.stage3 = (Stage3Scheduler(self.units[:-1], self.root, int(zero.stage3_prefetch_bucket_size))
+        prefetch = zero.stage3_prefetch_bucket_size
+        self.stage3 = (Stage3Scheduler(self.units[:-1], self.root, None if prefetch is None else int(prefetch))
                        if self.stage == 3 else None)
 
     # -- forward ------------------------------------------------------------------------------
@@ -138,6 +139,7 @@ class ZeroPartition:
             g.free_grads()
         if self.stage3 is not None:
             self.stage3.refresh_persistent()
+            self.stage3.prefetch_for_next_forward()
 
     def wait_all(self) -> None:
         for g in self.groups:

@@ -2,7 +2,9 @@
 
 Forward: a pre-hook on each unit's module waits for its all-gather (issuing it if no prefetch
 did), then issues the all-gathers of the next units in the recorded forward order until
-``stage3_prefetch_bucket_size`` elements are in flight (at least one unit). A post-hook releases
+``stage3_prefetch_bucket_size`` elements are in flight (at least one unit; unset: exactly one).
+After each optimizer step the root unit and the first unit are gathered ahead for the next
+forward. A post-hook releases
 the unit (its storage is resized to 0) and hooks the unit's output tensors so that, when their
 gradient arrives, the unit is gathered again for its backward and the units before it are
 prefetched. A unit is released in backward as soon as all its gradients have arrived (the
@@ -24,7 +26,8 @@ from .units import Unit
 
 
 class Stage3Scheduler:
-    def __init__(self, units: list[Unit], root: Unit, prefetch_numel: int) -> None:
+    def __init__(self, units: list[Unit], root: Unit, prefetch_numel: int | None) -> None:
+        """``prefetch_numel``: elements gathered ahead of use; ``None`` means one unit ahead."""
         self.units = units
         self.root = root
         self.prefetch_numel = prefetch_numel
@@ -47,20 +50,27 @@ class Stage3Scheduler:
             self.root.release()
 
     def _prefetch(self, order: list[int], start: int) -> None:
-        budget = self.prefetch_numel
+        budget = 1 if self.prefetch_numel is None else self.prefetch_numel
         for position in range(start, len(order)):
             unit = self.units[order[position]]
             unit.start_gather()
-            budget -= unit.numel
+            budget -= 1 if self.prefetch_numel is None else unit.numel
             if budget <= 0:
                 break
+
+    def prefetch_for_next_forward(self) -> None:
+        """After a step: start gathering the root unit and the first unit(s) of the next forward,
+        so their all-gathers overlap whatever runs between steps (data loading, logging)."""
+        self.root.start_gather()
+        if self.forward_order and self.prefetch_numel != 0:
+            self._prefetch(self.forward_order, 0)
 
     def _make_pre_forward(self, unit: Unit):
         def hook(module: torch.nn.Module, args: Any) -> None:
             unit.wait_gather()
             self._recording.append(unit.index)
             order = self.forward_order
-            if order and unit.index in order and self.prefetch_numel > 0:
+            if order and unit.index in order and self.prefetch_numel != 0:
                 self._prefetch(order, order.index(unit.index) + 1)
         return hook
 
@@ -83,7 +93,7 @@ class Stage3Scheduler:
             unit.backward_gathered = True
             unit.wait_gather()
             order = list(reversed(self.forward_order))
-            if unit.index in order and self.prefetch_numel > 0:
+            if unit.index in order and self.prefetch_numel != 0:
                 self._prefetch(order, order.index(unit.index) + 1)
             return None
         return hook
