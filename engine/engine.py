@@ -133,9 +133,12 @@ class Engine:
         self._partition.after_step()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
-        if self.global_steps % self.config.steps_per_print == 0 and self.dp.rank == 0:
-            logger.info("step %d: lr %s, grad norm %.4g, loss scale %g", self.global_steps, self.get_lr(),
-                        self._step.last_grad_norm or 0.0, self.loss_scaler.scale)
+        if self.global_steps % self.config.steps_per_print == 0:
+            if self.dp.rank == 0:
+                logger.info("step %d: lr %s, grad norm %.4g, loss scale %g", self.global_steps, self.get_lr(),
+                            self._step.last_grad_norm or 0.0, self.loss_scaler.scale)
+            if self.config.memory_breakdown:
+                logger.info("step %d\n%s", self.global_steps, self.memory_report())
 
     # -- memory --------------------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:

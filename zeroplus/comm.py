@@ -93,7 +93,7 @@ class DataParallelGroup:
         """True on every rank if ``flag`` is true on any rank (used for fp16 overflow)."""
         if self.size == 1:
             return flag
-        t = torch.tensor([1.0 if flag else 0.0])
+        t = torch.tensor([1.0 if flag else 0.0], device=get_accelerator().device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return bool(t.item() > 0)
 

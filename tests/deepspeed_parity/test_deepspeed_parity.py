@@ -15,6 +15,7 @@ import torch
 
 from tests.dist_helper import run_distributed
 from tests.models import ParityNet, make_batches
+from tests.reference import engine_train
 
 pytest.importorskip("deepspeed")
 
@@ -32,16 +33,7 @@ def _config(stage: int, dtype: str) -> dict:
 
 
 def _train(engine, rank: int, world: int) -> list[float]:
-    batches = make_batches(STEPS * GAS * world, MICRO)
-    losses = []
-    for s in range(STEPS):
-        for k in range(GAS):
-            x, y = batches[(s * GAS + k) * world + rank]
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-    return losses
+    return engine_train(engine, make_batches(STEPS * GAS * world, MICRO), STEPS, rank, world, GAS)
 
 
 def _deepspeed_runs(cases: list) -> list[list[float]]:

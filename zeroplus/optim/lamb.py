@@ -71,10 +71,11 @@ class Lamb(torch.optim.Optimizer):
             w, u = p.float().norm().item(), update.norm().item()
             return min(max(w / u, lo), hi) if w > 0 and u > 0 else 1.0
         segments, num_params, dp = self._segments[id(p)]
-        sums = torch.zeros(2, num_params, dtype=torch.float64)
+        dtype = torch.float32 if p.device.type == "npu" else torch.float64
+        sums = torch.zeros(2, num_params, dtype=dtype, device=p.device)
         for i, s, e in segments:
-            sums[0, i] += p[s:e].double().pow(2).sum()
-            sums[1, i] += update[s:e].double().pow(2).sum()
+            sums[0, i] += p[s:e].to(dtype).pow(2).sum()
+            sums[1, i] += update[s:e].to(dtype).pow(2).sum()
         dp.sum_scalar(sums)
         w, u = sums[0].sqrt(), sums[1].sqrt()
         ratios = torch.where((w > 0) & (u > 0), (w / u).clamp(lo, hi), torch.ones_like(w))

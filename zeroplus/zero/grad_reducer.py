@@ -17,6 +17,10 @@ buckets not yet waited on. Communication: c * P bytes per group per reduction.
 """
 from __future__ import annotations
 
+from typing import Iterator
+
+import torch
+
 from ..comm import DataParallelGroup
 from ..ledger import Category, Ledger
 from .flat_group import FlatParamGroup
@@ -48,7 +52,22 @@ class GradReducer:
         if not self.overlap:
             group.wait_pending()
 
-    def _reduce_scatter(self, group: FlatParamGroup, grad) -> None:
+    def _column_buckets(self, grad: torch.Tensor, s: int, cols: int) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """``(c0, c1, input)`` per bucket: columns ``[c0, c1)`` of the ``(N, S)`` gradient, made
+        contiguous in a comm buffer, or the gradient itself when one bucket covers it."""
+        n = self.dp.size
+        if cols >= s:
+            yield 0, s, grad
+            return
+        matrix = grad.view(n, s)
+        for c0 in range(0, s, cols):
+            c1 = min(s, c0 + cols)
+            inp = self.ledger.empty(n * (c1 - c0), grad.dtype, Category.COMM_BUFFER, grad.device)
+            inp.view(n, c1 - c0).copy_(matrix[:, c0:c1])
+            yield c0, c1, inp
+
+    def _reduce_scatter(self, group: FlatParamGroup, grad: torch.Tensor) -> None:
+        """Accumulate: each bucket's reduced columns are added, divided by N, into the fp32 shard."""
         n, s = self.dp.size, group.shard_numel
         scale = 1.0 / n
         cols = max(1, self.bucket_numel // n)
@@ -56,41 +75,25 @@ class GradReducer:
             self._reduce_scatter_direct(group, grad, cols)
             return
         master_grad = group.ensure_master_grad()
-        if cols >= s:
-            out = self.ledger.empty(s, grad.dtype, Category.COMM_BUFFER, grad.device)
-            group.pending.append(self.dp.reduce_scatter(
-                out, grad, on_done=lambda: master_grad.add_(out, alpha=scale)))
-            return
-        matrix = grad.view(n, s)
-        for c0 in range(0, s, cols):
-            c1 = min(s, c0 + cols)
-            inp = self.ledger.empty(n * (c1 - c0), grad.dtype, Category.COMM_BUFFER, grad.device)
-            inp.view(n, c1 - c0).copy_(matrix[:, c0:c1])
+        for c0, c1, inp in self._column_buckets(grad, s, cols):
             out = self.ledger.empty(c1 - c0, grad.dtype, Category.COMM_BUFFER, grad.device)
             target = master_grad[c0:c1]
             group.pending.append(self.dp.reduce_scatter(
                 out, inp, on_done=lambda t=target, o=out: t.add_(o, alpha=scale)))
 
-    def _reduce_scatter_direct(self, group: FlatParamGroup, grad, cols: int) -> None:
+    def _reduce_scatter_direct(self, group: FlatParamGroup, grad: torch.Tensor, cols: int) -> None:
         """One reduction per step: the collective writes straight into the gradient shard
         (compute dtype), which is then divided by N; no comm buffer for the output."""
         if group.master_grad is not None:
             raise AssertionError(f"{group.name}: reduced twice in one step without accumulation")
-        n, s = self.dp.size, group.shard_numel
+        s = group.shard_numel
         shard = group.master_grad = self.ledger.empty(s, grad.dtype, Category.GRAD, grad.device)
-        scale = 1.0 / n
-        if cols >= s:
-            group.pending.append(self.dp.reduce_scatter(shard, grad, on_done=lambda: shard.mul_(scale)))
-            return
-        matrix = grad.view(n, s)
-        for c0 in range(0, s, cols):
-            c1 = min(s, c0 + cols)
-            inp = self.ledger.empty(n * (c1 - c0), grad.dtype, Category.COMM_BUFFER, grad.device)
-            inp.view(n, c1 - c0).copy_(matrix[:, c0:c1])
+        scale = 1.0 / self.dp.size
+        for c0, c1, inp in self._column_buckets(grad, s, cols):
             part = shard[c0:c1]
             group.pending.append(self.dp.reduce_scatter(part, inp, on_done=lambda p=part: p.mul_(scale)))
 
-    def _all_reduce_keep_shard(self, group: FlatParamGroup, grad) -> None:
+    def _all_reduce_keep_shard(self, group: FlatParamGroup, grad: torch.Tensor) -> None:
         master_grad = group.ensure_master_grad()
         lo, hi = group.owned_start, group.owned_start + group.owned_numel
         scale = 1.0 / self.dp.size

@@ -36,10 +36,16 @@ class _LocalGroup:
         return value
 
 
+def _norm_dtype(device: torch.device) -> torch.dtype:
+    """float64, so the sum hardly depends on how the gradient is sharded; NPUs lack it: float32."""
+    return torch.float32 if device.type == "npu" else torch.float64
+
+
 def _sum_of_squares(t: torch.Tensor) -> torch.Tensor:
-    total = torch.zeros((), dtype=torch.float64, device=t.device)
+    dtype = _norm_dtype(t.device)
+    total = torch.zeros((), dtype=dtype, device=t.device)
     for a in range(0, t.numel(), _NORM_CHUNK):
-        chunk = t[a:a + _NORM_CHUNK].double()  # float64 so the sum hardly depends on the sharding
+        chunk = t[a:a + _NORM_CHUNK].to(dtype)
         total += torch.dot(chunk, chunk)
     return total
 
@@ -60,7 +66,8 @@ class ShardedStep:
 
     def _grad_norm(self, loss_scale: float) -> float:
         stage0 = self.partition.stage == 0
-        total = torch.zeros((), dtype=torch.float64)
+        device = self.partition.groups[0].device if self.partition.groups else torch.device("cpu")
+        total = torch.zeros((), dtype=_norm_dtype(device), device=device)
         for g in self.partition.groups:
             source = g.ensure_grad_full() if stage0 else g.ensure_master_grad()
             total += _sum_of_squares(source)

@@ -1,0 +1,59 @@
+"""The command line, as a user runs it: real subprocesses, real torchrun, real files."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from zeroplus.launcher import split_run_args
+
+ENV = dict(os.environ, ZEROPLUS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+
+
+def test_split_run_args_passes_torchrun_flags_through():
+    assert split_run_args(["-n", "4", "train.py", "--lr", "1"]) == (4, [], ["train.py", "--lr", "1"])
+    assert split_run_args(["--nnodes", "2", "--standalone", "-n", "2", "x.py"]) == \
+        (2, ["--nnodes", "2", "--standalone"], ["x.py"])
+    with pytest.raises(ValueError, match="needs a script"):
+        split_run_args(["-n", "2"])
+    with pytest.raises(ValueError, match="positive number of processes, got 'x'"):
+        split_run_args(["-n", "x", "a.py"])
+
+
+def test_zeroplus_run_launches_ranks_that_initialise_themselves(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import json, sys, torch, torch.distributed as dist, zeroplus
+        from zeroplus.models import GPT, gpt_config
+        torch.manual_seed(0)
+        cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+               "zero_optimization": {"stage": 3}, "zeroplus": {"log_level": "warning"}}
+        engine = zeroplus.initialize(GPT(gpt_config("tiny")), cfg)   # no init_process_group here
+        x = torch.randint(0, 256, (2, 16))
+        for _ in range(2):
+            engine.backward(engine(x, x)); engine.step()
+        print(json.dumps({"rank": dist.get_rank(), "world": dist.get_world_size(), "steps": engine.global_steps}))
+        dist.destroy_process_group()
+    """))
+    out = subprocess.run([sys.executable, "-m", "zeroplus.cli", "run", "-n", "2", str(script)], env=ENV,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = sorted((json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")), key=lambda d: d["rank"])
+    assert [l["rank"] for l in lines] == [0, 1] and all(l["world"] == 2 and l["steps"] == 2 for l in lines)
+
+
+def test_zeroplus_train_main_job_learns(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 2000)
+    out = subprocess.run([sys.executable, "-m", "zeroplus.cli", "train", "--size", "tiny", "--steps", "40",
+                          "--seq-len", "32", "--data", str(corpus)], env=ENV, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads([l for l in out.stdout.splitlines() if l.startswith("{")][-1])
+    assert summary["steps"] == 40 and summary["final_loss"] < 4.6  # uniform over bytes: 5.55; measured 4.2
+    assert "per-rank peak memory" in out.stdout
+    assert out.stdout.count("\n  0 ") + out.stdout.count("\n  1 ") >= 2  # both ranks' rows
