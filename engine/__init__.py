@@ -1,1 +1,1 @@
-"""zeroplus.engine"""
+"""zeroplus.engine: the thin orchestrator (forward, backward, step) and ``initialize``."""

@@ -11,7 +11,8 @@ starts as soon as its last gradient has arrived, so communication overlaps the r
 backward; the handles are waited on when the backward is over, or earlier once more than ``MAX_GROUPS_IN_FLIGHT`` groups are in flight.
 
 After the optimizer step, the new master values are written into the compute-dtype parameters;
-stages 1 and 2 all-gather them asynchronously and the next forward waits for them.
+stages 1 and 2 all-gather them asynchronously, root unit first, and the next forward waits for
+each unit's gather just before that unit runs.
 """
 from __future__ import annotations
 
@@ -72,15 +73,26 @@ class ZeroPartition:
             for i, p in enumerate(g.params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(g, i)))
         prefetch = zero.stage3_prefetch_bucket_size
+        if self.stage in (1, 2):
+            for unit in self.units[:-1]:
+                self._hooks.append(unit.module.register_forward_pre_hook(self._make_wait_hook(unit)))
         self.stage3 = (Stage3Scheduler(self.units[:-1], self.root, None if prefetch is None else int(prefetch))
                        if self.stage == 3 else None)
 
     # -- forward ------------------------------------------------------------------------------
     def before_forward(self) -> None:
-        for g in self.groups:
-            g.wait_pending()  # post-step all-gathers (stages 1, 2) and persistent refreshes (3)
+        # Stages 1-2: only the root's post-step all-gather is waited for here; each block waits
+        # for its own in a forward pre-hook, so later blocks' gathers overlap earlier compute.
+        for g in (self.root.groups if self.stage in (1, 2) else self.groups):
+            g.wait_pending()
         if self.stage3 is not None:
             self.stage3.begin_forward()
+
+    def _make_wait_hook(self, unit: Unit):
+        def hook(module: torch.nn.Module, args: object) -> None:
+            for g in unit.groups:
+                g.wait_pending()
+        return hook
 
     def after_forward(self) -> None:
         if self.stage3 is not None:
@@ -132,7 +144,8 @@ class ZeroPartition:
 
     # -- after the optimizer step ------------------------------------------------------------
     def after_step(self) -> None:
-        for g in self.groups:
+        # Root first: the next forward needs the embeddings before any block.
+        for g in self.root.groups + [g for u in self.units[:-1] for g in u.groups]:
             handle = g.master_to_params()
             if handle is not None:
                 g.pending.append(handle)
