@@ -132,6 +132,10 @@ def _warn_inert_options(cfg: ZeroplusConfig) -> None:
     for block, name in ((zero.offload_optimizer, "offload_optimizer"), (zero.offload_param, "offload_param")):
         if block is not None and block.device != "none":
             inert.append(f"zero_optimization.{name}.device={block.device} (offload tiers are not built yet)")
+    defaults = type(zero)()
+    for key in ("allgather_bucket_size", "sub_group_size"):
+        if getattr(zero, key) != getattr(defaults, key):
+            inert.append(f"zero_optimization.{key}")
     if zero.stage == 3:
         if zero.stage3_max_live_parameters != 1_000_000_000:
             inert.append("zero_optimization.stage3_max_live_parameters")

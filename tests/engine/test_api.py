@@ -132,3 +132,23 @@ def test_memory_report_for_people_and_tools():
     assert d["categories"]["optim_state"]["live_bytes"] > 0 and d["total"]["peak_bytes"] >= d["total"]["live_bytes"]
     text = str(report)
     assert "optim_state" in text and "process peak above start" in text
+
+
+def test_inert_and_unimplemented_options_are_warned_about_once(caplog):
+    import logging
+    logger = logging.getLogger("zeroplus")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="zeroplus"):
+            zeroplus.initialize(ParityNet(), {
+                **BASE, "zeroplus": {"log_level": "warning"}, "wandb": {"enabled": False},
+                "optimizer": {"type": "AdamW", "params": {"lr": 0.1, "torch_adam": True}},
+                "zero_optimization": {"stage": 1, "allgather_bucket_size": 2e8, "sub_group_size": 1e8}})
+    finally:
+        logger.removeHandler(caplog.handler)
+    text = caplog.text
+    assert "does not implement yet (ignored): wandb" in text
+    assert "accepted but without effect yet: zero_optimization.allgather_bucket_size; " \
+           "zero_optimization.sub_group_size" in text
+    assert "['torch_adam'] are DeepSpeed-only" in text
+    assert text.count("without effect yet") == 1
