@@ -22,6 +22,7 @@ from zeroplus.ledger import Ledger
 from zeroplus.memory_report import MemoryReport
 from zeroplus.zero import ShardedStep, ZeroPartition
 
+from .checkpoint import load_checkpoint, save_checkpoint
 from .loss_scaler import LossScaler
 
 logger = logging.getLogger("zeroplus.engine")
@@ -139,6 +140,19 @@ class Engine:
                             self._step.last_grad_norm or 0.0, self.loss_scaler.scale)
             if self.config.memory_breakdown:
                 logger.info("step %d\n%s", self.global_steps, self.memory_report())
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: str | None = None,
+                        client_state: dict[str, Any] | None = None) -> str:
+        """Every rank calls it; atomic (see ``engine/checkpoint_io.py``); tag defaults to global_stepN."""
+        return save_checkpoint(self, save_dir, tag, client_state)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, *, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[str, dict[str, Any]]:
+        """Every rank calls it; any data-parallel size and stage; returns ``(path, client_state)``."""
+        return load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
 
     # -- memory --------------------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:

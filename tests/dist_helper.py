@@ -11,6 +11,7 @@ import io
 import os
 import queue
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
@@ -55,18 +56,22 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         p.start()
     outputs: dict[int, Any] = {}
     errors: list[str] = []
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
+        while len(outputs) < world_size and not errors:
             try:
-                rank, ok, value = results.get(timeout=timeout)
+                rank, ok, value = results.get(timeout=0.5)
             except queue.Empty:
-                errors.append(f"timed out after {timeout}s waiting for a rank (got ranks {sorted(outputs)})")
-                break
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outputs]
+                if dead:
+                    errors.append(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+                elif time.monotonic() > deadline:
+                    errors.append(f"timed out after {timeout}s waiting for a rank (got ranks {sorted(outputs)})")
+                continue
             if ok:
                 outputs[rank] = torch.load(io.BytesIO(value), weights_only=False)
             else:
                 errors.append(f"rank {rank} failed:\n{value}")
-                break
     finally:
         for p in procs:
             p.join(timeout=10 if not errors else 1)

@@ -102,6 +102,23 @@ class DataParallelGroup:
             dist.all_reduce(value, group=self.group)
         return value
 
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (small Python objects: paths, names)."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0,
+                                   group=self.group)
+        return box[0]
+
+    def all_gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (small Python objects)."""
+        if self.size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
     def barrier(self) -> None:
         if self.size > 1:
             dist.barrier(group=self.group)

@@ -167,13 +167,17 @@ class FlatParamGroup:
             return self.dp.all_gather(self._full_data, self.shard)
         return None
 
-    def gather_master(self) -> torch.Tensor:
-        """The whole fp32 master (``numel`` elements, unpadded), assembled from every rank's shard."""
+    def gather_owned(self, owned: torch.Tensor) -> torch.Tensor:
+        """The whole group-length tensor (``numel``, unpadded) from every rank's owned-range piece
+        (the master, or an optimizer state); a collective at stages 1-3."""
         if self.stage == 0:
-            return self.master[:self.numel].clone()
-        full = torch.empty(self.padded_numel, dtype=torch.float32, device=self.device)
-        self.dp.all_gather(full, self.master).wait()
+            return owned[:self.numel].clone()
+        full = torch.empty(self.padded_numel, dtype=owned.dtype, device=self.device)
+        self.dp.all_gather(full, owned).wait()
         return full[:self.numel]
+
+    def gather_master(self) -> torch.Tensor:
+        return self.gather_owned(self.master)
 
     def param_segments(self) -> list[tuple[int, int, int]]:
         """``(param_index, start, end)`` of each parameter inside this rank's owned range."""

@@ -154,6 +154,23 @@ class ZeroPartition:
             self.stage3.refresh_persistent()
             self.stage3.prefetch_for_next_forward()
 
+    def params_from_masters(self) -> None:
+        """After the masters were overwritten (a checkpoint load): make every low-precision copy
+        follow them. Stage 3 drops whatever is gathered (it is stale) and re-gathers persistent
+        units; stages 0-2 copy and all-gather as after a step."""
+        self.wait_all()
+        if self.stage3 is not None:
+            for unit in self.units:
+                unit.release(force=True)
+            for unit in self.units:
+                if unit.persistent:
+                    unit.wait_gather()
+            return
+        for g in self.groups:
+            handle = g.master_to_params()
+            if handle is not None:
+                g.pending.append(handle)
+
     def wait_all(self) -> None:
         for g in self.groups:
             g.wait_pending()

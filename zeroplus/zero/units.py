@@ -51,8 +51,9 @@ class Unit:
             handle.wait()
         self.gather_handles.clear()
 
-    def release(self) -> None:
-        if self.persistent:
+    def release(self, force: bool = False) -> None:
+        """Free the gathered buffers (persistent units only with ``force``)."""
+        if self.persistent and not force:
             return
         # An in-flight prefetch must land before its buffer goes away.
         for handle in self.gather_handles:

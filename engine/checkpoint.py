@@ -1,0 +1,216 @@
+"""Sharded, elastic checkpoints of an engine: what each rank saves and how a rank loads its part.
+
+Each rank saves, per flat group, its *nominal* range ``[r * S, (r + 1) * S)`` clipped to the
+group's unpadded length: the fp32 master values and every optimizer-state tensor of that range
+(at stage 0, where a rank holds everything, it still saves only its nominal range, so the files
+never repeat each other). Plus: step counters, loss scaler, schedule, optimizer hyper-parameters,
+RNG states and the client state; rank 0 also saves buffers and frozen parameters. Low-precision
+parameters are not saved: they are the masters rounded. ``metadata.json`` records every group's
+parameters (name, shape, offset), which rank saved which range, and each file's SHA-256.
+
+Loading needs only the metadata to know which files hold a rank's new owned range, so a
+checkpoint loads at any data-parallel size and ZeRO stage (elastic by construction). Memory while
+saving: one copy of this rank's nominal range of masters and states (in the file's serialised
+bytes); while loading: the files that overlap this rank's range, one at a time.
+"""
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from zeroplus.ledger import Category
+from zeroplus.zero.flat_group import FlatParamGroup
+
+from . import checkpoint_io as io
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+def _nominal_range(g: FlatParamGroup, rank: int) -> tuple[int, int]:
+    lo = min(rank * g.shard_numel, g.numel)
+    return lo, min(lo + g.shard_numel, g.numel)
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _rank_state(engine: Engine, client_state: dict[str, Any] | None) -> dict[str, Any]:
+    part, opt, rank = engine._partition, engine.optimizer, engine.dp.rank
+    groups: dict[str, Any] = {}
+    for g in part.groups:
+        lo, hi = _nominal_range(g, rank)
+        a, b = lo - g.owned_start, hi - g.owned_start
+        sliced, whole = {}, {}
+        for key, value in opt.state.get(g.master_param, {}).items():
+            if isinstance(value, torch.Tensor) and value.numel() == g.owned_numel and value.numel() > 1:
+                sliced[key] = value[a:b].clone()
+            else:
+                whole[key] = value
+        groups[g.name] = {"lo": lo, "hi": hi, "master": g.master[a:b].clone(), "sliced": sliced, "whole": whole}
+    extra = {}
+    if rank == 0:
+        trainable = {id(p) for g in part.groups for p in g.params}
+        extra = {n: t.detach().cpu().clone() for n, t in engine.module.named_parameters() if id(t) not in trainable}
+        extra.update({n: b.detach().cpu().clone() for n, b in engine.module.named_buffers()})
+    return {
+        "rank": rank, "groups": groups, "module_extra": extra, "client_state": client_state or {},
+        "counters": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+                     "global_samples": engine.global_samples, "skipped_steps": engine.skipped_steps},
+        "loss_scaler": engine.loss_scaler.state_dict(),
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "optimizer_hparams": [{k: v for k, v in pg.items() if k != "params"} for pg in opt.param_groups],
+        "rng": _rng_state(),
+    }
+
+
+def _metadata(engine: Engine, tag: str, digests: list[str]) -> dict[str, Any]:
+    part = engine._partition
+    groups = []
+    for g in part.groups:
+        groups.append({"name": g.name, "numel": g.numel,
+                       "params": [[n, list(s), o] for n, s, o in zip(g.names, g.shapes, g.offsets)],
+                       "ranges": [[r, *_nominal_range(g, r)] for r in range(engine.dp.size)]})
+    return {"format": io.FORMAT_VERSION, "tag": tag, "world_size": engine.dp.size, "stage": part.stage,
+            "compute_dtype": str(part.groups[0].compute_dtype) if part.groups else None,
+            "global_steps": engine.global_steps, "groups": groups,
+            "files": {str(r): d for r, d in enumerate(digests)},
+            "config": engine.config.model_dump(mode="json")}
+
+
+def save_checkpoint(engine: Engine, save_dir: str, tag: str | None = None,
+                    client_state: dict[str, Any] | None = None) -> str:
+    """Every rank calls this. Returns the final directory ``save_dir/tag``."""
+    dp = engine.dp
+    tag = tag if tag is not None else f"global_step{engine.global_steps}"
+    if not tag or os.sep in tag or tag.startswith("."):
+        raise ValueError(f"checkpoint tag {tag!r} must be a non-empty name without '{os.sep}' that does not start "
+                         f"with '.'")
+    engine._partition.wait_all()
+    tmp_dir = None
+    if dp.rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        tmp_dir = tempfile.mkdtemp(prefix=f".{tag}.tmp-", dir=save_dir)
+    tmp_dir = dp.broadcast_object(tmp_dir)
+    digest = io.save_rank_state(tmp_dir, dp.rank, _rank_state(engine, client_state))
+    io.fault_point(f"after_rank_file_{dp.rank}")
+    digests = dp.all_gather_objects(digest)
+    final_dir = os.path.join(save_dir, tag)
+    if dp.rank == 0:
+        io.commit(tmp_dir, final_dir, _metadata(engine, tag, digests))
+        io.write_latest(save_dir, tag)
+    dp.barrier()
+    return final_dir
+
+
+def _check_layout(engine: Engine, meta: dict[str, Any], path: str) -> None:
+    """Same parameters, same shapes, same grouping; otherwise an error listing the differences."""
+    saved = {p[0]: tuple(p[1]) for g in meta["groups"] for p in g["params"]}
+    ours = {n: tuple(s) for g in engine._partition.groups for n, s in zip(g.names, g.shapes)}
+    missing, unexpected = sorted(set(ours) - set(saved)), sorted(set(saved) - set(ours))
+    shapes = sorted(f"{n}: checkpoint {saved[n]} vs model {ours[n]}" for n in set(ours) & set(saved)
+                    if saved[n] != ours[n])
+    if missing or unexpected or shapes:
+        raise ValueError(f"checkpoint {path} does not fit this model (rank {engine.dp.rank}): missing parameters "
+                         f"{missing}, unexpected parameters {unexpected}, shape mismatches {shapes}")
+    saved_groups = {g["name"]: [p[0] for p in g["params"]] for g in meta["groups"]}
+    for g in engine._partition.groups:
+        if saved_groups.get(g.name) != g.names:
+            raise ValueError(f"checkpoint {path} groups parameters differently from this engine (rank "
+                             f"{engine.dp.rank}): group {g.name!r} holds {saved_groups.get(g.name)} there and "
+                             f"{g.names} here (same zeroplus.unit_modules and optimizer param groups needed)")
+
+
+class _Files:
+    """Rank files of one checkpoint, read on demand and kept (a rank reads its own range's files,
+    about one at the same world size, two or three after resharding, plus rank 0's), checksums
+    verified on first read."""
+
+    def __init__(self, path: str, meta: dict[str, Any]) -> None:
+        self.path, self.meta = path, meta
+        self._states: dict[int, dict[str, Any]] = {}
+
+    def get(self, rank: int) -> dict[str, Any]:
+        if rank not in self._states:
+            digest = self.meta["files"].get(str(rank))
+            if digest is None:
+                raise ValueError(f"{os.path.join(self.path, io.METADATA)} lists no file for rank {rank}")
+            self._states[rank] = io.load_rank_state(self.path, rank, digest)
+        return self._states[rank]
+
+
+def _load_group(engine: Engine, g: FlatParamGroup, entry: dict[str, Any], files: _Files, load_optim: bool) -> None:
+    """Fill this rank's owned range of the master (and optimizer states) from the saved ranges."""
+    lo, hi = g.owned_start, min(g.owned_start + g.owned_numel, g.numel)
+    overlaps = [(r, a, b, max(a, lo), min(b, hi)) for r, a, b in entry["ranges"] if max(a, lo) < min(b, hi)]
+    opt_state: dict[str, Any] = {}
+    if load_optim:  # the state's shape comes from any file: padding-only ranks need it too
+        first = files.get(overlaps[0][0] if overlaps else entry["ranges"][0][0])["groups"][g.name]
+        for key, value in first["sliced"].items():
+            opt_state[key] = engine.ledger.zeros(g.owned_numel, value.dtype, Category.OPTIM_STATE, g.device)
+        for key, value in first["whole"].items():
+            opt_state[key] = value.clone() if isinstance(value, torch.Tensor) else value
+    with torch.no_grad():
+        for rank, a, b, s, e in overlaps:
+            saved = files.get(rank)["groups"][g.name]
+            g.master[s - g.owned_start:e - g.owned_start].copy_(saved["master"][s - a:e - a])
+            for key, value in saved["sliced"].items() if load_optim else ():
+                opt_state[key][s - g.owned_start:e - g.owned_start].copy_(value[s - a:e - a])
+    if opt_state:
+        engine.optimizer.state[g.master_param] = opt_state
+
+
+def load_checkpoint(engine: Engine, load_dir: str, tag: str | None = None, *, load_optimizer_states: bool = True,
+                    load_lr_scheduler_states: bool = True,
+                    load_module_only: bool = False) -> tuple[str, dict[str, Any]]:
+    """Every rank calls this; returns ``(path, client_state)``."""
+    tag = io.resolve_tag(load_dir, tag)
+    path = os.path.join(load_dir, tag)
+    meta = io.read_metadata(path)
+    _check_layout(engine, meta, path)
+    engine._partition.wait_all()
+    files = _Files(path, meta)
+    entries = {g["name"]: g for g in meta["groups"]}
+    load_optim = load_optimizer_states and not load_module_only
+    for g in engine._partition.groups:
+        _load_group(engine, g, entries[g.name], files, load_optim)
+    own = files.get(min(engine.dp.rank, meta["world_size"] - 1))
+    extra = files.get(0)["module_extra"]
+    with torch.no_grad():
+        targets = dict(engine.module.named_parameters())
+        targets.update(dict(engine.module.named_buffers()))
+        for name, value in extra.items():
+            if name in targets:
+                targets[name].copy_(value)
+    engine._partition.params_from_masters()
+    if not load_module_only:
+        counters = own["counters"]
+        engine.global_steps, engine.micro_steps = counters["global_steps"], counters["micro_steps"]
+        engine.global_samples, engine.skipped_steps = counters["global_samples"], counters["skipped_steps"]
+        engine.loss_scaler.load_state_dict(own["loss_scaler"])
+        if load_optim:
+            for pg, hp in zip(engine.optimizer.param_groups, own["optimizer_hparams"]):
+                pg.update(hp)
+        if load_lr_scheduler_states and engine.lr_scheduler is not None and own["lr_scheduler"] is not None:
+            engine.lr_scheduler.load_state_dict(own["lr_scheduler"])
+        if meta["world_size"] == engine.dp.size:
+            _set_rng_state(own["rng"])
+    engine.dp.barrier()
+    return path, own["client_state"]

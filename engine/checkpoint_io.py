@@ -1,0 +1,121 @@
+"""Checkpoint files on disk: atomic commit, checksums, the ``latest`` pointer.
+
+A save writes every rank's file into a hidden temporary directory ``.TAG.tmp-ID`` next to the
+final one, fsyncs each file, and only after every rank has finished does rank 0 write
+``metadata.json`` (with each file's SHA-256), fsync it and the directory, rename the temporary
+directory to ``TAG``, and then replace ``latest`` (written to a temporary file, fsynced, renamed).
+A process killed anywhere before the rename leaves only a hidden temporary directory, which
+``latest`` never names; killed after it, ``latest`` still names the previous tag until its own
+rename. ``ZEROPLUS_CHECKPOINT_FAULT=<point>`` kills the process at a named point (for tests that
+prove this).
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+from typing import Any
+
+import torch
+
+METADATA = "metadata.json"
+LATEST = "latest"
+FORMAT_VERSION = 1
+
+
+def fault_point(name: str) -> None:
+    """Die here, without cleanup, if the environment asks for it (crash-safety tests)."""
+    if os.environ.get("ZEROPLUS_CHECKPOINT_FAULT") == name:
+        os._exit(17)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.pt"
+
+
+def write_bytes_durably(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_rank_state(directory: str, rank: int, state: dict[str, Any]) -> str:
+    """Write one rank's state; return its SHA-256."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    data = buf.getvalue()
+    write_bytes_durably(os.path.join(directory, rank_file(rank)), data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def load_rank_state(directory: str, rank: int, expected_sha256: str) -> dict[str, Any]:
+    path = os.path.join(directory, rank_file(rank))
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint file {path} (rank {rank}'s shard) is missing")
+    with open(path, "rb") as f:
+        data = f.read()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != expected_sha256:
+        raise ValueError(f"checkpoint file {path} (rank {rank}'s shard) is corrupt: SHA-256 {digest[:16]}... "
+                         f"does not match {expected_sha256[:16]}... recorded in {METADATA}")
+    return torch.load(io.BytesIO(data), weights_only=False, map_location="cpu")
+
+
+def commit(tmp_dir: str, final_dir: str, metadata: dict[str, Any]) -> None:
+    """Rank 0, after every rank wrote its file: metadata, then rename into place."""
+    write_bytes_durably(os.path.join(tmp_dir, METADATA), json.dumps(metadata, indent=1).encode())
+    _fsync_dir(tmp_dir)
+    fault_point("before_rename")
+    parent = os.path.dirname(final_dir)
+    old = None
+    if os.path.exists(final_dir):  # saving a tag again: move the old one aside first
+        old = final_dir + f".old-{os.getpid()}"
+        os.rename(final_dir, old)
+    os.rename(tmp_dir, final_dir)
+    _fsync_dir(parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def write_latest(save_dir: str, tag: str) -> None:
+    fault_point("before_latest")
+    tmp = os.path.join(save_dir, f".{LATEST}.tmp-{os.getpid()}")
+    write_bytes_durably(tmp, tag.encode())
+    os.replace(tmp, os.path.join(save_dir, LATEST))
+    _fsync_dir(save_dir)
+
+
+def resolve_tag(load_dir: str, tag: str | None) -> str:
+    if not os.path.isdir(load_dir):
+        raise FileNotFoundError(f"checkpoint directory {load_dir} does not exist")
+    if tag is None:
+        latest = os.path.join(load_dir, LATEST)
+        if not os.path.isfile(latest):
+            raise FileNotFoundError(f"no tag given and {latest} does not exist: nothing to resume from in {load_dir}")
+        with open(latest) as f:
+            tag = f.read().strip()
+    path = os.path.join(load_dir, tag)
+    if not os.path.isfile(os.path.join(path, METADATA)):
+        tags = sorted(t for t in os.listdir(load_dir) if os.path.isfile(os.path.join(load_dir, t, METADATA)))
+        raise FileNotFoundError(f"checkpoint tag {tag!r} not found in {load_dir} (complete checkpoints there: {tags})")
+    return tag
+
+
+def read_metadata(path: str) -> dict[str, Any]:
+    with open(os.path.join(path, METADATA)) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{os.path.join(path, METADATA)} has format {meta.get('format')!r}; this zeroplus reads "
+                         f"format {FORMAT_VERSION}")
+    return meta
