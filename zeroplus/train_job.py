@@ -1,9 +1,9 @@
 """The main job: train the built-in byte-level GPT on a local text corpus with a zeroplus config.
 
 Runs on every rank (launched by ``zeroplus train`` through torchrun). Rank 0 shows a progress bar
-with loss, tokens/s and memory, then a summary: final and held-out loss, and each rank's peak
-memory by ledger category. Checkpoints arrive with the checkpoint issue; the summary says where
-they will go.
+with loss, tokens/s and memory, then a summary: final and held-out loss, each rank's peak
+memory by ledger category, and the checkpoint it saved (``--save-dir``; ``--resume`` continues
+from the latest one there).
 """
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--save-dir", default="runs/zeroplus-gpt")
+    p.add_argument("--save-dir", default="runs/zeroplus-gpt", help="checkpoint directory ('' to not save)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
     return p.parse_args(argv)
 
 
@@ -53,11 +54,16 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         print(f"zeroplus train: GPT-{args.size} ({n_params / 1e6:.2f}M parameters), {world} ranks, config {config}, "
               f"data: {corpus_description(args.data)}", flush=True)
+    if args.resume:
+        path, _ = engine.load_checkpoint(args.save_dir)
+        if rank == 0:
+            print(f"resumed from {path} at step {engine.global_steps}", flush=True)
     gas = engine.gradient_accumulation_steps()
     tokens_per_step = engine.train_batch_size() * args.seq_len
     bar = tqdm(total=args.steps, disable=rank != 0, unit="step", dynamic_ncols=True)
     start, loss_value = time.perf_counter(), float("nan")
-    for step in range(args.steps):
+    first_step = engine.global_steps
+    for step in range(first_step, first_step + args.steps):
         for micro in range(gas):
             x, y = data.batch(step, micro)
             loss = engine(x, y)
@@ -67,7 +73,8 @@ def main(argv: list[str] | None = None) -> None:
         if rank == 0:
             elapsed = time.perf_counter() - start
             peak = engine.memory_report().process_peak_above_start_bytes
-            bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_step * (step + 1) / elapsed:,.0f}",
+            done = step + 1 - first_step
+            bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_step * done / elapsed:,.0f}",
                             mem=f"{peak / 2**20:,.0f}MiB")
             bar.update(1)
     bar.close()
@@ -80,6 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         dist.all_gather_object(reports, report)
     else:
         reports = [report]
+    saved = engine.save_checkpoint(args.save_dir) if args.save_dir else None
     if rank == 0:
         elapsed = time.perf_counter() - start
         print(f"\nfinished {args.steps} steps in {elapsed:.1f}s ({tokens_per_step * args.steps / elapsed:,.0f} "
@@ -91,8 +99,7 @@ def main(argv: list[str] | None = None) -> None:
         for r in reports:
             print("  " + f"{r['rank']:<6}" + "".join(f"{r['categories'][c]['peak_bytes'] / 2**20:>16.1f}" for c in cats)
                   + f"{r['process_peak_above_start_bytes'] / 2**20:>12.1f}")
-        print(f"checkpoint: would be saved to {args.save_dir}/global_step{engine.global_steps} "
-              f"(checkpointing is not built yet)")
+        print(f"checkpoint: {saved}" if saved else "checkpoint: not saved (--save-dir '')")
         print(json.dumps({"final_loss": loss_value, "held_out_loss": sum(held) / len(held),
                           "steps": args.steps}))
     engine.destroy()

@@ -49,11 +49,16 @@ def test_zeroplus_run_launches_ranks_that_initialise_themselves(tmp_path):
 def test_zeroplus_train_main_job_learns(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 2000)
-    out = subprocess.run([sys.executable, "-m", "zeroplus.cli", "train", "--size", "tiny", "--steps", "40",
-                          "--seq-len", "32", "--data", str(corpus)], env=ENV, capture_output=True, text=True,
-                         timeout=300)
+    save = tmp_path / "ckpt"
+    args = [sys.executable, "-m", "zeroplus.cli", "train", "--size", "tiny", "--seq-len", "32", "--data", str(corpus),
+            "--save-dir", str(save)]
+    out = subprocess.run(args + ["--steps", "40"], env=ENV, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads([l for l in out.stdout.splitlines() if l.startswith("{")][-1])
     assert summary["steps"] == 40 and summary["final_loss"] < 4.6  # uniform over bytes: 5.55; measured 4.2
     assert "per-rank peak memory" in out.stdout
     assert out.stdout.count("\n  0 ") + out.stdout.count("\n  1 ") >= 2  # both ranks' rows
+    assert (save / "latest").read_text() == "global_step40"
+    again = subprocess.run(args + ["--steps", "5", "--resume"], env=ENV, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stdout and (save / "latest").read_text() == "global_step45"
