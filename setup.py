@@ -15,7 +15,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["zeroplus", "zeroplus.*"]),
     package_data={"zeroplus": ["configs/*.json"]},
-    install_requires=["torch>=2.4", "numpy", "psutil", "pydantic>=2", "tqdm"],
+    install_requires=["torch>=2.4", "numpy", "psutil", "pydantic>=2", "tqdm", "safetensors"],
     extras_require={
         "deepspeed": ["deepspeed==0.19.8"],
         "npu": ["torch_npu"],

@@ -88,7 +88,11 @@ def _metadata(engine: Engine, tag: str, digests: list[str]) -> dict[str, Any]:
         groups.append({"name": g.name, "numel": g.numel,
                        "params": [[n, list(s), o] for n, s, o in zip(g.names, g.shapes, g.offsets)],
                        "ranges": [[r, *_nominal_range(g, r)] for r in range(engine.dp.size)]})
+    canonical = {id(p): n for n, p in engine.module.named_parameters()}
+    aliases = {n: canonical[id(p)] for n, p in engine.module.named_parameters(remove_duplicate=False)
+               if canonical[id(p)] != n}  # tied weights: every name the plain state_dict uses
     return {"format": io.FORMAT_VERSION, "tag": tag, "world_size": engine.dp.size, "stage": part.stage,
+            "aliases": aliases,
             "compute_dtype": str(part.groups[0].compute_dtype) if part.groups else None,
             "global_steps": engine.global_steps, "groups": groups,
             "files": {str(r): d for r, d in enumerate(digests)},

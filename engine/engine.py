@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from typing import Any, Iterator
 
 import torch
@@ -23,6 +24,7 @@ from zeroplus.memory_report import MemoryReport
 from zeroplus.zero import ShardedStep, ZeroPartition
 
 from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint_export import write_state_dict
 from .loss_scaler import LossScaler
 
 logger = logging.getLogger("zeroplus.engine")
@@ -153,6 +155,29 @@ class Engine:
         """Every rank calls it; any data-parallel size and stage; returns ``(path, client_state)``."""
         return load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> str | None:
+        """Gather the whole model in the compute dtype into one file on rank 0 (every rank calls
+        it: at stages 1-3 the masters are all-gathered). Returns the path on rank 0."""
+        state = self._partition.consolidated_fp32_state()
+        if self.dp.rank != 0:
+            self.dp.barrier()
+            return None
+        dtype = self._partition.groups[0].compute_dtype if self._partition.groups else torch.float32
+        out = {n: t.to(dtype) for n, t in state.items()}
+        trainable = {id(p) for g in self._partition.groups for p in g.params}
+        canonical = {id(p): n for n, p in self.module.named_parameters()}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            if id(p) not in trainable:
+                out[name] = p.detach().cpu().clone()
+            elif canonical[id(p)] != name:
+                out[name] = out[canonical[id(p)]].clone()  # tied weight, under each of its names
+        out.update({n: b.detach().cpu().clone() for n, b in self.module.named_buffers()})
+        os.makedirs(save_dir, exist_ok=True)
+        path = os.path.join(save_dir, save_filename)
+        write_state_dict(out, path)
+        self.dp.barrier()
+        return path
 
     # -- memory --------------------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:

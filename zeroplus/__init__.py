@@ -7,8 +7,9 @@
 """
 from .config import ConfigError
 from .engine.build import initialize
+from .engine.checkpoint_export import load_fp32_state_dict
 from .engine.engine import Engine
 from .memory_report import MemoryReport
 
-__all__ = ["ConfigError", "Engine", "MemoryReport", "initialize"]
+__all__ = ["ConfigError", "Engine", "MemoryReport", "initialize", "load_fp32_state_dict"]
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""The ``zeroplus`` command: ``run`` (launch ranks) and ``train`` (the main job)."""
+"""The ``zeroplus`` command: ``run`` (launch ranks), ``train`` (the main job), ``convert`` (export)."""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +15,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("run", help="launch N local ranks of a script through torchrun: zeroplus run -n N script.py",
                    add_help=False)
     train = sub.add_parser("train", help="train the built-in byte-level GPT (the main job)", add_help=False)
+    convert = sub.add_parser("convert", help="checkpoint -> one fp32 state dict (.safetensors or .pt)")
+    convert.add_argument("checkpoint_dir")
+    convert.add_argument("out", help="output file: .safetensors, .pt, .pth or .bin")
+    convert.add_argument("--tag", default=None, help="checkpoint tag (default: the one in CHECKPOINT_DIR/latest)")
     train.add_argument("-n", "--nproc", type=int, default=2)
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
@@ -26,6 +30,18 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:
             print(f"zeroplus run: {err}", file=sys.stderr)
             return 2
+    if command == "convert":
+        args = parser.parse_args(argv)
+        from .engine.checkpoint_export import load_fp32_state_dict, write_state_dict
+        try:
+            state = load_fp32_state_dict(args.checkpoint_dir, args.tag)
+            write_state_dict(state, args.out)
+        except (FileNotFoundError, ValueError) as err:
+            print(f"zeroplus convert: {err}", file=sys.stderr)
+            return 2
+        total = sum(t.numel() for t in state.values())
+        print(f"wrote {args.out}: {len(state)} tensors, {total:,} elements (fp32)")
+        return 0
     if command == "train":
         known, passthrough = train.parse_known_args(rest)
         if "RANK" in os.environ:  # already under a launcher
@@ -39,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // known.nproc)))
         import subprocess
         return subprocess.call(cmd, env=env)
-    parser.error(f"unknown command {command!r}; use run or train")
+    parser.error(f"unknown command {command!r}; use run, train or convert")
     return 2
 
 

@@ -182,3 +182,42 @@ def test_bad_checkpoints_are_clear_errors(tmp_path):
     os.remove(shard)
     with pytest.raises(FileNotFoundError, match=r"rank00000.pt \(rank 0's shard\) is missing"):
         engine.load_checkpoint(path)
+
+
+def _train_save_and_16bit(path: str, out_dir: str) -> dict:
+    torch.manual_seed(0)
+    engine = zeroplus.initialize(ParityNet(), _config(3, "bf16"))
+    _steps(engine, 0, 3)
+    engine.save_checkpoint(path)
+    engine.save_16bit_model(out_dir)
+    return engine._partition.consolidated_fp32_state()
+
+
+def test_export_fp32_state_dict_loads_into_the_plain_model(tmp_path):
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+    path, out_dir = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    masters = run_distributed(_train_save_and_16bit, 2, path, out_dir)[0]
+    sd = zeroplus.load_fp32_state_dict(path)
+    plain = ParityNet()
+    plain.load_state_dict(sd, strict=True)  # tied head and frozen layer included
+    for name, value in masters.items():
+        assert torch.equal(sd[name], value), name
+    assert torch.equal(sd["head.weight"], sd["embed.weight"])
+    for out in ("model.safetensors", "model.pt"):
+        target = str(tmp_path / out)
+        done = subprocess.run([sys.executable, "-m", "zeroplus.cli", "convert", path, target], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        loaded = load_file(target) if out.endswith(".safetensors") else torch.load(target)
+        assert set(loaded) == set(sd) and all(torch.equal(loaded[k], sd[k]) for k in sd), out
+    bad = subprocess.run([sys.executable, "-m", "zeroplus.cli", "convert", str(tmp_path / "none"), target],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "does not exist" in bad.stderr
+    sixteen = torch.load(os.path.join(out_dir, "pytorch_model.bin"))
+    bf16_model = ParityNet().to(torch.bfloat16)
+    bf16_model.load_state_dict(sixteen, strict=True)
+    assert all(v.dtype == torch.bfloat16 for v in sixteen.values() if v.is_floating_point())
+    assert torch.equal(sixteen["blocks.0.up.weight"], masters["blocks.0.up.weight"].to(torch.bfloat16))
