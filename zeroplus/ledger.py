@@ -58,7 +58,6 @@ class Ledger:
     def track(self, tensor: torch.Tensor, category: Category) -> torch.Tensor:
         """Count ``tensor``'s storage under ``category`` until the storage dies or is released."""
         storage = tensor.untyped_storage()
-        key = id(storage)  # placeholder key replaced by a stable id below
         with self._lock:
             self._next_id += 1
             key = self._next_id
@@ -80,7 +79,7 @@ class Ledger:
         if key is None:
             raise AssertionError("resized() on a tensor the ledger does not track")
         with self._lock:
-            category, old = self._entries.get(key, (None, 0))
+            category, _ = self._entries.get(key, (None, 0))
         if category is None:
             raise AssertionError("resized() on a released tensor")
         self._remove(key)
