@@ -8,13 +8,15 @@ RNG states and the client state; rank 0 also saves buffers and frozen parameters
 parameters are not saved: they are the masters rounded. ``metadata.json`` records every group's
 parameters (name, shape, offset), which rank saved which range, and each file's SHA-256.
 
-Loading needs only the metadata to know which files hold a rank's new owned range, so a
-checkpoint loads at any data-parallel size and ZeRO stage (elastic by construction). Memory while
+Loading needs only the metadata to know which files hold a rank's new owned range, and matches
+parameters by name, so a checkpoint loads at any data-parallel size, ZeRO stage, unit choice or
+param-group split (elastic by construction). Memory while
 saving: one copy of this rank's nominal range of masters and states (in the file's serialised
 bytes); while loading: the files that overlap this rank's range, one at a time.
 """
 from __future__ import annotations
 
+import logging
 import os
 import random
 import tempfile
@@ -27,6 +29,8 @@ from zeroplus.ledger import Category
 from zeroplus.zero.flat_group import FlatParamGroup
 
 from . import checkpoint_io as io
+
+logger = logging.getLogger("zeroplus.checkpoint")
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -125,7 +129,8 @@ def save_checkpoint(engine: Engine, save_dir: str, tag: str | None = None,
 
 
 def _check_layout(engine: Engine, meta: dict[str, Any], path: str) -> None:
-    """Same parameters, same shapes, same grouping; otherwise an error listing the differences."""
+    """Same parameter names and shapes; otherwise an error listing the differences. (How they are
+    grouped may differ: loading matches parameters by name.)"""
     saved = {p[0]: tuple(p[1]) for g in meta["groups"] for p in g["params"]}
     ours = {n: tuple(s) for g in engine._partition.groups for n, s in zip(g.names, g.shapes)}
     missing, unexpected = sorted(set(ours) - set(saved)), sorted(set(saved) - set(ours))
@@ -134,12 +139,6 @@ def _check_layout(engine: Engine, meta: dict[str, Any], path: str) -> None:
     if missing or unexpected or shapes:
         raise ValueError(f"checkpoint {path} does not fit this model (rank {engine.dp.rank}): missing parameters "
                          f"{missing}, unexpected parameters {unexpected}, shape mismatches {shapes}")
-    saved_groups = {g["name"]: [p[0] for p in g["params"]] for g in meta["groups"]}
-    for g in engine._partition.groups:
-        if saved_groups.get(g.name) != g.names:
-            raise ValueError(f"checkpoint {path} groups parameters differently from this engine (rank "
-                             f"{engine.dp.rank}): group {g.name!r} holds {saved_groups.get(g.name)} there and "
-                             f"{g.names} here (same zeroplus.unit_modules and optimizer param groups needed)")
 
 
 class _Files:
@@ -160,23 +159,37 @@ class _Files:
         return self._states[rank]
 
 
-def _load_group(engine: Engine, g: FlatParamGroup, entry: dict[str, Any], files: _Files, load_optim: bool) -> None:
-    """Fill this rank's owned range of the master (and optimizer states) from the saved ranges."""
+def _load_group(engine: Engine, g: FlatParamGroup, sources: dict[str, tuple[dict[str, Any], int]],
+                files: _Files, load_optim: bool) -> None:
+    """Fill this rank's owned range of ``g``'s master (and optimizer states) parameter by
+    parameter from whichever saved ranges hold it, so the saved grouping may differ from ours."""
     lo, hi = g.owned_start, min(g.owned_start + g.owned_numel, g.numel)
-    overlaps = [(r, a, b, max(a, lo), min(b, hi)) for r, a, b in entry["ranges"] if max(a, lo) < min(b, hi)]
+    pieces = []  # (saved group, rank, saved start, saved end, position in our owned buffer)
+    for name, off, n in zip(g.names, g.offsets, g.numels):
+        ps, pe = max(off, lo), min(off + n, hi)
+        if ps >= pe:
+            continue
+        entry, saved_off = sources[name]
+        ss, se = saved_off + ps - off, saved_off + pe - off
+        for rank, a, b in entry["ranges"]:
+            s, e = max(a, ss), min(b, se)
+            if s < e:
+                pieces.append((entry["name"], rank, a, s, e, ps - g.owned_start + s - ss))
     opt_state: dict[str, Any] = {}
-    if load_optim:  # the state's shape comes from any file: padding-only ranks need it too
-        first = files.get(overlaps[0][0] if overlaps else entry["ranges"][0][0])["groups"][g.name]
+    if load_optim:  # the state's keys and scalars come from any file: padding-only ranks need them too
+        name0, rank0 = (pieces[0][0], pieces[0][1]) if pieces else (sources[g.names[0]][0]["name"],
+                                                                    sources[g.names[0]][0]["ranges"][0][0])
+        first = files.get(rank0)["groups"][name0]
         for key, value in first["sliced"].items():
             opt_state[key] = engine.ledger.zeros(g.owned_numel, value.dtype, Category.OPTIM_STATE, g.device)
         for key, value in first["whole"].items():
             opt_state[key] = value.clone() if isinstance(value, torch.Tensor) else value
     with torch.no_grad():
-        for rank, a, b, s, e in overlaps:
-            saved = files.get(rank)["groups"][g.name]
-            g.master[s - g.owned_start:e - g.owned_start].copy_(saved["master"][s - a:e - a])
+        for group_name, rank, a, s, e, at in pieces:
+            saved = files.get(rank)["groups"][group_name]
+            g.master[at:at + e - s].copy_(saved["master"][s - a:e - a])
             for key, value in saved["sliced"].items() if load_optim else ():
-                opt_state[key][s - g.owned_start:e - g.owned_start].copy_(value[s - a:e - a])
+                opt_state[key][at:at + e - s].copy_(value[s - a:e - a])
     if opt_state:
         engine.optimizer.state[g.master_param] = opt_state
 
@@ -191,10 +204,10 @@ def load_checkpoint(engine: Engine, load_dir: str, tag: str | None = None, *, lo
     _check_layout(engine, meta, path)
     engine._partition.wait_all()
     files = _Files(path, meta)
-    entries = {g["name"]: g for g in meta["groups"]}
+    sources = {name: (entry, offset) for entry in meta["groups"] for name, _, offset in entry["params"]}
     load_optim = load_optimizer_states and not load_module_only
     for g in engine._partition.groups:
-        _load_group(engine, g, entries[g.name], files, load_optim)
+        _load_group(engine, g, sources, files, load_optim)
     own = files.get(min(engine.dp.rank, meta["world_size"] - 1))
     extra = files.get(0)["module_extra"]
     with torch.no_grad():
@@ -209,9 +222,13 @@ def load_checkpoint(engine: Engine, load_dir: str, tag: str | None = None, *, lo
         engine.global_steps, engine.micro_steps = counters["global_steps"], counters["micro_steps"]
         engine.global_samples, engine.skipped_steps = counters["global_samples"], counters["skipped_steps"]
         engine.loss_scaler.load_state_dict(own["loss_scaler"])
-        if load_optim:
+        if load_optim and len(own["optimizer_hparams"]) == len(engine.optimizer.param_groups):
             for pg, hp in zip(engine.optimizer.param_groups, own["optimizer_hparams"]):
                 pg.update(hp)
+        elif load_optim:
+            logger.warning("checkpoint has %d optimizer param groups, this engine %d: keeping this engine's "
+                           "hyper-parameters (states were matched by parameter name)",
+                           len(own["optimizer_hparams"]), len(engine.optimizer.param_groups))
         if load_lr_scheduler_states and engine.lr_scheduler is not None and own["lr_scheduler"] is not None:
             engine.lr_scheduler.load_state_dict(own["lr_scheduler"])
         if meta["world_size"] == engine.dp.size:

@@ -221,3 +221,20 @@ def test_export_fp32_state_dict_loads_into_the_plain_model(tmp_path):
     bf16_model.load_state_dict(sixteen, strict=True)
     assert all(v.dtype == torch.bfloat16 for v in sixteen.values() if v.is_floating_point())
     assert torch.equal(sixteen["blocks.0.up.weight"], masters["blocks.0.up.weight"].to(torch.bfloat16))
+
+
+def test_load_with_other_param_groups_matches_by_name(tmp_path):
+    """Saved with one param group, loaded with two (decay / no decay): parameters are matched by name."""
+    path = str(tmp_path / "ckpt")
+    torch.manual_seed(0)
+    engine = zeroplus.initialize(ParityNet(), _config(1, "fp32"))
+    _steps(engine, 0, 2, world=1)
+    engine.save_checkpoint(path)
+    saved = engine._partition.consolidated_fp32_state()
+    model = ParityNet()
+    groups = [{"params": [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]},
+              {"params": [p for p in model.parameters() if p.requires_grad and p.dim() < 2], "weight_decay": 0.0}]
+    other = zeroplus.initialize(model, _config(3, "fp32"), model_parameters=groups)
+    other.load_checkpoint(path, load_optimizer_states=False)
+    loaded = other._partition.consolidated_fp32_state()
+    assert set(loaded) == set(saved) and all(torch.equal(loaded[k], saved[k]) for k in saved)
