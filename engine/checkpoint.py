@@ -32,6 +32,9 @@ from . import checkpoint_io as io
 
 logger = logging.getLogger("zeroplus.checkpoint")
 
+# Param-group keys that choose torch's implementation, not the math: this engine keeps its own.
+_KERNEL_SWITCHES = frozenset({"fused", "foreach", "capturable", "differentiable"})
+
 if TYPE_CHECKING:
     from .engine import Engine
 
@@ -221,17 +224,18 @@ def load_checkpoint(engine: Engine, load_dir: str, tag: str | None = None, *, lo
         counters = own["counters"]
         engine.global_steps, engine.micro_steps = counters["global_steps"], counters["micro_steps"]
         engine.global_samples, engine.skipped_steps = counters["global_samples"], counters["skipped_steps"]
-        engine.loss_scaler.load_state_dict(own["loss_scaler"])
+        if own["loss_scaler"]:
+            engine.loss_scaler.load_state_dict(own["loss_scaler"])
         if load_optim and len(own["optimizer_hparams"]) == len(engine.optimizer.param_groups):
             for pg, hp in zip(engine.optimizer.param_groups, own["optimizer_hparams"]):
-                pg.update(hp)
+                pg.update({k: v for k, v in hp.items() if k in pg and k not in _KERNEL_SWITCHES})
         elif load_optim:
             logger.warning("checkpoint has %d optimizer param groups, this engine %d: keeping this engine's "
                            "hyper-parameters (states were matched by parameter name)",
                            len(own["optimizer_hparams"]), len(engine.optimizer.param_groups))
         if load_lr_scheduler_states and engine.lr_scheduler is not None and own["lr_scheduler"] is not None:
             engine.lr_scheduler.load_state_dict(own["lr_scheduler"])
-        if meta["world_size"] == engine.dp.size:
+        if meta["world_size"] == engine.dp.size and own.get("rng"):
             _set_rng_state(own["rng"])
     engine.dp.barrier()
     return path, own["client_state"]

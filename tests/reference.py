@@ -50,9 +50,10 @@ def reference_train(model: torch.nn.Module, batches: list, steps: int, world_siz
 
 
 def engine_train(engine, batches: list, steps: int, rank: int, world_size: int, gas: int,
-                 on_step: Callable[[], None] | None = None) -> list[float]:
+                 on_step: Callable[[], None] | None = None, start: int = 0) -> list[float]:
+    """Steps ``start .. start + steps - 1``; rank r's micro-batch k of step s is batch (s*GA + k)*N + r."""
     losses = []
-    for s in range(steps):
+    for s in range(start, start + steps):
         for k in range(gas):
             x, y = batches[(s * gas + k) * world_size + rank]
             loss = engine(x, y)

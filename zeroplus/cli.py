@@ -17,7 +17,10 @@ def main(argv: list[str] | None = None) -> int:
     train = sub.add_parser("train", help="train the built-in byte-level GPT (the main job)", add_help=False)
     convert = sub.add_parser("convert", help="checkpoint -> one fp32 state dict (.safetensors or .pt)")
     convert.add_argument("checkpoint_dir")
-    convert.add_argument("out", help="output file: .safetensors, .pt, .pth or .bin")
+    convert.add_argument("out", help="output file: .safetensors, .pt, .pth or .bin (with --from-deepspeed: a "
+                                     "checkpoint directory)")
+    convert.add_argument("--from-deepspeed", action="store_true",
+                         help="CHECKPOINT_DIR is a DeepSpeed ZeRO-1/2 checkpoint: write a zeroplus checkpoint to OUT")
     convert.add_argument("--tag", default=None, help="checkpoint tag (default: the one in CHECKPOINT_DIR/latest)")
     train.add_argument("-n", "--nproc", type=int, default=2)
     if not argv or argv[0] in ("-h", "--help"):
@@ -33,6 +36,15 @@ def main(argv: list[str] | None = None) -> int:
     if command == "convert":
         args = parser.parse_args(argv)
         from .engine.checkpoint_export import load_fp32_state_dict, write_state_dict
+        if args.from_deepspeed:
+            from .engine.deepspeed_import import convert_deepspeed
+            try:
+                path = convert_deepspeed(args.checkpoint_dir, args.out, args.tag)
+            except (FileNotFoundError, ValueError, NotImplementedError) as err:
+                print(f"zeroplus convert: {err}", file=sys.stderr)
+                return 2
+            print(f"wrote zeroplus checkpoint {path}")
+            return 0
         try:
             state = load_fp32_state_dict(args.checkpoint_dir, args.tag)
             write_state_dict(state, args.out)

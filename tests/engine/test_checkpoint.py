@@ -18,6 +18,7 @@ import torch
 import zeroplus
 from tests.dist_helper import run_distributed
 from tests.models import ParityNet, make_batches
+from tests.reference import engine_train
 
 MICRO = 2
 
@@ -39,15 +40,7 @@ def _world() -> tuple[int, int]:
 
 def _steps(engine, first: int, last: int, world: int = 2) -> list[float]:
     rank, _ = _world()
-    batches = make_batches(10 * world, MICRO)
-    losses = []
-    for step in range(first, last):
-        x, y = batches[step * world + rank]
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
+    return engine_train(engine, make_batches(10 * world, MICRO), last - first, rank, world, 1, start=first)
 
 
 def _full_state(engine) -> dict:
