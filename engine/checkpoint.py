@@ -12,7 +12,7 @@ Loading needs only the metadata to know which files hold a rank's new owned rang
 parameters by name, so a checkpoint loads at any data-parallel size, ZeRO stage, unit choice or
 param-group split (elastic by construction). Memory while
 saving: one copy of this rank's nominal range of masters and states (in the file's serialised
-bytes); while loading: the files that overlap this rank's range, one at a time.
+bytes); while loading: the files that overlap this rank's range (kept until the load ends).
 """
 from __future__ import annotations
 
@@ -167,7 +167,7 @@ def _load_group(engine: Engine, g: FlatParamGroup, sources: dict[str, tuple[dict
     """Fill this rank's owned range of ``g``'s master (and optimizer states) parameter by
     parameter from whichever saved ranges hold it, so the saved grouping may differ from ours."""
     lo, hi = g.owned_start, min(g.owned_start + g.owned_numel, g.numel)
-    pieces = []  # (saved group, rank, saved start, saved end, position in our owned buffer)
+    pieces = []  # (saved group, saved rank, its range start, piece start, piece end, position in owned buffer)
     for name, off, n in zip(g.names, g.offsets, g.numels):
         ps, pe = max(off, lo), min(off + n, hi)
         if ps >= pe:
