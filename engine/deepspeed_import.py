@@ -53,9 +53,9 @@ def convert_deepspeed(ds_dir: str, out_dir: str, tag: str | None = None) -> str:
     model_file = os.path.join(src, "mp_rank_00_model_states.pt")
     optim_files = sorted((int(m.group(1)), os.path.join(src, f)) for f in os.listdir(src)
                          if (m := _OPTIM_FILE.match(f)))
+    if glob.glob(os.path.join(src, "zero_pp_rank_*_model_states.pt")):  # stage 3 writes one per rank
+        raise NotImplementedError(f"{src} is a DeepSpeed ZeRO-3 checkpoint; importing ZeRO-3 is not built yet")
     if not optim_files:
-        if glob.glob(os.path.join(src, "zero_pp_rank_*_model_states.pt")):
-            raise NotImplementedError(f"{src} is a DeepSpeed ZeRO-3 checkpoint; importing ZeRO-3 is not built yet")
         raise FileNotFoundError(f"{src} has no DeepSpeed ZeRO optimizer files (*zero_pp_rank_*_optim_states.pt)")
     if not os.path.isfile(model_file):
         raise FileNotFoundError(f"DeepSpeed model states {model_file} are missing")
