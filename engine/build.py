@@ -133,14 +133,10 @@ def _warn_inert_options(cfg: ZeroplusConfig) -> None:
         if block is not None and block.device != "none":
             inert.append(f"zero_optimization.{name}.device={block.device} (offload tiers are not built yet)")
     defaults = type(zero)()
-    for key in ("allgather_bucket_size", "sub_group_size"):
-        if getattr(zero, key) != getattr(defaults, key):
-            inert.append(f"zero_optimization.{key}")
+    keys = ["allgather_bucket_size", "sub_group_size"]
     if zero.stage == 3:
-        if zero.stage3_max_live_parameters != 1_000_000_000:
-            inert.append("zero_optimization.stage3_max_live_parameters")
-        if zero.stage3_max_reuse_distance != 1_000_000_000:
-            inert.append("zero_optimization.stage3_max_reuse_distance")
+        keys += ["stage3_max_live_parameters", "stage3_max_reuse_distance"]
+    inert += [f"zero_optimization.{key}" for key in keys if getattr(zero, key) != getattr(defaults, key)]
     if cfg.activation_checkpointing != type(cfg.activation_checkpointing)():
         inert.append("activation_checkpointing (nothing calls a checkpoint API yet)")
     if cfg.wall_clock_breakdown:

@@ -20,6 +20,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and world size; (0, 1) when no process group exists (in-process runs)."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

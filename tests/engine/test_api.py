@@ -23,6 +23,23 @@ def _decay_groups(model: torch.nn.Module, lr_no_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0, "lr": lr_no_decay}]
 
 
+def _train_in_lockstep(engine, ref: torch.nn.Module, ref_opt: torch.optim.Optimizer, steps: int,
+                       ref_sched=None) -> None:
+    """Train the engine and the plain reference on the same batches; their fp32 weights must be equal."""
+    for x, y in make_batches(steps, 2):
+        engine.backward(engine(x, y))
+        engine.step()
+        ref(x, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        if ref_sched is not None:
+            ref_sched.step()
+    state = engine._partition.consolidated_fp32_state()
+    for name, p in ref.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(state[name], p.detach()), name
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_param_groups_and_client_scheduler_match_torch(stage):
     """Two param groups with their own lr and weight decay, a client LambdaLR: the same trajectory
@@ -37,18 +54,8 @@ def test_param_groups_and_client_scheduler_match_torch(stage):
     assert engine.optimizer is opt and engine.lr_scheduler is sched
     ref_opt = torch.optim.AdamW(_decay_groups(ref, 3e-3), lr=1e-2)
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1.0 / (1 + s))
-    for x, y in make_batches(4, 2):
-        engine.backward(engine(x, y))
-        engine.step()
-        ref(x, y).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_sched.step()
+    _train_in_lockstep(engine, ref, ref_opt, 4, ref_sched)
     assert engine.get_lr() == [g["lr"] for g in ref_opt.param_groups]
-    state = engine._partition.consolidated_fp32_state()
-    for name, p in ref.named_parameters():
-        if p.requires_grad:
-            assert torch.equal(state[name], p.detach()), name
 
 
 def test_model_parameters_with_groups_and_config_optimizer():
@@ -60,16 +67,7 @@ def test_model_parameters_with_groups_and_config_optimizer():
     assert [g["weight_decay"] for g in engine.optimizer.param_groups] == [0.1, 0.0]
     assert [g["lr"] for g in engine.optimizer.param_groups] == [1e-2, 3e-3]
     ref_opt = torch.optim.AdamW(_decay_groups(ref, 3e-3), lr=1e-2, fused=True)  # zeroplus's default kernel
-    for x, y in make_batches(3, 2):
-        engine.backward(engine(x, y))
-        engine.step()
-        ref(x, y).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    state = engine._partition.consolidated_fp32_state()
-    for name, p in ref.named_parameters():
-        if p.requires_grad:
-            assert torch.equal(state[name], p.detach()), name
+    _train_in_lockstep(engine, ref, ref_opt, 3)
 
 
 def test_accumulation_boundary_and_step_counting():

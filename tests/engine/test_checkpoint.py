@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import zeroplus
-from tests.dist_helper import run_distributed
+from tests.dist_helper import rank_and_world, run_distributed
 from tests.models import ParityNet, make_batches
 from tests.reference import engine_train
 
@@ -33,13 +33,8 @@ def _config(stage: int, dtype: str) -> dict:
             "zeroplus": {"log_level": "warning"}}
 
 
-def _world() -> tuple[int, int]:
-    import torch.distributed as dist
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
-
 def _steps(engine, first: int, last: int, world: int = 2) -> list[float]:
-    rank, _ = _world()
+    rank, _ = rank_and_world()
     return engine_train(engine, make_batches(10 * world, MICRO), last - first, rank, world, 1, start=first)
 
 
@@ -105,7 +100,7 @@ def _load_elsewhere(path: str, stage: int) -> dict:
     engine = zeroplus.initialize(ParityNet(), _config(stage, "fp32"))
     engine.load_checkpoint(path)
     state = _full_state(engine)
-    _, world = _world()
+    _, world = rank_and_world()
     losses = _steps(engine, 3, 4, world=world)
     return {"state": state, "loss": losses[0], "steps": engine.global_steps}
 
@@ -124,7 +119,7 @@ def test_elastic_load_at_other_world_sizes_and_stages(tmp_path):
 
 
 def _crash_during_save(path: str, crash_rank: int, point: str) -> None:
-    rank, _ = _world()
+    rank, _ = rank_and_world()
     torch.manual_seed(0)
     engine = zeroplus.initialize(ParityNet(), _config(2, "fp32"))
     _steps(engine, 0, 2)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import zeroplus
-from tests.dist_helper import run_distributed
+from tests.dist_helper import rank_and_world, run_distributed
 from tests.models import ParityNet, make_batches
 from tests.reference import engine_train, reference_train
 
@@ -20,9 +20,7 @@ STEPS, GAS, MICRO, LR = 5, 1, 2, 5e-3
 
 
 def _run(stages: list[int]) -> list[dict]:
-    import torch.distributed as dist
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank, world = rank_and_world()
     out = []
     for stage in stages:
         torch.manual_seed(0)

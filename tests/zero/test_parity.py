@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import zeroplus
-from tests.dist_helper import run_distributed
+from tests.dist_helper import rank_and_world, run_distributed
 from tests.models import ParityNet, make_batches
 from tests.reference import engine_train, reference_train
 
@@ -45,9 +45,7 @@ def _opt_params(name: str) -> dict:
 
 
 def run_cases(cases: list[dict]) -> list[dict]:
-    import torch.distributed as dist
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank, world = rank_and_world()
     out = []
     for case in cases:
         torch.manual_seed(0)

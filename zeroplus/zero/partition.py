@@ -143,12 +143,17 @@ class ZeroPartition:
             self.stage3.end_backward()
 
     # -- after the optimizer step ------------------------------------------------------------
-    def after_step(self) -> None:
-        # Root first: the next forward needs the embeddings before any block.
+    def _push_masters(self) -> None:
+        """Write every master into its low-precision parameters (stages 1-2 also start the
+        all-gathers), root first: the next forward needs the embeddings before any block."""
         for g in self.root.groups + [g for u in self.units[:-1] for g in u.groups]:
             handle = g.master_to_params()
             if handle is not None:
                 g.pending.append(handle)
+
+    def after_step(self) -> None:
+        self._push_masters()
+        for g in self.groups:
             g.free_grads()
         if self.stage3 is not None:
             self.stage3.refresh_persistent()
@@ -166,10 +171,7 @@ class ZeroPartition:
                 if unit.persistent:
                     unit.wait_gather()
             return
-        for g in self.groups:
-            handle = g.master_to_params()
-            if handle is not None:
-                g.pending.append(handle)
+        self._push_masters()
 
     def wait_all(self) -> None:
         for g in self.groups:
