@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_argument("out", help="output file: .safetensors, .pt, .pth or .bin (with --from-deepspeed: a "
                                      "checkpoint directory)")
     convert.add_argument("--from-deepspeed", action="store_true",
-                         help="CHECKPOINT_DIR is a DeepSpeed ZeRO-1/2 checkpoint: write a zeroplus checkpoint to OUT")
+                         help="CHECKPOINT_DIR is a DeepSpeed ZeRO-1/2/3 checkpoint: write a zeroplus checkpoint to OUT")
     convert.add_argument("--tag", default=None, help="checkpoint tag (default: the one in CHECKPOINT_DIR/latest)")
     train.add_argument("-n", "--nproc", type=int, default=2)
     if not argv or argv[0] in ("-h", "--help"):
