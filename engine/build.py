@@ -35,6 +35,9 @@ def _compute_dtype(cfg: ZeroplusConfig) -> torch.dtype:
         raise ConfigError("config enables both fp16 and bf16; enable at most one")
     if cfg.fp16.enabled is True:
         return torch.float16
+    if cfg.zeroplus.shared_master_weights and cfg.bf16.enabled is not True:
+        raise ConfigError("config key 'zeroplus.shared_master_weights' is true, which needs bf16 training "
+                          "('bf16': {'enabled': true}); fp16 and fp32 masters cannot be split into halves")
     if cfg.bf16.enabled is True:
         return torch.bfloat16
     return torch.float32
@@ -103,7 +106,9 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
                   level=logging.WARNING)
     ledger = Ledger()
     partition = ZeroPartition(model, cfg.zero_optimization, dp, ledger, dtype, group_of, cfg.zeroplus.unit_modules,
-                              int(cfg.gradient_accumulation_steps))  # type: ignore[arg-type]
+                              int(cfg.gradient_accumulation_steps),  # type: ignore[arg-type]
+                              shared_master=cfg.zeroplus.shared_master_weights,
+                              round_like_split=cfg.zeroplus.master_rounding == "like_shared")
     masters = [[g.master_param for g in partition.groups if g.group_index == gi] for gi in range(len(groups))]
     if optimizer is not None:
         opt = adopt_client_optimizer(optimizer, masters)
@@ -118,7 +123,10 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
         scheduler = lr_scheduler(opt)
     else:
         scheduler = lr_scheduler
-    step = ShardedStep(partition, opt, float(cfg.gradient_clipping), dp, ledger)
+    if cfg.zeroplus.shared_master_weights and any(opt.state.get(m) for ms in masters for m in ms):
+        raise ConfigError(f"config key 'zeroplus.shared_master_weights' is true, but {type(opt).__name__} creates "
+                          f"its states when constructed; use an optimizer that creates them in its first step")
+    step = ShardedStep(partition, opt, float(cfg.gradient_clipping), dp, ledger, cfg.zeroplus.master_step_chunk)
     log_rank0("%s; compute dtype %s; optimizer %s; micro-batch %s x accumulation %s x dp %d = batch %s",
               partition.describe().splitlines()[0], str(dtype).replace("torch.", ""), type(opt).__name__,
               cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, dp.size, cfg.train_batch_size)

@@ -71,7 +71,8 @@ def _rank_state(engine: Engine, client_state: dict[str, Any] | None) -> dict[str
                 sliced[key] = value[a:b].clone()
             else:
                 whole[key] = value
-        groups[g.name] = {"lo": lo, "hi": hi, "master": g.master[a:b].clone(), "sliced": sliced, "whole": whole}
+        groups[g.name] = {"lo": lo, "hi": hi, "master": g.master_store.read(a, b).clone(), "sliced": sliced,
+                          "whole": whole}
     extra = {}
     if rank == 0:
         trainable = {id(p) for g in part.groups for p in g.params}
@@ -190,7 +191,7 @@ def _load_group(engine: Engine, g: FlatParamGroup, sources: dict[str, tuple[dict
     with torch.no_grad():
         for group_name, rank, a, s, e, at in pieces:
             saved = files.get(rank)["groups"][group_name]
-            g.master[at:at + e - s].copy_(saved["master"][s - a:e - a])
+            g.master_store.write(at, saved["master"][s - a:e - a])
             for key, value in saved["sliced"].items() if load_optim else ():
                 opt_state[key][at:at + e - s].copy_(value[s - a:e - a])
     if opt_state:

@@ -1,5 +1,4 @@
-"""zeroplus.kernels: pure tensor functions with plain-torch reference twins.
+"""zeroplus.kernels: pure tensor functions, each with a plain-torch reference twin.
 
-Empty until the memory-techniques issue adds the bf16/fp32 shared-storage split and merge here.
-The optimizer steps use torch's fused kernels today (``zeroplus/optim/build.py``).
+``bf16_split``: the bf16/fp32 shared-storage split and merge (shared-storage master weights).
 """

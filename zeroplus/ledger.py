@@ -6,6 +6,10 @@ category. The ledger keeps live and peak bytes per category and overall, and for
 when its storage is freed (a weakref finalizer on the storage), when ``release`` is called, or
 when its storage is resized (``resized``). Tests assert bytes per category against parameter
 counts; the memory report prints the same numbers.
+
+Savings: a memory technique records the bytes it keeps from being held (``save`` when it stops
+holding them, ``unsave`` when they are held again), per technique and category, with live and
+peak, so the report shows what shared master weights, recompute and swapping spared.
 """
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ class Ledger:
         self._entries: dict[int, tuple[Category, int]] = {}
         self.total = CategoryBytes()
         self._next_id = 0
+        self._saved: dict[tuple[str, Category], CategoryBytes] = {}
 
     # -- allocation -------------------------------------------------------------------------
     def empty(self, numel: int, dtype: torch.dtype, category: Category, device: torch.device | str = "cpu",
@@ -104,6 +109,20 @@ class Ledger:
             self._bytes[category].live_bytes -= nbytes
             self.total.live_bytes -= nbytes
 
+    def save(self, technique: str, category: Category, nbytes: int) -> None:
+        """``technique`` now keeps ``nbytes`` of ``category`` from being held."""
+        with self._lock:
+            b = self._saved.setdefault((technique, Category(category)), CategoryBytes())
+            b.live_bytes += nbytes
+            b.peak_bytes = max(b.peak_bytes, b.live_bytes)
+
+    def unsave(self, technique: str, category: Category, nbytes: int) -> None:
+        self.save(technique, category, -nbytes)
+
+    def saved_bytes(self, technique: str, category: Category) -> int:
+        b = self._saved.get((technique, Category(category)))
+        return 0 if b is None else b.live_bytes
+
     def live_bytes(self, category: Category | None = None) -> int:
         return self.total.live_bytes if category is None else self._bytes[Category(category)].live_bytes
 
@@ -112,7 +131,7 @@ class Ledger:
 
     def reset_peaks(self) -> None:
         with self._lock:
-            for cat in self._bytes.values():
+            for cat in list(self._bytes.values()) + list(self._saved.values()):
                 cat.peak_bytes = cat.live_bytes
             self.total.peak_bytes = self.total.live_bytes
 
@@ -120,4 +139,5 @@ class Ledger:
         with self._lock:
             out = {c.value: dataclasses.asdict(b) for c, b in self._bytes.items()}
             out["total"] = dataclasses.asdict(self.total)
+            out["saved"] = {f"{t}/{c.value}": dataclasses.asdict(b) for (t, c), b in sorted(self._saved.items())}
         return out

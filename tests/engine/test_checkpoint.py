@@ -2,7 +2,8 @@
 
 Resume: 10 steps straight versus 5 steps, save, a fresh set of processes loads, 5 more steps:
 identical losses and bitwise-identical fp32 masters and optimizer states, for stages 0-3 in
-fp32, bf16 and fp16 (loss scaler and WarmupLR schedule included), on 2 ranks.
+fp32, bf16 and fp16 (loss scaler and WarmupLR schedule included), and bf16 with shared-storage
+master weights at stages 1 and 3, on 2 ranks.
 Elastic: saved at 2 ranks and stage 3, loaded at 1 rank (stages 3 and 2) and at 4 ranks: the
 same masters and optimizer states, bitwise, and training continues.
 Crash: a rank killed in the middle of a save leaves the previous checkpoint as ``latest``,
@@ -25,12 +26,13 @@ MICRO = 2
 
 def _config(stage: int, dtype: str) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 1.0,
-            "bf16": {"enabled": dtype == "bf16"},
+            "bf16": {"enabled": dtype.startswith("bf16")},
             "fp16": {"enabled": dtype == "fp16", "initial_scale_power": 12, "loss_scale_window": 3},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
             "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-2, "warmup_num_steps": 4}},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 100, "stage3_param_persistence_threshold": 0},
-            "zeroplus": {"log_level": "warning"}}
+            "zeroplus": {"log_level": "warning", "shared_master_weights": dtype == "bf16-shared",
+                         "master_step_chunk": 64}}
 
 
 def _steps(engine, first: int, last: int, world: int = 2) -> list[float]:
@@ -74,6 +76,7 @@ def _resume_cases(cases: list, ckpt_root: str, mode: str) -> list[dict]:
 
 def test_resume_is_bit_exact(tmp_path):
     cases = [(s, d) for s in (0, 1, 2, 3) for d in ("fp32", "bf16", "fp16")]
+    cases += [(1, "bf16-shared"), (3, "bf16-shared")]
     straight = run_distributed(_resume_cases, 2, cases, str(tmp_path), "straight")[0]
     first = run_distributed(_resume_cases, 2, cases, str(tmp_path), "first")[0]
     second = run_distributed(_resume_cases, 2, cases, str(tmp_path), "second")[0]

@@ -118,6 +118,14 @@ class ZeroplusBlock(Block):
         None, description="Module class names that each become one partition unit (default: repeated blocks).")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     fused_optimizer: bool = Field(True, description="Use torch's fused optimizer kernel where it exists.")
+    shared_master_weights: bool = Field(
+        False, description="bf16 only: keep the fp32 master as the bf16 weights plus 16-bit residuals "
+                           "(2 bytes per owned parameter less), restored exactly before each step.")
+    master_rounding: Literal["nearest_even", "like_shared"] = Field(
+        "nearest_even", description="How a separate bf16 copy rounds the fp32 master: torch's cast, or ties away "
+                                    "from zero as shared master weights do (to compare runs bit for bit).")
+    master_step_chunk: PositiveInt = Field(
+        1 << 20, description="Elements per chunk when the optimizer steps a shared (split) master.")
 
     @field_validator("unit_modules")
     @classmethod

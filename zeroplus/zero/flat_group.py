@@ -25,6 +25,11 @@ buffer that lives only until the all-gather is done (FSDP2 keeps its sharded par
 fp32 the same way). ``full`` at stage 3 is one tensor object whose storage is resized to 0 when
 released and back to ``c * P`` when gathered, so the views the parameters and autograd hold stay
 valid. A reduced shard in the compute dtype becomes fp32 one group at a time inside the step.
+
+With shared-storage master weights (``master_store.SplitMaster``, bf16 only) the fp32 master
+column becomes a 2-byte residual per owned element at stages 0-2 (the bf16 high halves are the
+owned range of ``full``), and at stage 3 a bf16 shard plus a residual (2 + 2 bytes), with no
+cast buffer for the gathers.
 """
 from __future__ import annotations
 
@@ -34,13 +39,15 @@ import torch
 
 from ..comm import DataParallelGroup, Handle
 from ..ledger import Category, Ledger
+from .master_store import FullMaster, SplitMaster
 
 
 class FlatParamGroup:
     """Flat storage, shard bookkeeping and gradient accumulation for one list of parameters."""
 
     def __init__(self, name: str, named_params: list[tuple[str, torch.nn.Parameter]], group_index: int,
-                 stage: int, dp: DataParallelGroup, compute_dtype: torch.dtype, ledger: Ledger) -> None:
+                 stage: int, dp: DataParallelGroup, compute_dtype: torch.dtype, ledger: Ledger,
+                 shared_master: bool = False, round_like_split: bool = False) -> None:
         self.name = name
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
@@ -77,19 +84,37 @@ class FlatParamGroup:
 
         owned_view = self._full_data[start:start + self.owned_numel]
         # ``shard``: this rank's low-precision values (what an all-gather sends). Stage 3 in low
-        # precision keeps none: the gather casts the master. In fp32 the shard is the master.
+        # precision keeps none (the gather casts the master) unless the master is split, whose
+        # high halves are the shard. In fp32 the shard is the master.
         self.shard: torch.Tensor | None = None
-        if stage < 3:
-            self.shard = owned_view
-        elif compute_dtype == torch.float32:
-            self.shard = ledger.empty(self.shard_numel, compute_dtype, Category.MASTER, self.device)
-            self.shard.copy_(owned_view)
-        if compute_dtype == torch.float32:
-            self.master = self.shard  # no second copy: the fp32 shard is the master
+        self.master: torch.Tensor | None = None  # the fp32 master tensor, when it exists whole
+        if shared_master:
+            if compute_dtype != torch.bfloat16:
+                raise ValueError(f"shared-storage master weights need bf16 training, not {compute_dtype}")
+            if stage < 3:
+                self.shard = owned_view
+            else:
+                self.shard = ledger.empty(self.shard_numel, compute_dtype, Category.MASTER, self.device)
+                self.shard.copy_(owned_view)
+            low = ledger.zeros(self.owned_numel, torch.int16, Category.MASTER, self.device)
+            if stage < 3:  # the fp32 master would be 4 bytes per owned element; the residual is 2
+                ledger.save("shared_master_weights", Category.MASTER, 2 * self.owned_numel)
+            self.master_store: FullMaster | SplitMaster = SplitMaster(self.shard, low)
+            placeholder = torch.empty(0, dtype=torch.float32, device=self.device)
+            self.master_param = torch.nn.Parameter(placeholder, requires_grad=False)  # data swapped in by the step
         else:
-            self.master = ledger.empty(self.owned_numel, torch.float32, Category.MASTER, self.device)
-            self.master.copy_(owned_view)
-        self.master_param = torch.nn.Parameter(self.master, requires_grad=False)
+            if stage < 3:
+                self.shard = owned_view
+            elif compute_dtype == torch.float32:
+                self.shard = ledger.empty(self.shard_numel, compute_dtype, Category.MASTER, self.device)
+                self.shard.copy_(owned_view)
+            if compute_dtype == torch.float32:
+                self.master = self.shard  # no second copy: the fp32 shard is the master
+            else:
+                self.master = ledger.empty(self.owned_numel, torch.float32, Category.MASTER, self.device)
+                self.master.copy_(owned_view)
+            self.master_store = FullMaster(self.master, round_like_split)
+            self.master_param = torch.nn.Parameter(self.master, requires_grad=False)
         self.grad_full: torch.Tensor | None = None    # compute dtype, padded_numel
         self.master_grad: torch.Tensor | None = None  # reduced gradient of the owned range (stages 1-3)
         self.pending: list[Handle] = []
@@ -113,7 +138,7 @@ class FlatParamGroup:
         source = self.shard
         if source is None:  # stage 3, low precision: cast the master for the wire only
             source = self.ledger.empty(self.shard_numel, self.compute_dtype, Category.COMM_BUFFER, self.device)
-            source.copy_(self.master)
+            self.master_store.to_compute(source)
         return self.dp.all_gather(self._full_data, source)
 
     def release(self) -> None:
@@ -161,8 +186,7 @@ class FlatParamGroup:
         if self.stage == 3:
             return None  # the next gather reads the master
         with torch.no_grad():
-            if self.master is not self.shard:
-                self.shard.copy_(self.master)
+            self.master_store.to_compute(self.shard)
         if self.stage in (1, 2):
             return self.dp.all_gather(self._full_data, self.shard)
         return None
@@ -177,7 +201,7 @@ class FlatParamGroup:
         return full[:self.numel]
 
     def gather_master(self) -> torch.Tensor:
-        return self.gather_owned(self.master)
+        return self.gather_owned(self.master_store.read(0, self.owned_numel))
 
     def param_segments(self) -> list[tuple[int, int, int]]:
         """``(param_index, start, end)`` of each parameter inside this rank's owned range."""

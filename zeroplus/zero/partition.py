@@ -39,7 +39,8 @@ MAX_GROUPS_IN_FLIGHT = 2
 class ZeroPartition:
     def __init__(self, model: torch.nn.Module, zero: ZeroConfig, dp: DataParallelGroup, ledger: Ledger,
                  compute_dtype: torch.dtype, param_group_of: dict[int, int],
-                 unit_class_names: list[str] | None = None, gradient_accumulation_steps: int = 1) -> None:
+                 unit_class_names: list[str] | None = None, gradient_accumulation_steps: int = 1,
+                 shared_master: bool = False, round_like_split: bool = False) -> None:
         self.stage = zero.stage
         self.dp = dp
         self.ledger = ledger
@@ -52,7 +53,8 @@ class ZeroPartition:
                 if id(p) in param_group_of:
                     by_group.setdefault(param_group_of[id(p)], []).append((pname, p))
             for gi in sorted(by_group):
-                groups.append(FlatParamGroup(f"{name}#{gi}", by_group[gi], gi, self.stage, dp, compute_dtype, ledger))
+                groups.append(FlatParamGroup(f"{name}#{gi}", by_group[gi], gi, self.stage, dp, compute_dtype, ledger,
+                                             shared_master, round_like_split))
             unit = Unit(index=index, name=name, module=module, groups=groups, is_root=(module is model))
             if self.stage == 3 and unit.numel <= int(zero.stage3_param_persistence_threshold):
                 unit.persistent = True

@@ -10,7 +10,8 @@
    stage 0 (built from the low-precision flat gradient), and the optimizer's temporaries are
    bounded by one group (none with torch's fused kernels).
 Optimizer states that torch creates lazily are registered with the ledger (``optim_state``)
-right after the step that creates them.
+right after the step that creates them. A group whose master is split (shared-storage master
+weights) steps chunk by chunk through ``split_step.py``.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from ..ledger import Category, Ledger
 from ..optim.lamb import Lamb
 from .flat_group import FlatParamGroup
 from .partition import ZeroPartition
+from .split_step import SplitStep
 
 _NORM_CHUNK = 1 << 20  # elements per float64 temporary (8 MiB)
 
@@ -52,13 +54,14 @@ def _sum_of_squares(t: torch.Tensor) -> torch.Tensor:
 
 class ShardedStep:
     def __init__(self, partition: ZeroPartition, optimizer: torch.optim.Optimizer, gradient_clipping: float,
-                 dp: DataParallelGroup, ledger: Ledger) -> None:
+                 dp: DataParallelGroup, ledger: Ledger, split_chunk_numel: int = 1 << 20) -> None:
         self.partition = partition
         self.optimizer = optimizer
         self.clip = float(gradient_clipping)
         self.dp = dp
         self.ledger = ledger
         self.last_grad_norm: float | None = None
+        self.split_step = SplitStep(optimizer, ledger, split_chunk_numel)
         if isinstance(optimizer, Lamb):
             for g in partition.groups:
                 optimizer.set_segments(g.master_param, g.param_segments(), len(g.params),
@@ -96,6 +99,9 @@ class ShardedStep:
         if self.clip > 0:
             coef *= min(1.0, self.clip / (norm + 1e-6))
         for g in self.partition.groups:
+            if g.master_store.split:
+                self.split_step.step(g, self._master_grad(g, coef))
+                continue
             g.master_param.grad = self._master_grad(g, coef)
             self.optimizer.step()
             g.master_param.grad = None

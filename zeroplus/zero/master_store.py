@@ -1,0 +1,69 @@
+"""Where a flat group keeps the fp32 master values of its owned range: whole, or split.
+
+``FullMaster``: one fp32 tensor (4 bytes per owned element; in fp32 training it *is* the
+low-precision shard, so 0 extra bytes). After a step the compute-dtype copy is the master cast
+with torch's rounding (to nearest even), or with the split's rounding (ties away from zero) when
+``zeroplus.master_rounding`` asks for it, so a run can be compared bit for bit with shared storage.
+
+``SplitMaster`` (``zeroplus.shared_master_weights``, bf16 only): the bf16 high halves *are* the
+compute-dtype shard (at stages 0-2 a view of the full parameter buffer, at stage 3 the shard
+that all-gathers send), and an int16 residual holds the low halves (``kernels/bf16_split.py``).
+Owned bytes: 2 (residual) instead of 4 (fp32 master) at stages 0-2, where the bf16 copy exists
+anyway; at stage 3, 2 + 2 instead of 4 + a 2-byte cast buffer per all-gather in flight. Reading
+merges into a new fp32 tensor (checkpoints and exports only); the optimizer step merges chunk by
+chunk into one bounded buffer (``split_step.py``).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kernels import bf16_split
+
+
+class FullMaster:
+    split = False
+
+    def __init__(self, tensor: torch.Tensor, round_like_split: bool) -> None:
+        self.tensor = tensor
+        self.numel = tensor.numel()
+        self.round_like_split = round_like_split
+
+    def read(self, a: int, b: int) -> torch.Tensor:
+        return self.tensor[a:b]
+
+    def write(self, at: int, values: torch.Tensor) -> None:
+        self.tensor[at:at + values.numel()].copy_(values)
+
+    def to_compute(self, dst: torch.Tensor) -> torch.Tensor:
+        """Write the master into the compute-dtype tensor ``dst`` (same length); return ``dst``."""
+        if dst is self.tensor:
+            return dst
+        if self.round_like_split and dst.dtype == torch.bfloat16:
+            return bf16_split.round_like_split(self.tensor, dst)
+        return dst.copy_(self.tensor)
+
+
+class SplitMaster:
+    split = True
+
+    def __init__(self, high: torch.Tensor, low: torch.Tensor) -> None:
+        if high.dtype != torch.bfloat16 or low.dtype != torch.int16 or high.numel() != low.numel():
+            raise ValueError(f"split master needs bf16 high and int16 low halves of one length, got "
+                             f"{high.dtype}[{high.numel()}] and {low.dtype}[{low.numel()}]")
+        self.high, self.low = high, low
+        self.numel = high.numel()
+
+    def read(self, a: int, b: int) -> torch.Tensor:
+        return self.read_into(a, b, torch.empty(b - a, dtype=torch.float32, device=self.high.device))
+
+    def read_into(self, a: int, b: int, out: torch.Tensor) -> torch.Tensor:
+        return bf16_split.merge_into(self.high[a:b], self.low[a:b], out)
+
+    def write(self, at: int, values: torch.Tensor) -> None:
+        n = values.numel()
+        bf16_split.split_into(values, self.high[at:at + n], self.low[at:at + n])
+
+    def to_compute(self, dst: torch.Tensor) -> torch.Tensor:
+        if dst is self.high:
+            return dst
+        return dst.copy_(self.high)

@@ -1,0 +1,75 @@
+"""The optimizer step on a split (shared-storage) master, chunk by chunk.
+
+For each chunk ``[a, b)`` of the owned range: merge the bf16 high halves and int16 residuals into
+one reusable fp32 buffer (the exact fp32 master), point the group's master parameter at it and at
+the chunk's gradient, give the optimizer the chunk's slices of the full-size per-element states
+(and the pre-step value of every scalar state, such as ``step``), step, and split the result back.
+No full-size fp32 temporary exists: the extra memory is one chunk of fp32 (``chunk_numel``
+elements, 4 MiB at the default 2^20).
+
+This is exact for element-wise optimizers (Adam, AdamW, SGD, RMSprop, Adamax, NAdam, RAdam,
+Adadelta): each element's update depends only on that element and the scalars. Any other
+optimizer (LAMB needs per-parameter norms over the whole shard) steps the owned range as one
+chunk. Per-element states are created full-size on the first step, in the ledger
+(``optim_state``), from what the optimizer creates for each chunk.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..ledger import Category, Ledger
+from .flat_group import FlatParamGroup
+
+ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adamax,
+               torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta)
+
+
+def _copy_scalar(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+class SplitStep:
+    def __init__(self, optimizer: torch.optim.Optimizer, ledger: Ledger, chunk_numel: int) -> None:
+        self.optimizer = optimizer
+        self.ledger = ledger
+        self.chunk_numel = int(chunk_numel)
+        self.elementwise = isinstance(optimizer, ELEMENTWISE)
+
+    def step(self, g: FlatParamGroup, grad: torch.Tensor) -> None:
+        """One optimizer step of group ``g`` with its fp32 gradient ``grad`` (owned length)."""
+        store, param, opt = g.master_store, g.master_param, self.optimizer
+        owned = store.numel
+        chunk = min(self.chunk_numel, owned) if self.elementwise else owned
+        work = self.ledger.empty(chunk, torch.float32, Category.MASTER, grad.device)
+        state = opt.state.pop(param, {})
+        first = not state  # every chunk then starts from the optimizer's own initial state
+        per_element = {k for k, v in state.items() if isinstance(v, torch.Tensor) and v.numel() == owned > 1}
+        scalars = {k: v for k, v in state.items() if k not in per_element}
+        placeholder = param.data
+        try:
+            for a in range(0, owned, chunk):
+                b = min(a + chunk, owned)
+                values = store.read_into(a, b, work[:b - a])
+                param.data, param.grad = values, grad[a:b]
+                chunk_state: dict[str, Any] = {}
+                if not first:
+                    chunk_state = {k: state[k][a:b] for k in per_element}
+                    chunk_state.update({k: _copy_scalar(v) for k, v in scalars.items()})
+                opt.state[param] = chunk_state
+                opt.step()
+                for key, value in opt.state.pop(param).items():
+                    if key not in per_element and first and isinstance(value, torch.Tensor) \
+                            and value.numel() == b - a > 1:
+                        state[key] = self.ledger.zeros(owned, value.dtype, Category.OPTIM_STATE, value.device)
+                        per_element.add(key)
+                    if key in per_element:
+                        if value.data_ptr() != state[key][a:b].data_ptr():
+                            state[key][a:b].copy_(value)
+                    else:
+                        state[key] = value  # scalars: the last chunk's are the step's
+                store.write(a, values)
+        finally:
+            param.data, param.grad = placeholder, None
+            opt.state[param] = state
