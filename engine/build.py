@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 
 from zeroplus.accelerator import get_accelerator
+from zeroplus.activations import ResizeRecompute, SavedTensorRouter
+from zeroplus.activations.resize_recompute import DEFAULT_CLASSES, NORM_CLASSES
 from zeroplus.comm import DataParallelGroup, init_distributed_if_launched
 from zeroplus.config import ConfigError, ZeroplusConfig, parse_config, resolve_auto, resolve_batch
 from zeroplus.ledger import Ledger
@@ -130,7 +132,24 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     log_rank0("%s; compute dtype %s; optimizer %s; micro-batch %s x accumulation %s x dp %d = batch %s",
               partition.describe().splitlines()[0], str(dtype).replace("torch.", ""), type(opt).__name__,
               cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, dp.size, cfg.train_batch_size)
-    return Engine(model, cfg, partition, step, opt, scheduler, LossScaler(cfg.fp16), dp, ledger, accel, rss_at_start)
+    return Engine(model, cfg, partition, step, opt, scheduler, LossScaler(cfg.fp16), dp, ledger, accel, rss_at_start,
+                  _activation_techniques(model, cfg, ledger))
+
+
+def _activation_techniques(model: torch.nn.Module, cfg: ZeroplusConfig, ledger: Ledger) -> SavedTensorRouter:
+    claimers = []
+    recompute = cfg.zeroplus.resize_recompute
+    if recompute.enabled:
+        classes = list(DEFAULT_CLASSES if recompute.modules is None else recompute.modules)
+        classes += list(NORM_CLASSES) if recompute.norms else []
+        technique = ResizeRecompute(model, classes, recompute.names, ledger)
+        if not technique.targets:
+            raise ConfigError(f"config key 'zeroplus.resize_recompute' matches no module of {type(model).__name__} "
+                              f"(classes {classes}, names {recompute.names})")
+        log_rank0("resize recompute: %d modules (%s%s)", len(technique.targets), ", ".join(technique.targets[:3]),
+                  ", ..." if len(technique.targets) > 3 else "")
+        claimers.append(technique)
+    return SavedTensorRouter(claimers)
 
 
 def _warn_inert_options(cfg: ZeroplusConfig) -> None:

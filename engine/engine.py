@@ -20,6 +20,7 @@ from zeroplus.accelerator import Accelerator
 from zeroplus.comm import DataParallelGroup
 from zeroplus.config import ZeroplusConfig
 from zeroplus.ledger import Ledger
+from zeroplus.activations import SavedTensorRouter
 from zeroplus.memory_report import MemoryReport
 from zeroplus.zero import ShardedStep, ZeroPartition
 
@@ -34,7 +35,7 @@ class Engine:
     def __init__(self, module: torch.nn.Module, config: ZeroplusConfig, partition: ZeroPartition,
                  sharded_step: ShardedStep, optimizer: torch.optim.Optimizer, lr_scheduler: Any,
                  loss_scaler: LossScaler, dp: DataParallelGroup, ledger: Ledger, accelerator: Accelerator,
-                 rss_at_start_bytes: int) -> None:
+                 rss_at_start_bytes: int, activations: SavedTensorRouter | None = None) -> None:
         self.module = module
         self.config = config
         self.optimizer = optimizer
@@ -46,6 +47,7 @@ class Engine:
         self._partition = partition
         self._step = sharded_step
         self._rss_at_start = rss_at_start_bytes
+        self._activations = activations if activations is not None else SavedTensorRouter([])
         self._no_sync = False
         self.micro_steps = 0
         self.global_steps = 0
@@ -90,7 +92,8 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._partition.before_forward()
         try:
-            return self.module(*args, **kwargs)
+            with self._activations.forward():
+                return self.module(*args, **kwargs)
         finally:
             self._partition.after_forward()
 
@@ -117,6 +120,8 @@ class Engine:
         self._partition.begin_backward(reduce)
         (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
         self._partition.end_backward()
+        if not retain_graph:
+            self._activations.end_backward()
         return loss
 
     def step(self) -> None:

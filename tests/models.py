@@ -51,3 +51,58 @@ def make_batches(num: int, micro_batch: int, seq: int = 8, seed: int = 1234) -> 
     g = torch.Generator().manual_seed(seed)
     return [(torch.randint(0, VOCAB, (micro_batch, seq), generator=g),
              torch.randint(0, VOCAB, (micro_batch, seq), generator=g)) for _ in range(num)]
+
+
+class GELUActivation(nn.Module):
+    """As Hugging Face writes it: a module around the functional form (``transformers.activations``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x)
+
+
+class LlamaStyleMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int, act: nn.Module) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.act_fn = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaStyleLayer(nn.Module):
+    def __init__(self, dim: int, act: nn.Module) -> None:
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(dim)
+        self.q_proj = nn.Linear(dim, dim, bias=False)
+        self.o_proj = nn.Linear(dim, dim, bias=False)
+        self.post_attention_layernorm = nn.RMSNorm(dim)
+        self.mlp = LlamaStyleMLP(dim, 3 * dim, act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        attn = torch.softmax(self.q_proj(h) @ h.transpose(-1, -2) / h.shape[-1] ** 0.5, dim=-1) @ h
+        x = x + self.o_proj(attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaStyleNet(nn.Module):
+    """A Hugging Face Llama-shaped model: RMSNorm, SwiGLU MLP with ``nn.SiLU``, and one layer with a
+    Hugging Face-style ``GELUActivation`` module instead."""
+
+    def __init__(self, dim: int = 24, n_layers: int = 3) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(VOCAB, dim)
+        acts = [nn.SiLU() for _ in range(n_layers - 1)] + [GELUActivation()]
+        self.layers = nn.ModuleList(LlamaStyleLayer(dim, act) for act in acts)
+        self.norm = nn.RMSNorm(dim)
+        self.lm_head = nn.Linear(dim, VOCAB, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(idx)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.lm_head(self.norm(x))
+        return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))

@@ -43,7 +43,7 @@ class MemoryReport:
         lines.append(f"  {'total (ledger)':<16}{_mib(self.total['live_bytes'])}{_mib(self.total['peak_bytes'])}")
         lines.append(f"  {'process peak above start':<26}{_mib(self.process_peak_above_start_bytes)}")
         if self.saved:
-            lines.append(f"  {'not held, by technique':<26}{'live':>10}{'peak':>10}")
+            lines.append(f"  {'not held, by technique':<30}{'live':>10}{'peak':>10}")
             for key, b in self.saved.items():
-                lines.append(f"  {key:<26}{_mib(b['live_bytes'])}{_mib(b['peak_bytes'])}")
+                lines.append(f"  {key:<30}{_mib(b['live_bytes'])}{_mib(b['peak_bytes'])}")
         return "\n".join(lines)

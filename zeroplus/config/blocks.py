@@ -111,6 +111,15 @@ class ActivationCheckpointingConfig(Block):
     profile: bool = False
 
 
+class ResizeRecomputeConfig(Block):
+    enabled: bool = False
+    modules: list[str] | None = Field(None, description="Module class names whose outputs are dropped after "
+                                                        "forward and recomputed (default: activation functions).")
+    norms: bool = Field(False, description="Also LayerNorm, RMSNorm and GroupNorm.")
+    names: list[str] = Field(default_factory=list, description="Qualified-name patterns (fnmatch), e.g. "
+                                                               "'blocks.*.mlp.act'.")
+
+
 class ZeroplusBlock(Block):
     """zeroplus-only options; DeepSpeed ignores this block, so one file runs under both."""
 
@@ -124,6 +133,7 @@ class ZeroplusBlock(Block):
     master_rounding: Literal["nearest_even", "like_shared"] = Field(
         "nearest_even", description="How a separate bf16 copy rounds the fp32 master: torch's cast, or ties away "
                                     "from zero as shared master weights do (to compare runs bit for bit).")
+    resize_recompute: ResizeRecomputeConfig = Field(default_factory=ResizeRecomputeConfig)
     master_step_chunk: PositiveInt = Field(
         1 << 20, description="Elements per chunk when the optimizer steps a shared (split) master.")
 

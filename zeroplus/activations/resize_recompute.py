@@ -1,0 +1,158 @@
+"""Resize-based recompute: drop a cheap module's output after forward, recompute it in backward.
+
+For each chosen module (by class name, default the activation functions ``GELU``, ``SiLU``,
+``Mish`` and Hugging Face's activation modules; norms such as ``LayerNorm``/``RMSNorm`` as an option; or by qualified-name pattern):
+its output ``y`` is remembered with the inputs it was computed from. When the module's parent
+finishes its forward, if autograd saved ``y`` for some consumer (e.g. the next Linear) and the
+parent does not return it, ``y``'s storage is resized to 0: the tensor object, and every view
+autograd saved, stay, but hold no memory. When backward unpacks ``y`` for that consumer, the
+module is run again on the same inputs (no grad) and the result copied into the same storage,
+just before the consumer's backward uses it. Recomputation is deterministic, so gradients are
+bitwise identical to a run without it.
+
+Memory: the bytes of every dropped output, from the parent's forward end until its consumer's
+backward (recorded in the ledger as ``resize_recompute`` / ``activation`` not held); during a
+recompute, one output's worth of temporary. The inputs are not held extra: the chosen modules'
+own backward saves them anyway (GELU, SiLU and the norms save their input). Outputs that share
+storage with an input (in-place modules) are left alone. Outputs of a recompute inside an
+activation-checkpointing replay are not touched (only the engine's own forward is watched).
+"""
+from __future__ import annotations
+
+import fnmatch
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from ..ledger import Category, Ledger
+
+TECHNIQUE = "resize_recompute"
+# torch's activation modules that save their input, and Hugging Face's wrappers of the functional forms
+DEFAULT_CLASSES = ("GELU", "SiLU", "Mish", "GELUActivation", "NewGELUActivation", "FastGELUActivation",
+                   "QuickGELUActivation", "PytorchGELUTanh", "GELUTanh", "SiLUActivation", "MishActivation",
+                   "AccurateGELUActivation")
+NORM_CLASSES = ("LayerNorm", "RMSNorm", "GroupNorm")
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class _Record:
+    __slots__ = ("module", "args", "output", "nbytes", "packed", "released")
+
+    def __init__(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+        self.module, self.args, self.output = module, args, output
+        self.nbytes = output.untyped_storage().nbytes()
+        self.packed = 0
+        self.released = False
+
+
+class ResizeRecompute:
+    def __init__(self, model: torch.nn.Module, class_names: list[str], name_patterns: list[str],
+                 ledger: Ledger) -> None:
+        classes, patterns = set(class_names), list(name_patterns)
+        self.ledger = ledger
+        self.targets: list[str] = []
+        self._records: dict[int, _Record] = {}
+        self._pending: dict[int, list[_Record]] = {}
+        self._active = False
+        self._recomputing = False
+        self._handles = []
+        parents: dict[int, torch.nn.Module] = {}
+        for name, module in model.named_modules():
+            chosen = type(module).__name__ in classes or any(fnmatch.fnmatchcase(name, p) for p in patterns)
+            if not name or not chosen:
+                continue
+            parent = model.get_submodule(name.rpartition(".")[0])
+            self.targets.append(name)
+            self._handles.append(module.register_forward_hook(self._make_output_hook(parent)))
+            parents[id(parent)] = parent
+        for parent in parents.values():
+            self._handles.append(parent.register_forward_hook(self._parent_done))
+
+    # -- forward -------------------------------------------------------------------------------
+    def begin_forward(self) -> None:
+        self._active = True
+
+    def end_forward(self) -> None:
+        self._active = False
+        for records in self._pending.values():  # chosen modules run outside their parent
+            for record in records:
+                if not record.packed:
+                    self._records.pop(_storage_key(record.output), None)
+        self._pending.clear()
+
+    def _make_output_hook(self, parent: torch.nn.Module):
+        parent_ref = weakref.ref(parent)
+
+        def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
+            if not self._active or self._recomputing or not isinstance(output, torch.Tensor) \
+                    or not output.requires_grad:
+                return
+            key = _storage_key(output)
+            if any(isinstance(a, torch.Tensor) and _storage_key(a) == key for a in tree_flatten(args)[0]):
+                return  # in place: the output is the input's storage
+            record = _Record(module, args, output)
+            self._records[key] = record
+            self._pending.setdefault(id(parent_ref()), []).append(record)
+        return hook
+
+    def _parent_done(self, parent: torch.nn.Module, args: Any, output: Any) -> None:
+        records = self._pending.pop(id(parent), [])
+        kept = {_storage_key(t) for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)}
+        for record in records:
+            key = _storage_key(record.output)
+            if record.packed and key not in kept:
+                record.output.untyped_storage().resize_(0)
+                record.released = True
+                self.ledger.save(TECHNIQUE, Category.ACTIVATION, record.nbytes)
+            elif not record.packed:
+                del self._records[key]  # nothing saved it: it dies with the forward, as without us
+
+    # -- saved tensors -------------------------------------------------------------------------
+    def pack(self, tensor: torch.Tensor) -> Any | None:
+        if not self._records:
+            return None
+        record = self._records.get(_storage_key(tensor))
+        if record is None:
+            return None
+        record.packed += 1
+        return record, tensor.detach()
+
+    def unpack(self, token: tuple[_Record, torch.Tensor]) -> torch.Tensor:
+        record, alias = token
+        self._restore(record)
+        return alias
+
+    def _restore(self, record: _Record) -> None:
+        if not record.released:
+            return
+        for arg in tree_flatten(record.args)[0]:  # a chosen module fed by another (norm -> act)
+            if isinstance(arg, torch.Tensor):
+                source = self._records.get(_storage_key(arg))
+                if source is not None:
+                    self._restore(source)
+        self._recomputing = True
+        try:
+            with torch.no_grad():
+                value = record.module(*record.args)
+        finally:
+            self._recomputing = False
+        record.output.untyped_storage().resize_(record.nbytes)
+        record.output.data.copy_(value)  # through .data: autograd's version counter is unchanged
+        record.released = False
+        self.ledger.unsave(TECHNIQUE, Category.ACTIVATION, record.nbytes)
+
+    def end_backward(self) -> None:
+        for record in self._records.values():
+            if record.released:  # backward never needed it (e.g. a branch without gradient)
+                self.ledger.unsave(TECHNIQUE, Category.ACTIVATION, record.nbytes)
+        self._records.clear()
+        self._pending.clear()
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()

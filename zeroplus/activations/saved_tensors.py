@@ -1,0 +1,58 @@
+"""One ``saved_tensors_hooks`` context around the engine's forward, shared by the techniques.
+
+Each technique (a *claimer*) is offered every tensor autograd saves for backward; the first that
+returns a token keeps it, and that technique's ``unpack`` gives the tensor back when backward
+needs it. Unclaimed tensors are kept as a detached alias (same storage, no reference cycle
+through their grad_fn), which costs nothing. Installed only when some technique is enabled, so
+the engine without them runs autograd untouched. Tensors saved inside
+``torch.utils.checkpoint`` regions are the checkpoint's (its hooks are innermost).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Protocol
+
+import torch
+
+
+class Claimer(Protocol):
+    def begin_forward(self) -> None: ...
+    def end_forward(self) -> None: ...
+    def pack(self, tensor: torch.Tensor) -> Any | None: ...
+    def unpack(self, token: Any) -> torch.Tensor: ...
+    def end_backward(self) -> None: ...
+
+
+class SavedTensorRouter:
+    def __init__(self, claimers: list[Claimer]) -> None:
+        self.claimers = claimers
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        if not self.claimers or not torch.is_grad_enabled():
+            yield
+            return
+        for c in self.claimers:
+            c.begin_forward()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            for c in self.claimers:
+                c.end_forward()
+
+    def _pack(self, tensor: torch.Tensor) -> tuple[Claimer | None, Any]:
+        for c in self.claimers:
+            token = c.pack(tensor)
+            if token is not None:
+                return c, token
+        return None, tensor.detach()
+
+    @staticmethod
+    def _unpack(packed: tuple[Claimer | None, Any]) -> torch.Tensor:
+        claimer, token = packed
+        return token if claimer is None else claimer.unpack(token)
+
+    def end_backward(self) -> None:
+        for c in self.claimers:
+            c.end_backward()
