@@ -15,13 +15,15 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from zeroplus.accelerator import get_accelerator
-from zeroplus.activations import ResizeRecompute, SavedTensorRouter
+from zeroplus import checkpointing
+from zeroplus.accelerator import Accelerator, get_accelerator
+from zeroplus.activations import ResizeRecompute, SavedTensorRouter, SwapAttention
 from zeroplus.activations.resize_recompute import DEFAULT_CLASSES, NORM_CLASSES
 from zeroplus.comm import DataParallelGroup, init_distributed_if_launched
 from zeroplus.config import ConfigError, ZeroplusConfig, parse_config, resolve_auto, resolve_batch
 from zeroplus.ledger import Ledger
 from zeroplus.logs import log_rank0, setup_logging
+from zeroplus.offload.tiers import make_tier
 from zeroplus.optim.build import adopt_client_optimizer, build_optimizer
 from zeroplus.optim.schedulers import build_scheduler
 from zeroplus.zero import ShardedStep, ZeroPartition
@@ -133,23 +135,7 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
               partition.describe().splitlines()[0], str(dtype).replace("torch.", ""), type(opt).__name__,
               cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, dp.size, cfg.train_batch_size)
     return Engine(model, cfg, partition, step, opt, scheduler, LossScaler(cfg.fp16), dp, ledger, accel, rss_at_start,
-                  _activation_techniques(model, cfg, ledger))
-
-
-def _activation_techniques(model: torch.nn.Module, cfg: ZeroplusConfig, ledger: Ledger) -> SavedTensorRouter:
-    claimers = []
-    recompute = cfg.zeroplus.resize_recompute
-    if recompute.enabled:
-        classes = list(DEFAULT_CLASSES if recompute.modules is None else recompute.modules)
-        classes += list(NORM_CLASSES) if recompute.norms else []
-        technique = ResizeRecompute(model, classes, recompute.names, ledger)
-        if not technique.targets:
-            raise ConfigError(f"config key 'zeroplus.resize_recompute' matches no module of {type(model).__name__} "
-                              f"(classes {classes}, names {recompute.names})")
-        log_rank0("resize recompute: %d modules (%s%s)", len(technique.targets), ", ".join(technique.targets[:3]),
-                  ", ..." if len(technique.targets) > 3 else "")
-        claimers.append(technique)
-    return SavedTensorRouter(claimers)
+                  _activation_techniques(model, cfg, ledger, accel))
 
 
 def _warn_inert_options(cfg: ZeroplusConfig) -> None:
@@ -164,9 +150,50 @@ def _warn_inert_options(cfg: ZeroplusConfig) -> None:
     if zero.stage == 3:
         keys += ["stage3_max_live_parameters", "stage3_max_reuse_distance"]
     inert += [f"zero_optimization.{key}" for key in keys if getattr(zero, key) != getattr(defaults, key)]
-    if cfg.activation_checkpointing != type(cfg.activation_checkpointing)():
-        inert.append("activation_checkpointing (nothing calls a checkpoint API yet)")
     if cfg.wall_clock_breakdown:
         inert.append("wall_clock_breakdown")
     if inert:
         log_rank0("accepted but without effect yet: %s", "; ".join(inert), level=logging.WARNING)
+
+
+def _activation_techniques(model: torch.nn.Module, cfg: ZeroplusConfig, ledger: Ledger,
+                           accel: Accelerator) -> SavedTensorRouter:
+    """Resize recompute and swap attention (through one saved-tensor router), and the settings of
+    ``zeroplus.checkpointing`` from the ``activation_checkpointing`` block."""
+    zp, ac = cfg.zeroplus, cfg.activation_checkpointing
+    tier = None
+    if zp.swap_attention.enabled or ac.cpu_checkpointing:
+        try:
+            tier = make_tier(zp.activation_tier.device, zp.activation_tier.path, accel, ledger)
+        except ValueError as err:
+            raise ConfigError(f"config key 'zeroplus.activation_tier': {err}") from None
+    claimers: list[Any] = []
+    recompute = zp.resize_recompute
+    if recompute.enabled:
+        classes = list(DEFAULT_CLASSES if recompute.modules is None else recompute.modules)
+        classes += list(NORM_CLASSES) if recompute.norms else []
+        technique = ResizeRecompute(model, classes, recompute.names, ledger)
+        _check_targets("resize_recompute", technique.targets, model, classes, recompute.names)
+        claimers.append(technique)
+    swap = zp.swap_attention
+    if swap.enabled:
+        assert tier is not None
+        swapper = SwapAttention(model, swap.modules, swap.names, tier, ledger, swap.min_bytes)
+        _check_targets("swap_attention", swapper.targets, model, swap.modules or ["*Attention"], swap.names)
+        if not tier.saves_memory:
+            log_rank0("swap_attention: the host tier is this machine's only memory (no accelerator), so swapping "
+                      "to it saves nothing; zeroplus.activation_tier {'device': 'file', 'path': DIR} swaps to files",
+                      level=logging.WARNING)
+        claimers.append(swapper)
+    checkpointing.configure(partition_activations=ac.partition_activations,
+                            contiguous_checkpointing=ac.contiguous_memory_optimization,
+                            num_checkpoints=ac.number_checkpoints, checkpoint_in_cpu=ac.cpu_checkpointing,
+                            synchronize=ac.synchronize_checkpoint_boundary, profile=ac.profile, tier=tier)
+    return SavedTensorRouter(claimers)
+
+
+def _check_targets(key: str, targets: list[str], model: torch.nn.Module, classes: list[str], names: list[str]) -> None:
+    if not targets:
+        raise ConfigError(f"config key 'zeroplus.{key}' matches no module of {type(model).__name__} "
+                          f"(classes {classes}, names {names})")
+    log_rank0("%s: %d modules (%s%s)", key, len(targets), ", ".join(targets[:3]), ", ..." if len(targets) > 3 else "")

@@ -72,19 +72,27 @@ class LlamaStyleMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
+class LlamaStyleAttention(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(dim, dim, bias=False)
+        self.o_proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        attn = torch.softmax(self.q_proj(h) @ h.transpose(-1, -2) / h.shape[-1] ** 0.5, dim=-1) @ h
+        return self.o_proj(attn)
+
+
 class LlamaStyleLayer(nn.Module):
     def __init__(self, dim: int, act: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = nn.RMSNorm(dim)
-        self.q_proj = nn.Linear(dim, dim, bias=False)
-        self.o_proj = nn.Linear(dim, dim, bias=False)
+        self.self_attn = LlamaStyleAttention(dim)
         self.post_attention_layernorm = nn.RMSNorm(dim)
         self.mlp = LlamaStyleMLP(dim, 3 * dim, act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.input_layernorm(x)
-        attn = torch.softmax(self.q_proj(h) @ h.transpose(-1, -2) / h.shape[-1] ** 0.5, dim=-1) @ h
-        x = x + self.o_proj(attn)
+        x = x + self.self_attn(self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

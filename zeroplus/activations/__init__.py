@@ -5,5 +5,6 @@ technique that claims it; the techniques themselves live one per file.
 """
 from .resize_recompute import ResizeRecompute
 from .saved_tensors import SavedTensorRouter
+from .swap import SwapAttention
 
-__all__ = ["ResizeRecompute", "SavedTensorRouter"]
+__all__ = ["ResizeRecompute", "SavedTensorRouter", "SwapAttention"]

@@ -120,6 +120,21 @@ class ResizeRecomputeConfig(Block):
                                                                "'blocks.*.mlp.act'.")
 
 
+class SwapAttentionConfig(Block):
+    enabled: bool = False
+    modules: list[str] | None = Field(None, description="Module class names whose saved activations are swapped "
+                                                        "(default: classes whose name ends in 'Attention').")
+    names: list[str] = Field(default_factory=list, description="Qualified-name patterns (fnmatch).")
+    min_bytes: NonNegativeInt = Field(65536, description="Smaller saved tensors stay on the device.")
+
+
+class ActivationTierConfig(Block):
+    device: Literal["host", "file"] = Field(
+        "host", description="Where swapped activations and cpu_checkpointing inputs go: host memory (pinned), or "
+                            "files under 'path' (the tier that saves memory on a CPU-only machine).")
+    path: str | None = Field(None, description="Directory for the file tier.")
+
+
 class ZeroplusBlock(Block):
     """zeroplus-only options; DeepSpeed ignores this block, so one file runs under both."""
 
@@ -134,6 +149,8 @@ class ZeroplusBlock(Block):
         "nearest_even", description="How a separate bf16 copy rounds the fp32 master: torch's cast, or ties away "
                                     "from zero as shared master weights do (to compare runs bit for bit).")
     resize_recompute: ResizeRecomputeConfig = Field(default_factory=ResizeRecomputeConfig)
+    swap_attention: SwapAttentionConfig = Field(default_factory=SwapAttentionConfig)
+    activation_tier: ActivationTierConfig = Field(default_factory=ActivationTierConfig)
     master_step_chunk: PositiveInt = Field(
         1 << 20, description="Elements per chunk when the optimizer steps a shared (split) master.")
 

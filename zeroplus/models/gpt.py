@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..checkpointing import checkpoint
+
 
 @dataclasses.dataclass
 class GPTConfig:
@@ -21,6 +23,7 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 128
     dropout: float = 0.0
+    checkpoint_blocks: bool = False  # activation checkpointing of every block (zeroplus.checkpointing)
 
     @property
     def hidden_size(self) -> int:
@@ -74,10 +77,11 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = MLP(cfg)
+        self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        x = x + F.dropout(self.attn(self.ln1(x)), self.dropout, self.training)
+        return x + F.dropout(self.mlp(self.ln2(x)), self.dropout, self.training)
 
 
 class GPT(nn.Module):
@@ -104,8 +108,9 @@ class GPT(nn.Module):
         b, t = idx.shape
         pos = torch.arange(t, device=idx.device)
         x = self.wte(idx) + self.wpe(pos)  # (b, t, d)
+        replay = self.config.checkpoint_blocks and self.training and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x) if replay else block(x)
         logits = self.lm_head(self.ln_f(x))  # (b, t, vocab)
         if targets is None:
             return logits

@@ -12,6 +12,9 @@ partition calls ``on_unit_grads_done``). The root unit (parameters outside any r
 such as tied embeddings) stays gathered from the start of forward to the end of backward, and
 units below ``stage3_param_persistence_threshold`` elements stay gathered for good.
 
+Activation checkpointing replays a unit's forward inside backward: the replay gathers the unit
+(if not gathered) and keeps it until its gradients are done, without prefetching forward.
+
 Peak gathered memory: the root unit, plus the unit computing, plus the prefetch window.
 Communication: every non-persistent unit is all-gathered twice per step (forward, backward).
 """
@@ -23,6 +26,10 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from .units import Unit
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
 
 
 class Stage3Scheduler:
@@ -68,6 +75,8 @@ class Stage3Scheduler:
     def _make_pre_forward(self, unit: Unit):
         def hook(module: torch.nn.Module, args: Any) -> None:
             unit.wait_gather()
+            if _in_backward():  # an activation-checkpoint replay: gathered for its backward
+                return
             self._recording.append(unit.index)
             order = self.forward_order
             if order and unit.index in order and self.prefetch_numel != 0:
@@ -76,6 +85,8 @@ class Stage3Scheduler:
 
     def _make_post_forward(self, unit: Unit):
         def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
+            if _in_backward():  # a replay's backward follows at once; released when its grads are done
+                return output
             if torch.is_grad_enabled():
                 unit.backward_gathered = False
                 for t in tree_flatten(output)[0]:

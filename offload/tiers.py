@@ -1,0 +1,192 @@
+"""Memory tiers below the device: host memory and files, with asynchronous moves.
+
+A tier stores a tensor (``put``), starts bringing it back (``prefetch``) and hands it back on
+the device (``get``); ``put`` returns at once and the device copy can be dropped by the caller
+as soon as it has no other use.
+
+- ``HostTier``: on CUDA/NPU, a pinned host buffer filled on a side stream (the device tensor is
+  recorded on that stream, so the allocator reuses it only after the copy) and copied back on
+  another side stream, which the compute stream waits for in ``get``. On a CPU-only machine the
+  host *is* the device: ``put`` keeps the tensor as it is and saves nothing (the engine says so
+  once in the log).
+- ``FileTier``: one file per stored tensor, in a per-process directory
+  ``<path>/zeroplus-swap-<pid>`` written and read by a thread pool; on accelerators the bytes
+  pass through host memory first. This is the tier that saves memory on a CPU-only machine.
+  The directory is removed at normal exit; directories left by dead processes are removed when
+  the next ``FileTier`` starts in the same path.
+
+Memory: ``HostTier`` holds each stored tensor in host memory (``offload_buffer`` in the ledger
+when the host is not the device); ``FileTier`` holds a tensor in memory only until its write
+finishes, and a prefetched one from its read until ``get``.
+"""
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import contextlib
+import itertools
+import logging
+import os
+import shutil
+from typing import Any
+
+import torch
+
+from ..accelerator import Accelerator
+from ..ledger import Category, Ledger
+
+logger = logging.getLogger("zeroplus.offload")
+
+_SWAP_PREFIX = "zeroplus-swap-"
+
+
+class Stored:
+    """A tensor living on a tier: how to rebuild it, and the tier's handle on the bytes."""
+
+    __slots__ = ("shape", "dtype", "device", "nbytes", "data", "ready", "back")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
+        self.nbytes = t.numel() * t.element_size()
+        self.data: Any = None   # host tensor, or file path
+        self.ready: Any = None  # event or future: the move out is done
+        self.back: Any = None   # the prefetch in flight: (tensor, event) or a future
+
+
+class HostTier:
+    name = "host"
+
+    def __init__(self, accelerator: Accelerator, ledger: Ledger) -> None:
+        self.accel = accelerator
+        self.ledger = ledger
+        self.saves_memory = not accelerator.host_is_device
+        self._out_stream = accelerator.new_stream()
+        self._in_stream = accelerator.new_stream()
+
+    def put(self, t: torch.Tensor) -> Stored:
+        stored = Stored(t)
+        if not self.saves_memory:
+            stored.data = t
+            return stored
+        host = self.accel.pin_memory(torch.empty(t.shape, dtype=t.dtype))
+        self.ledger.track(host, Category.OFFLOAD_BUFFER)
+        self._out_stream.wait_stream(self.accel.current_stream())
+        with self.accel.stream(self._out_stream):
+            host.copy_(t, non_blocking=True)
+            t.record_stream(self._out_stream)
+            stored.ready = self.accel.new_event()
+            stored.ready.record(self._out_stream)
+        stored.data = host
+        return stored
+
+    def prefetch(self, stored: Stored) -> None:
+        if not self.saves_memory or stored.back is not None:
+            return
+        self._in_stream.wait_event(stored.ready)
+        with self.accel.stream(self._in_stream):
+            back = stored.data.to(stored.device, non_blocking=True)
+            event = self.accel.new_event()
+            event.record(self._in_stream)
+        stored.back = (back, event)
+
+    def get(self, stored: Stored) -> torch.Tensor:
+        if not self.saves_memory:
+            return stored.data
+        self.prefetch(stored)
+        back, event = stored.back
+        event.wait(self.accel.current_stream())
+        back.record_stream(self.accel.current_stream())
+        stored.back, stored.data = None, None
+        return back
+
+
+class FileTier:
+    name = "file"
+
+    def __init__(self, path: str, ledger: Ledger, workers: int = 2) -> None:
+        self.ledger = ledger
+        self.saves_memory = True
+        try:
+            os.makedirs(path, exist_ok=True)
+            _remove_dead_directories(path)
+            self.directory = os.path.join(path, f"{_SWAP_PREFIX}{os.getpid()}")
+            os.makedirs(self.directory, exist_ok=True)
+            probe = os.path.join(self.directory, ".probe")
+            with open(probe, "wb") as f:
+                f.write(b"0")
+            os.remove(probe)
+        except OSError as err:
+            raise ValueError(f"swap directory {path!r} is not usable: {err}") from None
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="zeroplus-swap")
+        self._names = itertools.count()
+        atexit.register(self.close)
+
+    def put(self, t: torch.Tensor) -> Stored:
+        stored = Stored(t)
+        stored.data = os.path.join(self.directory, f"{next(self._names)}.bin")
+        host = t.detach().contiguous() if t.device.type == "cpu" else t.detach().to("cpu")
+        stored.ready = self._pool.submit(_write, stored.data, host)
+        return stored
+
+    def prefetch(self, stored: Stored) -> None:
+        if stored.back is None:
+            stored.back = self._pool.submit(self._read, stored)
+
+    def _read(self, stored: Stored) -> torch.Tensor:
+        stored.ready.result()
+        buf = torch.empty(stored.nbytes, dtype=torch.uint8)
+        with open(stored.data, "rb") as f:
+            if f.readinto(memoryview(buf.numpy())) != stored.nbytes:
+                raise OSError(f"swap file {stored.data} is shorter than the {stored.nbytes} bytes written")
+        os.remove(stored.data)
+        return buf.view(stored.dtype).view(stored.shape)
+
+    def get(self, stored: Stored) -> torch.Tensor:
+        self.prefetch(stored)
+        value = stored.back.result()
+        stored.back = None
+        return value.to(stored.device) if stored.device.type != "cpu" else value
+
+    def discard(self, stored: Stored) -> None:
+        with contextlib.suppress(Exception):
+            stored.ready.result()
+        with contextlib.suppress(OSError):
+            os.remove(stored.data)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _write(path: str, host: torch.Tensor) -> None:
+    with open(path, "wb") as f:
+        f.write(memoryview(host.reshape(-1).view(torch.uint8).numpy()))
+
+
+def _remove_dead_directories(path: str) -> None:
+    """Swap directories of processes that no longer run (a crash) are removed."""
+    for entry in os.listdir(path):
+        if not entry.startswith(_SWAP_PREFIX):
+            continue
+        pid = entry[len(_SWAP_PREFIX):]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            logger.info("removing swap directory %s left by process %s", os.path.join(path, entry), pid)
+            shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def make_tier(kind: str, path: str | None, accelerator: Accelerator, ledger: Ledger) -> HostTier | FileTier:
+    if kind == "file":
+        if not path:
+            raise ValueError("a file tier needs a path (zeroplus.activation_tier.path)")
+        return FileTier(path, ledger)
+    return HostTier(accelerator, ledger)
