@@ -40,6 +40,9 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--out-prefix", required=True)
+    p.add_argument("--zeroplus", default="{}", help="JSON merged into the config's zeroplus block")
+    p.add_argument("--checkpoint-blocks", action="store_true",
+                   help="activation checkpointing of every block (zeroplus's or DeepSpeed's checkpoint)")
     args = p.parse_args()
 
     from zeroplus.models import GPT, gpt_config
@@ -53,8 +56,12 @@ def main() -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
 
-    model = GPT(gpt_config(args.model, block_size=max(64, args.seq)))
+    model = GPT(gpt_config(args.model, block_size=max(64, args.seq), checkpoint_blocks=args.checkpoint_blocks))
     cfg = ds_config(args.stage)
+    cfg["zeroplus"].update(json.loads(args.zeroplus))
+    if args.checkpoint_blocks and args.framework == "deepspeed":
+        import zeroplus.models.gpt as gpt_module
+        gpt_module.checkpoint = deepspeed.checkpointing.checkpoint
     if args.framework == "zeroplus":
         engine = zeroplus.initialize(model, cfg)
 

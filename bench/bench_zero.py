@@ -24,7 +24,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
 
 
-def launch(framework: str, stage: int, args: argparse.Namespace, malloc: bool) -> list[dict]:
+def launch(framework: str, stage: int, args: argparse.Namespace, malloc: bool,
+           extra: list[str] | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         prefix = os.path.join(tmp, "result")
         env = dict(os.environ, DS_ACCELERATOR="cpu", ZEROPLUS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
@@ -34,7 +35,8 @@ def launch(framework: str, stage: int, args: argparse.Namespace, malloc: bool) -
             env.update(MALLOC_ENV)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                os.path.join(HERE, "bench_worker.py"), "--framework", framework, "--stage", str(stage),
-               "--model", args.model, "--seq", str(args.seq), "--steps", str(args.steps), "--out-prefix", prefix]
+               "--model", args.model, "--seq", str(args.seq), "--steps", str(args.steps), "--out-prefix", prefix,
+               *(extra or [])]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         results = []
         for rank in range(2):

@@ -18,10 +18,12 @@ bits of the low half are not kept. (Without this rule some NaNs would round to i
 
 ``split_reference`` / ``merge_reference`` spell the math out in int64 and allocate freely; they
 are the definition the tests hold ``split_into`` / ``merge_into`` to. The latter write into
-given buffers chunk by chunk: temporaries are at most ``CHUNK`` elements (int32 + bool, 5 MiB),
-and the merge needs none.
+given buffers chunk by chunk, working on the int16 halves (see below): temporaries are at most
+``CHUNK`` elements of int16 and bool (3 MiB); the merge needs one int16 temporary of its length.
 """
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -52,33 +54,47 @@ def merge_reference(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     return (((bits + 0x80000000) & 0xFFFFFFFF) - 0x80000000).to(torch.int32).view(torch.float32)
 
 
-def _high_bits(xc: torch.Tensor, nan: torch.Tensor) -> torch.Tensor:
-    """int32 holding each element's high half (rounded; NaN made quiet), sign-extended."""
-    xi = xc.view(torch.int32)
-    t = xi + 0x8000                          # wraps only for NaN bit patterns, replaced below
-    t.bitwise_right_shift_(16)               # arithmetic shift: the sign half comes out right
-    return torch.where(nan, torch.bitwise_right_shift(xi, 16).bitwise_or_(_QUIET), t)
+# The residual's bits are exactly the low 16 bits of the fp32 (``x - (high << 16)`` taken mod
+# 2^16), and ``high`` is the top 16 bits plus one when the residual is negative (its top bit
+# set). So on a little-endian machine, with the fp32 viewed as int16 pairs ``[lo, hi]``:
+#   split:  low = lo;  high = hi - (lo >> 15)          merge:  lo = low;  hi = high + (low >> 15)
+# (``>> 15`` of an int16 is -1 for negative values, else 0). int16 arithmetic wraps only for the
+# NaN bit patterns, which are then replaced.
+assert sys.byteorder == "little", "the split kernels assume a little-endian machine"
+
+
+def _pairs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    p = x.view(torch.int16).view(-1, 2)
+    return p[:, 0], p[:, 1]
+
+
+def _may_hold_nan(xc: torch.Tensor) -> bool:
+    """Whether the NaN fix-up is needed. On CPU a sum (NaN if any element is NaN, or if both
+    infinities occur: then the fix-up runs for nothing) is much cheaper than ``isnan``; on
+    accelerators the fix-up always runs, which costs no host synchronisation."""
+    return xc.device.type != "cpu" or bool(torch.isnan(xc.sum()))
 
 
 def split_into(x: torch.Tensor, high: torch.Tensor, low: torch.Tensor) -> None:
     """Write ``x``'s split into ``high`` (bf16) and ``low`` (int16), chunk by chunk."""
     for a in range(0, x.numel(), CHUNK):
         xc = x[a:a + CHUNK]
-        nan = torch.isnan(xc)
-        t = _high_bits(xc, nan)
-        high[a:a + CHUNK].view(torch.int16).copy_(t)
-        t.bitwise_left_shift_(16)
-        torch.sub(xc.view(torch.int32), t, out=t)
-        t.masked_fill_(nan, 0)
-        low[a:a + CHUNK].copy_(t)
+        lo, hi = _pairs(xc)
+        h, lw = high[a:a + CHUNK].view(torch.int16), low[a:a + CHUNK]
+        lw.copy_(lo)
+        torch.sub(hi, torch.bitwise_right_shift(lw, 15), out=h)
+        if _may_hold_nan(xc):
+            nan = torch.isnan(xc)
+            torch.where(nan, torch.bitwise_or(hi, _QUIET), h, out=h)
+            lw.masked_fill_(nan, 0)
 
 
 def merge_into(high: torch.Tensor, low: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Write the fp32 values of ``(high, low)`` into ``out`` (no temporaries); return ``out``."""
-    bits = out.view(torch.int32)
-    bits.copy_(high.view(torch.int16))       # sign-extends; the extension is shifted out
-    bits.bitwise_left_shift_(16)
-    bits.add_(low)
+    """Write the fp32 values of ``(high, low)`` into ``out``; return ``out``. One int16 temporary
+    of the length (the residual's sign)."""
+    lo, hi = _pairs(out)
+    lo.copy_(low)
+    torch.add(high.view(torch.int16), torch.bitwise_right_shift(low, 15), out=hi)  # low is contiguous
     return out
 
 
@@ -87,5 +103,9 @@ def round_like_split(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     what a separate bf16 copy must hold for a run to match shared storage bit for bit."""
     for a in range(0, x.numel(), CHUNK):
         xc = x[a:a + CHUNK]
-        out[a:a + CHUNK].view(torch.int16).copy_(_high_bits(xc, torch.isnan(xc)))
+        lo, hi = _pairs(xc)
+        h = out[a:a + CHUNK].view(torch.int16)
+        torch.sub(hi, torch.bitwise_right_shift(lo.contiguous(), 15), out=h)
+        if _may_hold_nan(xc):
+            torch.where(torch.isnan(xc), torch.bitwise_or(hi, _QUIET), h, out=h)
     return out

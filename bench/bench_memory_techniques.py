@@ -1,0 +1,83 @@
+"""Benchmark: zeroplus's memory techniques one by one, against DeepSpeed, GPT-111M bf16, 2 ranks, CPU.
+
+Every row is two fresh torchrun launches of ``bench_worker.py`` (memory with glibc told to return
+freed memory, time without), as ``bench_zero.py`` does, at one ZeRO stage (default 3):
+
+- zeroplus with no technique, then each technique alone, then shared master weights plus resize
+  recompute (the issue's target pair), then all of them;
+- DeepSpeed with the same JSON, and DeepSpeed with its own activation checkpointing of every block
+  (the nearest config to zeroplus's checkpointing row).
+
+Swap attention and cpu_checkpointing use the file tier (``--swap-dir``, default a temporary
+directory): on a CPU-only machine host memory is the device's, so only files can save memory.
+
+    python bench/bench_memory_techniques.py                 # seq 64, stage 3 (about 20 minutes)
+    python bench/bench_memory_techniques.py --seq 256 --rows baseline,recompute,shared+recompute
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_zero import launch  # noqa: E402
+
+ROWS = {
+    "baseline": ("zeroplus", {}, False),
+    "shared": ("zeroplus", {"shared_master_weights": True}, False),
+    "recompute": ("zeroplus", {"resize_recompute": {"enabled": True, "norms": True}}, False),
+    "swap": ("zeroplus", {"swap_attention": {"enabled": True}, "activation_tier": {"device": "file"}}, False),
+    "checkpointing": ("zeroplus", {}, True),
+    "shared+recompute": ("zeroplus", {"shared_master_weights": True,
+                                      "resize_recompute": {"enabled": True, "norms": True}}, False),
+    "all": ("zeroplus", {"shared_master_weights": True, "resize_recompute": {"enabled": True, "norms": True},
+                         "swap_attention": {"enabled": True}, "activation_tier": {"device": "file"}}, False),
+    "deepspeed": ("deepspeed", {}, False),
+    "deepspeed+checkpointing": ("deepspeed", {}, True),
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default=",".join(ROWS))
+    p.add_argument("--stage", type=int, default=3)
+    p.add_argument("--model", default="111m")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--swap-dir", default=None)
+    args = p.parse_args()
+    swap_dir = args.swap_dir or tempfile.mkdtemp(prefix="zeroplus-bench-swap-")
+    rows = []
+    for name in args.rows.split(","):
+        framework, zp, checkpoint_blocks = ROWS[name]
+        if "activation_tier" in zp:
+            zp = dict(zp, activation_tier={"device": "file", "path": swap_dir})
+        extra = ["--zeroplus", json.dumps(zp)] + (["--checkpoint-blocks"] if checkpoint_blocks else [])
+        mem = launch(framework, args.stage, args, malloc=True, extra=extra)
+        timed = launch(framework, args.stage, args, malloc=False, extra=extra)
+        step = statistics.median(t for r in timed for t in r["step_seconds"][args.warmup:])
+        rows.append({"row": name, "peak_gib": max(r["peak_above_start_bytes"] for r in mem) / 2**30, "step_s": step,
+                     "params": timed[0]["params"], "loss": timed[0]["losses"][-1]})
+        print(f"  done: {name}: {rows[-1]['peak_gib']:.3f} GiB, {step:.2f} s/step", file=sys.stderr, flush=True)
+    base = next((r for r in rows if r["row"] == "baseline"), None)
+    ds = next((r for r in rows if r["row"] == "deepspeed"), None)
+    print(f"GPT {args.model} ({rows[0]['params'] / 1e6:.0f}M parameters), bf16, ZeRO stage {args.stage}, 2 ranks "
+          f"(gloo, CPU), micro-batch 1, sequence {args.seq}, {args.steps} steps (median of the last "
+          f"{args.steps - args.warmup}); peak = per-rank resident peak above start, max over ranks")
+    header = (f"{'run':<26}{'peak GiB':>10}{'vs base':>9}{'vs DS':>8}{'step s':>9}{'vs base':>9}{'vs DS':>8}"
+              f"{'last loss':>11}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        ratio = (lambda key, ref: f"{r[key] / ref[key]:.2f}" if ref else "-")
+        print(f"{r['row']:<26}{r['peak_gib']:>10.3f}{ratio('peak_gib', base):>9}{ratio('peak_gib', ds):>8}"
+              f"{r['step_s']:>9.2f}{ratio('step_s', base):>9}{ratio('step_s', ds):>8}{r['loss']:>11.4f}")
+
+
+if __name__ == "__main__":
+    main()
