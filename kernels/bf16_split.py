@@ -18,12 +18,10 @@ bits of the low half are not kept. (Without this rule some NaNs would round to i
 
 ``split_reference`` / ``merge_reference`` spell the math out in int64 and allocate freely; they
 are the definition the tests hold ``split_into`` / ``merge_into`` to. The latter write into
-given buffers chunk by chunk, working on the int16 halves (see below): temporaries are at most
-``CHUNK`` elements of int16 and bool (3 MiB); the merge needs one int16 temporary of its length.
+given buffers chunk by chunk: one int32 scratch of at most ``CHUNK`` elements (4 MiB), reusable
+across calls, plus NaN masks only for chunks that may hold a NaN.
 """
 from __future__ import annotations
-
-import sys
 
 import torch
 
@@ -55,17 +53,10 @@ def merge_reference(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
 
 
 # The residual's bits are exactly the low 16 bits of the fp32 (``x - (high << 16)`` taken mod
-# 2^16), and ``high`` is the top 16 bits plus one when the residual is negative (its top bit
-# set). So on a little-endian machine, with the fp32 viewed as int16 pairs ``[lo, hi]``:
-#   split:  low = lo;  high = hi - (lo >> 15)          merge:  lo = low;  hi = high + (low >> 15)
-# (``>> 15`` of an int16 is -1 for negative values, else 0). int16 arithmetic wraps only for the
-# NaN bit patterns, which are then replaced.
-assert sys.byteorder == "little", "the split kernels assume a little-endian machine"
-
-
-def _pairs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    p = x.view(torch.int16).view(-1, 2)
-    return p[:, 0], p[:, 1]
+# 2^16), so the split is two conversions of the int32 view: ``low = int16(x)`` (truncation) and
+# ``high = int16((x + 0x8000) >> 16)``; int32 arithmetic wraps only for NaN bit patterns, which
+# the fix-up replaces. The merge is ``float(high)`` (bf16 to fp32 is exact: a 16-bit shift) plus
+# the sign-extended residual added to its int32 view.
 
 
 def _may_hold_nan(xc: torch.Tensor) -> bool:
@@ -75,37 +66,59 @@ def _may_hold_nan(xc: torch.Tensor) -> bool:
     return xc.device.type != "cpu" or bool(torch.isnan(xc.sum()))
 
 
-def split_into(x: torch.Tensor, high: torch.Tensor, low: torch.Tensor) -> None:
-    """Write ``x``'s split into ``high`` (bf16) and ``low`` (int16), chunk by chunk."""
+def _scratch(n: int, like: torch.Tensor, scratch: torch.Tensor | None) -> torch.Tensor:
+    if scratch is not None and scratch.numel() >= min(n, CHUNK):
+        return scratch
+    return torch.empty(min(n, CHUNK), dtype=torch.int32, device=like.device)
+
+
+def _high_bits(xc: torch.Tensor, t: torch.Tensor, nan: torch.Tensor | None) -> torch.Tensor:
+    """int32 ``t`` := each element's rounded high half, NaN (where ``nan``) made quiet, sign kept."""
+    xi = xc.view(torch.int32)
+    torch.add(xi, 0x8000, out=t)
+    t.bitwise_right_shift_(16)  # arithmetic shift: the sign half comes out right
+    if nan is not None:
+        torch.where(nan, torch.bitwise_right_shift(xi, 16).bitwise_or_(_QUIET), t, out=t)
+    return t
+
+
+def _nan_mask(xc: torch.Tensor) -> torch.Tensor | None:
+    return torch.isnan(xc) if _may_hold_nan(xc) else None
+
+
+def split_into(x: torch.Tensor, high: torch.Tensor, low: torch.Tensor,
+               scratch: torch.Tensor | None = None) -> None:
+    """Write ``x``'s split into ``high`` (bf16) and ``low`` (int16), chunk by chunk. ``scratch``:
+    an optional int32 buffer of ``min(len, CHUNK)`` elements to reuse."""
+    work = _scratch(x.numel(), x, scratch)
     for a in range(0, x.numel(), CHUNK):
         xc = x[a:a + CHUNK]
-        lo, hi = _pairs(xc)
-        h, lw = high[a:a + CHUNK].view(torch.int16), low[a:a + CHUNK]
-        lw.copy_(lo)
-        torch.sub(hi, torch.bitwise_right_shift(lw, 15), out=h)
-        if _may_hold_nan(xc):
-            nan = torch.isnan(xc)
-            torch.where(nan, torch.bitwise_or(hi, _QUIET), h, out=h)
+        nan = _nan_mask(xc)
+        high[a:a + CHUNK].view(torch.int16).copy_(_high_bits(xc, work[:xc.numel()], nan))
+        lw = low[a:a + CHUNK]
+        lw.copy_(xc.view(torch.int32))  # truncation to int16: the low 16 bits
+        if nan is not None:
             lw.masked_fill_(nan, 0)
 
 
-def merge_into(high: torch.Tensor, low: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Write the fp32 values of ``(high, low)`` into ``out``; return ``out``. One int16 temporary
-    of the length (the residual's sign)."""
-    lo, hi = _pairs(out)
-    lo.copy_(low)
-    torch.add(high.view(torch.int16), torch.bitwise_right_shift(low, 15), out=hi)  # low is contiguous
+def merge_into(high: torch.Tensor, low: torch.Tensor, out: torch.Tensor,
+               scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """Write the fp32 values of ``(high, low)`` into ``out``; return ``out``."""
+    work = _scratch(out.numel(), out, scratch)
+    for a in range(0, out.numel(), CHUNK):
+        oc = out[a:a + CHUNK]
+        oc.copy_(high[a:a + CHUNK])
+        t = work[:oc.numel()]
+        t.copy_(low[a:a + CHUNK])
+        oc.view(torch.int32).add_(t)
     return out
 
 
 def round_like_split(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """The bf16 that ``split_into`` would keep as the high half, written into ``out`` (bf16):
     what a separate bf16 copy must hold for a run to match shared storage bit for bit."""
+    work = _scratch(x.numel(), x, None)
     for a in range(0, x.numel(), CHUNK):
         xc = x[a:a + CHUNK]
-        lo, hi = _pairs(xc)
-        h = out[a:a + CHUNK].view(torch.int16)
-        torch.sub(hi, torch.bitwise_right_shift(lo.contiguous(), 15), out=h)
-        if _may_hold_nan(xc):
-            torch.where(torch.isnan(xc), torch.bitwise_or(hi, _QUIET), h, out=h)
+        out[a:a + CHUNK].view(torch.int16).copy_(_high_bits(xc, work[:xc.numel()], _nan_mask(xc)))
     return out

@@ -56,12 +56,12 @@ class SplitMaster:
     def read(self, a: int, b: int) -> torch.Tensor:
         return self.read_into(a, b, torch.empty(b - a, dtype=torch.float32, device=self.high.device))
 
-    def read_into(self, a: int, b: int, out: torch.Tensor) -> torch.Tensor:
-        return bf16_split.merge_into(self.high[a:b], self.low[a:b], out)
+    def read_into(self, a: int, b: int, out: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+        return bf16_split.merge_into(self.high[a:b], self.low[a:b], out, scratch)
 
-    def write(self, at: int, values: torch.Tensor) -> None:
+    def write(self, at: int, values: torch.Tensor, scratch: torch.Tensor | None = None) -> None:
         n = values.numel()
-        bf16_split.split_into(values, self.high[at:at + n], self.low[at:at + n])
+        bf16_split.split_into(values, self.high[at:at + n], self.low[at:at + n], scratch)
 
     def to_compute(self, dst: torch.Tensor) -> torch.Tensor:
         if dst is self.high:

@@ -5,7 +5,7 @@ one reusable fp32 buffer (the exact fp32 master), point the group's master param
 the chunk's gradient, give the optimizer the chunk's slices of the full-size per-element states
 (and the pre-step value of every scalar state, such as ``step``), step, and split the result back.
 No full-size fp32 temporary exists: the extra memory is one chunk of fp32 (``chunk_numel``
-elements, 4 MiB at the default 2^20).
+elements, 4 MiB at the default 2^20) and the kernels' int32 scratch (at most 4 MiB).
 
 This is exact for element-wise optimizers (Adam, AdamW, SGD, RMSprop, Adamax, NAdam, RAdam,
 Adadelta): each element's update depends only on that element and the scalars. Any other
@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..kernels import bf16_split
 from ..ledger import Category, Ledger
 from .flat_group import FlatParamGroup
 
@@ -43,6 +44,7 @@ class SplitStep:
         owned = store.numel
         chunk = min(self.chunk_numel, owned) if self.elementwise else owned
         work = self.ledger.empty(chunk, torch.float32, Category.MASTER, grad.device)
+        scratch = self.ledger.empty(min(chunk, bf16_split.CHUNK), torch.int32, Category.MASTER, grad.device)
         state = opt.state.pop(param, {})
         first = not state  # every chunk then starts from the optimizer's own initial state
         per_element = {k for k, v in state.items() if isinstance(v, torch.Tensor) and v.numel() == owned > 1}
@@ -51,7 +53,7 @@ class SplitStep:
         try:
             for a in range(0, owned, chunk):
                 b = min(a + chunk, owned)
-                values = store.read_into(a, b, work[:b - a])
+                values = store.read_into(a, b, work[:b - a], scratch)
                 param.data, param.grad = values, grad[a:b]
                 chunk_state: dict[str, Any] = {}
                 if not first:
@@ -69,7 +71,7 @@ class SplitStep:
                             state[key][a:b].copy_(value)
                     else:
                         state[key] = value  # scalars: the last chunk's are the step's
-                store.write(a, values)
+                store.write(a, values, scratch)
         finally:
             param.data, param.grad = placeholder, None
             opt.state[param] = state
