@@ -12,7 +12,7 @@ Swap attention and cpu_checkpointing use the file tier (``--swap-dir``, default 
 directory): on a CPU-only machine host memory is the device's, so only files can save memory.
 
     python bench/bench_memory_techniques.py                 # seq 64, stage 3 (about 20 minutes)
-    python bench/bench_memory_techniques.py --seq 256 --rows baseline,recompute,shared+recompute
+    python bench/bench_memory_techniques.py --seq 128 --micro-batch 4 --rows baseline,recompute,swap
 """
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ def main() -> None:
     p.add_argument("--stage", type=int, default=3)
     p.add_argument("--model", default="111m")
     p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--swap-dir", default=None)
@@ -67,7 +68,7 @@ def main() -> None:
     base = next((r for r in rows if r["row"] == "baseline"), None)
     ds = next((r for r in rows if r["row"] == "deepspeed"), None)
     print(f"GPT {args.model} ({rows[0]['params'] / 1e6:.0f}M parameters), bf16, ZeRO stage {args.stage}, 2 ranks "
-          f"(gloo, CPU), micro-batch 1, sequence {args.seq}, {args.steps} steps (median of the last "
+          f"(gloo, CPU), micro-batch {args.micro_batch}, sequence {args.seq}, {args.steps} steps (median of the last "
           f"{args.steps - args.warmup}); peak = per-rank resident peak above start, max over ranks")
     header = (f"{'run':<26}{'peak GiB':>10}{'vs base':>9}{'vs DS':>8}{'step s':>9}{'vs base':>9}{'vs DS':>8}"
               f"{'last loss':>11}")

@@ -24,8 +24,8 @@ def rss_bytes(field: str) -> int:
     raise RuntimeError(field)
 
 
-def ds_config(stage: int) -> dict:
-    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+def ds_config(stage: int, micro_batch: int = 1) -> dict:
+    return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
             "bf16": {"enabled": True},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1, "torch_adam": True}},
             "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True},
@@ -38,6 +38,7 @@ def main() -> None:
     p.add_argument("--stage", type=int, default=3)
     p.add_argument("--model", default="111m")
     p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--out-prefix", required=True)
     p.add_argument("--zeroplus", default="{}", help="JSON merged into the config's zeroplus block")
@@ -57,7 +58,7 @@ def main() -> None:
         f.write("5")
 
     model = GPT(gpt_config(args.model, block_size=max(64, args.seq), checkpoint_blocks=args.checkpoint_blocks))
-    cfg = ds_config(args.stage)
+    cfg = ds_config(args.stage, args.micro_batch)
     cfg["zeroplus"].update(json.loads(args.zeroplus))
     if args.checkpoint_blocks and args.framework == "deepspeed":
         import zeroplus.models.gpt as gpt_module
@@ -102,7 +103,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(rank)
     times, losses = [], []
     for _ in range(args.steps):
-        x = torch.randint(0, model.config.vocab_size, (1, args.seq), generator=g)
+        x = torch.randint(0, model.config.vocab_size, (args.micro_batch, args.seq), generator=g)
         t0 = time.perf_counter()
         losses.append(train_step(x))
         times.append(time.perf_counter() - t0)

@@ -36,6 +36,7 @@ def launch(framework: str, stage: int, args: argparse.Namespace, malloc: bool,
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                os.path.join(HERE, "bench_worker.py"), "--framework", framework, "--stage", str(stage),
                "--model", args.model, "--seq", str(args.seq), "--steps", str(args.steps), "--out-prefix", prefix,
+               "--micro-batch", str(getattr(args, "micro_batch", 1)),
                *(extra or [])]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         results = []

@@ -11,7 +11,7 @@ by hand, with DeepSpeed's keyword names):
 - ``cpu_checkpointing`` (``checkpoint_in_cpu``): the saved inputs move to the activation tier
   (``zeroplus.activation_tier``: host memory on an accelerator; on a CPU-only machine host
   memory is the same memory, so use the ``file`` tier there to save anything) and come back in
-  backward.
+  backward; the ledger shows the moved bytes as ``cpu_checkpointing`` / ``activation`` not held.
 - ``synchronize_checkpoint_boundary`` (``synchronize``): the device is synchronised before and
   after each checkpointed forward and replay.
 - ``profile``: each checkpointed forward and replay logs its time.
@@ -29,8 +29,10 @@ from typing import Any, Callable
 import torch
 
 from .accelerator import get_accelerator
+from .ledger import Category
 
 logger = logging.getLogger("zeroplus.checkpointing")
+TECHNIQUE = "cpu_checkpointing"  # ledger: checkpointed inputs moved off the device, not held
 
 
 @dataclasses.dataclass
@@ -127,6 +129,8 @@ class _CheckpointFunction(torch.autograd.Function):
         tensors = [a.detach() for a in args if isinstance(a, torch.Tensor)]
         if settings.tier is not None:
             ctx.stored = [settings.tier.put(t) for t in tensors]
+            ctx.moved = sum(t.numel() * t.element_size() for t in tensors) if settings.tier.saves_memory else 0
+            settings.tier.ledger.save(TECHNIQUE, Category.ACTIVATION, ctx.moved)
         else:
             ctx.save_for_backward(*tensors)
         with torch.no_grad(), _Timed(settings, "forward"):
@@ -138,6 +142,7 @@ class _CheckpointFunction(torch.autograd.Function):
         if settings.tier is not None:
             tensors = [settings.tier.get(s) for s in ctx.stored]
             ctx.stored = None
+            settings.tier.ledger.unsave(TECHNIQUE, Category.ACTIVATION, ctx.moved)
         else:
             tensors = list(ctx.saved_tensors)
         inputs, it = [], iter(tensors)

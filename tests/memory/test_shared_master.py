@@ -4,7 +4,8 @@ At stages 0-3 on 1 and 2 ranks, with gradient accumulation, binding clipping and
 small enough that every group steps in several chunks: the run with
 ``zeroplus.shared_master_weights`` and the run with a separate fp32 master whose bf16 copy is
 rounded like the split (``master_rounding: like_shared``) have identical losses, fp32 masters
-and optimizer states after every step. The ledger's ``master`` bytes are exactly 2 per owned
+and optimizer states after every step, with AdamW and SGD (stepped chunk by chunk) and LAMB
+(whose per-parameter norms need each shard stepped whole). The ledger's ``master`` bytes are exactly 2 per owned
 parameter lower at stages 0-2 (the residual replaces the fp32 copy; the bf16 halves are the
 parameters); at stage 3 both keep 4 per owned parameter (the fp32 master, or the bf16 shard
 plus the residual), and shared storage needs no cast buffer for the all-gathers.
@@ -23,7 +24,7 @@ STEPS, GAS, MICRO = 4, 2, 2
 
 
 def _config(stage: int, shared: bool, optimizer: str) -> dict:
-    params = {"lr": 1e-2, "weight_decay": 0.01} if optimizer == "AdamW" else {"lr": 1e-1, "momentum": 0.9}
+    params = {"lr": 1e-1, "momentum": 0.9} if optimizer == "SGD" else {"lr": 1e-2, "weight_decay": 0.01}
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "gradient_clipping": 0.5,
             "bf16": {"enabled": True}, "optimizer": {"type": optimizer, "params": params},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 64, "stage3_param_persistence_threshold": 0},
@@ -72,7 +73,7 @@ def _job(optimizer: str) -> list[tuple[dict, dict]]:
     return [(_trajectory(stage, True, optimizer), _trajectory(stage, False, optimizer)) for stage in range(4)]
 
 
-@pytest.mark.parametrize("world,optimizer", [(1, "AdamW"), (2, "AdamW"), (2, "SGD")])
+@pytest.mark.parametrize("world,optimizer", [(1, "AdamW"), (2, "AdamW"), (2, "SGD"), (2, "Lamb")])
 def test_shared_master_matches_separate_copy_bitwise(world, optimizer):
     results = run_distributed(_job, world, optimizer)[0]
     for stage, (shared, separate) in enumerate(results):

@@ -44,6 +44,7 @@ def _train(model: torch.nn.Module, cfg: dict, swap_dir: str | None = None) -> di
             x, y = batches[(step * 2 + micro) * world + rank]
             loss = engine(x, y)
             out["saved"].append(engine.ledger.saved_bytes("swap_attention", Category.ACTIVATION))
+            out["moved"] = engine.ledger.saved_bytes("cpu_checkpointing", Category.ACTIVATION)
             engine.backward(loss)
             out["losses"].append(loss.item())
             if swap_dir is not None:
@@ -117,6 +118,8 @@ def _checkpoint_job(root: str) -> list:
 def test_activation_checkpointing_gradients_are_bitwise_identical(tmp_path):
     results = run_distributed(_checkpoint_job, 2, str(tmp_path))[0]
     for stage, (plain, *checkpointed) in zip((0, 3), results):
+        assert plain["moved"] == checkpointed[0]["moved"] == 0
+        assert checkpointed[1]["moved"] == 2 * 16 * 64 * 4 * 2, checkpointed[1]["moved"]  # 2 blocks' inputs
         for name, run in zip(("checkpointed", "checkpointed, cpu_checkpointing"), checkpointed):
             assert plain["losses"] == run["losses"], (stage, name)
             for a, b in zip(plain["grads"], run["grads"]):

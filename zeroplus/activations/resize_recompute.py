@@ -1,8 +1,8 @@
 """Resize-based recompute: drop a cheap module's output after forward, recompute it in backward.
 
 For each chosen module (by class name, default the activation functions ``GELU``, ``SiLU``,
-``Mish`` and Hugging Face's activation modules; norms such as ``LayerNorm``/``RMSNorm`` as an option; or by qualified-name pattern):
-its output ``y`` is remembered with the inputs it was computed from. When the module's parent
+``Mish`` and Hugging Face's activation modules; norms such as ``LayerNorm``/``RMSNorm`` as an
+option; or by qualified-name pattern): its output ``y`` is remembered with the inputs it was computed from. When the module's parent
 finishes its forward, if autograd saved ``y`` for some consumer (e.g. the next Linear) and the
 parent does not return it, ``y``'s storage is resized to 0: the tensor object, and every view
 autograd saved, stay, but hold no memory. When backward unpacks ``y`` for that consumer, the
@@ -10,9 +10,10 @@ module is run again on the same inputs (no grad) and the result copied into the 
 just before the consumer's backward uses it. Recomputation is deterministic, so gradients are
 bitwise identical to a run without it.
 
-Memory: the bytes of every dropped output, from the parent's forward end until its consumer's
-backward (recorded in the ledger as ``resize_recompute`` / ``activation`` not held); during a
-recompute, one output's worth of temporary. The inputs are not held extra: the chosen modules'
+Memory: the bytes of every dropped output are not held from the parent's forward end until its
+consumer's backward (the ledger's ``resize_recompute`` / ``activation``); during a recompute, one
+output's worth of temporary. Once the last consumer has unpacked an output, the record lets go of
+it and of its inputs, so backward frees them when autograd would. The inputs are not held extra: the chosen modules'
 own backward saves them anyway (GELU, SiLU and the norms save their input). Outputs that share
 storage with an input (in-place modules) are left alone. Outputs of a recompute inside an
 activation-checkpointing replay are not touched (only the engine's own forward is watched).
@@ -41,12 +42,12 @@ def _storage_key(t: torch.Tensor) -> int:
 
 
 class _Record:
-    __slots__ = ("module", "args", "output", "nbytes", "packed", "released")
+    __slots__ = ("module", "args", "output", "key", "nbytes", "packed", "unpacked", "released")
 
-    def __init__(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
-        self.module, self.args, self.output = module, args, output
+    def __init__(self, module: torch.nn.Module, args: tuple, output: torch.Tensor, key: int) -> None:
+        self.module, self.args, self.output, self.key = module, args, output, key
         self.nbytes = output.untyped_storage().nbytes()
-        self.packed = 0
+        self.packed = self.unpacked = 0
         self.released = False
 
 
@@ -95,7 +96,7 @@ class ResizeRecompute:
             key = _storage_key(output)
             if any(isinstance(a, torch.Tensor) and _storage_key(a) == key for a in tree_flatten(args)[0]):
                 return  # in place: the output is the input's storage
-            record = _Record(module, args, output)
+            record = _Record(module, args, output, key)
             self._records[key] = record
             self._pending.setdefault(id(parent_ref()), []).append(record)
         return hook
@@ -125,6 +126,10 @@ class ResizeRecompute:
     def unpack(self, token: tuple[_Record, torch.Tensor]) -> torch.Tensor:
         record, alias = token
         self._restore(record)
+        record.unpacked += 1
+        if record.unpacked == record.packed:  # its last consumer: let autograd free it as usual
+            self._records.pop(record.key, None)
+            record.args = record.output = None
         return alias
 
     def _restore(self, record: _Record) -> None:
