@@ -99,6 +99,9 @@ def main(argv: list[str] | None = None) -> None:
         for r in reports:
             print("  " + f"{r['rank']:<6}" + "".join(f"{r['categories'][c]['peak_bytes'] / 2**20:>16.1f}" for c in cats)
                   + f"{r['process_peak_above_start_bytes'] / 2**20:>12.1f}")
+        for key, b in reports[0]["saved"].items():  # memory techniques: bytes kept from being held
+            print(f"  not held by {key}: peak " + ", ".join(f"rank {r['rank']} "
+                  f"{r['saved'].get(key, {}).get('peak_bytes', 0) / 2**20:.1f} MiB" for r in reports))
         print(f"checkpoint: {saved}" if saved else "checkpoint: not saved (--save-dir '')")
         print(json.dumps({"final_loss": loss_value, "held_out_loss": sum(held) / len(held),
                           "steps": args.steps}))
