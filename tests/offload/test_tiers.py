@@ -1,0 +1,75 @@
+"""The activation tiers on their own: exact round trips, cleanup, and clear errors.
+
+FileTier: tensors of several dtypes and layouts (including a non-contiguous view) come back bit
+for bit, with or without a prefetch, and each file is gone once read; ``close`` removes the
+process's directory; a directory left by a dead process is removed when the next tier starts in
+the same path while a live process's directory is kept; an unusable path is an error naming it,
+also through the engine's config. HostTier on a CPU-only machine keeps the tensor itself and
+says it saves nothing.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import zeroplus
+from tests.models import ParityNet
+from zeroplus.accelerator import Accelerator
+from zeroplus.ledger import Ledger
+from zeroplus.offload.tiers import FileTier, HostTier
+
+
+def _tensors() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(64, 48, generator=g)
+    return [base, base.to(torch.bfloat16), base.t()[::2], torch.randint(-10**12, 10**12, (33,), generator=g),
+            torch.randn(0), torch.tensor(3.5)]
+
+
+def test_file_tier_round_trips_bitwise_and_cleans_up(tmp_path):
+    tier = FileTier(str(tmp_path), Ledger())
+    tensors = _tensors()
+    stored = [tier.put(t) for t in tensors]
+    for i, s in enumerate(stored):
+        if i % 2:
+            tier.prefetch(s)
+    for t, s in zip(tensors, stored):
+        back = tier.get(s)
+        assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t)
+    assert os.listdir(tier.directory) == []
+    tier.close()
+    assert not os.path.exists(tier.directory)
+
+
+def test_directories_of_dead_processes_are_removed(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_dir = tmp_path / f"zeroplus-swap-{int(dead.stdout)}"
+    live_dir = tmp_path / f"zeroplus-swap-{os.getppid()}"
+    for d in (dead_dir, live_dir):
+        d.mkdir()
+        (d / "0.bin").write_bytes(b"x" * 10)
+    tier = FileTier(str(tmp_path), Ledger())
+    assert not dead_dir.exists() and live_dir.exists()
+    tier.close()
+
+
+def test_unusable_path_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ValueError, match="a-file"):
+        FileTier(str(blocker / "swap"), Ledger())
+    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {}},
+           "zeroplus": {"log_level": "warning", "swap_attention": {"enabled": True, "modules": ["ParityBlock"]},
+                        "activation_tier": {"device": "file", "path": str(blocker / "swap")}}}
+    with pytest.raises(zeroplus.ConfigError, match="zeroplus.activation_tier"):
+        zeroplus.initialize(ParityNet(), cfg)
+
+
+def test_host_tier_on_cpu_keeps_the_tensor():
+    tier = HostTier(Accelerator(), Ledger())
+    t = torch.randn(10)
+    assert not tier.saves_memory and tier.get(tier.put(t)) is t
