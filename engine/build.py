@@ -130,7 +130,8 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     if cfg.zeroplus.shared_master_weights and any(opt.state.get(m) for ms in masters for m in ms):
         raise ConfigError(f"config key 'zeroplus.shared_master_weights' is true, but {type(opt).__name__} creates "
                           f"its states when constructed; use an optimizer that creates them in its first step")
-    step = ShardedStep(partition, opt, float(cfg.gradient_clipping), dp, ledger, cfg.zeroplus.master_step_chunk)
+    step = ShardedStep(partition, opt, float(cfg.gradient_clipping), dp, ledger, cfg.zeroplus.master_step_chunk,
+                       _optimizer_offload(cfg, accel, ledger))
     log_rank0("%s; compute dtype %s; optimizer %s; micro-batch %s x accumulation %s x dp %d = batch %s",
               partition.describe().splitlines()[0], str(dtype).replace("torch.", ""), type(opt).__name__,
               cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, dp.size, cfg.train_batch_size)
@@ -142,11 +143,13 @@ def _warn_inert_options(cfg: ZeroplusConfig) -> None:
     """Say once which accepted options have no effect yet."""
     zero = cfg.zero_optimization
     inert = []
-    for block, name in ((zero.offload_optimizer, "offload_optimizer"), (zero.offload_param, "offload_param")):
-        if block is not None and block.device != "none":
-            inert.append(f"zero_optimization.{name}.device={block.device} (offload tiers are not built yet)")
+    if zero.offload_param is not None and zero.offload_param.device != "none":
+        inert.append(f"zero_optimization.offload_param.device={zero.offload_param.device} (parameter offload is "
+                     f"not built yet)")
     defaults = type(zero)()
-    keys = ["allgather_bucket_size", "sub_group_size"]
+    keys = ["allgather_bucket_size"]
+    if zero.offload_optimizer is None or zero.offload_optimizer.device == "none":
+        keys.append("sub_group_size")
     if zero.stage == 3:
         keys += ["stage3_max_live_parameters", "stage3_max_reuse_distance"]
     inert += [f"zero_optimization.{key}" for key in keys if getattr(zero, key) != getattr(defaults, key)]
@@ -154,6 +157,29 @@ def _warn_inert_options(cfg: ZeroplusConfig) -> None:
         inert.append("wall_clock_breakdown")
     if inert:
         log_rank0("accepted but without effect yet: %s", "; ".join(inert), level=logging.WARNING)
+
+
+def _optimizer_offload(cfg: ZeroplusConfig, accel: Accelerator, ledger: Ledger) -> dict[str, Any] | None:
+    """``zero_optimization.offload_optimizer``: the tier and window for the optimizer states."""
+    zero = cfg.zero_optimization
+    block = zero.offload_optimizer
+    if block is None or block.device == "none":
+        return None
+    if zero.stage == 0:
+        raise ConfigError("config key 'zero_optimization.offload_optimizer' needs ZeRO stage 1, 2 or 3 (stage is 0)")
+    try:
+        tier = make_tier("file" if block.device == "nvme" else "host", block.nvme_path, accel, ledger)
+    except ValueError as err:
+        raise ConfigError(f"config key 'zero_optimization.offload_optimizer.nvme_path' "
+                          f"({block.nvme_path!r}): {err}") from None
+    if not tier.saves_memory:
+        log_rank0("offload_optimizer.device=cpu: host memory is this machine's only memory (no accelerator), so the "
+                  "states stay where they are; device 'nvme' with an nvme_path keeps them in files",
+                  level=logging.WARNING)
+    log_rank0("optimizer states offloaded to %s: sub-groups of %d elements, ratio %.2f, window %d",
+              block.device, int(zero.sub_group_size), block.ratio, block.buffer_count)
+    return {"tier": tier, "sub_group_size": int(zero.sub_group_size), "ratio": block.ratio,
+            "buffer_count": block.buffer_count}
 
 
 def _activation_techniques(model: torch.nn.Module, cfg: ZeroplusConfig, ledger: Ledger,

@@ -66,7 +66,7 @@ def _rank_state(engine: Engine, client_state: dict[str, Any] | None) -> dict[str
         lo, hi = _nominal_range(g, rank)
         a, b = lo - g.owned_start, hi - g.owned_start
         sliced, whole = {}, {}
-        for key, value in opt.state.get(g.master_param, {}).items():
+        for key, value in engine._step.state_of(g).items():
             if isinstance(value, torch.Tensor) and value.numel() == g.owned_numel and value.numel() > 1:
                 sliced[key] = value[a:b].clone()
             else:
@@ -195,7 +195,7 @@ def _load_group(engine: Engine, g: FlatParamGroup, sources: dict[str, tuple[dict
             for key, value in saved["sliced"].items() if load_optim else ():
                 opt_state[key][at:at + e - s].copy_(value[s - a:e - a])
     if opt_state:
-        engine.optimizer.state[g.master_param] = opt_state
+        engine._step.load_state(g, opt_state)
 
 
 def load_checkpoint(engine: Engine, load_dir: str, tag: str | None = None, *, load_optimizer_states: bool = True,

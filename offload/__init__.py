@@ -1,5 +1,6 @@
-"""zeroplus.offload: memory tiers (device, host, NVMe file) and streamed optimizer states.
+"""zeroplus.offload: memory tiers (host, files) and optimizer states streamed through them.
 
-Empty until the offload issue builds it; ``offload_optimizer`` / ``offload_param`` are already
-parsed and validated by the config layer, and initialisation warns that they have no effect yet.
+``tiers.py``: HostTier and FileTier (used by swap attention, cpu_checkpointing and optimizer-state
+offload). ``optimizer_states.py``: a flat group's optimizer states in sub-groups on a tier.
+Parameter offload (``offload_param``) is parsed and validated but not built yet.
 """

@@ -187,6 +187,6 @@ def _alive(pid: int) -> bool:
 def make_tier(kind: str, path: str | None, accelerator: Accelerator, ledger: Ledger) -> HostTier | FileTier:
     if kind == "file":
         if not path:
-            raise ValueError("a file tier needs a path (zeroplus.activation_tier.path)")
+            raise ValueError("a file tier needs a directory path, and none is set")
         return FileTier(path, ledger)
     return HostTier(accelerator, ledger)

@@ -36,7 +36,10 @@ def test_zeroplus_run_launches_ranks_that_initialise_themselves(tmp_path):
         x = torch.randint(0, 256, (2, 16))
         for _ in range(2):
             engine.backward(engine(x, x)); engine.step()
-        print(json.dumps({"rank": dist.get_rank(), "world": dist.get_world_size(), "steps": engine.global_steps}))
+        # one write per rank: print() writes text and newline separately, and two ranks interleave
+        sys.stdout.write(json.dumps({"rank": dist.get_rank(), "world": dist.get_world_size(),
+                                     "steps": engine.global_steps}) + "\\n")
+        sys.stdout.flush()
         dist.destroy_process_group()
     """))
     out = subprocess.run([sys.executable, "-m", "zeroplus.cli", "run", "-n", "2", str(script)], env=ENV,

@@ -11,20 +11,22 @@
    bounded by one group (none with torch's fused kernels).
 Optimizer states that torch creates lazily are registered with the ledger (``optim_state``)
 right after the step that creates them. A group whose master is split (shared-storage master
-weights) steps chunk by chunk through ``split_step.py``.
+weights) or whose optimizer states are offloaded steps chunk by chunk through ``chunked_step.py``.
 """
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 from ..comm import DataParallelGroup
 from ..ledger import Category, Ledger
+from ..offload.optimizer_states import TieredStates
 from ..optim.lamb import Lamb
 from .flat_group import FlatParamGroup
 from .partition import ZeroPartition
-from .split_step import SplitStep
+from .chunked_step import ChunkedStep
 
 _NORM_CHUNK = 1 << 20  # elements per float64 temporary (8 MiB)
 
@@ -54,14 +56,23 @@ def _sum_of_squares(t: torch.Tensor) -> torch.Tensor:
 
 class ShardedStep:
     def __init__(self, partition: ZeroPartition, optimizer: torch.optim.Optimizer, gradient_clipping: float,
-                 dp: DataParallelGroup, ledger: Ledger, split_chunk_numel: int = 1 << 20) -> None:
+                 dp: DataParallelGroup, ledger: Ledger, split_chunk_numel: int = 1 << 20,
+                 offload: dict[str, Any] | None = None) -> None:
+        """``offload``: ``{"tier", "sub_group_size", "ratio", "buffer_count"}`` to keep optimizer
+        states on a lower tier, or None."""
         self.partition = partition
         self.optimizer = optimizer
         self.clip = float(gradient_clipping)
         self.dp = dp
         self.ledger = ledger
         self.last_grad_norm: float | None = None
-        self.split_step = SplitStep(optimizer, ledger, split_chunk_numel)
+        self.chunked = ChunkedStep(optimizer, ledger, split_chunk_numel)
+        if offload is not None:
+            size = int(offload["sub_group_size"])
+            for g in partition.groups:
+                chunks = [(a, min(a + size, g.owned_numel)) for a in range(0, g.owned_numel, size)]
+                self.chunked.tiered[id(g)] = TieredStates(offload["tier"], chunks, float(offload["ratio"]),
+                                                          int(offload["buffer_count"]), ledger)
         if isinstance(optimizer, Lamb):
             for g in partition.groups:
                 optimizer.set_segments(g.master_param, g.param_segments(), len(g.params),
@@ -99,14 +110,29 @@ class ShardedStep:
         if self.clip > 0:
             coef *= min(1.0, self.clip / (norm + 1e-6))
         for g in self.partition.groups:
+            if id(g) in self.chunked.tiered:
+                self.chunked.step_tiered(g, self._master_grad(g, coef))
+                continue
             if g.master_store.split:
-                self.split_step.step(g, self._master_grad(g, coef))
+                self.chunked.step(g, self._master_grad(g, coef))
                 continue
             g.master_param.grad = self._master_grad(g, coef)
             self.optimizer.step()
             g.master_param.grad = None
             self._track_states(g)
         return True
+
+    def state_of(self, g: FlatParamGroup) -> dict[str, Any]:
+        """The optimizer state of ``g``'s owned range, full size (read from the tier if offloaded)."""
+        tiered = self.chunked.tiered.get(id(g))
+        return tiered.full(g.owned_numel) if tiered is not None else self.optimizer.state.get(g.master_param, {})
+
+    def load_state(self, g: FlatParamGroup, state: dict[str, Any]) -> None:
+        tiered = self.chunked.tiered.get(id(g))
+        if tiered is not None:
+            tiered.load_full(state, g.owned_numel)
+        else:
+            self.optimizer.state[g.master_param] = state
 
     def _track_states(self, g: FlatParamGroup) -> None:
         for value in self.optimizer.state.get(g.master_param, {}).values():

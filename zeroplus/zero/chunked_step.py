@@ -1,4 +1,11 @@
-"""The optimizer step on a split (shared-storage) master, chunk by chunk.
+"""The optimizer step chunk by chunk: for a split (shared-storage) master, and for optimizer
+states offloaded to a lower tier (``offload/optimizer_states.py``).
+
+Offloaded states: the owned range is stepped one sub-group at a time; the sub-group's states come
+from the tier (prefetched while the previous sub-group steps) and go back after its step. The
+master (whole or split) is read and written the same way as below.
+
+Split master:
 
 For each chunk ``[a, b)`` of the owned range: merge the bf16 high halves and int16 residuals into
 one reusable fp32 buffer (the exact fp32 master), point the group's master parameter at it and at
@@ -21,6 +28,7 @@ import torch
 
 from ..kernels import bf16_split
 from ..ledger import Category, Ledger
+from ..offload.optimizer_states import TieredStates
 from .flat_group import FlatParamGroup
 
 ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adamax,
@@ -31,12 +39,37 @@ def _copy_scalar(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else value
 
 
-class SplitStep:
+class ChunkedStep:
     def __init__(self, optimizer: torch.optim.Optimizer, ledger: Ledger, chunk_numel: int) -> None:
         self.optimizer = optimizer
         self.ledger = ledger
         self.chunk_numel = int(chunk_numel)
         self.elementwise = isinstance(optimizer, ELEMENTWISE)
+        self.tiered: dict[int, TieredStates] = {}  # id(group) -> its offloaded states
+
+    def step_tiered(self, g: FlatParamGroup, grad: torch.Tensor) -> None:
+        """One step of group ``g`` whose states live in ``self.tiered``, sub-group by sub-group."""
+        states, param, opt, store = self.tiered[id(g)], g.master_param, self.optimizer, g.master_store
+        work = scratch = None
+        if store.split:
+            work = self.ledger.empty(max(b - a for a, b in states.chunks), torch.float32, Category.MASTER,
+                                     grad.device)
+            scratch = self.ledger.empty(min(work.numel(), bf16_split.CHUNK), torch.int32, Category.MASTER,
+                                        grad.device)
+        placeholder = param.data
+        try:
+            states.prefetch(0)
+            for k, (a, b) in enumerate(states.chunks):
+                states.prefetch(k + 1)
+                values = store.read_into(a, b, work[:b - a], scratch) if store.split else store.read(a, b)
+                param.data, param.grad = values, grad[a:b]
+                opt.state[param] = states.get(k)
+                opt.step()
+                states.put(k, opt.state.pop(param))
+                if store.split:
+                    store.write(a, values, scratch)
+        finally:
+            param.data, param.grad = placeholder, None
 
     def step(self, g: FlatParamGroup, grad: torch.Tensor) -> None:
         """One optimizer step of group ``g`` with its fp32 gradient ``grad`` (owned length)."""
