@@ -20,16 +20,8 @@ import sys
 import time
 
 import torch
-
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
+from bench_worker import rss_bytes  # the script's own directory is on sys.path
+from bench_zero import MALLOC_ENV
 
 
 def _make(kernel: str, param: torch.nn.Parameter) -> torch.optim.Optimizer:
@@ -51,11 +43,11 @@ def run_one(kernel: str, numel: int, steps: int) -> None:
     for _ in range(steps):
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        held = _status("VmRSS")
+        held = rss_bytes("VmRSS")
         start = time.perf_counter()
         opt.step()
         times.append(time.perf_counter() - start)
-        extras.append(_status("VmHWM") - held)
+        extras.append(rss_bytes("VmHWM") - held)
     print(statistics.median(times), max(extras))
 
 

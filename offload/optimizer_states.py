@@ -52,10 +52,7 @@ class TieredStates:
     def put(self, k: int, states: dict[str, Any]) -> None:
         """Keep chunk k's states (after its step): resident, or start writing them to the tier."""
         if not self._tracked(k):
-            for value in states.values():
-                if isinstance(value, torch.Tensor) and value.numel() > 1 and \
-                        not hasattr(value, "_zeroplus_ledger_key"):
-                    self.ledger.track(value, Category.OPTIM_STATE)
+            self.ledger.track_new_states(states, Category.OPTIM_STATE)
             self._resident[k] = states
             return
         self._stored[k] = {key: self.tier.put(v) if isinstance(v, torch.Tensor) and v.numel() > 1 else v

@@ -99,6 +99,9 @@ class HostTier:
         stored.back, stored.data = None, None
         return back
 
+    def discard(self, stored: Stored) -> None:
+        stored.back, stored.data = None, None
+
 
 class FileTier:
     name = "file"

@@ -72,6 +72,13 @@ class Ledger:
         weakref.finalize(storage, self._remove, key)
         return tensor
 
+    def track_new_states(self, states: dict[str, Any], category: Category) -> None:
+        """Count the multi-element tensors among ``states`` the ledger does not count yet
+        (optimizer states torch created lazily in a step)."""
+        for value in states.values():
+            if isinstance(value, torch.Tensor) and value.numel() > 1 and not hasattr(value, "_zeroplus_ledger_key"):
+                self.track(value, category)
+
     def release(self, tensor: torch.Tensor) -> None:
         """Stop counting ``tensor`` now (its storage may live on elsewhere, e.g. in a comm thread)."""
         key = getattr(tensor, "_zeroplus_ledger_key", None)

@@ -28,6 +28,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ..ledger import Category, Ledger
+from .saved_tensors import storage_key
 
 TECHNIQUE = "resize_recompute"
 # torch's activation modules that save their input, and Hugging Face's wrappers of the functional forms
@@ -35,10 +36,6 @@ DEFAULT_CLASSES = ("GELU", "SiLU", "Mish", "GELUActivation", "NewGELUActivation"
                    "QuickGELUActivation", "PytorchGELUTanh", "GELUTanh", "SiLUActivation", "MishActivation",
                    "AccurateGELUActivation")
 NORM_CLASSES = ("LayerNorm", "RMSNorm", "GroupNorm")
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
 
 
 class _Record:
@@ -83,7 +80,7 @@ class ResizeRecompute:
         for records in self._pending.values():  # chosen modules run outside their parent
             for record in records:
                 if not record.packed:
-                    self._records.pop(_storage_key(record.output), None)
+                    self._records.pop(storage_key(record.output), None)
         self._pending.clear()
 
     def _make_output_hook(self, parent: torch.nn.Module):
@@ -93,8 +90,8 @@ class ResizeRecompute:
             if not self._active or self._recomputing or not isinstance(output, torch.Tensor) \
                     or not output.requires_grad:
                 return
-            key = _storage_key(output)
-            if any(isinstance(a, torch.Tensor) and _storage_key(a) == key for a in tree_flatten(args)[0]):
+            key = storage_key(output)
+            if any(isinstance(a, torch.Tensor) and storage_key(a) == key for a in tree_flatten(args)[0]):
                 return  # in place: the output is the input's storage
             record = _Record(module, args, output, key)
             self._records[key] = record
@@ -103,9 +100,9 @@ class ResizeRecompute:
 
     def _parent_done(self, parent: torch.nn.Module, args: Any, output: Any) -> None:
         records = self._pending.pop(id(parent), [])
-        kept = {_storage_key(t) for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)}
+        kept = {storage_key(t) for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)}
         for record in records:
-            key = _storage_key(record.output)
+            key = storage_key(record.output)
             if record.packed and key not in kept:
                 record.output.untyped_storage().resize_(0)
                 record.released = True
@@ -117,7 +114,7 @@ class ResizeRecompute:
     def pack(self, tensor: torch.Tensor) -> Any | None:
         if not self._records:
             return None
-        record = self._records.get(_storage_key(tensor))
+        record = self._records.get(storage_key(tensor))
         if record is None:
             return None
         record.packed += 1
@@ -137,7 +134,7 @@ class ResizeRecompute:
             return
         for arg in tree_flatten(record.args)[0]:  # a chosen module fed by another (norm -> act)
             if isinstance(arg, torch.Tensor):
-                source = self._records.get(_storage_key(arg))
+                source = self._records.get(storage_key(arg))
                 if source is not None:
                     self._restore(source)
         self._recomputing = True

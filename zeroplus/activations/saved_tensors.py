@@ -15,6 +15,11 @@ from typing import Any, Iterator, Protocol
 import torch
 
 
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of a tensor's storage (stable while its size changes; views share it)."""
+    return t.untyped_storage()._cdata
+
+
 class Claimer(Protocol):
     def begin_forward(self) -> None: ...
     def end_forward(self) -> None: ...

@@ -22,12 +22,9 @@ from typing import Any
 import torch
 
 from ..ledger import Category, Ledger
+from .saved_tensors import storage_key
 
 TECHNIQUE = "swap_attention"
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
 
 
 class _Token:
@@ -44,7 +41,7 @@ class SwapAttention:
         self.ledger = ledger
         self.min_bytes = min_bytes
         self.targets: list[str] = []
-        self._param_storages = {_storage_key(p) for p in model.parameters()}
+        self._param_storages = {storage_key(p) for p in model.parameters()}
         self._layers: list[list[_Token]] = []
         self._current: int | None = None
         self._active = False
@@ -84,7 +81,7 @@ class SwapAttention:
         if self._current is None or not self._active:
             return None
         nbytes = tensor.numel() * tensor.element_size()
-        if nbytes < self.min_bytes or _storage_key(tensor) in self._param_storages:
+        if nbytes < self.min_bytes or storage_key(tensor) in self._param_storages:
             return None
         token = _Token(self._current, self.tier.put(tensor.detach()), nbytes)
         self._layers[self._current].append(token)
@@ -109,8 +106,7 @@ class SwapAttention:
         for layer in self._layers:  # tensors backward never asked for
             for token in layer:
                 if token.stored is not None:
-                    if hasattr(self.tier, "discard"):
-                        self.tier.discard(token.stored)
+                    self.tier.discard(token.stored)
                     if self.tier.saves_memory:
                         self.ledger.unsave(TECHNIQUE, Category.ACTIVATION, token.nbytes)
                     token.stored = None

@@ -119,7 +119,7 @@ class ShardedStep:
             g.master_param.grad = self._master_grad(g, coef)
             self.optimizer.step()
             g.master_param.grad = None
-            self._track_states(g)
+            self.ledger.track_new_states(self.optimizer.state.get(g.master_param, {}), Category.OPTIM_STATE)
         return True
 
     def state_of(self, g: FlatParamGroup) -> dict[str, Any]:
@@ -133,8 +133,3 @@ class ShardedStep:
             tiered.load_full(state, g.owned_numel)
         else:
             self.optimizer.state[g.master_param] = state
-
-    def _track_states(self, g: FlatParamGroup) -> None:
-        for value in self.optimizer.state.get(g.master_param, {}).values():
-            if isinstance(value, torch.Tensor) and not hasattr(value, "_zeroplus_ledger_key") and value.numel() > 1:
-                self.ledger.track(value, Category.OPTIM_STATE)
