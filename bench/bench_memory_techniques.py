@@ -19,12 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_zero import launch  # noqa: E402
+from bench_zero import measure  # noqa: E402
 
 ROWS = {
     "baseline": ("zeroplus", {}, False),
@@ -59,12 +58,7 @@ def main() -> None:
         if "activation_tier" in zp:
             zp = dict(zp, activation_tier={"device": "file", "path": swap_dir})
         extra = ["--zeroplus", json.dumps(zp)] + (["--checkpoint-blocks"] if checkpoint_blocks else [])
-        mem = launch(framework, args.stage, args, malloc=True, extra=extra)
-        timed = launch(framework, args.stage, args, malloc=False, extra=extra)
-        step = statistics.median(t for r in timed for t in r["step_seconds"][args.warmup:])
-        rows.append({"row": name, "peak_gib": max(r["peak_above_start_bytes"] for r in mem) / 2**30, "step_s": step,
-                     "params": timed[0]["params"], "loss": timed[0]["losses"][-1]})
-        print(f"  done: {name}: {rows[-1]['peak_gib']:.3f} GiB, {step:.2f} s/step", file=sys.stderr, flush=True)
+        rows.append(measure(name, framework, args.stage, args, extra))
     base = next((r for r in rows if r["row"] == "baseline"), None)
     ds = next((r for r in rows if r["row"] == "deepspeed"), None)
     print(f"GPT {args.model} ({rows[0]['params'] / 1e6:.0f}M parameters), bf16, ZeRO stage {args.stage}, 2 ranks "

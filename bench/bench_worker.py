@@ -42,6 +42,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--out-prefix", required=True)
     p.add_argument("--zeroplus", default="{}", help="JSON merged into the config's zeroplus block")
+    p.add_argument("--zero", default="{}", help="JSON merged into the config's zero_optimization block")
     p.add_argument("--checkpoint-blocks", action="store_true",
                    help="activation checkpointing of every block (zeroplus's or DeepSpeed's checkpoint)")
     args = p.parse_args()
@@ -60,6 +61,7 @@ def main() -> None:
     model = GPT(gpt_config(args.model, block_size=max(64, args.seq), checkpoint_blocks=args.checkpoint_blocks))
     cfg = ds_config(args.stage, args.micro_batch)
     cfg["zeroplus"].update(json.loads(args.zeroplus))
+    cfg["zero_optimization"].update(json.loads(args.zero))
     if args.checkpoint_blocks and args.framework == "deepspeed":
         import zeroplus.models.gpt as gpt_module
         gpt_module.checkpoint = deepspeed.checkpointing.checkpoint

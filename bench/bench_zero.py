@@ -49,6 +49,21 @@ def launch(framework: str, stage: int, args: argparse.Namespace, malloc: bool,
         return results
 
 
+def measure(name: str, framework: str, stage: int, args: argparse.Namespace,
+            extra: list[str] | None = None) -> dict:
+    """One row: per-rank peak above start (max over ranks, glibc trimming) and the median step time
+    after ``args.warmup`` steps (a second launch, without trimming)."""
+    mem = launch(framework, stage, args, malloc=True, extra=extra)
+    timed = launch(framework, stage, args, malloc=False, extra=extra)
+    step = statistics.median(t for r in timed for t in r["step_seconds"][args.warmup:])
+    row = {"row": name, "framework": framework, "stage": stage,
+           "peak_gib": max(r["peak_above_start_bytes"] for r in mem) / 2**30, "step_s": step,
+           "tokens_per_s": 2 * args.seq * getattr(args, "micro_batch", 1) / step,
+           "loss": timed[0]["losses"][-1], "params": timed[0]["params"]}
+    print(f"  done: {name}: {row['peak_gib']:.3f} GiB, {step:.2f} s/step", file=sys.stderr, flush=True)
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", default="1,2,3")
@@ -64,15 +79,7 @@ def main() -> None:
         for framework in args.frameworks.split(","):
             if framework == "fsdp2" and stage == 1:
                 continue
-            mem = launch(framework, stage, args, malloc=True)
-            timed = launch(framework, stage, args, malloc=False)
-            step = statistics.median(t for r in timed for t in r["step_seconds"][args.warmup:])
-            rows.append({"framework": framework, "stage": stage,
-                         "peak_gib": max(r["peak_above_start_bytes"] for r in mem) / 2**30,
-                         "step_s": step, "tokens_per_s": 2 * args.seq / step,
-                         "final_loss": timed[0]["losses"][-1], "params": timed[0]["params"]})
-            print(f"  done: {framework} stage {stage}: {rows[-1]['peak_gib']:.2f} GiB, {step:.2f} s/step",
-                  file=sys.stderr, flush=True)
+            rows.append(measure(f"{framework} stage {stage}", framework, stage, args))
     base = {r["stage"]: r for r in rows if r["framework"] == "deepspeed"}
     print(f"GPT {args.model} ({rows[0]['params'] / 1e6:.0f}M parameters), bf16, 2 ranks (gloo, CPU), micro-batch 1, "
           f"sequence {args.seq}, {args.steps} steps (median of the last {args.steps - args.warmup})")

@@ -23,6 +23,7 @@ from zeroplus.comm import DataParallelGroup, init_distributed_if_launched
 from zeroplus.config import ConfigError, ZeroplusConfig, parse_config, resolve_auto, resolve_batch
 from zeroplus.ledger import Ledger
 from zeroplus.logs import log_rank0, setup_logging
+from zeroplus.offload.disk_space import check_free_space, states_per_element
 from zeroplus.offload.tiers import make_tier
 from zeroplus.optim.build import adopt_client_optimizer, build_optimizer
 from zeroplus.optim.schedulers import build_scheduler
@@ -109,10 +110,18 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
         log_rank0("parameters that require grad but are in no optimizer group stay fixed: %s", untrained[:8],
                   level=logging.WARNING)
     ledger = Ledger()
-    partition = ZeroPartition(model, cfg.zero_optimization, dp, ledger, dtype, group_of, cfg.zeroplus.unit_modules,
-                              int(cfg.gradient_accumulation_steps),  # type: ignore[arg-type]
-                              shared_master=cfg.zeroplus.shared_master_weights,
-                              round_like_split=cfg.zeroplus.master_rounding == "like_shared")
+    param_offload = _param_offload(cfg, model, group_of, dp.size, accel, ledger)
+    try:
+        partition = ZeroPartition(model, cfg.zero_optimization, dp, ledger, dtype, group_of,
+                                  cfg.zeroplus.unit_modules, int(cfg.gradient_accumulation_steps),  # type: ignore
+                                  shared_master=cfg.zeroplus.shared_master_weights,
+                                  round_like_split=cfg.zeroplus.master_rounding == "like_shared",
+                                  param_offload=param_offload)
+    except OSError as err:  # writing the offloaded shards failed (a full disk)
+        if param_offload is None:
+            raise
+        raise ConfigError(f"config key 'zero_optimization.offload_param.nvme_path' "
+                          f"({cfg.zero_optimization.offload_param.nvme_path!r}) on rank {dp.rank}: {err}") from None
     masters = [[g.master_param for g in partition.groups if g.group_index == gi] for gi in range(len(groups))]
     if optimizer is not None:
         opt = adopt_client_optimizer(optimizer, masters)
@@ -131,7 +140,7 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
         raise ConfigError(f"config key 'zeroplus.shared_master_weights' is true, but {type(opt).__name__} creates "
                           f"its states when constructed; use an optimizer that creates them in its first step")
     step = ShardedStep(partition, opt, float(cfg.gradient_clipping), dp, ledger, cfg.zeroplus.master_step_chunk,
-                       _optimizer_offload(cfg, accel, ledger))
+                       _optimizer_offload(cfg, accel, ledger, opt, sum(g.owned_numel for g in partition.groups)))
     log_rank0("%s; compute dtype %s; optimizer %s; micro-batch %s x accumulation %s x dp %d = batch %s",
               partition.describe().splitlines()[0], str(dtype).replace("torch.", ""), type(opt).__name__,
               cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, dp.size, cfg.train_batch_size)
@@ -143,9 +152,6 @@ def _warn_inert_options(cfg: ZeroplusConfig) -> None:
     """Say once which accepted options have no effect yet."""
     zero = cfg.zero_optimization
     inert = []
-    if zero.offload_param is not None and zero.offload_param.device != "none":
-        inert.append(f"zero_optimization.offload_param.device={zero.offload_param.device} (parameter offload is "
-                     f"not built yet)")
     defaults = type(zero)()
     keys = ["allgather_bucket_size"]
     if zero.offload_optimizer is None or zero.offload_optimizer.device == "none":
@@ -159,7 +165,41 @@ def _warn_inert_options(cfg: ZeroplusConfig) -> None:
         log_rank0("accepted but without effect yet: %s", "; ".join(inert), level=logging.WARNING)
 
 
-def _optimizer_offload(cfg: ZeroplusConfig, accel: Accelerator, ledger: Ledger) -> dict[str, Any] | None:
+def _offload_tier(key: str, block: Any, accel: Accelerator, ledger: Ledger, needed: int) -> Any:
+    """The tier of ``zero_optimization.<key>``; for files, ``needed`` bytes must be free in its path."""
+    try:
+        tier = make_tier("file" if block.device == "nvme" else "host", block.nvme_path, accel, ledger,
+                         label=key.replace("offload_", ""))
+        if block.device == "nvme":
+            check_free_space(tier.directory, needed)
+    except (ValueError, OSError) as err:
+        raise ConfigError(f"config key 'zero_optimization.{key}.nvme_path' ({block.nvme_path!r}) on rank "
+                          f"{dist.get_rank() if dist.is_initialized() else 0}: {err}") from None
+    return tier
+
+
+def _param_offload(cfg: ZeroplusConfig, model: torch.nn.Module, group_of: dict[int, int], world: int,
+                   accel: Accelerator, ledger: Ledger) -> dict[str, Any] | None:
+    """``zero_optimization.offload_param``: the tier that keeps the stage-3 master shards."""
+    zero = cfg.zero_optimization
+    block = zero.offload_param
+    if block is None or block.device == "none":
+        return None
+    if zero.stage != 3:
+        raise ConfigError(f"config key 'zero_optimization.offload_param' needs ZeRO stage 3 (stage is {zero.stage}); "
+                          f"at stages 1 and 2 every rank holds all parameters for compute")
+    owned = sum(p.numel() for p in model.parameters() if id(p) in group_of) // world + 1
+    tier = _offload_tier("offload_param", block, accel, ledger, 4 * owned)
+    if not tier.saves_memory:
+        log_rank0("offload_param.device=cpu: host memory is this machine's only memory (no accelerator), so the "
+                  "parameter shards stay where they are; device 'nvme' with an nvme_path keeps them in files",
+                  level=logging.WARNING)
+    log_rank0("parameter shards (fp32 masters) offloaded to %s, read one unit ahead of each gather", block.device)
+    return {"tier": tier, "max_writes": block.buffer_count}
+
+
+def _optimizer_offload(cfg: ZeroplusConfig, accel: Accelerator, ledger: Ledger, opt: torch.optim.Optimizer,
+                       owned: int) -> dict[str, Any] | None:
     """``zero_optimization.offload_optimizer``: the tier and window for the optimizer states."""
     zero = cfg.zero_optimization
     block = zero.offload_optimizer
@@ -167,11 +207,8 @@ def _optimizer_offload(cfg: ZeroplusConfig, accel: Accelerator, ledger: Ledger) 
         return None
     if zero.stage == 0:
         raise ConfigError("config key 'zero_optimization.offload_optimizer' needs ZeRO stage 1, 2 or 3 (stage is 0)")
-    try:
-        tier = make_tier("file" if block.device == "nvme" else "host", block.nvme_path, accel, ledger)
-    except ValueError as err:
-        raise ConfigError(f"config key 'zero_optimization.offload_optimizer.nvme_path' "
-                          f"({block.nvme_path!r}): {err}") from None
+    tier = _offload_tier("offload_optimizer", block, accel, ledger,
+                         int(4 * states_per_element(opt) * owned * block.ratio))
     if not tier.saves_memory:
         log_rank0("offload_optimizer.device=cpu: host memory is this machine's only memory (no accelerator), so the "
                   "states stay where they are; device 'nvme' with an nvme_path keeps them in files",

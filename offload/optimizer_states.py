@@ -1,7 +1,8 @@
 """Optimizer states of one flat group, in sub-groups, partly or wholly on a lower tier.
 
 The owned range is cut into sub-groups of ``sub_group_size`` elements. The first
-``round((1 - ratio) * count)`` sub-groups keep their states resident; the others live on the tier
+``resident_count`` sub-groups keep their states resident (the step picks them so that at most
+``1 - ratio`` of all owned elements, over every group, stay resident); the others live on the tier
 (``offload/tiers.py``) between steps and are streamed through a window: while sub-group k steps,
 the next ``buffer_count - 1`` are being read and the previous ones written back. A sub-group's
 states are what the optimizer keeps for it (per-element tensors and scalars such as ``step``).
@@ -20,11 +21,11 @@ from .tiers import Stored
 
 
 class TieredStates:
-    def __init__(self, tier: Any, chunks: list[tuple[int, int]], ratio: float, buffer_count: int,
+    def __init__(self, tier: Any, chunks: list[tuple[int, int]], resident_count: int, buffer_count: int,
                  ledger: Ledger) -> None:
         self.tier, self.chunks, self.ledger = tier, chunks, ledger
         self.window = max(1, buffer_count)
-        self.resident_count = round((1.0 - ratio) * len(chunks))
+        self.resident_count = resident_count
         self._resident: dict[int, dict[str, Any]] = {}
         self._stored: dict[int, dict[str, Any]] = {}   # chunk -> {key: Stored or scalar}
 

@@ -10,7 +10,7 @@ as soon as it has no other use.
   host *is* the device: ``put`` keeps the tensor as it is and saves nothing (the engine says so
   once in the log).
 - ``FileTier``: one file per stored tensor, in a per-process directory
-  ``<path>/zeroplus-swap-<pid>`` written and read by a thread pool; on accelerators the bytes
+  ``<path>/zeroplus-swap-<pid>[-<label>]`` written and read by a thread pool; on accelerators the bytes
   pass through host memory first. This is the tier that saves memory on a CPU-only machine.
   The directory is removed at normal exit; directories left by dead processes are removed when
   the next ``FileTier`` starts in the same path.
@@ -106,13 +106,14 @@ class HostTier:
 class FileTier:
     name = "file"
 
-    def __init__(self, path: str, ledger: Ledger, workers: int = 2) -> None:
+    def __init__(self, path: str, ledger: Ledger, workers: int = 2, label: str = "") -> None:
+        """``label`` tells apart the directories of several tiers of one process in one path."""
         self.ledger = ledger
         self.saves_memory = True
         try:
             os.makedirs(path, exist_ok=True)
             _remove_dead_directories(path)
-            self.directory = os.path.join(path, f"{_SWAP_PREFIX}{os.getpid()}")
+            self.directory = os.path.join(path, f"{_SWAP_PREFIX}{os.getpid()}" + (f"-{label}" if label else ""))
             os.makedirs(self.directory, exist_ok=True)
             probe = os.path.join(self.directory, ".probe")
             with open(probe, "wb") as f:
@@ -171,7 +172,7 @@ def _remove_dead_directories(path: str) -> None:
     for entry in os.listdir(path):
         if not entry.startswith(_SWAP_PREFIX):
             continue
-        pid = entry[len(_SWAP_PREFIX):]
+        pid = entry[len(_SWAP_PREFIX):].split("-")[0]
         if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
             logger.info("removing swap directory %s left by process %s", os.path.join(path, entry), pid)
             shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
@@ -187,9 +188,10 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def make_tier(kind: str, path: str | None, accelerator: Accelerator, ledger: Ledger) -> HostTier | FileTier:
+def make_tier(kind: str, path: str | None, accelerator: Accelerator, ledger: Ledger,
+              label: str = "") -> HostTier | FileTier:
     if kind == "file":
         if not path:
             raise ValueError("a file tier needs a directory path, and none is set")
-        return FileTier(path, ledger)
+        return FileTier(path, ledger, label=label)
     return HostTier(accelerator, ledger)

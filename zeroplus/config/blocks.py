@@ -49,7 +49,7 @@ class BF16Config(Block):
 
 
 class OffloadOptimizerConfig(Block):
-    """Parsed and validated now; the offload tiers implement it (see the offload issue)."""
+    """Optimizer states on a tier, streamed in sub-groups (``offload/optimizer_states.py``)."""
 
     ds_unimplemented = frozenset({"fast_init", "pipeline", "pipeline_read", "pipeline_write"})
     device: Literal["none", "cpu", "nvme"] = "none"
@@ -60,7 +60,7 @@ class OffloadOptimizerConfig(Block):
 
 
 class OffloadParamConfig(Block):
-    """Parsed and validated now; the offload tiers implement it (see the offload issue)."""
+    """Stage 3: the master (parameter) shards on a tier (``zeroplus/zero/tiered_master.py``)."""
 
     device: Literal["none", "cpu", "nvme"] = "none"
     nvme_path: str | None = None

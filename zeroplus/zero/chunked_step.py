@@ -1,5 +1,7 @@
-"""The optimizer step chunk by chunk: for a split (shared-storage) master, and for optimizer
-states offloaded to a lower tier (``offload/optimizer_states.py``).
+"""The optimizer step chunk by chunk: for a split (shared-storage) master, a master on a tier
+(``tiered_master.py``, read and rewritten chunk by chunk the same way, the next chunk's read
+started before the current chunk steps), and optimizer states offloaded to a lower tier
+(``offload/optimizer_states.py``).
 
 Offloaded states: the owned range is stepped one sub-group at a time; the sub-group's states come
 from the tier (prefetched while the previous sub-group steps) and go back after its step. The
@@ -50,8 +52,9 @@ class ChunkedStep:
     def step_tiered(self, g: FlatParamGroup, grad: torch.Tensor) -> None:
         """One step of group ``g`` whose states live in ``self.tiered``, sub-group by sub-group."""
         states, param, opt, store = self.tiered[id(g)], g.master_param, self.optimizer, g.master_store
+        copied = store.split or store.tiered  # the master is read into a work buffer and written back
         work = scratch = None
-        if store.split:
+        if copied:
             work = self.ledger.empty(max(b - a for a, b in states.chunks), torch.float32, Category.MASTER,
                                      grad.device)
             scratch = self.ledger.empty(min(work.numel(), bf16_split.CHUNK), torch.int32, Category.MASTER,
@@ -59,14 +62,17 @@ class ChunkedStep:
         placeholder = param.data
         try:
             states.prefetch(0)
+            store.prefetch_range(*states.chunks[0])
             for k, (a, b) in enumerate(states.chunks):
                 states.prefetch(k + 1)
-                values = store.read_into(a, b, work[:b - a], scratch) if store.split else store.read(a, b)
+                if k + 1 < len(states.chunks):
+                    store.prefetch_range(*states.chunks[k + 1])
+                values = store.read_into(a, b, work[:b - a], scratch) if copied else store.read(a, b)
                 param.data, param.grad = values, grad[a:b]
                 opt.state[param] = states.get(k)
                 opt.step()
                 states.put(k, opt.state.pop(param))
-                if store.split:
+                if copied:
                     store.write(a, values, scratch)
         finally:
             param.data, param.grad = placeholder, None
@@ -84,8 +90,11 @@ class ChunkedStep:
         scalars = {k: v for k, v in state.items() if k not in per_element}
         placeholder = param.data
         try:
+            store.prefetch_range(0, min(chunk, owned))
             for a in range(0, owned, chunk):
                 b = min(a + chunk, owned)
+                if b < owned:
+                    store.prefetch_range(b, min(b + chunk, owned))
                 values = store.read_into(a, b, work[:b - a], scratch)
                 param.data, param.grad = values, grad[a:b]
                 chunk_state: dict[str, Any] = {}

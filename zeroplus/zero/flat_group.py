@@ -34,12 +34,14 @@ cast buffer for the gathers.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 from ..comm import DataParallelGroup, Handle
 from ..ledger import Category, Ledger
 from .master_store import FullMaster, SplitMaster
+from .tiered_master import TieredMaster
 
 
 class FlatParamGroup:
@@ -47,7 +49,10 @@ class FlatParamGroup:
 
     def __init__(self, name: str, named_params: list[tuple[str, torch.nn.Parameter]], group_index: int,
                  stage: int, dp: DataParallelGroup, compute_dtype: torch.dtype, ledger: Ledger,
-                 shared_master: bool = False, round_like_split: bool = False) -> None:
+                 shared_master: bool = False, round_like_split: bool = False,
+                 param_offload: dict[str, Any] | None = None) -> None:
+        """``param_offload``: ``{"tier", "max_writes"}`` to keep the master shard on a tier (stage 3,
+        ``tiered_master.py``), or None."""
         self.name = name
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
@@ -99,7 +104,7 @@ class FlatParamGroup:
             low = ledger.zeros(self.owned_numel, torch.int16, Category.MASTER, self.device)
             if stage < 3:  # the fp32 master would be 4 bytes per owned element; the residual is 2
                 ledger.save("shared_master_weights", Category.MASTER, 2 * self.owned_numel)
-            self.master_store: FullMaster | SplitMaster = SplitMaster(self.shard, low)
+            self.master_store: FullMaster | SplitMaster | TieredMaster = SplitMaster(self.shard, low)
             placeholder = torch.empty(0, dtype=torch.float32, device=self.device)
             self.master_param = torch.nn.Parameter(placeholder, requires_grad=False)  # data swapped in by the step
         else:
@@ -115,6 +120,12 @@ class FlatParamGroup:
                 self.master.copy_(owned_view)
             self.master_store = FullMaster(self.master, round_like_split)
             self.master_param = torch.nn.Parameter(self.master, requires_grad=False)
+        if param_offload is not None:  # stage 3: the master shard is the parameter shard
+            self.master_store = TieredMaster(self.master_store, param_offload["tier"], ledger,
+                                             param_offload["max_writes"])
+            self.shard = self.master = None
+            placeholder = torch.empty(0, dtype=torch.float32, device=self.device)
+            self.master_param = torch.nn.Parameter(placeholder, requires_grad=False)
         self.grad_full: torch.Tensor | None = None    # compute dtype, padded_numel
         self.master_grad: torch.Tensor | None = None  # reduced gradient of the owned range (stages 1-3)
         self.pending: list[Handle] = []

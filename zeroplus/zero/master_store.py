@@ -22,11 +22,18 @@ from ..kernels import bf16_split
 
 class FullMaster:
     split = False
+    tiered = False  # ``tiered_master.TieredMaster`` keeps either kind on a tier (offload_param)
 
     def __init__(self, tensor: torch.Tensor, round_like_split: bool) -> None:
         self.tensor = tensor
         self.numel = tensor.numel()
         self.round_like_split = round_like_split
+
+    def prefetch(self) -> None:  # resident: nothing to bring back
+        return None
+
+    def prefetch_range(self, a: int, b: int) -> None:
+        return None
 
     def read(self, a: int, b: int) -> torch.Tensor:
         return self.tensor[a:b]
@@ -45,6 +52,7 @@ class FullMaster:
 
 class SplitMaster:
     split = True
+    tiered = False
 
     def __init__(self, high: torch.Tensor, low: torch.Tensor) -> None:
         if high.dtype != torch.bfloat16 or low.dtype != torch.int16 or high.numel() != low.numel():
@@ -52,6 +60,9 @@ class SplitMaster:
                              f"{high.dtype}[{high.numel()}] and {low.dtype}[{low.numel()}]")
         self.high, self.low = high, low
         self.numel = high.numel()
+
+    prefetch = FullMaster.prefetch
+    prefetch_range = FullMaster.prefetch_range
 
     def read(self, a: int, b: int) -> torch.Tensor:
         return self.read_into(a, b, torch.empty(b - a, dtype=torch.float32, device=self.high.device))

@@ -19,6 +19,8 @@ from __future__ import annotations
 import collections
 import logging
 
+from typing import Any
+
 import torch
 
 from ..comm import DataParallelGroup
@@ -40,7 +42,8 @@ class ZeroPartition:
     def __init__(self, model: torch.nn.Module, zero: ZeroConfig, dp: DataParallelGroup, ledger: Ledger,
                  compute_dtype: torch.dtype, param_group_of: dict[int, int],
                  unit_class_names: list[str] | None = None, gradient_accumulation_steps: int = 1,
-                 shared_master: bool = False, round_like_split: bool = False) -> None:
+                 shared_master: bool = False, round_like_split: bool = False,
+                 param_offload: dict[str, Any] | None = None) -> None:
         self.stage = zero.stage
         self.dp = dp
         self.ledger = ledger
@@ -54,7 +57,7 @@ class ZeroPartition:
                     by_group.setdefault(param_group_of[id(p)], []).append((pname, p))
             for gi in sorted(by_group):
                 groups.append(FlatParamGroup(f"{name}#{gi}", by_group[gi], gi, self.stage, dp, compute_dtype, ledger,
-                                             shared_master, round_like_split))
+                                             shared_master, round_like_split, param_offload))
             unit = Unit(index=index, name=name, module=module, groups=groups, is_root=(module is model))
             if self.stage == 3 and unit.numel <= int(zero.stage3_param_persistence_threshold):
                 unit.persistent = True

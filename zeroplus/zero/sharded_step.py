@@ -11,7 +11,8 @@
    bounded by one group (none with torch's fused kernels).
 Optimizer states that torch creates lazily are registered with the ledger (``optim_state``)
 right after the step that creates them. A group whose master is split (shared-storage master
-weights) or whose optimizer states are offloaded steps chunk by chunk through ``chunked_step.py``.
+weights), on a tier (parameter offload) or whose optimizer states are offloaded steps chunk by
+chunk through ``chunked_step.py``.
 """
 from __future__ import annotations
 
@@ -69,9 +70,16 @@ class ShardedStep:
         self.chunked = ChunkedStep(optimizer, ledger, split_chunk_numel)
         if offload is not None:
             size = int(offload["sub_group_size"])
+            # ``ratio`` counts elements over the whole owned range: sub-groups stay resident, in group
+            # order, while the resident elements stay within (1 - ratio) of all owned elements.
+            resident_budget = (1.0 - float(offload["ratio"])) * sum(g.owned_numel for g in partition.groups)
             for g in partition.groups:
                 chunks = [(a, min(a + size, g.owned_numel)) for a in range(0, g.owned_numel, size)]
-                self.chunked.tiered[id(g)] = TieredStates(offload["tier"], chunks, float(offload["ratio"]),
+                resident = 0
+                while resident < len(chunks) and chunks[resident][1] - chunks[resident][0] <= resident_budget:
+                    resident_budget -= chunks[resident][1] - chunks[resident][0]
+                    resident += 1
+                self.chunked.tiered[id(g)] = TieredStates(offload["tier"], chunks, resident,
                                                           int(offload["buffer_count"]), ledger)
         if isinstance(optimizer, Lamb):
             for g in partition.groups:
@@ -113,7 +121,7 @@ class ShardedStep:
             if id(g) in self.chunked.tiered:
                 self.chunked.step_tiered(g, self._master_grad(g, coef))
                 continue
-            if g.master_store.split:
+            if g.master_store.split or g.master_store.tiered:
                 self.chunked.step(g, self._master_grad(g, coef))
                 continue
             g.master_param.grad = self._master_grad(g, coef)

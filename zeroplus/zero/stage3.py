@@ -15,6 +15,9 @@ units below ``stage3_param_persistence_threshold`` elements stay gathered for go
 Activation checkpointing replays a unit's forward inside backward: the replay gathers the unit
 (if not gathered) and keeps it until its gradients are done, without prefetching forward.
 
+With ``offload_param`` the unit after the last one gathered ahead also starts reading its shards
+from the tier (``tiered_master.py``), so the read overlaps compute and its gather finds them.
+
 Peak gathered memory: the root unit, plus the unit computing, plus the prefetch window.
 Communication: every non-persistent unit is all-gathered twice per step (forward, backward).
 """
@@ -58,12 +61,15 @@ class Stage3Scheduler:
 
     def _prefetch(self, order: list[int], start: int) -> None:
         budget = 1 if self.prefetch_numel is None else self.prefetch_numel
+        position = start
         for position in range(start, len(order)):
             unit = self.units[order[position]]
             unit.start_gather()
             budget -= 1 if self.prefetch_numel is None else unit.numel
             if budget <= 0:
                 break
+        if position + 1 < len(order):  # offloaded shards: the read runs one unit ahead of the gather
+            self.units[order[position + 1]].start_fetch()
 
     def prefetch_for_next_forward(self) -> None:
         """After a step: start gathering the root unit and the first unit(s) of the next forward,

@@ -45,6 +45,12 @@ class Unit:
             if handle is not None:
                 self.gather_handles.append(handle)
 
+    def start_fetch(self) -> None:
+        """Start bringing offloaded shards back ahead of the gather (``offload_param``)."""
+        for g in self.groups:
+            if not g.gathered:
+                g.master_store.prefetch()
+
     def wait_gather(self) -> None:
         self.start_gather()
         for handle in self.gather_handles:

@@ -1,0 +1,93 @@
+"""Benchmark: optimizer-state offload (``zero_optimization.offload_optimizer``), GPT-111M bf16, 2 ranks, CPU.
+
+Rows, each two fresh torchrun launches of ``bench_worker.py`` (memory with glibc told to return
+freed memory, time without), at ZeRO stage 3 (``--stage``):
+
+- zeroplus without offload; with the states in files (``device: nvme``) at ratio 1 and 0.5; at
+  ratio 1 with shared-storage master weights; with the parameter shards in files as well
+  (``offload_param``), with and without shared storage;
+- DeepSpeed without offload, and with the same ``offload_optimizer`` JSON at ratio 1 (its
+  ``ratio`` applies to CPU offload only, so an nvme row at 0.5 would repeat this one), and with
+  ``offload_param`` too.
+
+On a CPU-only machine the host is the device, so ``device: cpu`` saves nothing and only the
+file tier is measured. Every offload row uses the same ``sub_group_size`` (``--sub-group-size``,
+default 1e7): DeepSpeed's default of 1e9 makes one sub-group of the whole shard, whose window is
+then every state. DeepSpeed's NVMe swapper needs its async-io op (``apt-get install -y
+libaio-dev``; built on first use, a few minutes); ``--rows`` without the deepspeed rows skips it.
+
+    python bench/bench_offload.py                        # about 25 minutes on 2 cores
+    python bench/bench_offload.py --rows none,nvme,nvme-half
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_zero import measure  # noqa: E402
+
+ROWS = {  # name: (framework, offload_optimizer ratio or None, offload_param too, zeroplus block)
+    "none": ("zeroplus", None, False, {}),
+    "nvme": ("zeroplus", 1.0, False, {}),
+    "nvme-half": ("zeroplus", 0.5, False, {}),
+    "nvme+shared": ("zeroplus", 1.0, False, {"shared_master_weights": True}),
+    "nvme+param": ("zeroplus", 1.0, True, {}),
+    "nvme+param+shared": ("zeroplus", 1.0, True, {"shared_master_weights": True}),
+    "deepspeed": ("deepspeed", None, False, {}),
+    "deepspeed-nvme": ("deepspeed", 1.0, False, {}),
+    "deepspeed-nvme+param": ("deepspeed", 1.0, True, {}),
+}
+
+
+def offload_json(ratio: float | None, param: bool, path: str, sub_group_size: int, buffer_count: int) -> dict:
+    out: dict = {}
+    if ratio is not None:
+        out.update(sub_group_size=sub_group_size, offload_optimizer={"device": "nvme", "nvme_path": path,
+                                                                     "ratio": ratio, "buffer_count": buffer_count})
+    if param:
+        out["offload_param"] = {"device": "nvme", "nvme_path": path}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default=",".join(ROWS))
+    p.add_argument("--stage", type=int, default=3)
+    p.add_argument("--model", default="111m")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--sub-group-size", type=int, default=10_000_000)
+    p.add_argument("--buffer-count", type=int, default=4)
+    p.add_argument("--nvme-path", default=None, help="directory for the offloaded states (default: a temporary one)")
+    args = p.parse_args()
+    nvme_path = args.nvme_path or tempfile.mkdtemp(prefix="zeroplus-bench-nvme-")
+    rows = []
+    for name in args.rows.split(","):
+        framework, ratio, param, zp = ROWS[name]
+        zero = offload_json(ratio, param, nvme_path, args.sub_group_size, args.buffer_count)
+        extra = ["--zeroplus", json.dumps(zp), "--zero", json.dumps(zero)]
+        rows.append(measure(name, framework, args.stage, args, extra))
+    base = next((r for r in rows if r["row"] == "none"), None)
+    ds = next((r for r in rows if r["row"] == "deepspeed-nvme"), None)
+    print(f"GPT {args.model} ({rows[0]['params'] / 1e6:.0f}M parameters), bf16, ZeRO stage {args.stage}, 2 ranks "
+          f"(gloo, CPU), micro-batch {args.micro_batch}, sequence {args.seq}, {args.steps} steps (median of the last "
+          f"{args.steps - args.warmup}); offload rows: nvme, sub_group_size {args.sub_group_size}, buffer_count "
+          f"{args.buffer_count}; peak = per-rank resident peak above start, max over ranks")
+    header = (f"{'run':<18}{'peak GiB':>10}{'vs none':>9}{'step s':>9}{'vs none':>9}{'vs DS nvme':>12}"
+              f"{'last loss':>11}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        ratio = (lambda key, ref: f"{r[key] / ref[key]:.2f}" if ref else "-")
+        print(f"{r['row']:<18}{r['peak_gib']:>10.3f}{ratio('peak_gib', base):>9}{r['step_s']:>9.2f}"
+              f"{ratio('step_s', base):>9}{ratio('step_s', ds):>12}{r['loss']:>11.4f}")
+
+
+if __name__ == "__main__":
+    main()
