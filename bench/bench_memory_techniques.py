@@ -23,7 +23,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_zero import measure  # noqa: E402
+from bench_zero import measure, print_ratio_table  # noqa: E402
 
 ROWS = {
     "baseline": ("zeroplus", {}, False),
@@ -59,19 +59,10 @@ def main() -> None:
             zp = dict(zp, activation_tier={"device": "file", "path": swap_dir})
         extra = ["--zeroplus", json.dumps(zp)] + (["--checkpoint-blocks"] if checkpoint_blocks else [])
         rows.append(measure(name, framework, args.stage, args, extra))
-    base = next((r for r in rows if r["row"] == "baseline"), None)
-    ds = next((r for r in rows if r["row"] == "deepspeed"), None)
     print(f"GPT {args.model} ({rows[0]['params'] / 1e6:.0f}M parameters), bf16, ZeRO stage {args.stage}, 2 ranks "
           f"(gloo, CPU), micro-batch {args.micro_batch}, sequence {args.seq}, {args.steps} steps (median of the last "
           f"{args.steps - args.warmup}); peak = per-rank resident peak above start, max over ranks")
-    header = (f"{'run':<26}{'peak GiB':>10}{'vs base':>9}{'vs DS':>8}{'step s':>9}{'vs base':>9}{'vs DS':>8}"
-              f"{'last loss':>11}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        ratio = (lambda key, ref: f"{r[key] / ref[key]:.2f}" if ref else "-")
-        print(f"{r['row']:<26}{r['peak_gib']:>10.3f}{ratio('peak_gib', base):>9}{ratio('peak_gib', ds):>8}"
-              f"{r['step_s']:>9.2f}{ratio('step_s', base):>9}{ratio('step_s', ds):>8}{r['loss']:>11.4f}")
+    print_ratio_table(rows, "baseline", "deepspeed")
 
 
 if __name__ == "__main__":

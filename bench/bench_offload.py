@@ -28,7 +28,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_zero import measure  # noqa: E402
+from bench_zero import measure, print_ratio_table  # noqa: E402
 
 ROWS = {  # name: (framework, offload_optimizer ratio or None, offload_param too, zeroplus block)
     "none": ("zeroplus", None, False, {}),
@@ -73,20 +73,11 @@ def main() -> None:
         zero = offload_json(ratio, param, nvme_path, args.sub_group_size, args.buffer_count)
         extra = ["--zeroplus", json.dumps(zp), "--zero", json.dumps(zero)]
         rows.append(measure(name, framework, args.stage, args, extra))
-    base = next((r for r in rows if r["row"] == "none"), None)
-    ds = next((r for r in rows if r["row"] == "deepspeed-nvme"), None)
     print(f"GPT {args.model} ({rows[0]['params'] / 1e6:.0f}M parameters), bf16, ZeRO stage {args.stage}, 2 ranks "
           f"(gloo, CPU), micro-batch {args.micro_batch}, sequence {args.seq}, {args.steps} steps (median of the last "
           f"{args.steps - args.warmup}); offload rows: nvme, sub_group_size {args.sub_group_size}, buffer_count "
           f"{args.buffer_count}; peak = per-rank resident peak above start, max over ranks")
-    header = (f"{'run':<18}{'peak GiB':>10}{'vs none':>9}{'step s':>9}{'vs none':>9}{'vs DS nvme':>12}"
-              f"{'last loss':>11}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        ratio = (lambda key, ref: f"{r[key] / ref[key]:.2f}" if ref else "-")
-        print(f"{r['row']:<18}{r['peak_gib']:>10.3f}{ratio('peak_gib', base):>9}{r['step_s']:>9.2f}"
-              f"{ratio('step_s', base):>9}{ratio('step_s', ds):>12}{r['loss']:>11.4f}")
+    print_ratio_table(rows, "none", "deepspeed-nvme")
 
 
 if __name__ == "__main__":

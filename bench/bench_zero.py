@@ -64,6 +64,21 @@ def measure(name: str, framework: str, stage: int, args: argparse.Namespace,
     return row
 
 
+def print_ratio_table(rows: list[dict], base_name: str, ds_name: str) -> None:
+    """Peak and step time per row, each as a ratio to the ``base_name`` row and the ``ds_name`` row."""
+    base = next((r for r in rows if r["row"] == base_name), None)
+    ds = next((r for r in rows if r["row"] == ds_name), None)
+    wb, wd = len(base_name) + 5, len(ds_name) + 5
+    header = (f"{'run':<24}{'peak GiB':>10}{'vs ' + base_name:>{wb}}{'vs ' + ds_name:>{wd}}{'step s':>9}"
+              f"{'vs ' + base_name:>{wb}}{'vs ' + ds_name:>{wd}}{'last loss':>11}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        ratio = (lambda key, ref: f"{r[key] / ref[key]:.2f}" if ref else "-")
+        print(f"{r['row']:<24}{r['peak_gib']:>10.3f}{ratio('peak_gib', base):>{wb}}{ratio('peak_gib', ds):>{wd}}"
+              f"{r['step_s']:>9.2f}{ratio('step_s', base):>{wb}}{ratio('step_s', ds):>{wd}}{r['loss']:>11.4f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", default="1,2,3")

@@ -23,6 +23,7 @@ from zeroplus.comm import DataParallelGroup, init_distributed_if_launched
 from zeroplus.config import ConfigError, ZeroplusConfig, parse_config, resolve_auto, resolve_batch
 from zeroplus.ledger import Ledger
 from zeroplus.logs import log_rank0, setup_logging
+from zeroplus.offload import virtual_host
 from zeroplus.offload.disk_space import check_free_space, states_per_element
 from zeroplus.offload.tiers import make_tier
 from zeroplus.optim.build import adopt_client_optimizer, build_optimizer
@@ -140,7 +141,8 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
         raise ConfigError(f"config key 'zeroplus.shared_master_weights' is true, but {type(opt).__name__} creates "
                           f"its states when constructed; use an optimizer that creates them in its first step")
     step = ShardedStep(partition, opt, float(cfg.gradient_clipping), dp, ledger, cfg.zeroplus.master_step_chunk,
-                       _optimizer_offload(cfg, accel, ledger, opt, sum(g.owned_numel for g in partition.groups)))
+                       _optimizer_offload(cfg, accel, ledger, opt, sum(g.owned_numel for g in partition.groups)),
+                       _virtual_states(cfg, accel, opt))
     log_rank0("%s; compute dtype %s; optimizer %s; micro-batch %s x accumulation %s x dp %d = batch %s",
               partition.describe().splitlines()[0], str(dtype).replace("torch.", ""), type(opt).__name__,
               cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, dp.size, cfg.train_batch_size)
@@ -196,6 +198,32 @@ def _param_offload(cfg: ZeroplusConfig, model: torch.nn.Module, group_of: dict[i
                   level=logging.WARNING)
     log_rank0("parameter shards (fp32 masters) offloaded to %s, read one unit ahead of each gather", block.device)
     return {"tier": tier, "max_writes": block.buffer_count}
+
+
+def _virtual_states(cfg: ZeroplusConfig, accel: Accelerator, opt: torch.optim.Optimizer) -> Any:
+    """``zeroplus.virtual_optimizer_states``: the NPU kernels, or None when off; refused where they cannot run."""
+    if not cfg.zeroplus.virtual_optimizer_states:
+        return None
+    key = "config key 'zeroplus.virtual_optimizer_states'"
+    kernels = virtual_host.npu_kernels()
+    if kernels is None or (accel.name != "npu" and virtual_host.CPU_TWIN is None):
+        raise ConfigError(f"{key} needs an Ascend NPU whose torch_npu has empty_with_swapped_memory and "
+                          f"npu_apply_adam_w (this machine's accelerator: {accel.name}); on other machines "
+                          f"zero_optimization.offload_optimizer moves the states instead")
+    zero = cfg.zero_optimization
+    clashes = [name for name, on in [
+        ("zero_optimization.offload_optimizer", zero.offload_optimizer is not None and
+         zero.offload_optimizer.device != "none"),
+        ("zero_optimization.offload_param", zero.offload_param is not None and zero.offload_param.device != "none"),
+        ("zeroplus.shared_master_weights", cfg.zeroplus.shared_master_weights)] if on]
+    if clashes:
+        raise ConfigError(f"{key} steps a whole fp32 master in place, so it does not combine with {clashes}")
+    try:
+        virtual_host.check_optimizer(opt)
+    except ValueError as err:
+        raise ConfigError(f"{key} {err}") from None
+    log_rank0("optimizer states in host memory mapped into the device (empty_with_swapped_memory)")
+    return kernels
 
 
 def _optimizer_offload(cfg: ZeroplusConfig, accel: Accelerator, ledger: Ledger, opt: torch.optim.Optimizer,

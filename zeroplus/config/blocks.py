@@ -151,6 +151,9 @@ class ZeroplusBlock(Block):
     resize_recompute: ResizeRecomputeConfig = Field(default_factory=ResizeRecomputeConfig)
     swap_attention: SwapAttentionConfig = Field(default_factory=SwapAttentionConfig)
     activation_tier: ActivationTierConfig = Field(default_factory=ActivationTierConfig)
+    virtual_optimizer_states: bool = Field(
+        False, description="Ascend NPU only: AdamW states in host memory mapped into the device's address space "
+                           "(torch_npu.empty_with_swapped_memory), stepped in place, no swap streams.")
     master_step_chunk: PositiveInt = Field(
         1 << 20, description="Elements per chunk when the optimizer steps a shared (split) master.")
 

@@ -24,6 +24,7 @@ import torch
 from ..comm import DataParallelGroup
 from ..ledger import Category, Ledger
 from ..offload.optimizer_states import TieredStates
+from ..offload.virtual_host import VirtualStates
 from ..optim.lamb import Lamb
 from .flat_group import FlatParamGroup
 from .partition import ZeroPartition
@@ -58,9 +59,10 @@ def _sum_of_squares(t: torch.Tensor) -> torch.Tensor:
 class ShardedStep:
     def __init__(self, partition: ZeroPartition, optimizer: torch.optim.Optimizer, gradient_clipping: float,
                  dp: DataParallelGroup, ledger: Ledger, split_chunk_numel: int = 1 << 20,
-                 offload: dict[str, Any] | None = None) -> None:
+                 offload: dict[str, Any] | None = None, virtual_kernels: Any = None) -> None:
         """``offload``: ``{"tier", "sub_group_size", "ratio", "buffer_count"}`` to keep optimizer
-        states on a lower tier, or None."""
+        states on a lower tier, or None. ``virtual_kernels``: the NPU's swapped-memory allocator and
+        AdamW kernel (``offload/virtual_host.py``) to keep the states in mapped host memory."""
         self.partition = partition
         self.optimizer = optimizer
         self.clip = float(gradient_clipping)
@@ -81,6 +83,11 @@ class ShardedStep:
                     resident += 1
                 self.chunked.tiered[id(g)] = TieredStates(offload["tier"], chunks, resident,
                                                           int(offload["buffer_count"]), ledger)
+        self.virtual: dict[int, VirtualStates] = {}  # id(group) -> its states in swapped host memory
+        if virtual_kernels is not None:
+            for g in partition.groups:
+                self.virtual[id(g)] = VirtualStates(g.owned_numel, g.device, ledger, virtual_kernels)
+        self._options = {id(p): pg for pg in optimizer.param_groups for p in pg["params"]}
         if isinstance(optimizer, Lamb):
             for g in partition.groups:
                 optimizer.set_segments(g.master_param, g.param_segments(), len(g.params),
@@ -118,6 +125,10 @@ class ShardedStep:
         if self.clip > 0:
             coef *= min(1.0, self.clip / (norm + 1e-6))
         for g in self.partition.groups:
+            if id(g) in self.virtual:
+                self.virtual[id(g)].step(g.master_store.tensor, self._master_grad(g, coef),
+                                         self._options[id(g.master_param)])
+                continue
             if id(g) in self.chunked.tiered:
                 self.chunked.step_tiered(g, self._master_grad(g, coef))
                 continue
@@ -132,10 +143,15 @@ class ShardedStep:
 
     def state_of(self, g: FlatParamGroup) -> dict[str, Any]:
         """The optimizer state of ``g``'s owned range, full size (read from the tier if offloaded)."""
+        if id(g) in self.virtual:
+            return self.virtual[id(g)].state()
         tiered = self.chunked.tiered.get(id(g))
         return tiered.full(g.owned_numel) if tiered is not None else self.optimizer.state.get(g.master_param, {})
 
     def load_state(self, g: FlatParamGroup, state: dict[str, Any]) -> None:
+        if id(g) in self.virtual:
+            self.virtual[id(g)].load(state)
+            return
         tiered = self.chunked.tiered.get(id(g))
         if tiered is not None:
             tiered.load_full(state, g.owned_numel)
