@@ -4,6 +4,7 @@ Rows, each two fresh torchrun launches of ``bench_worker.py`` (memory with glibc
 freed memory, time without), at ZeRO stage 3 (``--stage``):
 
 - zeroplus without offload; with the states in files (``device: nvme``) at ratio 1 and 0.5; at
+  ratio 1 through the page cache (``zeroplus.direct_io: false``; the default is O_DIRECT); at
   ratio 1 with shared-storage master weights; with the parameter shards in files as well
   (``offload_param``), with and without shared storage;
 - DeepSpeed without offload, and with the same ``offload_optimizer`` JSON at ratio 1 (its
@@ -34,6 +35,7 @@ ROWS = {  # name: (framework, offload_optimizer ratio or None, offload_param too
     "none": ("zeroplus", None, False, {}),
     "nvme": ("zeroplus", 1.0, False, {}),
     "nvme-half": ("zeroplus", 0.5, False, {}),
+    "nvme-buffered": ("zeroplus", 1.0, False, {"direct_io": False}),
     "nvme+shared": ("zeroplus", 1.0, False, {"shared_master_weights": True}),
     "nvme+param": ("zeroplus", 1.0, True, {}),
     "nvme+param+shared": ("zeroplus", 1.0, True, {"shared_master_weights": True}),
@@ -78,6 +80,13 @@ def main() -> None:
           f"{args.steps - args.warmup}); offload rows: nvme, sub_group_size {args.sub_group_size}, buffer_count "
           f"{args.buffer_count}; peak = per-rank resident peak above start, max over ranks")
     print_ratio_table(rows, "none", "deepspeed-nvme")
+    print("\nzeroplus's ledger on rank 0 (MiB, live at the end / peak): optimizer states resident on the device, "
+          "offload windows in flight, fp32 masters")
+    for r in rows:
+        if r["ledger"]:
+            cell = lambda c: "{:.0f} / {:.0f}".format(*(b / 2**20 for b in r["ledger"][c]))  # noqa: E731
+            print(f"{r['row']:<24}optim_state {cell('optim_state'):>12}   offload_buffer {cell('offload_buffer'):>12}"
+                  f"   master {cell('master'):>12}")
 
 
 if __name__ == "__main__":

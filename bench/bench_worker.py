@@ -110,9 +110,13 @@ def main() -> None:
         losses.append(train_step(x))
         times.append(time.perf_counter() - t0)
     peak = rss_bytes("VmHWM") - start_rss
+    ledger = {}
+    if args.framework == "zeroplus":
+        from zeroplus.ledger import Category
+        ledger = {c.value: [engine.ledger.live_bytes(c), engine.ledger.peak_bytes(c)] for c in Category}
     with open(f"{args.out_prefix}.{rank}.json", "w") as f:
         json.dump({"rank": rank, "peak_above_start_bytes": peak, "step_seconds": times, "losses": losses,
-                   "params": sum(p.numel() for p in model.parameters())}, f)
+                   "params": sum(p.numel() for p in model.parameters()), "ledger_live_peak": ledger}, f)
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)  # skip interpreter teardown (DeepSpeed aborts in it on CPU)

@@ -59,7 +59,8 @@ def measure(name: str, framework: str, stage: int, args: argparse.Namespace,
     row = {"row": name, "framework": framework, "stage": stage,
            "peak_gib": max(r["peak_above_start_bytes"] for r in mem) / 2**30, "step_s": step,
            "tokens_per_s": 2 * args.seq * getattr(args, "micro_batch", 1) / step,
-           "loss": timed[0]["losses"][-1], "params": timed[0]["params"]}
+           "loss": timed[0]["losses"][-1], "params": timed[0]["params"],
+           "ledger": mem[0].get("ledger_live_peak", {})}
     print(f"  done: {name}: {row['peak_gib']:.3f} GiB, {step:.2f} s/step", file=sys.stderr, flush=True)
     return row
 

@@ -167,11 +167,11 @@ def _warn_inert_options(cfg: ZeroplusConfig) -> None:
         log_rank0("accepted but without effect yet: %s", "; ".join(inert), level=logging.WARNING)
 
 
-def _offload_tier(key: str, block: Any, accel: Accelerator, ledger: Ledger, needed: int) -> Any:
+def _offload_tier(key: str, block: Any, accel: Accelerator, ledger: Ledger, needed: int, direct: bool) -> Any:
     """The tier of ``zero_optimization.<key>``; for files, ``needed`` bytes must be free in its path."""
     try:
         tier = make_tier("file" if block.device == "nvme" else "host", block.nvme_path, accel, ledger,
-                         label=key.replace("offload_", ""))
+                         label=key.replace("offload_", ""), direct=direct)
         if block.device == "nvme":
             check_free_space(tier.directory, needed)
     except (ValueError, OSError) as err:
@@ -191,7 +191,7 @@ def _param_offload(cfg: ZeroplusConfig, model: torch.nn.Module, group_of: dict[i
         raise ConfigError(f"config key 'zero_optimization.offload_param' needs ZeRO stage 3 (stage is {zero.stage}); "
                           f"at stages 1 and 2 every rank holds all parameters for compute")
     owned = sum(p.numel() for p in model.parameters() if id(p) in group_of) // world + 1
-    tier = _offload_tier("offload_param", block, accel, ledger, 4 * owned)
+    tier = _offload_tier("offload_param", block, accel, ledger, 4 * owned, cfg.zeroplus.direct_io)
     if not tier.saves_memory:
         log_rank0("offload_param.device=cpu: host memory is this machine's only memory (no accelerator), so the "
                   "parameter shards stay where they are; device 'nvme' with an nvme_path keeps them in files",
@@ -236,7 +236,7 @@ def _optimizer_offload(cfg: ZeroplusConfig, accel: Accelerator, ledger: Ledger, 
     if zero.stage == 0:
         raise ConfigError("config key 'zero_optimization.offload_optimizer' needs ZeRO stage 1, 2 or 3 (stage is 0)")
     tier = _offload_tier("offload_optimizer", block, accel, ledger,
-                         int(4 * states_per_element(opt) * owned * block.ratio))
+                         int(4 * states_per_element(opt) * owned * block.ratio), cfg.zeroplus.direct_io)
     if not tier.saves_memory:
         log_rank0("offload_optimizer.device=cpu: host memory is this machine's only memory (no accelerator), so the "
                   "states stay where they are; device 'nvme' with an nvme_path keeps them in files",
@@ -255,7 +255,7 @@ def _activation_techniques(model: torch.nn.Module, cfg: ZeroplusConfig, ledger: 
     tier = None
     if zp.swap_attention.enabled or ac.cpu_checkpointing:
         try:
-            tier = make_tier(zp.activation_tier.device, zp.activation_tier.path, accel, ledger)
+            tier = make_tier(zp.activation_tier.device, zp.activation_tier.path, accel, ledger, direct=zp.direct_io)
         except ValueError as err:
             raise ConfigError(f"config key 'zeroplus.activation_tier': {err}") from None
     claimers: list[Any] = []

@@ -45,7 +45,7 @@ class TieredStates:
         out = {}
         for key, value in self._stored.pop(k, {}).items():
             if isinstance(value, Stored):
-                out[key] = self.ledger.track(self.tier.get(value), Category.OFFLOAD_BUFFER)
+                out[key] = self.tier.get(value)  # counted as offload_buffer by the tier
             else:
                 out[key] = value
         return out

@@ -17,7 +17,9 @@ as soon as it has no other use.
 
 Memory: ``HostTier`` holds each stored tensor in host memory (``offload_buffer`` in the ledger
 when the host is not the device); ``FileTier`` holds a tensor in memory only until its write
-finishes, and a prefetched one from its read until ``get``.
+finishes, and a prefetched one from the start of its read until its consumer drops it. Every
+buffer a tier brings back is counted in the ledger's ``offload_buffer`` from its allocation, so a
+prefetch window shows there while it is in flight, not only once it is taken.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ import torch
 
 from ..accelerator import Accelerator
 from ..ledger import Category, Ledger
+from . import direct_io
 
 logger = logging.getLogger("zeroplus.offload")
 
@@ -84,7 +87,7 @@ class HostTier:
             return
         self._in_stream.wait_event(stored.ready)
         with self.accel.stream(self._in_stream):
-            back = stored.data.to(stored.device, non_blocking=True)
+            back = self.ledger.track(stored.data.to(stored.device, non_blocking=True), Category.OFFLOAD_BUFFER)
             event = self.accel.new_event()
             event.record(self._in_stream)
         stored.back = (back, event)
@@ -106,8 +109,10 @@ class HostTier:
 class FileTier:
     name = "file"
 
-    def __init__(self, path: str, ledger: Ledger, workers: int = 2, label: str = "") -> None:
-        """``label`` tells apart the directories of several tiers of one process in one path."""
+    def __init__(self, path: str, ledger: Ledger, workers: int = 2, label: str = "", direct: bool = False) -> None:
+        """``label`` tells apart the directories of several tiers of one process in one path;
+        ``direct``: tensors of at least ``direct_io.MIN_BYTES`` go through ``O_DIRECT`` files where
+        the filesystem accepts them (``direct_io.py``)."""
         self.ledger = ledger
         self.saves_memory = True
         try:
@@ -121,6 +126,9 @@ class FileTier:
             os.remove(probe)
         except OSError as err:
             raise ValueError(f"swap directory {path!r} is not usable: {err}") from None
+        self.direct = direct and direct_io.probe(self.directory)
+        if direct and not self.direct:
+            logger.info("%s does not accept O_DIRECT files; the file tier uses the page cache there", path)
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="zeroplus-swap")
         self._names = itertools.count()
         atexit.register(self.close)
@@ -129,8 +137,14 @@ class FileTier:
         stored = Stored(t)
         stored.data = os.path.join(self.directory, f"{next(self._names)}.bin")
         host = t.detach().contiguous() if t.device.type == "cpu" else t.detach().to("cpu")
-        stored.ready = self._pool.submit(_write, stored.data, host)
+        if self._is_direct(stored):
+            stored.ready = self._pool.submit(direct_io.write, stored.data, host, self.ledger)
+        else:
+            stored.ready = self._pool.submit(_write, stored.data, host)
         return stored
+
+    def _is_direct(self, stored: Stored) -> bool:
+        return self.direct and stored.nbytes >= direct_io.MIN_BYTES
 
     def prefetch(self, stored: Stored) -> None:
         if stored.back is None:
@@ -138,10 +152,13 @@ class FileTier:
 
     def _read(self, stored: Stored) -> torch.Tensor:
         stored.ready.result()
-        buf = torch.empty(stored.nbytes, dtype=torch.uint8)
-        with open(stored.data, "rb") as f:
-            if f.readinto(memoryview(buf.numpy())) != stored.nbytes:
-                raise OSError(f"swap file {stored.data} is shorter than the {stored.nbytes} bytes written")
+        if self._is_direct(stored):
+            buf = direct_io.read(stored.data, stored.nbytes, self.ledger)
+        else:
+            buf = self.ledger.empty(stored.nbytes, torch.uint8, Category.OFFLOAD_BUFFER)
+            with open(stored.data, "rb") as f:
+                if f.readinto(memoryview(buf.numpy())) != stored.nbytes:
+                    raise OSError(f"swap file {stored.data} is shorter than the {stored.nbytes} bytes written")
         os.remove(stored.data)
         return buf.view(stored.dtype).view(stored.shape)
 
@@ -149,7 +166,9 @@ class FileTier:
         self.prefetch(stored)
         value = stored.back.result()
         stored.back = None
-        return value.to(stored.device) if stored.device.type != "cpu" else value
+        if stored.device.type == "cpu":
+            return value
+        return self.ledger.track(value.to(stored.device), Category.OFFLOAD_BUFFER)
 
     def discard(self, stored: Stored) -> None:
         with contextlib.suppress(Exception):
@@ -189,9 +208,9 @@ def _alive(pid: int) -> bool:
 
 
 def make_tier(kind: str, path: str | None, accelerator: Accelerator, ledger: Ledger,
-              label: str = "") -> HostTier | FileTier:
+              label: str = "", direct: bool = False) -> HostTier | FileTier:
     if kind == "file":
         if not path:
             raise ValueError("a file tier needs a directory path, and none is set")
-        return FileTier(path, ledger, label=label)
+        return FileTier(path, ledger, label=label, direct=direct)
     return HostTier(accelerator, ledger)

@@ -5,7 +5,8 @@ for bit, with or without a prefetch, and each file is gone once read; ``close`` 
 process's directory; a directory left by a dead process is removed when the next tier starts in
 the same path while a live process's directory is kept; an unusable path is an error naming it,
 also through the engine's config. HostTier on a CPU-only machine keeps the tensor itself and
-says it saves nothing.
+says it saves nothing. With ``direct`` the large tensors' files are O_DIRECT files padded to the
+block size, read back bit for bit into aligned buffers.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import zeroplus
 from tests.models import ParityNet
 from zeroplus.accelerator import Accelerator
 from zeroplus.ledger import Ledger
+from zeroplus.offload import direct_io
 from zeroplus.offload.tiers import FileTier, HostTier
 
 
@@ -43,6 +45,30 @@ def test_file_tier_round_trips_bitwise_and_cleans_up(tmp_path):
     assert os.listdir(tier.directory) == []
     tier.close()
     assert not os.path.exists(tier.directory)
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_direct_io_files_are_aligned_and_round_trip_bitwise(tmp_path, direct):
+    """Tensors of at least ``direct_io.MIN_BYTES`` go through O_DIRECT files padded to the block
+    size where the filesystem takes them; smaller ones and buffered tiers keep exact sizes."""
+    tier = FileTier(str(tmp_path), Ledger(), direct=direct)
+    assert tier.direct == (direct and direct_io.probe(tier.directory))
+    g = torch.Generator().manual_seed(1)
+    big = torch.randn(3, 40_001, generator=g)           # 480,012 bytes: not a multiple of 4 KiB
+    tensors = [big, big[:, ::3], big.to(torch.bfloat16), torch.randn(10, generator=g)]
+    stored = [tier.put(t) for t in tensors]
+    for s in stored:
+        s.ready.result()
+    sizes = [os.path.getsize(s.data) for s in stored]
+    for t, s, size in zip(tensors, stored, sizes):
+        nbytes = t.numel() * t.element_size()
+        expect = direct_io.padded(nbytes) if tier.direct and nbytes >= direct_io.MIN_BYTES else nbytes
+        assert size == expect, (t.shape, t.dtype, size)
+        back = tier.get(s)
+        assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t)
+        assert back.data_ptr() % (direct_io.ALIGN if size != nbytes else 1) == 0
+    assert os.listdir(tier.directory) == []
+    tier.close()
 
 
 def test_directories_of_dead_processes_are_removed(tmp_path):

@@ -151,6 +151,9 @@ class ZeroplusBlock(Block):
     resize_recompute: ResizeRecomputeConfig = Field(default_factory=ResizeRecomputeConfig)
     swap_attention: SwapAttentionConfig = Field(default_factory=SwapAttentionConfig)
     activation_tier: ActivationTierConfig = Field(default_factory=ActivationTierConfig)
+    direct_io: bool = Field(
+        True, description="Offload and swap files bypass the page cache (O_DIRECT, aligned buffers) where the "
+                          "filesystem allows; false: buffered files.")
     virtual_optimizer_states: bool = Field(
         False, description="Ascend NPU only: AdamW states in host memory mapped into the device's address space "
                            "(torch_npu.empty_with_swapped_memory), stepped in place, no swap streams.")
