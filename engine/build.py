@@ -161,6 +161,10 @@ def _warn_inert_options(cfg: ZeroplusConfig) -> None:
     if zero.stage == 3:
         keys += ["stage3_max_live_parameters", "stage3_max_reuse_distance"]
     inert += [f"zero_optimization.{key}" for key in keys if getattr(zero, key) != getattr(defaults, key)]
+    if zero.offload_param is not None:  # zeroplus reads whole shards of one unit ahead, no buffer pool
+        param_defaults = type(zero.offload_param)()
+        inert += [f"zero_optimization.offload_param.{key}" for key in ("buffer_size", "max_in_cpu")
+                  if getattr(zero.offload_param, key) != getattr(param_defaults, key)]
     if cfg.wall_clock_breakdown:
         inert.append("wall_clock_breakdown")
     if inert:

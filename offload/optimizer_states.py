@@ -4,14 +4,17 @@ The owned range is cut into sub-groups of ``sub_group_size`` elements. The first
 ``resident_count`` sub-groups keep their states resident (the step picks them so that at most
 ``1 - ratio`` of all owned elements, over every group, stay resident); the others live on the tier
 (``offload/tiers.py``) between steps and are streamed through a window: while sub-group k steps,
-the next ``buffer_count - 1`` are being read and the previous ones written back. A sub-group's
-states are what the optimizer keeps for it (per-element tensors and scalars such as ``step``).
+the next ``buffer_count - 1`` (in this group or the next ones) are being read and at most
+``buffer_count`` earlier ones are being written back. A sub-group's states are what the
+optimizer keeps for it (per-element tensors and scalars such as ``step``).
 
-Memory (per group): resident sub-groups' states, plus at most ``buffer_count`` sub-groups' states
-on the device while streaming (the ledger's ``offload_buffer``), plus writes not yet finished.
+Memory (all groups together): the resident sub-groups' states, plus at most ``2 * buffer_count``
+sub-groups' states on the device while streaming (``buffer_count`` read or stepping, up to
+``buffer_count`` being written; the ledger's ``offload_buffer``).
 """
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import torch
@@ -20,23 +23,58 @@ from ..ledger import Category, Ledger
 from .tiers import Stored
 
 
+class Window:
+    """What every offloaded group's sub-groups share: the order they step in (group by group) and
+    the bound on what is in memory. ``ahead`` starts reading the ``size - 1`` sub-groups after the
+    one stepping, across group boundaries (a group of one sub-group still gets the next groups'
+    reads in flight); ``written`` keeps at most ``size`` sub-groups' write-backs pending, waiting
+    for the oldest beyond that, so a disk slower than the step cannot pile up written-out states
+    in memory."""
+
+    def __init__(self, size: int) -> None:
+        self.size = max(1, size)
+        self.order: list[tuple[TieredStates, int]] = []
+        self._position: dict[tuple[int, int], int] = {}
+        self._pending: collections.deque = collections.deque()
+
+    def add(self, states: TieredStates) -> None:
+        for k in range(len(states.chunks)):
+            self._position[(id(states), k)] = len(self.order)
+            self.order.append((states, k))
+
+    def ahead(self, states: TieredStates, k: int, count: int | None = None) -> None:
+        """Start reading ``count`` (default ``size - 1``) sub-groups from the one after ``(states, k)``;
+        ``k = -1`` starts at the group's first sub-group."""
+        start = self._position[(id(states), 0)] + k + 1
+        for other, j in self.order[start:start + (self.size - 1 if count is None else count)]:
+            other.prefetch(j)
+
+    def written(self, tier: Any, stored: list[Stored]) -> None:
+        self._pending.append((tier, stored))
+        while len(self._pending) > self.size:
+            old_tier, old = self._pending.popleft()
+            for item in old:
+                old_tier.wait_written(item)
+
+
 class TieredStates:
-    def __init__(self, tier: Any, chunks: list[tuple[int, int]], resident_count: int, buffer_count: int,
+    def __init__(self, tier: Any, chunks: list[tuple[int, int]], resident_count: int, window: Window,
                  ledger: Ledger) -> None:
         self.tier, self.chunks, self.ledger = tier, chunks, ledger
-        self.window = max(1, buffer_count)
+        self.window = window
         self.resident_count = resident_count
         self._resident: dict[int, dict[str, Any]] = {}
         self._stored: dict[int, dict[str, Any]] = {}   # chunk -> {key: Stored or scalar}
+        window.add(self)
 
     def _tracked(self, k: int) -> bool:
         return k >= self.resident_count
 
     def prefetch(self, k: int) -> None:
-        for j in range(k, min(k + self.window - 1, len(self.chunks))):
-            for value in self._stored.get(j, {}).values():
-                if isinstance(value, Stored):
-                    self.tier.prefetch(value)
+        """Start reading sub-group k's states (if they are on the tier)."""
+        for value in self._stored.get(k, {}).values():
+            if isinstance(value, Stored):
+                self.tier.prefetch(value)
 
     def get(self, k: int) -> dict[str, Any]:
         """Chunk k's states on the device ({} before the first step)."""
@@ -58,6 +96,7 @@ class TieredStates:
             return
         self._stored[k] = {key: self.tier.put(v) if isinstance(v, torch.Tensor) and v.numel() > 1 else v
                            for key, v in states.items()}
+        self.window.written(self.tier, [v for v in self._stored[k].values() if isinstance(v, Stored)])
 
     def full(self, owned: int) -> dict[str, Any]:
         """Every chunk's states concatenated (a checkpoint save): per-element tensors of ``owned``

@@ -16,8 +16,9 @@ Backends:
   streams with events (the device waits only for its own range). On a CPU-only machine the host
   is the device: the tensor stays as it is, reads are views (no copy), and nothing is saved.
 - file tier: one file per tensor in the tier's per-process directory, read with ``preadv`` into
-  the destination buffer and written with ``pwrite`` on the tier's thread pool, space reserved up
-  front (``posix_fallocate``) so a full disk fails at ``keep``, not in the middle of a step.
+  the destination buffer and written with ``pwrite`` on the tier's read and write thread pools,
+  space reserved up front (``posix_fallocate``) so a full disk fails at ``keep``, not in the middle
+  of a step.
 
 Memory: the host backend holds ``nbytes`` of host memory; the file backend holds none between
 uses, a read's destination until its consumer drops it, and each write's ``values`` until the
@@ -132,7 +133,7 @@ class FileTierTensor:
     def read(self, a: int, b: int, out: torch.Tensor | None = None) -> _FileRead:
         writes = list(self._writes)
         host = out if out is not None and out.device.type == "cpu" else torch.empty(b - a, dtype=self.dtype)
-        return _FileRead(self.tier._pool.submit(self._read, a, host, writes), self.device, out)
+        return _FileRead(self.tier.read_pool.submit(self._read, a, host, writes), self.device, out)
 
     def _read(self, a: int, host: torch.Tensor, writes: list[concurrent.futures.Future]) -> torch.Tensor:
         for w in writes:
@@ -147,7 +148,7 @@ class FileTierTensor:
         self._writes = [w for w in self._writes if not w.done()]
         if len(self._writes) >= self.max_writes:
             self._writes.pop(0).result()
-        self._writes.append(self.tier._pool.submit(_pwrite, self.fd, _host(values), at * self.itemsize))
+        self._writes.append(self.tier.write_pool.submit(_pwrite, self.fd, _host(values), at * self.itemsize))
 
     def close(self) -> None:
         for w in self._writes:

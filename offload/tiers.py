@@ -10,10 +10,11 @@ as soon as it has no other use.
   host *is* the device: ``put`` keeps the tensor as it is and saves nothing (the engine says so
   once in the log).
 - ``FileTier``: one file per stored tensor, in a per-process directory
-  ``<path>/zeroplus-swap-<pid>[-<label>]`` written and read by a thread pool; on accelerators the bytes
-  pass through host memory first. This is the tier that saves memory on a CPU-only machine.
-  The directory is removed at normal exit; directories left by dead processes are removed when
-  the next ``FileTier`` starts in the same path.
+  ``<path>/zeroplus-swap-<pid>[-<label>]`` written and read by two thread pools (reads never
+  wait behind writes); on accelerators the bytes pass through host memory first. This is the
+  tier that saves memory on a CPU-only machine. The directory is removed at normal exit;
+  directories left by dead processes are removed when the next ``FileTier`` starts in the same
+  path.
 
 Memory: ``HostTier`` holds each stored tensor in host memory (``offload_buffer`` in the ledger
 when the host is not the device); ``FileTier`` holds a tensor in memory only until its write
@@ -105,6 +106,11 @@ class HostTier:
     def discard(self, stored: Stored) -> None:
         stored.back, stored.data = None, None
 
+    def wait_written(self, stored: Stored) -> None:
+        """Block until ``put``'s copy out is done (so the device tensor it read can be reused)."""
+        if stored.ready is not None:
+            stored.ready.synchronize()
+
 
 class FileTier:
     name = "file"
@@ -129,7 +135,9 @@ class FileTier:
         self.direct = direct and direct_io.probe(self.directory)
         if direct and not self.direct:
             logger.info("%s does not accept O_DIRECT files; the file tier uses the page cache there", path)
-        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="zeroplus-swap")
+        # Reads and writes on separate threads: a prefetch never queues behind write-backs.
+        self.read_pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="zeroplus-read")
+        self.write_pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="zeroplus-write")
         self._names = itertools.count()
         atexit.register(self.close)
 
@@ -138,9 +146,9 @@ class FileTier:
         stored.data = os.path.join(self.directory, f"{next(self._names)}.bin")
         host = t.detach().contiguous() if t.device.type == "cpu" else t.detach().to("cpu")
         if self._is_direct(stored):
-            stored.ready = self._pool.submit(direct_io.write, stored.data, host, self.ledger)
+            stored.ready = self.write_pool.submit(direct_io.write, stored.data, host, self.ledger)
         else:
-            stored.ready = self._pool.submit(_write, stored.data, host)
+            stored.ready = self.write_pool.submit(_write, stored.data, host)
         return stored
 
     def _is_direct(self, stored: Stored) -> bool:
@@ -148,7 +156,7 @@ class FileTier:
 
     def prefetch(self, stored: Stored) -> None:
         if stored.back is None:
-            stored.back = self._pool.submit(self._read, stored)
+            stored.back = self.read_pool.submit(self._read, stored)
 
     def _read(self, stored: Stored) -> torch.Tensor:
         stored.ready.result()
@@ -170,6 +178,9 @@ class FileTier:
             return value
         return self.ledger.track(value.to(stored.device), Category.OFFLOAD_BUFFER)
 
+    def wait_written(self, stored: Stored) -> None:
+        stored.ready.result()
+
     def discard(self, stored: Stored) -> None:
         with contextlib.suppress(Exception):
             stored.ready.result()
@@ -177,7 +188,8 @@ class FileTier:
             os.remove(stored.data)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self.read_pool.shutdown(wait=True)
+        self.write_pool.shutdown(wait=True)
         shutil.rmtree(self.directory, ignore_errors=True)
 
 

@@ -1,7 +1,7 @@
 """Parameter offload (``zero_optimization.offload_param``, stage 3) changes no number.
 
 On 2 ranks at stage 3, with the master (parameter) shards in files: losses and fp32 masters
-bitwise equal to the run without offload, in fp32 and bf16, with shared-storage master weights,
+bitwise equal to the run without offload, in fp32, bf16 and fp16, with shared-storage master weights,
 and together with optimizer-state offload; the ledger holds no ``master`` bytes (it records them
 as kept off the device by ``offload_param``) and the shards are files in the tier's directory
 while training. A checkpoint saved with offloaded shards resumes bit for bit, with or without
@@ -35,13 +35,14 @@ def _config(dtype: str, param_path: str | None, opt_path: str | None = None, sha
     if opt_path is not None:
         zero.update(sub_group_size=40, offload_optimizer={"device": "nvme", "nvme_path": opt_path, "buffer_count": 3})
     return {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "bf16": {"enabled": dtype == "bf16"},
+            "fp16": {"enabled": dtype == "fp16", "initial_scale_power": 8},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}, "zero_optimization": zero,
             # small step chunks: the master is read and rewritten in many ranges
             "zeroplus": {"log_level": "warning", "shared_master_weights": shared, "master_step_chunk": 64}}
 
 
 CASES = [("fp32", False, False), ("bf16", False, False), ("bf16", True, False), ("fp32", False, True),
-         ("bf16", True, True)]
+         ("bf16", True, True), ("fp16", False, True)]
 
 
 def _run(cfg: dict, steps: int = 4) -> dict:

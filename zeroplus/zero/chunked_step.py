@@ -61,10 +61,10 @@ class ChunkedStep:
                                         grad.device)
         placeholder = param.data
         try:
-            states.prefetch(0)
+            states.prefetch(0)  # normally already in flight: the previous group's steps read ahead
             store.prefetch_range(*states.chunks[0])
             for k, (a, b) in enumerate(states.chunks):
-                states.prefetch(k + 1)
+                states.window.ahead(states, k)
                 if k + 1 < len(states.chunks):
                     store.prefetch_range(*states.chunks[k + 1])
                 values = store.read_into(a, b, work[:b - a], scratch) if copied else store.read(a, b)

@@ -8,7 +8,8 @@ When gradients are reduced: stages 0 and 1 at the accumulation boundary only (gr
 accumulate in the flat compute-dtype buffer between micro-batches); stages 2 and 3 after every
 micro-batch, into the fp32 gradient shard, freeing the flat buffer. Each flat group's reduction
 starts as soon as its last gradient has arrived, so communication overlaps the rest of the
-backward; the handles are waited on when the backward is over, or earlier once more than ``MAX_GROUPS_IN_FLIGHT`` groups are in flight.
+backward; the handles are waited on when the backward is over, or earlier once more than
+``MAX_GROUPS_IN_FLIGHT`` groups are in flight.
 
 After the optimizer step, the new master values are written into the compute-dtype parameters;
 stages 1 and 2 all-gather them asynchronously, root unit first, and the next forward waits for

@@ -23,7 +23,7 @@ import torch
 
 from ..comm import DataParallelGroup
 from ..ledger import Category, Ledger
-from ..offload.optimizer_states import TieredStates
+from ..offload.optimizer_states import TieredStates, Window
 from ..offload.virtual_host import VirtualStates
 from ..optim.lamb import Lamb
 from .flat_group import FlatParamGroup
@@ -75,14 +75,14 @@ class ShardedStep:
             # ``ratio`` counts elements over the whole owned range: sub-groups stay resident, in group
             # order, while the resident elements stay within (1 - ratio) of all owned elements.
             resident_budget = (1.0 - float(offload["ratio"])) * sum(g.owned_numel for g in partition.groups)
+            window = Window(int(offload["buffer_count"]))
             for g in partition.groups:
                 chunks = [(a, min(a + size, g.owned_numel)) for a in range(0, g.owned_numel, size)]
                 resident = 0
                 while resident < len(chunks) and chunks[resident][1] - chunks[resident][0] <= resident_budget:
                     resident_budget -= chunks[resident][1] - chunks[resident][0]
                     resident += 1
-                self.chunked.tiered[id(g)] = TieredStates(offload["tier"], chunks, resident,
-                                                          int(offload["buffer_count"]), ledger)
+                self.chunked.tiered[id(g)] = TieredStates(offload["tier"], chunks, resident, window, ledger)
         self.virtual: dict[int, VirtualStates] = {}  # id(group) -> its states in swapped host memory
         if virtual_kernels is not None:
             for g in partition.groups:
@@ -115,6 +115,9 @@ class ShardedStep:
 
     def step(self, loss_scale: float) -> bool:
         """Step every flat group; return False (and change nothing) if the gradients overflowed."""
+        if self.chunked.tiered:  # offloaded states: the first reads overlap the norm's all-reduce
+            first = self.chunked.tiered[id(self.partition.groups[0])]
+            first.window.ahead(first, -1, first.window.size)
         norm = self._grad_norm(loss_scale)
         self.last_grad_norm = norm
         if not math.isfinite(norm):
