@@ -36,7 +36,7 @@ from .loss_scaler import LossScaler
 logger = logging.getLogger("zeroplus.engine")
 
 
-def _compute_dtype(cfg: ZeroplusConfig) -> torch.dtype:
+def compute_dtype(cfg: ZeroplusConfig) -> torch.dtype:
     if cfg.fp16.enabled is True and cfg.bf16.enabled is True:
         raise ConfigError("config enables both fp16 and bf16; enable at most one")
     if cfg.fp16.enabled is True:
@@ -98,7 +98,7 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
                           "give one or the other")
     _warn_inert_options(cfg)
 
-    dtype = _compute_dtype(cfg)
+    dtype = compute_dtype(cfg)
     model.to(accel.device())
     if dtype != torch.float32:
         model.to(dtype)
@@ -175,7 +175,7 @@ def _offload_tier(key: str, block: Any, accel: Accelerator, ledger: Ledger, need
     """The tier of ``zero_optimization.<key>``; for files, ``needed`` bytes must be free in its path."""
     try:
         tier = make_tier("file" if block.device == "nvme" else "host", block.nvme_path, accel, ledger,
-                         label=key.replace("offload_", ""), direct=direct)
+                         label=key.replace("offload_", ""), direct=direct, create=False)
         if block.device == "nvme":
             check_free_space(tier.directory, needed)
     except (ValueError, OSError) as err:

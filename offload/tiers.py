@@ -115,12 +115,17 @@ class HostTier:
 class FileTier:
     name = "file"
 
-    def __init__(self, path: str, ledger: Ledger, workers: int = 2, label: str = "", direct: bool = False) -> None:
+    def __init__(self, path: str, ledger: Ledger, workers: int = 2, label: str = "", direct: bool = False,
+                 create: bool = True) -> None:
         """``label`` tells apart the directories of several tiers of one process in one path;
         ``direct``: tensors of at least ``direct_io.MIN_BYTES`` go through ``O_DIRECT`` files where
-        the filesystem accepts them (``direct_io.py``)."""
+        the filesystem accepts them (``direct_io.py``); ``create``: make ``path`` if it is missing
+        (offload paths are not made: a mistyped mount point would silently fill another disk)."""
         self.ledger = ledger
         self.saves_memory = True
+        if not create and not os.path.isdir(path):
+            raise ValueError(f"directory {path!r} does not exist (zeroplus does not create offload directories, so a "
+                             f"mistyped mount point cannot fill another disk)")
         try:
             os.makedirs(path, exist_ok=True)
             _remove_dead_directories(path)
@@ -220,9 +225,9 @@ def _alive(pid: int) -> bool:
 
 
 def make_tier(kind: str, path: str | None, accelerator: Accelerator, ledger: Ledger,
-              label: str = "", direct: bool = False) -> HostTier | FileTier:
+              label: str = "", direct: bool = False, create: bool = True) -> HostTier | FileTier:
     if kind == "file":
         if not path:
             raise ValueError("a file tier needs a directory path, and none is set")
-        return FileTier(path, ledger, label=label, direct=direct)
+        return FileTier(path, ledger, label=label, direct=direct, create=create)
     return HostTier(accelerator, ledger)

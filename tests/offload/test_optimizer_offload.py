@@ -27,6 +27,7 @@ SUB = 40
 def _config(stage: int, dtype: str, path: str | None, ratio: float = 1.0, shared: bool = False) -> dict:
     zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
     if path is not None:
+        os.makedirs(path, exist_ok=True)  # zeroplus does not create offload directories
         zero.update(sub_group_size=SUB, offload_optimizer={"device": "nvme", "nvme_path": path, "ratio": ratio,
                                                              "buffer_count": 3})
     return {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "bf16": {"enabled": dtype == "bf16"},
@@ -108,4 +109,10 @@ def test_bad_offload_settings(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(zeroplus.ConfigError, match="offload_optimizer.nvme_path"):
-        zeroplus.initialize(ParityNet(), _config(1, "fp32", str(blocker / "sub")))
+        zeroplus.initialize(ParityNet(), dict(_config(1, "fp32", str(tmp_path)), zero_optimization={
+            "stage": 1, "offload_optimizer": {"device": "nvme", "nvme_path": str(blocker / "sub")}}))
+    missing = tmp_path / "not-mounted"
+    with pytest.raises(zeroplus.ConfigError, match="not-mounted' does not exist"):
+        zeroplus.initialize(ParityNet(), dict(_config(1, "fp32", str(tmp_path)), zero_optimization={
+            "stage": 1, "offload_optimizer": {"device": "nvme", "nvme_path": str(missing)}}))
+    assert not missing.exists()

@@ -59,13 +59,19 @@ def _run(cfg: dict, steps: int = 4) -> dict:
             "groups": len(engine._partition.groups)}
 
 
+def _directory(path: str) -> str:
+    os.makedirs(path, exist_ok=True)  # zeroplus does not create offload directories
+    return path
+
+
 def _job(root: str) -> list:
     rank, _ = rank_and_world()
     out = []
     for i, (dtype, shared, with_optimizer) in enumerate(CASES):
         plain = _run(_config(dtype, None, shared=shared))
-        opt_path = os.path.join(root, f"opt-{i}-{rank}") if with_optimizer else None
-        out.append((plain, _run(_config(dtype, os.path.join(root, f"param-{i}-{rank}"), opt_path, shared))))
+        opt_path = _directory(os.path.join(root, f"opt-{i}-{rank}")) if with_optimizer else None
+        out.append((plain, _run(_config(dtype, _directory(os.path.join(root, f"param-{i}-{rank}")), opt_path,
+                                        shared))))
     return out
 
 
@@ -84,7 +90,7 @@ def test_offloaded_parameters_train_identically(tmp_path):
 
 def _resume(root: str, offload_first: bool, offload_second: bool) -> dict:
     rank, world = rank_and_world()
-    path = lambda tag, on: os.path.join(root, f"{tag}-{rank}") if on else None  # noqa: E731
+    path = lambda tag, on: _directory(os.path.join(root, f"{tag}-{rank}")) if on else None  # noqa: E731
     straight = _run(_config("bf16", None, shared=True), steps=6)
     torch.manual_seed(0)
     engine = zeroplus.initialize(ParityNet(), _config("bf16", path("a", offload_first), shared=True))

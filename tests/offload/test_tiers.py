@@ -74,12 +74,13 @@ def test_direct_io_files_are_aligned_and_round_trip_bitwise(tmp_path, direct):
 def test_directories_of_dead_processes_are_removed(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_dir = tmp_path / f"zeroplus-swap-{int(dead.stdout)}"
-    live_dir = tmp_path / f"zeroplus-swap-{os.getppid()}"
-    for d in (dead_dir, live_dir):
+    dead_labelled = tmp_path / f"zeroplus-swap-{int(dead.stdout)}-optimizer"  # an offload tier's directory
+    live_dir = tmp_path / f"zeroplus-swap-{os.getppid()}-param"
+    for d in (dead_dir, dead_labelled, live_dir):
         d.mkdir()
         (d / "0.bin").write_bytes(b"x" * 10)
     tier = FileTier(str(tmp_path), Ledger())
-    assert not dead_dir.exists() and live_dir.exists()
+    assert not dead_dir.exists() and not dead_labelled.exists() and live_dir.exists()
     tier.close()
 
 

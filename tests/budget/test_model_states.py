@@ -1,0 +1,85 @@
+"""Model-state bytes predicted on the meta device equal what the engine allocates.
+
+For the built-in GPT and ParityNet (odd sizes, tied weights, a frozen layer), ZeRO stages 0-3,
+fp32, bf16 and bf16 with shared master weights, on 2 real ranks: the prediction for each rank
+(``zeroplus.budget.model_state_bytes``) equals that rank's ledger exactly: ``param``,
+``param_gathered`` and ``master`` right after ``initialize``, ``optim_state`` after the first
+step (AdamW and SGD with momentum). At 1024 ranks the prediction takes seconds, and every
+sharded category shrinks as 1/N (up to each group's padding to a multiple of N).
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import zeroplus
+from tests.dist_helper import rank_and_world, run_distributed
+from tests.models import ParityNet, make_batches
+from tests.reference import engine_train
+from zeroplus.budget import model_state_bytes
+from zeroplus.ledger import Category
+from zeroplus.models import GPT, gpt_config
+
+CATEGORIES = [Category.PARAM, Category.PARAM_GATHERED, Category.MASTER]
+
+
+def _tiny_gpt() -> GPT:
+    return GPT(gpt_config("tiny"))
+
+
+def _config(stage: int, dtype: str, shared: bool, optimizer: str) -> dict:
+    params = {"lr": 1e-3, "momentum": 0.9} if optimizer == "SGD" else {"lr": 1e-3}
+    return {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": dtype == "bf16"},
+            "optimizer": {"type": optimizer, "params": params},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 500},
+            "zeroplus": {"log_level": "warning", "shared_master_weights": shared}}
+
+
+CASES = [(stage, dtype, shared, opt) for stage in range(4)
+         for dtype, shared, opt in [("fp32", False, "AdamW"), ("bf16", False, "SGD"), ("bf16", True, "AdamW")]]
+
+
+def _job(model_name: str) -> list:
+    rank, world = rank_and_world()
+    build = {"gpt": _tiny_gpt, "parity": ParityNet}[model_name]
+    out = []
+    for stage, dtype, shared, opt in CASES:
+        cfg = _config(stage, dtype, shared, opt)
+        predicted = model_state_bytes(build, cfg, world, rank)
+        torch.manual_seed(0)
+        engine = zeroplus.initialize(build(), cfg)
+        at_init = {c.value: engine.ledger.live_bytes(c) for c in CATEGORIES}
+        if model_name == "parity":
+            engine_train(engine, make_batches(world, 2), 1, rank, world, 1)
+        else:
+            x = torch.randint(0, 256, (2, 16))
+            engine.backward(engine(x, x))
+            engine.step()
+        at_init[Category.OPTIM_STATE.value] = engine.ledger.live_bytes(Category.OPTIM_STATE)
+        out.append((predicted, at_init))
+    return out
+
+
+@pytest.mark.parametrize("model_name", ["gpt", "parity"])
+def test_prediction_equals_the_ledger(model_name):
+    for rank_result in run_distributed(_job, 2, model_name):
+        for (stage, dtype, shared, opt), (predicted, measured) in zip(CASES, rank_result):
+            assert predicted == measured, f"stage {stage} {dtype} shared {shared} {opt}"
+
+
+def test_a_thousand_ranks_in_seconds_and_one_over_n():
+    cfg = _config(3, "bf16", False, "AdamW")
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    big = lambda: GPT(gpt_config("111m"))  # noqa: E731
+    start = time.perf_counter()
+    at_1024 = model_state_bytes(big, cfg, 1024, rank=1023)
+    assert time.perf_counter() - start < 30
+    at_2 = model_state_bytes(big, cfg, 2)
+    for key in ("master", "optim_state"):
+        assert at_1024[key] * 512 == pytest.approx(at_2[key], rel=1e-3), key
+    with torch.device("meta"):
+        total = sum(p.numel() for p in big().parameters())  # tied weights counted once by parameters()
+    assert at_2["master"] == pytest.approx(4 * total / 2, rel=1e-5)
+    assert at_2["optim_state"] == pytest.approx(8 * total / 2, rel=1e-5)

@@ -1,0 +1,8 @@
+"""zeroplus.budget: what each rank will hold, predicted before anything is allocated.
+
+``model_states.py``: model-state bytes per category for any world size, from the partition code.
+(The memory-budget issue builds the rest here: activations, buffers, the report and the planner.)
+"""
+from .model_states import VirtualGroup, model_state_bytes
+
+__all__ = ["VirtualGroup", "model_state_bytes"]

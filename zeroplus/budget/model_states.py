@@ -1,0 +1,80 @@
+"""Model-state bytes per rank for any world size, from the engine's own partition code.
+
+The model is built on the meta device (no memory), cast to the compute dtype, and partitioned by
+``ZeroPartition`` exactly as ``initialize`` does, over a ``VirtualGroup``: a data-parallel group
+of ``world_size`` ranks seen from ``rank``, with no process group behind it (its collectives do
+nothing; the partition only needs sizes). The ledger then holds what that rank would allocate at
+initialisation: ``param`` (low-precision parameters, stages 0-2), ``param_gathered`` (stage-3
+units that stay gathered), ``master`` (fp32 masters, or bf16 shard plus residual when shared).
+Optimizer states are added the way torch creates them in the first step: ``states_per_element``
+fp32 tensors of each group's owned length (``offload/disk_space.py``), under ``optim_state``.
+
+Cost: no parameter memory (meta tensors) and one pass over the modules; 1024 ranks cost what 2
+do. Gradients, activations, buckets and windows are not model states and are not counted here.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable
+
+import torch
+
+from ..comm import Handle
+from ..config import parse_config
+from ..ledger import Category, Ledger
+from ..offload.disk_space import states_per_element
+from ..optim.build import build_optimizer
+from ..zero.partition import ZeroPartition
+
+
+class VirtualGroup:
+    """A data-parallel group of ``size`` ranks as seen from ``rank``; collectives do nothing."""
+
+    initialized = False
+    group = None
+
+    def __init__(self, rank: int, size: int) -> None:
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} is not in a world of {size} ranks")
+        self.rank, self.size = rank, size
+        self.bytes_sent: collections.Counter[str] = collections.Counter()
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, on_done: Callable[[], None] | None = None
+                   ) -> Handle:
+        return Handle(None, on_done)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
+                       on_done: Callable[[], None] | None = None) -> Handle:
+        return Handle(None, on_done)
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = None, on_done: Callable[[], None] | None = None) -> Handle:
+        return Handle(None, on_done)
+
+
+def model_state_bytes(build_model: Callable[[], torch.nn.Module], config: dict[str, Any] | str, world_size: int,
+                      rank: int = 0) -> dict[str, int]:
+    """Bytes per ledger category that ``rank`` of ``world_size`` holds in model states.
+
+    ``build_model`` is called under ``torch.device("meta")``, so it must create its parameters on
+    the current default device (the usual ``nn.Module`` constructors do).
+    """
+    from ..engine.build import compute_dtype  # the engine's own rule (imported late: the engine imports us)
+
+    cfg, _ = parse_config(config)
+    dtype = compute_dtype(cfg)
+    with torch.device("meta"):
+        model = build_model()
+    if dtype != torch.float32:
+        model.to(dtype)
+    group_of = {id(p): 0 for p in model.parameters() if p.requires_grad}
+    ledger = Ledger()
+    partition = ZeroPartition(model, cfg.zero_optimization, VirtualGroup(rank, world_size),  # type: ignore[arg-type]
+                              ledger, dtype, group_of, cfg.zeroplus.unit_modules,
+                              shared_master=cfg.zeroplus.shared_master_weights,
+                              round_like_split=cfg.zeroplus.master_rounding == "like_shared")
+    out = {c.value: ledger.live_bytes(c) for c in (Category.PARAM, Category.PARAM_GATHERED, Category.MASTER)}
+    if cfg.optimizer is not None:
+        masters = [g.master_param for g in partition.groups]
+        opt = build_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params), [{"params": masters}], False)
+        out[Category.OPTIM_STATE.value] = 4 * states_per_element(opt) * sum(g.owned_numel for g in partition.groups)
+    return out
