@@ -1,4 +1,5 @@
-"""The ``zeroplus`` command: ``run`` (launch ranks), ``train`` (the main job), ``convert`` (export)."""
+"""The ``zeroplus`` command: ``run`` (launch ranks), ``train`` (the main job), ``convert`` (export),
+``estimate`` (model-state bytes per rank before launching)."""
 from __future__ import annotations
 
 import argparse
@@ -22,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_argument("--from-deepspeed", action="store_true",
                          help="CHECKPOINT_DIR is a DeepSpeed ZeRO-1/2/3 checkpoint: write a zeroplus checkpoint to OUT")
     convert.add_argument("--tag", default=None, help="checkpoint tag (default: the one in CHECKPOINT_DIR/latest)")
+    sub.add_parser("estimate", help="model-state bytes per rank for a model, config and world size (no launch)",
+                   add_help=False)
     train.add_argument("-n", "--nproc", type=int, default=2)
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
@@ -33,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:
             print(f"zeroplus run: {err}", file=sys.stderr)
             return 2
+    if command == "estimate":
+        from .budget.command import main as estimate_main
+        return estimate_main(rest)
     if command == "convert":
         args = parser.parse_args(argv)
         from .engine.checkpoint_export import load_fp32_state_dict, write_state_dict
@@ -67,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // known.nproc)))
         import subprocess
         return subprocess.call(cmd, env=env)
-    parser.error(f"unknown command {command!r}; use run, train or convert")
+    parser.error(f"unknown command {command!r}; use run, train, convert or estimate")
     return 2
 
 

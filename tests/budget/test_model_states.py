@@ -5,10 +5,14 @@ fp32, bf16 and bf16 with shared master weights, on 2 real ranks: the prediction 
 (``zeroplus.budget.model_state_bytes``) equals that rank's ledger exactly: ``param``,
 ``param_gathered`` and ``master`` right after ``initialize``, ``optim_state`` after the first
 step (AdamW and SGD with momentum). At 1024 ranks the prediction takes seconds, and every
-sharded category shrinks as 1/N (up to each group's padding to a multiple of N).
+sharded category shrinks as 1/N (up to each group's padding to a multiple of N). ``zeroplus
+estimate --json`` prints the same numbers; an unknown model size is an error naming it.
 """
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -83,3 +87,18 @@ def test_a_thousand_ranks_in_seconds_and_one_over_n():
         total = sum(p.numel() for p in big().parameters())  # tied weights counted once by parameters()
     assert at_2["master"] == pytest.approx(4 * total / 2, rel=1e-5)
     assert at_2["optim_state"] == pytest.approx(8 * total / 2, rel=1e-5)
+
+
+def test_command_line_prints_the_same_prediction(tmp_path):
+    cfg = _config(3, "bf16", True, "AdamW")
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    cmd = [sys.executable, "-m", "zeroplus.cli", "estimate", "--model", "tiny", "--config", str(path),
+           "--world-size", "8", "--rank", "7", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    printed = json.loads(proc.stdout)["model_state_bytes"]
+    expected = model_state_bytes(_tiny_gpt, cfg, 8, 7)
+    assert printed == dict(expected, total=sum(expected.values()))
+    bad = subprocess.run(cmd[:5] + ["huge"] + cmd[6:], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown GPT size 'huge'" in bad.stderr
