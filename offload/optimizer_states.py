@@ -23,6 +23,22 @@ from ..ledger import Category, Ledger
 from .tiers import Stored
 
 
+def plan_sub_groups(owned: list[int], sub_group_size: int, ratio: float) -> list[tuple[list[tuple[int, int]], int]]:
+    """Each group's sub-groups ``[(a, b), ...]`` and how many of its first ones stay resident:
+    whole sub-groups, in group order, while the resident elements stay within ``1 - ratio`` of all
+    owned elements (``ratio`` counts elements over every group, not sub-groups per group)."""
+    budget = (1.0 - ratio) * sum(owned)
+    plan = []
+    for n in owned:
+        chunks = [(a, min(a + sub_group_size, n)) for a in range(0, n, sub_group_size)]
+        resident = 0
+        while resident < len(chunks) and chunks[resident][1] - chunks[resident][0] <= budget:
+            budget -= chunks[resident][1] - chunks[resident][0]
+            resident += 1
+        plan.append((chunks, resident))
+    return plan
+
+
 class Window:
     """What every offloaded group's sub-groups share: the order they step in (group by group) and
     the bound on what is in memory. ``ahead`` starts reading the ``size - 1`` sub-groups after the

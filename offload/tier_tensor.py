@@ -88,6 +88,7 @@ class HostTierTensor:
             return _Done(self.data[a:b] if out is None else out.copy_(self.data[a:b]))
         accel, stream = self.tier.accel, self.tier._in_stream
         stream.wait_stream(self.tier._out_stream)  # earlier writes land first
+        stream.wait_stream(accel.current_stream())  # and ``out``'s earlier users are done with it
         with accel.stream(stream):
             value = out if out is not None else torch.empty(b - a, dtype=self.dtype, device=self.device)
             value.copy_(self.data[a:b], non_blocking=True)

@@ -4,7 +4,8 @@ For the built-in GPT and ParityNet (odd sizes, tied weights, a frozen layer), Ze
 fp32, bf16 and bf16 with shared master weights, on 2 real ranks: the prediction for each rank
 (``zeroplus.budget.model_state_bytes``) equals that rank's ledger exactly: ``param``,
 ``param_gathered`` and ``master`` right after ``initialize``, ``optim_state`` after the first
-step (AdamW and SGD with momentum). At 1024 ranks the prediction takes seconds, and every
+step (AdamW and SGD with momentum), also with optimizer states offloaded at ratio 0.5 and
+parameter shards offloaded (what stays on the device). At 1024 ranks the prediction takes seconds, and every
 sharded category shrinks as 1/N (up to each group's padding to a multiple of N). ``zeroplus
 estimate --json`` prints the same numbers; an unknown model size is an error naming it.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -34,15 +36,23 @@ def _tiny_gpt() -> GPT:
 
 
 def _config(stage: int, dtype: str, shared: bool, optimizer: str) -> dict:
+    """``optimizer`` "AdamW+offload": states in files at ratio 0.5 (sub-groups of 100 elements) and,
+    at stage 3, the parameter shards too."""
     params = {"lr": 1e-3, "momentum": 0.9} if optimizer == "SGD" else {"lr": 1e-3}
+    zero: dict = {"stage": stage, "stage3_param_persistence_threshold": 500}
+    if optimizer.endswith("+offload"):
+        optimizer, path = "AdamW", tempfile.mkdtemp(prefix="zeroplus-test-budget-")
+        zero.update(sub_group_size=100, offload_optimizer={"device": "nvme", "nvme_path": path, "ratio": 0.5})
+        if stage == 3:
+            zero["offload_param"] = {"device": "nvme", "nvme_path": path}
     return {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": dtype == "bf16"},
-            "optimizer": {"type": optimizer, "params": params},
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 500},
+            "optimizer": {"type": optimizer, "params": params}, "zero_optimization": zero,
             "zeroplus": {"log_level": "warning", "shared_master_weights": shared}}
 
 
 CASES = [(stage, dtype, shared, opt) for stage in range(4)
          for dtype, shared, opt in [("fp32", False, "AdamW"), ("bf16", False, "SGD"), ("bf16", True, "AdamW")]]
+CASES += [(3, "bf16", False, "AdamW+offload"), (2, "bf16", False, "AdamW+offload")]
 
 
 def _job(model_name: str) -> list:
@@ -70,7 +80,10 @@ def _job(model_name: str) -> list:
 def test_prediction_equals_the_ledger(model_name):
     for rank_result in run_distributed(_job, 2, model_name):
         for (stage, dtype, shared, opt), (predicted, measured) in zip(CASES, rank_result):
-            assert predicted == measured, f"stage {stage} {dtype} shared {shared} {opt}"
+            assert {k: predicted[k] for k in measured} == measured, f"stage {stage} {dtype} shared {shared} {opt}"
+            if opt.endswith("+offload"):  # half the states (whole sub-groups) and, at stage 3, every master off
+                assert 0 < predicted["optim_state"] < predicted["optim_state_offloaded"] + predicted["optim_state"]
+                assert (predicted["master"] == 0) == (stage == 3)
 
 
 def test_a_thousand_ranks_in_seconds_and_one_over_n():
@@ -99,6 +112,6 @@ def test_command_line_prints_the_same_prediction(tmp_path):
     assert proc.returncode == 0, proc.stderr
     printed = json.loads(proc.stdout)["model_state_bytes"]
     expected = model_state_bytes(_tiny_gpt, cfg, 8, 7)
-    assert printed == dict(expected, total=sum(expected.values()))
+    assert printed == dict(expected, total_on_device=sum(expected.values()))
     bad = subprocess.run(cmd[:5] + ["huge"] + cmd[6:], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown GPT size 'huge'" in bad.stderr

@@ -46,12 +46,12 @@ def main(argv: list[str]) -> int:
     except ValueError as err:
         print(f"zeroplus estimate: {err}", file=sys.stderr)
         return 2
-    predicted["total"] = sum(predicted.values())
+    predicted["total_on_device"] = sum(v for k, v in predicted.items() if not k.endswith("_offloaded"))
     if args.json:
         print(json.dumps({"world_size": args.world_size, "rank": args.rank, "model_state_bytes": predicted}))
         return 0
     print(f"model states of rank {args.rank} of {args.world_size} ({args.model}, {args.config}):")
     for key, value in predicted.items():
-        print(f"  {key:<16}{value:>16,} B {value / 2**30:>10.3f} GiB")
+        print(f"  {key:<22}{value:>16,} B {value / 2**30:>10.3f} GiB")
     print("activations, gradient buckets and offload windows are not predicted yet")
     return 0

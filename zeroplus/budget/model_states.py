@@ -8,6 +8,9 @@ initialisation: ``param`` (low-precision parameters, stages 0-2), ``param_gather
 units that stay gathered), ``master`` (fp32 masters, or bf16 shard plus residual when shared).
 Optimizer states are added the way torch creates them in the first step: ``states_per_element``
 fp32 tensors of each group's owned length (``offload/disk_space.py``), under ``optim_state``.
+With offload, what lives on a tier is reported apart: ``master_offloaded`` (``offload_param``,
+stage 3) and ``optim_state_offloaded`` (``offload_optimizer``, by the engine's own sub-group plan
+for ``ratio``); ``master`` and ``optim_state`` are then what stays on the device.
 
 Cost: no parameter memory (meta tensors) and one pass over the modules; 1024 ranks cost what 2
 do. Gradients, activations, buckets and windows are not model states and are not counted here.
@@ -23,6 +26,7 @@ from ..comm import Handle
 from ..config import parse_config
 from ..ledger import Category, Ledger
 from ..offload.disk_space import states_per_element
+from ..offload.optimizer_states import plan_sub_groups
 from ..optim.build import build_optimizer
 from ..zero.partition import ZeroPartition
 
@@ -73,8 +77,19 @@ def model_state_bytes(build_model: Callable[[], torch.nn.Module], config: dict[s
                               shared_master=cfg.zeroplus.shared_master_weights,
                               round_like_split=cfg.zeroplus.master_rounding == "like_shared")
     out = {c.value: ledger.live_bytes(c) for c in (Category.PARAM, Category.PARAM_GATHERED, Category.MASTER)}
+    zero = cfg.zero_optimization
+    if zero.stage == 3 and zero.offload_param is not None and zero.offload_param.device != "none":
+        out["master_offloaded"], out["master"] = out["master"], 0  # on the tier, not the device
     if cfg.optimizer is not None:
         masters = [g.master_param for g in partition.groups]
         opt = build_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params), [{"params": masters}], False)
-        out[Category.OPTIM_STATE.value] = 4 * states_per_element(opt) * sum(g.owned_numel for g in partition.groups)
+        per_element = 4 * states_per_element(opt)
+        owned = [g.owned_numel for g in partition.groups]
+        block = zero.offload_optimizer
+        resident = sum(owned)
+        if block is not None and block.device != "none" and zero.stage > 0:  # the engine's own sub-group plan
+            plan = plan_sub_groups(owned, int(zero.sub_group_size), block.ratio)
+            resident = sum(chunks[k][1] - chunks[k][0] for chunks, kept in plan for k in range(kept))
+            out["optim_state_offloaded"] = per_element * (sum(owned) - resident)
+        out[Category.OPTIM_STATE.value] = per_element * resident
     return out

@@ -23,7 +23,7 @@ import torch
 
 from ..comm import DataParallelGroup
 from ..ledger import Category, Ledger
-from ..offload.optimizer_states import TieredStates, Window
+from ..offload.optimizer_states import TieredStates, Window, plan_sub_groups
 from ..offload.virtual_host import VirtualStates
 from ..optim.lamb import Lamb
 from .flat_group import FlatParamGroup
@@ -71,17 +71,10 @@ class ShardedStep:
         self.last_grad_norm: float | None = None
         self.chunked = ChunkedStep(optimizer, ledger, split_chunk_numel)
         if offload is not None:
-            size = int(offload["sub_group_size"])
-            # ``ratio`` counts elements over the whole owned range: sub-groups stay resident, in group
-            # order, while the resident elements stay within (1 - ratio) of all owned elements.
-            resident_budget = (1.0 - float(offload["ratio"])) * sum(g.owned_numel for g in partition.groups)
+            plan = plan_sub_groups([g.owned_numel for g in partition.groups], int(offload["sub_group_size"]),
+                                   float(offload["ratio"]))
             window = Window(int(offload["buffer_count"]))
-            for g in partition.groups:
-                chunks = [(a, min(a + size, g.owned_numel)) for a in range(0, g.owned_numel, size)]
-                resident = 0
-                while resident < len(chunks) and chunks[resident][1] - chunks[resident][0] <= resident_budget:
-                    resident_budget -= chunks[resident][1] - chunks[resident][0]
-                    resident += 1
+            for g, (chunks, resident) in zip(partition.groups, plan):
                 self.chunked.tiered[id(g)] = TieredStates(offload["tier"], chunks, resident, window, ledger)
         self.virtual: dict[int, VirtualStates] = {}  # id(group) -> its states in swapped host memory
         if virtual_kernels is not None:
