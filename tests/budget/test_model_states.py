@@ -35,13 +35,13 @@ def _tiny_gpt() -> GPT:
     return GPT(gpt_config("tiny"))
 
 
-def _config(stage: int, dtype: str, shared: bool, optimizer: str) -> dict:
+def _config(stage: int, dtype: str, shared: bool, optimizer: str, root: str | None = None) -> dict:
     """``optimizer`` "AdamW+offload": states in files at ratio 0.5 (sub-groups of 100 elements) and,
     at stage 3, the parameter shards too."""
     params = {"lr": 1e-3, "momentum": 0.9} if optimizer == "SGD" else {"lr": 1e-3}
     zero: dict = {"stage": stage, "stage3_param_persistence_threshold": 500}
     if optimizer.endswith("+offload"):
-        optimizer, path = "AdamW", tempfile.mkdtemp(prefix="zeroplus-test-budget-")
+        optimizer, path = "AdamW", tempfile.mkdtemp(prefix="offload-", dir=root)
         zero.update(sub_group_size=100, offload_optimizer={"device": "nvme", "nvme_path": path, "ratio": 0.5})
         if stage == 3:
             zero["offload_param"] = {"device": "nvme", "nvme_path": path}
@@ -55,12 +55,12 @@ CASES = [(stage, dtype, shared, opt) for stage in range(4)
 CASES += [(3, "bf16", False, "AdamW+offload"), (2, "bf16", False, "AdamW+offload")]
 
 
-def _job(model_name: str) -> list:
+def _job(model_name: str, root: str) -> list:
     rank, world = rank_and_world()
     build = {"gpt": _tiny_gpt, "parity": ParityNet}[model_name]
     out = []
     for stage, dtype, shared, opt in CASES:
-        cfg = _config(stage, dtype, shared, opt)
+        cfg = _config(stage, dtype, shared, opt, root)
         predicted = model_state_bytes(build, cfg, world, rank)
         torch.manual_seed(0)
         engine = zeroplus.initialize(build(), cfg)
@@ -77,8 +77,8 @@ def _job(model_name: str) -> list:
 
 
 @pytest.mark.parametrize("model_name", ["gpt", "parity"])
-def test_prediction_equals_the_ledger(model_name):
-    for rank_result in run_distributed(_job, 2, model_name):
+def test_prediction_equals_the_ledger(model_name, tmp_path):
+    for rank_result in run_distributed(_job, 2, model_name, str(tmp_path)):
         for (stage, dtype, shared, opt), (predicted, measured) in zip(CASES, rank_result):
             assert {k: predicted[k] for k in measured} == measured, f"stage {stage} {dtype} shared {shared} {opt}"
             if opt.endswith("+offload"):  # half the states (whole sub-groups) and, at stage 3, every master off
