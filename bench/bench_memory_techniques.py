@@ -16,14 +16,13 @@ directory): on a CPU-only machine host memory is the device's, so only files can
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_zero import measure, print_ratio_table  # noqa: E402
+from bench_zero import measure, print_ratio_table, row_parser  # noqa: E402
 
 ROWS = {
     "baseline": ("zeroplus", {}, False),
@@ -41,14 +40,7 @@ ROWS = {
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", default=",".join(ROWS))
-    p.add_argument("--stage", type=int, default=3)
-    p.add_argument("--model", default="111m")
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=2)
+    p = row_parser(__doc__, ROWS)
     p.add_argument("--swap-dir", default=None)
     args = p.parse_args()
     swap_dir = args.swap_dir or tempfile.mkdtemp(prefix="zeroplus-bench-swap-")

@@ -22,14 +22,13 @@ libaio-dev``; built on first use, a few minutes); ``--rows`` without the deepspe
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_zero import measure, print_ratio_table  # noqa: E402
+from bench_zero import measure, print_ratio_table, row_parser  # noqa: E402
 
 ROWS = {  # name: (framework, offload_optimizer ratio or None, offload_param too, zeroplus block)
     "none": ("zeroplus", None, False, {}),
@@ -56,14 +55,7 @@ def offload_json(ratio: float | None, param: bool, path: str, sub_group_size: in
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", default=",".join(ROWS))
-    p.add_argument("--stage", type=int, default=3)
-    p.add_argument("--model", default="111m")
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=2)
+    p = row_parser(__doc__, ROWS)
     p.add_argument("--sub-group-size", type=int, default=10_000_000)
     p.add_argument("--buffer-count", type=int, default=4)
     p.add_argument("--nvme-path", default=None, help="directory for the offloaded states (default: a temporary one)")

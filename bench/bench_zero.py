@@ -49,6 +49,19 @@ def launch(framework: str, stage: int, args: argparse.Namespace, malloc: bool,
         return results
 
 
+def row_parser(doc: str | None, rows: dict) -> argparse.ArgumentParser:
+    """The arguments every row-table benchmark shares: which rows, stage, model, shape and steps."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default=",".join(rows))
+    p.add_argument("--stage", type=int, default=3)
+    p.add_argument("--model", default="111m")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    return p
+
+
 def measure(name: str, framework: str, stage: int, args: argparse.Namespace,
             extra: list[str] | None = None) -> dict:
     """One row: per-rank peak above start (max over ranks, glibc trimming) and the median step time

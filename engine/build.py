@@ -181,6 +181,9 @@ def _offload_tier(key: str, block: Any, accel: Accelerator, ledger: Ledger, need
     except (ValueError, OSError) as err:
         raise ConfigError(f"config key 'zero_optimization.{key}.nvme_path' ({block.nvme_path!r}) on rank "
                           f"{dist.get_rank() if dist.is_initialized() else 0}: {err}") from None
+    if not tier.saves_memory:
+        log_rank0("%s.device=cpu: host memory is this machine's only memory (no accelerator), so nothing moves; "
+                  "device 'nvme' with an nvme_path keeps it in files", key, level=logging.WARNING)
     return tier
 
 
@@ -196,10 +199,6 @@ def _param_offload(cfg: ZeroplusConfig, model: torch.nn.Module, group_of: dict[i
                           f"at stages 1 and 2 every rank holds all parameters for compute")
     owned = sum(p.numel() for p in model.parameters() if id(p) in group_of) // world + 1
     tier = _offload_tier("offload_param", block, accel, ledger, 4 * owned, cfg.zeroplus.direct_io)
-    if not tier.saves_memory:
-        log_rank0("offload_param.device=cpu: host memory is this machine's only memory (no accelerator), so the "
-                  "parameter shards stay where they are; device 'nvme' with an nvme_path keeps them in files",
-                  level=logging.WARNING)
     log_rank0("parameter shards (fp32 masters) offloaded to %s, read one unit ahead of each gather", block.device)
     return {"tier": tier, "max_writes": block.buffer_count}
 
@@ -241,10 +240,6 @@ def _optimizer_offload(cfg: ZeroplusConfig, accel: Accelerator, ledger: Ledger, 
         raise ConfigError("config key 'zero_optimization.offload_optimizer' needs ZeRO stage 1, 2 or 3 (stage is 0)")
     tier = _offload_tier("offload_optimizer", block, accel, ledger,
                          int(4 * states_per_element(opt) * owned * block.ratio), cfg.zeroplus.direct_io)
-    if not tier.saves_memory:
-        log_rank0("offload_optimizer.device=cpu: host memory is this machine's only memory (no accelerator), so the "
-                  "states stay where they are; device 'nvme' with an nvme_path keeps them in files",
-                  level=logging.WARNING)
     log_rank0("optimizer states offloaded to %s: sub-groups of %d elements, ratio %.2f, window %d",
               block.device, int(zero.sub_group_size), block.ratio, block.buffer_count)
     return {"tier": tier, "sub_group_size": int(zero.sub_group_size), "ratio": block.ratio,

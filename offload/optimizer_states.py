@@ -50,18 +50,17 @@ class Window:
     def __init__(self, size: int) -> None:
         self.size = max(1, size)
         self.order: list[tuple[TieredStates, int]] = []
-        self._position: dict[tuple[int, int], int] = {}
+        self._first: dict[int, int] = {}  # id(states) -> position of its sub-group 0 in ``order``
         self._pending: collections.deque = collections.deque()
 
     def add(self, states: TieredStates) -> None:
-        for k in range(len(states.chunks)):
-            self._position[(id(states), k)] = len(self.order)
-            self.order.append((states, k))
+        self._first[id(states)] = len(self.order)
+        self.order.extend((states, k) for k in range(len(states.chunks)))
 
     def ahead(self, states: TieredStates, k: int, count: int | None = None) -> None:
         """Start reading ``count`` (default ``size - 1``) sub-groups from the one after ``(states, k)``;
         ``k = -1`` starts at the group's first sub-group."""
-        start = self._position[(id(states), 0)] + k + 1
+        start = self._first[id(states)] + k + 1
         for other, j in self.order[start:start + (self.size - 1 if count is None else count)]:
             other.prefetch(j)
 
