@@ -19,6 +19,7 @@ setup(
     extras_require={
         "deepspeed": ["deepspeed==0.19.8"],
         "npu": ["torch_npu"],
+        "plotting": ["matplotlib"],
         "test": ["pytest>=7", "pytest-timeout"],
     },
     entry_points={"console_scripts": ["zeroplus=zeroplus.cli:main"]},

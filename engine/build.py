@@ -8,6 +8,7 @@ ledger); build or adopt the optimizer over the master shards; build the schedule
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from typing import Any, Iterable
@@ -26,7 +27,7 @@ from zeroplus.logs import log_rank0, setup_logging
 from zeroplus.offload import virtual_host
 from zeroplus.offload.disk_space import check_free_space, states_per_element
 from zeroplus.offload.tiers import make_tier
-from zeroplus.optim.build import adopt_client_optimizer, build_optimizer
+from zeroplus.optim.build import adopt_client_optimizer, build_optimizer, would_fuse
 from zeroplus.optim.schedulers import build_scheduler
 from zeroplus.zero import ShardedStep, ZeroPartition
 
@@ -63,7 +64,7 @@ def _param_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
 
 
 def _broadcast_from_first(module: torch.nn.Module, dp: DataParallelGroup) -> None:
-    if dp.size == 1:
+    if dp.size == 1 or not dp.initialized:  # one rank, or the estimator's virtual group
         return
     src = dist.get_global_rank(dp.group, 0) if dp.group is not None else 0
     with torch.no_grad():
@@ -78,6 +79,7 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     accel = get_accelerator()
+    accel.reset_peak_memory_stats()  # the engine's peak is measured from here
     rss_at_start = accel.memory_allocated()
     init_distributed_if_launched()
     cfg, unimplemented = parse_config(config)
@@ -86,8 +88,22 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
         log_rank0("config keys DeepSpeed knows but zeroplus does not implement yet (ignored): %s",
                   ", ".join(unimplemented), level=logging.WARNING)
     dp = DataParallelGroup(process_group)
+    return build_engine(model, cfg, dp, accel, rss_at_start, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                        model_parameters=model_parameters)
+
+
+def build_engine(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, accel: Accelerator, rss_at_start: int, *,
+                 optimizer: torch.optim.Optimizer | None = None, lr_scheduler: Any = None,
+                 model_parameters: Iterable[Any] | None = None, ledger: Ledger | None = None,
+                 simulated: Any = None) -> Engine:
+    """The engine over ``dp`` (a ``DataParallelGroup``, or the estimator's ``VirtualGroup``) on
+    ``accel``'s device, from a parsed config; everything after process-group set-up.
+    ``simulated``: the estimator's memory tracker when this is its meta-device run
+    (``zeroplus/budget/simulate.py``), else None."""
     resolve_batch(cfg, dp.size)
     resolve_auto(cfg, model, optimizer is not None)
+    if simulated is None:
+        cfg = _plan(model, cfg, dp)
     if optimizer is not None and cfg.optimizer is not None:
         raise ConfigError("an optimizer was passed to initialize() and the config has an 'optimizer' block; "
                           "give one or the other")
@@ -97,6 +113,8 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
         raise ConfigError("an lr_scheduler was passed to initialize() and the config has a 'scheduler' block; "
                           "give one or the other")
     _warn_inert_options(cfg)
+    model_bytes = _device_bytes(model, accel)  # already there: they count as the engine's, as in the estimate
+    estimate_source = _estimate_source(model, cfg) if simulated is None else None
 
     dtype = compute_dtype(cfg)
     model.to(accel.device())
@@ -110,7 +128,7 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     if untrained:
         log_rank0("parameters that require grad but are in no optimizer group stay fixed: %s", untrained[:8],
                   level=logging.WARNING)
-    ledger = Ledger()
+    ledger = Ledger() if ledger is None else ledger
     param_offload = _param_offload(cfg, model, group_of, dp.size, accel, ledger)
     try:
         partition = ZeroPartition(model, cfg.zero_optimization, dp, ledger, dtype, group_of,
@@ -130,7 +148,10 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
         assert cfg.optimizer is not None
         opt_groups = [dict({k: v for k, v in g.items() if k != "params"}, params=m) for g, m in zip(groups, masters)]
         opt = build_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params), opt_groups,
-                              cfg.zeroplus.fused_optimizer)
+                              cfg.zeroplus.fused_optimizer and simulated is None)  # meta has no fused kernels
+        if simulated is not None and would_fuse(cfg.optimizer.type, dict(cfg.optimizer.params),
+                                                cfg.zeroplus.fused_optimizer):
+            opt.step = simulated.fused(opt)  # type: ignore[method-assign]
     if cfg.scheduler is not None:
         scheduler = build_scheduler(cfg.scheduler.type, dict(cfg.scheduler.params), opt)
     elif lr_scheduler is not None and callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
@@ -146,8 +167,56 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     log_rank0("%s; compute dtype %s; optimizer %s; micro-batch %s x accumulation %s x dp %d = batch %s",
               partition.describe().splitlines()[0], str(dtype).replace("torch.", ""), type(opt).__name__,
               cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, dp.size, cfg.train_batch_size)
-    return Engine(model, cfg, partition, step, opt, scheduler, LossScaler(cfg.fp16), dp, ledger, accel, rss_at_start,
-                  _activation_techniques(model, cfg, ledger, accel))
+    return Engine(model, cfg, partition, step, opt, scheduler, LossScaler(cfg.fp16), dp, ledger, accel,
+                  rss_at_start - model_bytes, _activation_techniques(model, cfg, ledger, accel), estimate_source)
+
+
+def _plan(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any) -> ZeroplusConfig:
+    """``zeroplus.memory_budget``: rank 0 plans (``zeroplus/budget/planner.py``) and every rank takes
+    its choice, or raises its refusal, before anything is allocated."""
+    from zeroplus.budget.planner import apply_settings, auto_keys, plan
+    from zeroplus.budget.simulate import meta_copy
+    autos = auto_keys(cfg)
+    if not autos and cfg.zeroplus.memory_budget is None:
+        return cfg
+    if autos and cfg.zeroplus.memory_budget is None:
+        raise ConfigError(f"config keys {autos} are 'auto', which the planner resolves within config key "
+                          f"'zeroplus.memory_budget': set it (e.g. '16GB') or give those keys values")
+    outcome: Any = None
+    if dp.rank == 0:
+        try:
+            chosen = plan(meta_copy(model), cfg, world_size=dp.size, log=lambda m: log_rank0("%s", m))
+            outcome = (chosen.settings, chosen.reason)
+        except ConfigError as err:
+            outcome = str(err)
+    outcome = dp.broadcast_object(outcome)
+    if isinstance(outcome, str):
+        raise ConfigError(outcome)
+    settings, reason = outcome
+    log_rank0("planner: %s", reason)
+    return apply_settings(cfg, settings)
+
+
+def _device_bytes(model: torch.nn.Module, accel: Accelerator) -> int:
+    """Bytes of the model's parameters and buffers on the device (each storage once)."""
+    device = accel.device()
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                for t in list(model.parameters()) + list(model.buffers()) if t.device.type == device.type}
+    return sum(storages.values())
+
+
+def _estimate_source(model: torch.nn.Module, cfg: ZeroplusConfig) -> tuple[Any, Any] | None:
+    """``zeroplus.memory_estimate``: a meta-device copy of the model as given and the config, for the
+    engine to predict its memory with at the first forward (``Engine._predict``)."""
+    if not cfg.zeroplus.memory_estimate:
+        return None
+    from zeroplus.budget.simulate import meta_copy
+    try:
+        return meta_copy(model), copy.deepcopy(cfg)
+    except Exception as err:  # a module that cannot be copied: train without the prediction
+        log_rank0("memory estimate unavailable: the model cannot be copied to the meta device (%s: %s)",
+                  type(err).__name__, err, level=logging.WARNING)
+        return None
 
 
 def _warn_inert_options(cfg: ZeroplusConfig) -> None:
@@ -176,7 +245,7 @@ def _offload_tier(key: str, block: Any, accel: Accelerator, ledger: Ledger, need
     try:
         tier = make_tier("file" if block.device == "nvme" else "host", block.nvme_path, accel, ledger,
                          label=key.replace("offload_", ""), direct=direct, create=False)
-        if block.device == "nvme":
+        if block.device == "nvme" and tier.directory is not None:  # (None: the estimator's meta tier)
             check_free_space(tier.directory, needed)
     except (ValueError, OSError) as err:
         raise ConfigError(f"config key 'zero_optimization.{key}.nvme_path' ({block.nvme_path!r}) on rank "

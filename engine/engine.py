@@ -18,6 +18,7 @@ import torch
 
 from zeroplus.accelerator import Accelerator
 from zeroplus.comm import DataParallelGroup
+from zeroplus.budget.estimate import MemoryBudget
 from zeroplus.config import ZeroplusConfig
 from zeroplus.ledger import Ledger
 from zeroplus.activations import SavedTensorRouter
@@ -35,7 +36,11 @@ class Engine:
     def __init__(self, module: torch.nn.Module, config: ZeroplusConfig, partition: ZeroPartition,
                  sharded_step: ShardedStep, optimizer: torch.optim.Optimizer, lr_scheduler: Any,
                  loss_scaler: LossScaler, dp: DataParallelGroup, ledger: Ledger, accelerator: Accelerator,
-                 rss_at_start_bytes: int, activations: SavedTensorRouter | None = None) -> None:
+                 baseline_bytes: int, activations: SavedTensorRouter | None = None,
+                 estimate_source: tuple[torch.nn.Module, ZeroplusConfig] | None = None) -> None:
+        """``baseline_bytes``: the device's memory at ``initialize`` without the model's own bytes
+        (the peak above it is what ``zeroplus.estimate`` predicts); ``estimate_source``: the model
+        on the meta device and the config, to predict the budget at the first forward."""
         self.module = module
         self.config = config
         self.optimizer = optimizer
@@ -46,7 +51,9 @@ class Engine:
         self.accelerator = accelerator
         self._partition = partition
         self._step = sharded_step
-        self._rss_at_start = rss_at_start_bytes
+        self._baseline = baseline_bytes
+        self._estimate_source = estimate_source
+        self.budget: MemoryBudget | None = None
         self._activations = activations if activations is not None else SavedTensorRouter([])
         self._no_sync = False
         self.micro_steps = 0
@@ -90,6 +97,8 @@ class Engine:
 
     # -- forward / backward / step ------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._estimate_source is not None and torch.is_grad_enabled() and self.module.training:
+            self._predict(args, kwargs)
         self._partition.before_forward()
         try:
             with self._activations.forward():
@@ -143,8 +152,9 @@ class Engine:
         self.global_samples += self.train_batch_size()
         if self.global_steps % self.config.steps_per_print == 0:
             if self.dp.rank == 0:
-                logger.info("step %d: lr %s, grad norm %.4g, loss scale %g", self.global_steps, self.get_lr(),
-                            self._step.last_grad_norm or 0.0, self.loss_scaler.scale)
+                logger.info("step %d: lr %s, grad norm %.4g, loss scale %g; %s", self.global_steps, self.get_lr(),
+                            self._step.last_grad_norm or 0.0, self.loss_scaler.scale,
+                            self.memory_report().peak_line())
             if self.config.memory_breakdown:
                 logger.info("step %d\n%s", self.global_steps, self.memory_report())
 
@@ -184,10 +194,28 @@ class Engine:
         self.dp.barrier()
         return path
 
-    # -- memory --------------------------------------------------------------------------------
+    # -- memory ------------------------------------------------------------------------------------
+    def _predict(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """This rank's memory budget for inputs shaped like ``args``/``kwargs`` (``zeroplus.estimate``
+        on the model as given); rank 0 logs it. A model the estimator cannot run is trained anyway."""
+        from zeroplus.budget.estimate import estimate
+        model, cfg = self._estimate_source  # type: ignore[misc]
+        self._estimate_source = None
+        try:
+            self.budget = estimate(model, cfg, world_size=self.dp.size, rank=self.dp.rank, example_inputs=args,
+                                   example_kwargs=kwargs)
+        except Exception as err:  # noqa: BLE001 - the prediction must never stop training
+            logger.warning("memory estimate unavailable (%s: %s); zeroplus.memory_estimate false skips it",
+                           type(err).__name__, err)
+            return
+        if self.dp.rank == 0:
+            logger.info("%s", self.budget)
+
     def memory_report(self) -> MemoryReport:
-        peak = max(0, self.accelerator.max_memory_allocated() - self._rss_at_start)
-        return MemoryReport.from_ledger(self.dp.rank, self.ledger, peak)
+        """The ledger's live and peak bytes per category and the device's peak above the start of
+        ``initialize`` (the model's own bytes included), beside the predicted budget if any."""
+        peak = max(0, self.accelerator.max_memory_allocated() - self._baseline)
+        return MemoryReport.from_ledger(self.dp.rank, self.ledger, peak, self.budget)
 
     def destroy(self) -> None:
         """Wait for in-flight collectives and remove hooks (call before destroying the process group)."""

@@ -30,9 +30,10 @@ def padded(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def aligned_empty(nbytes: int, ledger: Ledger) -> torch.Tensor:
-    """``padded(nbytes)`` bytes (uint8) at an ``ALIGN``-aligned address."""
-    raw = ledger.empty(padded(nbytes) + ALIGN, torch.uint8, Category.OFFLOAD_BUFFER)
+def aligned_empty(nbytes: int, ledger: Ledger, device: str = "cpu") -> torch.Tensor:
+    """``padded(nbytes)`` bytes (uint8) at an ``ALIGN``-aligned address (``device`` "meta": the
+    estimator's stand-in, same size)."""
+    raw = ledger.empty(padded(nbytes) + ALIGN, torch.uint8, Category.OFFLOAD_BUFFER, device)
     start = (-raw.data_ptr()) % ALIGN
     return raw[start:start + padded(nbytes)]
 

@@ -5,11 +5,12 @@
     engine.backward(loss)
     engine.step()
 """
+from .budget.estimate import MemoryBudget, estimate
 from .config import ConfigError
 from .engine.build import initialize
 from .engine.checkpoint_export import load_fp32_state_dict
 from .engine.engine import Engine
 from .memory_report import MemoryReport
 
-__all__ = ["ConfigError", "Engine", "MemoryReport", "initialize", "load_fp32_state_dict"]
+__all__ = ["ConfigError", "Engine", "MemoryBudget", "MemoryReport", "estimate", "initialize", "load_fp32_state_dict"]
 __version__ = "0.1.0"

@@ -1,5 +1,5 @@
 """The ``zeroplus`` command: ``run`` (launch ranks), ``train`` (the main job), ``convert`` (export),
-``estimate`` (model-state bytes per rank before launching)."""
+``estimate`` (each rank's predicted memory before launching)."""
 from __future__ import annotations
 
 import argparse
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_argument("--from-deepspeed", action="store_true",
                          help="CHECKPOINT_DIR is a DeepSpeed ZeRO-1/2/3 checkpoint: write a zeroplus checkpoint to OUT")
     convert.add_argument("--tag", default=None, help="checkpoint tag (default: the one in CHECKPOINT_DIR/latest)")
-    sub.add_parser("estimate", help="model-state bytes per rank for a model, config and world size (no launch)",
+    sub.add_parser("estimate", help="each rank's predicted memory for a model, config and world size (no launch)",
                    add_help=False)
     train.add_argument("-n", "--nproc", type=int, default=2)
     if not argv or argv[0] in ("-h", "--help"):

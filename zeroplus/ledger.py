@@ -46,6 +46,7 @@ class Ledger:
         self._lock = threading.Lock()
         self._bytes = {c: CategoryBytes() for c in Category}
         self._entries: dict[int, tuple[Category, int]] = {}
+        self._storage_of: dict[int, int] = {}  # entry key -> the storage's identity (``_cdata``)
         self.total = CategoryBytes()
         self._next_id = 0
         self._saved: dict[tuple[str, Category], CategoryBytes] = {}
@@ -68,6 +69,7 @@ class Ledger:
             key = self._next_id
         nbytes = storage.nbytes()
         self._add(key, category, nbytes)
+        self._storage_of[key] = storage._cdata
         tensor._zeroplus_ledger_key = key  # type: ignore[attr-defined]
         weakref.finalize(storage, self._remove, key)
         return tensor
@@ -96,6 +98,7 @@ class Ledger:
             raise AssertionError("resized() on a released tensor")
         self._remove(key)
         self._add(key, category, tensor.untyped_storage().nbytes())
+        self._storage_of[key] = tensor.untyped_storage()._cdata
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _add(self, key: int, category: Category, nbytes: int) -> None:
@@ -110,6 +113,7 @@ class Ledger:
     def _remove(self, key: int) -> None:
         with self._lock:
             entry = self._entries.pop(key, None)
+            self._storage_of.pop(key, None)
             if entry is None:
                 return
             category, nbytes = entry
@@ -129,6 +133,11 @@ class Ledger:
     def saved_bytes(self, technique: str, category: Category) -> int:
         b = self._saved.get((technique, Category(category)))
         return 0 if b is None else b.live_bytes
+
+    def storage_keys(self) -> set[int]:
+        """The identities (``_cdata``) of the storages counted now (the estimator's tracker asks)."""
+        with self._lock:
+            return {self._storage_of[k] for k in self._entries if k in self._storage_of}
 
     def live_bytes(self, category: Category | None = None) -> int:
         return self.total.live_bytes if category is None else self._bytes[Category(category)].live_bytes

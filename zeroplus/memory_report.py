@@ -1,10 +1,15 @@
 """What this rank holds, per ledger category, as a table for people and a dict for tools.
 
 Live bytes are what is allocated now; peak bytes the most ever allocated at once since the last
-reset. ``process_peak_above_start_bytes`` is the device's peak (on CPU: the process's peak
-resident memory, VmHWM, above the resident memory when the engine started), which also counts
-what the ledger does not see (activations, temporaries, the runtime). ``saved`` lists, per
-memory technique and category, the bytes it keeps from being held (live and peak).
+reset. ``process_peak_above_start_bytes`` is the device's peak since ``initialize`` (on CPU: the
+process's peak resident memory, VmHWM, above the resident memory when ``initialize`` started
+less the model's own bytes, which count as the engine's), which also counts what the ledger
+does not see (activations, temporaries, the runtime). ``saved`` lists, per memory technique and
+category, the bytes it keeps from being held (live and peak).
+
+``predicted`` is the engine's ``MemoryBudget`` (``zeroplus.estimate`` at the first forward) as a
+dict, when there is one: each ledger category's predicted peak stands beside the measured one,
+and the predicted device peak beside the measured, with the error in percent.
 """
 from __future__ import annotations
 
@@ -18,6 +23,12 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:10.1f}"
 
 
+def _pct(predicted: int, measured: int) -> str:
+    if measured <= 0:
+        return f"{'-':>9}" if predicted == 0 else f"{'new':>9}"
+    return f"{100.0 * (predicted - measured) / measured:+8.1f}%"
+
+
 @dataclasses.dataclass
 class MemoryReport:
     rank: int
@@ -25,23 +36,59 @@ class MemoryReport:
     total: dict[str, int]
     process_peak_above_start_bytes: int
     saved: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    predicted: dict[str, Any] | None = None
 
     @classmethod
-    def from_ledger(cls, rank: int, ledger: Ledger, process_peak_above_start_bytes: int) -> MemoryReport:
+    def from_ledger(cls, rank: int, ledger: Ledger, process_peak_above_start_bytes: int,
+                    budget: Any = None) -> MemoryReport:
         snap = ledger.snapshot()
         total, saved = snap.pop("total"), snap.pop("saved")
-        return cls(rank, snap, total, process_peak_above_start_bytes, saved)
+        return cls(rank, snap, total, process_peak_above_start_bytes, saved,
+                   budget.to_dict() if budget is not None else None)
+
+    @property
+    def predicted_peak_bytes(self) -> int | None:
+        return None if self.predicted is None else int(self.predicted["peak_bytes"])
+
+    @property
+    def peak_error_pct(self) -> float | None:
+        """(predicted - measured) / measured device peak, in percent."""
+        if self.predicted is None or self.process_peak_above_start_bytes <= 0:
+            return None
+        measured = self.process_peak_above_start_bytes
+        return 100.0 * (self.predicted["peak_bytes"] - measured) / measured
+
+    def save_chart(self, path: str) -> str:
+        """A PNG of predicted beside measured peaks per category (``zeroplus[plotting]``)."""
+        from .budget.chart import report_chart
+        return report_chart(self, path)
+
+    def peak_line(self) -> str:
+        line = f"memory peak {self.process_peak_above_start_bytes / 2**30:.3f} GiB"
+        if self.predicted is not None:
+            error = self.peak_error_pct
+            line += (f", predicted {self.predicted['peak_bytes'] / 2**30:.3f} GiB in {self.predicted['peak_phase']}"
+                     + (f" ({error:+.1f}%)" if error is not None else ""))
+        return line
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def __str__(self) -> str:
-        lines = [f"memory on rank {self.rank} (MiB)", f"  {'category':<16}{'live':>10}{'peak':>10}"]
+        peaks = self.predicted["category_peaks"] if self.predicted else None
+        head = f"  {'category':<16}{'live':>10}{'peak':>10}" + (f"{'predicted':>11}{'error':>9}" if peaks else "")
+        lines = [f"memory on rank {self.rank} (MiB)", head]
         for cat in Category:
             b = self.categories[cat.value]
-            lines.append(f"  {cat.value:<16}{_mib(b['live_bytes'])}{_mib(b['peak_bytes'])}")
+            line = f"  {cat.value:<16}{_mib(b['live_bytes'])}{_mib(b['peak_bytes'])}"
+            if peaks:
+                line += f" {_mib(peaks.get(cat.value, 0))}{_pct(peaks.get(cat.value, 0), b['peak_bytes'])}"
+            lines.append(line)
         lines.append(f"  {'total (ledger)':<16}{_mib(self.total['live_bytes'])}{_mib(self.total['peak_bytes'])}")
-        lines.append(f"  {'process peak above start':<26}{_mib(self.process_peak_above_start_bytes)}")
+        lines.append(f"  {'device peak above start':<26}{_mib(self.process_peak_above_start_bytes)}"
+                     + (f" {_mib(self.predicted['peak_bytes'])}"
+                        f"{_pct(self.predicted['peak_bytes'], self.process_peak_above_start_bytes)}"
+                        f"  (predicted in {self.predicted['peak_phase']})" if self.predicted else ""))
         if self.saved:
             lines.append(f"  {'not held, by technique':<30}{'live':>10}{'peak':>10}")
             for key, b in self.saved.items():

@@ -129,7 +129,7 @@ def test_memory_report_for_people_and_tools():
     d = report.to_dict()
     assert d["categories"]["optim_state"]["live_bytes"] > 0 and d["total"]["peak_bytes"] >= d["total"]["live_bytes"]
     text = str(report)
-    assert "optim_state" in text and "process peak above start" in text
+    assert "optim_state" in text and "device peak above start" in text
 
 
 def test_inert_and_unimplemented_options_are_warned_about_once(caplog):

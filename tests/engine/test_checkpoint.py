@@ -31,7 +31,8 @@ def _config(stage: int, dtype: str) -> dict:
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
             "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-2, "warmup_num_steps": 4}},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 100, "stage3_param_persistence_threshold": 0},
-            "zeroplus": {"log_level": "warning", "shared_master_weights": dtype == "bf16-shared",
+            "zeroplus": {"log_level": "warning", "memory_estimate": False,
+                         "shared_master_weights": dtype == "bf16-shared",
                          "master_step_chunk": 64}}
 
 

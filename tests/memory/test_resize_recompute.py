@@ -32,7 +32,8 @@ def _config(stage: int, dtype: str, recompute: bool, micro: int = 2) -> dict:
     return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 2,
             "bf16": {"enabled": dtype == "bf16"}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-            "zeroplus": {"log_level": "warning", "resize_recompute": {"enabled": recompute, "norms": True}}}
+            "zeroplus": {"log_level": "warning", "memory_estimate": False,
+                         "resize_recompute": {"enabled": recompute, "norms": True}}}
 
 
 def _gradients(kind: str, stage: int, dtype: str, recompute: bool) -> dict:

@@ -28,7 +28,8 @@ def _config(stage: int, shared: bool, optimizer: str) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "gradient_clipping": 0.5,
             "bf16": {"enabled": True}, "optimizer": {"type": optimizer, "params": params},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 64, "stage3_param_persistence_threshold": 0},
-            "zeroplus": {"log_level": "warning", "shared_master_weights": shared, "master_step_chunk": 48,
+            "zeroplus": {"log_level": "warning", "memory_estimate": False, "shared_master_weights": shared,
+                         "master_step_chunk": 48,
                          "master_rounding": "like_shared"}}
 
 

@@ -30,7 +30,8 @@ def _config(stage: int, dtype: str, zp: dict, checkpointing: dict | None = None)
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
             "bf16": {"enabled": dtype == "bf16"}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-            "activation_checkpointing": checkpointing or {}, "zeroplus": dict({"log_level": "warning"}, **zp)}
+            "activation_checkpointing": checkpointing or {},
+            "zeroplus": dict({"log_level": "warning", "memory_estimate": False}, **zp)}
 
 
 def _train(model: torch.nn.Module, cfg: dict, swap_dir: str | None = None) -> dict:

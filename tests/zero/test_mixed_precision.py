@@ -32,7 +32,7 @@ def _bf16_run(stages: list[int]) -> list[dict]:
                "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
                "zero_optimization": {"stage": stage, "reduce_bucket_size": 64,
                                      "stage3_param_persistence_threshold": 0},
-               "zeroplus": {"log_level": "warning"}}
+               "zeroplus": {"log_level": "warning", "memory_estimate": False}}
         engine = zeroplus.initialize(ParityNet(), cfg)
         assert all(p.dtype == torch.bfloat16 for p in engine.module.parameters())
         losses = engine_train(engine, make_batches(STEPS * GAS * world, MICRO), STEPS, rank, world, GAS)
@@ -64,7 +64,7 @@ def _fp16_overflow_run(stage: int, loss_scale: float) -> dict:
            "fp16": {"enabled": True, "loss_scale": loss_scale, "initial_scale_power": 8, "hysteresis": 1},
            "optimizer": {"type": "AdamW", "params": {"lr": LR}},
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-           "zeroplus": {"log_level": "warning"}}
+           "zeroplus": {"log_level": "warning", "memory_estimate": False}}
     engine = zeroplus.initialize(ParityNet(), cfg)
     batches = make_batches(4 * world, MICRO)
     scales, skipped, changed = [], [], []

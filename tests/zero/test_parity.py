@@ -34,7 +34,7 @@ def _config(case: dict) -> dict:
                               "overlap_comm": case.get("overlap", True),
                               "stage3_param_persistence_threshold": case.get("persist", 0),
                               "stage3_prefetch_bucket_size": case.get("prefetch", 200)},
-        "zeroplus": {"log_level": "warning"},
+        "zeroplus": {"log_level": "warning", "memory_estimate": False},
     }
 
 

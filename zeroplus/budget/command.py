@@ -1,23 +1,30 @@
-"""``zeroplus estimate``: model-state bytes per rank for a model, a config and a world size.
+"""``zeroplus estimate``: each rank's memory for a model, a config and a world size, before launching.
 
-    zeroplus estimate --model 111m --config configs/zero3_bf16.json --world-size 1024
-    zeroplus estimate --model mypkg.models:build --config ds.json --world-size 64 --json
+    zeroplus estimate --model 111m --config configs/zero3_bf16.json --world-size 1024 --seq-len 2048
+    zeroplus estimate --model mypkg.models:build --config ds.json --world-size 64 --seq-len 512 --json
 
 ``--model`` is a built-in GPT size (``tiny``, ``small``, ``medium``, ``111m``) or
 ``module:factory``, a function of no arguments returning the model; it is called on the meta
-device, so nothing is allocated. Prints ``model_states.py``'s prediction: low-precision
-parameters, stage-3 persistent parameters, fp32 masters and optimizer states. Activations,
-gradient buckets and offload windows are not predicted yet (the memory-budget issue).
+device, so nothing is allocated. With ``--seq-len`` (token ids of ``--micro-batch-size`` x
+``--seq-len``; the config's micro-batch by default) it prints the full budget of
+``estimate.py``: per phase (init, forward, backward, step) and category, the peak and its phase.
+Without it, only the model states (``model_states.py``): activations depend on the input.
+With ``--budget 16GB`` (or a config with ``zeroplus.memory_budget`` and ``"auto"`` keys) it prints
+the planner's choice (``planner.py``), the same one ``initialize`` would make.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import sys
 from typing import Any, Callable
 
+from ..config import ConfigError, parse_config
+from .estimate import estimate
 from .model_states import model_state_bytes
+from .planner import auto_keys, plan
 
 
 def _builder(spec: str) -> Callable[[], Any]:
@@ -39,11 +46,21 @@ def main(argv: list[str]) -> int:
     p.add_argument("--config", required=True, help="DeepSpeed-style JSON config")
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--seq-len", type=int, help="sequence length of one micro-batch (the full budget)")
+    p.add_argument("--micro-batch-size", type=int, help="default: the config's train_micro_batch_size_per_gpu")
+    p.add_argument("--budget", help="bytes per rank ('16GB'): choose the cheapest config that fits (needs --seq-len)")
+    p.add_argument("--chart", help="also write the budget as a PNG here (needs zeroplus[plotting])")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if args.chart is not None and args.seq_len is None:
+        p.error("--chart needs --seq-len")
+    if args.budget is not None and args.seq_len is None:
+        p.error("--budget needs --seq-len: activations are part of the budget")
     try:
+        if args.seq_len is not None:
+            return _full_budget(args)
         predicted = model_state_bytes(_builder(args.model), args.config, args.world_size, args.rank)
-    except ValueError as err:
+    except (ValueError, ConfigError) as err:
         print(f"zeroplus estimate: {err}", file=sys.stderr)
         return 2
     predicted["total_on_device"] = sum(v for k, v in predicted.items() if not k.endswith("_offloaded"))
@@ -53,5 +70,32 @@ def main(argv: list[str]) -> int:
     print(f"model states of rank {args.rank} of {args.world_size} ({args.model}, {args.config}):")
     for key, value in predicted.items():
         print(f"  {key:<22}{value:>16,} B {value / 2**30:>10.3f} GiB")
-    print("activations, gradient buckets and offload windows are not predicted yet")
+    print("give --seq-len for activations, buffers and the predicted peak")
+    return 0
+
+
+def _full_budget(args: argparse.Namespace) -> int:
+    if args.budget is not None or auto_keys(parse_config(args.config)[0]):
+        chosen = plan(_builder(args.model), args.config, world_size=args.world_size, budget=args.budget,
+                      rank=args.rank, micro_batch_size=args.micro_batch_size, seq_len=args.seq_len,
+                      log=None if args.json else print)
+        budget = chosen.budget
+        if args.chart is not None:
+            budget.save_chart(args.chart)
+        if args.json:
+            print(json.dumps({"plan": dataclasses.asdict(chosen.settings), "reason": chosen.reason,
+                              "budget_bytes": chosen.budget_bytes, **budget.to_dict()}))
+            return 0
+        print(f"planner: {chosen.reason}")
+    else:
+        budget = estimate(_builder(args.model), args.config, world_size=args.world_size, rank=args.rank,
+                          micro_batch_size=args.micro_batch_size, seq_len=args.seq_len)
+        if args.json:
+            if args.chart is not None:
+                budget.save_chart(args.chart)
+            print(json.dumps(budget.to_dict()))
+            return 0
+    print(budget.table())
+    if args.chart is not None:
+        print(f"chart: {budget.save_chart(args.chart)}")
     return 0

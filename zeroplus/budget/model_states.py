@@ -18,12 +18,13 @@ do. Gradients, activations, buckets and windows are not model states and are not
 from __future__ import annotations
 
 import collections
+import copy
 from typing import Any, Callable
 
 import torch
 
 from ..comm import Handle
-from ..config import parse_config
+from ..config import ZeroplusConfig, parse_config
 from ..ledger import Category, Ledger
 from ..offload.disk_space import states_per_element
 from ..offload.optimizer_states import plan_sub_groups
@@ -54,9 +55,18 @@ class VirtualGroup:
     def all_reduce(self, tensor: torch.Tensor, op: Any = None, on_done: Callable[[], None] | None = None) -> Handle:
         return Handle(None, on_done)
 
+    def sum_scalar(self, value: torch.Tensor) -> torch.Tensor:
+        return value
 
-def model_state_bytes(build_model: Callable[[], torch.nn.Module], config: dict[str, Any] | str, world_size: int,
-                      rank: int = 0) -> dict[str, int]:
+    def max_flag(self, flag: bool) -> bool:
+        return flag
+
+    def barrier(self) -> None:
+        return None
+
+
+def model_state_bytes(build_model: Callable[[], torch.nn.Module], config: dict[str, Any] | str | ZeroplusConfig,
+                      world_size: int, rank: int = 0) -> dict[str, int]:
     """Bytes per ledger category that ``rank`` of ``world_size`` holds in model states.
 
     ``build_model`` is called under ``torch.device("meta")``, so it must create its parameters on
@@ -64,7 +74,7 @@ def model_state_bytes(build_model: Callable[[], torch.nn.Module], config: dict[s
     """
     from ..engine.build import compute_dtype  # the engine's own rule (imported late: the engine imports us)
 
-    cfg, _ = parse_config(config)
+    cfg = copy.deepcopy(config) if isinstance(config, ZeroplusConfig) else parse_config(config)[0]
     dtype = compute_dtype(cfg)
     with torch.device("meta"):
         model = build_model()

@@ -56,7 +56,9 @@ class OffloadOptimizerConfig(Block):
     nvme_path: str | None = None
     pin_memory: bool = False
     buffer_count: int = Field(4, ge=1)
-    ratio: float = Field(1.0, ge=0.0, le=1.0)
+    ratio: Annotated[float, Field(ge=0.0, le=1.0)] | Auto = Field(
+        1.0, description="Share of the optimizer states offloaded; 'auto': the planner chooses "
+                         "(zeroplus.memory_budget).")
 
 
 class OffloadParamConfig(Block):
@@ -80,7 +82,9 @@ class ZeroConfig(Block):
         "use_multi_rank_bucket_allreduce", "pipeline_loading_checkpoint", "override_module_apply",
         "log_trace_cache_warnings", "use_all_reduce_for_fetch_params", "save_muon_momentum_buffer_in_memory",
     })
-    stage: int = Field(0, ge=0, le=3, description="ZeRO stage: 0 none, 1 optimizer states, 2 +grads, 3 +params.")
+    stage: Annotated[int, Field(ge=0, le=3)] | Auto = Field(
+        0, description="ZeRO stage: 0 none, 1 optimizer states, 2 +grads, 3 +params; 'auto': the planner chooses "
+                       "(zeroplus.memory_budget).")
     overlap_comm: bool | None = Field(None, description="Overlap gradient reduction with backward (default: on).")
     contiguous_gradients: bool = True
     reduce_bucket_size: PositiveInt | Auto = Field(500_000_000, description="Elements per gradient bucket.")
@@ -112,7 +116,7 @@ class ActivationCheckpointingConfig(Block):
 
 
 class ResizeRecomputeConfig(Block):
-    enabled: bool = False
+    enabled: bool | Auto = False
     modules: list[str] | None = Field(None, description="Module class names whose outputs are dropped after "
                                                         "forward and recomputed (default: activation functions).")
     norms: bool = Field(False, description="Also LayerNorm, RMSNorm and GroupNorm.")
@@ -142,7 +146,7 @@ class ZeroplusBlock(Block):
         None, description="Module class names that each become one partition unit (default: repeated blocks).")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     fused_optimizer: bool = Field(True, description="Use torch's fused optimizer kernel where it exists.")
-    shared_master_weights: bool = Field(
+    shared_master_weights: bool | Auto = Field(
         False, description="bf16 only: keep the fp32 master as the bf16 weights plus 16-bit residuals "
                            "(2 bytes per owned parameter less), restored exactly before each step.")
     master_rounding: Literal["nearest_even", "like_shared"] = Field(
@@ -157,6 +161,15 @@ class ZeroplusBlock(Block):
     virtual_optimizer_states: bool = Field(
         False, description="Ascend NPU only: AdamW states in host memory mapped into the device's address space "
                            "(torch_npu.empty_with_swapped_memory), stepped in place, no swap streams.")
+    memory_budget: str | int | None = Field(
+        None, description="Bytes per rank ('16GB', '16GiB' or a number): initialize refuses a config predicted to "
+                          "exceed it, and resolves 'auto' in zero_optimization.stage, offload_optimizer.ratio, "
+                          "shared_master_weights and resize_recompute.enabled to the cheapest choice that fits.")
+    seq_len: PositiveInt | None = Field(
+        None, description="Tokens per sequence the memory budget is planned for (the planner runs before any input).")
+    memory_estimate: bool = Field(
+        True, description="At the first forward, predict this rank's memory per category and phase (the engine run "
+                          "on the meta device, as zeroplus.estimate does) and report it beside what is measured.")
     master_step_chunk: PositiveInt = Field(
         1 << 20, description="Elements per chunk when the optimizer steps a shared (split) master.")
 

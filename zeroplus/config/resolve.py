@@ -20,7 +20,7 @@ from .keys import ConfigError, check_keys
 from .model import ZeroplusConfig
 
 logger = logging.getLogger("zeroplus.config")
-_TYPE_TAG = re.compile(r"^(int|float|bool|str|dict|list|none|literal\[.*\]|function-.*)$")
+_TYPE_TAG = re.compile(r"^(int|float|bool|str|dict|list|none|literal\[.*\]|function-.*|constrained-.*)$")
 
 
 def parse_config(config: dict[str, Any] | str | os.PathLike) -> tuple[ZeroplusConfig, list[str]]:
@@ -43,13 +43,15 @@ def parse_config(config: dict[str, Any] | str | os.PathLike) -> tuple[ZeroplusCo
     try:
         cfg = ZeroplusConfig.model_validate(data)
     except ValidationError as err:
-        lines: list[str] = []
+        problems: dict[tuple[str, str], list[str]] = {}
         for e in err.errors():
-            # Drop union-branch tags such as 'int' or "literal['auto']" from the location.
+            # Drop union-branch tags such as 'int' or "literal['auto']" from the location; one line
+            # per key, its branches' messages joined ("less than or equal to 3 or 'auto'").
             where = ".".join(str(p) for p in e["loc"] if not _TYPE_TAG.match(str(p)))
-            line = f"config key '{where}': {e['msg']} (got {e.get('input')!r})"
-            if line not in lines:
-                lines.append(line)
+            msgs = problems.setdefault((where, repr(e.get("input"))), [])
+            if e["msg"] not in msgs:
+                msgs.append(e["msg"])
+        lines = [f"config key '{where}': {' or '.join(msgs)} (got {got})" for (where, got), msgs in problems.items()]
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
     return cfg, unimplemented
 

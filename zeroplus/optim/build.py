@@ -81,6 +81,12 @@ def build_optimizer(type_name: str, params: dict[str, Any], param_groups: list[d
         raise ValueError(f"optimizer {type_name} with params {params}: {err}") from None
 
 
+def would_fuse(type_name: str, params: dict[str, Any], fused: bool) -> bool:
+    """Whether ``build_optimizer`` asks torch for its fused kernel (CPU and CUDA have one)."""
+    cls = resolve_optimizer_class(type_name, params)
+    return bool(optimizer_kwargs(cls, type_name, params, fused).get("fused"))
+
+
 def adopt_client_optimizer(optimizer: torch.optim.Optimizer, groups_params: list[list[torch.nn.Parameter]]
                            ) -> torch.optim.Optimizer:
     """Point a client optimizer's param groups at the master shards, keeping the object (and any

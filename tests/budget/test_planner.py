@@ -1,0 +1,119 @@
+"""The planner: ``"stage": "auto"`` and friends within ``zeroplus.memory_budget``.
+
+- On 2 real ranks, a budget between the predicted peaks of ZeRO stage 0 and stage 1 (GPT
+  medium, bf16): ``initialize`` picks stage 1 (the cheapest that fits; stage 0 does not), every
+  rank takes the same choice, and three training steps stay within the budget as measured
+  (resident peak above the start of ``initialize``, the model's own bytes included).
+- An impossible budget is refused by ``initialize`` on every rank before the model is touched
+  (still fp32, same storage), naming the smallest budget that fits and its settings; the
+  command line's ``--budget`` gives the same choice and refusal.
+- Byte sizes parse with SI and IEC units; ``"auto"`` without a budget, or a budget without a
+  sequence length, is a config error naming the keys.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import zeroplus
+from tests.dist_helper import rank_and_world, run_distributed
+from zeroplus.budget.planner import Settings, apply_settings, parse_bytes, plan
+from zeroplus.config import ConfigError, parse_config
+from zeroplus.models import GPT, gpt_config
+
+SEQ = 128
+
+
+def _model() -> GPT:
+    return GPT(gpt_config("medium", block_size=SEQ))
+
+
+def _config(budget: str | int | None = None, **zero) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": "auto", **zero},
+            "zeroplus": {"log_level": "warning", "shared_master_weights": "auto",
+                         "resize_recompute": {"enabled": "auto"}, "memory_budget": budget, "seq_len": SEQ}}
+
+
+def _peak(settings: Settings, world: int) -> int:
+    cfg = apply_settings(parse_config(_config())[0], settings)
+    return zeroplus.estimate(_model, cfg, world_size=world, seq_len=SEQ).peak_bytes
+
+
+def _plan_and_train_job() -> dict:
+    rank, world = rank_and_world()
+    stage0, stage1 = _peak(Settings(0, None, False, False), world), _peak(Settings(1, None, False, False), world)
+    budget = (stage0 + stage1) // 2
+    torch.manual_seed(0)
+    engine = zeroplus.initialize(_model(), _config(budget))
+    x = torch.randint(0, 256, (2, SEQ))
+    for _ in range(3):
+        engine.backward(engine(x, x))
+        engine.step()
+    report = engine.memory_report()
+    return {"budget": budget, "stage0": stage0, "stage1": stage1, "stage": engine.zero_optimization_stage(),
+            "shared": engine.config.zeroplus.shared_master_weights,
+            "recompute": engine.config.zeroplus.resize_recompute.enabled,
+            "measured": report.process_peak_above_start_bytes, "predicted": report.predicted_peak_bytes}
+
+
+def test_the_planners_choice_runs_within_the_budget():
+    results = run_distributed(_plan_and_train_job, 2)
+    for r in results:
+        assert r["stage1"] < r["budget"] < r["stage0"]
+        assert (r["stage"], r["shared"], r["recompute"]) == (1, False, False)  # cheapest that fits
+        assert r["predicted"] <= r["budget"]
+        assert r["measured"] <= r["budget"], r
+    assert results[0]["stage"] == results[1]["stage"]
+
+
+def _refused_job() -> tuple[str, bool]:
+    model = _model()
+    before = model.wte.weight.untyped_storage()._cdata
+    try:
+        zeroplus.initialize(model, _config("1MiB"))
+    except ConfigError as err:
+        untouched = model.wte.weight.dtype == torch.float32 and model.wte.weight.untyped_storage()._cdata == before
+        return str(err), untouched
+    return "", False
+
+
+def test_an_impossible_budget_is_refused_before_anything_is_allocated(tmp_path):
+    for message, untouched in run_distributed(_refused_job, 2):
+        assert untouched
+        assert "config key 'zeroplus.memory_budget' is '1MiB' (0.00 GiB)" in message
+        assert "smallest predicted peak is" in message and "ZeRO stage 3" in message and "would fit" in message
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(_config()))
+    cmd = [sys.executable, "-m", "zeroplus.cli", "estimate", "--model", "medium", "--config", str(path),
+           "--world-size", "2", "--seq-len", str(SEQ)]
+    refused = subprocess.run(cmd + ["--budget", "1MiB"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "smallest predicted peak is" in refused.stderr
+    budget = str(_peak(Settings(1, None, False, False), 2) + 2**20)
+    chosen = subprocess.run(cmd + ["--budget", budget, "--json"], capture_output=True, text=True)
+    assert chosen.returncode == 0, chosen.stderr
+    printed = json.loads(chosen.stdout)
+    expected = plan(lambda: GPT(gpt_config("medium")), _config(), world_size=2, budget=budget, seq_len=SEQ)
+    assert printed["plan"] == {"stage": expected.settings.stage, "ratio": expected.settings.ratio,
+                               "shared": expected.settings.shared, "recompute": expected.settings.recompute}
+    assert printed["peak_bytes"] == expected.budget.peak_bytes <= int(budget)
+
+
+def test_sizes_and_config_errors():
+    assert parse_bytes("16GB") == 16 * 10**9 and parse_bytes("1.5GiB") == 3 * 2**29 and parse_bytes(4096) == 4096
+    with pytest.raises(ConfigError, match="'zeroplus.memory_budget' is '16 parsecs'"):
+        parse_bytes("16 parsecs")
+    cfg = _config()
+    with pytest.raises(ConfigError, match=r"'zero_optimization.stage'.*'zeroplus.memory_budget'"):
+        zeroplus.initialize(_model(), cfg)
+    cfg = _config("16GB")
+    del cfg["zeroplus"]["seq_len"]
+    with pytest.raises(ConfigError, match="'zeroplus.seq_len'"):
+        zeroplus.initialize(_model(), cfg)
+    with pytest.raises(ConfigError, match="are 'auto'"):
+        zeroplus.estimate(_model, _config("16GB"), world_size=2, seq_len=SEQ)

@@ -1,0 +1,151 @@
+"""``zeroplus.estimate``: each rank's memory, per category and phase, before anything is launched.
+
+    budget = zeroplus.estimate(model, "ds_config.json", world_size=64, micro_batch_size=4, seq_len=2048)
+    print(budget)              # a table: phases x categories, the peak and where it occurs
+    budget.peak_bytes, budget.peak_phase, budget.to_dict()
+
+The prediction is the engine's own run on the meta device (``simulate.py``): model states from
+the partition code, activations from the model's real forward under the config's recompute,
+swap and checkpointing choices, gradients, buckets and windows from the reducer, scheduler and
+tiers as they will run. It adds ``runtime``, what the process holds beyond tensors while
+training (``RUNTIME_BYTES``, per accelerator), from the moment the process takes it on.
+
+Phases: ``init`` (``initialize``: the model as built, then cast and partitioned; with a model
+built in fp32 that is 4 bytes per parameter on one rank, which ZeRO has not yet divided),
+``forward``, ``backward`` and ``step``; the peak of each is taken over two optimizer steps, so
+the optimizer states created by the first are there in the second.
+
+Memory counted as the device would: on a CPU-only machine, resident memory above the process
+before the model exists; on CUDA and NPU the caching allocator's peak (the runtime's context
+is outside it, so ``runtime`` is 0 there).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+from ..accelerator import get_accelerator
+from ..ledger import Category
+from .model_states import model_state_bytes
+from .simulate import _quiet, default_loss, simulate
+from .tracker import PHASES, cpu_workspace_bytes
+
+# What a training process holds beyond its tensors, per accelerator kind: (from the engine's
+# construction on, from the end of the first backward on). CPU, measured here: GPT-tiny on 2
+# gloo ranks peaks 96 MiB above the process before the model exists, of which 1 MiB tensors
+# (bench/bench_estimate.py); 77 MiB of it is torch importing torch._dynamo when the first
+# optimizer is constructed (torch.optim.Optimizer.__init__ does), the rest comes with the first
+# forward and backward (kernel libraries, autograd's thread). CUDA and NPU: the peak is the
+# caching allocator's, which holds tensors only.
+RUNTIME_BYTES = {"cpu": (77 * 2**20, 95 * 2**20), "cuda": (0, 0), "npu": (0, 0)}
+
+CATEGORIES = ("param", "param_gathered", "grad", "master", "optim_state", "activation", "temporaries",
+              "comm_buffer", "offload_buffer", "runtime")
+
+_LABELS = {"param": "parameters (low precision)", "param_gathered": "parameters gathered (stage 3)",
+           "grad": "gradients", "master": "fp32 master weights", "optim_state": "optimizer states",
+           "activation": "activations saved for backward", "temporaries": "autograd and kernel temporaries",
+           "comm_buffer": "communication buckets", "offload_buffer": "offload windows",
+           "runtime": "runtime overhead"}
+
+
+@dataclasses.dataclass
+class MemoryBudget:
+    """One rank's predicted memory: per phase, the peak and who holds it then."""
+
+    rank: int
+    world_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    stage: int
+    phases: dict[str, dict[str, int]]   # phase -> category -> bytes at that phase's peak
+    model_states: dict[str, int]        # model_states.py: what stays between steps, device and tiers
+    accelerator: str = "cpu"
+    category_peaks: dict[str, int] = dataclasses.field(default_factory=dict)  # each ledger category's own peak
+    saved_for_backward: int = 0  # what one forward leaves for backward outside the engine's buffers
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda p: self.phases[p]["total"])
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.phases[self.peak_phase]["total"]
+
+    def at_peak(self) -> dict[str, int]:
+        """Bytes per category at the moment of the predicted peak."""
+        return {c: self.phases[self.peak_phase].get(c, 0) for c in CATEGORIES}
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["peak_phase"], out["peak_bytes"] = self.peak_phase, self.peak_bytes
+        return out
+
+    def table(self) -> str:
+        phases = list(self.phases)
+        head = f"  {'category (MiB)':<34}" + "".join(f"{p:>10}" for p in phases)
+        lines = [f"predicted memory of rank {self.rank} of {self.world_size} (ZeRO stage {self.stage}, "
+                 f"micro-batch {self.micro_batch_size} x accumulation {self.gradient_accumulation_steps}, "
+                 f"{self.accelerator})", head]
+        for c in CATEGORIES:
+            if any(self.phases[p].get(c, 0) for p in phases):
+                lines.append(f"  {_LABELS[c]:<34}" + "".join(f"{self.phases[p].get(c, 0) / 2**20:10.1f}"
+                                                             for p in phases))
+        lines.append(f"  {'total at the phase peak':<34}" + "".join(f"{self.phases[p]['total'] / 2**20:10.1f}"
+                                                                    for p in phases))
+        lines.append(f"  peak: {self.peak_bytes / 2**30:.3f} GiB in {self.peak_phase}")
+        tiers = {k: v for k, v in self.model_states.items() if k.endswith("_offloaded") and v}
+        for key, value in tiers.items():
+            lines.append(f"  on the offload tier, not in the device: {key} {value / 2**20:.1f} MiB")
+        return "\n".join(lines)
+
+    __str__ = table
+
+    def save_chart(self, path: str) -> str:
+        """A PNG of the predicted bytes per category, stacked per phase (``zeroplus[plotting]``)."""
+        from .chart import budget_chart
+        return budget_chart(self, path)
+
+
+def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dict[str, Any] | str, *,
+             world_size: int, rank: int = 0, micro_batch_size: int | None = None, seq_len: int | None = None,
+             example_inputs: tuple[Any, ...] | None = None, example_kwargs: dict[str, Any] | None = None,
+             loss_fn: Callable[[Any], torch.Tensor] = default_loss, accelerator: str | None = None) -> MemoryBudget:
+    """Predict rank ``rank``'s memory for training ``model`` with ``config`` on ``world_size`` ranks.
+
+    ``model``: a module (copied to the meta device; its own memory is untouched) or a function of
+    no arguments that builds one (called on the meta device). Inputs: ``seq_len`` (token ids of
+    ``micro_batch_size x seq_len``; the built-in GPT also gets them as targets and returns its
+    loss) or ``example_inputs``/``example_kwargs`` (the forward's arguments for one micro-batch;
+    only shapes and dtypes of tensors are used).
+    ``loss_fn`` turns the model's output into the loss (default: the output if scalar, else the
+    sum of its first tensor). ``accelerator``: whose runtime overhead to add (default: this
+    machine's).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    kind = accelerator or get_accelerator().name
+    tracker, cfg = simulate(model, config, world_size, rank, micro_batch_size=micro_batch_size, seq_len=seq_len,
+                            example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
+                            workspace=cpu_workspace_bytes if kind == "cpu" else None,
+                            runtime=RUNTIME_BYTES.get(kind, (0, 0)))
+    phases = {}
+    for phase in PHASES:
+        peak = tracker.peaks[phase]
+        entry = {c: peak.by_category.get(c, 0) for c in CATEGORIES}
+        entry["total"] = peak.total
+        phases[phase] = entry
+    with _quiet():
+        states = model_state_bytes(model if not isinstance(model, torch.nn.Module) else _module_builder(model),
+                                   cfg, world_size, rank)
+    category_peaks = {c.value: tracker.ledger.peak_bytes(c) for c in Category}
+    return MemoryBudget(rank, world_size, int(cfg.train_micro_batch_size_per_gpu),
+                        int(cfg.gradient_accumulation_steps), cfg.zero_optimization.stage, phases, states, kind,
+                        category_peaks, tracker.saved_for_backward)
+
+
+def _module_builder(model: torch.nn.Module) -> Callable[[], torch.nn.Module]:
+    from .simulate import meta_copy
+    return lambda: meta_copy(model)

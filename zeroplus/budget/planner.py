@@ -1,0 +1,222 @@
+"""The planner: the cheapest config that fits a memory budget, chosen from predictions.
+
+Asked for by ``"zeroplus": {"memory_budget": "16GB"}`` with ``"auto"`` in any of
+``zero_optimization.stage``, ``zero_optimization.offload_optimizer.ratio``,
+``zeroplus.shared_master_weights`` and ``zeroplus.resize_recompute.enabled`` (a budget without
+``"auto"`` is a check of the config as written). ``zeroplus.seq_len`` gives the token length the
+activations are predicted for (``initialize`` sees no input yet); ``plan()`` also takes
+``example_inputs``.
+
+1. Candidates: every combination of the ``"auto"`` keys (stages 0-3; ratio none, 0.25, 0.5,
+   0.75, 1 when an offload device is set; shared master weights off/on in bf16; resize
+   recompute off/on).
+2. Each gets a cost before anything is simulated, in seconds per optimizer step on a nominal
+   machine (``BANDWIDTH``): its collectives' bytes per rank (ring all-reduce 2 c P (N-1)/N;
+   reduce-scatter and all-gather c P (N-1)/N each; stages 2-3 reduce every micro-batch, stage 3
+   gathers twice per micro-batch), its offloaded optimizer states read and written once per step
+   over the tier's bandwidth, and shared master weights' split and merge (8 bytes per owned
+   element) over memory bandwidth. Ties go to the candidate with fewer techniques on.
+3. The most frugal candidate (highest stage and offload ratio, every technique on) is simulated
+   first (``estimate.py``): if even it exceeds the budget, nothing fits, and the error names its
+   predicted peak, the smallest budget that would fit, with its settings.
+4. Otherwise candidates are simulated cheapest first; the first whose predicted peak is within
+   the budget is the plan, with the cheaper ones that did not fit named in its reason.
+
+Cost: one simulation per candidate tried (seconds each for a 100M-parameter model), on one
+process; ranks hold the same bytes (shards are equal), so every rank reaches the same plan.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import re
+from typing import Any, Callable
+
+import torch
+
+from ..config import ConfigError, ZeroplusConfig, parse_config
+from .estimate import MemoryBudget, estimate
+
+# Nominal bandwidths (bytes/s) the costs are computed with: only their ratios order candidates.
+BANDWIDTH = {"comm": 10e9, "nvme": 2e9, "cpu": 10e9, "memory": 50e9}
+RATIOS = (0.25, 0.5, 0.75, 1.0)
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: str | int | float, key: str = "zeroplus.memory_budget") -> int:
+    """``16GB`` (10^9), ``16GiB`` (2^30), ``1.5e10`` or a plain number of bytes."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ConfigError(f"config key '{key}' is {value!r}: give bytes as a number or with a unit "
+                          f"(KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '16GB'")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """One candidate: the values the planner chooses."""
+
+    stage: int
+    ratio: float | None      # offloaded share of the optimizer states; None: not offloaded
+    shared: bool
+    recompute: bool
+
+    def describe(self) -> str:
+        parts = [f"ZeRO stage {self.stage}"]
+        if self.ratio is not None:
+            parts.append(f"optimizer states offloaded at ratio {self.ratio:g}")
+        if self.shared:
+            parts.append("shared master weights")
+        if self.recompute:
+            parts.append("resize recompute")
+        return " + ".join(parts)
+
+    @property
+    def techniques(self) -> int:
+        return (self.ratio is not None) + self.shared + self.recompute
+
+
+@dataclasses.dataclass
+class Plan:
+    settings: Settings
+    budget: MemoryBudget
+    budget_bytes: int
+    reason: str
+    tried: list[tuple[Settings, int]]  # (candidate, predicted peak) in the order simulated
+
+    def apply(self, cfg: ZeroplusConfig) -> ZeroplusConfig:
+        return apply_settings(cfg, self.settings)
+
+
+def auto_keys(cfg: ZeroplusConfig) -> list[str]:
+    """The keys left to the planner."""
+    zero, zp = cfg.zero_optimization, cfg.zeroplus
+    keys = []
+    if zero.stage == "auto":
+        keys.append("zero_optimization.stage")
+    if zero.offload_optimizer is not None and zero.offload_optimizer.ratio == "auto":
+        keys.append("zero_optimization.offload_optimizer.ratio")
+    if zp.shared_master_weights == "auto":
+        keys.append("zeroplus.shared_master_weights")
+    if zp.resize_recompute.enabled == "auto":
+        keys.append("zeroplus.resize_recompute.enabled")
+    return keys
+
+
+def _candidates(cfg: ZeroplusConfig) -> list[Settings]:
+    zero, zp = cfg.zero_optimization, cfg.zeroplus
+    stages = [0, 1, 2, 3] if zero.stage == "auto" else [int(zero.stage)]
+    block = zero.offload_optimizer
+    offloaded = block is not None and block.device != "none"
+    if not offloaded:
+        ratios: list[float | None] = [None]
+    elif block.ratio == "auto":
+        ratios = [None, *RATIOS]
+    else:
+        ratios = [float(block.ratio)]
+    bf16 = cfg.bf16.enabled is True
+    shared = ([False, True] if bf16 else [False]) if zp.shared_master_weights == "auto" else [
+        bool(zp.shared_master_weights)]
+    recompute = [False, True] if zp.resize_recompute.enabled == "auto" else [bool(zp.resize_recompute.enabled)]
+    out = []
+    for stage, ratio, sh, rc in itertools.product(stages, ratios, shared, recompute):
+        if ratio is not None and stage == 0:
+            continue  # offload needs a partitioned optimizer
+        out.append(Settings(stage, ratio, sh, rc))
+    return out
+
+
+def apply_settings(cfg: ZeroplusConfig, s: Settings) -> ZeroplusConfig:
+    out = copy.deepcopy(cfg)
+    out.zero_optimization.stage = s.stage
+    block = out.zero_optimization.offload_optimizer
+    if block is not None:
+        if s.ratio is None:
+            block.device = "none"
+            block.ratio = 1.0
+        else:
+            block.ratio = s.ratio
+    out.zeroplus.shared_master_weights = s.shared
+    out.zeroplus.resize_recompute.enabled = s.recompute
+    return out
+
+
+def cost(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int) -> float:
+    """Seconds per optimizer step spent moving bytes, on the nominal machine of ``BANDWIDTH``."""
+    c = 2 if (cfg.bf16.enabled is True or cfg.fp16.enabled is True) else 4
+    ga = int(cfg.gradient_accumulation_steps or 1)
+    ring = (world_size - 1) / world_size
+    moved = {0: 2 * c * params, 1: 2 * c * params, 2: (ga + 1) * c * params, 3: 3 * ga * c * params}[s.stage]
+    seconds = ring * moved / BANDWIDTH["comm"]
+    owned = params / (world_size if s.stage > 0 else 1)
+    if s.ratio is not None:
+        block = cfg.zero_optimization.offload_optimizer
+        seconds += 2 * s.ratio * owned * 8 / BANDWIDTH[block.device]  # AdamW's two states, read and written
+    if s.shared:
+        seconds += 8 * owned / BANDWIDTH["memory"]
+    return seconds
+
+
+def plan(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dict[str, Any] | str | ZeroplusConfig, *,
+         world_size: int, budget: str | int | None = None, rank: int = 0, micro_batch_size: int | None = None,
+         seq_len: int | None = None, example_inputs: tuple[Any, ...] | None = None,
+         log: Callable[[str], None] | None = None) -> Plan:
+    """The cheapest candidate whose predicted peak fits ``budget`` (default: the config's
+    ``zeroplus.memory_budget``); ``ConfigError`` naming the smallest budget that fits if none does."""
+    cfg = copy.deepcopy(config) if isinstance(config, ZeroplusConfig) else parse_config(config)[0]
+    raw = budget if budget is not None else cfg.zeroplus.memory_budget
+    if raw is None:
+        raise ConfigError("planning needs a memory budget: config key 'zeroplus.memory_budget' (e.g. '16GB')")
+    limit = parse_bytes(raw)
+    if seq_len is None and example_inputs is None:
+        seq_len = cfg.zeroplus.seq_len
+        if seq_len is None:
+            raise ConfigError("planning to config key 'zeroplus.memory_budget' needs the input's length: set "
+                              "'zeroplus.seq_len' (activations are predicted for micro-batches of that many tokens)")
+    params = _count_params(model)
+    ordered = sorted(_candidates(cfg), key=lambda s: (cost(cfg, s, params, world_size), s.techniques))
+
+    def predict(s: Settings) -> MemoryBudget:
+        return estimate(model, apply_settings(cfg, s), world_size=world_size, rank=rank,
+                        micro_batch_size=micro_batch_size, seq_len=seq_len, example_inputs=example_inputs)
+
+    frugal = max(ordered, key=lambda s: (s.stage, s.ratio or 0.0, s.recompute, s.shared))
+    least = predict(frugal)
+    if log is not None:
+        log(f"planner: the most frugal choice, {frugal.describe()}: predicted peak {_gib(least.peak_bytes)}")
+    if least.peak_bytes > limit:
+        raise ConfigError(f"config key 'zeroplus.memory_budget' is {raw!r} ({_gib(limit)}), and no choice fits it on "
+                          f"{world_size} ranks: the smallest predicted peak is {_gib(least.peak_bytes)} (in "
+                          f"{least.peak_phase}) with "
+                          f"{frugal.describe()}; a budget of at least {_gib(least.peak_bytes)} would fit with that "
+                          f"config")
+    tried: list[tuple[Settings, int]] = []
+    for s in ordered:
+        predicted = least if s == frugal else predict(s)
+        tried.append((s, predicted.peak_bytes))
+        if log is not None:
+            log(f"planner: {s.describe()}: predicted peak {_gib(predicted.peak_bytes)} in {predicted.peak_phase}")
+        if predicted.peak_bytes <= limit:
+            misses = "; ".join(f"{t.describe()} needs {_gib(p)}" for t, p in tried[:-1])
+            reason = (f"{s.describe()} fits the budget of {_gib(limit)} with a predicted peak of "
+                      f"{_gib(predicted.peak_bytes)} in {predicted.peak_phase}; of {len(ordered)} choices it is the "
+                      f"one that fits and moves the fewest bytes per step"
+                      + (f" (cheaper ones do not fit: {misses})" if misses else ""))
+            return Plan(s, predicted, limit, reason, tried)
+    raise AssertionError("the most frugal choice fitted, so some choice must")
+
+
+def _count_params(model: torch.nn.Module | Callable[[], torch.nn.Module]) -> int:
+    if not isinstance(model, torch.nn.Module):
+        with torch.device("meta"):
+            model = model()
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"

@@ -1,0 +1,221 @@
+"""One rank's training, simulated on the meta device: the engine's own code, no memory, no values.
+
+The estimator builds the real engine (``engine.build.build_engine``: the same partition, hooks,
+gradient reducer, stage-3 scheduler, saved-tensor router and sharded step) over a
+``VirtualGroup`` of ``world_size`` ranks seen from ``rank`` and a ``MetaAccelerator`` whose
+device is ``meta``, then runs ``steps`` optimizer steps of ``gradient_accumulation_steps``
+micro-batches each (forward, backward, step) on meta inputs of the given shape, under a
+``MemoryTracker`` (``tracker.py``) that sees every storage the engine, autograd and the model
+create. Each phase's peak and who held it then is the prediction: no formula for activations,
+gradient buckets or windows, only the code that will run.
+
+What the meta device cannot show, said where it is handled:
+- collectives move nothing (``VirtualGroup``): their buffers are still allocated by the engine;
+- fused optimizer kernels have no meta implementation: the unfused kernel runs and its
+  temporaries are not counted (``MemoryTracker.no_temporaries``), the states it creates are;
+- lower memory tiers (files, pinned host) store meta tensors in a ``MetaTier`` that keeps
+  nothing but answers like the real tier; the bytes on the tier are reported apart by
+  ``model_states.py``;
+- the gradient norm is 0 (no clipping, no overflow): memory does not depend on it.
+
+Cost: parameters and activations take no memory; time is one step of Python and dispatch
+(seconds for a 12-layer GPT) at any world size.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from ..accelerator import Accelerator
+from .. import checkpointing
+from ..offload import meta_tier
+from ..config import ConfigError, ZeroplusConfig, parse_config
+from ..ledger import Ledger
+from .model_states import VirtualGroup
+from .tracker import MemoryTracker
+
+
+class MetaAccelerator(Accelerator):
+    """The CPU accelerator's behaviour (no streams, host is device) on the meta device."""
+
+    name = "meta"
+
+    def device(self, index: int | None = None) -> torch.device:
+        return torch.device("meta")
+
+    def max_memory_allocated(self) -> int:
+        return 0
+
+    def memory_allocated(self) -> int:
+        return 0
+
+
+def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` whose parameters and buffers are on the meta device (the original is
+    untouched and nothing is copied but the module objects)."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """The engine logs its set-up; a simulation of it should not."""
+    log = logging.getLogger("zeroplus")
+    previous = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(previous)
+
+
+class CpuAttention(TorchFunctionMode):
+    """``scaled_dot_product_attention`` on meta tensors takes the kernel CPU would take.
+
+    The meta device has no attention backend of its own and falls back to the math path (an
+    attention matrix per head, in fp32); CPU picks its fused flash kernel for most inputs, which
+    saves only the output and a log-sum-exp. The choice is asked of torch with a one-element
+    CPU stand-in of the same dtype and options, and the flash kernel is called on meta when CPU
+    would call it."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and args and args[0].device.type == "meta":
+            q, k, v = args[:3]
+            options = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), args[3:]), **kwargs)
+            if self._flash(q, options):
+                out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    q, k, v, options.get("dropout_p", 0.0), options.get("is_causal", False),
+                    attn_mask=options.get("attn_mask"), scale=options.get("scale"))
+                return out
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _flash(q: torch.Tensor, options: dict[str, Any]) -> bool:
+        if options.get("enable_gqa") or q.dim() != 4:
+            return False
+        stand_in = torch.zeros((1,) * q.dim(), dtype=q.dtype)
+        mask = options.get("attn_mask")
+        mask = None if mask is None else torch.zeros((1,) * mask.dim(), dtype=mask.dtype)
+        choice = torch._fused_sdp_choice(stand_in, stand_in, stand_in, mask, options.get("dropout_p", 0.0),
+                                         options.get("is_causal", False), scale=options.get("scale"))
+        return choice == 1  # SDPBackend.FLASH_ATTENTION
+
+
+@contextlib.contextmanager
+def _own_checkpointing_settings() -> Iterator[None]:
+    """``build_engine`` configures ``zeroplus.checkpointing`` (module settings); the simulated
+    engine's must not replace those of a real engine in the same process."""
+    saved = copy.copy(checkpointing._settings)
+    try:
+        yield
+    finally:
+        checkpointing._settings = saved
+
+
+def default_loss(out: Any) -> torch.Tensor:
+    """The model's output if it is a scalar, else the sum of its first tensor (a stand-in loss)."""
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    if isinstance(out, dict):
+        out = next(iter(out.values()))
+    return out if out.numel() == 1 else out.float().sum()
+
+
+def _meta(value: Any, memo: dict[int, torch.Tensor] | None = None) -> Any:
+    """``value`` with every tensor replaced by a meta tensor of its shape and dtype (a tensor
+    passed twice stays one tensor)."""
+    memo = {} if memo is None else memo
+    if isinstance(value, torch.Tensor):
+        if id(value) not in memo:
+            memo[id(value)] = torch.empty_like(value, device="meta")
+        return memo[id(value)]
+    if isinstance(value, (tuple, list)):
+        return type(value)(_meta(v, memo) for v in value)
+    if isinstance(value, dict):
+        return {k: _meta(v, memo) for k, v in value.items()}
+    return value
+
+
+def token_inputs(model: torch.nn.Module, micro_batch_size: int, seq_len: int) -> tuple[Any, ...]:
+    """Inputs for a language model: token ids ``(batch, seq)``, and targets too when the model's
+    forward takes them (the built-in GPT returns its loss then)."""
+    tokens = torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device="meta")
+    import inspect
+    params = list(inspect.signature(model.forward).parameters)
+    return (tokens, tokens) if len(params) >= 2 and params[1] in ("targets", "labels") else (tokens,)
+
+
+def simulate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dict[str, Any] | str,
+             world_size: int, rank: int = 0, *, micro_batch_size: int | None = None, seq_len: int | None = None,
+             example_inputs: tuple[Any, ...] | None = None, example_kwargs: dict[str, Any] | None = None,
+             loss_fn: Callable[[Any], torch.Tensor] = default_loss, steps: int = 2,
+             workspace: Callable[[Any, Any], int] | None = None,
+             runtime: tuple[int, int] = (0, 0)) -> tuple[MemoryTracker, Any]:
+    """Run ``steps`` optimizer steps of rank ``rank`` of ``world_size`` on the meta device;
+    return the tracker (peaks per phase) and the parsed config as resolved.
+
+    ``model``: a module (copied to the meta device) or a function building one (called on the
+    meta device). Inputs: ``example_inputs`` (any tensors; only shapes and dtypes matter), or
+    ``seq_len`` for token ids of ``micro_batch_size x seq_len``. ``workspace``: the CPU's kernel
+    workspaces (``tracker.cpu_workspace_bytes``) when predicting for CPU, whose attention kernel
+    choice is then followed too (``CpuAttention``); None for accelerators. ``runtime``: bytes the
+    process holds beyond tensors from the engine's construction on (torch imports its compiler
+    stack when the first optimizer is built), and from the end of the first backward on.
+    """
+    from ..engine.build import build_engine  # the engine imports the budget package
+
+    cfg = copy.deepcopy(config) if isinstance(config, ZeroplusConfig) else parse_config(config)[0]
+    from .planner import auto_keys
+    if auto_keys(cfg):
+        raise ConfigError(f"config keys {auto_keys(cfg)} are 'auto': zeroplus.budget.planner.plan() resolves them "
+                          f"within a memory budget; estimate() predicts one config")
+    if micro_batch_size is not None:
+        cfg.train_micro_batch_size_per_gpu = micro_batch_size
+        cfg.train_batch_size = None
+    ledger = Ledger()
+    tracker = MemoryTracker(ledger, workspace)
+    attention = CpuAttention() if workspace is not None else contextlib.nullcontext()
+    memo: dict[int, torch.Tensor] = {}
+    kwargs = _meta(dict(example_kwargs or {}), memo)
+    with _quiet(), _own_checkpointing_settings(), tracker, attention:
+        if isinstance(model, torch.nn.Module):
+            meta_model = meta_copy(model)
+        else:
+            with torch.device("meta"):
+                meta_model = model()
+        tracker.enter("init")
+        engine = build_engine(meta_model, cfg, VirtualGroup(rank, world_size), MetaAccelerator(), 0,
+                              ledger=ledger, simulated=tracker)
+        tracker.runtime = runtime[0]
+        mbs = int(engine.train_micro_batch_size_per_gpu())
+        if example_inputs is not None or kwargs:
+            inputs = _meta(tuple(example_inputs or ()), memo)
+        elif seq_len is not None:
+            inputs = token_inputs(meta_model, mbs, seq_len)
+        else:
+            raise ValueError("give seq_len or example_inputs: activations depend on the input shape")
+        for _ in range(steps):
+            for _ in range(engine.gradient_accumulation_steps()):
+                tracker.enter("forward")
+                loss = loss_fn(engine(*inputs, **kwargs))
+                tracker.end_forward()
+                tracker.enter("backward")
+                engine.backward(loss)
+                del loss
+                tracker.runtime = runtime[1]
+                tracker.enter("step")
+                engine.step()
+                meta_tier.writes_landed()
+        engine.destroy()
+    return tracker, engine.config
