@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import logging
 from typing import Any, Callable, Iterator
 
@@ -34,9 +35,9 @@ from torch.overrides import TorchFunctionMode
 
 from ..accelerator import Accelerator
 from .. import checkpointing
-from ..offload import meta_tier
 from ..config import ConfigError, ZeroplusConfig, parse_config
 from ..ledger import Ledger
+from ..offload import meta_tier
 from .model_states import VirtualGroup
 from .tracker import MemoryTracker
 
@@ -151,7 +152,6 @@ def token_inputs(model: torch.nn.Module, micro_batch_size: int, seq_len: int) ->
     """Inputs for a language model: token ids ``(batch, seq)``, and targets too when the model's
     forward takes them (the built-in GPT returns its loss then)."""
     tokens = torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device="meta")
-    import inspect
     params = list(inspect.signature(model.forward).parameters)
     return (tokens, tokens) if len(params) >= 2 and params[1] in ("targets", "labels") else (tokens,)
 
@@ -180,6 +180,8 @@ def simulate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     if auto_keys(cfg):
         raise ConfigError(f"config keys {auto_keys(cfg)} are 'auto': zeroplus.budget.planner.plan() resolves them "
                           f"within a memory budget; estimate() predicts one config")
+    if seq_len is None and example_inputs is None and not example_kwargs:
+        raise ValueError("give seq_len or example_inputs: activations depend on the input shape")
     if micro_batch_size is not None:
         cfg.train_micro_batch_size_per_gpu = micro_batch_size
         cfg.train_batch_size = None
@@ -201,10 +203,8 @@ def simulate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
         mbs = int(engine.train_micro_batch_size_per_gpu())
         if example_inputs is not None or kwargs:
             inputs = _meta(tuple(example_inputs or ()), memo)
-        elif seq_len is not None:
-            inputs = token_inputs(meta_model, mbs, seq_len)
         else:
-            raise ValueError("give seq_len or example_inputs: activations depend on the input shape")
+            inputs = token_inputs(meta_model, mbs, seq_len)
         for _ in range(steps):
             for _ in range(engine.gradient_accumulation_steps()):
                 tracker.enter("forward")
