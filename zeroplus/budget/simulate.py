@@ -169,7 +169,8 @@ def simulate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     meta device). Inputs: ``example_inputs`` (any tensors; only shapes and dtypes matter), or
     ``seq_len`` for token ids of ``micro_batch_size x seq_len``. ``workspace``: the CPU's kernel
     workspaces (``tracker.cpu_workspace_bytes``) when predicting for CPU, whose attention kernel
-    choice is then followed too (``CpuAttention``); None for accelerators. ``runtime``: bytes the
+    choice is then followed too (``CpuAttention``), and so are gloo's collective temporaries
+    (``VirtualGroup``); None for accelerators. ``runtime``: bytes the
     process holds beyond tensors from the engine's construction on (torch imports its compiler
     stack when the first optimizer is built), and from the end of the first backward on.
     """
@@ -197,7 +198,8 @@ def simulate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
             with torch.device("meta"):
                 meta_model = model()
         tracker.enter("init")
-        engine = build_engine(meta_model, cfg, VirtualGroup(rank, world_size), MetaAccelerator(), 0,
+        group = VirtualGroup(rank, world_size, gloo_buffers=workspace is not None)  # CPU: gloo's temporaries
+        engine = build_engine(meta_model, cfg, group, MetaAccelerator(), 0,
                               ledger=ledger, simulated=tracker)
         tracker.runtime = runtime[0]
         mbs = int(engine.train_micro_batch_size_per_gpu())
