@@ -180,6 +180,9 @@ def plan(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dict[st
                               "'zeroplus.seq_len' (activations are predicted for micro-batches of that many tokens)")
     params = _count_params(model)
     ordered = sorted(_candidates(cfg), key=lambda s: (cost(cfg, s, params, world_size), s.techniques))
+    if not ordered:
+        raise ConfigError("config key 'zero_optimization.offload_optimizer' needs ZeRO stage 1, 2 or 3 (stage is 0), "
+                          "so no choice is left to plan")
 
     def predict(s: Settings) -> MemoryBudget:
         return estimate(model, apply_settings(cfg, s), world_size=world_size, rank=rank,
