@@ -75,27 +75,25 @@ def main(argv: list[str]) -> int:
 
 
 def _full_budget(args: argparse.Namespace) -> int:
+    chosen = None
     if args.budget is not None or auto_keys(parse_config(args.config)[0]):
         chosen = plan(_builder(args.model), args.config, world_size=args.world_size, budget=args.budget,
                       rank=args.rank, micro_batch_size=args.micro_batch_size, seq_len=args.seq_len,
                       log=None if args.json else print)
         budget = chosen.budget
-        if args.chart is not None:
-            budget.save_chart(args.chart)
-        if args.json:
-            print(json.dumps({"plan": dataclasses.asdict(chosen.settings), "reason": chosen.reason,
-                              "budget_bytes": chosen.budget_bytes, **budget.to_dict()}))
-            return 0
-        print(f"planner: {chosen.reason}")
     else:
         budget = estimate(_builder(args.model), args.config, world_size=args.world_size, rank=args.rank,
                           micro_batch_size=args.micro_batch_size, seq_len=args.seq_len)
-        if args.json:
-            if args.chart is not None:
-                budget.save_chart(args.chart)
-            print(json.dumps(budget.to_dict()))
-            return 0
+    if args.chart is not None:
+        budget.save_chart(args.chart)
+    if args.json:
+        head = {} if chosen is None else {"plan": dataclasses.asdict(chosen.settings), "reason": chosen.reason,
+                                          "budget_bytes": chosen.budget_bytes}
+        print(json.dumps({**head, **budget.to_dict()}))
+        return 0
+    if chosen is not None:
+        print(f"planner: {chosen.reason}")
     print(budget.table())
     if args.chart is not None:
-        print(f"chart: {budget.save_chart(args.chart)}")
+        print(f"chart: {args.chart}")
     return 0

@@ -12,7 +12,7 @@ gradient buckets or windows, only the code that will run.
 What the meta device cannot show, said where it is handled:
 - collectives move nothing (``VirtualGroup``): their buffers are still allocated by the engine;
 - fused optimizer kernels have no meta implementation: the unfused kernel runs and its
-  temporaries are not counted (``MemoryTracker.no_temporaries``), the states it creates are;
+  temporaries are not counted (``MemoryTracker.fused``), the states it creates are;
 - lower memory tiers (files, pinned host) store meta tensors in a ``MetaTier`` that keeps
   nothing but answers like the real tier; the bytes on the tier are reported apart by
   ``model_states.py``;

@@ -24,11 +24,10 @@ operation and O(live storages) once per forward.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -141,9 +140,6 @@ class MemoryTracker(TorchDispatchMode):
         self.observe(self.workspace(func, out) if self.workspace is not None else 0)
         return out
 
-    def live_bytes(self) -> int:
-        return self.live
-
     def observe(self, workspace: int = 0) -> None:
         """Compare what is alive now (plus a kernel's ``workspace``) with this phase's peak."""
         if self._paused:
@@ -182,20 +178,10 @@ class MemoryTracker(TorchDispatchMode):
             by["temporaries"] = self._forward_outside - activations
             self._forward_outside = 0
 
-    @contextlib.contextmanager
-    def no_temporaries(self) -> Iterator[None]:
-        """Stand in for a fused kernel that the meta device lacks: the unfused kernel's
-        temporaries are not counted, what it leaves behind (lazily created states) is."""
-        self._paused += 1
-        try:
-            yield
-        finally:
-            self._paused -= 1
-            self.observe()
-
     def fused(self, optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
-        """``optimizer.step`` with its temporaries uncounted (see ``no_temporaries``); the states it
-        creates are labelled ``optim_state`` at the step's end, before the engine registers them."""
+        """``optimizer.step`` with its temporaries uncounted (it stands in for a fused kernel the meta
+        device lacks); the states it creates are labelled ``optim_state`` at the step's end, before
+        the engine registers them."""
         step = optimizer.step
 
         @functools.wraps(step)
