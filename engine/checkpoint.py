@@ -11,8 +11,11 @@ parameters (name, shape, offset), which rank saved which range, and each file's 
 Loading needs only the metadata to know which files hold a rank's new owned range, and matches
 parameters by name, so a checkpoint loads at any data-parallel size, ZeRO stage, unit choice or
 param-group split (elastic by construction). Memory while
-saving: one copy of this rank's nominal range of masters and states (in the file's serialised
-bytes); while loading: the files that overlap this rank's range (kept until the load ends).
+saving: nothing more where a rank's nominal range is a whole buffer it holds (stages 1-3; the file
+streams from the tensors themselves), a copy of the nominal range where it is a slice of a larger
+buffer (stage 0; fp32 parameters at stages 1-2, whose master is a range of the full flat buffer)
+or the master is stored split (shared bf16/fp32 masters merge into fp32);
+while loading: the files that overlap this rank's range (kept until the load ends).
 """
 from __future__ import annotations
 
@@ -59,7 +62,16 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _rank_state(engine: Engine, client_state: dict[str, Any] | None) -> dict[str, Any]:
+def _for_file(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its storage is (nearly) all its own, else a copy: torch.save writes a view's whole
+    storage. "Nearly": up to 1/16 more, which covers the alignment padding at the end of the last rank's
+    shard (loading reads only the saved range), while a stage-0 rank's half of a flat buffer is copied."""
+    own = t.numel() * t.element_size()
+    return t if t.untyped_storage().nbytes() - own <= own // 16 else t.clone()
+
+
+def rank_state(engine: Engine, client_state: dict[str, Any] | None) -> dict[str, Any]:
+    """What this rank's file holds (the memory estimate runs it on the meta device for the save phase)."""
     part, opt, rank = engine._partition, engine.optimizer, engine.dp.rank
     groups: dict[str, Any] = {}
     for g in part.groups:
@@ -68,10 +80,10 @@ def _rank_state(engine: Engine, client_state: dict[str, Any] | None) -> dict[str
         sliced, whole = {}, {}
         for key, value in engine._step.state_of(g).items():
             if isinstance(value, torch.Tensor) and value.numel() == g.owned_numel and value.numel() > 1:
-                sliced[key] = value[a:b].clone()
+                sliced[key] = _for_file(value[a:b])
             else:
                 whole[key] = value
-        groups[g.name] = {"lo": lo, "hi": hi, "master": g.master_store.read(a, b).clone(), "sliced": sliced,
+        groups[g.name] = {"lo": lo, "hi": hi, "master": _for_file(g.master_store.read(a, b)), "sliced": sliced,
                           "whole": whole}
     extra = {}
     if rank == 0:
@@ -121,7 +133,7 @@ def save_checkpoint(engine: Engine, save_dir: str, tag: str | None = None,
         os.makedirs(save_dir, exist_ok=True)
         tmp_dir = tempfile.mkdtemp(prefix=f".{tag}.tmp-", dir=save_dir)
     tmp_dir = dp.broadcast_object(tmp_dir)
-    digest = io.save_rank_state(tmp_dir, dp.rank, _rank_state(engine, client_state))
+    digest = io.save_rank_state(tmp_dir, dp.rank, rank_state(engine, client_state))
     io.fault_point(f"after_rank_file_{dp.rank}")
     digests = dp.all_gather_objects(digest)
     final_dir = os.path.join(save_dir, tag)

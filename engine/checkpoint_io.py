@@ -16,7 +16,7 @@ import io
 import json
 import os
 import shutil
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -50,13 +50,28 @@ def write_bytes_durably(path: str, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+class _HashingFile:
+    """A write-only file that hashes what passes through it (torch.save streams into it)."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f, self.sha256 = f, hashlib.sha256()
+
+    def write(self, data: bytes) -> int:
+        self.sha256.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def save_rank_state(directory: str, rank: int, state: dict[str, Any]) -> str:
-    """Write one rank's state; return its SHA-256."""
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    data = buf.getvalue()
-    write_bytes_durably(os.path.join(directory, rank_file(rank)), data)
-    return hashlib.sha256(data).hexdigest()
+    """Write one rank's state durably, streamed (no in-memory copy of the file); return its SHA-256."""
+    with open(os.path.join(directory, rank_file(rank)), "wb") as f:
+        out = _HashingFile(f)
+        torch.save(state, out)
+        f.flush()
+        os.fsync(f.fileno())
+    return out.sha256.hexdigest()
 
 
 def load_rank_state(directory: str, rank: int, expected_sha256: str) -> dict[str, Any]:

@@ -54,6 +54,7 @@ class Engine:
         self._baseline = baseline_bytes
         self._estimate_source = estimate_source
         self.budget: MemoryBudget | None = None
+        self._checkpoint_saved = False  # the report compares with the predicted peak that includes a save
         self._activations = activations if activations is not None else SavedTensorRouter([])
         self._no_sync = False
         self.micro_steps = 0
@@ -162,6 +163,7 @@ class Engine:
     def save_checkpoint(self, save_dir: str, tag: str | None = None,
                         client_state: dict[str, Any] | None = None) -> str:
         """Every rank calls it; atomic (see ``engine/checkpoint_io.py``); tag defaults to global_stepN."""
+        self._checkpoint_saved = True
         return save_checkpoint(self, save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, *, load_optimizer_states: bool = True,
@@ -215,7 +217,7 @@ class Engine:
         """The ledger's live and peak bytes per category and the device's peak above the start of
         ``initialize`` (the model's own bytes included), beside the predicted budget if any."""
         peak = max(0, self.accelerator.max_memory_allocated() - self._baseline)
-        return MemoryReport.from_ledger(self.dp.rank, self.ledger, peak, self.budget)
+        return MemoryReport.from_ledger(self.dp.rank, self.ledger, peak, self.budget, self._checkpoint_saved)
 
     def destroy(self) -> None:
         """Wait for in-flight collectives and remove hooks (call before destroying the process group)."""

@@ -37,18 +37,28 @@ class MemoryReport:
     process_peak_above_start_bytes: int
     saved: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     predicted: dict[str, Any] | None = None
+    checkpoint_saved: bool = False  # the measured peak covers a save: compare it with the peak that includes one
 
     @classmethod
     def from_ledger(cls, rank: int, ledger: Ledger, process_peak_above_start_bytes: int,
-                    budget: Any = None) -> MemoryReport:
+                    budget: Any = None, checkpoint_saved: bool = False) -> MemoryReport:
         snap = ledger.snapshot()
         total, saved = snap.pop("total"), snap.pop("saved")
         return cls(rank, snap, total, process_peak_above_start_bytes, saved,
-                   budget.to_dict() if budget is not None else None)
+                   budget.to_dict() if budget is not None else None, checkpoint_saved)
 
     @property
     def predicted_peak_bytes(self) -> int | None:
-        return None if self.predicted is None else int(self.predicted["peak_bytes"])
+        """The predicted peak this run has reached so far: with a checkpoint save once it has saved one."""
+        if self.predicted is None:
+            return None
+        return int(self.predicted["peak_bytes" if self.checkpoint_saved else "training_peak_bytes"])
+
+    @property
+    def predicted_peak_phase(self) -> str | None:
+        if self.predicted is None:
+            return None
+        return self.predicted["peak_phase" if self.checkpoint_saved else "training_peak_phase"]
 
     @property
     def peak_error_pct(self) -> float | None:
@@ -56,7 +66,7 @@ class MemoryReport:
         if self.predicted is None or self.process_peak_above_start_bytes <= 0:
             return None
         measured = self.process_peak_above_start_bytes
-        return 100.0 * (self.predicted["peak_bytes"] - measured) / measured
+        return 100.0 * (self.predicted_peak_bytes - measured) / measured
 
     def save_chart(self, path: str) -> str:
         """A PNG of predicted beside measured peaks per category (``zeroplus[plotting]``)."""
@@ -67,7 +77,7 @@ class MemoryReport:
         line = f"memory peak {self.process_peak_above_start_bytes / 2**30:.3f} GiB"
         if self.predicted is not None:
             error = self.peak_error_pct
-            line += (f", predicted {self.predicted['peak_bytes'] / 2**30:.3f} GiB in {self.predicted['peak_phase']}"
+            line += (f", predicted {self.predicted_peak_bytes / 2**30:.3f} GiB in {self.predicted_peak_phase}"
                      + (f" ({error:+.1f}%)" if error is not None else ""))
         return line
 
@@ -86,9 +96,9 @@ class MemoryReport:
             lines.append(line)
         lines.append(f"  {'total (ledger)':<16}{_mib(self.total['live_bytes'])}{_mib(self.total['peak_bytes'])}")
         lines.append(f"  {'device peak above start':<26}{_mib(self.process_peak_above_start_bytes)}"
-                     + (f" {_mib(self.predicted['peak_bytes'])}"
-                        f"{_pct(self.predicted['peak_bytes'], self.process_peak_above_start_bytes)}"
-                        f"  (predicted in {self.predicted['peak_phase']})" if self.predicted else ""))
+                     + (f" {_mib(self.predicted_peak_bytes)}"
+                        f"{_pct(self.predicted_peak_bytes, self.process_peak_above_start_bytes)}"
+                        f"  (predicted in {self.predicted_peak_phase})" if self.predicted else ""))
         if self.saved:
             lines.append(f"  {'not held, by technique':<30}{'live':>10}{'peak':>10}")
             for key, b in self.saved.items():

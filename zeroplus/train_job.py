@@ -81,13 +81,13 @@ def main(argv: list[str] | None = None) -> None:
     engine.eval()
     with torch.no_grad():
         held = [engine(*data.eval_batch(i)).item() for i in range(4)]
-    reports = [None] * world
+    saved = engine.save_checkpoint(args.save_dir) if args.save_dir else None
+    reports = [None] * world  # after the save, so the peaks cover it
     report = engine.memory_report().to_dict()
     if dist.is_initialized():
         dist.all_gather_object(reports, report)
     else:
         reports = [report]
-    saved = engine.save_checkpoint(args.save_dir) if args.save_dir else None
     if rank == 0:
         elapsed = time.perf_counter() - start
         print(f"\nfinished {args.steps} steps in {elapsed:.1f}s ({tokens_per_step * args.steps / elapsed:,.0f} "

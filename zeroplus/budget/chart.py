@@ -56,7 +56,7 @@ def report_chart(report: Any, path: str) -> str:
     predicted_mib = [predicted.get(c, 0) / 2**20 for c in names]
     names.append("device peak")
     measured_mib.append(report.process_peak_above_start_bytes / 2**20)
-    predicted_mib.append(report.predicted["peak_bytes"] / 2**20)
+    predicted_mib.append(report.predicted_peak_bytes / 2**20)
     fig, ax = plt.subplots(figsize=(9, 5))
     x = range(len(names))
     ax.bar([i - 0.2 for i in x], predicted_mib, width=0.4, label="predicted")

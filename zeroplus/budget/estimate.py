@@ -13,7 +13,11 @@ training (``RUNTIME_BYTES``, per accelerator), from the moment the process takes
 Phases: ``init`` (``initialize``: the model as built, then cast and partitioned; with a model
 built in fp32 that is 4 bytes per parameter on one rank, which ZeRO has not yet divided),
 ``forward``, ``backward`` and ``step``; the peak of each is taken over two optimizer steps, so
-the optimizer states created by the first are there in the second.
+the optimizer states created by the first are there in the second. Then ``save``: a checkpoint
+save after them (``engine/checkpoint.py``'s own ``rank_state``), which streams its file from the
+training state and adds only the copies it must make (stage 0's slice of the full buffers, a
+split master merged to fp32, states read back from a file tier). ``peak_bytes`` includes the
+save; ``training_peak_bytes`` is the peak between saves.
 
 Memory counted as the device would: on a CPU-only machine, resident memory above the process
 before the model exists; on CUDA and NPU the caching allocator's peak (the runtime's context
@@ -30,7 +34,7 @@ from ..accelerator import get_accelerator
 from ..ledger import Category
 from .model_states import model_state_bytes
 from .simulate import _quiet, default_loss, simulate
-from .tracker import PHASES, cpu_workspace_bytes
+from .tracker import PHASES, TRAINING_PHASES, cpu_workspace_bytes
 
 # What a training process holds beyond its tensors, per accelerator kind: (from the engine's
 # construction on, from the end of the first backward on). CPU, measured here: GPT-tiny on 2
@@ -65,14 +69,25 @@ class MemoryBudget:
     accelerator: str = "cpu"
     category_peaks: dict[str, int] = dataclasses.field(default_factory=dict)  # each ledger category's own peak
     saved_for_backward: int = 0  # what one forward leaves for backward outside the engine's buffers
+    checkpoint_copies: int = 0   # what a checkpoint save copies to write its file (the rest streams)
 
     @property
     def peak_phase(self) -> str:
+        """The phase of the peak, a checkpoint save included."""
         return max(self.phases, key=lambda p: self.phases[p]["total"])
 
     @property
     def peak_bytes(self) -> int:
         return self.phases[self.peak_phase]["total"]
+
+    @property
+    def training_peak_phase(self) -> str:
+        """The phase of the peak between checkpoint saves (what a run that has not saved yet reaches)."""
+        return max(TRAINING_PHASES, key=lambda p: self.phases[p]["total"])
+
+    @property
+    def training_peak_bytes(self) -> int:
+        return self.phases[self.training_peak_phase]["total"]
 
     def at_peak(self) -> dict[str, int]:
         """Bytes per category at the moment of the predicted peak."""
@@ -81,6 +96,7 @@ class MemoryBudget:
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["peak_phase"], out["peak_bytes"] = self.peak_phase, self.peak_bytes
+        out["training_peak_phase"], out["training_peak_bytes"] = self.training_peak_phase, self.training_peak_bytes
         return out
 
     def table(self) -> str:
@@ -143,7 +159,7 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     category_peaks = {c.value: tracker.ledger.peak_bytes(c) for c in Category}
     return MemoryBudget(rank, world_size, int(cfg.train_micro_batch_size_per_gpu),
                         int(cfg.gradient_accumulation_steps), cfg.zero_optimization.stage, phases, states, kind,
-                        category_peaks, tracker.saved_for_backward)
+                        category_peaks, tracker.saved_for_backward, tracker.checkpoint_copies)
 
 
 def _module_builder(model: torch.nn.Module) -> Callable[[], torch.nn.Module]:

@@ -175,6 +175,7 @@ def simulate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     stack when the first optimizer is built), and from the end of the first backward on.
     """
     from ..engine.build import build_engine  # the engine imports the budget package
+    from ..engine.checkpoint import rank_state
 
     cfg = copy.deepcopy(config) if isinstance(config, ZeroplusConfig) else parse_config(config)[0]
     from .planner import auto_keys
@@ -219,5 +220,11 @@ def simulate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
                 tracker.enter("step")
                 engine.step()
                 meta_tier.writes_landed()
+        tracker.enter("save")  # what a checkpoint save holds besides the training state (its file streams)
+        before = tracker.live + tracker.runtime
+        held_for_the_file = rank_state(engine, None)
+        tracker.observe()
+        tracker.checkpoint_copies = tracker.peaks["save"].total - before
+        del held_for_the_file
         engine.destroy()
     return tracker, engine.config

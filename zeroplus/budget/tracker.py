@@ -35,7 +35,8 @@ from torch.utils._pytree import tree_flatten
 
 from ..ledger import Category, Ledger
 
-PHASES = ("init", "forward", "backward", "step")
+PHASES = ("init", "forward", "backward", "step", "save")
+TRAINING_PHASES = PHASES[:4]
 
 _MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_addmm_activation"}
 
@@ -78,6 +79,7 @@ class MemoryTracker(TorchDispatchMode):
         self._paused = 0
         self._resize: Any = None
         self.runtime = 0                  # bytes the process holds beyond tensors (set by the estimator)
+        self.checkpoint_copies = 0        # bytes a checkpoint save copies (set by the estimator)
 
     # -- storages -------------------------------------------------------------------------------
     def _register(self, storage: torch.UntypedStorage) -> None:
