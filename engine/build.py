@@ -29,7 +29,11 @@ from zeroplus.offload.disk_space import check_free_space, states_per_element
 from zeroplus.offload.tiers import make_tier
 from zeroplus.optim.build import adopt_client_optimizer, build_optimizer, would_fuse
 from zeroplus.optim.schedulers import build_scheduler
+from zeroplus.parallel.groups import ParallelGroups, init_parallel
+from zeroplus.parallel.tensor_layers import is_tensor_parallel
+from zeroplus.parallel.topology import check_supported
 from zeroplus.zero import ShardedStep, ZeroPartition
+from zeroplus.zero.sharded_step import ModelParallelNorm
 
 from .engine import Engine
 from .loss_scaler import LossScaler
@@ -87,23 +91,40 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     if unimplemented:
         log_rank0("config keys DeepSpeed knows but zeroplus does not implement yet (ignored): %s",
                   ", ".join(unimplemented), level=logging.WARNING)
-    dp = DataParallelGroup(process_group)
+    try:
+        parallel = init_parallel(cfg)
+    except ValueError as err:
+        raise ConfigError(f"config key 'zeroplus.parallel': {err}") from None
+    dp = DataParallelGroup(process_group) if process_group is not None else parallel.data
     return build_engine(model, cfg, dp, accel, rss_at_start, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                        model_parameters=model_parameters)
+                        model_parameters=model_parameters, parallel=parallel)
 
 
 def build_engine(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, accel: Accelerator, rss_at_start: int, *,
                  optimizer: torch.optim.Optimizer | None = None, lr_scheduler: Any = None,
                  model_parameters: Iterable[Any] | None = None, ledger: Ledger | None = None,
-                 simulated: Any = None) -> Engine:
+                 simulated: Any = None, parallel: ParallelGroups | None = None) -> Engine:
     """The engine over ``dp`` (a ``DataParallelGroup``, or the estimator's ``VirtualGroup``) on
     ``accel``'s device, from a parsed config; everything after process-group set-up.
     ``simulated``: the estimator's memory tracker when this is its meta-device run
-    (``zeroplus/budget/simulate.py``), else None."""
+    (``zeroplus/budget/simulate.py``), else None. ``parallel``: the tensor/pipeline/expert groups
+    (``zeroplus/parallel/groups.py``) when the model is split beyond ``dp``."""
+    model_parallel = parallel is not None and parallel.model.size > 1
     resolve_batch(cfg, dp.size)
     resolve_auto(cfg, model, optimizer is not None)
+    if model_parallel and (_has_auto(cfg) or cfg.zeroplus.memory_budget is not None):
+        raise ConfigError(f"config key 'zeroplus.memory_budget' with {parallel.topology.describe()}: the memory "
+                          f"estimate and planner cover data parallelism only so far; remove the budget and 'auto'")
     if simulated is None:
         cfg = _plan(model, cfg, dp)
+    if parallel is not None:
+        try:
+            check_supported(parallel.topology, int(cfg.zero_optimization.stage))
+        except ValueError as err:
+            raise ConfigError(f"config key 'zeroplus.parallel' on rank {parallel.global_rank}: {err}") from None
+        if parallel.topology.pipeline > 1:  # until the pipeline engine exists: never train the whole model per stage
+            raise ConfigError(f"config key 'zeroplus.parallel.pipeline' is {parallel.topology.pipeline}: the pipeline "
+                              f"engine is not built yet (issue 7); only tensor parallelism runs so far")
     if optimizer is not None and cfg.optimizer is not None:
         raise ConfigError("an optimizer was passed to initialize() and the config has an 'optimizer' block; "
                           "give one or the other")
@@ -114,7 +135,7 @@ def build_engine(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, accel: Ac
                           "give one or the other")
     _warn_inert_options(cfg)
     model_bytes = _device_bytes(model, accel)  # already there: they count as the engine's, as in the estimate
-    estimate_source = _estimate_source(model, cfg) if simulated is None else None
+    estimate_source = _estimate_source(model, cfg) if simulated is None and not model_parallel else None
 
     dtype = compute_dtype(cfg)
     model.to(accel.device())
@@ -163,12 +184,23 @@ def build_engine(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, accel: Ac
                           f"its states when constructed; use an optimizer that creates them in its first step")
     step = ShardedStep(partition, opt, float(cfg.gradient_clipping), dp, ledger, cfg.zeroplus.master_step_chunk,
                        _optimizer_offload(cfg, accel, ledger, opt, sum(g.owned_numel for g in partition.groups)),
-                       _virtual_states(cfg, accel, opt))
+                       _virtual_states(cfg, accel, opt),
+                       ModelParallelNorm(parallel.model, parallel.tensor.size, is_tensor_parallel)
+                       if model_parallel else None)
     log_rank0("%s; compute dtype %s; optimizer %s; micro-batch %s x accumulation %s x dp %d = batch %s",
               partition.describe().splitlines()[0], str(dtype).replace("torch.", ""), type(opt).__name__,
               cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, dp.size, cfg.train_batch_size)
-    return Engine(model, cfg, partition, step, opt, scheduler, LossScaler(cfg.fp16), dp, ledger, accel,
-                  rss_at_start - model_bytes, _activation_techniques(model, cfg, ledger, accel), estimate_source)
+    if model_parallel:
+        log_rank0("%s", parallel.describe())
+    engine = Engine(model, cfg, partition, step, opt, scheduler, LossScaler(cfg.fp16), dp, ledger, accel,
+                    rss_at_start - model_bytes, _activation_techniques(model, cfg, ledger, accel), estimate_source)
+    engine.parallel = parallel
+    return engine
+
+
+def _has_auto(cfg: ZeroplusConfig) -> bool:
+    from zeroplus.budget.planner import auto_keys
+    return bool(auto_keys(cfg))
 
 
 def _plan(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any) -> ZeroplusConfig:
@@ -344,10 +376,16 @@ def _activation_techniques(model: torch.nn.Module, cfg: ZeroplusConfig, ledger: 
                       "to it saves nothing; zeroplus.activation_tier {'device': 'file', 'path': DIR} swaps to files",
                       level=logging.WARNING)
         claimers.append(swapper)
-    checkpointing.configure(partition_activations=ac.partition_activations,
+    sequence_split = cfg.zeroplus.parallel.sequence_parallel
+    if ac.partition_activations and sequence_split:
+        log_rank0("activation_checkpointing.partition_activations: no effect with zeroplus.parallel."
+                  "sequence_parallel (checkpointed inputs are already split along the sequence)",
+                  level=logging.WARNING)
+    checkpointing.configure(partition_activations=ac.partition_activations and not sequence_split,
                             contiguous_checkpointing=ac.contiguous_memory_optimization,
                             num_checkpoints=ac.number_checkpoints, checkpoint_in_cpu=ac.cpu_checkpointing,
-                            synchronize=ac.synchronize_checkpoint_boundary, profile=ac.profile, tier=tier)
+                            synchronize=ac.synchronize_checkpoint_boundary, profile=ac.profile, tier=tier,
+                            ledger=ledger)
     return SavedTensorRouter(claimers)
 
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from zeroplus.comm import DataParallelGroup
 from zeroplus.ledger import Category
 from zeroplus.zero.flat_group import FlatParamGroup
 
@@ -115,33 +116,90 @@ def _metadata(engine: Engine, tag: str, digests: list[str]) -> dict[str, Any]:
             "aliases": aliases,
             "compute_dtype": str(part.groups[0].compute_dtype) if part.groups else None,
             "global_steps": engine.global_steps, "groups": groups,
-            "files": {str(r): d for r, d in enumerate(digests)},
+            "files": {str(r): d for r, d in enumerate(digests)}, "topology": _topology(engine),
             "config": engine.config.model_dump(mode="json")}
+
+
+def _model_part(engine: Engine) -> str:
+    """The sub-directory of this rank's slice of the model: "" without tensor or pipeline parallelism,
+    else ``tpTT_ppPP`` (each holds a whole checkpoint of its slice over its data group)."""
+    par = engine.parallel
+    if par is None or par.model.size == 1:
+        return ""
+    return f"tp{par.coordinates.tensor:02d}_pp{par.coordinates.pipeline:02d}"
+
+
+def _world(engine: Engine) -> Any:
+    """Every rank of the job (the data group when there is no model parallelism)."""
+    par = engine.parallel
+    if par is None or par.model.size == 1:
+        return engine.dp
+    return DataParallelGroup(None)
+
+
+def _topology(engine: Engine) -> dict[str, int]:
+    par = engine.parallel
+    if par is None:
+        return {"world_size": engine.dp.size, "tensor": 1, "pipeline": 1, "expert": 1, "data": engine.dp.size}
+    return par.topology.to_dict()
 
 
 def save_checkpoint(engine: Engine, save_dir: str, tag: str | None = None,
                     client_state: dict[str, Any] | None = None) -> str:
-    """Every rank calls this. Returns the final directory ``save_dir/tag``."""
-    dp = engine.dp
+    """Every rank calls this. Returns the final directory ``save_dir/tag``.
+
+    With tensor or pipeline parallelism each slice of the model is a checkpoint of its own in
+    ``tag/tpTT_ppPP/`` (its data group's files and metadata), and ``tag/metadata.json`` lists the
+    topology and the slices; the whole tag still appears at once, after every rank has written."""
+    dp, world = engine.dp, _world(engine)
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
     if not tag or os.sep in tag or tag.startswith("."):
         raise ValueError(f"checkpoint tag {tag!r} must be a non-empty name without '{os.sep}' that does not start "
                          f"with '.'")
     engine._partition.wait_all()
     tmp_dir = None
-    if dp.rank == 0:
+    if world.rank == 0:
         os.makedirs(save_dir, exist_ok=True)
         tmp_dir = tempfile.mkdtemp(prefix=f".{tag}.tmp-", dir=save_dir)
-    tmp_dir = dp.broadcast_object(tmp_dir)
-    digest = io.save_rank_state(tmp_dir, dp.rank, rank_state(engine, client_state))
+    tmp_dir = world.broadcast_object(tmp_dir)
+    part = _model_part(engine)
+    part_dir = os.path.join(tmp_dir, part) if part else tmp_dir
+    os.makedirs(part_dir, exist_ok=True)
+    digest = io.save_rank_state(part_dir, dp.rank, rank_state(engine, client_state))
     io.fault_point(f"after_rank_file_{dp.rank}")
     digests = dp.all_gather_objects(digest)
+    metadata = _metadata(engine, tag, digests)
     final_dir = os.path.join(save_dir, tag)
-    if dp.rank == 0:
-        io.commit(tmp_dir, final_dir, _metadata(engine, tag, digests))
+    if part:
+        if dp.rank == 0:
+            io.write_metadata(part_dir, metadata)
+        parts = world.all_gather_objects(part)
+        metadata = {"format": io.FORMAT_VERSION, "tag": tag, "topology": metadata["topology"],
+                    "global_steps": engine.global_steps, "parts": sorted(set(parts))}
+    if world.rank == 0:
+        io.commit(tmp_dir, final_dir, metadata)
         io.write_latest(save_dir, tag)
-    dp.barrier()
+    world.barrier()
     return final_dir
+
+
+def _open_part(engine: Engine, path: str, meta: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The directory and metadata of this rank's model slice; refuses another tensor or pipeline size."""
+    saved = meta.get("topology", {"tensor": 1, "pipeline": 1})
+    ours = _topology(engine)
+    if (saved["tensor"], saved["pipeline"]) != (ours["tensor"], ours["pipeline"]):
+        raise ValueError(f"checkpoint {path} was saved with tensor {saved['tensor']} x pipeline {saved['pipeline']}; "
+                         f"this run (rank {engine.dp.rank}) has tensor {ours['tensor']} x pipeline "
+                         f"{ours['pipeline']}: loading across tensor or pipeline sizes is not supported (the data-"
+                         f"parallel size and ZeRO stage may differ)")
+    part = _model_part(engine)
+    if not part:
+        return path, meta
+    part_path = os.path.join(path, part)
+    if part not in meta.get("parts", []):
+        raise ValueError(f"checkpoint {path} has no slice {part!r} (rank {engine.dp.rank}); it lists "
+                         f"{meta.get('parts')}")
+    return part_path, io.read_metadata(part_path)
 
 
 def _check_layout(engine: Engine, meta: dict[str, Any], path: str) -> None:
@@ -215,8 +273,8 @@ def load_checkpoint(engine: Engine, load_dir: str, tag: str | None = None, *, lo
                     load_module_only: bool = False) -> tuple[str, dict[str, Any]]:
     """Every rank calls this; returns ``(path, client_state)``."""
     tag = io.resolve_tag(load_dir, tag)
-    path = os.path.join(load_dir, tag)
-    meta = io.read_metadata(path)
+    top = os.path.join(load_dir, tag)
+    path, meta = _open_part(engine, top, io.read_metadata(top))
     _check_layout(engine, meta, path)
     engine._partition.wait_all()
     files = _Files(path, meta)
@@ -251,4 +309,4 @@ def load_checkpoint(engine: Engine, load_dir: str, tag: str | None = None, *, lo
         if meta["world_size"] == engine.dp.size and own.get("rng"):
             _set_rng_state(own["rng"])
     engine.dp.barrier()
-    return path, own["client_state"]
+    return top, own["client_state"]

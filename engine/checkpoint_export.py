@@ -20,6 +20,11 @@ def load_fp32_state_dict(ckpt_dir: str, tag: str | None = None) -> dict[str, tor
     tag = io.resolve_tag(ckpt_dir, tag)
     path = os.path.join(ckpt_dir, tag)
     meta = io.read_metadata(path)
+    if "parts" in meta:
+        top = meta["topology"]
+        raise ValueError(f"checkpoint {path} holds a model split over tensor {top['tensor']} x pipeline "
+                         f"{top['pipeline']} ranks (slices {meta['parts']}); consolidating the slices into one "
+                         f"state dict is not supported yet: load it with the same tensor and pipeline sizes")
     files: dict[int, dict] = {}
     flats = {g["name"]: torch.zeros(g["numel"], dtype=torch.float32) for g in meta["groups"]}
     for rank_str, digest in sorted(meta["files"].items(), key=lambda kv: int(kv[0])):

@@ -87,10 +87,14 @@ def load_rank_state(directory: str, rank: int, expected_sha256: str) -> dict[str
     return torch.load(io.BytesIO(data), weights_only=False, map_location="cpu")
 
 
+def write_metadata(directory: str, metadata: dict[str, Any]) -> None:
+    write_bytes_durably(os.path.join(directory, METADATA), json.dumps(metadata, indent=1).encode())
+    _fsync_dir(directory)
+
+
 def commit(tmp_dir: str, final_dir: str, metadata: dict[str, Any]) -> None:
     """Rank 0, after every rank wrote its file: metadata, then rename into place."""
-    write_bytes_durably(os.path.join(tmp_dir, METADATA), json.dumps(metadata, indent=1).encode())
-    _fsync_dir(tmp_dir)
+    write_metadata(tmp_dir, metadata)
     fault_point("before_rename")
     parent = os.path.dirname(final_dir)
     old = None

@@ -54,6 +54,7 @@ class Engine:
         self._baseline = baseline_bytes
         self._estimate_source = estimate_source
         self.budget: MemoryBudget | None = None
+        self.parallel: Any = None  # the ParallelGroups when the model is split beyond dp (build_engine sets it)
         self._checkpoint_saved = False  # the report compares with the predicted peak that includes a save
         self._activations = activations if activations is not None else SavedTensorRouter([])
         self._no_sync = False

@@ -11,6 +11,8 @@ from .engine.build import initialize
 from .engine.checkpoint_export import load_fp32_state_dict
 from .engine.engine import Engine
 from .memory_report import MemoryReport
+from .parallel import init_parallel
 
-__all__ = ["ConfigError", "Engine", "MemoryBudget", "MemoryReport", "estimate", "initialize", "load_fp32_state_dict"]
+__all__ = ["ConfigError", "Engine", "MemoryBudget", "MemoryReport", "estimate", "init_parallel", "initialize",
+           "load_fp32_state_dict"]
 __version__ = "0.1.0"

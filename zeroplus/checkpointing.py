@@ -17,7 +17,11 @@ by hand, with DeepSpeed's keyword names):
 - ``profile``: each checkpointed forward and replay logs its time.
 - ``number_checkpoints`` and ``contiguous_memory_optimization`` only size DeepSpeed's contiguous
   activation buffers, which zeroplus does not use: warned about, no effect.
-- ``partition_activations`` splits inputs over a tensor-parallel group; none exists yet: warned.
+- ``partition_activations``: each rank of the tensor-parallel group (``zeroplus.parallel``) keeps
+  1/T of every saved input (the inputs are the same on all of them), and backward all-gathers them
+  before the replay; the ledger shows the bytes not kept as ``partition_activations`` /
+  ``activation``. Memory: ``1/T`` of the saved inputs (rounded up to whole elements per rank);
+  communication: one all-gather per saved input per backward. Without a tensor group: warned.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ from .ledger import Category
 
 logger = logging.getLogger("zeroplus.checkpointing")
 TECHNIQUE = "cpu_checkpointing"  # ledger: checkpointed inputs moved off the device, not held
+PARTITION = "partition_activations"  # ledger: the other tensor ranks' parts of checkpointed inputs, not held
 
 
 @dataclasses.dataclass
@@ -42,6 +47,8 @@ class _Settings:
     synchronize: bool = False
     profile: bool = False
     tier: Any = None
+    partition: Any = None  # the tensor-parallel group when partition_activations is on
+    ledger: Any = None
 
 
 _settings = _Settings()
@@ -50,16 +57,21 @@ _settings = _Settings()
 def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activations: bool | None = None,
               contiguous_checkpointing: bool | None = None, num_checkpoints: int | None = None,
               checkpoint_in_cpu: bool | None = None, synchronize: bool | None = None, profile: bool | None = None,
-              tier: Any = None) -> None:
+              tier: Any = None, ledger: Any = None) -> None:
     """Set how ``checkpoint`` behaves (the engine calls this from the config)."""
     ignored = []
+    partition = None
     if partition_activations:
-        ignored.append("partition_activations (needs a tensor-parallel group; none exists yet)")
+        from .parallel.groups import parallel_groups
+        partition = parallel_groups().tensor
+        if partition.size == 1:
+            ignored.append("partition_activations (needs a tensor-parallel group: zeroplus.parallel.tensor > 1)")
+            partition = None
     if contiguous_checkpointing or num_checkpoints:
         ignored.append("contiguous_memory_optimization / number_checkpoints (size DeepSpeed's contiguous "
                        "activation buffers, which zeroplus does not use)")
     if mpu_ is not None:
-        ignored.append("mpu_ (tensor parallelism is not built yet)")
+        ignored.append("mpu_ (zeroplus's own tensor group is used: zeroplus.init_parallel)")
     if ignored:
         logger.warning("activation checkpointing: without effect: %s", "; ".join(ignored))
     if checkpoint_in_cpu and tier is None:
@@ -75,6 +87,8 @@ def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activati
     _settings.synchronize = bool(synchronize)
     _settings.profile = bool(profile)
     _settings.tier = tier if checkpoint_in_cpu else None
+    _settings.partition = partition
+    _settings.ledger = ledger if ledger is not None else (tier.ledger if tier is not None else None)
 
 
 def is_configured() -> bool:
@@ -117,6 +131,25 @@ class _Timed:
             logger.info("activation checkpoint %s: %.2f ms", self.what, 1e3 * (time.perf_counter() - self.start))
 
 
+def _keep_own_part(tensors: list[torch.Tensor], tp: Any) -> tuple[list[torch.Tensor], int]:
+    """This tensor rank's ``ceil(n / T)`` elements of each (flattened, zero-padded), and the bytes not kept."""
+    parts, dropped = [], 0
+    for t in tensors:
+        per = -(-t.numel() // tp.size)
+        flat = t.reshape(-1)
+        part = torch.zeros(per, dtype=t.dtype, device=t.device)
+        a, b = min(tp.rank * per, flat.numel()), min((tp.rank + 1) * per, flat.numel())
+        part[:b - a].copy_(flat[a:b])
+        parts.append(part)
+        dropped += (t.numel() - per) * t.element_size()
+    return parts, dropped
+
+
+def _gather_parts(parts: list[torch.Tensor], shapes: list[torch.Size], tp: Any) -> list[torch.Tensor]:
+    from .parallel.mappings import all_gather_dim0
+    return [all_gather_dim0(p, tp)[:shape.numel()].view(shape) for p, shape in zip(parts, shapes)]
+
+
 class _CheckpointFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, function: Callable[..., Any], settings: _Settings, *args: Any) -> Any:
@@ -127,6 +160,12 @@ class _CheckpointFunction(torch.autograd.Function):
         ctx.layout = [isinstance(a, torch.Tensor) for a in args]
         ctx.others = [None if isinstance(a, torch.Tensor) else a for a in args]
         tensors = [a.detach() for a in args if isinstance(a, torch.Tensor)]
+        ctx.shapes = None
+        if settings.partition is not None:
+            ctx.shapes = [t.shape for t in tensors]
+            tensors, ctx.partitioned = _keep_own_part(tensors, settings.partition)
+            if settings.ledger is not None:
+                settings.ledger.save(PARTITION, Category.ACTIVATION, ctx.partitioned)
         if settings.tier is not None:
             ctx.stored = [settings.tier.put(t) for t in tensors]
             ctx.moved = sum(t.numel() * t.element_size() for t in tensors) if settings.tier.saves_memory else 0
@@ -145,6 +184,10 @@ class _CheckpointFunction(torch.autograd.Function):
             settings.tier.ledger.unsave(TECHNIQUE, Category.ACTIVATION, ctx.moved)
         else:
             tensors = list(ctx.saved_tensors)
+        if ctx.shapes is not None:
+            tensors = _gather_parts(tensors, ctx.shapes, settings.partition)
+            if settings.ledger is not None:
+                settings.ledger.unsave(PARTITION, Category.ACTIVATION, ctx.partitioned)
         inputs, it = [], iter(tensors)
         for is_tensor, other, needs_grad in zip(ctx.layout, ctx.others, ctx.grad_mask):
             inputs.append(next(it).detach().requires_grad_(needs_grad) if is_tensor else other)

@@ -31,7 +31,6 @@ from typing import Any, Callable
 import torch
 
 from ..accelerator import get_accelerator
-from ..ledger import Category
 from .model_states import model_state_bytes
 from .simulate import _quiet, default_loss, simulate
 from .tracker import PHASES, TRAINING_PHASES, cpu_workspace_bytes
@@ -156,7 +155,7 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     with _quiet():
         states = model_state_bytes(model if not isinstance(model, torch.nn.Module) else _module_builder(model),
                                    cfg, world_size, rank)
-    category_peaks = {c.value: tracker.ledger.peak_bytes(c) for c in Category}
+    category_peaks = tracker.category_peaks  # while training; a save's copies are in checkpoint_copies
     return MemoryBudget(rank, world_size, int(cfg.train_micro_batch_size_per_gpu),
                         int(cfg.gradient_accumulation_steps), cfg.zero_optimization.stage, phases, states, kind,
                         category_peaks, tracker.saved_for_backward, tracker.checkpoint_copies)

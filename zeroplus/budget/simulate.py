@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 from ..accelerator import Accelerator
 from .. import checkpointing
 from ..config import ConfigError, ZeroplusConfig, parse_config
-from ..ledger import Ledger
+from ..ledger import Category, Ledger
 from ..offload import meta_tier
 from .model_states import VirtualGroup
 from .tracker import MemoryTracker
@@ -220,6 +220,7 @@ def simulate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
                 tracker.enter("step")
                 engine.step()
                 meta_tier.writes_landed()
+        tracker.category_peaks = {c.value: ledger.peak_bytes(c) for c in Category}  # training's, before the save
         tracker.enter("save")  # what a checkpoint save holds besides the training state (its file streams)
         before = tracker.live + tracker.runtime
         held_for_the_file = rank_state(engine, None)

@@ -80,6 +80,7 @@ class MemoryTracker(TorchDispatchMode):
         self._resize: Any = None
         self.runtime = 0                  # bytes the process holds beyond tensors (set by the estimator)
         self.checkpoint_copies = 0        # bytes a checkpoint save copies (set by the estimator)
+        self.category_peaks: dict[str, int] = {}  # each ledger category's peak while training (set by the estimator)
 
     # -- storages -------------------------------------------------------------------------------
     def _register(self, storage: torch.UntypedStorage) -> None:

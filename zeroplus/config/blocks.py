@@ -139,6 +139,20 @@ class ActivationTierConfig(Block):
     path: str | None = Field(None, description="Directory for the file tier.")
 
 
+class ParallelConfig(Block):
+    """Model parallelism beside ZeRO (``zeroplus/parallel/topology.py``): world = data x tensor x pipeline."""
+
+    tensor: PositiveInt = Field(1, description="Tensor-parallel size: ranks that split each layer's weights.")
+    pipeline: PositiveInt = Field(1, description="Pipeline-parallel size: ranks that each run a slice of the layers.")
+    expert: PositiveInt = Field(1, description="Expert-parallel size, carved out of the data-parallel ranks (it "
+                                               "divides data size): ranks that split a mixture-of-experts layer.")
+    sequence_parallel: bool = Field(False, description="Split activations along the sequence between "
+                                                       "tensor-parallel regions (norms, dropout, residuals).")
+    overlap_chunks: PositiveInt = Field(
+        1, description="Chunks each tensor-parallel collective and its matmul are cut into, so that chunk i+1 "
+                       "communicates while chunk i computes (1: communicate, then compute).")
+
+
 class ZeroplusBlock(Block):
     """zeroplus-only options; DeepSpeed ignores this block, so one file runs under both."""
 
@@ -161,6 +175,7 @@ class ZeroplusBlock(Block):
     virtual_optimizer_states: bool = Field(
         False, description="Ascend NPU only: AdamW states in host memory mapped into the device's address space "
                            "(torch_npu.empty_with_swapped_memory), stepped in place, no swap streams.")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     memory_budget: str | int | None = Field(
         None, description="Bytes per rank ('16GB', '16GiB' or a number): initialize refuses a config predicted to "
                           "exceed it, and resolves 'auto' in zero_optimization.stage, offload_optimizer.ratio, "

@@ -56,18 +56,38 @@ def _sum_of_squares(t: torch.Tensor) -> torch.Tensor:
     return total
 
 
+class ModelParallelNorm:
+    """The gradient norm over a model split across tensor and pipeline ranks: each rank sums its own
+    parameters' squares, a parameter whole on all ``T`` tensor ranks (norms, row-parallel biases) at
+    weight ``1/T``, and the sum runs over the model-parallel group (tensor x pipeline) after the data
+    group, so every parameter counts once."""
+
+    def __init__(self, group: Any, tensor_size: int, is_split: Any) -> None:
+        self.group, self.tensor_size, self.is_split = group, tensor_size, is_split
+
+    def weight(self, param: torch.Tensor) -> float:
+        return 1.0 if self.tensor_size == 1 or self.is_split(param) else 1.0 / self.tensor_size
+
+    def has_replicated(self, g: FlatParamGroup) -> bool:
+        return self.tensor_size > 1 and not all(self.is_split(p) for p in g.params)
+
+
 class ShardedStep:
     def __init__(self, partition: ZeroPartition, optimizer: torch.optim.Optimizer, gradient_clipping: float,
                  dp: DataParallelGroup, ledger: Ledger, split_chunk_numel: int = 1 << 20,
-                 offload: dict[str, Any] | None = None, virtual_kernels: Any = None) -> None:
+                 offload: dict[str, Any] | None = None, virtual_kernels: Any = None,
+                 model_parallel: ModelParallelNorm | None = None) -> None:
         """``offload``: ``{"tier", "sub_group_size", "ratio", "buffer_count"}`` to keep optimizer
         states on a lower tier, or None. ``virtual_kernels``: the NPU's swapped-memory allocator and
-        AdamW kernel (``offload/virtual_host.py``) to keep the states in mapped host memory."""
+        AdamW kernel (``offload/virtual_host.py``) to keep the states in mapped host memory.
+        ``model_parallel``: how the norm counts parameters split over (or replicated on) the
+        tensor and pipeline ranks; None without model parallelism."""
         self.partition = partition
         self.optimizer = optimizer
         self.clip = float(gradient_clipping)
         self.dp = dp
         self.ledger = ledger
+        self.model_parallel = model_parallel
         self.last_grad_norm: float | None = None
         self.chunked = ChunkedStep(optimizer, ledger, split_chunk_numel)
         if offload is not None:
@@ -90,11 +110,20 @@ class ShardedStep:
         stage0 = self.partition.stage == 0
         device = self.partition.groups[0].device if self.partition.groups else torch.device("cpu")
         total = torch.zeros((), dtype=_norm_dtype(device), device=device)
+        mp = self.model_parallel
         for g in self.partition.groups:
             source = g.ensure_grad_full() if stage0 else g.ensure_master_grad()
-            total += _sum_of_squares(source)
+            if mp is None or not mp.has_replicated(g):
+                total += _sum_of_squares(source)
+                continue
+            segments = ([(i, o, o + n) for i, (o, n) in enumerate(zip(g.offsets, g.numels))] if stage0
+                        else g.param_segments())
+            for i, a, b in segments:  # a parameter whole on every tensor rank counts 1/T on each
+                total += _sum_of_squares(source[a:b]) * mp.weight(g.params[i])
         if not stage0:
             self.dp.sum_scalar(total)
+        if mp is not None:
+            mp.group.sum_scalar(total)
         if total.device.type == "meta":  # the estimator's simulated step: no values, clipping is free
             return 0.0
         norm = math.sqrt(total.item()) if math.isfinite(total.item()) else float("inf")

@@ -1,0 +1,182 @@
+"""Tensor parallelism with ZeRO on 4 CPU ranks, data x tensor = 2 x 2, against the single-process GPT.
+
+Each rank builds the built-in GPT from the same seed, takes its tensor slices
+(``TensorParallelGPT.from_dense``) and trains 4 steps with ZeRO over its data group; the reference
+is the plain GPT with ``torch.optim.AdamW`` on both data ranks' batches, clipped at a norm the
+gradients exceed (so a norm that counted the replicated norms and biases twice would change every
+update). Checked per case: the losses rank 0 reports, the global gradient norm, and every
+parameter slice after training, within fp32 tolerance; the overlapped sequence-parallel path
+(2 chunks) equal to the plain one (1 chunk), bit for bit. A failure names the case (ZeRO stage,
+sequence parallel, chunks) and the parameter.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import zeroplus
+from tests.dist_helper import run_distributed
+from tests.reference import engine_train
+from zeroplus.models import GPT, gpt_config
+from zeroplus.models.gpt_tp import TensorParallelGPT
+
+STEPS, MICRO, SEQ, CLIP, LR = 4, 2, 16, 0.5, 1e-2
+CASES = [(1, False, 1), (2, True, 1), (3, False, 1), (3, True, 1), (3, True, 2)]
+
+
+def _gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(gpt_config("tiny", block_size=SEQ))
+
+
+def _batches(n: int) -> list:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 256, (MICRO, SEQ), generator=g), torch.randint(0, 256, (MICRO, SEQ), generator=g))
+            for _ in range(n)]
+
+
+def _config(stage: int, sp: bool, chunks: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": CLIP,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000,
+                                  "stage3_param_persistence_threshold": 0},
+            "zeroplus": {"log_level": "warning", "memory_estimate": False,
+                         "parallel": {"tensor": 2, "sequence_parallel": sp, "overlap_chunks": chunks}}}
+
+
+def _local_params(engine) -> dict[str, torch.Tensor]:
+    """This rank's parameter slices by name, whole over the data group (a collective)."""
+    out = {}
+    for g in engine._partition.groups:
+        full = g.gather_master()
+        for name, offset, shape in zip(g.names, g.offsets, g.shapes):
+            out[name] = full[offset:offset + shape.numel()].view(shape).clone()
+    return out
+
+
+def _tp_job() -> list:
+    results = []
+    for stage, sp, chunks in CASES:
+        cfg = _config(stage, sp, chunks)
+        parallel = zeroplus.init_parallel(cfg)
+        engine = zeroplus.initialize(TensorParallelGPT.from_dense(_gpt(), sequence_parallel=sp,
+                                                                  overlap_chunks=chunks), cfg)
+        norms = []
+        losses = engine_train(engine, _batches(2 * STEPS), STEPS, parallel.data.rank, 2, 1,
+                              on_step=lambda: norms.append(engine.get_global_grad_norm()))
+        results.append({"losses": losses, "norms": norms, "params": _local_params(engine),
+                        "tensor_rank": parallel.tensor.rank})
+        engine.destroy()
+    return results
+
+
+def _reference() -> tuple[list[list[float]], list[float], GPT]:
+    """Losses per data rank, the global gradient norm per step (float64 sum, as the engine computes it,
+    before clipping) and the trained model: the plain GPT on both data ranks' batches with AdamW."""
+    model, batches = _gpt(), _batches(2 * STEPS)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    losses: list[list[float]] = [[], []]
+    norms = []
+    for s in range(STEPS):
+        for r in range(2):
+            x, y = batches[s * 2 + r]
+            loss = model(x, y)
+            (loss / 2).backward()
+            losses[r].append(loss.item())
+        norm = sum(float(torch.dot(p.grad.reshape(-1).double(), p.grad.reshape(-1).double()))
+                   for p in model.parameters()) ** 0.5
+        norms.append(norm)
+        for p in model.parameters():
+            p.grad.mul_(min(1.0, CLIP / (norm + 1e-6)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, norms, model
+
+
+def _expected_slices(dense: GPT, tensor_rank: int) -> dict[str, torch.Tensor]:
+    class _Rank:  # the slicing from_dense does, for a given tensor rank, without a process group
+        size, rank = 2, tensor_rank
+    sliced = TensorParallelGPT.from_dense(dense, tp=_Rank())
+    return {n: p.detach() for n, p in sliced.named_parameters()}
+
+
+def test_data_x_tensor_parallel_matches_the_single_process_model():
+    ranks = run_distributed(_tp_job, 4)
+    ref_losses, ref_norms, dense = _reference()
+    assert ref_norms[0] > CLIP, "the clip must act, or the norm is not tested"
+    for i, case in enumerate(CASES):
+        for rank, results in enumerate(ranks):
+            got = results[i]
+            expected_losses = ref_losses[rank // 2]  # ranks 0, 1: data rank 0; ranks 2, 3: data rank 1
+            assert got["losses"] == pytest.approx(expected_losses, rel=2e-5), \
+                f"case {case}, rank {rank}: losses {got['losses']} != reference {expected_losses}"
+            assert got["norms"] == pytest.approx(ref_norms, rel=2e-5), f"case {case}, rank {rank}: grad norms"
+            expected = _expected_slices(dense, got["tensor_rank"])
+            for name, value in expected.items():
+                # Adam divides each gradient by its own root mean square, so where a gradient is rounding
+                # noise (rows of bytes the batches never use) rounding picks its update: lr / 10 absolute
+                torch.testing.assert_close(got["params"][name], value, rtol=1e-4, atol=LR / 10,
+                                           msg=lambda m, n=name: f"case {case}, rank {rank}, {n}: {m}")
+    plain, overlapped = CASES.index((3, True, 1)), CASES.index((3, True, 2))
+    for rank, results in enumerate(ranks):
+        assert results[plain]["losses"] == results[overlapped]["losses"], f"rank {rank}: overlap changed the losses"
+        for name, value in results[plain]["params"].items():
+            assert torch.equal(value, results[overlapped]["params"][name]), f"rank {rank}: overlap changed {name}"
+
+
+def _save_resume(path: str, resume: bool, tensor: int) -> dict:
+    """Train 2 steps and save (or load the save and train 2 more) at data x tensor = 2 x ``tensor``."""
+    cfg = _config(2, True, 1)
+    cfg["zeroplus"]["parallel"]["tensor"] = tensor
+    parallel = zeroplus.init_parallel(cfg)
+    engine = zeroplus.initialize(TensorParallelGPT.from_dense(_gpt(), sequence_parallel=True), cfg)
+    batches = _batches(2 * STEPS)
+    if not resume:
+        losses = engine_train(engine, batches, 2, parallel.data.rank, 2, 1)
+        engine.save_checkpoint(path)
+        losses += engine_train(engine, batches, 2, parallel.data.rank, 2, 1, start=2)
+        return {"losses": losses}
+    try:
+        engine.load_checkpoint(path)
+    except ValueError as err:
+        return {"error": str(err)}
+    return {"losses": engine_train(engine, batches, 2, parallel.data.rank, 2, 1, start=2)}
+
+
+def test_tensor_parallel_checkpoint_resumes_and_refuses_another_tensor_size(tmp_path):
+    path = str(tmp_path / "ckpt")
+    straight = run_distributed(_save_resume, 4, path, False, 2)
+    with open(f"{path}/latest") as f:
+        meta = json.load(open(f"{path}/{f.read()}/metadata.json"))
+    assert meta["topology"]["tensor"] == 2 and meta["parts"] == ["tp00_pp00", "tp01_pp00"]
+    resumed = run_distributed(_save_resume, 4, path, True, 2)
+    for rank in range(4):
+        assert resumed[rank]["losses"] == straight[rank]["losses"][2:], f"rank {rank}: resume is not bit-exact"
+    refused = run_distributed(_save_resume, 2, path, True, 1)
+    assert all("saved with tensor 2 x pipeline 1" in r["error"] and "tensor 1 x pipeline 1" in r["error"]
+               for r in refused), refused
+
+
+def _partitioned(partition: bool) -> dict:
+    cfg = _config(1, False, 1)
+    cfg["activation_checkpointing"] = {"partition_activations": partition}
+    zeroplus.init_parallel(cfg)
+    dense = _gpt()
+    dense.config.checkpoint_blocks = True
+    engine = zeroplus.initialize(TensorParallelGPT.from_dense(dense), cfg)
+    losses = engine_train(engine, _batches(STEPS), STEPS, 0, 1, 1)
+    kept = engine.memory_report().saved.get("partition_activations/activation", {}).get("peak_bytes", 0)
+    return {"losses": losses, "params": _local_params(engine), "not_held": kept}
+
+
+def test_partition_activations_keeps_half_of_each_checkpointed_input_per_tensor_rank():
+    off, on = run_distributed(_partitioned, 2, False), run_distributed(_partitioned, 2, True)
+    # each block's input is (seq, micro, dim) fp32, whole on both tensor ranks: each keeps half
+    per_input = SEQ * MICRO * gpt_config("tiny").n_embd * 4
+    for rank in range(2):
+        assert on[rank]["losses"] == off[rank]["losses"], f"rank {rank}: partitioning changed the losses"
+        for name, value in on[rank]["params"].items():
+            assert torch.equal(value, off[rank]["params"][name]), f"rank {rank}: partitioning changed {name}"
+        assert on[rank]["not_held"] == gpt_config("tiny").n_layer * per_input // 2 and off[rank]["not_held"] == 0

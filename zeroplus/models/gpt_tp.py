@@ -1,0 +1,140 @@
+"""The built-in GPT in tensor-parallel form: the same model, its weights split over the tensor group.
+
+Attention heads are split among the ``T`` ranks (``qkv`` column-parallel, each rank holding its heads'
+rows of q, k and v; ``proj`` row-parallel), the MLP likewise (``fc`` column, ``proj`` row), the token
+table along the vocabulary (tied to the LM head, whose logits stay split: the loss is the
+vocab-parallel cross entropy). Norms, positions and the row-parallel biases are whole on every rank.
+Activations run ``(seq, batch, dim)``; with sequence parallelism they are split along the sequence
+between the tensor-parallel regions (``(s/T, b, d)``: norms and residuals hold 1/T), and the
+region boundaries become all-gather-then-matmul and matmul-then-reduce-scatter, chunked by
+``overlap_chunks``. ``TensorParallelGPT.from_dense(gpt)`` takes a ``GPT``'s weights, so a run
+starts from exactly the single-process model.
+
+Memory per rank: 1/T of every attention and MLP weight and of the token table; activations inside
+blocks 1/T of the heads and MLP width.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..checkpointing import checkpoint
+from ..comm import DataParallelGroup
+from ..parallel.groups import parallel_groups
+from ..parallel.mappings import copy_to_tensor, gather_last_dim, scatter_to_sequence
+from ..parallel.overlap import all_gather_matmul
+from ..parallel.tensor_layers import (ColumnParallelLinear, RowParallelLinear, SequenceParallelLayerNorm,
+                                      VocabParallelEmbedding, vocab_parallel_cross_entropy)
+from .gpt import GPT, GPTConfig
+
+
+def _norm(dim: int, sequence_parallel: bool, tp: DataParallelGroup) -> nn.LayerNorm:
+    return SequenceParallelLayerNorm(dim, tp=tp) if sequence_parallel else nn.LayerNorm(dim)
+
+
+class TensorParallelAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig, tp: DataParallelGroup, sequence_parallel: bool, chunks: int) -> None:
+        super().__init__()
+        if cfg.n_head % tp.size:
+            raise ValueError(f"GPT n_head = {cfg.n_head} does not split over a tensor-parallel group of {tp.size}")
+        self.heads_per_rank, self.head_dim = cfg.n_head // tp.size, cfg.n_embd // cfg.n_head
+        opts = dict(sequence_parallel=sequence_parallel, overlap_chunks=chunks, tp=tp)
+        self.qkv = ColumnParallelLinear(cfg.n_embd, 3 * cfg.n_embd, **opts)
+        self.proj = RowParallelLinear(cfg.n_embd, cfg.n_embd, **opts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)  # (s, b, 3 * d/T): this rank's heads
+        s, b, _ = qkv.shape
+        q, k, v = (z.view(s, b, self.heads_per_rank, self.head_dim).permute(1, 2, 0, 3)
+                   for z in qkv.chunk(3, dim=-1))  # (b, heads/T, s, head_dim)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.permute(2, 0, 1, 3).reshape(s, b, -1))  # (s, b, d), or (s/T, b, d) sequence-parallel
+
+
+class TensorParallelMLP(nn.Module):
+    def __init__(self, cfg: GPTConfig, tp: DataParallelGroup, sequence_parallel: bool, chunks: int) -> None:
+        super().__init__()
+        opts = dict(sequence_parallel=sequence_parallel, overlap_chunks=chunks, tp=tp)
+        self.fc = ColumnParallelLinear(cfg.n_embd, 4 * cfg.n_embd, **opts)
+        self.act = nn.GELU()
+        self.proj = RowParallelLinear(4 * cfg.n_embd, cfg.n_embd, **opts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.act(self.fc(x)))
+
+
+class TensorParallelBlock(nn.Module):
+    def __init__(self, cfg: GPTConfig, tp: DataParallelGroup, sequence_parallel: bool, chunks: int) -> None:
+        super().__init__()
+        self.ln1 = _norm(cfg.n_embd, sequence_parallel, tp)
+        self.attn = TensorParallelAttention(cfg, tp, sequence_parallel, chunks)
+        self.ln2 = _norm(cfg.n_embd, sequence_parallel, tp)
+        self.mlp = TensorParallelMLP(cfg, tp, sequence_parallel, chunks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TensorParallelGPT(nn.Module):
+    def __init__(self, cfg: GPTConfig, *, sequence_parallel: bool = False, overlap_chunks: int = 1,
+                 tp: DataParallelGroup | None = None) -> None:
+        super().__init__()
+        if cfg.dropout:
+            raise ValueError("TensorParallelGPT has no dropout yet (it needs a random state per tensor rank); "
+                             f"got dropout {cfg.dropout}")
+        self.config, self.tp = cfg, tp if tp is not None else parallel_groups().tensor
+        self.sequence_parallel, self.overlap_chunks = sequence_parallel, overlap_chunks
+        self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, tp=self.tp)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(TensorParallelBlock(cfg, self.tp, sequence_parallel, overlap_chunks)
+                                    for _ in range(cfg.n_layer))
+        self.ln_f = _norm(cfg.n_embd, sequence_parallel, self.tp)
+
+    @classmethod
+    def from_dense(cls, gpt: GPT, **kwargs: object) -> TensorParallelGPT:
+        """This rank's slices of ``gpt``'s weights (heads, MLP width and vocabulary split)."""
+        model = cls(gpt.config, **kwargs)  # type: ignore[arg-type]
+        d, T = gpt.config.n_embd, model.tp.size
+        with torch.no_grad():
+            model.wte.load_dense(gpt.wte.weight)
+            model.wpe.weight.copy_(gpt.wpe.weight)
+            model.ln_f.load_state_dict(gpt.ln_f.state_dict())
+            for mine, dense in zip(model.blocks, gpt.blocks):
+                mine.ln1.load_state_dict(dense.ln1.state_dict())
+                mine.ln2.load_state_dict(dense.ln2.state_dict())
+                # rank t's rows of q, k and v, next to each other, so a plain row split gives them to it
+                w = torch.cat([torch.cat([z.chunk(T, 0)[t] for z in dense.attn.qkv.weight.split(d, 0)])
+                               for t in range(T)])
+                b = torch.cat([torch.cat([z.chunk(T, 0)[t] for z in dense.attn.qkv.bias.split(d, 0)])
+                               for t in range(T)])
+                mine.attn.qkv.load_dense(w, b)
+                mine.attn.proj.load_dense(dense.attn.proj.weight, dense.attn.proj.bias)
+                mine.mlp.fc.load_dense(dense.mlp.fc.weight, dense.mlp.fc.bias)
+                mine.mlp.proj.load_dense(dense.mlp.proj.weight, dense.mlp.proj.bias)
+        return model
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``(batch, seq, vocab)`` (gathered), or the mean cross entropy if ``targets`` is given."""
+        b, t = idx.shape
+        pos = torch.arange(t, device=idx.device)
+        x = self.wte(idx.t()) + self.wpe(pos).unsqueeze(1)  # (t, b, d)
+        if self.sequence_parallel:
+            x = scatter_to_sequence(x, self.tp)  # (t/T, b, d)
+        replay = self.config.checkpoint_blocks and self.training and torch.is_grad_enabled()
+        for block in self.blocks:
+            x = checkpoint(block, x) if replay else block(x)
+        x = self.ln_f(x)
+        if self.sequence_parallel:  # the LM head is column-parallel over the vocabulary, tied to the table
+            logits = all_gather_matmul(x, self.wte.weight, None, self.tp, self.overlap_chunks)
+        else:
+            logits = F.linear(copy_to_tensor(x, self.tp), self.wte.weight)  # (t, b, V/T)
+        if targets is None:
+            return gather_last_dim(logits, self.tp).transpose(0, 1)
+        losses = vocab_parallel_cross_entropy(logits.reshape(t * b, -1), targets.t().reshape(-1), self.wte.start,
+                                              self.tp)
+        return losses.mean()
+
+
+__all__ = ["TensorParallelGPT"]

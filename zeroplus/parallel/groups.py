@@ -1,0 +1,102 @@
+"""The process groups of a ``Topology``, created once per process and asked for by kind.
+
+    groups = zeroplus.init_parallel({"zeroplus": {"parallel": {"tensor": 2}}})   # or a Topology
+    groups.tensor.size, groups.data.rank, groups.coordinates.pipeline
+
+Build a tensor-parallel model after this call (its layers ask ``parallel_groups()`` for the tensor
+group); ``zeroplus.initialize`` then partitions over ``groups.data`` (and expert parameters over
+``groups.expert_data``). Every rank creates every group in the same order (torch.distributed's rule);
+groups of one rank are local objects with no process group behind them.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from ..comm import DataParallelGroup, init_distributed_if_launched
+from .topology import KINDS, Coordinates, Topology
+
+_CURRENT: ParallelGroups | None = None
+
+
+class _SingleRank(DataParallelGroup):
+    """A group of this rank alone: every collective completes at once."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.rank, self.size = 0, 1
+
+
+class ParallelGroups:
+    def __init__(self, topology: Topology, rank: int) -> None:
+        self.topology = topology
+        self.global_rank = rank
+        self.coordinates: Coordinates = topology.coordinates(rank)
+        self.world_group = _world_group()  # the default group these were made in (a new one makes them stale)
+        self.ranks: dict[str, list[int]] = {}
+        made: dict[str, DataParallelGroup] = {}
+        for kind in KINDS:
+            for members in topology.groups(kind):
+                if len(members) == 1:
+                    continue
+                # the whole world: the default group; others: one new group per member list, on every rank
+                handle = None if len(members) == topology.world_size else dist.new_group(members)
+                if rank in members:
+                    made[kind] = DataParallelGroup(handle)
+                    self.ranks[kind] = members
+            made.setdefault(kind, _SingleRank())
+            self.ranks.setdefault(kind, [rank])
+        self.tensor, self.data, self.pipeline = made["tensor"], made["data"], made["pipeline"]
+        self.expert, self.expert_data, self.model = made["expert"], made["expert_data"], made["model"]
+
+    def describe(self) -> str:
+        c = self.coordinates
+        return (f"{self.topology.describe()}; rank {self.global_rank} is tensor {c.tensor}, data {c.data}, "
+                f"pipeline {c.pipeline}" + (f", expert {c.expert}" if self.topology.expert > 1 else ""))
+
+
+def _sizes(spec: Any) -> tuple[int, int, int]:
+    if isinstance(spec, Topology):
+        return spec.tensor, spec.pipeline, spec.expert
+    parallel = spec.zeroplus.parallel
+    return parallel.tensor, parallel.pipeline, parallel.expert
+
+
+def init_parallel(spec: Any = None) -> ParallelGroups:
+    """Create (or return the existing) process groups for a parsed config, a config dict or path, or a
+    ``Topology``. With no process group launched: one rank, every size 1 (anything else is an error)."""
+    global _CURRENT
+    if spec is not None and not isinstance(spec, Topology) and not hasattr(spec, "zeroplus"):
+        from ..config import parse_config
+        spec = parse_config(spec)[0]
+    init_distributed_if_launched()
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    rank = dist.get_rank() if world > 1 or (dist.is_available() and dist.is_initialized()) else 0
+    tensor, pipeline, expert = _sizes(spec) if spec is not None else (1, 1, 1)
+    topology = Topology(world, tensor, pipeline, expert)
+    if _CURRENT is not None and _CURRENT.world_group is _world_group():
+        if _CURRENT.topology == topology or (tensor, pipeline, expert) == (1, 1, 1):
+            return _CURRENT  # a config without parallel sizes runs in the groups already made
+        raise ValueError(f"rank {rank}: process groups exist for {_CURRENT.topology.describe()}, and the config "
+                         f"asks for {topology.describe()}; call zeroplus.parallel.reset_parallel() first")
+    _CURRENT = ParallelGroups(topology, rank)
+    return _CURRENT
+
+
+def _world_group() -> Any:
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+def parallel_groups() -> ParallelGroups:
+    """The groups ``init_parallel`` made; one rank's groups (all of size 1) if it was not called."""
+    return _CURRENT if _CURRENT is not None else init_parallel(None)
+
+
+def reset_parallel() -> None:
+    """Forget the groups (after ``destroy_process_group``, or to change the topology)."""
+    global _CURRENT
+    _CURRENT = None
+
+
+__all__ = ["ParallelGroups", "init_parallel", "parallel_groups", "reset_parallel"]

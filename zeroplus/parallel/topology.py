@@ -1,0 +1,124 @@
+"""The process topology: which ranks share a tensor-, data-, pipeline-, expert- or expert-data-parallel group.
+
+    world = data x tensor x pipeline,   rank = t + T * (d + D * p)   (Megatron's order: tensor fastest)
+
+with ``t < T`` (tensor), ``d < D`` (data), ``p < P`` (pipeline). Expert parallelism is carved out of the
+data dimension: ``d = e + E * x`` with ``e < E`` (the expert-parallel rank, fastest, so an expert group's
+all-to-all stays among neighbouring ranks) and ``x < D / E`` (the expert-data-parallel rank).
+
+- tensor group: the T ranks of one (d, p): they hold one copy of the model between them, each a slice
+  of every tensor-parallel weight.
+- data group: the D ranks of one (t, p): they see different micro-batches; ZeRO partitions dense
+  parameters, gradients and optimizer states over it.
+- pipeline group: the P ranks of one (t, d): the stages of one copy of the model.
+- expert group: the E ranks of one (t, x, p): experts are split among them, tokens travel by all-to-all.
+- expert-data group: the D / E ranks of one (t, e, p): they hold the same experts; ZeRO partitions expert
+  parameters over it.
+- model-parallel group: the T x P ranks of one d: everything one copy of the model is split over (the
+  gradient norm sums over it after the data group).
+
+Memory: none (rank arithmetic). Communication: creating the groups is one ``new_group`` per group on
+every rank, in the same order.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+KINDS = ("tensor", "data", "pipeline", "expert", "expert_data", "model")
+
+
+@dataclasses.dataclass(frozen=True)
+class Coordinates:
+    tensor: int
+    data: int
+    pipeline: int
+    expert: int
+    expert_data: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """Sizes of each parallel dimension for ``world_size`` ranks; ``data`` is what remains."""
+
+    world_size: int
+    tensor: int = 1
+    pipeline: int = 1
+    expert: int = 1
+
+    def __post_init__(self) -> None:
+        for key in ("world_size", "tensor", "pipeline", "expert"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"parallel size {key} must be a positive integer, got {value!r}")
+        if self.world_size % (self.tensor * self.pipeline):
+            raise ValueError(f"world size {self.world_size} is not divisible by tensor x pipeline = {self.tensor} x "
+                             f"{self.pipeline} = {self.tensor * self.pipeline}: world = data x tensor x pipeline")
+        if self.data % self.expert:
+            raise ValueError(f"expert-parallel size {self.expert} does not divide the data-parallel size {self.data} "
+                             f"(world {self.world_size} / tensor {self.tensor} / pipeline {self.pipeline}): expert "
+                             f"groups are carved out of the data-parallel ranks")
+
+    @property
+    def data(self) -> int:
+        return self.world_size // (self.tensor * self.pipeline)
+
+    @property
+    def expert_data(self) -> int:
+        return self.data // self.expert
+
+    def coordinates(self, rank: int) -> Coordinates:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
+        t, rest = rank % self.tensor, rank // self.tensor
+        d, p = rest % self.data, rest // self.data
+        return Coordinates(t, d, p, d % self.expert, d // self.expert)
+
+    def rank_of(self, tensor: int = 0, data: int = 0, pipeline: int = 0) -> int:
+        return tensor + self.tensor * (data + self.data * pipeline)
+
+    def groups(self, kind: str) -> list[list[int]]:
+        """Every group of ``kind``: lists of global ranks, each in its own rank order, the same on every rank."""
+        T, D, P, E, X = self.tensor, self.data, self.pipeline, self.expert, self.expert_data
+        at = self.rank_of
+        if kind == "tensor":
+            return [[at(t, d, p) for t in range(T)] for p in range(P) for d in range(D)]
+        if kind == "data":
+            return [[at(t, d, p) for d in range(D)] for p in range(P) for t in range(T)]
+        if kind == "pipeline":
+            return [[at(t, d, p) for p in range(P)] for d in range(D) for t in range(T)]
+        if kind == "expert":
+            return [[at(t, e + E * x, p) for e in range(E)] for p in range(P) for x in range(X) for t in range(T)]
+        if kind == "expert_data":
+            return [[at(t, e + E * x, p) for x in range(X)] for p in range(P) for e in range(E) for t in range(T)]
+        if kind == "model":
+            return [[at(t, d, p) for p in range(P) for t in range(T)] for d in range(D)]
+        raise ValueError(f"unknown group kind {kind!r}; one of {KINDS}")
+
+    def group_of(self, kind: str, rank: int) -> list[int]:
+        return next(g for g in self.groups(kind) if rank in g)
+
+    def to_dict(self) -> dict[str, int]:
+        return {"world_size": self.world_size, "tensor": self.tensor, "pipeline": self.pipeline,
+                "expert": self.expert, "data": self.data}
+
+    def describe(self) -> str:
+        parts = [f"data {self.data}", f"tensor {self.tensor}", f"pipeline {self.pipeline}"]
+        if self.expert > 1:
+            parts.append(f"expert {self.expert} (expert-data {self.expert_data})")
+        return f"{self.world_size} ranks = " + " x ".join(parts)
+
+
+def check_supported(topology: Topology, zero_stage: int) -> None:
+    """Combinations the engine refuses at initialisation, with the numbers."""
+    if topology.pipeline > 1 and zero_stage > 2:
+        raise ValueError(f"ZeRO stage {zero_stage} with pipeline parallelism (pipeline size {topology.pipeline}) is "
+                         f"not supported: a stage-3 gather per micro-batch per stage would repeat every parameter "
+                         f"gather {topology.pipeline}-fold; use zero_optimization.stage 0, 1 or 2")
+
+
+def describe_groups(topology: Topology) -> dict[str, Any]:
+    return {kind: topology.groups(kind) for kind in KINDS}
+
+
+__all__ = ["Coordinates", "KINDS", "Topology", "check_supported", "describe_groups"]
