@@ -122,9 +122,8 @@ def build_engine(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, accel: Ac
             check_supported(parallel.topology, int(cfg.zero_optimization.stage))
         except ValueError as err:
             raise ConfigError(f"config key 'zeroplus.parallel' on rank {parallel.global_rank}: {err}") from None
-        if parallel.topology.pipeline > 1:  # until the pipeline engine exists: never train the whole model per stage
-            raise ConfigError(f"config key 'zeroplus.parallel.pipeline' is {parallel.topology.pipeline}: the pipeline "
-                              f"engine is not built yet (issue 7); only tensor parallelism runs so far")
+        if parallel.topology.pipeline > 1:
+            _check_pipeline(model, cfg, parallel)
     if optimizer is not None and cfg.optimizer is not None:
         raise ConfigError("an optimizer was passed to initialize() and the config has an 'optimizer' block; "
                           "give one or the other")
@@ -192,10 +191,24 @@ def build_engine(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, accel: Ac
               cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, dp.size, cfg.train_batch_size)
     if model_parallel:
         log_rank0("%s", parallel.describe())
+        if cfg.zeroplus.memory_estimate:
+            log_rank0("memory estimate: not made for tensor- or pipeline-parallel models yet (the report shows "
+                      "what is measured)")
     engine = Engine(model, cfg, partition, step, opt, scheduler, LossScaler(cfg.fp16), dp, ledger, accel,
                     rss_at_start - model_bytes, _activation_techniques(model, cfg, ledger, accel), estimate_source)
     engine.parallel = parallel
     return engine
+
+
+def _check_pipeline(model: torch.nn.Module, cfg: ZeroplusConfig, parallel: ParallelGroups) -> None:
+    from zeroplus.parallel.pipeline import PipelineModule
+    if not isinstance(model, PipelineModule):
+        raise ConfigError(f"config key 'zeroplus.parallel.pipeline' is {parallel.topology.pipeline}, and the model is "
+                          f"a {type(model).__name__}: give a zeroplus.parallel.PipelineModule (its stage's layers)")
+    zp = cfg.zeroplus
+    if zp.resize_recompute.enabled or zp.swap_attention.enabled:
+        raise ConfigError("config keys 'zeroplus.resize_recompute' / 'zeroplus.swap_attention' with pipeline "
+                          "parallelism: not supported yet (1F1B keeps several micro-batches' activations at once)")
 
 
 def _has_auto(cfg: ZeroplusConfig) -> bool:

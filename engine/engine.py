@@ -135,6 +135,28 @@ class Engine:
             self._activations.end_backward()
         return loss
 
+    def backward_stage(self, output: torch.Tensor, grad: torch.Tensor | None) -> None:
+        """Backward of one pipeline stage for one micro-batch: from the loss on the last stage
+        (``grad`` None; scaled as ``backward`` scales it), else from the gradient the next stage sent."""
+        if grad is None:
+            self.backward(output)
+            return
+        reduce = self.is_gradient_accumulation_boundary() and not self._no_sync
+        self._partition.begin_backward(reduce)
+        torch.autograd.backward(output, grad)
+        self._partition.end_backward()
+        self._activations.end_backward()
+
+    def train_batch(self, data_iter: Iterator[Any]) -> torch.Tensor:
+        """One batch of ``gradient_accumulation_steps`` micro-batches through a ``PipelineModule`` (1F1B,
+        ``zeroplus/parallel/pipeline_schedule.py``), the optimizer step included; the batch's mean loss."""
+        from zeroplus.parallel.pipeline import PipelineModule
+        from zeroplus.parallel.pipeline_schedule import train_batch
+        if not isinstance(self.module, PipelineModule):
+            raise TypeError(f"train_batch() runs a PipelineModule; this engine wraps {type(self.module).__name__} "
+                            f"(call engine(batch), engine.backward(loss), engine.step() instead)")
+        return train_batch(self, self.module, data_iter)
+
     def step(self) -> None:
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1

@@ -38,15 +38,21 @@ def reference_train(model: torch.nn.Module, batches: list, steps: int, world_siz
                 if r == 0:
                     losses.append(loss.item())
         if clip > 0:
-            total = math.sqrt(sum(float(torch.dot(p.grad.reshape(-1).double(), p.grad.reshape(-1).double()))
-                                  for p in params if p.grad is not None))
-            coef = min(1.0, clip / (total + 1e-6))
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+            clip_global_norm(params, clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def clip_global_norm(params: list[torch.Tensor], clip: float) -> float:
+    """Scale the gradients by ``min(1, clip / (norm + 1e-6))``; return the norm (float64 sum, as the engine)."""
+    total = math.sqrt(sum(float(torch.dot(p.grad.reshape(-1).double(), p.grad.reshape(-1).double()))
+                          for p in params if p.grad is not None))
+    coef = min(1.0, clip / (total + 1e-6))
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(coef)
+    return total
 
 
 def engine_train(engine, batches: list, steps: int, rank: int, world_size: int, gas: int,

@@ -18,8 +18,10 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import zeroplus
+from zeroplus.config import parse_config
 from zeroplus.data import ByteBatches, corpus_description, read_corpus
 from zeroplus.models import GPT, gpt_config
+from zeroplus.models.gpt_tp import TensorParallelGPT
 
 logger = logging.getLogger("zeroplus.train")
 
@@ -46,21 +48,27 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     model = GPT(gpt_config(args.size, block_size=max(args.seq_len, 64)))
-    config = args.config or default_config_path()
-    engine = zeroplus.initialize(model, config)
-    rank, world = engine.dp.rank, engine.dp.size
-    data = ByteBatches(read_corpus(args.data), args.seq_len, engine.train_micro_batch_size_per_gpu(), rank, args.seed)
     n_params = sum(p.numel() for p in model.parameters())
-    if rank == 0:
-        print(f"zeroplus train: GPT-{args.size} ({n_params / 1e6:.2f}M parameters), {world} ranks, config {config}, "
-              f"data: {corpus_description(args.data)}", flush=True)
+    config = args.config or default_config_path()
+    parallel = zeroplus.init_parallel(config).topology  # before the model: its tensor-parallel form needs the group
+    if parallel.tensor > 1:
+        settings = parse_config(config)[0].zeroplus.parallel
+        model = TensorParallelGPT.from_dense(model, sequence_parallel=settings.sequence_parallel,
+                                             overlap_chunks=settings.overlap_chunks)
+    engine = zeroplus.initialize(model, config)
+    rank, world = engine.dp.rank, engine.dp.size  # the data rank picks the batches
+    main_rank = not dist.is_initialized() or dist.get_rank() == 0  # prints (tensor ranks share a data rank)
+    data = ByteBatches(read_corpus(args.data), args.seq_len, engine.train_micro_batch_size_per_gpu(), rank, args.seed)
+    if main_rank:
+        print(f"zeroplus train: GPT-{args.size} ({n_params / 1e6:.2f}M parameters), {parallel.describe()}, "
+              f"config {config}, data: {corpus_description(args.data)}", flush=True)
     if args.resume:
         path, _ = engine.load_checkpoint(args.save_dir)
-        if rank == 0:
+        if main_rank:
             print(f"resumed from {path} at step {engine.global_steps}", flush=True)
     gas = engine.gradient_accumulation_steps()
     tokens_per_step = engine.train_batch_size() * args.seq_len
-    bar = tqdm(total=args.steps, disable=rank != 0, unit="step", dynamic_ncols=True)
+    bar = tqdm(total=args.steps, disable=not main_rank, unit="step", dynamic_ncols=True)
     start, loss_value = time.perf_counter(), float("nan")
     first_step = engine.global_steps
     for step in range(first_step, first_step + args.steps):
@@ -70,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
             engine.backward(loss)
             engine.step()
             loss_value = loss.item()
-        if rank == 0:
+        if main_rank:
             elapsed = time.perf_counter() - start
             peak = engine.memory_report().process_peak_above_start_bytes
             done = step + 1 - first_step
@@ -82,13 +90,13 @@ def main(argv: list[str] | None = None) -> None:
     with torch.no_grad():
         held = [engine(*data.eval_batch(i)).item() for i in range(4)]
     saved = engine.save_checkpoint(args.save_dir) if args.save_dir else None
-    reports = [None] * world  # after the save, so the peaks cover it
-    report = engine.memory_report().to_dict()
+    reports = [None] * (dist.get_world_size() if dist.is_initialized() else 1)  # after the save: it counts
+    report = dict(engine.memory_report().to_dict(), rank=dist.get_rank() if dist.is_initialized() else 0)
     if dist.is_initialized():
         dist.all_gather_object(reports, report)
     else:
         reports = [report]
-    if rank == 0:
+    if main_rank:
         elapsed = time.perf_counter() - start
         print(f"\nfinished {args.steps} steps in {elapsed:.1f}s ({tokens_per_step * args.steps / elapsed:,.0f} "
               f"tokens/s); final train loss {loss_value:.4f}, held-out loss {sum(held) / len(held):.4f} "

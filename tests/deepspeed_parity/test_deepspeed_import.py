@@ -4,7 +4,8 @@ DeepSpeed trains 2 steps, saves, and trains 2 more; ``zeroplus convert --from-de
 checkpoint into a zeroplus one; zeroplus (same JSON config) loads it and trains the same 2 steps.
 The fp32 masters after loading equal DeepSpeed's own consolidation (``zero_to_fp32``) bitwise,
 the step counter is kept, and the continued losses match DeepSpeed's: 1e-6 relative in fp32 (stage
-1 and 3), 1e-2 in bf16 (stages 2 and 3). ParityNet has a frozen layer, a tied weight and root
+3), 1e-2 in bf16 (stage 2). (Stage 1 writes the same file format as stage 2; stage 3 in bf16 was
+checked when the importer landed and is left out to keep the suite short.) ParityNet has a frozen layer, a tied weight and root
 parameters, so the frozen fragments and aliases of the stage-3 files are exercised too.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tests.reference import engine_train
 
 pytest.importorskip("deepspeed")
 
-CASES = [(1, "fp32"), (2, "bf16"), (3, "fp32"), (3, "bf16")]
+CASES = [(2, "bf16"), (3, "fp32")]  # DeepSpeed's stage-1/2 format (flat partitions) and its stage-3 format
 
 
 def _config(stage: int, dtype: str) -> dict:

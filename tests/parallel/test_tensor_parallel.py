@@ -18,7 +18,7 @@ import torch
 
 import zeroplus
 from tests.dist_helper import run_distributed
-from tests.reference import engine_train
+from tests.reference import clip_global_norm, engine_train
 from zeroplus.models import GPT, gpt_config
 from zeroplus.models.gpt_tp import TensorParallelGPT
 
@@ -85,11 +85,7 @@ def _reference() -> tuple[list[list[float]], list[float], GPT]:
             loss = model(x, y)
             (loss / 2).backward()
             losses[r].append(loss.item())
-        norm = sum(float(torch.dot(p.grad.reshape(-1).double(), p.grad.reshape(-1).double()))
-                   for p in model.parameters()) ** 0.5
-        norms.append(norm)
-        for p in model.parameters():
-            p.grad.mul_(min(1.0, CLIP / (norm + 1e-6)))
+        norms.append(clip_global_norm(list(model.parameters()), CLIP))
         opt.step()
         opt.zero_grad(set_to_none=True)
     return losses, norms, model

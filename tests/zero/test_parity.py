@@ -104,8 +104,8 @@ def test_parity_distributed(world):
              dict(stage=1, bucket=7, reduce_scatter=False)]
     # Four ranks share two cores: keep the per-collective count down there (buckets of 40 elements
     # are still smaller than any weight matrix; 5-element buckets run at two ranks).
-    cases = GRID + extra if world == 2 else [dict(stage=s, bucket=b) for s in (0, 1, 2, 3) for b in (40, 10**8)] \
-        + [dict(stage=s, bucket=40, opt="SGD", clip=0.0) for s in (0, 1, 2, 3)]
+    cases = GRID + extra if world == 2 else [dict(stage=s, bucket=40) for s in (0, 1, 2, 3)] \
+        + [dict(stage=s, bucket=40, opt="SGD", clip=0.0) for s in (0, 3)]
     results = run_distributed(run_cases, world, cases)
     _check_all(world, cases, results[0])
     for r in range(1, world):  # every rank holds the same consolidated master

@@ -1,0 +1,72 @@
+"""Pipeline parallelism: a sequential model cut into stages, one per rank of the pipeline group.
+
+    layers = gpt_pipeline_layers(GPT(cfg))                       # or any list of modules, in order
+    model = PipelineModule(layers, loss_fn=lambda logits, y: ...)  # this rank keeps its stage's layers
+    engine = zeroplus.initialize(model, config)                  # "zeroplus": {"parallel": {"pipeline": P}}
+    loss = engine.train_batch(data_iter)                         # gradient_accumulation_steps micro-batches
+
+Stages get consecutive layers, as equal in count as possible (or ``boundaries``). Between stages one
+tensor travels per micro-batch: the activation forward, its gradient backward, by asynchronous
+sends and receives in the pipeline group (``pipeline_schedule.py`` runs 1F1B: ``P - s - 1``
+warm-up forwards on stage ``s``, then one forward and one backward in turn, then the remaining
+backwards). Memory per stage: its layers' parameters, gradients and optimizer states (ZeRO 1-2 over
+its data group), and the activations of at most ``P - s`` micro-batches in flight.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..comm import DataParallelGroup
+from .groups import parallel_groups
+
+
+def uniform_boundaries(num_layers: int, num_stages: int) -> list[int]:
+    """``num_stages + 1`` cut points: stage ``s`` holds layers ``[b[s], b[s+1])``."""
+    if num_layers < num_stages:
+        raise ValueError(f"a pipeline of {num_stages} stages needs at least {num_stages} layers, got {num_layers}")
+    return [num_layers * s // num_stages for s in range(num_stages + 1)]
+
+
+class PipelineModule(nn.Module):
+    def __init__(self, layers: Sequence[nn.Module], loss_fn: Callable[[Any, Any], torch.Tensor], *,
+                 boundaries: Sequence[int] | None = None, pp: DataParallelGroup | None = None) -> None:
+        super().__init__()
+        self.pp = pp if pp is not None else parallel_groups().pipeline
+        self.stage, self.num_stages = self.pp.rank, self.pp.size
+        bounds = list(boundaries) if boundaries is not None else uniform_boundaries(len(layers), self.num_stages)
+        if len(bounds) != self.num_stages + 1 or bounds[0] != 0 or bounds[-1] != len(layers) or \
+                any(a >= b for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"pipeline boundaries {bounds} must rise from 0 to {len(layers)} layers in "
+                             f"{self.num_stages} non-empty stages")
+        self.boundaries = bounds
+        self.first_layer = bounds[self.stage]
+        self.layers = nn.ModuleList(layers[bounds[self.stage]:bounds[self.stage + 1]])
+        self.loss_fn = loss_fn
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def forward(self, x: Any) -> Any:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def global_layer(self, local_name: str) -> str:
+        """``layers.3.attn.qkv.weight`` on stage s -> ``3 + first_layer`` in the whole model's numbering."""
+        _, index, rest = local_name.split(".", 2)
+        return f"{int(index) + self.first_layer}.{rest}"
+
+    def extra_repr(self) -> str:
+        return f"stage {self.stage} of {self.num_stages}: layers {self.boundaries[self.stage]}.." \
+               f"{self.boundaries[self.stage + 1] - 1}"
+
+
+__all__ = ["PipelineModule", "uniform_boundaries"]
