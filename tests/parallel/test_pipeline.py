@@ -6,7 +6,8 @@ from the token table, in the reference too) is cut into 2 stages; each data repl
 plain model with ``torch.optim.AdamW`` accumulating the same 8 micro-batches per step, clipped by the
 global norm. Checked: each batch's mean loss on every stage, the global gradient norm (summed over the
 stages), and every parameter after 3 steps, within fp32 tolerance; a failure names the stage, the
-ZeRO stage and the layer.
+ZeRO stage and the layer. Tensor x pipeline = 2 x 2: the tensor-parallel GPT (sequence parallel, 2
+overlap chunks) in 2 stages gives the single-process model's losses and gradient norms.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tests.dist_helper import run_distributed
 from tests.reference import clip_global_norm
 from zeroplus.models import GPT, gpt_config
 from zeroplus.models.gpt_pipe import gpt_pipeline_layers, gpt_pipeline_loss, untie_head
+from zeroplus.models.gpt_tp import TensorParallelGPT, tensor_parallel_pipeline_layers
 from zeroplus.parallel.pipeline import PipelineModule
 
 STEPS, MICRO, SEQ, GAS, CLIP, LR = 3, 2, 16, 4, 0.5, 1e-2
@@ -102,3 +104,40 @@ def test_data_x_pipeline_1f1b_matches_the_single_process_model():
                                            msg=lambda m, n=name: f"{where}, {n}: {m}")
     held = set().union(*(set(r[0]["params"]) for r in ranks))
     assert held == set(ref_params), "the stages together hold every layer"
+
+
+def _tp_pipeline_job() -> dict:
+    """Tensor 2 x pipeline 2 (data 1): the tensor-parallel GPT, sequence parallel in 2 chunks, in 2 stages."""
+    cfg = _config(1)
+    cfg["zeroplus"]["parallel"] = {"tensor": 2, "pipeline": 2, "sequence_parallel": True, "overlap_chunks": 2}
+    parallel = zeroplus.init_parallel(cfg)
+    layers, loss_fn = tensor_parallel_pipeline_layers(TensorParallelGPT.from_dense(_gpt(), sequence_parallel=True,
+                                                                                   overlap_chunks=2))
+    model = PipelineModule(layers, loss_fn)
+    engine = zeroplus.initialize(model, cfg)
+    batches, losses, norms = _batches(), [], []
+    for s in range(STEPS):
+        losses.append(engine.train_batch(iter([batches[(s * GAS + k) * 2] for k in range(GAS)])).item())
+        norms.append(engine.get_global_grad_norm())
+    return {"losses": losses, "norms": norms, "tensor_rank": parallel.tensor.rank}
+
+
+def test_tensor_x_pipeline_matches_the_single_process_model():
+    ranks = run_distributed(_tp_pipeline_job, 4)
+    model, batches = _gpt(), _batches()  # the reference: data rank 0's micro-batches only (data size 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    losses, norms = [], []
+    for s in range(STEPS):
+        total = 0.0
+        for k in range(GAS):
+            x, y = batches[(s * GAS + k) * 2]
+            loss = model(x, y)
+            (loss / GAS).backward()
+            total += loss.item() / GAS
+        losses.append(total)
+        norms.append(clip_global_norm(list(model.parameters()), CLIP))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for rank, got in enumerate(ranks):
+        assert got["losses"] == pytest.approx(losses, rel=2e-5), f"rank {rank}: losses"
+        assert got["norms"] == pytest.approx(norms, rel=2e-5), f"rank {rank}: grad norms"

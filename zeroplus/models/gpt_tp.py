@@ -15,6 +15,8 @@ blocks 1/T of the heads and MLP width.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,7 +27,7 @@ from ..parallel.groups import parallel_groups
 from ..parallel.mappings import copy_to_tensor, gather_last_dim, scatter_to_sequence
 from ..parallel.overlap import all_gather_matmul
 from ..parallel.tensor_layers import (ColumnParallelLinear, RowParallelLinear, SequenceParallelLayerNorm,
-                                      VocabParallelEmbedding, vocab_parallel_cross_entropy)
+                                      VocabParallelEmbedding, mark_tensor_parallel, vocab_parallel_cross_entropy)
 from .gpt import GPT, GPTConfig
 
 
@@ -137,4 +139,48 @@ class TensorParallelGPT(nn.Module):
         return losses.mean()
 
 
-__all__ = ["TensorParallelGPT"]
+class TensorParallelEmbedding(nn.Module):
+    """Pipeline layer 0 of the tensor-parallel GPT: ids ``(b, t)`` -> ``(t, b, d)`` (``(t/T, b, d)`` with
+    sequence parallelism)."""
+
+    def __init__(self, gpt: TensorParallelGPT) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.tp, self.sequence_parallel = gpt.wte, gpt.wpe, gpt.tp, gpt.sequence_parallel
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx.t()) + self.wpe(torch.arange(idx.shape[1], device=idx.device)).unsqueeze(1)
+        return scatter_to_sequence(x, self.tp) if self.sequence_parallel else x
+
+
+class TensorParallelHead(nn.Module):
+    """The last pipeline layer: final norm and this rank's vocabulary slice of the logits ``(t, b, V/T)``.
+    Its weight starts as a copy of the token table's slice (the table sits on the first stage)."""
+
+    def __init__(self, gpt: TensorParallelGPT) -> None:
+        super().__init__()
+        self.ln_f, self.tp = gpt.ln_f, gpt.tp
+        self.sequence_parallel, self.overlap_chunks = gpt.sequence_parallel, gpt.overlap_chunks
+        self.weight = mark_tensor_parallel(nn.Parameter(gpt.wte.weight.detach().clone()))  # (V/T, d)
+        self.start = gpt.wte.start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.ln_f(x)
+        if self.sequence_parallel:
+            return all_gather_matmul(x, self.weight, None, self.tp, self.overlap_chunks)
+        return F.linear(copy_to_tensor(x, self.tp), self.weight)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross entropy of ``logits`` (t, b, V/T) against ``targets`` (b, t)."""
+        t, b = logits.shape[:2]
+        return vocab_parallel_cross_entropy(logits.reshape(t * b, -1), targets.t().reshape(-1), self.start,
+                                            self.tp).mean()
+
+
+def tensor_parallel_pipeline_layers(gpt: TensorParallelGPT) -> tuple[list[nn.Module], Any]:
+    """``(layers, loss_fn)`` for ``PipelineModule``: embeddings, blocks, norm and head, tensor-parallel inside
+    each (data x tensor x pipeline). The head is untied from the token table, as in ``gpt_pipeline_layers``."""
+    head = TensorParallelHead(gpt)
+    return [TensorParallelEmbedding(gpt), *gpt.blocks, head], head.loss
+
+
+__all__ = ["TensorParallelGPT", "tensor_parallel_pipeline_layers"]
