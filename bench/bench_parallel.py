@@ -3,9 +3,11 @@
 1. Tensor parallel (data 1 x tensor 2), the built-in GPT: median step time of plain tensor
    parallelism, sequence parallelism with its collectives in one piece (``overlap_chunks`` 1), and
    cut into 2 and 4 chunks so that chunk i+1 communicates while chunk i computes.
-2. Pipeline (data 1 x pipeline 2), 1F1B: for m micro-batches per batch, each stage's busy time
-   (its forwards and backwards) against the batch's wall time without the optimizer step; the
-   measured bubble ``1 - busy / wall`` (mean of the stages) beside the ideal ``(P - 1) / (m + P - 1)``.
+2. Pipeline (data 1 x pipeline 2), 1F1B and interleaved (2 virtual stages per rank): for m
+   micro-batches per batch, each stage's busy time (its forwards and backwards) against the batch's
+   wall time without the optimizer step; the measured bubble ``1 - busy / wall`` (mean of the
+   stages) beside the ideal ``(P - 1) / (m + P - 1)``, and ``((P - 1) / v) / (m + (P - 1) / v)``
+   interleaved.
 
     python bench/bench_parallel.py [--size medium] [--seq 256] [--micro-batch 4] [--steps 6]
 
@@ -64,14 +66,14 @@ def _pp_worker(args: argparse.Namespace) -> dict:
     from zeroplus.models.gpt_pipe import gpt_pipeline_layers, gpt_pipeline_loss
     from zeroplus.parallel.pipeline import PipelineModule
     out = {}
-    for m in (1, 2, 4, 8):
+    for v, m in [(1, 1), (1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (2, 8)]:
         cfg = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": m,
                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 1},
                "zeroplus": {"log_level": "warning", "memory_estimate": False, "parallel": {"pipeline": 2}}}
         zeroplus.init_parallel(cfg)
         torch.manual_seed(0)
         model = PipelineModule(gpt_pipeline_layers(GPT(gpt_config(args.size, block_size=args.seq))),
-                               gpt_pipeline_loss)
+                               gpt_pipeline_loss, virtual_stages=v)
         engine = zeroplus.initialize(model, cfg)
         busy, stepping = [0.0], [0.0]
 
@@ -97,7 +99,7 @@ def _pp_worker(args: argparse.Namespace) -> dict:
             if batch >= 1:
                 fractions.append(1.0 - busy[0] / wall)
                 walls.append(wall)
-        out[str(m)] = {"bubble": statistics.median(fractions), "wall": statistics.median(walls)}
+        out[f"{v},{m}"] = {"bubble": statistics.median(fractions), "wall": statistics.median(walls)}
         engine.destroy()
     return out
 
@@ -134,27 +136,37 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--only", choices=["tp", "pp"], default=None, help="run one of the two parts")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         _worker(args)
         return
-    tp = _launch("tp", args)
+    if args.only in (None, "tp"):
+        _print_tp(_launch("tp", args), args)
+    if args.only in (None, "pp"):
+        _print_pp(_launch("pp", args), args)
+
+
+def _print_tp(tp: list[dict], args: argparse.Namespace) -> None:
     print(f"tensor parallel, data 1 x tensor 2, GPT-{args.size}, micro-batch {args.micro_batch} x seq {args.seq}, "
           f"ZeRO-1 fp32; median of {args.steps} steps (rank 0 / rank 1)")
     base = tp[0]["plain"]
     print(f"  {'setting':<32}{'step s':>16}{'vs plain':>10}")
     for name in tp[0]:
         print(f"  {name:<32}{tp[0][name]:>8.3f}/{tp[1][name]:<7.3f}{tp[0][name] / base:>10.2f}")
-    pp = _launch("pp", args)
-    print(f"\npipeline, data 1 x pipeline 2 (1F1B), GPT-{args.size} as {gpt_layers(args.size)} layers; median of "
-          f"{args.steps} batches, optimizer step excluded")
-    print(f"  {'micro-batches':<16}{'wall s':>10}{'bubble stage 0':>16}{'stage 1':>10}{'mean':>8}{'ideal':>8}")
-    for m, r0 in pp[0].items():
-        r1 = pp[1][m]
-        ideal = 1 / (int(m) + 1)
-        print(f"  {m:<16}{r0['wall']:>10.3f}{r0['bubble']:>16.2f}{r1['bubble']:>10.2f}"
+
+
+def _print_pp(pp: list[dict], args: argparse.Namespace) -> None:
+    print(f"\npipeline, data 1 x pipeline 2, GPT-{args.size} as {gpt_layers(args.size)} layers; v virtual stages per "
+          f"rank (1: 1F1B, 2: interleaved); median of {args.steps} batches, optimizer step excluded")
+    print(f"  {'v':<4}{'micro-batches':<16}{'wall s':>10}{'bubble stage 0':>16}{'stage 1':>10}{'mean':>8}{'ideal':>8}")
+    for key, r0 in pp[0].items():
+        r1 = pp[1][key]
+        v, m = (int(k) for k in key.split(","))
+        ideal = (1 / v) / (m + 1 / v)  # (P - 1) / v of idle micro-batch slots, P = 2
+        print(f"  {v:<4}{m:<16}{r0['wall']:>10.3f}{r0['bubble']:>16.2f}{r1['bubble']:>10.2f}"
               f"{(r0['bubble'] + r1['bubble']) / 2:>8.2f}{ideal:>8.2f}")
 
 

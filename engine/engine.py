@@ -135,15 +135,16 @@ class Engine:
             self._activations.end_backward()
         return loss
 
-    def backward_stage(self, output: torch.Tensor, grad: torch.Tensor | None) -> None:
-        """Backward of one pipeline stage for one micro-batch: from the loss on the last stage
-        (``grad`` None; scaled as ``backward`` scales it), else from the gradient the next stage sent."""
+    def backward_stage(self, output: torch.Tensor, grad: torch.Tensor | None, reduce: bool) -> None:
+        """Backward of one pipeline chunk for one micro-batch: from the loss on the last chunk (``grad``
+        None; scaled as ``backward`` scales it), else from the gradient the next chunk sent. ``reduce``:
+        this is the batch's last backward on this rank (gradients are reduced at its end)."""
+        self._partition.begin_backward(reduce and not self._no_sync)
         if grad is None:
-            self.backward(output)
-            return
-        reduce = self.is_gradient_accumulation_boundary() and not self._no_sync
-        self._partition.begin_backward(reduce)
-        torch.autograd.backward(output, grad)
+            factor = self.loss_scaler.scale / self.gradient_accumulation_steps()
+            (output * factor if factor != 1.0 else output).backward()
+        else:
+            torch.autograd.backward(output, grad)
         self._partition.end_backward()
         self._activations.end_backward()
 

@@ -2,7 +2,8 @@
 
 The built-in GPT (4 blocks, so 6 pipeline layers: embeddings, blocks, norm and head; the head untied
 from the token table, in the reference too) is cut into 2 stages; each data replica runs 1F1B over
-4 micro-batches per batch with ZeRO-1 or ZeRO-2 inside each stage's data group. The reference is the
+4 micro-batches per batch with ZeRO-1 or ZeRO-2 inside each stage's data group, and the interleaved
+schedule (2 virtual stages per rank: 4 chunks of the 6 layers) with ZeRO-1. The reference is the
 plain model with ``torch.optim.AdamW`` accumulating the same 8 micro-batches per step, clipped by the
 global norm. Checked: each batch's mean loss on every stage, the global gradient norm (summed over the
 stages), and every parameter after 3 steps, within fp32 tolerance; a failure names the stage, the
@@ -21,6 +22,7 @@ from zeroplus.models import GPT, gpt_config
 from zeroplus.models.gpt_pipe import gpt_pipeline_layers, gpt_pipeline_loss, untie_head
 from zeroplus.models.gpt_tp import TensorParallelGPT, tensor_parallel_pipeline_layers
 from zeroplus.parallel.pipeline import PipelineModule
+from zeroplus.parallel.pipeline_schedule import schedule
 
 STEPS, MICRO, SEQ, GAS, CLIP, LR = 3, 2, 16, 4, 0.5, 1e-2
 
@@ -43,12 +45,15 @@ def _config(stage: int) -> dict:
             "zeroplus": {"log_level": "warning", "memory_estimate": False, "parallel": {"pipeline": 2}}}
 
 
+CASES = [(1, 1), (2, 1), (1, 2)]  # (ZeRO stage, virtual stages per rank): 1F1B, and interleaved
+
+
 def _pipeline_job() -> list:
     out = []
-    for stage in (1, 2):
+    for stage, virtual in CASES:
         cfg = _config(stage)
         parallel = zeroplus.init_parallel(cfg)
-        model = PipelineModule(gpt_pipeline_layers(_gpt()), gpt_pipeline_loss)
+        model = PipelineModule(gpt_pipeline_layers(_gpt()), gpt_pipeline_loss, virtual_stages=virtual)
         engine = zeroplus.initialize(model, cfg)
         batches, d = _batches(), parallel.data.rank
         losses, norms = [], []
@@ -89,13 +94,14 @@ def _reference() -> tuple[list[list[float]], list[float], dict[str, torch.Tensor
     return losses, norms, {n: p.detach() for n, p in layers.named_parameters()}
 
 
-def test_data_x_pipeline_1f1b_matches_the_single_process_model():
+def test_data_x_pipeline_1f1b_and_interleaved_match_the_single_process_model():
     ranks = run_distributed(_pipeline_job, 4)
     ref_losses, ref_norms, ref_params = _reference()
     assert ref_norms[0] > CLIP
     for rank, results in enumerate(ranks):
-        for zero_stage, got in zip((1, 2), results):
-            where = f"rank {rank} (pipeline stage {got['pipeline_stage']}, data {got['data_rank']}), ZeRO {zero_stage}"
+        for (zero_stage, virtual), got in zip(CASES, results):
+            where = (f"rank {rank} (pipeline stage {got['pipeline_stage']}, data {got['data_rank']}), "
+                     f"ZeRO {zero_stage}, {virtual} virtual stages")
             assert got["losses"] == pytest.approx(ref_losses[got["data_rank"]], rel=2e-5), f"{where}: losses"
             assert got["norms"] == pytest.approx(ref_norms, rel=2e-5), f"{where}: grad norms"
             assert got["params"], f"{where}: holds no parameters"
@@ -141,3 +147,20 @@ def test_tensor_x_pipeline_matches_the_single_process_model():
     for rank, got in enumerate(ranks):
         assert got["losses"] == pytest.approx(losses, rel=2e-5), f"rank {rank}: losses"
         assert got["norms"] == pytest.approx(norms, rel=2e-5), f"rank {rank}: grad norms"
+
+
+@pytest.mark.parametrize("P,m,v", [(2, 4, 1), (4, 8, 1), (2, 4, 2), (4, 8, 2), (3, 6, 3), (4, 2, 1)])
+def test_schedule_runs_every_micro_batch_once_in_dependency_order(P, m, v):
+    for stage in range(P):
+        ops = schedule(P, stage, m, v)
+        forwards = [(i, c) for kind, i, c in ops if kind == "F"]
+        backwards = [(i, c) for kind, i, c in ops if kind == "B"]
+        assert sorted(forwards) == sorted(backwards) == sorted((i, c) for i in range(m) for c in range(v))
+        for i, c in backwards:
+            assert ops.index(("F", i, c)) < ops.index(("B", i, c))
+        in_flight = max(sum(1 for kind, *_ in ops[:k + 1] if kind == "F") - sum(1 for kind, *_ in ops[:k + 1]
+                        if kind == "B") for k in range(len(ops)))
+        if v == 1:  # 1F1B: stage s holds at most P - s micro-batches
+            assert in_flight <= min(P - stage, m)
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps \(3\) to be a multiple of the pipeline size"):
+        schedule(2, 0, 3, 2)

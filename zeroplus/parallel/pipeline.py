@@ -32,18 +32,32 @@ def uniform_boundaries(num_layers: int, num_stages: int) -> list[int]:
 
 class PipelineModule(nn.Module):
     def __init__(self, layers: Sequence[nn.Module], loss_fn: Callable[[Any, Any], torch.Tensor], *,
-                 boundaries: Sequence[int] | None = None, pp: DataParallelGroup | None = None) -> None:
+                 boundaries: Sequence[int] | None = None, virtual_stages: int = 1,
+                 pp: DataParallelGroup | None = None) -> None:
+        """``virtual_stages`` v > 1: the layers are cut into ``P * v`` chunks and this rank holds chunks
+        ``stage, stage + P, ...`` (the interleaved schedule: the bubble shrinks by v, the sends grow by v);
+        ``boundaries`` then has ``P * v + 1`` cut points."""
         super().__init__()
         self.pp = pp if pp is not None else parallel_groups().pipeline
-        self.stage, self.num_stages = self.pp.rank, self.pp.size
-        bounds = list(boundaries) if boundaries is not None else uniform_boundaries(len(layers), self.num_stages)
-        if len(bounds) != self.num_stages + 1 or bounds[0] != 0 or bounds[-1] != len(layers) or \
+        self.stage, self.num_stages, self.virtual_stages = self.pp.rank, self.pp.size, virtual_stages
+        if virtual_stages < 1:
+            raise ValueError(f"virtual_stages must be at least 1, got {virtual_stages}")
+        chunks = self.num_stages * virtual_stages
+        bounds = list(boundaries) if boundaries is not None else uniform_boundaries(len(layers), chunks)
+        if len(bounds) != chunks + 1 or bounds[0] != 0 or bounds[-1] != len(layers) or \
                 any(a >= b for a, b in zip(bounds, bounds[1:])):
             raise ValueError(f"pipeline boundaries {bounds} must rise from 0 to {len(layers)} layers in "
-                             f"{self.num_stages} non-empty stages")
+                             f"{chunks} non-empty chunks ({self.num_stages} stages x {virtual_stages} virtual)")
         self.boundaries = bounds
-        self.first_layer = bounds[self.stage]
-        self.layers = nn.ModuleList(layers[bounds[self.stage]:bounds[self.stage + 1]])
+        mine = [c * self.num_stages + self.stage for c in range(virtual_stages)]  # global chunk of each local one
+        self.chunk_first = [bounds[g] for g in mine]  # first global layer of each local chunk
+        self.chunk_slices, kept, at = [], [], 0
+        for g in mine:
+            kept.extend(layers[bounds[g]:bounds[g + 1]])
+            self.chunk_slices.append((at, at + bounds[g + 1] - bounds[g]))
+            at += bounds[g + 1] - bounds[g]
+        self.layers = nn.ModuleList(kept)
+        self.first_layer = self.chunk_first[0]
         self.loss_fn = loss_fn
 
     @property
@@ -54,19 +68,22 @@ class PipelineModule(nn.Module):
     def is_last(self) -> bool:
         return self.stage == self.num_stages - 1
 
-    def forward(self, x: Any) -> Any:
-        for layer in self.layers:
+    def forward(self, x: Any, chunk: int = 0) -> Any:
+        a, b = self.chunk_slices[chunk]
+        for layer in self.layers[a:b]:
             x = layer(x)
         return x
 
     def global_layer(self, local_name: str) -> str:
-        """``layers.3.attn.qkv.weight`` on stage s -> ``3 + first_layer`` in the whole model's numbering."""
+        """``layers.3.attn.qkv.weight`` on this rank -> its index in the whole model's layer numbering."""
         _, index, rest = local_name.split(".", 2)
-        return f"{int(index) + self.first_layer}.{rest}"
+        i = int(index)
+        chunk = next(c for c, (a, b) in enumerate(self.chunk_slices) if a <= i < b)
+        return f"{self.chunk_first[chunk] + i - self.chunk_slices[chunk][0]}.{rest}"
 
     def extra_repr(self) -> str:
-        return f"stage {self.stage} of {self.num_stages}: layers {self.boundaries[self.stage]}.." \
-               f"{self.boundaries[self.stage + 1] - 1}"
+        spans = [f"{first}..{first + b - a - 1}" for first, (a, b) in zip(self.chunk_first, self.chunk_slices)]
+        return f"stage {self.stage} of {self.num_stages}: layers {', '.join(spans)}"
 
 
 __all__ = ["PipelineModule", "uniform_boundaries"]

@@ -23,55 +23,100 @@ from .pipeline import PipelineModule
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8]
 _HEADER = 10  # dtype index, number of dims, up to 8 dims
-_TAG_HEADER, _TAG_ACTIVATION, _TAG_GRADIENT = 1, 2, 3
+_TAG_HEADER, _TAG_ACTIVATION, _TAG_GRADIENT = 1000, 2000, 3000  # + the receiving chunk
 
 
 class _Links:
-    """Sends and receives to the previous and next stage of this rank's pipeline group."""
+    """Sends and receives between this rank's chunks and their neighbours in the pipeline group.
+
+    Global chunk ``g = c * P + r`` (local chunk c on pipeline rank r) feeds ``g + 1``: rank ``r + 1``,
+    chunk c, or from the last rank rank 0, chunk ``c + 1``. Tags name the receiving chunk and the
+    direction, so messages between two ranks match in order per chunk."""
 
     def __init__(self, module: PipelineModule) -> None:
         pp = module.pp
-        ranks = [dist.get_global_rank(pp.group, r) if pp.group is not None else r for r in range(pp.size)]
-        self.prev = ranks[module.stage - 1] if module.stage > 0 else None
-        self.next = ranks[module.stage + 1] if module.stage + 1 < pp.size else None
-        self.last = ranks[-1]
+        self.ranks = [dist.get_global_rank(pp.group, r) if pp.group is not None else r for r in range(pp.size)]
+        self.rank, self.P, self.v = module.stage, pp.size, module.virtual_stages
         self.group = pp.group
         self.in_flight: list[tuple[Any, torch.Tensor]] = []  # isends and their buffers, until the batch ends
 
+    def first(self, chunk: int) -> bool:
+        return self.rank == 0 and chunk == 0
+
+    def last(self, chunk: int) -> bool:
+        return self.rank == self.P - 1 and chunk == self.v - 1
+
+    def _after(self, chunk: int) -> tuple[int, int]:
+        return (self.rank + 1, chunk) if self.rank + 1 < self.P else (0, chunk + 1)
+
+    def _before(self, chunk: int) -> tuple[int, int]:
+        return (self.rank - 1, chunk) if self.rank > 0 else (self.P - 1, chunk - 1)
+
     def _send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         tensor = tensor.contiguous()
-        self.in_flight.append((dist.isend(tensor, peer, group=self.group, tag=tag), tensor))
+        self.in_flight.append((dist.isend(tensor, self.ranks[peer], group=self.group, tag=tag), tensor))
 
-    def send_forward(self, activation: torch.Tensor) -> None:
+    def send_forward(self, activation: torch.Tensor, chunk: int) -> None:
         if activation.dim() > _HEADER - 2 or activation.dtype not in _DTYPES:
             raise ValueError(f"pipeline stage output of shape {tuple(activation.shape)} and dtype {activation.dtype} "
                              f"cannot be sent: up to {_HEADER - 2} dims of {_DTYPES}")
         header = torch.zeros(_HEADER, dtype=torch.int64)
         header[0], header[1] = _DTYPES.index(activation.dtype), activation.dim()
         header[2:2 + activation.dim()] = torch.tensor(activation.shape)
-        self._send(header, self.next, _TAG_HEADER)
-        self._send(activation.detach(), self.next, _TAG_ACTIVATION)
+        peer, to_chunk = self._after(chunk)
+        self._send(header, peer, _TAG_HEADER + to_chunk)
+        self._send(activation.detach(), peer, _TAG_ACTIVATION + to_chunk)
 
-    def recv_forward(self) -> torch.Tensor:
+    def recv_forward(self, chunk: int) -> torch.Tensor:
+        peer = self.ranks[self._before(chunk)[0]]
         header = torch.empty(_HEADER, dtype=torch.int64)
-        dist.recv(header, self.prev, group=self.group, tag=_TAG_HEADER)
-        shape = header[2:2 + int(header[1])].tolist()
-        out = torch.empty(shape, dtype=_DTYPES[int(header[0])])
-        dist.recv(out, self.prev, group=self.group, tag=_TAG_ACTIVATION)
+        dist.recv(header, peer, group=self.group, tag=_TAG_HEADER + chunk)
+        out = torch.empty(header[2:2 + int(header[1])].tolist(), dtype=_DTYPES[int(header[0])])
+        dist.recv(out, peer, group=self.group, tag=_TAG_ACTIVATION + chunk)
         return out
 
-    def send_backward(self, grad: torch.Tensor) -> None:
-        self._send(grad, self.prev, _TAG_GRADIENT)
+    def send_backward(self, grad: torch.Tensor, chunk: int) -> None:
+        peer, to_chunk = self._before(chunk)
+        self._send(grad, peer, _TAG_GRADIENT + to_chunk)
 
-    def recv_backward(self, like: torch.Tensor) -> torch.Tensor:
+    def recv_backward(self, like: torch.Tensor, chunk: int) -> torch.Tensor:
         grad = torch.empty_like(like)
-        dist.recv(grad, self.next, group=self.group, tag=_TAG_GRADIENT)
+        dist.recv(grad, self.ranks[self._after(chunk)[0]], group=self.group, tag=_TAG_GRADIENT + chunk)
         return grad
 
     def finish(self) -> None:
         for work, _ in self.in_flight:
             work.wait()
         self.in_flight.clear()
+
+
+def schedule(num_stages: int, stage: int, micro_batches: int, virtual_stages: int = 1) -> list[tuple[str, int, int]]:
+    """This stage's operations in order: ``("F" | "B", micro-batch, local chunk)``.
+
+    One chunk per rank: 1F1B. Several (Megatron's interleaved schedule): forwards go P micro-batches
+    at a time through chunk 0, then chunk 1, ...; backwards the same way from the last chunk; the
+    warm-up is ``2 (P - s - 1) + (v - 1) P`` forwards."""
+    P, m, v = num_stages, micro_batches, virtual_stages
+    if v == 1:
+        forwards = [(i, 0) for i in range(m)]
+        backwards = list(forwards)
+        warmup = min(P - stage - 1, m)
+    else:
+        if m % P:
+            raise ValueError(f"the interleaved schedule needs gradient_accumulation_steps ({m}) to be a multiple of "
+                             f"the pipeline size ({P})")
+        total = m * v
+
+        def micro(k: int) -> int:
+            return (k // (P * v)) * P + k % P
+        forwards = [(micro(k), (k // P) % v) for k in range(total)]
+        backwards = [(micro(k), v - 1 - (k // P) % v) for k in range(total)]
+        warmup = min(2 * (P - stage - 1) + (v - 1) * P, total)
+    ops = [("F", *forwards[k]) for k in range(warmup)]
+    for k in range(len(forwards) - warmup):
+        ops += [("F", *forwards[warmup + k]), ("B", *backwards[k])]
+    ops += [("B", *backwards[k]) for k in range(len(forwards) - warmup, len(forwards))]
+    return ops
 
 
 def train_batch(engine: Any, module: PipelineModule, data_iter: Iterator[Any]) -> torch.Tensor:
@@ -82,41 +127,39 @@ def train_batch(engine: Any, module: PipelineModule, data_iter: Iterator[Any]) -
     if engine.micro_steps % m:
         raise ValueError(f"train_batch() on rank {engine.dp.rank} after {engine.micro_steps} micro-steps: a "
                          f"batch must start at a gradient-accumulation boundary (every {m})")
+    if module.virtual_stages > 1 and engine._partition.stage >= 2:
+        raise ValueError(f"virtual_stages {module.virtual_stages} with ZeRO stage {engine._partition.stage}: the "
+                         f"interleaved schedule runs with ZeRO stages 0-1 (at stage 2 every chunk's backward would "
+                         f"reduce every gradient group)")
     links = _Links(module)
     micro = [next(data_iter) for _ in range(m)]
-    held: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+    held: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
     losses: list[torch.Tensor] = []
-
-    def forward(i: int) -> None:
-        x = micro[i][0] if module.is_first else links.recv_forward().requires_grad_()
-        out = engine(x)
-        if module.is_last:
-            out = module.loss_fn(out, micro[i][1])
-            losses.append(out.detach())
-        else:
-            links.send_forward(out)
-        held[i] = (None if module.is_first else x, out)
-
-    def backward(i: int) -> None:
-        x, out = held.pop(i)
-        engine.backward_stage(out, None if module.is_last else links.recv_backward(out))
+    ops = schedule(module.num_stages, module.stage, m, module.virtual_stages)
+    last_backward = max(i for i, op in enumerate(ops) if op[0] == "B")
+    for at, (kind, i, chunk) in enumerate(ops):
+        if kind == "F":
+            x = micro[i][0] if links.first(chunk) else links.recv_forward(chunk).requires_grad_()
+            out = engine(x, chunk=chunk)
+            if links.last(chunk):
+                out = module.loss_fn(out, micro[i][1])
+                losses.append(out.detach())
+            else:
+                links.send_forward(out, chunk)
+            held[(i, chunk)] = (None if links.first(chunk) else x, out)
+            continue
+        x, out = held.pop((i, chunk))
+        engine.backward_stage(out, None if links.last(chunk) else links.recv_backward(out, chunk),
+                              reduce=at == last_backward)
         if x is not None:  # before the step: the last one's norm waits for every stage's gradients
-            links.send_backward(x.grad)
-        engine.step()
-
-    warmup = min(module.num_stages - module.stage - 1, m)
-    for i in range(warmup):
-        forward(i)
-    for i in range(m - warmup):
-        forward(warmup + i)
-        backward(i)
-    for i in range(m - warmup, m):
-        backward(i)
+            links.send_backward(x.grad, chunk)
+        if chunk == 0:  # this micro-batch's last backward on this rank
+            engine.step()
     links.finish()
     loss = torch.stack(losses).mean() if losses else torch.zeros(())
     if module.num_stages > 1:  # the last stage has it; every stage returns it
-        dist.broadcast(loss, links.last, group=module.pp.group)
+        dist.broadcast(loss, links.ranks[-1], group=module.pp.group)
     return loss
 
 
-__all__ = ["train_batch"]
+__all__ = ["schedule", "train_batch"]
