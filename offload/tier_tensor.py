@@ -129,7 +129,7 @@ class FileTierTensor:
             raise OSError(err.errno, f"cannot reserve {self.nbytes} bytes in {tier.directory}: "
                                      f"{os.strerror(err.errno)}") from None
         self._writes: list[concurrent.futures.Future] = []
-        _pwrite(self.fd, _host(t), 0)
+        _pwrite(self.fd, [_host(t)], 0)
 
     def read(self, a: int, b: int, out: torch.Tensor | None = None) -> _FileRead:
         writes = list(self._writes)
@@ -149,7 +149,7 @@ class FileTierTensor:
         self._writes = [w for w in self._writes if not w.done()]
         if len(self._writes) >= self.max_writes:
             self._writes.pop(0).result()
-        self._writes.append(self.tier.write_pool.submit(_pwrite, self.fd, _host(values), at * self.itemsize))
+        self._writes.append(self.tier.write_pool.submit(_pwrite, self.fd, [_host(values)], at * self.itemsize))
 
     def close(self) -> None:
         for w in self._writes:
@@ -168,7 +168,11 @@ def _host(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).contiguous() if t.device.type == "cpu" else t.detach().reshape(-1).to("cpu")
 
 
-def _pwrite(fd: int, host: torch.Tensor, offset: int) -> None:
+def _pwrite(fd: int, holder: list[torch.Tensor], offset: int) -> None:
+    """Write ``holder``'s one tensor at ``offset``. The tensor comes in a list that this empties, so nothing
+    holds the buffer once the write returns (the pool's work item keeps its arguments until a moment after
+    the future completes, which kept a finished write's window buffer alive under load)."""
+    host = holder.pop()
     view = memoryview(host.view(torch.uint8).numpy())
     done = 0
     while done < view.nbytes:

@@ -151,9 +151,9 @@ class FileTier:
         stored.data = os.path.join(self.directory, f"{next(self._names)}.bin")
         host = t.detach().contiguous() if t.device.type == "cpu" else t.detach().to("cpu")
         if self._is_direct(stored):
-            stored.ready = self.write_pool.submit(direct_io.write, stored.data, host, self.ledger)
+            stored.ready = self.write_pool.submit(_direct_write, stored.data, [host], self.ledger)
         else:
-            stored.ready = self.write_pool.submit(_write, stored.data, host)
+            stored.ready = self.write_pool.submit(_write, stored.data, [host])
         return stored
 
     def _is_direct(self, stored: Stored) -> bool:
@@ -198,9 +198,15 @@ class FileTier:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def _write(path: str, host: torch.Tensor) -> None:
+def _write(path: str, holder: list[torch.Tensor]) -> None:
+    """Write ``holder``'s one tensor to ``path``, emptying ``holder`` (see ``tier_tensor._pwrite``)."""
+    host = holder.pop()
     with open(path, "wb") as f:
         f.write(memoryview(host.reshape(-1).view(torch.uint8).numpy()))
+
+
+def _direct_write(path: str, holder: list[torch.Tensor], ledger: Ledger) -> None:
+    direct_io.write(path, holder.pop(), ledger)
 
 
 def _remove_dead_directories(path: str) -> None:
