@@ -24,7 +24,7 @@ from torch import nn
 from ..checkpointing import checkpoint
 from ..comm import DataParallelGroup
 from ..parallel.groups import parallel_groups
-from ..parallel.mappings import copy_to_tensor, gather_last_dim, scatter_to_sequence
+from ..parallel.mappings import copy_to_tensor, gather_last_dim, sum_grad_over_tensor
 from ..parallel.overlap import all_gather_matmul
 from ..parallel.tensor_layers import (ColumnParallelLinear, RowParallelLinear, SequenceParallelLayerNorm,
                                       VocabParallelEmbedding, mark_tensor_parallel, vocab_parallel_cross_entropy)
@@ -88,7 +88,8 @@ class TensorParallelGPT(nn.Module):
                              f"got dropout {cfg.dropout}")
         self.config, self.tp = cfg, tp if tp is not None else parallel_groups().tensor
         self.sequence_parallel, self.overlap_chunks = sequence_parallel, overlap_chunks
-        self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, tp=self.tp)
+        self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, sequence_parallel=sequence_parallel,
+                                          tp=self.tp)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.blocks = nn.ModuleList(TensorParallelBlock(cfg, self.tp, sequence_parallel, overlap_chunks)
                                     for _ in range(cfg.n_layer))
@@ -120,10 +121,7 @@ class TensorParallelGPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``(batch, seq, vocab)`` (gathered), or the mean cross entropy if ``targets`` is given."""
         b, t = idx.shape
-        pos = torch.arange(t, device=idx.device)
-        x = self.wte(idx.t()) + self.wpe(pos).unsqueeze(1)  # (t, b, d)
-        if self.sequence_parallel:
-            x = scatter_to_sequence(x, self.tp)  # (t/T, b, d)
+        x = embed(self, idx)  # (t, b, d), or (t/T, b, d) sequence-parallel
         replay = self.config.checkpoint_blocks and self.training and torch.is_grad_enabled()
         for block in self.blocks:
             x = checkpoint(block, x) if replay else block(x)
@@ -139,6 +137,22 @@ class TensorParallelGPT(nn.Module):
         return losses.mean()
 
 
+def embed(owner: Any, idx: torch.Tensor) -> torch.Tensor:
+    """Token and position embeddings of ``idx`` (b, t) as ``(t, b, d)``; with sequence parallelism this rank's
+    ``(t/T, b, d)``: the token table's partial sums are reduce-scattered, and the positions looked up for this
+    slice only (their table's gradient is then summed over the tensor group)."""
+    t = idx.shape[1]
+    pos = torch.arange(t, device=idx.device)
+    if not owner.sequence_parallel:
+        return owner.wte(idx.t()) + owner.wpe(pos).unsqueeze(1)
+    if t % owner.tp.size:
+        raise ValueError(f"sequence parallelism on tensor rank {owner.tp.rank}: sequence length {t} does not split "
+                         f"into {owner.tp.size} equal parts")
+    per = t // owner.tp.size
+    mine = pos[owner.tp.rank * per:(owner.tp.rank + 1) * per]
+    return owner.wte(idx.t()) + F.embedding(mine, sum_grad_over_tensor(owner.wpe.weight, owner.tp)).unsqueeze(1)
+
+
 class TensorParallelEmbedding(nn.Module):
     """Pipeline layer 0 of the tensor-parallel GPT: ids ``(b, t)`` -> ``(t, b, d)`` (``(t/T, b, d)`` with
     sequence parallelism)."""
@@ -148,8 +162,7 @@ class TensorParallelEmbedding(nn.Module):
         self.wte, self.wpe, self.tp, self.sequence_parallel = gpt.wte, gpt.wpe, gpt.tp, gpt.sequence_parallel
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.wte(idx.t()) + self.wpe(torch.arange(idx.shape[1], device=idx.device)).unsqueeze(1)
-        return scatter_to_sequence(x, self.tp) if self.sequence_parallel else x
+        return embed(self, idx)
 
 
 class TensorParallelHead(nn.Module):

@@ -117,9 +117,13 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp: DataParallelGroup | None = None) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, sequence_parallel: bool = False,
+                 tp: DataParallelGroup | None = None) -> None:
+        """``sequence_parallel``: ids are ``(seq, ...)`` and each rank gets its slice of the sequence, by one
+        reduce-scatter (half the bytes of the all-reduce that would give every rank the whole)."""
         super().__init__()
         self.tp = tp if tp is not None else parallel_groups().tensor
+        self.sequence_parallel = sequence_parallel
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.per_rank = _divide(num_embeddings, self.tp.size, "VocabParallelEmbedding num_embeddings")
         self.start = self.tp.rank * self.per_rank
@@ -127,13 +131,15 @@ class VocabParallelEmbedding(nn.Module):
         nn.init.normal_(self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """``ids`` of any shape -> ``ids.shape + (dim,)``, whole on every rank."""
+        """``ids`` of any shape -> ``ids.shape + (dim,)``, whole on every rank (or this rank's sequence slice)."""
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.start
         outside = (local < 0) | (local >= self.per_rank)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_sequence(out, self.tp)
         return reduce_from_tensor(out, self.tp)
 
     def load_dense(self, weight: torch.Tensor) -> None:
