@@ -30,6 +30,7 @@ from zeroplus.offload.tiers import make_tier
 from zeroplus.optim.build import adopt_client_optimizer, build_optimizer, would_fuse
 from zeroplus.optim.schedulers import build_scheduler
 from zeroplus.parallel.groups import ParallelGroups, init_parallel
+from zeroplus.parallel.moe import is_expert
 from zeroplus.parallel.tensor_layers import is_tensor_parallel
 from zeroplus.parallel.topology import check_supported
 from zeroplus.zero import ShardedStep, ZeroPartition
@@ -124,6 +125,11 @@ def build_engine(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, accel: Ac
             raise ConfigError(f"config key 'zeroplus.parallel' on rank {parallel.global_rank}: {err}") from None
         if parallel.topology.pipeline > 1:
             _check_pipeline(model, cfg, parallel)
+        if parallel.expert.size > 1 and any(is_expert(p) for p in model.parameters()):
+            raise ConfigError(f"config key 'zeroplus.parallel.expert' is {parallel.expert.size} and the model has "
+                              f"expert parameters (zeroplus.parallel.MoE): partitioning them over the expert-data "
+                              f"group is not built yet (rank {parallel.global_rank}); the MoE layer runs outside "
+                              f"the engine so far")
     if optimizer is not None and cfg.optimizer is not None:
         raise ConfigError("an optimizer was passed to initialize() and the config has an 'optimizer' block; "
                           "give one or the other")

@@ -22,7 +22,6 @@ replicated parameter once, not T times. Memory per rank: 1/T of each split weigh
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Any
 
 import torch
@@ -32,22 +31,20 @@ from torch import nn
 
 from ..comm import DataParallelGroup
 from .groups import parallel_groups
+from .registry import ParameterSet
 from .mappings import all_reduce, copy_to_tensor, reduce_from_tensor, reduce_scatter_sequence, sum_grad_over_tensor
 from .overlap import all_gather_matmul, matmul_reduce_scatter
 
-_SPLIT: dict[int, weakref.ref] = {}  # id -> the parameter (tensors compare by value, so not a WeakSet)
+_SPLIT = ParameterSet()
 
 
 def mark_tensor_parallel(param: torch.Tensor) -> torch.Tensor:
     """Record that ``param`` holds this rank's slice of a tensor split over the tensor group."""
-    key = id(param)
-    _SPLIT[key] = weakref.ref(param, lambda _: _SPLIT.pop(key, None))
-    return param
+    return _SPLIT.add(param)
 
 
 def is_tensor_parallel(param: torch.Tensor) -> bool:
-    ref = _SPLIT.get(id(param))
-    return ref is not None and ref() is param
+    return param in _SPLIT
 
 
 def _divide(total: int, parts: int, what: str) -> int:
