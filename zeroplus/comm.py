@@ -41,9 +41,11 @@ class Handle:
             return
         if self._work is not None:
             self._work.wait()
+            self._work = None  # the work object references its tensors: drop them with it
         self.done = True
         if self._on_done is not None:
             self._on_done()
+            self._on_done = None
 
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
