@@ -30,6 +30,7 @@ import torch
 
 from zeroplus.comm import DataParallelGroup
 from zeroplus.ledger import Category
+from zeroplus.parallel.topology import Topology
 from zeroplus.zero.flat_group import FlatParamGroup
 
 from . import checkpoint_io as io
@@ -139,9 +140,7 @@ def _world(engine: Engine) -> Any:
 
 def _topology(engine: Engine) -> dict[str, int]:
     par = engine.parallel
-    if par is None:
-        return {"world_size": engine.dp.size, "tensor": 1, "pipeline": 1, "expert": 1, "data": engine.dp.size}
-    return par.topology.to_dict()
+    return (par.topology if par is not None else Topology(engine.dp.size)).to_dict()
 
 
 def save_checkpoint(engine: Engine, save_dir: str, tag: str | None = None,

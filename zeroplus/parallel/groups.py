@@ -71,8 +71,8 @@ def init_parallel(spec: Any = None) -> ParallelGroups:
         from ..config import parse_config
         spec = parse_config(spec)[0]
     init_distributed_if_launched()
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    rank = dist.get_rank() if world > 1 or (dist.is_available() and dist.is_initialized()) else 0
+    launched = dist.is_available() and dist.is_initialized()
+    world, rank = (dist.get_world_size(), dist.get_rank()) if launched else (1, 0)
     tensor, pipeline, expert = _sizes(spec) if spec is not None else (1, 1, 1)
     topology = Topology(world, tensor, pipeline, expert)
     if _CURRENT is not None and _CURRENT.world_group is _world_group():
