@@ -34,6 +34,7 @@ from zeroplus.parallel.moe import is_expert
 from zeroplus.parallel.tensor_layers import is_tensor_parallel
 from zeroplus.parallel.topology import check_supported
 from zeroplus.zero import ShardedStep, ZeroPartition
+from zeroplus.zero.partition import ExpertSplit
 from zeroplus.zero.sharded_step import ModelParallelNorm
 
 from .engine import Engine
@@ -68,13 +69,23 @@ def _param_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     return [{"params": items}]
 
 
-def _broadcast_from_first(module: torch.nn.Module, dp: DataParallelGroup) -> None:
-    if dp.size == 1 or not dp.initialized:  # one rank, or the estimator's virtual group
-        return
-    src = dist.get_global_rank(dp.group, 0) if dp.group is not None else 0
+def _broadcast_from_first(module: torch.nn.Module, dp: DataParallelGroup, experts: ExpertSplit | None) -> None:
+    """Every rank starts from its group's first rank's values: the data group's, or for experts' tensors
+    (which differ between expert ranks) the expert-data group's."""
     with torch.no_grad():
         for t in list(module.parameters()) + list(module.buffers()):
-            dist.broadcast(t.data, src=src, group=dp.group)
+            group = experts.group if experts is not None and experts.holds(t) else dp
+            if group.size == 1 or not group.initialized:  # one rank, or the estimator's virtual group
+                continue
+            src = dist.get_global_rank(group.group, 0) if group.group is not None else 0
+            dist.broadcast(t.data, src=src, group=group.group)
+
+
+def _expert_split(parallel: ParallelGroups | None) -> ExpertSplit | None:
+    """Experts split over ranks: their parameters are partitioned over the expert-data group."""
+    if parallel is None or parallel.expert.size == 1:
+        return None
+    return ExpertSplit(parallel.expert_data, parallel.expert.rank, parallel.expert.size, is_expert)
 
 
 def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLike, *,
@@ -111,9 +122,10 @@ def build_engine(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, accel: Ac
     (``zeroplus/budget/simulate.py``), else None. ``parallel``: the tensor/pipeline/expert groups
     (``zeroplus/parallel/groups.py``) when the model is split beyond ``dp``."""
     model_parallel = parallel is not None and parallel.model.size > 1
+    split = model_parallel or (parallel is not None and parallel.expert.size > 1)  # beyond data parallelism
     resolve_batch(cfg, dp.size)
     resolve_auto(cfg, model, optimizer is not None)
-    if model_parallel and (_has_auto(cfg) or cfg.zeroplus.memory_budget is not None):
+    if split and (_has_auto(cfg) or cfg.zeroplus.memory_budget is not None):
         raise ConfigError(f"config key 'zeroplus.memory_budget' with {parallel.topology.describe()}: the memory "
                           f"estimate and planner cover data parallelism only so far; remove the budget and 'auto'")
     if simulated is None:
@@ -125,11 +137,6 @@ def build_engine(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, accel: Ac
             raise ConfigError(f"config key 'zeroplus.parallel' on rank {parallel.global_rank}: {err}") from None
         if parallel.topology.pipeline > 1:
             _check_pipeline(model, cfg, parallel)
-        if parallel.expert.size > 1 and any(is_expert(p) for p in model.parameters()):
-            raise ConfigError(f"config key 'zeroplus.parallel.expert' is {parallel.expert.size} and the model has "
-                              f"expert parameters (zeroplus.parallel.MoE): partitioning them over the expert-data "
-                              f"group is not built yet (rank {parallel.global_rank}); the MoE layer runs outside "
-                              f"the engine so far")
     if optimizer is not None and cfg.optimizer is not None:
         raise ConfigError("an optimizer was passed to initialize() and the config has an 'optimizer' block; "
                           "give one or the other")
@@ -140,13 +147,14 @@ def build_engine(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, accel: Ac
                           "give one or the other")
     _warn_inert_options(cfg)
     model_bytes = _device_bytes(model, accel)  # already there: they count as the engine's, as in the estimate
-    estimate_source = _estimate_source(model, cfg) if simulated is None and not model_parallel else None
+    estimate_source = _estimate_source(model, cfg) if simulated is None and not split else None
 
     dtype = compute_dtype(cfg)
     model.to(accel.device())
     if dtype != torch.float32:
         model.to(dtype)
-    _broadcast_from_first(model, dp)
+    experts = _expert_split(parallel)
+    _broadcast_from_first(model, dp, experts)
 
     groups = _param_groups(model, optimizer, model_parameters)
     group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
@@ -161,7 +169,7 @@ def build_engine(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, accel: Ac
                                   cfg.zeroplus.unit_modules, int(cfg.gradient_accumulation_steps),  # type: ignore
                                   shared_master=cfg.zeroplus.shared_master_weights,
                                   round_like_split=cfg.zeroplus.master_rounding == "like_shared",
-                                  param_offload=param_offload)
+                                  param_offload=param_offload, experts=experts)
     except OSError as err:  # writing the offloaded shards failed (a full disk)
         if param_offload is None:
             raise
@@ -191,15 +199,15 @@ def build_engine(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, accel: Ac
                        _optimizer_offload(cfg, accel, ledger, opt, sum(g.owned_numel for g in partition.groups)),
                        _virtual_states(cfg, accel, opt),
                        ModelParallelNorm(parallel.model, parallel.tensor.size, is_tensor_parallel)
-                       if model_parallel else None)
+                       if model_parallel else None, parallel.expert if experts is not None else None)
     log_rank0("%s; compute dtype %s; optimizer %s; micro-batch %s x accumulation %s x dp %d = batch %s",
               partition.describe().splitlines()[0], str(dtype).replace("torch.", ""), type(opt).__name__,
               cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, dp.size, cfg.train_batch_size)
-    if model_parallel:
+    if split:
         log_rank0("%s", parallel.describe())
         if cfg.zeroplus.memory_estimate:
-            log_rank0("memory estimate: not made for tensor- or pipeline-parallel models yet (the report shows "
-                      "what is measured)")
+            log_rank0("memory estimate: not made for tensor-, pipeline- or expert-parallel models yet (the report "
+                      "shows what is measured)")
     engine = Engine(model, cfg, partition, step, opt, scheduler, LossScaler(cfg.fp16), dp, ledger, accel,
                     rss_at_start - model_bytes, _activation_techniques(model, cfg, ledger, accel), estimate_source)
     engine.parallel = parallel

@@ -77,7 +77,7 @@ def rank_state(engine: Engine, client_state: dict[str, Any] | None) -> dict[str,
     part, opt, rank = engine._partition, engine.optimizer, engine.dp.rank
     groups: dict[str, Any] = {}
     for g in part.groups:
-        lo, hi = _nominal_range(g, rank)
+        lo, hi = _nominal_range(g, g.dp.rank)
         a, b = lo - g.owned_start, hi - g.owned_start
         sliced, whole = {}, {}
         for key, value in engine._step.state_of(g).items():
@@ -103,13 +103,25 @@ def rank_state(engine: Engine, client_state: dict[str, Any] | None) -> dict[str,
     }
 
 
+def _group_entries(engine: Engine) -> list[dict[str, Any]]:
+    """Each flat group's parameters and which rank file holds which range. Experts' groups differ between
+    expert ranks (their names carry ``@epE``): every rank's are gathered, so one metadata lists them all."""
+    entries = [{"name": g.name, "numel": g.numel,
+                "params": [[n, list(s), o] for n, s, o in zip(g.names, g.shapes, g.offsets)],
+                "ranges": [[g.file_ranks[r], *_nominal_range(g, r)] for r in range(g.dp.size)]}
+               for g in engine._partition.groups]
+    if not any(g.expert for g in engine._partition.groups):
+        return entries
+    merged: dict[str, dict[str, Any]] = {}
+    for rank_entries in engine.dp.all_gather_objects(entries):
+        for entry in rank_entries:
+            merged.setdefault(entry["name"], entry)
+    return list(merged.values())
+
+
 def _metadata(engine: Engine, tag: str, digests: list[str]) -> dict[str, Any]:
     part = engine._partition
-    groups = []
-    for g in part.groups:
-        groups.append({"name": g.name, "numel": g.numel,
-                       "params": [[n, list(s), o] for n, s, o in zip(g.names, g.shapes, g.offsets)],
-                       "ranges": [[r, *_nominal_range(g, r)] for r in range(engine.dp.size)]})
+    groups = _group_entries(engine)
     canonical = {id(p): n for n, p in engine.module.named_parameters()}
     aliases = {n: canonical[id(p)] for n, p in engine.module.named_parameters(remove_duplicate=False)
                if canonical[id(p)] != n}  # tied weights: every name the plain state_dict uses
@@ -184,13 +196,14 @@ def save_checkpoint(engine: Engine, save_dir: str, tag: str | None = None,
 
 def _open_part(engine: Engine, path: str, meta: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """The directory and metadata of this rank's model slice; refuses another tensor or pipeline size."""
-    saved = meta.get("topology", {"tensor": 1, "pipeline": 1})
+    saved = {"tensor": 1, "pipeline": 1, "expert": 1, **meta.get("topology", {})}
     ours = _topology(engine)
-    if (saved["tensor"], saved["pipeline"]) != (ours["tensor"], ours["pipeline"]):
-        raise ValueError(f"checkpoint {path} was saved with tensor {saved['tensor']} x pipeline {saved['pipeline']}; "
-                         f"this run (rank {engine.dp.rank}) has tensor {ours['tensor']} x pipeline "
-                         f"{ours['pipeline']}: loading across tensor or pipeline sizes is not supported (the data-"
-                         f"parallel size and ZeRO stage may differ)")
+    sizes = ("tensor", "pipeline", "expert")
+    if any(saved[k] != ours[k] for k in sizes):
+        raise ValueError(f"checkpoint {path} was saved with " + " x ".join(f"{k} {saved[k]}" for k in sizes)
+                         + f"; this run (rank {engine.dp.rank}) has " + " x ".join(f"{k} {ours[k]}" for k in sizes)
+                         + ": loading across tensor, pipeline or expert sizes is not supported (the data-parallel "
+                         "size and ZeRO stage may differ)")
     part = _model_part(engine)
     if not part:
         return path, meta
@@ -204,8 +217,10 @@ def _open_part(engine: Engine, path: str, meta: dict[str, Any]) -> tuple[str, di
 def _check_layout(engine: Engine, meta: dict[str, Any], path: str) -> None:
     """Same parameter names and shapes; otherwise an error listing the differences. (How they are
     grouped may differ: loading matches parameters by name.)"""
-    saved = {p[0]: tuple(p[1]) for g in meta["groups"] for p in g["params"]}
     ours = {n: tuple(s) for g in engine._partition.groups for n, s in zip(g.names, g.shapes)}
+    suffixes = {n[n.index("@ep"):] for n in ours if "@ep" in n}  # this rank's expert rank; others' are not ours
+    saved = {p[0]: tuple(p[1]) for g in meta["groups"] for p in g["params"]
+             if "@ep" not in p[0] or p[0][p[0].index("@ep"):] in suffixes}
     missing, unexpected = sorted(set(ours) - set(saved)), sorted(set(saved) - set(ours))
     shapes = sorted(f"{n}: checkpoint {saved[n]} vs model {ours[n]}" for n in set(ours) & set(saved)
                     if saved[n] != ours[n])

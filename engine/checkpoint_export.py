@@ -25,6 +25,11 @@ def load_fp32_state_dict(ckpt_dir: str, tag: str | None = None) -> dict[str, tor
         raise ValueError(f"checkpoint {path} holds a model split over tensor {top['tensor']} x pipeline "
                          f"{top['pipeline']} ranks (slices {meta['parts']}); consolidating the slices into one "
                          f"state dict is not supported yet: load it with the same tensor and pipeline sizes")
+    experts = sorted({p[0] for g in meta["groups"] for p in g["params"] if "@ep" in p[0]})
+    if experts:
+        raise ValueError(f"checkpoint {path} holds experts split over {meta['topology']['expert']} expert-parallel "
+                         f"ranks ({experts[0]}, ...); consolidating them into one state dict is not supported yet: "
+                         f"load it with the same expert-parallel size")
     files: dict[int, dict] = {}
     flats = {g["name"]: torch.zeros(g["numel"], dtype=torch.float32) for g in meta["groups"]}
     for rank_str, digest in sorted(meta["files"].items(), key=lambda kv: int(kv[0])):

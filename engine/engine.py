@@ -23,6 +23,7 @@ from zeroplus.config import ZeroplusConfig
 from zeroplus.ledger import Ledger
 from zeroplus.activations import SavedTensorRouter
 from zeroplus.memory_report import MemoryReport
+from zeroplus.parallel.moe import set_aux_grad_scale
 from zeroplus.zero import ShardedStep, ZeroPartition
 
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -129,6 +130,7 @@ class Engine:
         factor = self.loss_scaler.scale / self.gradient_accumulation_steps()
         reduce = self.is_gradient_accumulation_boundary() and not self._no_sync
         self._partition.begin_backward(reduce)
+        set_aux_grad_scale(factor)
         (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
         self._partition.end_backward()
         if not retain_graph:
@@ -140,8 +142,9 @@ class Engine:
         None; scaled as ``backward`` scales it), else from the gradient the next chunk sent. ``reduce``:
         this is the batch's last backward on this rank (gradients are reduced at its end)."""
         self._partition.begin_backward(reduce and not self._no_sync)
+        factor = self.loss_scaler.scale / self.gradient_accumulation_steps()
+        set_aux_grad_scale(factor)
         if grad is None:
-            factor = self.loss_scaler.scale / self.gradient_accumulation_steps()
             (output * factor if factor != 1.0 else output).backward()
         else:
             torch.autograd.backward(output, grad)

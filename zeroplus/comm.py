@@ -91,6 +91,15 @@ class DataParallelGroup:
         self._count("all_gather", output)
         return Handle(_all_gather(output, input, group=self.group, async_op=True), on_done)
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
+        """Chunk i of ``input`` (dim 0 in ``size`` equal parts) to rank i; chunk r of ``output`` from rank r."""
+        if self.size == 1:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return Handle(None)
+        self._count("all_to_all", input)
+        return Handle(dist.all_to_all_single(output, input, group=self.group, async_op=True))
+
     def max_flag(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is true on any rank (used for fp16 overflow)."""
         if self.size == 1:

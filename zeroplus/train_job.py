@@ -22,6 +22,7 @@ from zeroplus.config import parse_config
 from zeroplus.data import ByteBatches, corpus_description, read_corpus
 from zeroplus.models import GPT, gpt_config
 from zeroplus.models.gpt_tp import TensorParallelGPT
+from zeroplus.parallel.moe import is_expert
 
 logger = logging.getLogger("zeroplus.train")
 
@@ -31,6 +32,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", default=None, help="config JSON (default: configs/zero3_bf16.json)")
     p.add_argument("--data", default=None, help="text file or folder (default: the Python standard library)")
     p.add_argument("--size", default="small", help="built-in GPT size: tiny, small, medium, 111m")
+    p.add_argument("--experts", type=int, default=0,
+                   help="each block's MLP a top-2 mixture of this many experts (split over zeroplus.parallel.expert)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
@@ -47,10 +50,14 @@ def default_config_path() -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
-    model = GPT(gpt_config(args.size, block_size=max(args.seq_len, 64)))
-    n_params = sum(p.numel() for p in model.parameters())
     config = args.config or default_config_path()
-    parallel = zeroplus.init_parallel(config).topology  # before the model: its tensor-parallel form needs the group
+    parallel = zeroplus.init_parallel(config).topology  # before the model: its split layers need the groups
+    if parallel.expert > 1 and args.experts % parallel.expert:
+        raise SystemExit(f"zeroplus train: config {config} splits experts over {parallel.expert} ranks; give "
+                         f"--experts N with N a multiple of {parallel.expert} (got {args.experts})")
+    moe = dict(moe_experts=args.experts, moe_k=min(2, args.experts)) if args.experts else {}
+    model = GPT(gpt_config(args.size, block_size=max(args.seq_len, 64), **moe))
+    n_params = sum(p.numel() * (parallel.expert if is_expert(p) else 1) for p in model.parameters())  # all experts
     if parallel.tensor > 1:
         settings = parse_config(config)[0].zeroplus.parallel
         model = TensorParallelGPT.from_dense(model, sequence_parallel=settings.sequence_parallel,

@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 
+from tests.deepspeed_parity.ds_cpu import deepspeed_reference
 from tests.dist_helper import run_distributed
 from tests.models import ParityNet, make_batches
 from tests.reference import engine_train
@@ -39,7 +40,7 @@ def _steps(engine, first: int, last: int) -> list[float]:
 
 
 def _deepspeed(root: str) -> list[list[float]]:
-    import deepspeed
+    deepspeed = deepspeed_reference()
     out = []
     for stage, dtype in CASES:
         torch.manual_seed(0)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.deepspeed_parity.ds_cpu import deepspeed_reference
 from tests.dist_helper import run_distributed
 from tests.models import ParityNet, make_batches
 from tests.reference import engine_train
@@ -37,7 +38,7 @@ def _train(engine, rank: int, world: int) -> list[float]:
 
 
 def _deepspeed_runs(cases: list) -> list[list[float]]:
-    import deepspeed
+    deepspeed = deepspeed_reference()
     import torch.distributed as dist
     rank, world = dist.get_rank(), dist.get_world_size()
     out = []

@@ -8,7 +8,8 @@ plain model with ``torch.optim.AdamW`` accumulating the same 8 micro-batches per
 global norm. Checked: each batch's mean loss on every stage, the global gradient norm (summed over the
 stages), and every parameter after 3 steps, within fp32 tolerance; a failure names the stage, the
 ZeRO stage and the layer. Tensor x pipeline = 2 x 2: the tensor-parallel GPT (sequence parallel, 2
-overlap chunks) in 2 stages gives the single-process model's losses and gradient norms.
+overlap chunks) in 2 stages gives the single-process model's losses and gradient norms (the same
+4-rank run). ``zeroplus.estimate`` for each stage predicts the model-state peaks the ledger measured.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 import zeroplus
 from tests.dist_helper import run_distributed
 from tests.reference import clip_global_norm
+from zeroplus.ledger import Category
 from zeroplus.models import GPT, gpt_config
 from zeroplus.models.gpt_pipe import gpt_pipeline_layers, gpt_pipeline_loss, untie_head
 from zeroplus.models.gpt_tp import TensorParallelGPT, tensor_parallel_pipeline_layers
@@ -67,9 +69,11 @@ def _pipeline_job() -> list:
             for name, offset, shape in zip(g.names, g.offsets, g.shapes):
                 params[model.global_layer(name)] = full[offset:offset + shape.numel()].view(shape).clone()
         out.append({"losses": losses, "norms": norms, "params": params, "data_rank": d,
-                    "pipeline_stage": model.stage})
+                    "pipeline_stage": model.stage,
+                    "ledger": {c.value: engine.ledger.peak_bytes(c) for c in Category}})
         engine.destroy()
-    return out
+    zeroplus.parallel.reset_parallel()
+    return {"cases": out, "tensor_x_pipeline": _tp_pipeline_job()}
 
 
 def _reference() -> tuple[list[list[float]], list[float], dict[str, torch.Tensor]]:
@@ -94,8 +98,14 @@ def _reference() -> tuple[list[list[float]], list[float], dict[str, torch.Tensor
     return losses, norms, {n: p.detach() for n, p in layers.named_parameters()}
 
 
-def test_data_x_pipeline_1f1b_and_interleaved_match_the_single_process_model():
-    ranks = run_distributed(_pipeline_job, 4)
+@pytest.fixture(scope="module")
+def pipeline_ranks() -> list:
+    """One 4-rank run: the data x pipeline cases, then tensor x pipeline."""
+    return run_distributed(_pipeline_job, 4)
+
+
+def test_data_x_pipeline_1f1b_and_interleaved_match_the_single_process_model(pipeline_ranks):
+    ranks = [r["cases"] for r in pipeline_ranks]
     ref_losses, ref_norms, ref_params = _reference()
     assert ref_norms[0] > CLIP
     for rank, results in enumerate(ranks):
@@ -108,8 +118,21 @@ def test_data_x_pipeline_1f1b_and_interleaved_match_the_single_process_model():
             for name, value in got["params"].items():  # Adam: rounding noise decides near-zero gradients' updates
                 torch.testing.assert_close(value, ref_params[name], rtol=1e-4, atol=LR / 10,
                                            msg=lambda m, n=name: f"{where}, {n}: {m}")
+            if got["data_rank"] == 0:  # data rank 1 holds the same shapes
+                _check_estimate(got["ledger"], zero_stage, virtual, rank, where)
     held = set().union(*(set(r[0]["params"]) for r in ranks))
     assert held == set(ref_params), "the stages together hold every layer"
+
+
+def _check_estimate(measured: dict[str, int], stage: int, virtual: int, rank: int, where: str) -> None:
+    """``zeroplus.estimate`` of this rank (its stage's layers over its data group of 2, the real 1F1B or
+    interleaved schedule with simulated sends) predicts the model-state peaks the ledger measured."""
+    budget = zeroplus.estimate(lambda: PipelineModule(gpt_pipeline_layers(_gpt()), gpt_pipeline_loss,
+                                                      virtual_stages=virtual),
+                               _config(stage), world_size=4, rank=rank, seq_len=SEQ)
+    for category in ("param", "param_gathered", "master", "optim_state", "grad"):
+        assert budget.category_peaks[category] == measured[category], \
+            f"{where}: {category} predicted {budget.category_peaks[category]}, measured {measured[category]}"
 
 
 def _tp_pipeline_job() -> dict:
@@ -128,8 +151,8 @@ def _tp_pipeline_job() -> dict:
     return {"losses": losses, "norms": norms, "tensor_rank": parallel.tensor.rank}
 
 
-def test_tensor_x_pipeline_matches_the_single_process_model():
-    ranks = run_distributed(_tp_pipeline_job, 4)
+def test_tensor_x_pipeline_matches_the_single_process_model(pipeline_ranks):
+    ranks = [r["tensor_x_pipeline"] for r in pipeline_ranks]
     model, batches = _gpt(), _batches()  # the reference: data rank 0's micro-batches only (data size 1)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     losses, norms = [], []

@@ -7,7 +7,9 @@ gradients exceed (so a norm that counted the replicated norms and biases twice w
 update). Checked per case: the losses rank 0 reports, the global gradient norm, and every
 parameter slice after training, within fp32 tolerance; the overlapped sequence-parallel path
 (2 chunks) equal to the plain one (1 chunk), bit for bit. A failure names the case (ZeRO stage,
-sequence parallel, chunks) and the parameter.
+sequence parallel, chunks) and the parameter. ``zeroplus.estimate`` for each rank of the topology
+predicts the model-state peaks the engine's ledger measured, exactly. A checkpoint resumes bit-exact
+at 2 x 2 and is refused at tensor 1.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 import zeroplus
 from tests.dist_helper import run_distributed
 from tests.reference import clip_global_norm, engine_train
+from zeroplus.ledger import Category
 from zeroplus.models import GPT, gpt_config
 from zeroplus.models.gpt_tp import TensorParallelGPT
 
@@ -67,7 +70,8 @@ def _tp_job() -> list:
         losses = engine_train(engine, _batches(2 * STEPS), STEPS, parallel.data.rank, 2, 1,
                               on_step=lambda: norms.append(engine.get_global_grad_norm()))
         results.append({"losses": losses, "norms": norms, "params": _local_params(engine),
-                        "tensor_rank": parallel.tensor.rank})
+                        "tensor_rank": parallel.tensor.rank,
+                        "ledger": {c.value: engine.ledger.peak_bytes(c) for c in Category}})
         engine.destroy()
     return results
 
@@ -115,6 +119,8 @@ def test_data_x_tensor_parallel_matches_the_single_process_model():
                 # noise (rows of bytes the batches never use) rounding picks its update: lr / 10 absolute
                 torch.testing.assert_close(got["params"][name], value, rtol=1e-4, atol=LR / 10,
                                            msg=lambda m, n=name: f"case {case}, rank {rank}, {n}: {m}")
+            if rank < 2:  # data rank 1 holds the same shapes
+                _check_estimate(got["ledger"], case, rank)
     plain, overlapped = CASES.index((3, True, 1)), CASES.index((3, True, 2))
     for rank, results in enumerate(ranks):
         assert results[plain]["losses"] == results[overlapped]["losses"], f"rank {rank}: overlap changed the losses"
@@ -122,37 +128,55 @@ def test_data_x_tensor_parallel_matches_the_single_process_model():
             assert torch.equal(value, results[overlapped]["params"][name]), f"rank {rank}: overlap changed {name}"
 
 
-def _save_resume(path: str, resume: bool, tensor: int) -> dict:
-    """Train 2 steps and save (or load the save and train 2 more) at data x tensor = 2 x ``tensor``."""
+def _check_estimate(measured: dict[str, int], case: tuple, rank: int) -> None:
+    """``zeroplus.estimate`` of this rank (its tensor slice, partitioned over its data group of 2) predicts
+    the model-state peaks the engine's ledger measured, byte for byte."""
+    stage, sp, chunks = case
+    budget = zeroplus.estimate(lambda: TensorParallelGPT(gpt_config("tiny", block_size=SEQ), sequence_parallel=sp,
+                                                         overlap_chunks=chunks),
+                               _config(stage, sp, chunks), world_size=4, rank=rank, seq_len=SEQ)
+    for category in ("param", "param_gathered", "master", "optim_state", "grad"):
+        assert budget.category_peaks[category] == measured[category], \
+            f"case {case}, rank {rank}: {category} predicted {budget.category_peaks[category]}, measured " \
+            f"{measured[category]}"
+
+
+def _tp_engine(tensor: int):
     cfg = _config(2, True, 1)
     cfg["zeroplus"]["parallel"]["tensor"] = tensor
     parallel = zeroplus.init_parallel(cfg)
-    engine = zeroplus.initialize(TensorParallelGPT.from_dense(_gpt(), sequence_parallel=True), cfg)
+    return zeroplus.initialize(TensorParallelGPT.from_dense(_gpt(), sequence_parallel=True), cfg), parallel
+
+
+def _save_resume(path: str) -> dict:
+    """At data x tensor = 2 x 2: train 2 steps, save, train 2 more; a new engine loads the save and trains
+    the same 2; then at data 4 x tensor 1 loading is refused."""
     batches = _batches(2 * STEPS)
-    if not resume:
-        losses = engine_train(engine, batches, 2, parallel.data.rank, 2, 1)
-        engine.save_checkpoint(path)
-        losses += engine_train(engine, batches, 2, parallel.data.rank, 2, 1, start=2)
-        return {"losses": losses}
-    try:
+    engine, parallel = _tp_engine(2)
+    straight = engine_train(engine, batches, 2, parallel.data.rank, 2, 1)
+    engine.save_checkpoint(path)
+    straight += engine_train(engine, batches, 2, parallel.data.rank, 2, 1, start=2)
+    engine.destroy()
+    engine, _ = _tp_engine(2)
+    engine.load_checkpoint(path)
+    resumed = engine_train(engine, batches, 2, parallel.data.rank, 2, 1, start=2)
+    engine.destroy()
+    zeroplus.parallel.reset_parallel()
+    engine, _ = _tp_engine(1)
+    with pytest.raises(ValueError) as refused:
         engine.load_checkpoint(path)
-    except ValueError as err:
-        return {"error": str(err)}
-    return {"losses": engine_train(engine, batches, 2, parallel.data.rank, 2, 1, start=2)}
+    return {"straight": straight, "resumed": resumed, "error": str(refused.value)}
 
 
 def test_tensor_parallel_checkpoint_resumes_and_refuses_another_tensor_size(tmp_path):
     path = str(tmp_path / "ckpt")
-    straight = run_distributed(_save_resume, 4, path, False, 2)
+    ranks = run_distributed(_save_resume, 4, path)
     with open(f"{path}/latest") as f:
         meta = json.load(open(f"{path}/{f.read()}/metadata.json"))
     assert meta["topology"]["tensor"] == 2 and meta["parts"] == ["tp00_pp00", "tp01_pp00"]
-    resumed = run_distributed(_save_resume, 4, path, True, 2)
-    for rank in range(4):
-        assert resumed[rank]["losses"] == straight[rank]["losses"][2:], f"rank {rank}: resume is not bit-exact"
-    refused = run_distributed(_save_resume, 2, path, True, 1)
-    assert all("saved with tensor 2 x pipeline 1" in r["error"] and "tensor 1 x pipeline 1" in r["error"]
-               for r in refused), refused
+    for rank, got in enumerate(ranks):
+        assert got["resumed"] == got["straight"][2:], f"rank {rank}: resume is not bit-exact"
+        assert "saved with tensor 2 x pipeline 1" in got["error"] and "tensor 1 x pipeline 1" in got["error"], got
 
 
 def _partitioned(partition: bool) -> dict:
@@ -164,11 +188,17 @@ def _partitioned(partition: bool) -> dict:
     engine = zeroplus.initialize(TensorParallelGPT.from_dense(dense), cfg)
     losses = engine_train(engine, _batches(STEPS), STEPS, 0, 1, 1)
     kept = engine.memory_report().saved.get("partition_activations/activation", {}).get("peak_bytes", 0)
-    return {"losses": losses, "params": _local_params(engine), "not_held": kept}
+    out = {"losses": losses, "params": _local_params(engine), "not_held": kept}
+    engine.destroy()
+    return out
+
+
+def _partitioned_off_and_on() -> list[dict]:
+    return [_partitioned(False), _partitioned(True)]
 
 
 def test_partition_activations_keeps_half_of_each_checkpointed_input_per_tensor_rank():
-    off, on = run_distributed(_partitioned, 2, False), run_distributed(_partitioned, 2, True)
+    off, on = (list(runs) for runs in zip(*run_distributed(_partitioned_off_and_on, 2)))
     # each block's input is (seq, micro, dim) fp32, whole on both tensor ranks: each keeps half
     per_input = SEQ * MICRO * gpt_config("tiny").n_embd * 4
     for rank in range(2):

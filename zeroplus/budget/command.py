@@ -5,7 +5,11 @@
 
 ``--model`` is a built-in GPT size (``tiny``, ``small``, ``medium``, ``111m``) or
 ``module:factory``, a function of no arguments returning the model; it is called on the meta
-device, so nothing is allocated. With ``--seq-len`` (token ids of ``--micro-batch-size`` x
+device, so nothing is allocated. With tensor, pipeline or expert sizes in the config's
+``zeroplus.parallel`` it is called as rank ``--rank`` would call it, with that rank's groups
+(``virtual_parallel.py``): the built-in GPT is then its tensor-parallel form, its pipeline stage,
+and takes its experts (``--experts N`` gives it MoE blocks); a factory's tensor-parallel layers,
+``PipelineModule`` and MoE layers take their slice the same way. With ``--seq-len`` (token ids of ``--micro-batch-size`` x
 ``--seq-len``; the config's micro-batch by default) it prints the full budget of
 ``estimate.py``: per phase (init, forward, backward, step) and category, the peak and its phase.
 Without it, only the model states (``model_states.py``): activations depend on the input.
@@ -27,11 +31,17 @@ from .model_states import model_state_bytes
 from .planner import auto_keys, plan
 
 
-def _builder(spec: str) -> Callable[[], Any]:
-    from ..models import GPT, gpt_config
+def _builder(spec: str, config: str, experts: int = 0) -> Callable[[], Any]:
+    from ..models import gpt_config
+    from ..models.split import split_gpt
     if ":" not in spec:
+        moe = dict(moe_experts=experts, moe_k=min(2, experts)) if experts else {}
         gpt_config(spec)  # raises ValueError naming the known sizes
-        return lambda: GPT(gpt_config(spec))
+        par = parse_config(config)[0].zeroplus.parallel
+        return lambda: split_gpt(gpt_config(spec, **moe), sequence_parallel=par.sequence_parallel,
+                                 overlap_chunks=par.overlap_chunks)
+    if experts:
+        raise ValueError(f"--experts is for the built-in GPT; {spec!r} builds its own model")
     module_name, factory = spec.split(":", 1)
     try:
         return getattr(importlib.import_module(module_name), factory)
@@ -44,7 +54,9 @@ def main(argv: list[str]) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
     p.add_argument("--config", required=True, help="DeepSpeed-style JSON config")
-    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True, help="all ranks (data x tensor x pipeline)")
+    p.add_argument("--experts", type=int, default=0,
+                   help="built-in GPT: each block's MLP a top-2 mixture of this many experts")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--seq-len", type=int, help="sequence length of one micro-batch (the full budget)")
     p.add_argument("--micro-batch-size", type=int, help="default: the config's train_micro_batch_size_per_gpu")
@@ -59,7 +71,8 @@ def main(argv: list[str]) -> int:
     try:
         if args.seq_len is not None:
             return _full_budget(args)
-        predicted = model_state_bytes(_builder(args.model), args.config, args.world_size, args.rank)
+        build = _builder(args.model, args.config, args.experts)
+        predicted = model_state_bytes(build, args.config, args.world_size, args.rank)
     except (ValueError, ConfigError) as err:
         print(f"zeroplus estimate: {err}", file=sys.stderr)
         return 2
@@ -75,14 +88,14 @@ def main(argv: list[str]) -> int:
 
 
 def _full_budget(args: argparse.Namespace) -> int:
-    chosen = None
+    chosen, build = None, _builder(args.model, args.config, args.experts)
     if args.budget is not None or auto_keys(parse_config(args.config)[0]):
-        chosen = plan(_builder(args.model), args.config, world_size=args.world_size, budget=args.budget,
+        chosen = plan(build, args.config, world_size=args.world_size, budget=args.budget,
                       rank=args.rank, micro_batch_size=args.micro_batch_size, seq_len=args.seq_len,
                       log=None if args.json else print)
         budget = chosen.budget
     else:
-        budget = estimate(_builder(args.model), args.config, world_size=args.world_size, rank=args.rank,
+        budget = estimate(build, args.config, world_size=args.world_size, rank=args.rank,
                           micro_batch_size=args.micro_batch_size, seq_len=args.seq_len)
     if args.chart is not None:
         budget.save_chart(args.chart)

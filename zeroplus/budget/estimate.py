@@ -22,6 +22,11 @@ save; ``training_peak_bytes`` is the peak between saves.
 Memory counted as the device would: on a CPU-only machine, resident memory above the process
 before the model exists; on CUDA and NPU the caching allocator's peak (the runtime's context
 is outside it, so ``runtime`` is 0 there).
+
+Tensor, pipeline and expert parallelism (``zeroplus.parallel`` in the config): ``world_size`` is every
+rank; the rank's model is built as that rank builds it (its tensor slice, pipeline stage and experts,
+``virtual_parallel.py``), partitioned over its data group (experts over their expert-data group), and a
+pipeline stage runs the real schedule, so it holds as many micro-batches' activations as 1F1B keeps.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ from ..accelerator import get_accelerator
 from .model_states import model_state_bytes
 from .simulate import _quiet, default_loss, simulate
 from .tracker import PHASES, TRAINING_PHASES, cpu_workspace_bytes
+from .virtual_parallel import topology_of
 
 # What a training process holds beyond its tensors, per accelerator kind: (from the engine's
 # construction on, from the end of the first backward on). CPU, measured here: GPT-tiny on 2
@@ -69,6 +75,7 @@ class MemoryBudget:
     category_peaks: dict[str, int] = dataclasses.field(default_factory=dict)  # each ledger category's own peak
     saved_for_backward: int = 0  # what one forward leaves for backward outside the engine's buffers
     checkpoint_copies: int = 0   # what a checkpoint save copies to write its file (the rest streams)
+    topology: str = ""           # with tensor, pipeline or expert parallelism: the split (Topology.describe)
 
     @property
     def peak_phase(self) -> str:
@@ -101,7 +108,8 @@ class MemoryBudget:
     def table(self) -> str:
         phases = list(self.phases)
         head = f"  {'category (MiB)':<34}" + "".join(f"{p:>10}" for p in phases)
-        lines = [f"predicted memory of rank {self.rank} of {self.world_size} (ZeRO stage {self.stage}, "
+        split = f"{self.topology}; " if self.topology else ""
+        lines = [f"predicted memory of rank {self.rank} of {self.world_size} ({split}ZeRO stage {self.stage}, "
                  f"micro-batch {self.micro_batch_size} x accumulation {self.gradient_accumulation_steps}, "
                  f"{self.accelerator})", head]
         for c in CATEGORIES:
@@ -158,7 +166,12 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     category_peaks = tracker.category_peaks  # while training; a save's copies are in checkpoint_copies
     return MemoryBudget(rank, world_size, int(cfg.train_micro_batch_size_per_gpu),
                         int(cfg.gradient_accumulation_steps), cfg.zero_optimization.stage, phases, states, kind,
-                        category_peaks, tracker.saved_for_backward, tracker.checkpoint_copies)
+                        category_peaks, tracker.saved_for_backward, tracker.checkpoint_copies, _split(cfg, world_size))
+
+
+def _split(cfg: Any, world_size: int) -> str:
+    topology = topology_of(cfg, world_size)
+    return topology.describe() if (topology.tensor, topology.pipeline, topology.expert) != (1, 1, 1) else ""
 
 
 def _module_builder(model: torch.nn.Module) -> Callable[[], torch.nn.Module]:

@@ -86,6 +86,9 @@ class VirtualGroup:
     def all_reduce(self, tensor: torch.Tensor, op: Any = None, on_done: Callable[[], None] | None = None) -> Handle:
         return Handle(None, on_done)
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
+        return Handle(None)
+
     def sum_scalar(self, value: torch.Tensor) -> torch.Tensor:
         return value
 
@@ -98,25 +101,30 @@ class VirtualGroup:
 
 def model_state_bytes(build_model: Callable[[], torch.nn.Module], config: dict[str, Any] | str | ZeroplusConfig,
                       world_size: int, rank: int = 0) -> dict[str, int]:
-    """Bytes per ledger category that ``rank`` of ``world_size`` holds in model states.
+    """Bytes per ledger category that ``rank`` of ``world_size`` holds in model states. With tensor,
+    pipeline or expert parallelism in the config, the model is built as that rank builds it (its slice;
+    ``virtual_parallel.py``) and partitioned over its data group (experts over its expert-data group).
 
     ``build_model`` is called under ``torch.device("meta")``, so it must create its parameters on
     the current default device (the usual ``nn.Module`` constructors do).
     """
     from ..engine.build import compute_dtype  # the engine's own rule (imported late: the engine imports us)
 
+    from ..engine.build import _expert_split
+    from .virtual_parallel import build_in, virtual_groups
+
     cfg = copy.deepcopy(config) if isinstance(config, ZeroplusConfig) else parse_config(config)[0]
     dtype = compute_dtype(cfg)
-    with torch.device("meta"):
-        model = build_model()
+    groups = virtual_groups(cfg, world_size, rank)  # with model parallelism: this rank's slice, its data group
+    model = build_in(groups, build_model)
     if dtype != torch.float32:
         model.to(dtype)
     group_of = {id(p): 0 for p in model.parameters() if p.requires_grad}
     ledger = Ledger()
-    partition = ZeroPartition(model, cfg.zero_optimization, VirtualGroup(rank, world_size),  # type: ignore[arg-type]
-                              ledger, dtype, group_of, cfg.zeroplus.unit_modules,
-                              shared_master=cfg.zeroplus.shared_master_weights,
-                              round_like_split=cfg.zeroplus.master_rounding == "like_shared")
+    partition = ZeroPartition(model, cfg.zero_optimization, groups.data, ledger, dtype, group_of,
+                              cfg.zeroplus.unit_modules, shared_master=cfg.zeroplus.shared_master_weights,
+                              round_like_split=cfg.zeroplus.master_rounding == "like_shared",
+                              experts=_expert_split(groups))
     out = {c.value: ledger.live_bytes(c) for c in (Category.PARAM, Category.PARAM_GATHERED, Category.MASTER)}
     zero = cfg.zero_optimization
     if zero.stage == 3 and zero.offload_param is not None and zero.offload_param.device != "none":

@@ -35,11 +35,11 @@ from torch.overrides import TorchFunctionMode
 
 from ..accelerator import Accelerator
 from .. import checkpointing
-from ..config import ConfigError, ZeroplusConfig, parse_config
+from ..config import ConfigError, ZeroplusConfig, parse_config, resolve_batch
 from ..ledger import Category, Ledger
 from ..offload import meta_tier
-from .model_states import VirtualGroup
 from .tracker import MemoryTracker
+from .virtual_parallel import SimulatedLinks, boundary_shapes, build_in, virtual_groups
 
 
 class MetaAccelerator(Accelerator):
@@ -111,6 +111,50 @@ class CpuAttention(TorchFunctionMode):
         choice = torch._fused_sdp_choice(stand_in, stand_in, stand_in, mask, options.get("dropout_p", 0.0),
                                          options.get("is_causal", False), scale=options.get("scale"))
         return choice == 1  # SDPBackend.FLASH_ATTENTION
+
+
+def _pipeline_plan(model: Any, cfg: ZeroplusConfig, groups: Any, seq_len: int | None,
+                   example_inputs: tuple[Any, ...]) -> tuple[tuple[Any, Any], dict[int, Any]] | None:
+    """With pipeline parallelism: one micro-batch ``(inputs, targets)`` and the shapes each chunk receives
+    (``virtual_parallel.boundary_shapes``, worked out before the tracker starts counting); else None."""
+    if groups.topology.pipeline == 1:
+        return None
+    if isinstance(model, torch.nn.Module):
+        raise ValueError("a pipeline-parallel estimate needs a function that builds the model (every stage is "
+                         "built to learn the shapes passed between stages), not one stage's module")
+    from ..engine.build import compute_dtype
+    probe = copy.deepcopy(cfg)
+    resolve_batch(probe, groups.data.size)
+    if example_inputs:
+        micro = (example_inputs[0], example_inputs[1] if len(example_inputs) > 1 else None)
+    else:
+        tokens = torch.zeros(int(probe.train_micro_batch_size_per_gpu), seq_len, dtype=torch.long, device="meta")
+        micro = (tokens, tokens)
+    return micro, boundary_shapes(model, groups, compute_dtype(cfg), micro[0])
+
+
+def _simulate_pipeline(engine: Any, tracker: MemoryTracker, plan: tuple[tuple[Any, Any], dict[int, Any]],
+                       steps: int, runtime_after_backward: int) -> None:
+    """``steps`` batches through the real pipeline schedule with ``SimulatedLinks``."""
+    from ..parallel.pipeline_schedule import train_batch
+    micro, shapes = plan
+    links = SimulatedLinks(engine.module, shapes)
+    last = [""]
+
+    def phase(name: str) -> None:
+        if last[0] == "step":
+            meta_tier.writes_landed()
+        if name == "end_forward":
+            tracker.end_forward()
+        else:
+            tracker.enter(name)
+        if name == "step":
+            tracker.runtime = runtime_after_backward
+        last[0] = name
+
+    for _ in range(steps):
+        train_batch(engine, engine.module, iter([micro] * engine.gradient_accumulation_steps()), links, phase)
+    meta_tier.writes_landed()
 
 
 @contextlib.contextmanager
@@ -192,23 +236,25 @@ def simulate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     attention = CpuAttention() if workspace is not None else contextlib.nullcontext()
     memo: dict[int, torch.Tensor] = {}
     kwargs = _meta(dict(example_kwargs or {}), memo)
+    groups = virtual_groups(cfg, world_size, rank, gloo_buffers=workspace is not None)  # CPU: gloo's temporaries
+    pipeline = _pipeline_plan(model, cfg, groups, seq_len, _meta(tuple(example_inputs or ()), memo))
     with _quiet(), _own_checkpointing_settings(), tracker, attention:
         if isinstance(model, torch.nn.Module):
             meta_model = meta_copy(model)
         else:
-            with torch.device("meta"):
-                meta_model = model()
+            meta_model = build_in(groups, model)
         tracker.enter("init")
-        group = VirtualGroup(rank, world_size, gloo_buffers=workspace is not None)  # CPU: gloo's temporaries
-        engine = build_engine(meta_model, cfg, group, MetaAccelerator(), 0,
-                              ledger=ledger, simulated=tracker)
+        engine = build_engine(meta_model, cfg, groups.data, MetaAccelerator(), 0,
+                              ledger=ledger, simulated=tracker, parallel=groups)
         tracker.runtime = runtime[0]
         mbs = int(engine.train_micro_batch_size_per_gpu())
         if example_inputs is not None or kwargs:
             inputs = _meta(tuple(example_inputs or ()), memo)
         else:
             inputs = token_inputs(meta_model, mbs, seq_len)
-        for _ in range(steps):
+        if pipeline is not None:
+            _simulate_pipeline(engine, tracker, pipeline, steps, runtime[1])
+        for _ in range(steps if pipeline is None else 0):
             for _ in range(engine.gradient_accumulation_steps()):
                 tracker.enter("forward")
                 loss = loss_fn(engine(*inputs, **kwargs))

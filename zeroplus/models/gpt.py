@@ -2,17 +2,22 @@
 
 Pre-norm transformer blocks in an ``nn.ModuleList`` (so each block becomes one ZeRO unit), the
 token embedding tied to the LM head (a tied weight in the root unit), learned positions.
-Parameters: about ``12 * n_layer * d^2 + (vocab + seq) * d``.
+Parameters: about ``12 * n_layer * d^2 + (vocab + seq) * d``. With ``moe_experts = X`` every block's
+MLP is a mixture of X such MLPs (``zeroplus.parallel.MoE``, top-``moe_k``), ``8 * d^2 * X`` parameters
+per block instead of ``8 * d^2``, split over the expert-parallel group (X / E per rank); each layer's
+load-balancing loss, times ``moe_aux_coef``, enters the gradient without changing the returned loss.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..checkpointing import checkpoint
+from ..parallel.moe import MoE, with_aux_loss
 
 
 @dataclasses.dataclass
@@ -24,6 +29,10 @@ class GPTConfig:
     n_embd: int = 128
     dropout: float = 0.0
     checkpoint_blocks: bool = False  # activation checkpointing of every block (zeroplus.checkpointing)
+    moe_experts: int = 0  # > 0: each block's MLP is a mixture of this many experts
+    moe_k: int = 1
+    moe_capacity_factor: float = 1.25
+    moe_aux_coef: float = 0.01
 
     @property
     def hidden_size(self) -> int:
@@ -70,13 +79,29 @@ class MLP(nn.Module):
         return self.proj(self.act(self.fc(x)))
 
 
+class MoEMLP(nn.Module):
+    """The MLP as a mixture of experts (each one ``MLP``); its balancing loss joins the backward."""
+
+    def __init__(self, cfg: GPTConfig, expert_group: Any = None) -> None:
+        super().__init__()
+        self.moe = MoE(cfg.n_embd, lambda: MLP(cfg), cfg.moe_experts, k=cfg.moe_k,
+                       capacity_factor=cfg.moe_capacity_factor, ep=expert_group)
+        self.aux_coef = cfg.moe_aux_coef
+        self.last_aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, aux = self.moe(x)
+        self.last_aux_loss = aux.detach()
+        return with_aux_loss(y, aux * self.aux_coef)
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, expert_group: Any = None) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = MoEMLP(cfg, expert_group) if cfg.moe_experts else MLP(cfg)
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,12 +110,14 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, expert_group: Any = None) -> None:
+        """``expert_group``: the expert-parallel group for MoE blocks (default: ``parallel_groups().expert``;
+        a group of one rank holds every expert)."""
         super().__init__()
         self.config = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, expert_group) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied

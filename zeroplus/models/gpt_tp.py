@@ -98,6 +98,10 @@ class TensorParallelGPT(nn.Module):
     @classmethod
     def from_dense(cls, gpt: GPT, **kwargs: object) -> TensorParallelGPT:
         """This rank's slices of ``gpt``'s weights (heads, MLP width and vocabulary split)."""
+        if gpt.config.moe_experts:
+            raise ValueError(f"TensorParallelGPT has dense MLPs; this GPT's are mixtures of {gpt.config.moe_experts} "
+                             f"experts (tensor-parallel experts are not built: split experts with "
+                             f"zeroplus.parallel.expert instead)")
         model = cls(gpt.config, **kwargs)  # type: ignore[arg-type]
         d, T = gpt.config.n_embd, model.tp.size
         with torch.no_grad():

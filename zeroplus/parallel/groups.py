@@ -10,7 +10,8 @@ groups of one rank are local objects with no process group behind them.
 """
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
 
@@ -29,14 +30,20 @@ class _SingleRank(DataParallelGroup):
 
 
 class ParallelGroups:
-    def __init__(self, topology: Topology, rank: int) -> None:
+    def __init__(self, topology: Topology, rank: int, virtual: Callable[[int, int], Any] | None = None) -> None:
+        """``virtual``: ``(rank in group, group size) -> group`` makes stand-ins instead of process groups
+        (the memory estimate's ``VirtualGroup``: one rank of a topology simulated in one process)."""
         self.topology = topology
         self.global_rank = rank
         self.coordinates: Coordinates = topology.coordinates(rank)
-        self.world_group = _world_group()  # the default group these were made in (a new one makes them stale)
+        self.world_group = None if virtual else _world_group()  # the default group these were made in
         self.ranks: dict[str, list[int]] = {}
-        made: dict[str, DataParallelGroup] = {}
-        for kind in KINDS:
+        made: dict[str, Any] = {}
+        if virtual is not None:
+            for kind in KINDS:
+                members = topology.group_of(kind, rank)
+                made[kind], self.ranks[kind] = virtual(members.index(rank), len(members)), members
+        for kind in KINDS if virtual is None else ():
             for members in topology.groups(kind):
                 if len(members) == 1:
                     continue
@@ -82,6 +89,18 @@ def init_parallel(spec: Any = None) -> ParallelGroups:
                          f"asks for {topology.describe()}; call zeroplus.parallel.reset_parallel() first")
     _CURRENT = ParallelGroups(topology, rank)
     return _CURRENT
+
+
+@contextlib.contextmanager
+def using(groups: ParallelGroups) -> Iterator[ParallelGroups]:
+    """``parallel_groups()`` answers ``groups`` inside the block (the estimate builds one rank's split
+    model with virtual groups this way), and what it answered before after it."""
+    global _CURRENT
+    previous, _CURRENT = _CURRENT, groups
+    try:
+        yield groups
+    finally:
+        _CURRENT = previous
 
 
 def _world_group() -> Any:

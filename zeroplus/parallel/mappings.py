@@ -24,27 +24,23 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from ..comm import DataParallelGroup, _all_gather, _reduce_scatter
+from ..comm import DataParallelGroup
 
 
 def all_reduce(x: torch.Tensor, tp: DataParallelGroup) -> torch.Tensor:
-    if tp.size > 1:
-        dist.all_reduce(x, group=tp.group)
+    tp.all_reduce(x).wait()
     return x
 
 
 def all_gather_dim0(x: torch.Tensor, tp: DataParallelGroup, async_op: bool = False) -> Any:
-    """``(T * n, ...)`` from every rank's ``(n, ...)``, rank order; with ``async_op`` also the work handle."""
+    """``(T * n, ...)`` from every rank's ``(n, ...)``, rank order; with ``async_op`` also the handle to wait on."""
     x = x.contiguous()
     out = torch.empty((tp.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    work = None
-    if tp.size > 1:
-        work = _all_gather(out, x, group=tp.group, async_op=async_op)
-    else:
-        out.copy_(x)
-    return (out, work) if async_op else out
+    handle = tp.all_gather(out, x)
+    if not async_op:
+        handle.wait()
+    return (out, handle) if async_op else out
 
 
 def reduce_scatter_dim0(x: torch.Tensor, tp: DataParallelGroup, out: torch.Tensor | None = None,
@@ -53,12 +49,10 @@ def reduce_scatter_dim0(x: torch.Tensor, tp: DataParallelGroup, out: torch.Tenso
     x = x.contiguous()
     if out is None:
         out = torch.empty((x.shape[0] // tp.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    work = None
-    if tp.size > 1:
-        work = _reduce_scatter(out, x, group=tp.group, async_op=async_op)
-    else:
-        out.copy_(x)
-    return (out, work) if async_op else out
+    handle = tp.reduce_scatter(out, x)
+    if not async_op:
+        handle.wait()
+    return (out, handle) if async_op else out
 
 
 def _slice(x: torch.Tensor, tp: DataParallelGroup, dim: int) -> torch.Tensor:

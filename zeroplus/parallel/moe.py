@@ -25,7 +25,6 @@ import math
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -62,8 +61,45 @@ def _exchange(x: torch.Tensor, ep: DataParallelGroup) -> torch.Tensor:
     if ep.size == 1:
         return x
     out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=ep.group)
+    ep.all_to_all(out, x).wait()
     return out
+
+
+_AUX_GRAD_SCALE = [1.0]  # what the loss is multiplied by before backward (engine: loss scale / accumulation)
+
+
+def set_aux_grad_scale(scale: float) -> None:
+    """The factor the training loss is multiplied by before its backward, so the balancing loss's
+    gradient is scaled alike (the engine sets it around every backward)."""
+    _AUX_GRAD_SCALE[0] = float(scale)
+
+
+class _AuxLoss(torch.autograd.Function):
+    """Returns ``y``; its backward also starts ``aux``'s gradient (the loss term ``aux``, scaled as the loss)."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_shape, ctx.aux_dtype = aux.shape, aux.dtype
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return grad, torch.full(ctx.aux_shape, _AUX_GRAD_SCALE[0], dtype=ctx.aux_dtype, device=grad.device)
+
+
+def with_aux_loss(y: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+    """``y``, with ``aux`` (a scalar loss term, coefficient included) added to the training loss's gradient:
+    the model's output and returned loss stay the task's, and no code outside the layer handles ``aux``."""
+    return _AuxLoss.apply(y, aux)
+
+
+def _kept_pairs(kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(token, choice)`` indices where ``kept`` (n, k) is true. On the meta device (the memory estimate)
+    routing has no data: every choice counts as kept, the most the index tensors can hold."""
+    if kept.device.type != "meta":
+        return torch.nonzero(kept, as_tuple=True)
+    n, k = kept.shape
+    return (torch.arange(n, device=kept.device).repeat_interleave(k), torch.arange(k, device=kept.device).repeat(n))
 
 
 class TopKGate(nn.Module):
@@ -123,7 +159,7 @@ class MoE(nn.Module):
         expert, slot, weight, aux, cap = self.gate(tokens)
         E, d = self.num_experts, tokens.shape[-1]
         kept = slot >= 0  # (n, k)
-        rows = torch.nonzero(kept, as_tuple=True)  # (token, choice) pairs kept
+        rows = _kept_pairs(kept)  # (token, choice) pairs kept
         index = expert[rows] * cap + slot[rows]  # place in the (E * cap) slots
         dispatch = tokens.new_zeros(E * cap, d).index_copy(0, index, tokens[rows[0]])
         received = _AllToAll.apply(dispatch, self.ep)  # (ep x local x cap, d): each rank's slots of my experts
@@ -136,4 +172,4 @@ class MoE(nn.Module):
         return y.view(shape), aux
 
 
-__all__ = ["MoE", "TopKGate", "is_expert", "mark_expert"]
+__all__ = ["MoE", "TopKGate", "is_expert", "mark_expert", "set_aux_grad_scale", "with_aux_loss"]

@@ -30,7 +30,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from ..comm import DataParallelGroup, _all_gather, _reduce_scatter
+from ..comm import DataParallelGroup
 from .mappings import all_gather_dim0
 
 
@@ -105,10 +105,7 @@ class _AllGatherMatmul(torch.autograd.Function):
 
 
 def _reduce_scatter_async(out: torch.Tensor, x: torch.Tensor, tp: DataParallelGroup) -> Any:
-    if tp.size == 1:
-        out.copy_(x)
-        return None
-    return _reduce_scatter(out, x, group=tp.group, async_op=True)
+    return tp.reduce_scatter(out, x.contiguous())
 
 
 def _reduce_scattered_products(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, tp: DataParallelGroup,

@@ -14,7 +14,7 @@ Communication per micro-batch: one activation forward and one gradient backward 
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -89,6 +89,11 @@ class _Links:
             work.wait()
         self.in_flight.clear()
 
+    def share_loss(self, loss: torch.Tensor) -> None:
+        """The last stage's loss on every stage."""
+        if self.P > 1:
+            dist.broadcast(loss, self.ranks[-1], group=self.group)
+
 
 def schedule(num_stages: int, stage: int, micro_batches: int, virtual_stages: int = 1) -> list[tuple[str, int, int]]:
     """This stage's operations in order: ``("F" | "B", micro-batch, local chunk)``.
@@ -119,10 +124,14 @@ def schedule(num_stages: int, stage: int, micro_batches: int, virtual_stages: in
     return ops
 
 
-def train_batch(engine: Any, module: PipelineModule, data_iter: Iterator[Any]) -> torch.Tensor:
+def train_batch(engine: Any, module: PipelineModule, data_iter: Iterator[Any], links: _Links | None = None,
+                phase: Callable[[str], None] | None = None) -> torch.Tensor:
     """One batch of ``gradient_accumulation_steps`` micro-batches; every stage draws each micro-batch
     ``(inputs, targets)`` from ``data_iter`` (the first stage uses the inputs, the last the targets).
-    Returns the mean loss of the batch on every stage of the pipeline."""
+    Returns the mean loss of the batch on every stage of the pipeline. ``links`` and ``phase`` are the
+    memory estimate's: stand-in sends and receives, and a call before each "forward", "backward" and
+    "step" and after each forward ("end_forward")."""
+    phase = phase if phase is not None else (lambda _: None)
     m = engine.gradient_accumulation_steps()
     if engine.micro_steps % m:
         raise ValueError(f"train_batch() on rank {engine.dp.rank} after {engine.micro_steps} micro-steps: a "
@@ -131,7 +140,7 @@ def train_batch(engine: Any, module: PipelineModule, data_iter: Iterator[Any]) -
         raise ValueError(f"virtual_stages {module.virtual_stages} with ZeRO stage {engine._partition.stage}: the "
                          f"interleaved schedule runs with ZeRO stages 0-1 (at stage 2 every chunk's backward would "
                          f"reduce every gradient group)")
-    links = _Links(module)
+    links = links if links is not None else _Links(module)
     micro = [next(data_iter) for _ in range(m)]
     held: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
     losses: list[torch.Tensor] = []
@@ -139,6 +148,7 @@ def train_batch(engine: Any, module: PipelineModule, data_iter: Iterator[Any]) -
     last_backward = max(i for i, op in enumerate(ops) if op[0] == "B")
     for at, (kind, i, chunk) in enumerate(ops):
         if kind == "F":
+            phase("forward")
             x = micro[i][0] if links.first(chunk) else links.recv_forward(chunk).requires_grad_()
             out = engine(x, chunk=chunk)
             if links.last(chunk):
@@ -147,18 +157,20 @@ def train_batch(engine: Any, module: PipelineModule, data_iter: Iterator[Any]) -
             else:
                 links.send_forward(out, chunk)
             held[(i, chunk)] = (None if links.first(chunk) else x, out)
+            phase("end_forward")
             continue
+        phase("backward")
         x, out = held.pop((i, chunk))
         engine.backward_stage(out, None if links.last(chunk) else links.recv_backward(out, chunk),
                               reduce=at == last_backward)
         if x is not None:  # before the step: the last one's norm waits for every stage's gradients
             links.send_backward(x.grad, chunk)
         if chunk == 0:  # this micro-batch's last backward on this rank
+            phase("step")
             engine.step()
     links.finish()
     loss = torch.stack(losses).mean() if losses else torch.zeros(())
-    if module.num_stages > 1:  # the last stage has it; every stage returns it
-        dist.broadcast(loss, links.ranks[-1], group=module.pp.group)
+    links.share_loss(loss)  # the last stage has it; every stage returns it
     return loss
 
 

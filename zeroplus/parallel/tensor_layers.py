@@ -150,8 +150,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                 tp: DataParallelGroup) -> torch.Tensor:
         logits = logits.float()  # (n, V/T)
         top = logits.max(dim=-1).values
-        if tp.size > 1:
-            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=tp.group)
+        tp.all_reduce(top, op=dist.ReduceOp.MAX).wait()
         shifted = logits - top.unsqueeze(-1)
         local = targets - start
         outside = (local < 0) | (local >= logits.shape[-1])

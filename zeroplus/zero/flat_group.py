@@ -59,6 +59,8 @@ class FlatParamGroup:
         self.group_index = group_index
         self.stage = stage
         self.dp = dp
+        self.expert = False  # an expert's parameters, partitioned over the expert-data group (partition.py)
+        self.file_ranks = list(range(dp.size))  # the data rank whose checkpoint file holds each dp rank's shard
         self.ledger = ledger
         self.compute_dtype = compute_dtype
         self.device = self.params[0].device

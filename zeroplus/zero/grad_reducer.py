@@ -6,10 +6,11 @@ elements; nothing is copied. Stages 1-3 reduce-scatter: the flat gradient seen a
 ``[c0, c1)``. When one bucket covers the whole group the flat gradient is the collective's
 input as is; otherwise each bucket's columns are copied into a contiguous ``N * (c1 - c0)``
 comm buffer (category ``comm_buffer``), so buckets smaller than one parameter are fine. The
-reduced ``c1 - c0`` elements are added, divided by N, into the fp32 gradient shard when the
+reduced ``c1 - c0`` elements are added, divided by D, into the fp32 gradient shard when the
 handle is waited on. When gradients are reduced once per step (stage 1, or no accumulation at
 stages 2-3) the collective writes straight into a gradient shard in the compute dtype (c * S),
-divided by N in place, and there is no fp32 accumulator. With ``reduce_scatter: false`` each
+divided by D in place, and there is no fp32 accumulator. N is the group's own partition size and D
+the data-parallel size: they differ for experts' groups (N = D / E, partition.py). With ``reduce_scatter: false`` each
 bucket is all-reduced and the owned part kept.
 
 Memory in flight: at most one group's flat gradient (c * P) plus the comm buffers of the
@@ -42,7 +43,7 @@ class GradReducer:
         grad = group.ensure_grad_full()
         if self.stage == 0:
             for a in range(0, group.padded_numel, self.bucket_numel):
-                group.pending.append(self.dp.all_reduce(grad[a:a + self.bucket_numel]))
+                group.pending.append(group.dp.all_reduce(grad[a:a + self.bucket_numel]))
         elif self.use_reduce_scatter:
             self._reduce_scatter(group, grad)
         else:
@@ -55,7 +56,7 @@ class GradReducer:
     def _column_buckets(self, grad: torch.Tensor, s: int, cols: int) -> Iterator[tuple[int, int, torch.Tensor]]:
         """``(c0, c1, input)`` per bucket: columns ``[c0, c1)`` of the ``(N, S)`` gradient, made
         contiguous in a comm buffer, or the gradient itself when one bucket covers it."""
-        n = self.dp.size
+        n = grad.numel() // s
         if cols >= s:
             yield 0, s, grad
             return
@@ -68,8 +69,8 @@ class GradReducer:
 
     def _reduce_scatter(self, group: FlatParamGroup, grad: torch.Tensor) -> None:
         """Accumulate: each bucket's reduced columns are added, divided by N, into the fp32 shard."""
-        n, s = self.dp.size, group.shard_numel
-        scale = 1.0 / n
+        n, s = group.dp.size, group.shard_numel
+        scale = 1.0 / self.dp.size
         cols = max(1, self.bucket_numel // n)
         if not self.accumulate_fp32:
             self._reduce_scatter_direct(group, grad, cols)
@@ -78,7 +79,7 @@ class GradReducer:
         for c0, c1, inp in self._column_buckets(grad, s, cols):
             out = self.ledger.empty(c1 - c0, grad.dtype, Category.COMM_BUFFER, grad.device)
             target = master_grad[c0:c1]
-            group.pending.append(self.dp.reduce_scatter(
+            group.pending.append(group.dp.reduce_scatter(
                 out, inp, on_done=lambda t=target, o=out: t.add_(o, alpha=scale)))
 
     def _reduce_scatter_direct(self, group: FlatParamGroup, grad: torch.Tensor, cols: int) -> None:
@@ -91,7 +92,7 @@ class GradReducer:
         scale = 1.0 / self.dp.size
         for c0, c1, inp in self._column_buckets(grad, s, cols):
             part = shard[c0:c1]
-            group.pending.append(self.dp.reduce_scatter(part, inp, on_done=lambda p=part: p.mul_(scale)))
+            group.pending.append(group.dp.reduce_scatter(part, inp, on_done=lambda p=part: p.mul_(scale)))
 
     def _all_reduce_keep_shard(self, group: FlatParamGroup, grad: torch.Tensor) -> None:
         master_grad = group.ensure_master_grad()
@@ -106,4 +107,4 @@ class GradReducer:
                 if s < e:
                     master_grad[s - lo:e - lo].add_(bucket[s - a:e - a], alpha=scale)
 
-            group.pending.append(self.dp.all_reduce(bucket, on_done=keep))
+            group.pending.append(group.dp.all_reduce(bucket, on_done=keep))

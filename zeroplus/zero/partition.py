@@ -11,6 +11,13 @@ starts as soon as its last gradient has arrived, so communication overlaps the r
 backward; the handles are waited on when the backward is over, or earlier once more than
 ``MAX_GROUPS_IN_FLIGHT`` groups are in flight.
 
+Experts (``zeroplus.parallel.MoE``, expert-parallel size E > 1): a unit's expert parameters form
+flat groups of their own, partitioned over the expert-data group (the D / E ranks holding the same
+experts) instead of the data group; memory per rank for them is the table of ``flat_group.py`` with
+N = D / E. Their names carry ``@epE`` (the expert rank) so checkpoints tell the expert ranks apart.
+Their gradients are summed over the expert-data group and divided by D like every other gradient:
+each expert's local gradient already sums the tokens of its E expert-parallel ranks.
+
 After the optimizer step, the new master values are written into the compute-dtype parameters;
 stages 1 and 2 all-gather them asynchronously, root unit first, and the next forward waits for
 each unit's gather just before that unit runs.
@@ -18,9 +25,9 @@ each unit's gather just before that unit runs.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
-
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -34,6 +41,25 @@ from .units import Unit, assign_parameters, find_unit_modules
 
 logger = logging.getLogger("zeroplus.zero")
 
+
+@dataclasses.dataclass
+class ExpertSplit:
+    """Where expert parameters are partitioned: ``group`` (expert-data), this rank's ``expert_rank`` of
+    ``expert_size``; ``holds(param)`` tells an expert's parameter."""
+
+    group: DataParallelGroup
+    expert_rank: int
+    expert_size: int
+    holds: Callable[[torch.Tensor], bool]
+
+    @property
+    def suffix(self) -> str:
+        return f"@ep{self.expert_rank}"
+
+    def data_ranks(self) -> list[int]:
+        """The data-parallel ranks of this expert-data group, in its rank order (d = e + E * x)."""
+        return [self.expert_rank + self.expert_size * x for x in range(self.group.size)]
+
 # Reductions still in flight when the next one starts; older ones are waited on, which bounds
 # the flat gradients and comm buffers alive during backward to about this many groups.
 MAX_GROUPS_IN_FLIGHT = 2
@@ -44,7 +70,8 @@ class ZeroPartition:
                  compute_dtype: torch.dtype, param_group_of: dict[int, int],
                  unit_class_names: list[str] | None = None, gradient_accumulation_steps: int = 1,
                  shared_master: bool = False, round_like_split: bool = False,
-                 param_offload: dict[str, Any] | None = None) -> None:
+                 param_offload: dict[str, Any] | None = None, experts: ExpertSplit | None = None) -> None:
+        """``experts``: the expert-data group and expert rank when experts are split over ranks, else None."""
         self.stage = zero.stage
         self.dp = dp
         self.ledger = ledger
@@ -52,13 +79,22 @@ class ZeroPartition:
         self.units: list[Unit] = []
         for index, (name, module, params) in enumerate(assign_parameters(model, unit_modules)):
             groups = []
-            by_group: dict[int, list[tuple[str, torch.nn.Parameter]]] = {}
+            by_group: dict[tuple[int, bool], list[tuple[str, torch.nn.Parameter]]] = {}
             for pname, p in params:
                 if id(p) in param_group_of:
-                    by_group.setdefault(param_group_of[id(p)], []).append((pname, p))
-            for gi in sorted(by_group):
-                groups.append(FlatParamGroup(f"{name}#{gi}", by_group[gi], gi, self.stage, dp, compute_dtype, ledger,
-                                             shared_master, round_like_split, param_offload))
+                    expert = experts is not None and experts.holds(p)
+                    by_group.setdefault((param_group_of[id(p)], expert), []).append((pname, p))
+            for gi, expert in sorted(by_group):
+                named, group_dp, label = by_group[(gi, expert)], dp, f"{name}#{gi}"
+                if expert:
+                    assert experts is not None
+                    named = [(f"{n}{experts.suffix}", p) for n, p in named]
+                    group_dp, label = experts.group, label + experts.suffix
+                group = FlatParamGroup(label, named, gi, self.stage, group_dp, compute_dtype, ledger,
+                                       shared_master, round_like_split, param_offload)
+                if expert:
+                    group.expert, group.file_ranks = True, experts.data_ranks()  # type: ignore[union-attr]
+                groups.append(group)
             unit = Unit(index=index, name=name, module=module, groups=groups, is_root=(module is model))
             if self.stage == 3 and unit.numel <= int(zero.stage3_param_persistence_threshold):
                 unit.persistent = True

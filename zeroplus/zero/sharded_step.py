@@ -3,7 +3,10 @@
 1. Global gradient norm: each rank sums the squares of the gradient elements it owns (stage 0:
    the all-reduced full gradient, identical on every rank; stages 1-3: its fp32 shard, padding
    being zero), one all-reduce of one scalar at stages 1-3, then the square root, divided by the
-   loss scale. A non-finite norm is an overflow on every rank at once: the step is skipped.
+   loss scale. Experts' groups (partitioned over the expert-data group): at stages 1-3 their shards join
+   the same sum over the data group (expert-data x expert = data, so each expert counts once); at
+   stage 0 their full gradients are summed over the expert group (other ranks, other experts) first.
+   A non-finite norm is an overflow on every rank at once: the step is skipped.
 2. One coefficient per step: ``1 / (N at stage 0) / loss_scale * min(1, clip / (norm + 1e-6))``
    (torch's ``clip_grad_norm_`` rule, applied to unscaled gradients).
 3. The step runs flat group by flat group: only one group's fp32 gradient exists at a time at
@@ -76,18 +79,20 @@ class ShardedStep:
     def __init__(self, partition: ZeroPartition, optimizer: torch.optim.Optimizer, gradient_clipping: float,
                  dp: DataParallelGroup, ledger: Ledger, split_chunk_numel: int = 1 << 20,
                  offload: dict[str, Any] | None = None, virtual_kernels: Any = None,
-                 model_parallel: ModelParallelNorm | None = None) -> None:
+                 model_parallel: ModelParallelNorm | None = None, expert_group: Any = None) -> None:
         """``offload``: ``{"tier", "sub_group_size", "ratio", "buffer_count"}`` to keep optimizer
         states on a lower tier, or None. ``virtual_kernels``: the NPU's swapped-memory allocator and
         AdamW kernel (``offload/virtual_host.py``) to keep the states in mapped host memory.
         ``model_parallel``: how the norm counts parameters split over (or replicated on) the
-        tensor and pipeline ranks; None without model parallelism."""
+        tensor and pipeline ranks; None without model parallelism. ``expert_group``: the
+        expert-parallel group when experts are split over ranks (the stage-0 norm sums over it)."""
         self.partition = partition
         self.optimizer = optimizer
         self.clip = float(gradient_clipping)
         self.dp = dp
         self.ledger = ledger
         self.model_parallel = model_parallel
+        self.expert_group = expert_group
         self.last_grad_norm: float | None = None
         self.chunked = ChunkedStep(optimizer, ledger, split_chunk_numel)
         if offload is not None:
@@ -104,22 +109,26 @@ class ShardedStep:
         if isinstance(optimizer, Lamb):
             for g in partition.groups:
                 optimizer.set_segments(g.master_param, g.param_segments(), len(g.params),
-                                       dp if partition.stage > 0 else _LocalGroup())
+                                       g.dp if partition.stage > 0 else _LocalGroup())
 
     def _grad_norm(self, loss_scale: float) -> float:
         stage0 = self.partition.stage == 0
         device = self.partition.groups[0].device if self.partition.groups else torch.device("cpu")
         total = torch.zeros((), dtype=_norm_dtype(device), device=device)
+        experts = torch.zeros_like(total)  # stage 0: the experts' part, summed over the expert group
         mp = self.model_parallel
         for g in self.partition.groups:
             source = g.ensure_grad_full() if stage0 else g.ensure_master_grad()
+            into = experts if stage0 and g.expert else total
             if mp is None or not mp.has_replicated(g):
-                total += _sum_of_squares(source)
+                into += _sum_of_squares(source)
                 continue
             segments = ([(i, o, o + n) for i, (o, n) in enumerate(zip(g.offsets, g.numels))] if stage0
                         else g.param_segments())
             for i, a, b in segments:  # a parameter whole on every tensor rank counts 1/T on each
-                total += _sum_of_squares(source[a:b]) * mp.weight(g.params[i])
+                into += _sum_of_squares(source[a:b]) * mp.weight(g.params[i])
+        if stage0 and self.expert_group is not None:
+            total += self.expert_group.sum_scalar(experts)
         if not stage0:
             self.dp.sum_scalar(total)
         if mp is not None:
