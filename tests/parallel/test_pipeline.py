@@ -3,7 +3,7 @@
 The built-in GPT (4 blocks, so 6 pipeline layers: embeddings, blocks, norm and head; the head untied
 from the token table, in the reference too) is cut into 2 stages; each data replica runs 1F1B over
 4 micro-batches per batch with ZeRO-1 or ZeRO-2 inside each stage's data group, and the interleaved
-schedule (2 virtual stages per rank: 4 chunks of the 6 layers) with ZeRO-1. The reference is the
+schedule (2 virtual stages per rank: 4 chunks of the 6 layers) with ZeRO-1 and ZeRO-2. The reference is the
 plain model with ``torch.optim.AdamW`` accumulating the same 8 micro-batches per step, clipped by the
 global norm. Checked: each batch's mean loss on every stage, the global gradient norm (summed over the
 stages), and every parameter after 3 steps, within fp32 tolerance; a failure names the stage, the
@@ -47,7 +47,7 @@ def _config(stage: int) -> dict:
             "zeroplus": {"log_level": "warning", "memory_estimate": False, "parallel": {"pipeline": 2}}}
 
 
-CASES = [(1, 1), (2, 1), (1, 2)]  # (ZeRO stage, virtual stages per rank): 1F1B, and interleaved
+CASES = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (ZeRO stage, virtual stages per rank): 1F1B, and interleaved
 
 
 def _pipeline_job() -> list:

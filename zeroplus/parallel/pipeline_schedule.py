@@ -136,10 +136,6 @@ def train_batch(engine: Any, module: PipelineModule, data_iter: Iterator[Any], l
     if engine.micro_steps % m:
         raise ValueError(f"train_batch() on rank {engine.dp.rank} after {engine.micro_steps} micro-steps: a "
                          f"batch must start at a gradient-accumulation boundary (every {m})")
-    if module.virtual_stages > 1 and engine._partition.stage >= 2:
-        raise ValueError(f"virtual_stages {module.virtual_stages} with ZeRO stage {engine._partition.stage}: the "
-                         f"interleaved schedule runs with ZeRO stages 0-1 (at stage 2 every chunk's backward would "
-                         f"reduce every gradient group)")
     links = links if links is not None else _Links(module)
     micro = [next(data_iter) for _ in range(m)]
     held: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}

@@ -108,6 +108,7 @@ class ZeroPartition:
                                    accumulate_fp32)
         self._in_flight: collections.deque[FlatParamGroup] = collections.deque()
         self.reduce_this_backward = True
+        self.at_boundary = True
         self._ready: set[int] = set()
         self._unit_of_group = {id(g): u for u in self.units for g in u.groups}
         self._hooks = []
@@ -144,6 +145,7 @@ class ZeroPartition:
     def begin_backward(self, reduce: bool) -> None:
         """``reduce``: reduce gradients in this backward (always at stages 2-3, at the boundary at 0-1)."""
         self.reduce_this_backward = reduce or self.stage >= 2
+        self.at_boundary = reduce
         self._ready.clear()
         for u in self.units:
             u.groups_ready = 0
@@ -173,9 +175,13 @@ class ZeroPartition:
             self.stage3.on_unit_grads_done(unit)
 
     def end_backward(self) -> None:
-        """Reduce groups some of whose parameters got no gradient, then wait for every reduction."""
+        """Reduce groups some of whose parameters got no gradient, then wait for every reduction. A
+        group with no gradient at all waits for the boundary at stage 2 (a pipeline chunk's backward
+        touches only its own groups; the others are reduced in their own backwards)."""
         for g in self.groups:  # fixed order: every rank issues the same collectives
-            if id(g) not in self._ready and (g.grad_full is not None or self.reduce_this_backward):
+            untouched_until_boundary = self.stage == 2 and g.grad_full is None and not self.at_boundary
+            if id(g) not in self._ready and (g.grad_full is not None or self.reduce_this_backward) \
+                    and not untouched_until_boundary:
                 self._group_ready(g)
             g.grads_seen = 0
         for g in self.groups:
