@@ -80,12 +80,24 @@ def _fp16_overflow_run(stage: int, loss_scale: float) -> dict:
         changed.append(any(not torch.equal(before[n], after[n]) for n in before))
         scales.append(engine.loss_scale)
         skipped.append(engine.skipped_steps)
-    return {"scales": scales, "skipped": skipped, "changed": changed, "global_steps": engine.global_steps}
+    out = {"scales": scales, "skipped": skipped, "changed": changed, "global_steps": engine.global_steps}
+    engine.destroy()
+    return out
+
+
+def _fp16_overflow_runs() -> dict:
+    return {"dynamic": [_fp16_overflow_run(stage, 0.0) for stage in range(4)], "static": _fp16_overflow_run(2, 64.0)}
+
+
+@pytest.fixture(scope="module")
+def fp16_runs() -> list[dict]:
+    """One 2-rank run: dynamic loss scaling at stages 0-3, then a static scale at stage 2."""
+    return run_distributed(_fp16_overflow_runs, 2)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_fp16_overflow_skips_on_every_rank(stage):
-    results = run_distributed(_fp16_overflow_run, 2, stage, 0.0)
+def test_fp16_overflow_skips_on_every_rank(stage, fp16_runs):
+    results = [r["dynamic"][stage] for r in fp16_runs]
     for rank, r in enumerate(results):
         assert r["changed"] == [True, True, False, True], f"stage {stage} rank {rank}: {r}"
         assert r["skipped"] == [0, 0, 1, 1], f"stage {stage} rank {rank}: {r}"
@@ -93,8 +105,8 @@ def test_fp16_overflow_skips_on_every_rank(stage):
         assert r["global_steps"] == 4
 
 
-def test_fp16_static_scale_skips_without_changing_scale():
-    results = run_distributed(_fp16_overflow_run, 2, 2, 64.0)
+def test_fp16_static_scale_skips_without_changing_scale(fp16_runs):
+    results = [r["static"] for r in fp16_runs]
     for r in results:
         assert r["changed"] == [True, True, False, True]
         assert r["scales"] == [64.0] * 4
