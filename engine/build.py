@@ -81,7 +81,7 @@ def _broadcast_from_first(module: torch.nn.Module, dp: DataParallelGroup, expert
             dist.broadcast(t.data, src=src, group=group.group)
 
 
-def _expert_split(parallel: ParallelGroups | None) -> ExpertSplit | None:
+def expert_split(parallel: ParallelGroups | None) -> ExpertSplit | None:
     """Experts split over ranks: their parameters are partitioned over the expert-data group."""
     if parallel is None or parallel.expert.size == 1:
         return None
@@ -147,13 +147,14 @@ def build_engine(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, accel: Ac
                           "give one or the other")
     _warn_inert_options(cfg)
     model_bytes = _device_bytes(model, accel)  # already there: they count as the engine's, as in the estimate
-    estimate_source = _estimate_source(model, cfg) if simulated is None and not split else None
+    pipelined = parallel is not None and parallel.topology.pipeline > 1
+    estimate_source = _estimate_source(model, cfg, parallel) if simulated is None and not pipelined else None
 
     dtype = compute_dtype(cfg)
     model.to(accel.device())
     if dtype != torch.float32:
         model.to(dtype)
-    experts = _expert_split(parallel)
+    experts = expert_split(parallel)
     _broadcast_from_first(model, dp, experts)
 
     groups = _param_groups(model, optimizer, model_parameters)
@@ -205,9 +206,9 @@ def build_engine(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, accel: Ac
               cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, dp.size, cfg.train_batch_size)
     if split:
         log_rank0("%s", parallel.describe())
-        if cfg.zeroplus.memory_estimate:
-            log_rank0("memory estimate: not made for tensor-, pipeline- or expert-parallel models yet (the report "
-                      "shows what is measured)")
+        if cfg.zeroplus.memory_estimate and pipelined:
+            log_rank0("memory estimate: not made for a pipeline stage at initialize (it needs every stage's shapes; "
+                      "zeroplus estimate with a model factory predicts it); the report shows what is measured")
     engine = Engine(model, cfg, partition, step, opt, scheduler, LossScaler(cfg.fp16), dp, ledger, accel,
                     rss_at_start - model_bytes, _activation_techniques(model, cfg, ledger, accel), estimate_source)
     engine.parallel = parallel
@@ -264,14 +265,18 @@ def _device_bytes(model: torch.nn.Module, accel: Accelerator) -> int:
     return sum(storages.values())
 
 
-def _estimate_source(model: torch.nn.Module, cfg: ZeroplusConfig) -> tuple[Any, Any] | None:
+def _estimate_source(model: torch.nn.Module, cfg: ZeroplusConfig,
+                     parallel: ParallelGroups | None) -> tuple[Any, Any] | None:
     """``zeroplus.memory_estimate``: a meta-device copy of the model as given and the config, for the
-    engine to predict its memory with at the first forward (``Engine._predict``)."""
+    engine to predict its memory with at the first forward (``Engine._predict``). The copy keeps the
+    model's process groups (the estimate swaps in stand-ins for the rank it simulates)."""
     if not cfg.zeroplus.memory_estimate:
         return None
     from zeroplus.budget.simulate import meta_copy
+    from zeroplus.parallel.topology import KINDS
+    keep = {id(getattr(parallel, kind)): getattr(parallel, kind) for kind in KINDS} if parallel is not None else {}
     try:
-        return meta_copy(model), copy.deepcopy(cfg)
+        return meta_copy(model, keep), copy.deepcopy(cfg)
     except Exception as err:  # a module that cannot be copied: train without the prediction
         log_rank0("memory estimate unavailable: the model cannot be copied to the meta device (%s: %s)",
                   type(err).__name__, err, level=logging.WARNING)

@@ -203,6 +203,11 @@ class Engine:
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> str | None:
         """Gather the whole model in the compute dtype into one file on rank 0 (every rank calls
         it: at stages 1-3 the masters are all-gathered). Returns the path on rank 0."""
+        par = self.parallel
+        if par is not None and (par.model.size > 1 or par.expert.size > 1):
+            raise ValueError(f"save_16bit_model() writes one whole model, and this run splits it ("
+                             f"{par.topology.describe()}; rank {par.global_rank} holds a slice): consolidating "
+                             f"slices is not built; use save_checkpoint()")
         state = self._partition.consolidated_fp32_state()
         if self.dp.rank != 0:
             self.dp.barrier()
@@ -230,8 +235,10 @@ class Engine:
         from zeroplus.budget.estimate import estimate
         model, cfg = self._estimate_source  # type: ignore[misc]
         self._estimate_source = None
+        par = self.parallel  # with tensor or expert parallelism: this rank of the whole world
+        world, rank = (par.topology.world_size, par.global_rank) if par is not None else (self.dp.size, self.dp.rank)
         try:
-            self.budget = estimate(model, cfg, world_size=self.dp.size, rank=self.dp.rank, example_inputs=args,
+            self.budget = estimate(model, cfg, world_size=world, rank=rank, example_inputs=args,
                                    example_kwargs=kwargs)
         except Exception as err:  # noqa: BLE001 - the prediction must never stop training
             logger.warning("memory estimate unavailable (%s: %s); zeroplus.memory_estimate false skips it",

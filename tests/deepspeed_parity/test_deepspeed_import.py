@@ -5,8 +5,8 @@ checkpoint into a zeroplus one; zeroplus (same JSON config) loads it and trains 
 The fp32 masters after loading equal DeepSpeed's own consolidation (``zero_to_fp32``) bitwise,
 the step counter is kept, and the continued losses match DeepSpeed's: 1e-6 relative in fp32 (stage
 3), 1e-2 in bf16 (stage 2). (Stage 1 writes the same file format as stage 2; stage 3 in bf16 was
-checked when the importer landed and is left out to keep the suite short.) ParityNet has a frozen layer, a tied weight and root
-parameters, so the frozen fragments and aliases of the stage-3 files are exercised too.
+checked when the importer landed and is left out to keep the suite short.) ParityNet has a frozen
+layer, a tied weight and root parameters, so the frozen fragments and aliases of the stage-3 files are exercised too.
 """
 from __future__ import annotations
 

@@ -10,10 +10,15 @@ global gradient norm (which the clipping uses: a wrong expert-gradient scale or 
 expert shard changes it), and every parameter, experts by their global index, after 3 steps. Then
 a checkpoint: saved after step 2 at ZeRO 2 and loaded into a new engine at ZeRO 3, step 3 equals the
 uninterrupted run; loading it with every expert on every rank (expert size 1) is refused. And
-``zeroplus.estimate`` for each rank of this topology predicts the model-state peaks (parameters,
-gathered parameters, gradients, masters, optimizer states) the engine's ledger measured, exactly.
+``zeroplus.estimate`` for each rank of this topology, and each engine's own prediction at its first
+forward, give the model-state peaks (parameters, gathered parameters, gradients, masters, optimizer
+states) the engine's ledger measured, exactly.
 """
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -101,7 +106,8 @@ def _expert_job(ckpt_dir: str) -> dict:
         assert all(g.dp.size == 4 for g in engine._partition.groups if not g.expert)
         losses, norms = _train(engine, batches, parallel.data.rank, range(STEPS))
         results[stage] = {"losses": losses, "norms": norms, "params": _params(engine, local),
-                          "ledger": {c.value: engine.ledger.peak_bytes(c) for c in Category}}
+                          "ledger": {c.value: engine.ledger.peak_bytes(c) for c in Category},
+                          "engine_predicted": engine.budget.category_peaks}
         engine.destroy()
     # checkpoint: save after step 2 at ZeRO 2, resume at ZeRO 3 for step 3
     parallel = zeroplus.init_parallel(_config(2))
@@ -113,6 +119,8 @@ def _expert_job(ckpt_dir: str) -> dict:
     engine.load_checkpoint(ckpt_dir)
     losses, norms = _train(engine, batches, parallel.data.rank, range(STEPS - 1, STEPS))
     results["resumed"] = {"losses": losses, "norms": norms, "params": _params(engine, local)}
+    with pytest.raises(ValueError, match=r"save_16bit_model\(\) writes one whole model"):
+        engine.save_16bit_model(ckpt_dir + "-16bit")  # each rank holds half the experts: refused, not half-written
     engine.destroy()
     zeroplus.parallel.reset_parallel()  # the same checkpoint with every expert on every rank: refused
     zeroplus.init_parallel(_config(1, expert=1))
@@ -166,17 +174,39 @@ def test_data_x_expert_matches_all_experts_in_one_process_at_zero_0_to_3(tmp_pat
                 torch.testing.assert_close(value, ref_params[name], rtol=1e-4, atol=LR / 10,
                                            msg=lambda m, n=name: f"{where}, {n}: {m}")
             if "ledger" in result:
-                _check_estimate(result["ledger"], case, rank, where)
+                _check_estimate(result["ledger"], result["engine_predicted"], case, rank, where)
     for case in ranks[0]["cases"]:
         held = set().union(*(set(r["cases"][case]["params"]) for r in ranks))
         assert held == set(ref_params), f"ZeRO {case}: the ranks together hold every expert"
 
 
-def _check_estimate(measured: dict[str, int], stage: int, rank: int, where: str) -> None:
-    """``zeroplus.estimate`` of this rank (its experts, dense parameters over 4 ranks and experts over 2)
-    predicts the model-state peaks the engine's ledger measured, byte for byte."""
+def _check_estimate(measured: dict[str, int], engine_predicted: dict[str, int], stage: int, rank: int,
+                    where: str) -> None:
+    """``zeroplus.estimate`` of this rank (its experts, dense parameters over 4 ranks and experts over 2),
+    and the engine's own prediction at its first forward, give the model-state peaks the engine's ledger
+    measured, byte for byte."""
     budget = zeroplus.estimate(lambda: GPT(_gpt_config()), _config(stage), world_size=WORLD, rank=rank,
                                seq_len=SEQ)
     for category in ("param", "param_gathered", "master", "optim_state", "grad"):
         assert budget.category_peaks[category] == measured[category], \
             f"{where}: {category} predicted {budget.category_peaks[category]}, measured {measured[category]}"
+        assert engine_predicted[category] == measured[category], \
+            f"{where}: {category} the engine predicted {engine_predicted[category]}, measured {measured[category]}"
+
+
+def test_estimate_command_builds_each_ranks_slice(tmp_path):
+    """``zeroplus estimate`` with the config's expert size builds the rank's GPT with its experts (as
+    ``zeroplus.estimate`` with the same rank's builder) and names the split."""
+    path = tmp_path / "ep.json"
+    path.write_text(json.dumps(_config(2)))
+    cmd = [sys.executable, "-m", "zeroplus.cli", "estimate", "--model", "tiny", "--experts", str(EXPERTS),
+           "--config", str(path), "--world-size", str(WORLD), "--rank", "1", "--seq-len", str(SEQ)]
+    printed = subprocess.run(cmd + ["--json"], capture_output=True, text=True, check=True).stdout
+    config = _config(2)
+    expected = zeroplus.estimate(lambda: GPT(gpt_config("tiny", moe_experts=EXPERTS, moe_k=2)), config,
+                                 world_size=WORLD, rank=1, seq_len=SEQ)
+    assert json.loads(printed) == json.loads(json.dumps(expected.to_dict()))
+    assert expected.topology == "4 ranks = data 4 x tensor 1 x pipeline 1 x expert 2 (expert-data 2)"
+    dense = zeroplus.estimate(lambda: GPT(gpt_config("tiny")), config, world_size=WORLD, rank=1, seq_len=SEQ)
+    assert expected.model_states["optim_state"] > dense.model_states["optim_state"]  # + 2 of 4 experts, sharded by 2
+    assert "rank 1 of 4 (4 ranks = data 4 x tensor 1 x pipeline 1 x expert 2" in expected.table()

@@ -40,12 +40,12 @@ def _batches(n: int) -> list:
             for _ in range(n)]
 
 
-def _config(stage: int, sp: bool, chunks: int) -> dict:
+def _config(stage: int, sp: bool, chunks: int, estimate: bool = False) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": CLIP,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000,
                                   "stage3_param_persistence_threshold": 0},
-            "zeroplus": {"log_level": "warning", "memory_estimate": False,
+            "zeroplus": {"log_level": "warning", "memory_estimate": estimate,
                          "parallel": {"tensor": 2, "sequence_parallel": sp, "overlap_chunks": chunks}}}
 
 
@@ -62,7 +62,7 @@ def _local_params(engine) -> dict[str, torch.Tensor]:
 def _tp_job() -> list:
     results = []
     for stage, sp, chunks in CASES:
-        cfg = _config(stage, sp, chunks)
+        cfg = _config(stage, sp, chunks, estimate=True)
         parallel = zeroplus.init_parallel(cfg)
         engine = zeroplus.initialize(TensorParallelGPT.from_dense(_gpt(), sequence_parallel=sp,
                                                                   overlap_chunks=chunks), cfg)
@@ -71,7 +71,8 @@ def _tp_job() -> list:
                               on_step=lambda: norms.append(engine.get_global_grad_norm()))
         results.append({"losses": losses, "norms": norms, "params": _local_params(engine),
                         "tensor_rank": parallel.tensor.rank,
-                        "ledger": {c.value: engine.ledger.peak_bytes(c) for c in Category}})
+                        "ledger": {c.value: engine.ledger.peak_bytes(c) for c in Category},
+                        "engine_predicted": engine.budget.category_peaks})
         engine.destroy()
     return results
 
@@ -120,7 +121,7 @@ def test_data_x_tensor_parallel_matches_the_single_process_model():
                 torch.testing.assert_close(got["params"][name], value, rtol=1e-4, atol=LR / 10,
                                            msg=lambda m, n=name: f"case {case}, rank {rank}, {n}: {m}")
             if rank < 2:  # data rank 1 holds the same shapes
-                _check_estimate(got["ledger"], case, rank)
+                _check_estimate(got["ledger"], got["engine_predicted"], case, rank)
     plain, overlapped = CASES.index((3, True, 1)), CASES.index((3, True, 2))
     for rank, results in enumerate(ranks):
         assert results[plain]["losses"] == results[overlapped]["losses"], f"rank {rank}: overlap changed the losses"
@@ -128,9 +129,9 @@ def test_data_x_tensor_parallel_matches_the_single_process_model():
             assert torch.equal(value, results[overlapped]["params"][name]), f"rank {rank}: overlap changed {name}"
 
 
-def _check_estimate(measured: dict[str, int], case: tuple, rank: int) -> None:
-    """``zeroplus.estimate`` of this rank (its tensor slice, partitioned over its data group of 2) predicts
-    the model-state peaks the engine's ledger measured, byte for byte."""
+def _check_estimate(measured: dict[str, int], engine_predicted: dict[str, int], case: tuple, rank: int) -> None:
+    """``zeroplus.estimate`` of this rank (its tensor slice, partitioned over its data group of 2), and the
+    engine's own prediction at its first forward, give the model-state peaks the ledger measured exactly."""
     stage, sp, chunks = case
     budget = zeroplus.estimate(lambda: TensorParallelGPT(gpt_config("tiny", block_size=SEQ), sequence_parallel=sp,
                                                          overlap_chunks=chunks),
@@ -139,6 +140,8 @@ def _check_estimate(measured: dict[str, int], case: tuple, rank: int) -> None:
         assert budget.category_peaks[category] == measured[category], \
             f"case {case}, rank {rank}: {category} predicted {budget.category_peaks[category]}, measured " \
             f"{measured[category]}"
+        assert engine_predicted[category] == measured[category], \
+            f"case {case}, rank {rank}: {category} the engine predicted {engine_predicted[category]}"
 
 
 def _tp_engine(tensor: int):

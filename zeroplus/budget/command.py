@@ -9,8 +9,9 @@ device, so nothing is allocated. With tensor, pipeline or expert sizes in the co
 ``zeroplus.parallel`` it is called as rank ``--rank`` would call it, with that rank's groups
 (``virtual_parallel.py``): the built-in GPT is then its tensor-parallel form, its pipeline stage,
 and takes its experts (``--experts N`` gives it MoE blocks); a factory's tensor-parallel layers,
-``PipelineModule`` and MoE layers take their slice the same way. With ``--seq-len`` (token ids of ``--micro-batch-size`` x
-``--seq-len``; the config's micro-batch by default) it prints the full budget of
+``PipelineModule`` and MoE layers take their slice the same way. With ``--seq-len`` (token ids
+of ``--micro-batch-size`` x ``--seq-len``; the config's micro-batch by default) it prints the
+full budget of
 ``estimate.py``: per phase (init, forward, backward, step) and category, the peak and its phase.
 Without it, only the model states (``model_states.py``): activations depend on the input.
 With ``--budget 16GB`` (or a config with ``zeroplus.memory_budget`` and ``"auto"`` keys) it prints

@@ -175,5 +175,9 @@ def _split(cfg: Any, world_size: int) -> str:
 
 
 def _module_builder(model: torch.nn.Module) -> Callable[[], torch.nn.Module]:
-    from .simulate import meta_copy
-    return lambda: meta_copy(model)
+    """A function copying ``model`` to the meta device; called inside ``groups.using(stand-ins)``, the copy
+    holds the stand-ins in place of this process's groups."""
+    from ..parallel.groups import current_groups, parallel_groups
+    from .simulate import group_stand_ins, meta_copy
+    real = current_groups()
+    return lambda: meta_copy(model, group_stand_ins(real, parallel_groups()))

@@ -110,7 +110,7 @@ def model_state_bytes(build_model: Callable[[], torch.nn.Module], config: dict[s
     """
     from ..engine.build import compute_dtype  # the engine's own rule (imported late: the engine imports us)
 
-    from ..engine.build import _expert_split
+    from ..engine.build import expert_split
     from .virtual_parallel import build_in, virtual_groups
 
     cfg = copy.deepcopy(config) if isinstance(config, ZeroplusConfig) else parse_config(config)[0]
@@ -124,7 +124,7 @@ def model_state_bytes(build_model: Callable[[], torch.nn.Module], config: dict[s
     partition = ZeroPartition(model, cfg.zero_optimization, groups.data, ledger, dtype, group_of,
                               cfg.zeroplus.unit_modules, shared_master=cfg.zeroplus.shared_master_weights,
                               round_like_split=cfg.zeroplus.master_rounding == "like_shared",
-                              experts=_expert_split(groups))
+                              experts=expert_split(groups))
     out = {c.value: ledger.live_bytes(c) for c in (Category.PARAM, Category.PARAM_GATHERED, Category.MASTER)}
     zero = cfg.zero_optimization
     if zero.stage == 3 and zero.offload_param is not None and zero.offload_param.device != "none":

@@ -38,6 +38,8 @@ from .. import checkpointing
 from ..config import ConfigError, ZeroplusConfig, parse_config, resolve_batch
 from ..ledger import Category, Ledger
 from ..offload import meta_tier
+from ..parallel.groups import current_groups
+from ..parallel.registry import carry_marks
 from .tracker import MemoryTracker
 from .virtual_parallel import SimulatedLinks, boundary_shapes, build_in, virtual_groups
 
@@ -57,12 +59,14 @@ class MetaAccelerator(Accelerator):
         return 0
 
 
-def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
+def meta_copy(model: torch.nn.Module, replace: dict[int, Any] | None = None) -> torch.nn.Module:
     """A copy of ``model`` whose parameters and buffers are on the meta device (the original is
-    untouched and nothing is copied but the module objects)."""
-    memo: dict[int, Any] = {}
+    untouched and nothing is copied but the module objects). ``replace``: ``id(obj) -> stand-in`` for
+    objects the copy should hold instead (process groups: themselves, or the estimate's stand-ins)."""
+    memo: dict[int, Any] = dict(replace or {})
     for p in model.parameters():
         memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        carry_marks(p, memo[id(p)])  # split over the tensor group, an expert's
     for b in model.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
     return copy.deepcopy(model, memo)
@@ -111,6 +115,16 @@ class CpuAttention(TorchFunctionMode):
         choice = torch._fused_sdp_choice(stand_in, stand_in, stand_in, mask, options.get("dropout_p", 0.0),
                                          options.get("is_causal", False), scale=options.get("scale"))
         return choice == 1  # SDPBackend.FLASH_ATTENTION
+
+
+def group_stand_ins(real: Any, groups: Any) -> dict[int, Any]:
+    """A module given as built holds this process's groups ``real`` (tensor-parallel layers, MoE): its
+    copy holds the simulated rank's stand-ins ``groups`` instead, kind for kind, when the topologies
+    agree (``meta_copy``'s ``replace``)."""
+    from ..parallel.topology import KINDS
+    if real is None or real.topology != groups.topology:
+        return {}
+    return {id(getattr(real, kind)): getattr(groups, kind) for kind in KINDS}
 
 
 def _pipeline_plan(model: Any, cfg: ZeroplusConfig, groups: Any, seq_len: int | None,
@@ -240,7 +254,7 @@ def simulate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     pipeline = _pipeline_plan(model, cfg, groups, seq_len, _meta(tuple(example_inputs or ()), memo))
     with _quiet(), _own_checkpointing_settings(), tracker, attention:
         if isinstance(model, torch.nn.Module):
-            meta_model = meta_copy(model)
+            meta_model = meta_copy(model, group_stand_ins(current_groups(), groups))
         else:
             meta_model = build_in(groups, model)
         tracker.enter("init")

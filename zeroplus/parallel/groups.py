@@ -112,6 +112,11 @@ def parallel_groups() -> ParallelGroups:
     return _CURRENT if _CURRENT is not None else init_parallel(None)
 
 
+def current_groups() -> ParallelGroups | None:
+    """The groups made so far, or None (unlike ``parallel_groups``, makes none)."""
+    return _CURRENT
+
+
 def reset_parallel() -> None:
     """Forget the groups (after ``destroy_process_group``, or to change the topology)."""
     global _CURRENT

@@ -1,5 +1,6 @@
 """``ParameterSet``: which parameters have a property (split over the tensor group, an expert's), held by
-weak reference and identity (tensors compare by value, so a ``WeakSet`` would compare their elements)."""
+weak reference and identity (tensors compare by value, so a ``WeakSet`` would compare their elements).
+``carry_marks`` gives a copy of a parameter (the estimate's meta copy) the original's properties."""
 from __future__ import annotations
 
 import weakref
@@ -7,9 +8,13 @@ import weakref
 import torch
 
 
+_ALL: list[ParameterSet] = []
+
+
 class ParameterSet:
     def __init__(self) -> None:
         self._refs: dict[int, weakref.ref] = {}
+        _ALL.append(self)
 
     def add(self, param: torch.Tensor) -> torch.Tensor:
         key = id(param)
@@ -21,4 +26,11 @@ class ParameterSet:
         return ref is not None and ref() is param
 
 
-__all__ = ["ParameterSet"]
+def carry_marks(old: torch.Tensor, new: torch.Tensor) -> None:
+    """Put ``new`` in every set ``old`` is in (a copy of a model keeps its parameters' properties)."""
+    for marks in _ALL:
+        if old in marks:
+            marks.add(new)
+
+
+__all__ = ["ParameterSet", "carry_marks"]

@@ -9,9 +9,9 @@ comm buffer (category ``comm_buffer``), so buckets smaller than one parameter ar
 reduced ``c1 - c0`` elements are added, divided by D, into the fp32 gradient shard when the
 handle is waited on. When gradients are reduced once per step (stage 1, or no accumulation at
 stages 2-3) the collective writes straight into a gradient shard in the compute dtype (c * S),
-divided by D in place, and there is no fp32 accumulator. N is the group's own partition size and D
-the data-parallel size: they differ for experts' groups (N = D / E, partition.py). With ``reduce_scatter: false`` each
-bucket is all-reduced and the owned part kept.
+divided by D in place, and there is no fp32 accumulator. With ``reduce_scatter: false`` each
+bucket is all-reduced and the owned part kept. N is the group's own partition size and D the
+data-parallel size: they differ for experts' groups (N = D / E, ``partition.py``).
 
 Memory in flight: at most one group's flat gradient (c * P) plus the comm buffers of the
 buckets not yet waited on. Communication: c * P bytes per group per reduction.
@@ -68,7 +68,7 @@ class GradReducer:
             yield c0, c1, inp
 
     def _reduce_scatter(self, group: FlatParamGroup, grad: torch.Tensor) -> None:
-        """Accumulate: each bucket's reduced columns are added, divided by N, into the fp32 shard."""
+        """Accumulate: each bucket's reduced columns are added, divided by D, into the fp32 shard."""
         n, s = group.dp.size, group.shard_numel
         scale = 1.0 / self.dp.size
         cols = max(1, self.bucket_numel // n)
