@@ -161,6 +161,16 @@ class Engine:
                             f"(call engine(batch), engine.backward(loss), engine.step() instead)")
         return train_batch(self, self.module, data_iter)
 
+    def eval_batch(self, data_iter: Iterator[Any]) -> torch.Tensor:
+        """The mean loss of ``gradient_accumulation_steps`` micro-batches through a ``PipelineModule``,
+        forward only (as DeepSpeed's pipeline engine has it); every stage returns it."""
+        from zeroplus.parallel.pipeline import PipelineModule
+        from zeroplus.parallel.pipeline_schedule import eval_batch
+        if not isinstance(self.module, PipelineModule):
+            raise TypeError(f"eval_batch() runs a PipelineModule; this engine wraps {type(self.module).__name__} "
+                            f"(call engine(batch) under torch.no_grad() instead)")
+        return eval_batch(self, self.module, data_iter)
+
     def step(self) -> None:
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1

@@ -21,7 +21,9 @@ import zeroplus
 from zeroplus.config import parse_config
 from zeroplus.data import ByteBatches, corpus_description, read_corpus
 from zeroplus.models import GPT, gpt_config
-from zeroplus.models.gpt_tp import TensorParallelGPT
+from zeroplus.models.gpt_pipe import gpt_pipeline_layers, gpt_pipeline_loss
+from zeroplus.models.gpt_tp import TensorParallelGPT, tensor_parallel_pipeline_layers
+from zeroplus.parallel.pipeline import PipelineModule
 from zeroplus.parallel.moe import is_expert
 
 logger = logging.getLogger("zeroplus.train")
@@ -62,6 +64,10 @@ def main(argv: list[str] | None = None) -> None:
         settings = parse_config(config)[0].zeroplus.parallel
         model = TensorParallelGPT.from_dense(model, sequence_parallel=settings.sequence_parallel,
                                              overlap_chunks=settings.overlap_chunks)
+    if parallel.pipeline > 1:  # this rank's stage of the layers; batches run through engine.train_batch
+        layers, loss_fn = (tensor_parallel_pipeline_layers(model) if parallel.tensor > 1
+                           else (gpt_pipeline_layers(model), gpt_pipeline_loss))
+        model = PipelineModule(layers, loss_fn)
     engine = zeroplus.initialize(model, config)
     rank, world = engine.dp.rank, engine.dp.size  # the data rank picks the batches
     main_rank = not dist.is_initialized() or dist.get_rank() == 0  # prints (tensor ranks share a data rank)
@@ -79,7 +85,9 @@ def main(argv: list[str] | None = None) -> None:
     start, loss_value = time.perf_counter(), float("nan")
     first_step = engine.global_steps
     for step in range(first_step, first_step + args.steps):
-        for micro in range(gas):
+        if parallel.pipeline > 1:
+            loss_value = engine.train_batch(iter([data.batch(step, micro) for micro in range(gas)])).item()
+        for micro in range(gas if parallel.pipeline == 1 else 0):
             x, y = data.batch(step, micro)
             loss = engine(x, y)
             engine.backward(loss)
@@ -95,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     bar.close()
     engine.eval()
     with torch.no_grad():
-        held = [engine(*data.eval_batch(i)).item() for i in range(4)]
+        held = [engine.eval_batch(iter([data.eval_batch(i)] * gas)).item() if parallel.pipeline > 1
+                else engine(*data.eval_batch(i)).item() for i in range(4)]
     saved = engine.save_checkpoint(args.save_dir) if args.save_dir else None
     reports = [None] * (dist.get_world_size() if dist.is_initialized() else 1)  # after the save: it counts
     report = dict(engine.memory_report().to_dict(), rank=dist.get_rank() if dist.is_initialized() else 0)

@@ -137,3 +137,11 @@ def test_example_configs_parse():
     for path in configs:
         cfg, unimplemented = parse_config(str(path))
         assert not unimplemented, path
+
+
+def test_deepspeed_tensor_parallel_size_is_the_tensor_size():
+    cfg, unimplemented = parse_config({"tensor_parallel": {"autotp_size": 2, "tp_overlap_comm": True}})
+    assert cfg.zeroplus.parallel.tensor == 2 and unimplemented == ["tensor_parallel.tp_overlap_comm"]
+    assert parse_config({"zeroplus": {"parallel": {"tensor": 2}}})[0].tensor_parallel.autotp_size == 2
+    with pytest.raises(ConfigError, match=r"'tensor_parallel.autotp_size' \(2\) and 'zeroplus.parallel.tensor' \(4\)"):
+        parse_config({"tensor_parallel": {"autotp_size": 2}, "zeroplus": {"parallel": {"tensor": 4}}})

@@ -1,15 +1,17 @@
-"""Pipeline parallelism with ZeRO on 4 CPU ranks, data x pipeline = 2 x 2, against the single-process GPT.
+"""Pipeline parallelism with ZeRO on 4 CPU ranks, data x pipeline = 2 x 2, against the single-process
+GPT.
 
 The built-in GPT (4 blocks, so 6 pipeline layers: embeddings, blocks, norm and head; the head untied
-from the token table, in the reference too) is cut into 2 stages; each data replica runs 1F1B over
-4 micro-batches per batch with ZeRO-1 or ZeRO-2 inside each stage's data group, and the interleaved
-schedule (2 virtual stages per rank: 4 chunks of the 6 layers) with ZeRO-1 and ZeRO-2. The reference is the
-plain model with ``torch.optim.AdamW`` accumulating the same 8 micro-batches per step, clipped by the
-global norm. Checked: each batch's mean loss on every stage, the global gradient norm (summed over the
-stages), and every parameter after 3 steps, within fp32 tolerance; a failure names the stage, the
-ZeRO stage and the layer. Tensor x pipeline = 2 x 2: the tensor-parallel GPT (sequence parallel, 2
-overlap chunks) in 2 stages gives the single-process model's losses and gradient norms (the same
-4-rank run). ``zeroplus.estimate`` for each stage predicts the model-state peaks the ledger measured.
+from the token table, in the reference too) is cut into 2 stages; each data replica runs 1F1B over 4
+micro-batches per batch with ZeRO-1 or ZeRO-2 inside each stage's data group, and the interleaved
+schedule (2 virtual stages per rank: 4 chunks of the 6 layers) with ZeRO-1 and ZeRO-2. The reference
+is the plain model with ``torch.optim.AdamW`` accumulating the same 8 micro-batches per step,
+clipped by the global norm. Checked: each batch's mean loss on every stage, the global gradient norm
+(summed over the stages), every parameter after 3 steps and the trained model's ``eval_batch`` loss,
+within fp32 tolerance; a failure names the stage, the ZeRO stage and the layer. Tensor x pipeline =
+2 x 2: the tensor-parallel GPT (sequence parallel, 2 overlap chunks) in 2 stages gives the single-
+process model's losses and gradient norms (the same 4-rank run). ``zeroplus.estimate`` for each
+stage predicts the model-state peaks the ledger measured.
 """
 from __future__ import annotations
 
@@ -68,7 +70,8 @@ def _pipeline_job() -> list:
             full = g.gather_master()
             for name, offset, shape in zip(g.names, g.offsets, g.shapes):
                 params[model.global_layer(name)] = full[offset:offset + shape.numel()].view(shape).clone()
-        out.append({"losses": losses, "norms": norms, "params": params, "data_rank": d,
+        held_out = engine.eval_batch(iter([batches[0]] * GAS)).item()  # forward only, after training
+        out.append({"losses": losses, "norms": norms, "params": params, "data_rank": d, "held_out": held_out,
                     "pipeline_stage": model.stage,
                     "ledger": {c.value: engine.ledger.peak_bytes(c) for c in Category}})
         engine.destroy()
@@ -76,7 +79,7 @@ def _pipeline_job() -> list:
     return {"cases": out, "tensor_x_pipeline": _tp_pipeline_job()}
 
 
-def _reference() -> tuple[list[list[float]], list[float], dict[str, torch.Tensor]]:
+def _reference() -> tuple[list[list[float]], list[float], dict[str, torch.Tensor], float]:
     model, batches = _gpt(), _batches()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     losses: list[list[float]] = [[], []]
@@ -94,8 +97,10 @@ def _reference() -> tuple[list[list[float]], list[float], dict[str, torch.Tensor
         norms.append(clip_global_norm(list(model.parameters()), CLIP))
         opt.step()
         opt.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        held_out = model(*batches[0]).item()
     layers = torch.nn.ModuleList(gpt_pipeline_layers(model))
-    return losses, norms, {n: p.detach() for n, p in layers.named_parameters()}
+    return losses, norms, {n: p.detach() for n, p in layers.named_parameters()}, held_out
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +111,7 @@ def pipeline_ranks() -> list:
 
 def test_data_x_pipeline_1f1b_and_interleaved_match_the_single_process_model(pipeline_ranks):
     ranks = [r["cases"] for r in pipeline_ranks]
-    ref_losses, ref_norms, ref_params = _reference()
+    ref_losses, ref_norms, ref_params, ref_held_out = _reference()
     assert ref_norms[0] > CLIP
     for rank, results in enumerate(ranks):
         for (zero_stage, virtual), got in zip(CASES, results):
@@ -114,6 +119,7 @@ def test_data_x_pipeline_1f1b_and_interleaved_match_the_single_process_model(pip
                      f"ZeRO {zero_stage}, {virtual} virtual stages")
             assert got["losses"] == pytest.approx(ref_losses[got["data_rank"]], rel=2e-5), f"{where}: losses"
             assert got["norms"] == pytest.approx(ref_norms, rel=2e-5), f"{where}: grad norms"
+            assert got["held_out"] == pytest.approx(ref_held_out, rel=2e-5), f"{where}: eval_batch loss"
             assert got["params"], f"{where}: holds no parameters"
             for name, value in got["params"].items():  # Adam: rounding noise decides near-zero gradients' updates
                 torch.testing.assert_close(value, ref_params[name], rtol=1e-4, atol=LR / 10,

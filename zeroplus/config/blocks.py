@@ -139,6 +139,16 @@ class ActivationTierConfig(Block):
     path: str | None = Field(None, description="Directory for the file tier.")
 
 
+class TensorParallelConfig(Block):
+    """DeepSpeed's ``tensor_parallel`` block (AutoTP training): its size is zeroplus's tensor size."""
+
+    ds_unimplemented = frozenset({"tp", "dtype", "keep_module_on_host", "tp_overlap_comm", "tp_grain_size",
+                                  "injection_policy_tuple", "partition_config"})
+    autotp_size: PositiveInt = Field(1, description="Tensor-parallel size (the same as zeroplus.parallel.tensor; "
+                                                    "zeroplus does not split modules automatically: build them "
+                                                    "with zeroplus.parallel's layers).")
+
+
 class ParallelConfig(Block):
     """Model parallelism beside ZeRO (``zeroplus/parallel/topology.py``): world = data x tensor x pipeline."""
 

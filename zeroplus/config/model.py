@@ -5,8 +5,8 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from .blocks import (ActivationCheckpointingConfig, Auto, NonNegativeFloat, PositiveInt, BF16Config, Block, FP16Config, OptimizerConfig,
-                     SchedulerConfig, ZeroConfig, ZeroplusBlock)
+from .blocks import (ActivationCheckpointingConfig, Auto, NonNegativeFloat, PositiveInt, BF16Config, Block, FP16Config,
+                     OptimizerConfig, SchedulerConfig, TensorParallelConfig, ZeroConfig, ZeroplusBlock)
 
 
 class ZeroplusConfig(Block):
@@ -37,3 +37,4 @@ class ZeroplusConfig(Block):
     wall_clock_breakdown: bool = False
     memory_breakdown: bool = False
     zeroplus: ZeroplusBlock = Field(default_factory=ZeroplusBlock)
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)

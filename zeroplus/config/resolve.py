@@ -53,7 +53,17 @@ def parse_config(config: dict[str, Any] | str | os.PathLike) -> tuple[ZeroplusCo
                 msgs.append(e["msg"])
         lines = [f"config key '{where}': {' or '.join(msgs)} (got {got})" for (where, got), msgs in problems.items()]
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
+    _merge_tensor_size(cfg)
     return cfg, unimplemented
+
+
+def _merge_tensor_size(cfg: ZeroplusConfig) -> None:
+    """DeepSpeed's ``tensor_parallel.autotp_size`` and ``zeroplus.parallel.tensor`` name one size."""
+    ds, ours = cfg.tensor_parallel.autotp_size, cfg.zeroplus.parallel.tensor
+    if ds > 1 and ours > 1 and ds != ours:
+        raise ConfigError(f"config keys 'tensor_parallel.autotp_size' ({ds}) and 'zeroplus.parallel.tensor' ({ours}) "
+                          f"disagree; give one tensor-parallel size")
+    cfg.zeroplus.parallel.tensor = cfg.tensor_parallel.autotp_size = max(ds, ours)
 
 
 def resolve_batch(cfg: ZeroplusConfig, dp_size: int) -> None:

@@ -170,4 +170,26 @@ def train_batch(engine: Any, module: PipelineModule, data_iter: Iterator[Any], l
     return loss
 
 
-__all__ = ["schedule", "train_batch"]
+def eval_batch(engine: Any, module: PipelineModule, data_iter: Iterator[Any]) -> torch.Tensor:
+    """Forward only, no gradients: ``gradient_accumulation_steps`` micro-batches ``(inputs, targets)``
+    through the stages in order (each chunk receives, runs, sends on); the mean loss on every stage.
+    Memory: one micro-batch's activations per chunk at a time (nothing is kept for backward)."""
+    links = _Links(module)
+    losses: list[torch.Tensor] = []
+    with torch.no_grad():
+        for _ in range(engine.gradient_accumulation_steps()):
+            inputs, targets = next(data_iter)
+            for chunk in range(module.virtual_stages):
+                x = inputs if links.first(chunk) else links.recv_forward(chunk)
+                out = engine(x, chunk=chunk)
+                if links.last(chunk):
+                    losses.append(module.loss_fn(out, targets).float())
+                else:
+                    links.send_forward(out, chunk)
+    links.finish()
+    loss = torch.stack(losses).mean() if losses else torch.zeros(())
+    links.share_loss(loss)
+    return loss
+
+
+__all__ = ["eval_batch", "schedule", "train_batch"]
