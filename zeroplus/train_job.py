@@ -21,9 +21,7 @@ import zeroplus
 from zeroplus.config import parse_config
 from zeroplus.data import ByteBatches, corpus_description, read_corpus
 from zeroplus.models import GPT, gpt_config
-from zeroplus.models.gpt_pipe import gpt_pipeline_layers, gpt_pipeline_loss
-from zeroplus.models.gpt_tp import TensorParallelGPT, tensor_parallel_pipeline_layers
-from zeroplus.parallel.pipeline import PipelineModule
+from zeroplus.models.split import split_gpt
 from zeroplus.parallel.moe import is_expert
 
 logger = logging.getLogger("zeroplus.train")
@@ -60,14 +58,9 @@ def main(argv: list[str] | None = None) -> None:
     moe = dict(moe_experts=args.experts, moe_k=min(2, args.experts)) if args.experts else {}
     model = GPT(gpt_config(args.size, block_size=max(args.seq_len, 64), **moe))
     n_params = sum(p.numel() * (parallel.expert if is_expert(p) else 1) for p in model.parameters())  # all experts
-    if parallel.tensor > 1:
-        settings = parse_config(config)[0].zeroplus.parallel
-        model = TensorParallelGPT.from_dense(model, sequence_parallel=settings.sequence_parallel,
-                                             overlap_chunks=settings.overlap_chunks)
-    if parallel.pipeline > 1:  # this rank's stage of the layers; batches run through engine.train_batch
-        layers, loss_fn = (tensor_parallel_pipeline_layers(model) if parallel.tensor > 1
-                           else (gpt_pipeline_layers(model), gpt_pipeline_loss))
-        model = PipelineModule(layers, loss_fn)
+    settings = parse_config(config)[0].zeroplus.parallel
+    # this rank's part: tensor slices, pipeline stage (batches then run through engine.train_batch)
+    model = split_gpt(model, sequence_parallel=settings.sequence_parallel, overlap_chunks=settings.overlap_chunks)
     engine = zeroplus.initialize(model, config)
     rank, world = engine.dp.rank, engine.dp.size  # the data rank picks the batches
     main_rank = not dist.is_initialized() or dist.get_rank() == 0  # prints (tensor ranks share a data rank)

@@ -9,7 +9,8 @@ global-norm clipping. Checked at ZeRO 0-3 (2 micro-batches per step): every rank
 global gradient norm (which the clipping uses: a wrong expert-gradient scale or a double-counted
 expert shard changes it), and every parameter, experts by their global index, after 3 steps. Then
 a checkpoint: saved after step 2 at ZeRO 2 and loaded into a new engine at ZeRO 3, step 3 equals the
-uninterrupted run; loading it with every expert on every rank (expert size 1) is refused. And
+uninterrupted run; a checkpoint saved by 2 ranks (data 2 x expert 2) loads at 4 ranks to the same
+weights; loading with every expert on every rank (expert size 1) is refused. And
 ``zeroplus.estimate`` for each rank of this topology, and each engine's own prediction at its first
 forward, give the model-state peaks (parameters, gathered parameters, gradients, masters, optimizer
 states) the engine's ledger measured, exactly.
@@ -92,7 +93,17 @@ def _params(engine, local: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _expert_job(ckpt_dir: str) -> dict:
+def _save_at_two_ranks(ckpt_dir: str) -> dict[str, torch.Tensor]:
+    """Data 2 x expert 2 (one rank per expert-data group): one step, a checkpoint, the weights saved."""
+    parallel = zeroplus.init_parallel(_config(2))
+    model = _engine_model(parallel.expert.rank)
+    engine = zeroplus.initialize(model, _config(2))
+    _train(engine, _batches(), parallel.data.rank, range(1))
+    engine.save_checkpoint(ckpt_dir)
+    return _params(engine, model.blocks[0].mlp.moe.local)
+
+
+def _expert_job(ckpt_dir: str, two_rank_ckpt: str) -> dict:
     results = {}
     batches = _batches()
     for stage in STAGES:
@@ -121,6 +132,10 @@ def _expert_job(ckpt_dir: str) -> dict:
     results["resumed"] = {"losses": losses, "norms": norms, "params": _params(engine, local)}
     with pytest.raises(ValueError, match=r"save_16bit_model\(\) writes one whole model"):
         engine.save_16bit_model(ckpt_dir + "-16bit")  # each rank holds half the experts: refused, not half-written
+    engine.destroy()
+    engine = zeroplus.initialize(_engine_model(parallel.expert.rank), _config(1))  # saved by 2 ranks, loaded by 4
+    engine.load_checkpoint(two_rank_ckpt)
+    results["elastic"] = {"params": _params(engine, local)}
     engine.destroy()
     zeroplus.parallel.reset_parallel()  # the same checkpoint with every expert on every rank: refused
     zeroplus.init_parallel(_config(1, expert=1))
@@ -157,9 +172,15 @@ def _reference() -> tuple[list[list[float]], list[float], dict[str, torch.Tensor
 
 
 def test_data_x_expert_matches_all_experts_in_one_process_at_zero_0_to_3(tmp_path):
-    ranks = run_distributed(_expert_job, WORLD, str(tmp_path / "ckpt"), timeout=600)
+    saved_by_two = run_distributed(_save_at_two_ranks, 2, str(tmp_path / "two"))
+    ranks = run_distributed(_expert_job, WORLD, str(tmp_path / "ckpt"), str(tmp_path / "two"), timeout=600)
     ref_losses, ref_norms, ref_params = _reference()
     assert ref_norms[0] > CLIP
+    for rank, got in enumerate(ranks):  # elastic: what 2 ranks saved (expert-data 1) is what 4 ranks load (2)
+        elastic = got["cases"].pop("elastic")["params"]
+        saved = saved_by_two[rank % 2]  # the rank with the same expert rank
+        for name, value in elastic.items():
+            assert torch.equal(value, saved[name]), f"rank {rank}: {name} loaded at 4 ranks differs from the save"
     for rank, got in enumerate(ranks):
         assert "expert 2" in got["refusal"] and "expert 1" in got["refusal"], got["refusal"]
         d = got["data_rank"]

@@ -33,13 +33,13 @@ from .planner import auto_keys, plan
 
 
 def _builder(spec: str, config: str, experts: int = 0) -> Callable[[], Any]:
-    from ..models import gpt_config
+    from ..models import GPT, gpt_config
     from ..models.split import split_gpt
     if ":" not in spec:
         moe = dict(moe_experts=experts, moe_k=min(2, experts)) if experts else {}
         gpt_config(spec)  # raises ValueError naming the known sizes
         par = parse_config(config)[0].zeroplus.parallel
-        return lambda: split_gpt(gpt_config(spec, **moe), sequence_parallel=par.sequence_parallel,
+        return lambda: split_gpt(GPT(gpt_config(spec, **moe)), sequence_parallel=par.sequence_parallel,
                                  overlap_chunks=par.overlap_chunks)
     if experts:
         raise ValueError(f"--experts is for the built-in GPT; {spec!r} builds its own model")
