@@ -150,6 +150,11 @@ def _world(engine: Engine) -> Any:
     return DataParallelGroup(None)
 
 
+def _global_rank(engine: Engine) -> int:
+    """The rank a message names: the process's in the whole job (the data rank is shared by model slices)."""
+    return engine.parallel.global_rank if engine.parallel is not None else engine.dp.rank
+
+
 def _topology(engine: Engine) -> dict[str, int]:
     par = engine.parallel
     return (par.topology if par is not None else Topology(engine.dp.size)).to_dict()
@@ -195,13 +200,14 @@ def save_checkpoint(engine: Engine, save_dir: str, tag: str | None = None,
 
 
 def _open_part(engine: Engine, path: str, meta: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """The directory and metadata of this rank's model slice; refuses another tensor or pipeline size."""
+    """The directory and metadata of this rank's model slice; refuses another tensor, pipeline or expert size."""
     saved = {"tensor": 1, "pipeline": 1, "expert": 1, **meta.get("topology", {})}
     ours = _topology(engine)
     sizes = ("tensor", "pipeline", "expert")
     if any(saved[k] != ours[k] for k in sizes):
         raise ValueError(f"checkpoint {path} was saved with " + " x ".join(f"{k} {saved[k]}" for k in sizes)
-                         + f"; this run (rank {engine.dp.rank}) has " + " x ".join(f"{k} {ours[k]}" for k in sizes)
+                         + f"; this run (rank {_global_rank(engine)}) has "
+                         + " x ".join(f"{k} {ours[k]}" for k in sizes)
                          + ": loading across tensor, pipeline or expert sizes is not supported (the data-parallel "
                          "size and ZeRO stage may differ)")
     part = _model_part(engine)
@@ -209,7 +215,7 @@ def _open_part(engine: Engine, path: str, meta: dict[str, Any]) -> tuple[str, di
         return path, meta
     part_path = os.path.join(path, part)
     if part not in meta.get("parts", []):
-        raise ValueError(f"checkpoint {path} has no slice {part!r} (rank {engine.dp.rank}); it lists "
+        raise ValueError(f"checkpoint {path} has no slice {part!r} (rank {_global_rank(engine)}); it lists "
                          f"{meta.get('parts')}")
     return part_path, io.read_metadata(part_path)
 
@@ -225,7 +231,7 @@ def _check_layout(engine: Engine, meta: dict[str, Any], path: str) -> None:
     shapes = sorted(f"{n}: checkpoint {saved[n]} vs model {ours[n]}" for n in set(ours) & set(saved)
                     if saved[n] != ours[n])
     if missing or unexpected or shapes:
-        raise ValueError(f"checkpoint {path} does not fit this model (rank {engine.dp.rank}): missing parameters "
+        raise ValueError(f"checkpoint {path} does not fit this model (rank {_global_rank(engine)}): missing parameters "
                          f"{missing}, unexpected parameters {unexpected}, shape mismatches {shapes}")
 
 
