@@ -272,11 +272,9 @@ def _estimate_source(model: torch.nn.Module, cfg: ZeroplusConfig,
     model's process groups (the estimate swaps in stand-ins for the rank it simulates)."""
     if not cfg.zeroplus.memory_estimate:
         return None
-    from zeroplus.budget.simulate import meta_copy
-    from zeroplus.parallel.topology import KINDS
-    keep = {id(getattr(parallel, kind)): getattr(parallel, kind) for kind in KINDS} if parallel is not None else {}
-    try:
-        return meta_copy(model, keep), copy.deepcopy(cfg)
+    from zeroplus.budget.simulate import group_stand_ins, meta_copy
+    try:  # each group stands in for itself: the copy keeps them, uncopied
+        return meta_copy(model, group_stand_ins(parallel, parallel)), copy.deepcopy(cfg)
     except Exception as err:  # a module that cannot be copied: train without the prediction
         log_rank0("memory estimate unavailable: the model cannot be copied to the meta device (%s: %s)",
                   type(err).__name__, err, level=logging.WARNING)

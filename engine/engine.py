@@ -123,14 +123,20 @@ class Engine:
         finally:
             self._no_sync = previous
 
+    def _loss_factor(self) -> float:
+        """What the loss is multiplied by before its backward (loss scale / accumulation steps); MoE
+        balancing losses (``zeroplus.parallel.moe``) get their gradient scaled alike."""
+        factor = self.loss_scaler.scale / self.gradient_accumulation_steps()
+        set_aux_grad_scale(factor)
+        return factor
+
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"backward() needs a scalar loss tensor, got {type(loss).__name__} "
                             f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''} (rank {self.dp.rank})")
-        factor = self.loss_scaler.scale / self.gradient_accumulation_steps()
+        factor = self._loss_factor()
         reduce = self.is_gradient_accumulation_boundary() and not self._no_sync
         self._partition.begin_backward(reduce)
-        set_aux_grad_scale(factor)
         (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
         self._partition.end_backward()
         if not retain_graph:
@@ -142,8 +148,7 @@ class Engine:
         None; scaled as ``backward`` scales it), else from the gradient the next chunk sent. ``reduce``:
         this is the batch's last backward on this rank (gradients are reduced at its end)."""
         self._partition.begin_backward(reduce and not self._no_sync)
-        factor = self.loss_scaler.scale / self.gradient_accumulation_steps()
-        set_aux_grad_scale(factor)
+        factor = self._loss_factor()
         if grad is None:
             (output * factor if factor != 1.0 else output).backward()
         else:

@@ -26,6 +26,7 @@ import torch
 
 import zeroplus
 from tests.dist_helper import run_distributed
+from tests.parallel.model_states import assert_model_states_predicted
 from tests.reference import clip_global_norm, engine_train
 from zeroplus.ledger import Category
 from zeroplus.models import GPT, gpt_config
@@ -208,11 +209,7 @@ def _check_estimate(measured: dict[str, int], engine_predicted: dict[str, int], 
     measured, byte for byte."""
     budget = zeroplus.estimate(lambda: GPT(_gpt_config()), _config(stage), world_size=WORLD, rank=rank,
                                seq_len=SEQ)
-    for category in ("param", "param_gathered", "master", "optim_state", "grad"):
-        assert budget.category_peaks[category] == measured[category], \
-            f"{where}: {category} predicted {budget.category_peaks[category]}, measured {measured[category]}"
-        assert engine_predicted[category] == measured[category], \
-            f"{where}: {category} the engine predicted {engine_predicted[category]}, measured {measured[category]}"
+    assert_model_states_predicted(measured, where, estimate=budget.category_peaks, engine=engine_predicted)
 
 
 def test_estimate_command_builds_each_ranks_slice(tmp_path):

@@ -20,6 +20,7 @@ import torch
 
 import zeroplus
 from tests.dist_helper import run_distributed
+from tests.parallel.model_states import assert_model_states_predicted
 from tests.reference import clip_global_norm, engine_train
 from zeroplus.ledger import Category
 from zeroplus.models import GPT, gpt_config
@@ -136,12 +137,8 @@ def _check_estimate(measured: dict[str, int], engine_predicted: dict[str, int], 
     budget = zeroplus.estimate(lambda: TensorParallelGPT(gpt_config("tiny", block_size=SEQ), sequence_parallel=sp,
                                                          overlap_chunks=chunks),
                                _config(stage, sp, chunks), world_size=4, rank=rank, seq_len=SEQ)
-    for category in ("param", "param_gathered", "master", "optim_state", "grad"):
-        assert budget.category_peaks[category] == measured[category], \
-            f"case {case}, rank {rank}: {category} predicted {budget.category_peaks[category]}, measured " \
-            f"{measured[category]}"
-        assert engine_predicted[category] == measured[category], \
-            f"case {case}, rank {rank}: {category} the engine predicted {engine_predicted[category]}"
+    assert_model_states_predicted(measured, f"case {case}, rank {rank}", estimate=budget.category_peaks,
+                                  engine=engine_predicted)
 
 
 def _tp_engine(tensor: int):

@@ -94,6 +94,13 @@ class _Links:
         if self.P > 1:
             dist.broadcast(loss, self.ranks[-1], group=self.group)
 
+    def end_batch(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """Wait for the sends; the batch's mean loss (the last stage's) on every stage."""
+        self.finish()
+        loss = torch.stack(losses).mean() if losses else torch.zeros(())
+        self.share_loss(loss)
+        return loss
+
 
 def schedule(num_stages: int, stage: int, micro_batches: int, virtual_stages: int = 1) -> list[tuple[str, int, int]]:
     """This stage's operations in order: ``("F" | "B", micro-batch, local chunk)``.
@@ -164,10 +171,7 @@ def train_batch(engine: Any, module: PipelineModule, data_iter: Iterator[Any], l
         if chunk == 0:  # this micro-batch's last backward on this rank
             phase("step")
             engine.step()
-    links.finish()
-    loss = torch.stack(losses).mean() if losses else torch.zeros(())
-    links.share_loss(loss)  # the last stage has it; every stage returns it
-    return loss
+    return links.end_batch(losses)
 
 
 def eval_batch(engine: Any, module: PipelineModule, data_iter: Iterator[Any]) -> torch.Tensor:
@@ -186,10 +190,7 @@ def eval_batch(engine: Any, module: PipelineModule, data_iter: Iterator[Any]) ->
                     losses.append(module.loss_fn(out, targets).float())
                 else:
                     links.send_forward(out, chunk)
-    links.finish()
-    loss = torch.stack(losses).mean() if losses else torch.zeros(())
-    links.share_loss(loss)
-    return loss
+    return links.end_batch(losses)
 
 
 __all__ = ["eval_batch", "schedule", "train_batch"]
