@@ -1,4 +1,4 @@
-"""Sharded, elastic checkpoints of an engine: what each rank saves and how a rank loads its part.
+"""Sharded, elastic checkpoints of an engine: what each rank saves (loading: ``checkpoint_load.py``).
 
 Each rank saves, per flat group, its *nominal* range ``[r * S, (r + 1) * S)`` clipped to the
 group's unpadded length: the fp32 master values and every optimizer-state tensor of that range
@@ -14,12 +14,10 @@ param-group split (elastic by construction). Memory while
 saving: nothing more where a rank's nominal range is a whole buffer it holds (stages 1-3; the file
 streams from the tensors themselves), a copy of the nominal range where it is a slice of a larger
 buffer (stage 0; fp32 parameters at stages 1-2, whose master is a range of the full flat buffer)
-or the master is stored split (shared bf16/fp32 masters merge into fp32);
-while loading: the files that overlap this rank's range (kept until the load ends).
+or the master is stored split (shared bf16/fp32 masters merge into fp32).
 """
 from __future__ import annotations
 
-import logging
 import os
 import random
 import tempfile
@@ -29,13 +27,11 @@ import numpy as np
 import torch
 
 from zeroplus.comm import DataParallelGroup
-from zeroplus.ledger import Category
 from zeroplus.parallel.topology import Topology
 from zeroplus.zero.flat_group import FlatParamGroup
 
 from . import checkpoint_io as io
-
-logger = logging.getLogger("zeroplus.checkpoint")
+from .safe_load import check_loadable, numpy_rng_from_file, numpy_rng_to_file
 
 # Param-group keys that choose torch's implementation, not the math: this engine keeps its own.
 _KERNEL_SWITCHES = frozenset({"fused", "foreach", "capturable", "differentiable"})
@@ -50,7 +46,7 @@ def _nominal_range(g: FlatParamGroup, rank: int) -> tuple[int, int]:
 
 
 def _rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy_rng_to_file(np.random.get_state())}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -59,7 +55,7 @@ def _rng_state() -> dict[str, Any]:
 def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    np.random.set_state(numpy_rng_from_file(state["numpy"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -197,136 +193,3 @@ def save_checkpoint(engine: Engine, save_dir: str, tag: str | None = None,
         io.write_latest(save_dir, tag)
     world.barrier()
     return final_dir
-
-
-def _open_part(engine: Engine, path: str, meta: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """The directory and metadata of this rank's model slice; refuses another tensor, pipeline or expert size."""
-    saved = {"tensor": 1, "pipeline": 1, "expert": 1, **meta.get("topology", {})}
-    ours = _topology(engine)
-    sizes = ("tensor", "pipeline", "expert")
-    if any(saved[k] != ours[k] for k in sizes):
-        raise ValueError(f"checkpoint {path} was saved with " + " x ".join(f"{k} {saved[k]}" for k in sizes)
-                         + f"; this run (rank {_global_rank(engine)}) has "
-                         + " x ".join(f"{k} {ours[k]}" for k in sizes)
-                         + ": loading across tensor, pipeline or expert sizes is not supported (the data-parallel "
-                         "size and ZeRO stage may differ)")
-    part = _model_part(engine)
-    if not part:
-        return path, meta
-    part_path = os.path.join(path, part)
-    if part not in meta.get("parts", []):
-        raise ValueError(f"checkpoint {path} has no slice {part!r} (rank {_global_rank(engine)}); it lists "
-                         f"{meta.get('parts')}")
-    return part_path, io.read_metadata(part_path)
-
-
-def _check_layout(engine: Engine, meta: dict[str, Any], path: str) -> None:
-    """Same parameter names and shapes; otherwise an error listing the differences. (How they are
-    grouped may differ: loading matches parameters by name.)"""
-    ours = {n: tuple(s) for g in engine._partition.groups for n, s in zip(g.names, g.shapes)}
-    suffixes = {n[n.index("@ep"):] for n in ours if "@ep" in n}  # this rank's expert rank; others' are not ours
-    saved = {p[0]: tuple(p[1]) for g in meta["groups"] for p in g["params"]
-             if "@ep" not in p[0] or p[0][p[0].index("@ep"):] in suffixes}
-    missing, unexpected = sorted(set(ours) - set(saved)), sorted(set(saved) - set(ours))
-    shapes = sorted(f"{n}: checkpoint {saved[n]} vs model {ours[n]}" for n in set(ours) & set(saved)
-                    if saved[n] != ours[n])
-    if missing or unexpected or shapes:
-        raise ValueError(f"checkpoint {path} does not fit this model (rank {_global_rank(engine)}): missing parameters "
-                         f"{missing}, unexpected parameters {unexpected}, shape mismatches {shapes}")
-
-
-class _Files:
-    """Rank files of one checkpoint, read on demand and kept (a rank reads its own range's files,
-    about one at the same world size, two or three after resharding, plus rank 0's), checksums
-    verified on first read."""
-
-    def __init__(self, path: str, meta: dict[str, Any]) -> None:
-        self.path, self.meta = path, meta
-        self._states: dict[int, dict[str, Any]] = {}
-
-    def get(self, rank: int) -> dict[str, Any]:
-        if rank not in self._states:
-            digest = self.meta["files"].get(str(rank))
-            if digest is None:
-                raise ValueError(f"{os.path.join(self.path, io.METADATA)} lists no file for rank {rank}")
-            self._states[rank] = io.load_rank_state(self.path, rank, digest)
-        return self._states[rank]
-
-
-def _load_group(engine: Engine, g: FlatParamGroup, sources: dict[str, tuple[dict[str, Any], int]],
-                files: _Files, load_optim: bool) -> None:
-    """Fill this rank's owned range of ``g``'s master (and optimizer states) parameter by
-    parameter from whichever saved ranges hold it, so the saved grouping may differ from ours."""
-    lo, hi = g.owned_start, min(g.owned_start + g.owned_numel, g.numel)
-    pieces = []  # (saved group, saved rank, its range start, piece start, piece end, position in owned buffer)
-    for name, off, n in zip(g.names, g.offsets, g.numels):
-        ps, pe = max(off, lo), min(off + n, hi)
-        if ps >= pe:
-            continue
-        entry, saved_off = sources[name]
-        ss, se = saved_off + ps - off, saved_off + pe - off
-        for rank, a, b in entry["ranges"]:
-            s, e = max(a, ss), min(b, se)
-            if s < e:
-                pieces.append((entry["name"], rank, a, s, e, ps - g.owned_start + s - ss))
-    opt_state: dict[str, Any] = {}
-    if load_optim:  # the state's keys and scalars come from any file: padding-only ranks need them too
-        name0, rank0 = (pieces[0][0], pieces[0][1]) if pieces else (sources[g.names[0]][0]["name"],
-                                                                    sources[g.names[0]][0]["ranges"][0][0])
-        first = files.get(rank0)["groups"][name0]
-        for key, value in first["sliced"].items():
-            opt_state[key] = engine.ledger.zeros(g.owned_numel, value.dtype, Category.OPTIM_STATE, g.device)
-        for key, value in first["whole"].items():
-            opt_state[key] = value.clone() if isinstance(value, torch.Tensor) else value
-    with torch.no_grad():
-        for group_name, rank, a, s, e, at in pieces:
-            saved = files.get(rank)["groups"][group_name]
-            g.master_store.write(at, saved["master"][s - a:e - a])
-            for key, value in saved["sliced"].items() if load_optim else ():
-                opt_state[key][at:at + e - s].copy_(value[s - a:e - a])
-    if opt_state:
-        engine._step.load_state(g, opt_state)
-
-
-def load_checkpoint(engine: Engine, load_dir: str, tag: str | None = None, *, load_optimizer_states: bool = True,
-                    load_lr_scheduler_states: bool = True,
-                    load_module_only: bool = False) -> tuple[str, dict[str, Any]]:
-    """Every rank calls this; returns ``(path, client_state)``."""
-    tag = io.resolve_tag(load_dir, tag)
-    top = os.path.join(load_dir, tag)
-    path, meta = _open_part(engine, top, io.read_metadata(top))
-    _check_layout(engine, meta, path)
-    engine._partition.wait_all()
-    files = _Files(path, meta)
-    sources = {name: (entry, offset) for entry in meta["groups"] for name, _, offset in entry["params"]}
-    load_optim = load_optimizer_states and not load_module_only
-    for g in engine._partition.groups:
-        _load_group(engine, g, sources, files, load_optim)
-    own = files.get(min(engine.dp.rank, meta["world_size"] - 1))
-    extra = files.get(0)["module_extra"]
-    with torch.no_grad():
-        targets = dict(engine.module.named_parameters())
-        targets.update(dict(engine.module.named_buffers()))
-        for name, value in extra.items():
-            if name in targets:
-                targets[name].copy_(value)
-    engine._partition.params_from_masters()
-    if not load_module_only:
-        counters = own["counters"]
-        engine.global_steps, engine.micro_steps = counters["global_steps"], counters["micro_steps"]
-        engine.global_samples, engine.skipped_steps = counters["global_samples"], counters["skipped_steps"]
-        if own["loss_scaler"]:
-            engine.loss_scaler.load_state_dict(own["loss_scaler"])
-        if load_optim and len(own["optimizer_hparams"]) == len(engine.optimizer.param_groups):
-            for pg, hp in zip(engine.optimizer.param_groups, own["optimizer_hparams"]):
-                pg.update({k: v for k, v in hp.items() if k in pg and k not in _KERNEL_SWITCHES})
-        elif load_optim:
-            logger.warning("checkpoint has %d optimizer param groups, this engine %d: keeping this engine's "
-                           "hyper-parameters (states were matched by parameter name)",
-                           len(own["optimizer_hparams"]), len(engine.optimizer.param_groups))
-        if load_lr_scheduler_states and engine.lr_scheduler is not None and own["lr_scheduler"] is not None:
-            engine.lr_scheduler.load_state_dict(own["lr_scheduler"])
-        if meta["world_size"] == engine.dp.size and own.get("rng"):
-            _set_rng_state(own["rng"])
-    engine.dp.barrier()
-    return top, own["client_state"]

@@ -12,13 +12,14 @@ prove this).
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import shutil
 from typing import Any, BinaryIO
 
 import torch
+
+from .safe_load import load_weights_only
 
 METADATA = "metadata.json"
 LATEST = "latest"
@@ -84,7 +85,7 @@ def load_rank_state(directory: str, rank: int, expected_sha256: str) -> dict[str
     if digest != expected_sha256:
         raise ValueError(f"checkpoint file {path} (rank {rank}'s shard) is corrupt: SHA-256 {digest[:16]}... "
                          f"does not match {expected_sha256[:16]}... recorded in {METADATA}")
-    return torch.load(io.BytesIO(data), weights_only=False, map_location="cpu")
+    return load_weights_only(data, what=f"checkpoint file {path} (rank {rank}'s shard)")
 
 
 def write_metadata(directory: str, metadata: dict[str, Any]) -> None:

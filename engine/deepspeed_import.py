@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from . import checkpoint_io as io
+from .safe_load import load_weights_only
 
 _OPTIM_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 _STAGE3_MODEL_FILE = "zero_pp_rank_{}_mp_rank_00_model_states.pt"
@@ -52,11 +53,7 @@ def _ds_tag(ds_dir: str, tag: str | None) -> str:
 def _load(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"DeepSpeed checkpoint file {path} is missing")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except ModuleNotFoundError as err:
-        raise ValueError(f"reading {path} needs DeepSpeed installed (pip install 'zeroplus[deepspeed]'): {err}") \
-            from None
+    return load_weights_only(path, what=f"DeepSpeed checkpoint file {path}", deepspeed=True)
 
 
 def _split_states(opt: dict[str, Any], numel: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

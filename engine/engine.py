@@ -26,7 +26,8 @@ from zeroplus.memory_report import MemoryReport
 from zeroplus.parallel.moe import set_aux_grad_scale
 from zeroplus.zero import ShardedStep, ZeroPartition
 
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import save_checkpoint
+from .checkpoint_load import load_checkpoint
 from .checkpoint_export import write_state_dict
 from .loss_scaler import LossScaler
 
@@ -42,7 +43,7 @@ class Engine:
         """``baseline_bytes``: the device's memory at ``initialize`` without the model's own bytes
         (the peak above it is what ``zeroplus.estimate`` predicts); ``estimate_source``: the model
         on the meta device and the config, to predict the budget at the first forward."""
-        self.module = module
+        self._module = module
         self.config = config
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -59,6 +60,7 @@ class Engine:
         self._checkpoint_saved = False  # the report compares with the predicted peak that includes a save
         self._activations = activations if activations is not None else SavedTensorRouter([])
         self._no_sync = False
+        self._backward_since_step = False  # one backward() per micro-step, then step()
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
@@ -91,8 +93,17 @@ class Engine:
     def loss_scale(self) -> float:
         return self.loss_scaler.scale
 
+    @property
+    def module(self) -> torch.nn.Module:
+        """The wrapped model, its parameters current: the post-step all-gathers (stages 1-2) are waited
+        for first, so user code reading or saving it never sees a mix of old and new weights. (Hold the
+        engine, not the model object, to get this guarantee; at stage 3 ``state_dict()`` gathers, see
+        ``zeroplus/zero/stage3_state_dict.py``.)"""
+        self._partition.wait_all()
+        return self._module
+
     def train(self, mode: bool = True) -> Engine:
-        self.module.train(mode)
+        self._module.train(mode)
         return self
 
     def eval(self) -> Engine:
@@ -100,12 +111,12 @@ class Engine:
 
     # -- forward / backward / step ------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._estimate_source is not None and torch.is_grad_enabled() and self.module.training:
+        if self._estimate_source is not None and torch.is_grad_enabled() and self._module.training:
             self._predict(args, kwargs)
         self._partition.before_forward()
         try:
             with self._activations.forward():
-                return self.module(*args, **kwargs)
+                return self._module(*args, **kwargs)
         finally:
             self._partition.after_forward()
 
@@ -134,9 +145,15 @@ class Engine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"backward() needs a scalar loss tensor, got {type(loss).__name__} "
                             f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''} (rank {self.dp.rank})")
+        if self._backward_since_step:
+            raise RuntimeError(f"backward() called twice without step() between them (rank {self.dp.rank}, micro-step "
+                               f"{self.micro_steps}): each backward reduces this micro-batch's gradients, so a second "
+                               f"one would reduce them again. Sum the losses and call backward() once, or call "
+                               f"step() after each backward(); the engine is unchanged by this call")
         factor = self._loss_factor()
         reduce = self.is_gradient_accumulation_boundary() and not self._no_sync
         self._partition.begin_backward(reduce)
+        self._backward_since_step = True
         (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
         self._partition.end_backward()
         if not retain_graph:
@@ -148,6 +165,7 @@ class Engine:
         None; scaled as ``backward`` scales it), else from the gradient the next chunk sent. ``reduce``:
         this is the batch's last backward on this rank (gradients are reduced at its end)."""
         self._partition.begin_backward(reduce and not self._no_sync)
+        self._backward_since_step = True
         factor = self._loss_factor()
         if grad is None:
             (output * factor if factor != 1.0 else output).backward()
@@ -161,22 +179,30 @@ class Engine:
         ``zeroplus/parallel/pipeline_schedule.py``), the optimizer step included; the batch's mean loss."""
         from zeroplus.parallel.pipeline import PipelineModule
         from zeroplus.parallel.pipeline_schedule import train_batch
-        if not isinstance(self.module, PipelineModule):
-            raise TypeError(f"train_batch() runs a PipelineModule; this engine wraps {type(self.module).__name__} "
+        if not isinstance(self._module, PipelineModule):
+            raise TypeError(f"train_batch() runs a PipelineModule; this engine wraps {type(self._module).__name__} "
                             f"(call engine(batch), engine.backward(loss), engine.step() instead)")
-        return train_batch(self, self.module, data_iter)
+        return train_batch(self, self._module, data_iter)
 
     def eval_batch(self, data_iter: Iterator[Any]) -> torch.Tensor:
         """The mean loss of ``gradient_accumulation_steps`` micro-batches through a ``PipelineModule``,
         forward only (as DeepSpeed's pipeline engine has it); every stage returns it."""
         from zeroplus.parallel.pipeline import PipelineModule
         from zeroplus.parallel.pipeline_schedule import eval_batch
-        if not isinstance(self.module, PipelineModule):
-            raise TypeError(f"eval_batch() runs a PipelineModule; this engine wraps {type(self.module).__name__} "
+        if not isinstance(self._module, PipelineModule):
+            raise TypeError(f"eval_batch() runs a PipelineModule; this engine wraps {type(self._module).__name__} "
                             f"(call engine(batch) under torch.no_grad() instead)")
-        return eval_batch(self, self.module, data_iter)
+        return eval_batch(self, self._module, data_iter)
 
     def step(self) -> None:
+        """Ends a micro-step; at the accumulation boundary, the optimizer step. An error (nothing
+        changes) when no backward() ran since the last step(): stepping on no gradient would move the
+        weights by the optimizer's momentum alone."""
+        if not self._backward_since_step:
+            raise RuntimeError(f"step() called without a backward() since the last step() (rank {self.dp.rank}, "
+                               f"micro-step {self.micro_steps}, global step {self.global_steps}): there is no "
+                               f"gradient to step on; the engine is unchanged")
+        self._backward_since_step = False
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:

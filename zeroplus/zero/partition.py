@@ -37,6 +37,7 @@ from ..ledger import Ledger
 from .flat_group import FlatParamGroup
 from .grad_reducer import GradReducer
 from .stage3 import Stage3Scheduler
+from .stage3_state_dict import install_state_dict_hooks
 from .units import Unit, assign_parameters, find_unit_modules
 
 logger = logging.getLogger("zeroplus.zero")
@@ -121,6 +122,8 @@ class ZeroPartition:
                 self._hooks.append(unit.module.register_forward_pre_hook(self._make_wait_hook(unit)))
         self.stage3 = (Stage3Scheduler(self.units[:-1], self.root, None if prefetch is None else int(prefetch))
                        if self.stage == 3 else None)
+        if self.stage == 3:
+            self._hooks += install_state_dict_hooks(model, self.units)
 
     # -- forward ------------------------------------------------------------------------------
     def before_forward(self) -> None:

@@ -1,0 +1,304 @@
+"""Loading a sharded checkpoint into an engine: all or nothing, on every rank.
+
+Three phases. **Read**: each rank resolves the tag, reads the metadata, checks the layout, reads and
+verifies (SHA-256, weights-only unpickling: ``safe_load.py``) every file that holds part of its new
+owned range, checks that every range, state key and buffer shape it is about to copy is there, and
+allocates the optimizer-state buffers it will fill. Nothing of the engine changes. **Agree**: the
+ranks exchange their outcome (one small all-gather over the whole job); if any rank failed, every
+rank raises, naming the failing rank and its file, and every engine stays bitwise as it was.
+**Apply**: masters, optimizer states, buffers and frozen parameters, counters, loss scaler,
+hyper-parameters, schedule and RNG are written from what was read; the outcome is exchanged once
+more, so a rank that fails here (an offload file that cannot be written) is named on every rank.
+
+Memory while loading: the files that overlap this rank's range (a rank reads its own range's files,
+about one at the same world size, two or three after resharding, plus rank 0's for buffers), kept
+until the load ends, and the new optimizer-state buffers beside the old ones until they replace them.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from zeroplus.ledger import Category
+from zeroplus.zero.flat_group import FlatParamGroup
+
+from . import checkpoint_io as io
+from .checkpoint import _KERNEL_SWITCHES, _global_rank, _model_part, _set_rng_state, _topology, _world
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+logger = logging.getLogger("zeroplus.checkpoint")
+
+_COUNTERS = ("global_steps", "micro_steps", "global_samples", "skipped_steps")
+
+
+class CheckpointLoadError(ValueError):
+    """Another rank could not read its part of the checkpoint: nothing was loaded on any rank."""
+
+
+def _open_part(engine: Engine, path: str, meta: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The directory and metadata of this rank's model slice; refuses another tensor, pipeline or expert size."""
+    saved = {"tensor": 1, "pipeline": 1, "expert": 1, **meta.get("topology", {})}
+    ours = _topology(engine)
+    sizes = ("tensor", "pipeline", "expert")
+    if any(saved[k] != ours[k] for k in sizes):
+        raise ValueError(f"checkpoint {path} was saved with " + " x ".join(f"{k} {saved[k]}" for k in sizes)
+                         + f"; this run (rank {_global_rank(engine)}) has "
+                         + " x ".join(f"{k} {ours[k]}" for k in sizes)
+                         + ": loading across tensor, pipeline or expert sizes is not supported (the data-parallel "
+                         "size and ZeRO stage may differ)")
+    part = _model_part(engine)
+    if not part:
+        return path, meta
+    part_path = os.path.join(path, part)
+    if part not in meta.get("parts", []):
+        raise ValueError(f"checkpoint {path} has no slice {part!r} (rank {_global_rank(engine)}); it lists "
+                         f"{meta.get('parts')}")
+    return part_path, io.read_metadata(part_path)
+
+
+def _check_layout(engine: Engine, meta: dict[str, Any], path: str) -> None:
+    """Same parameter names and shapes; otherwise an error listing the differences. (How they are
+    grouped may differ: loading matches parameters by name.)"""
+    ours = {n: tuple(s) for g in engine._partition.groups for n, s in zip(g.names, g.shapes)}
+    suffixes = {n[n.index("@ep"):] for n in ours if "@ep" in n}  # this rank's expert rank; others' are not ours
+    saved = {p[0]: tuple(p[1]) for g in meta["groups"] for p in g["params"]
+             if "@ep" not in p[0] or p[0][p[0].index("@ep"):] in suffixes}
+    missing, unexpected = sorted(set(ours) - set(saved)), sorted(set(saved) - set(ours))
+    shapes = sorted(f"{n}: checkpoint {saved[n]} vs model {ours[n]}" for n in set(ours) & set(saved)
+                    if saved[n] != ours[n])
+    if missing or unexpected or shapes:
+        raise ValueError(f"checkpoint {path} does not fit this model (rank {_global_rank(engine)}): missing parameters "
+                         f"{missing}, unexpected parameters {unexpected}, shape mismatches {shapes}")
+
+
+class _Files:
+    """Rank files of one checkpoint, read on demand and kept, checksums verified on first read."""
+
+    def __init__(self, path: str, meta: dict[str, Any]) -> None:
+        self.path, self.meta = path, meta
+        self._states: dict[int, dict[str, Any]] = {}
+
+    def name(self, rank: int) -> str:
+        return os.path.join(self.path, io.rank_file(rank))
+
+    def get(self, rank: int) -> dict[str, Any]:
+        if rank not in self._states:
+            digest = self.meta["files"].get(str(rank))
+            if digest is None:
+                raise ValueError(f"{os.path.join(self.path, io.METADATA)} lists no file for rank {rank}")
+            self._states[rank] = io.load_rank_state(self.path, rank, digest)
+        return self._states[rank]
+
+
+@dataclasses.dataclass
+class _Piece:
+    """A run of elements copied from a saved range into this rank's owned range."""
+
+    saved: dict[str, Any]  # the saved group's entry in the rank file (master, sliced states)
+    src: int               # first element within the saved range
+    numel: int
+    at: int                # position in this rank's owned buffer
+
+
+@dataclasses.dataclass
+class _GroupLoad:
+    group: FlatParamGroup
+    pieces: list[_Piece]
+    opt_state: dict[str, Any] | None  # the new optimizer state, sliced tensors allocated, or None
+
+
+@dataclasses.dataclass
+class _Plan:
+    """Everything a rank will write, read and checked before anything is written."""
+
+    top: str
+    groups: list[_GroupLoad]
+    extra: dict[str, torch.Tensor]  # buffers and frozen parameters (rank 0's file)
+    own: dict[str, Any]             # counters, scaler, schedule, hyper-parameters, RNG, client state
+    saved_world: int                # the data-parallel size that saved it
+
+
+def _plan_group(engine: Engine, g: FlatParamGroup, sources: dict[str, tuple[dict[str, Any], int]],
+                files: _Files, load_optim: bool) -> _GroupLoad:
+    """Which saved ranges fill this rank's owned range of ``g``, parameter by parameter (so the saved
+    grouping may differ from ours), each checked against the file that holds it."""
+    lo, hi = g.owned_start, min(g.owned_start + g.owned_numel, g.numel)
+    pieces: list[_Piece] = []
+    keys: set[str] | None = None
+    for name, off, n in zip(g.names, g.offsets, g.numels):
+        ps, pe = max(off, lo), min(off + n, hi)
+        if ps >= pe:
+            continue
+        entry, saved_off = sources[name]
+        ss, se = saved_off + ps - off, saved_off + pe - off
+        for rank, a, b in entry["ranges"]:
+            s, e = max(a, ss), min(b, se)
+            if s >= e:
+                continue
+            saved = files.get(rank)["groups"].get(entry["name"])
+            where = f"{files.name(rank)}, group {entry['name']!r}"
+            if saved is None or saved.get("lo") != a or saved["master"].numel() < e - a:
+                raise ValueError(f"checkpoint file {where} does not hold the range [{a}, {b}) that "
+                                 f"{io.METADATA} says it does")
+            if load_optim:
+                keys = set(saved["sliced"]) if keys is None else keys
+                short = [k for k, v in saved["sliced"].items() if v.numel() < e - a]
+                if set(saved["sliced"]) != keys or short:
+                    raise ValueError(f"checkpoint file {where}: optimizer states {sorted(saved['sliced'])} do not "
+                                     f"cover [{a}, {b}) like the other files' {sorted(keys)}")
+            pieces.append(_Piece(saved, s - a, e - s, ps - g.owned_start + s - ss))
+    opt_state = None
+    if load_optim:  # the state's keys and scalars come from any file: padding-only ranks need them too
+        entry, _ = sources[g.names[0]]
+        first = pieces[0].saved if pieces else files.get(entry["ranges"][0][0])["groups"][entry["name"]]
+        opt_state = {key: engine.ledger.zeros(g.owned_numel, value.dtype, Category.OPTIM_STATE, g.device)
+                     for key, value in first["sliced"].items()}
+        opt_state.update({key: value.clone() if isinstance(value, torch.Tensor) else value
+                          for key, value in first["whole"].items()})
+    return _GroupLoad(g, pieces, opt_state)
+
+
+def _check_extra(engine: Engine, extra: dict[str, torch.Tensor], where: str) -> None:
+    targets = dict(engine.module.named_parameters())
+    targets.update(dict(engine.module.named_buffers()))
+    wrong = [f"{n}: checkpoint {tuple(v.shape)} vs model {tuple(targets[n].shape)}" for n, v in extra.items()
+             if n in targets and targets[n].shape != v.shape]
+    if wrong:
+        raise ValueError(f"checkpoint file {where}: buffers or frozen parameters of another shape: {wrong}")
+
+
+def _read(engine: Engine, load_dir: str, tag: str | None, load_optim: bool) -> _Plan:
+    tag = io.resolve_tag(load_dir, tag)
+    top = os.path.join(load_dir, tag)
+    path, meta = _open_part(engine, top, io.read_metadata(top))
+    _check_layout(engine, meta, path)
+    files = _Files(path, meta)
+    sources = {name: (entry, offset) for entry in meta["groups"] for name, _, offset in entry["params"]}
+    groups = [_plan_group(engine, g, sources, files, load_optim) for g in engine._partition.groups]
+    own_rank = min(engine.dp.rank, meta["world_size"] - 1)
+    own = files.get(own_rank)
+    absent = [k for k in ("counters", "loss_scaler", "lr_scheduler", "optimizer_hparams", "client_state")
+              if k not in own] + [f"counters.{k}" for k in _COUNTERS if k not in own.get("counters", {})]
+    if absent:
+        raise ValueError(f"checkpoint file {files.name(own_rank)} lacks {absent}")
+    extra = files.get(0)["module_extra"]
+    _check_extra(engine, extra, files.name(0))
+    return _Plan(top, groups, extra, own, meta["world_size"])
+
+
+def _small_state(engine: Engine) -> dict[str, Any]:
+    """What ``_apply`` changes besides tensors, to put back if applying fails."""
+    return {"counters": {k: getattr(engine, k) for k in _COUNTERS},
+            "scaler": copy.deepcopy(engine.loss_scaler.state_dict()),
+            "hparams": [{k: v for k, v in pg.items() if k != "params"} for pg in engine.optimizer.param_groups],
+            "scheduler": copy.deepcopy(engine.lr_scheduler.state_dict()) if engine.lr_scheduler is not None else None}
+
+
+def _restore_small_state(engine: Engine, state: dict[str, Any]) -> None:
+    for k, v in state["counters"].items():
+        setattr(engine, k, v)
+    engine.loss_scaler.load_state_dict(state["scaler"])
+    for pg, hp in zip(engine.optimizer.param_groups, state["hparams"]):
+        pg.update(hp)
+    if state["scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(state["scheduler"])
+
+
+def _apply_small(engine: Engine, own: dict[str, Any], load_optim: bool, load_scheduler: bool,
+                 same_world: bool) -> None:
+    counters = own["counters"]
+    for k in _COUNTERS:
+        setattr(engine, k, counters[k])
+    if own["loss_scaler"]:
+        engine.loss_scaler.load_state_dict(own["loss_scaler"])
+    if load_optim and len(own["optimizer_hparams"]) == len(engine.optimizer.param_groups):
+        for pg, hp in zip(engine.optimizer.param_groups, own["optimizer_hparams"]):
+            pg.update({k: v for k, v in hp.items() if k in pg and k not in _KERNEL_SWITCHES})
+    elif load_optim:
+        logger.warning("checkpoint has %d optimizer param groups, this engine %d: keeping this engine's "
+                       "hyper-parameters (states were matched by parameter name)",
+                       len(own["optimizer_hparams"]), len(engine.optimizer.param_groups))
+    if load_scheduler and engine.lr_scheduler is not None and own["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(own["lr_scheduler"])
+    if same_world and own.get("rng"):
+        _set_rng_state(own["rng"])
+
+
+def _apply_tensors(engine: Engine, plan: _Plan) -> None:
+    with torch.no_grad():
+        for load in plan.groups:
+            g = load.group
+            for piece in load.pieces:
+                g.master_store.write(piece.at, piece.saved["master"][piece.src:piece.src + piece.numel])
+                for key, value in piece.saved["sliced"].items() if load.opt_state is not None else ():
+                    load.opt_state[key][piece.at:piece.at + piece.numel].copy_(
+                        value[piece.src:piece.src + piece.numel])
+            if load.opt_state:
+                engine._step.load_state(g, load.opt_state)
+        targets = dict(engine.module.named_parameters())
+        targets.update(dict(engine.module.named_buffers()))
+        for name, value in plan.extra.items():
+            if name in targets:
+                targets[name].copy_(value)
+    engine._partition.params_from_masters()
+
+
+def _agree(world: Any, rank: int, error: BaseException | None, doing: str, top: str) -> None:
+    """Raise on every rank if any rank failed: its own error where it failed, else a
+    ``CheckpointLoadError`` naming the ranks that failed and why."""
+    outcomes = world.all_gather_objects(None if error is None else f"{type(error).__name__}: {error}")
+    failed = [(r, o) for r, o in enumerate(outcomes) if o is not None]
+    if not failed:
+        return
+    if error is not None:
+        if doing == "reading":
+            error = _with_note(error, "nothing was loaded on any rank")
+        raise error
+    raise CheckpointLoadError(f"checkpoint {top} was not loaded on rank {rank}: " + "; ".join(
+        f"rank {r} failed {doing}: {o}" for r, o in failed) + (
+        ". Nothing was loaded on any rank" if doing == "reading" else ""))
+
+
+def _with_note(error: BaseException, note: str) -> BaseException:
+    """The same kind of error, its message followed by ``note``."""
+    try:
+        noted = type(error)(f"{error} ({note})")
+    except Exception:  # noqa: BLE001 - an exception type with another constructor
+        return error
+    return noted.with_traceback(error.__traceback__)
+
+
+def load_checkpoint(engine: Engine, load_dir: str, tag: str | None = None, *, load_optimizer_states: bool = True,
+                    load_lr_scheduler_states: bool = True,
+                    load_module_only: bool = False) -> tuple[str, dict[str, Any]]:
+    """Every rank calls this; returns ``(path, client_state)``. On any rank's failure every rank raises
+    and no engine has changed (see the module docstring)."""
+    world, rank = _world(engine), _global_rank(engine)
+    load_optim = load_optimizer_states and not load_module_only
+    engine._partition.wait_all()
+    plan, error = None, None
+    try:
+        plan = _read(engine, load_dir, tag, load_optim)
+    except Exception as err:  # noqa: BLE001 - every rank must hear of it before anyone writes
+        error = err
+    _agree(world, rank, error, "reading", os.path.join(load_dir, tag or io.LATEST))
+    assert plan is not None
+    before = _small_state(engine)
+    try:
+        if not load_module_only:
+            _apply_small(engine, plan.own, load_optim, load_lr_scheduler_states,
+                         same_world=engine.dp.size == plan.saved_world)
+        _apply_tensors(engine, plan)
+    except Exception as err:  # noqa: BLE001
+        _restore_small_state(engine, before)
+        error = RuntimeError(f"rank {rank} failed while writing checkpoint {plan.top} into the engine "
+                             f"(its parameters may be partly loaded): {type(err).__name__}: {err}")
+    _agree(world, rank, error, "writing", plan.top)
+    return plan.top, plan.own["client_state"]

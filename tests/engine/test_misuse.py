@@ -1,0 +1,81 @@
+"""Misuse of the training loop is a clear error that changes nothing, and the model is never stale.
+
+On 2 ranks at ZeRO stages 0-3 (fp32, ParityNet):
+- ``engine.module.state_dict()`` read straight after ``step()`` equals the consolidated fp32 masters,
+  bitwise, after every step (fails if the post-step all-gather of stages 1-2 is not waited for, or if a
+  stage-3 state dict reads the freed gathered buffers);
+- ``step()`` with no ``backward()`` since the last one raises and leaves masters, optimizer states and
+  counters bitwise unchanged;
+- a second ``backward()`` before ``step()`` raises; the engine then steps to exactly what an engine
+  that never saw the second call reaches.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zeroplus
+from tests.dist_helper import rank_and_world, run_distributed
+from tests.models import ParityNet, make_batches
+
+
+def _config(stage: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 100, "stage3_param_persistence_threshold": 0},
+            "zeroplus": {"log_level": "error", "memory_estimate": False}}
+
+
+def _state(engine) -> dict:
+    out = {f"{g.name}/master": g.master_store.read(0, g.owned_numel).clone() for g in engine._partition.groups}
+    for g in engine._partition.groups:
+        out.update({f"{g.name}/{k}": v.clone() for k, v in engine._step.state_of(g).items()
+                    if isinstance(v, torch.Tensor)})
+    out["counters"] = torch.tensor([engine.global_steps, engine.micro_steps])
+    return out
+
+
+def _misuse(stage: int) -> dict:
+    rank, world = rank_and_world()
+    batches = make_batches(8 * world, 2)
+    torch.manual_seed(0)
+    engine = zeroplus.initialize(ParityNet(), _config(stage))
+    stale = []
+    for step in range(3):
+        x, y = batches[step * world + rank]
+        engine.backward(engine(x, y))
+        engine.step()
+        seen = {k: v.clone() for k, v in engine.module.state_dict().items()}  # straight after step()
+        masters = engine._partition.consolidated_fp32_state()
+        stale += [f"step {step}: {n}" for n, v in masters.items() if not torch.equal(seen[n], v)]
+    before = _state(engine)
+    with pytest.raises(RuntimeError, match=r"step\(\) called without a backward\(\).*rank"):
+        engine.step()
+    unchanged_after_step = all(torch.equal(v, _state(engine)[k]) for k, v in before.items())
+    x, y = batches[3 * world + rank]
+    engine.backward(engine(x, y))
+    with pytest.raises(RuntimeError, match=r"backward\(\) called twice without step\(\)"):
+        engine.backward(engine(x, y))
+    engine.step()
+    # the same 4 steps without the misuse
+    torch.manual_seed(0)
+    clean = zeroplus.initialize(ParityNet(), _config(stage))
+    for step in range(4):
+        x, y = batches[step * world + rank]
+        clean.backward(clean(x, y))
+        clean.step()
+    a, b = _state(engine), _state(clean)
+    return {"stale": stale, "unchanged_after_step": unchanged_after_step,
+            "differs_from_clean": [k for k in a if not torch.equal(a[k], b[k])]}
+
+
+def _all_stages() -> list[dict]:
+    return [_misuse(stage) for stage in (0, 1, 2, 3)]
+
+
+def test_misuse_is_refused_and_the_model_is_current():
+    for rank, per_stage in enumerate(run_distributed(_all_stages, 2)):
+        for stage, result in enumerate(per_stage):
+            assert result["stale"] == [], f"stage {stage} rank {rank}: state_dict after step() stale"
+            assert result["unchanged_after_step"], f"stage {stage} rank {rank}: a refused step() changed state"
+            assert result["differs_from_clean"] == [], f"stage {stage} rank {rank}: {result['differs_from_clean']}"
