@@ -32,12 +32,13 @@ from zeroplus.optim.schedulers import build_scheduler
 from zeroplus.parallel.groups import ParallelGroups, init_parallel
 from zeroplus.parallel.moe import is_expert
 from zeroplus.parallel.tensor_layers import is_tensor_parallel
-from zeroplus.parallel.topology import check_supported
+from zeroplus.parallel.topology import Topology, check_supported
 from zeroplus.zero import ShardedStep, ZeroPartition
 from zeroplus.zero.partition import ExpertSplit
 from zeroplus.zero.sharded_step import ModelParallelNorm
 
 from .engine import Engine
+from .rank_agreement import check_ranks_agree
 from .loss_scaler import LossScaler
 
 logger = logging.getLogger("zeroplus.engine")
@@ -97,8 +98,8 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     accel = get_accelerator()
     accel.reset_peak_memory_stats()  # the engine's peak is measured from here
     rss_at_start = accel.memory_allocated()
-    init_distributed_if_launched()
     cfg, unimplemented = parse_config(config)
+    init_distributed_if_launched(cfg.zeroplus.collective_timeout)
     setup_logging(cfg.zeroplus.log_level)
     if unimplemented:
         log_rank0("config keys DeepSpeed knows but zeroplus does not implement yet (ignored): %s",
@@ -125,6 +126,9 @@ def build_engine(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, accel: Ac
     split = model_parallel or (parallel is not None and parallel.expert.size > 1)  # beyond data parallelism
     resolve_batch(cfg, dp.size)
     resolve_auto(cfg, model, optimizer is not None)
+    if simulated is None and dp.size > 1:
+        topology = (parallel.topology if parallel is not None else Topology(dp.size)).to_dict()
+        check_ranks_agree(model, cfg, dp, topology)
     if split and (_has_auto(cfg) or cfg.zeroplus.memory_budget is not None):
         raise ConfigError(f"config key 'zeroplus.memory_budget' with {parallel.topology.describe()}: the memory "
                           f"estimate and planner cover data parallelism only so far; remove the budget and 'auto'")

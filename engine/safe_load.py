@@ -7,7 +7,7 @@ file and the global, and nothing of it runs. A SHA-256 beside a file cannot give
 rewrites the file rewrites the digest.
 
 The allow-list: zeroplus's own rank files need nothing beyond torch's defaults (the NumPy RNG state is
-stored as a tensor, ``numpy_rng_to_file``). DeepSpeed's checkpoints pickle a few of DeepSpeed's own
+stored as a list, ``numpy_rng_to_file``). DeepSpeed's checkpoints pickle a few of DeepSpeed's own
 objects (fragment addresses, its loss scaler, the ZeRO stage enum); each is rebuilt as an ``Inert``
 record that holds the pickled fields as attributes and runs no code, whether or not DeepSpeed is
 installed. Memory: the file's tensors, nothing more (``torch.load`` reads into fresh storages).
@@ -86,14 +86,14 @@ def load_weights_only(source: str | BinaryIO | bytes, *, what: str, deepspeed: b
 
 
 def numpy_rng_to_file(state: tuple) -> tuple:
-    """``np.random.get_state()`` with its key array as a tensor (the weights-only unpickler reads it)."""
+    """``np.random.get_state()`` with its key array as a list of ints (the weights-only unpickler reads it)."""
     kind, keys, pos, has_gauss, cached = state
-    return (kind, torch.from_numpy(np.asarray(keys, dtype=np.int64)), int(pos), int(has_gauss), float(cached))
+    return (kind, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached))
 
 
 def numpy_rng_from_file(state: tuple) -> tuple:
     kind, keys, pos, has_gauss, cached = state
-    return (kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached)
+    return (kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached)
 
 
 def check_loadable(obj: Any, *, what: str) -> None:

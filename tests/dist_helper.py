@@ -31,12 +31,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, results: Any) -> None:
+def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, results: Any,
+            init: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), ZEROPLUS_ACCELERATOR="cpu",
                       DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=180))
+    if init:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=180))
     try:
         value = fn(*args)
         buf = io.BytesIO()
@@ -46,16 +48,19 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
         results.put((rank, False, traceback.format_exc()))
     finally:
         try:
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
         except Exception:  # noqa: BLE001
             pass
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0) -> list[Any]:
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0,
+                    init: bool = True) -> list[Any]:
+    """``init=False``: the launcher's environment only, as torchrun leaves it (zeroplus creates the group)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=False)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, init), daemon=False)
              for r in range(world_size)]
     for p in procs:
         p.start()

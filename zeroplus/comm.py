@@ -3,11 +3,14 @@
 Every collective is issued with ``async_op=True`` and returns a ``Handle`` whose ``wait()`` runs
 at the last moment the result is needed. With world size 1 the collectives complete at once
 without calling torch.distributed, so one code path serves 1 and N ranks. Bytes sent per
-collective kind are counted for reports and benchmarks.
+collective kind are counted for reports and benchmarks. A collective that fails or times out raises
+``CollectiveError`` naming itself, its group and the rank that did not arrive
+(``collective_faults.py``); the process group zeroplus creates gets ``zeroplus.collective_timeout``.
 """
 from __future__ import annotations
 
 import collections
+import datetime
 import os
 from typing import Any, Callable
 
@@ -15,32 +18,44 @@ import torch
 import torch.distributed as dist
 
 from .accelerator import get_accelerator
+from .collective_faults import collective_failed, set_timeout_seconds
+
+DEFAULT_TIMEOUT_SECONDS = 600.0
 
 
-def init_distributed_if_launched() -> None:
-    """Initialise torch.distributed when a launcher set RANK/WORLD_SIZE and nobody has yet."""
+def init_distributed_if_launched(timeout_seconds: float | None = None) -> None:
+    """Initialise torch.distributed when a launcher set RANK/WORLD_SIZE and nobody has yet, with
+    ``timeout_seconds`` (default ``DEFAULT_TIMEOUT_SECONDS``) for every collective."""
     if not dist.is_available() or dist.is_initialized():
         return
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         accel = get_accelerator()
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         accel.set_device(local_rank)
-        dist.init_process_group(backend=accel.comm_backend)
+        seconds = DEFAULT_TIMEOUT_SECONDS if timeout_seconds is None else timeout_seconds
+        dist.init_process_group(backend=accel.comm_backend, timeout=datetime.timedelta(seconds=seconds))
+        set_timeout_seconds(seconds)
 
 
 class Handle:
-    """An in-flight collective; ``wait()`` blocks, then runs the completion callback once."""
+    """An in-flight collective; ``wait()`` blocks, then runs the completion callback once.
+    ``failed(err)`` turns a backend error into the error raised (``CollectiveError``)."""
 
-    def __init__(self, work: Any | None, on_done: Callable[[], None] | None = None) -> None:
+    def __init__(self, work: Any | None, on_done: Callable[[], None] | None = None,
+                 failed: Callable[[BaseException], BaseException] | None = None) -> None:
         self._work = work
         self._on_done = on_done
+        self._failed = failed
         self.done = False
 
     def wait(self) -> None:
         if self.done:
             return
         if self._work is not None:
-            self._work.wait()
+            try:
+                self._work.wait()
+            except RuntimeError as err:
+                raise (self._failed(err) if self._failed is not None else err) from err
             self._work = None  # the work object references its tensors: drop them with it
         self.done = True
         if self._on_done is not None:
@@ -55,22 +70,41 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 class DataParallelGroup:
     """A process group with rank, size and counted async collectives (sum reductions)."""
 
-    def __init__(self, group: Any | None = None) -> None:
+    def __init__(self, group: Any | None = None, label: str = "data") -> None:
+        """``label``: the group's kind in messages (data, tensor, pipeline, expert, ...)."""
         self.initialized = dist.is_available() and dist.is_initialized()
         self.group = group
+        self.label = label
         self.rank = dist.get_rank(group) if self.initialized else 0
         self.size = dist.get_world_size(group) if self.initialized else 1
         self.bytes_sent: collections.Counter[str] = collections.Counter()
+        self.issued = 0  # collectives issued in this group, for messages
 
     def _count(self, kind: str, tensor: torch.Tensor) -> None:
         self.bytes_sent[kind] += tensor.numel() * tensor.element_size()
+
+    def _run(self, kind: str, call: Callable[[], Any], on_done: Callable[[], None] | None = None,
+             async_op: bool = True) -> Any:
+        """Issue one collective; a ``Handle`` for async ones, else ``call()``'s result. A backend error
+        becomes a ``CollectiveError`` that names the collective (now or at ``wait()``)."""
+        self.issued += 1
+        seq = self.issued
+
+        def failed(err: BaseException) -> BaseException:
+            return collective_failed(kind, self.label, seq, self.rank, self.size, err)
+        try:
+            result = call()
+        except RuntimeError as err:
+            raise failed(err) from err
+        return Handle(result, on_done, failed) if async_op else result
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = None, on_done: Callable[[], None] | None = None) -> Handle:
         if self.size == 1:
             return Handle(None, on_done)
         self._count("all_reduce", tensor)
         op = dist.ReduceOp.SUM if op is None else op
-        return Handle(dist.all_reduce(tensor, op=op, group=self.group, async_op=True), on_done)
+        return self._run("all_reduce", lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True),
+                         on_done)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
                        on_done: Callable[[], None] | None = None) -> Handle:
@@ -79,7 +113,8 @@ class DataParallelGroup:
             output.copy_(input)
             return Handle(None, on_done)
         self._count("reduce_scatter", input)
-        return Handle(_reduce_scatter(output, input, group=self.group, async_op=True), on_done)
+        return self._run("reduce_scatter", lambda: _reduce_scatter(output, input, group=self.group, async_op=True),
+                         on_done)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor,
                    on_done: Callable[[], None] | None = None) -> Handle:
@@ -89,7 +124,7 @@ class DataParallelGroup:
                 output.copy_(input)
             return Handle(None, on_done)
         self._count("all_gather", output)
-        return Handle(_all_gather(output, input, group=self.group, async_op=True), on_done)
+        return self._run("all_gather", lambda: _all_gather(output, input, group=self.group, async_op=True), on_done)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
         """Chunk i of ``input`` (dim 0 in ``size`` equal parts) to rank i; chunk r of ``output`` from rank r."""
@@ -98,19 +133,19 @@ class DataParallelGroup:
                 output.copy_(input)
             return Handle(None)
         self._count("all_to_all", input)
-        return Handle(dist.all_to_all_single(output, input, group=self.group, async_op=True))
+        return self._run("all_to_all", lambda: dist.all_to_all_single(output, input, group=self.group, async_op=True))
 
     def max_flag(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is true on any rank (used for fp16 overflow)."""
         if self.size == 1:
             return flag
         t = torch.tensor([1.0 if flag else 0.0], device=get_accelerator().device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        self._run("all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group), async_op=False)
         return bool(t.item() > 0)
 
     def sum_scalar(self, value: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            dist.all_reduce(value, group=self.group)
+            self._run("all_reduce", lambda: dist.all_reduce(value, group=self.group), async_op=False)
         return value
 
     def broadcast_object(self, obj: Any) -> Any:
@@ -118,8 +153,9 @@ class DataParallelGroup:
         if self.size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0,
-                                   group=self.group)
+        src = dist.get_global_rank(self.group, 0) if self.group else 0
+        self._run("broadcast_object", lambda: dist.broadcast_object_list(box, src=src, group=self.group),
+                  async_op=False)
         return box[0]
 
     def all_gather_objects(self, obj: Any) -> list[Any]:
@@ -127,9 +163,9 @@ class DataParallelGroup:
         if self.size == 1:
             return [obj]
         out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
+        self._run("all_gather_object", lambda: dist.all_gather_object(out, obj, group=self.group), async_op=False)
         return out
 
     def barrier(self) -> None:
         if self.size > 1:
-            dist.barrier(group=self.group)
+            self._run("barrier", lambda: dist.barrier(group=self.group), async_op=False)

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Auto = Literal["auto"]
 PositiveInt = Annotated[int, Field(ge=1)]
+PositiveFloat = Annotated[float, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 NonNegativeFloat = Annotated[float, Field(ge=0.0)]
 
@@ -195,6 +196,10 @@ class ZeroplusBlock(Block):
     memory_estimate: bool = Field(
         True, description="At the first forward, predict this rank's memory per category and phase (the engine run "
                           "on the meta device, as zeroplus.estimate does) and report it beside what is measured.")
+    collective_timeout: PositiveFloat = Field(
+        600.0, description="Seconds any collective may wait for the other ranks before every waiting rank raises, "
+                           "naming the collective and the rank that did not arrive; applied to the process groups "
+                           "zeroplus creates (torch's own default is 30 minutes).")
     master_step_chunk: PositiveInt = Field(
         1 << 20, description="Elements per chunk when the optimizer steps a shared (split) master.")
 

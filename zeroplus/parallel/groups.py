@@ -11,6 +11,7 @@ groups of one rank are local objects with no process group behind them.
 from __future__ import annotations
 
 import contextlib
+import datetime
 from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
@@ -30,9 +31,11 @@ class _SingleRank(DataParallelGroup):
 
 
 class ParallelGroups:
-    def __init__(self, topology: Topology, rank: int, virtual: Callable[[int, int], Any] | None = None) -> None:
+    def __init__(self, topology: Topology, rank: int, virtual: Callable[[int, int], Any] | None = None,
+                 timeout_seconds: float | None = None) -> None:
         """``virtual``: ``(rank in group, group size) -> group`` makes stand-ins instead of process groups
-        (the memory estimate's ``VirtualGroup``: one rank of a topology simulated in one process)."""
+        (the memory estimate's ``VirtualGroup``: one rank of a topology simulated in one process).
+        ``timeout_seconds``: the collective timeout of the groups created here."""
         self.topology = topology
         self.global_rank = rank
         self.coordinates: Coordinates = topology.coordinates(rank)
@@ -48,9 +51,10 @@ class ParallelGroups:
                 if len(members) == 1:
                     continue
                 # the whole world: the default group; others: one new group per member list, on every rank
-                handle = None if len(members) == topology.world_size else dist.new_group(members)
+                timeout = None if timeout_seconds is None else datetime.timedelta(seconds=timeout_seconds)
+                handle = None if len(members) == topology.world_size else dist.new_group(members, timeout=timeout)
                 if rank in members:
-                    made[kind] = DataParallelGroup(handle)
+                    made[kind] = DataParallelGroup(handle, kind)
                     self.ranks[kind] = members
             made.setdefault(kind, _SingleRank())
             self.ranks.setdefault(kind, [rank])
@@ -61,6 +65,10 @@ class ParallelGroups:
         c = self.coordinates
         return (f"{self.topology.describe()}; rank {self.global_rank} is tensor {c.tensor}, data {c.data}, "
                 f"pipeline {c.pipeline}" + (f", expert {c.expert}" if self.topology.expert > 1 else ""))
+
+
+def _timeout(spec: Any) -> float | None:
+    return spec.zeroplus.collective_timeout if hasattr(spec, "zeroplus") else None
 
 
 def _sizes(spec: Any) -> tuple[int, int, int]:
@@ -77,7 +85,7 @@ def init_parallel(spec: Any = None) -> ParallelGroups:
     if spec is not None and not isinstance(spec, Topology) and not hasattr(spec, "zeroplus"):
         from ..config import parse_config
         spec = parse_config(spec)[0]
-    init_distributed_if_launched()
+    init_distributed_if_launched(_timeout(spec))
     launched = dist.is_available() and dist.is_initialized()
     world, rank = (dist.get_world_size(), dist.get_rank()) if launched else (1, 0)
     tensor, pipeline, expert = _sizes(spec) if spec is not None else (1, 1, 1)
@@ -87,7 +95,7 @@ def init_parallel(spec: Any = None) -> ParallelGroups:
             return _CURRENT  # a config without parallel sizes runs in the groups already made
         raise ValueError(f"rank {rank}: process groups exist for {_CURRENT.topology.describe()}, and the config "
                          f"asks for {topology.describe()}; call zeroplus.parallel.reset_parallel() first")
-    _CURRENT = ParallelGroups(topology, rank)
+    _CURRENT = ParallelGroups(topology, rank, timeout_seconds=_timeout(spec))
     return _CURRENT
 
 

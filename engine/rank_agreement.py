@@ -1,0 +1,73 @@
+"""At ``initialize``, before anything is allocated or broadcast: do the ranks agree?
+
+Ranks given different configs (ZeRO stage, accumulation steps, parallel sizes) or different models
+issue different collectives and hang; models with differently sized tensors are silently filled by
+the initial broadcast. So every rank of the data group hashes what must agree (the resolved config,
+every parameter's and buffer's name, shape, dtype and trainability, the topology) and the ranks
+exchange the 32-byte digests: one small all-gather when all agree. When they do not, they exchange the
+descriptions themselves and every rank raises the same ``ConfigError`` naming the first difference
+and the ranks that differ.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import torch
+
+from zeroplus.config import ConfigError, ZeroplusConfig
+
+# Keys that may differ between ranks without changing what they communicate.
+_PER_RANK_KEYS = ("zeroplus.log_level",)
+
+
+def describe_rank(model: torch.nn.Module, cfg: ZeroplusConfig, topology: dict[str, int]) -> dict[str, Any]:
+    config = cfg.model_dump(mode="json")
+    for key in _PER_RANK_KEYS:
+        block, _, leaf = key.rpartition(".")
+        config.get(block, {}).pop(leaf, None)
+    return {"config": config, "topology": topology,
+            "parameters": [[n, list(p.shape), str(p.dtype).replace("torch.", ""), p.requires_grad]
+                           for n, p in model.named_parameters()],
+            "buffers": [[n, list(b.shape), str(b.dtype).replace("torch.", "")] for n, b in model.named_buffers()]}
+
+
+def _digest(description: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
+
+
+def _first_difference(a: Any, b: Any, path: str) -> str | None:
+    """The first place where ``a`` and ``b`` differ, as ``path: A vs B``."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b)):
+            if key not in a or key not in b:
+                return f"{path}{key}: {'missing' if key not in a else a[key]!r} vs {'missing' if key not in b else b[key]!r}"
+            found = _first_difference(a[key], b[key], f"{path}{key}.")
+            if found:
+                return found
+        return None
+    if isinstance(a, list) and isinstance(b, list) and path in ("parameters.", "buffers."):
+        for x, y in zip(a, b):
+            if x != y:
+                return f"{path[:-1]}: {x} vs {y}"
+        if len(a) != len(b):
+            extra = (a if len(a) > len(b) else b)[min(len(a), len(b))]
+            return f"{path[:-1]}: {len(a)} vs {len(b)} (first unmatched: {extra})"
+        return None
+    return None if a == b else f"{path[:-1]}: {a!r} vs {b!r}"
+
+
+def check_ranks_agree(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, topology: dict[str, int]) -> None:
+    """Raise the same ``ConfigError`` on every rank of ``dp`` unless all describe the same run."""
+    description = describe_rank(model, cfg, topology)
+    digests = dp.all_gather_objects(_digest(description))
+    if len(set(digests)) == 1:
+        return
+    everything = dp.all_gather_objects(description)
+    odd = [r for r, d in enumerate(digests) if d != digests[0]]
+    difference = _first_difference(everything[0], everything[odd[0]], "")
+    raise ConfigError(f"the ranks do not agree on what to train (checked at initialize, on rank {dp.rank}): rank 0 "
+                      f"and rank{'s' if len(odd) > 1 else ''} {', '.join(map(str, odd))} differ; the first difference "
+                      f"(rank 0 vs rank {odd[0]}): {difference}. Every rank must pass the same config and the same "
+                      f"model")

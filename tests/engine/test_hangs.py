@@ -1,0 +1,97 @@
+"""No silent hangs: ranks that disagree fail at ``initialize``; a stalled rank ends the others in time.
+
+- Disagreement (2 ranks, one spawn): rank 1 given another ZeRO stage, another accumulation, a model
+  with a block fewer, a tensor of another size, or another dtype: every rank raises the same
+  ``ConfigError`` at ``initialize`` naming the first difference (before, each hung or was filled in
+  silently by the initial broadcast).
+- A stall (zeroplus creates the process group from the launcher's environment, with
+  ``zeroplus.collective_timeout`` 3 s): rank 1 sleeps 8 s before its backward; rank 0 raises a
+  ``CollectiveError`` within the timeout plus the roll call, naming the collective and rank 1 as the
+  rank that did not arrive.
+- ``save_checkpoint`` / ``load_checkpoint`` called by rank 0 alone: rank 0 raises in time, naming the
+  collective and rank 1.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import zeroplus
+from tests.dist_helper import rank_and_world, run_distributed
+from tests.models import ParityNet, make_batches
+from zeroplus.collective_faults import ROLL_CALL_SECONDS, CollectiveError
+from zeroplus.config import ConfigError
+
+TIMEOUT_S = 3.0
+
+
+def _config(stage: int = 2, gas: int = 1) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": stage},
+            "zeroplus": {"log_level": "error", "memory_estimate": False, "collective_timeout": TIMEOUT_S}}
+
+
+def _wider() -> ParityNet:
+    model = ParityNet()
+    model.out_bias = torch.nn.Parameter(torch.zeros(40))
+    return model
+
+
+CASES = {  # name: (what rank 1 gets, the difference named)
+    "stage": (lambda: (ParityNet(), _config(stage=3)), "zero_optimization.stage: 2 vs 3"),
+    "accumulation": (lambda: (ParityNet(), _config(gas=2)), "gradient_accumulation_steps: 1 vs 2"),
+    "blocks": (lambda: (ParityNet(n_blocks=2), _config()), "parameters: "),
+    "shape": (lambda: (_wider(), _config()), "out_bias', [37], 'float32', True] vs ['out_bias', [40]"),
+    "dtype": (lambda: (ParityNet().double(), _config()), "[37], 'float32', True] vs ['out_bias', [37], 'float64'"),
+}
+
+
+def _disagree() -> dict:
+    rank, _ = rank_and_world()
+    out = {}
+    for name, (odd, _) in CASES.items():
+        model, cfg = odd() if rank == 1 else (ParityNet(), _config())
+        with pytest.raises(ConfigError) as caught:
+            zeroplus.initialize(model, cfg)
+        out[name] = str(caught.value)
+    return out
+
+
+def test_ranks_that_disagree_fail_at_initialize():
+    for rank, errors in enumerate(run_distributed(_disagree, 2, timeout=120)):
+        for name, (_, difference) in CASES.items():
+            assert "rank 0 and rank 1 differ" in errors[name] and difference in errors[name], \
+                f"{name}, rank {rank}: {errors[name]}"
+
+
+def _stall(what: str) -> dict:
+    torch.manual_seed(0)
+    engine = zeroplus.initialize(ParityNet(), _config())  # creates the process group
+    rank, world = rank_and_world()
+    x, y = make_batches(world, 2)[rank]
+    start = time.monotonic()
+    try:
+        if what == "backward":
+            loss = engine(x, y)
+            if rank == 1:
+                time.sleep(8)
+            engine.backward(loss)
+            engine.step()
+        elif rank == 0:  # rank 1 never calls it: it goes on with other work, then leaves
+            engine.save_checkpoint("/tmp/zeroplus-unused") if what == "save" else engine.load_checkpoint("/nonexistent")
+        else:
+            time.sleep(8)
+        return {"error": None, "seconds": time.monotonic() - start}
+    except (CollectiveError, ValueError, FileNotFoundError) as err:
+        return {"error": f"{type(err).__name__}: {err}", "seconds": time.monotonic() - start}
+
+
+@pytest.mark.parametrize("what", ["backward", "save", "load"])
+def test_a_stalled_rank_ends_the_others_in_time(what):
+    rank0 = run_distributed(_stall, 2, what, init=False, timeout=120)[0]
+    assert rank0["error"] is not None and rank0["error"].startswith("CollectiveError"), rank0
+    assert "rank 1 did not arrive" in rank0["error"] and "collective timeout 3 s" in rank0["error"], rank0
+    assert rank0["seconds"] < TIMEOUT_S + ROLL_CALL_SECONDS + 3, rank0
