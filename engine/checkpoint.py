@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import tempfile
 from typing import TYPE_CHECKING, Any
 
@@ -156,6 +157,17 @@ def _topology(engine: Engine) -> dict[str, int]:
     return (par.topology if par is not None else Topology(engine.dp.size)).to_dict()
 
 
+def _prepare(save_dir: str, final_dir: str, tag: str) -> tuple[str | None, str | None]:
+    """Rank 0: the temporary directory of this save, or why the save is refused."""
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+        io.remove_stale(save_dir)
+        io.can_replace(final_dir)
+        return tempfile.mkdtemp(prefix=f".{tag}.tmp-", dir=save_dir), None
+    except (OSError, ValueError) as err:
+        return None, str(err)
+
+
 def save_checkpoint(engine: Engine, save_dir: str, tag: str | None = None,
                     client_state: dict[str, Any] | None = None) -> str:
     """Every rank calls this. Returns the final directory ``save_dir/tag``.
@@ -168,20 +180,32 @@ def save_checkpoint(engine: Engine, save_dir: str, tag: str | None = None,
     if not tag or os.sep in tag or tag.startswith("."):
         raise ValueError(f"checkpoint tag {tag!r} must be a non-empty name without '{os.sep}' that does not start "
                          f"with '.'")
+    if client_state:
+        check_loadable(client_state, what=f"the client_state given to save_checkpoint (rank {_global_rank(engine)})")
     engine._partition.wait_all()
-    tmp_dir = None
-    if world.rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        tmp_dir = tempfile.mkdtemp(prefix=f".{tag}.tmp-", dir=save_dir)
-    tmp_dir = world.broadcast_object(tmp_dir)
+    final_dir = os.path.join(save_dir, tag)
+    tmp_dir, refusal = world.broadcast_object(_prepare(save_dir, final_dir, tag) if world.rank == 0 else None)
+    if refusal is not None:
+        raise ValueError(f"checkpoint {final_dir} not saved (rank {_global_rank(engine)}): {refusal}")
     part = _model_part(engine)
     part_dir = os.path.join(tmp_dir, part) if part else tmp_dir
-    os.makedirs(part_dir, exist_ok=True)
-    digest = io.save_rank_state(part_dir, dp.rank, rank_state(engine, client_state))
+    digest, error = None, None
+    try:
+        os.makedirs(part_dir, exist_ok=True)
+        digest = io.save_rank_state(part_dir, dp.rank, rank_state(engine, client_state), _global_rank(engine))
+    except OSError as err:
+        error = err
     io.fault_point(f"after_rank_file_{dp.rank}")
+    failures = [o for o in world.all_gather_objects(None if error is None else str(error)) if o is not None]
+    if failures:  # every rank raises; the previous checkpoint stays as it was
+        if world.rank == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        if error is not None:
+            raise error
+        raise RuntimeError(f"checkpoint {final_dir} was not saved (rank {_global_rank(engine)}): "
+                           + "; ".join(failures) + f"; {io.LATEST} still names the previous checkpoint")
     digests = dp.all_gather_objects(digest)
     metadata = _metadata(engine, tag, digests)
-    final_dir = os.path.join(save_dir, tag)
     if part:
         if dp.rank == 0:
             io.write_metadata(part_dir, metadata)

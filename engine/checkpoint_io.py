@@ -6,13 +6,20 @@ final one, fsyncs each file, and only after every rank has finished does rank 0 
 directory to ``TAG``, and then replace ``latest`` (written to a temporary file, fsynced, renamed).
 A process killed anywhere before the rename leaves only a hidden temporary directory, which
 ``latest`` never names; killed after it, ``latest`` still names the previous tag until its own
-rename. ``ZEROPLUS_CHECKPOINT_FAULT=<point>`` kills the process at a named point (for tests that
-prove this).
+rename. Saving a tag that exists swaps the two directories in one atomic exchange (Linux's
+``renameat2(RENAME_EXCHANGE)``), so ``TAG`` is always a complete checkpoint, old or new; where the
+filesystem cannot exchange, re-saving a tag is refused. What a killed save leaves behind (hidden
+``.TAG.tmp-*`` directories, ``.latest.tmp-*`` files) is removed by the next save in the same directory.
+``ZEROPLUS_CHECKPOINT_FAULT=<point>`` kills the process at a named point (for tests that prove this).
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
 import hashlib
 import json
+import logging
 import os
 import shutil
 from typing import Any, BinaryIO
@@ -20,6 +27,8 @@ from typing import Any, BinaryIO
 import torch
 
 from .safe_load import load_weights_only
+
+logger = logging.getLogger("zeroplus.checkpoint")
 
 METADATA = "metadata.json"
 LATEST = "latest"
@@ -56,22 +65,36 @@ class _HashingFile:
 
     def __init__(self, f: BinaryIO) -> None:
         self.f, self.sha256 = f, hashlib.sha256()
+        self.error: OSError | None = None  # the file's own error (torch.save reports another)
 
     def write(self, data: bytes) -> int:
         self.sha256.update(data)
-        return self.f.write(data)
+        try:
+            return self.f.write(data)
+        except OSError as err:
+            self.error = err
+            raise
 
     def flush(self) -> None:
         self.f.flush()
 
 
-def save_rank_state(directory: str, rank: int, state: dict[str, Any]) -> str:
-    """Write one rank's state durably, streamed (no in-memory copy of the file); return its SHA-256."""
-    with open(os.path.join(directory, rank_file(rank)), "wb") as f:
-        out = _HashingFile(f)
-        torch.save(state, out)
-        f.flush()
-        os.fsync(f.fileno())
+def save_rank_state(directory: str, rank: int, state: dict[str, Any], global_rank: int | None = None) -> str:
+    """Write one rank's state durably, streamed (no in-memory copy of the file); return its SHA-256.
+    A failed write (a full disk) is an ``OSError`` naming the file and the rank."""
+    path = os.path.join(directory, rank_file(rank))
+    out = None
+    try:
+        with open(path, "wb") as f:
+            out = _HashingFile(f)
+            torch.save(state, out)
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as err:  # torch.save reports a failed write as RuntimeError
+        err = out.error if out is not None and out.error is not None else err
+        code = getattr(err, "errno", None) or errno.EIO
+        raise OSError(code, f"rank {rank if global_rank is None else global_rank} could not write checkpoint file "
+                            f"{path}: {err}") from None
     return out.sha256.hexdigest()
 
 
@@ -93,19 +116,68 @@ def write_metadata(directory: str, metadata: dict[str, Any]) -> None:
     _fsync_dir(directory)
 
 
+def _exchange(a: str, b: str) -> bool:
+    """Swap two paths in one atomic step (Linux ``renameat2`` with ``RENAME_EXCHANGE``); False where the
+    platform or filesystem cannot."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
+def can_replace(final_dir: str) -> None:
+    """Before anything is written: refuse to re-save an existing tag where it cannot be swapped atomically."""
+    if not os.path.exists(final_dir):
+        return
+    probe = os.path.join(os.path.dirname(final_dir), f".exchange-probe-{os.getpid()}")
+    os.makedirs(probe, exist_ok=True)
+    try:
+        if not _exchange(probe, final_dir) or not _exchange(probe, final_dir):
+            raise ValueError(f"checkpoint tag {os.path.basename(final_dir)!r} exists in {os.path.dirname(final_dir)} "
+                             f"and this filesystem cannot replace a directory atomically: save under a new tag, or "
+                             f"remove the old one first")
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
+
+
 def commit(tmp_dir: str, final_dir: str, metadata: dict[str, Any]) -> None:
-    """Rank 0, after every rank wrote its file: metadata, then rename into place."""
+    """Rank 0, after every rank wrote its file: metadata, then rename into place (or swap with the
+    tag saved before, which then sits in ``tmp_dir`` and is removed)."""
     write_metadata(tmp_dir, metadata)
     fault_point("before_rename")
     parent = os.path.dirname(final_dir)
-    old = None
-    if os.path.exists(final_dir):  # saving a tag again: move the old one aside first
-        old = final_dir + f".old-{os.getpid()}"
-        os.rename(final_dir, old)
+    if os.path.exists(final_dir):
+        if not _exchange(tmp_dir, final_dir):
+            raise ValueError(f"cannot replace {final_dir} atomically on this filesystem")
+        _fsync_dir(parent)
+        fault_point("after_exchange")
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        return
     os.rename(tmp_dir, final_dir)
     _fsync_dir(parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_stale(save_dir: str) -> None:
+    """Rank 0, before a save: what killed saves left in ``save_dir`` (hidden temporary directories and
+    ``latest`` files; a save running now in the same directory from another job would lose its own)."""
+    if not os.path.isdir(save_dir):
+        return
+    for entry in os.listdir(save_dir):
+        if entry.startswith(".") and (".tmp-" in entry or entry.startswith(".exchange-probe-")):
+            path = os.path.join(save_dir, entry)
+            logger.warning("removing %s, left by a checkpoint save that did not finish", path)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.remove(path)
 
 
 def write_latest(save_dir: str, tag: str) -> None:

@@ -60,7 +60,9 @@ class Engine:
         self._checkpoint_saved = False  # the report compares with the predicted peak that includes a save
         self._activations = activations if activations is not None else SavedTensorRouter([])
         self._no_sync = False
-        self._backward_since_step = False  # one backward() per micro-step, then step()
+        # One backward() per micro-step, then step(); backwards inside no_sync() accumulate freely.
+        self._backward_since_step = False  # any backward since the last step()
+        self._synced_backward_since_step = False  # one outside no_sync()
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
@@ -145,7 +147,7 @@ class Engine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"backward() needs a scalar loss tensor, got {type(loss).__name__} "
                             f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''} (rank {self.dp.rank})")
-        if self._backward_since_step:
+        if self._synced_backward_since_step and not self._no_sync:
             raise RuntimeError(f"backward() called twice without step() between them (rank {self.dp.rank}, micro-step "
                                f"{self.micro_steps}): each backward reduces this micro-batch's gradients, so a second "
                                f"one would reduce them again. Sum the losses and call backward() once, or call "
@@ -154,6 +156,7 @@ class Engine:
         reduce = self.is_gradient_accumulation_boundary() and not self._no_sync
         self._partition.begin_backward(reduce)
         self._backward_since_step = True
+        self._synced_backward_since_step = self._synced_backward_since_step or not self._no_sync
         (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
         self._partition.end_backward()
         if not retain_graph:
@@ -202,7 +205,7 @@ class Engine:
             raise RuntimeError(f"step() called without a backward() since the last step() (rank {self.dp.rank}, "
                                f"micro-step {self.micro_steps}, global step {self.global_steps}): there is no "
                                f"gradient to step on; the engine is unchanged")
-        self._backward_since_step = False
+        self._backward_since_step = self._synced_backward_since_step = False
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:
@@ -214,8 +217,7 @@ class Engine:
                 self.lr_scheduler.step()
         else:
             self.skipped_steps += 1
-            logger.info("step %d skipped: gradient overflow; loss scale now %g", self.global_steps,
-                        self.loss_scaler.scale)
+            self._log_skip()
         self._partition.after_step()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
@@ -226,6 +228,19 @@ class Engine:
                             self.memory_report().peak_line())
             if self.config.memory_breakdown:
                 logger.info("step %d\n%s", self.global_steps, self.memory_report())
+
+    def _log_skip(self) -> None:
+        """A skipped step: expected now and then with a dynamic fp16 loss scale, a warning otherwise."""
+        if self.loss_scaler.dynamic:
+            logger.info("step %d skipped: fp16 gradient overflow; loss scale lowered to %g", self.global_steps,
+                        self.loss_scaler.scale)
+            return
+        dtype = str(self._partition.groups[0].compute_dtype if self._partition.groups else torch.float32)
+        logger.warning("step %d skipped on rank %d: the gradients are not finite (global norm %s) in %s training, so "
+                       "the weights and optimizer states were left as they were. There is no loss scale to lower "
+                       "here: a loss or activation was inf/NaN (check the batch, the learning rate, the model's "
+                       "numerics); %d step(s) skipped so far", self.global_steps, self.dp.rank,
+                       self._step.last_grad_norm, dtype.replace("torch.", ""), self.skipped_steps)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None,

@@ -18,15 +18,20 @@ import torch
 
 from zeroplus.config import ConfigError, ZeroplusConfig
 
-# Keys that may differ between ranks without changing what they communicate.
-_PER_RANK_KEYS = ("zeroplus.log_level",)
+# Keys that may differ between ranks without changing what they communicate (paths are often per rank).
+_PER_RANK_KEYS = ("zeroplus.log_level", "zeroplus.activation_tier.path",
+                  "zero_optimization.offload_optimizer.nvme_path", "zero_optimization.offload_param.nvme_path")
 
 
 def describe_rank(model: torch.nn.Module, cfg: ZeroplusConfig, topology: dict[str, int]) -> dict[str, Any]:
     config = cfg.model_dump(mode="json")
     for key in _PER_RANK_KEYS:
-        block, _, leaf = key.rpartition(".")
-        config.get(block, {}).pop(leaf, None)
+        *blocks, leaf = key.split(".")
+        holder: Any = config
+        for block in blocks:
+            holder = holder.get(block) if isinstance(holder, dict) else None
+        if isinstance(holder, dict):
+            holder.pop(leaf, None)
     return {"config": config, "topology": topology,
             "parameters": [[n, list(p.shape), str(p.dtype).replace("torch.", ""), p.requires_grad]
                            for n, p in model.named_parameters()],

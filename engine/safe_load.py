@@ -78,11 +78,18 @@ def load_weights_only(source: str | BinaryIO | bytes, *, what: str, deepspeed: b
         with torch.serialization.safe_globals(allowed):
             return torch.load(stream, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        reason = str(err).split("\n\n")[0].strip()
+        reason = _refused_global(str(err))
         raise UnsafeCheckpointError(
             f"refused to load {what}: it pickles objects that are not tensors or plain containers, and loading "
             f"them could run code ({reason}). Nothing from the file was executed; if you made this file "
             f"yourself, store only tensors, numbers, strings, lists, tuples and dicts in it") from None
+
+
+def _refused_global(message: str) -> str:
+    """The unpickler's reason in one line ("Unsupported global: GLOBAL os.system ..."), without torch's advice
+    to load the file unsafely."""
+    tail = message.split("WeightsUnpickler error:", 1)[-1].strip()
+    return tail.split(". Please use", 1)[0].splitlines()[0].strip() if tail else "unknown"
 
 
 def numpy_rng_to_file(state: tuple) -> tuple:

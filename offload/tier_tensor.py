@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from . import integrity
 from .tiers import FileTier, HostTier
 
 _names = itertools.count()
@@ -129,27 +130,39 @@ class FileTierTensor:
             raise OSError(err.errno, f"cannot reserve {self.nbytes} bytes in {tier.directory}: "
                                      f"{os.strerror(err.errno)}") from None
         self._writes: list[concurrent.futures.Future] = []
-        _pwrite(self.fd, [_host(t)], 0)
+        # CRC-32 of the last write of each range (start, numel): a read of exactly that range checks it
+        self._crc: dict[tuple[int, int], concurrent.futures.Future | int] = {(0, self.numel): _pwrite(
+            self.fd, [_host(t)], 0)}
 
     def read(self, a: int, b: int, out: torch.Tensor | None = None) -> _FileRead:
         writes = list(self._writes)
         host = out if out is not None and out.device.type == "cpu" else torch.empty(b - a, dtype=self.dtype)
-        return _FileRead(self.tier.read_pool.submit(self._read, a, host, writes), self.device, out)
+        crc = self._crc.get((a, b - a))
+        return _FileRead(self.tier.read_pool.submit(self._read, a, host, writes, crc), self.device, out)
 
-    def _read(self, a: int, host: torch.Tensor, writes: list[concurrent.futures.Future]) -> torch.Tensor:
+    def _read(self, a: int, host: torch.Tensor, writes: list[concurrent.futures.Future],
+              crc: concurrent.futures.Future | int | None) -> torch.Tensor:
         for w in writes:
             w.result()
         view = memoryview(host.view(torch.uint8).numpy())
         got = os.preadv(self.fd, [view], a * self.itemsize)
         if got != view.nbytes:
             raise OSError(f"{self.path}: read {got} of {view.nbytes} bytes at element {a}")
+        if crc is not None:
+            integrity.verify(self.path, host, crc if isinstance(crc, int) else crc.result(),
+                             f" (elements {a}..{a + host.numel()})")
         return host
 
     def write(self, at: int, values: torch.Tensor) -> None:
         self._writes = [w for w in self._writes if not w.done()]
         if len(self._writes) >= self.max_writes:
             self._writes.pop(0).result()
-        self._writes.append(self.tier.write_pool.submit(_pwrite, self.fd, [_host(values)], at * self.itemsize))
+        future = self.tier.write_pool.submit(_pwrite, self.fd, [_host(values)], at * self.itemsize)
+        numel = values.numel()
+        for key in [k for k in self._crc if k[0] < at + numel and at < k[0] + k[1]]:
+            del self._crc[key]  # overwritten, wholly or in part
+        self._crc[(at, numel)] = future
+        self._writes.append(future)
 
     def close(self) -> None:
         for w in self._writes:
@@ -168,7 +181,7 @@ def _host(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).contiguous() if t.device.type == "cpu" else t.detach().reshape(-1).to("cpu")
 
 
-def _pwrite(fd: int, holder: list[torch.Tensor], offset: int) -> None:
+def _pwrite(fd: int, holder: list[torch.Tensor], offset: int) -> int:
     """Write ``holder``'s one tensor at ``offset``. The tensor comes in a list that this empties, so nothing
     holds the buffer once the write returns (the pool's work item keeps its arguments until a moment after
     the future completes, which kept a finished write's window buffer alive under load)."""
@@ -177,6 +190,7 @@ def _pwrite(fd: int, holder: list[torch.Tensor], offset: int) -> None:
     done = 0
     while done < view.nbytes:
         done += os.pwrite(fd, view[done:], offset + done)
+    return integrity.crc32(host)
 
 
 def keep(tier: HostTier | FileTier, t: torch.Tensor, max_writes: int = 4) -> HostTierTensor | FileTierTensor:

@@ -16,6 +16,8 @@ as soon as it has no other use.
   directories left by dead processes are removed when the next ``FileTier`` starts in the same
   path.
 
+Every file write records a CRC-32 that the read returning it checks (``integrity.py``).
+
 Memory: ``HostTier`` holds each stored tensor in host memory (``offload_buffer`` in the ledger
 when the host is not the device); ``FileTier`` holds a tensor in memory only until its write
 finishes, and a prefetched one from the start of its read until its consumer drops it. Every
@@ -37,7 +39,7 @@ import torch
 
 from ..accelerator import Accelerator
 from ..ledger import Category, Ledger
-from . import direct_io
+from . import direct_io, integrity
 
 logger = logging.getLogger("zeroplus.offload")
 
@@ -164,7 +166,7 @@ class FileTier:
             stored.back = self.read_pool.submit(self._read, stored)
 
     def _read(self, stored: Stored) -> torch.Tensor:
-        stored.ready.result()
+        written_crc = stored.ready.result()
         if self._is_direct(stored):
             buf = direct_io.read(stored.data, stored.nbytes, self.ledger)
         else:
@@ -172,6 +174,7 @@ class FileTier:
             with open(stored.data, "rb") as f:
                 if f.readinto(memoryview(buf.numpy())) != stored.nbytes:
                     raise OSError(f"swap file {stored.data} is shorter than the {stored.nbytes} bytes written")
+        integrity.verify(stored.data, buf, written_crc)
         os.remove(stored.data)
         return buf.view(stored.dtype).view(stored.shape)
 
@@ -198,15 +201,18 @@ class FileTier:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def _write(path: str, holder: list[torch.Tensor]) -> None:
-    """Write ``holder``'s one tensor to ``path``, emptying ``holder`` (see ``tier_tensor._pwrite``)."""
+def _write(path: str, holder: list[torch.Tensor]) -> int:
+    """Write ``holder``'s one tensor to ``path``, emptying ``holder`` (see ``tier_tensor._pwrite``); its CRC-32."""
     host = holder.pop()
     with open(path, "wb") as f:
         f.write(memoryview(host.reshape(-1).view(torch.uint8).numpy()))
+    return integrity.crc32(host)
 
 
-def _direct_write(path: str, holder: list[torch.Tensor], ledger: Ledger) -> None:
-    direct_io.write(path, holder.pop(), ledger)
+def _direct_write(path: str, holder: list[torch.Tensor], ledger: Ledger) -> int:
+    host = holder.pop()
+    direct_io.write(path, host, ledger)
+    return integrity.crc32(host)
 
 
 def _remove_dead_directories(path: str) -> None:

@@ -100,3 +100,31 @@ def test_host_tier_on_cpu_keeps_the_tensor():
     tier = HostTier(Accelerator(), Ledger())
     t = torch.randn(10)
     assert not tier.saves_memory and tier.get(tier.put(t)) is t
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_changed_swap_and_offload_files_are_errors_naming_them(tmp_path, direct):
+    """A swap file (FileTier) or a kept offload file (keep) zero-filled at its own size after the write,
+    as a failing disk or another process could leave it: the read that returns it raises naming the file;
+    the same read of an intact file returns the values bit for bit."""
+    from zeroplus.offload.tier_tensor import keep
+    tier = FileTier(str(tmp_path), Ledger(), direct=direct)
+    values = torch.randn(1 << 16)
+    intact, broken = tier.put(values), tier.put(values)
+    tier.wait_written(broken)
+    with open(broken.data, "r+b") as f:
+        f.write(bytes(os.path.getsize(broken.data)))
+    assert torch.equal(tier.get(intact), values)
+    with pytest.raises(OSError, match=rf"offload file {broken.data} is corrupt on rank 0: CRC-32"):
+        tier.get(broken)
+    kept = keep(tier, values.clone())
+    kept.write(100, torch.ones(50))
+    kept.read(0, 1 << 16).result()  # written as a whole, then in part: that range is no longer checked
+    assert torch.equal(kept.read(100, 150).result(), torch.ones(50))
+    with open(kept.path, "r+b") as f:
+        f.seek(100 * 4)
+        f.write(bytes(50 * 4))
+    with pytest.raises(OSError, match=rf"offload file {kept.path} \(elements 100..150\) is corrupt"):
+        kept.read(100, 150).result()
+    kept.close()
+    tier.close()
