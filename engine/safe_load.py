@@ -15,7 +15,6 @@ installed. Memory: the file's tensors, nothing more (``torch.load`` reads into f
 from __future__ import annotations
 
 import io
-import os
 import pickle
 from typing import Any, BinaryIO
 
@@ -116,6 +115,3 @@ def check_loadable(obj: Any, *, what: str) -> None:
                         .split(". Nothing from")[0] + ": a checkpoint never runs code when loaded, so it may hold "
                         "only tensors, numbers, strings, lists, tuples and dicts") from None
 
-
-def file_label(path: str, rank: int | None = None) -> str:
-    return os.path.abspath(path) + ("" if rank is None else f" (rank {rank}'s shard)")
