@@ -1,44 +1,44 @@
-"""``initialize``: from a model and a DeepSpeed-style config to a ready ``Engine``.
+"""Assembling an ``Engine`` from a model and a resolved config (``build_engine``).
 
-Order: initialise torch.distributed if a launcher asked for it; parse and validate the config;
-resolve the batch triple against the data-parallel size and every ``"auto"``; move the model to
-the device and the compute dtype; broadcast rank 0's parameters and buffers so every rank starts
-alike; partition (this is where the flat buffers, masters and shards are allocated, through the
-ledger); build or adopt the optimizer over the master shards; build the schedule.
+The one place an engine is put together, used by ``zeroplus.initialize`` (``initialize_engine.py``,
+the top layer, which parses, resolves, plans and installs the first-forward prediction before calling
+it) and by the memory budget's meta-device simulation (``budget/simulate.py``). Order: move the model
+to the device and the compute dtype; broadcast the first rank's parameters and buffers so every rank
+starts alike; partition (``make_partition``: the flat buffers, masters and shards, allocated through
+the ledger); build or adopt the optimizer over the master shards; build the schedule. Nothing here
+reads ``"auto"`` or imports the budget.
 """
 from __future__ import annotations
 
-import copy
 import logging
-import os
 from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 
 from zeroplus import checkpointing
-from zeroplus.accelerator import Accelerator, get_accelerator
+from zeroplus.accelerator import Accelerator
 from zeroplus.activations import ResizeRecompute, SavedTensorRouter, SwapAttention
 from zeroplus.activations.resize_recompute import DEFAULT_CLASSES, NORM_CLASSES
-from zeroplus.comm import DataParallelGroup, init_distributed_if_launched
-from zeroplus.config import ConfigError, ZeroplusConfig, parse_config, resolve_auto, resolve_batch
+from zeroplus.comm import DataParallelGroup
+from zeroplus.config import ConfigError, ZeroplusConfig
 from zeroplus.ledger import Ledger
-from zeroplus.logs import log_rank0, setup_logging
+from zeroplus.logs import log_rank0
 from zeroplus.offload import virtual_host
 from zeroplus.offload.disk_space import check_free_space, states_per_element
 from zeroplus.offload.tiers import make_tier
 from zeroplus.optim.build import adopt_client_optimizer, build_optimizer, would_fuse
 from zeroplus.optim.schedulers import build_scheduler
-from zeroplus.parallel.groups import ParallelGroups, init_parallel
+from zeroplus.parallel.groups import ParallelGroups
 from zeroplus.parallel.moe import is_expert
+from zeroplus.parallel.pipeline import PipelineModule
 from zeroplus.parallel.tensor_layers import is_tensor_parallel
-from zeroplus.parallel.topology import Topology, check_supported
+from zeroplus.parallel.topology import check_supported
 from zeroplus.zero import ShardedStep, ZeroPartition
 from zeroplus.zero.partition import ExpertSplit
 from zeroplus.zero.sharded_step import ModelParallelNorm
 
 from .engine import Engine
-from .rank_agreement import check_ranks_agree
 from .loss_scaler import LossScaler
 
 logger = logging.getLogger("zeroplus.engine")
@@ -89,51 +89,18 @@ def expert_split(parallel: ParallelGroups | None) -> ExpertSplit | None:
     return ExpertSplit(parallel.expert_data, parallel.expert.rank, parallel.expert.size, is_expert)
 
 
-def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLike, *,
-               optimizer: torch.optim.Optimizer | None = None, lr_scheduler: Any = None,
-               model_parameters: Iterable[Any] | None = None, process_group: Any = None) -> Engine:
-    """Wrap ``model`` for ZeRO training as ``config`` (a dict or JSON path) describes."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    accel = get_accelerator()
-    accel.reset_peak_memory_stats()  # the engine's peak is measured from here
-    rss_at_start = accel.memory_allocated()
-    cfg, unimplemented = parse_config(config)
-    init_distributed_if_launched(cfg.zeroplus.collective_timeout)
-    setup_logging(cfg.zeroplus.log_level)
-    if unimplemented:
-        log_rank0("config keys DeepSpeed knows but zeroplus does not implement yet (ignored): %s",
-                  ", ".join(unimplemented), level=logging.WARNING)
-    try:
-        parallel = init_parallel(cfg)
-    except ValueError as err:
-        raise ConfigError(f"config key 'zeroplus.parallel': {err}") from None
-    dp = DataParallelGroup(process_group) if process_group is not None else parallel.data
-    return build_engine(model, cfg, dp, accel, rss_at_start, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                        model_parameters=model_parameters, parallel=parallel)
-
-
 def build_engine(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, accel: Accelerator, rss_at_start: int, *,
                  optimizer: torch.optim.Optimizer | None = None, lr_scheduler: Any = None,
                  model_parameters: Iterable[Any] | None = None, ledger: Ledger | None = None,
                  simulated: Any = None, parallel: ParallelGroups | None = None) -> Engine:
     """The engine over ``dp`` (a ``DataParallelGroup``, or the estimator's ``VirtualGroup``) on
-    ``accel``'s device, from a parsed config; everything after process-group set-up.
+    ``accel``'s device, from a parsed and resolved config (batch triple and ``"auto"`` resolved by
+    the caller); everything after process-group set-up.
     ``simulated``: the estimator's memory tracker when this is its meta-device run
     (``zeroplus/budget/simulate.py``), else None. ``parallel``: the tensor/pipeline/expert groups
     (``zeroplus/parallel/groups.py``) when the model is split beyond ``dp``."""
     model_parallel = parallel is not None and parallel.model.size > 1
     split = model_parallel or (parallel is not None and parallel.expert.size > 1)  # beyond data parallelism
-    resolve_batch(cfg, dp.size)
-    resolve_auto(cfg, model, optimizer is not None)
-    if simulated is None and dp.size > 1:
-        topology = (parallel.topology if parallel is not None else Topology(dp.size)).to_dict()
-        check_ranks_agree(model, cfg, dp, topology)
-    if split and (_has_auto(cfg) or cfg.zeroplus.memory_budget is not None):
-        raise ConfigError(f"config key 'zeroplus.memory_budget' with {parallel.topology.describe()}: the memory "
-                          f"estimate and planner cover data parallelism only so far; remove the budget and 'auto'")
-    if simulated is None:
-        cfg = _plan(model, cfg, dp)
     if parallel is not None:
         try:
             check_supported(parallel.topology, int(cfg.zero_optimization.stage))
@@ -152,7 +119,6 @@ def build_engine(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, accel: Ac
     _warn_inert_options(cfg)
     model_bytes = _device_bytes(model, accel)  # already there: they count as the engine's, as in the estimate
     pipelined = parallel is not None and parallel.topology.pipeline > 1
-    estimate_source = _estimate_source(model, cfg, parallel) if simulated is None and not pipelined else None
 
     dtype = compute_dtype(cfg)
     model.to(accel.device())
@@ -170,11 +136,7 @@ def build_engine(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, accel: Ac
     ledger = Ledger() if ledger is None else ledger
     param_offload = _param_offload(cfg, model, group_of, dp.size, accel, ledger)
     try:
-        partition = ZeroPartition(model, cfg.zero_optimization, dp, ledger, dtype, group_of,
-                                  cfg.zeroplus.unit_modules, int(cfg.gradient_accumulation_steps),  # type: ignore
-                                  shared_master=cfg.zeroplus.shared_master_weights,
-                                  round_like_split=cfg.zeroplus.master_rounding == "like_shared",
-                                  param_offload=param_offload, experts=experts)
+        partition = make_partition(model, cfg, dp, ledger, dtype, group_of, param_offload, experts)
     except OSError as err:  # writing the offloaded shards failed (a full disk)
         if param_offload is None:
             raise
@@ -214,13 +176,23 @@ def build_engine(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, accel: Ac
             log_rank0("memory estimate: not made for a pipeline stage at initialize (it needs every stage's shapes; "
                       "zeroplus estimate with a model factory predicts it); the report shows what is measured")
     engine = Engine(model, cfg, partition, step, opt, scheduler, LossScaler(cfg.fp16), dp, ledger, accel,
-                    rss_at_start - model_bytes, _activation_techniques(model, cfg, ledger, accel), estimate_source)
+                    rss_at_start - model_bytes, _activation_techniques(model, cfg, ledger, accel))
     engine.parallel = parallel
     return engine
 
 
+def make_partition(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, ledger: Ledger, dtype: torch.dtype,
+                   group_of: dict[int, int], param_offload: dict[str, Any] | None,
+                   experts: ExpertSplit | None) -> ZeroPartition:
+    """The partition of ``model`` as ``cfg`` asks (the engine's, and the budget's model-state count's)."""
+    return ZeroPartition(model, cfg.zero_optimization, dp, ledger, dtype, group_of, cfg.zeroplus.unit_modules,
+                         cfg.gradient_accumulation_steps if isinstance(cfg.gradient_accumulation_steps, int) else 1,
+                         shared_master=cfg.zeroplus.shared_master_weights,  # type: ignore[arg-type]
+                         round_like_split=cfg.zeroplus.master_rounding == "like_shared",
+                         param_offload=param_offload, experts=experts)
+
+
 def _check_pipeline(model: torch.nn.Module, cfg: ZeroplusConfig, parallel: ParallelGroups) -> None:
-    from zeroplus.parallel.pipeline import PipelineModule
     if not isinstance(model, PipelineModule):
         raise ConfigError(f"config key 'zeroplus.parallel.pipeline' is {parallel.topology.pipeline}, and the model is "
                           f"a {type(model).__name__}: give a zeroplus.parallel.PipelineModule (its stage's layers)")
@@ -230,59 +202,12 @@ def _check_pipeline(model: torch.nn.Module, cfg: ZeroplusConfig, parallel: Paral
                           "parallelism: not supported yet (1F1B keeps several micro-batches' activations at once)")
 
 
-def _has_auto(cfg: ZeroplusConfig) -> bool:
-    from zeroplus.budget.planner import auto_keys
-    return bool(auto_keys(cfg))
-
-
-def _plan(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any) -> ZeroplusConfig:
-    """``zeroplus.memory_budget``: rank 0 plans (``zeroplus/budget/planner.py``) and every rank takes
-    its choice, or raises its refusal, before anything is allocated."""
-    from zeroplus.budget.planner import apply_settings, auto_keys, plan
-    from zeroplus.budget.simulate import meta_copy
-    autos = auto_keys(cfg)
-    if not autos and cfg.zeroplus.memory_budget is None:
-        return cfg
-    if autos and cfg.zeroplus.memory_budget is None:
-        raise ConfigError(f"config keys {autos} are 'auto', which the planner resolves within config key "
-                          f"'zeroplus.memory_budget': set it (e.g. '16GB') or give those keys values")
-    outcome: Any = None
-    if dp.rank == 0:
-        try:
-            chosen = plan(meta_copy(model), cfg, world_size=dp.size, log=lambda m: log_rank0("%s", m))
-            outcome = (chosen.settings, chosen.reason)
-        except ConfigError as err:
-            outcome = str(err)
-    outcome = dp.broadcast_object(outcome)
-    if isinstance(outcome, str):
-        raise ConfigError(outcome)
-    settings, reason = outcome
-    log_rank0("planner: %s", reason)
-    return apply_settings(cfg, settings)
-
-
 def _device_bytes(model: torch.nn.Module, accel: Accelerator) -> int:
     """Bytes of the model's parameters and buffers on the device (each storage once)."""
     device = accel.device()
     storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
                 for t in list(model.parameters()) + list(model.buffers()) if t.device.type == device.type}
     return sum(storages.values())
-
-
-def _estimate_source(model: torch.nn.Module, cfg: ZeroplusConfig,
-                     parallel: ParallelGroups | None) -> tuple[Any, Any] | None:
-    """``zeroplus.memory_estimate``: a meta-device copy of the model as given and the config, for the
-    engine to predict its memory with at the first forward (``Engine._predict``). The copy keeps the
-    model's process groups (the estimate swaps in stand-ins for the rank it simulates)."""
-    if not cfg.zeroplus.memory_estimate:
-        return None
-    from zeroplus.budget.simulate import group_stand_ins, meta_copy
-    try:  # each group stands in for itself: the copy keeps them, uncopied
-        return meta_copy(model, group_stand_ins(parallel, parallel)), copy.deepcopy(cfg)
-    except Exception as err:  # a module that cannot be copied: train without the prediction
-        log_rank0("memory estimate unavailable: the model cannot be copied to the meta device (%s: %s)",
-                  type(err).__name__, err, level=logging.WARNING)
-        return None
 
 
 def _warn_inert_options(cfg: ZeroplusConfig) -> None:

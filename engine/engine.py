@@ -12,18 +12,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from zeroplus.accelerator import Accelerator
 from zeroplus.comm import DataParallelGroup
-from zeroplus.budget.estimate import MemoryBudget
 from zeroplus.config import ZeroplusConfig
 from zeroplus.ledger import Ledger
 from zeroplus.activations import SavedTensorRouter
 from zeroplus.memory_report import MemoryReport
 from zeroplus.parallel.moe import set_aux_grad_scale
+from zeroplus.parallel.pipeline import PipelineModule
+from zeroplus.parallel.pipeline_schedule import eval_batch, train_batch
 from zeroplus.zero import ShardedStep, ZeroPartition
 
 from .checkpoint import save_checkpoint
@@ -38,11 +39,9 @@ class Engine:
     def __init__(self, module: torch.nn.Module, config: ZeroplusConfig, partition: ZeroPartition,
                  sharded_step: ShardedStep, optimizer: torch.optim.Optimizer, lr_scheduler: Any,
                  loss_scaler: LossScaler, dp: DataParallelGroup, ledger: Ledger, accelerator: Accelerator,
-                 baseline_bytes: int, activations: SavedTensorRouter | None = None,
-                 estimate_source: tuple[torch.nn.Module, ZeroplusConfig] | None = None) -> None:
+                 baseline_bytes: int, activations: SavedTensorRouter | None = None) -> None:
         """``baseline_bytes``: the device's memory at ``initialize`` without the model's own bytes
-        (the peak above it is what ``zeroplus.estimate`` predicts); ``estimate_source``: the model
-        on the meta device and the config, to predict the budget at the first forward."""
+        (the peak above it is what ``zeroplus.estimate`` predicts)."""
         self._module = module
         self.config = config
         self.optimizer = optimizer
@@ -54,8 +53,9 @@ class Engine:
         self._partition = partition
         self._step = sharded_step
         self._baseline = baseline_bytes
-        self._estimate_source = estimate_source
-        self.budget: MemoryBudget | None = None
+        # called once, before the first forward that trains (``zeroplus.initialize`` predicts the budget there)
+        self._first_forward_hooks: list[Callable[[Engine, tuple[Any, ...], dict[str, Any]], None]] = []
+        self.budget: Any = None  # the predicted ``zeroplus.MemoryBudget``, once a hook has set it
         self.parallel: Any = None  # the ParallelGroups when the model is split beyond dp (build_engine sets it)
         self._checkpoint_saved = False  # the report compares with the predicted peak that includes a save
         self._activations = activations if activations is not None else SavedTensorRouter([])
@@ -113,8 +113,10 @@ class Engine:
 
     # -- forward / backward / step ------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._estimate_source is not None and torch.is_grad_enabled() and self._module.training:
-            self._predict(args, kwargs)
+        if self._first_forward_hooks and torch.is_grad_enabled() and self._module.training:
+            hooks, self._first_forward_hooks = self._first_forward_hooks, []
+            for hook in hooks:
+                hook(self, args, kwargs)
         self._partition.before_forward()
         try:
             with self._activations.forward():
@@ -180,8 +182,6 @@ class Engine:
     def train_batch(self, data_iter: Iterator[Any]) -> torch.Tensor:
         """One batch of ``gradient_accumulation_steps`` micro-batches through a ``PipelineModule`` (1F1B,
         ``zeroplus/parallel/pipeline_schedule.py``), the optimizer step included; the batch's mean loss."""
-        from zeroplus.parallel.pipeline import PipelineModule
-        from zeroplus.parallel.pipeline_schedule import train_batch
         if not isinstance(self._module, PipelineModule):
             raise TypeError(f"train_batch() runs a PipelineModule; this engine wraps {type(self._module).__name__} "
                             f"(call engine(batch), engine.backward(loss), engine.step() instead)")
@@ -190,8 +190,6 @@ class Engine:
     def eval_batch(self, data_iter: Iterator[Any]) -> torch.Tensor:
         """The mean loss of ``gradient_accumulation_steps`` micro-batches through a ``PipelineModule``,
         forward only (as DeepSpeed's pipeline engine has it); every stage returns it."""
-        from zeroplus.parallel.pipeline import PipelineModule
-        from zeroplus.parallel.pipeline_schedule import eval_batch
         if not isinstance(self._module, PipelineModule):
             raise TypeError(f"eval_batch() runs a PipelineModule; this engine wraps {type(self._module).__name__} "
                             f"(call engine(batch) under torch.no_grad() instead)")
@@ -285,23 +283,10 @@ class Engine:
         return path
 
     # -- memory ------------------------------------------------------------------------------------
-    def _predict(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """This rank's memory budget for inputs shaped like ``args``/``kwargs`` (``zeroplus.estimate``
-        on the model as given); rank 0 logs it. A model the estimator cannot run is trained anyway."""
-        from zeroplus.budget.estimate import estimate
-        model, cfg = self._estimate_source  # type: ignore[misc]
-        self._estimate_source = None
-        par = self.parallel  # with tensor or expert parallelism: this rank of the whole world
-        world, rank = (par.topology.world_size, par.global_rank) if par is not None else (self.dp.size, self.dp.rank)
-        try:
-            self.budget = estimate(model, cfg, world_size=world, rank=rank, example_inputs=args,
-                                   example_kwargs=kwargs)
-        except Exception as err:  # noqa: BLE001 - the prediction must never stop training
-            logger.warning("memory estimate unavailable (%s: %s); zeroplus.memory_estimate false skips it",
-                           type(err).__name__, err)
-            return
-        if self.dp.rank == 0:
-            logger.info("%s", self.budget)
+    def before_first_forward(self, hook: Callable[[Engine, tuple[Any, ...], dict[str, Any]], None]) -> None:
+        """Call ``hook(engine, args, kwargs)`` once, before the first forward run with gradients in training
+        mode (the top layer predicts the memory budget from those inputs this way)."""
+        self._first_forward_hooks.append(hook)
 
     def memory_report(self) -> MemoryReport:
         """The ledger's live and peak bytes per category and the device's peak above the start of

@@ -50,6 +50,10 @@ class MetaTier:
         self.writing: collections.deque[Stored] = collections.deque()
         _tiers.add(self)
 
+    def keep_tensor(self, t: torch.Tensor) -> MetaTierTensor:
+        """``tier_tensor.keep`` on this tier."""
+        return MetaTierTensor(self, t)
+
     def put(self, t: torch.Tensor) -> Stored:
         stored = Stored(t)
         staging = direct_io.aligned_empty(stored.nbytes, self.ledger, "meta") if self._is_direct(stored) else None

@@ -197,7 +197,6 @@ def keep(tier: HostTier | FileTier, t: torch.Tensor, max_writes: int = 4) -> Hos
     """Move the 1-D tensor ``t`` to ``tier`` for good (the caller drops its own reference)."""
     if isinstance(tier, FileTier):
         return FileTierTensor(tier, t, max_writes)
-    if tier.name == "meta":
-        from .meta_tier import MetaTierTensor
-        return MetaTierTensor(tier, t)  # type: ignore[arg-type,return-value]
+    if hasattr(tier, "keep_tensor"):  # the estimator's meta tier keeps its own kind
+        return tier.keep_tensor(t)  # type: ignore[no-any-return]
     return HostTierTensor(tier, t)

@@ -238,9 +238,9 @@ def _alive(pid: int) -> bool:
 
 def make_tier(kind: str, path: str | None, accelerator: Accelerator, ledger: Ledger,
               label: str = "", direct: bool = False, create: bool = True) -> HostTier | FileTier:
-    if accelerator.name == "meta" and (kind == "file" or not accelerator.host_is_device):  # the estimator
-        from .meta_tier import MetaTier
-        return MetaTier(ledger, direct and kind == "file")  # type: ignore[return-value]
+    simulated = getattr(accelerator, "simulated_tier", None)  # the estimator's accelerator brings its own tier
+    if simulated is not None and (kind == "file" or not accelerator.host_is_device):
+        return simulated(ledger, direct and kind == "file")  # type: ignore[no-any-return]
     if kind == "file":
         if not path:
             raise ValueError("a file tier needs a directory path, and none is set")

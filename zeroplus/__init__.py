@@ -7,9 +7,9 @@
 """
 from .budget.estimate import MemoryBudget, estimate
 from .config import ConfigError
-from .engine.build import initialize
 from .engine.checkpoint_export import load_fp32_state_dict
 from .engine.engine import Engine
+from .initialize_engine import initialize
 from .memory_report import MemoryReport
 from .parallel import init_parallel
 

@@ -33,7 +33,10 @@ from typing import Any, Callable
 import torch
 
 from .accelerator import get_accelerator
-from .ledger import Category
+from .ledger import Category, Ledger
+from .offload.tiers import HostTier
+from .parallel.groups import parallel_groups
+from .parallel.mappings import all_gather_dim0
 
 logger = logging.getLogger("zeroplus.checkpointing")
 TECHNIQUE = "cpu_checkpointing"  # ledger: checkpointed inputs moved off the device, not held
@@ -62,7 +65,6 @@ def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activati
     ignored = []
     partition = None
     if partition_activations:
-        from .parallel.groups import parallel_groups
         partition = parallel_groups().tensor
         if partition.size == 1:
             ignored.append("partition_activations (needs a tensor-parallel group: zeroplus.parallel.tensor > 1)")
@@ -75,8 +77,6 @@ def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activati
     if ignored:
         logger.warning("activation checkpointing: without effect: %s", "; ".join(ignored))
     if checkpoint_in_cpu and tier is None:
-        from .ledger import Ledger
-        from .offload.tiers import HostTier
         tier = HostTier(get_accelerator(), Ledger())
     if checkpoint_in_cpu and not tier.saves_memory:
         logger.warning("activation checkpointing: cpu_checkpointing moves inputs to host memory, which on this "
@@ -146,7 +146,6 @@ def _keep_own_part(tensors: list[torch.Tensor], tp: Any) -> tuple[list[torch.Ten
 
 
 def _gather_parts(parts: list[torch.Tensor], shapes: list[torch.Size], tp: Any) -> list[torch.Tensor]:
-    from .parallel.mappings import all_gather_dim0
     return [all_gather_dim0(p, tp)[:shape.numel()].view(shape) for p, shape in zip(parts, shapes)]
 
 

@@ -6,7 +6,11 @@ import argparse
 import os
 import sys
 
+from .budget.command import main as estimate_main
+from .engine.checkpoint_export import load_fp32_state_dict, write_state_dict
+from .engine.deepspeed_import import convert_deepspeed
 from .launcher import run, torchrun_command
+from .train_job import main as train_main
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,13 +41,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"zeroplus run: {err}", file=sys.stderr)
             return 2
     if command == "estimate":
-        from .budget.command import main as estimate_main
         return estimate_main(rest)
     if command == "convert":
         args = parser.parse_args(argv)
-        from .engine.checkpoint_export import load_fp32_state_dict, write_state_dict
         if args.from_deepspeed:
-            from .engine.deepspeed_import import convert_deepspeed
             try:
                 path = convert_deepspeed(args.checkpoint_dir, args.out, args.tag)
             except (FileNotFoundError, ValueError, NotImplementedError) as err:
@@ -63,7 +64,6 @@ def main(argv: list[str] | None = None) -> int:
     if command == "train":
         known, passthrough = train.parse_known_args(rest)
         if "RANK" in os.environ:  # already under a launcher
-            from .train_job import main as train_main
             train_main(passthrough)
             return 0
         cmd = torchrun_command(known.nproc, [], ["-m", "zeroplus.train_job", *passthrough])

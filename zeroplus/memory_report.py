@@ -17,6 +17,7 @@ import dataclasses
 from typing import Any
 
 from .ledger import Category, Ledger
+from .memory_view import report_chart
 
 
 def _mib(nbytes: int) -> str:
@@ -70,7 +71,6 @@ class MemoryReport:
 
     def save_chart(self, path: str) -> str:
         """A PNG of predicted beside measured peaks per category (``zeroplus[plotting]``)."""
-        from .budget.chart import report_chart
         return report_chart(self, path)
 
     def peak_line(self) -> str:

@@ -27,14 +27,14 @@ import sys
 from typing import Any, Callable
 
 from ..config import ConfigError, parse_config
+from ..models import GPT, gpt_config
+from ..models.split import split_gpt
 from .estimate import estimate
 from .model_states import model_state_bytes
 from .planner import auto_keys, plan
 
 
 def _builder(spec: str, config: str, experts: int = 0) -> Callable[[], Any]:
-    from ..models import GPT, gpt_config
-    from ..models.split import split_gpt
     if ":" not in spec:
         moe = dict(moe_experts=experts, moe_k=min(2, experts)) if experts else {}
         gpt_config(spec)  # raises ValueError naming the known sizes

@@ -36,8 +36,10 @@ from typing import Any, Callable
 import torch
 
 from ..accelerator import get_accelerator
+from ..memory_view import CATEGORIES, LABELS, budget_chart
 from .model_states import model_state_bytes
-from .simulate import _quiet, default_loss, simulate
+from ..parallel.groups import current_groups, parallel_groups
+from .simulate import _quiet, default_loss, group_stand_ins, meta_copy, simulate
 from .tracker import PHASES, TRAINING_PHASES, cpu_workspace_bytes
 from .virtual_parallel import topology_of
 
@@ -49,16 +51,6 @@ from .virtual_parallel import topology_of
 # the first forward and backward (kernel libraries, autograd's thread, the engine's own
 # estimate). CUDA and NPU: the peak is the caching allocator's, which holds tensors only.
 RUNTIME_BYTES = {"cpu": (77 * 2**20, 99 * 2**20), "cuda": (0, 0), "npu": (0, 0)}
-
-CATEGORIES = ("param", "param_gathered", "grad", "master", "optim_state", "activation", "temporaries",
-              "comm_buffer", "offload_buffer", "runtime")
-
-_LABELS = {"param": "parameters (low precision)", "param_gathered": "parameters gathered (stage 3)",
-           "grad": "gradients", "master": "fp32 master weights", "optim_state": "optimizer states",
-           "activation": "activations saved for backward", "temporaries": "autograd and kernel temporaries",
-           "comm_buffer": "communication buckets", "offload_buffer": "offload windows",
-           "runtime": "runtime overhead"}
-
 
 @dataclasses.dataclass
 class MemoryBudget:
@@ -114,7 +106,7 @@ class MemoryBudget:
                  f"{self.accelerator})", head]
         for c in CATEGORIES:
             if any(self.phases[p].get(c, 0) for p in phases):
-                lines.append(f"  {_LABELS[c]:<34}" + "".join(f"{self.phases[p].get(c, 0) / 2**20:10.1f}"
+                lines.append(f"  {LABELS[c]:<34}" + "".join(f"{self.phases[p].get(c, 0) / 2**20:10.1f}"
                                                              for p in phases))
         lines.append(f"  {'total at the phase peak':<34}" + "".join(f"{self.phases[p]['total'] / 2**20:10.1f}"
                                                                     for p in phases))
@@ -128,7 +120,6 @@ class MemoryBudget:
 
     def save_chart(self, path: str) -> str:
         """A PNG of the predicted bytes per category, stacked per phase (``zeroplus[plotting]``)."""
-        from .chart import budget_chart
         return budget_chart(self, path)
 
 
@@ -177,7 +168,5 @@ def _split(cfg: Any, world_size: int) -> str:
 def _module_builder(model: torch.nn.Module) -> Callable[[], torch.nn.Module]:
     """A function copying ``model`` to the meta device; called inside ``groups.using(stand-ins)``, the copy
     holds the stand-ins in place of this process's groups."""
-    from ..parallel.groups import current_groups, parallel_groups
-    from .simulate import group_stand_ins, meta_copy
     real = current_groups()
     return lambda: meta_copy(model, group_stand_ins(real, parallel_groups()))

@@ -29,74 +29,9 @@ from ..ledger import Category, Ledger
 from ..offload.disk_space import states_per_element
 from ..offload.optimizer_states import plan_sub_groups
 from ..optim.build import build_optimizer
-from ..zero.partition import ZeroPartition
-
-
-class _Held(Handle):
-    """A virtual collective whose backend temporary is freed when it is waited on, or when the
-    group starts the next collective (gloo runs one at a time, in order)."""
-
-    def __init__(self, group: VirtualGroup, on_done: Callable[[], None] | None) -> None:
-        super().__init__(None, on_done)
-        self.group = group
-
-    def wait(self) -> None:
-        if self.group.running is self:
-            self.group.running, self.group.temporary = None, None
-        super().wait()
-
-
-class VirtualGroup:
-    """A data-parallel group of ``size`` ranks as seen from ``rank``; collectives move nothing.
-
-    ``gloo_buffers``: hold what gloo holds while a collective runs (measured on CPU with 2 ranks:
-    reduce-scatter copies its whole input, all-gather its whole output, each a temporary of that
-    size until done; all-reduce works in place), as a tensor on the input's device, so the
-    estimator sees it: one at a time (gloo's worker runs collectives in order), from the moment
-    the collective is issued until it is waited on or the next one is issued. NCCL and HCCL work
-    in place: off."""
-
-    initialized = False
-    group = None
-
-    def __init__(self, rank: int, size: int, gloo_buffers: bool = False) -> None:
-        if not 0 <= rank < size:
-            raise ValueError(f"rank {rank} is not in a world of {size} ranks")
-        self.rank, self.size, self.gloo_buffers = rank, size, gloo_buffers
-        self.bytes_sent: collections.Counter[str] = collections.Counter()
-        self.running: Handle | None = None
-        self.temporary: torch.Tensor | None = None
-
-    def _held(self, like: torch.Tensor, on_done: Callable[[], None] | None) -> Handle:
-        if not (self.gloo_buffers and self.size > 1):
-            return Handle(None, on_done)
-        self.running, self.temporary = None, None  # the previous collective is done
-        self.temporary = torch.empty_like(like)
-        self.running = handle = _Held(self, on_done)
-        return handle
-
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, on_done: Callable[[], None] | None = None
-                   ) -> Handle:
-        return self._held(output, on_done)
-
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
-                       on_done: Callable[[], None] | None = None) -> Handle:
-        return self._held(input, on_done)
-
-    def all_reduce(self, tensor: torch.Tensor, op: Any = None, on_done: Callable[[], None] | None = None) -> Handle:
-        return Handle(None, on_done)
-
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
-        return Handle(None)
-
-    def sum_scalar(self, value: torch.Tensor) -> torch.Tensor:
-        return value
-
-    def max_flag(self, flag: bool) -> bool:
-        return flag
-
-    def barrier(self) -> None:
-        return None
+from ..engine.build import compute_dtype, expert_split, make_partition
+from .virtual_group import VirtualGroup
+from .virtual_parallel import build_in, virtual_groups
 
 
 def model_state_bytes(build_model: Callable[[], torch.nn.Module], config: dict[str, Any] | str | ZeroplusConfig,
@@ -108,11 +43,6 @@ def model_state_bytes(build_model: Callable[[], torch.nn.Module], config: dict[s
     ``build_model`` is called under ``torch.device("meta")``, so it must create its parameters on
     the current default device (the usual ``nn.Module`` constructors do).
     """
-    from ..engine.build import compute_dtype  # the engine's own rule (imported late: the engine imports us)
-
-    from ..engine.build import expert_split
-    from .virtual_parallel import build_in, virtual_groups
-
     cfg = copy.deepcopy(config) if isinstance(config, ZeroplusConfig) else parse_config(config)[0]
     dtype = compute_dtype(cfg)
     groups = virtual_groups(cfg, world_size, rank)  # with model parallelism: this rank's slice, its data group
@@ -121,10 +51,7 @@ def model_state_bytes(build_model: Callable[[], torch.nn.Module], config: dict[s
         model.to(dtype)
     group_of = {id(p): 0 for p in model.parameters() if p.requires_grad}
     ledger = Ledger()
-    partition = ZeroPartition(model, cfg.zero_optimization, groups.data, ledger, dtype, group_of,
-                              cfg.zeroplus.unit_modules, shared_master=cfg.zeroplus.shared_master_weights,
-                              round_like_split=cfg.zeroplus.master_rounding == "like_shared",
-                              experts=expert_split(groups))
+    partition = make_partition(model, cfg, groups.data, ledger, dtype, group_of, None, expert_split(groups))
     out = {c.value: ledger.live_bytes(c) for c in (Category.PARAM, Category.PARAM_GATHERED, Category.MASTER)}
     zero = cfg.zero_optimization
     if zero.stage == 3 and zero.offload_param is not None and zero.offload_param.device != "none":

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import ConfigError, ZeroplusConfig, parse_config
+from ..config import ConfigError, ZeroplusConfig, auto_keys, parse_config
 from .estimate import MemoryBudget, estimate
 
 # Nominal bandwidths (bytes/s) the costs are computed with: only their ratios order candidates.
@@ -91,21 +91,6 @@ class Plan:
 
     def apply(self, cfg: ZeroplusConfig) -> ZeroplusConfig:
         return apply_settings(cfg, self.settings)
-
-
-def auto_keys(cfg: ZeroplusConfig) -> list[str]:
-    """The keys left to the planner."""
-    zero, zp = cfg.zero_optimization, cfg.zeroplus
-    keys = []
-    if zero.stage == "auto":
-        keys.append("zero_optimization.stage")
-    if zero.offload_optimizer is not None and zero.offload_optimizer.ratio == "auto":
-        keys.append("zero_optimization.offload_optimizer.ratio")
-    if zp.shared_master_weights == "auto":
-        keys.append("zeroplus.shared_master_weights")
-    if zp.resize_recompute.enabled == "auto":
-        keys.append("zeroplus.resize_recompute.enabled")
-    return keys
 
 
 def _candidates(cfg: ZeroplusConfig) -> list[Settings]:

@@ -35,10 +35,14 @@ from torch.overrides import TorchFunctionMode
 
 from ..accelerator import Accelerator
 from .. import checkpointing
-from ..config import ConfigError, ZeroplusConfig, parse_config, resolve_batch
+from ..config import ConfigError, ZeroplusConfig, auto_keys, parse_config, resolve_auto, resolve_batch
+from ..engine.build import build_engine, compute_dtype
+from ..engine.checkpoint import rank_state
 from ..ledger import Category, Ledger
 from ..offload import meta_tier
 from ..parallel.groups import current_groups
+from ..parallel.pipeline_schedule import train_batch
+from ..parallel.topology import KINDS
 from ..parallel.registry import carry_marks
 from .tracker import MemoryTracker
 from .virtual_parallel import SimulatedLinks, boundary_shapes, build_in, virtual_groups
@@ -48,6 +52,7 @@ class MetaAccelerator(Accelerator):
     """The CPU accelerator's behaviour (no streams, host is device) on the meta device."""
 
     name = "meta"
+    simulated_tier = meta_tier.MetaTier  # offload and swap tiers that count bytes and store nothing
 
     def device(self, index: int | None = None) -> torch.device:
         return torch.device("meta")
@@ -121,7 +126,6 @@ def group_stand_ins(real: Any, groups: Any) -> dict[int, Any]:
     """A module given as built holds this process's groups ``real`` (tensor-parallel layers, MoE): its
     copy holds the simulated rank's stand-ins ``groups`` instead, kind for kind, when the topologies
     agree (``meta_copy``'s ``replace``)."""
-    from ..parallel.topology import KINDS
     if real is None or real.topology != groups.topology:
         return {}
     return {id(getattr(real, kind)): getattr(groups, kind) for kind in KINDS}
@@ -136,7 +140,6 @@ def _pipeline_plan(model: Any, cfg: ZeroplusConfig, groups: Any, seq_len: int | 
     if isinstance(model, torch.nn.Module):
         raise ValueError("a pipeline-parallel estimate needs a function that builds the model (every stage is "
                          "built to learn the shapes passed between stages), not one stage's module")
-    from ..engine.build import compute_dtype
     probe = copy.deepcopy(cfg)
     resolve_batch(probe, groups.data.size)
     if example_inputs:
@@ -150,7 +153,6 @@ def _pipeline_plan(model: Any, cfg: ZeroplusConfig, groups: Any, seq_len: int | 
 def _simulate_pipeline(engine: Any, tracker: MemoryTracker, plan: tuple[tuple[Any, Any], dict[int, Any]],
                        steps: int, runtime_after_backward: int) -> None:
     """``steps`` batches through the real pipeline schedule with ``SimulatedLinks``."""
-    from ..parallel.pipeline_schedule import train_batch
     micro, shapes = plan
     links = SimulatedLinks(engine.module, shapes)
     last = [""]
@@ -232,11 +234,7 @@ def simulate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     process holds beyond tensors from the engine's construction on (torch imports its compiler
     stack when the first optimizer is built), and from the end of the first backward on.
     """
-    from ..engine.build import build_engine  # the engine imports the budget package
-    from ..engine.checkpoint import rank_state
-
     cfg = copy.deepcopy(config) if isinstance(config, ZeroplusConfig) else parse_config(config)[0]
-    from .planner import auto_keys
     if auto_keys(cfg):
         raise ConfigError(f"config keys {auto_keys(cfg)} are 'auto': zeroplus.budget.planner.plan() resolves them "
                           f"within a memory budget; estimate() predicts one config")
@@ -258,6 +256,8 @@ def simulate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
         else:
             meta_model = build_in(groups, model)
         tracker.enter("init")
+        resolve_batch(cfg, groups.data.size)
+        resolve_auto(cfg, meta_model, False)
         engine = build_engine(meta_model, cfg, groups.data, MetaAccelerator(), 0,
                               ledger=ledger, simulated=tracker, parallel=groups)
         tracker.runtime = runtime[0]

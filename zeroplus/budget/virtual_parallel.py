@@ -27,7 +27,7 @@ from ..config import ZeroplusConfig
 from ..parallel.groups import ParallelGroups, using
 from ..parallel.pipeline_schedule import _Links
 from ..parallel.topology import Topology
-from .model_states import VirtualGroup
+from .virtual_group import VirtualGroup
 
 
 def topology_of(cfg: ZeroplusConfig, world_size: int) -> Topology:

@@ -165,3 +165,18 @@ def resolve_auto(cfg: ZeroplusConfig, model: torch.nn.Module, has_client_optimiz
                 raise ConfigError(f"config key 'scheduler.params.{key}' is 'auto', which zeroplus cannot derive: "
                                   f"give a number")
             logger.info("config: resolved scheduler.params.%s 'auto' = %s", key, cfg.scheduler.params[key])
+
+
+def auto_keys(cfg: ZeroplusConfig) -> list[str]:
+    """The keys left to the planner."""
+    zero, zp = cfg.zero_optimization, cfg.zeroplus
+    keys = []
+    if zero.stage == "auto":
+        keys.append("zero_optimization.stage")
+    if zero.offload_optimizer is not None and zero.offload_optimizer.ratio == "auto":
+        keys.append("zero_optimization.offload_optimizer.ratio")
+    if zp.shared_master_weights == "auto":
+        keys.append("zeroplus.shared_master_weights")
+    if zp.resize_recompute.enabled == "auto":
+        keys.append("zeroplus.resize_recompute.enabled")
+    return keys

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator
 import torch.distributed as dist
 
 from ..comm import DataParallelGroup, init_distributed_if_launched
+from ..config import parse_config
 from .topology import KINDS, Coordinates, Topology
 
 _CURRENT: ParallelGroups | None = None
@@ -83,7 +84,6 @@ def init_parallel(spec: Any = None) -> ParallelGroups:
     ``Topology``. With no process group launched: one rank, every size 1 (anything else is an error)."""
     global _CURRENT
     if spec is not None and not isinstance(spec, Topology) and not hasattr(spec, "zeroplus"):
-        from ..config import parse_config
         spec = parse_config(spec)[0]
     init_distributed_if_launched(_timeout(spec))
     launched = dist.is_available() and dist.is_initialized()

@@ -1,4 +1,6 @@
-"""Charts of the memory budget, for those who would rather look than read (``pip install zeroplus[plotting]``).
+"""How memory is named and drawn: the budget's categories, their labels, and charts for those who would
+rather look than read (``pip install zeroplus[plotting]``). A leaf: it imports nothing of zeroplus, so
+the budget (``budget/estimate.py``) and the engine's report (``memory_report.py``) both draw through it.
 
 - ``budget_chart(budget, path)``: the predicted bytes per category stacked for each phase (init,
   forward, backward, step), the tallest bar being the predicted peak.
@@ -12,7 +14,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from .estimate import _LABELS, CATEGORIES, MemoryBudget
+CATEGORIES = ("param", "param_gathered", "grad", "master", "optim_state", "activation", "temporaries",
+              "comm_buffer", "offload_buffer", "runtime")
+
+LABELS = {"param": "parameters (low precision)", "param_gathered": "parameters gathered (stage 3)",
+          "grad": "gradients", "master": "fp32 master weights", "optim_state": "optimizer states",
+          "activation": "activations saved for backward", "temporaries": "autograd and kernel temporaries",
+          "comm_buffer": "communication buckets", "offload_buffer": "offload windows",
+          "runtime": "runtime overhead"}
 
 
 def _pyplot() -> Any:
@@ -25,7 +34,8 @@ def _pyplot() -> Any:
     return plt
 
 
-def budget_chart(budget: MemoryBudget, path: str) -> str:
+def budget_chart(budget: Any, path: str) -> str:
+    """``budget``: a ``zeroplus.MemoryBudget``."""
     plt = _pyplot()
     phases = list(budget.phases)
     fig, ax = plt.subplots(figsize=(8, 5))
@@ -33,7 +43,7 @@ def budget_chart(budget: MemoryBudget, path: str) -> str:
     for category in CATEGORIES:
         values = [budget.phases[p].get(category, 0) / 2**20 for p in phases]
         if any(values):
-            ax.bar(phases, values, bottom=bottoms, label=_LABELS[category])
+            ax.bar(phases, values, bottom=bottoms, label=LABELS[category])
             bottoms = [b + v for b, v in zip(bottoms, values)]
     ax.set_ylabel("MiB")
     ax.set_title(f"predicted memory, rank {budget.rank} of {budget.world_size} (ZeRO stage {budget.stage}); "

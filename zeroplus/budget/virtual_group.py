@@ -1,0 +1,82 @@
+"""A stand-in for a process group: one rank of a group of any size, simulated in one process.
+
+The memory estimate partitions and trains the model on the meta device as rank ``rank`` of ``size``
+would; its collectives allocate their outputs (and, on CPU, what gloo holds while they run) and move
+nothing.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable
+
+import torch
+
+from ..comm import Handle
+from ..ledger import Category, Ledger
+
+
+class VirtualGroup:
+    """A data-parallel group of ``size`` ranks as seen from ``rank``; collectives move nothing.
+
+    ``gloo_buffers``: hold what gloo holds while a collective runs (measured on CPU with 2 ranks:
+    reduce-scatter copies its whole input, all-gather its whole output, each a temporary of that
+    size until done; all-reduce works in place), as a tensor on the input's device, so the
+    estimator sees it: one at a time (gloo's worker runs collectives in order), from the moment
+    the collective is issued until it is waited on or the next one is issued. NCCL and HCCL work
+    in place: off."""
+
+    initialized = False
+    group = None
+
+    def __init__(self, rank: int, size: int, gloo_buffers: bool = False) -> None:
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} is not in a world of {size} ranks")
+        self.rank, self.size, self.gloo_buffers = rank, size, gloo_buffers
+        self.bytes_sent: collections.Counter[str] = collections.Counter()
+        self.running: Handle | None = None
+        self.temporary: torch.Tensor | None = None
+
+    def _held(self, like: torch.Tensor, on_done: Callable[[], None] | None) -> Handle:
+        if not (self.gloo_buffers and self.size > 1):
+            return Handle(None, on_done)
+        self.running, self.temporary = None, None  # the previous collective is done
+        self.temporary = torch.empty_like(like)
+        self.running = handle = _Held(self, on_done)
+        return handle
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, on_done: Callable[[], None] | None = None
+                   ) -> Handle:
+        return self._held(output, on_done)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
+                       on_done: Callable[[], None] | None = None) -> Handle:
+        return self._held(input, on_done)
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = None, on_done: Callable[[], None] | None = None) -> Handle:
+        return Handle(None, on_done)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
+        return Handle(None)
+
+    def sum_scalar(self, value: torch.Tensor) -> torch.Tensor:
+        return value
+
+    def max_flag(self, flag: bool) -> bool:
+        return flag
+
+    def barrier(self) -> None:
+        return None
+
+
+class _Held(Handle):
+    """A virtual collective whose backend temporary is freed when it is waited on, or when the
+    group starts the next collective (gloo runs one at a time, in order)."""
+
+    def __init__(self, group: VirtualGroup, on_done: Callable[[], None] | None) -> None:
+        super().__init__(None, on_done)
+        self.group = group
+
+    def wait(self) -> None:
+        if self.group.running is self:
+            self.group.running, self.group.temporary = None, None
+        super().wait()

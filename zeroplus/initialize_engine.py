@@ -1,0 +1,134 @@
+"""``zeroplus.initialize``: the top of the package, from a model and a DeepSpeed-style config to an engine.
+
+The layers below run one way (config, partitioning and offload, engine, budget); this module is the
+only one that uses them all. In order: parse the config (a path or a dict) and create the process
+groups (with the collective timeout it asks for); resolve the batch triple against the data-parallel
+size and every derivable ``"auto"``; check that every rank agrees on config and model
+(``engine/rank_agreement.py``); let the planner resolve the remaining ``"auto"`` keys within
+``zeroplus.memory_budget`` (rank 0 plans, every rank takes its choice); copy the model to the meta
+device for the memory prediction; assemble the engine (``engine/build.py``) from the resolved config;
+and install the prediction as the engine's first-forward hook, which runs ``zeroplus.estimate`` on the
+meta copy with the first batch's shapes and stores the result as ``engine.budget``.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from typing import Any, Iterable
+
+import torch
+
+from .accelerator import get_accelerator
+from .budget.estimate import estimate
+from .budget.planner import apply_settings, auto_keys, plan
+from .budget.simulate import group_stand_ins, meta_copy
+from .comm import DataParallelGroup, init_distributed_if_launched
+from .config import ConfigError, ZeroplusConfig, parse_config, resolve_auto, resolve_batch
+from .engine.build import build_engine
+from .engine.engine import Engine
+from .engine.rank_agreement import check_ranks_agree
+from .logs import log_rank0, setup_logging
+from .parallel.groups import ParallelGroups, init_parallel
+
+logger = logging.getLogger("zeroplus.engine")
+
+
+def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLike, *,
+               optimizer: torch.optim.Optimizer | None = None, lr_scheduler: Any = None,
+               model_parameters: Iterable[Any] | None = None, process_group: Any = None) -> Engine:
+    """Wrap ``model`` for ZeRO training as ``config`` (a dict or JSON path) describes."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    accel = get_accelerator()
+    accel.reset_peak_memory_stats()  # the engine's peak is measured from here
+    rss_at_start = accel.memory_allocated()
+    cfg, unimplemented = parse_config(config)
+    init_distributed_if_launched(cfg.zeroplus.collective_timeout)
+    setup_logging(cfg.zeroplus.log_level)
+    if unimplemented:
+        log_rank0("config keys DeepSpeed knows but zeroplus does not implement yet (ignored): %s",
+                  ", ".join(unimplemented), level=logging.WARNING)
+    try:
+        parallel = init_parallel(cfg)
+    except ValueError as err:
+        raise ConfigError(f"config key 'zeroplus.parallel': {err}") from None
+    dp = DataParallelGroup(process_group) if process_group is not None else parallel.data
+    resolve_batch(cfg, dp.size)
+    resolve_auto(cfg, model, optimizer is not None)
+    if dp.size > 1:
+        check_ranks_agree(model, cfg, dp, parallel.topology.to_dict())
+    split = parallel.model.size > 1 or parallel.expert.size > 1
+    if split and (auto_keys(cfg) or cfg.zeroplus.memory_budget is not None):
+        raise ConfigError(f"config key 'zeroplus.memory_budget' with {parallel.topology.describe()}: the memory "
+                          f"estimate and planner cover data parallelism only so far; remove the budget and 'auto'")
+    cfg = _plan(model, cfg, dp)
+    pipelined = parallel.topology.pipeline > 1
+    source = _estimate_source(model, cfg, parallel) if not pipelined else None
+    engine = build_engine(model, cfg, dp, accel, rss_at_start, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                          model_parameters=model_parameters, parallel=parallel)
+    if source is not None:
+        engine.before_first_forward(_predictor(*source))
+    return engine
+
+
+def _plan(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any) -> ZeroplusConfig:
+    """``zeroplus.memory_budget``: rank 0 plans (``zeroplus/budget/planner.py``) and every rank takes
+    its choice, or raises its refusal, before anything is allocated."""
+    autos = auto_keys(cfg)
+    if not autos and cfg.zeroplus.memory_budget is None:
+        return cfg
+    if autos and cfg.zeroplus.memory_budget is None:
+        raise ConfigError(f"config keys {autos} are 'auto', which the planner resolves within config key "
+                          f"'zeroplus.memory_budget': set it (e.g. '16GB') or give those keys values")
+    outcome: Any = None
+    if dp.rank == 0:
+        try:
+            chosen = plan(meta_copy(model), cfg, world_size=dp.size, log=lambda m: log_rank0("%s", m))
+            outcome = (chosen.settings, chosen.reason)
+        except ConfigError as err:
+            outcome = str(err)
+    outcome = dp.broadcast_object(outcome)
+    if isinstance(outcome, str):
+        raise ConfigError(outcome)
+    settings, reason = outcome
+    log_rank0("planner: %s", reason)
+    return apply_settings(cfg, settings)
+
+
+def _estimate_source(model: torch.nn.Module, cfg: ZeroplusConfig,
+                     parallel: ParallelGroups) -> tuple[torch.nn.Module, ZeroplusConfig] | None:
+    """``zeroplus.memory_estimate``: a meta-device copy of the model as given and the config, to predict
+    the memory with at the first forward. The copy keeps the model's process groups (the estimate swaps
+    in stand-ins for the rank it simulates)."""
+    if not cfg.zeroplus.memory_estimate:
+        return None
+    try:  # each group stands in for itself: the copy keeps them, uncopied
+        return meta_copy(model, group_stand_ins(parallel, parallel)), copy.deepcopy(cfg)
+    except Exception as err:  # noqa: BLE001 - a module that cannot be copied: train without the prediction
+        log_rank0("memory estimate unavailable: the model cannot be copied to the meta device (%s: %s)",
+                  type(err).__name__, err, level=logging.WARNING)
+        return None
+
+
+def _predictor(model: torch.nn.Module, cfg: ZeroplusConfig):
+    """The first-forward hook: this rank's memory budget for inputs shaped like the first batch
+    (``zeroplus.estimate`` on the meta copy); rank 0 logs it. A model the estimator cannot run is trained
+    anyway."""
+    def predict(engine: Engine, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        par = engine.parallel  # with tensor or expert parallelism: this rank of the whole world
+        world, rank = ((par.topology.world_size, par.global_rank) if par is not None
+                       else (engine.dp.size, engine.dp.rank))
+        try:
+            engine.budget = estimate(model, cfg, world_size=world, rank=rank, example_inputs=args,
+                                     example_kwargs=kwargs)
+        except Exception as err:  # noqa: BLE001 - the prediction must never stop training
+            logger.warning("memory estimate unavailable (%s: %s); zeroplus.memory_estimate false skips it",
+                           type(err).__name__, err)
+            return
+        if engine.dp.rank == 0:
+            logger.info("%s", engine.budget)
+    return predict
+
+
+__all__ = ["initialize"]
