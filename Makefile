@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.zeroplus-installed
 
-.PHONY: venv train test bench clean
+.PHONY: venv train test lint bench clean
 
 $(STAMP): setup.py
 	python3 -m venv $(VENV)
@@ -19,7 +19,11 @@ train: $(STAMP)
 	$(VENV)/bin/zeroplus train $(ARGS)
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	DS_ACCELERATOR=cpu $(PY) -m pytest -q tests $(ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 bench: $(STAMP)
 	DS_ACCELERATOR=cpu $(PY) bench/bench_zero.py $(ARGS)

@@ -73,7 +73,8 @@ def main() -> None:
             cfg = ds_config(stage, mb)
             cfg["zeroplus"].update(zp)
             cfg["zero_optimization"].update(zero)
-            build = (lambda m=model, s=seq: GPT(gpt_config(m, block_size=max(64, s))))
+            def build(m=model, s=seq):
+                return GPT(gpt_config(m, block_size=max(64, s)))
             t0 = time.perf_counter()
             budgets = [zeroplus.estimate(build, cfg, world_size=2, rank=r, seq_len=seq) for r in range(2)]
             seconds = (time.perf_counter() - t0) / 2

@@ -88,7 +88,8 @@ def print_ratio_table(rows: list[dict], base_name: str, ds_name: str) -> None:
     print(header)
     print("-" * len(header))
     for r in rows:
-        ratio = (lambda key, ref: f"{r[key] / ref[key]:.2f}" if ref else "-")
+        def ratio(key, ref, r=r):
+            return f"{r[key] / ref[key]:.2f}" if ref else "-"
         print(f"{r['row']:<24}{r['peak_gib']:>10.3f}{ratio('peak_gib', base):>{wb}}{ratio('peak_gib', ds):>{wd}}"
               f"{r['step_s']:>9.2f}{ratio('step_s', base):>{wb}}{ratio('step_s', ds):>{wd}}{r['loss']:>11.4f}")
 

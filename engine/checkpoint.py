@@ -47,7 +47,8 @@ def _nominal_range(g: FlatParamGroup, rank: int) -> tuple[int, int]:
 
 
 def _rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy_rng_to_file(np.random.get_state())}
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": numpy_rng_to_file(np.random.get_state())}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state

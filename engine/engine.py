@@ -17,10 +17,10 @@ from typing import Any, Callable, Iterator
 import torch
 
 from zeroplus.accelerator import Accelerator
+from zeroplus.activations import SavedTensorRouter
 from zeroplus.comm import DataParallelGroup
 from zeroplus.config import ZeroplusConfig
 from zeroplus.ledger import Ledger
-from zeroplus.activations import SavedTensorRouter
 from zeroplus.memory_report import MemoryReport
 from zeroplus.parallel.moe import set_aux_grad_scale
 from zeroplus.parallel.pipeline import PipelineModule
@@ -28,8 +28,8 @@ from zeroplus.parallel.pipeline_schedule import eval_batch, train_batch
 from zeroplus.zero import ShardedStep, ZeroPartition
 
 from .checkpoint import save_checkpoint
-from .checkpoint_load import load_checkpoint
 from .checkpoint_export import write_state_dict
+from .checkpoint_load import load_checkpoint
 from .loss_scaler import LossScaler
 
 logger = logging.getLogger("zeroplus.engine")

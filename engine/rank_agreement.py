@@ -47,7 +47,8 @@ def _first_difference(a: Any, b: Any, path: str) -> str | None:
     if isinstance(a, dict) and isinstance(b, dict):
         for key in sorted(set(a) | set(b)):
             if key not in a or key not in b:
-                return f"{path}{key}: {'missing' if key not in a else a[key]!r} vs {'missing' if key not in b else b[key]!r}"
+                left, right = (repr(d[key]) if key in d else "missing" for d in (a, b))
+                return f"{path}{key}: {left} vs {right}"
             found = _first_difference(a[key], b[key], f"{path}{key}.")
             if found:
                 return found

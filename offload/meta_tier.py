@@ -28,7 +28,6 @@ from . import direct_io
 from .tier_tensor import _Done
 from .tiers import Stored
 
-
 WRITERS = 2  # FileTier's write threads
 _tiers: weakref.WeakSet[MetaTier] = weakref.WeakSet()
 

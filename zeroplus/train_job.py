@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     # this rank's part: tensor slices, pipeline stage (batches then run through engine.train_batch)
     model = split_gpt(model, sequence_parallel=settings.sequence_parallel, overlap_chunks=settings.overlap_chunks)
     engine = zeroplus.initialize(model, config)
-    rank, world = engine.dp.rank, engine.dp.size  # the data rank picks the batches
+    rank = engine.dp.rank  # the data rank picks the batches
     main_rank = not dist.is_initialized() or dist.get_rank() == 0  # prints (tensor ranks share a data rank)
     data = ByteBatches(read_corpus(args.data), args.seq_len, engine.train_micro_batch_size_per_gpu(), rank, args.seed)
     if main_rank:

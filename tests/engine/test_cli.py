@@ -45,8 +45,9 @@ def test_zeroplus_run_launches_ranks_that_initialise_themselves(tmp_path):
     out = subprocess.run([sys.executable, "-m", "zeroplus.cli", "run", "-n", "2", str(script)], env=ENV,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    lines = sorted((json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")), key=lambda d: d["rank"])
-    assert [l["rank"] for l in lines] == [0, 1] and all(l["world"] == 2 and l["steps"] == 2 for l in lines)
+    lines = sorted((json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")),
+                   key=lambda d: d["rank"])
+    assert [d["rank"] for d in lines] == [0, 1] and all(d["world"] == 2 and d["steps"] == 2 for d in lines)
 
 
 def test_zeroplus_train_main_job_learns(tmp_path):
@@ -57,7 +58,7 @@ def test_zeroplus_train_main_job_learns(tmp_path):
             "--save-dir", str(save)]
     out = subprocess.run(args + ["--steps", "40"], env=ENV, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    summary = json.loads([l for l in out.stdout.splitlines() if l.startswith("{")][-1])
+    summary = json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
     assert summary["steps"] == 40 and summary["final_loss"] < 4.6  # uniform over bytes: 5.55; measured 4.2
     assert "per-rank peak memory" in out.stdout
     assert out.stdout.count("\n  0 ") + out.stdout.count("\n  1 ") >= 2  # both ranks' rows

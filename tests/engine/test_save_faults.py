@@ -74,7 +74,8 @@ def test_full_disk_on_one_rank_fails_every_rank_and_keeps_the_last_checkpoint(tm
     broken = os.path.join(path, ".second.tmp-")
     for rank, result in enumerate(results):
         assert result["error"] is not None and "rank 1 could not write checkpoint file" in result["error"] \
-            and broken in result["error"] and "rank00001.pt" in result["error"] and "File too large" in result["error"], \
+            and broken in result["error"] and "rank00001.pt" in result["error"] \
+            and "File too large" in result["error"], \
             f"rank {rank}: {result['error']}"
         assert result["left"] == ["first", "latest"] and result["latest"] == "first", result
     assert sorted(os.listdir(path)) == ["first", "latest", "third"]

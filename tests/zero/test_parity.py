@@ -11,8 +11,6 @@ world size, and which parameter, localises the fault to the reduction (bucket), 
 """
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 

@@ -2,9 +2,9 @@
 
 For each chosen module (by class name, default the activation functions ``GELU``, ``SiLU``,
 ``Mish`` and Hugging Face's activation modules; norms such as ``LayerNorm``/``RMSNorm`` as an
-option; or by qualified-name pattern): its output ``y`` is remembered with the inputs it was computed from. When the module's parent
-finishes its forward, if autograd saved ``y`` for some consumer (e.g. the next Linear) and the
-parent does not return it, ``y``'s storage is resized to 0: the tensor object, and every view
+option; or by qualified-name pattern): its output ``y`` is remembered with the inputs it was computed
+from. When the module's parent finishes its forward, if autograd saved ``y`` for some consumer (e.g.
+the next Linear) and the parent does not return it, ``y``'s storage is resized to 0: the tensor object, and every view
 autograd saved, stay, but hold no memory. When backward unpacks ``y`` for that consumer, the
 module is run again on the same inputs (no grad) and the result copied into the same storage,
 just before the consumer's backward uses it. Recomputation is deterministic, so gradients are

@@ -26,12 +26,12 @@ import json
 import sys
 from typing import Any, Callable
 
-from ..config import ConfigError, parse_config
+from ..config import ConfigError, auto_keys, parse_config
 from ..models import GPT, gpt_config
 from ..models.split import split_gpt
 from .estimate import estimate
 from .model_states import model_state_bytes
-from .planner import auto_keys, plan
+from .planner import plan
 
 
 def _builder(spec: str, config: str, experts: int = 0) -> Callable[[], Any]:

@@ -37,8 +37,8 @@ import torch
 
 from ..accelerator import get_accelerator
 from ..memory_view import CATEGORIES, LABELS, budget_chart
-from .model_states import model_state_bytes
 from ..parallel.groups import current_groups, parallel_groups
+from .model_states import model_state_bytes
 from .simulate import _quiet, default_loss, group_stand_ins, meta_copy, simulate
 from .tracker import PHASES, TRAINING_PHASES, cpu_workspace_bytes
 from .virtual_parallel import topology_of

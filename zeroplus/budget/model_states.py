@@ -17,20 +17,17 @@ do. Gradients, activations, buckets and windows are not model states and are not
 """
 from __future__ import annotations
 
-import collections
 import copy
 from typing import Any, Callable
 
 import torch
 
-from ..comm import Handle
 from ..config import ZeroplusConfig, parse_config
+from ..engine.build import compute_dtype, expert_split, make_partition
 from ..ledger import Category, Ledger
 from ..offload.disk_space import states_per_element
 from ..offload.optimizer_states import plan_sub_groups
 from ..optim.build import build_optimizer
-from ..engine.build import compute_dtype, expert_split, make_partition
-from .virtual_group import VirtualGroup
 from .virtual_parallel import build_in, virtual_groups
 
 

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import ConfigError, ZeroplusConfig, auto_keys, parse_config
+from ..config import ConfigError, ZeroplusConfig, parse_config
 from .estimate import MemoryBudget, estimate
 
 # Nominal bandwidths (bytes/s) the costs are computed with: only their ratios order candidates.

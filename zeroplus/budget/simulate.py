@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..accelerator import Accelerator
 from .. import checkpointing
+from ..accelerator import Accelerator
 from ..config import ConfigError, ZeroplusConfig, auto_keys, parse_config, resolve_auto, resolve_batch
 from ..engine.build import build_engine, compute_dtype
 from ..engine.checkpoint import rank_state
@@ -42,8 +42,8 @@ from ..ledger import Category, Ledger
 from ..offload import meta_tier
 from ..parallel.groups import current_groups
 from ..parallel.pipeline_schedule import train_batch
-from ..parallel.topology import KINDS
 from ..parallel.registry import carry_marks
+from ..parallel.topology import KINDS
 from .tracker import MemoryTracker
 from .virtual_parallel import SimulatedLinks, boundary_shapes, build_in, virtual_groups
 

@@ -12,7 +12,6 @@ from typing import Any, Callable
 import torch
 
 from ..comm import Handle
-from ..ledger import Category, Ledger
 
 
 class VirtualGroup:

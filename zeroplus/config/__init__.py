@@ -2,12 +2,22 @@
 
 Imports nothing else of zeroplus, so every layer may read its own part.
 """
-from .blocks import (ActivationCheckpointingConfig, BF16Config, FP16Config, OffloadOptimizerConfig,
-                     OffloadParamConfig, OptimizerConfig, SchedulerConfig, ZeroConfig, ZeroplusBlock)
+from .blocks import (
+                     ActivationCheckpointingConfig,
+                     BF16Config,
+                     FP16Config,
+                     OffloadOptimizerConfig,
+                     OffloadParamConfig,
+                     OptimizerConfig,
+                     SchedulerConfig,
+                     ZeroConfig,
+                     ZeroplusBlock,
+)
 from .keys import ConfigError
 from .model import ZeroplusConfig
 from .resolve import auto_keys, model_hidden_size, parse_config, resolve_auto, resolve_batch
 
-__all__ = ["ActivationCheckpointingConfig", "auto_keys", "BF16Config", "ConfigError", "FP16Config", "OffloadOptimizerConfig",
+__all__ = ["ActivationCheckpointingConfig", "auto_keys", "BF16Config", "ConfigError", "FP16Config",
+           "OffloadOptimizerConfig",
            "OffloadParamConfig", "OptimizerConfig", "SchedulerConfig", "ZeroConfig", "ZeroplusBlock",
            "ZeroplusConfig", "model_hidden_size", "parse_config", "resolve_auto", "resolve_batch"]

@@ -25,7 +25,8 @@ def allowed_keys(model: type[BaseModel]) -> dict[str, str]:
         keys[name] = name
         if field.alias:
             keys[field.alias] = name
-        for extra in (field.json_schema_extra or {}).get("aliases", []) if isinstance(field.json_schema_extra, dict) else []:
+        extras = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        for extra in extras.get("aliases", []):
             keys[extra] = name
     return keys
 

@@ -5,8 +5,20 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from .blocks import (ActivationCheckpointingConfig, Auto, NonNegativeFloat, PositiveInt, BF16Config, Block, FP16Config,
-                     OptimizerConfig, SchedulerConfig, TensorParallelConfig, ZeroConfig, ZeroplusBlock)
+from .blocks import (
+    ActivationCheckpointingConfig,
+    Auto,
+    BF16Config,
+    Block,
+    FP16Config,
+    NonNegativeFloat,
+    OptimizerConfig,
+    PositiveInt,
+    SchedulerConfig,
+    TensorParallelConfig,
+    ZeroConfig,
+    ZeroplusBlock,
+)
 
 
 class ZeroplusConfig(Block):

@@ -26,8 +26,14 @@ from ..comm import DataParallelGroup
 from ..parallel.groups import parallel_groups
 from ..parallel.mappings import copy_to_tensor, gather_last_dim, sum_grad_over_tensor
 from ..parallel.overlap import all_gather_matmul
-from ..parallel.tensor_layers import (ColumnParallelLinear, RowParallelLinear, SequenceParallelLayerNorm,
-                                      VocabParallelEmbedding, mark_tensor_parallel, vocab_parallel_cross_entropy)
+from ..parallel.tensor_layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    SequenceParallelLayerNorm,
+    VocabParallelEmbedding,
+    mark_tensor_parallel,
+    vocab_parallel_cross_entropy,
+)
 from .gpt import GPT, GPTConfig
 
 

@@ -4,8 +4,14 @@ overlapped communication (``tensor_layers.py``, ``overlap.py``), pipeline stages
 from .groups import ParallelGroups, init_parallel, parallel_groups, reset_parallel
 from .moe import MoE, TopKGate, is_expert
 from .pipeline import PipelineModule
-from .tensor_layers import (ColumnParallelLinear, RowParallelLinear, SequenceParallelLayerNorm,
-                            VocabParallelEmbedding, is_tensor_parallel, vocab_parallel_cross_entropy)
+from .tensor_layers import (
+                            ColumnParallelLinear,
+                            RowParallelLinear,
+                            SequenceParallelLayerNorm,
+                            VocabParallelEmbedding,
+                            is_tensor_parallel,
+                            vocab_parallel_cross_entropy,
+)
 from .topology import Topology
 
 __all__ = ["ColumnParallelLinear", "MoE", "ParallelGroups", "PipelineModule", "RowParallelLinear", "TopKGate",

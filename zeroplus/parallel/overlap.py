@@ -28,7 +28,6 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 import torch
-import torch.distributed as dist
 
 from ..comm import DataParallelGroup
 from .mappings import all_gather_dim0
@@ -89,9 +88,8 @@ class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
         x_l, weight = ctx.saved_tensors
-        tp, T = ctx.tp, ctx.tp.size
+        tp = ctx.tp
         grad_out = grad_out.contiguous()
-        s_l = x_l.shape[0]
         x_full, gather_work = _gather_async(x_l.contiguous(), tp)  # for grad_W, lands while grad_x computes
         grad_x = torch.empty_like(x_l)
         scatters = _reduce_scattered_products(grad_out, weight.t(), grad_x, tp, ctx.chunks)

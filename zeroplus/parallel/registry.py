@@ -7,7 +7,6 @@ import weakref
 
 import torch
 
-
 _ALL: list[ParameterSet] = []
 
 

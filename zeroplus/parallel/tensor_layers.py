@@ -31,9 +31,9 @@ from torch import nn
 
 from ..comm import DataParallelGroup
 from .groups import parallel_groups
-from .registry import ParameterSet
 from .mappings import all_reduce, copy_to_tensor, reduce_from_tensor, reduce_scatter_sequence, sum_grad_over_tensor
 from .overlap import all_gather_matmul, matmul_reduce_scatter
+from .registry import ParameterSet
 
 _SPLIT = ParameterSet()
 

@@ -29,9 +29,9 @@ from ..ledger import Category, Ledger
 from ..offload.optimizer_states import TieredStates, Window, plan_sub_groups
 from ..offload.virtual_host import VirtualStates
 from ..optim.lamb import Lamb
+from .chunked_step import ChunkedStep
 from .flat_group import FlatParamGroup
 from .partition import ZeroPartition
-from .chunked_step import ChunkedStep
 
 _NORM_CHUNK = 1 << 20  # elements per float64 temporary (8 MiB)
 
