@@ -26,6 +26,7 @@ from zeroplus.ledger import Ledger
 from zeroplus.logs import log_rank0
 from zeroplus.offload import virtual_host
 from zeroplus.offload.disk_space import check_free_space, states_per_element
+from zeroplus.offload.policies import OptimizerStateOffload, ParamOffload
 from zeroplus.offload.tiers import make_tier
 from zeroplus.optim.build import adopt_client_optimizer, build_optimizer, would_fuse
 from zeroplus.optim.schedulers import build_scheduler
@@ -182,7 +183,7 @@ def build_engine(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, accel: Ac
 
 
 def make_partition(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, ledger: Ledger, dtype: torch.dtype,
-                   group_of: dict[int, int], param_offload: dict[str, Any] | None,
+                   group_of: dict[int, int], param_offload: ParamOffload | None,
                    experts: ExpertSplit | None) -> ZeroPartition:
     """The partition of ``model`` as ``cfg`` asks (the engine's, and the budget's model-state count's)."""
     return ZeroPartition(model, cfg.zero_optimization, dp, ledger, dtype, group_of, cfg.zeroplus.unit_modules,
@@ -216,7 +217,7 @@ def _warn_inert_options(cfg: ZeroplusConfig) -> None:
     inert = []
     defaults = type(zero)()
     keys = ["allgather_bucket_size"]
-    if zero.offload_optimizer is None or zero.offload_optimizer.device == "none":
+    if not zero.offloads_optimizer:
         keys.append("sub_group_size")
     if zero.stage == 3:
         keys += ["stage3_max_live_parameters", "stage3_max_reuse_distance"]
@@ -248,11 +249,11 @@ def _offload_tier(key: str, block: Any, accel: Accelerator, ledger: Ledger, need
 
 
 def _param_offload(cfg: ZeroplusConfig, model: torch.nn.Module, group_of: dict[int, int], world: int,
-                   accel: Accelerator, ledger: Ledger) -> dict[str, Any] | None:
+                   accel: Accelerator, ledger: Ledger) -> ParamOffload | None:
     """``zero_optimization.offload_param``: the tier that keeps the stage-3 master shards."""
     zero = cfg.zero_optimization
     block = zero.offload_param
-    if block is None or block.device == "none":
+    if block is None or not zero.offloads_params:
         return None
     if zero.stage != 3:
         raise ConfigError(f"config key 'zero_optimization.offload_param' needs ZeRO stage 3 (stage is {zero.stage}); "
@@ -260,7 +261,7 @@ def _param_offload(cfg: ZeroplusConfig, model: torch.nn.Module, group_of: dict[i
     owned = sum(p.numel() for p in model.parameters() if id(p) in group_of) // world + 1
     tier = _offload_tier("offload_param", block, accel, ledger, 4 * owned, cfg.zeroplus.direct_io)
     log_rank0("parameter shards (fp32 masters) offloaded to %s, read one unit ahead of each gather", block.device)
-    return {"tier": tier, "max_writes": block.buffer_count}
+    return ParamOffload(tier, block.buffer_count)
 
 
 def _virtual_states(cfg: ZeroplusConfig, accel: Accelerator, opt: torch.optim.Optimizer) -> Any:
@@ -275,9 +276,8 @@ def _virtual_states(cfg: ZeroplusConfig, accel: Accelerator, opt: torch.optim.Op
                           f"zero_optimization.offload_optimizer moves the states instead")
     zero = cfg.zero_optimization
     clashes = [name for name, on in [
-        ("zero_optimization.offload_optimizer", zero.offload_optimizer is not None and
-         zero.offload_optimizer.device != "none"),
-        ("zero_optimization.offload_param", zero.offload_param is not None and zero.offload_param.device != "none"),
+        ("zero_optimization.offload_optimizer", zero.offloads_optimizer),
+        ("zero_optimization.offload_param", zero.offloads_params),
         ("zeroplus.shared_master_weights", cfg.zeroplus.shared_master_weights)] if on]
     if clashes:
         raise ConfigError(f"{key} steps a whole fp32 master in place, so it does not combine with {clashes}")
@@ -290,11 +290,11 @@ def _virtual_states(cfg: ZeroplusConfig, accel: Accelerator, opt: torch.optim.Op
 
 
 def _optimizer_offload(cfg: ZeroplusConfig, accel: Accelerator, ledger: Ledger, opt: torch.optim.Optimizer,
-                       owned: int) -> dict[str, Any] | None:
+                       owned: int) -> OptimizerStateOffload | None:
     """``zero_optimization.offload_optimizer``: the tier and window for the optimizer states."""
     zero = cfg.zero_optimization
     block = zero.offload_optimizer
-    if block is None or block.device == "none":
+    if block is None or not zero.offloads_optimizer:
         return None
     if zero.stage == 0:
         raise ConfigError("config key 'zero_optimization.offload_optimizer' needs ZeRO stage 1, 2 or 3 (stage is 0)")
@@ -302,8 +302,7 @@ def _optimizer_offload(cfg: ZeroplusConfig, accel: Accelerator, ledger: Ledger, 
                          int(4 * states_per_element(opt) * owned * block.ratio), cfg.zeroplus.direct_io)
     log_rank0("optimizer states offloaded to %s: sub-groups of %d elements, ratio %.2f, window %d",
               block.device, int(zero.sub_group_size), block.ratio, block.buffer_count)
-    return {"tier": tier, "sub_group_size": int(zero.sub_group_size), "ratio": block.ratio,
-            "buffer_count": block.buffer_count}
+    return OptimizerStateOffload(tier, int(zero.sub_group_size), float(block.ratio), block.buffer_count)
 
 
 def _activation_techniques(model: torch.nn.Module, cfg: ZeroplusConfig, ledger: Ledger,

@@ -21,10 +21,10 @@ import torch
 
 from .accelerator import get_accelerator
 from .budget.estimate import estimate
-from .budget.planner import apply_settings, auto_keys, plan
+from .budget.planner import apply_settings, plan
 from .budget.simulate import group_stand_ins, meta_copy
 from .comm import DataParallelGroup, init_distributed_if_launched
-from .config import ConfigError, ZeroplusConfig, parse_config, resolve_auto, resolve_batch
+from .config import ConfigError, ZeroplusConfig, auto_keys, parse_config, resolve_auto, resolve_batch
 from .engine.build import build_engine
 from .engine.engine import Engine
 from .engine.rank_agreement import check_ranks_agree

@@ -51,17 +51,17 @@ def model_state_bytes(build_model: Callable[[], torch.nn.Module], config: dict[s
     partition = make_partition(model, cfg, groups.data, ledger, dtype, group_of, None, expert_split(groups))
     out = {c.value: ledger.live_bytes(c) for c in (Category.PARAM, Category.PARAM_GATHERED, Category.MASTER)}
     zero = cfg.zero_optimization
-    if zero.stage == 3 and zero.offload_param is not None and zero.offload_param.device != "none":
+    if zero.stage == 3 and zero.offloads_params:
         out["master_offloaded"], out["master"] = out["master"], 0  # on the tier, not the device
     if cfg.optimizer is not None:
         masters = [g.master_param for g in partition.groups]
         opt = build_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params), [{"params": masters}], False)
         per_element = 4 * states_per_element(opt)
         owned = [g.owned_numel for g in partition.groups]
-        block = zero.offload_optimizer
         resident = sum(owned)
-        if block is not None and block.device != "none" and zero.stage > 0:  # the engine's own sub-group plan
-            plan = plan_sub_groups(owned, int(zero.sub_group_size), block.ratio)
+        if zero.offloads_optimizer and zero.stage > 0:  # the engine's own sub-group plan
+            assert zero.offload_optimizer is not None
+            plan = plan_sub_groups(owned, int(zero.sub_group_size), zero.offload_optimizer.ratio)
             resident = sum(chunks[k][1] - chunks[k][0] for chunks, kept in plan for k in range(kept))
             out["optim_state_offloaded"] = per_element * (sum(owned) - resident)
         out[Category.OPTIM_STATE.value] = per_element * resident

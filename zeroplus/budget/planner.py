@@ -97,8 +97,7 @@ def _candidates(cfg: ZeroplusConfig) -> list[Settings]:
     zero, zp = cfg.zero_optimization, cfg.zeroplus
     stages = [0, 1, 2, 3] if zero.stage == "auto" else [int(zero.stage)]
     block = zero.offload_optimizer
-    offloaded = block is not None and block.device != "none"
-    if not offloaded:
+    if block is None or not zero.offloads_optimizer:
         ratios: list[float | None] = [None]
     elif block.ratio == "auto":
         ratios = [None, *RATIOS]

@@ -106,6 +106,16 @@ class ZeroConfig(Block):
     offload_optimizer: OffloadOptimizerConfig | None = None
     offload_param: OffloadParamConfig | None = None
 
+    @property
+    def offloads_optimizer(self) -> bool:
+        """Optimizer states go to a lower tier (``offload_optimizer.device`` is ``cpu`` or ``nvme``)."""
+        return self.offload_optimizer is not None and self.offload_optimizer.device != "none"
+
+    @property
+    def offloads_params(self) -> bool:
+        """Parameter shards go to a lower tier (``offload_param.device`` is ``cpu`` or ``nvme``)."""
+        return self.offload_param is not None and self.offload_param.device != "none"
+
 
 class ActivationCheckpointingConfig(Block):
     partition_activations: bool = False

@@ -34,12 +34,12 @@ cast buffer for the gathers.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
 from ..comm import DataParallelGroup, Handle
 from ..ledger import Category, Ledger
+from ..offload.policies import ParamOffload
 from .master_store import FullMaster, SplitMaster
 from .tiered_master import TieredMaster
 
@@ -50,8 +50,8 @@ class FlatParamGroup:
     def __init__(self, name: str, named_params: list[tuple[str, torch.nn.Parameter]], group_index: int,
                  stage: int, dp: DataParallelGroup, compute_dtype: torch.dtype, ledger: Ledger,
                  shared_master: bool = False, round_like_split: bool = False,
-                 param_offload: dict[str, Any] | None = None) -> None:
-        """``param_offload``: ``{"tier", "max_writes"}`` to keep the master shard on a tier (stage 3,
+                 param_offload: ParamOffload | None = None) -> None:
+        """``param_offload``: the tier to keep the master shard on (stage 3,
         ``tiered_master.py``), or None."""
         self.name = name
         self.names = [n for n, _ in named_params]
@@ -123,8 +123,8 @@ class FlatParamGroup:
             self.master_store = FullMaster(self.master, round_like_split)
             self.master_param = torch.nn.Parameter(self.master, requires_grad=False)
         if param_offload is not None:  # stage 3: the master shard is the parameter shard
-            self.master_store = TieredMaster(self.master_store, param_offload["tier"], ledger,
-                                             param_offload["max_writes"])
+            self.master_store = TieredMaster(self.master_store, param_offload.tier, ledger,
+                                             param_offload.max_writes)
             self.shard = self.master = None
             placeholder = torch.empty(0, dtype=torch.float32, device=self.device)
             self.master_param = torch.nn.Parameter(placeholder, requires_grad=False)

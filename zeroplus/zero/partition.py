@@ -27,13 +27,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
 from ..comm import DataParallelGroup
 from ..config import ZeroConfig
 from ..ledger import Ledger
+from ..offload.policies import ParamOffload
 from .flat_group import FlatParamGroup
 from .grad_reducer import GradReducer
 from .stage3 import Stage3Scheduler
@@ -71,7 +72,7 @@ class ZeroPartition:
                  compute_dtype: torch.dtype, param_group_of: dict[int, int],
                  unit_class_names: list[str] | None = None, gradient_accumulation_steps: int = 1,
                  shared_master: bool = False, round_like_split: bool = False,
-                 param_offload: dict[str, Any] | None = None, experts: ExpertSplit | None = None) -> None:
+                 param_offload: ParamOffload | None = None, experts: ExpertSplit | None = None) -> None:
         """``experts``: the expert-data group and expert rank when experts are split over ranks, else None."""
         self.stage = zero.stage
         self.dp = dp

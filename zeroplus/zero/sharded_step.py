@@ -27,6 +27,7 @@ import torch
 from ..comm import DataParallelGroup
 from ..ledger import Category, Ledger
 from ..offload.optimizer_states import TieredStates, Window, plan_sub_groups
+from ..offload.policies import OptimizerStateOffload
 from ..offload.virtual_host import VirtualStates
 from ..optim.lamb import Lamb
 from .chunked_step import ChunkedStep
@@ -78,9 +79,9 @@ class ModelParallelNorm:
 class ShardedStep:
     def __init__(self, partition: ZeroPartition, optimizer: torch.optim.Optimizer, gradient_clipping: float,
                  dp: DataParallelGroup, ledger: Ledger, split_chunk_numel: int = 1 << 20,
-                 offload: dict[str, Any] | None = None, virtual_kernels: Any = None,
+                 offload: OptimizerStateOffload | None = None, virtual_kernels: Any = None,
                  model_parallel: ModelParallelNorm | None = None, expert_group: Any = None) -> None:
-        """``offload``: ``{"tier", "sub_group_size", "ratio", "buffer_count"}`` to keep optimizer
+        """``offload``: the tier and window to keep optimizer
         states on a lower tier, or None. ``virtual_kernels``: the NPU's swapped-memory allocator and
         AdamW kernel (``offload/virtual_host.py``) to keep the states in mapped host memory.
         ``model_parallel``: how the norm counts parameters split over (or replicated on) the
@@ -96,11 +97,10 @@ class ShardedStep:
         self.last_grad_norm: float | None = None
         self.chunked = ChunkedStep(optimizer, ledger, split_chunk_numel)
         if offload is not None:
-            plan = plan_sub_groups([g.owned_numel for g in partition.groups], int(offload["sub_group_size"]),
-                                   float(offload["ratio"]))
-            window = Window(int(offload["buffer_count"]))
+            plan = plan_sub_groups([g.owned_numel for g in partition.groups], offload.sub_group_size, offload.ratio)
+            window = Window(offload.buffer_count)
             for g, (chunks, resident) in zip(partition.groups, plan):
-                self.chunked.tiered[id(g)] = TieredStates(offload["tier"], chunks, resident, window, ledger)
+                self.chunked.tiered[id(g)] = TieredStates(offload.tier, chunks, resident, window, ledger)
         self.virtual: dict[int, VirtualStates] = {}  # id(group) -> its states in swapped host memory
         if virtual_kernels is not None:
             for g in partition.groups:
