@@ -96,6 +96,22 @@ class Engine:
         return self.loss_scaler.scale
 
     @property
+    def partition(self) -> ZeroPartition:
+        """The ZeRO partition, for tests and tools that inspect it: ``units``, ``groups`` (each flat group's
+        ``names``, ``shapes``, ``master_store``, ``owned_start``/``owned_numel``), ``stage``, ``describe()``.
+        Reading is safe; changing it is not supported."""
+        return self._partition
+
+    def consolidated_fp32_state(self) -> dict[str, torch.Tensor]:
+        """Every trainable parameter's full fp32 master value by name, on every rank (a collective at
+        stages 1-3: every rank calls it). Memory: the whole model in fp32."""
+        return self._partition.consolidated_fp32_state()
+
+    def optimizer_state(self, group: Any) -> dict[str, Any]:
+        """The optimizer state of one flat group's owned range (read back from its tier when offloaded)."""
+        return self._step.state_of(group)
+
+    @property
     def module(self) -> torch.nn.Module:
         """The wrapped model, its parameters current: the post-step all-gathers (stages 1-2) are waited
         for first, so user code reading or saving it never sees a mix of old and new weights. (Hold the

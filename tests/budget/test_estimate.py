@@ -64,7 +64,7 @@ def _ledger_job(root: str) -> list:
         with NewStorageBytes() as copies:
             engine.save_checkpoint(f"{root}/ckpt-{stage}-{dtype}-{shared}-{offload}")
         measured["checkpoint_copies"] = copies.peak
-        measured["largest_group_bytes"] = 4 * max(g.numel for g in engine._partition.groups)
+        measured["largest_group_bytes"] = 4 * max(g.numel for g in engine.partition.groups)
         predicted = dict(engine.budget.category_peaks, checkpoint_copies=engine.budget.checkpoint_copies)
         out.append((measured, predicted, engine.budget.rank, engine.budget.world_size))
         engine.destroy()

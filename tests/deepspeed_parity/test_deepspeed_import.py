@@ -61,7 +61,7 @@ def _zeroplus(root: str) -> list[dict]:
         cfg = dict(_config(stage, dtype), zeroplus={"log_level": "warning", "memory_estimate": False})
         engine = zeroplus.initialize(ParityNet(), cfg)
         engine.load_checkpoint(os.path.join(root, f"zp-{stage}-{dtype}"))
-        masters = engine._partition.consolidated_fp32_state()
+        masters = engine.consolidated_fp32_state()
         out.append({"steps": engine.global_steps, "masters": masters, "losses": _steps(engine, 2, 4)})
     return out
 

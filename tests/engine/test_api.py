@@ -34,7 +34,7 @@ def _train_in_lockstep(engine, ref: torch.nn.Module, ref_opt: torch.optim.Optimi
         ref_opt.zero_grad()
         if ref_sched is not None:
             ref_sched.step()
-    state = engine._partition.consolidated_fp32_state()
+    state = engine.consolidated_fp32_state()
     for name, p in ref.named_parameters():
         if p.requires_grad:
             assert torch.equal(state[name], p.detach()), name
@@ -97,7 +97,7 @@ def test_no_sync_accumulates_at_stage_1_and_is_refused_at_stage_2():
     ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
     (ref(x1, y1) + ref(x2, y2)).backward()
     ref_opt.step()
-    state = engine._partition.consolidated_fp32_state()
+    state = engine.consolidated_fp32_state()
     for name, p in ref.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(state[name], p.detach(), rtol=1e-6, atol=1e-7)

@@ -46,7 +46,7 @@ def _steps(engine, first: int, last: int, world: int = 2) -> list[float]:
 def _full_state(engine) -> dict:
     """Masters and optimizer states of every group, whole (a collective)."""
     out = {}
-    for g in engine._partition.groups:
+    for g in engine.partition.groups:
         out[g.name + "/master"] = g.gather_master()
         for key, value in sorted(engine.optimizer.state.get(g.master_param, {}).items()):
             if isinstance(value, torch.Tensor) and value.numel() == g.owned_numel and value.numel() > 1:
@@ -193,7 +193,7 @@ def _train_save_and_16bit(path: str, out_dir: str) -> dict:
     _steps(engine, 0, 3)
     engine.save_checkpoint(path)
     engine.save_16bit_model(out_dir)
-    return engine._partition.consolidated_fp32_state()
+    return engine.consolidated_fp32_state()
 
 
 def test_export_fp32_state_dict_loads_into_the_plain_model(tmp_path):
@@ -233,11 +233,11 @@ def test_load_with_other_param_groups_matches_by_name(tmp_path):
     engine = zeroplus.initialize(ParityNet(), _config(1, "fp32"))
     _steps(engine, 0, 2, world=1)
     engine.save_checkpoint(path)
-    saved = engine._partition.consolidated_fp32_state()
+    saved = engine.consolidated_fp32_state()
     model = ParityNet()
     groups = [{"params": [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]},
               {"params": [p for p in model.parameters() if p.requires_grad and p.dim() < 2], "weight_decay": 0.0}]
     other = zeroplus.initialize(model, _config(3, "fp32"), model_parameters=groups)
     other.load_checkpoint(path, load_optimizer_states=False)
-    loaded = other._partition.consolidated_fp32_state()
+    loaded = other.consolidated_fp32_state()
     assert set(loaded) == set(saved) and all(torch.equal(loaded[k], saved[k]) for k in saved)

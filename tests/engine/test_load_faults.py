@@ -92,9 +92,9 @@ FAULTS = {  # name: (file broken, how)
 
 
 def _snapshot(engine) -> dict:
-    out = {f"{g.name}/master": g.master_store.read(0, g.owned_numel).clone() for g in engine._partition.groups}
-    for g in engine._partition.groups:
-        for key, value in engine._step.state_of(g).items():
+    out = {f"{g.name}/master": g.master_store.read(0, g.owned_numel).clone() for g in engine.partition.groups}
+    for g in engine.partition.groups:
+        for key, value in engine.optimizer_state(g).items():
             out[f"{g.name}/{key}"] = value.clone() if isinstance(value, torch.Tensor) else value
     out.update({f"module/{k}": v.clone() for k, v in engine.module.state_dict().items()})
     out.update(counters=(engine.global_steps, engine.micro_steps, engine.global_samples, engine.skipped_steps),

@@ -27,9 +27,9 @@ def _config(stage: int) -> dict:
 
 
 def _state(engine) -> dict:
-    out = {f"{g.name}/master": g.master_store.read(0, g.owned_numel).clone() for g in engine._partition.groups}
-    for g in engine._partition.groups:
-        out.update({f"{g.name}/{k}": v.clone() for k, v in engine._step.state_of(g).items()
+    out = {f"{g.name}/master": g.master_store.read(0, g.owned_numel).clone() for g in engine.partition.groups}
+    for g in engine.partition.groups:
+        out.update({f"{g.name}/{k}": v.clone() for k, v in engine.optimizer_state(g).items()
                     if isinstance(v, torch.Tensor)})
     out["counters"] = torch.tensor([engine.global_steps, engine.micro_steps])
     return out
@@ -46,7 +46,7 @@ def _misuse(stage: int) -> dict:
         engine.backward(engine(x, y))
         engine.step()
         seen = {k: v.clone() for k, v in engine.module.state_dict().items()}  # straight after step()
-        masters = engine._partition.consolidated_fp32_state()
+        masters = engine.consolidated_fp32_state()
         stale += [f"step {step}: {n}" for n, v in masters.items() if not torch.equal(seen[n], v)]
     before = _state(engine)
     with pytest.raises(RuntimeError, match=r"step\(\) called without a backward\(\).*rank"):

@@ -124,14 +124,14 @@ def test_a_non_finite_step_in_fp32_is_a_warning_that_says_so():
     handler.emit = records.append  # type: ignore[method-assign]
     logging.getLogger("zeroplus.engine").addHandler(handler)
     try:
-        before = engine._partition.consolidated_fp32_state()
+        before = engine.consolidated_fp32_state()
         x, y = make_batches(1, 2)[0]
         engine.backward(engine(x, y) * float("nan"))
         engine.step()
     finally:
         logging.getLogger("zeroplus.engine").removeHandler(handler)
     assert engine.skipped_steps == 1
-    after = engine._partition.consolidated_fp32_state()
+    after = engine.consolidated_fp32_state()
     assert all(torch.equal(before[k], after[k]) for k in before)
     warned = [r.getMessage() for r in records if r.levelno == logging.WARNING]
     assert any("gradients are not finite" in m and "float32 training" in m and "no loss scale" in m

@@ -51,7 +51,7 @@ def _gradients(kind: str, stage: int, dtype: str, recompute: bool) -> dict:
             out["losses"].append(loss.item())
             if engine.is_gradient_accumulation_boundary():
                 out["grads"].append([(g.grad_full if stage == 0 else g.master_grad).clone()
-                                     for g in engine._partition.groups])
+                                     for g in engine.partition.groups])
             engine.step()
     assert engine.ledger.saved_bytes("resize_recompute", Category.ACTIVATION) == 0  # all restored in backward
     return out

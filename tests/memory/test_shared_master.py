@@ -35,7 +35,7 @@ def _config(stage: int, shared: bool, optimizer: str) -> dict:
 
 def _optimizer_states(engine) -> dict[str, torch.Tensor]:
     out = {}
-    for g in engine._partition.groups:
+    for g in engine.partition.groups:
         for key, value in engine.optimizer.state.get(g.master_param, {}).items():
             if isinstance(value, torch.Tensor) and value.numel() == g.owned_numel > 1:
                 value = g.gather_owned(value)
@@ -58,9 +58,9 @@ def _trajectory(stage: int, shared: bool, optimizer: str) -> dict:
             engine.backward(out)
             engine.step()
             loss += out.item()
-        steps.append({"loss": loss, "masters": engine._partition.consolidated_fp32_state(),
+        steps.append({"loss": loss, "masters": engine.consolidated_fp32_state(),
                       "states": _optimizer_states(engine)})
-    owned = sum(g.owned_numel for g in engine._partition.groups)
+    owned = sum(g.owned_numel for g in engine.partition.groups)
     engine.ledger.reset_peaks()  # a forward's all-gathers: cast buffers, or none
     engine(*batches[rank])
     assert engine.ledger.saved_bytes("shared_master_weights", Category.MASTER) == \

@@ -52,7 +52,7 @@ def _train(model: torch.nn.Module, cfg: dict, swap_dir: str | None = None) -> di
                 out["files_left"].append(sum(len(files) for _, _, files in os.walk(swap_dir)))
             if engine.is_gradient_accumulation_boundary():
                 out["grads"].append([(g.grad_full if stage_of(engine) == 0 else g.master_grad).clone()
-                                     for g in engine._partition.groups])
+                                     for g in engine.partition.groups])
             engine.step()
     out["saved_after"] = engine.ledger.saved_bytes("swap_attention", Category.ACTIVATION)
     return out

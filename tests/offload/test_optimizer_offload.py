@@ -41,10 +41,10 @@ def _run(cfg: dict, steps: int = 4) -> dict:
     torch.manual_seed(0)
     engine = zeroplus.initialize(ParityNet(), cfg)
     losses = engine_train(engine, make_batches(steps * world, 2), steps, rank, world, 1)
-    return {"losses": losses, "masters": engine._partition.consolidated_fp32_state(),
+    return {"losses": losses, "masters": engine.consolidated_fp32_state(),
             "resident": engine.ledger.live_bytes(Category.OPTIM_STATE),
             "window_peak": engine.ledger.peak_bytes(Category.OFFLOAD_BUFFER),
-            "owned": sum(g.owned_numel for g in engine._partition.groups)}
+            "owned": sum(g.owned_numel for g in engine.partition.groups)}
 
 
 CASES = [(1, "fp32", 1.0, False), (2, "fp32", 0.5, False), (3, "fp32", 1.0, False), (2, "bf16", 1.0, False),
@@ -92,7 +92,7 @@ def _resume(root: str, offload_first: bool, offload_second: bool) -> dict:
     engine.load_checkpoint(os.path.join(root, "ckpt"))
     second = engine_train(engine, batches, 3, rank, world, 1, start=3)
     return {"straight": straight["losses"], "resumed": first + second,
-            "masters": engine._partition.consolidated_fp32_state(), "reference": straight["masters"]}
+            "masters": engine.consolidated_fp32_state(), "reference": straight["masters"]}
 
 
 @pytest.mark.parametrize("offload_first,offload_second", [(True, True), (True, False)])

@@ -53,11 +53,11 @@ def _run(cfg: dict, steps: int = 4) -> dict:
     files = glob.glob(os.path.join(cfg["zero_optimization"].get("offload_param", {}).get("nvme_path", "/nonexistent"),
                                    f"zeroplus-swap-{os.getpid()}-param", "kept-*.bin"))
     losses = engine_train(engine, make_batches(steps * world, 2), steps, rank, world, 1)
-    return {"losses": losses, "masters": engine._partition.consolidated_fp32_state(), "files": len(files),
+    return {"losses": losses, "masters": engine.consolidated_fp32_state(), "files": len(files),
             "master_bytes": engine.ledger.live_bytes(Category.MASTER),
             "kept_off": engine.ledger.saved_bytes("offload_param", Category.MASTER),
-            "owned": sum(g.owned_numel for g in engine._partition.groups),
-            "groups": len(engine._partition.groups)}
+            "owned": sum(g.owned_numel for g in engine.partition.groups),
+            "groups": len(engine.partition.groups)}
 
 
 def _directory(path: str) -> str:
@@ -103,7 +103,7 @@ def _resume(root: str, offload_first: bool, offload_second: bool) -> dict:
     engine.load_checkpoint(os.path.join(root, "ckpt"))
     second = engine_train(engine, batches, 3, rank, world, 1, start=3)
     return {"straight": straight["losses"], "resumed": first + second,
-            "masters": engine._partition.consolidated_fp32_state(), "reference": straight["masters"]}
+            "masters": engine.consolidated_fp32_state(), "reference": straight["masters"]}
 
 
 @pytest.mark.parametrize("offload_first,offload_second", [(True, True), (False, True), (True, False)])

@@ -53,10 +53,10 @@ def _job(stage: int) -> dict:
         torch.manual_seed(0)
         engine = zeroplus.initialize(ParityNet(), _config(stage, virtual))
         losses = engine_train(engine, make_batches(5 * world, 2), 5, rank, world, 1)
-        out[virtual] = {"losses": losses, "masters": engine._partition.consolidated_fp32_state(),
+        out[virtual] = {"losses": losses, "masters": engine.consolidated_fp32_state(),
                         "resident": engine.ledger.live_bytes(Category.OPTIM_STATE),
                         "kept_off": engine.ledger.saved_bytes(virtual_host.TECHNIQUE, Category.OPTIM_STATE),
-                        "owned": sum(g.owned_numel for g in engine._partition.groups)}
+                        "owned": sum(g.owned_numel for g in engine.partition.groups)}
     virtual_host.CPU_TWIN = None
     return out
 

@@ -31,7 +31,7 @@ def _run(stages: list[int]) -> list[dict]:
         engine = zeroplus.initialize(ParityNet(), cfg)
         assert type(engine.optimizer).__name__ == "Lamb"
         losses = engine_train(engine, make_batches(STEPS * world, MICRO), STEPS, rank, world, GAS)
-        out.append({"losses": losses, "state": engine._partition.consolidated_fp32_state()})
+        out.append({"losses": losses, "state": engine.consolidated_fp32_state()})
     return out
 
 

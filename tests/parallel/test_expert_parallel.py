@@ -87,7 +87,7 @@ def _train(engine, batches, data_rank: int, steps: range) -> tuple[list[float], 
 
 def _params(engine, local: int) -> dict[str, torch.Tensor]:
     out = {}
-    for g in engine._partition.groups:
+    for g in engine.partition.groups:
         full = g.gather_master()
         for name, offset, shape in zip(g.names, g.offsets, g.shapes):
             out[_global_name(name, local)] = full[offset:offset + shape.numel()].view(shape).clone()
@@ -113,9 +113,9 @@ def _expert_job(ckpt_dir: str, two_rank_ckpt: str) -> dict:
         model = _engine_model(parallel.expert.rank)
         local = model.blocks[0].mlp.moe.local
         engine = zeroplus.initialize(model, cfg)
-        experts = [g for g in engine._partition.groups if g.expert]
+        experts = [g for g in engine.partition.groups if g.expert]
         assert experts and all(g.dp.size == 2 for g in experts), "expert groups partition over expert-data (2)"
-        assert all(g.dp.size == 4 for g in engine._partition.groups if not g.expert)
+        assert all(g.dp.size == 4 for g in engine.partition.groups if not g.expert)
         losses, norms = _train(engine, batches, parallel.data.rank, range(STEPS))
         results[stage] = {"losses": losses, "norms": norms, "params": _params(engine, local),
                           "ledger": {c.value: engine.ledger.peak_bytes(c) for c in Category},

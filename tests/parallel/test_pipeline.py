@@ -67,7 +67,7 @@ def _pipeline_job() -> list:
             losses.append(engine.train_batch(mine).item())
             norms.append(engine.get_global_grad_norm())
         params = {}
-        for g in engine._partition.groups:
+        for g in engine.partition.groups:
             full = g.gather_master()
             for name, offset, shape in zip(g.names, g.offsets, g.shapes):
                 params[model.global_layer(name)] = full[offset:offset + shape.numel()].view(shape).clone()

@@ -53,7 +53,7 @@ def _config(stage: int, sp: bool, chunks: int, estimate: bool = False) -> dict:
 def _local_params(engine) -> dict[str, torch.Tensor]:
     """This rank's parameter slices by name, whole over the data group (a collective)."""
     out = {}
-    for g in engine._partition.groups:
+    for g in engine.partition.groups:
         full = g.gather_master()
         for name, offset, shape in zip(g.names, g.offsets, g.shapes):
             out[name] = full[offset:offset + shape.numel()].view(shape).clone()

@@ -39,7 +39,7 @@ def _run(cases: list[tuple[int, str]]) -> list[dict]:
             x, y = batches[step * world + rank]
             engine.backward(engine(x, y))
             engine.step()
-        part = engine._partition
+        part = engine.partition
         # gloo's worker thread drops its reference to a finished bucket a moment after wait()
         # returns; give it that moment so live bytes are read after the last free.
         # At stage 3 in bf16 the prefetch for the next forward holds its cast shards (c * S each

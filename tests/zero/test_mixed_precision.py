@@ -36,7 +36,7 @@ def _bf16_run(stages: list[int]) -> list[dict]:
         engine = zeroplus.initialize(ParityNet(), cfg)
         assert all(p.dtype == torch.bfloat16 for p in engine.module.parameters())
         losses = engine_train(engine, make_batches(STEPS * GAS * world, MICRO), STEPS, rank, world, GAS)
-        out.append({"losses": losses, "state": engine._partition.consolidated_fp32_state()})
+        out.append({"losses": losses, "state": engine.consolidated_fp32_state()})
     return out
 
 
@@ -69,14 +69,14 @@ def _fp16_overflow_run(stage: int, loss_scale: float) -> dict:
     batches = make_batches(4 * world, MICRO)
     scales, skipped, changed = [], [], []
     for step in range(4):
-        before = engine._partition.consolidated_fp32_state()
+        before = engine.consolidated_fp32_state()
         x, y = batches[step * world + rank]
         loss = engine(x, y)
         if step == 2 and rank == 1:
             loss = loss * 1e30  # only rank 1 overflows
         engine.backward(loss)
         engine.step()
-        after = engine._partition.consolidated_fp32_state()
+        after = engine.consolidated_fp32_state()
         changed.append(any(not torch.equal(before[n], after[n]) for n in before))
         scales.append(engine.loss_scale)
         skipped.append(engine.skipped_steps)

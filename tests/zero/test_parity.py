@@ -51,7 +51,7 @@ def run_cases(cases: list[dict]) -> list[dict]:
         engine = zeroplus.initialize(model, _config(case))
         batches = make_batches(STEPS * GAS * world, MICRO)
         losses = engine_train(engine, batches, STEPS, rank, world, GAS)
-        state = engine._partition.consolidated_fp32_state()
+        state = engine.consolidated_fp32_state()
         out.append({"losses": losses, "state": state, "norm": engine.get_global_grad_norm()})
     return out
 
