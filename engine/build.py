@@ -189,7 +189,7 @@ def make_partition(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, ledger:
     return ZeroPartition(model, cfg.zero_optimization, dp, ledger, dtype, group_of, cfg.zeroplus.unit_modules,
                          cfg.gradient_accumulation_steps if isinstance(cfg.gradient_accumulation_steps, int) else 1,
                          shared_master=cfg.zeroplus.shared_master_weights,  # type: ignore[arg-type]
-                         round_like_split=cfg.zeroplus.master_rounding == "like_shared",
+                         round_like_shared=cfg.zeroplus.master_rounding == "like_shared",
                          param_offload=param_offload, experts=experts)
 
 

@@ -114,7 +114,7 @@ def merge_into(high: torch.Tensor, low: torch.Tensor, out: torch.Tensor,
     return out
 
 
-def round_like_split(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def round_like_shared(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """The bf16 that ``split_into`` would keep as the high half, written into ``out`` (bf16):
     what a separate bf16 copy must hold for a run to match shared storage bit for bit."""
     work = _scratch(x.numel(), x, None)

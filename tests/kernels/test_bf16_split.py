@@ -3,7 +3,7 @@
 Covers: the chunked kernels equal the reference bit for bit; merge(split(x)) == x for every
 non-NaN x (zeros, subnormals, the largest finite values, infinities); NaN stays NaN in both the
 bf16 half and the merged value; the high half equals torch's bf16 cast except on exact ties,
-where it rounds away from zero (torch rounds to even); ``round_like_split`` is the high half.
+where it rounds away from zero (torch rounds to even); ``round_like_shared`` is the high half.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_split_and_merge_match_the_definition_and_restore_every_value():
         high, low = torch.empty(x.numel(), dtype=torch.bfloat16), torch.empty(x.numel(), dtype=torch.int16)
         bf16_split.split_into(x, high, low)
         merged = bf16_split.merge_into(high, low, torch.empty_like(x))
-        rounded = bf16_split.round_like_split(x, torch.empty_like(high))
+        rounded = bf16_split.round_like_shared(x, torch.empty_like(high))
     finally:
         bf16_split.CHUNK = old_chunk
     ref_high, ref_low = bf16_split.split_reference(x)

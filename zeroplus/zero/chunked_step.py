@@ -52,7 +52,7 @@ class ChunkedStep:
     def step_tiered(self, g: FlatParamGroup, grad: torch.Tensor) -> None:
         """One step of group ``g`` whose states live in ``self.tiered``, sub-group by sub-group."""
         states, param, opt, store = self.tiered[id(g)], g.master_param, self.optimizer, g.master_store
-        copied = store.split or store.tiered  # the master is read into a work buffer and written back
+        copied = store.shared or store.tiered  # the master is read into a work buffer and written back
         work = scratch = None
         if copied:
             work = self.ledger.empty(max(b - a for a, b in states.chunks), torch.float32, Category.MASTER,

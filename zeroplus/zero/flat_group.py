@@ -26,7 +26,7 @@ fp32 the same way). ``full`` at stage 3 is one tensor object whose storage is re
 released and back to ``c * P`` when gathered, so the views the parameters and autograd hold stay
 valid. A reduced shard in the compute dtype becomes fp32 one group at a time inside the step.
 
-With shared-storage master weights (``master_store.SplitMaster``, bf16 only) the fp32 master
+With shared-storage master weights (``master_store.SharedMaster``, bf16 only) the fp32 master
 column becomes a 2-byte residual per owned element at stages 0-2 (the bf16 high halves are the
 owned range of ``full``), and at stage 3 a bf16 shard plus a residual (2 + 2 bytes), with no
 cast buffer for the gathers.
@@ -40,7 +40,7 @@ import torch
 from ..comm import DataParallelGroup, Handle
 from ..ledger import Category, Ledger
 from ..offload.policies import ParamOffload
-from .master_store import FullMaster, SplitMaster
+from .master_store import FullMaster, SharedMaster
 from .tiered_master import TieredMaster
 
 
@@ -49,7 +49,7 @@ class FlatParamGroup:
 
     def __init__(self, name: str, named_params: list[tuple[str, torch.nn.Parameter]], group_index: int,
                  stage: int, dp: DataParallelGroup, compute_dtype: torch.dtype, ledger: Ledger,
-                 shared_master: bool = False, round_like_split: bool = False,
+                 shared_master: bool = False, round_like_shared: bool = False,
                  param_offload: ParamOffload | None = None) -> None:
         """``param_offload``: the tier to keep the master shard on (stage 3,
         ``tiered_master.py``), or None."""
@@ -106,7 +106,7 @@ class FlatParamGroup:
             low = ledger.zeros(self.owned_numel, torch.int16, Category.MASTER, self.device)
             if stage < 3:  # the fp32 master would be 4 bytes per owned element; the residual is 2
                 ledger.save("shared_master_weights", Category.MASTER, 2 * self.owned_numel)
-            self.master_store: FullMaster | SplitMaster | TieredMaster = SplitMaster(self.shard, low)
+            self.master_store: FullMaster | SharedMaster | TieredMaster = SharedMaster(self.shard, low)
             placeholder = torch.empty(0, dtype=torch.float32, device=self.device)
             self.master_param = torch.nn.Parameter(placeholder, requires_grad=False)  # data swapped in by the step
         else:
@@ -120,7 +120,7 @@ class FlatParamGroup:
             else:
                 self.master = ledger.empty(self.owned_numel, torch.float32, Category.MASTER, self.device)
                 self.master.copy_(owned_view)
-            self.master_store = FullMaster(self.master, round_like_split)
+            self.master_store = FullMaster(self.master, round_like_shared)
             self.master_param = torch.nn.Parameter(self.master, requires_grad=False)
         if param_offload is not None:  # stage 3: the master shard is the parameter shard
             self.master_store = TieredMaster(self.master_store, param_offload.tier, ledger,

@@ -1,11 +1,11 @@
-"""Where a flat group keeps the fp32 master values of its owned range: whole, or split.
+"""Where a flat group keeps the fp32 master values of its owned range: whole, or shared (bf16 halves plus residuals).
 
 ``FullMaster``: one fp32 tensor (4 bytes per owned element; in fp32 training it *is* the
 low-precision shard, so 0 extra bytes). After a step the compute-dtype copy is the master cast
-with torch's rounding (to nearest even), or with the split's rounding (ties away from zero) when
+with torch's rounding (to nearest even), or with the shared master's rounding (ties away from zero) when
 ``zeroplus.master_rounding`` asks for it, so a run can be compared bit for bit with shared storage.
 
-``SplitMaster`` (``zeroplus.shared_master_weights``, bf16 only): the bf16 high halves *are* the
+``SharedMaster`` (``zeroplus.shared_master_weights``, bf16 only): the bf16 high halves *are* the
 compute-dtype shard (at stages 0-2 a view of the full parameter buffer, at stage 3 the shard
 that all-gathers send), and an int16 residual holds the low halves (``kernels/bf16_split.py``).
 Owned bytes: 2 (residual) instead of 4 (fp32 master) at stages 0-2, where the bf16 copy exists
@@ -21,13 +21,13 @@ from ..kernels import bf16_split
 
 
 class FullMaster:
-    split = False
+    shared = False
     tiered = False  # ``tiered_master.TieredMaster`` keeps either kind on a tier (offload_param)
 
-    def __init__(self, tensor: torch.Tensor, round_like_split: bool) -> None:
+    def __init__(self, tensor: torch.Tensor, round_like_shared: bool) -> None:
         self.tensor = tensor
         self.numel = tensor.numel()
-        self.round_like_split = round_like_split
+        self.round_like_shared = round_like_shared
 
     def prefetch(self) -> None:  # resident: nothing to bring back
         return None
@@ -45,18 +45,18 @@ class FullMaster:
         """Write the master into the compute-dtype tensor ``dst`` (same length); return ``dst``."""
         if dst is self.tensor:
             return dst
-        if self.round_like_split and dst.dtype == torch.bfloat16:
-            return bf16_split.round_like_split(self.tensor, dst)
+        if self.round_like_shared and dst.dtype == torch.bfloat16:
+            return bf16_split.round_like_shared(self.tensor, dst)
         return dst.copy_(self.tensor)
 
 
-class SplitMaster:
-    split = True
+class SharedMaster:
+    shared = True
     tiered = False
 
     def __init__(self, high: torch.Tensor, low: torch.Tensor) -> None:
         if high.dtype != torch.bfloat16 or low.dtype != torch.int16 or high.numel() != low.numel():
-            raise ValueError(f"split master needs bf16 high and int16 low halves of one length, got "
+            raise ValueError(f"shared master needs bf16 high and int16 low halves of one length, got "
                              f"{high.dtype}[{high.numel()}] and {low.dtype}[{low.numel()}]")
         self.high, self.low = high, low
         self.numel = high.numel()

@@ -71,7 +71,7 @@ class ZeroPartition:
     def __init__(self, model: torch.nn.Module, zero: ZeroConfig, dp: DataParallelGroup, ledger: Ledger,
                  compute_dtype: torch.dtype, param_group_of: dict[int, int],
                  unit_class_names: list[str] | None = None, gradient_accumulation_steps: int = 1,
-                 shared_master: bool = False, round_like_split: bool = False,
+                 shared_master: bool = False, round_like_shared: bool = False,
                  param_offload: ParamOffload | None = None, experts: ExpertSplit | None = None) -> None:
         """``experts``: the expert-data group and expert rank when experts are split over ranks, else None."""
         self.stage = zero.stage
@@ -93,7 +93,7 @@ class ZeroPartition:
                     named = [(f"{n}{experts.suffix}", p) for n, p in named]
                     group_dp, label = experts.group, label + experts.suffix
                 group = FlatParamGroup(label, named, gi, self.stage, group_dp, compute_dtype, ledger,
-                                       shared_master, round_like_split, param_offload)
+                                       shared_master, round_like_shared, param_offload)
                 if expert:
                     group.expert, group.file_ranks = True, experts.data_ranks()  # type: ignore[union-attr]
                 groups.append(group)

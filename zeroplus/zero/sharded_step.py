@@ -168,7 +168,7 @@ class ShardedStep:
             if id(g) in self.chunked.tiered:
                 self.chunked.step_tiered(g, self._master_grad(g, coef))
                 continue
-            if g.master_store.split or g.master_store.tiered:
+            if g.master_store.shared or g.master_store.tiered:
                 self.chunked.step(g, self._master_grad(g, coef))
                 continue
             g.master_param.grad = self._master_grad(g, coef)

@@ -6,7 +6,7 @@ gather casts the master), so offloading parameters moves the master store to a t
 
 - whole master: one fp32 tier tensor; a gather reads it (4 bytes per owned element) and casts it
   into the all-gather's send buffer;
-- split master (``shared_master_weights``): the bf16 high halves and the int16 residuals are two
+- shared master (``shared_master_weights``): the bf16 high halves and the int16 residuals are two
   tier tensors; a gather reads only the high halves (2 bytes), straight into the send buffer,
   and the residuals are read only by the optimizer step.
 
@@ -29,7 +29,7 @@ import torch
 from ..kernels import bf16_split
 from ..ledger import Category, Ledger
 from ..offload.tier_tensor import keep
-from .master_store import FullMaster, SplitMaster
+from .master_store import FullMaster, SharedMaster
 
 TECHNIQUE = "offload_param"
 
@@ -37,11 +37,11 @@ TECHNIQUE = "offload_param"
 class TieredMaster:
     tiered = True
 
-    def __init__(self, store: FullMaster | SplitMaster, tier: Any, ledger: Ledger, max_writes: int = 4) -> None:
-        self.split, self.numel, self.ledger = store.split, store.numel, ledger
-        self.device = (store.high if store.split else store.tensor).device
-        self.round_like_split = getattr(store, "round_like_split", False)
-        if store.split:
+    def __init__(self, store: FullMaster | SharedMaster, tier: Any, ledger: Ledger, max_writes: int = 4) -> None:
+        self.shared, self.numel, self.ledger = store.shared, store.numel, ledger
+        self.device = (store.high if store.shared else store.tensor).device
+        self.round_like_shared = getattr(store, "round_like_shared", False)
+        if store.shared:
             self.high = keep(tier, store.high, max_writes)
             self.low = keep(tier, store.low, max_writes)
         else:
@@ -53,7 +53,7 @@ class TieredMaster:
 
     # -- gathers --------------------------------------------------------------------------------
     def _source(self) -> Any:
-        return self.high if self.split else self.tensor
+        return self.high if self.shared else self.tensor
 
     def prefetch(self) -> None:
         """Start reading what the next gather sends."""
@@ -69,8 +69,8 @@ class TieredMaster:
             return source.read(0, self.numel, dst).result()
         self.prefetch()
         values, self._gather_read = self._gather_read.result(), None
-        if self.round_like_split and dst.dtype == torch.bfloat16 and values.dtype == torch.float32:
-            return bf16_split.round_like_split(values, dst)
+        if self.round_like_shared and dst.dtype == torch.bfloat16 and values.dtype == torch.float32:
+            return bf16_split.round_like_shared(values, dst)
         return dst.copy_(values)
 
     # -- the optimizer step ---------------------------------------------------------------------
@@ -79,14 +79,14 @@ class TieredMaster:
             self._range_reads[(a, b)] = self._start_range(a, b)
 
     def _start_range(self, a: int, b: int) -> Any:
-        if self.split:
+        if self.shared:
             return (self.high.read(a, b), self.low.read(a, b))
         return self.tensor.read(a, b)
 
     def read_into(self, a: int, b: int, out: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
         """The exact fp32 master of ``[a, b)`` in ``out``."""
         pending = self._range_reads.pop((a, b), None) or self._start_range(a, b)
-        if self.split:
+        if self.shared:
             high, low = pending[0].result(), pending[1].result()
             return bf16_split.merge_into(high, low, out, scratch)
         return out.copy_(pending.result())
@@ -98,7 +98,7 @@ class TieredMaster:
         """Replace ``[at, at + len)`` with ``values`` (which the caller may reuse afterwards)."""
         self._gather_read = None  # a read started before the step holds old values
         n = values.numel()
-        if self.split:
+        if self.shared:
             high = self.ledger.empty(n, torch.bfloat16, Category.OFFLOAD_BUFFER, self.device)
             low = self.ledger.empty(n, torch.int16, Category.OFFLOAD_BUFFER, self.device)
             bf16_split.split_into(values, high, low, scratch)
@@ -109,6 +109,6 @@ class TieredMaster:
             self.tensor.write(at, own)
 
     def close(self) -> None:
-        for t in ([self.high, self.low] if self.split else [self.tensor]):
+        for t in ([self.high, self.low] if self.shared else [self.tensor]):
             t.close()
         self.ledger.unsave(TECHNIQUE, Category.MASTER, self.saved)
