@@ -17,12 +17,11 @@ do. Gradients, activations, buckets and windows are not model states and are not
 """
 from __future__ import annotations
 
-import copy
 from typing import Any, Callable
 
 import torch
 
-from ..config import ZeroplusConfig, parse_config
+from ..config import ZeroplusConfig, load_config
 from ..engine.build import compute_dtype, expert_split, make_partition
 from ..ledger import Category, Ledger
 from ..offload.disk_space import states_per_element
@@ -40,7 +39,7 @@ def model_state_bytes(build_model: Callable[[], torch.nn.Module], config: dict[s
     ``build_model`` is called under ``torch.device("meta")``, so it must create its parameters on
     the current default device (the usual ``nn.Module`` constructors do).
     """
-    cfg = copy.deepcopy(config) if isinstance(config, ZeroplusConfig) else parse_config(config)[0]
+    cfg = load_config(config)
     dtype = compute_dtype(cfg)
     groups = virtual_groups(cfg, world_size, rank)  # with model parallelism: this rank's slice, its data group
     model = build_in(groups, build_model)

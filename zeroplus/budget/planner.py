@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import ConfigError, ZeroplusConfig, parse_config
+from ..config import ConfigError, ZeroplusConfig, load_config
 from .estimate import MemoryBudget, estimate
 
 # Nominal bandwidths (bytes/s) the costs are computed with: only their ratios order candidates.
@@ -152,7 +152,7 @@ def plan(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dict[st
          log: Callable[[str], None] | None = None) -> Plan:
     """The cheapest candidate whose predicted peak fits ``budget`` (default: the config's
     ``zeroplus.memory_budget``); ``ConfigError`` naming the smallest budget that fits if none does."""
-    cfg = copy.deepcopy(config) if isinstance(config, ZeroplusConfig) else parse_config(config)[0]
+    cfg = load_config(config)
     raw = budget if budget is not None else cfg.zeroplus.memory_budget
     if raw is None:
         raise ConfigError("planning needs a memory budget: config key 'zeroplus.memory_budget' (e.g. '16GB')")

@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import checkpointing
 from ..accelerator import Accelerator
-from ..config import ConfigError, ZeroplusConfig, auto_keys, parse_config, resolve_auto, resolve_batch
+from ..config import ConfigError, ZeroplusConfig, auto_keys, load_config, resolve_auto, resolve_batch
 from ..engine.build import build_engine, compute_dtype
 from ..engine.checkpoint import rank_state
 from ..ledger import Category, Ledger
@@ -234,7 +234,7 @@ def simulate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     process holds beyond tensors from the engine's construction on (torch imports its compiler
     stack when the first optimizer is built), and from the end of the first backward on.
     """
-    cfg = copy.deepcopy(config) if isinstance(config, ZeroplusConfig) else parse_config(config)[0]
+    cfg = load_config(config)
     if auto_keys(cfg):
         raise ConfigError(f"config keys {auto_keys(cfg)} are 'auto': zeroplus.budget.planner.plan() resolves them "
                           f"within a memory budget; estimate() predicts one config")

@@ -15,9 +15,9 @@ from .blocks import (
 )
 from .keys import ConfigError
 from .model import ZeroplusConfig
-from .resolve import auto_keys, model_hidden_size, parse_config, resolve_auto, resolve_batch
+from .resolve import auto_keys, load_config, model_hidden_size, parse_config, resolve_auto, resolve_batch
 
-__all__ = ["ActivationCheckpointingConfig", "auto_keys", "BF16Config", "ConfigError", "FP16Config",
+__all__ = ["ActivationCheckpointingConfig", "auto_keys", "load_config", "BF16Config", "ConfigError", "FP16Config",
            "OffloadOptimizerConfig",
            "OffloadParamConfig", "OptimizerConfig", "SchedulerConfig", "ZeroConfig", "ZeroplusBlock",
            "ZeroplusConfig", "model_hidden_size", "parse_config", "resolve_auto", "resolve_batch"]

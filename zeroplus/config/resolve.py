@@ -57,6 +57,11 @@ def parse_config(config: dict[str, Any] | str | os.PathLike) -> tuple[ZeroplusCo
     return cfg, unimplemented
 
 
+def load_config(config: ZeroplusConfig | dict[str, Any] | str | os.PathLike) -> ZeroplusConfig:
+    """A config of one's own to resolve: a copy of a parsed one, or a dict or JSON path parsed."""
+    return copy.deepcopy(config) if isinstance(config, ZeroplusConfig) else parse_config(config)[0]
+
+
 def _merge_tensor_size(cfg: ZeroplusConfig) -> None:
     """DeepSpeed's ``tensor_parallel.autotp_size`` and ``zeroplus.parallel.tensor`` name one size."""
     ds, ours = cfg.tensor_parallel.autotp_size, cfg.zeroplus.parallel.tensor
