@@ -16,9 +16,8 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from zeroplus import checkpointing
 from zeroplus.accelerator import Accelerator
-from zeroplus.activations import ResizeRecompute, SavedTensorRouter, SwapAttention
+from zeroplus.activations import ResizeRecompute, SavedTensorRouter, SwapAttention, checkpointing
 from zeroplus.activations.resize_recompute import DEFAULT_CLASSES, NORM_CLASSES
 from zeroplus.comm import DataParallelGroup
 from zeroplus.config import ConfigError, ZeroplusConfig

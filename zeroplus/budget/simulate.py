@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .. import checkpointing
 from ..accelerator import Accelerator
+from ..activations import checkpointing
 from ..config import ConfigError, ZeroplusConfig, auto_keys, load_config, resolve_auto, resolve_batch
 from ..engine.build import build_engine, compute_dtype
 from ..engine.checkpoint import rank_state

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checkpointing import checkpoint
+from ..activations.checkpointing import checkpoint
 from ..parallel.moe import MoE, with_aux_loss
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checkpointing import checkpoint
+from ..activations.checkpointing import checkpoint
 from ..comm import DataParallelGroup
 from ..parallel.groups import parallel_groups
 from ..parallel.mappings import copy_to_tensor, gather_last_dim, sum_grad_over_tensor
