@@ -25,7 +25,7 @@ from zeroplus.ledger import Ledger
 from zeroplus.logs import log_rank0
 from zeroplus.offload import virtual_host
 from zeroplus.offload.disk_space import check_free_space, states_per_element
-from zeroplus.offload.policies import OptimizerStateOffload, ParamOffload
+from zeroplus.offload.policies import MasterPolicy, OptimizerStateOffload, ParamOffload
 from zeroplus.offload.tiers import make_tier
 from zeroplus.optim.build import adopt_client_optimizer, build_optimizer, would_fuse
 from zeroplus.optim.schedulers import build_scheduler
@@ -187,9 +187,9 @@ def make_partition(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, ledger:
     """The partition of ``model`` as ``cfg`` asks (the engine's, and the budget's model-state count's)."""
     return ZeroPartition(model, cfg.zero_optimization, dp, ledger, dtype, group_of, cfg.zeroplus.unit_modules,
                          cfg.gradient_accumulation_steps if isinstance(cfg.gradient_accumulation_steps, int) else 1,
-                         shared_master=cfg.zeroplus.shared_master_weights,  # type: ignore[arg-type]
-                         round_like_shared=cfg.zeroplus.master_rounding == "like_shared",
-                         param_offload=param_offload, experts=experts)
+                         MasterPolicy(bool(cfg.zeroplus.shared_master_weights),
+                                      cfg.zeroplus.master_rounding == "like_shared", param_offload),
+                         experts=experts)
 
 
 def _check_pipeline(model: torch.nn.Module, cfg: ZeroplusConfig, parallel: ParallelGroups) -> None:

@@ -29,3 +29,12 @@ class ParamOffload:
 
     tier: Any             # HostTier, FileTier, or the estimator's MetaTier
     max_writes: int       # write-backs in flight per shard (the next one waits for the oldest)
+
+
+@dataclasses.dataclass(frozen=True)
+class MasterPolicy:
+    """How each flat group keeps its fp32 master shard (``zero/master_store.py``, ``zero/tiered_master.py``)."""
+
+    shared: bool = False                 # bf16 halves plus 16-bit residuals (zeroplus.shared_master_weights)
+    round_like_shared: bool = False      # a separate bf16 copy rounds ties away from zero, as shared storage does
+    offload: ParamOffload | None = None  # stage 3: the shard kept on a tier (zero_optimization.offload_param)

@@ -39,7 +39,7 @@ import torch
 
 from ..comm import DataParallelGroup, Handle
 from ..ledger import Category, Ledger
-from ..offload.policies import ParamOffload
+from ..offload.policies import MasterPolicy
 from .master_store import FullMaster, SharedMaster
 from .tiered_master import TieredMaster
 
@@ -49,10 +49,9 @@ class FlatParamGroup:
 
     def __init__(self, name: str, named_params: list[tuple[str, torch.nn.Parameter]], group_index: int,
                  stage: int, dp: DataParallelGroup, compute_dtype: torch.dtype, ledger: Ledger,
-                 shared_master: bool = False, round_like_shared: bool = False,
-                 param_offload: ParamOffload | None = None) -> None:
-        """``param_offload``: the tier to keep the master shard on (stage 3,
-        ``tiered_master.py``), or None."""
+                 master: MasterPolicy = MasterPolicy()) -> None:
+        """``master``: shared storage, rounding, and the tier to keep the master shard on (stage 3,
+        ``tiered_master.py``)."""
         self.name = name
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
@@ -95,7 +94,7 @@ class FlatParamGroup:
         # high halves are the shard. In fp32 the shard is the master.
         self.shard: torch.Tensor | None = None
         self.master: torch.Tensor | None = None  # the fp32 master tensor, when it exists whole
-        if shared_master:
+        if master.shared:
             if compute_dtype != torch.bfloat16:
                 raise ValueError(f"shared-storage master weights need bf16 training, not {compute_dtype}")
             if stage < 3:
@@ -120,11 +119,10 @@ class FlatParamGroup:
             else:
                 self.master = ledger.empty(self.owned_numel, torch.float32, Category.MASTER, self.device)
                 self.master.copy_(owned_view)
-            self.master_store = FullMaster(self.master, round_like_shared)
+            self.master_store = FullMaster(self.master, master.round_like_shared)
             self.master_param = torch.nn.Parameter(self.master, requires_grad=False)
-        if param_offload is not None:  # stage 3: the master shard is the parameter shard
-            self.master_store = TieredMaster(self.master_store, param_offload.tier, ledger,
-                                             param_offload.max_writes)
+        if master.offload is not None:  # stage 3: the master shard is the parameter shard
+            self.master_store = TieredMaster(self.master_store, master.offload.tier, ledger, master.offload.max_writes)
             self.shard = self.master = None
             placeholder = torch.empty(0, dtype=torch.float32, device=self.device)
             self.master_param = torch.nn.Parameter(placeholder, requires_grad=False)

@@ -34,7 +34,7 @@ import torch
 from ..comm import DataParallelGroup
 from ..config import ZeroConfig
 from ..ledger import Ledger
-from ..offload.policies import ParamOffload
+from ..offload.policies import MasterPolicy
 from .flat_group import FlatParamGroup
 from .grad_reducer import GradReducer
 from .stage3 import Stage3Scheduler
@@ -71,9 +71,9 @@ class ZeroPartition:
     def __init__(self, model: torch.nn.Module, zero: ZeroConfig, dp: DataParallelGroup, ledger: Ledger,
                  compute_dtype: torch.dtype, param_group_of: dict[int, int],
                  unit_class_names: list[str] | None = None, gradient_accumulation_steps: int = 1,
-                 shared_master: bool = False, round_like_shared: bool = False,
-                 param_offload: ParamOffload | None = None, experts: ExpertSplit | None = None) -> None:
-        """``experts``: the expert-data group and expert rank when experts are split over ranks, else None."""
+                 master: MasterPolicy = MasterPolicy(), experts: ExpertSplit | None = None) -> None:
+        """``master``: how flat groups keep their fp32 master shards; ``experts``: the expert-data group and
+        expert rank when experts are split over ranks, else None."""
         self.stage = zero.stage
         self.dp = dp
         self.ledger = ledger
@@ -92,8 +92,7 @@ class ZeroPartition:
                     assert experts is not None
                     named = [(f"{n}{experts.suffix}", p) for n, p in named]
                     group_dp, label = experts.group, label + experts.suffix
-                group = FlatParamGroup(label, named, gi, self.stage, group_dp, compute_dtype, ledger,
-                                       shared_master, round_like_shared, param_offload)
+                group = FlatParamGroup(label, named, gi, self.stage, group_dp, compute_dtype, ledger, master)
                 if expert:
                     group.expert, group.file_ranks = True, experts.data_ranks()  # type: ignore[union-attr]
                 groups.append(group)
