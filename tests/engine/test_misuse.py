@@ -1,9 +1,10 @@
 """Misuse of the training loop is a clear error that changes nothing, and the model is never stale.
 
 On 2 ranks at ZeRO stages 0-3 (fp32, ParityNet):
-- ``engine.module.state_dict()`` read straight after ``step()`` equals the consolidated fp32 masters,
-  bitwise, after every step (fails if the post-step all-gather of stages 1-2 is not waited for, or if a
-  stage-3 state dict reads the freed gathered buffers);
+- ``engine.module.state_dict()``, and ``state_dict()`` of the model object passed to ``initialize``,
+  read straight after ``step()`` equal the consolidated fp32 masters, bitwise, after every step (fails if
+  the post-step all-gather of stages 1-2 is not waited for, or if a stage-3 state dict reads the freed
+  gathered buffers);
 - ``step()`` with no ``backward()`` since the last one raises and leaves masters, optimizer states and
   counters bitwise unchanged;
 - a second ``backward()`` before ``step()`` raises; the engine then steps to exactly what an engine
@@ -39,28 +40,30 @@ def _misuse(stage: int) -> dict:
     rank, world = rank_and_world()
     batches = make_batches(8 * world, 2)
     torch.manual_seed(0)
-    engine = zeroplus.initialize(ParityNet(), _config(stage))
+    model = ParityNet()
+    engine = zeroplus.initialize(model, _config(stage))
     stale = []
-    for step in range(3):
+    for step in range(4):
         x, y = batches[step * world + rank]
         engine.backward(engine(x, y))
         engine.step()
-        seen = {k: v.clone() for k, v in engine.module.state_dict().items()}  # straight after step()
+        # straight after step(), through the engine (even steps) or the model object itself (odd steps)
+        seen = {k: v.clone() for k, v in (engine.module if step % 2 == 0 else model).state_dict().items()}
         masters = engine.consolidated_fp32_state()
         stale += [f"step {step}: {n}" for n, v in masters.items() if not torch.equal(seen[n], v)]
     before = _state(engine)
     with pytest.raises(RuntimeError, match=r"step\(\) called without a backward\(\).*rank"):
         engine.step()
     unchanged_after_step = all(torch.equal(v, _state(engine)[k]) for k, v in before.items())
-    x, y = batches[3 * world + rank]
+    x, y = batches[4 * world + rank]
     engine.backward(engine(x, y))
     with pytest.raises(RuntimeError, match=r"backward\(\) called twice without step\(\)"):
         engine.backward(engine(x, y))
     engine.step()
-    # the same 4 steps without the misuse
+    # the same 5 steps without the misuse
     torch.manual_seed(0)
     clean = zeroplus.initialize(ParityNet(), _config(stage))
-    for step in range(4):
+    for step in range(5):
         x, y = batches[step * world + rank]
         clean.backward(clean(x, y))
         clean.step()

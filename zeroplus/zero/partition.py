@@ -117,9 +117,10 @@ class ZeroPartition:
             for i, p in enumerate(g.params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(g, i)))
         prefetch = zero.stage3_prefetch_bucket_size
-        if self.stage in (1, 2):
-            for unit in self.units[:-1]:
+        if self.stage in (1, 2):  # every unit, the root included, waits for its post-step all-gather before
+            for unit in self.units:  # its forward, and any state_dict() for all of them, even called on the model
                 self._hooks.append(unit.module.register_forward_pre_hook(self._make_wait_hook(unit)))
+            self._hooks.append(model.register_state_dict_pre_hook(lambda *args: self.wait_all()))
         self.stage3 = (Stage3Scheduler(self.units[:-1], self.root, None if prefetch is None else int(prefetch))
                        if self.stage == 3 else None)
         if self.stage == 3:
@@ -127,10 +128,10 @@ class ZeroPartition:
 
     # -- forward ------------------------------------------------------------------------------
     def before_forward(self) -> None:
-        # Stages 1-2: only the root's post-step all-gather is waited for here; each block waits
-        # for its own in a forward pre-hook, so later blocks' gathers overlap earlier compute.
-        for g in (self.root.groups if self.stage in (1, 2) else self.groups):
-            g.wait_pending()
+        # Stages 1-2: each unit (the root first) waits for its own post-step all-gather in a forward
+        # pre-hook, so later blocks' gathers overlap earlier compute.
+        if self.stage not in (1, 2):
+            self.wait_all()
         if self.stage3 is not None:
             self.stage3.begin_forward()
 
