@@ -101,21 +101,7 @@ def build_engine(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, accel: Ac
     (``zeroplus/parallel/groups.py``) when the model is split beyond ``dp``."""
     model_parallel = parallel is not None and parallel.model.size > 1
     split = model_parallel or (parallel is not None and parallel.expert.size > 1)  # beyond data parallelism
-    if parallel is not None:
-        try:
-            check_supported(parallel.topology, int(cfg.zero_optimization.stage))
-        except ValueError as err:
-            raise ConfigError(f"config key 'zeroplus.parallel' on rank {parallel.global_rank}: {err}") from None
-        if parallel.topology.pipeline > 1:
-            _check_pipeline(model, cfg, parallel)
-    if optimizer is not None and cfg.optimizer is not None:
-        raise ConfigError("an optimizer was passed to initialize() and the config has an 'optimizer' block; "
-                          "give one or the other")
-    if optimizer is None and cfg.optimizer is None:
-        raise ConfigError("no optimizer: add an 'optimizer' block to the config or pass optimizer=")
-    if lr_scheduler is not None and cfg.scheduler is not None:
-        raise ConfigError("an lr_scheduler was passed to initialize() and the config has a 'scheduler' block; "
-                          "give one or the other")
+    _check_request(model, cfg, parallel, optimizer, lr_scheduler)
     _warn_inert_options(cfg)
     model_bytes = _device_bytes(model, accel)  # already there: they count as the engine's, as in the estimate
     pipelined = parallel is not None and parallel.topology.pipeline > 1
@@ -142,6 +128,50 @@ def build_engine(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, accel: Ac
             raise
         raise ConfigError(f"config key 'zero_optimization.offload_param.nvme_path' "
                           f"({cfg.zero_optimization.offload_param.nvme_path!r}) on rank {dp.rank}: {err}") from None
+    opt, scheduler = _optimizer_and_schedule(cfg, partition, groups, optimizer, lr_scheduler, simulated)
+    step = ShardedStep(partition, opt, float(cfg.gradient_clipping), dp, ledger, cfg.zeroplus.master_step_chunk,
+                       _optimizer_offload(cfg, accel, ledger, opt, sum(g.owned_numel for g in partition.groups)),
+                       _virtual_states(cfg, accel, opt),
+                       ModelParallelNorm(parallel.model, parallel.tensor.size, is_tensor_parallel)
+                       if model_parallel else None, parallel.expert if experts is not None else None)
+    log_rank0("%s; compute dtype %s; optimizer %s; micro-batch %s x accumulation %s x dp %d = batch %s",
+              partition.describe().splitlines()[0], str(dtype).replace("torch.", ""), type(opt).__name__,
+              cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, dp.size, cfg.train_batch_size)
+    if split:
+        log_rank0("%s", parallel.describe())
+        if cfg.zeroplus.memory_estimate and pipelined:
+            log_rank0("memory estimate: not made for a pipeline stage at initialize (it needs every stage's shapes; "
+                      "zeroplus estimate with a model factory predicts it); the report shows what is measured")
+    engine = Engine(model, cfg, partition, step, opt, scheduler, LossScaler(cfg.fp16), dp, ledger, accel,
+                    rss_at_start - model_bytes, _activation_techniques(model, cfg, ledger, accel))
+    engine.parallel = parallel
+    return engine
+
+
+def _check_request(model: torch.nn.Module, cfg: ZeroplusConfig, parallel: ParallelGroups | None,
+                   optimizer: torch.optim.Optimizer | None, lr_scheduler: Any) -> None:
+    """Refuse what cannot be assembled, before anything is moved or allocated."""
+    if parallel is not None:
+        try:
+            check_supported(parallel.topology, int(cfg.zero_optimization.stage))
+        except ValueError as err:
+            raise ConfigError(f"config key 'zeroplus.parallel' on rank {parallel.global_rank}: {err}") from None
+        if parallel.topology.pipeline > 1:
+            _check_pipeline(model, cfg, parallel)
+    if optimizer is not None and cfg.optimizer is not None:
+        raise ConfigError("an optimizer was passed to initialize() and the config has an 'optimizer' block; "
+                          "give one or the other")
+    if optimizer is None and cfg.optimizer is None:
+        raise ConfigError("no optimizer: add an 'optimizer' block to the config or pass optimizer=")
+    if lr_scheduler is not None and cfg.scheduler is not None:
+        raise ConfigError("an lr_scheduler was passed to initialize() and the config has a 'scheduler' block; "
+                          "give one or the other")
+
+
+def _optimizer_and_schedule(cfg: ZeroplusConfig, partition: ZeroPartition, groups: list[dict[str, Any]],
+                            optimizer: torch.optim.Optimizer | None, lr_scheduler: Any,
+                            simulated: Any) -> tuple[torch.optim.Optimizer, Any]:
+    """The optimizer over the master shards (the client's, re-pointed, or the config's) and its schedule."""
     masters = [[g.master_param for g in partition.groups if g.group_index == gi] for gi in range(len(groups))]
     if optimizer is not None:
         opt = adopt_client_optimizer(optimizer, masters)
@@ -162,23 +192,7 @@ def build_engine(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, accel: Ac
     if cfg.zeroplus.shared_master_weights and any(opt.state.get(m) for ms in masters for m in ms):
         raise ConfigError(f"config key 'zeroplus.shared_master_weights' is true, but {type(opt).__name__} creates "
                           f"its states when constructed; use an optimizer that creates them in its first step")
-    step = ShardedStep(partition, opt, float(cfg.gradient_clipping), dp, ledger, cfg.zeroplus.master_step_chunk,
-                       _optimizer_offload(cfg, accel, ledger, opt, sum(g.owned_numel for g in partition.groups)),
-                       _virtual_states(cfg, accel, opt),
-                       ModelParallelNorm(parallel.model, parallel.tensor.size, is_tensor_parallel)
-                       if model_parallel else None, parallel.expert if experts is not None else None)
-    log_rank0("%s; compute dtype %s; optimizer %s; micro-batch %s x accumulation %s x dp %d = batch %s",
-              partition.describe().splitlines()[0], str(dtype).replace("torch.", ""), type(opt).__name__,
-              cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, dp.size, cfg.train_batch_size)
-    if split:
-        log_rank0("%s", parallel.describe())
-        if cfg.zeroplus.memory_estimate and pipelined:
-            log_rank0("memory estimate: not made for a pipeline stage at initialize (it needs every stage's shapes; "
-                      "zeroplus estimate with a model factory predicts it); the report shows what is measured")
-    engine = Engine(model, cfg, partition, step, opt, scheduler, LossScaler(cfg.fp16), dp, ledger, accel,
-                    rss_at_start - model_bytes, _activation_techniques(model, cfg, ledger, accel))
-    engine.parallel = parallel
-    return engine
+    return opt, scheduler
 
 
 def make_partition(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, ledger: Ledger, dtype: torch.dtype,
