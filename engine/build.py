@@ -20,7 +20,7 @@ from zeroplus.accelerator import Accelerator
 from zeroplus.activations import ResizeRecompute, SavedTensorRouter, SwapAttention, checkpointing
 from zeroplus.activations.resize_recompute import DEFAULT_CLASSES, NORM_CLASSES
 from zeroplus.comm import DataParallelGroup
-from zeroplus.config import ConfigError, ZeroplusConfig
+from zeroplus.config import ConfigError, ResolvedConfig, ZeroplusConfig, resolved_zero
 from zeroplus.ledger import Ledger
 from zeroplus.logs import log_rank0
 from zeroplus.offload import virtual_host
@@ -89,7 +89,7 @@ def expert_split(parallel: ParallelGroups | None) -> ExpertSplit | None:
     return ExpertSplit(parallel.expert_data, parallel.expert.rank, parallel.expert.size, is_expert)
 
 
-def build_engine(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, accel: Accelerator, rss_at_start: int, *,
+def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Any, accel: Accelerator, rss_at_start: int, *,
                  optimizer: torch.optim.Optimizer | None = None, lr_scheduler: Any = None,
                  model_parameters: Iterable[Any] | None = None, ledger: Ledger | None = None,
                  simulated: Any = None, parallel: ParallelGroups | None = None) -> Engine:
@@ -129,7 +129,7 @@ def build_engine(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, accel: Ac
         raise ConfigError(f"config key 'zero_optimization.offload_param.nvme_path' "
                           f"({cfg.zero_optimization.offload_param.nvme_path!r}) on rank {dp.rank}: {err}") from None
     opt, scheduler = _optimizer_and_schedule(cfg, partition, groups, optimizer, lr_scheduler, simulated)
-    step = ShardedStep(partition, opt, float(cfg.gradient_clipping), dp, ledger, cfg.zeroplus.master_step_chunk,
+    step = ShardedStep(partition, opt, cfg.gradient_clipping, dp, ledger, cfg.zeroplus.master_step_chunk,
                        _optimizer_offload(cfg, accel, ledger, opt, sum(g.owned_numel for g in partition.groups)),
                        _virtual_states(cfg, accel, opt),
                        ModelParallelNorm(parallel.model, parallel.tensor.size, is_tensor_parallel)
@@ -148,12 +148,12 @@ def build_engine(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, accel: Ac
     return engine
 
 
-def _check_request(model: torch.nn.Module, cfg: ZeroplusConfig, parallel: ParallelGroups | None,
+def _check_request(model: torch.nn.Module, cfg: ResolvedConfig, parallel: ParallelGroups | None,
                    optimizer: torch.optim.Optimizer | None, lr_scheduler: Any) -> None:
     """Refuse what cannot be assembled, before anything is moved or allocated."""
     if parallel is not None:
         try:
-            check_supported(parallel.topology, int(cfg.zero_optimization.stage))
+            check_supported(parallel.topology, cfg.zero_optimization.stage)
         except ValueError as err:
             raise ConfigError(f"config key 'zeroplus.parallel' on rank {parallel.global_rank}: {err}") from None
         if parallel.topology.pipeline > 1:
@@ -168,7 +168,7 @@ def _check_request(model: torch.nn.Module, cfg: ZeroplusConfig, parallel: Parall
                           "give one or the other")
 
 
-def _optimizer_and_schedule(cfg: ZeroplusConfig, partition: ZeroPartition, groups: list[dict[str, Any]],
+def _optimizer_and_schedule(cfg: ResolvedConfig, partition: ZeroPartition, groups: list[dict[str, Any]],
                             optimizer: torch.optim.Optimizer | None, lr_scheduler: Any,
                             simulated: Any) -> tuple[torch.optim.Optimizer, Any]:
     """The optimizer over the master shards (the client's, re-pointed, or the config's) and its schedule."""
@@ -198,15 +198,17 @@ def _optimizer_and_schedule(cfg: ZeroplusConfig, partition: ZeroPartition, group
 def make_partition(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, ledger: Ledger, dtype: torch.dtype,
                    group_of: dict[int, int], param_offload: ParamOffload | None,
                    experts: ExpertSplit | None) -> ZeroPartition:
-    """The partition of ``model`` as ``cfg`` asks (the engine's, and the budget's model-state count's)."""
-    return ZeroPartition(model, cfg.zero_optimization, dp, ledger, dtype, group_of, cfg.zeroplus.unit_modules,
-                         cfg.gradient_accumulation_steps if isinstance(cfg.gradient_accumulation_steps, int) else 1,
+    """The partition of ``model`` as ``cfg`` asks (the engine's, and the budget's model-state count's, whose
+    config has the ZeRO block resolved but may lack a batch triple)."""
+    accumulation = cfg.gradient_accumulation_steps if isinstance(cfg.gradient_accumulation_steps, int) else 1
+    return ZeroPartition(model, resolved_zero(cfg.zero_optimization), dp, ledger, dtype, group_of,
+                         cfg.zeroplus.unit_modules, accumulation,
                          MasterPolicy(bool(cfg.zeroplus.shared_master_weights),
                                       cfg.zeroplus.master_rounding == "like_shared", param_offload),
                          experts=experts)
 
 
-def _check_pipeline(model: torch.nn.Module, cfg: ZeroplusConfig, parallel: ParallelGroups) -> None:
+def _check_pipeline(model: torch.nn.Module, cfg: ResolvedConfig, parallel: ParallelGroups) -> None:
     if not isinstance(model, PipelineModule):
         raise ConfigError(f"config key 'zeroplus.parallel.pipeline' is {parallel.topology.pipeline}, and the model is "
                           f"a {type(model).__name__}: give a zeroplus.parallel.PipelineModule (its stage's layers)")
@@ -224,7 +226,7 @@ def _device_bytes(model: torch.nn.Module, accel: Accelerator) -> int:
     return sum(storages.values())
 
 
-def _warn_inert_options(cfg: ZeroplusConfig) -> None:
+def _warn_inert_options(cfg: ResolvedConfig) -> None:
     """Say once which accepted options have no effect yet."""
     zero = cfg.zero_optimization
     inert = []
@@ -261,7 +263,7 @@ def _offload_tier(key: str, block: Any, accel: Accelerator, ledger: Ledger, need
     return tier
 
 
-def _param_offload(cfg: ZeroplusConfig, model: torch.nn.Module, group_of: dict[int, int], world: int,
+def _param_offload(cfg: ResolvedConfig, model: torch.nn.Module, group_of: dict[int, int], world: int,
                    accel: Accelerator, ledger: Ledger) -> ParamOffload | None:
     """``zero_optimization.offload_param``: the tier that keeps the stage-3 master shards."""
     zero = cfg.zero_optimization
@@ -277,7 +279,7 @@ def _param_offload(cfg: ZeroplusConfig, model: torch.nn.Module, group_of: dict[i
     return ParamOffload(tier, block.buffer_count)
 
 
-def _virtual_states(cfg: ZeroplusConfig, accel: Accelerator, opt: torch.optim.Optimizer) -> Any:
+def _virtual_states(cfg: ResolvedConfig, accel: Accelerator, opt: torch.optim.Optimizer) -> Any:
     """``zeroplus.virtual_optimizer_states``: the NPU kernels, or None when off; refused where they cannot run."""
     if not cfg.zeroplus.virtual_optimizer_states:
         return None
@@ -302,7 +304,7 @@ def _virtual_states(cfg: ZeroplusConfig, accel: Accelerator, opt: torch.optim.Op
     return kernels
 
 
-def _optimizer_offload(cfg: ZeroplusConfig, accel: Accelerator, ledger: Ledger, opt: torch.optim.Optimizer,
+def _optimizer_offload(cfg: ResolvedConfig, accel: Accelerator, ledger: Ledger, opt: torch.optim.Optimizer,
                        owned: int) -> OptimizerStateOffload | None:
     """``zero_optimization.offload_optimizer``: the tier and window for the optimizer states."""
     zero = cfg.zero_optimization
@@ -314,11 +316,11 @@ def _optimizer_offload(cfg: ZeroplusConfig, accel: Accelerator, ledger: Ledger, 
     tier = _offload_tier("offload_optimizer", block, accel, ledger,
                          int(4 * states_per_element(opt) * owned * block.ratio), cfg.zeroplus.direct_io)
     log_rank0("optimizer states offloaded to %s: sub-groups of %d elements, ratio %.2f, window %d",
-              block.device, int(zero.sub_group_size), block.ratio, block.buffer_count)
-    return OptimizerStateOffload(tier, int(zero.sub_group_size), float(block.ratio), block.buffer_count)
+              block.device, zero.sub_group_size, block.ratio, block.buffer_count)
+    return OptimizerStateOffload(tier, zero.sub_group_size, block.ratio, block.buffer_count)
 
 
-def _activation_techniques(model: torch.nn.Module, cfg: ZeroplusConfig, ledger: Ledger,
+def _activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: Ledger,
                            accel: Accelerator) -> SavedTensorRouter:
     """Resize recompute and swap attention (through one saved-tensor router), and the settings of
     ``zeroplus.checkpointing`` from the ``activation_checkpointing`` block."""

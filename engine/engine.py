@@ -19,7 +19,7 @@ import torch
 from zeroplus.accelerator import Accelerator
 from zeroplus.activations import SavedTensorRouter
 from zeroplus.comm import DataParallelGroup
-from zeroplus.config import ZeroplusConfig
+from zeroplus.config import ResolvedConfig
 from zeroplus.ledger import Ledger
 from zeroplus.memory_report import MemoryReport
 from zeroplus.parallel.moe import set_aux_grad_scale
@@ -36,7 +36,7 @@ logger = logging.getLogger("zeroplus.engine")
 
 
 class Engine:
-    def __init__(self, module: torch.nn.Module, config: ZeroplusConfig, partition: ZeroPartition,
+    def __init__(self, module: torch.nn.Module, config: ResolvedConfig, partition: ZeroPartition,
                  sharded_step: ShardedStep, optimizer: torch.optim.Optimizer, lr_scheduler: Any,
                  loss_scaler: LossScaler, dp: DataParallelGroup, ledger: Ledger, accelerator: Accelerator,
                  baseline_bytes: int, activations: SavedTensorRouter | None = None) -> None:
@@ -70,13 +70,13 @@ class Engine:
 
     # -- DeepSpeed-style accessors ------------------------------------------------------------
     def train_batch_size(self) -> int:
-        return int(self.config.train_batch_size)  # type: ignore[arg-type]
+        return self.config.train_batch_size
 
     def train_micro_batch_size_per_gpu(self) -> int:
-        return int(self.config.train_micro_batch_size_per_gpu)  # type: ignore[arg-type]
+        return self.config.train_micro_batch_size_per_gpu
 
     def gradient_accumulation_steps(self) -> int:
-        return int(self.config.gradient_accumulation_steps)  # type: ignore[arg-type]
+        return self.config.gradient_accumulation_steps
 
     def zero_optimization_stage(self) -> int:
         return self._partition.stage

@@ -24,7 +24,16 @@ from .budget.estimate import estimate
 from .budget.planner import apply_settings, plan
 from .budget.simulate import group_stand_ins, meta_copy
 from .comm import DataParallelGroup, init_distributed_if_launched
-from .config import ConfigError, ZeroplusConfig, auto_keys, parse_config, resolve_auto, resolve_batch
+from .config import (
+    ConfigError,
+    ResolvedConfig,
+    ZeroplusConfig,
+    auto_keys,
+    parse_config,
+    resolve_auto,
+    resolve_batch,
+    resolved,
+)
 from .engine.build import build_engine
 from .engine.engine import Engine
 from .engine.rank_agreement import check_ranks_agree
@@ -62,7 +71,7 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     if split and (auto_keys(cfg) or cfg.zeroplus.memory_budget is not None):
         raise ConfigError(f"config key 'zeroplus.memory_budget' with {parallel.topology.describe()}: the memory "
                           f"estimate and planner cover data parallelism only so far; remove the budget and 'auto'")
-    cfg = _plan(model, cfg, dp)
+    cfg = resolved(_plan(model, cfg, dp))
     pipelined = parallel.topology.pipeline > 1
     source = _estimate_source(model, cfg, parallel) if not pipelined else None
     engine = build_engine(model, cfg, dp, accel, rss_at_start, optimizer=optimizer, lr_scheduler=lr_scheduler,
@@ -96,8 +105,8 @@ def _plan(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any) -> ZeroplusConfi
     return apply_settings(cfg, settings)
 
 
-def _estimate_source(model: torch.nn.Module, cfg: ZeroplusConfig,
-                     parallel: ParallelGroups) -> tuple[torch.nn.Module, ZeroplusConfig] | None:
+def _estimate_source(model: torch.nn.Module, cfg: ResolvedConfig,
+                     parallel: ParallelGroups) -> tuple[torch.nn.Module, ResolvedConfig] | None:
     """``zeroplus.memory_estimate``: a meta-device copy of the model as given and the config, to predict
     the memory with at the first forward. The copy keeps the model's process groups (the estimate swaps
     in stand-ins for the rank it simulates)."""
@@ -111,7 +120,7 @@ def _estimate_source(model: torch.nn.Module, cfg: ZeroplusConfig,
         return None
 
 
-def _predictor(model: torch.nn.Module, cfg: ZeroplusConfig):
+def _predictor(model: torch.nn.Module, cfg: ResolvedConfig):
     """The first-forward hook: this rank's memory budget for inputs shaped like the first batch
     (``zeroplus.estimate`` on the meta copy); rank 0 logs it. A model the estimator cannot run is trained
     anyway."""

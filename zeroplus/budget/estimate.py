@@ -155,8 +155,8 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
         states = model_state_bytes(model if not isinstance(model, torch.nn.Module) else _module_builder(model),
                                    cfg, world_size, rank)
     category_peaks = tracker.category_peaks  # while training; a save's copies are in checkpoint_copies
-    return MemoryBudget(rank, world_size, int(cfg.train_micro_batch_size_per_gpu),
-                        int(cfg.gradient_accumulation_steps), cfg.zero_optimization.stage, phases, states, kind,
+    return MemoryBudget(rank, world_size, cfg.train_micro_batch_size_per_gpu,
+                        cfg.gradient_accumulation_steps, cfg.zero_optimization.stage, phases, states, kind,
                         category_peaks, tracker.saved_for_backward, tracker.checkpoint_copies, _split(cfg, world_size))
 
 

@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..accelerator import Accelerator
 from ..activations import checkpointing
-from ..config import ConfigError, ZeroplusConfig, auto_keys, load_config, resolve_auto, resolve_batch
+from ..config import ConfigError, ZeroplusConfig, auto_keys, load_config, resolve_auto, resolve_batch, resolved
 from ..engine.build import build_engine, compute_dtype
 from ..engine.checkpoint import rank_state
 from ..ledger import Category, Ledger
@@ -258,7 +258,7 @@ def simulate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
         tracker.enter("init")
         resolve_batch(cfg, groups.data.size)
         resolve_auto(cfg, meta_model, False)
-        engine = build_engine(meta_model, cfg, groups.data, MetaAccelerator(), 0,
+        engine = build_engine(meta_model, resolved(cfg), groups.data, MetaAccelerator(), 0,
                               ledger=ledger, simulated=tracker, parallel=groups)
         tracker.runtime = runtime[0]
         mbs = int(engine.train_micro_batch_size_per_gpu())

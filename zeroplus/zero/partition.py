@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 
 from ..comm import DataParallelGroup
-from ..config import ZeroConfig
+from ..config import ResolvedZeroConfig
 from ..ledger import Ledger
 from ..offload.policies import MasterPolicy
 from .flat_group import FlatParamGroup
@@ -68,7 +68,7 @@ MAX_GROUPS_IN_FLIGHT = 2
 
 
 class ZeroPartition:
-    def __init__(self, model: torch.nn.Module, zero: ZeroConfig, dp: DataParallelGroup, ledger: Ledger,
+    def __init__(self, model: torch.nn.Module, zero: ResolvedZeroConfig, dp: DataParallelGroup, ledger: Ledger,
                  compute_dtype: torch.dtype, param_group_of: dict[int, int],
                  unit_class_names: list[str] | None = None, gradient_accumulation_steps: int = 1,
                  master: MasterPolicy = MasterPolicy(), experts: ExpertSplit | None = None) -> None:
@@ -97,7 +97,7 @@ class ZeroPartition:
                     group.expert, group.file_ranks = True, experts.data_ranks()  # type: ignore[union-attr]
                 groups.append(group)
             unit = Unit(index=index, name=name, module=module, groups=groups, is_root=(module is model))
-            if self.stage == 3 and unit.numel <= int(zero.stage3_param_persistence_threshold):
+            if self.stage == 3 and unit.numel <= zero.stage3_param_persistence_threshold:
                 unit.persistent = True
                 unit.wait_gather()
             self.units.append(unit)
@@ -105,7 +105,7 @@ class ZeroPartition:
         self.groups: list[FlatParamGroup] = [g for u in self.units for g in u.groups]
         overlap = True if zero.overlap_comm is None else zero.overlap_comm
         accumulate_fp32 = self.stage >= 2 and gradient_accumulation_steps > 1
-        self.reducer = GradReducer(self.stage, dp, int(zero.reduce_bucket_size), zero.reduce_scatter, overlap, ledger,
+        self.reducer = GradReducer(self.stage, dp, zero.reduce_bucket_size, zero.reduce_scatter, overlap, ledger,
                                    accumulate_fp32)
         self._in_flight: collections.deque[FlatParamGroup] = collections.deque()
         self.reduce_this_backward = True
@@ -121,7 +121,7 @@ class ZeroPartition:
             for unit in self.units:  # its forward, and any state_dict() for all of them, even called on the model
                 self._hooks.append(unit.module.register_forward_pre_hook(self._make_wait_hook(unit)))
             self._hooks.append(model.register_state_dict_pre_hook(lambda *args: self.wait_all()))
-        self.stage3 = (Stage3Scheduler(self.units[:-1], self.root, None if prefetch is None else int(prefetch))
+        self.stage3 = (Stage3Scheduler(self.units[:-1], self.root, prefetch)
                        if self.stage == 3 else None)
         if self.stage == 3:
             self._hooks += install_state_dict_hooks(model, self.units)

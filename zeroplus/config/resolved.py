@@ -1,0 +1,103 @@
+"""The resolved config: what the layers below ``zeroplus.initialize`` receive.
+
+A parsed ``ZeroplusConfig`` may still say ``"auto"`` (batch sizes, ZeRO stage, bucket sizes, offload
+ratio, shared master weights, resize recompute, fp16/bf16) or leave the batch triple unset. The top
+layer resolves them (``resolve.py``, the planner) and then calls ``resolved(cfg)``: a
+``ResolvedConfig``, whose field types hold no ``"auto"`` and no unset batch size, so the engine,
+partitioning and the budget's simulation read plain ints, floats and bools. Resolving twice is
+harmless; a key still ``"auto"`` is a ``ConfigError`` naming it.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import Field
+
+from .blocks import (
+    BF16Config,
+    FP16Config,
+    NonNegativeFloat,
+    NonNegativeInt,
+    OffloadOptimizerConfig,
+    PositiveInt,
+    ResizeRecomputeConfig,
+    ZeroConfig,
+    ZeroplusBlock,
+)
+from .keys import ConfigError
+from .model import ZeroplusConfig
+
+
+class ResolvedFP16Config(FP16Config):
+    enabled: bool = False
+
+
+class ResolvedBF16Config(BF16Config):
+    enabled: bool = False
+
+
+class ResolvedOffloadOptimizerConfig(OffloadOptimizerConfig):
+    ratio: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
+
+
+class ResolvedZeroConfig(ZeroConfig):
+    stage: Annotated[int, Field(ge=0, le=3)] = 0
+    reduce_bucket_size: PositiveInt = 500_000_000
+    stage3_prefetch_bucket_size: NonNegativeInt | None = None
+    stage3_param_persistence_threshold: NonNegativeInt = 100_000
+    offload_optimizer: ResolvedOffloadOptimizerConfig | None = None
+
+
+class ResolvedResizeRecomputeConfig(ResizeRecomputeConfig):
+    enabled: bool = False
+
+
+class ResolvedZeroplusBlock(ZeroplusBlock):
+    shared_master_weights: bool = False
+    resize_recompute: ResolvedResizeRecomputeConfig = Field(default_factory=ResolvedResizeRecomputeConfig)
+
+
+class ResolvedConfig(ZeroplusConfig):
+    """A config with every ``"auto"`` resolved and the batch triple set."""
+
+    train_batch_size: PositiveInt
+    train_micro_batch_size_per_gpu: PositiveInt
+    gradient_accumulation_steps: PositiveInt
+    gradient_clipping: NonNegativeFloat = 0.0
+    fp16: ResolvedFP16Config = Field(default_factory=ResolvedFP16Config)
+    bf16: ResolvedBF16Config = Field(default_factory=ResolvedBF16Config)
+    zero_optimization: ResolvedZeroConfig = Field(default_factory=ResolvedZeroConfig)
+    zeroplus: ResolvedZeroplusBlock = Field(default_factory=ResolvedZeroplusBlock)
+
+
+_BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def _unresolved(data: Any, path: str) -> list[str]:
+    if isinstance(data, dict):
+        return [k for key, value in data.items() if key != "params" for k in _unresolved(value, f"{path}{key}.")]
+    return [path[:-1]] if data == "auto" else []
+
+
+def resolved_zero(zero: ZeroConfig) -> ResolvedZeroConfig:
+    """The ``zero_optimization`` block alone, resolved (the budget's model-state count has no batch)."""
+    if isinstance(zero, ResolvedZeroConfig):
+        return zero
+    left = _unresolved(zero.model_dump(), "zero_optimization.")
+    if left:
+        raise ConfigError(f"config keys {left} are still 'auto': give them values, or let the planner choose "
+                          f"within 'zeroplus.memory_budget'")
+    return ResolvedZeroConfig.model_validate(zero.model_dump())
+
+
+def resolved(cfg: ZeroplusConfig) -> ResolvedConfig:
+    """``cfg`` as a ``ResolvedConfig`` (a copy; ``cfg`` itself when it already is one)."""
+    if isinstance(cfg, ResolvedConfig):
+        return cfg
+    data = cfg.model_dump()
+    left = _unresolved(data, "") + [key for key in _BATCH if data[key] is None]
+    if left:
+        raise ConfigError(f"config keys {left} are still 'auto' or unset after resolution: give them values "
+                          f"(the batch triple needs two of its three keys; 'auto' keys of the ZeRO block, "
+                          f"offload and memory techniques are chosen within 'zeroplus.memory_budget')")
+    return ResolvedConfig.model_validate(data)
