@@ -145,3 +145,20 @@ def test_deepspeed_tensor_parallel_size_is_the_tensor_size():
     assert parse_config({"zeroplus": {"parallel": {"tensor": 2}}})[0].tensor_parallel.autotp_size == 2
     with pytest.raises(ConfigError, match=r"'tensor_parallel.autotp_size' \(2\) and 'zeroplus.parallel.tensor' \(4\)"):
         parse_config({"tensor_parallel": {"autotp_size": 2}, "zeroplus": {"parallel": {"tensor": 4}}})
+
+
+def test_resolved_config_has_no_auto_and_names_what_is_left():
+    """After resolution the layers below the top get a ResolvedConfig: plain values in every field that could
+    say 'auto'; a key left 'auto' (or an unset batch triple) is an error naming it."""
+    from zeroplus.config import ResolvedConfig, resolved
+    cfg, _ = parse_config({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+                           "zeroplus": {"shared_master_weights": "auto"}})
+    with pytest.raises(ConfigError, match=r"\['zeroplus.shared_master_weights', 'train_batch_size', "
+                                          r"'gradient_accumulation_steps'\]"):
+        resolved(cfg)
+    cfg.zeroplus.shared_master_weights = False
+    resolve_batch(cfg, 4)
+    out = resolved(cfg)
+    assert isinstance(out, ResolvedConfig) and resolved(out) is out
+    assert (out.train_batch_size, out.gradient_accumulation_steps, out.zero_optimization.stage) == (8, 1, 2)
+    assert out.model_dump() == cfg.model_dump()
