@@ -34,9 +34,6 @@ from zeroplus.zero.flat_group import FlatParamGroup
 from . import checkpoint_io as io
 from .safe_load import check_loadable, numpy_rng_from_file, numpy_rng_to_file
 
-# Param-group keys that choose torch's implementation, not the math: this engine keeps its own.
-_KERNEL_SWITCHES = frozenset({"fused", "foreach", "capturable", "differentiable"})
-
 if TYPE_CHECKING:
     from .engine import Engine
 

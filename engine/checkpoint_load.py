@@ -28,7 +28,7 @@ from zeroplus.ledger import Category
 from zeroplus.zero.flat_group import FlatParamGroup
 
 from . import checkpoint_io as io
-from .checkpoint import _KERNEL_SWITCHES, _global_rank, _model_part, _set_rng_state, _topology, _world
+from .checkpoint import _global_rank, _model_part, _set_rng_state, _topology, _world
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("zeroplus.checkpoint")
 
 _COUNTERS = ("global_steps", "micro_steps", "global_samples", "skipped_steps")
+# Param-group keys that choose torch's implementation, not the math: this engine keeps its own.
+_KERNEL_SWITCHES = frozenset({"fused", "foreach", "capturable", "differentiable"})
 
 
 class CheckpointLoadError(ValueError):

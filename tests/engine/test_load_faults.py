@@ -50,9 +50,8 @@ def _config(stage: int) -> dict:
             "zeroplus": {"log_level": "error", "memory_estimate": False}}
 
 
-def plant(path: str, marker: str) -> None:
-    """Replace a rank file by a crafted pickle and rewrite its digest in metadata.json."""
-    torch.save({"groups": Planted(marker)}, path)
+def _rewrite_digest(path: str) -> None:
+    """Record ``path``'s new SHA-256 in its metadata.json, as whoever changed the file would."""
     meta_path = os.path.join(os.path.dirname(path), "metadata.json")
     with open(meta_path) as f:
         meta = json.load(f)
@@ -60,6 +59,12 @@ def plant(path: str, marker: str) -> None:
         meta["files"][str(int(os.path.basename(path)[4:9]))] = hashlib.sha256(f.read()).hexdigest()
     with open(meta_path, "w") as f:
         json.dump(meta, f)
+
+
+def plant(path: str, marker: str) -> None:
+    """Replace a rank file by a crafted pickle and rewrite its digest in metadata.json."""
+    torch.save({"groups": Planted(marker)}, path)
+    _rewrite_digest(path)
 
 
 def _corrupt(path: str) -> None:
@@ -73,13 +78,7 @@ def _wrong_buffer(path: str) -> None:
     state = torch.load(path, weights_only=True)
     state["module_extra"]["frozen.weight"] = torch.zeros(3, 3)
     torch.save(state, path)
-    meta_path = os.path.join(os.path.dirname(path), "metadata.json")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    with open(path, "rb") as f:
-        meta["files"]["0"] = hashlib.sha256(f.read()).hexdigest()
-    with open(meta_path, "w") as f:
-        json.dump(meta, f)
+    _rewrite_digest(path)
 
 
 FAULTS = {  # name: (file broken, how)
