@@ -114,9 +114,9 @@ class Engine:
     @property
     def module(self) -> torch.nn.Module:
         """The wrapped model, its parameters current: the post-step all-gathers (stages 1-2) are waited
-        for first, so user code reading or saving it never sees a mix of old and new weights. (Hold the
-        engine, not the model object, to get this guarantee; at stage 3 ``state_dict()`` gathers, see
-        ``zeroplus/zero/stage3_state_dict.py``.)"""
+        for first, so user code reading or saving it never sees a mix of old and new weights. (The model
+        object's own ``state_dict()`` and forward wait too; reading its parameter tensors directly does not.
+        At stage 3 ``state_dict()`` gathers: ``zeroplus/zero/stage3_state_dict.py``.)"""
         self._partition.wait_all()
         return self._module
 
