@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from ..ledger import Category, Ledger
+from zeroplus.ledger import Category, Ledger
 
 ALIGN = 4096
 MIN_BYTES = 1 << 16  # smaller tensors stay buffered: alignment padding would dominate

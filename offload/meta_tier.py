@@ -23,7 +23,8 @@ import weakref
 
 import torch
 
-from ..ledger import Category, Ledger
+from zeroplus.ledger import Category, Ledger
+
 from . import direct_io
 from .tier_tensor import _Done
 from .tiers import Stored

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from ..ledger import Category, Ledger
+from zeroplus.ledger import Category, Ledger
+
 from .tiers import Stored
 
 

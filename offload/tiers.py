@@ -37,8 +37,9 @@ from typing import Any
 
 import torch
 
-from ..accelerator import Accelerator
-from ..ledger import Category, Ledger
+from zeroplus.accelerator import Accelerator
+from zeroplus.ledger import Category, Ledger
+
 from . import direct_io, integrity
 
 logger = logging.getLogger("zeroplus.offload")

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..ledger import Category, Ledger
+from zeroplus.ledger import Category, Ledger
 
 TECHNIQUE = "virtual_optimizer_states"
 
