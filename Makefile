@@ -20,10 +20,12 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy zeroplus
 	DS_ACCELERATOR=cpu $(PY) -m pytest -q tests $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy zeroplus
 
 bench: $(STAMP)
 	DS_ACCELERATOR=cpu $(PY) bench/bench_zero.py $(ARGS)

@@ -20,7 +20,7 @@ setup(
         "deepspeed": ["deepspeed==0.19.8"],
         "npu": ["torch_npu"],
         "plotting": ["matplotlib"],
-        "test": ["pytest>=7", "pytest-timeout", "ruff"],
+        "test": ["pytest>=7", "pytest-timeout", "ruff", "mypy==2.4.1"],
     },
     entry_points={"console_scripts": ["zeroplus=zeroplus.cli:main"]},
 )

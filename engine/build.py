@@ -36,9 +36,9 @@ from zeroplus.parallel.tensor_layers import is_tensor_parallel
 from zeroplus.parallel.topology import check_supported
 from zeroplus.zero import ShardedStep, ZeroPartition
 from zeroplus.zero.partition import ExpertSplit
-from zeroplus.zero.sharded_step import ModelParallelNorm
+from zeroplus.zero.sharded_step import ModelParallelNorm, StepPolicy
 
-from .engine import Engine
+from .engine import Engine, TrainingParts
 from .loss_scaler import LossScaler
 
 logger = logging.getLogger("zeroplus.engine")
@@ -126,24 +126,28 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Any, accel: Ac
     except OSError as err:  # writing the offloaded shards failed (a full disk)
         if param_offload is None:
             raise
+        block = cfg.zero_optimization.offload_param
         raise ConfigError(f"config key 'zero_optimization.offload_param.nvme_path' "
-                          f"({cfg.zero_optimization.offload_param.nvme_path!r}) on rank {dp.rank}: {err}") from None
+                          f"({block.nvme_path if block else None!r}) on rank {dp.rank}: {err}") from None
     opt, scheduler = _optimizer_and_schedule(cfg, partition, groups, optimizer, lr_scheduler, simulated)
-    step = ShardedStep(partition, opt, cfg.gradient_clipping, dp, ledger, cfg.zeroplus.master_step_chunk,
-                       _optimizer_offload(cfg, accel, ledger, opt, sum(g.owned_numel for g in partition.groups)),
-                       _virtual_states(cfg, accel, opt),
-                       ModelParallelNorm(parallel.model, parallel.tensor.size, is_tensor_parallel)
-                       if model_parallel else None, parallel.expert if experts is not None else None)
+    step = ShardedStep(partition, opt, dp, ledger, StepPolicy(
+        gradient_clipping=cfg.gradient_clipping, master_chunk_numel=cfg.zeroplus.master_step_chunk,
+        offload=_optimizer_offload(cfg, accel, ledger, opt, sum(g.owned_numel for g in partition.groups)),
+        virtual_kernels=_virtual_states(cfg, accel, opt),
+        model_parallel=ModelParallelNorm(parallel.model, parallel.tensor.size, is_tensor_parallel)
+        if parallel is not None and model_parallel else None,
+        expert_group=parallel.expert if parallel is not None and experts is not None else None))
     log_rank0("%s; compute dtype %s; optimizer %s; micro-batch %s x accumulation %s x dp %d = batch %s",
               partition.describe().splitlines()[0], str(dtype).replace("torch.", ""), type(opt).__name__,
               cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, dp.size, cfg.train_batch_size)
-    if split:
+    if split and parallel is not None:
         log_rank0("%s", parallel.describe())
         if cfg.zeroplus.memory_estimate and pipelined:
             log_rank0("memory estimate: not made for a pipeline stage at initialize (it needs every stage's shapes; "
                       "zeroplus estimate with a model factory predicts it); the report shows what is measured")
-    engine = Engine(model, cfg, partition, step, opt, scheduler, LossScaler(cfg.fp16), dp, ledger, accel,
-                    rss_at_start - model_bytes, _activation_techniques(model, cfg, ledger, accel))
+    parts = TrainingParts(partition, step, opt, scheduler, LossScaler(cfg.fp16),
+                          _activation_techniques(model, cfg, ledger, accel))
+    engine = Engine(model, cfg, parts, dp, ledger, accel, rss_at_start - model_bytes)
     engine.parallel = parallel
     return engine
 

@@ -22,7 +22,7 @@ import json
 import logging
 import os
 import shutil
-from typing import Any, BinaryIO
+from typing import IO, Any, BinaryIO, cast
 
 import torch
 
@@ -87,7 +87,7 @@ def save_rank_state(directory: str, rank: int, state: dict[str, Any], global_ran
     try:
         with open(path, "wb") as f:
             out = _HashingFile(f)
-            torch.save(state, out)
+            torch.save(state, cast(IO[bytes], out))  # (torch only calls write and flush)
             f.flush()
             os.fsync(f.fileno())
     except (OSError, RuntimeError) as err:  # torch.save reports a failed write as RuntimeError

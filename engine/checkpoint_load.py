@@ -168,7 +168,7 @@ def _plan_group(engine: Engine, g: FlatParamGroup, sources: dict[str, tuple[dict
 
 
 def _check_extra(engine: Engine, extra: dict[str, torch.Tensor], where: str) -> None:
-    targets = dict(engine.module.named_parameters())
+    targets: dict[str, torch.Tensor] = dict(engine.module.named_parameters())
     targets.update(dict(engine.module.named_buffers()))
     wrong = [f"{n}: checkpoint {tuple(v.shape)} vs model {tuple(targets[n].shape)}" for n, v in extra.items()
              if n in targets and targets[n].shape != v.shape]
@@ -239,12 +239,13 @@ def _apply_tensors(engine: Engine, plan: _Plan) -> None:
             g = load.group
             for piece in load.pieces:
                 g.master_store.write(piece.at, piece.saved["master"][piece.src:piece.src + piece.numel])
-                for key, value in piece.saved["sliced"].items() if load.opt_state is not None else ():
-                    load.opt_state[key][piece.at:piece.at + piece.numel].copy_(
-                        value[piece.src:piece.src + piece.numel])
+                states = load.opt_state
+                if states is not None:
+                    for key, value in piece.saved["sliced"].items():
+                        states[key][piece.at:piece.at + piece.numel].copy_(value[piece.src:piece.src + piece.numel])
             if load.opt_state:
                 engine._step.load_state(g, load.opt_state)
-        targets = dict(engine.module.named_parameters())
+        targets: dict[str, torch.Tensor] = dict(engine.module.named_parameters())
         targets.update(dict(engine.module.named_buffers()))
         for name, value in plan.extra.items():
             if name in targets:

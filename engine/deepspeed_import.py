@@ -66,7 +66,8 @@ def _split_states(opt: dict[str, Any], numel: int) -> tuple[dict[str, torch.Tens
 
 def _stage12_groups(model: dict[str, Any], states: list[dict[str, Any]]) -> tuple[list, list, dict]:
     world = len(states)
-    groups_meta, per_rank = [], [dict() for _ in range(world)]
+    groups_meta: list = []
+    per_rank: list[dict[str, Any]] = [{} for _ in range(world)]
     for gi, shapes in enumerate(model["param_shapes"]):
         sizes = [s["single_partition_of_fp32_groups"][gi].numel() for s in states]
         starts = [r * sizes[0] for r in range(world)]
@@ -112,7 +113,8 @@ def _stage3_groups(src: str, model: dict[str, Any], states: list[dict[str, Any]]
                    paths: list[str]) -> tuple[list, list, dict]:
     world = len(states)
     shapes = {n: s for group in model["param_shapes"] for n, s in group.items()}
-    groups_meta, per_rank = [], [dict() for _ in range(world)]
+    groups_meta: list = []
+    per_rank: list[dict[str, Any]] = [{} for _ in range(world)]
     flats = [_stage3_rank_flat(s, p) for s, p in zip(states, paths)]
     offset = 0
     for name, shape in shapes.items():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -35,30 +36,41 @@ from .loss_scaler import LossScaler
 logger = logging.getLogger("zeroplus.engine")
 
 
+@dataclass(frozen=True)
+class TrainingParts:
+    """What ``build_engine`` assembles for an ``Engine`` to drive: the partition (flat buffers, masters,
+    shards), the step over it, the optimizer over the master shards, its schedule, the loss scaler, and
+    the saved-tensor router of the activation techniques (an empty router when none is on)."""
+
+    partition: ZeroPartition
+    step: ShardedStep
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any
+    loss_scaler: LossScaler
+    activations: SavedTensorRouter
+
 class Engine:
-    def __init__(self, module: torch.nn.Module, config: ResolvedConfig, partition: ZeroPartition,
-                 sharded_step: ShardedStep, optimizer: torch.optim.Optimizer, lr_scheduler: Any,
-                 loss_scaler: LossScaler, dp: DataParallelGroup, ledger: Ledger, accelerator: Accelerator,
-                 baseline_bytes: int, activations: SavedTensorRouter | None = None) -> None:
-        """``baseline_bytes``: the device's memory at ``initialize`` without the model's own bytes
-        (the peak above it is what ``zeroplus.estimate`` predicts)."""
+    def __init__(self, module: torch.nn.Module, config: ResolvedConfig, parts: TrainingParts, dp: DataParallelGroup,
+                 ledger: Ledger, accelerator: Accelerator, baseline_bytes: int) -> None:
+        """``parts``: what ``build_engine`` assembled. ``baseline_bytes``: the device's memory at
+        ``initialize`` without the model's own bytes (the peak above it is what ``zeroplus.estimate`` predicts)."""
         self._module = module
         self.config = config
-        self.optimizer = optimizer
-        self.lr_scheduler = lr_scheduler
-        self.loss_scaler = loss_scaler
+        self.optimizer = parts.optimizer
+        self.lr_scheduler = parts.lr_scheduler
+        self.loss_scaler = parts.loss_scaler
         self.dp = dp
         self.ledger = ledger
         self.accelerator = accelerator
-        self._partition = partition
-        self._step = sharded_step
+        self._partition = parts.partition
+        self._step = parts.step
         self._baseline = baseline_bytes
         # called once, before the first forward that trains (``zeroplus.initialize`` predicts the budget there)
         self._first_forward_hooks: list[Callable[[Engine, tuple[Any, ...], dict[str, Any]], None]] = []
         self.budget: Any = None  # the predicted ``zeroplus.MemoryBudget``, once a hook has set it
         self.parallel: Any = None  # the ParallelGroups when the model is split beyond dp (build_engine sets it)
         self._checkpoint_saved = False  # the report compares with the predicted peak that includes a save
-        self._activations = activations if activations is not None else SavedTensorRouter([])
+        self._activations = parts.activations
         self._no_sync = False
         # One backward() per micro-step, then step(); backwards inside no_sync() accumulate freely.
         self._backward_since_step = False  # any backward since the last step()

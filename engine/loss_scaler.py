@@ -17,7 +17,7 @@ from zeroplus.config import FP16Config
 class LossScaler:
     def __init__(self, fp16: FP16Config | None) -> None:
         enabled = fp16 is not None and fp16.enabled is True
-        self.dynamic = enabled and fp16.loss_scale == 0
+        self.dynamic = fp16 is not None and enabled and fp16.loss_scale == 0
         self.enabled = enabled
         if not enabled:
             self.scale = 1.0

@@ -72,7 +72,7 @@ def load_weights_only(source: str | BinaryIO | bytes, *, what: str, deepspeed: b
     """``torch.load`` with the weights-only unpickler (on CPU). ``what`` names the file in errors
     (its path, and whose it is); ``deepspeed``: also read DeepSpeed's pickled classes as ``Inert``."""
     stream: Any = io.BytesIO(source) if isinstance(source, bytes) else source
-    allowed = _DEEPSPEED_STANDINS if deepspeed else []
+    allowed: list[Any] = list(_DEEPSPEED_STANDINS) if deepspeed else []
     try:
         with torch.serialization.safe_globals(allowed):
             return torch.load(stream, map_location="cpu", weights_only=True)
@@ -91,7 +91,7 @@ def _refused_global(message: str) -> str:
     return tail.split(". Please use", 1)[0].splitlines()[0].strip() if tail else "unknown"
 
 
-def numpy_rng_to_file(state: tuple) -> tuple:
+def numpy_rng_to_file(state: Any) -> tuple:
     """``np.random.get_state()`` with its key array as a list of ints (the weights-only unpickler reads it)."""
     kind, keys, pos, has_gauss, cached = state
     return (kind, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached))

@@ -45,7 +45,7 @@ def probe(directory: str) -> bool:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
         try:
-            view = memoryview(buf.numpy())
+            view = buf.numpy().data
             return os.pwrite(fd, view, 0) == ALIGN and os.preadv(fd, [view], 0) == ALIGN
         finally:
             os.close(fd)
@@ -66,7 +66,7 @@ def write(path: str, host: torch.Tensor, ledger: Ledger) -> None:
     staging[flat.numel():].zero_()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
     try:
-        view = memoryview(staging.numpy())
+        view = staging.numpy().data
         done = 0
         while done < view.nbytes:
             done += os.pwrite(fd, view[done:], done)
@@ -79,7 +79,7 @@ def read(path: str, nbytes: int, ledger: Ledger) -> torch.Tensor:
     buf = aligned_empty(nbytes, ledger)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
-        got = os.preadv(fd, [memoryview(buf.numpy())], 0)
+        got = os.preadv(fd, [buf.numpy().data], 0)
     finally:
         os.close(fd)
     if got < nbytes:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 def crc32(host: torch.Tensor) -> int:
     """The CRC-32 of a contiguous CPU tensor's bytes."""
-    return zlib.crc32(memoryview(host.reshape(-1).view(torch.uint8).numpy()))
+    return zlib.crc32(host.reshape(-1).view(torch.uint8).numpy().data)
 
 
 def verify(path: str, host: torch.Tensor, expected: int, where: str = "") -> None:

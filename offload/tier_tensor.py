@@ -110,7 +110,7 @@ class HostTierTensor:
             values.record_stream(stream)
 
     def close(self) -> None:
-        self.data = None
+        del self.data  # (closed: nothing held)
 
 
 class FileTierTensor:
@@ -128,7 +128,7 @@ class FileTierTensor:
             os.close(self.fd)
             os.remove(self.path)
             raise OSError(err.errno, f"cannot reserve {self.nbytes} bytes in {tier.directory}: "
-                                     f"{os.strerror(err.errno)}") from None
+                                     f"{err.strerror}") from None
         self._writes: list[concurrent.futures.Future] = []
         # CRC-32 of the last write of each range (start, numel): a read of exactly that range checks it
         self._crc: dict[tuple[int, int], concurrent.futures.Future | int] = {(0, self.numel): _pwrite(
@@ -144,7 +144,7 @@ class FileTierTensor:
               crc: concurrent.futures.Future | int | None) -> torch.Tensor:
         for w in writes:
             w.result()
-        view = memoryview(host.view(torch.uint8).numpy())
+        view = host.view(torch.uint8).numpy().data
         got = os.preadv(self.fd, [view], a * self.itemsize)
         if got != view.nbytes:
             raise OSError(f"{self.path}: read {got} of {view.nbytes} bytes at element {a}")
@@ -186,7 +186,7 @@ def _pwrite(fd: int, holder: list[torch.Tensor], offset: int) -> int:
     holds the buffer once the write returns (the pool's work item keeps its arguments until a moment after
     the future completes, which kept a finished write's window buffer alive under load)."""
     host = holder.pop()
-    view = memoryview(host.view(torch.uint8).numpy())
+    view = host.view(torch.uint8).numpy().data
     done = 0
     while done < view.nbytes:
         done += os.pwrite(fd, view[done:], offset + done)

@@ -62,6 +62,7 @@ class Stored:
 
 class HostTier:
     name = "host"
+    directory: str | None = None  # (a file tier's folder; host memory has none)
 
     def __init__(self, accelerator: Accelerator, ledger: Ledger) -> None:
         self.accel = accelerator
@@ -173,7 +174,7 @@ class FileTier:
         else:
             buf = self.ledger.empty(stored.nbytes, torch.uint8, Category.OFFLOAD_BUFFER)
             with open(stored.data, "rb") as f:
-                if f.readinto(memoryview(buf.numpy())) != stored.nbytes:
+                if f.readinto(buf.numpy().data) != stored.nbytes:
                     raise OSError(f"swap file {stored.data} is shorter than the {stored.nbytes} bytes written")
         integrity.verify(stored.data, buf, written_crc)
         os.remove(stored.data)
@@ -206,7 +207,7 @@ def _write(path: str, holder: list[torch.Tensor]) -> int:
     """Write ``holder``'s one tensor to ``path``, emptying ``holder`` (see ``tier_tensor._pwrite``); its CRC-32."""
     host = holder.pop()
     with open(path, "wb") as f:
-        f.write(memoryview(host.reshape(-1).view(torch.uint8).numpy()))
+        f.write(host.reshape(-1).view(torch.uint8).numpy().data)
     return integrity.crc32(host)
 
 

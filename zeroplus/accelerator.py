@@ -11,7 +11,7 @@ import contextlib
 import functools
 import os
 import resource
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -67,9 +67,8 @@ class Accelerator:
     def new_event(self) -> Any:
         return _NullEvent()
 
-    @contextlib.contextmanager
-    def stream(self, stream: Any) -> Iterator[None]:
-        yield
+    def stream(self, stream: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     def synchronize(self) -> None:
         return None

@@ -30,7 +30,7 @@ def read_corpus(path: str | None, max_bytes: int = 8 << 20) -> torch.Tensor:
     if not root.exists():
         raise ValueError(f"--data {str(root)!r} does not exist")
     out = torch.empty(max_bytes, dtype=torch.uint8)
-    view, total = memoryview(out.numpy()), 0
+    view, total = out.numpy().data, 0
     for f in _text_files(root):
         try:
             with open(f, "rb") as handle:

@@ -16,8 +16,8 @@ class _RankFilter(logging.Filter):
     """Tags records with the rank; config resolutions are the same on every rank, so only rank 0 logs them."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        record.rank = rank()
-        return not (record.name == "zeroplus.config" and record.rank != 0)
+        record.__dict__["rank"] = this_rank = rank()  # read by the format's %(rank)s
+        return not (record.name == "zeroplus.config" and this_rank != 0)
 
 
 def setup_logging(level: str = "info") -> None:

@@ -64,10 +64,10 @@ class MemoryReport:
     @property
     def peak_error_pct(self) -> float | None:
         """(predicted - measured) / measured device peak, in percent."""
-        if self.predicted is None or self.process_peak_above_start_bytes <= 0:
+        predicted, measured = self.predicted_peak_bytes, self.process_peak_above_start_bytes
+        if predicted is None or measured <= 0:
             return None
-        measured = self.process_peak_above_start_bytes
-        return 100.0 * (self.predicted_peak_bytes - measured) / measured
+        return 100.0 * (predicted - measured) / measured
 
     def save_chart(self, path: str) -> str:
         """A PNG of predicted beside measured peaks per category (``zeroplus[plotting]``)."""
@@ -75,9 +75,10 @@ class MemoryReport:
 
     def peak_line(self) -> str:
         line = f"memory peak {self.process_peak_above_start_bytes / 2**30:.3f} GiB"
-        if self.predicted is not None:
+        predicted = self.predicted_peak_bytes
+        if predicted is not None:
             error = self.peak_error_pct
-            line += (f", predicted {self.predicted_peak_bytes / 2**30:.3f} GiB in {self.predicted_peak_phase}"
+            line += (f", predicted {predicted / 2**30:.3f} GiB in {self.predicted_peak_phase}"
                      + (f" ({error:+.1f}%)" if error is not None else ""))
         return line
 
@@ -95,10 +96,10 @@ class MemoryReport:
                 line += f" {_mib(peaks.get(cat.value, 0))}{_pct(peaks.get(cat.value, 0), b['peak_bytes'])}"
             lines.append(line)
         lines.append(f"  {'total (ledger)':<16}{_mib(self.total['live_bytes'])}{_mib(self.total['peak_bytes'])}")
+        predicted = self.predicted_peak_bytes
         lines.append(f"  {'device peak above start':<26}{_mib(self.process_peak_above_start_bytes)}"
-                     + (f" {_mib(self.predicted_peak_bytes)}"
-                        f"{_pct(self.predicted_peak_bytes, self.process_peak_above_start_bytes)}"
-                        f"  (predicted in {self.predicted_peak_phase})" if self.predicted else ""))
+                     + (f" {_mib(predicted)}{_pct(predicted, self.process_peak_above_start_bytes)}"
+                        f"  (predicted in {self.predicted_peak_phase})" if predicted is not None else ""))
         if self.saved:
             lines.append(f"  {'not held, by technique':<30}{'live':>10}{'peak':>10}")
             for key, b in self.saved.items():

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,11 +57,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"zeroplus train: config {config} splits experts over {parallel.expert} ranks; give "
                          f"--experts N with N a multiple of {parallel.expert} (got {args.experts})")
     moe = dict(moe_experts=args.experts, moe_k=min(2, args.experts)) if args.experts else {}
-    model = GPT(gpt_config(args.size, block_size=max(args.seq_len, 64), **moe))
-    n_params = sum(p.numel() * (parallel.expert if is_expert(p) else 1) for p in model.parameters())  # all experts
+    gpt = GPT(gpt_config(args.size, block_size=max(args.seq_len, 64), **moe))
+    n_params = sum(p.numel() * (parallel.expert if is_expert(p) else 1) for p in gpt.parameters())  # all experts
     settings = parse_config(config)[0].zeroplus.parallel
     # this rank's part: tensor slices, pipeline stage (batches then run through engine.train_batch)
-    model = split_gpt(model, sequence_parallel=settings.sequence_parallel, overlap_chunks=settings.overlap_chunks)
+    model = split_gpt(gpt, sequence_parallel=settings.sequence_parallel, overlap_chunks=settings.overlap_chunks)
     engine = zeroplus.initialize(model, config)
     rank = engine.dp.rank  # the data rank picks the batches
     main_rank = not dist.is_initialized() or dist.get_rank() == 0  # prints (tensor ranks share a data rank)
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         held = [engine.eval_batch(iter([data.eval_batch(i)] * gas)).item() if parallel.pipeline > 1
                 else engine(*data.eval_batch(i)).item() for i in range(4)]
     saved = engine.save_checkpoint(args.save_dir) if args.save_dir else None
-    reports = [None] * (dist.get_world_size() if dist.is_initialized() else 1)  # after the save: it counts
+    reports: list[Any] = [None] * (dist.get_world_size() if dist.is_initialized() else 1)  # after the save: it counts
     report = dict(engine.memory_report().to_dict(), rank=dist.get_rank() if dist.is_initialized() else 0)
     if dist.is_initialized():
         dist.all_gather_object(reports, report)

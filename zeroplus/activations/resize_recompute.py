@@ -126,7 +126,7 @@ class ResizeRecompute:
         record.unpacked += 1
         if record.unpacked == record.packed:  # its last consumer: let autograd free it as usual
             self._records.pop(record.key, None)
-            record.args = record.output = None
+            del record.args, record.output  # (the record is done: drop its references)
         return alias
 
     def _restore(self, record: _Record) -> None:

@@ -36,6 +36,7 @@ from typing import Any, Callable
 import torch
 
 from ..accelerator import get_accelerator
+from ..config import ZeroplusConfig
 from ..memory_view import CATEGORIES, LABELS, budget_chart
 from ..parallel.groups import current_groups, parallel_groups
 from .model_states import model_state_bytes
@@ -123,7 +124,7 @@ class MemoryBudget:
         return budget_chart(self, path)
 
 
-def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dict[str, Any] | str, *,
+def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dict[str, Any] | str | ZeroplusConfig, *,
              world_size: int, rank: int = 0, micro_batch_size: int | None = None, seq_len: int | None = None,
              example_inputs: tuple[Any, ...] | None = None, example_kwargs: dict[str, Any] | None = None,
              loss_fn: Callable[[Any], torch.Tensor] = default_loss, accelerator: str | None = None) -> MemoryBudget:

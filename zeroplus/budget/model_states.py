@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import ZeroplusConfig, load_config
+from ..config import ZeroplusConfig, load_config, resolved_zero
 from ..engine.build import compute_dtype, expert_split, make_partition
 from ..ledger import Category, Ledger
 from ..offload.disk_space import states_per_element
@@ -49,7 +49,7 @@ def model_state_bytes(build_model: Callable[[], torch.nn.Module], config: dict[s
     ledger = Ledger()
     partition = make_partition(model, cfg, groups.data, ledger, dtype, group_of, None, expert_split(groups))
     out = {c.value: ledger.live_bytes(c) for c in (Category.PARAM, Category.PARAM_GATHERED, Category.MASTER)}
-    zero = cfg.zero_optimization
+    zero = resolved_zero(cfg.zero_optimization)  # make_partition refused anything still 'auto'
     if zero.stage == 3 and zero.offloads_params:
         out["master_offloaded"], out["master"] = out["master"], 0  # on the tier, not the device
     if cfg.optimizer is not None:
@@ -58,9 +58,9 @@ def model_state_bytes(build_model: Callable[[], torch.nn.Module], config: dict[s
         per_element = 4 * states_per_element(opt)
         owned = [g.owned_numel for g in partition.groups]
         resident = sum(owned)
-        if zero.offloads_optimizer and zero.stage > 0:  # the engine's own sub-group plan
-            assert zero.offload_optimizer is not None
-            plan = plan_sub_groups(owned, int(zero.sub_group_size), zero.offload_optimizer.ratio)
+        offload = zero.offload_optimizer
+        if offload is not None and zero.offloads_optimizer and zero.stage > 0:  # the engine's own sub-group plan
+            plan = plan_sub_groups(owned, zero.sub_group_size, offload.ratio)
             resident = sum(chunks[k][1] - chunks[k][0] for chunks, kept in plan for k in range(kept))
             out["optim_state_offloaded"] = per_element * (sum(owned) - resident)
         out[Category.OPTIM_STATE.value] = per_element * resident

@@ -138,8 +138,8 @@ def cost(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int) -> floa
     moved = {0: 2 * c * params, 1: 2 * c * params, 2: (ga + 1) * c * params, 3: 3 * ga * c * params}[s.stage]
     seconds = ring * moved / BANDWIDTH["comm"]
     owned = params / (world_size if s.stage > 0 else 1)
-    if s.ratio is not None:
-        block = cfg.zero_optimization.offload_optimizer
+    block = cfg.zero_optimization.offload_optimizer
+    if s.ratio is not None and block is not None:
         seconds += 2 * s.ratio * owned * 8 / BANDWIDTH[block.device]  # AdamW's two states, read and written
     if s.shared:
         seconds += 8 * owned / BANDWIDTH["memory"]

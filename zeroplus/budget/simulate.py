@@ -142,11 +142,15 @@ def _pipeline_plan(model: Any, cfg: ZeroplusConfig, groups: Any, seq_len: int | 
                          "built to learn the shapes passed between stages), not one stage's module")
     probe = copy.deepcopy(cfg)
     resolve_batch(probe, groups.data.size)
+    batch = probe.train_micro_batch_size_per_gpu
     if example_inputs:
         micro = (example_inputs[0], example_inputs[1] if len(example_inputs) > 1 else None)
-    else:
-        tokens = torch.zeros(int(probe.train_micro_batch_size_per_gpu), seq_len, dtype=torch.long, device="meta")
+    elif isinstance(batch, int) and seq_len is not None:
+        tokens = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
         micro = (tokens, tokens)
+    else:
+        raise ConfigError(f"a pipeline-parallel estimate needs example_inputs, or seq_len ({seq_len}) and a "
+                          f"micro-batch size (train_micro_batch_size_per_gpu is {batch})")
     return micro, boundary_shapes(model, groups, compute_dtype(cfg), micro[0])
 
 
@@ -216,7 +220,7 @@ def token_inputs(model: torch.nn.Module, micro_batch_size: int, seq_len: int) ->
     return (tokens, tokens) if len(params) >= 2 and params[1] in ("targets", "labels") else (tokens,)
 
 
-def simulate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dict[str, Any] | str,
+def simulate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dict[str, Any] | str | ZeroplusConfig,
              world_size: int, rank: int = 0, *, micro_batch_size: int | None = None, seq_len: int | None = None,
              example_inputs: tuple[Any, ...] | None = None, example_kwargs: dict[str, Any] | None = None,
              loss_fn: Callable[[Any], torch.Tensor] = default_loss, steps: int = 2,
@@ -262,7 +266,7 @@ def simulate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
                               ledger=ledger, simulated=tracker, parallel=groups)
         tracker.runtime = runtime[0]
         mbs = int(engine.train_micro_batch_size_per_gpu())
-        if example_inputs is not None or kwargs:
+        if example_inputs is not None or kwargs or seq_len is None:  # (seq_len None: refused without them)
             inputs = _meta(tuple(example_inputs or ()), memo)
         else:
             inputs = token_inputs(meta_model, mbs, seq_len)

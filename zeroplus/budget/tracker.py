@@ -127,7 +127,7 @@ class MemoryTracker(TorchDispatchMode):
             return out
 
         self._resize = original
-        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> Any:

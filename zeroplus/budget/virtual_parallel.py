@@ -19,12 +19,13 @@ Memory: none (meta tensors); time: one meta forward per pipeline stage, once.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 
 from ..config import ZeroplusConfig
 from ..parallel.groups import ParallelGroups, using
+from ..parallel.pipeline import PipelineModule
 from ..parallel.pipeline_schedule import _Links
 from ..parallel.topology import Topology
 from .virtual_group import VirtualGroup
@@ -63,7 +64,7 @@ def boundary_shapes(build: Callable[[], torch.nn.Module], groups: ParallelGroups
         stages.append((peer, module))
     shapes, x = {}, first_input
     with torch.no_grad():
-        for g in range(top.pipeline * stages[0][1].virtual_stages):
+        for g in range(top.pipeline * cast(PipelineModule, stages[0][1]).virtual_stages):
             peer, module = stages[g % top.pipeline]
             if g > 0:
                 shapes[g] = (tuple(x.shape), x.dtype)

@@ -26,8 +26,9 @@ def allowed_keys(model: type[BaseModel]) -> dict[str, str]:
         if field.alias:
             keys[field.alias] = name
         extras = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
-        for extra in extras.get("aliases", []):
-            keys[extra] = name
+        aliases = extras.get("aliases")
+        for extra in aliases if isinstance(aliases, list) else []:
+            keys[str(extra)] = name
     return keys
 
 

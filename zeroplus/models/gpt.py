@@ -47,7 +47,7 @@ _SIZES = {
 }
 
 
-def gpt_config(size: str, **overrides: int) -> GPTConfig:
+def gpt_config(size: str, **overrides: Any) -> GPTConfig:
     if size not in _SIZES:
         raise ValueError(f"unknown GPT size {size!r}; choose one of {sorted(_SIZES)}")
     return GPTConfig(**{**_SIZES[size], **overrides})

@@ -15,7 +15,7 @@ blocks 1/T of the heads and MLP width.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,7 @@ from ..parallel.tensor_layers import (
     mark_tensor_parallel,
     vocab_parallel_cross_entropy,
 )
-from .gpt import GPT, GPTConfig
+from .gpt import GPT, MLP, Block, GPTConfig
 
 
 def _norm(dim: int, sequence_parallel: bool, tp: DataParallelGroup) -> nn.LayerNorm:
@@ -47,9 +47,10 @@ class TensorParallelAttention(nn.Module):
         if cfg.n_head % tp.size:
             raise ValueError(f"GPT n_head = {cfg.n_head} does not split over a tensor-parallel group of {tp.size}")
         self.heads_per_rank, self.head_dim = cfg.n_head // tp.size, cfg.n_embd // cfg.n_head
-        opts = dict(sequence_parallel=sequence_parallel, overlap_chunks=chunks, tp=tp)
-        self.qkv = ColumnParallelLinear(cfg.n_embd, 3 * cfg.n_embd, **opts)
-        self.proj = RowParallelLinear(cfg.n_embd, cfg.n_embd, **opts)
+        self.qkv = ColumnParallelLinear(cfg.n_embd, 3 * cfg.n_embd, sequence_parallel=sequence_parallel,
+                                        overlap_chunks=chunks, tp=tp)
+        self.proj = RowParallelLinear(cfg.n_embd, cfg.n_embd, sequence_parallel=sequence_parallel,
+                                      overlap_chunks=chunks, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)  # (s, b, 3 * d/T): this rank's heads
@@ -63,10 +64,11 @@ class TensorParallelAttention(nn.Module):
 class TensorParallelMLP(nn.Module):
     def __init__(self, cfg: GPTConfig, tp: DataParallelGroup, sequence_parallel: bool, chunks: int) -> None:
         super().__init__()
-        opts = dict(sequence_parallel=sequence_parallel, overlap_chunks=chunks, tp=tp)
-        self.fc = ColumnParallelLinear(cfg.n_embd, 4 * cfg.n_embd, **opts)
+        self.fc = ColumnParallelLinear(cfg.n_embd, 4 * cfg.n_embd, sequence_parallel=sequence_parallel,
+                                       overlap_chunks=chunks, tp=tp)
         self.act = nn.GELU()
-        self.proj = RowParallelLinear(4 * cfg.n_embd, cfg.n_embd, **opts)
+        self.proj = RowParallelLinear(4 * cfg.n_embd, cfg.n_embd, sequence_parallel=sequence_parallel,
+                                      overlap_chunks=chunks, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(self.act(self.fc(x)))
@@ -102,19 +104,21 @@ class TensorParallelGPT(nn.Module):
         self.ln_f = _norm(cfg.n_embd, sequence_parallel, self.tp)
 
     @classmethod
-    def from_dense(cls, gpt: GPT, **kwargs: object) -> TensorParallelGPT:
+    def from_dense(cls, gpt: GPT, *, sequence_parallel: bool = False, overlap_chunks: int = 1,
+                   tp: DataParallelGroup | None = None) -> TensorParallelGPT:
         """This rank's slices of ``gpt``'s weights (heads, MLP width and vocabulary split)."""
         if gpt.config.moe_experts:
             raise ValueError(f"TensorParallelGPT has dense MLPs; this GPT's are mixtures of {gpt.config.moe_experts} "
                              f"experts (tensor-parallel experts are not built: split experts with "
                              f"zeroplus.parallel.expert instead)")
-        model = cls(gpt.config, **kwargs)  # type: ignore[arg-type]
+        model = cls(gpt.config, sequence_parallel=sequence_parallel, overlap_chunks=overlap_chunks, tp=tp)
         d, T = gpt.config.n_embd, model.tp.size
         with torch.no_grad():
             model.wte.load_dense(gpt.wte.weight)
             model.wpe.weight.copy_(gpt.wpe.weight)
             model.ln_f.load_state_dict(gpt.ln_f.state_dict())
-            for mine, dense in zip(model.blocks, gpt.blocks):
+            pairs = zip(cast("list[TensorParallelBlock]", list(model.blocks)), cast("list[Block]", list(gpt.blocks)))
+            for mine, dense in pairs:
                 mine.ln1.load_state_dict(dense.ln1.state_dict())
                 mine.ln2.load_state_dict(dense.ln2.state_dict())
                 # rank t's rows of q, k and v, next to each other, so a plain row split gives them to it
@@ -124,8 +128,9 @@ class TensorParallelGPT(nn.Module):
                                for t in range(T)])
                 mine.attn.qkv.load_dense(w, b)
                 mine.attn.proj.load_dense(dense.attn.proj.weight, dense.attn.proj.bias)
-                mine.mlp.fc.load_dense(dense.mlp.fc.weight, dense.mlp.fc.bias)
-                mine.mlp.proj.load_dense(dense.mlp.proj.weight, dense.mlp.proj.bias)
+                mlp = cast(MLP, dense.mlp)  # dense: MoE was refused above
+                mine.mlp.fc.load_dense(mlp.fc.weight, mlp.fc.bias)
+                mine.mlp.proj.load_dense(mlp.proj.weight, mlp.proj.bias)
         return model
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:

@@ -23,12 +23,13 @@ from .gpt_tp import TensorParallelGPT, tensor_parallel_pipeline_layers
 def split_gpt(gpt: GPT, *, sequence_parallel: bool = False, overlap_chunks: int = 1) -> nn.Module:
     """``gpt`` (built alike on every rank, e.g. from one seed) as this rank's part of it."""
     topology = parallel_groups().topology
-    model: nn.Module = gpt
+    tp_model = None
     if topology.tensor > 1:  # (refuses MoE blocks: tensor-parallel experts are not built)
-        model = TensorParallelGPT.from_dense(gpt, sequence_parallel=sequence_parallel, overlap_chunks=overlap_chunks)
+        tp_model = TensorParallelGPT.from_dense(gpt, sequence_parallel=sequence_parallel,
+                                                overlap_chunks=overlap_chunks)
     if topology.pipeline == 1:
-        return model
-    layers, loss_fn = (tensor_parallel_pipeline_layers(model) if topology.tensor > 1  # type: ignore[arg-type]
+        return tp_model if tp_model is not None else gpt
+    layers, loss_fn = (tensor_parallel_pipeline_layers(tp_model) if tp_model is not None
                        else (gpt_pipeline_layers(gpt), gpt_pipeline_loss))
     return PipelineModule(layers, loss_fn)
 

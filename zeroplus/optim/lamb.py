@@ -12,7 +12,7 @@ temporary per tensor stepped.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, overload
 
 import torch
 
@@ -35,6 +35,12 @@ class Lamb(torch.optim.Optimizer):
         """Declare that ``param`` is a flat shard holding these pieces of ``num_params`` parameters,
         whose norms are summed over ``dp`` (every rank passes the same ``num_params``)."""
         self._segments[id(param)] = (segments, num_params, dp)
+
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:

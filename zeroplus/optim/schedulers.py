@@ -78,10 +78,9 @@ class WarmupLR(_Schedule):
                  last_batch_iteration: int = -1) -> None:
         self.warmup_num_steps = _check_warmup(warmup_num_steps, warmup_type)
         self.warmup_type = warmup_type
-        if warmup_max_lr is None:
-            warmup_max_lr = [g["lr"] for g in optimizer.param_groups]
+        max_lr = warmup_max_lr if warmup_max_lr is not None else [g["lr"] for g in optimizer.param_groups]
         self.min_lrs = _per_group(optimizer, warmup_min_lr, "warmup_min_lr")
-        self.max_lrs = _per_group(optimizer, warmup_max_lr, "warmup_max_lr")
+        self.max_lrs = _per_group(optimizer, max_lr, "warmup_max_lr")
         super().__init__(optimizer, last_batch_iteration)
 
     def _gamma(self) -> float:

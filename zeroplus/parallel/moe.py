@@ -97,7 +97,8 @@ def _kept_pairs(kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(token, choice)`` indices where ``kept`` (n, k) is true. On the meta device (the memory estimate)
     routing has no data: every choice counts as kept, the most the index tensors can hold."""
     if kept.device.type != "meta":
-        return torch.nonzero(kept, as_tuple=True)
+        token, choice = torch.nonzero(kept, as_tuple=True)
+        return token, choice
     n, k = kept.shape
     return (torch.arange(n, device=kept.device).repeat_interleave(k), torch.arange(k, device=kept.device).repeat(n))
 

@@ -51,7 +51,8 @@ class PipelineModule(nn.Module):
         self.boundaries = bounds
         mine = [c * self.num_stages + self.stage for c in range(virtual_stages)]  # global chunk of each local one
         self.chunk_first = [bounds[g] for g in mine]  # first global layer of each local chunk
-        self.chunk_slices, kept, at = [], [], 0
+        kept: list[torch.nn.Module] = []
+        self.chunk_slices, at = [], 0
         for g in mine:
             kept.extend(layers[bounds[g]:bounds[g + 1]])
             self.chunk_slices.append((at, at + bounds[g + 1] - bounds[g]))

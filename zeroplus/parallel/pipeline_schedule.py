@@ -167,6 +167,8 @@ def train_batch(engine: Any, module: PipelineModule, data_iter: Iterator[Any], l
         engine.backward_stage(out, None if links.last(chunk) else links.recv_backward(out, chunk),
                               reduce=at == last_backward)
         if x is not None:  # before the step: the last one's norm waits for every stage's gradients
+            if x.grad is None:
+                raise RuntimeError(f"pipeline chunk {chunk}: micro-batch {i}'s input got no gradient to send back")
             links.send_backward(x.grad, chunk)
         if chunk == 0:  # this micro-batch's last backward on this rank
             phase("step")

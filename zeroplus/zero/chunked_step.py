@@ -53,7 +53,8 @@ class ChunkedStep:
         """One step of group ``g`` whose states live in ``self.tiered``, sub-group by sub-group."""
         states, param, opt, store = self.tiered[id(g)], g.master_param, self.optimizer, g.master_store
         copied = store.shared or store.tiered  # the master is read into a work buffer and written back
-        work = scratch = None
+        work: torch.Tensor | None = None
+        scratch: torch.Tensor | None = None
         if copied:
             work = self.ledger.empty(max(b - a for a, b in states.chunks), torch.float32, Category.MASTER,
                                      grad.device)
@@ -67,7 +68,7 @@ class ChunkedStep:
                 states.window.ahead(states, k)
                 if k + 1 < len(states.chunks):
                     store.prefetch_range(*states.chunks[k + 1])
-                values = store.read_into(a, b, work[:b - a], scratch) if copied else store.read(a, b)
+                values = store.read(a, b) if work is None else store.read_into(a, b, work[:b - a], scratch)
                 param.data, param.grad = values, grad[a:b]
                 opt.state[param] = states.get(k)
                 opt.step()

@@ -40,7 +40,7 @@ import torch
 from ..comm import DataParallelGroup, Handle
 from ..ledger import Category, Ledger
 from ..offload.policies import MasterPolicy
-from .master_store import FullMaster, SharedMaster
+from .master_store import FullMaster, MasterStore, SharedMaster
 from .tiered_master import TieredMaster
 
 
@@ -97,30 +97,25 @@ class FlatParamGroup:
         if master.shared:
             if compute_dtype != torch.bfloat16:
                 raise ValueError(f"shared-storage master weights need bf16 training, not {compute_dtype}")
-            if stage < 3:
-                self.shard = owned_view
-            else:
-                self.shard = ledger.empty(self.shard_numel, compute_dtype, Category.MASTER, self.device)
-                self.shard.copy_(owned_view)
+            high = owned_view if stage < 3 else self._own_copy(owned_view, self.shard_numel, compute_dtype)
+            self.shard = high
             low = ledger.zeros(self.owned_numel, torch.int16, Category.MASTER, self.device)
             if stage < 3:  # the fp32 master would be 4 bytes per owned element; the residual is 2
                 ledger.save("shared_master_weights", Category.MASTER, 2 * self.owned_numel)
-            self.master_store: FullMaster | SharedMaster | TieredMaster = SharedMaster(self.shard, low)
+            self.master_store: MasterStore = SharedMaster(high, low)
             placeholder = torch.empty(0, dtype=torch.float32, device=self.device)
             self.master_param = torch.nn.Parameter(placeholder, requires_grad=False)  # data swapped in by the step
         else:
-            if stage < 3:
-                self.shard = owned_view
-            elif compute_dtype == torch.float32:
-                self.shard = ledger.empty(self.shard_numel, compute_dtype, Category.MASTER, self.device)
-                self.shard.copy_(owned_view)
-            if compute_dtype == torch.float32:
-                self.master = self.shard  # no second copy: the fp32 shard is the master
+            if compute_dtype == torch.float32:  # no second copy: the fp32 shard is the master
+                whole = owned_view if stage < 3 else self._own_copy(owned_view, self.shard_numel, compute_dtype)
+                self.shard = whole
             else:
-                self.master = ledger.empty(self.owned_numel, torch.float32, Category.MASTER, self.device)
-                self.master.copy_(owned_view)
-            self.master_store = FullMaster(self.master, master.round_like_shared)
-            self.master_param = torch.nn.Parameter(self.master, requires_grad=False)
+                if stage < 3:
+                    self.shard = owned_view
+                whole = self._own_copy(owned_view, self.owned_numel, torch.float32)
+            self.master = whole
+            self.master_store = FullMaster(whole, master.round_like_shared)
+            self.master_param = torch.nn.Parameter(whole, requires_grad=False)
         if master.offload is not None:  # stage 3: the master shard is the parameter shard
             self.master_store = TieredMaster(self.master_store, master.offload.tier, ledger, master.offload.max_writes)
             self.shard = self.master = None
@@ -191,11 +186,16 @@ class FlatParamGroup:
         self.master_param.grad = None
         self.grads_seen = 0
 
+    def _own_copy(self, values: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A ledger-charged (``master``) copy of ``values`` in ``dtype``."""
+        out = self.ledger.empty(numel, dtype, Category.MASTER, self.device)
+        return out.copy_(values)
+
     # -- after the optimizer step -------------------------------------------------------------
     def master_to_params(self) -> Handle | None:
         """Write the stepped master into the compute-dtype parameters; start the all-gather (1, 2)."""
-        if self.stage == 3:
-            return None  # the next gather reads the master
+        if self.stage == 3 or self.shard is None:
+            return None  # stage 3: the next gather reads the master (stages 1-2 always hold a shard)
         with torch.no_grad():
             self.master_store.to_compute(self.shard)
         if self.stage in (1, 2):

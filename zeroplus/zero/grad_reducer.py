@@ -18,7 +18,7 @@ buckets not yet waited on. Communication: c * P bytes per group per reduction.
 """
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -79,8 +79,7 @@ class GradReducer:
         for c0, c1, inp in self._column_buckets(grad, s, cols):
             out = self.ledger.empty(c1 - c0, grad.dtype, Category.COMM_BUFFER, grad.device)
             target = master_grad[c0:c1]
-            group.pending.append(group.dp.reduce_scatter(
-                out, inp, on_done=lambda t=target, o=out: t.add_(o, alpha=scale)))
+            group.pending.append(group.dp.reduce_scatter(out, inp, on_done=_adder(target, out, scale)))
 
     def _reduce_scatter_direct(self, group: FlatParamGroup, grad: torch.Tensor, cols: int) -> None:
         """One reduction per step: the collective writes straight into the gradient shard
@@ -92,7 +91,7 @@ class GradReducer:
         scale = 1.0 / self.dp.size
         for c0, c1, inp in self._column_buckets(grad, s, cols):
             part = shard[c0:c1]
-            group.pending.append(group.dp.reduce_scatter(part, inp, on_done=lambda p=part: p.mul_(scale)))
+            group.pending.append(group.dp.reduce_scatter(part, inp, on_done=_scaler(part, scale)))
 
     def _all_reduce_keep_shard(self, group: FlatParamGroup, grad: torch.Tensor) -> None:
         master_grad = group.ensure_master_grad()
@@ -108,3 +107,17 @@ class GradReducer:
                     master_grad[s - lo:e - lo].add_(bucket[s - a:e - a], alpha=scale)
 
             group.pending.append(group.dp.all_reduce(bucket, on_done=keep))
+
+
+def _adder(target: torch.Tensor, source: torch.Tensor, scale: float) -> Callable[[], None]:
+    """``target += scale * source``, run when a reduction lands."""
+    def add() -> None:
+        target.add_(source, alpha=scale)
+    return add
+
+
+def _scaler(target: torch.Tensor, scale: float) -> Callable[[], None]:
+    """``target *= scale``, run when a reduction lands."""
+    def mul() -> None:
+        target.mul_(scale)
+    return mul

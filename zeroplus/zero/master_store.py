@@ -15,9 +15,31 @@ chunk into one bounded buffer (``chunked_step.py``).
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from ..kernels import bf16_split
+
+
+class MasterStore(Protocol):
+    """What the step, the gathers and checkpoints ask of a master store (whole, shared or tiered)."""
+
+    shared: bool
+    tiered: bool
+    numel: int
+
+    def prefetch(self) -> None: ...
+
+    def prefetch_range(self, a: int, b: int) -> None: ...
+
+    def read(self, a: int, b: int) -> torch.Tensor: ...
+
+    def read_into(self, a: int, b: int, out: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def write(self, at: int, values: torch.Tensor, scratch: torch.Tensor | None = None) -> None: ...
+
+    def to_compute(self, dst: torch.Tensor) -> torch.Tensor: ...
 
 
 class FullMaster:
@@ -38,7 +60,10 @@ class FullMaster:
     def read(self, a: int, b: int) -> torch.Tensor:
         return self.tensor[a:b]
 
-    def write(self, at: int, values: torch.Tensor) -> None:
+    def read_into(self, a: int, b: int, out: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+        return out.copy_(self.tensor[a:b])
+
+    def write(self, at: int, values: torch.Tensor, scratch: torch.Tensor | None = None) -> None:
         self.tensor[at:at + values.numel()].copy_(values)
 
     def to_compute(self, dst: torch.Tensor) -> torch.Tensor:
@@ -61,8 +86,11 @@ class SharedMaster:
         self.high, self.low = high, low
         self.numel = high.numel()
 
-    prefetch = FullMaster.prefetch
-    prefetch_range = FullMaster.prefetch_range
+    def prefetch(self) -> None:  # resident: nothing to bring back
+        return None
+
+    def prefetch_range(self, a: int, b: int) -> None:
+        return None
 
     def read(self, a: int, b: int) -> torch.Tensor:
         return self.read_into(a, b, torch.empty(b - a, dtype=torch.float32, device=self.high.device))

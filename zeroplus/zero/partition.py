@@ -88,13 +88,13 @@ class ZeroPartition:
                     by_group.setdefault((param_group_of[id(p)], expert), []).append((pname, p))
             for gi, expert in sorted(by_group):
                 named, group_dp, label = by_group[(gi, expert)], dp, f"{name}#{gi}"
-                if expert:
-                    assert experts is not None
-                    named = [(f"{n}{experts.suffix}", p) for n, p in named]
-                    group_dp, label = experts.group, label + experts.suffix
+                split = experts if expert else None
+                if split is not None:
+                    named = [(f"{n}{split.suffix}", p) for n, p in named]
+                    group_dp, label = split.group, label + split.suffix
                 group = FlatParamGroup(label, named, gi, self.stage, group_dp, compute_dtype, ledger, master)
-                if expert:
-                    group.expert, group.file_ranks = True, experts.data_ranks()  # type: ignore[union-attr]
+                if split is not None:
+                    group.expert, group.file_ranks = True, split.data_ranks()
                 groups.append(group)
             unit = Unit(index=index, name=name, module=module, groups=groups, is_root=(module is model))
             if self.stage == 3 and unit.numel <= zero.stage3_param_persistence_threshold:
@@ -157,6 +157,8 @@ class ZeroPartition:
     def _make_grad_hook(self, group: FlatParamGroup, index: int):
         def hook(param: torch.nn.Parameter) -> None:
             grad = param.grad
+            if grad is None:  # torch calls this hook only after accumulating a gradient
+                raise RuntimeError(f"{group.name}: parameter {index} reached its gradient hook without a gradient")
             param.grad = None
             group.accumulate_grad(index, grad)
             if group.grads_seen == len(group.params):

@@ -20,6 +20,7 @@ chunk through ``chunked_step.py``.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from ..offload.virtual_host import VirtualStates
 from ..optim.lamb import Lamb
 from .chunked_step import ChunkedStep
 from .flat_group import FlatParamGroup
+from .master_store import FullMaster
 from .partition import ZeroPartition
 
 _NORM_CHUNK = 1 << 20  # elements per float64 temporary (8 MiB)
@@ -76,26 +78,40 @@ class ModelParallelNorm:
         return self.tensor_size > 1 and not all(self.is_split(p) for p in g.params)
 
 
+@dataclass(frozen=True)
+class StepPolicy:
+    """How the step runs beyond the partition and the optimizer.
+
+    ``gradient_clipping``: the global norm's bound (0: none). ``master_chunk_numel``: elements per
+    chunk when the master is read and rewritten (shared or tiered masters; one fp32 work buffer of
+    this length). ``offload``: the tier and window keeping optimizer states on a lower tier, or None.
+    ``virtual_kernels``: the NPU's swapped-memory allocator and AdamW kernel
+    (``offload/virtual_host.py``) keeping the states in mapped host memory, or None.
+    ``model_parallel``: how the norm counts parameters split over (or replicated on) the tensor and
+    pipeline ranks; None without model parallelism. ``expert_group``: the expert-parallel group when
+    experts are split over ranks (the stage-0 norm sums over it)."""
+
+    gradient_clipping: float = 0.0
+    master_chunk_numel: int = 1 << 20
+    offload: OptimizerStateOffload | None = None
+    virtual_kernels: Any = None
+    model_parallel: ModelParallelNorm | None = None
+    expert_group: Any = None
+
+
 class ShardedStep:
-    def __init__(self, partition: ZeroPartition, optimizer: torch.optim.Optimizer, gradient_clipping: float,
-                 dp: DataParallelGroup, ledger: Ledger, split_chunk_numel: int = 1 << 20,
-                 offload: OptimizerStateOffload | None = None, virtual_kernels: Any = None,
-                 model_parallel: ModelParallelNorm | None = None, expert_group: Any = None) -> None:
-        """``offload``: the tier and window to keep optimizer
-        states on a lower tier, or None. ``virtual_kernels``: the NPU's swapped-memory allocator and
-        AdamW kernel (``offload/virtual_host.py``) to keep the states in mapped host memory.
-        ``model_parallel``: how the norm counts parameters split over (or replicated on) the
-        tensor and pipeline ranks; None without model parallelism. ``expert_group``: the
-        expert-parallel group when experts are split over ranks (the stage-0 norm sums over it)."""
+    def __init__(self, partition: ZeroPartition, optimizer: torch.optim.Optimizer, dp: DataParallelGroup,
+                 ledger: Ledger, policy: StepPolicy = StepPolicy()) -> None:
         self.partition = partition
         self.optimizer = optimizer
-        self.clip = float(gradient_clipping)
+        self.clip = float(policy.gradient_clipping)
         self.dp = dp
         self.ledger = ledger
-        self.model_parallel = model_parallel
-        self.expert_group = expert_group
+        self.model_parallel = policy.model_parallel
+        self.expert_group = policy.expert_group
         self.last_grad_norm: float | None = None
-        self.chunked = ChunkedStep(optimizer, ledger, split_chunk_numel)
+        self.chunked = ChunkedStep(optimizer, ledger, policy.master_chunk_numel)
+        offload, virtual_kernels = policy.offload, policy.virtual_kernels
         if offload is not None:
             plan = plan_sub_groups([g.owned_numel for g in partition.groups], offload.sub_group_size, offload.ratio)
             window = Window(offload.buffer_count)
@@ -162,7 +178,7 @@ class ShardedStep:
             coef *= min(1.0, self.clip / (norm + 1e-6))
         for g in self.partition.groups:
             if id(g) in self.virtual:
-                self.virtual[id(g)].step(g.master_store.tensor, self._master_grad(g, coef),
+                self.virtual[id(g)].step(_whole_master(g), self._master_grad(g, coef),
                                          self._options[id(g.master_param)])
                 continue
             if id(g) in self.chunked.tiered:
@@ -193,3 +209,11 @@ class ShardedStep:
             tiered.load_full(state, g.owned_numel)
         else:
             self.optimizer.state[g.master_param] = state
+
+
+def _whole_master(g: FlatParamGroup) -> torch.Tensor:
+    """The resident fp32 master of ``g`` (virtual host memory steps it in place)."""
+    store = g.master_store
+    if not isinstance(store, FullMaster):
+        raise TypeError(f"{g.name}: virtual host memory steps a resident fp32 master, not {type(store).__name__}")
+    return store.tensor

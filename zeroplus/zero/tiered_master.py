@@ -29,7 +29,7 @@ import torch
 from ..kernels import bf16_split
 from ..ledger import Category, Ledger
 from ..offload.tier_tensor import keep
-from .master_store import FullMaster, SharedMaster
+from .master_store import FullMaster, MasterStore, SharedMaster
 
 TECHNIQUE = "offload_param"
 
@@ -37,15 +37,20 @@ TECHNIQUE = "offload_param"
 class TieredMaster:
     tiered = True
 
-    def __init__(self, store: FullMaster | SharedMaster, tier: Any, ledger: Ledger, max_writes: int = 4) -> None:
+    def __init__(self, store: MasterStore, tier: Any, ledger: Ledger, max_writes: int = 4) -> None:
         self.shared, self.numel, self.ledger = store.shared, store.numel, ledger
-        self.device = (store.high if store.shared else store.tensor).device
-        self.round_like_shared = getattr(store, "round_like_shared", False)
-        if store.shared:
+        self.high: Any = None  # shared: the two halves on the tier
+        self.low: Any = None
+        self.tensor: Any = None  # whole: the fp32 master on the tier
+        if isinstance(store, SharedMaster):
+            self.device, self.round_like_shared = store.high.device, False
             self.high = keep(tier, store.high, max_writes)
             self.low = keep(tier, store.low, max_writes)
-        else:
+        elif isinstance(store, FullMaster):
+            self.device, self.round_like_shared = store.tensor.device, store.round_like_shared
             self.tensor = keep(tier, store.tensor, max_writes)
+        else:
+            raise TypeError(f"offload_param keeps a resident master store on a tier, not {type(store).__name__}")
         self.saved = 4 * self.numel if tier.saves_memory else 0
         ledger.save(TECHNIQUE, Category.MASTER, self.saved)
         self._gather_read: Any = None
