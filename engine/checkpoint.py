@@ -85,8 +85,9 @@ def rank_state(engine: Engine, client_state: dict[str, Any] | None) -> dict[str,
     extra = {}
     if rank == 0:
         trainable = {id(p) for g in part.groups for p in g.params}
-        extra = {n: t.detach().cpu().clone() for n, t in engine.module.named_parameters() if id(t) not in trainable}
-        extra.update({n: b.detach().cpu().clone() for n, b in engine.module.named_buffers()})
+        copy = engine.accelerator.host_copy
+        extra = {n: copy(t) for n, t in engine.module.named_parameters() if id(t) not in trainable}
+        extra.update({n: copy(b) for n, b in engine.module.named_buffers()})
     return {
         "rank": rank, "groups": groups, "module_extra": extra, "client_state": client_state or {},
         "counters": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,

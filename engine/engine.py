@@ -300,10 +300,10 @@ class Engine:
         canonical = {id(p): n for n, p in self.module.named_parameters()}
         for name, p in self.module.named_parameters(remove_duplicate=False):
             if id(p) not in trainable:
-                out[name] = p.detach().cpu().clone()
+                out[name] = self.accelerator.host_copy(p)
             elif canonical[id(p)] != name:
                 out[name] = out[canonical[id(p)]].clone()  # tied weight, under each of its names
-        out.update({n: b.detach().cpu().clone() for n, b in self.module.named_buffers()})
+        out.update({n: self.accelerator.host_copy(b) for n, b in self.module.named_buffers()})
         os.makedirs(save_dir, exist_ok=True)
         path = os.path.join(save_dir, save_filename)
         write_state_dict(out, path)

@@ -81,6 +81,10 @@ class Accelerator:
     def host_is_device(self) -> bool:
         return True
 
+    def host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of ``tensor`` in host memory (one copy, from any device), detached."""
+        return tensor.detach().to("cpu", copy=True)
+
     def max_memory_allocated(self) -> int:
         """Peak resident bytes of this process (VmHWM on Linux), the CPU stand-in for device peak."""
         return _peak_rss_bytes()

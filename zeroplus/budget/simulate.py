@@ -44,6 +44,7 @@ from ..parallel.groups import current_groups
 from ..parallel.pipeline_schedule import train_batch
 from ..parallel.registry import carry_marks
 from ..parallel.topology import KINDS
+from .meta_values import give_values
 from .tracker import MemoryTracker
 from .virtual_parallel import SimulatedLinks, boundary_shapes, build_in, virtual_groups
 
@@ -59,6 +60,10 @@ class MetaAccelerator(Accelerator):
 
     def max_memory_allocated(self) -> int:
         return 0
+
+    def host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """CPU's host copy is a device allocation: a meta tensor of the same size (counted, no data)."""
+        return torch.empty_like(tensor.detach(), device="meta")
 
     def memory_allocated(self) -> int:
         return 0
@@ -103,7 +108,7 @@ class CpuAttention(TorchFunctionMode):
         if func is F.scaled_dot_product_attention and args and args[0].device.type == "meta":
             q, k, v = args[:3]
             options = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), args[3:]), **kwargs)
-            if self._flash(q, options):
+            if self._flash(q, k, v, options):
                 out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                     q, k, v, options.get("dropout_p", 0.0), options.get("is_causal", False),
                     attn_mask=options.get("attn_mask"), scale=options.get("scale"))
@@ -111,14 +116,20 @@ class CpuAttention(TorchFunctionMode):
         return func(*args, **kwargs)
 
     @staticmethod
-    def _flash(q: torch.Tensor, options: dict[str, Any]) -> bool:
-        if options.get("enable_gqa") or q.dim() != 4:
+    def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: dict[str, Any]) -> bool:
+        """Torch's own choice for CPU tensors of these head counts, head sizes, dtype, mask kind and
+        options (batch and sequence 1: the choice does not depend on them); grouped-query attention
+        (fewer key/value heads) included, which CPU's flash kernel takes as it is."""
+        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
             return False
-        stand_in = torch.zeros((1,) * q.dim(), dtype=q.dtype)
+
+        def stand_in(t: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(1, t.shape[1], 1, t.shape[3], dtype=t.dtype)
         mask = options.get("attn_mask")
         mask = None if mask is None else torch.zeros((1,) * mask.dim(), dtype=mask.dtype)
-        choice = torch._fused_sdp_choice(stand_in, stand_in, stand_in, mask, options.get("dropout_p", 0.0),
-                                         options.get("is_causal", False), scale=options.get("scale"))
+        choice = torch._fused_sdp_choice(stand_in(q), stand_in(k), stand_in(v), mask, options.get("dropout_p", 0.0),
+                                         options.get("is_causal", False), scale=options.get("scale"),
+                                         enable_gqa=bool(options.get("enable_gqa", False)))
         return choice == 1  # SDPBackend.FLASH_ATTENTION
 
 
@@ -204,6 +215,7 @@ def _meta(value: Any, memo: dict[int, torch.Tensor] | None = None) -> Any:
     if isinstance(value, torch.Tensor):
         if id(value) not in memo:
             memo[id(value)] = torch.empty_like(value, device="meta")
+            give_values(memo[id(value)], value)  # small inputs (ids, masks, positions) keep their values
         return memo[id(value)]
     if isinstance(value, (tuple, list)):
         return type(value)(_meta(v, memo) for v in value)

@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..ledger import Category, Ledger
+from .meta_values import MetaValues
 
 PHASES = ("init", "forward", "backward", "step", "save")
 TRAINING_PHASES = PHASES[:4]
@@ -62,10 +63,12 @@ class PhasePeak:
 class MemoryTracker(TorchDispatchMode):
     def __init__(self, ledger: Ledger, workspace: Callable[[Any, Any], int] | None = None) -> None:
         """``workspace(func, out)``: bytes the kernel of ``func`` holds inside the call (per
-        accelerator; ``cpu_workspace_bytes`` for CPU), counted at that operation only."""
+        accelerator; ``cpu_workspace_bytes`` for CPU), counted at that operation only. Every operation
+        runs through ``MetaValues`` (``meta_values.py``: the values the meta device lacks)."""
         super().__init__()
         self.ledger = ledger
         self.workspace = workspace
+        self.run_op = MetaValues()
         self.phase = "init"
         self.peaks = {p: PhasePeak() for p in PHASES}
         self.live = 0                     # bytes of every storage alive
@@ -136,7 +139,7 @@ class MemoryTracker(TorchDispatchMode):
 
     # -- observation ----------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        out = self.run_op(func, args, kwargs or {})
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._register(t.untyped_storage())

@@ -1,0 +1,67 @@
+"""One rank of a Hugging Face model trained by zeroplus (launched by ``bench_hf_budget.py`` under torchrun):
+writes its measured peak (resident memory above the process before the model exists) beside the
+engine's own first-forward prediction."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_worker import rss_bytes  # noqa: E402
+from hf_families import build  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--family", required=True)
+    p.add_argument("--size", default="small")
+    p.add_argument("--attn", default="sdpa")
+    p.add_argument("--stage", type=int, default=3)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--mask", action="store_true", help="pass an attention mask")
+    p.add_argument("--zeroplus", default="{}", help="JSON merged into the config's zeroplus block")
+    p.add_argument("--out-prefix", required=True)
+    args = p.parse_args()
+
+    import zeroplus
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    start_rss = rss_bytes("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    model = build(args.family, args.size, args.attn)
+    cfg = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1, "torch_adam": True}},
+           "zero_optimization": {"stage": args.stage}, "bf16": {"enabled": args.bf16},
+           "zeroplus": json.loads(args.zeroplus)}
+    engine = zeroplus.initialize(model, cfg)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(args.steps):
+        ids = torch.randint(0, model.config.vocab_size, (args.micro_batch, args.seq), generator=g)
+        kwargs = {"attention_mask": torch.ones_like(ids)} if args.mask else {}
+        loss = engine(input_ids=ids, labels=ids, **kwargs).loss
+        engine.backward(loss)
+        engine.step()
+    peak = rss_bytes("VmHWM") - start_rss
+    budget = engine.budget
+    with open(f"{args.out_prefix}.{rank}.json", "w") as f:
+        json.dump({"rank": rank, "peak_above_start_bytes": peak,
+                   "predicted": budget.training_peak_bytes if budget is not None else None,
+                   "phase": budget.training_peak_phase if budget is not None else None,
+                   "saved": engine.memory_report().saved}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
