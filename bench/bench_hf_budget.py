@@ -21,9 +21,11 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))  # tests.hf_models
 
 from bench_zero import MALLOC_ENV  # noqa: E402
-from hf_families import FAMILIES  # noqa: E402
+
+from tests.hf_models import FAMILIES  # noqa: E402
 
 
 def run(family: str, stage: int, seq: int, allocator: str, extra: list[str]) -> list[dict]:

@@ -12,8 +12,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.hf_models
 from bench_worker import rss_bytes  # noqa: E402
-from hf_families import build  # noqa: E402
+
+from tests.hf_models import build  # noqa: E402
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from zeroplus.accelerator import Accelerator
 from zeroplus.activations import ResizeRecompute, SavedTensorRouter, SwapAttention, checkpointing
-from zeroplus.activations.resize_recompute import DEFAULT_CLASSES, NORM_CLASSES
+from zeroplus.activations.resize_recompute import DEFAULT_CLASSES
 from zeroplus.comm import DataParallelGroup
 from zeroplus.config import ConfigError, ResolvedConfig, ZeroplusConfig, resolved_zero
 from zeroplus.ledger import Ledger
@@ -339,9 +339,10 @@ def _activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: 
     recompute = zp.resize_recompute
     if recompute.enabled:
         classes = list(DEFAULT_CLASSES if recompute.modules is None else recompute.modules)
-        classes += list(NORM_CLASSES) if recompute.norms else []
-        technique = ResizeRecompute(model, classes, recompute.names, ledger)
-        _check_targets("resize_recompute", technique.targets, model, classes, recompute.names)
+        technique = ResizeRecompute(model, classes, recompute.names, ledger, norms=recompute.norms)
+        _check_targets("resize_recompute", technique.targets, model,
+                       classes + (["norms (*LayerNorm, *RMSNorm, *GroupNorm)"] if recompute.norms else []),
+                       recompute.names)
         claimers.append(technique)
     swap = zp.swap_attention
     if swap.enabled:

@@ -69,6 +69,14 @@ class MemoryReport:
             return None
         return 100.0 * (predicted - measured) / measured
 
+    @property
+    def not_held_at_predicted_peak(self) -> dict[str, int] | None:
+        """Bytes each technique keeps off at the predicted peak (``technique/category``), or None without
+        a prediction: what the technique takes off the peak, unlike ``saved`` (the most it moved at once)."""
+        if self.predicted is None:
+            return None
+        return dict(self.predicted.get("not_held_at_peak", {}).get(self.predicted_peak_phase, {}))
+
     def save_chart(self, path: str) -> str:
         """A PNG of predicted beside measured peaks per category (``zeroplus[plotting]``)."""
         return report_chart(self, path)
@@ -101,7 +109,14 @@ class MemoryReport:
                      + (f" {_mib(predicted)}{_pct(predicted, self.process_peak_above_start_bytes)}"
                         f"  (predicted in {self.predicted_peak_phase})" if predicted is not None else ""))
         if self.saved:
-            lines.append(f"  {'not held, by technique':<30}{'live':>10}{'peak':>10}")
+            at_peak = self.not_held_at_predicted_peak
+            lines.append(f"  {'not held, by technique':<30}{'live':>10}{'most':>10}"
+                         + (f"{'at peak':>10}" if at_peak is not None else ""))
             for key, b in self.saved.items():
-                lines.append(f"  {key:<30}{_mib(b['live_bytes'])}{_mib(b['peak_bytes'])}")
+                lines.append(f"  {key:<30}{_mib(b['live_bytes'])}{_mib(b['peak_bytes'])}"
+                             + (_mib(at_peak.get(key, 0)) if at_peak is not None else ""))
+            lines.append("  (most: the bytes moved off at once; at peak: what is off at the predicted peak, "
+                         "the technique's effect on it)" if at_peak is not None else
+                         "  (most: the bytes moved off at once, not the effect on the peak: "
+                         "zeroplus.memory_estimate predicts that)")
         return "\n".join(lines)

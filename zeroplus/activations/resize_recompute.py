@@ -36,6 +36,15 @@ DEFAULT_CLASSES = ("GELU", "SiLU", "Mish", "GELUActivation", "NewGELUActivation"
                    "QuickGELUActivation", "PytorchGELUTanh", "GELUTanh", "SiLUActivation", "MishActivation",
                    "AccurateGELUActivation")
 NORM_CLASSES = ("LayerNorm", "RMSNorm", "GroupNorm")
+_NORM_TYPES = (torch.nn.LayerNorm, torch.nn.RMSNorm, torch.nn.GroupNorm)
+
+
+def is_norm(module: torch.nn.Module) -> bool:
+    """A normalisation layer, by what it is rather than its exact class: torch's ``LayerNorm``, ``RMSNorm``
+    or ``GroupNorm`` or a subclass, or a class named like one (``*LayerNorm``, ``*RMSNorm``, ``*GroupNorm``:
+    ``LlamaRMSNorm``, ``Qwen2RMSNorm``, ``MistralRMSNorm``, ``MixtralRMSNorm``, ``T5LayerNorm``...)."""
+    name = type(module).__name__
+    return isinstance(module, _NORM_TYPES) or name.endswith(NORM_CLASSES)
 
 
 class _Record:
@@ -50,7 +59,9 @@ class _Record:
 
 class ResizeRecompute:
     def __init__(self, model: torch.nn.Module, class_names: list[str], name_patterns: list[str],
-                 ledger: Ledger) -> None:
+                 ledger: Ledger, norms: bool = False) -> None:
+        """Recompute the outputs of modules whose class is in ``class_names``, whose name matches one of
+        ``name_patterns``, and with ``norms`` every normalisation layer (``is_norm``)."""
         classes, patterns = set(class_names), list(name_patterns)
         self.ledger = ledger
         self.targets: list[str] = []
@@ -61,7 +72,8 @@ class ResizeRecompute:
         self._handles = []
         parents: dict[int, torch.nn.Module] = {}
         for name, module in model.named_modules():
-            chosen = type(module).__name__ in classes or any(fnmatch.fnmatchcase(name, p) for p in patterns)
+            chosen = (type(module).__name__ in classes or (norms and is_norm(module))
+                      or any(fnmatch.fnmatchcase(name, p) for p in patterns))
             if not name or not chosen:
                 continue
             parent = model.get_submodule(name.rpartition(".")[0])

@@ -30,6 +30,7 @@ from ..config import ConfigError, auto_keys, parse_config
 from ..models import GPT, gpt_config
 from ..models.split import split_gpt
 from .estimate import estimate
+from .meta_values import SimulationError
 from .model_states import model_state_bytes
 from .planner import plan
 
@@ -74,7 +75,7 @@ def main(argv: list[str]) -> int:
             return _full_budget(args)
         build = _builder(args.model, args.config, args.experts)
         predicted = model_state_bytes(build, args.config, args.world_size, args.rank)
-    except (ValueError, ConfigError) as err:
+    except (ValueError, ConfigError, SimulationError) as err:
         print(f"zeroplus estimate: {err}", file=sys.stderr)
         return 2
     predicted["total_on_device"] = sum(v for k, v in predicted.items() if not k.endswith("_offloaded"))

@@ -69,6 +69,9 @@ class MemoryBudget:
     saved_for_backward: int = 0  # what one forward leaves for backward outside the engine's buffers
     checkpoint_copies: int = 0   # what a checkpoint save copies to write its file (the rest streams)
     topology: str = ""           # with tensor, pipeline or expert parallelism: the split (Topology.describe)
+    # per phase: the bytes each memory technique keeps from being held at that phase's peak
+    # ("technique/category" -> bytes); what it moves in all is in the run's MemoryReport.saved
+    not_held_at_peak: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     @property
     def peak_phase(self) -> str:
@@ -158,7 +161,8 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     category_peaks = tracker.category_peaks  # while training; a save's copies are in checkpoint_copies
     return MemoryBudget(rank, world_size, cfg.train_micro_batch_size_per_gpu,
                         cfg.gradient_accumulation_steps, cfg.zero_optimization.stage, phases, states, kind,
-                        category_peaks, tracker.saved_for_backward, tracker.checkpoint_copies, _split(cfg, world_size))
+                        category_peaks, tracker.saved_for_backward, tracker.checkpoint_copies, _split(cfg, world_size),
+                        {phase: dict(tracker.peaks[phase].not_held) for phase in PHASES})
 
 
 def _split(cfg: Any, world_size: int) -> str:

@@ -109,9 +109,13 @@ class CpuAttention(TorchFunctionMode):
             q, k, v = args[:3]
             options = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), args[3:]), **kwargs)
             if self._flash(q, k, v, options):
+                mask = options.get("attn_mask")
+                if mask is not None and mask.dtype == torch.bool:  # as torch does first: -inf where False
+                    mask = torch.where(mask.logical_not(), float("-inf"),
+                                       torch.scalar_tensor(0.0, dtype=q.dtype, device=q.device))
                 out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                     q, k, v, options.get("dropout_p", 0.0), options.get("is_causal", False),
-                    attn_mask=options.get("attn_mask"), scale=options.get("scale"))
+                    attn_mask=mask, scale=options.get("scale"))
                 return out
         return func(*args, **kwargs)
 

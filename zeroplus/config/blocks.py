@@ -130,7 +130,8 @@ class ResizeRecomputeConfig(Block):
     enabled: bool | Auto = False
     modules: list[str] | None = Field(None, description="Module class names whose outputs are dropped after "
                                                         "forward and recomputed (default: activation functions).")
-    norms: bool = Field(False, description="Also LayerNorm, RMSNorm and GroupNorm.")
+    norms: bool = Field(False, description="Also every normalisation layer: torch's LayerNorm, RMSNorm and "
+                        "GroupNorm, their subclasses, and classes named *LayerNorm, *RMSNorm or *GroupNorm.")
     names: list[str] = Field(default_factory=list, description="Qualified-name patterns (fnmatch), e.g. "
                                                                "'blocks.*.mlp.act'.")
 
