@@ -59,7 +59,8 @@ def main() -> None:
         json.dump({"rank": rank, "peak_above_start_bytes": peak,
                    "predicted": budget.training_peak_bytes if budget is not None else None,
                    "phase": budget.training_peak_phase if budget is not None else None,
-                   "saved": engine.memory_report().saved}, f)
+                   "saved": engine.memory_report().saved,
+                   "technique_effects": engine.memory_report().technique_effects}, f)
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)

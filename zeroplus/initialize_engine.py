@@ -129,7 +129,7 @@ def _predictor(model: torch.nn.Module, cfg: ResolvedConfig):
         world, rank = ((par.topology.world_size, par.global_rank) if par is not None
                        else (engine.dp.size, engine.dp.rank))
         try:
-            engine.budget = estimate(model, cfg, world_size=world, rank=rank, example_inputs=args,
+            engine.budget = estimate(model, cfg, world_size=world, rank=rank, effects=True, example_inputs=args,
                                      example_kwargs=kwargs)
         except Exception as err:  # noqa: BLE001 - the prediction must never stop training
             logger.warning("memory estimate unavailable (%s: %s); zeroplus.memory_estimate false skips it",

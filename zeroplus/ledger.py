@@ -134,11 +134,6 @@ class Ledger:
         b = self._saved.get((technique, Category(category)))
         return 0 if b is None else b.live_bytes
 
-    def saved_live(self) -> dict[str, int]:
-        """Bytes each technique keeps from being held now, as ``technique/category`` (non-zero only)."""
-        with self._lock:
-            return {f"{t}/{c.value}": b.live_bytes for (t, c), b in sorted(self._saved.items()) if b.live_bytes}
-
     def storage_keys(self) -> set[int]:
         """The identities (``_cdata``) of the storages counted now (the estimator's tracker asks)."""
         with self._lock:

@@ -70,12 +70,10 @@ class MemoryReport:
         return 100.0 * (predicted - measured) / measured
 
     @property
-    def not_held_at_predicted_peak(self) -> dict[str, int] | None:
-        """Bytes each technique keeps off at the predicted peak (``technique/category``), or None without
-        a prediction: what the technique takes off the peak, unlike ``saved`` (the most it moved at once)."""
-        if self.predicted is None:
-            return None
-        return dict(self.predicted.get("not_held_at_peak", {}).get(self.predicted_peak_phase, {}))
+    def technique_effects(self) -> dict[str, int]:
+        """Bytes each activation technique takes off the predicted training peak (the budget's
+        ``technique_effects``; empty without a prediction), unlike ``saved``: the most it moved at once."""
+        return dict(self.predicted.get("technique_effects", {})) if self.predicted is not None else {}
 
     def save_chart(self, path: str) -> str:
         """A PNG of predicted beside measured peaks per category (``zeroplus[plotting]``)."""
@@ -109,14 +107,12 @@ class MemoryReport:
                      + (f" {_mib(predicted)}{_pct(predicted, self.process_peak_above_start_bytes)}"
                         f"  (predicted in {self.predicted_peak_phase})" if predicted is not None else ""))
         if self.saved:
-            at_peak = self.not_held_at_predicted_peak
-            lines.append(f"  {'not held, by technique':<30}{'live':>10}{'most':>10}"
-                         + (f"{'at peak':>10}" if at_peak is not None else ""))
+            effects = self.technique_effects
+            lines.append(f"  {'not held, by technique':<30}{'live':>10}{'most':>10}{'off peak':>10}")
             for key, b in self.saved.items():
+                effect = effects.get(key.split("/")[0])
                 lines.append(f"  {key:<30}{_mib(b['live_bytes'])}{_mib(b['peak_bytes'])}"
-                             + (_mib(at_peak.get(key, 0)) if at_peak is not None else ""))
-            lines.append("  (most: the bytes moved off at once; at peak: what is off at the predicted peak, "
-                         "the technique's effect on it)" if at_peak is not None else
-                         "  (most: the bytes moved off at once, not the effect on the peak: "
-                         "zeroplus.memory_estimate predicts that)")
+                             + (_mib(effect) if effect is not None else f"{'-':>10}"))
+            lines.append("  (most: the bytes moved off at once; off peak: what the technique takes off the "
+                         "predicted peak, simulated with it and without it)")
         return "\n".join(lines)

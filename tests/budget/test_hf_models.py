@@ -134,7 +134,7 @@ def test_simulated_attention_runs_the_kernel_cpu_runs(heads, kv_heads, mask, cau
     assert simulated.names[0] == real.names[0], (real.names, simulated.names)
 
 
-def _train(family: str, zp: dict, steps: int = 2) -> tuple[list[float], dict, list[str], list[str]]:
+def _train(family: str, zp: dict, steps: int = 2) -> tuple[list[float], dict, list[str], list[str], dict]:
     torch.manual_seed(0)
     engine = zeroplus.initialize(build(family, "tiny"), _config(1, **zp))
     batch = _batch()
@@ -146,15 +146,16 @@ def _train(family: str, zp: dict, steps: int = 2) -> tuple[list[float], dict, li
         losses.append(loss.item())
     targets = {type(t).__name__: t.targets for t in engine._activations.claimers}
     state = engine.consolidated_fp32_state()
+    report = engine.memory_report()
     engine.destroy()
-    return losses, state, targets.get("ResizeRecompute", []), targets.get("SwapAttention", [])
+    return losses, state, targets.get("ResizeRecompute", []), targets.get("SwapAttention", []), report
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_techniques_find_each_familys_modules_and_stay_bitwise(family, tmp_path):
-    plain, plain_state, _, _ = _train(family, {})
+    plain, plain_state, _, _, _ = _train(family, {})
     layers = build(family, "tiny").config.num_hidden_layers
-    losses, state, recomputed, swapped = _train(family, {
+    losses, state, recomputed, swapped, report = _train(family, {
         "resize_recompute": {"enabled": True, "norms": True},
         "swap_attention": {"enabled": True, "min_bytes": 0},
         "activation_tier": {"device": "file", "path": str(tmp_path)}})
@@ -162,6 +163,12 @@ def test_techniques_find_each_familys_modules_and_stay_bitwise(family, tmp_path)
     assert len(norms) == 2 * layers + 1, (family, recomputed)  # two per block and the final one
     assert len(swapped) == layers and all(n.endswith("attn") or n.endswith("self_attn") for n in swapped), swapped
     assert losses == plain, family
+    # the report shows what each technique takes off the predicted peak beside what it moved
+    moved = {key.split("/")[0]: b["peak_bytes"] for key, b in report.saved.items()}
+    assert set(report.technique_effects) == {"swap_attention", "resize_recompute"}
+    for technique, effect in report.technique_effects.items():
+        assert 0 <= effect <= moved[technique], (family, technique, effect, moved)
+    assert "off peak" in str(report)
     for name, value in plain_state.items():
         assert torch.equal(state[name], value), (family, name)
 

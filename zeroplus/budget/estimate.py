@@ -36,7 +36,7 @@ from typing import Any, Callable
 import torch
 
 from ..accelerator import get_accelerator
-from ..config import ZeroplusConfig
+from ..config import ZeroplusConfig, load_config
 from ..memory_view import CATEGORIES, LABELS, budget_chart
 from ..parallel.groups import current_groups, parallel_groups
 from .model_states import model_state_bytes
@@ -69,9 +69,9 @@ class MemoryBudget:
     saved_for_backward: int = 0  # what one forward leaves for backward outside the engine's buffers
     checkpoint_copies: int = 0   # what a checkpoint save copies to write its file (the rest streams)
     topology: str = ""           # with tensor, pipeline or expert parallelism: the split (Topology.describe)
-    # per phase: the bytes each memory technique keeps from being held at that phase's peak
-    # ("technique/category" -> bytes); what it moves in all is in the run's MemoryReport.saved
-    not_held_at_peak: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    # what each activation technique takes off the training peak: the peak simulated with it off minus
+    # the peak with it on (estimate(..., effects=True)); what it moves is in the run's MemoryReport.saved
+    technique_effects: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def peak_phase(self) -> str:
@@ -130,7 +130,8 @@ class MemoryBudget:
 def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dict[str, Any] | str | ZeroplusConfig, *,
              world_size: int, rank: int = 0, micro_batch_size: int | None = None, seq_len: int | None = None,
              example_inputs: tuple[Any, ...] | None = None, example_kwargs: dict[str, Any] | None = None,
-             loss_fn: Callable[[Any], torch.Tensor] = default_loss, accelerator: str | None = None) -> MemoryBudget:
+             loss_fn: Callable[[Any], torch.Tensor] = default_loss, accelerator: str | None = None,
+             effects: bool = False) -> MemoryBudget:
     """Predict rank ``rank``'s memory for training ``model`` with ``config`` on ``world_size`` ranks.
 
     ``model``: a module (copied to the meta device; its own memory is untouched) or a function of
@@ -140,8 +141,33 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     only shapes and dtypes of tensors are used).
     ``loss_fn`` turns the model's output into the loss (default: the output if scalar, else the
     sum of its first tensor). ``accelerator``: whose runtime overhead to add (default: this
-    machine's).
+    machine's). ``effects``: also simulate the run once more with each activation technique that is on
+    (``swap_attention``, ``resize_recompute``) turned off, and record what each takes off the training
+    peak (``technique_effects``; one more simulation per technique).
     """
+    budget = _estimate(model, config, world_size=world_size, rank=rank, micro_batch_size=micro_batch_size,
+                       seq_len=seq_len, example_inputs=example_inputs, example_kwargs=example_kwargs,
+                       loss_fn=loss_fn, accelerator=accelerator)
+    if effects:
+        cfg = load_config(config)
+        for technique in ACTIVATION_TECHNIQUES:
+            if getattr(cfg.zeroplus, technique).enabled is True:
+                without = cfg.model_copy(deep=True)
+                getattr(without.zeroplus, technique).enabled = False
+                off = _estimate(model, without, world_size=world_size, rank=rank, micro_batch_size=micro_batch_size,
+                                seq_len=seq_len, example_inputs=example_inputs, example_kwargs=example_kwargs,
+                                loss_fn=loss_fn, accelerator=accelerator)
+                budget.technique_effects[technique] = off.training_peak_bytes - budget.training_peak_bytes
+    return budget
+
+
+ACTIVATION_TECHNIQUES = ("swap_attention", "resize_recompute")
+
+
+def _estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dict[str, Any] | str | ZeroplusConfig,
+              *, world_size: int, rank: int, micro_batch_size: int | None, seq_len: int | None,
+              example_inputs: tuple[Any, ...] | None, example_kwargs: dict[str, Any] | None,
+              loss_fn: Callable[[Any], torch.Tensor], accelerator: str | None) -> MemoryBudget:
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     kind = accelerator or get_accelerator().name
@@ -161,8 +187,7 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     category_peaks = tracker.category_peaks  # while training; a save's copies are in checkpoint_copies
     return MemoryBudget(rank, world_size, cfg.train_micro_batch_size_per_gpu,
                         cfg.gradient_accumulation_steps, cfg.zero_optimization.stage, phases, states, kind,
-                        category_peaks, tracker.saved_for_backward, tracker.checkpoint_copies, _split(cfg, world_size),
-                        {phase: dict(tracker.peaks[phase].not_held) for phase in PHASES})
+                        category_peaks, tracker.saved_for_backward, tracker.checkpoint_copies, _split(cfg, world_size))
 
 
 def _split(cfg: Any, world_size: int) -> str:

@@ -58,7 +58,6 @@ class PhasePeak:
 
     total: int = 0
     by_category: dict[str, int] = dataclasses.field(default_factory=dict)
-    not_held: dict[str, int] = dataclasses.field(default_factory=dict)  # each technique's bytes kept off, then
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -156,7 +155,6 @@ class MemoryTracker(TorchDispatchMode):
         if total <= peak.total:
             return
         peak.total = total
-        peak.not_held = self.ledger.saved_live()
         by = peak.by_category = {c.value: self.ledger.live_bytes(c) for c in Category}
         by["optim_state"] += self._new_states
         outside = max(0, self.live - self.ledger.live_bytes() - self._new_states)
