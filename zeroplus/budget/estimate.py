@@ -40,7 +40,7 @@ from ..config import ZeroplusConfig, load_config
 from ..memory_view import CATEGORIES, LABELS, budget_chart
 from ..parallel.groups import current_groups, parallel_groups
 from .model_states import model_state_bytes
-from .simulate import _quiet, default_loss, group_stand_ins, meta_copy, simulate
+from .simulate import _meta, _quiet, default_loss, group_stand_ins, meta_copy, simulate
 from .tracker import PHASES, TRAINING_PHASES, cpu_workspace_bytes
 from .virtual_parallel import topology_of
 
@@ -72,6 +72,17 @@ class MemoryBudget:
     # what each activation technique takes off the training peak: the peak simulated with it off minus
     # the peak with it on (estimate(..., effects=True)); what it moves is in the run's MemoryReport.saved
     technique_effects: dict[str, int] = dataclasses.field(default_factory=dict)
+    # computes technique_effects on first need (resolve_effects: the engine's report), so a run that never
+    # looks at its report does not pay the extra simulations
+    pending_effects: Callable[[], dict[str, int]] | None = dataclasses.field(default=None, repr=False,
+                                                                             compare=False)
+
+    def resolve_effects(self) -> dict[str, int]:
+        """``technique_effects``, computing them now if they were left pending."""
+        if self.pending_effects is not None:
+            pending, self.pending_effects = self.pending_effects, None
+            self.technique_effects = pending()
+        return self.technique_effects
 
     @property
     def peak_phase(self) -> str:
@@ -96,7 +107,9 @@ class MemoryBudget:
         return {c: self.phases[self.peak_phase].get(c, 0) for c in CATEGORIES}
 
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
+        self.resolve_effects()
+        out = dataclasses.asdict(dataclasses.replace(self, pending_effects=None))
+        del out["pending_effects"]
         out["peak_phase"], out["peak_bytes"] = self.peak_phase, self.peak_bytes
         out["training_peak_phase"], out["training_peak_bytes"] = self.training_peak_phase, self.training_peak_bytes
         return out
@@ -143,21 +156,29 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     sum of its first tensor). ``accelerator``: whose runtime overhead to add (default: this
     machine's). ``effects``: also simulate the run once more with each activation technique that is on
     (``swap_attention``, ``resize_recompute``) turned off, and record what each takes off the training
-    peak (``technique_effects``; one more simulation per technique).
+    peak (``technique_effects``; one more simulation per technique, run when first needed:
+    ``resolve_effects()``, ``to_dict()``, the engine's report).
     """
     budget = _estimate(model, config, world_size=world_size, rank=rank, micro_batch_size=micro_batch_size,
                        seq_len=seq_len, example_inputs=example_inputs, example_kwargs=example_kwargs,
                        loss_fn=loss_fn, accelerator=accelerator)
     if effects:
-        cfg = load_config(config)
-        for technique in ACTIVATION_TECHNIQUES:
-            if getattr(cfg.zeroplus, technique).enabled is True:
-                without = cfg.model_copy(deep=True)
-                getattr(without.zeroplus, technique).enabled = False
-                off = _estimate(model, without, world_size=world_size, rank=rank, micro_batch_size=micro_batch_size,
-                                seq_len=seq_len, example_inputs=example_inputs, example_kwargs=example_kwargs,
-                                loss_fn=loss_fn, accelerator=accelerator)
-                budget.technique_effects[technique] = off.training_peak_bytes - budget.training_peak_bytes
+        examples = _meta(example_inputs) if example_inputs is not None else None  # shapes only: no batch kept
+        kw_examples = _meta(example_kwargs) if example_kwargs is not None else None
+
+        def measure() -> dict[str, int]:
+            out = {}
+            cfg = load_config(config)
+            for technique in ACTIVATION_TECHNIQUES:
+                if getattr(cfg.zeroplus, technique).enabled is True:
+                    without = cfg.model_copy(deep=True)
+                    getattr(without.zeroplus, technique).enabled = False
+                    off = _estimate(model, without, world_size=world_size, rank=rank,
+                                    micro_batch_size=micro_batch_size, seq_len=seq_len, example_inputs=examples,
+                                    example_kwargs=kw_examples, loss_fn=loss_fn, accelerator=accelerator)
+                    out[technique] = off.training_peak_bytes - budget.training_peak_bytes
+            return out
+        budget.pending_effects = measure
     return budget
 
 

@@ -44,7 +44,7 @@ from ..parallel.groups import current_groups
 from ..parallel.pipeline_schedule import train_batch
 from ..parallel.registry import carry_marks
 from ..parallel.topology import KINDS
-from .meta_values import give_values
+from .meta_values import give_values, shadow_of
 from .tracker import MemoryTracker
 from .virtual_parallel import SimulatedLinks, boundary_shapes, build_in, virtual_groups
 
@@ -219,7 +219,9 @@ def _meta(value: Any, memo: dict[int, torch.Tensor] | None = None) -> Any:
     if isinstance(value, torch.Tensor):
         if id(value) not in memo:
             memo[id(value)] = torch.empty_like(value, device="meta")
-            give_values(memo[id(value)], value)  # small inputs (ids, masks, positions) keep their values
+            known = shadow_of(value) if value.device.type == "meta" else value
+            if known is not None:  # small inputs (ids, masks, positions) keep their values
+                give_values(memo[id(value)], known)
         return memo[id(value)]
     if isinstance(value, (tuple, list)):
         return type(value)(_meta(v, memo) for v in value)
