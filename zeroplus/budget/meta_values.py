@@ -49,6 +49,7 @@ _VALUE_FREE = {aten.ones_like.default, aten.zeros_like.default, aten.full_like.d
 _CPU_FLOAT_ONLY = {aten.histc.default}
 # Meta kernels that refuse dtypes the CPU kernel takes: their shapes are asked in bf16.
 _BF16_META = {getattr(aten, "_grouped_mm").default} if hasattr(aten, "_grouped_mm") else set()
+_SPECIAL = _VALUE_FREE | _BF16_META | {aten.topk.default}  # handled even when no input has values
 
 
 class SimulationError(RuntimeError):
@@ -82,14 +83,19 @@ def _shadow_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return tree_map(_on_cpu, args), tree_map(_on_cpu, kwargs)
 
 
+_WRITES: dict[Any, list[tuple[int, str]]] = {}  # func -> (position, name) of the arguments it writes
+
+
 def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensor arguments ``func`` writes into (in-place and ``out=`` operations)."""
+    if func not in _WRITES:
+        schema = getattr(func, "_schema", None)
+        _WRITES[func] = [(i, arg.name) for i, arg in enumerate(schema.arguments if schema is not None else ())
+                         if arg.alias_info is not None and arg.alias_info.is_write]
     out: list[torch.Tensor] = []
-    schema = getattr(func, "_schema", None)
-    for i, arg in enumerate(schema.arguments if schema is not None else ()):
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            value = args[i] if i < len(args) else kwargs.get(arg.name)
-            out.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+    for i, name in _WRITES[func]:
+        value = args[i] if i < len(args) else kwargs.get(name)
+        out.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
     return out
 
 
@@ -127,9 +133,16 @@ class MetaValues:
     """Runs one aten operation for the tracker on meta tensors, keeping and using known values."""
 
     def __call__(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        if not any(t.device.type == "meta" for t in tensors) and not _makes_meta(kwargs):
+        tensors = _tensor_args(args, kwargs)
+        metas = [t for t in tensors if t.device.type == "meta"]
+        if not metas and not _makes_meta(kwargs):
             return func(*args, **kwargs)  # nothing simulated (a real CPU tensor, e.g. the estimate's own)
+        if metas and func not in _SPECIAL and not any(hasattr(t, SHADOW) for t in metas):
+            try:  # the common case: values unknown, and none to keep or drop
+                return func(*args, **kwargs)
+            except (NotImplementedError, RuntimeError) as err:
+                raise SimulationError(f"the memory simulation cannot run {func} on the meta device: it needs "
+                                      f"values computed from the model's parameters ({err})") from None
         known = (all(_known(t) for t in tensors) or func in _VALUE_FREE) and _deterministic(func)
         try:
             out = self._run_meta(func, args, kwargs)
@@ -186,6 +199,17 @@ class MetaValues:
         for meta, value in zip(results, [t for t in tree_flatten(cpu_out)[0] if isinstance(t, torch.Tensor)]):
             if meta.shape == value.shape:
                 give_values(meta, value)
+
+
+def _tensor_args(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors among an aten operation's arguments (which nest at most one list deep)."""
+    out: list[torch.Tensor] = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, (list, tuple)):
+            out.extend(t for t in value if isinstance(t, torch.Tensor))
+    return out
 
 
 def _deterministic(func: Any) -> bool:
