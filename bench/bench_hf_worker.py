@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.hf_models
-from bench_worker import rss_bytes  # noqa: E402
+from bench_worker import rss_bytes, start_measuring  # noqa: E402
 
 from tests.hf_models import build  # noqa: E402
 
@@ -34,12 +34,7 @@ def main() -> None:
     args = p.parse_args()
 
     import zeroplus
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    start_rss = rss_bytes("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    rank, start_rss = start_measuring()
     model = build(args.family, args.size, args.attn)
     cfg = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1, "torch_adam": True}},

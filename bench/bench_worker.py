@@ -24,6 +24,17 @@ def rss_bytes(field: str) -> int:
     raise RuntimeError(field)
 
 
+def start_measuring() -> tuple[int, int]:
+    """Join the gloo group, seed, and start the peak count here: (rank, resident bytes now); the peak
+    above it is read later as ``rss_bytes("VmHWM") - start``."""
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    start = rss_bytes("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM
+    return dist.get_rank(), start
+
+
 def ds_config(stage: int, micro_batch: int = 1) -> dict:
     return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
             "bf16": {"enabled": True},
@@ -51,12 +62,7 @@ def main() -> None:
     if args.framework == "deepspeed":
         import deepspeed
     import zeroplus
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    start_rss = rss_bytes("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    rank, start_rss = start_measuring()
 
     model = GPT(gpt_config(args.model, block_size=max(64, args.seq), checkpoint_blocks=args.checkpoint_blocks))
     cfg = ds_config(args.stage, args.micro_batch)

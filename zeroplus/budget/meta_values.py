@@ -141,15 +141,13 @@ class MetaValues:
             try:  # the common case: values unknown, and none to keep or drop
                 return func(*args, **kwargs)
             except (NotImplementedError, RuntimeError) as err:
-                raise SimulationError(f"the memory simulation cannot run {func} on the meta device: it needs "
-                                      f"values computed from the model's parameters ({err})") from None
+                raise _cannot_run(func, err) from None
         known = (all(_known(t) for t in tensors) or func in _VALUE_FREE) and _deterministic(func)
         try:
             out = self._run_meta(func, args, kwargs)
         except (NotImplementedError, RuntimeError) as err:  # needs values: a scalar or a value-shaped result
             if not known:
-                raise SimulationError(f"the memory simulation cannot run {func} on the meta device: it needs "
-                                      f"values computed from the model's parameters ({err})") from None
+                raise _cannot_run(func, err) from None
             return tree_map(_meta_like, self._run_on_shadows(func, args, kwargs, tensors))
         if func is aten.topk.default and not known:
             _topk_stand_in(args, kwargs, out)
@@ -157,9 +155,7 @@ class MetaValues:
         if known and all(t.numel() <= LIMIT for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)):
             self._attach(func, args, kwargs, tensors, out)
         else:
-            for t in _written(func, args, kwargs):
-                if hasattr(t, SHADOW):
-                    delattr(t, SHADOW)  # written from values we do not have
+            _forget(_written(func, args, kwargs))  # written from values we do not have
         return out
 
     @staticmethod
@@ -192,13 +188,23 @@ class MetaValues:
         try:
             cpu_out = self._run_on_shadows(func, args, kwargs, tensors)
         except (NotImplementedError, RuntimeError):  # no CPU kernel for it: its results have no values
-            for t in results + _written(func, args, kwargs):
-                if hasattr(t, SHADOW):
-                    delattr(t, SHADOW)
+            _forget(results + _written(func, args, kwargs))
             return
         for meta, value in zip(results, [t for t in tree_flatten(cpu_out)[0] if isinstance(t, torch.Tensor)]):
             if meta.shape == value.shape:
                 give_values(meta, value)
+
+
+def _cannot_run(func: Any, err: Exception) -> SimulationError:
+    return SimulationError(f"the memory simulation cannot run {func} on the meta device: it needs values "
+                           f"computed from the model's parameters ({err})")
+
+
+def _forget(tensors: list[torch.Tensor]) -> None:
+    """Drop the known values of ``tensors`` (they were written from values the simulation lacks)."""
+    for t in tensors:
+        if hasattr(t, SHADOW):
+            delattr(t, SHADOW)
 
 
 def _tensor_args(args: tuple, kwargs: dict) -> list[torch.Tensor]:
