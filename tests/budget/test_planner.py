@@ -21,8 +21,8 @@ import torch
 
 import zeroplus
 from tests.dist_helper import rank_and_world, run_distributed
-from zeroplus.budget.planner import Settings, apply_settings, parse_bytes, plan
-from zeroplus.config import ConfigError, parse_config
+from zeroplus.budget.planner import Settings, apply_settings, plan
+from zeroplus.config import ConfigError, parse_bytes, parse_config
 from zeroplus.models import GPT, gpt_config
 
 SEQ = 128

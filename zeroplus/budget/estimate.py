@@ -8,7 +8,7 @@ The prediction is the engine's own run on the meta device (``simulate.py``): mod
 the partition code, activations from the model's real forward under the config's recompute,
 swap and checkpointing choices, gradients, buckets and windows from the reducer, scheduler and
 tiers as they will run. It adds ``runtime``, what the process holds beyond tensors while
-training (``RUNTIME_BYTES``, per accelerator), from the moment the process takes it on.
+training (``runtime_overhead.py``: measured once per machine), from the moment the process takes it on.
 
 Phases: ``init`` (``initialize``: the model as built, then cast and partitioned; with a model
 built in fp32 that is 4 bytes per parameter on one rank, which ZeRO has not yet divided),
@@ -40,18 +40,11 @@ from ..config import ZeroplusConfig, load_config
 from ..memory_view import CATEGORIES, LABELS, budget_chart
 from ..parallel.groups import current_groups, parallel_groups
 from .model_states import model_state_bytes
+from .runtime_overhead import runtime_bytes
 from .simulate import _meta, _quiet, default_loss, group_stand_ins, meta_copy, simulate
 from .tracker import PHASES, TRAINING_PHASES, cpu_workspace_bytes
 from .virtual_parallel import topology_of
 
-# What a training process holds beyond its tensors, per accelerator kind: (from the engine's
-# construction on, from the end of the first backward on). CPU, measured here: GPT-tiny on 2
-# gloo ranks peaks 100 MiB above the process before the model exists, of which 1 MiB tensors
-# (bench/bench_estimate.py, run "tiny-s3"); 77 MiB of it is torch importing torch._dynamo when
-# the first optimizer is constructed (torch.optim.Optimizer.__init__ does), the rest comes with
-# the first forward and backward (kernel libraries, autograd's thread, the engine's own
-# estimate). CUDA and NPU: the peak is the caching allocator's, which holds tensors only.
-RUNTIME_BYTES = {"cpu": (77 * 2**20, 99 * 2**20), "cuda": (0, 0), "npu": (0, 0)}
 
 @dataclasses.dataclass
 class MemoryBudget:
@@ -195,7 +188,7 @@ def _estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: di
     tracker, cfg = simulate(model, config, world_size, rank, micro_batch_size=micro_batch_size, seq_len=seq_len,
                             example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
                             workspace=cpu_workspace_bytes if kind == "cpu" else None,
-                            runtime=RUNTIME_BYTES.get(kind, (0, 0)))
+                            runtime=runtime_bytes(kind))
     phases = {}
     for phase in PHASES:
         peak = tracker.peaks[phase]

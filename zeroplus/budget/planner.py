@@ -30,32 +30,16 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
-import re
 from typing import Any, Callable
 
 import torch
 
-from ..config import ConfigError, ZeroplusConfig, load_config
+from ..config import ConfigError, ZeroplusConfig, load_config, parse_bytes
 from .estimate import MemoryBudget, estimate
 
 # Nominal bandwidths (bytes/s) the costs are computed with: only their ratios order candidates.
 BANDWIDTH = {"comm": 10e9, "nvme": 2e9, "cpu": 10e9, "memory": 50e9}
 RATIOS = (0.25, 0.5, 0.75, 1.0)
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(value: str | int | float, key: str = "zeroplus.memory_budget") -> int:
-    """``16GB`` (10^9), ``16GiB`` (2^30), ``1.5e10`` or a plain number of bytes."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return int(value)
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ConfigError(f"config key '{key}' is {value!r}: give bytes as a number or with a unit "
-                          f"(KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '16GB'")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
 
 @dataclasses.dataclass(frozen=True)
 class Settings:

@@ -17,9 +17,10 @@ from .keys import ConfigError
 from .model import ZeroplusConfig
 from .resolve import auto_keys, load_config, model_hidden_size, parse_config, resolve_auto, resolve_batch
 from .resolved import ResolvedConfig, ResolvedZeroConfig, resolved, resolved_zero
+from .sizes import parse_bytes
 
 __all__ = ["ActivationCheckpointingConfig", "auto_keys", "load_config", "ResolvedConfig", "ResolvedZeroConfig",
            "resolved", "resolved_zero", "BF16Config", "ConfigError", "FP16Config",
            "OffloadOptimizerConfig",
            "OffloadParamConfig", "OptimizerConfig", "SchedulerConfig", "ZeroConfig", "ZeroplusBlock",
-           "ZeroplusConfig", "model_hidden_size", "parse_config", "resolve_auto", "resolve_batch"]
+           "ZeroplusConfig", "model_hidden_size", "parse_bytes", "parse_config", "resolve_auto", "resolve_batch"]

@@ -1,0 +1,48 @@
+"""The runtime overhead is measured on this machine by a child process, kept in a file, read back by
+later processes, and can be set by hand; on CUDA/NPU it is 0."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from zeroplus.budget import runtime_overhead
+from zeroplus.budget.runtime_overhead import ENV, runtime_bytes
+from zeroplus.config import ConfigError
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setenv("ZEROPLUS_CACHE_DIR", str(tmp_path))
+    runtime_bytes.cache_clear()
+    yield tmp_path
+    runtime_bytes.cache_clear()
+
+
+def test_measured_once_kept_and_read_back(fresh, monkeypatch):
+    construction, training = runtime_bytes("cpu")
+    # torch._dynamo alone is tens of MiB when the first optimizer is built; a tiny model's run adds more
+    assert 8 * 2**20 < construction <= training < 2**30
+    (kept,) = fresh.glob("runtime-overhead-*.json")
+    record = json.loads(kept.read_text())
+    assert (record["construction"], record["training"]) == (construction, training)
+    assert {"host", "python", "torch", "zeroplus"} <= set(record)
+
+    def no_second_probe() -> tuple[int, int]:
+        raise AssertionError("the kept measurement was not read")
+    monkeypatch.setattr(runtime_overhead, "probe", no_second_probe)
+    runtime_bytes.cache_clear()
+    assert runtime_bytes("cpu") == (construction, training)
+    assert runtime_bytes("cuda") == runtime_bytes("npu") == (0, 0)
+
+
+def test_set_by_hand(fresh, monkeypatch):
+    monkeypatch.setenv(ENV, "80MiB, 104857600")
+    assert runtime_bytes("cpu") == (80 * 2**20, 100 * 2**20)
+    assert not list(fresh.iterdir())  # nothing probed, nothing kept
+    for bad, says in (("12", "give two sizes"), ("1MiB,lots", "'lots'")):
+        monkeypatch.setenv(ENV, bad)
+        runtime_bytes.cache_clear()
+        with pytest.raises((ValueError, ConfigError), match=f"{ENV}.*{says}"):
+            runtime_bytes("cpu")

@@ -1,0 +1,144 @@
+"""What a training process holds beyond its tensors, measured on this machine once and kept.
+
+The budget adds ``runtime`` to every phase: on CPU, resident memory that is not a tensor (torch
+importing ``torch._dynamo`` when the first optimizer is built, kernel libraries and autograd's thread
+loaded by the first forward and backward, the engine's own first-forward estimate). It differs
+between machines, libraries and versions, so it is not a constant: ``runtime_bytes("cpu")`` runs
+``python -m zeroplus.runtime_probe`` in a child process (a two-step run of a 0.3 MiB model, about
+8 s here), under the allocator the budget assumes (``ALLOCATOR_ENV``), and keeps its two numbers
+(from construction on, from the first backward on) in a file keyed by host, Python, torch and
+zeroplus versions, so later processes on the machine read them. Ranks that start together wait on
+one lock and probe once. On CUDA and NPU the budget predicts the caching allocator's peak, which
+holds tensors only: 0.
+
+``ZEROPLUS_RUNTIME_BYTES="construction,training"`` (bytes, or sizes such as ``80MiB``) sets the two
+numbers instead; ``ZEROPLUS_CACHE_DIR`` moves the file (default ``$XDG_CACHE_HOME/zeroplus`` or
+``~/.cache/zeroplus``). If the probe cannot run, the budget warns with its error and uses
+``FALLBACK_BYTES``, measured on the machine that wrote this. Memory: two integers; the probe's
+memory is the child's.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+from ..config import parse_bytes
+
+logger = logging.getLogger("zeroplus")
+
+ENV = "ZEROPLUS_RUNTIME_BYTES"
+ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+FALLBACK_BYTES = (77 * 2**20, 99 * 2**20)  # GPT-tiny on 2 gloo ranks, 2-core x86 without native bf16
+# a launcher's variables would make the probe's engine join the caller's job
+_LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+               "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+@functools.lru_cache(maxsize=None)
+def runtime_bytes(kind: str) -> tuple[int, int]:
+    """(bytes from the engine's construction on, bytes from the end of the first backward on) for a
+    process training on accelerator ``kind``."""
+    if kind != "cpu":
+        return (0, 0)
+    override = os.environ.get(ENV)
+    if override is not None:
+        return _parse_override(override)
+    path = _cache_file()
+    cached = _read(path)
+    if cached is not None:
+        return cached
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        lock = open(path + ".lock", "w")  # noqa: SIM115 - held across the probe, closed below
+    except OSError as err:
+        logger.warning("cannot keep the runtime overhead in %s (%s): measuring it for this process only", path, err)
+        return probe()
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        cached = _read(path)  # a rank that waited finds the first one's result
+        if cached is not None:
+            return cached
+        measured = probe()
+        _write(path, measured)
+        return measured
+
+
+def probe() -> tuple[int, int]:
+    """Run ``zeroplus.runtime_probe`` in a child process and return its two numbers; on failure, warn
+    and return ``FALLBACK_BYTES``."""
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
+    env.update(ALLOCATOR_ENV, ZEROPLUS_ACCELERATOR="cpu", **{ENV: "0,0"})
+    cmd = [sys.executable, "-m", "zeroplus.runtime_probe"]
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"exit code {done.returncode}: {done.stderr.strip()[-500:]}")
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        measured = (int(result["construction"]), int(result["training"]))
+    except (OSError, ValueError, KeyError, IndexError, RuntimeError, subprocess.TimeoutExpired) as err:
+        logger.warning("the runtime overhead probe (%s) failed (%s: %s); the memory budget uses %s instead "
+                       "(set %s to give it)", " ".join(cmd), type(err).__name__, err, _describe(FALLBACK_BYTES), ENV)
+        return FALLBACK_BYTES
+    logger.info("runtime overhead measured on this machine: %s", _describe(measured))
+    return measured
+
+
+def _parse_override(value: str) -> tuple[int, int]:
+    parts = [p.strip() for p in value.split(",")]
+    if len(parts) != 2:
+        raise ValueError(f"environment variable {ENV} is {value!r}: give two sizes, 'construction,training' "
+                         f"(e.g. '80MiB,100MiB')")
+    first, second = (parse_bytes(p, what=f"environment variable {ENV}") for p in parts)
+    return (first, second)
+
+
+def _describe(pair: tuple[int, int]) -> str:
+    return f"{pair[0] / 2**20:.1f} MiB from construction, {pair[1] / 2**20:.1f} MiB from the first backward"
+
+
+def _cache_key() -> dict[str, str]:
+    return {"host": platform.node(), "machine": platform.machine(), "python": platform.python_version(),
+            "torch": torch.__version__, "zeroplus": _zeroplus_version()}
+
+
+def _zeroplus_version() -> str:
+    try:
+        return importlib.metadata.version("zeroplus")
+    except importlib.metadata.PackageNotFoundError:
+        return "source"
+
+
+def _cache_file() -> str:
+    root = os.environ.get("ZEROPLUS_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "zeroplus")
+    digest = hashlib.sha256(json.dumps(_cache_key(), sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(root, f"runtime-overhead-{digest}.json")
+
+
+def _read(path: str) -> tuple[int, int] | None:
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        with open(path) as f:
+            saved = json.load(f)
+        return (int(saved["construction"]), int(saved["training"]))
+    return None
+
+
+def _write(path: str, measured: tuple[int, int]) -> None:
+    record = {"construction": measured[0], "training": measured[1], **_cache_key()}
+    with contextlib.suppress(OSError):
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".runtime-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f, indent=1)
+        os.replace(tmp, path)

@@ -1,0 +1,66 @@
+"""Measure this machine's runtime overhead: what a training process holds beyond its tensors.
+
+``python -m zeroplus.runtime_probe`` trains the built-in GPT ``tiny`` (about 0.3 MiB of parameters)
+for two steps with zeroplus on one gloo rank and prints, as JSON, two numbers:
+
+- ``construction``: resident memory above the process before the model existed, at the end of
+  ``initialize``, minus the tensors the simulation predicts for the ``init`` phase. Most of it is torch
+  importing ``torch._dynamo`` when the first optimizer is constructed (77 MiB on the machine that
+  wrote this).
+- ``training``: the same over two training steps, minus the predicted training peak's tensors: the
+  construction's part plus what the first forward and backward load (kernel libraries, autograd's
+  thread, the engine's own first-forward estimate).
+
+The memory budget (``budget/runtime_overhead.py``) runs this once per machine and keeps the result.
+It is run under the allocator the budget assumes (glibc returning freed memory: the variables in
+``ALLOCATOR_ENV``) and with ``ZEROPLUS_RUNTIME_BYTES=0,0``, so the engine's own prediction inside it
+counts tensors only. Memory: the probe's own, in a child process; the caller holds nothing.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+import torch
+import torch.distributed as dist
+
+from .accelerator import Accelerator
+from .initialize_engine import initialize
+from .models import GPT, gpt_config
+
+SEQ = 32
+
+
+def _tensor_bytes(phase: dict[str, int]) -> int:
+    return phase["total"] - phase.get("runtime", 0)
+
+
+def main() -> None:
+    logging.disable(logging.WARNING)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    host = Accelerator()
+    start = host.memory_allocated()
+    host.reset_peak_memory_stats()
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny"))
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+              "zero_optimization": {"stage": 3}, "zeroplus": {"log_level": "error"}}
+    engine = initialize(model, config)
+    constructed = host.max_memory_allocated() - start
+    tokens = torch.randint(0, gpt_config("tiny").vocab_size, (2, SEQ))
+    for _ in range(2):
+        engine.backward(engine(tokens, tokens))
+        engine.step()
+    trained = host.max_memory_allocated() - start
+    budget = engine.budget
+    if budget is None:
+        raise RuntimeError("the runtime probe's engine made no memory prediction")
+    result = {"construction": max(0, constructed - _tensor_bytes(budget.phases["init"])),
+              "training": max(0, trained - _tensor_bytes(budget.phases[budget.training_peak_phase]))}
+    print(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
