@@ -2,16 +2,17 @@
 
 The one place an engine is put together, used by ``zeroplus.initialize`` (``initialize_engine.py``,
 the top layer, which parses, resolves, plans and installs the first-forward prediction before calling
-it) and by the memory budget's meta-device simulation (``budget/simulate.py``). Order: move the model
-to the device and the compute dtype; broadcast the first rank's parameters and buffers so every rank
-starts alike; partition (``make_partition``: the flat buffers, masters and shards, allocated through
-the ledger); build or adopt the optimizer over the master shards; build the schedule. Nothing here
-reads ``"auto"`` or imports the budget.
+it) and by the memory budget's meta-device simulation (``budget/simulate.py``). Order: partition
+(``make_partition``), which moves the model to the device and the compute dtype one unit at a time
+(``zero/placement.py``: each unit's tensors moved or copied into its flat buffer, broadcast from the
+first rank so every rank starts alike, sharded, and the unit's full copy freed before the next;
+buffers, masters and shards allocated through the ledger); build or adopt the optimizer over the
+master shards; build the schedule. Nothing here reads ``"auto"`` or imports the budget.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -19,7 +20,6 @@ import torch.distributed as dist
 from zeroplus.accelerator import Accelerator
 from zeroplus.activations import ResizeRecompute, SavedTensorRouter, SwapAttention, checkpointing
 from zeroplus.activations.resize_recompute import DEFAULT_CLASSES
-from zeroplus.comm import DataParallelGroup
 from zeroplus.config import ConfigError, ResolvedConfig, ZeroplusConfig, resolved_zero
 from zeroplus.ledger import Ledger
 from zeroplus.logs import log_rank0
@@ -36,6 +36,7 @@ from zeroplus.parallel.tensor_layers import is_tensor_parallel
 from zeroplus.parallel.topology import check_supported
 from zeroplus.zero import ShardedStep, ZeroPartition
 from zeroplus.zero.partition import ExpertSplit
+from zeroplus.zero.placement import UnitPlacement
 from zeroplus.zero.sharded_step import ModelParallelNorm, StepPolicy
 
 from .engine import Engine, TrainingParts
@@ -70,16 +71,12 @@ def _param_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     return [{"params": items}]
 
 
-def _broadcast_from_first(module: torch.nn.Module, dp: DataParallelGroup, experts: ExpertSplit | None) -> None:
-    """Every rank starts from its group's first rank's values: the data group's, or for experts' tensors
-    (which differ between expert ranks) the expert-data group's."""
-    with torch.no_grad():
-        for t in list(module.parameters()) + list(module.buffers()):
-            group = experts.group if experts is not None and experts.holds(t) else dp
-            if group.size == 1 or not group.initialized:  # one rank, or the estimator's virtual group
-                continue
-            src = dist.get_global_rank(group.group, 0) if group.group is not None else 0
-            dist.broadcast(t.data, src=src, group=group.group)
+def _broadcast_group(dp: Any, experts: ExpertSplit | None) -> Callable[[torch.Tensor], Any]:
+    """Whose first rank's values a tensor takes: its expert-data group's for an expert's tensors
+    (they differ between expert ranks), else the data group's."""
+    def group_of(tensor: torch.Tensor) -> Any:
+        return experts.group if experts is not None and experts.holds(tensor) else dp
+    return group_of
 
 
 def expert_split(parallel: ParallelGroups | None) -> ExpertSplit | None:
@@ -107,12 +104,7 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Any, accel: Ac
     pipelined = parallel is not None and parallel.topology.pipeline > 1
 
     dtype = compute_dtype(cfg)
-    model.to(accel.device())
-    if dtype != torch.float32:
-        model.to(dtype)
     experts = expert_split(parallel)
-    _broadcast_from_first(model, dp, experts)
-
     groups = _param_groups(model, optimizer, model_parameters)
     group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
     untrained = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in group_of]
@@ -121,8 +113,10 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Any, accel: Ac
                   level=logging.WARNING)
     ledger = Ledger() if ledger is None else ledger
     param_offload = _param_offload(cfg, model, group_of, dp.size, accel, ledger)
+    flattened = {id(p) for p in model.parameters() if p.requires_grad and id(p) in group_of}  # (units.py)
     try:
-        partition = make_partition(model, cfg, dp, ledger, dtype, group_of, param_offload, experts)
+        partition = make_partition(model, cfg, dp, ledger, dtype, group_of, param_offload, experts,
+                                   UnitPlacement(accel.device(), dtype, _broadcast_group(dp, experts), flattened))
     except OSError as err:  # writing the offloaded shards failed (a full disk)
         if param_offload is None:
             raise
@@ -201,15 +195,16 @@ def _optimizer_and_schedule(cfg: ResolvedConfig, partition: ZeroPartition, group
 
 def make_partition(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, ledger: Ledger, dtype: torch.dtype,
                    group_of: dict[int, int], param_offload: ParamOffload | None,
-                   experts: ExpertSplit | None) -> ZeroPartition:
+                   experts: ExpertSplit | None, placement: UnitPlacement | None = None) -> ZeroPartition:
     """The partition of ``model`` as ``cfg`` asks (the engine's, and the budget's model-state count's, whose
-    config has the ZeRO block resolved but may lack a batch triple)."""
+    config has the ZeRO block resolved but may lack a batch triple). ``placement``: the engine moves the
+    model to the device and dtype through it, one unit at a time (``zero/placement.py``)."""
     accumulation = cfg.gradient_accumulation_steps if isinstance(cfg.gradient_accumulation_steps, int) else 1
     return ZeroPartition(model, resolved_zero(cfg.zero_optimization), dp, ledger, dtype, group_of,
                          cfg.zeroplus.unit_modules, accumulation,
                          MasterPolicy(bool(cfg.zeroplus.shared_master_weights),
                                       cfg.zeroplus.master_rounding == "like_shared", param_offload),
-                         experts=experts)
+                         experts=experts, placement=placement)
 
 
 def _check_pipeline(model: torch.nn.Module, cfg: ResolvedConfig, parallel: ParallelGroups) -> None:

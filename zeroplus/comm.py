@@ -135,6 +135,14 @@ class DataParallelGroup:
         self._count("all_to_all", input)
         return self._run("all_to_all", lambda: dist.all_to_all_single(output, input, group=self.group, async_op=True))
 
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        """The group's first rank's ``tensor`` on every rank, in place (blocking)."""
+        if self.size == 1:
+            return
+        self._count("broadcast", tensor)
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        self._run("broadcast", lambda: dist.broadcast(tensor, src=src, group=self.group), async_op=False)
+
     def max_flag(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is true on any rank (used for fp16 overflow)."""
         if self.size == 1:

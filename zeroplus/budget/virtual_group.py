@@ -60,6 +60,9 @@ class VirtualGroup:
     def sum_scalar(self, value: torch.Tensor) -> torch.Tensor:
         return value
 
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        return None  # gloo broadcasts in place
+
     def max_flag(self, flag: bool) -> bool:
         return flag
 

@@ -49,9 +49,11 @@ class FlatParamGroup:
 
     def __init__(self, name: str, named_params: list[tuple[str, torch.nn.Parameter]], group_index: int,
                  stage: int, dp: DataParallelGroup, compute_dtype: torch.dtype, ledger: Ledger,
-                 master: MasterPolicy = MasterPolicy()) -> None:
+                 master: MasterPolicy = MasterPolicy(), device: torch.device | None = None) -> None:
         """``master``: shared storage, rounding, and the tier to keep the master shard on (stage 3,
-        ``tiered_master.py``)."""
+        ``tiered_master.py``). ``device``: where the flat buffer lives (default: the first parameter's
+        device); the parameters are copied into it from wherever they are, cast to ``compute_dtype``,
+        and every rank takes the group's first rank's values."""
         self.name = name
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
@@ -62,7 +64,7 @@ class FlatParamGroup:
         self.file_ranks = list(range(dp.size))  # the data rank whose checkpoint file holds each dp rank's shard
         self.ledger = ledger
         self.compute_dtype = compute_dtype
-        self.device = self.params[0].device
+        self.device = self.params[0].device if device is None else torch.device(device)
         self.shapes = [p.shape for p in self.params]
         self.numels = [p.numel() for p in self.params]
         self.offsets = [0]
@@ -82,6 +84,7 @@ class FlatParamGroup:
             for p, off, n in zip(self.params, self.offsets, self.numels):
                 self.full[off:off + n].copy_(p.detach().reshape(-1))
             self.full[self.numel:].zero_()
+        dp.broadcast(self.full)  # every rank starts from the first rank's values
         # ``.data`` has its own version counter: writing through it (gathers, post-step copies)
         # does not invalidate the parameter views autograd saved for backward.
         self._full_data = self.full.data

@@ -37,6 +37,7 @@ from ..ledger import Ledger
 from ..offload.policies import MasterPolicy
 from .flat_group import FlatParamGroup
 from .grad_reducer import GradReducer
+from .placement import UnitPlacement
 from .stage3 import Stage3Scheduler
 from .stage3_state_dict import install_state_dict_hooks
 from .units import Unit, assign_parameters, find_unit_modules
@@ -71,15 +72,20 @@ class ZeroPartition:
     def __init__(self, model: torch.nn.Module, zero: ResolvedZeroConfig, dp: DataParallelGroup, ledger: Ledger,
                  compute_dtype: torch.dtype, param_group_of: dict[int, int],
                  unit_class_names: list[str] | None = None, gradient_accumulation_steps: int = 1,
-                 master: MasterPolicy = MasterPolicy(), experts: ExpertSplit | None = None) -> None:
+                 master: MasterPolicy = MasterPolicy(), experts: ExpertSplit | None = None,
+                 placement: UnitPlacement | None = None) -> None:
         """``master``: how flat groups keep their fp32 master shards; ``experts``: the expert-data group and
-        expert rank when experts are split over ranks, else None."""
+        expert rank when experts are split over ranks, else None. ``placement``: moves each unit's other
+        tensors to the device just before its flat groups are built (``placement.py``: one unit at a
+        time); None leaves every tensor where it is."""
         self.stage = zero.stage
         self.dp = dp
         self.ledger = ledger
         unit_modules = find_unit_modules(model, unit_class_names)
         self.units: list[Unit] = []
         for index, (name, module, params) in enumerate(assign_parameters(model, unit_modules)):
+            if placement is not None:
+                placement.prepare(module, [m for _, m in unit_modules])
             groups = []
             by_group: dict[tuple[int, bool], list[tuple[str, torch.nn.Parameter]]] = {}
             for pname, p in params:
@@ -92,7 +98,8 @@ class ZeroPartition:
                 if split is not None:
                     named = [(f"{n}{split.suffix}", p) for n, p in named]
                     group_dp, label = split.group, label + split.suffix
-                group = FlatParamGroup(label, named, gi, self.stage, group_dp, compute_dtype, ledger, master)
+                group = FlatParamGroup(label, named, gi, self.stage, group_dp, compute_dtype, ledger, master,
+                                       placement.device if placement is not None else None)
                 if split is not None:
                     group.expert, group.file_ranks = True, split.data_ranks()
                 groups.append(group)
