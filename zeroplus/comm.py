@@ -135,12 +135,12 @@ class DataParallelGroup:
         self._count("all_to_all", input)
         return self._run("all_to_all", lambda: dist.all_to_all_single(output, input, group=self.group, async_op=True))
 
-    def broadcast(self, tensor: torch.Tensor) -> None:
-        """The group's first rank's ``tensor`` on every rank, in place (blocking)."""
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Group rank ``src``'s ``tensor`` on every rank, in place (blocking)."""
         if self.size == 1:
             return
         self._count("broadcast", tensor)
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        src = dist.get_global_rank(self.group, src) if self.group is not None else src
         self._run("broadcast", lambda: dist.broadcast(tensor, src=src, group=self.group), async_op=False)
 
     def max_flag(self, flag: bool) -> bool:

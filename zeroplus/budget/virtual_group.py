@@ -60,7 +60,7 @@ class VirtualGroup:
     def sum_scalar(self, value: torch.Tensor) -> torch.Tensor:
         return value
 
-    def broadcast(self, tensor: torch.Tensor) -> None:
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         return None  # gloo broadcasts in place
 
     def max_flag(self, flag: bool) -> bool:

@@ -40,6 +40,7 @@ import torch
 from ..comm import DataParallelGroup, Handle
 from ..ledger import Category, Ledger
 from ..offload.policies import MasterPolicy
+from . import init_shards
 from .master_store import FullMaster, MasterStore, SharedMaster
 from .tiered_master import TieredMaster
 
@@ -52,8 +53,9 @@ class FlatParamGroup:
                  master: MasterPolicy = MasterPolicy(), device: torch.device | None = None) -> None:
         """``master``: shared storage, rounding, and the tier to keep the master shard on (stage 3,
         ``tiered_master.py``). ``device``: where the flat buffer lives (default: the first parameter's
-        device); the parameters are copied into it from wherever they are, cast to ``compute_dtype``,
-        and every rank takes the group's first rank's values."""
+        device); the parameters are copied into it from wherever they are, cast to ``compute_dtype``
+        (a parameter ``zeroplus.Init`` partitioned is gathered first, one at a time), and every rank
+        takes the group's first rank's values."""
         self.name = name
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
@@ -81,8 +83,9 @@ class FlatParamGroup:
         full_category = Category.PARAM_GATHERED if stage == 3 else Category.PARAM
         self.full = ledger.empty(self.padded_numel, compute_dtype, full_category, self.device)
         with torch.no_grad():
-            for p, off, n in zip(self.params, self.offsets, self.numels):
-                self.full[off:off + n].copy_(p.detach().reshape(-1))
+            for p, off, n in zip(self.params, self.offsets, self.numels):  # one parameter whole at a time
+                source = init_shards.adopt(p) if init_shards.shard_of(p) is not None else p.detach()
+                self.full[off:off + n].copy_(source.reshape(-1))
             self.full[self.numel:].zero_()
         dp.broadcast(self.full)  # every rank starts from the first rank's values
         # ``.data`` has its own version counter: writing through it (gathers, post-step copies)

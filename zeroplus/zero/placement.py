@@ -30,6 +30,8 @@ from typing import Any, Callable
 
 import torch
 
+from . import init_shards
+
 
 class UnitPlacement:
     """Moves each unit's non-flattened tensors to ``device`` (and ``dtype``) as the partition reaches it."""
@@ -59,7 +61,8 @@ class UnitPlacement:
                     if p is None or id(p) in self.flattened or id(p) in self._moved:
                         continue
                     self._moved[id(p)] = p
-                    p.data = self._convert(p.data)
+                    whole = init_shards.adopt(p) if init_shards.shard_of(p) is not None else p.data
+                    p.data = self._convert(whole)
                     if p.grad is not None:
                         p.grad = self._convert(p.grad)
                     self._broadcast(p.data)

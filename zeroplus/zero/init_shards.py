@@ -1,0 +1,106 @@
+"""One parameter partitioned at construction (``zeroplus.Init``): this rank's chunk, and how to get it whole.
+
+A parameter of ``numel`` elements over a group of N ranks is flattened, padded to ``N * chunk``
+(``chunk = ceil(numel / N)``) and cut into N chunks; rank r keeps chunk r (``InitShard.values``,
+``chunk`` elements in the parameter's dtype, on the device). The parameter itself keeps its shape,
+dtype and device but no memory: its data becomes one NaN element expanded to the shape, so shape
+queries work, writes fail loudly and a forward through it before ``initialize`` gives NaN, never
+plausible numbers.
+
+Memory per rank: ``chunk`` elements per parameter, plus, while one parameter is gathered
+(``gather``), its whole ``numel`` and one padded all-gather buffer of ``N * chunk``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+SHARD_ATTR = "_zeroplus_init_shard"
+
+
+@dataclasses.dataclass
+class InitShard:
+    """This rank's chunk of one parameter, and the group it is partitioned over."""
+
+    values: torch.Tensor     # chunk elements, flat
+    shape: torch.Size
+    numel: int
+    group: Any               # a DataParallelGroup
+    gathered: bool = False   # the parameter holds its whole values now
+
+
+def shard_of(param: torch.Tensor) -> InitShard | None:
+    return getattr(param, SHARD_ATTR, None)
+
+
+def _placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    fill = float("nan") if dtype.is_floating_point or dtype.is_complex else 0
+    return torch.full((1,), fill, dtype=dtype, device=device).expand(shape)
+
+
+def partition(param: torch.nn.Parameter, group: Any, device: torch.device, dtype: torch.dtype | None = None) -> None:
+    """Keep this rank's chunk of ``param``'s values (the group's first rank's: every rank takes them, as
+    ``initialize`` does) and release the rest. ``dtype``: cast the kept chunk."""
+    with torch.no_grad():
+        whole = param.data.to(device)
+        group.broadcast(whole)
+        flat = whole.reshape(-1)
+        chunk = math.ceil(flat.numel() / group.size) if flat.numel() else 0
+        start = min(group.rank * chunk, flat.numel())
+        end = min(start + chunk, flat.numel())
+        values = torch.zeros(chunk, dtype=dtype or flat.dtype, device=device)
+        values[:end - start].copy_(flat[start:end])
+        shard = InitShard(values, param.shape, flat.numel(), group)
+        param.data = _placeholder(param.shape, values.dtype, device)
+    setattr(param, SHARD_ATTR, shard)
+
+
+def gather(param: torch.nn.Parameter) -> torch.Tensor:
+    """The whole values of a partitioned parameter (a new tensor; a collective over its group)."""
+    shard = shard_of(param)
+    assert shard is not None, "gather() of a parameter zeroplus.Init did not partition"
+    chunk = shard.values.numel()
+    padded = torch.empty(chunk * shard.group.size, dtype=shard.values.dtype, device=shard.values.device)
+    shard.group.all_gather(padded, shard.values).wait()
+    return padded[:shard.numel].view(shard.shape)
+
+
+def materialize(param: torch.nn.Parameter) -> None:
+    """Give ``param`` its whole values (``gather``) until ``repartition``."""
+    shard = shard_of(param)
+    if shard is None or shard.gathered:
+        return
+    param.data = gather(param)
+    shard.gathered = True
+
+
+def repartition(param: torch.nn.Parameter, modifier_rank: int | None) -> None:
+    """Release the whole values of a materialized parameter. ``modifier_rank``: the rank whose values
+    every rank keeps (broadcast first: they were changed); None: the chunks are unchanged."""
+    shard = shard_of(param)
+    if shard is None or not shard.gathered:
+        return
+    with torch.no_grad():
+        if modifier_rank is not None:
+            whole = param.data.contiguous()
+            shard.group.broadcast(whole, src=modifier_rank)
+            flat = whole.reshape(-1)
+            chunk = shard.values.numel()
+            start = min(shard.group.rank * chunk, shard.numel)
+            end = min(start + chunk, shard.numel)
+            shard.values.zero_()
+            shard.values[:end - start].copy_(flat[start:end])
+        param.data = _placeholder(shard.shape, shard.values.dtype, shard.values.device)
+    shard.gathered = False
+
+
+def adopt(param: torch.nn.Parameter) -> torch.Tensor:
+    """For ``initialize``: the whole values of a partitioned parameter (gathered), and forget the shard."""
+    shard = shard_of(param)
+    assert shard is not None
+    values = param.data if shard.gathered else gather(param)
+    delattr(param, SHARD_ATTR)
+    return values
