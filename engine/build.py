@@ -35,6 +35,7 @@ from zeroplus.parallel.pipeline import PipelineModule
 from zeroplus.parallel.tensor_layers import is_tensor_parallel
 from zeroplus.parallel.topology import check_supported
 from zeroplus.zero import ShardedStep, ZeroPartition
+from zeroplus.zero.meta_init import has_meta_tensors, materialize_meta
 from zeroplus.zero.partition import ExpertSplit
 from zeroplus.zero.placement import UnitPlacement
 from zeroplus.zero.sharded_step import ModelParallelNorm, StepPolicy
@@ -89,13 +90,15 @@ def expert_split(parallel: ParallelGroups | None) -> ExpertSplit | None:
 def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Any, accel: Accelerator, rss_at_start: int, *,
                  optimizer: torch.optim.Optimizer | None = None, lr_scheduler: Any = None,
                  model_parameters: Iterable[Any] | None = None, ledger: Ledger | None = None,
-                 simulated: Any = None, parallel: ParallelGroups | None = None) -> Engine:
+                 simulated: Any = None, parallel: ParallelGroups | None = None,
+                 init_fn: Callable[[torch.nn.Module], None] | None = None) -> Engine:
     """The engine over ``dp`` (a ``DataParallelGroup``, or the estimator's ``VirtualGroup``) on
     ``accel``'s device, from a parsed and resolved config (batch triple and ``"auto"`` resolved by
     the caller); everything after process-group set-up.
     ``simulated``: the estimator's memory tracker when this is its meta-device run
     (``zeroplus/budget/simulate.py``), else None. ``parallel``: the tensor/pipeline/expert groups
-    (``zeroplus/parallel/groups.py``) when the model is split beyond ``dp``."""
+    (``zeroplus/parallel/groups.py``) when the model is split beyond ``dp``. A model on the meta device is
+    given its values first (``zero/meta_init.py``, with ``init_fn``), at the memory of its shards."""
     model_parallel = parallel is not None and parallel.model.size > 1
     split = model_parallel or (parallel is not None and parallel.expert.size > 1)  # beyond data parallelism
     _check_request(model, cfg, parallel, optimizer, lr_scheduler)
@@ -105,6 +108,12 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Any, accel: Ac
 
     dtype = compute_dtype(cfg)
     experts = expert_split(parallel)
+    if simulated is None and has_meta_tensors(model):  # (the estimator's models are meta by design)
+        if optimizer is not None or model_parameters is not None or split:
+            raise ConfigError("a model on the meta device gets new parameters from initialize(): give the optimizer "
+                              "in the config rather than optimizer=/model_parameters=, and build models split by "
+                              "tensor, pipeline or expert parallelism normally (not supported on meta yet)")
+        materialize_meta(model, dp, accel.device(), init_fn)
     groups = _param_groups(model, optimizer, model_parameters)
     group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
     untrained = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in group_of]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -45,8 +45,14 @@ logger = logging.getLogger("zeroplus.engine")
 
 def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLike, *,
                optimizer: torch.optim.Optimizer | None = None, lr_scheduler: Any = None,
-               model_parameters: Iterable[Any] | None = None, process_group: Any = None) -> Engine:
-    """Wrap ``model`` for ZeRO training as ``config`` (a dict or JSON path) describes."""
+               model_parameters: Iterable[Any] | None = None, process_group: Any = None,
+               init_fn: Callable[[torch.nn.Module], None] | None = None) -> Engine:
+    """Wrap ``model`` for ZeRO training as ``config`` (a dict or JSON path) describes.
+
+    ``model`` may be built normally (moved and partitioned one unit at a time), under ``zeroplus.Init``
+    (its shards adopted) or on the meta device (given values at shard memory by replaying its
+    initialisation: ``zero/meta_init.py``; ``init_fn(module)``, called over the modules after their
+    ``reset_parameters()``, for what those do not set)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     accel = get_accelerator()
@@ -75,7 +81,7 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     pipelined = parallel.topology.pipeline > 1
     source = _estimate_source(model, cfg, parallel) if not pipelined else None
     engine = build_engine(model, cfg, dp, accel, rss_at_start, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                          model_parameters=model_parameters, parallel=parallel)
+                          model_parameters=model_parameters, parallel=parallel, init_fn=init_fn)
     if source is not None:
         engine.before_first_forward(_predictor(*source))
     return engine

@@ -30,6 +30,7 @@ class InitShard:
     numel: int
     group: Any               # a DataParallelGroup
     gathered: bool = False   # the parameter holds its whole values now
+    blank: bool = False      # no values yet (a meta-device parameter): gathering allocates instead
 
 
 def shard_of(param: torch.Tensor) -> InitShard | None:
@@ -58,10 +59,25 @@ def partition(param: torch.nn.Parameter, group: Any, device: torch.device, dtype
     setattr(param, SHARD_ATTR, shard)
 
 
+def blank(shape: torch.Size, dtype: torch.dtype, device: torch.device, group: Any,
+          requires_grad: bool) -> torch.nn.Parameter:
+    """A partitioned parameter with no values yet (for a meta-device one): its first gather allocates it
+    whole, uninitialised, for its initialisation to write."""
+    numel = math.prod(shape)
+    chunk = math.ceil(numel / group.size) if numel else 0
+    param = torch.nn.Parameter(_placeholder(shape, dtype, device), requires_grad=requires_grad)
+    setattr(param, SHARD_ATTR, InitShard(torch.zeros(chunk, dtype=dtype, device=device), shape, numel, group,
+                                         blank=True))
+    return param
+
+
 def gather(param: torch.nn.Parameter) -> torch.Tensor:
     """The whole values of a partitioned parameter (a new tensor; a collective over its group)."""
     shard = shard_of(param)
     assert shard is not None, "gather() of a parameter zeroplus.Init did not partition"
+    if shard.blank:
+        shard.blank = False
+        return torch.empty(shard.shape, dtype=shard.values.dtype, device=shard.values.device)
     chunk = shard.values.numel()
     padded = torch.empty(chunk * shard.group.size, dtype=shard.values.dtype, device=shard.values.device)
     shard.group.all_gather(padded, shard.values).wait()
