@@ -32,6 +32,7 @@ from .checkpoint import save_checkpoint
 from .checkpoint_export import write_state_dict
 from .checkpoint_load import load_checkpoint
 from .loss_scaler import LossScaler
+from .pretrained_load import PretrainedLoad, load_pretrained
 
 logger = logging.getLogger("zeroplus.engine")
 
@@ -281,6 +282,12 @@ class Engine:
         """Every rank calls it; any data-parallel size and stage; returns ``(path, client_state)``."""
         return load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+
+    def load_pretrained(self, path: str, *, prefixes: dict[str, str] | None = None, allow_missing: Any = (),
+                        strict: bool = True) -> PretrainedLoad:
+        """Every rank calls it: a Hugging Face checkpoint (directory or file; safetensors or .bin, sharded or
+        not) read straight into this rank's shards (``engine/pretrained_load.py``)."""
+        return load_pretrained(self, path, prefixes=prefixes, allow_missing=allow_missing, strict=strict)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> str | None:
         """Gather the whole model in the compute dtype into one file on rank 0 (every rank calls

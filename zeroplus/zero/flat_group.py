@@ -68,6 +68,7 @@ class FlatParamGroup:
         self.compute_dtype = compute_dtype
         self.device = self.params[0].device if device is None else torch.device(device)
         self.shapes = [p.shape for p in self.params]
+        self.dtypes = [p.dtype for p in self.params]  # as built (a pretrained load casts to them first)
         self.numels = [p.numel() for p in self.params]
         self.offsets = [0]
         for n in self.numels[:-1]:

@@ -1,0 +1,212 @@
+"""``engine.load_pretrained(path)``: a Hugging Face checkpoint read straight into each rank's shards.
+
+    engine = zeroplus.initialize(meta_model, "ds_config.json")     # or built under zeroplus.Init
+    engine.load_pretrained("llama-7b/")                             # safetensors or .bin, one file or sharded
+
+``path``: a directory holding ``model.safetensors.index.json``, ``model.safetensors``,
+``pytorch_model.bin.index.json`` or ``pytorch_model.bin`` (first found, in that order), or one of
+those files. Each rank reads only what it keeps: for every trainable parameter, the rows covering the
+part of it in this rank's shard (``safetensors``' slices; a ``.bin`` file is opened with
+``torch.load(mmap=True, weights_only=True)``, so slicing it reads those pages only), cast to the
+parameter's dtype as built and written into the fp32 master shard; the compute-dtype copies then
+follow the masters as after a checkpoint load (stages 1-2 all-gather them; stage 3 gathers when it
+computes). Frozen parameters and persistent buffers, which every rank keeps whole, are read whole.
+The result equals ``model.load_state_dict(state)`` before ``initialize``, bit for bit.
+
+Names are strict: a parameter or persistent buffer the files lack, and a name in the files that is no
+tensor of the model, are one error listing both (a tied parameter is found under any of its names, so
+GPT-2's files without ``lm_head.weight`` load). ``prefixes={"transformer.": ""}`` renames the files'
+names (each file name starting with a key has it replaced by the value); ``allow_missing=["lm_head.*"]``
+lets parameters matching those patterns keep their values; ``strict=False`` ignores unexpected names.
+A shape that differs is an error naming the parameter, both shapes and the file. Everything is checked,
+on every rank, before anything is written: a refused load leaves the engine as it was.
+
+Memory per rank: the rows covering this rank's part of one parameter at a time (at most its shard of that
+parameter plus one row on each side), plus frozen parameters and buffers one at a time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import json
+import os
+from typing import TYPE_CHECKING, Any, Iterable
+
+import torch
+from safetensors import safe_open
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
+                "pytorch_model.bin")
+
+
+@dataclasses.dataclass
+class PretrainedLoad:
+    """What ``load_pretrained`` did: names read, names allowed missing, names in the files ignored."""
+
+    path: str
+    loaded: list[str]
+    missing: list[str]
+    unexpected: list[str]
+
+
+class _Files:
+    """The tensors of a checkpoint, by name: shape and ranged reads, across its files."""
+
+    def __init__(self, path: str) -> None:
+        self.path = _weights_path(path)
+        if self.path.endswith(".index.json"):
+            with open(self.path) as f:
+                weight_map: dict[str, str] = json.load(f)["weight_map"]
+            folder = os.path.dirname(self.path)
+            self.file_of = {name: os.path.join(folder, file) for name, file in weight_map.items()}
+        else:
+            self.file_of = {name: self.path for name in _open(self.path).keys()}
+        self._handles: dict[str, Any] = {}
+
+    def _handle(self, file: str) -> Any:
+        if file not in self._handles:
+            self._handles[file] = _open(file)
+        return self._handles[file]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        handle = self._handle(self.file_of[name])
+        if isinstance(handle, dict):
+            return tuple(handle[name].shape)
+        return tuple(handle.get_slice(name).get_shape())
+
+    def read(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Elements ``[start, end)`` of the flattened tensor, reading the rows that cover them."""
+        handle = self._handle(self.file_of[name])
+        shape = self.shape(name)
+        row = 1
+        for d in shape[1:]:
+            row *= d
+        if not shape:  # a scalar
+            whole = handle[name] if isinstance(handle, dict) else handle.get_tensor(name)
+            return whole.reshape(-1)[start:end]
+        first, last = start // row, -(-end // row)
+        rows = handle[name][first:last] if isinstance(handle, dict) else handle.get_slice(name)[first:last]
+        return rows.reshape(-1)[start - first * row:end - first * row]
+
+
+def _weights_path(path: str) -> str:
+    if os.path.isfile(path):
+        return path
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"load_pretrained: {path!r} is neither a file nor a directory")
+    for name in WEIGHT_FILES:
+        candidate = os.path.join(path, name)
+        if os.path.isfile(candidate):
+            return candidate
+    raise FileNotFoundError(f"load_pretrained: directory {path!r} has none of {list(WEIGHT_FILES)}")
+
+
+def _open(file: str) -> Any:
+    if file.endswith(".safetensors"):
+        return safe_open(file, framework="pt", device="cpu")
+    return torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+
+
+@dataclasses.dataclass
+class _Target:
+    names: list[str]          # every name the model knows this tensor by (ties)
+    shape: tuple[int, ...]
+    dtype: torch.dtype        # as built: values are cast to it first, as load_state_dict would
+    group: Any = None         # the flat group holding it (trainable), else None
+    index: int = -1           # its index in that group
+    tensor: torch.Tensor | None = None  # a frozen parameter or a buffer, kept whole on every rank
+
+
+def _targets(engine: Engine) -> list[_Target]:
+    aliases: dict[int, list[str]] = {}
+    for name, p in engine.module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    out: list[_Target] = []
+    flat: set[int] = set()
+    for g in engine.partition.groups:
+        for i, p in enumerate(g.params):
+            flat.add(id(p))
+            out.append(_Target(aliases[id(p)], tuple(g.shapes[i]), g.dtypes[i], g, i))
+    for p in dict(engine.module.named_parameters()).values():
+        if id(p) not in flat:
+            out.append(_Target(aliases[id(p)], tuple(p.shape), p.dtype, tensor=p))
+    for module_name, m in engine.module.named_modules():  # (not state_dict(): at stage 3 it gathers)
+        for name, b in m._buffers.items():
+            if b is not None and name not in m._non_persistent_buffers_set:
+                full = f"{module_name}.{name}" if module_name else name
+                out.append(_Target([full], tuple(b.shape), b.dtype, tensor=b))
+    return out
+
+
+def _plan(engine: Engine, files: _Files, prefixes: dict[str, str], allow_missing: list[str],
+          strict: bool) -> tuple[list[tuple[_Target, str]], PretrainedLoad]:
+    renamed: dict[str, str] = {}
+    for name in files.file_of:
+        new = name
+        for old, replacement in prefixes.items():
+            if name.startswith(old):
+                new = replacement + name[len(old):]
+                break
+        renamed[new] = name
+    plan, missing, used, problems = [], [], set(), []
+    for target in _targets(engine):
+        found = next((n for n in target.names if n in renamed), None)
+        if found is None:
+            if any(fnmatch.fnmatchcase(n, pattern) for n in target.names for pattern in allow_missing):
+                missing.append(target.names[0])
+                continue
+            problems.append(f"missing {target.names[0]}")
+            continue
+        used.add(found)
+        file_name = renamed[found]
+        shape = files.shape(file_name)
+        if tuple(shape) != target.shape:
+            problems.append(f"parameter {found}: shape {tuple(shape)} in {files.file_of[file_name]}, "
+                            f"{target.shape} in the model")
+            continue
+        plan.append((target, file_name))
+    unexpected = sorted(n for n in renamed if n not in used)
+    if unexpected and strict:
+        problems.append(f"unexpected {unexpected[:16]}{' ...' if len(unexpected) > 16 else ''}")
+    if problems:
+        raise ValueError(f"load_pretrained({files.path!r}) on rank {engine.dp.rank}: " + "; ".join(problems[:24])
+                         + (f" (and {len(problems) - 24} more)" if len(problems) > 24 else "")
+                         + ". Nothing was loaded (prefixes= renames the files' names, allow_missing= lets "
+                         "parameters keep their values, strict=False ignores unexpected names)")
+    return plan, PretrainedLoad(files.path, [t.names[0] for t, _ in plan], missing, unexpected)
+
+
+def load_pretrained(engine: Engine, path: str, *, prefixes: dict[str, str] | None = None,
+                    allow_missing: Iterable[str] = (), strict: bool = True) -> PretrainedLoad:
+    """Every rank calls it (see the module docstring)."""
+    par = engine.parallel
+    if par is not None and (par.model.size > 1 or par.expert.size > 1):
+        raise ValueError(f"load_pretrained() reads whole-model names, and this run splits the model "
+                         f"({par.topology.describe()}): not supported yet")
+    engine.partition.wait_all()
+    outcome: Any = None
+    try:
+        files = _Files(path)
+        plan, result = _plan(engine, files, dict(prefixes or {}), list(allow_missing), strict)
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        outcome = f"{type(err).__name__}: {err}"
+    failures = [o for o in engine.dp.all_gather_objects(outcome) if o is not None]
+    if failures:
+        raise ValueError(failures[0] if outcome is None else outcome)
+    with torch.no_grad():
+        for target, name in plan:
+            if target.tensor is not None:
+                target.tensor.copy_(files.read(name, 0, target.tensor.numel()).view(target.shape))
+                continue
+            g = target.group
+            for i, at, end in g.param_segments():
+                if i != target.index:
+                    continue
+                local = g.owned_start + at - g.offsets[i]
+                values = files.read(name, local, local + end - at).to(target.dtype).to(torch.float32)
+                g.master_store.write(at, values)
+    engine.partition.params_from_masters()
+    return result
