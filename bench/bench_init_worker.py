@@ -55,7 +55,8 @@ def main() -> None:
                 model = make(args.model)
         else:
             model = make(args.model)
-        engine = zeroplus.initialize(model, cfg)
+        meta_gpt = args.model == "gpt-111m" and args.path in ("meta", "pretrained")
+        engine = zeroplus.initialize(model, cfg, init_fn=GPT._init if meta_gpt else None)  # GPT's apply(_init)
         if args.path == "pretrained":
             engine.load_pretrained(args.pretrained)
         states = engine.ledger.live_bytes()

@@ -106,6 +106,27 @@ def _gathered_job() -> dict:
                 pass
     except ValueError as err:
         out["nested"] = str(err)
+    for stage in (3, 1):  # an engine's parameters: its units gathered, a change kept in the masters
+        torch.manual_seed(0)
+        model = GPT(gpt_config("tiny"))
+        cfg = _config(stage)
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # every unit released after use
+        engine = zeroplus.initialize(model, cfg)
+        expected = engine.partition.consolidated_fp32_state()["blocks.1.attn.qkv.weight"]
+        weight = model.blocks[1].attn.qkv.weight
+        with zeroplus.GatheredParameters([weight, model.blocks[1].attn.proj.weight]):
+            out[f"engine_read{stage}"] = torch.equal(weight.detach(), expected)
+        with zeroplus.GatheredParameters(weight, modifier_rank=1):
+            weight.data.fill_(float(rank + 3))
+        out[f"engine_write{stage}"] = torch.equal(
+            engine.partition.consolidated_fp32_state()["blocks.1.attn.qkv.weight"], torch.full_like(expected, 4.0))
+        out[f"engine_freed{stage}"] = weight.untyped_storage().nbytes() == 0 if stage == 3 else True
+        engines = [engine, zeroplus.initialize(GPT(gpt_config("tiny")), cfg)]
+        try:
+            with zeroplus.GatheredParameters([e.module.wte.weight for e in engines]):
+                pass
+        except ValueError as err:
+            out["two_engines"] = str(err)
     return out
 
 
@@ -117,3 +138,6 @@ def test_gathered_parameters_read_write_and_misuse():
         assert torch.equal(r["after"], torch.full((3, 5), 2.0))
         assert "modifier_rank=None) is read only" in r["read_only"] and "(3,)" in r["read_only"]
         assert "already gathered with modifier_rank=0" in r["nested"] and "modifier_rank=1" in r["nested"]
+        for stage in (3, 1):
+            assert r[f"engine_read{stage}"] and r[f"engine_write{stage}"] and r[f"engine_freed{stage}"], (stage, r)
+        assert "belong to 2 different engines" in r["two_engines"]

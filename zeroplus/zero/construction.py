@@ -1,4 +1,4 @@
-"""``zeroplus.Init`` and ``zeroplus.GatheredParameters``: build a model at the memory of its shards.
+"""``zeroplus.Init``: build a model at the memory of its shards (``gathered.py``: ``GatheredParameters``).
 
     with zeroplus.Init(config_dict_or_path="ds_config.json"):
         model = MyModel(...)                # each module partitioned as its __init__ finishes
@@ -14,8 +14,9 @@ rank r keeps chunk r of rank 0's values). Classes defined inside the context are
 are defined. A parent that touches a child's partitioned parameter in its own ``__init__`` (weight
 initialisation over the whole model, as GPT's ``apply(_init)`` and Hugging Face's ``post_init`` do)
 gets it whole: a torch-function mode gathers any partitioned parameter an operation other than a
-shape or dtype query touches, and keeps at most ``max_gathered_bytes`` gathered, re-partitioning the
-least recently touched from rank 0's values (each rank ran the same code: rank 0's are the ones a
+shape or dtype query touches, and keeps gathered the parameters of the operation at hand plus at most
+``max_gathered_bytes`` (default 0) of others, re-partitioning the least recently touched from rank 0's
+values (each rank ran the same code: rank 0's are the ones a
 normal build on rank 0 makes). So a model built under ``Init`` equals, bit for bit, the same model
 built normally on rank 0 and given to ``initialize``, while no more than one module's own parameters
 and the gathered window are ever whole.
@@ -35,7 +36,7 @@ import collections
 import functools
 import logging
 import os
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -73,29 +74,25 @@ class _GatherOnTouch(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if not _metadata_only(func):
-            for value in (*args, *(kwargs or {}).values()):
-                for t in value if isinstance(value, (list, tuple)) else (value,):
-                    if isinstance(t, torch.nn.Parameter) and shard_of(t) is not None:
-                        self.touch(t)
+            touched = [t for value in (*args, *(kwargs or {}).values())
+                       for t in (value if isinstance(value, (list, tuple)) else (value,))
+                       if isinstance(t, torch.nn.Parameter) and shard_of(t) is not None]
+            if touched:
+                self.touch(touched)
         return func(*args, **(kwargs or {}))
 
-    def touch(self, param: torch.nn.Parameter) -> None:
-        shard = shard_of(param)
-        assert shard is not None
-        if not shard.gathered:
+    def touch(self, params: list[torch.nn.Parameter]) -> None:
+        """Gather ``params`` (one operation's), then return the least recently touched others to their
+        shards until the window is within ``max_bytes`` (the operation's own stay, whatever their size)."""
+        for param in params:
             init_shards.materialize(param)
-        self.window[id(param)] = param
-        self.window.move_to_end(id(param))
-        self._evict(keep=id(param))
-
-    def _bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.window.values())
-
-    def _evict(self, keep: int) -> None:
+            self.window[id(param)] = param
+            self.window.move_to_end(id(param))
+        keep = {id(p) for p in params} | self.pinned
         for key in list(self.window):
-            if self._bytes() <= self.max_bytes:
+            if sum(p.numel() * p.element_size() for p in self.window.values()) <= self.max_bytes:
                 return
-            if key != keep and key not in self.pinned:
+            if key not in keep:
                 init_shards.repartition(self.window.pop(key), modifier_rank=0)
 
     def flush(self) -> None:
@@ -113,7 +110,7 @@ class Init:
                  mem_efficient_linear: bool = True, remote_device: str | None = None, pin_memory: bool = False,
                  config_dict_or_path: dict[str, Any] | str | os.PathLike | None = None, config: Any = None,
                  enabled: bool = True, dtype: torch.dtype | None = None, mpu: Any = None,
-                 max_gathered_bytes: int = 256 * 2**20, **unsupported: Any) -> None:
+                 max_gathered_bytes: int = 0, **unsupported: Any) -> None:
         if unsupported:
             raise TypeError(f"zeroplus.Init: arguments {sorted(unsupported)} are not supported yet")
         source = config_dict_or_path if config_dict_or_path is not None else config
@@ -222,52 +219,3 @@ def _check_supported(cfg: ZeroplusConfig) -> None:
         raise ConfigError(f"zeroplus.Init with config key 'zeroplus.parallel' {split}: not supported yet "
                           f"(build the model normally, or on the meta device, for tensor, pipeline and expert "
                           f"parallelism)")
-
-
-class GatheredParameters:
-    """Whole values of parameters partitioned by ``zeroplus.Init`` while inside; ``modifier_rank``: the rank
-    whose (possibly changed) values every rank keeps on exit; None: read only (a change is an error)."""
-
-    _modifiers: dict[int, int | None] = {}  # parameters gathered by an active context -> its modifier_rank
-
-    def __init__(self, params: torch.nn.Parameter | Iterable[torch.nn.Parameter], modifier_rank: int | None = None,
-                 fwd_module: torch.nn.Module | None = None, enabled: bool = True) -> None:
-        self.params: list[torch.nn.Parameter] = [params] if isinstance(params, torch.nn.Parameter) else list(params)
-        self.modifier_rank = modifier_rank
-        self.enabled = enabled
-        self._mine: list[tuple[torch.nn.Parameter, int]] = []
-
-    def __enter__(self) -> GatheredParameters:
-        if not self.enabled:
-            return self
-        for p in self.params:
-            shard = shard_of(p)
-            if shard is None:
-                continue  # not partitioned: already whole
-            outer = GatheredParameters._modifiers.get(id(p), "none")
-            if outer != "none":
-                if outer != self.modifier_rank:
-                    raise ValueError(f"zeroplus.GatheredParameters: a parameter of shape {tuple(p.shape)} is "
-                                     f"already gathered with modifier_rank={outer}; a nested context asks "
-                                     f"modifier_rank={self.modifier_rank}")
-                continue
-            init_shards.materialize(p)
-            GatheredParameters._modifiers[id(p)] = self.modifier_rank
-            if Init._active is not None:
-                Init._active.mode.pinned.add(id(p))
-            self._mine.append((p, p._version))
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        changed = [tuple(p.shape) for p, version in self._mine if p._version != version]
-        for p, _ in self._mine:
-            GatheredParameters._modifiers.pop(id(p), None)
-            if Init._active is not None:
-                Init._active.mode.pinned.discard(id(p))
-                Init._active.mode.window.pop(id(p), None)
-            init_shards.repartition(p, self.modifier_rank)
-        self._mine.clear()
-        if changed and self.modifier_rank is None and exc[0] is None:
-            raise ValueError(f"zeroplus.GatheredParameters(modifier_rank=None) is read only, and parameters of "
-                             f"shapes {changed} were changed in place inside it: give modifier_rank (the rank "
-                             f"whose values every rank keeps) to change them")

@@ -34,6 +34,7 @@ cast buffer for the gathers.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -43,6 +44,8 @@ from ..offload.policies import MasterPolicy
 from . import init_shards
 from .master_store import FullMaster, MasterStore, SharedMaster
 from .tiered_master import TieredMaster
+
+FLAT_ATTR = "_zeroplus_flat_group"
 
 
 class FlatParamGroup:
@@ -63,6 +66,8 @@ class FlatParamGroup:
         self.stage = stage
         self.dp = dp
         self.expert = False  # an expert's parameters, partitioned over the expert-data group (partition.py)
+        self.unit: Any = None   # the unit holding this group and the partition (one engine's) holding that,
+        self.owner: Any = None  # set by partition.py
         self.file_ranks = list(range(dp.size))  # the data rank whose checkpoint file holds each dp rank's shard
         self.ledger = ledger
         self.compute_dtype = compute_dtype
@@ -94,6 +99,7 @@ class FlatParamGroup:
         self._full_data = self.full.data
         for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
             p.data = self.full[off:off + n].view(shape)
+            setattr(p, FLAT_ATTR, self)  # GatheredParameters finds the group of an engine's parameter
 
         owned_view = self._full_data[start:start + self.owned_numel]
         # ``shard``: this rank's low-precision values (what an all-gather sends). Stage 3 in low

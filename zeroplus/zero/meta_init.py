@@ -35,7 +35,7 @@ from .construction import Init, _GatherOnTouch
 
 logger = logging.getLogger("zeroplus.zero")
 
-MAX_GATHERED_BYTES = 256 * 2**20
+MAX_GATHERED_BYTES = 0  # beyond the parameters of the operation at hand (construction.py)
 
 
 def has_meta_tensors(model: torch.nn.Module) -> bool:

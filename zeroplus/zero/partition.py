@@ -104,6 +104,8 @@ class ZeroPartition:
                     group.expert, group.file_ranks = True, split.data_ranks()
                 groups.append(group)
             unit = Unit(index=index, name=name, module=module, groups=groups, is_root=(module is model))
+            for g in groups:
+                g.unit, g.owner = unit, self
             if self.stage == 3 and unit.numel <= zero.stage3_param_persistence_threshold:
                 unit.persistent = True
                 unit.wait_gather()
