@@ -71,15 +71,17 @@ def _case(family: str, stage: int, safe: bool, folder: str) -> dict:
     return out
 
 
-def _cases(folder: str) -> list[dict]:
-    return [_case(*case, folder) for case in CASES]
+def _cases(folder: str) -> tuple[list[dict], dict]:
+    return [_case(*case, folder) for case in CASES], _refusals(folder)
 
 
 CASES = [("llama", 3, True), ("llama", 1, False), ("gpt2", 3, True)]
 
 
-def test_pretrained_weights_go_straight_into_shards(tmp_path):
-    for results in run_distributed(_cases, 2, str(tmp_path)):
+def test_pretrained_weights_go_straight_into_shards_and_bad_ones_are_refused(tmp_path):
+    outcomes = run_distributed(_cases, 2, str(tmp_path))
+    _check_refusals([r for _, r in outcomes])
+    for results, _ in outcomes:
         for case, r in zip(CASES, results):
             assert r["n"] > 0 and r["differ"] == [], (case, r["differ"])
             assert r["losses"][0] == r["losses"][1], case
@@ -117,8 +119,8 @@ def _refusals(folder: str) -> dict:
     return out
 
 
-def test_bad_checkpoints_are_refused_whole(tmp_path):
-    for r in run_distributed(_refusals, 2, str(tmp_path)):
+def _check_refusals(results: list[dict]) -> None:
+    for r in results:
         assert "parameter model.embed_tokens.weight: shape (300, 64) in" in r["shape"] and "(256, 64) in the model" \
             in r["shape"], r["shape"]
         assert "missing model.embed_tokens.weight" in r["names"] and "unexpected ['base.embed_tokens.weight'" \

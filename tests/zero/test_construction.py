@@ -68,12 +68,14 @@ def _build_job(family: str, stage: int) -> dict:
 CASES = [("gpt", 3), ("llama", 3), ("gpt2", 3), ("gpt2", 1)]
 
 
-def _all_builds() -> list[dict]:
-    return [_build_job(family, stage) for family, stage in CASES]
+def _all_builds() -> tuple[list[dict], dict]:
+    return [_build_job(family, stage) for family, stage in CASES], _gathered_job()
 
 
-def test_built_under_init_equals_built_whole():
-    for results in run_distributed(_all_builds, 2):
+def test_built_under_init_equals_built_whole_and_gathered_parameters():
+    outcomes = run_distributed(_all_builds, 2)
+    _check_gathered([g for _, g in outcomes])
+    for results, _ in outcomes:
         for (family, stage), r in zip(CASES, results):
             assert r["names"] > 0 and r["differ"] == [], (family, stage, r["differ"])
             assert r["losses"][0] == r["losses"][1], (family, stage)  # bit for bit, both steps
@@ -130,8 +132,7 @@ def _gathered_job() -> dict:
     return out
 
 
-def test_gathered_parameters_read_write_and_misuse():
-    results = run_distributed(_gathered_job, 2)
+def _check_gathered(results: list[dict]) -> None:
     for r in results:
         assert r["placeholder_nan"]
         assert torch.equal(r["read"], results[0]["read"])  # every rank reads rank 0's construction

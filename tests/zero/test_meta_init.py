@@ -81,14 +81,28 @@ def _cases(cases: list[tuple[str, int]]) -> list[dict]:
 
 def _check(cases: list[tuple[str, int]], world: int) -> None:
     for results in run_distributed(_cases, world, cases):
-        for case, r in zip(cases, results):
-            assert r["n"] > 0 and r["differ"] == [], (case, world, r["differ"])
-            assert r["losses"][0] == r["losses"][1], (case, world)
-            assert r["tied"], case
+        _check_results(cases, results, world)
 
 
-def test_meta_models_equal_normal_builds():
-    _check([("layers", 0), ("layers", 3), ("llama", 3), ("gpt2", 1)], 2)
+def _check_results(cases: list[tuple[str, int]], results: list[dict], world: int) -> None:
+    for case, r in zip(cases, results):
+        assert r["n"] > 0 and r["differ"] == [], (case, world, r["differ"])
+        assert r["losses"][0] == r["losses"][1], (case, world)
+        assert r["tied"], case
+
+
+TWO_RANKS = [("layers", 0), ("layers", 3), ("llama", 3), ("gpt2", 1)]
+
+
+def _two_rank_job() -> tuple[list[dict], dict]:
+    return _cases(TWO_RANKS), _errors()
+
+
+def test_meta_models_equal_normal_builds_and_what_cannot_be_initialised_is_named():
+    for results, errors in run_distributed(_two_rank_job, 2):
+        _check_results(TWO_RANKS, results, 2)
+        assert "['1.w'] were written by no reset_parameters() and no init_fn" in errors["unwritten"]
+        assert "score.weight" in errors["changed"] and "built from its config" in errors["changed"]
     _check([("layers", 2), ("gpt2", 3)], 4)
     _check([("layers", 1), ("llama", 0)], 1)
 
@@ -115,9 +129,3 @@ def _errors() -> dict:
     except ValueError as err:
         out["changed"] = str(err)
     return out
-
-
-def test_what_cannot_be_initialised_is_named():
-    for r in run_distributed(_errors, 2):
-        assert "['1.w'] were written by no reset_parameters() and no init_fn" in r["unwritten"]
-        assert "score.weight" in r["changed"] and "built from its config" in r["changed"]
