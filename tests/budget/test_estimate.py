@@ -216,3 +216,28 @@ def test_charts_for_people_who_would_rather_look(tmp_path):
                            str(tmp_path / "cli.png")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "cli.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_models_never_whole_start_below_their_training_peak_and_ranks_per_stage(tmp_path):
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 3}}
+    model = lambda: GPT(gpt_config("small", n_layer=8))  # noqa: E731
+    peaks = {c: zeroplus.estimate(model, cfg, world_size=8, seq_len=32, construction=c, accelerator="cuda")
+             for c in ("whole", "init", "meta")}
+    whole_model = 4 * sum(p.numel() for p in model().parameters())
+    assert peaks["whole"].phases["init"]["total"] >= whole_model  # built whole, every rank holds it at the start
+    for c in ("init", "meta"):
+        init = peaks[c].phases["init"]["total"]
+        assert init < whole_model / 2 and init < peaks[c].training_peak_bytes, (c, init)
+        for phase in ("forward", "backward", "step"):  # only the start differs
+            assert peaks[c].phases[phase] == peaks["whole"].phases[phase], (c, phase)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    budget = str(peaks["whole"].peak_bytes + 2**20 + 100 * 2**20)  # room for this machine's runtime
+    proc = subprocess.run([sys.executable, "-m", "zeroplus.cli", "estimate", "--model", "small", "--config", str(path),
+                           "--world-size", "8", "--seq-len", "32", "--budget", budget, "--construction", "init",
+                           "--json"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    needed = json.loads(proc.stdout)["ranks_needed"]
+    assert set(needed) == {"1", "2", "3"} and needed["3"] is not None
+    assert needed["1"] is None or needed["3"] <= needed["1"]

@@ -15,7 +15,9 @@ full budget of
 ``estimate.py``: per phase (init, forward, backward, step) and category, the peak and its phase.
 Without it, only the model states (``model_states.py``): activations depend on the input.
 With ``--budget 16GB`` (or a config with ``zeroplus.memory_budget`` and ``"auto"`` keys) it prints
-the planner's choice (``planner.py``), the same one ``initialize`` would make.
+the planner's choice (``planner.py``), the same one ``initialize`` would make, and with ``--budget``
+how many ranks each ZeRO stage needs to fit it. ``--construction init`` (or ``meta``) predicts the
+init phase of a model built under ``zeroplus.Init`` (or on the meta device) instead of built whole.
 """
 from __future__ import annotations
 
@@ -26,13 +28,14 @@ import json
 import sys
 from typing import Any, Callable
 
-from ..config import ConfigError, auto_keys, parse_config
+from ..config import ConfigError, auto_keys, parse_bytes, parse_config
 from ..models import GPT, gpt_config
 from ..models.split import split_gpt
 from .estimate import estimate
 from .meta_values import SimulationError
 from .model_states import model_state_bytes
-from .planner import plan
+from .planner import Settings, apply_settings, plan
+from .simulate import CONSTRUCTIONS
 
 
 def _builder(spec: str, config: str, experts: int = 0) -> Callable[[], Any]:
@@ -64,6 +67,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--micro-batch-size", type=int, help="default: the config's train_micro_batch_size_per_gpu")
     p.add_argument("--budget", help="bytes per rank ('16GB'): choose the cheapest config that fits (needs --seq-len)")
     p.add_argument("--chart", help="also write the budget as a PNG here (needs zeroplus[plotting])")
+    p.add_argument("--construction", choices=CONSTRUCTIONS, default="whole",
+                   help="how the model reaches initialize: built whole (default), under zeroplus.Init, or on the "
+                        "meta device (the init phase differs)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.chart is not None and args.seq_len is None:
@@ -89,6 +95,30 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def ranks_needed(build: Callable[[], Any], config: str, budget: int, max_world: int, seq_len: int,
+                 micro_batch_size: int | None, construction: str) -> dict[int, int | None]:
+    """For ZeRO stages 1-3 (nothing offloaded, no shared masters, no recompute: the config's other keys as
+    given), the fewest ranks, a power of two up to ``max_world``, whose predicted peak is within ``budget``
+    (None: none is). A binary search: the peak falls as ranks are added."""
+    sizes = [2**k for k in range(max(0, max_world).bit_length()) if 2**k <= max_world]
+    out: dict[int, int | None] = {}
+    for stage in (1, 2, 3):
+        cfg = apply_settings(parse_config(config)[0], Settings(stage, None, False, False))
+
+        def fits(world: int, cfg: Any = cfg) -> bool:
+            return estimate(build, cfg, world_size=world, micro_batch_size=micro_batch_size, seq_len=seq_len,
+                            construction=construction).peak_bytes <= budget
+        if not sizes or not fits(sizes[-1]):
+            out[stage] = None
+            continue
+        lo, hi = 0, len(sizes) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(sizes[mid]) else (mid + 1, hi)
+        out[stage] = sizes[lo]
+    return out
+
+
 def _full_budget(args: argparse.Namespace) -> int:
     chosen, build = None, _builder(args.model, args.config, args.experts)
     if args.budget is not None or auto_keys(parse_config(args.config)[0]):
@@ -98,16 +128,27 @@ def _full_budget(args: argparse.Namespace) -> int:
         budget = chosen.budget
     else:
         budget = estimate(build, args.config, world_size=args.world_size, rank=args.rank,
-                          micro_batch_size=args.micro_batch_size, seq_len=args.seq_len)
+                          micro_batch_size=args.micro_batch_size, seq_len=args.seq_len,
+                          construction=args.construction)
+    needed = None if args.budget is None else ranks_needed(build, args.config, parse_bytes(args.budget),
+                                                           args.world_size, args.seq_len, args.micro_batch_size,
+                                                           args.construction)
     if args.chart is not None:
         budget.save_chart(args.chart)
     if args.json:
         head = {} if chosen is None else {"plan": dataclasses.asdict(chosen.settings), "reason": chosen.reason,
                                           "budget_bytes": chosen.budget_bytes}
+        if needed is not None:
+            head["ranks_needed"] = needed
         print(json.dumps({**head, **budget.to_dict()}))
         return 0
     if chosen is not None:
         print(f"planner: {chosen.reason}")
+    if needed is not None:
+        print(f"ranks needed within {args.budget} per rank (plain ZeRO, powers of two up to {args.world_size}, "
+              f"model {args.construction}): " + "; ".join(
+                  f"stage {stage}: {n if n is not None else f'more than {args.world_size}'}"
+                  for stage, n in needed.items()))
     print(budget.table())
     if args.chart is not None:
         print(f"chart: {args.chart}")

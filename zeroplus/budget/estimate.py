@@ -137,7 +137,7 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
              world_size: int, rank: int = 0, micro_batch_size: int | None = None, seq_len: int | None = None,
              example_inputs: tuple[Any, ...] | None = None, example_kwargs: dict[str, Any] | None = None,
              loss_fn: Callable[[Any], torch.Tensor] = default_loss, accelerator: str | None = None,
-             effects: bool = False) -> MemoryBudget:
+             effects: bool = False, construction: str = "whole") -> MemoryBudget:
     """Predict rank ``rank``'s memory for training ``model`` with ``config`` on ``world_size`` ranks.
 
     ``model``: a module (copied to the meta device; its own memory is untouched) or a function of
@@ -150,11 +150,13 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     machine's). ``effects``: also simulate the run once more with each activation technique that is on
     (``swap_attention``, ``resize_recompute``) turned off, and record what each takes off the training
     peak (``technique_effects``; one more simulation per technique, run when first needed:
-    ``resolve_effects()``, ``to_dict()``, the engine's report).
+    ``resolve_effects()``, ``to_dict()``, the engine's report). ``construction``: ``"whole"`` (the model
+    built normally, whole on every rank at ``initialize``), ``"init"`` (built under ``zeroplus.Init``) or
+    ``"meta"`` (built on the meta device): the init phase's peak differs (``simulate.py``).
     """
     budget = _estimate(model, config, world_size=world_size, rank=rank, micro_batch_size=micro_batch_size,
                        seq_len=seq_len, example_inputs=example_inputs, example_kwargs=example_kwargs,
-                       loss_fn=loss_fn, accelerator=accelerator)
+                       loss_fn=loss_fn, accelerator=accelerator, construction=construction)
     if effects:
         examples = _meta(example_inputs) if example_inputs is not None else None  # shapes only: no batch kept
         kw_examples = _meta(example_kwargs) if example_kwargs is not None else None
@@ -181,14 +183,15 @@ ACTIVATION_TECHNIQUES = ("swap_attention", "resize_recompute")
 def _estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dict[str, Any] | str | ZeroplusConfig,
               *, world_size: int, rank: int, micro_batch_size: int | None, seq_len: int | None,
               example_inputs: tuple[Any, ...] | None, example_kwargs: dict[str, Any] | None,
-              loss_fn: Callable[[Any], torch.Tensor], accelerator: str | None) -> MemoryBudget:
+              loss_fn: Callable[[Any], torch.Tensor], accelerator: str | None,
+              construction: str = "whole") -> MemoryBudget:
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     kind = accelerator or get_accelerator().name
     tracker, cfg = simulate(model, config, world_size, rank, micro_batch_size=micro_batch_size, seq_len=seq_len,
                             example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
                             workspace=cpu_workspace_bytes if kind == "cpu" else None,
-                            runtime=runtime_bytes(kind))
+                            runtime=runtime_bytes(kind), construction=construction)
     phases = {}
     for phase in PHASES:
         peak = tracker.peaks[phase]

@@ -44,6 +44,7 @@ from ..parallel.groups import current_groups
 from ..parallel.pipeline_schedule import train_batch
 from ..parallel.registry import carry_marks
 from ..parallel.topology import KINDS
+from ..zero.init_shards import partition_tree
 from .meta_values import give_values, shadow_of
 from .tracker import MemoryTracker
 from .virtual_parallel import SimulatedLinks, boundary_shapes, build_in, virtual_groups
@@ -238,12 +239,15 @@ def token_inputs(model: torch.nn.Module, micro_batch_size: int, seq_len: int) ->
     return (tokens, tokens) if len(params) >= 2 and params[1] in ("targets", "labels") else (tokens,)
 
 
+CONSTRUCTIONS = ("whole", "init", "meta")
+
+
 def simulate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dict[str, Any] | str | ZeroplusConfig,
              world_size: int, rank: int = 0, *, micro_batch_size: int | None = None, seq_len: int | None = None,
              example_inputs: tuple[Any, ...] | None = None, example_kwargs: dict[str, Any] | None = None,
              loss_fn: Callable[[Any], torch.Tensor] = default_loss, steps: int = 2,
              workspace: Callable[[Any, Any], int] | None = None,
-             runtime: tuple[int, int] = (0, 0)) -> tuple[MemoryTracker, Any]:
+             runtime: tuple[int, int] = (0, 0), construction: str = "whole") -> tuple[MemoryTracker, Any]:
     """Run ``steps`` optimizer steps of rank ``rank`` of ``world_size`` on the meta device;
     return the tracker (peaks per phase) and the parsed config as resolved.
 
@@ -255,7 +259,13 @@ def simulate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     (``VirtualGroup``); None for accelerators. ``runtime``: bytes the
     process holds beyond tensors from the engine's construction on (torch imports its compiler
     stack when the first optimizer is built), and from the end of the first backward on.
+    ``construction``: how the model reaches ``initialize``: ``"whole"`` (built normally: the init phase
+    holds it whole), ``"init"`` or ``"meta"`` (``zeroplus.Init``, or the meta device given values by
+    ``initialize``: each rank holds its chunk of every parameter, which ``initialize`` gathers into the
+    flat buffers one parameter at a time).
     """
+    if construction not in CONSTRUCTIONS:
+        raise ValueError(f"construction must be one of {CONSTRUCTIONS}, got {construction!r}")
     cfg = load_config(config)
     if auto_keys(cfg):
         raise ConfigError(f"config keys {auto_keys(cfg)} are 'auto': zeroplus.budget.planner.plan() resolves them "
@@ -272,11 +282,19 @@ def simulate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     kwargs = _meta(dict(example_kwargs or {}), memo)
     groups = virtual_groups(cfg, world_size, rank, gloo_buffers=workspace is not None)  # CPU: gloo's temporaries
     pipeline = _pipeline_plan(model, cfg, groups, seq_len, _meta(tuple(example_inputs or ()), memo))
-    with _quiet(), _own_checkpointing_settings(), tracker, attention:
+    def make() -> torch.nn.Module:
         if isinstance(model, torch.nn.Module):
-            meta_model = meta_copy(model, group_stand_ins(current_groups(), groups))
+            return meta_copy(model, group_stand_ins(current_groups(), groups))
+        return build_in(groups, model)
+    with _quiet(), _own_checkpointing_settings(), contextlib.ExitStack() as stack:
+        built = make() if construction != "whole" else None  # never whole in memory: built outside the count
+        stack.enter_context(tracker)
+        stack.enter_context(attention)
+        if built is None:
+            meta_model = make()  # the model as built, whole on the rank: the init phase counts it
         else:
-            meta_model = build_in(groups, model)
+            meta_model = built
+            partition_tree(meta_model, groups.data, torch.device("meta"))  # Init's chunks, counted
         tracker.enter("init")
         resolve_batch(cfg, groups.data.size)
         resolve_auto(cfg, meta_model, False)

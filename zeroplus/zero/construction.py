@@ -195,8 +195,7 @@ class Init:
                 init_shards.partition(param, self.group, self.device, self.dtype)
 
     def _partition_tree(self, module: torch.nn.Module) -> None:
-        for m in module.modules():
-            self._partition_own(m)
+        init_shards.partition_tree(module, self.group, self.device, self.dtype)
 
 
 def _module_classes() -> list[type]:

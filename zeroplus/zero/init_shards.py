@@ -120,3 +120,12 @@ def adopt(param: torch.nn.Parameter) -> torch.Tensor:
     values = param.data if shard.gathered else gather(param)
     delattr(param, SHARD_ATTR)
     return values
+
+
+def partition_tree(model: torch.nn.Module, group: Any, device: torch.device, dtype: torch.dtype | None = None) -> None:
+    """Partition every parameter of ``model`` not partitioned yet, module by module (``zeroplus.Init`` does
+    it as each module's ``__init__`` returns; the memory estimate does it to a meta model built whole)."""
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if shard_of(param) is None:
+                partition(param, group, device, dtype)
