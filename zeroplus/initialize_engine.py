@@ -22,7 +22,7 @@ import torch
 from .accelerator import get_accelerator
 from .budget.estimate import estimate
 from .budget.planner import apply_settings, plan
-from .budget.simulate import group_stand_ins, meta_copy
+from .budget.simulate import group_stand_ins, meta_copy, simulation_problem
 from .comm import DataParallelGroup, init_distributed_if_launched
 from .config import (
     ConfigError,
@@ -80,6 +80,11 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     cfg = resolved(_plan(model, cfg, dp))
     pipelined = parallel.topology.pipeline > 1
     source = _estimate_source(model, cfg, parallel) if not pipelined else None
+    problem = simulation_problem(source[0]) if source is not None else None
+    if problem is not None:  # said now, before any batch; the first forward will not try again
+        log_rank0("memory estimate unavailable for this model: %s; zeroplus.memory_estimate false skips this check",
+                  problem, level=logging.WARNING)
+        source = None
     engine = build_engine(model, cfg, dp, accel, rss_at_start, optimizer=optimizer, lr_scheduler=lr_scheduler,
                           model_parameters=model_parameters, parallel=parallel, init_fn=init_fn)
     if source is not None:

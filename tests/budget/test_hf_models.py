@@ -19,6 +19,7 @@ window), Mixtral (routed experts).
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 
@@ -189,8 +190,16 @@ def data_dependent_model() -> torch.nn.Module:
     return _DataDependent()
 
 
-def test_values_the_simulation_lacks_are_named(tmp_path):
+def test_values_the_simulation_lacks_are_named(tmp_path, caplog):
     cfg = _config(0)
+    log = logging.getLogger("zeroplus")  # (it does not propagate: its own handler prints the rank)
+    log.addHandler(caplog.handler)
+    try:
+        zeroplus.initialize(_DataDependent(), cfg)  # said at initialize, before any batch
+    finally:
+        log.removeHandler(caplog.handler)
+    assert any("memory estimate unavailable for this model: the memory simulation cannot run aten." in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
     with pytest.raises(SimulationError, match="aten.is_nonzero|aten._local_scalar_dense"):
         zeroplus.estimate(_DataDependent(), cfg, world_size=1, example_inputs=(torch.randint(0, 256, (2, 8)),))
     path = tmp_path / "cfg.json"
