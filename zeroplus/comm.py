@@ -143,6 +143,16 @@ class DataParallelGroup:
         src = dist.get_global_rank(self.group, src) if self.group is not None else src
         self._run("broadcast", lambda: dist.broadcast(tensor, src=src, group=self.group), async_op=False)
 
+    def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor, output_sizes: list[int],
+                     input_sizes: list[int]) -> None:
+        """``input_sizes[i]`` elements of ``input`` to rank i, ``output_sizes[r]`` from rank r (blocking)."""
+        if self.size == 1:
+            output.copy_(input)
+            return
+        self._count("all_to_all", input)
+        self._run("all_to_all", lambda: dist.all_to_all_single(output, input, output_sizes, input_sizes,
+                                                               group=self.group), async_op=False)
+
     def max_flag(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is true on any rank (used for fp16 overflow)."""
         if self.size == 1:

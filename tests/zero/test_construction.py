@@ -50,6 +50,7 @@ def _build_job(family: str, stage: int) -> dict:
     reference = zeroplus.initialize(whole, _config(stage))
     expected = {k: v.clone() for k, v in whole.state_dict().items()}
     expected_losses = _train(reference, whole, family)
+    before = reference.dp.bytes_sent.get("all_to_all", 0)  # (the data group object is shared between engines)
     reference.destroy()
 
     torch.manual_seed(0)
@@ -59,10 +60,12 @@ def _build_job(family: str, stage: int) -> dict:
     shard_bytes = sum(shard_of(p).values.numel() * p.element_size() for p in model.parameters())
     tied = family == "gpt2" and model.lm_head.weight is model.transformer.wte.weight
     engine = zeroplus.initialize(model, _config(stage))
+    moved = engine.dp.bytes_sent.get("all_to_all", 0) - before  # ZeRO-3: parts cut from the chunks, nothing regathered
     got = model.state_dict()
     return {"differ": [k for k in expected if not torch.equal(expected[k], got[k])], "names": len(expected),
             "losses": (expected_losses, _train(engine, model, family)), "tied": tied,
-            "peak": built.peak, "shards": shard_bytes, "whole": whole_bytes, "largest": largest, "world": world}
+            "peak": built.peak, "shards": shard_bytes, "moved": moved, "whole": whole_bytes, "largest": largest,
+            "world": world}
 
 
 CASES = [("gpt", 3), ("llama", 3), ("gpt2", 3), ("gpt2", 1)]
@@ -80,6 +83,7 @@ def test_built_under_init_equals_built_whole_and_gathered_parameters():
             assert r["names"] > 0 and r["differ"] == [], (family, stage, r["differ"])
             assert r["losses"][0] == r["losses"][1], (family, stage)  # bit for bit, both steps
             assert r["tied"] == (family == "gpt2")
+            assert (r["moved"] > 0) == (stage == 3), (family, stage, r["moved"])
             # building held the shards, one module's own parameters, the gathered window, never the model
             assert r["peak"] <= r["shards"] + 2 * r["largest"] + 2 * WINDOW, r
             assert r["peak"] < r["whole"], r

@@ -60,6 +60,10 @@ class VirtualGroup:
     def sum_scalar(self, value: torch.Tensor) -> torch.Tensor:
         return value
 
+    def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor, output_sizes: list[int],
+                     input_sizes: list[int]) -> None:
+        return None
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         return None  # gloo broadcasts in place
 

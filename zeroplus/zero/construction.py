@@ -23,8 +23,9 @@ and the gathered window are ever whole.
 
 Memory per rank while building: the shards (1/N of every parameter), plus the module being
 constructed, plus at most ``max_gathered_bytes`` of gathered parameters. ``initialize`` adopts the
-shards: each unit's parameters are gathered one at a time straight into its flat buffer
-(``FlatParamGroup``), so its peak is the normal path's: the shards plus one unit.
+shards: at ZeRO-3 each flat group's part is cut from every rank's chunks in one all-to-all
+(``init_shards.redistribute``), at stages 0-2 the parameters are gathered one at a time into the flat
+buffers every rank holds whole anyway.
 
 The chunks keep the dtype the model was built in (fp32 for a model built in fp32), so the engine's
 fp32 masters start from the same values as for a model built whole; ``dtype=`` casts them instead, as

@@ -88,12 +88,16 @@ class FlatParamGroup:
         # The full low-precision buffer; the parameters become views into it.
         full_category = Category.PARAM_GATHERED if stage == 3 else Category.PARAM
         self.full = ledger.empty(self.padded_numel, compute_dtype, full_category, self.device)
-        with torch.no_grad():
-            for p, off, n in zip(self.params, self.offsets, self.numels):  # one parameter whole at a time
-                source = init_shards.adopt(p) if init_shards.shard_of(p) is not None else p.detach()
-                self.full[off:off + n].copy_(source.reshape(-1))
-            self.full[self.numel:].zero_()
-        dp.broadcast(self.full)  # every rank starts from the first rank's values
+        # ZeRO-3 over zeroplus.Init's chunks: this rank's part comes from them in one all-to-all, and the
+        # buffer is never filled (it holds memory only for the views made below)
+        from_chunks = stage == 3 and init_shards.chunked_over(self.params, dp)
+        if not from_chunks:
+            with torch.no_grad():
+                for p, off, n in zip(self.params, self.offsets, self.numels):  # one parameter whole at a time
+                    source = init_shards.adopt(p) if init_shards.shard_of(p) is not None else p.detach()
+                    self.full[off:off + n].copy_(source.reshape(-1))
+                self.full[self.numel:].zero_()
+            dp.broadcast(self.full)  # every rank starts from the first rank's values
         # ``.data`` has its own version counter: writing through it (gathers, post-step copies)
         # does not invalidate the parameter views autograd saved for backward.
         self._full_data = self.full.data
@@ -102,6 +106,12 @@ class FlatParamGroup:
             setattr(p, FLAT_ATTR, self)  # GatheredParameters finds the group of an engine's parameter
 
         owned_view = self._full_data[start:start + self.owned_numel]
+        if from_chunks:  # (Init's chunks hold rank 0's values already: no broadcast)
+            self.full.untyped_storage().resize_(0)
+            ledger.resized(self.full)
+            with torch.no_grad():
+                owned_view = init_shards.redistribute(self.params, self.offsets, self.numels, self.padded_numel,
+                                                      dp, compute_dtype)
         # ``shard``: this rank's low-precision values (what an all-gather sends). Stage 3 in low
         # precision keeps none (the gather casts the master) unless the master is split, whose
         # high halves are the shard. In fp32 the shard is the master.

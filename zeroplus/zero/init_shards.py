@@ -17,6 +17,7 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 SHARD_ATTR = "_zeroplus_init_shard"
 
@@ -129,3 +130,66 @@ def partition_tree(model: torch.nn.Module, group: Any, device: torch.device, dty
         for param in module.parameters(recurse=False):
             if shard_of(param) is None:
                 partition(param, group, device, dtype)
+
+
+def chunked_over(params: list[torch.nn.Parameter], group: Any) -> bool:
+    """Whether every parameter holds ``zeroplus.Init`` chunks cut for ``group``'s ranks (same size, rank and
+    members), so a flat group over them can be built from the chunks (``redistribute``)."""
+    for p in params:
+        shard = shard_of(p)
+        if shard is None or shard.gathered or shard.blank:
+            return False
+        own = shard.group
+        if (own.size, own.rank) != (group.size, group.rank) or members(own) != members(group):
+            return False
+    return True
+
+
+def members(group: Any) -> list[int] | None:
+    """The global ranks of a ``DataParallelGroup`` (None for the estimator's virtual group)."""
+    if not getattr(group, "initialized", False):
+        return None
+    return dist.get_process_group_ranks(group.group if group.group is not None else dist.group.WORLD)
+
+
+def redistribute(params: list[torch.nn.Parameter], offsets: list[int], numels: list[int], padded_numel: int,
+                 group: Any, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's part of a flat group (``padded_numel / N`` elements from ``rank * that``, in ``dtype``)
+    built from every rank's ``Init`` chunks of its parameters in one all-to-all: each element moves once,
+    nothing is gathered whole. The chunks are released. Memory: what this rank sends (its chunks of these
+    parameters), what it receives and its part, about three shards of the group."""
+    n_ranks, rank = group.size, group.rank
+    part = padded_numel // n_ranks
+
+    def pieces(source: int, dest: int) -> list[tuple[int, int, int]]:
+        """(parameter index, flat start, flat end) that rank ``source``'s chunks hold of rank ``dest``'s part."""
+        out = []
+        for i, (off, n) in enumerate(zip(offsets, numels)):
+            chunk = math.ceil(n / n_ranks) if n else 0
+            lo, hi = off + min(source * chunk, n), off + min((source + 1) * chunk, n)
+            lo, hi = max(lo, dest * part), min(hi, (dest + 1) * part)
+            if lo < hi:
+                out.append((i, lo, hi))
+        return out
+
+    sends, send_sizes = [], []
+    for dest in range(n_ranks):
+        mine = pieces(rank, dest)
+        for i, lo, hi in mine:
+            start = lo - offsets[i] - rank * (math.ceil(numels[i] / n_ranks))
+            sends.append(shard_of(params[i]).values[start:start + hi - lo].to(dtype))  # type: ignore[union-attr]
+        send_sizes.append(sum(hi - lo for _, lo, hi in mine))
+    incoming = [pieces(source, rank) for source in range(n_ranks)]
+    recv_sizes = [sum(hi - lo for _, lo, hi in got) for got in incoming]
+    send = torch.cat(sends) if sends else torch.empty(0, dtype=dtype, device=params[0].device)
+    received = torch.empty(sum(recv_sizes), dtype=dtype, device=send.device)
+    group.all_to_all_v(received, send, recv_sizes, send_sizes)
+    owned = torch.zeros(part, dtype=dtype, device=send.device)
+    cursor = 0
+    for got in incoming:
+        for _, lo, hi in got:
+            owned[lo - rank * part:hi - rank * part].copy_(received[cursor:cursor + hi - lo])
+            cursor += hi - lo
+    for p in params:
+        delattr(p, SHARD_ATTR)
+    return owned
