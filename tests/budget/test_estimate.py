@@ -235,7 +235,7 @@ def test_models_never_whole_start_below_their_training_peak_and_ranks_per_stage(
     path.write_text(json.dumps(cfg))
     budget = str(peaks["whole"].peak_bytes + 2**20 + 100 * 2**20)  # room for this machine's runtime
     proc = subprocess.run([sys.executable, "-m", "zeroplus.cli", "estimate", "--model", "small", "--config", str(path),
-                           "--world-size", "8", "--seq-len", "32", "--budget", budget, "--construction", "init",
+                           "--world-size", "4", "--seq-len", "32", "--budget", budget, "--construction", "init",
                            "--json"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     needed = json.loads(proc.stdout)["ranks_needed"]
