@@ -57,6 +57,16 @@ _METADATA = {"shape", "dtype", "device", "requires_grad", "is_leaf", "grad", "nd
              "is_meta", "is_cuda", "is_sparse", "requires_grad_", "__hash__", "__eq__", "_version", "grad_fn"}
 
 
+# in-place operations that write every element of their first argument without reading it (what weight
+# initialisation runs: torch.nn.init's normal_, uniform_, zeros_, ones_, constant_, kaiming/xavier, ...)
+_OVERWRITES = {"normal_", "uniform_", "zero_", "fill_", "random_", "exponential_", "geometric_", "cauchy_",
+               "log_normal_", "copy_"}
+
+
+def _overwrites(func: Any) -> bool:
+    return getattr(func, "__name__", "") in _OVERWRITES
+
+
 def _metadata_only(func: Any) -> bool:
     name = getattr(func, "__name__", "")
     if name in ("__get__", "__set__"):
@@ -79,14 +89,16 @@ class _GatherOnTouch(TorchFunctionMode):
                        for t in (value if isinstance(value, (list, tuple)) else (value,))
                        if isinstance(t, torch.nn.Parameter) and shard_of(t) is not None]
             if touched:
-                self.touch(touched)
+                overwritten = args[0] if args and _overwrites(func) else None
+                self.touch(touched, overwritten)
         return func(*args, **(kwargs or {}))
 
-    def touch(self, params: list[torch.nn.Parameter]) -> None:
-        """Gather ``params`` (one operation's), then return the least recently touched others to their
-        shards until the window is within ``max_bytes`` (the operation's own stay, whatever their size)."""
+    def touch(self, params: list[torch.nn.Parameter], overwritten: Any = None) -> None:
+        """Gather ``params`` (one operation's; ``overwritten``, which the operation writes whole, only
+        allocated), then return the least recently touched others to their shards until the window is
+        within ``max_bytes`` (the operation's own stay, whatever their size)."""
         for param in params:
-            init_shards.materialize(param)
+            init_shards.materialize(param, keep_values=param is not overwritten)
             self.window[id(param)] = param
             self.window.move_to_end(id(param))
         keep = {id(p) for p in params} | self.pinned

@@ -85,12 +85,17 @@ def gather(param: torch.nn.Parameter) -> torch.Tensor:
     return padded[:shard.numel].view(shard.shape)
 
 
-def materialize(param: torch.nn.Parameter) -> None:
-    """Give ``param`` its whole values (``gather``) until ``repartition``."""
+def materialize(param: torch.nn.Parameter, keep_values: bool = True) -> None:
+    """Give ``param`` its whole values (``gather``) until ``repartition``; ``keep_values=False``: whole but
+    uninitialised, for an operation that overwrites all of it (no collective, no gather buffer)."""
     shard = shard_of(param)
     if shard is None or shard.gathered:
         return
-    param.data = gather(param)
+    if keep_values:
+        param.data = gather(param)
+    else:
+        shard.blank = False
+        param.data = torch.empty(shard.shape, dtype=shard.values.dtype, device=shard.values.device)
     shard.gathered = True
 
 
