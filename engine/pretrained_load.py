@@ -5,9 +5,9 @@
 
 ``path``: a directory holding ``model.safetensors.index.json``, ``model.safetensors``,
 ``pytorch_model.bin.index.json`` or ``pytorch_model.bin`` (first found, in that order), or one of
-those files. Each rank reads only what it keeps: for every trainable parameter, the rows covering the
-part of it in this rank's shard (``safetensors``' slices; a ``.bin`` file is opened with
-``torch.load(mmap=True, weights_only=True)``, so slicing it reads those pages only), cast to the
+those files. Each rank reads only what it keeps: for every trainable parameter, the elements in this
+rank's shard (safetensors: exactly those bytes, by ``pread``, ``safetensors_ranges.py``; a ``.bin`` file
+is opened with ``torch.load(mmap=True, weights_only=True)``, so slicing it reads those pages only), cast to the
 parameter's dtype as built and written into the fp32 master shard; the compute-dtype copies then
 follow the masters as after a checkpoint load (stages 1-2 all-gather them; stage 3 gathers when it
 computes). Frozen parameters and persistent buffers, which every rank keeps whole, are read whole.
@@ -21,8 +21,8 @@ lets parameters matching those patterns keep their values; ``strict=False`` igno
 A shape that differs is an error naming the parameter, both shapes and the file. Everything is checked,
 on every rank, before anything is written: a refused load leaves the engine as it was.
 
-Memory per rank: the rows covering this rank's part of one parameter at a time (at most its shard of that
-parameter plus one row on each side), plus frozen parameters and buffers one at a time.
+Memory per rank: this rank's part of one parameter at a time, plus frozen parameters and buffers one at a
+time (and for ``.bin`` files the mapped pages read, which count in resident memory until the load ends).
 """
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ import os
 from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
-from safetensors import safe_open
+
+from .safetensors_ranges import SafetensorsFile
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -73,23 +74,15 @@ class _Files:
 
     def shape(self, name: str) -> tuple[int, ...]:
         handle = self._handle(self.file_of[name])
-        if isinstance(handle, dict):
-            return tuple(handle[name].shape)
-        return tuple(handle.get_slice(name).get_shape())
+        return tuple(handle[name].shape) if isinstance(handle, dict) else handle.shape(name)
 
     def read(self, name: str, start: int, end: int) -> torch.Tensor:
-        """Elements ``[start, end)`` of the flattened tensor, reading the rows that cover them."""
+        """Elements ``[start, end)`` of the flattened tensor (safetensors: those bytes, by ``pread``; a
+        ``.bin`` file's memory-mapped tensor: sliced, so only those pages are read)."""
         handle = self._handle(self.file_of[name])
-        shape = self.shape(name)
-        row = 1
-        for d in shape[1:]:
-            row *= d
-        if not shape:  # a scalar
-            whole = handle[name] if isinstance(handle, dict) else handle.get_tensor(name)
-            return whole.reshape(-1)[start:end]
-        first, last = start // row, -(-end // row)
-        rows = handle[name][first:last] if isinstance(handle, dict) else handle.get_slice(name)[first:last]
-        return rows.reshape(-1)[start - first * row:end - first * row]
+        if isinstance(handle, dict):
+            return handle[name].reshape(-1)[start:end]
+        return handle.read(name, start, end)
 
 
 def _weights_path(path: str) -> str:
@@ -106,7 +99,7 @@ def _weights_path(path: str) -> str:
 
 def _open(file: str) -> Any:
     if file.endswith(".safetensors"):
-        return safe_open(file, framework="pt", device="cpu")
+        return SafetensorsFile(file)
     return torch.load(file, map_location="cpu", mmap=True, weights_only=True)
 
 

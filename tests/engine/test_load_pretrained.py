@@ -112,6 +112,18 @@ def _refusals(folder: str) -> dict:
             engine.load_pretrained(**kwargs)
         except ValueError as err:
             out[key] = str(err)
+    cut = os.path.join(folder, "cut")
+    if rank_and_world()[0] == 0:
+        os.makedirs(cut)
+        build("llama").save_pretrained(cut)  # one file: then cut its end off
+        whole = os.path.join(cut, "model.safetensors")
+        with open(whole, "r+b") as f:
+            f.truncate(os.path.getsize(whole) - 100)
+    torch.distributed.barrier()
+    try:
+        engine.load_pretrained(cut)
+    except ValueError as err:
+        out["truncated"] = str(err)
     out["unchanged"] = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     renamed = engine.load_pretrained(os.path.join(folder, "base"), prefixes={"": "model."},
                                      allow_missing=["lm_head.*"])
@@ -127,3 +139,4 @@ def _check_refusals(results: list[dict]) -> None:
             in r["names"], r["names"]
         assert "Nothing was loaded" in r["names"] and r["unchanged"]
         assert r["allowed"] == ["lm_head.weight"]
+        assert "model.safetensors is truncated" in r["truncated"], r["truncated"]
