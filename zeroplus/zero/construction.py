@@ -60,7 +60,9 @@ _METADATA = {"shape", "dtype", "device", "requires_grad", "is_leaf", "grad", "nd
 # in-place operations that write every element of their first argument without reading it (what weight
 # initialisation runs: torch.nn.init's normal_, uniform_, zeros_, ones_, constant_, kaiming/xavier, ...)
 _OVERWRITES = {"normal_", "uniform_", "zero_", "fill_", "random_", "exponential_", "geometric_", "cauchy_",
-               "log_normal_", "copy_"}
+               "log_normal_", "copy_",  # Tensor methods; torch.nn.init's functions (seen first, with a mode on):
+               "zeros_", "ones_", "constant_", "eye_", "dirac_", "kaiming_uniform_", "kaiming_normal_",
+               "xavier_uniform_", "xavier_normal_", "trunc_normal_", "orthogonal_", "sparse_"}
 
 
 def _overwrites(func: Any) -> bool:
@@ -89,7 +91,9 @@ class _GatherOnTouch(TorchFunctionMode):
                        for t in (value if isinstance(value, (list, tuple)) else (value,))
                        if isinstance(t, torch.nn.Parameter) and shard_of(t) is not None]
             if touched:
-                overwritten = args[0] if args and _overwrites(func) else None
+                # (torch.nn.init's functions reach a mode with the tensor as a keyword)
+                target = args[0] if args else (kwargs or {}).get("tensor")
+                overwritten = target if _overwrites(func) else None
                 self.touch(touched, overwritten)
         return func(*args, **(kwargs or {}))
 

@@ -161,8 +161,9 @@ def redistribute(params: list[torch.nn.Parameter], offsets: list[int], numels: l
                  group: Any, dtype: torch.dtype) -> torch.Tensor:
     """This rank's part of a flat group (``padded_numel / N`` elements from ``rank * that``, in ``dtype``)
     built from every rank's ``Init`` chunks of its parameters in one all-to-all: each element moves once,
-    nothing is gathered whole. The chunks are released. Memory: what this rank sends (its chunks of these
-    parameters), what it receives and its part, about three shards of the group."""
+    nothing is gathered whole. Memory: at most two of (the chunks, what this rank sends, what it receives,
+    its part) at once, each about one shard of the group: the chunks are released once copied into what is
+    sent, which is released once sent."""
     n_ranks, rank = group.size, group.rank
     part = padded_numel // n_ranks
 
@@ -186,15 +187,18 @@ def redistribute(params: list[torch.nn.Parameter], offsets: list[int], numels: l
         send_sizes.append(sum(hi - lo for _, lo, hi in mine))
     incoming = [pieces(source, rank) for source in range(n_ranks)]
     recv_sizes = [sum(hi - lo for _, lo, hi in got) for got in incoming]
-    send = torch.cat(sends) if sends else torch.empty(0, dtype=dtype, device=params[0].device)
-    received = torch.empty(sum(recv_sizes), dtype=dtype, device=send.device)
+    device = params[0].device
+    send = torch.cat(sends) if sends else torch.empty(0, dtype=dtype, device=device)
+    del sends
+    for p in params:  # the chunks are in ``send`` now: release them before anything else is allocated
+        delattr(p, SHARD_ATTR)
+    received = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
     group.all_to_all_v(received, send, recv_sizes, send_sizes)
-    owned = torch.zeros(part, dtype=dtype, device=send.device)
+    del send
+    owned = torch.zeros(part, dtype=dtype, device=device)
     cursor = 0
     for got in incoming:
         for _, lo, hi in got:
             owned[lo - rank * part:hi - rank * part].copy_(received[cursor:cursor + hi - lo])
             cursor += hi - lo
-    for p in params:
-        delattr(p, SHARD_ATTR)
     return owned
