@@ -6,6 +6,8 @@ a parameter used twice in one forward (``blocks[i].gain``), parameters outside a
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -45,6 +47,20 @@ class ParityNet(nn.Module):
             x = block(x)
         logits = self.head(x) + self.out_bias
         return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def train_losses(engine: Any, *, hugging_face: bool, vocab: int, seq: int, seed: int, steps: int = 2) -> list[float]:
+    """Train ``steps`` steps on random token ids of ``(1, seq)`` drawn from ``seed`` and return the losses: a
+    Hugging Face model is called ``engine(input_ids=ids, labels=ids).loss``, any other ``engine(ids, ids)``."""
+    g = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, (1, seq), generator=g)
+        loss = engine(input_ids=ids, labels=ids).loss if hugging_face else engine(ids, ids)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
 
 
 def make_batches(num: int, micro_batch: int, seq: int = 8, seed: int = 1234) -> list[tuple[torch.Tensor, torch.Tensor]]:

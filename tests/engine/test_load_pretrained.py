@@ -11,6 +11,7 @@ import torch
 import zeroplus
 from tests.dist_helper import rank_and_world, run_distributed
 from tests.hf_models import build
+from tests.models import train_losses
 from tests.new_storage import NewStorageBytes
 
 
@@ -31,16 +32,8 @@ def _save(family: str, folder: str, safe: bool) -> str:
 
 
 def _losses(engine: zeroplus.Engine) -> list[float]:
-    g = torch.Generator().manual_seed(5)
     torch.manual_seed(99)  # GPT-2 trains with dropout
-    out = []
-    for _ in range(2):
-        ids = torch.randint(0, 256, (1, 12), generator=g)
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        out.append(loss.item())
-    return out
+    return train_losses(engine, hugging_face=True, vocab=256, seq=12, seed=5)
 
 
 def _case(family: str, stage: int, safe: bool, folder: str) -> dict:

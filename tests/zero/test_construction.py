@@ -10,6 +10,7 @@ import torch
 import zeroplus
 from tests.dist_helper import rank_and_world, run_distributed
 from tests.hf_models import build
+from tests.models import train_losses
 from tests.new_storage import NewStorageBytes
 from zeroplus.models import GPT, gpt_config
 from zeroplus.zero.init_shards import shard_of
@@ -28,18 +29,6 @@ def _builders() -> dict:
             "llama": lambda: build("llama", "tiny"), "gpt2": lambda: build("gpt2", "tiny")}
 
 
-def _train(engine: zeroplus.Engine, model: torch.nn.Module, family: str) -> list[float]:
-    g = torch.Generator().manual_seed(7)
-    losses = []
-    for _ in range(2):
-        ids = torch.randint(0, 256, (1, 16), generator=g)
-        out = engine(ids, ids) if family == "gpt" else engine(input_ids=ids, labels=ids).loss
-        engine.backward(out)
-        engine.step()
-        losses.append(out.item())
-    return losses
-
-
 def _build_job(family: str, stage: int) -> dict:
     rank, world = rank_and_world()
     make = _builders()[family]
@@ -49,7 +38,7 @@ def _build_job(family: str, stage: int) -> dict:
     largest = max(sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for m in whole.modules())
     reference = zeroplus.initialize(whole, _config(stage))
     expected = {k: v.clone() for k, v in whole.state_dict().items()}
-    expected_losses = _train(reference, whole, family)
+    expected_losses = train_losses(reference, hugging_face=family != "gpt", vocab=256, seq=16, seed=7)
     before = reference.dp.bytes_sent.get("all_to_all", 0)  # (the data group object is shared between engines)
     reference.destroy()
 
@@ -62,8 +51,9 @@ def _build_job(family: str, stage: int) -> dict:
     engine = zeroplus.initialize(model, _config(stage))
     moved = engine.dp.bytes_sent.get("all_to_all", 0) - before  # ZeRO-3: parts cut from the chunks, nothing regathered
     got = model.state_dict()
-    return {"differ": [k for k in expected if not torch.equal(expected[k], got[k])], "names": len(expected),
-            "losses": (expected_losses, _train(engine, model, family)), "tied": tied,
+    differ = [k for k in expected if not torch.equal(expected[k], got[k])]  # before training moves them
+    losses = train_losses(engine, hugging_face=family != "gpt", vocab=256, seq=16, seed=7)
+    return {"differ": differ, "names": len(expected), "losses": (expected_losses, losses), "tied": tied,
             "peak": built.peak, "shards": shard_bytes, "moved": moved, "whole": whole_bytes, "largest": largest,
             "world": world}
 

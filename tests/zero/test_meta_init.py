@@ -10,6 +10,7 @@ from torch import nn
 import zeroplus
 from tests.dist_helper import run_distributed
 from tests.hf_models import build
+from tests.models import train_losses
 
 
 class Layers(nn.Module):
@@ -46,24 +47,12 @@ def _config(stage: int) -> dict:
 MAKERS = {"layers": Layers, "llama": lambda: build("llama", "tiny"), "gpt2": lambda: build("gpt2", "tiny")}
 
 
-def _losses(engine: zeroplus.Engine, family: str) -> list[float]:
-    g = torch.Generator().manual_seed(3)
-    out = []
-    for _ in range(2):
-        ids = torch.randint(0, 64, (1, 12), generator=g)
-        loss = engine(ids, ids) if family == "layers" else engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        out.append(loss.item())
-    return out
-
-
 def _case(family: str, stage: int) -> dict:
     torch.manual_seed(0)
     whole = MAKERS[family]()
     engine = zeroplus.initialize(whole, _config(stage))
     expected = {k: v.clone() for k, v in whole.state_dict().items()}
-    expected_losses = _losses(engine, family)
+    expected_losses = train_losses(engine, hugging_face=family != "layers", vocab=64, seq=12, seed=3)
     engine.destroy()
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -71,8 +60,9 @@ def _case(family: str, stage: int) -> dict:
     engine = zeroplus.initialize(model, _config(stage), init_fn=_scale if family == "layers" else None)
     got = model.state_dict()
     tied = family != "gpt2" or model.lm_head.weight is model.transformer.wte.weight
-    return {"differ": [k for k in expected if not torch.equal(expected[k], got[k])], "n": len(expected),
-            "losses": (expected_losses, _losses(engine, family)), "tied": tied}
+    differ = [k for k in expected if not torch.equal(expected[k], got[k])]  # before training moves them
+    losses = train_losses(engine, hugging_face=family != "layers", vocab=64, seq=12, seed=3)
+    return {"differ": differ, "n": len(expected), "losses": (expected_losses, losses), "tied": tied}
 
 
 def _cases(cases: list[tuple[str, int]]) -> list[dict]:

@@ -40,7 +40,6 @@ import os
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from ..accelerator import get_accelerator
@@ -152,8 +151,6 @@ class Init:
             return self
         if Init._active is not None:  # nested: the outer context does the work
             return self
-        if dist.is_available() and dist.is_initialized() is False and self.group.size == 1:
-            logger.debug("zeroplus.Init without a process group: one rank, nothing to partition")
         Init._active, self._outer = self, True
         for cls in _module_classes():
             self._wrap(cls)
