@@ -168,8 +168,9 @@ def _prepare(save_dir: str, final_dir: str, tag: str) -> tuple[str | None, str |
 
 
 def save_checkpoint(engine: Engine, save_dir: str, tag: str | None = None,
-                    client_state: dict[str, Any] | None = None) -> str:
-    """Every rank calls this. Returns the final directory ``save_dir/tag``.
+                    client_state: dict[str, Any] | None = None, save_latest: bool = True) -> str:
+    """Every rank calls this. Returns the final directory ``save_dir/tag``; ``save_latest``: point
+    ``save_dir/latest`` at it.
 
     With tensor or pipeline parallelism each slice of the model is a checkpoint of its own in
     ``tag/tpTT_ppPP/`` (its data group's files and metadata), and ``tag/metadata.json`` lists the
@@ -213,6 +214,7 @@ def save_checkpoint(engine: Engine, save_dir: str, tag: str | None = None,
                     "global_steps": engine.global_steps, "parts": sorted(set(parts))}
     if world.rank == 0:
         io.commit(tmp_dir, final_dir, metadata)
-        io.write_latest(save_dir, tag)
+        if save_latest:
+            io.write_latest(save_dir, tag)
     world.barrier()
     return final_dir

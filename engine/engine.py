@@ -76,6 +76,9 @@ class Engine:
         # One backward() per micro-step, then step(); backwards inside no_sync() accumulate freely.
         self._backward_since_step = False  # any backward since the last step()
         self._synced_backward_since_step = False  # one outside no_sync()
+        self._reduced_since_step = False  # one at the accumulation boundary (it reduced the accumulated gradients)
+        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary()
+        self._last_step_applied = False
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
@@ -95,7 +98,23 @@ class Engine:
         return self._partition.stage
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether this micro-step ends the accumulation: every ``gradient_accumulation_steps``-th one,
+        unless the caller said otherwise with ``set_gradient_accumulation_boundary``."""
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Decide the boundary from outside (Accelerate calls it before each backward; an epoch that ends
+        mid-accumulation steps early); it holds until set again, ``None`` returns to counting."""
+        if is_boundary is not None and not isinstance(is_boundary, bool):
+            raise TypeError(f"set_gradient_accumulation_boundary() takes a bool or None, got {is_boundary!r} "
+                            f"(rank {self.dp.rank})")
+        self._boundary_override = is_boundary
+
+    def was_step_applied(self) -> bool:
+        """Whether the last boundary's optimizer step changed the weights (False when it was skipped)."""
+        return self._last_step_applied
 
     def get_global_grad_norm(self) -> float | None:
         """The global gradient norm (unscaled, before clipping) of the last step; inf on overflow."""
@@ -167,27 +186,36 @@ class Engine:
         finally:
             self._no_sync = previous
 
-    def _loss_factor(self) -> float:
-        """What the loss is multiplied by before its backward (loss scale / accumulation steps); MoE
-        balancing losses (``zeroplus.parallel.moe``) get their gradient scaled alike."""
-        factor = self.loss_scaler.scale / self.gradient_accumulation_steps()
+    def _loss_factor(self, scale_wrt_gas: bool = True) -> float:
+        """What the loss is multiplied by before its backward (loss scale / accumulation steps, or the
+        loss scale alone when the caller averaged over micro-batches itself); MoE balancing losses
+        (``zeroplus.parallel.moe``) get their gradient scaled alike."""
+        factor = self.loss_scaler.scale / (self.gradient_accumulation_steps() if scale_wrt_gas else 1)
         set_aux_grad_scale(factor)
         return factor
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of one micro-batch's loss, divided by ``gradient_accumulation_steps`` unless
+        ``scale_wrt_gas`` is False (as in DeepSpeed)."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"backward() needs a scalar loss tensor, got {type(loss).__name__} "
                             f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''} (rank {self.dp.rank})")
-        if self._synced_backward_since_step and not self._no_sync:
+        # Counting micro-steps, a second backward before step() is a forgotten step(). With the boundary
+        # set from outside (Accelerate: backward, backward, ..., step at the boundary) backwards may
+        # follow each other until one at the boundary has reduced the accumulated gradients.
+        twice = (self._synced_backward_since_step and not self._no_sync if self._boundary_override is None
+                 else self._reduced_since_step)
+        if twice:
             raise RuntimeError(f"backward() called twice without step() between them (rank {self.dp.rank}, micro-step "
                                f"{self.micro_steps}): each backward reduces this micro-batch's gradients, so a second "
                                f"one would reduce them again. Sum the losses and call backward() once, or call "
                                f"step() after each backward(); the engine is unchanged by this call")
-        factor = self._loss_factor()
+        factor = self._loss_factor(scale_wrt_gas)
         reduce = self.is_gradient_accumulation_boundary() and not self._no_sync
         self._partition.begin_backward(reduce)
         self._backward_since_step = True
         self._synced_backward_since_step = self._synced_backward_since_step or not self._no_sync
+        self._reduced_since_step = self._reduced_since_step or reduce
         (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
         self._partition.end_backward()
         if not retain_graph:
@@ -232,12 +260,13 @@ class Engine:
             raise RuntimeError(f"step() called without a backward() since the last step() (rank {self.dp.rank}, "
                                f"micro-step {self.micro_steps}, global step {self.global_steps}): there is no "
                                f"gradient to step on; the engine is unchanged")
-        self._backward_since_step = self._synced_backward_since_step = False
+        self._backward_since_step = self._synced_backward_since_step = self._reduced_since_step = False
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:
             return
         stepped = self._step.step(self.loss_scaler.scale)
+        self._last_step_applied = stepped
         self.loss_scaler.update(overflow=not stepped)
         if stepped:
             if self.lr_scheduler is not None:
@@ -271,10 +300,11 @@ class Engine:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None,
-                        client_state: dict[str, Any] | None = None) -> str:
-        """Every rank calls it; atomic (see ``engine/checkpoint_io.py``); tag defaults to global_stepN."""
+                        client_state: dict[str, Any] | None = None, save_latest: bool = True) -> str:
+        """Every rank calls it; atomic (see ``engine/checkpoint_io.py``); tag defaults to global_stepN;
+        ``save_latest`` False leaves ``save_dir/latest`` as it was."""
         self._checkpoint_saved = True
-        return save_checkpoint(self, save_dir, tag, client_state)
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, *, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True,

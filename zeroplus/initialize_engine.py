@@ -29,6 +29,7 @@ from .config import (
     ResolvedConfig,
     ZeroplusConfig,
     auto_keys,
+    check_fillable,
     parse_config,
     resolve_auto,
     resolve_batch,
@@ -69,6 +70,7 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     except ValueError as err:
         raise ConfigError(f"config key 'zeroplus.parallel': {err}") from None
     dp = DataParallelGroup(process_group) if process_group is not None else parallel.data
+    check_fillable(cfg)
     resolve_batch(cfg, dp.size)
     resolve_auto(cfg, model, optimizer is not None)
     if dp.size > 1:

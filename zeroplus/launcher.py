@@ -5,6 +5,10 @@ train.py --lr 1e-3``. torchrun's own flags (``--nnodes``, ``--node-rank``, ``--m
 ``--master-port``, ``--rdzv-*``, ``--standalone``, ...) may stand before the script and pass through,
 so multi-node launches work as torchrun's do. The script calls ``zeroplus.initialize``, which
 initialises torch.distributed from the environment torchrun sets.
+
+``zeroplus run --deepspeed-api -n 2 train.py --deepspeed ds.json`` runs a script written for
+DeepSpeed unchanged: the launched processes import zeroplus's DeepSpeed API as ``deepspeed``
+(``zeroplus/deepspeed_api/shim.py`` goes first on their ``PYTHONPATH``).
 """
 from __future__ import annotations
 
@@ -12,7 +16,11 @@ import os
 import subprocess
 import sys
 
-_BOOLEAN_FLAGS = {"--standalone", "--no-python", "--no_python", "--module", "-m", "--run-path", "--run_path"}
+from .deepspeed_api.shim import environment_with_shim
+
+DEEPSPEED_API_FLAG = "--deepspeed-api"
+_BOOLEAN_FLAGS = {DEEPSPEED_API_FLAG, "--standalone", "--no-python", "--no_python", "--module", "-m", "--run-path",
+                  "--run_path"}
 
 
 def split_run_args(argv: list[str]) -> tuple[int | None, list[str], list[str]]:
@@ -57,7 +65,9 @@ def torchrun_command(nproc: int, flags: list[str], program: list[str]) -> list[s
 
 def run(argv: list[str]) -> int:
     nproc, flags, program = split_run_args(argv)
+    deepspeed_api = DEEPSPEED_API_FLAG in flags
+    flags = [f for f in flags if f != DEEPSPEED_API_FLAG]
     cmd = torchrun_command(nproc or 1, flags, program)
-    env = dict(os.environ)
+    env = environment_with_shim(dict(os.environ)) if deepspeed_api else dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (nproc or 1))))
     return subprocess.call(cmd, env=env)

@@ -162,3 +162,33 @@ def test_resolved_config_has_no_auto_and_names_what_is_left():
     assert isinstance(out, ResolvedConfig) and resolved(out) is out
     assert (out.train_batch_size, out.gradient_accumulation_steps, out.zero_optimization.stage) == (8, 1, 2)
     assert out.model_dump() == cfg.model_dump()
+
+
+def test_every_unknown_key_is_listed_at_once():
+    with pytest.raises(ConfigError) as err:
+        parse_config({"gradient_clippping": 1.0, "zero_optimization": {"stage": 2, "reduce_bucket_sise": 5},
+                      "train_batch_size": 8})
+    message = str(err.value)
+    assert message.startswith("2 unknown config keys")
+    assert "'gradient_clippping' (value 1.0) at the top level; did you mean 'gradient_clipping'?" in message
+    assert "'zero_optimization.reduce_bucket_sise' (value 5) at 'zero_optimization'; did you mean " \
+           "'zero_optimization.reduce_bucket_size'?" in message
+
+
+def test_a_hugging_face_template_as_it_is_names_every_auto_key_and_who_fills_them():
+    import pathlib
+    path = pathlib.Path(zeroplus.__file__).parent / "configs" / "hf_zero3_template.json"
+    with pytest.raises(ConfigError) as err:
+        zeroplus.initialize(GPT(gpt_config("tiny")), str(path))
+    message = str(err.value)
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                "gradient_clipping", "optimizer.params.lr", "scheduler.params.warmup_max_lr",
+                "scheduler.params.warmup_num_steps"):
+        assert f"'{key}'" in message, key
+    for derivable in ("warmup_min_lr", "reduce_bucket_size", "betas", "fp16.enabled"):
+        assert derivable not in message, derivable
+    assert "the Trainer" in message and "zeroplus run --deepspeed-api" in message
+    with pytest.raises(ConfigError, match=r"'zero_optimization.stage': the planner fills these within "
+                                          r"'zeroplus.memory_budget'"):
+        zeroplus.initialize(GPT(gpt_config("tiny")), {"train_micro_batch_size_per_gpu": 1,
+                                                      "zero_optimization": {"stage": "auto"}})

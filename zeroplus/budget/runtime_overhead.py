@@ -34,6 +34,7 @@ import tempfile
 
 import torch
 
+from ..cache_dir import cache_root
 from ..config import parse_bytes
 
 logger = logging.getLogger("zeroplus")
@@ -121,8 +122,7 @@ def _zeroplus_version() -> str:
 
 
 def _cache_file() -> str:
-    root = os.environ.get("ZEROPLUS_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "zeroplus")
+    root = cache_root()
     digest = hashlib.sha256(json.dumps(_cache_key(), sort_keys=True).encode()).hexdigest()[:16]
     return os.path.join(root, f"runtime-overhead-{digest}.json")
 

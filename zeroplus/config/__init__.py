@@ -18,9 +18,11 @@ from .model import ZeroplusConfig
 from .resolve import auto_keys, load_config, model_hidden_size, parse_config, resolve_auto, resolve_batch
 from .resolved import ResolvedConfig, ResolvedZeroConfig, resolved, resolved_zero
 from .sizes import parse_bytes
+from .unresolved import check_fillable, unfillable_autos
 
 __all__ = ["ActivationCheckpointingConfig", "auto_keys", "load_config", "ResolvedConfig", "ResolvedZeroConfig",
            "resolved", "resolved_zero", "BF16Config", "ConfigError", "FP16Config",
            "OffloadOptimizerConfig",
            "OffloadParamConfig", "OptimizerConfig", "SchedulerConfig", "ZeroConfig", "ZeroplusBlock",
-           "ZeroplusConfig", "model_hidden_size", "parse_bytes", "parse_config", "resolve_auto", "resolve_batch"]
+           "ZeroplusConfig", "check_fillable", "model_hidden_size", "parse_bytes", "parse_config", "resolve_auto",
+           "resolve_batch", "unfillable_autos"]

@@ -75,7 +75,7 @@ class OffloadParamConfig(Block):
 
 class ZeroConfig(Block):
     ds_unimplemented = frozenset({
-        "allgather_partitions", "round_robin_gradients", "elastic_checkpoint", "load_from_fp32_weights",
+        "round_robin_gradients", "elastic_checkpoint", "load_from_fp32_weights",
         "ignore_unused_parameters", "zero_hpz_partition_size", "zero_quantized_weights",
         "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "mics_shard_size",
         "mics_hierarchical_params_gather", "memory_efficient_linear", "stage3_module_granularity_threshold",
@@ -89,6 +89,10 @@ class ZeroConfig(Block):
     overlap_comm: bool | None = Field(None, description="Overlap gradient reduction with backward (default: on).")
     contiguous_gradients: bool = True
     reduce_bucket_size: PositiveInt | Auto = Field(500_000_000, description="Elements per gradient bucket.")
+    allgather_partitions: bool = Field(
+        True, description="How the updated partitions reach every rank after the step (stages 1-2): DeepSpeed's "
+                          "false broadcasts each rank's instead of one all-gather, with the same weights; "
+                          "zeroplus all-gathers either way.")
     allgather_bucket_size: int = Field(500_000_000, ge=1, description="Elements per all-gather bucket (stages 1-2).")
     reduce_scatter: bool = Field(True, description="Reduce-scatter gradients (False: all-reduce, keep own shard).")
     stage3_prefetch_bucket_size: NonNegativeInt | Auto | None = Field(

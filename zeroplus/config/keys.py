@@ -44,11 +44,22 @@ def _nested_model(annotation: Any) -> type[BaseModel] | None:
 
 
 def check_keys(data: dict[str, Any], model: type[BaseModel], path: str, unimplemented: list[str]) -> None:
-    """Raise ``ConfigError`` on an unknown key under ``path``; pop known-but-unimplemented keys.
+    """Raise one ``ConfigError`` listing every unknown key under ``path`` (each with its "did you mean");
+    pop known-but-unimplemented keys.
 
     Unimplemented DeepSpeed keys are removed from ``data`` in place and their dotted paths appended
     to ``unimplemented`` so the caller can warn once about all of them.
     """
+    unknown: list[str] = []
+    _check_keys(data, model, path, unimplemented, unknown)
+    if len(unknown) == 1:
+        raise ConfigError(unknown[0])
+    if unknown:
+        raise ConfigError(f"{len(unknown)} unknown config keys:\n  " + "\n  ".join(unknown))
+
+
+def _check_keys(data: dict[str, Any], model: type[BaseModel], path: str, unimplemented: list[str],
+                unknown: list[str]) -> None:
     if not isinstance(data, dict):
         raise ConfigError(f"config key '{path or '<root>'}' must be an object, got {type(data).__name__}: {data!r}")
     keys = allowed_keys(model)
@@ -63,7 +74,7 @@ def check_keys(data: dict[str, Any], model: type[BaseModel], path: str, unimplem
                 key = alias
             sub = _nested_model(model.model_fields[field_key].annotation)
             if sub is not None and data[key] is not None:
-                check_keys(data[key], sub, where, unimplemented)
+                _check_keys(data[key], sub, where, unimplemented, unknown)
             continue
         if key in known_unimplemented:
             unimplemented.append(where)
@@ -73,4 +84,4 @@ def check_keys(data: dict[str, Any], model: type[BaseModel], path: str, unimplem
         close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
         hint = f"; did you mean '{(path + '.') if path else ''}{close[0]}'?" if close else ""
         level = f"'{path}'" if path else "the top level"
-        raise ConfigError(f"unknown config key '{where}' (value {data[key]!r}) at {level}{hint}")
+        unknown.append(f"unknown config key '{where}' (value {data[key]!r}) at {level}{hint}")

@@ -1,9 +1,11 @@
 """The top-level config model: DeepSpeed's keys plus the ``"zeroplus"`` block."""
 from __future__ import annotations
 
-from typing import ClassVar
+import math
+import sys
+from typing import Any, ClassVar
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from .blocks import (
     ActivationCheckpointingConfig,
@@ -28,11 +30,11 @@ class ZeroplusConfig(Block):
         "amp", "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger",
         "compression_training", "data_efficiency", "curriculum_learning", "elasticity", "autotuning", "aio",
         "checkpoint", "data_types", "dump_state", "sparse_attention", "sparse_gradients", "pipeline",
-        "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "communication_data_type",
+        "communication_data_type",
         "seq_parallel_communication_data_type", "prescale_gradients", "gradient_predivide_factor",
         "disable_allgather", "fp32_allreduce", "eigenvalue", "progressive_layer_drop", "quantize_training",
         "timers", "nebula", "hybrid_engine", "graph_harvesting", "weight_quantization", "torch_autocast",
-        "compile", "use_node_local_storage", "load_universal_checkpoint", "dataloader_drop_last",
+        "compile", "use_node_local_storage", "load_universal_checkpoint",
         "optimizer_legacy_fusion", "zero_optimization_stage_3_legacy", "sequence_parallel_size",
     })
     train_batch_size: PositiveInt | Auto | None = None
@@ -45,8 +47,21 @@ class ZeroplusConfig(Block):
     bf16: BF16Config = Field(default_factory=BF16Config, json_schema_extra={"aliases": ["bfloat16"]})
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
-    steps_per_print: int = Field(10, ge=1)
+    steps_per_print: int = Field(10, ge=1, description="Log every N optimizer steps; inf (Accelerate sets it): never.")
+    zero_allow_untested_optimizer: bool = Field(
+        True, description="DeepSpeed's permission to partition a client optimizer; zeroplus partitions any torch "
+                          "optimizer, so this has no effect.")
+    zero_force_ds_cpu_optimizer: bool = Field(
+        True, description="DeepSpeed's demand for its CPU Adam under offload; zeroplus runs the client's optimizer "
+                          "where the states are, so this has no effect.")
+    dataloader_drop_last: bool = Field(
+        False, description="The DeepSpeed API's training_data loader drops the last incomplete micro-batch.")
     wall_clock_breakdown: bool = False
     memory_breakdown: bool = False
     zeroplus: ZeroplusBlock = Field(default_factory=ZeroplusBlock)
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+
+    @field_validator("steps_per_print", mode="before")
+    @classmethod
+    def _never(cls, value: Any) -> Any:
+        return sys.maxsize if isinstance(value, float) and math.isinf(value) and value > 0 else value

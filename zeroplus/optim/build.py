@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from zeroplus.logs import log_rank0
+
 from .lamb import Lamb
 
 logger = logging.getLogger("zeroplus.optim")
@@ -61,8 +63,8 @@ def optimizer_kwargs(cls: type[torch.optim.Optimizer], type_name: str, params: d
         raise ValueError(f"config key 'optimizer.params.bias_correction' is false, which torch's {cls.__name__} "
                          f"cannot do")
     if dropped:
-        logger.warning("optimizer.params %s are DeepSpeed-only and have no effect with %s", sorted(dropped),
-                       cls.__name__)
+        log_rank0("optimizer.params %s are DeepSpeed-only and have no effect with %s", sorted(dropped),
+                  cls.__name__, level=logging.WARNING)
     if fused and cls.__name__ in _FUSED_CAPABLE and "fused" in accepted and "foreach" not in kwargs:
         kwargs.setdefault("fused", True)
     return kwargs

@@ -1,0 +1,43 @@
+"""Launch a script on 2 gloo ranks through zeroplus's DeepSpeed API or through the real DeepSpeed.
+
+``on_zeroplus``: ``zeroplus run --deepspeed-api -n 2 script args`` (the command a user types).
+``on_deepspeed``: torchrun with ``real_deepspeed.py`` in front of the script. Both with a fresh
+rendezvous port, one OpenMP thread per rank, the CPU accelerator, and a time limit; a failure shows
+the command and both ranks' output.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.dist_helper import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPTS = os.path.join(ROOT, "tests", "deepspeed_api", "scripts")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", ZEROPLUS_ACCELERATOR="cpu", DS_ACCELERATOR="cpu",
+               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="warning")
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
+    return env
+
+
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited with {done.returncode}\n--- stdout\n{done.stdout[-6000:]}"
+                             f"\n--- stderr\n{done.stderr[-12000:]}")
+    return done
+
+
+def on_zeroplus(script: str, args: list[str], nproc: int = 2, timeout: float = 600) -> subprocess.CompletedProcess:
+    return _run([sys.executable, "-m", "zeroplus.cli", "run", "--deepspeed-api", "-n", str(nproc),
+                 f"--master-port={free_port()}", os.path.join(SCRIPTS, script), *args], timeout)
+
+
+def on_deepspeed(script: str, args: list[str], nproc: int = 2, timeout: float = 600) -> subprocess.CompletedProcess:
+    return _run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+                 f"--master-port={free_port()}", "-m", "tests.deepspeed_api.real_deepspeed",
+                 os.path.join(SCRIPTS, script), *args], timeout)

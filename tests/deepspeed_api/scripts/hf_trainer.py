@@ -1,0 +1,73 @@
+"""Hugging Face ``Trainer`` with ``--deepspeed``-style configs, run unchanged on DeepSpeed and on zeroplus.
+
+``hf_trainer.py --deepspeed ds.json --output_dir DIR --out result.json``: a tiny Llama (grouped-query
+attention) built from its config after the ``TrainingArguments`` (so ZeRO-3 builds it under
+``zero.Init``), a fixed token dataset, 4 optimizer steps (micro-batch 2, accumulation 2, clipping,
+the config's optimizer and schedule with their ``"auto"`` values filled by the Trainer), a checkpoint
+every 2 steps; then a second Trainer on a fresh model resumes from ``checkpoint-2`` and trains steps
+3-4 again. Rank 0 writes each run's logged losses and gradient norms as JSON.
+"""
+import argparse
+import json
+import os
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainingArguments
+
+SEQ, VOCAB, STEPS = 16, 128, 4
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        self.ids = torch.randint(0, VOCAB, (64, SEQ), generator=torch.Generator().manual_seed(1))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def arguments(args) -> TrainingArguments:
+    return TrainingArguments(output_dir=args.output_dir, deepspeed=args.deepspeed, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, max_steps=STEPS, learning_rate=3e-3, weight_decay=0.01,
+                             warmup_steps=2, max_grad_norm=0.5, logging_steps=1, save_steps=2, save_strategy="steps",
+                             report_to=[], seed=0, data_seed=0, disable_tqdm=True, dataloader_drop_last=True,
+                             use_cpu=not torch.cuda.is_available())
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def logged(trainer: Trainer) -> dict:
+    rows = [r for r in trainer.state.log_history if "loss" in r]
+    return {"steps": [r["step"] for r in rows], "loss": [r["loss"] for r in rows],
+            "grad_norm": [float(r["grad_norm"]) for r in rows]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--deepspeed", required=True)
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--local_rank", type=int, default=-1)
+    args = parser.parse_args()
+    trainer = Trainer(model=model(), args=arguments(args), train_dataset=Tokens())
+    trainer.train()
+    first = logged(trainer)
+    engine = trainer.model_wrapped
+    facts = {"engine": type(engine).__module__, "stage": engine.zero_optimization_stage(),
+             "checkpoints": sorted(os.listdir(args.output_dir))}
+    trainer = Trainer(model=model(), args=arguments(args), train_dataset=Tokens())
+    trainer.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-2"))
+    if torch.distributed.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump({"first": first, "resumed": logged(trainer), **facts}, f)
+
+
+if __name__ == "__main__":
+    main()

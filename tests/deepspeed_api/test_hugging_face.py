@@ -1,0 +1,89 @@
+"""Hugging Face ``Trainer`` and Accelerate, unchanged, on zeroplus's DeepSpeed API and on DeepSpeed.
+
+The Trainer (``scripts/hf_trainer.py``) takes the ZeRO-2 and ZeRO-3 templates of ``configs/`` (every
+batch key, clipping, the optimizer's and scheduler's parameters ``"auto"``, filled by the Trainer),
+DeepSpeed with two changes that let it run on a CPU: no optimizer offload (it would build its CPU
+Adam kernel) and ``torch_adam``; zeroplus takes ZeRO-2's the same way and ZeRO-3's as it is, offload
+included (on a CPU, offloading to the CPU moves nothing). On 2 gloo ranks the Trainer trains a tiny
+Llama 4 steps, saves every 2, and a second Trainer resumes from ``checkpoint-2``. zeroplus must serve
+the engine (its module, its "serves DeepSpeed's API" line and its memory budget in the log), the
+resumed steps must equal the uninterrupted ones bit for bit, and the logged losses and gradient norms
+must equal DeepSpeed's within 1e-5 relative (fp32, summed in another order; measured: equal to 1e-7).
+Accelerate
+(``scripts/accelerate_train.py``): ``DeepSpeedPlugin`` with ``"auto"`` batch size and learning rate,
+``accumulate``/``backward``/``step`` for 4 steps of 2 micro-batches, the same comparison.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from tests.deepspeed_api.launch import ROOT, on_deepspeed, on_zeroplus
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+
+def _template(name: str, for_deepspeed_on_cpu: bool) -> dict:
+    config = json.loads(pathlib.Path(ROOT, "configs", f"{name}.json").read_text())
+    if for_deepspeed_on_cpu:
+        config["zero_optimization"].pop("offload_optimizer", None)
+        config["zero_optimization"].pop("offload_param", None)
+        config["optimizer"]["params"]["torch_adam"] = True
+    return config
+
+
+def _trainer(launch, tmp_path: pathlib.Path, name: str, config: dict) -> tuple[dict, str]:
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(config))
+    out = tmp_path / f"{name}-result.json"
+    done = launch("hf_trainer.py", ["--deepspeed", str(path), "--output_dir", str(tmp_path / name),
+                                    "--out", str(out)])
+    return json.loads(out.read_text()), done.stderr
+
+
+def _resumed_steps(result: dict) -> list[float]:
+    return [loss for step, loss in zip(result["resumed"]["steps"], result["resumed"]["loss"]) if step > 2]
+
+
+@pytest.mark.parametrize("template", ["hf_zero2_template", "hf_zero3_template"])
+def test_trainer_runs_unchanged_resumes_and_matches_deepspeed(tmp_path, template):
+    stage = 3 if "zero3" in template else 2
+    ours, log = _trainer(on_zeroplus, tmp_path, "zeroplus", _template(template, stage == 2))
+    assert ours["engine"] == "zeroplus.deepspeed_api.engine" and ours["stage"] == stage
+    assert "serves DeepSpeed's API" in log and "predicted memory of rank 0 of 2" in log, log[-3000:]
+    assert ours["checkpoints"] == ["checkpoint-2", "checkpoint-4"]
+    assert _resumed_steps(ours) == ours["first"]["loss"][2:], "resumed from checkpoint-2, steps 3-4 must not change"
+    pytest.importorskip("deepspeed")
+    theirs, _ = _trainer(on_deepspeed, tmp_path, "deepspeed", _template(template, True))
+    assert theirs["engine"] == "deepspeed.runtime.engine"
+    for key in ("loss", "grad_norm"):
+        assert ours["first"][key] == pytest.approx(theirs["first"][key], rel=1e-5), key
+    assert _resumed_steps(ours) == pytest.approx(_resumed_steps(theirs), rel=1e-5)
+
+
+ACCELERATE_CONFIG = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+                     "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
+                     "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto",
+                                                               "torch_adam": True}},
+                     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+
+
+def _accelerate(launch, tmp_path: pathlib.Path, name: str) -> dict:
+    path = tmp_path / "accelerate-ds.json"
+    path.write_text(json.dumps(ACCELERATE_CONFIG))
+    out = tmp_path / f"{name}.json"
+    launch("accelerate_train.py", ["--config", str(path), "--out", str(out)])
+    return json.loads(out.read_text())
+
+
+def test_accelerate_script_runs_unchanged_and_matches_deepspeed(tmp_path):
+    ours = _accelerate(on_zeroplus, tmp_path, "zeroplus")
+    assert ours["engine"] == "zeroplus.deepspeed_api.engine" and ours["skipped"] == [False] * 4
+    pytest.importorskip("deepspeed")
+    theirs = _accelerate(on_deepspeed, tmp_path, "deepspeed")
+    assert theirs["engine"] == "deepspeed.runtime.engine"
+    assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-5)
+    assert ours["norms"] == pytest.approx(theirs["norms"], rel=1e-5)
