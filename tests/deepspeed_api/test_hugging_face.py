@@ -5,10 +5,12 @@ batch key, clipping, the optimizer's and scheduler's parameters ``"auto"``, fill
 DeepSpeed with two changes that let it run on a CPU: no optimizer offload (it would build its CPU
 Adam kernel) and ``torch_adam``; zeroplus takes ZeRO-2's the same way and ZeRO-3's as it is, offload
 included (on a CPU, offloading to the CPU moves nothing). On 2 gloo ranks the Trainer trains a tiny
-Llama 4 steps, saves every 2, and a second Trainer resumes from ``checkpoint-2``. zeroplus must serve
+Llama 4 steps (at ZeRO-3 loaded with ``from_pretrained``, into shards, which must give the saved
+weights exactly), saves every 2, and a second Trainer resumes from ``checkpoint-2``. zeroplus must serve
 the engine (its module, its "serves DeepSpeed's API" line and its memory budget in the log), the
-resumed steps must equal the uninterrupted ones bit for bit, and the logged losses and gradient norms
-must equal DeepSpeed's within 1e-5 relative (fp32, summed in another order; measured: equal to 1e-7).
+resumed steps must equal the uninterrupted ones bit for bit, and the logged losses, gradient norms and
+the weights the Trainer saves (``model.safetensors``, gathered in 16 bits at ZeRO-3) must equal
+DeepSpeed's within 1e-5 relative (fp32, summed in another order; measured: equal to 1e-7).
 Accelerate
 (``scripts/accelerate_train.py``): ``DeepSpeedPlugin`` with ``"auto"`` batch size and learning rate,
 ``accumulate``/``backward``/``step`` for 4 steps of 2 micro-batches, the same comparison.
@@ -19,6 +21,8 @@ import json
 import pathlib
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from tests.deepspeed_api.launch import ROOT, on_deepspeed, on_zeroplus
 
@@ -35,12 +39,13 @@ def _template(name: str, for_deepspeed_on_cpu: bool) -> dict:
     return config
 
 
-def _trainer(launch, tmp_path: pathlib.Path, name: str, config: dict) -> tuple[dict, str]:
+def _trainer(launch, tmp_path: pathlib.Path, name: str, config: dict, pretrained: bool) -> tuple[dict, str]:
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(config))
     out = tmp_path / f"{name}-result.json"
+    more = ["--pretrained", str(tmp_path / f"{name}-pretrained")] if pretrained else []
     done = launch("hf_trainer.py", ["--deepspeed", str(path), "--output_dir", str(tmp_path / name),
-                                    "--out", str(out)])
+                                    "--out", str(out), *more])
     return json.loads(out.read_text()), done.stderr
 
 
@@ -51,17 +56,22 @@ def _resumed_steps(result: dict) -> list[float]:
 @pytest.mark.parametrize("template", ["hf_zero2_template", "hf_zero3_template"])
 def test_trainer_runs_unchanged_resumes_and_matches_deepspeed(tmp_path, template):
     stage = 3 if "zero3" in template else 2
-    ours, log = _trainer(on_zeroplus, tmp_path, "zeroplus", _template(template, stage == 2))
+    ours, log = _trainer(on_zeroplus, tmp_path, "zeroplus", _template(template, stage == 2), stage == 3)
     assert ours["engine"] == "zeroplus.deepspeed_api.engine" and ours["stage"] == stage
     assert "serves DeepSpeed's API" in log and "predicted memory of rank 0 of 2" in log, log[-3000:]
     assert ours["checkpoints"] == ["checkpoint-2", "checkpoint-4"]
     assert _resumed_steps(ours) == ours["first"]["loss"][2:], "resumed from checkpoint-2, steps 3-4 must not change"
     pytest.importorskip("deepspeed")
-    theirs, _ = _trainer(on_deepspeed, tmp_path, "deepspeed", _template(template, True))
+    assert ours["loaded"] == ours["expected"], "from_pretrained under ZeRO-3 must load the saved weights exactly"
+    theirs, _ = _trainer(on_deepspeed, tmp_path, "deepspeed", _template(template, True), stage == 3)
     assert theirs["engine"] == "deepspeed.runtime.engine"
     for key in ("loss", "grad_norm"):
         assert ours["first"][key] == pytest.approx(theirs["first"][key], rel=1e-5), key
     assert _resumed_steps(ours) == pytest.approx(_resumed_steps(theirs), rel=1e-5)
+    saved = [load_file(tmp_path / name / "checkpoint-4" / "model.safetensors") for name in ("zeroplus", "deepspeed")]
+    assert sorted(saved[0]) == sorted(saved[1]) and saved[0], "the Trainer's saved weights (16-bit gather at ZeRO-3)"
+    for name, value in saved[0].items():
+        torch.testing.assert_close(value, saved[1][name], rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
 
 
 ACCELERATE_CONFIG = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",

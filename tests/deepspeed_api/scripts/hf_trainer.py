@@ -5,12 +5,15 @@ attention) built from its config after the ``TrainingArguments`` (so ZeRO-3 buil
 ``zero.Init``), a fixed token dataset, 4 optimizer steps (micro-batch 2, accumulation 2, clipping,
 the config's optimizer and schedule with their ``"auto"`` values filled by the Trainer), a checkpoint
 every 2 steps; then a second Trainer on a fresh model resumes from ``checkpoint-2`` and trains steps
-3-4 again. Rank 0 writes each run's logged losses and gradient norms as JSON.
+3-4 again. With ``--pretrained DIR`` the model comes from ``from_pretrained`` instead (under ZeRO-3:
+into shards) and each parameter's sum, read through ``deepspeed.zero.GatheredParameters``, is kept.
+Rank 0 writes each run's logged losses and gradient norms as JSON.
 """
 import argparse
 import json
 import os
 
+import deepspeed
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainingArguments
 
@@ -36,11 +39,19 @@ def arguments(args) -> TrainingArguments:
                              use_cpu=not torch.cuda.is_available())
 
 
-def model() -> torch.nn.Module:
+def model(pretrained: str | None = None) -> torch.nn.Module:
+    if pretrained is not None:  # under ZeRO-3 read into shards (zero.Init + GatheredParameters per module)
+        return AutoModelForCausalLM.from_pretrained(pretrained)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
     return AutoModelForCausalLM.from_config(config)
+
+
+def checksums(module: torch.nn.Module) -> dict:
+    """Each parameter's float64 sum, gathered (DeepSpeed's way of reading ZeRO-3 parameters whole)."""
+    with deepspeed.zero.GatheredParameters(list(module.parameters())):
+        return {n: p.detach().double().sum().item() for n, p in module.named_parameters()}
 
 
 def logged(trainer: Trainer) -> dict:
@@ -55,18 +66,35 @@ def main() -> None:
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--local_rank", type=int, default=-1)
+    parser.add_argument("--pretrained", default=None, help="start from this saved model (from_pretrained)")
     args = parser.parse_args()
-    trainer = Trainer(model=model(), args=arguments(args), train_dataset=Tokens())
+    expected, loaded = {}, {}
+    if args.pretrained:  # saved from a model built whole, before the TrainingArguments turn ZeRO-3 on
+        reference = model()
+        expected = {n: p.detach().double().sum().item() for n, p in reference.named_parameters()}
+        if int(os.environ.get("RANK", "0")) == 0:
+            reference.save_pretrained(args.pretrained)
+    training_args = arguments(args)  # before the model: under ZeRO-3 it is built under zero.Init
+    deepspeed.init_distributed()  # on a CPU (use_cpu) the Trainer leaves DeepSpeed's comm to initialize()
+    if args.pretrained:
+        torch.distributed.barrier()
+    first_model = model(args.pretrained)
+    if args.pretrained:
+        loaded = checksums(first_model)
+    trainer = Trainer(model=first_model, args=training_args, train_dataset=Tokens())
     trainer.train()
     first = logged(trainer)
     engine = trainer.model_wrapped
     facts = {"engine": type(engine).__module__, "stage": engine.zero_optimization_stage(),
              "checkpoints": sorted(os.listdir(args.output_dir))}
-    trainer = Trainer(model=model(), args=arguments(args), train_dataset=Tokens())
+    training_args = arguments(args)
+    trainer = Trainer(model=model(args.pretrained), args=training_args, train_dataset=Tokens())
     trainer.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-2"))
     if torch.distributed.get_rank() == 0:
         with open(args.out, "w") as f:
-            json.dump({"first": first, "resumed": logged(trainer), **facts}, f)
+            json.dump({"first": first, "resumed": logged(trainer), "expected": expected, "loaded": loaded,
+                       **facts}, f)
+    torch.distributed.destroy_process_group()  # a gloo group left to the interpreter's exit may abort it
 
 
 if __name__ == "__main__":
