@@ -144,3 +144,17 @@ def test_a_process_that_imported_the_real_deepspeed_is_refused():
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=300)
     assert "the real DeepSpeed" in done.stdout and "was imported in this process before" in done.stdout, done
+
+
+def test_client_optimizer_factory_and_schedule_callable():
+    """The Trainer without optimizer/scheduler blocks passes its own AdamW and a callable that builds its
+    schedule over the optimizer DeepSpeed hands it; DeepSpeed also takes an optimizer factory."""
+    config = {k: v for k, v in CONFIG.items() if k != "optimizer"}
+    schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (step + 1))  # noqa: E731
+    engine, optimizer, _, scheduler = _engine(config, optimizer=lambda params: torch.optim.AdamW(params, lr=0.1),
+                                              lr_scheduler=schedule)
+    assert isinstance(engine.basic_optimizer, torch.optim.AdamW) and scheduler.optimizer is engine.basic_optimizer
+    for x, y in make_batches(4, 2):
+        engine.backward(engine(x, y))
+        engine.step()
+    assert engine.get_lr() == [0.1 / 3] and optimizer.param_groups[0]["lr"] == 0.1 / 3  # 2 steps taken
