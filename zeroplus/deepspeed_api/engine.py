@@ -78,9 +78,17 @@ class DeepSpeedEngine(torch.nn.Module):
         return self.engine.backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """The engine's step; after the first optimizer step rank 0 logs the measured memory peak beside
+        the predicted one once (callers that set ``steps_per_print`` to infinity see it too)."""
         if lr_kwargs:
             refuse("DeepSpeedEngine.step(lr_kwargs=...)", "the schedule steps without arguments")
+        before = self.engine.global_steps
         self.engine.step()
+        if before == 0 and self.engine.global_steps == 1:
+            report = self.engine.memory_report()
+            log_rank0("zeroplus after the first step: memory peak %.1f MiB above initialize(), %.1f MiB of it in the "
+                      "ledger (engine.memory_report() has each category)",
+                      report.process_peak_above_start_bytes / 2**20, report.total["peak_bytes"] / 2**20)
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         self.engine.set_gradient_accumulation_boundary(is_boundary)
