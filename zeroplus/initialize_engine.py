@@ -35,6 +35,7 @@ from .config import (
     resolve_batch,
     resolved,
 )
+from .cpu_precision import warn_if_bf16_is_emulated
 from .engine.build import build_engine
 from .engine.engine import Engine
 from .engine.rank_agreement import check_ranks_agree
@@ -80,6 +81,8 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
         raise ConfigError(f"config key 'zeroplus.memory_budget' with {parallel.topology.describe()}: the memory "
                           f"estimate and planner cover data parallelism only so far; remove the budget and 'auto'")
     cfg = resolved(_plan(model, cfg, dp))
+    if accel.name == "cpu" and cfg.bf16.enabled:
+        warn_if_bf16_is_emulated()
     pipelined = parallel.topology.pipeline > 1
     source = _estimate_source(model, cfg, parallel) if not pipelined else None
     problem = simulation_problem(source[0]) if source is not None else None

@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import math
+import pathlib
 import time
 from typing import Any
 
@@ -19,7 +20,9 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import zeroplus
+from zeroplus.accelerator import get_accelerator
 from zeroplus.config import parse_config
+from zeroplus.cpu_precision import native_bf16
 from zeroplus.data import ByteBatches, corpus_description, read_corpus
 from zeroplus.models import GPT, gpt_config
 from zeroplus.models.split import split_gpt
@@ -30,7 +33,8 @@ logger = logging.getLogger("zeroplus.train")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="zeroplus train", description=__doc__)
-    p.add_argument("--config", default=None, help="config JSON (default: configs/zero3_bf16.json)")
+    p.add_argument("--config", default=None, help="config JSON (default: configs/zero3_bf16.json, or "
+                                                   "configs/zero3_fp32.json on a CPU that emulates bf16)")
     p.add_argument("--data", default=None, help="text file or folder (default: the Python standard library)")
     p.add_argument("--size", default="small", help="built-in GPT size: tiny, small, medium, 111m")
     p.add_argument("--experts", type=int, default=0,
@@ -44,8 +48,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def default_config_path() -> str:
-    import pathlib
-    return str(pathlib.Path(zeroplus.__file__).parent / "configs" / "zero3_bf16.json")
+    """ZeRO-3 in bf16, or in fp32 when the compute is a CPU that would emulate bf16 (many times slower)."""
+    emulated = get_accelerator().name == "cpu" and not native_bf16()
+    return str(pathlib.Path(zeroplus.__file__).parent / "configs" /
+               ("zero3_fp32.json" if emulated else "zero3_bf16.json"))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -192,3 +192,23 @@ def test_a_hugging_face_template_as_it_is_names_every_auto_key_and_who_fills_the
                                           r"'zeroplus.memory_budget'"):
         zeroplus.initialize(GPT(gpt_config("tiny")), {"train_micro_batch_size_per_gpu": 1,
                                                       "zero_optimization": {"stage": "auto"}})
+
+
+def test_bf16_on_a_cpu_that_emulates_it_is_warned_once(caplog):
+    """The real CPU decides: on one without avx512_bf16/AMX the warning names the measured slowdown."""
+    from zeroplus.cpu_precision import native_bf16, warn_if_bf16_is_emulated
+    from zeroplus.train_job import default_config_path
+    warn_if_bf16_is_emulated.cache_clear()
+    base = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    log = logging.getLogger("zeroplus")  # (it does not propagate: its own handler prints the rank)
+    log.addHandler(caplog.handler)
+    try:
+        zeroplus.initialize(GPT(gpt_config("tiny")), {**base, "bf16": {"enabled": True}})
+        zeroplus.initialize(GPT(gpt_config("tiny")), {**base, "bf16": {"enabled": True}})
+    finally:
+        log.removeHandler(caplog.handler)
+    emulated = [r.getMessage() for r in caplog.records if "bf16 compute is emulated" in r.getMessage()]
+    assert len(emulated) == (0 if native_bf16() else 1), emulated
+    assert default_config_path().endswith("zero3_bf16.json" if native_bf16() else "zero3_fp32.json")
+    if emulated:
+        assert "x as long as an fp32 one here" in emulated[0]
