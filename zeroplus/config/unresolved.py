@@ -55,7 +55,7 @@ def check_fillable(cfg: ZeroplusConfig) -> None:
                      "or Accelerate's DeepSpeedPlugin writes its own arguments into them before DeepSpeed's "
                      "initialize, so run such a script unchanged with `zeroplus run --deepspeed-api` (or "
                      "`python -m zeroplus.deepspeed_api`); called directly, zeroplus.initialize needs a value for "
-                     f"each of {_quoted(template)}.")
+                     + ("each of them." if template == keys else f"each of {_quoted(template)}."))
     if planner & set(keys):
         parts.append(f"{_quoted([k for k in keys if k in planner])}: the planner fills these within "
                      "'zeroplus.memory_budget' (e.g. \"16GB\"); set it or give values.")
