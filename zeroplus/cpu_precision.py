@@ -3,18 +3,26 @@
 x86 CPUs without ``avx512_bf16`` or AMX (``amx_bf16``), and ARM CPUs without the ``bf16`` feature,
 run bf16 matrix products by converting to fp32 and back: on an AVX2-only CPU a bf16 matmul ran at
 0.6 GFLOP/s against 88 in fp32. ``native_bf16()`` reads the CPU's flags (``/proc/cpuinfo``; True where
-they cannot be read, so nothing is claimed); ``bf16_slowdown()`` times one 256x256 product in each
-dtype (one warm-up, best of two; about 0.6 s where bf16 is emulated, on rank 0 once per process) so the
-warning can say how slow it is here (512: smaller products are too short to show the difference).
+they cannot be read, so nothing is claimed); ``bf16_slowdown()`` times a 512x512 product in each dtype
+(one warm-up, best of two; smaller products are too short to show the difference) in a child process,
+once per machine, so the warning can say how slow it is here without allocating in the process that
+trains.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
+import json
 import logging
-import time
+import os
+import platform
+import subprocess
+import sys
 
 import torch
 
+from .cache_dir import cache_root
 from .logs import log_rank0, rank
 
 _NATIVE_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 AVX-512 / AMX, ARM's feature name
@@ -32,19 +40,44 @@ def native_bf16() -> bool:
     return not flags or bool(flags & _NATIVE_FLAGS)
 
 
-@functools.lru_cache(maxsize=1)
-def bf16_slowdown() -> float:
-    """How many times longer a bf16 matmul takes than an fp32 one on this CPU."""
-    def best(dtype: torch.dtype) -> float:
-        a = torch.ones(512, 512, dtype=dtype)
+_MEASURE = """
+import time, torch
+def best(dtype):
+    a = torch.ones(512, 512, dtype=dtype)
+    a @ a
+    times = []
+    for _ in range(2):
+        start = time.perf_counter()
         a @ a
-        times = []
-        for _ in range(2):
-            start = time.perf_counter()
-            a @ a
-            times.append(time.perf_counter() - start)
-        return min(times)
-    return best(torch.bfloat16) / max(best(torch.float32), 1e-9)
+        times.append(time.perf_counter() - start)
+    return min(times)
+print(best(torch.bfloat16) / max(best(torch.float32), 1e-9))
+"""
+
+
+def bf16_slowdown() -> float | None:
+    """How many times longer a bf16 matmul takes than an fp32 one on this CPU; None if it cannot be measured.
+
+    Measured once per machine in a child process (the products' 2 MiB are not this process's) and kept in
+    the cache directory, keyed by host and torch version."""
+    key = hashlib.sha256(f"{platform.node()} {platform.machine()} {torch.__version__}".encode()).hexdigest()[:16]
+    path = os.path.join(cache_root(), f"bf16-slowdown-{key}.json")
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        with open(path) as f:
+            return float(json.load(f)["slowdown"])
+    try:
+        done = subprocess.run([sys.executable, "-c", _MEASURE], capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+        slowdown = float(done.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+    with contextlib.suppress(OSError):
+        os.makedirs(cache_root(), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"slowdown": slowdown}, f)
+        os.replace(tmp, path)
+    return slowdown
 
 
 @functools.lru_cache(maxsize=1)
@@ -54,8 +87,9 @@ def warn_if_bf16_is_emulated() -> bool:
         return False
     if rank() != 0:
         return True
-    log_rank0("bf16 compute is emulated on this CPU (no avx512_bf16 or AMX): a bf16 matrix product takes %.0fx "
-              "as long as an fp32 one here, so \"bf16\": {\"enabled\": false} trains faster on this machine "
-              "(zeroplus train picks fp32 here unless --config says otherwise)", bf16_slowdown(),
-              level=logging.WARNING)
+    slowdown = bf16_slowdown()
+    how_slow = f"takes {slowdown:.0f}x as long as" if slowdown is not None else "is many times slower than"
+    log_rank0("bf16 compute is emulated on this CPU (no avx512_bf16 or AMX): a bf16 matrix product %s an fp32 "
+              "one here, so \"bf16\": {\"enabled\": false} trains faster on this machine (zeroplus train picks "
+              "fp32 here unless --config says otherwise)", how_slow, level=logging.WARNING)
     return True
