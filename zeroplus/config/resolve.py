@@ -20,6 +20,8 @@ from .keys import ConfigError, check_keys
 from .model import ZeroplusConfig
 
 logger = logging.getLogger("zeroplus.config")
+SCHEDULER_KEYS_FROM_LR = ("warmup_max_lr", "cycle_max_lr")  # "auto": the optimizer's lr
+SCHEDULER_KEYS_AT_ZERO = ("warmup_min_lr", "cycle_min_lr")  # "auto": 0
 _TYPE_TAG = re.compile(r"^(int|float|bool|str|dict|list|none|literal\[.*\]|function-.*|constrained-.*)$")
 
 
@@ -162,9 +164,9 @@ def resolve_auto(cfg: ZeroplusConfig, model: torch.nn.Module, has_client_optimiz
         for key, value in list(cfg.scheduler.params.items()):
             if value != "auto":
                 continue
-            if key in ("warmup_max_lr", "cycle_max_lr") and lr is not None:
+            if key in SCHEDULER_KEYS_FROM_LR and lr is not None:
                 cfg.scheduler.params[key] = lr
-            elif key in ("warmup_min_lr", "cycle_min_lr"):
+            elif key in SCHEDULER_KEYS_AT_ZERO:
                 cfg.scheduler.params[key] = 0.0
             else:
                 raise ConfigError(f"config key 'scheduler.params.{key}' is 'auto', which zeroplus cannot derive: "

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 from .keys import ConfigError
 from .model import ZeroplusConfig
-from .resolve import auto_keys
+from .resolve import SCHEDULER_KEYS_AT_ZERO, SCHEDULER_KEYS_FROM_LR, auto_keys
 
 _BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-_DERIVED_SCHEDULER_KEYS = ("warmup_min_lr", "cycle_min_lr")  # 0
-_FROM_LR_SCHEDULER_KEYS = ("warmup_max_lr", "cycle_max_lr")  # the optimizer's lr
 
 
 def unfillable_autos(cfg: ZeroplusConfig) -> list[str]:
@@ -34,7 +32,7 @@ def unfillable_autos(cfg: ZeroplusConfig) -> list[str]:
         keys.append("optimizer.params.lr")
     if cfg.scheduler is not None:
         for key, value in cfg.scheduler.params.items():
-            derivable = key in _DERIVED_SCHEDULER_KEYS or (key in _FROM_LR_SCHEDULER_KEYS and lr not in (None, "auto"))
+            derivable = key in SCHEDULER_KEYS_AT_ZERO or (key in SCHEDULER_KEYS_FROM_LR and lr not in (None, "auto"))
             if value == "auto" and not derivable:
                 keys.append(f"scheduler.params.{key}")
     if cfg.zeroplus.memory_budget is None:
