@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
-import json
 import logging
 import os
 import platform
@@ -22,7 +20,7 @@ import sys
 
 import torch
 
-from .cache_dir import cache_root
+from .cache_dir import cache_file, read_record, write_record
 from .logs import log_rank0, rank
 
 _NATIVE_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 AVX-512 / AMX, ARM's feature name
@@ -60,23 +58,19 @@ def bf16_slowdown() -> float | None:
 
     Measured once per machine in a child process (the products' 2 MiB are not this process's) and kept in
     the cache directory, keyed by host and torch version."""
-    key = hashlib.sha256(f"{platform.node()} {platform.machine()} {torch.__version__}".encode()).hexdigest()[:16]
-    path = os.path.join(cache_root(), f"bf16-slowdown-{key}.json")
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        with open(path) as f:
-            return float(json.load(f)["slowdown"])
+    path = cache_file("bf16-slowdown", {"host": platform.node(), "machine": platform.machine(),
+                                        "torch": torch.__version__})
+    record = read_record(path)
+    with contextlib.suppress(KeyError, TypeError, ValueError):
+        if record is not None:
+            return float(record["slowdown"])
     try:
         done = subprocess.run([sys.executable, "-c", _MEASURE], capture_output=True, text=True, timeout=120,
                               env=dict(os.environ, OMP_NUM_THREADS="1"))
         slowdown = float(done.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None
-    with contextlib.suppress(OSError):
-        os.makedirs(cache_root(), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({"slowdown": slowdown}, f)
-        os.replace(tmp, path)
+    write_record(path, {"slowdown": slowdown})
     return slowdown
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
-import hashlib
 import importlib.metadata
 import json
 import logging
@@ -30,11 +29,10 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 
 import torch
 
-from ..cache_dir import cache_root
+from ..cache_dir import cache_file, read_record, write_record
 from ..config import parse_bytes
 
 logger = logging.getLogger("zeroplus")
@@ -122,23 +120,15 @@ def _zeroplus_version() -> str:
 
 
 def _cache_file() -> str:
-    root = cache_root()
-    digest = hashlib.sha256(json.dumps(_cache_key(), sort_keys=True).encode()).hexdigest()[:16]
-    return os.path.join(root, f"runtime-overhead-{digest}.json")
+    return cache_file("runtime-overhead", _cache_key())
 
 
 def _read(path: str) -> tuple[int, int] | None:
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        with open(path) as f:
-            saved = json.load(f)
-        return (int(saved["construction"]), int(saved["training"]))
+    record = read_record(path)
+    with contextlib.suppress(KeyError, TypeError, ValueError):
+        return (int(record["construction"]), int(record["training"])) if record is not None else None
     return None
 
 
 def _write(path: str, measured: tuple[int, int]) -> None:
-    record = {"construction": measured[0], "training": measured[1], **_cache_key()}
-    with contextlib.suppress(OSError):
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".runtime-")
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f, indent=1)
-        os.replace(tmp, path)
+    write_record(path, {"construction": measured[0], "training": measured[1], **_cache_key()})
