@@ -23,15 +23,13 @@ from typing import Any, Iterator
 
 import torch
 
+from zeroplus.engine.checkpoint_io import LATEST
 from zeroplus.engine.engine import Engine
 from zeroplus.logs import log_rank0
 from zeroplus.zero.gathered import GatheredParameters
 
 from .optimizer import DeepSpeedZeroOptimizer
 from .unsupported import not_supported, refuse
-
-logger = logging.getLogger("zeroplus.deepspeed_api")
-LATEST = "latest"
 
 
 class DeepSpeedEngine(torch.nn.Module):
