@@ -35,22 +35,37 @@ def start_measuring() -> tuple[int, int]:
     return dist.get_rank(), start
 
 
-def ds_config(stage: int, micro_batch: int = 1) -> dict:
+def ds_config(stage: int, micro_batch: int = 1, dtype: str = "bf16") -> dict:
+    """The JSON every framework row shares; ``dtype`` "fp32" leaves out the bf16 block."""
+    precision = {"bf16": {"enabled": True}} if dtype == "bf16" else {}
     return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-            "bf16": {"enabled": True},
+            **precision,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1, "torch_adam": True}},
             "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True},
             "steps_per_print": 10**6, "zeroplus": {"log_level": "warning"}}
 
 
+def plain_step(wrapped: torch.nn.Module, model: torch.nn.Module, opt: torch.optim.Optimizer):
+    """One step of a torch-native wrapper (DDP, FSDP2): forward, backward, clipping to 1.0, AdamW."""
+    def train_step(x: torch.Tensor) -> float:
+        loss = wrapped(x, x)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+    return train_step
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--framework", choices=["zeroplus", "deepspeed", "fsdp2"], required=True)
+    p.add_argument("--framework", choices=["zeroplus", "deepspeed", "fsdp2", "ddp"], required=True)
     p.add_argument("--stage", type=int, default=3)
     p.add_argument("--model", default="111m")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="compute dtype (masters fp32 either way)")
     p.add_argument("--out-prefix", required=True)
     p.add_argument("--zeroplus", default="{}", help="JSON merged into the config's zeroplus block")
     p.add_argument("--zero", default="{}", help="JSON merged into the config's zero_optimization block")
@@ -65,7 +80,7 @@ def main() -> None:
     rank, start_rss = start_measuring()
 
     model = GPT(gpt_config(args.model, block_size=max(64, args.seq), checkpoint_blocks=args.checkpoint_blocks))
-    cfg = ds_config(args.stage, args.micro_batch)
+    cfg = ds_config(args.stage, args.micro_batch, args.dtype)
     cfg["zeroplus"].update(json.loads(args.zeroplus))
     cfg["zero_optimization"].update(json.loads(args.zero))
     if args.checkpoint_blocks and args.framework == "deepspeed":
@@ -88,9 +103,15 @@ def main() -> None:
             engine.backward(loss)
             engine.step()
             return loss.item()
+    elif args.framework == "ddp":  # the reference: whole model, gradients all-reduced, plain AdamW
+        if args.dtype != "fp32":
+            raise SystemExit("the ddp row runs in fp32 only")
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        train_step = plain_step(ddp, model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1))
     else:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        low = torch.bfloat16 if args.dtype == "bf16" else None
+        mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=low)
         reshard = args.stage == 3
         for block in model.blocks:
             fully_shard(block, mp_policy=mp, reshard_after_forward=reshard)
@@ -99,14 +120,7 @@ def main() -> None:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
         except RuntimeError:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-
-        def train_step(x: torch.Tensor) -> float:
-            loss = model(x, x)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.item()
+        train_step = plain_step(model, model, opt)
 
     g = torch.Generator().manual_seed(rank)
     times, losses = [], []

@@ -1,4 +1,4 @@
-"""Benchmark: zeroplus vs DeepSpeed (same JSON config) vs FSDP2, GPT-111M bf16, 2 ranks, CPU.
+"""Benchmark: zeroplus vs DeepSpeed (same JSON config) vs FSDP2 (and DDP), GPT-111M bf16 or fp32, 2 ranks, CPU.
 
 For each framework and stage, two fresh torchrun launches: one for memory with glibc told to
 return freed memory (``MALLOC_MMAP_THRESHOLD_=131072 MALLOC_TRIM_THRESHOLD_=131072``, else
@@ -9,6 +9,7 @@ does not (its parameters stay unsharded between forward and backward); it has no
 
     python bench/bench_zero.py                      # the full table (about 20 minutes here)
     python bench/bench_zero.py --stages 3 --steps 6 # quicker
+    python bench/bench_zero.py --dtype fp32 --frameworks zeroplus,deepspeed,fsdp2,ddp --ledger
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def launch(framework: str, stage: int, args: argparse.Namespace, malloc: bool,
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                os.path.join(HERE, "bench_worker.py"), "--framework", framework, "--stage", str(stage),
                "--model", args.model, "--seq", str(args.seq), "--steps", str(args.steps), "--out-prefix", prefix,
-               "--micro-batch", str(getattr(args, "micro_batch", 1)),
+               "--micro-batch", str(getattr(args, "micro_batch", 1)), "--dtype", getattr(args, "dtype", "bf16"),
                *(extra or [])]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         results = []
@@ -59,6 +60,8 @@ def row_parser(doc: str | None, rows: dict) -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--memory-only", action="store_true", help="one launch per row (times then include trimming)")
     return p
 
 
@@ -67,7 +70,7 @@ def measure(name: str, framework: str, stage: int, args: argparse.Namespace,
     """One row: per-rank peak above start (max over ranks, glibc trimming) and the median step time
     after ``args.warmup`` steps (a second launch, without trimming)."""
     mem = launch(framework, stage, args, malloc=True, extra=extra)
-    timed = launch(framework, stage, args, malloc=False, extra=extra)
+    timed = mem if getattr(args, "memory_only", False) else launch(framework, stage, args, malloc=False, extra=extra)
     step = statistics.median(t for r in timed for t in r["step_seconds"][args.warmup:])
     row = {"row": name, "framework": framework, "stage": stage,
            "peak_gib": max(r["peak_above_start_bytes"] for r in mem) / 2**30, "step_s": step,
@@ -97,31 +100,48 @@ def print_ratio_table(rows: list[dict], base_name: str, ds_name: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", default="1,2,3")
-    p.add_argument("--frameworks", default="zeroplus,deepspeed,fsdp2")
+    p.add_argument("--frameworks", default="zeroplus,deepspeed,fsdp2",
+                   help="any of zeroplus, deepspeed, fsdp2, ddp (ddp: one row, fp32 only)")
     p.add_argument("--model", default="111m")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--memory-only", action="store_true", help="one launch per row (times then include trimming)")
+    p.add_argument("--ledger", action="store_true", help="print zeroplus's per-category ledger peaks")
     p.add_argument("--json", action="store_true", help="print the rows as JSON too")
     args = p.parse_args()
+    frameworks = args.frameworks.split(",")
     rows = []
+    if "ddp" in frameworks:
+        rows.append(measure("ddp", "ddp", 0, args))
     for stage in (int(s) for s in args.stages.split(",")):
-        for framework in args.frameworks.split(","):
-            if framework == "fsdp2" and stage == 1:
+        for framework in frameworks:
+            if framework == "ddp" or (framework == "fsdp2" and stage == 1):
                 continue
             rows.append(measure(f"{framework} stage {stage}", framework, stage, args))
-    base = {r["stage"]: r for r in rows if r["framework"] == "deepspeed"}
-    print(f"GPT {args.model} ({rows[0]['params'] / 1e6:.0f}M parameters), bf16, 2 ranks (gloo, CPU), micro-batch 1, "
-          f"sequence {args.seq}, {args.steps} steps (median of the last {args.steps - args.warmup})")
-    header = f"{'framework':<10}{'stage':>6}{'peak GiB/rank':>15}{'vs DS':>8}{'step s':>9}{'vs DS':>8}{'tokens/s':>10}"
+    ds = {r["stage"]: r for r in rows if r["framework"] == "deepspeed"}
+    fsdp = {r["stage"]: r for r in rows if r["framework"] == "fsdp2"}
+    fsdp[1] = fsdp.get(2)  # FSDP2 has no stage 1: compare with its stage-2 equivalent
+    print(f"GPT {args.model} ({rows[0]['params'] / 1e6:.0f}M parameters), {args.dtype}, 2 ranks (gloo, CPU), "
+          f"micro-batch 1, sequence {args.seq}, {args.steps} steps (median of the last {args.steps - args.warmup})")
+    header = (f"{'framework':<10}{'stage':>6}{'peak MiB/rank':>15}{'vs DS':>8}{'vs FSDP2':>10}{'step s':>9}"
+              f"{'vs DS':>8}{'vs FSDP2':>10}{'tokens/s':>10}")
     print(header)
     print("-" * len(header))
     for r in rows:
-        b = base.get(r["stage"])
-        mem_ratio = f"{r['peak_gib'] / b['peak_gib']:.2f}" if b else "-"
-        time_ratio = f"{r['step_s'] / b['step_s']:.2f}" if b else "-"
-        print(f"{r['framework']:<10}{r['stage']:>6}{r['peak_gib']:>15.2f}{mem_ratio:>8}{r['step_s']:>9.2f}"
-              f"{time_ratio:>8}{r['tokens_per_s']:>10.1f}")
+        def ratio(key: str, ref: dict | None, r: dict = r) -> str:
+            return f"{r[key] / ref[key]:.2f}" if ref else "-"
+        b, f = ds.get(r["stage"]), fsdp.get(r["stage"])
+        stage = "-" if r["framework"] == "ddp" else str(r["stage"])
+        print(f"{r['framework']:<10}{stage:>6}{r['peak_gib'] * 1024:>15.0f}{ratio('peak_gib', b):>8}"
+              f"{ratio('peak_gib', f):>10}{r['step_s']:>9.2f}{ratio('step_s', b):>8}{ratio('step_s', f):>10}"
+              f"{r['tokens_per_s']:>10.1f}")
+    if args.ledger:
+        for r in rows:
+            if r["framework"] == "zeroplus":
+                peaks = ", ".join(f"{k} {v[1] / 2**20:.0f}" for k, v in r["ledger"].items() if v[1])
+                print(f"ledger peaks (MiB), {r['row']}: {peaks}")
     if args.json:
         print(json.dumps(rows))
 

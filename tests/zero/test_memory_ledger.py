@@ -42,11 +42,10 @@ def _run(cases: list[tuple[int, str]]) -> list[dict]:
         part = engine.partition
         # gloo's worker thread drops its reference to a finished bucket a moment after wait()
         # returns; give it that moment so live bytes are read after the last free.
-        # At stage 3 in bf16 the prefetch for the next forward holds its cast shards (c * S each
-        # for the root and the first block) until that forward waits for it.
-        c = 2 if dtype == "bf16" else 4
-        in_flight = c * sum(g.shard_numel for g in part.units[0].groups + part.root.groups) \
-            if stage == 3 and dtype == "bf16" else 0
+        # At stage 3 in bf16 the prefetch for the next forward casts its shards (c * S each for the
+        # root and the first block) into comm buffers; on gloo the all-gather (an in-place
+        # all-reduce, comm.py) copies them into the gathered buffer when issued, so none is left.
+        in_flight = 0
         deadline = time.monotonic() + 5
         while (engine.ledger.live_bytes(Category.COMM_BUFFER) > in_flight or engine.ledger.live_bytes(Category.GRAD)) \
                 and time.monotonic() < deadline:

@@ -18,11 +18,12 @@ class VirtualGroup:
     """A data-parallel group of ``size`` ranks as seen from ``rank``; collectives move nothing.
 
     ``gloo_buffers``: hold what gloo holds while a collective runs (measured on CPU with 2 ranks:
-    reduce-scatter copies its whole input, all-gather its whole output, each a temporary of that
-    size until done; all-reduce works in place), as a tensor on the input's device, so the
-    estimator sees it: one at a time (gloo's worker runs collectives in order), from the moment
-    the collective is issued until it is waited on or the next one is issued. NCCL and HCCL work
-    in place: off."""
+    its own reduce-scatter copies its whole input, a temporary of that size until done; all-reduce
+    works in place, and so does the all-gather ``comm.py`` builds from it), as a tensor on the
+    input's device, so the estimator sees it: one at a time (gloo's worker runs collectives in
+    order), from the moment the collective is issued until it is waited on or the next one is
+    issued. NCCL and HCCL work in place: off. ``gloo`` (the same flag) makes
+    the gradient reducer take gloo's path, as on a real gloo group."""
 
     initialized = False
     group = None
@@ -31,6 +32,7 @@ class VirtualGroup:
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is not in a world of {size} ranks")
         self.rank, self.size, self.gloo_buffers = rank, size, gloo_buffers
+        self.gloo = gloo_buffers and size > 1
         self.bytes_sent: collections.Counter[str] = collections.Counter()
         self.running: Handle | None = None
         self.temporary: torch.Tensor | None = None
@@ -45,7 +47,7 @@ class VirtualGroup:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, on_done: Callable[[], None] | None = None
                    ) -> Handle:
-        return self._held(output, on_done)
+        return Handle(None, on_done)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
                        on_done: Callable[[], None] | None = None) -> Handle:

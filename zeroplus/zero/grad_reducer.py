@@ -13,6 +13,11 @@ divided by D in place, and there is no fp32 accumulator. With ``reduce_scatter: 
 bucket is all-reduced and the owned part kept. N is the group's own partition size and D the
 data-parallel size: they differ for experts' groups (N = D / E, ``partition.py``).
 
+On gloo (CPU) every stage all-reduces contiguous buckets of the flat gradient in place and keeps
+the owned range, as ``reduce_scatter: false`` does: gloo's reduce-scatter copies its whole input
+and runs twice as long as its in-place all-reduce of the same buffer (``comm.py``), so this path
+has no comm buffer and no backend temporary at all.
+
 Memory in flight: at most one group's flat gradient (c * P) plus the comm buffers of the
 buckets not yet waited on. Communication: c * P bytes per group per reduction.
 """
@@ -44,7 +49,7 @@ class GradReducer:
         if self.stage == 0:
             for a in range(0, group.padded_numel, self.bucket_numel):
                 group.pending.append(group.dp.all_reduce(grad[a:a + self.bucket_numel]))
-        elif self.use_reduce_scatter:
+        elif self.use_reduce_scatter and not group.dp.gloo:
             self._reduce_scatter(group, grad)
         else:
             self._all_reduce_keep_shard(group, grad)
@@ -94,19 +99,30 @@ class GradReducer:
             group.pending.append(group.dp.reduce_scatter(part, inp, on_done=_scaler(part, scale)))
 
     def _all_reduce_keep_shard(self, group: FlatParamGroup, grad: torch.Tensor) -> None:
-        master_grad = group.ensure_master_grad()
+        """All-reduce contiguous buckets of the flat gradient in place and keep the owned range: added,
+        divided by D, into the fp32 shard when accumulating, else copied into a compute-dtype shard
+        and divided there. No comm buffer: the flat gradient is the collective's buffer."""
+        if self.accumulate_fp32:
+            master_grad = group.ensure_master_grad()
+        elif group.master_grad is not None:
+            raise AssertionError(f"{group.name}: reduced twice in one step without accumulation")
+        else:
+            master_grad = group.master_grad = self.ledger.empty(group.owned_numel, grad.dtype, Category.GRAD,
+                                                                grad.device)
         lo, hi = group.owned_start, group.owned_start + group.owned_numel
         scale = 1.0 / self.dp.size
         for a in range(0, group.padded_numel, self.bucket_numel):
             b = min(group.padded_numel, a + self.bucket_numel)
             bucket = grad[a:b]
             s, e = max(a, lo), min(b, hi)
-
-            def keep(bucket=bucket, s=s, e=e, a=a) -> None:
-                if s < e:
-                    master_grad[s - lo:e - lo].add_(bucket[s - a:e - a], alpha=scale)
-
-            group.pending.append(group.dp.all_reduce(bucket, on_done=keep))
+            if s >= e:
+                group.pending.append(group.dp.all_reduce(bucket))
+            elif self.accumulate_fp32:
+                group.pending.append(group.dp.all_reduce(
+                    bucket, on_done=_adder(master_grad[s - lo:e - lo], bucket[s - a:e - a], scale)))
+            else:
+                group.pending.append(group.dp.all_reduce(
+                    bucket, on_done=_copier(master_grad[s - lo:e - lo], bucket[s - a:e - a], scale)))
 
 
 def _adder(target: torch.Tensor, source: torch.Tensor, scale: float) -> Callable[[], None]:
@@ -114,6 +130,13 @@ def _adder(target: torch.Tensor, source: torch.Tensor, scale: float) -> Callable
     def add() -> None:
         target.add_(source, alpha=scale)
     return add
+
+
+def _copier(target: torch.Tensor, source: torch.Tensor, scale: float) -> Callable[[], None]:
+    """``target = scale * source``, run when a reduction lands."""
+    def copy() -> None:
+        torch.mul(source, scale, out=target)
+    return copy
 
 
 def _scaler(target: torch.Tensor, scale: float) -> Callable[[], None]:

@@ -9,7 +9,9 @@ accumulate in the flat compute-dtype buffer between micro-batches); stages 2 and
 micro-batch, into the fp32 gradient shard, freeing the flat buffer. Each flat group's reduction
 starts as soon as its last gradient has arrived, so communication overlaps the rest of the
 backward; the handles are waited on when the backward is over, or earlier once more than
-``MAX_GROUPS_IN_FLIGHT`` groups are in flight.
+``MAX_GROUPS_IN_FLIGHT`` groups are in flight. A tied parameter's uses, and the root unit's
+embeddings, add their gradients into the flat buffer as they are computed (``use_grads.py``);
+their groups are reduced when the backward ends.
 
 Experts (``zeroplus.parallel.MoE``, expert-parallel size E > 1): a unit's expert parameters form
 flat groups of their own, partitioned over the expert-data group (the D / E ranks holding the same
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 from typing import Callable
 
@@ -41,6 +44,7 @@ from .placement import UnitPlacement
 from .stage3 import Stage3Scheduler
 from .stage3_state_dict import install_state_dict_hooks
 from .units import Unit, assign_parameters, find_unit_modules
+from .use_grads import UseGrads, UseSinks, routed
 
 logger = logging.getLogger("zeroplus.zero")
 
@@ -122,9 +126,16 @@ class ZeroPartition:
         self._ready: set[int] = set()
         self._unit_of_group = {id(g): u for u in self.units for g in u.groups}
         self._hooks = []
+        per_use = routed(model, {id(p) for g in self.groups for p in g.params},
+                         {id(p) for g in self.root.groups for p in g.params})
+        sinks: dict[int, UseSinks] = {}
         for g in self.groups:
             for i, p in enumerate(g.params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(g, i)))
+                if id(p) in per_use:
+                    g.per_use.add(i)
+                    sinks[id(p)] = UseSinks(functools.partial(g.accumulate_grad, i), functools.partial(g.add_rows, i))
+        self.use_grads = UseGrads(model, sinks)
         prefetch = zero.stage3_prefetch_bucket_size
         if self.stage in (1, 2):  # every unit, the root included, waits for its post-step all-gather before
             for unit in self.units:  # its forward, and any state_dict() for all of them, even called on the model
@@ -166,11 +177,13 @@ class ZeroPartition:
     def _make_grad_hook(self, group: FlatParamGroup, index: int):
         def hook(param: torch.nn.Parameter) -> None:
             grad = param.grad
+            if grad is None and index in group.per_use:  # its uses' gradients went to the flat buffer
+                return
             if grad is None:  # torch calls this hook only after accumulating a gradient
                 raise RuntimeError(f"{group.name}: parameter {index} reached its gradient hook without a gradient")
             param.grad = None
             group.accumulate_grad(index, grad)
-            if group.grads_seen == len(group.params):
+            if not group.per_use and group.grads_seen == len(group.params):
                 self._group_ready(group)
         return hook
 

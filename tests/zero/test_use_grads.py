@@ -1,0 +1,133 @@
+"""Per-use gradients (``zeroplus/zero/use_grads.py``): a tied parameter's uses and a root embedding's
+rows go into the flat gradient buffer as they are computed.
+
+- Memory: during backward the new storages alive at once stay below the flat buffers plus one
+  table-sized gradient (tied GPT: the head's use), where autograd's own accumulation holds the
+  head's gradient until the embedding's arrives and sums them (two more tables); an untied
+  embedding with a small head adds no table-sized gradient at all (its rows go in directly).
+  Each bound is checked to fail with the mechanism switched off.
+- Values: the gradients equal the plain module's bit for bit at stages 0 and 3 (fp32, repeated
+  tokens, a padding index), and the holders get their ``nn.Parameter`` back after every forward,
+  also one that raises.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zeroplus
+from tests.new_storage import NewStorageBytes
+from zeroplus.ledger import Category
+from zeroplus.models import GPT, gpt_config
+from zeroplus.zero import partition as partition_module
+
+VOCAB = 4096
+
+
+class SmallHeadNet(nn.Module):
+    """A large untied embedding (with a padding index) and a small classifier head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 64, padding_idx=0)
+        self.blocks = nn.ModuleList(nn.Linear(64, 64) for _ in range(2))
+        self.head = nn.Linear(64, 8)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten() % 8)
+
+
+def _config(stage: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
+            "zero_optimization": {"stage": stage}, "zeroplus": {"log_level": "warning", "memory_estimate": False}}
+
+
+def _gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(gpt_config("tiny", vocab_size=VOCAB))
+
+
+def _backward_peak(model: nn.Module, stage: int) -> tuple[int, int]:
+    """(peak bytes of new storages during one backward, the ledger's gradient and comm peak in it)."""
+    engine = zeroplus.initialize(model, _config(stage))
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    loss = engine(ids, ids)
+    engine.ledger.reset_peaks()
+    with NewStorageBytes() as new:
+        engine.backward(loss)
+    held = engine.ledger.peak_bytes(Category.GRAD) + engine.ledger.peak_bytes(Category.COMM_BUFFER)
+    engine.step()
+    return new.peak, held
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_tied_head_gradient_is_not_held_until_the_embedding(stage, monkeypatch):
+    table = VOCAB * 64 * 4
+    peak, held = _backward_peak(_gpt(), stage)
+    assert peak <= held + table + table // 4, (peak, held, table)
+    monkeypatch.setattr(partition_module, "routed", lambda *args: set())  # autograd's own accumulation
+    peak_off, held_off = _backward_peak(_gpt(), stage)
+    assert peak_off >= peak + 2 * table - table // 4, (peak_off, peak, table)
+
+
+def test_embedding_rows_go_into_the_flat_buffer(monkeypatch):
+    table = VOCAB * 64 * 4
+    torch.manual_seed(0)
+    peak, held = _backward_peak(SmallHeadNet(), 3)
+    assert peak <= held + table // 4, (peak, held, table)
+    monkeypatch.setattr(partition_module, "routed", lambda *args: set())
+    torch.manual_seed(0)
+    peak_off, held_off = _backward_peak(SmallHeadNet(), 3)
+    assert peak_off >= peak + table - table // 4, (peak_off, peak, table)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("make", [_gpt, SmallHeadNet], ids=["tied-gpt", "embedding-padding"])
+def test_gradients_equal_autograds_bit_for_bit(stage, make):
+    """The engine's gradients (one rank: the flat buffer at stage 0, the reduced shard at stage 3)
+    equal the plain module's ``.grad`` exactly from the same parameters; after each step the
+    parameters differ in the last bits (the engine's flat AdamW against torch's per-tensor one,
+    ``test_parity.py``), so later steps' losses and gradients are compared within tolerance."""
+    torch.manual_seed(0)
+    model = make()
+    reference = make()
+    reference.load_state_dict(model.state_dict())
+    engine = zeroplus.initialize(model, _config(stage))
+    assert any(g.per_use for g in engine.partition.groups)
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1)
+    ref_params = dict(reference.named_parameters())
+    g = torch.Generator().manual_seed(2)
+    for step in range(3):
+        ids = torch.randint(0, 24, (2, 16), generator=g)  # repeated tokens, padding id 0 among them
+        loss, ref_loss = engine(ids, ids), reference(ids, ids)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+        engine.backward(loss)
+        ref_loss.backward()
+        for group in engine.partition.groups:
+            flat = group.grad_full if stage == 0 else group.master_grad
+            for name, off, n in zip(group.names, group.offsets, group.numels):
+                mine, theirs = flat[off:off + n], ref_params[name].grad.reshape(-1)
+                if step == 0:  # same parameters: the same sums
+                    assert torch.equal(mine, theirs), name
+                else:  # the parameters differ by the steps' last bits
+                    torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6)
+        engine.step()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_holders_get_their_parameters_back_even_when_the_forward_raises():
+    model = _gpt()
+    engine = zeroplus.initialize(model, _config(3))
+    engine.backward(engine(torch.ones(2, 8, dtype=torch.long), torch.ones(2, 8, dtype=torch.long)))
+    engine.step()
+    assert model.lm_head._parameters["weight"] is model.wte._parameters["weight"]
+    assert isinstance(model.wte.weight, nn.Parameter)
+    with pytest.raises(IndexError):
+        engine(torch.full((2, 8), VOCAB + 5), torch.ones(2, 8, dtype=torch.long))
+    assert isinstance(model.wte.weight, nn.Parameter) and model.lm_head.weight is model.wte.weight

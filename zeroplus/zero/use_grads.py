@@ -1,0 +1,182 @@
+"""Per-use gradients: a use's gradient goes into the flat gradient buffer as soon as it is computed.
+
+Two cases where autograd's own accumulation holds more than one parameter-sized gradient:
+
+- **Tied parameters** (a word embedding tied to the LM head). A parameter has one gradient
+  accumulator, which runs only after every use's gradient has arrived: the head's gradient,
+  computed first in backward, is held whole in autograd's input buffer until the embedding's
+  arrives at the very end, and the two are summed into a third tensor before the engine sees it.
+  Every module holding a tied parameter gets, for the length of its forward,
+  ``AddIntoFlatGrad(param)`` in the parameter's place: an identity whose backward adds the
+  gradient it receives into the parameter's slice of the flat buffer and passes nothing on.
+- **Embeddings** (a plain ``nn.Embedding`` in fp32 holding a tied parameter or one of the root
+  unit's). Its backward writes a dense gradient of the whole table (zeros except the rows the
+  batch used) that is then added into the flat buffer. Here the embedding runs on the detached
+  weight and ``EmbeddingRowsIntoFlat`` adds, in backward, the summed gradient of each distinct
+  token straight into its row of the flat buffer: no table-sized temporary at all.
+
+Memory (a parameter of ``n`` elements, ``c`` bytes): a tied parameter holds at most one use's
+gradient (c * n) beside the flat buffer, instead of up to three (the held use, the arriving one
+and their sum); an embedding's backward holds ``U * d`` (U distinct tokens of the micro-batch)
+instead of c * n. Values: the flat buffer receives the uses in autograd's order,
+``0 + g_head + g_emb``, the same sum autograd forms, and an embedding's per-token sums are
+formed in the order the dense backward adds the rows (checked bitwise on CPU in fp32; bf16's
+dense backward rounds differently, so bf16 embeddings keep the identity path). Bitwise equal to
+autograd's accumulation when the buffer starts at zero; with micro-batches accumulated in the
+buffer, ``(acc + g1) + g2`` instead of ``acc + (g1 + g2)``: within one rounding per use.
+
+A group holding such a parameter cannot count its gradients to know when they are all in (a
+module may run any number of times): it is reduced when the backward ends (``partition.py``),
+which for the root unit is when its last gradient arrives anyway. Uses outside a holding module
+(``F.linear(x, self.wte.weight)`` in a parent's forward) still reach the parameter's
+accumulator and its hook, which adds them the same way.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+DenseSink = Callable[[torch.Tensor], None]
+RowSink = Callable[[torch.Tensor, torch.Tensor], None]  # (token ids, summed gradient per id)
+
+
+@dataclasses.dataclass
+class UseSinks:
+    """Where one parameter's use gradients go: ``dense(grad)`` for any use, ``rows(ids, sums)`` for
+    an embedding's distinct tokens."""
+
+    dense: DenseSink
+    rows: RowSink
+
+
+class AddIntoFlatGrad(torch.autograd.Function):
+    """Identity in forward; backward hands the gradient to ``sink`` and returns none."""
+
+    @staticmethod
+    def forward(ctx: Any, param: torch.Tensor, sink: DenseSink) -> torch.Tensor:
+        ctx.sink = sink
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        ctx.sink(grad)
+        return None, None
+
+
+class EmbeddingRowsIntoFlat(torch.autograd.Function):
+    """Identity on an embedding's output (computed from the detached weight); backward sums the
+    output gradient per distinct token (skipping ``padding_idx``) and hands the sums to ``sink``."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
+                padding_idx: int | None, sink: RowSink) -> torch.Tensor:
+        ctx.sink, ctx.padding_idx = sink, padding_idx
+        ctx.save_for_backward(ids)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None, None]:
+        (ids,) = ctx.saved_tensors
+        flat_ids, rows = ids.reshape(-1), grad.reshape(-1, grad.shape[-1])
+        if flat_ids.device.type == "meta" or rows.device.type == "meta":  # the memory simulation: no values
+            ctx.sink(flat_ids, rows.clone())  # every token taken as distinct: the bound on U * d
+            return None, None, None, None, None
+        if ctx.padding_idx is not None:
+            keep = flat_ids != ctx.padding_idx
+            flat_ids, rows = flat_ids[keep], rows[keep]
+        distinct, inverse = flat_ids.unique(return_inverse=True)
+        sums = torch.zeros(distinct.numel(), rows.shape[-1], dtype=grad.dtype, device=grad.device)
+        ctx.sink(distinct, sums.index_add_(0, inverse, rows))
+        return None, None, None, None, None  # the output came from the detached weight: nothing flows on
+
+
+def holders(model: torch.nn.Module, params: set[int]) -> dict[int, list[tuple[torch.nn.Module, str]]]:
+    """``id(param) -> [(module, attribute name), ...]`` for every module holding one of ``params``
+    directly, each (module, name) once."""
+    out: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and id(p) in params:
+                out.setdefault(id(p), []).append((module, name))
+    return out
+
+
+def tied(model: torch.nn.Module) -> set[int]:
+    """``id`` of every trainable parameter held by more than one (module, name)."""
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    return {pid for pid, where in holders(model, trainable).items() if len(where) > 1}
+
+
+def plain_embedding(module: torch.nn.Module, name: str) -> bool:
+    """An ``nn.Embedding`` whose forward is torch's, without max_norm, sparse gradients or
+    frequency scaling, in fp32 (the dtypes whose per-row sums match the dense backward bitwise)."""
+    return (isinstance(module, torch.nn.Embedding) and type(module).forward is torch.nn.Embedding.forward
+            and name == "weight" and module.max_norm is None and not module.sparse
+            and not module.scale_grad_by_freq and module.weight.dtype == torch.float32)
+
+
+def routed(model: torch.nn.Module, flat: set[int], root: set[int]) -> set[int]:
+    """Which parameters take the per-use path: the tied ones among ``flat`` (all in flat groups) and
+    plain embeddings' weights among ``root`` (the root unit's: reduced at the end of backward anyway)."""
+    out = tied(model) & flat
+    for pid, where in holders(model, root).items():
+        if all(plain_embedding(m, n) for m, n in where):
+            out.add(pid)
+    return out
+
+
+class UseGrads:
+    """Forward hooks on every module holding a routed parameter (``sinks``: ``id(param) ->
+    UseSinks``). A plain embedding runs on the detached weight and its output is wrapped in
+    ``EmbeddingRowsIntoFlat``; any other holder sees ``AddIntoFlatGrad(param)`` in the parameter's
+    place. Everything is put back after the forward, also when it raises."""
+
+    def __init__(self, model: torch.nn.Module, sinks: dict[int, UseSinks]) -> None:
+        self._handles: list[Any] = []
+        by_module: dict[int, tuple[torch.nn.Module, list[str]]] = {}
+        for where in holders(model, set(sinks)).values():
+            for module, name in where:
+                by_module.setdefault(id(module), (module, []))[1].append(name)
+        for module, names in by_module.values():
+            embedding = len(names) == 1 and plain_embedding(module, names[0])
+            self._handles.append(module.register_forward_pre_hook(self._swap_in(names, sinks, embedding)))
+            self._handles.append(module.register_forward_hook(self._swap_out(sinks, embedding), always_call=True))
+
+    @staticmethod
+    def _swap_in(names: list[str], sinks: dict[int, UseSinks], embedding: bool):
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            if not torch.is_grad_enabled():
+                return
+            saved = {}
+            for name in names:
+                param = module._parameters[name]
+                if param is None or id(param) not in sinks or not param.requires_grad:
+                    continue
+                saved[name] = param
+                module._parameters[name] = (param.detach() if embedding  # type: ignore[assignment]
+                                            else AddIntoFlatGrad.apply(param, sinks[id(param)].dense))
+            ids = args[0] if embedding and args else None
+            module.__dict__.setdefault("_zeroplus_use_saved", []).append((saved, ids))  # a stack: forwards nest
+        return hook
+
+    @staticmethod
+    def _swap_out(sinks: dict[int, UseSinks], embedding: bool):
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
+            stack = module.__dict__.get("_zeroplus_use_saved")
+            if not stack:  # the forward ran without gradients: nothing was swapped
+                return None
+            saved, ids = stack.pop()
+            for name, param in saved.items():
+                module._parameters[name] = param
+            if embedding and saved and isinstance(output, torch.Tensor):
+                param = saved["weight"]
+                return EmbeddingRowsIntoFlat.apply(output, param, ids, module.padding_idx, sinks[id(param)].rows)
+            return None
+        return hook
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
