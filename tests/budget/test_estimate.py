@@ -85,12 +85,12 @@ def test_every_ledger_category_peak_is_predicted_exactly(tmp_path):
             # can be one such buffer higher; it can never be lower.
             lag = measured.pop("comm_buffer") - predicted.pop("comm_buffer")
             assert 0 <= lag <= 66_000, f"{case}: comm_buffer measured - predicted = {lag}"
-            # the same late release for a stage-0 gradient buffer, all-reduced in place: the previous step's
-            # can still be alive when the next backward makes its own (seen once: the root unit, 131,584 B)
+            # the same late release for a gradient buffer, all-reduced in place (every stage on gloo): a finished
+            # reduction's flat gradient can still be alive when the next one is made (seen: the root unit, 131,584 B)
             largest = measured.pop("largest_group_bytes")
             grad = predicted.pop("grad")
             lag = measured.pop("grad") - grad
-            assert grad > 0 and 0 <= lag <= (largest if case[0] == 0 else 0), \
+            assert grad > 0 and 0 <= lag <= largest, \
                 f"{case}: grad measured - predicted = {lag}"
             # a save's copies: the predicted bytes, to within the small tensors that differ off the meta device
             # (random-number states: hundreds of bytes), and with offload the window's sub-groups in flight

@@ -26,9 +26,8 @@ import torch
 
 import zeroplus
 from tests.dist_helper import run_distributed
-from tests.parallel.model_states import assert_model_states_predicted
+from tests.parallel.model_states import assert_model_states_predicted, ledger_peaks
 from tests.reference import clip_global_norm, engine_train
-from zeroplus.ledger import Category
 from zeroplus.models import GPT, gpt_config
 from zeroplus.parallel.groups import _SingleRank
 from zeroplus.parallel.moe import set_aux_grad_scale
@@ -118,7 +117,7 @@ def _expert_job(ckpt_dir: str, two_rank_ckpt: str) -> dict:
         assert all(g.dp.size == 4 for g in engine.partition.groups if not g.expert)
         losses, norms = _train(engine, batches, parallel.data.rank, range(STEPS))
         results[stage] = {"losses": losses, "norms": norms, "params": _params(engine, local),
-                          "ledger": {c.value: engine.ledger.peak_bytes(c) for c in Category},
+                          "ledger": ledger_peaks(engine),
                           "engine_predicted": engine.budget.category_peaks}
         engine.destroy()
     # checkpoint: save after step 2 at ZeRO 2, resume at ZeRO 3 for step 3

@@ -20,9 +20,8 @@ import torch
 
 import zeroplus
 from tests.dist_helper import run_distributed
-from tests.parallel.model_states import assert_model_states_predicted
+from tests.parallel.model_states import assert_model_states_predicted, ledger_peaks
 from tests.reference import clip_global_norm
-from zeroplus.ledger import Category
 from zeroplus.models import GPT, gpt_config
 from zeroplus.models.gpt_pipe import gpt_pipeline_layers, gpt_pipeline_loss, untie_head
 from zeroplus.models.gpt_tp import TensorParallelGPT, tensor_parallel_pipeline_layers
@@ -74,7 +73,7 @@ def _pipeline_job() -> list:
         held_out = engine.eval_batch(iter([batches[0]] * GAS)).item()  # forward only, after training
         out.append({"losses": losses, "norms": norms, "params": params, "data_rank": d, "held_out": held_out,
                     "pipeline_stage": model.stage,
-                    "ledger": {c.value: engine.ledger.peak_bytes(c) for c in Category}})
+                    "ledger": ledger_peaks(engine)})
         engine.destroy()
     zeroplus.parallel.reset_parallel()
     return {"cases": out, "tensor_x_pipeline": _tp_pipeline_job()}

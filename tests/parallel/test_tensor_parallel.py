@@ -20,9 +20,8 @@ import torch
 
 import zeroplus
 from tests.dist_helper import run_distributed
-from tests.parallel.model_states import assert_model_states_predicted
+from tests.parallel.model_states import assert_model_states_predicted, ledger_peaks
 from tests.reference import clip_global_norm, engine_train
-from zeroplus.ledger import Category
 from zeroplus.models import GPT, gpt_config
 from zeroplus.models.gpt_tp import TensorParallelGPT
 
@@ -72,7 +71,7 @@ def _tp_job() -> list:
                               on_step=lambda: norms.append(engine.get_global_grad_norm()))
         results.append({"losses": losses, "norms": norms, "params": _local_params(engine),
                         "tensor_rank": parallel.tensor.rank,
-                        "ledger": {c.value: engine.ledger.peak_bytes(c) for c in Category},
+                        "ledger": ledger_peaks(engine),
                         "engine_predicted": engine.budget.category_peaks})
         engine.destroy()
     return results

@@ -150,6 +150,9 @@ class FlatParamGroup:
         self.gathered = True
         self.grads_seen = 0
         self.per_use: set[int] = set()  # parameters whose uses send their gradients (``use_grads.py``): not counted
+        self.row_params: set[int] = set()  # of those, the ones an embedding sends rows for
+        self.dense_pending = 0  # dense uses of per-use parameters made in the forward, not yet back
+        self.rows: dict[int, list[tuple[torch.Tensor, torch.Tensor, int]]] = {}  # stages 2-3: (ids, sums, tokens)
         if stage == 3:
             self.release()
 

@@ -73,11 +73,12 @@ class GradReducer:
             yield c0, c1, inp
 
     def _reduce_scatter(self, group: FlatParamGroup, grad: torch.Tensor) -> None:
-        """Accumulate: each bucket's reduced columns are added, divided by D, into the fp32 shard."""
+        """Accumulate: each bucket's reduced columns are added, divided by D, into the fp32 shard (or into
+        the shard an earlier reduction of this backward wrote, ``partition.py``'s per-use groups)."""
         n, s = group.dp.size, group.shard_numel
         scale = 1.0 / self.dp.size
         cols = max(1, self.bucket_numel // n)
-        if not self.accumulate_fp32:
+        if not self.accumulate_fp32 and group.master_grad is None:
             self._reduce_scatter_direct(group, grad, cols)
             return
         master_grad = group.ensure_master_grad()
@@ -102,10 +103,9 @@ class GradReducer:
         """All-reduce contiguous buckets of the flat gradient in place and keep the owned range: added,
         divided by D, into the fp32 shard when accumulating, else copied into a compute-dtype shard
         and divided there. No comm buffer: the flat gradient is the collective's buffer."""
-        if self.accumulate_fp32:
+        adding = self.accumulate_fp32 or group.master_grad is not None  # else the first reduction writes
+        if adding:
             master_grad = group.ensure_master_grad()
-        elif group.master_grad is not None:
-            raise AssertionError(f"{group.name}: reduced twice in one step without accumulation")
         else:
             master_grad = group.master_grad = self.ledger.empty(group.owned_numel, grad.dtype, Category.GRAD,
                                                                 grad.device)
@@ -117,7 +117,7 @@ class GradReducer:
             s, e = max(a, lo), min(b, hi)
             if s >= e:
                 group.pending.append(group.dp.all_reduce(bucket))
-            elif self.accumulate_fp32:
+            elif adding:
                 group.pending.append(group.dp.all_reduce(
                     bucket, on_done=_adder(master_grad[s - lo:e - lo], bucket[s - a:e - a], scale)))
             else:

@@ -10,8 +10,11 @@ micro-batch, into the fp32 gradient shard, freeing the flat buffer. Each flat gr
 starts as soon as its last gradient has arrived, so communication overlaps the rest of the
 backward; the handles are waited on when the backward is over, or earlier once more than
 ``MAX_GROUPS_IN_FLIGHT`` groups are in flight. A tied parameter's uses, and the root unit's
-embeddings, add their gradients into the flat buffer as they are computed (``use_grads.py``);
-their groups are reduced when the backward ends.
+embeddings, add their gradients into the flat buffer as they are computed (``use_grads.py``). At
+stages 2-3 such a group is reduced as soon as its dense gradients are in (the tied head's, at the
+start of backward), so its flat buffer does not live through the backward; the embedding's rows
+are kept as per-token sums and reduced sparsely into the shard when the backward ends
+(``row_reduce.py``). At stages 0-1 the rows go into the flat buffer.
 
 Experts (``zeroplus.parallel.MoE``, expert-parallel size E > 1): a unit's expert parameters form
 flat groups of their own, partitioned over the expert-data group (the D / E ranks holding the same
@@ -41,6 +44,7 @@ from ..offload.policies import MasterPolicy
 from .flat_group import FlatParamGroup
 from .grad_reducer import GradReducer
 from .placement import UnitPlacement
+from .row_reduce import reduce_rows
 from .stage3 import Stage3Scheduler
 from .stage3_state_dict import install_state_dict_hooks
 from .units import Unit, assign_parameters, find_unit_modules
@@ -77,12 +81,15 @@ class ZeroPartition:
                  compute_dtype: torch.dtype, param_group_of: dict[int, int],
                  unit_class_names: list[str] | None = None, gradient_accumulation_steps: int = 1,
                  master: MasterPolicy = MasterPolicy(), experts: ExpertSplit | None = None,
-                 placement: UnitPlacement | None = None) -> None:
+                 placement: UnitPlacement | None = None, early_per_use: bool = True) -> None:
         """``master``: how flat groups keep their fp32 master shards; ``experts``: the expert-data group and
         expert rank when experts are split over ranks, else None. ``placement``: moves each unit's other
         tensors to the device just before its flat groups are built (``placement.py``: one unit at a
-        time); None leaves every tensor where it is."""
+        time); None leaves every tensor where it is. ``early_per_use``: at stages 2-3, reduce per-use groups
+        early and embeddings' rows sparsely (off with pipeline or expert parallelism, whose budgets do not
+        model it yet: there they are reduced at the end of backward, rows through the flat buffer)."""
         self.stage = zero.stage
+        self.early_per_use = early_per_use and zero.stage >= 2
         self.dp = dp
         self.ledger = ledger
         unit_modules = find_unit_modules(model, unit_class_names)
@@ -134,8 +141,12 @@ class ZeroPartition:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(g, i)))
                 if id(p) in per_use:
                     g.per_use.add(i)
-                    sinks[id(p)] = UseSinks(functools.partial(g.accumulate_grad, i), functools.partial(g.add_rows, i))
+                    sinks[id(p)] = UseSinks(functools.partial(self._dense_use_arrived, g, i),
+                                            functools.partial(self._rows_arrived, g, i),
+                                            functools.partial(self._dense_use_made, g))
         self.use_grads = UseGrads(model, sinks)
+        for g in self.groups:
+            g.row_params = {i for i, p in enumerate(g.params) if id(p) in self.use_grads.row_receivers}
         prefetch = zero.stage3_prefetch_bucket_size
         if self.stage in (1, 2):  # every unit, the root included, waits for its post-step all-gather before
             for unit in self.units:  # its forward, and any state_dict() for all of them, even called on the model
@@ -166,6 +177,33 @@ class ZeroPartition:
             self.stage3.end_forward()
 
     # -- backward -----------------------------------------------------------------------------
+    # -- per-use gradients (use_grads.py) -----------------------------------------------------------
+    def _dense_use_made(self, group: FlatParamGroup) -> None:
+        """Forward: a holder of one of ``group``'s per-use parameters ran; one more gradient to wait for."""
+        group.dense_pending += 1
+
+    def _dense_use_arrived(self, group: FlatParamGroup, index: int, grad: torch.Tensor) -> None:
+        group.accumulate_grad(index, grad)
+        group.dense_pending -= 1
+        self._maybe_reduce_early(group)
+
+    def _rows_arrived(self, group: FlatParamGroup, index: int, ids: torch.Tensor, sums: torch.Tensor,
+                      tokens: int) -> None:
+        """An embedding's per-token sums: kept for the sparse reduction at stages 2-3 (``row_reduce.py``),
+        else added into the flat buffer, which lives until the boundary anyway."""
+        if self.early_per_use:
+            group.rows.setdefault(index, []).append((ids, sums, tokens))
+        else:
+            group.add_rows(index, ids, sums)
+
+    def _maybe_reduce_early(self, group: FlatParamGroup) -> None:
+        """Stages 2-3: reduce a per-use group's flat gradient as soon as every counted parameter and every
+        dense use made in the forward has delivered (the tied head's gradient, at the start of backward),
+        instead of holding it to the end. Anything arriving later is reduced again at the end and added."""
+        if (self.early_per_use and id(group) not in self._ready and group.dense_pending <= 0
+                and group.grad_full is not None and group.grads_seen == len(group.params) - len(group.per_use)):
+            self._group_ready(group)
+
     def begin_backward(self, reduce: bool) -> None:
         """``reduce``: reduce gradients in this backward (always at stages 2-3, at the boundary at 0-1)."""
         self.reduce_this_backward = reduce or self.stage >= 2
@@ -183,7 +221,9 @@ class ZeroPartition:
                 raise RuntimeError(f"{group.name}: parameter {index} reached its gradient hook without a gradient")
             param.grad = None
             group.accumulate_grad(index, grad)
-            if not group.per_use and group.grads_seen == len(group.params):
+            if group.per_use:
+                self._maybe_reduce_early(group)
+            elif group.grads_seen == len(group.params):
                 self._group_ready(group)
         return hook
 
@@ -206,17 +246,42 @@ class ZeroPartition:
         """Reduce groups some of whose parameters got no gradient, then wait for every reduction. A
         group with no gradient at all waits for the boundary at stage 2 (a pipeline chunk's backward
         touches only its own groups; the others are reduced in their own backwards)."""
+        with_rows = []
         for g in self.groups:  # fixed order: every rank issues the same collectives
-            untouched_until_boundary = self.stage == 2 and g.grad_full is None and not self.at_boundary
-            if id(g) not in self._ready and (g.grad_full is not None or self.reduce_this_backward) \
+            untouched_until_boundary = self.stage == 2 and g.grad_full is None and not self.at_boundary \
+                and not g.rows
+            if g.per_use and self.early_per_use and not untouched_until_boundary:
+                self._finish_per_use(g)
+                with_rows += [g] if g.row_params else []
+            elif id(g) not in self._ready and (g.grad_full is not None or self.reduce_this_backward) \
                     and not untouched_until_boundary:
                 self._group_ready(g)
             g.grads_seen = 0
+            g.dense_pending = 0
         for g in self.groups:
             g.wait_pending()
         self._in_flight.clear()
+        shard_dtype = torch.float32 if self.reducer.accumulate_fp32 else None
+        for g in with_rows:  # after the dense reductions landed: their first one writes the shard
+            reduce_rows(g, g.rows, 1.0 / self.dp.size, shard_dtype or g.compute_dtype)
+            g.rows = {}
         if self.stage3 is not None:
             self.stage3.end_backward()
+
+    def _finish_per_use(self, group: FlatParamGroup) -> None:
+        """End of backward, stages 2-3: reduce what a per-use group still holds densely. Whether any rank
+        holds something is agreed first (a one-element all-reduce), so every rank issues the same
+        collectives; a group whose only gradients are embedding rows reduces nothing dense."""
+        anything = group.dp.max_flag(group.grad_full is not None)
+        if id(group) not in self._ready:
+            if anything or not group.row_params:
+                self._group_ready(group)
+            else:  # the rows alone make the shard (row_reduce.py)
+                self._ready.add(id(group))
+                unit = self._unit_of_group[id(group)]
+                unit.groups_ready += 1
+        elif anything:  # arrived after the early reduction (a use outside its holders): added to it
+            self.reducer.reduce(group)
 
     # -- after the optimizer step ------------------------------------------------------------
     def _push_masters(self) -> None:

@@ -9,20 +9,22 @@ Two cases where autograd's own accumulation holds more than one parameter-sized 
   Every module holding a tied parameter gets, for the length of its forward,
   ``AddIntoFlatGrad(param)`` in the parameter's place: an identity whose backward adds the
   gradient it receives into the parameter's slice of the flat buffer and passes nothing on.
-- **Embeddings** (a plain ``nn.Embedding`` in fp32 holding a tied parameter or one of the root
-  unit's). Its backward writes a dense gradient of the whole table (zeros except the rows the
-  batch used) that is then added into the flat buffer. Here the embedding runs on the detached
-  weight and ``EmbeddingRowsIntoFlat`` adds, in backward, the summed gradient of each distinct
-  token straight into its row of the flat buffer: no table-sized temporary at all.
+- **Embeddings** (a plain ``nn.Embedding`` holding a tied parameter or one of the root unit's).
+  Its backward writes a dense gradient of the whole table (zeros except the rows the batch used)
+  that is then added into the flat buffer. Here the embedding runs on the detached weight and
+  ``EmbeddingRowsIntoFlat`` hands, in backward, the summed gradient of each distinct token to the
+  partition, which adds it into its row of the flat buffer (stages 0-1) or reduces the rows
+  sparsely (stages 2-3, ``row_reduce.py``): no table-sized temporary at all.
 
 Memory (a parameter of ``n`` elements, ``c`` bytes): a tied parameter holds at most one use's
 gradient (c * n) beside the flat buffer, instead of up to three (the held use, the arriving one
 and their sum); an embedding's backward holds ``U * d`` (U distinct tokens of the micro-batch)
 instead of c * n. Values: the flat buffer receives the uses in autograd's order,
-``0 + g_head + g_emb``, the same sum autograd forms, and an embedding's per-token sums are
-formed in the order the dense backward adds the rows (checked bitwise on CPU in fp32; bf16's
-dense backward rounds differently, so bf16 embeddings keep the identity path). Bitwise equal to
-autograd's accumulation when the buffer starts at zero; with micro-batches accumulated in the
+``0 + g_head + g_emb``, the same sum autograd forms, and an fp32 embedding's per-token sums are
+formed in the order the dense backward adds the rows (checked bitwise on CPU). In bf16/fp16 the
+per-token sums are formed in fp32 and rounded once, where the CPU's dense 16-bit backward rounds
+differently: equal within 16-bit rounding, not bitwise. In fp32, bitwise equal to autograd's
+accumulation when the buffer starts at zero; with micro-batches accumulated in the
 buffer, ``(acc + g1) + g2`` instead of ``acc + (g1 + g2)``: within one rounding per use.
 
 A group holding such a parameter cannot count its gradients to know when they are all in (a
@@ -39,16 +41,18 @@ from typing import Any, Callable
 import torch
 
 DenseSink = Callable[[torch.Tensor], None]
-RowSink = Callable[[torch.Tensor, torch.Tensor], None]  # (token ids, summed gradient per id)
+RowSink = Callable[[torch.Tensor, torch.Tensor, int], None]  # (distinct ids, summed gradient per id, tokens)
 
 
 @dataclasses.dataclass
 class UseSinks:
     """Where one parameter's use gradients go: ``dense(grad)`` for any use, ``rows(ids, sums)`` for
-    an embedding's distinct tokens."""
+    an embedding's distinct tokens; ``made()`` is told, in forward, of each dense use whose gradient
+    will come back (not of uses replayed inside backward)."""
 
     dense: DenseSink
     rows: RowSink
+    made: Callable[[], None]
 
 
 class AddIntoFlatGrad(torch.autograd.Function):
@@ -80,15 +84,20 @@ class EmbeddingRowsIntoFlat(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None, None]:
         (ids,) = ctx.saved_tensors
         flat_ids, rows = ids.reshape(-1), grad.reshape(-1, grad.shape[-1])
+        tokens = flat_ids.numel()
         if flat_ids.device.type == "meta" or rows.device.type == "meta":  # the memory simulation: no values
-            ctx.sink(flat_ids, rows.clone())  # every token taken as distinct: the bound on U * d
+            ctx.sink(flat_ids, rows.clone(), flat_ids.numel())  # every token taken as distinct
             return None, None, None, None, None
         if ctx.padding_idx is not None:
             keep = flat_ids != ctx.padding_idx
             flat_ids, rows = flat_ids[keep], rows[keep]
         distinct, inverse = flat_ids.unique(return_inverse=True)
-        sums = torch.zeros(distinct.numel(), rows.shape[-1], dtype=grad.dtype, device=grad.device)
-        ctx.sink(distinct, sums.index_add_(0, inverse, rows))
+        if grad.dtype == torch.float32:  # the dense backward's own order and precision: bitwise equal
+            sums = torch.zeros(distinct.numel(), rows.shape[-1], dtype=grad.dtype, device=grad.device)
+            ctx.sink(distinct, sums.index_add_(0, inverse, rows), tokens)
+        else:  # 16-bit: summed in fp32, rounded once (the dense backward rounds differently; within its rounding)
+            sums = torch.zeros(distinct.numel(), rows.shape[-1], dtype=torch.float32, device=grad.device)
+            ctx.sink(distinct, sums.index_add_(0, inverse, rows.float()).to(grad.dtype), tokens)
         return None, None, None, None, None  # the output came from the detached weight: nothing flows on
 
 
@@ -111,10 +120,10 @@ def tied(model: torch.nn.Module) -> set[int]:
 
 def plain_embedding(module: torch.nn.Module, name: str) -> bool:
     """An ``nn.Embedding`` whose forward is torch's, without max_norm, sparse gradients or
-    frequency scaling, in fp32 (the dtypes whose per-row sums match the dense backward bitwise)."""
+    frequency scaling."""
     return (isinstance(module, torch.nn.Embedding) and type(module).forward is torch.nn.Embedding.forward
             and name == "weight" and module.max_norm is None and not module.sparse
-            and not module.scale_grad_by_freq and module.weight.dtype == torch.float32)
+            and not module.scale_grad_by_freq)
 
 
 def routed(model: torch.nn.Module, flat: set[int], root: set[int]) -> set[int]:
@@ -139,8 +148,11 @@ class UseGrads:
         for where in holders(model, set(sinks)).values():
             for module, name in where:
                 by_module.setdefault(id(module), (module, []))[1].append(name)
+        self.row_receivers: set[int] = set()  # parameters some plain embedding sends rows for
         for module, names in by_module.values():
             embedding = len(names) == 1 and plain_embedding(module, names[0])
+            if embedding:
+                self.row_receivers.add(id(module._parameters[names[0]]))
             self._handles.append(module.register_forward_pre_hook(self._swap_in(names, sinks, embedding)))
             self._handles.append(module.register_forward_hook(self._swap_out(sinks, embedding), always_call=True))
 
@@ -155,8 +167,12 @@ class UseGrads:
                 if param is None or id(param) not in sinks or not param.requires_grad:
                     continue
                 saved[name] = param
-                module._parameters[name] = (param.detach() if embedding  # type: ignore[assignment]
-                                            else AddIntoFlatGrad.apply(param, sinks[id(param)].dense))
+                if embedding:
+                    module._parameters[name] = param.detach()  # type: ignore[assignment]
+                    continue
+                module._parameters[name] = AddIntoFlatGrad.apply(param, sinks[id(param)].dense)
+                if torch._C._current_graph_task_id() == -1:  # not a checkpoint replay inside backward
+                    sinks[id(param)].made()
             ids = args[0] if embedding and args else None
             module.__dict__.setdefault("_zeroplus_use_saved", []).append((saved, ids))  # a stack: forwards nest
         return hook
