@@ -41,6 +41,22 @@ class SmallHeadNet(nn.Module):
         return nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten() % 8)
 
 
+class DirectHeadNet(nn.Module):
+    """The head reads the embedding's weight directly (``F.linear``), outside any holder module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 64)
+        self.blocks = nn.ModuleList(nn.Linear(64, 64) for _ in range(2))
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        logits = nn.functional.linear(x, self.emb.weight)
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
 def _config(stage: int) -> dict:
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
@@ -87,7 +103,8 @@ def test_embedding_rows_go_into_the_flat_buffer(monkeypatch):
 
 
 @pytest.mark.parametrize("stage", [0, 3])
-@pytest.mark.parametrize("make", [_gpt, SmallHeadNet], ids=["tied-gpt", "embedding-padding"])
+@pytest.mark.parametrize("make", [_gpt, SmallHeadNet, DirectHeadNet],
+                         ids=["tied-gpt", "embedding-padding", "use-outside-holder"])
 def test_gradients_equal_autograds_bit_for_bit(stage, make):
     """The engine's gradients (one rank: the flat buffer at stage 0, the reduced shard at stage 3)
     equal the plain module's ``.grad`` exactly from the same parameters; after each step the
@@ -119,6 +136,26 @@ def test_gradients_equal_autograds_bit_for_bit(stage, make):
         engine.step()
         opt.step()
         opt.zero_grad()
+    # a use outside the holders keeps the root gathered to the end of backward (its saved tensors read it)
+    assert engine.partition.release_root_early is (make is not DirectHeadNet)
+
+
+def test_stage3_root_is_released_once_its_gradients_are_in():
+    """From the second backward on, the root unit (the tied table) is freed when its gradients are in,
+    before the embedding's backward; the first backward keeps it (it checks that nothing reads it late)."""
+    model = _gpt()
+    engine = zeroplus.initialize(model, _config(3))
+    root_bytes = sum(g.padded_numel * 4 for g in engine.partition.root.groups)
+    seen: list[int] = []
+
+    def watch(module: nn.Module, args: object, out: torch.Tensor) -> None:  # gathered bytes when backward reaches it
+        out.register_hook(lambda g: seen.append(engine.ledger.live_bytes(Category.PARAM_GATHERED)))
+    model.wte.register_forward_hook(watch)
+    for _ in range(3):
+        ids = torch.randint(0, VOCAB, (2, 16))
+        engine.backward(engine(ids, ids))
+        engine.step()
+    assert seen[0] >= root_bytes and all(b < root_bytes for b in seen[1:]), (seen, root_bytes)
 
 
 def test_holders_get_their_parameters_back_even_when_the_forward_raises():

@@ -73,7 +73,7 @@ class ExpertSplit:
 
 # Reductions still in flight when the next one starts; older ones are waited on, which bounds
 # the flat gradients and comm buffers alive during backward to about this many groups.
-MAX_GROUPS_IN_FLIGHT = 2
+MAX_GROUPS_IN_FLIGHT = 1
 
 
 class ZeroPartition:
@@ -144,7 +144,9 @@ class ZeroPartition:
                     sinks[id(p)] = UseSinks(functools.partial(self._dense_use_arrived, g, i),
                                             functools.partial(self._rows_arrived, g, i),
                                             functools.partial(self._dense_use_made, g))
-        self.use_grads = UseGrads(model, sinks)
+        self.use_grads = UseGrads(model, sinks, on_replay=self._holder_replayed)
+        self.release_root_early = True  # cleared for good by a use outside the holders or a replay
+        self._backwards_seen = 0
         for g in self.groups:
             g.row_params = {i for i, p in enumerate(g.params) if id(p) in self.use_grads.row_receivers}
         prefetch = zero.stage3_prefetch_bucket_size
@@ -178,6 +180,8 @@ class ZeroPartition:
 
     # -- backward -----------------------------------------------------------------------------
     # -- per-use gradients (use_grads.py) -----------------------------------------------------------
+    def _holder_replayed(self) -> None:
+        self.release_root_early = False
     def _dense_use_made(self, group: FlatParamGroup) -> None:
         """Forward: a holder of one of ``group``'s per-use parameters ran; one more gradient to wait for."""
         group.dense_pending += 1
@@ -203,6 +207,16 @@ class ZeroPartition:
         if (self.early_per_use and id(group) not in self._ready and group.dense_pending <= 0
                 and group.grad_full is not None and group.grads_seen == len(group.params) - len(group.per_use)):
             self._group_ready(group)
+            self._maybe_release_root()
+
+    def _maybe_release_root(self) -> None:
+        """Stage 3: once every root group's gradients are in, nothing left in this backward reads the root's
+        values (its holders' uses have run, embeddings run on detached weights), so its gathered buffer is
+        freed then instead of at the end of backward. Only after a first backward showed no use outside
+        the holders and no holder replayed inside backward (either could read the values later)."""
+        if (self.stage3 is not None and self.release_root_early and self._backwards_seen > 0
+                and all(id(g) in self._ready for g in self.root.groups)):
+            self.root.release()
 
     def begin_backward(self, reduce: bool) -> None:
         """``reduce``: reduce gradients in this backward (always at stages 2-3, at the boundary at 0-1)."""
@@ -217,6 +231,8 @@ class ZeroPartition:
             grad = param.grad
             if grad is None and index in group.per_use:  # its uses' gradients went to the flat buffer
                 return
+            if index in group.per_use:  # a use outside its holders: its saved tensors may need the values late
+                self.release_root_early = False
             if grad is None:  # torch calls this hook only after accumulating a gradient
                 raise RuntimeError(f"{group.name}: parameter {index} reached its gradient hook without a gradient")
             param.grad = None
@@ -261,6 +277,7 @@ class ZeroPartition:
         for g in self.groups:
             g.wait_pending()
         self._in_flight.clear()
+        self._backwards_seen += 1
         shard_dtype = torch.float32 if self.reducer.accumulate_fp32 else None
         for g in with_rows:  # after the dense reductions landed: their first one writes the shard
             reduce_rows(g, g.rows, 1.0 / self.dp.size, shard_dtype or g.compute_dtype)

@@ -9,7 +9,8 @@ the unit (its storage is resized to 0) and hooks the unit's output tensors so th
 gradient arrives, the unit is gathered again for its backward and the units before it are
 prefetched. A unit is released in backward as soon as all its gradients have arrived (the
 partition calls ``on_unit_grads_done``). The root unit (parameters outside any repeated block,
-such as tied embeddings) stays gathered from the start of forward to the end of backward, and
+such as tied embeddings) stays gathered from the start of forward to the end of backward (or
+until its gradients are all in, ``partition.py``'s early root release), and
 units below ``stage3_param_persistence_threshold`` elements stay gathered for good.
 
 Activation checkpointing replays a unit's forward inside backward: the replay gathers the unit

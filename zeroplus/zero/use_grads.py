@@ -142,7 +142,9 @@ class UseGrads:
     ``EmbeddingRowsIntoFlat``; any other holder sees ``AddIntoFlatGrad(param)`` in the parameter's
     place. Everything is put back after the forward, also when it raises."""
 
-    def __init__(self, model: torch.nn.Module, sinks: dict[int, UseSinks]) -> None:
+    def __init__(self, model: torch.nn.Module, sinks: dict[int, UseSinks],
+                 on_replay: Callable[[], None] = lambda: None) -> None:
+        """``on_replay``: told when a holder's forward runs inside backward (an activation-checkpoint replay)."""
         self._handles: list[Any] = []
         by_module: dict[int, tuple[torch.nn.Module, list[str]]] = {}
         for where in holders(model, set(sinks)).values():
@@ -153,14 +155,17 @@ class UseGrads:
             embedding = len(names) == 1 and plain_embedding(module, names[0])
             if embedding:
                 self.row_receivers.add(id(module._parameters[names[0]]))
-            self._handles.append(module.register_forward_pre_hook(self._swap_in(names, sinks, embedding)))
+            self._handles.append(module.register_forward_pre_hook(self._swap_in(names, sinks, embedding, on_replay)))
             self._handles.append(module.register_forward_hook(self._swap_out(sinks, embedding), always_call=True))
 
     @staticmethod
-    def _swap_in(names: list[str], sinks: dict[int, UseSinks], embedding: bool):
+    def _swap_in(names: list[str], sinks: dict[int, UseSinks], embedding: bool, on_replay: Callable[[], None]):
         def hook(module: torch.nn.Module, args: Any) -> None:
             if not torch.is_grad_enabled():
                 return
+            replay = torch._C._current_graph_task_id() != -1
+            if replay:
+                on_replay()
             saved = {}
             for name in names:
                 param = module._parameters[name]
@@ -171,7 +176,7 @@ class UseGrads:
                     module._parameters[name] = param.detach()  # type: ignore[assignment]
                     continue
                 module._parameters[name] = AddIntoFlatGrad.apply(param, sinks[id(param)].dense)
-                if torch._C._current_graph_task_id() == -1:  # not a checkpoint replay inside backward
+                if not replay:  # a checkpoint replay's uses were not counted in the forward
                     sinks[id(param)].made()
             ids = args[0] if embedding and args else None
             module.__dict__.setdefault("_zeroplus_use_saved", []).append((saved, ids))  # a stack: forwards nest
