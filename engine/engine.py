@@ -9,9 +9,11 @@ The engine itself allocates nothing large.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -68,6 +70,9 @@ class Engine:
         self._baseline = baseline_bytes
         # called once, before the first forward that trains (``zeroplus.initialize`` predicts the budget there)
         self._first_forward_hooks: list[Callable[[Engine, tuple[Any, ...], dict[str, Any]], None]] = []
+        # collectives still in flight when the script ends without destroy() (the post-step all-gathers,
+        # stage 3's prefetch) are waited for before the interpreter tears the process group down under them
+        atexit.register(_wait_at_exit, weakref.ref(self))
         self.budget: Any = None  # the predicted ``zeroplus.MemoryBudget``, once a hook has set it
         self.parallel: Any = None  # the ParallelGroups when the model is split beyond dp (build_engine sets it)
         self._checkpoint_saved = False  # the report compares with the predicted peak that includes a save
@@ -361,4 +366,16 @@ class Engine:
 
     def destroy(self) -> None:
         """Wait for in-flight collectives and remove hooks (call before destroying the process group)."""
-        self._partition.wait_all()
+        self._partition.wait_in_flight()
+
+
+def _wait_at_exit(ref: weakref.ref) -> None:
+    """At interpreter exit: wait for an engine's in-flight collectives if its process group still runs
+    (a failure here is reported by the collective's own error path, not raised at exit)."""
+    engine = ref()
+    if engine is None or not engine.dp.initialized or not torch.distributed.is_initialized():
+        return
+    try:
+        engine._partition.wait_in_flight()
+    except Exception as err:  # noqa: BLE001 - at exit there is no caller to raise to
+        logger.warning("collectives in flight at exit did not finish: %s", err)

@@ -335,6 +335,13 @@ class ZeroPartition:
         for g in self.groups:
             g.wait_pending()
 
+    def wait_in_flight(self) -> None:
+        """Every collective this partition issued and nobody waited for yet: reductions, post-step
+        all-gathers, and stage 3's prefetched gathers (before the process group goes away)."""
+        self.wait_all()
+        for unit in self.units:
+            unit.wait_handles()
+
     def consolidated_fp32_state(self) -> dict[str, torch.Tensor]:
         """Every trainable parameter's full fp32 master value by qualified name (a collective)."""
         out: dict[str, torch.Tensor] = {}

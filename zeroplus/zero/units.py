@@ -51,6 +51,12 @@ class Unit:
             if not g.gathered:
                 g.master_store.prefetch()
 
+    def wait_handles(self) -> None:
+        """Wait for the gathers already issued (a prefetch), issuing none."""
+        for handle in self.gather_handles:
+            handle.wait()
+        self.gather_handles.clear()
+
     def wait_gather(self) -> None:
         self.start_gather()
         for handle in self.gather_handles:
