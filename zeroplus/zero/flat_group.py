@@ -184,20 +184,16 @@ class FlatParamGroup:
     # -- gradients ----------------------------------------------------------------------------
     def accumulate_grad(self, index: int, grad: torch.Tensor) -> None:
         """Add one parameter's gradient into the flat gradient buffer (allocated on first use)."""
-        if self.grad_full is None:
-            self.grad_full = self.ledger.zeros(self.padded_numel, self.compute_dtype, Category.GRAD, self.device)
         off, n = self.offsets[index], self.numels[index]
-        self.grad_full[off:off + n].view(self.shapes[index]).add_(grad)  # no flattening copy of a strided grad
+        self.ensure_grad_full()[off:off + n].view(self.shapes[index]).add_(grad)  # no flattening copy of a strided grad
         if index not in self.per_use:
             self.grads_seen += 1
 
     def add_rows(self, index: int, rows: torch.Tensor, values: torch.Tensor) -> None:
         """Add ``values[k]`` into row ``rows[k]`` of a 2-D parameter's gradient (distinct rows: an
         embedding's tokens, ``use_grads.py``)."""
-        if self.grad_full is None:
-            self.grad_full = self.ledger.zeros(self.padded_numel, self.compute_dtype, Category.GRAD, self.device)
         off, n = self.offsets[index], self.numels[index]
-        self.grad_full[off:off + n].view(self.shapes[index]).index_add_(0, rows, values)
+        self.ensure_grad_full()[off:off + n].view(self.shapes[index]).index_add_(0, rows, values)
 
     def ensure_grad_full(self) -> torch.Tensor:
         """The flat gradient, zeros if no parameter received one (unused parameters still reduce)."""

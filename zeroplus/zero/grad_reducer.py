@@ -115,14 +115,9 @@ class GradReducer:
             b = min(group.padded_numel, a + self.bucket_numel)
             bucket = grad[a:b]
             s, e = max(a, lo), min(b, hi)
-            if s >= e:
-                group.pending.append(group.dp.all_reduce(bucket))
-            elif adding:
-                group.pending.append(group.dp.all_reduce(
-                    bucket, on_done=_adder(master_grad[s - lo:e - lo], bucket[s - a:e - a], scale)))
-            else:
-                group.pending.append(group.dp.all_reduce(
-                    bucket, on_done=_copier(master_grad[s - lo:e - lo], bucket[s - a:e - a], scale)))
+            land = _adder if adding else _copier
+            keep = land(master_grad[s - lo:e - lo], bucket[s - a:e - a], scale) if s < e else None
+            group.pending.append(group.dp.all_reduce(bucket, on_done=keep))
 
 
 def _adder(target: torch.Tensor, source: torch.Tensor, scale: float) -> Callable[[], None]:

@@ -243,11 +243,13 @@ class ZeroPartition:
                 self._group_ready(group)
         return hook
 
-    def _group_ready(self, group: FlatParamGroup) -> None:
+    def _group_ready(self, group: FlatParamGroup, reduce: bool = True) -> None:
+        """``group``'s gradients are all in: reduce them (unless ``reduce`` is false: a per-use group whose
+        only gradients are embedding rows) and do the unit's bookkeeping."""
         if id(group) in self._ready:
             return
         self._ready.add(id(group))
-        if self.reduce_this_backward:
+        if reduce and self.reduce_this_backward:
             self.reducer.reduce(group)
             self._in_flight.append(group)
             while len(self._in_flight) > MAX_GROUPS_IN_FLIGHT:
@@ -290,13 +292,8 @@ class ZeroPartition:
         holds something is agreed first (a one-element all-reduce), so every rank issues the same
         collectives; a group whose only gradients are embedding rows reduces nothing dense."""
         anything = group.dp.max_flag(group.grad_full is not None)
-        if id(group) not in self._ready:
-            if anything or not group.row_params:
-                self._group_ready(group)
-            else:  # the rows alone make the shard (row_reduce.py)
-                self._ready.add(id(group))
-                unit = self._unit_of_group[id(group)]
-                unit.groups_ready += 1
+        if id(group) not in self._ready:  # without dense gradients anywhere the rows alone make the shard
+            self._group_ready(group, reduce=anything or not group.row_params)
         elif anything:  # arrived after the early reduction (a use outside its holders): added to it
             self.reducer.reduce(group)
 

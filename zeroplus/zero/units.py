@@ -59,18 +59,13 @@ class Unit:
 
     def wait_gather(self) -> None:
         self.start_gather()
-        for handle in self.gather_handles:
-            handle.wait()
-        self.gather_handles.clear()
+        self.wait_handles()
 
     def release(self, force: bool = False) -> None:
         """Free the gathered buffers (persistent units only with ``force``)."""
         if self.persistent and not force:
             return
-        # An in-flight prefetch must land before its buffer goes away.
-        for handle in self.gather_handles:
-            handle.wait()
-        self.gather_handles.clear()
+        self.wait_handles()  # an in-flight prefetch must land before its buffer goes away
         for g in self.groups:
             g.release()
 
