@@ -8,12 +8,14 @@ group set-up, before the model exists; the peak is VmHWM (reset at that point).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 
 def rss_bytes(field: str) -> int:
@@ -35,6 +37,78 @@ def start_measuring() -> tuple[int, int]:
     return dist.get_rank(), start
 
 
+class Meter:
+    """Where the run computes and how its peak is read. ``cpu``: gloo, the process's resident peak above
+    the start (VmHWM). ``cuda``/``npu``: NCCL/HCCL, one device per local rank, the device allocator's peak
+    above what it held at the start (``max_memory_allocated``), steps timed after a synchronize."""
+
+    def __init__(self, device: str) -> None:
+        self.device = torch.device(device)
+        if device == "cpu":
+            self.rank, self.start = start_measuring()
+            return
+        if device == "npu":
+            import torch_npu  # noqa: F401  (registers the device)
+        self.module = getattr(torch, device)
+        self.module.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        self.device = torch.device(device, self.module.current_device())
+        dist.init_process_group("nccl" if device == "cuda" else "hccl")
+        torch.manual_seed(0)
+        self.module.reset_peak_memory_stats()
+        self.rank, self.start = dist.get_rank(), self.module.memory_allocated()
+
+    def synchronize(self) -> None:
+        if self.device.type != "cpu":
+            self.module.synchronize()
+
+    def peak_above_start(self) -> int:
+        if self.device.type == "cpu":
+            return rss_bytes("VmHWM") - self.start
+        return self.module.max_memory_allocated() - self.start
+
+
+def _nbytes(t: torch.Tensor | list[torch.Tensor]) -> int:
+    return sum(_nbytes(x) for x in t) if isinstance(t, (list, tuple)) else t.numel() * t.element_size()
+
+
+# Volume each rank hands to a collective, by the convention of the ZeRO paper's 2 Psi / 3 Psi: an
+# all-reduce counts twice its buffer (a ring all-reduce is a reduce-scatter then an all-gather), an
+# all-gather its output, a reduce-scatter its input, a broadcast and an all-to-all their buffer.
+# Collective -> (the argument measured, factor).
+_VOLUME = {
+    "all_reduce": ("tensor", 2), "all_gather_into_tensor": ("output_tensor", 1), "all_gather": ("tensor_list", 1),
+    "all_gather_single": ("output_tensor", 1), "reduce_scatter_tensor": ("input", 1),
+    "reduce_scatter_single": ("input", 1), "reduce_scatter": ("input_list", 1), "broadcast": ("tensor", 1),
+    "all_to_all_single": ("input", 1),
+}
+
+
+class CollectiveVolume:
+    """Counts the volume of every collective issued through ``torch.distributed``'s functions (installed
+    before zeroplus, DeepSpeed or FSDP2 bind them; DDP's C++ reducer is counted through a comm hook
+    calling the same ``all_reduce``)."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[str, int] = {}
+        for name, (argument, factor) in _VOLUME.items():
+            if hasattr(dist, name):
+                setattr(dist, name, self._wrap(name, getattr(dist, name), argument, factor))
+
+    def _wrap(self, name, fn, argument, factor):
+        signature = inspect.signature(fn)
+
+        def counted(*args, **kwargs):
+            measured = signature.bind(*args, **kwargs).arguments[argument]
+            self.bytes[name] = self.bytes.get(name, 0) + factor * _nbytes(measured)
+            return fn(*args, **kwargs)
+        return counted
+
+    def take(self) -> dict[str, int]:
+        """The volume since the last call, by collective."""
+        out, self.bytes = self.bytes, {}
+        return out
+
+
 def ds_config(stage: int, micro_batch: int = 1, dtype: str = "bf16") -> dict:
     """The JSON every framework row shares; ``dtype`` "fp32" leaves out the bf16 block."""
     precision = {"bf16": {"enabled": True}} if dtype == "bf16" else {}
@@ -43,6 +117,15 @@ def ds_config(stage: int, micro_batch: int = 1, dtype: str = "bf16") -> dict:
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1, "torch_adam": True}},
             "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True},
             "steps_per_print": 10**6, "zeroplus": {"log_level": "warning"}}
+
+
+def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """torch's AdamW with its fused kernel where the device has one (CPU and CUDA do): the fastest
+    plain reference, and the kernel zeroplus itself picks."""
+    try:
+        return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+    except RuntimeError:
+        return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
 
 
 def plain_step(wrapped: torch.nn.Module, model: torch.nn.Module, opt: torch.optim.Optimizer):
@@ -59,7 +142,7 @@ def plain_step(wrapped: torch.nn.Module, model: torch.nn.Module, opt: torch.opti
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--framework", choices=["zeroplus", "deepspeed", "fsdp2", "ddp"], required=True)
+    p.add_argument("--framework", choices=["zeroplus", "deepspeed", "fsdp2", "ddp", "plain"], required=True)
     p.add_argument("--stage", type=int, default=3)
     p.add_argument("--model", default="111m")
     p.add_argument("--seq", type=int, default=64)
@@ -71,15 +154,20 @@ def main() -> None:
     p.add_argument("--zero", default="{}", help="JSON merged into the config's zero_optimization block")
     p.add_argument("--checkpoint-blocks", action="store_true",
                    help="activation checkpointing of every block (zeroplus's or DeepSpeed's checkpoint)")
+    p.add_argument("--device", choices=["cpu", "cuda", "npu"], default="cpu")
     args = p.parse_args()
 
+    volume = CollectiveVolume()
     from zeroplus.models import GPT, gpt_config
     if args.framework == "deepspeed":
         import deepspeed
     import zeroplus
-    rank, start_rss = start_measuring()
+    meter = Meter(args.device)
+    rank = meter.rank
 
     model = GPT(gpt_config(args.model, block_size=max(64, args.seq), checkpoint_blocks=args.checkpoint_blocks))
+    model.to(meter.device)  # (zeroplus and DeepSpeed would move it; DDP and FSDP2 expect it there)
+    n_params = sum(p.numel() for p in model.parameters())  # (DeepSpeed's ZeRO-3 leaves empty tensors behind)
     cfg = ds_config(args.stage, args.micro_batch, args.dtype)
     cfg["zeroplus"].update(json.loads(args.zeroplus))
     cfg["zero_optimization"].update(json.loads(args.zero))
@@ -103,11 +191,13 @@ def main() -> None:
             engine.backward(loss)
             engine.step()
             return loss.item()
-    elif args.framework == "ddp":  # the reference: whole model, gradients all-reduced, plain AdamW
+    elif args.framework in ("ddp", "plain"):  # the references: whole model, plain AdamW (DDP: gradients all-reduced)
         if args.dtype != "fp32":
-            raise SystemExit("the ddp row runs in fp32 only")
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
-        train_step = plain_step(ddp, model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1))
+            raise SystemExit(f"the {args.framework} row runs in fp32 only")
+        wrapped = torch.nn.parallel.DistributedDataParallel(model) if args.framework == "ddp" else model
+        if args.framework == "ddp":  # torch's own all-reduce hook, in Python: its all_reduce is counted
+            wrapped.register_comm_hook(None, default_hooks.allreduce_hook)
+        train_step = plain_step(wrapped, model, adamw(model))
     else:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         low = torch.bfloat16 if args.dtype == "bf16" else None
@@ -116,27 +206,28 @@ def main() -> None:
         for block in model.blocks:
             fully_shard(block, mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(model, mp_policy=mp, reshard_after_forward=reshard)
-        try:
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
-        except RuntimeError:
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-        train_step = plain_step(model, model, opt)
+        train_step = plain_step(model, model, adamw(model))
 
     g = torch.Generator().manual_seed(rank)
-    times, losses = [], []
+    times, losses, volumes = [], [], []
+    volume.take()  # (set-up's broadcasts)
     for _ in range(args.steps):
-        x = torch.randint(0, model.config.vocab_size, (args.micro_batch, args.seq), generator=g)
+        x = torch.randint(0, model.config.vocab_size, (args.micro_batch, args.seq), generator=g).to(meter.device)
+        meter.synchronize()
         t0 = time.perf_counter()
-        losses.append(train_step(x))
+        losses.append(train_step(x))  # (.item() waits for the loss; the optimizer step may still run)
+        meter.synchronize()
         times.append(time.perf_counter() - t0)
-    peak = rss_bytes("VmHWM") - start_rss
+        volumes.append(volume.take())
+    peak = meter.peak_above_start()
     ledger = {}
     if args.framework == "zeroplus":
         from zeroplus.ledger import Category
         ledger = {c.value: [engine.ledger.live_bytes(c), engine.ledger.peak_bytes(c)] for c in Category}
     with open(f"{args.out_prefix}.{rank}.json", "w") as f:
         json.dump({"rank": rank, "peak_above_start_bytes": peak, "step_seconds": times, "losses": losses,
-                   "params": sum(p.numel() for p in model.parameters()), "ledger_live_peak": ledger}, f)
+                   "params": n_params, "ledger_live_peak": ledger,
+                   "collective_volume": volumes, "device": str(meter.device)}, f)
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)  # skip interpreter teardown (DeepSpeed aborts in it on CPU)

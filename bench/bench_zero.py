@@ -10,6 +10,10 @@ does not (its parameters stay unsharded between forward and backward); it has no
     python bench/bench_zero.py                      # the full table (about 20 minutes here)
     python bench/bench_zero.py --stages 3 --steps 6 # quicker
     python bench/bench_zero.py --dtype fp32 --frameworks zeroplus,deepspeed,fsdp2,ddp --ledger
+    python bench/bench_zero.py --device cuda --nproc 1     # on a GPU node (untested here: no GPU)
+
+On a GPU or NPU node (``--device cuda|npu``) the ranks run NCCL/HCCL, one device each, and the peak is
+the device allocator's (``max_memory_allocated`` above what it held before the model existed).
 """
 from __future__ import annotations
 
@@ -26,22 +30,25 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131
 
 
 def launch(framework: str, stage: int, args: argparse.Namespace, malloc: bool,
-           extra: list[str] | None = None) -> list[dict]:
+           extra: list[str] | None = None, nproc: int = 2) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         prefix = os.path.join(tmp, "result")
-        env = dict(os.environ, DS_ACCELERATOR="cpu", ZEROPLUS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+        device = getattr(args, "device", "cpu")
+        env = dict(os.environ, DS_ACCELERATOR=device, ZEROPLUS_ACCELERATOR=device)
+        if device == "cpu":
+            env["OMP_NUM_THREADS"] = "1"
         for key in MALLOC_ENV:
             env.pop(key, None)
         if malloc:
             env.update(MALLOC_ENV)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                os.path.join(HERE, "bench_worker.py"), "--framework", framework, "--stage", str(stage),
                "--model", args.model, "--seq", str(args.seq), "--steps", str(args.steps), "--out-prefix", prefix,
                "--micro-batch", str(getattr(args, "micro_batch", 1)), "--dtype", getattr(args, "dtype", "bf16"),
-               *(extra or [])]
+               "--device", device, *(extra or [])]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         results = []
-        for rank in range(2):
+        for rank in range(nproc):
             path = f"{prefix}.{rank}.json"
             if not os.path.exists(path):
                 raise RuntimeError(f"{framework} stage {stage} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -66,15 +73,16 @@ def row_parser(doc: str | None, rows: dict) -> argparse.ArgumentParser:
 
 
 def measure(name: str, framework: str, stage: int, args: argparse.Namespace,
-            extra: list[str] | None = None) -> dict:
+            extra: list[str] | None = None, nproc: int = 2) -> dict:
     """One row: per-rank peak above start (max over ranks, glibc trimming) and the median step time
     after ``args.warmup`` steps (a second launch, without trimming)."""
-    mem = launch(framework, stage, args, malloc=True, extra=extra)
-    timed = mem if getattr(args, "memory_only", False) else launch(framework, stage, args, malloc=False, extra=extra)
+    mem = launch(framework, stage, args, malloc=True, extra=extra, nproc=nproc)
+    timed = mem if getattr(args, "memory_only", False) else launch(framework, stage, args, malloc=False, extra=extra,
+                                                                     nproc=nproc)
     step = statistics.median(t for r in timed for t in r["step_seconds"][args.warmup:])
     row = {"row": name, "framework": framework, "stage": stage,
            "peak_gib": max(r["peak_above_start_bytes"] for r in mem) / 2**30, "step_s": step,
-           "tokens_per_s": 2 * args.seq * getattr(args, "micro_batch", 1) / step,
+           "tokens_per_s": nproc * args.seq * getattr(args, "micro_batch", 1) / step,
            "loss": timed[0]["losses"][-1], "params": timed[0]["params"],
            "ledger": mem[0].get("ledger_live_peak", {})}
     print(f"  done: {name}: {row['peak_gib']:.3f} GiB, {step:.2f} s/step", file=sys.stderr, flush=True)
@@ -110,20 +118,24 @@ def main() -> None:
     p.add_argument("--memory-only", action="store_true", help="one launch per row (times then include trimming)")
     p.add_argument("--ledger", action="store_true", help="print zeroplus's per-category ledger peaks")
     p.add_argument("--json", action="store_true", help="print the rows as JSON too")
+    p.add_argument("--device", choices=["cpu", "cuda", "npu"], default="cpu",
+                   help="cuda/npu: NCCL/HCCL, one device per rank, peaks from the device allocator")
+    p.add_argument("--nproc", type=int, default=2, help="ranks (one per device)")
     args = p.parse_args()
     frameworks = args.frameworks.split(",")
     rows = []
     if "ddp" in frameworks:
-        rows.append(measure("ddp", "ddp", 0, args))
+        rows.append(measure("ddp", "ddp", 0, args, nproc=args.nproc))
     for stage in (int(s) for s in args.stages.split(",")):
         for framework in frameworks:
             if framework == "ddp" or (framework == "fsdp2" and stage == 1):
                 continue
-            rows.append(measure(f"{framework} stage {stage}", framework, stage, args))
+            rows.append(measure(f"{framework} stage {stage}", framework, stage, args, nproc=args.nproc))
     ds = {r["stage"]: r for r in rows if r["framework"] == "deepspeed"}
     fsdp = {r["stage"]: r for r in rows if r["framework"] == "fsdp2"}
     fsdp[1] = fsdp.get(2)  # FSDP2 has no stage 1: compare with its stage-2 equivalent
-    print(f"GPT {args.model} ({rows[0]['params'] / 1e6:.0f}M parameters), {args.dtype}, 2 ranks (gloo, CPU), "
+    where = "gloo, CPU, resident peak" if args.device == "cpu" else f"{args.device}, device allocator peak"
+    print(f"GPT {args.model} ({rows[0]['params'] / 1e6:.0f}M parameters), {args.dtype}, {args.nproc} ranks ({where}), "
           f"micro-batch 1, sequence {args.seq}, {args.steps} steps (median of the last {args.steps - args.warmup})")
     header = (f"{'framework':<10}{'stage':>6}{'peak MiB/rank':>15}{'vs DS':>8}{'vs FSDP2':>10}{'step s':>9}"
               f"{'vs DS':>8}{'vs FSDP2':>10}{'tokens/s':>10}")

@@ -19,11 +19,11 @@ class VirtualGroup:
 
     ``gloo_buffers``: hold what gloo holds while a collective runs (measured on CPU with 2 ranks:
     its own reduce-scatter copies its whole input, a temporary of that size until done; all-reduce
-    works in place, and so does the all-gather ``comm.py`` builds from it), as a tensor on the
-    input's device, so the estimator sees it: one at a time (gloo's worker runs collectives in
-    order), from the moment the collective is issued until it is waited on or the next one is
-    issued. NCCL and HCCL work in place: off. ``gloo`` (the same flag) makes
-    the gradient reducer take gloo's path, as on a real gloo group."""
+    works in place, and so do the all-gather and reduce-scatter ``comm.py`` builds from broadcasts
+    and reduces, but for a few MiB), as a tensor on the input's device, so the estimator sees it:
+    one at a time (gloo's worker runs collectives in order), from the moment the collective is
+    issued until it is waited on or the next one is issued. NCCL and HCCL work in place: off.
+    ``gloo`` (the same flag) makes the gradient reducer take gloo's path, as on a real gloo group."""
 
     initialized = False
     group = None
@@ -54,6 +54,9 @@ class VirtualGroup:
         return self._held(input, on_done)
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = None, on_done: Callable[[], None] | None = None) -> Handle:
+        return Handle(None, on_done)
+
+    def reduce_to_each(self, pieces: list[torch.Tensor], on_done: Callable[[], None] | None = None) -> Handle:
         return Handle(None, on_done)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Handle:

@@ -20,7 +20,9 @@ stage      low-precision params       fp32 master            gradients
 3          c * P only while gathered  4 * S                  as stage 2
 =========  =========================  =====================  ================================
 
-At stage 3 no low-precision shard is kept: the gather casts the fp32 master shard into a c * S
+At stage 3 on one rank in fp32 the master is ``full`` itself and is never released (``resident``):
+releasing would save nothing, the master holding the same 4 * P bytes. Otherwise, at stage 3 no
+low-precision shard is kept: the gather casts the fp32 master shard into a c * S
 buffer that lives only until the all-gather is done (FSDP2 keeps its sharded parameters in
 fp32 the same way). ``full`` at stage 3 is one tensor object whose storage is resized to 0 when
 released and back to ``c * P`` when gathered, so the views the parameters and autograd hold stay
@@ -105,6 +107,10 @@ class FlatParamGroup:
             p.data = self.full[off:off + n].view(shape)
             setattr(p, FLAT_ATTR, self)  # GatheredParameters finds the group of an engine's parameter
 
+        # Stage 3 on one rank in fp32: the master is the whole buffer, so the parameters stay gathered on
+        # it (4 * P in all instead of 4 * P plus the units gathered, and no copy per gather)
+        self.resident = (stage == 3 and dp.size == 1 and compute_dtype == torch.float32 and not master.shared
+                         and master.offload is None and not from_chunks)
         owned_view = self._full_data[start:start + self.owned_numel]
         if from_chunks:  # (Init's chunks hold rank 0's values already: no broadcast)
             self.full.untyped_storage().resize_(0)
@@ -130,7 +136,8 @@ class FlatParamGroup:
             self.master_param = torch.nn.Parameter(placeholder, requires_grad=False)  # data swapped in by the step
         else:
             if compute_dtype == torch.float32:  # no second copy: the fp32 shard is the master
-                whole = owned_view if stage < 3 else self._own_copy(owned_view, self.shard_numel, compute_dtype)
+                whole = owned_view if stage < 3 or self.resident else self._own_copy(owned_view, self.shard_numel,
+                                                                                      compute_dtype)
                 self.shard = whole
             else:
                 if stage < 3:
@@ -145,6 +152,7 @@ class FlatParamGroup:
             placeholder = torch.empty(0, dtype=torch.float32, device=self.device)
             self.master_param = torch.nn.Parameter(placeholder, requires_grad=False)
         self.grad_full: torch.Tensor | None = None    # compute dtype, padded_numel
+        self._written: list[bool] = []  # which parameters' views of ``grad_full`` hold values (``_grad_view``)
         self.master_grad: torch.Tensor | None = None  # reduced gradient of the owned range (stages 1-3)
         self.pending: list[Handle] = []
         self.gathered = True
@@ -176,30 +184,57 @@ class FlatParamGroup:
 
     def release(self) -> None:
         """Free the gathered buffer (stage 3); the parameter views stay but hold no memory."""
-        if self.gathered:
+        if self.gathered and not self.resident:
             self.full.untyped_storage().resize_(0)
             self.ledger.resized(self.full)
             self.gathered = False
 
     # -- gradients ----------------------------------------------------------------------------
     def accumulate_grad(self, index: int, grad: torch.Tensor) -> None:
-        """Add one parameter's gradient into the flat gradient buffer (allocated on first use)."""
-        off, n = self.offsets[index], self.numels[index]
-        self.ensure_grad_full()[off:off + n].view(self.shapes[index]).add_(grad)  # no flattening copy of a strided grad
+        """Add one parameter's gradient into the flat gradient buffer (allocated on first use): the
+        first gradient since the buffer was allocated is copied in, later ones added."""
+        view = self._grad_view(index)
+        if self._written[index]:
+            view.add_(grad)  # no flattening copy of a strided grad
+        else:
+            view.copy_(grad)
+            self._written[index] = True
         if index not in self.per_use:
             self.grads_seen += 1
 
     def add_rows(self, index: int, rows: torch.Tensor, values: torch.Tensor) -> None:
         """Add ``values[k]`` into row ``rows[k]`` of a 2-D parameter's gradient (distinct rows: an
         embedding's tokens, ``use_grads.py``)."""
+        view = self._grad_view(index)
+        if not self._written[index]:
+            view.zero_()
+            self._written[index] = True
+        view.index_add_(0, rows, values)
+
+    def _grad_view(self, index: int) -> torch.Tensor:
+        """Parameter ``index``'s view of the flat gradient (allocated if none exists)."""
         off, n = self.offsets[index], self.numels[index]
-        self.ensure_grad_full()[off:off + n].view(self.shapes[index]).index_add_(0, rows, values)
+        return self._grad_buffer()[off:off + n].view(self.shapes[index])
+
+    def _grad_buffer(self) -> torch.Tensor:
+        """The flat gradient as it is. A new buffer is left uninitialised but for its padding (zeroing
+        it and adding the first gradients would write every byte twice and read it once more):
+        ``_written`` says which parameters' views hold values, and ``ensure_grad_full`` zeroes the rest."""
+        if self.grad_full is None:
+            self.grad_full = self.ledger.empty(self.padded_numel, self.compute_dtype, Category.GRAD, self.device)
+            self.grad_full[self.numel:].zero_()
+            self._written = [False] * len(self.params)
+        return self.grad_full
 
     def ensure_grad_full(self) -> torch.Tensor:
-        """The flat gradient, zeros if no parameter received one (unused parameters still reduce)."""
-        if self.grad_full is None:
-            self.grad_full = self.ledger.zeros(self.padded_numel, self.compute_dtype, Category.GRAD, self.device)
-        return self.grad_full
+        """The whole flat gradient, with zeros where no parameter's gradient arrived (unused parameters
+        still reduce); allocated if none did."""
+        grad = self._grad_buffer()
+        for index, written in enumerate(self._written):
+            if not written:
+                self._grad_view(index).zero_()
+                self._written[index] = True
+        return grad
 
     def ensure_master_grad(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The reduced gradient of the owned range, zeros in ``dtype`` if none exists yet."""

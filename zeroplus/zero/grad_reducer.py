@@ -13,17 +13,20 @@ divided by D in place, and there is no fp32 accumulator. With ``reduce_scatter: 
 bucket is all-reduced and the owned part kept. N is the group's own partition size and D the
 data-parallel size: they differ for experts' groups (N = D / E, ``partition.py``).
 
-On gloo (CPU) every stage all-reduces contiguous buckets of the flat gradient in place and keeps
-the owned range, as ``reduce_scatter: false`` does: gloo's reduce-scatter copies its whole input
-and runs twice as long as its in-place all-reduce of the same buffer (``comm.py``), so this path
-has no comm buffer and no backend temporary at all.
+On gloo (CPU) stages 1-3 reduce each bucket of columns in place onto its owner, one ``reduce`` per
+rank (``comm.reduce_to_each``), and keep the owned row: gloo's reduce-scatter copies its whole input
+and runs twice as long (``comm.py``), so this path has no comm buffer and no backend temporary
+beyond a few MiB, and sends the bytes of a reduce-scatter.
+
+With one rank there is nothing to reduce: at stages 1-3 the flat gradient becomes the reduced
+gradient as it is (``_keep_whole``).
 
 Memory in flight: at most one group's flat gradient (c * P) plus the comm buffers of the
 buckets not yet waited on. Communication: c * P bytes per group per reduction.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -46,17 +49,29 @@ class GradReducer:
     def reduce(self, group: FlatParamGroup) -> None:
         """Start reducing ``group``'s flat gradient; results land when ``group.wait_pending()`` runs."""
         grad = group.ensure_grad_full()
-        if self.stage == 0:
+        if self.stage > 0 and group.dp.size == self.dp.size == 1:
+            self._keep_whole(group, grad)
+        elif self.stage == 0:
             for a in range(0, group.padded_numel, self.bucket_numel):
                 group.pending.append(group.dp.all_reduce(grad[a:a + self.bucket_numel]))
-        elif self.use_reduce_scatter and not group.dp.gloo:
-            self._reduce_scatter(group, grad)
-        else:
+        elif not self.use_reduce_scatter:
             self._all_reduce_keep_shard(group, grad)
+        elif group.dp.gloo:
+            self._reduce_in_place(group, grad)
+        else:
+            self._reduce_scatter(group, grad)
         if self.stage > 0:
             group.grad_full = None  # the handles keep what they still need alive
         if not self.overlap:
             group.wait_pending()
+
+    def _keep_whole(self, group: FlatParamGroup, grad: torch.Tensor) -> None:
+        """One rank in all (data and partition groups of size 1) owns everything: the flat gradient becomes
+        the reduced one, no copy and no division (or is added into it when accumulating)."""
+        if self.accumulate_fp32 or group.master_grad is not None:
+            group.ensure_master_grad().add_(grad)
+        else:
+            group.master_grad = grad
 
     def _column_buckets(self, grad: torch.Tensor, s: int, cols: int) -> Iterator[tuple[int, int, torch.Tensor]]:
         """``(c0, c1, input)`` per bucket: columns ``[c0, c1)`` of the ``(N, S)`` gradient, made
@@ -100,25 +115,36 @@ class GradReducer:
             group.pending.append(group.dp.reduce_scatter(part, inp, on_done=_scaler(part, scale)))
 
     def _all_reduce_keep_shard(self, group: FlatParamGroup, grad: torch.Tensor) -> None:
-        """All-reduce contiguous buckets of the flat gradient in place and keep the owned range: added,
-        divided by D, into the fp32 shard when accumulating, else copied into a compute-dtype shard
-        and divided there. No comm buffer: the flat gradient is the collective's buffer."""
-        adding = self.accumulate_fp32 or group.master_grad is not None  # else the first reduction writes
-        if adding:
-            master_grad = group.ensure_master_grad()
-        else:
-            master_grad = group.master_grad = self.ledger.empty(group.owned_numel, grad.dtype, Category.GRAD,
-                                                                grad.device)
-        lo, hi = group.owned_start, group.owned_start + group.owned_numel
-        scale = 1.0 / self.dp.size
+        """All-reduce contiguous buckets of the flat gradient in place and keep the owned range
+        (``reduce_scatter: false``)."""
+        target, land = self._landing(group, grad.dtype)
+        lo, scale = group.owned_start, 1.0 / self.dp.size
         for a in range(0, group.padded_numel, self.bucket_numel):
             b = min(group.padded_numel, a + self.bucket_numel)
-            bucket = grad[a:b]
-            s, e = max(a, lo), min(b, hi)
-            land = _adder if adding else _copier
-            keep = land(master_grad[s - lo:e - lo], bucket[s - a:e - a], scale) if s < e else None
-            group.pending.append(group.dp.all_reduce(bucket, on_done=keep))
+            s, e = max(a, lo), min(b, lo + group.owned_numel)
+            keep = land(target[s - lo:e - lo], grad[s:e], scale) if s < e else None
+            group.pending.append(group.dp.all_reduce(grad[a:b], on_done=keep))
 
+    def _reduce_in_place(self, group: FlatParamGroup, grad: torch.Tensor) -> None:
+        """Gloo: each bucket of columns reduced in place onto its owner, one ``reduce`` per rank
+        (``comm.reduce_to_each``), and the owned row kept. No comm buffer; the bytes of a reduce-scatter."""
+        target, land = self._landing(group, grad.dtype)
+        n, s, r = group.dp.size, group.shard_numel, group.dp.rank
+        rows = grad.view(n, s)
+        cols = max(1, self.bucket_numel // n)
+        for c0 in range(0, s, cols):
+            c1 = min(s, c0 + cols)
+            keep = land(target[c0:c1], rows[r, c0:c1], 1.0 / self.dp.size)
+            group.pending.append(group.dp.reduce_to_each([rows[i, c0:c1] for i in range(n)], on_done=keep))
+
+    def _landing(self, group: FlatParamGroup, dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
+        """Where one reduction's owned elements land and how: added, divided by D, into the fp32 shard
+        when accumulating (or into the shard an earlier reduction of this backward wrote), else
+        copied, divided, into a new compute-dtype shard."""
+        if self.accumulate_fp32 or group.master_grad is not None:
+            return group.ensure_master_grad(), _adder
+        group.master_grad = self.ledger.empty(group.owned_numel, dtype, Category.GRAD, group.device)
+        return group.master_grad, _copier
 
 def _adder(target: torch.Tensor, source: torch.Tensor, scale: float) -> Callable[[], None]:
     """``target += scale * source``, run when a reduction lands."""

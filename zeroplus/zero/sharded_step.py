@@ -53,11 +53,14 @@ def _norm_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "npu" else torch.float64
 
 
-def _sum_of_squares(t: torch.Tensor) -> torch.Tensor:
-    dtype = _norm_dtype(t.device)
-    total = torch.zeros((), dtype=dtype, device=t.device)
+def _sum_of_squares(t: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """Sum of ``t``'s squares in ``scratch``'s dtype, ``_NORM_CHUNK`` elements at a time through
+    ``scratch`` (one buffer for the whole norm: a new 8 MiB temporary per chunk cost as much as the
+    arithmetic, 0.1 s against 0.05 s for 110M elements here)."""
+    total = torch.zeros((), dtype=scratch.dtype, device=t.device)
     for a in range(0, t.numel(), _NORM_CHUNK):
-        chunk = t[a:a + _NORM_CHUNK].to(dtype)
+        piece = t[a:a + _NORM_CHUNK]
+        chunk = scratch[:piece.numel()].copy_(piece)
         total += torch.dot(chunk, chunk)
     return total
 
@@ -131,18 +134,19 @@ class ShardedStep:
         stage0 = self.partition.stage == 0
         device = self.partition.groups[0].device if self.partition.groups else torch.device("cpu")
         total = torch.zeros((), dtype=_norm_dtype(device), device=device)
+        scratch = torch.empty(_NORM_CHUNK, dtype=total.dtype, device=device)
         experts = torch.zeros_like(total)  # stage 0: the experts' part, summed over the expert group
         mp = self.model_parallel
         for g in self.partition.groups:
             source = g.ensure_grad_full() if stage0 else g.ensure_master_grad()
             into = experts if stage0 and g.expert else total
             if mp is None or not mp.has_replicated(g):
-                into += _sum_of_squares(source)
+                into += _sum_of_squares(source, scratch)
                 continue
             segments = ([(i, o, o + n) for i, (o, n) in enumerate(zip(g.offsets, g.numels))] if stage0
                         else g.param_segments())
             for i, a, b in segments:  # a parameter whole on every tensor rank counts 1/T on each
-                into += _sum_of_squares(source[a:b]) * mp.weight(g.params[i])
+                into += _sum_of_squares(source[a:b], scratch) * mp.weight(g.params[i])
         if stage0 and self.expert_group is not None:
             total += self.expert_group.sum_scalar(experts)
         if not stage0:

@@ -1,0 +1,101 @@
+"""Benchmark: zeroplus at one rank against the plain module, 1 -> 2 rank scaling, and the bytes each
+rank hands to collectives per step against the textbook volume (GPT-111M, fp32, CPU, gloo).
+
+Rows, each launched with torchrun (one thread per rank, no glibc trimming):
+
+- ``plain``: the module with ``torch.optim.AdamW`` (fused kernel), clipping to 1.0, one process;
+  ``ddp``: the same under DistributedDataParallel, 2 ranks.
+- ``zeroplus stage s`` at 1 and at 2 ranks, the same JSON as ``bench_zero.py``.
+
+Timings on this kind of machine drift by 40% between launches, so rows run in rounds (every row
+once per round, in the same order) and each row's ratio to ``plain`` is taken within a round, then
+the median over rounds is quoted. Per launch: median step time of the steps after ``--warmup``.
+
+- one rank: ``plain step / zeroplus step`` (target >= 0.95: no partitioning work a single process
+  does not need);
+- scaling: ``T2 / (2 T1)`` with T the tokens per second, i.e. ``step at 1 rank / step at 2 ranks``
+  (per-rank micro-batch fixed; target >= 0.9). ``ddp`` against ``plain`` is the reference: on 2
+  cores the two ranks share memory bandwidth and gloo's threads compete with compute;
+- volume: per rank per step, in units of Psi (parameters x bytes of the communicated dtype), by the
+  ZeRO paper's convention (an all-reduce counts twice its buffer; an all-gather its output; a
+  reduce-scatter its input): theory 2 Psi at stages 0-2, 3 Psi at stage 3 (less the units kept
+  gathered from forward to backward). Counted by wrapping ``torch.distributed``'s functions
+  (``bench_worker.CollectiveVolume``).
+
+    python bench/bench_scaling.py                       # 3 rounds, stages 0-3 (about 15 minutes here)
+    python bench/bench_scaling.py --stages 3 --rounds 5
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+from bench_zero import launch
+
+THEORY = {0: 2.0, 1: 2.0, 2: 2.0, 3: 3.0}
+
+
+def run(framework: str, stage: int, nproc: int, args: argparse.Namespace) -> dict:
+    """One launch: median step time after warm-up and the median volume per step (bytes, rank 0)."""
+    results = launch(framework, stage, args, malloc=False, nproc=nproc)
+    step = statistics.median(t for r in results for t in r["step_seconds"][args.warmup:])
+    volumes = [sum(v.values()) for v in results[0]["collective_volume"][args.warmup:]]
+    kinds: dict[str, int] = {}
+    for v in results[0]["collective_volume"][args.warmup:]:
+        for k, b in v.items():
+            kinds[k] = kinds.get(k, 0) + b
+    steps = max(1, len(volumes))
+    return {"step": step, "volume": statistics.median(volumes) if volumes else 0,
+            "kinds": {k: b / steps for k, b in kinds.items()}, "params": results[0]["params"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stages", default="0,1,2,3")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--model", default="111m")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    args = p.parse_args()
+    args.dtype, args.micro_batch = "fp32", 1
+    stages = [int(s) for s in args.stages.split(",")]
+    rows = [("plain", 0, 1), ("ddp", 0, 2)] + [("zeroplus", s, n) for s in stages for n in (1, 2)]
+    rounds: list[dict] = []
+    for i in range(args.rounds):
+        got = {}
+        for framework, stage, nproc in rows:
+            got[(framework, stage, nproc)] = run(framework, stage, nproc, args)
+            print(f"  round {i + 1}: {framework} stage {stage}, {nproc} rank(s): "
+                  f"{got[(framework, stage, nproc)]['step']:.3f} s/step", file=sys.stderr, flush=True)
+        rounds.append(got)
+
+    def med(key: tuple, field: str = "step") -> float:
+        return statistics.median(r[key][field] for r in rounds)
+
+    def med_ratio(num: tuple, den: tuple) -> float:
+        return statistics.median(r[num]["step"] / r[den]["step"] for r in rounds)
+
+    psi = rounds[0][("plain", 0, 1)]["params"] * 4
+    print(f"GPT {args.model}, fp32, micro-batch 1, sequence {args.seq}, gloo on CPU, one thread per rank; "
+          f"{args.rounds} rounds, median of steps {args.warmup + 1}-{args.steps} per launch; ratios taken "
+          f"within a round, median over rounds")
+    header = (f"{'row':<20}{'1 rank s':>10}{'plain/row':>11}{'2 ranks s':>11}{'scale T2/2T1':>14}"
+              f"{'volume/Psi':>12}{'theory':>8}  collectives (Psi per step)")
+    print(header)
+    print("-" * len(header))
+    plain = ("plain", 0, 1)
+    ddp = ("ddp", 0, 2)
+    kinds = ", ".join(f"{k} {b / psi:.2f}" for k, b in rounds[-1][ddp]["kinds"].items())
+    print(f"{'plain / ddp':<20}{med(plain):>10.3f}{1.0:>11.2f}{med(ddp):>11.3f}{med_ratio(plain, ddp):>14.2f}"
+          f"{med(ddp, 'volume') / psi:>12.2f}{2.0:>8.1f}  {kinds}")
+    for s in stages:
+        one, two = ("zeroplus", s, 1), ("zeroplus", s, 2)
+        kinds = ", ".join(f"{k} {b / psi:.2f}" for k, b in rounds[-1][two]["kinds"].items())
+        print(f"{'zeroplus stage ' + str(s):<20}{med(one):>10.3f}{med_ratio(plain, one):>11.2f}{med(two):>11.3f}"
+              f"{med_ratio(one, two):>14.2f}{med(two, 'volume') / psi:>12.2f}{THEORY[s]:>8.1f}  {kinds}")
+
+
+if __name__ == "__main__":
+    main()

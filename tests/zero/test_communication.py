@@ -1,0 +1,116 @@
+"""What a step costs beyond the plain module: bytes handed to collectives at 2 ranks (the textbook
+volume: reduce-scatter plus all-gather of the parameters at stages 1-2; an all-gather for forward,
+one for backward and a reduce-scatter at stage 3), and at one rank, no copy a single process does
+not make (gradients written once into the flat buffer, no reduced copy, stage 3 kept gathered on
+the master)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zeroplus
+from tests.dist_helper import run_distributed
+from zeroplus.ledger import Category
+from zeroplus.models import GPT, gpt_config
+
+
+def _config(stage: int, **zero: object) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **zero},
+            "zeroplus": {"log_level": "warning", "memory_estimate": False}}
+
+
+def _engine(stage: int, **zero: object) -> zeroplus.Engine:
+    torch.manual_seed(0)
+    return zeroplus.initialize(GPT(gpt_config("tiny", vocab_size=64)), _config(stage, **zero))
+
+
+def _step(engine: zeroplus.Engine, seed: int) -> None:
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(seed))
+    engine.backward(engine(ids, ids))
+    engine.step()
+
+
+def _bytes_per_step(stage: int) -> dict:
+    engine = _engine(stage, reduce_bucket_size=1000)  # several buckets per group
+    _step(engine, 0)  # (the first step only watches the root's uses: it is released from the second on)
+    engine.dp.bytes_sent.clear()
+    _step(engine, 1)
+    sent = dict(engine.dp.bytes_sent)
+    groups = engine.partition.groups
+    root = {id(g) for g in engine.partition.root.groups}
+    padded = sum(g.padded_numel * 4 for g in groups)
+    return {"sent": sent, "padded": padded, "root": sum(g.padded_numel * 4 for g in groups if id(g) in root)}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_gloo_sends_the_textbook_volume(stage):
+    """Per step, gradients are reduce-scattered once (their full padded size) and parameters all-gathered
+    once at stages 1-2 (after the step) or twice at stage 3 (forward, backward; the root unit, gathered
+    from forward to the end of its backward, once). On gloo both are built from per-rank broadcasts
+    and reduces: an all-reduce standing in for either would send twice the bytes. At stages 2-3 the
+    embeddings' rows are all-gathered besides (``row_reduce.py``): per rank, at most its 32 tokens and
+    16 positions, each an int64 id and 64 fp32 sums, and the counts."""
+    world, rows_bound = 2, 2 * (32 + 16) * (8 + 64 * 4) + 2 * 2 * 8
+    for got in run_distributed(_bytes_per_step, world, stage):
+        sent, padded, root = got["sent"], got["padded"], got["root"]
+        gathered = padded if stage < 3 else 2 * padded - root
+        rows = sent.get("all_gather", 0) - gathered
+        assert sent.get("reduce_scatter") == padded, sent
+        assert (rows == 0) if stage == 1 else (0 < rows <= rows_bound), (sent, gathered, rows_bound)
+        assert sent.get("all_reduce", 0) <= 64, sent  # the norm's scalar and one-element flags only
+
+
+def test_one_rank_keeps_no_copy_of_gradients_or_parameters():
+    """World size 1, fp32: the gradient's ledger peak is the flat buffers alone at every stage (no reduced
+    copy), and at stage 3 the parameters are the master (no gathered copy, nothing released) while
+    the losses equal stage 0's bit for bit."""
+    losses = {}
+    for stage in (0, 1, 2, 3):
+        engine = _engine(stage)
+        flat = sum(g.padded_numel * 4 for g in engine.partition.groups)
+        losses[stage] = []
+        for seed in range(3):
+            engine.ledger.reset_peaks()
+            ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(seed))
+            loss = engine(ids, ids)
+            engine.backward(loss)
+            engine.step()
+            losses[stage].append(loss.item())
+            assert engine.ledger.peak_bytes(Category.GRAD) == flat, (stage, engine.ledger.peak_bytes(Category.GRAD))
+        if stage == 3:
+            assert engine.ledger.live_bytes(Category.MASTER) == 0
+            assert engine.ledger.live_bytes(Category.PARAM_GATHERED) == flat
+            assert all(g.full.untyped_storage().nbytes() == g.padded_numel * 4 for g in engine.partition.groups)
+    assert losses[1] == losses[2] == losses[3] == losses[0], losses
+
+
+class _WithUnused(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x).square().mean()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_parameter_without_gradient_steps_on_zeros(stage):
+    """The flat gradient is allocated uninitialised (each first gradient is copied in): a parameter that
+    got none must step on zeros. Deterministic mode fills uninitialised memory with NaN, so a view left
+    unzeroed shows; AdamW on a zero gradient only decays the weight."""
+    torch.manual_seed(0)
+    model = _WithUnused()
+    before = model.unused.weight.detach().clone()
+    config = {**_config(stage), "gradient_clipping": 0.0}
+    torch.use_deterministic_algorithms(True)
+    try:
+        engine = zeroplus.initialize(model, config)
+        engine.backward(engine(torch.randn(4, 8)))
+        engine.step()
+        with zeroplus.GatheredParameters([model.unused.weight]):
+            after = model.unused.weight.detach().clone()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert torch.equal(after, before.mul(1 - 1e-3 * 0.1)), (after - before).abs().max()
