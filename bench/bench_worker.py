@@ -73,12 +73,13 @@ def _nbytes(t: torch.Tensor | list[torch.Tensor]) -> int:
 
 # Volume each rank hands to a collective, by the convention of the ZeRO paper's 2 Psi / 3 Psi: an
 # all-reduce counts twice its buffer (a ring all-reduce is a reduce-scatter then an all-gather), an
-# all-gather its output, a reduce-scatter its input, a broadcast and an all-to-all their buffer.
+# all-gather its output, a reduce-scatter its input, a broadcast, a reduce and an all-to-all their buffer.
 # Collective -> (the argument measured, factor).
 _VOLUME = {
     "all_reduce": ("tensor", 2), "all_gather_into_tensor": ("output_tensor", 1), "all_gather": ("tensor_list", 1),
     "all_gather_single": ("output_tensor", 1), "reduce_scatter_tensor": ("input", 1),
     "reduce_scatter_single": ("input", 1), "reduce_scatter": ("input_list", 1), "broadcast": ("tensor", 1),
+    "reduce": ("tensor", 1),
     "all_to_all_single": ("input", 1),
 }
 

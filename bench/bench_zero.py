@@ -4,8 +4,11 @@ For each framework and stage, two fresh torchrun launches: one for memory with g
 return freed memory (``MALLOC_MMAP_THRESHOLD_=131072 MALLOC_TRIM_THRESHOLD_=131072``, else
 retained heap hides real differences), one for time without it. Reports per-rank peak resident
 memory above process start (max over ranks), median step time after the warm-up steps, tokens/s,
-and ratios to DeepSpeed at the same stage. FSDP2 "stage 3" reshards after forward; "stage 2"
-does not (its parameters stay unsharded between forward and backward); it has no stage 1.
+and ratios to DeepSpeed at the same stage, and the bytes each rank handed to collectives per step
+in units of Psi (parameters x bytes of the compute dtype; an all-reduce counts twice its buffer,
+``bench_worker.CollectiveVolume``): the textbook 2 at stages 0-2, 3 at stage 3. FSDP2 "stage 3"
+reshards after forward; "stage 2" does not (its parameters stay unsharded between forward and
+backward); it has no stage 1.
 
     python bench/bench_zero.py                      # the full table (about 20 minutes here)
     python bench/bench_zero.py --stages 3 --steps 6 # quicker
@@ -84,7 +87,9 @@ def measure(name: str, framework: str, stage: int, args: argparse.Namespace,
            "peak_gib": max(r["peak_above_start_bytes"] for r in mem) / 2**30, "step_s": step,
            "tokens_per_s": nproc * args.seq * getattr(args, "micro_batch", 1) / step,
            "loss": timed[0]["losses"][-1], "params": timed[0]["params"],
-           "ledger": mem[0].get("ledger_live_peak", {})}
+           "ledger": mem[0].get("ledger_live_peak", {}),
+           "volume_psi": statistics.median(sum(v.values()) for v in timed[0]["collective_volume"][args.warmup:])
+           / (timed[0]["params"] * (2 if getattr(args, "dtype", "bf16") == "bf16" else 4))}
     print(f"  done: {name}: {row['peak_gib']:.3f} GiB, {step:.2f} s/step", file=sys.stderr, flush=True)
     return row
 
@@ -138,7 +143,7 @@ def main() -> None:
     print(f"GPT {args.model} ({rows[0]['params'] / 1e6:.0f}M parameters), {args.dtype}, {args.nproc} ranks ({where}), "
           f"micro-batch 1, sequence {args.seq}, {args.steps} steps (median of the last {args.steps - args.warmup})")
     header = (f"{'framework':<10}{'stage':>6}{'peak MiB/rank':>15}{'vs DS':>8}{'vs FSDP2':>10}{'step s':>9}"
-              f"{'vs DS':>8}{'vs FSDP2':>10}{'tokens/s':>10}")
+              f"{'vs DS':>8}{'vs FSDP2':>10}{'tokens/s':>10}{'volume/Psi':>12}")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -148,7 +153,7 @@ def main() -> None:
         stage = "-" if r["framework"] == "ddp" else str(r["stage"])
         print(f"{r['framework']:<10}{stage:>6}{r['peak_gib'] * 1024:>15.0f}{ratio('peak_gib', b):>8}"
               f"{ratio('peak_gib', f):>10}{r['step_s']:>9.2f}{ratio('step_s', b):>8}{ratio('step_s', f):>10}"
-              f"{r['tokens_per_s']:>10.1f}")
+              f"{r['tokens_per_s']:>10.1f}{r['volume_psi']:>12.2f}")
     if args.ledger:
         for r in rows:
             if r["framework"] == "zeroplus":
