@@ -7,6 +7,13 @@ Rows, each launched with torchrun (one thread per rank, no glibc trimming):
   ``ddp``: the same under DistributedDataParallel, 2 ranks.
 - ``zeroplus stage s`` at 1 and at 2 ranks, the same JSON as ``bench_zero.py``.
 
+With glibc's defaults a launch's step time is bimodal: whether the flat gradient buffers (tens to
+hundreds of MB) come back from the heap or as fresh pages (up to 135K minor page faults, about
+0.2 s, per backward here) depends on the exact allocation sequence, so one engine's launch can be
+slow and the next stage's fast, and the other way round in another script. ``--keep-freed`` runs
+every row, the plain module included, with glibc keeping freed memory: the engines' own work then
+compares alone.
+
 Timings on this kind of machine drift by 40% between launches, so rows run in rounds (every row
 once per round, in the same order) and each row's ratio to ``plain`` is taken within a round, then
 the median over rounds is quoted. Per launch: median step time of the steps after ``--warmup``.
@@ -38,7 +45,7 @@ THEORY = {0: 2.0, 1: 2.0, 2: 2.0, 3: 3.0}
 
 def run(framework: str, stage: int, nproc: int, args: argparse.Namespace) -> dict:
     """One launch: median step time after warm-up and the median volume per step (bytes, rank 0)."""
-    results = launch(framework, stage, args, malloc=False, nproc=nproc)
+    results = launch(framework, stage, args, malloc=False, nproc=nproc, keep_freed=args.keep_freed)
     step = statistics.median(t for r in results for t in r["step_seconds"][args.warmup:])
     volumes = [sum(v.values()) for v in results[0]["collective_volume"][args.warmup:]]
     kinds: dict[str, int] = {}
@@ -58,6 +65,8 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--keep-freed", action="store_true",
+                   help="every row with glibc keeping freed memory (MALLOC_MMAP/TRIM_THRESHOLD_ 4 GiB)")
     args = p.parse_args()
     args.dtype, args.micro_batch = "fp32", 1
     stages = [int(s) for s in args.stages.split(",")]
@@ -78,7 +87,8 @@ def main() -> None:
         return statistics.median(r[num]["step"] / r[den]["step"] for r in rounds)
 
     psi = rounds[0][("plain", 0, 1)]["params"] * 4
-    print(f"GPT {args.model}, fp32, micro-batch 1, sequence {args.seq}, gloo on CPU, one thread per rank; "
+    allocator = "glibc keeping freed memory" if args.keep_freed else "glibc defaults"
+    print(f"GPT {args.model}, fp32, micro-batch 1, sequence {args.seq}, gloo on CPU, one thread per rank, {allocator}; "
           f"{args.rounds} rounds, median of steps {args.warmup + 1}-{args.steps} per launch; ratios taken "
           f"within a round, median over rounds")
     header = (f"{'row':<20}{'1 rank s':>10}{'plain/row':>11}{'2 ranks s':>11}{'scale T2/2T1':>14}"

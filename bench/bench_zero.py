@@ -32,8 +32,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
 
 
+KEEP_FREED_ENV = {"MALLOC_MMAP_THRESHOLD_": str(4 << 30), "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
+
+
 def launch(framework: str, stage: int, args: argparse.Namespace, malloc: bool,
-           extra: list[str] | None = None, nproc: int = 2) -> list[dict]:
+           extra: list[str] | None = None, nproc: int = 2, keep_freed: bool = False) -> list[dict]:
+    """One torchrun launch; ``malloc``: glibc returns freed memory (for peaks); ``keep_freed``: glibc
+    keeps it (no page faults from buffers freed and allocated again; for timing engines alike)."""
     with tempfile.TemporaryDirectory() as tmp:
         prefix = os.path.join(tmp, "result")
         device = getattr(args, "device", "cpu")
@@ -44,6 +49,8 @@ def launch(framework: str, stage: int, args: argparse.Namespace, malloc: bool,
             env.pop(key, None)
         if malloc:
             env.update(MALLOC_ENV)
+        elif keep_freed:
+            env.update(KEEP_FREED_ENV)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                os.path.join(HERE, "bench_worker.py"), "--framework", framework, "--stage", str(stage),
                "--model", args.model, "--seq", str(args.seq), "--steps", str(args.steps), "--out-prefix", prefix,
