@@ -214,7 +214,7 @@ def make_partition(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, ledger:
                          MasterPolicy(bool(cfg.zeroplus.shared_master_weights),
                                       cfg.zeroplus.master_rounding == "like_shared", param_offload),
                          experts=experts, placement=placement,
-                         early_per_use=cfg.zeroplus.parallel.pipeline == 1 and cfg.zeroplus.parallel.expert == 1)
+                         early_per_use=cfg.zeroplus.parallel.pipeline == 1)
 
 
 def _check_pipeline(model: torch.nn.Module, cfg: ResolvedConfig, parallel: ParallelGroups) -> None:

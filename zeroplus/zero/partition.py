@@ -86,8 +86,8 @@ class ZeroPartition:
         expert rank when experts are split over ranks, else None. ``placement``: moves each unit's other
         tensors to the device just before its flat groups are built (``placement.py``: one unit at a
         time); None leaves every tensor where it is. ``early_per_use``: at stages 2-3, reduce per-use groups
-        early and embeddings' rows sparsely (off with pipeline or expert parallelism, whose budgets do not
-        model it yet: there they are reduced at the end of backward, rows through the flat buffer)."""
+        early and embeddings' rows sparsely (off with pipeline parallelism, whose budget does not model
+        it yet: there they are reduced at the end of backward, rows through the flat buffer)."""
         self.stage = zero.stage
         self.early_per_use = early_per_use and zero.stage >= 2
         self.dp = dp
