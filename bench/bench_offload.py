@@ -1,4 +1,4 @@
-"""Benchmark: optimizer-state offload (``zero_optimization.offload_optimizer``), GPT-111M bf16 or fp32 (--dtype), 2 ranks, CPU.
+"""Benchmark: optimizer-state offload (``zero_optimization.offload_optimizer``), GPT-111M, 2 ranks, CPU.
 
 Rows, each two fresh torchrun launches of ``bench_worker.py`` (memory with glibc told to return
 freed memory, time without), at ZeRO stage 3 (``--stage``):
@@ -67,8 +67,8 @@ def main() -> None:
         zero = offload_json(ratio, param, nvme_path, args.sub_group_size, args.buffer_count)
         extra = ["--zeroplus", json.dumps(zp), "--zero", json.dumps(zero)]
         rows.append(measure(name, framework, args.stage, args, extra))
-    print(f"GPT {args.model} ({rows[0]['params'] / 1e6:.0f}M parameters), {args.dtype}, ZeRO stage {args.stage}, 2 ranks "
-          f"(gloo, CPU), micro-batch {args.micro_batch}, sequence {args.seq}, {args.steps} steps (median of the last "
+    print(f"GPT {args.model} ({rows[0]['params'] / 1e6:.0f}M parameters), {args.dtype}, ZeRO stage {args.stage}, "
+          f"2 ranks (gloo, CPU), micro-batch {args.micro_batch}, sequence {args.seq}, {args.steps} steps (median of the last "
           f"{args.steps - args.warmup}); offload rows: nvme, sub_group_size {args.sub_group_size}, buffer_count "
           f"{args.buffer_count}; peak = per-rank resident peak above start, max over ranks")
     print_ratio_table(rows, "none", "deepspeed-nvme")
