@@ -52,7 +52,8 @@ def main() -> None:
         extra = ["--zeroplus", json.dumps(zp)] + (["--checkpoint-blocks"] if checkpoint_blocks else [])
         rows.append(measure(name, framework, args.stage, args, extra))
     print(f"GPT {args.model} ({rows[0]['params'] / 1e6:.0f}M parameters), {args.dtype}, ZeRO stage {args.stage}, "
-          f"2 ranks (gloo, CPU), micro-batch {args.micro_batch}, sequence {args.seq}, {args.steps} steps (median of the last "
+          f"2 ranks (gloo, CPU), micro-batch {args.micro_batch}, sequence {args.seq}, {args.steps} steps "
+          f"(median of the last "
           f"{args.steps - args.warmup}); peak = per-rank resident peak above start, max over ranks")
     print_ratio_table(rows, "baseline", "deepspeed")
 
