@@ -213,8 +213,7 @@ def make_partition(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, ledger:
                          cfg.zeroplus.unit_modules, accumulation,
                          MasterPolicy(bool(cfg.zeroplus.shared_master_weights),
                                       cfg.zeroplus.master_rounding == "like_shared", param_offload),
-                         experts=experts, placement=placement,
-                         early_per_use=cfg.zeroplus.parallel.pipeline == 1)
+                         experts=experts, placement=placement)
 
 
 def _check_pipeline(model: torch.nn.Module, cfg: ResolvedConfig, parallel: ParallelGroups) -> None:

@@ -81,15 +81,14 @@ class ZeroPartition:
                  compute_dtype: torch.dtype, param_group_of: dict[int, int],
                  unit_class_names: list[str] | None = None, gradient_accumulation_steps: int = 1,
                  master: MasterPolicy = MasterPolicy(), experts: ExpertSplit | None = None,
-                 placement: UnitPlacement | None = None, early_per_use: bool = True) -> None:
+                 placement: UnitPlacement | None = None) -> None:
         """``master``: how flat groups keep their fp32 master shards; ``experts``: the expert-data group and
         expert rank when experts are split over ranks, else None. ``placement``: moves each unit's other
         tensors to the device just before its flat groups are built (``placement.py``: one unit at a
-        time); None leaves every tensor where it is. ``early_per_use``: at stages 2-3, reduce per-use groups
-        early and embeddings' rows sparsely (off with pipeline parallelism, whose budget does not model
-        it yet: there they are reduced at the end of backward, rows through the flat buffer)."""
+        time); None leaves every tensor where it is. At stages 2-3, per-use groups are reduced
+        early and embeddings' rows sparsely (``early_per_use``)."""
         self.stage = zero.stage
-        self.early_per_use = early_per_use and zero.stage >= 2
+        self.early_per_use = zero.stage >= 2
         self.dp = dp
         self.ledger = ledger
         unit_modules = find_unit_modules(model, unit_class_names)
