@@ -72,7 +72,6 @@ class Engine:
         self._first_forward_hooks: list[Callable[[Engine, tuple[Any, ...], dict[str, Any]], None]] = []
         # collectives still in flight when the script ends without destroy() (the post-step all-gathers,
         # stage 3's prefetch) are waited for before the interpreter tears the process group down under them
-        _register_gloo_teardown()  # (first: atexit runs it after every engine's wait)
         atexit.register(_wait_at_exit, weakref.ref(self))
         self.budget: Any = None  # the predicted ``zeroplus.MemoryBudget``, once a hook has set it
         self.parallel: Any = None  # the ParallelGroups when the model is split beyond dp (build_engine sets it)
@@ -368,30 +367,6 @@ class Engine:
     def destroy(self) -> None:
         """Wait for in-flight collectives and remove hooks (call before destroying the process group)."""
         self._partition.wait_in_flight()
-
-
-_GLOO_TEARDOWN: list[bool] = []
-
-
-def _register_gloo_teardown() -> None:
-    """Once per process: at exit, destroy a gloo default process group still alive. Gloo's worker threads
-    keep finished works (and the tensors they reference) for a while; if the interpreter tears them
-    down itself they take the GIL during finalization and the process aborts ("terminate called without
-    an active exception", seen in CI after a Trainer run that never calls ``destroy_process_group``).
-    Destroying a gloo group is local to the rank (NCCL's and HCCL's are left to their owners)."""
-    if not _GLOO_TEARDOWN:
-        _GLOO_TEARDOWN.append(True)
-        atexit.register(_destroy_gloo_at_exit)
-
-
-def _destroy_gloo_at_exit() -> None:
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or str(dist.get_backend()) != "gloo":
-        return
-    try:
-        dist.destroy_process_group()
-    except Exception as err:  # noqa: BLE001 - at exit there is no caller to raise to
-        logger.warning("destroying the gloo process group at exit failed: %s", err)
 
 
 def _wait_at_exit(ref: weakref.ref) -> None:
