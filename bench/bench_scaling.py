@@ -38,7 +38,7 @@ import argparse
 import statistics
 import sys
 
-from bench_zero import launch
+from bench_zero import launch, volume_per_step
 
 THEORY = {0: 2.0, 1: 2.0, 2: 2.0, 3: 3.0}
 
@@ -47,14 +47,8 @@ def run(framework: str, stage: int, nproc: int, args: argparse.Namespace) -> dic
     """One launch: median step time after warm-up and the median volume per step (bytes, rank 0)."""
     results = launch(framework, stage, args, malloc=False, nproc=nproc, keep_freed=args.keep_freed)
     step = statistics.median(t for r in results for t in r["step_seconds"][args.warmup:])
-    volumes = [sum(v.values()) for v in results[0]["collective_volume"][args.warmup:]]
-    kinds: dict[str, int] = {}
-    for v in results[0]["collective_volume"][args.warmup:]:
-        for k, b in v.items():
-            kinds[k] = kinds.get(k, 0) + b
-    steps = max(1, len(volumes))
-    return {"step": step, "volume": statistics.median(volumes) if volumes else 0,
-            "kinds": {k: b / steps for k, b in kinds.items()}, "params": results[0]["params"]}
+    volume, kinds = volume_per_step(results[0], args.warmup)
+    return {"step": step, "volume": volume, "kinds": kinds, "params": results[0]["params"]}
 
 
 def main() -> None:

@@ -67,6 +67,17 @@ def launch(framework: str, stage: int, args: argparse.Namespace, malloc: bool,
         return results
 
 
+def volume_per_step(result: dict, warmup: int) -> tuple[float, dict[str, float]]:
+    """One rank's collective volume per step after ``warmup`` steps: the median total (bytes) and the
+    mean by collective."""
+    steps = result["collective_volume"][warmup:]
+    kinds: dict[str, float] = {}
+    for v in steps:
+        for k, b in v.items():
+            kinds[k] = kinds.get(k, 0) + b / len(steps)
+    return (statistics.median(sum(v.values()) for v in steps) if steps else 0.0), kinds
+
+
 def row_parser(doc: str | None, rows: dict) -> argparse.ArgumentParser:
     """The arguments every row-table benchmark shares: which rows, stage, model, shape and steps."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -95,7 +106,7 @@ def measure(name: str, framework: str, stage: int, args: argparse.Namespace,
            "tokens_per_s": nproc * args.seq * getattr(args, "micro_batch", 1) / step,
            "loss": timed[0]["losses"][-1], "params": timed[0]["params"],
            "ledger": mem[0].get("ledger_live_peak", {}),
-           "volume_psi": statistics.median(sum(v.values()) for v in timed[0]["collective_volume"][args.warmup:])
+           "volume_psi": volume_per_step(timed[0], args.warmup)[0]
            / (timed[0]["params"] * (2 if getattr(args, "dtype", "bf16") == "bf16" else 4))}
     print(f"  done: {name}: {row['peak_gib']:.3f} GiB, {step:.2f} s/step", file=sys.stderr, flush=True)
     return row

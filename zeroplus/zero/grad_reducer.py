@@ -26,13 +26,15 @@ buckets not yet waited on. Communication: c * P bytes per group per reduction.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import torch
 
 from ..comm import DataParallelGroup
 from ..ledger import Category, Ledger
 from .flat_group import FlatParamGroup
+
+_Landing = Callable[[torch.Tensor, torch.Tensor, float], Callable[[], None]]  # (target, source, scale) -> completion
 
 
 class GradReducer:
@@ -68,7 +70,7 @@ class GradReducer:
     def _keep_whole(self, group: FlatParamGroup, grad: torch.Tensor) -> None:
         """One rank in all (data and partition groups of size 1) owns everything: the flat gradient becomes
         the reduced one, no copy and no division (or is added into it when accumulating)."""
-        if self.accumulate_fp32 or group.master_grad is not None:
+        if self._adds_into_shard(group):
             group.ensure_master_grad().add_(grad)
         else:
             group.master_grad = grad
@@ -93,7 +95,7 @@ class GradReducer:
         n, s = group.dp.size, group.shard_numel
         scale = 1.0 / self.dp.size
         cols = max(1, self.bucket_numel // n)
-        if not self.accumulate_fp32 and group.master_grad is None:
+        if not self._adds_into_shard(group):
             self._reduce_scatter_direct(group, grad, cols)
             return
         master_grad = group.ensure_master_grad()
@@ -137,14 +139,19 @@ class GradReducer:
             keep = land(target[c0:c1], rows[r, c0:c1], 1.0 / self.dp.size)
             group.pending.append(group.dp.reduce_to_each([rows[i, c0:c1] for i in range(n)], on_done=keep))
 
-    def _landing(self, group: FlatParamGroup, dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
-        """Where one reduction's owned elements land and how: added, divided by D, into the fp32 shard
-        when accumulating (or into the shard an earlier reduction of this backward wrote), else
-        copied, divided, into a new compute-dtype shard."""
-        if self.accumulate_fp32 or group.master_grad is not None:
+    def _adds_into_shard(self, group: FlatParamGroup) -> bool:
+        """Whether this reduction adds into a reduced shard (the fp32 accumulator, or the shard an earlier
+        reduction of this backward wrote) rather than writing a new one."""
+        return self.accumulate_fp32 or group.master_grad is not None
+
+    def _landing(self, group: FlatParamGroup, dtype: torch.dtype) -> tuple[torch.Tensor, _Landing]:
+        """Where one reduction's owned elements land and how: added, divided by D, into the existing shard
+        (``_adds_into_shard``), else copied, divided, into a new compute-dtype shard."""
+        if self._adds_into_shard(group):
             return group.ensure_master_grad(), _adder
         group.master_grad = self.ledger.empty(group.owned_numel, dtype, Category.GRAD, group.device)
         return group.master_grad, _copier
+
 
 def _adder(target: torch.Tensor, source: torch.Tensor, scale: float) -> Callable[[], None]:
     """``target += scale * source``, run when a reduction lands."""
