@@ -370,10 +370,12 @@ class Engine:
 
 
 def _wait_at_exit(ref: weakref.ref) -> None:
-    """At interpreter exit: wait for an engine's in-flight collectives if its process group still runs
-    (a failure here is reported by the collective's own error path, not raised at exit)."""
+    """At interpreter exit: wait for an engine's in-flight collectives (a failure here is reported by the
+    collective's own error path, not raised at exit). Also after the script destroyed the process group:
+    ``destroy_process_group`` neither waits for gloo's works nor stops its workers while the engine still
+    references the group, and a worker that finishes during the interpreter's teardown aborts the process."""
     engine = ref()
-    if engine is None or not engine.dp.initialized or not torch.distributed.is_initialized():
+    if engine is None or not engine.dp.initialized:
         return
     try:
         engine._partition.wait_in_flight()

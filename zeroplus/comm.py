@@ -16,12 +16,22 @@ the bytes of either). Both send the bytes of the native collective: the communic
 the textbook one (all-gather: its output; reduce-scatter: its input). ``gloo`` tells the gradient
 reducer to take the in-place reduce path (``grad_reducer.py``). NCCL and HCCL keep the native
 collectives, which work in place.
+
+Gloo's worker threads hand each finished work's tensors back after the caller's ``wait()`` has
+returned. If the caller's Python tensor is gone by then, the worker must take the GIL to free it; at
+interpreter exit that GIL request ends the worker thread mid-destructor and the process aborts
+("terminate called without an active exception", seen in about one run in 200). So every gloo
+collective gets fresh aliases of its tensors (``detach()``: same storage, its own tensor object),
+and ``Handle.wait()`` returns only once the backend has let go of them (``_until_released``: a few
+microseconds), so the last reference to every tensor is this thread's.
 """
 from __future__ import annotations
 
 import collections
 import datetime
+import logging
 import os
+import time
 from typing import Any, Callable
 
 import torch
@@ -31,6 +41,9 @@ from .accelerator import get_accelerator
 from .collective_faults import collective_failed, set_timeout_seconds
 
 DEFAULT_TIMEOUT_SECONDS = 600.0
+RELEASE_WAIT_SECONDS = 5.0  # how long a wait spins for gloo's worker to let go of a finished work's tensors
+
+logger = logging.getLogger(__name__)
 
 
 def init_distributed_if_launched(timeout_seconds: float | None = None) -> None:
@@ -49,13 +62,16 @@ def init_distributed_if_launched(timeout_seconds: float | None = None) -> None:
 
 class Handle:
     """An in-flight collective; ``wait()`` blocks, then runs the completion callback once.
-    ``failed(err)`` turns a backend error into the error raised (``CollectiveError``)."""
+    ``failed(err)`` turns a backend error into the error raised (``CollectiveError``). ``held``: fresh
+    aliases the backend's worker holds (gloo); ``wait()`` returns once it has released them."""
 
     def __init__(self, work: Any | None, on_done: Callable[[], None] | None = None,
-                 failed: Callable[[BaseException], BaseException] | None = None) -> None:
+                 failed: Callable[[BaseException], BaseException] | None = None,
+                 held: tuple[torch.Tensor, ...] = ()) -> None:
         self._work = work
         self._on_done = on_done
         self._failed = failed
+        self._held = held
         self.done = False
 
     def wait(self) -> None:
@@ -67,10 +83,30 @@ class Handle:
             except RuntimeError as err:
                 raise (self._failed(err) if self._failed is not None else err) from err
             self._work = None  # the work object references its tensors: drop them with it
+        _until_released(self._held)
+        self._held = ()
         self.done = True
         if self._on_done is not None:
             self._on_done()
             self._on_done = None
+
+
+def _until_released(held: tuple[torch.Tensor, ...]) -> None:
+    """Spin (yielding the GIL) until this thread's alias is the only owner of each tensor in ``held``."""
+    deadline = None
+    for t in held:
+        while t._use_count() > 1:  # type: ignore[attr-defined]  # the C++ tensor's owners
+            now = time.monotonic()
+            deadline = deadline or now + RELEASE_WAIT_SECONDS
+            if now > deadline:
+                logger.debug("a finished collective's tensor is still held after %.0f s", RELEASE_WAIT_SECONDS)
+                return
+            time.sleep(0)
+
+
+def _alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A new tensor object over ``tensor``'s storage that nothing else references."""
+    return tensor.detach()
 
 
 class _Works:
@@ -106,28 +142,38 @@ class DataParallelGroup:
     def _count(self, kind: str, tensor: torch.Tensor) -> None:
         self.bytes_sent[kind] += tensor.numel() * tensor.element_size()
 
-    def _run(self, kind: str, call: Callable[[], Any], on_done: Callable[[], None] | None = None,
-             async_op: bool = True) -> Any:
-        """Issue one collective; a ``Handle`` for async ones, else ``call()``'s result. A backend error
-        becomes a ``CollectiveError`` that names the collective (now or at ``wait()``)."""
+    def _run(self, kind: str, call: Callable[..., Any], tensors: tuple[torch.Tensor, ...] = (),
+             on_done: Callable[[], None] | None = None) -> Handle:
+        """Issue one async collective, ``call(*tensors)`` (fresh aliases of them on gloo, see the module
+        docstring); its ``Handle``. A backend error becomes a ``CollectiveError`` that names the
+        collective (now or at ``wait()``)."""
         self.issued += 1
         seq = self.issued
 
         def failed(err: BaseException) -> BaseException:
             return collective_failed(kind, self.label, seq, self.rank, self.size, err)
+        held = tuple(_alias(t) for t in tensors) if self.gloo else ()
         try:
-            result = call()
+            work = call(*(held or tensors))
         except RuntimeError as err:
             raise failed(err) from err
-        return Handle(result, on_done, failed) if async_op else result
+        return Handle(work, on_done, failed, held)
+
+    def _run_blocking(self, kind: str, call: Callable[[], Any]) -> None:
+        """One blocking collective on Python objects (torch.distributed's object collectives, barrier)."""
+        self.issued += 1
+        try:
+            call()
+        except RuntimeError as err:
+            raise collective_failed(kind, self.label, self.issued, self.rank, self.size, err) from err
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = None, on_done: Callable[[], None] | None = None) -> Handle:
         if self.size == 1:
             return Handle(None, on_done)
         self._count("all_reduce", tensor)
         op = dist.ReduceOp.SUM if op is None else op
-        return self._run("all_reduce", lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True),
-                         on_done)
+        return self._run("all_reduce", lambda t: dist.all_reduce(t, op=op, group=self.group, async_op=True),
+                         (tensor,), on_done)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
                        on_done: Callable[[], None] | None = None) -> Handle:
@@ -136,8 +182,8 @@ class DataParallelGroup:
             output.copy_(input)
             return Handle(None, on_done)
         self._count("reduce_scatter", input)
-        return self._run("reduce_scatter", lambda: _reduce_scatter(output, input, group=self.group, async_op=True),
-                         on_done)
+        return self._run("reduce_scatter", lambda o, i: _reduce_scatter(o, i, group=self.group, async_op=True),
+                         (output, input), on_done)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor,
                    on_done: Callable[[], None] | None = None) -> Handle:
@@ -148,8 +194,16 @@ class DataParallelGroup:
             return Handle(None, on_done)
         self._count("all_gather", output)
         if self._gloo_cpu(output) and output.is_contiguous() and input.is_contiguous():
-            return self._run("all_gather", lambda: self._all_gather_by_broadcast(output, input), on_done)
-        return self._run("all_gather", lambda: _all_gather(output, input, group=self.group, async_op=True), on_done)
+            flat = output.view(-1)
+            n = input.numel()
+            own = flat[self.rank * n:(self.rank + 1) * n]
+            if input.data_ptr() != own.data_ptr():
+                with torch.no_grad():
+                    own.copy_(input.view(-1))
+            chunks = tuple(flat[i * n:(i + 1) * n] for i in range(self.size))
+            return self._run("all_gather", self._broadcast_each, chunks, on_done)
+        return self._run("all_gather", lambda o, i: _all_gather(o, i, group=self.group, async_op=True),
+                         (output, input), on_done)
 
     def reduce_to_each(self, pieces: list[torch.Tensor], on_done: Callable[[], None] | None = None) -> Handle:
         """A reduce-scatter in place: ``pieces[i]`` (the same shape on every rank) summed over ranks
@@ -160,23 +214,17 @@ class DataParallelGroup:
             return Handle(None, on_done)
         for piece in pieces:
             self._count("reduce_scatter", piece)
-        return self._run("reduce_scatter", lambda: _Works([
-            dist.reduce(piece, dst=self._global(i), group=self.group, async_op=True)
-            for i, piece in enumerate(pieces)]), on_done)
+        return self._run("reduce_scatter", lambda *ps: _Works([
+            dist.reduce(piece, dst=self._global(i), group=self.group, async_op=True) for i, piece in enumerate(ps)]),
+            tuple(pieces), on_done)
 
     def _gloo_cpu(self, tensor: torch.Tensor) -> bool:
         return self.gloo and tensor.device.type == "cpu"
 
-    def _all_gather_by_broadcast(self, output: torch.Tensor, input: torch.Tensor) -> Any:
-        """This rank's chunk into ``output``, then one in-place broadcast of each rank's chunk."""
-        flat = output.view(-1)
-        n = input.numel()
-        own = flat[self.rank * n:(self.rank + 1) * n]
-        if input.data_ptr() != own.data_ptr():
-            with torch.no_grad():
-                own.copy_(input.view(-1))
-        return _Works([dist.broadcast(flat[i * n:(i + 1) * n], src=self._global(i), group=self.group, async_op=True)
-                       for i in range(self.size)])
+    def _broadcast_each(self, *chunks: torch.Tensor) -> Any:
+        """All-gather on gloo: one in-place broadcast of each rank's chunk (this rank's already in place)."""
+        return _Works([dist.broadcast(chunk, src=self._global(i), group=self.group, async_op=True)
+                       for i, chunk in enumerate(chunks)])
 
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
@@ -188,15 +236,16 @@ class DataParallelGroup:
                 output.copy_(input)
             return Handle(None)
         self._count("all_to_all", input)
-        return self._run("all_to_all", lambda: dist.all_to_all_single(output, input, group=self.group, async_op=True))
+        return self._run("all_to_all", lambda o, i: dist.all_to_all_single(o, i, group=self.group, async_op=True),
+                         (output, input))
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Group rank ``src``'s ``tensor`` on every rank, in place (blocking)."""
         if self.size == 1:
             return
         self._count("broadcast", tensor)
-        src = dist.get_global_rank(self.group, src) if self.group is not None else src
-        self._run("broadcast", lambda: dist.broadcast(tensor, src=src, group=self.group), async_op=False)
+        src = self._global(src)
+        self._run("broadcast", lambda t: dist.broadcast(t, src=src, group=self.group, async_op=True), (tensor,)).wait()
 
     def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor, output_sizes: list[int],
                      input_sizes: list[int]) -> None:
@@ -205,20 +254,21 @@ class DataParallelGroup:
             output.copy_(input)
             return
         self._count("all_to_all", input)
-        self._run("all_to_all", lambda: dist.all_to_all_single(output, input, output_sizes, input_sizes,
-                                                               group=self.group), async_op=False)
+        self._run("all_to_all", lambda o, i: dist.all_to_all_single(o, i, output_sizes, input_sizes, group=self.group,
+                                                                    async_op=True), (output, input)).wait()
 
     def max_flag(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is true on any rank (used for fp16 overflow)."""
         if self.size == 1:
             return flag
         t = torch.tensor([1.0 if flag else 0.0], device=get_accelerator().device())
-        self._run("all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group), async_op=False)
+        self._run("all_reduce", lambda x: dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group, async_op=True),
+                  (t,)).wait()
         return bool(t.item() > 0)
 
     def sum_scalar(self, value: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            self._run("all_reduce", lambda: dist.all_reduce(value, group=self.group), async_op=False)
+            self._run("all_reduce", lambda x: dist.all_reduce(x, group=self.group, async_op=True), (value,)).wait()
         return value
 
     def broadcast_object(self, obj: Any) -> Any:
@@ -227,8 +277,7 @@ class DataParallelGroup:
             return obj
         box = [obj]
         src = dist.get_global_rank(self.group, 0) if self.group else 0
-        self._run("broadcast_object", lambda: dist.broadcast_object_list(box, src=src, group=self.group),
-                  async_op=False)
+        self._run_blocking("broadcast_object", lambda: dist.broadcast_object_list(box, src=src, group=self.group))
         return box[0]
 
     def all_gather_objects(self, obj: Any) -> list[Any]:
@@ -236,9 +285,9 @@ class DataParallelGroup:
         if self.size == 1:
             return [obj]
         out: list[Any] = [None] * self.size
-        self._run("all_gather_object", lambda: dist.all_gather_object(out, obj, group=self.group), async_op=False)
+        self._run_blocking("all_gather_object", lambda: dist.all_gather_object(out, obj, group=self.group))
         return out
 
     def barrier(self) -> None:
         if self.size > 1:
-            self._run("barrier", lambda: dist.barrier(group=self.group), async_op=False)
+            self._run_blocking("barrier", lambda: dist.barrier(group=self.group))

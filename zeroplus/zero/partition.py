@@ -47,7 +47,7 @@ from .placement import UnitPlacement
 from .row_reduce import reduce_rows
 from .stage3 import Stage3Scheduler
 from .stage3_state_dict import install_state_dict_hooks
-from .units import Unit, assign_parameters, find_unit_modules
+from .units import Unit, assign_parameters, bucketed, find_unit_modules
 from .use_grads import UseGrads, UseSinks, routed
 
 logger = logging.getLogger("zeroplus.zero")
@@ -103,16 +103,18 @@ class ZeroPartition:
                     expert = experts is not None and experts.holds(p)
                     by_group.setdefault((param_group_of[id(p)], expert), []).append((pname, p))
             for gi, expert in sorted(by_group):
-                named, group_dp, label = by_group[(gi, expert)], dp, f"{name}#{gi}"
-                split = experts if expert else None
-                if split is not None:
-                    named = [(f"{n}{split.suffix}", p) for n, p in named]
-                    group_dp, label = split.group, label + split.suffix
-                group = FlatParamGroup(label, named, gi, self.stage, group_dp, compute_dtype, ledger, master,
-                                       placement.device if placement is not None else None)
-                if split is not None:
-                    group.expert, group.file_ranks = True, split.data_ranks()
-                groups.append(group)
+                runs = bucketed(by_group[(gi, expert)], zero.reduce_bucket_size)
+                for k, named in enumerate(runs):
+                    group_dp, label = dp, f"{name}#{gi}" + (f".{k}" if len(runs) > 1 else "")
+                    split = experts if expert else None
+                    if split is not None:
+                        named = [(f"{n}{split.suffix}", p) for n, p in named]
+                        group_dp, label = split.group, label + split.suffix
+                    group = FlatParamGroup(label, named, gi, self.stage, group_dp, compute_dtype, ledger, master,
+                                           placement.device if placement is not None else None)
+                    if split is not None:
+                        group.expert, group.file_ranks = True, split.data_ranks()
+                    groups.append(group)
             unit = Unit(index=index, name=name, module=module, groups=groups, is_root=(module is model))
             for g in groups:
                 g.unit, g.owner = unit, self

@@ -8,8 +8,12 @@ appears in several modules (tied weights) belongs to the first unit that reaches
 order, and is counted once. Frozen parameters (``requires_grad=False``) are not flattened: they
 stay in place on every rank in the compute dtype.
 
-Within a unit, parameters are split further by optimizer param group, one ``FlatParamGroup``
-each, so every flat buffer has one set of hyper-parameters.
+Within a unit, parameters are split further by optimizer param group, so every flat buffer has one
+set of hyper-parameters, and then into runs of at most ``reduce_bucket_size`` elements (whole
+parameters; one larger than that is a run alone), one ``FlatParamGroup`` each: a group's gradient is
+reduced as one piece, so a bucket smaller than a unit bounds the gradient bytes a reduction holds.
+Memory: the flat gradients alive during backward are the group being filled plus the reductions in
+flight (``partition.py``), so at most about two groups' gradients, each at most the bucket.
 """
 from __future__ import annotations
 
@@ -121,3 +125,16 @@ def assign_parameters(model: torch.nn.Module, unit_modules: list[tuple[str, torc
             root_params.append((pname, p))
     units.append(("<root>", model, root_params))
     return units
+
+
+def bucketed(named: list[tuple[str, torch.nn.Parameter]], limit: int) -> list[list[tuple[str, torch.nn.Parameter]]]:
+    """``named`` in order, cut into runs of at most ``limit`` elements (a larger parameter is a run alone)."""
+    runs: list[list[tuple[str, torch.nn.Parameter]]] = []
+    size = 0
+    for name, p in named:
+        if not runs or size + p.numel() > limit:
+            runs.append([])
+            size = 0
+        runs[-1].append((name, p))
+        size += p.numel()
+    return runs
