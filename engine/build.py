@@ -20,7 +20,10 @@ import torch.distributed as dist
 from zeroplus.accelerator import Accelerator
 from zeroplus.activations import ResizeRecompute, SavedTensorRouter, SwapAttention, checkpointing
 from zeroplus.activations.resize_recompute import DEFAULT_CLASSES
+from zeroplus.activations.tiled import tile_mlps
+from zeroplus.activations.tiled_loss import tile_loss
 from zeroplus.config import ConfigError, ResolvedConfig, ZeroplusConfig, resolved_zero
+from zeroplus.config.blocks import TiledConfig
 from zeroplus.ledger import Ledger
 from zeroplus.logs import log_rank0
 from zeroplus.offload import virtual_host
@@ -358,6 +361,7 @@ def _activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: 
                       "to it saves nothing; zeroplus.activation_tier {'device': 'file', 'path': DIR} swaps to files",
                       level=logging.WARNING)
         claimers.append(swapper)
+    _tile(model, zp.tiled)
     sequence_split = cfg.zeroplus.parallel.sequence_parallel
     if ac.partition_activations and sequence_split:
         log_rank0("activation_checkpointing.partition_activations: no effect with zeroplus.parallel."
@@ -369,6 +373,20 @@ def _activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: 
                             synchronize=ac.synchronize_checkpoint_boundary, profile=ac.profile, tier=tier,
                             ledger=ledger)
     return SavedTensorRouter(claimers)
+
+
+def _tile(model: torch.nn.Module, tiles: TiledConfig) -> None:
+    """``zeroplus.tiled``: the MLPs and the loss run over tiles of tokens (``activations/tiled.py``)."""
+    if tiles.mlp_tokens is not None:
+        done = tile_mlps(model, tiles.mlp_tokens, tiles.mlp_modules)
+        _check_targets("tiled.mlp_tokens", done, model, tiles.mlp_modules or ["*MLP"], [])
+    if tiles.loss_tokens is not None:
+        try:
+            tile_loss(model, tiles.loss_tokens)
+        except ValueError as err:
+            raise ConfigError(f"config key 'zeroplus.tiled.loss_tokens': {err}") from None
+        log_rank0("tiled.loss_tokens: the LM head and cross-entropy of %s run over %d tokens at a time",
+                  type(model).__name__, tiles.loss_tokens)
 
 
 def _check_targets(key: str, targets: list[str], model: torch.nn.Module, classes: list[str], names: list[str]) -> None:

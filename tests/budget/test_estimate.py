@@ -12,7 +12,8 @@
   a real forward (counted by a saved-tensor hook, each storage once), for the GPT in bf16, to
   0.5% (layer norm's statistics are fp32 on the meta device and bf16 on CPU); with
   resize recompute the prediction drops exactly the bytes the real run's ledger says recompute
-  kept from being held; with every block checkpointed it is smaller still.
+  kept from being held; with every block checkpointed it is smaller still; with tiled MLPs and loss
+  (``zeroplus.tiled``) it equals the tiled run's, the MLP intermediates and the logits gone.
 - 1024 ranks in seconds, sharded categories 1/N; the command line prints the same budget; the
   engine reports predicted beside measured, and does not predict with ``memory_estimate`` off;
   the budget, the report and the command line draw PNG charts (when matplotlib is installed).
@@ -147,6 +148,17 @@ def test_activations_are_what_autograd_saves():
     block_inputs = 4 * 4 * 64 * 128 * 2  # 4 blocks, each keeps its (4, 64, 128) bf16 input
     assert checkpointed.saved_for_backward < plain - 4 * block_inputs
     assert checkpointed.saved_for_backward >= block_inputs
+
+    # Tiled MLP and loss: each MLP keeps its input only (not its two 4d-wide bf16 intermediates), the
+    # loss its hidden states and targets (not the logits nor their fp32 log-softmax); predicted as run.
+    tiled = zeroplus.initialize(GPT(gpt_config("small")), _config(0, "bf16", tiled={"mlp_tokens": 64,
+                                                                                     "loss_tokens": 64}))
+    real_tiled = _saved_in_real_forward(tiled, x)
+    assert tiled.budget.saved_for_backward == pytest.approx(real_tiled, rel=0.005), (tiled.budget.saved_for_backward,
+                                                                                      real_tiled)
+    tokens = 4 * 64
+    intermediates, logits = 4 * 2 * tokens * 512 * 2, tokens * 256 * 4
+    assert real_tiled <= real - intermediates - logits + 64, (real_tiled, real)  # (+ the loss's divisor, a scalar)
 
 
 def test_a_thousand_ranks_in_seconds_and_one_over_n():

@@ -148,6 +148,20 @@ class SwapAttentionConfig(Block):
     min_bytes: NonNegativeInt = Field(65536, description="Smaller saved tensors stay on the device.")
 
 
+class TiledConfig(Block):
+    """Tiled MLP and tiled loss (``zeroplus/activations/tiled.py``): unset leaves them untiled."""
+
+    mlp_tokens: PositiveInt | None = Field(
+        None, description="Tokens per tile of every position-wise MLP: its wide intermediate exists for one "
+                          "tile at a time, in forward and backward.")
+    mlp_modules: list[str] | None = Field(
+        None, description="MLP class names to tile (default: classes whose name ends in 'MLP', mixtures of "
+                          "experts left out).")
+    loss_tokens: PositiveInt | None = Field(
+        None, description="Tokens per tile of the LM head and cross-entropy (zeroplus's GPT or a Hugging Face "
+                          "causal LM): the vocabulary-sized logits exist for one tile at a time.")
+
+
 class ActivationTierConfig(Block):
     device: Literal["host", "file"] = Field(
         "host", description="Where swapped activations and cpu_checkpointing inputs go: host memory (pinned), or "
@@ -194,6 +208,7 @@ class ZeroplusBlock(Block):
                                     "from zero as shared master weights do (to compare runs bit for bit).")
     resize_recompute: ResizeRecomputeConfig = Field(default_factory=ResizeRecomputeConfig)
     swap_attention: SwapAttentionConfig = Field(default_factory=SwapAttentionConfig)
+    tiled: TiledConfig = Field(default_factory=TiledConfig)
     activation_tier: ActivationTierConfig = Field(default_factory=ActivationTierConfig)
     direct_io: bool = Field(
         True, description="Offload and swap files bypass the page cache (O_DIRECT, aligned buffers) where the "

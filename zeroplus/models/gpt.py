@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..activations.checkpointing import checkpoint
+from ..activations.tiled import tiled_cross_entropy
 from ..parallel.moe import MoE, with_aux_loss
 
 
@@ -33,6 +34,7 @@ class GPTConfig:
     moe_k: int = 1
     moe_capacity_factor: float = 1.25
     moe_aux_coef: float = 0.01
+    loss_tile_tokens: int = 0  # > 0: the LM head and cross-entropy run over this many tokens at a time
 
     @property
     def hidden_size(self) -> int:
@@ -138,6 +140,8 @@ class GPT(nn.Module):
         replay = self.config.checkpoint_blocks and self.training and torch.is_grad_enabled()
         for block in self.blocks:
             x = checkpoint(block, x) if replay else block(x)
+        if targets is not None and self.config.loss_tile_tokens > 0:  # never the whole (b, t, vocab) logits
+            return tiled_cross_entropy(self.lm_head, self.ln_f(x), targets, self.config.loss_tile_tokens)
         logits = self.lm_head(self.ln_f(x))  # (b, t, vocab)
         if targets is None:
             return logits

@@ -1,0 +1,170 @@
+"""Tiled MLP and tiled loss (``zeroplus/activations/tiled.py``, ``tiled_loss.py``): the same values and
+gradients as untiled, and no intermediate wider than one tile, on zeroplus's GPT and Hugging Face models.
+
+Tolerances (fp32): outputs and input gradients relative 1e-6 of their largest value (each row's
+arithmetic is the untiled one, but the CPU matmul kernel's result for a row depends on how many rows
+it gets: equal to the last bits, not bitwise here); parameter gradients and the loss relative 1e-5
+(sums over tiles instead of over all rows)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import zeroplus
+from tests import hf_models
+from tests.dist_helper import rank_and_world, run_distributed
+from zeroplus.activations.tiled import tile_module, tiled_cross_entropy
+from zeroplus.activations.tiled_loss import tile_hf_causal_lm
+from zeroplus.config import ConfigError
+from zeroplus.models import GPT, gpt_config
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rel: float) -> bool:
+    return bool((a - b).abs().max() <= rel * b.abs().max())
+
+
+class _Widest(TorchDispatchMode):
+    """The largest number of elements of any tensor an operator returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.widest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.widest = max(self.widest, t.numel())
+        return out
+
+
+def _check_grads(tiled_module: nn.Module, plain: nn.Module, rel: float = 1e-5) -> None:
+    for (name, p), (_, q) in zip(tiled_module.named_parameters(), plain.named_parameters()):
+        assert p.grad is not None and _close(p.grad, q.grad, rel), name
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_tiled_mlp_matches_untiled(family):
+    """GPT's MLP (4d, GELU) and Llama's gated MLP, 2 x 37 tokens in tiles of 10 (the last one short)."""
+    torch.manual_seed(0)
+    mlp = GPT(gpt_config("tiny")).blocks[0].mlp if family == "gpt" else hf_models.build("llama").model.layers[0].mlp
+    plain = copy.deepcopy(mlp)
+    tile_module(mlp, 10)
+    x = torch.randn(2, 37, 64, requires_grad=True)
+    x0 = x.detach().clone().requires_grad_()
+    y, y0 = mlp(x), plain(x0)
+    assert _close(y, y0, 1e-6)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y0.backward(g)
+    assert _close(x.grad, x0.grad, 1e-6)
+    _check_grads(mlp, plain)
+    assert [n for n, _ in mlp.named_parameters()] == [n for n, _ in plain.named_parameters()]  # names unchanged
+
+
+def test_tiled_mlp_holds_one_tile_of_the_intermediate():
+    """The 4d-wide intermediate exists for one tile at a time, forward and backward."""
+    torch.manual_seed(0)
+    mlp = GPT(gpt_config("tiny")).blocks[0].mlp
+    x = torch.randn(1, 64, 64, requires_grad=True)
+    widths = {}
+    for tile in (64, 8):
+        tile_module(mlp, tile)
+        with _Widest() as seen:
+            mlp(x).sum().backward()
+        widths[tile] = seen.widest
+    assert widths[64] == 64 * 256 and widths[8] == max(8 * 256, 256 * 64)  # (the weight gradient: 4d x d)
+
+
+def test_tiled_cross_entropy_matches_and_never_forms_the_logits():
+    torch.manual_seed(0)
+    head = nn.Linear(64, 300, bias=False)
+    plain = copy.deepcopy(head)
+    h = torch.randn(2, 37, 64, requires_grad=True)
+    h0 = h.detach().clone().requires_grad_()
+    targets = torch.randint(0, 300, (2, 37))
+    targets[0, :5] = -100
+    with _Widest() as seen:
+        loss = tiled_cross_entropy(head, h, targets, 8)
+        loss.backward()
+    ref = nn.functional.cross_entropy(plain(h0).float().view(-1, 300), targets.view(-1))
+    ref.backward()
+    assert _close(loss, ref, 1e-5)
+    assert _close(h.grad, h0.grad, 1e-6)
+    _check_grads(head, plain)
+    assert seen.widest == 300 * 64  # the weight's gradient; logits at most 8 x 300, never 74 x 300
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mixtral"])
+def test_hf_causal_lm_tiled_loss_matches_its_own(family):
+    """The model's own loss (shifted labels, -100 ignored, ``num_items_in_batch`` as the Trainer passes it;
+    Mixtral with its router loss) and every parameter's gradient, with the loss tiled over 7 tokens."""
+    torch.manual_seed(0)
+    model = hf_models.build(family)
+    if family == "mixtral":
+        model.config.output_router_logits = True
+    model.eval()  # (GPT-2's dropout would draw differently in the two models)
+    plain = copy.deepcopy(model)
+    tile_hf_causal_lm(model, 7)
+    ids = torch.randint(0, 256, (2, 24))
+    labels = ids.clone()
+    labels[1, :4] = -100
+    for kwargs in ({}, {"num_items_in_batch": torch.tensor(40)}):
+        model.zero_grad()
+        plain.zero_grad()
+        out, ref = model(ids, labels=labels, **kwargs), plain(ids, labels=labels, **kwargs)
+        assert out.logits is None and _close(out.loss, ref.loss, 1e-5), (out.loss, ref.loss)
+        out.loss.backward()
+        ref.loss.backward()
+        _check_grads(model, plain, 1e-4 if family == "mixtral" else 1e-5)
+    assert model(ids).logits.shape == (2, 24, 256)  # without labels: the model's own forward
+
+
+def _engine_losses(family: str, stage: int, tiled: bool) -> list[float]:
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny")) if family == "gpt" else hf_models.build(family)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+           "zeroplus": {"log_level": "warning", **({"tiled": {"mlp_tokens": 8, "loss_tokens": 8}} if tiled else {})}}
+    engine = zeroplus.initialize(model, cfg)
+    mlps = [m for m in model.modules() if type(m).__name__ in ("MLP", "LlamaMLP")]
+    assert mlps and all(("_zeroplus_tiled" in vars(m)) == tiled for m in mlps)
+    loss_tiles = model.config.loss_tile_tokens if family == "gpt" else vars(model).get("_zeroplus_loss_tiles", 0)
+    assert loss_tiles == (8 if tiled else 0)
+    losses = []
+    for step in range(3):
+        ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(step + 100 * rank_and_world()[0]))
+        loss = engine(ids, ids) if family == "gpt" else engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _both(family: str, stage: int) -> tuple[list[float], list[float]]:
+    return _engine_losses(family, stage, False), _engine_losses(family, stage, True)
+
+
+@pytest.mark.parametrize("family,stage", [("gpt", 1), ("gpt", 3), ("llama", 3)])
+def test_engine_with_tiled_config_follows_the_untiled_run(family, stage):
+    """``zeroplus.tiled`` in the config, 2 ranks: the tiled run's losses follow the untiled one's over 3
+    steps within 1e-5 relative (the tied GPT head's gradient reaches the flat buffer once, summed over
+    the tiles, at stage 3 as at stage 1)."""
+    for untiled, tiled_run in run_distributed(_both, 2, family, stage):
+        assert torch.allclose(torch.tensor(tiled_run), torch.tensor(untiled), rtol=1e-5, atol=0), (tiled_run, untiled)
+
+
+def test_tiled_config_refuses_what_it_cannot_tile():
+    net = nn.Sequential(nn.Linear(8, 8))
+    base = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    with pytest.raises(ConfigError, match=r"zeroplus.tiled.loss_tokens.*Sequential is neither"):
+        zeroplus.initialize(net, {**base, "zeroplus": {"tiled": {"loss_tokens": 8}}})
+    with pytest.raises(ConfigError, match=r"zeroplus.tiled.mlp_tokens' matches no module of Sequential"):
+        zeroplus.initialize(net, {**base, "zeroplus": {"tiled": {"mlp_tokens": 8}}})
+    with pytest.raises(ConfigError, match=r"zeroplus.tiled.mlp_tokens"):
+        zeroplus.initialize(net, {**base, "zeroplus": {"tiled": {"mlp_tokens": 0}}})
