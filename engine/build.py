@@ -143,9 +143,11 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Any, accel: Ac
         model_parallel=ModelParallelNorm(parallel.model, parallel.tensor.size, is_tensor_parallel)
         if parallel is not None and model_parallel else None,
         expert_group=parallel.expert if parallel is not None and experts is not None else None))
-    log_rank0("%s; compute dtype %s; optimizer %s; micro-batch %s x accumulation %s x dp %d = batch %s",
+    context = parallel.topology.context if parallel is not None else 1
+    log_rank0("%s; compute dtype %s; optimizer %s; micro-batch %s x accumulation %s x data %d = batch %s%s",
               partition.describe().splitlines()[0], str(dtype).replace("torch.", ""), type(opt).__name__,
-              cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, dp.size, cfg.train_batch_size)
+              cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, dp.size // context,
+              cfg.train_batch_size, f" (each sequence over {context} context ranks)" if context > 1 else "")
     if split and parallel is not None:
         log_rank0("%s", parallel.describe())
         if cfg.zeroplus.memory_estimate and pipelined:

@@ -70,13 +70,18 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
         parallel = init_parallel(cfg)
     except ValueError as err:
         raise ConfigError(f"config key 'zeroplus.parallel': {err}") from None
-    dp = DataParallelGroup(process_group) if process_group is not None else parallel.data
+    context = parallel.topology.context
+    if context > 1 and cfg.zeroplus.parallel.context_mode == "ring":
+        raise ConfigError(f"config key 'zeroplus.parallel.context_mode': 'ring' is not implemented yet (context size "
+                          f"{context}); use 'ulysses'")
+    # ZeRO partitions and averages over data x context; a batch is split over the data ranks only
+    dp = DataParallelGroup(process_group) if process_group is not None else parallel.zero
     check_fillable(cfg)
-    resolve_batch(cfg, dp.size)
+    resolve_batch(cfg, dp.size // context)
     resolve_auto(cfg, model, optimizer is not None)
     if dp.size > 1:
         check_ranks_agree(model, cfg, dp, parallel.topology.to_dict())
-    split = parallel.model.size > 1 or parallel.expert.size > 1
+    split = parallel.model.size > 1 or parallel.expert.size > 1 or context > 1
     if split and (auto_keys(cfg) or cfg.zeroplus.memory_budget is not None):
         raise ConfigError(f"config key 'zeroplus.memory_budget' with {parallel.topology.describe()}: the memory "
                           f"estimate and planner cover data parallelism only so far; remove the budget and 'auto'")
@@ -84,7 +89,10 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     if accel.name == "cpu" and cfg.bf16.enabled:
         warn_if_bf16_is_emulated()
     pipelined = parallel.topology.pipeline > 1
-    source = _estimate_source(model, cfg, parallel) if not pipelined else None
+    if context > 1 and cfg.zeroplus.memory_estimate:
+        log_rank0("memory estimate: context parallelism is not simulated yet; no prediction this run",
+                  level=logging.WARNING)
+    source = _estimate_source(model, cfg, parallel) if not pipelined and context == 1 else None
     problem = simulation_problem(source[0]) if source is not None else None
     if problem is not None:  # said now, before any batch; the first forward will not try again
         log_rank0("memory estimate unavailable for this model: %s; zeroplus.memory_estimate false skips this check",

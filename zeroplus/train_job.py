@@ -26,6 +26,7 @@ from zeroplus.cpu_precision import native_bf16
 from zeroplus.data import ByteBatches, corpus_description, read_corpus
 from zeroplus.models import GPT, gpt_config
 from zeroplus.models.split import split_gpt
+from zeroplus.parallel.groups import parallel_groups
 from zeroplus.parallel.moe import is_expert
 
 logger = logging.getLogger("zeroplus.train")
@@ -39,6 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--size", default="small", help="built-in GPT size: tiny, small, medium, 111m")
     p.add_argument("--experts", type=int, default=0,
                    help="each block's MLP a top-2 mixture of this many experts (split over zeroplus.parallel.expert)")
+    p.add_argument("--context", type=int, default=None,
+                   help="context-parallel size: ranks that each hold 1/C of every sequence (Ulysses; sets "
+                        "zeroplus.parallel.context in the config)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
@@ -54,13 +58,24 @@ def default_config_path() -> str:
                ("zero3_fp32.json" if emulated else "zero3_bf16.json"))
 
 
+def with_context(path: str, context: int) -> dict[str, Any]:
+    """The config at ``path`` with ``zeroplus.parallel.context`` set (Ulysses)."""
+    cfg = json.loads(pathlib.Path(path).read_text())
+    cfg.setdefault("zeroplus", {}).setdefault("parallel", {})["context"] = context
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
-    config = args.config or default_config_path()
+    config: Any = args.config or default_config_path()
+    label = str(config)
+    if args.context is not None:
+        config = with_context(config, args.context)
+        label += f" with zeroplus.parallel.context {args.context}"
     parallel = zeroplus.init_parallel(config).topology  # before the model: its split layers need the groups
     if parallel.expert > 1 and args.experts % parallel.expert:
-        raise SystemExit(f"zeroplus train: config {config} splits experts over {parallel.expert} ranks; give "
+        raise SystemExit(f"zeroplus train: config {label} splits experts over {parallel.expert} ranks; give "
                          f"--experts N with N a multiple of {parallel.expert} (got {args.experts})")
     moe = dict(moe_experts=args.experts, moe_k=min(2, args.experts)) if args.experts else {}
     gpt = GPT(gpt_config(args.size, block_size=max(args.seq_len, 64), **moe))
@@ -69,12 +84,12 @@ def main(argv: list[str] | None = None) -> None:
     # this rank's part: tensor slices, pipeline stage (batches then run through engine.train_batch)
     model = split_gpt(gpt, sequence_parallel=settings.sequence_parallel, overlap_chunks=settings.overlap_chunks)
     engine = zeroplus.initialize(model, config)
-    rank = engine.dp.rank  # the data rank picks the batches
+    rank = parallel_groups().coordinates.data  # the data rank picks the batches (context ranks share them)
     main_rank = not dist.is_initialized() or dist.get_rank() == 0  # prints (tensor ranks share a data rank)
     data = ByteBatches(read_corpus(args.data), args.seq_len, engine.train_micro_batch_size_per_gpu(), rank, args.seed)
     if main_rank:
         print(f"zeroplus train: GPT-{args.size} ({n_params / 1e6:.2f}M parameters), {parallel.describe()}, "
-              f"config {config}, data: {corpus_description(args.data)}", flush=True)
+              f"config {label}, data: {corpus_description(args.data)}", flush=True)
     if args.resume:
         path, _ = engine.load_checkpoint(args.save_dir)
         if main_rank:

@@ -33,7 +33,7 @@ from .virtual_group import VirtualGroup
 
 def topology_of(cfg: ZeroplusConfig, world_size: int) -> Topology:
     par = cfg.zeroplus.parallel
-    return Topology(world_size, par.tensor, par.pipeline, par.expert)
+    return Topology(world_size, par.tensor, par.pipeline, par.expert, par.context)
 
 
 def virtual_groups(cfg: ZeroplusConfig, world_size: int, rank: int, gloo_buffers: bool = False) -> ParallelGroups:

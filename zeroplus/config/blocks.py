@@ -180,12 +180,17 @@ class TensorParallelConfig(Block):
 
 
 class ParallelConfig(Block):
-    """Model parallelism beside ZeRO (``zeroplus/parallel/topology.py``): world = data x tensor x pipeline."""
+    """Model parallelism beside ZeRO (``zeroplus/parallel/topology.py``): world = data x context x tensor x pipeline."""
 
     tensor: PositiveInt = Field(1, description="Tensor-parallel size: ranks that split each layer's weights.")
     pipeline: PositiveInt = Field(1, description="Pipeline-parallel size: ranks that each run a slice of the layers.")
     expert: PositiveInt = Field(1, description="Expert-parallel size, carved out of the data-parallel ranks (it "
                                                "divides data size): ranks that split a mixture-of-experts layer.")
+    context: PositiveInt = Field(1, description="Context-parallel size: ranks that each hold 1/context of every "
+                                                "sequence's tokens (ZeRO partitions over data x context).")
+    context_mode: Literal["ulysses", "ring"] = Field(
+        "ulysses", description="How attention sees the whole sequence: 'ulysses' (all-to-all from a sequence split to "
+                               "a head split and back) or 'ring' (K/V blocks passed around the context ranks).")
     sequence_parallel: bool = Field(False, description="Split activations along the sequence between "
                                                        "tensor-parallel regions (norms, dropout, residuals).")
     overlap_chunks: PositiveInt = Field(

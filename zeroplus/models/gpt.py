@@ -18,6 +18,9 @@ from torch import nn
 
 from ..activations.checkpointing import checkpoint
 from ..activations.tiled import tiled_cross_entropy
+from ..comm import DataParallelGroup
+from ..parallel.context import check_heads, heads_to_seq, local_slice, positions, seq_to_heads
+from ..parallel.groups import current_groups
 from ..parallel.moe import MoE, with_aux_loss
 
 
@@ -63,11 +66,21 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape  # (batch, seq, d)
+        b, t, c = x.shape  # (batch, seq, d); under context parallelism this rank's 1/C of the sequence
+        cp = context_group()
         q, k, v = self.qkv(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, heads, t, d/heads)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+        q, k, v = (seq_to_heads(z.view(b, t, self.n_head, c // self.n_head), cp).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, heads / C, whole seq, d/heads)
+        return self.proj(heads_to_seq(y.transpose(1, 2), cp).reshape(b, t, c))
+
+
+def context_group() -> DataParallelGroup:
+    """The context-parallel group of the groups made so far (``zeroplus/parallel/context.py``; one rank if none)."""
+    groups = current_groups()
+    return groups.context if groups is not None else _ONE_RANK
+
+
+_ONE_RANK = DataParallelGroup(None)
 
 
 class MLP(nn.Module):
@@ -133,9 +146,16 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``(batch, seq, vocab)``, or the mean cross-entropy if ``targets`` is given."""
+        """Logits ``(batch, seq, vocab)``, or the mean cross-entropy if ``targets`` is given. Under context
+        parallelism (C ranks) every rank of a context group gets the same whole sequences and keeps its
+        contiguous 1/C (positions stay global): the logits are of those tokens, the loss their mean."""
+        cp = context_group()
+        if cp.size > 1:
+            check_heads(self.config.n_head, self.config.n_head, cp)
+            idx = local_slice(idx, cp)
+            targets = local_slice(targets, cp) if targets is not None else None
         b, t = idx.shape
-        pos = torch.arange(t, device=idx.device)
+        pos = positions(t, cp, idx.device)
         x = self.wte(idx) + self.wpe(pos)  # (b, t, d)
         replay = self.config.checkpoint_blocks and self.training and torch.is_grad_enabled()
         for block in self.blocks:

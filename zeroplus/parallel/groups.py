@@ -48,6 +48,8 @@ class ParallelGroups:
                 members = topology.group_of(kind, rank)
                 made[kind], self.ranks[kind] = virtual(members.index(rank), len(members)), members
         for kind in KINDS if virtual is None else ():
+            if kind == "zero" and topology.context == 1:
+                continue  # the data group itself (below)
             for members in topology.groups(kind):
                 if len(members) == 1:
                     continue
@@ -59,24 +61,29 @@ class ParallelGroups:
                     self.ranks[kind] = members
             made.setdefault(kind, _SingleRank())
             self.ranks.setdefault(kind, [rank])
+        if virtual is None and topology.context == 1:
+            made["zero"], self.ranks["zero"] = made["data"], self.ranks["data"]
         self.tensor, self.data, self.pipeline = made["tensor"], made["data"], made["pipeline"]
         self.expert, self.expert_data, self.model = made["expert"], made["expert_data"], made["model"]
+        self.context = made["context"]  # the ranks sharing each sequence (zeroplus/parallel/context.py)
+        self.zero = made["zero"]  # ZeRO's group: data x context
 
     def describe(self) -> str:
         c = self.coordinates
         return (f"{self.topology.describe()}; rank {self.global_rank} is tensor {c.tensor}, data {c.data}, "
-                f"pipeline {c.pipeline}" + (f", expert {c.expert}" if self.topology.expert > 1 else ""))
+                f"pipeline {c.pipeline}" + (f", expert {c.expert}" if self.topology.expert > 1 else "")
+                + (f", context {c.context}" if self.topology.context > 1 else ""))
 
 
 def _timeout(spec: Any) -> float | None:
     return spec.zeroplus.collective_timeout if hasattr(spec, "zeroplus") else None
 
 
-def _sizes(spec: Any) -> tuple[int, int, int]:
+def _sizes(spec: Any) -> tuple[int, int, int, int]:
     if isinstance(spec, Topology):
-        return spec.tensor, spec.pipeline, spec.expert
+        return spec.tensor, spec.pipeline, spec.expert, spec.context
     parallel = spec.zeroplus.parallel
-    return parallel.tensor, parallel.pipeline, parallel.expert
+    return parallel.tensor, parallel.pipeline, parallel.expert, parallel.context
 
 
 def init_parallel(spec: Any = None) -> ParallelGroups:
@@ -88,10 +95,10 @@ def init_parallel(spec: Any = None) -> ParallelGroups:
     init_distributed_if_launched(_timeout(spec))
     launched = dist.is_available() and dist.is_initialized()
     world, rank = (dist.get_world_size(), dist.get_rank()) if launched else (1, 0)
-    tensor, pipeline, expert = _sizes(spec) if spec is not None else (1, 1, 1)
-    topology = Topology(world, tensor, pipeline, expert)
+    sizes = _sizes(spec) if spec is not None else (1, 1, 1, 1)
+    topology = Topology(world, *sizes)
     if _CURRENT is not None and _CURRENT.world_group is _world_group():
-        if _CURRENT.topology == topology or (tensor, pipeline, expert) == (1, 1, 1):
+        if _CURRENT.topology == topology or sizes == (1, 1, 1, 1):
             return _CURRENT  # a config without parallel sizes runs in the groups already made
         raise ValueError(f"rank {rank}: process groups exist for {_CURRENT.topology.describe()}, and the config "
                          f"asks for {topology.describe()}; call zeroplus.parallel.reset_parallel() first")

@@ -1,21 +1,30 @@
-"""The process topology: which ranks share a tensor-, data-, pipeline-, expert- or expert-data-parallel group.
+"""The process topology: which ranks share a tensor-, context-, data-, pipeline-, expert- or expert-data-parallel group.
 
-    world = data x tensor x pipeline,   rank = t + T * (d + D * p)   (Megatron's order: tensor fastest)
+    world = data x context x tensor x pipeline,   rank = t + T * (c + C * (d + D * p))   (Megatron's order)
 
-with ``t < T`` (tensor), ``d < D`` (data), ``p < P`` (pipeline). Expert parallelism is carved out of the
-data dimension: ``d = e + E * x`` with ``e < E`` (the expert-parallel rank, fastest, so an expert group's
-all-to-all stays among neighbouring ranks) and ``x < D / E`` (the expert-data-parallel rank).
+with ``t < T`` (tensor), ``c < C`` (context), ``d < D`` (data), ``p < P`` (pipeline). Expert parallelism
+is carved out of the data dimension: ``d = e + E * x`` with ``e < E`` (the expert-parallel rank,
+fastest, so an expert group's all-to-all stays among neighbouring ranks) and ``x < D / E`` (the
+expert-data-parallel rank).
 
-- tensor group: the T ranks of one (d, p): they hold one copy of the model between them, each a slice
-  of every tensor-parallel weight.
-- data group: the D ranks of one (t, p): they see different micro-batches; ZeRO partitions dense
-  parameters, gradients and optimizer states over it.
-- pipeline group: the P ranks of one (t, d): the stages of one copy of the model.
+- tensor group: the T ranks of one (c, d, p): they hold one copy of the model between them, each a
+  slice of every tensor-parallel weight.
+- data group: the D ranks of one (t, c, p): they see different micro-batches; ZeRO partitions dense
+  parameters, gradients and optimizer states over it (over the zero group when C > 1).
+- context group: the C ranks of one (t, d, p): they see the same sequences, each 1/C of every sequence's
+  tokens, and hold the same weights (``zeroplus/parallel/context.py``).
+- zero group: the D x C ranks of one (t, p) (the data group when C = 1): ZeRO partitions parameters,
+  gradients and optimizer states over it and averages gradients over it, since every context rank's
+  loss is the mean over its own tokens.
+- pipeline group: the P ranks of one (t, c, d): the stages of one copy of the model.
 - expert group: the E ranks of one (t, x, p): experts are split among them, tokens travel by all-to-all.
 - expert-data group: the D / E ranks of one (t, e, p): they hold the same experts; ZeRO partitions expert
   parameters over it.
-- model-parallel group: the T x P ranks of one d: everything one copy of the model is split over (the
-  gradient norm sums over it after the data group).
+- model-parallel group: the T x P ranks of one (c, d): everything one copy of the model is split over
+  (the gradient norm sums over it after the zero group).
+
+Context parallelism is supported beside data parallelism (any ZeRO stage); with tensor, pipeline or
+expert parallelism it is refused, with the numbers.
 
 Memory: none (rank arithmetic). Communication: creating the groups is one ``new_group`` per group on
 every rank, in the same order.
@@ -25,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-KINDS = ("tensor", "data", "pipeline", "expert", "expert_data", "model")
+KINDS = ("tensor", "data", "pipeline", "expert", "expert_data", "model", "context", "zero")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +44,7 @@ class Coordinates:
     pipeline: int
     expert: int
     expert_data: int
+    context: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,15 +55,23 @@ class Topology:
     tensor: int = 1
     pipeline: int = 1
     expert: int = 1
+    context: int = 1
 
     def __post_init__(self) -> None:
-        for key in ("world_size", "tensor", "pipeline", "expert"):
+        for key in ("world_size", "tensor", "pipeline", "expert", "context"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"parallel size {key} must be a positive integer, got {value!r}")
-        if self.world_size % (self.tensor * self.pipeline):
-            raise ValueError(f"world size {self.world_size} is not divisible by tensor x pipeline = {self.tensor} x "
-                             f"{self.pipeline} = {self.tensor * self.pipeline}: world = data x tensor x pipeline")
+        split = self.tensor * self.context * self.pipeline
+        if self.world_size % split:
+            names, sizes = ("tensor x context x pipeline", f"{self.tensor} x {self.context} x {self.pipeline}") \
+                if self.context > 1 else ("tensor x pipeline", f"{self.tensor} x {self.pipeline}")
+            raise ValueError(f"world size {self.world_size} is not divisible by {names} = {sizes} = {split}: "
+                             f"world = data x {names}")
+        others = {k: getattr(self, k) for k in ("tensor", "pipeline", "expert") if getattr(self, k) > 1}
+        if self.context > 1 and others:
+            raise ValueError(f"context size {self.context} with {', '.join(f'{k} size {v}' for k, v in others.items())}"
+                             f" is not supported yet: context parallelism runs beside data parallelism only")
         if self.data % self.expert:
             raise ValueError(f"expert-parallel size {self.expert} does not divide the data-parallel size {self.data} "
                              f"(world {self.world_size} / tensor {self.tensor} / pipeline {self.pipeline}): expert "
@@ -61,7 +79,7 @@ class Topology:
 
     @property
     def data(self) -> int:
-        return self.world_size // (self.tensor * self.pipeline)
+        return self.world_size // (self.tensor * self.context * self.pipeline)
 
     @property
     def expert_data(self) -> int:
@@ -71,39 +89,46 @@ class Topology:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
         t, rest = rank % self.tensor, rank // self.tensor
+        c, rest = rest % self.context, rest // self.context
         d, p = rest % self.data, rest // self.data
-        return Coordinates(t, d, p, d % self.expert, d // self.expert)
+        return Coordinates(t, d, p, d % self.expert, d // self.expert, c)
 
-    def rank_of(self, tensor: int = 0, data: int = 0, pipeline: int = 0) -> int:
-        return tensor + self.tensor * (data + self.data * pipeline)
+    def rank_of(self, tensor: int = 0, data: int = 0, pipeline: int = 0, context: int = 0) -> int:
+        return tensor + self.tensor * (context + self.context * (data + self.data * pipeline))
 
     def groups(self, kind: str) -> list[list[int]]:
         """Every group of ``kind``: lists of global ranks, each in its own rank order, the same on every rank."""
-        T, D, P, E, X = self.tensor, self.data, self.pipeline, self.expert, self.expert_data
+        T, D, P, E, X, C = self.tensor, self.data, self.pipeline, self.expert, self.expert_data, self.context
         at = self.rank_of
         if kind == "tensor":
-            return [[at(t, d, p) for t in range(T)] for p in range(P) for d in range(D)]
+            return [[at(t, d, p, c) for t in range(T)] for p in range(P) for d in range(D) for c in range(C)]
         if kind == "data":
-            return [[at(t, d, p) for d in range(D)] for p in range(P) for t in range(T)]
+            return [[at(t, d, p, c) for d in range(D)] for p in range(P) for c in range(C) for t in range(T)]
+        if kind == "context":
+            return [[at(t, d, p, c) for c in range(C)] for p in range(P) for d in range(D) for t in range(T)]
+        if kind == "zero":
+            return [[at(t, d, p, c) for d in range(D) for c in range(C)] for p in range(P) for t in range(T)]
         if kind == "pipeline":
-            return [[at(t, d, p) for p in range(P)] for d in range(D) for t in range(T)]
+            return [[at(t, d, p, c) for p in range(P)] for d in range(D) for c in range(C) for t in range(T)]
         if kind == "expert":
             return [[at(t, e + E * x, p) for e in range(E)] for p in range(P) for x in range(X) for t in range(T)]
         if kind == "expert_data":
             return [[at(t, e + E * x, p) for x in range(X)] for p in range(P) for e in range(E) for t in range(T)]
         if kind == "model":
-            return [[at(t, d, p) for p in range(P) for t in range(T)] for d in range(D)]
+            return [[at(t, d, p, c) for p in range(P) for t in range(T)] for d in range(D) for c in range(C)]
         raise ValueError(f"unknown group kind {kind!r}; one of {KINDS}")
 
     def group_of(self, kind: str, rank: int) -> list[int]:
         return next(g for g in self.groups(kind) if rank in g)
 
     def to_dict(self) -> dict[str, int]:
-        return {"world_size": self.world_size, "tensor": self.tensor, "pipeline": self.pipeline,
-                "expert": self.expert, "data": self.data}
+        out = {"world_size": self.world_size, "tensor": self.tensor, "pipeline": self.pipeline,
+               "expert": self.expert, "data": self.data}
+        return out | ({"context": self.context} if self.context > 1 else {})
 
     def describe(self) -> str:
-        parts = [f"data {self.data}", f"tensor {self.tensor}", f"pipeline {self.pipeline}"]
+        parts = [f"data {self.data}"] + ([f"context {self.context}"] if self.context > 1 else []) + \
+            [f"tensor {self.tensor}", f"pipeline {self.pipeline}"]
         if self.expert > 1:
             parts.append(f"expert {self.expert} (expert-data {self.expert_data})")
         return f"{self.world_size} ranks = " + " x ".join(parts)

@@ -1,0 +1,156 @@
+"""Context parallelism, Ulysses (``zeroplus/parallel/context.py``), on real gloo ranks: each rank of a
+context group holds 1/C of every sequence and attention sees it whole through two all-to-alls.
+
+Against the single-process model (the plain module on the whole global batch, ``torch.optim.SGD`` with
+momentum, float64 global-norm clipping): every step's loss (the mean of the context ranks' means, equal
+token counts) and the final parameters agree within fp32 tolerance (relative 1e-5, with an absolute
+floor of 1e-5 times each tensor's largest value: the attention sums and the gradient reductions run in
+another order), at ZeRO 1-3, context 2 and 4, and data x context 2 x 2. SGD, not Adam: Adam divides
+each gradient by its own magnitude, so an element whose gradient is zero up to rounding (the key
+bias: softmax ignores a shift of all scores) moves by rounding noise amplified to a step of lr."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zeroplus
+from tests.dist_helper import rank_and_world, run_distributed
+from tests.reference import clip_global_norm
+from zeroplus.comm import DataParallelGroup
+from zeroplus.models import GPT, gpt_config
+from zeroplus.parallel.context import heads_to_seq, seq_to_heads
+from zeroplus.parallel.groups import parallel_groups
+
+STEPS, MICRO, SEQ, LR, CLIP = 3, 2, 32, 0.1, 1.0
+
+
+def _model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(gpt_config("tiny", n_head=4, block_size=SEQ))
+
+
+def _batches(data_ranks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Step s, data rank d: batch ``s * D + d`` (what ``reference_train`` expects)."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(STEPS * data_ranks):
+        ids = torch.randint(0, 256, (MICRO, SEQ), generator=g)
+        out.append((ids, ids.roll(-1, dims=1)))
+    return out
+
+
+def _train(stage: int, context: int) -> dict:
+    rank, world = rank_and_world()
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": CLIP,
+           "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9, "weight_decay": 0.01}},
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+           "zeroplus": {"log_level": "warning", "parallel": {"context": context}}}
+    engine = zeroplus.initialize(_model(), cfg)
+    groups = parallel_groups()
+    data_ranks, d = groups.topology.data, groups.coordinates.data
+    batches = _batches(data_ranks)
+    losses = []
+    for s in range(STEPS):
+        x, y = batches[s * data_ranks + d]  # every rank of a context group: the same whole sequences
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        local = loss.detach().clone()
+        torch.distributed.all_reduce(local)  # the mean over the zero group's local means
+        losses.append(local.item() / world)
+    return {"losses": losses, "state": engine.consolidated_fp32_state(), "zero": engine.dp.size,
+            "data": data_ranks}
+
+
+def _reference(data_ranks: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The plain model on the whole global batch: each step's mean loss and the final parameters."""
+    model = _model()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=LR, momentum=0.9, weight_decay=0.01)
+    batches = _batches(data_ranks)
+    losses = []
+    for s in range(STEPS):
+        total = 0.0
+        for d in range(data_ranks):
+            loss = model(*batches[s * data_ranks + d])
+            (loss / data_ranks).backward()
+            total += loss.item() / data_ranks
+        losses.append(total)
+        clip_global_norm(params, CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _check(results: list[dict], data_ranks: int) -> None:
+    ref_losses, ref_state = _reference(data_ranks)
+    for r in results:
+        assert r["data"] == data_ranks
+        assert torch.allclose(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0), \
+            (r["losses"], ref_losses)
+        for name, value in r["state"].items():
+            ref = ref_state[name]
+            floor = 1e-5 * ref.abs().max().item()
+            torch.testing.assert_close(value, ref, rtol=1e-5, atol=floor, msg=name)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_ulysses_context_2_matches_the_single_process_model(stage):
+    results = run_distributed(_train, 2, stage, 2)
+    assert all(r["zero"] == 2 for r in results)
+    _check(results, 1)
+
+
+def test_ulysses_context_4_and_data_x_context_2_x_2():
+    _check(run_distributed(_train, 4, 3, 4), 1)
+    _check(run_distributed(_train, 4, 2, 2), 2)
+
+
+def _round_trip() -> tuple[bool, bool]:
+    group = DataParallelGroup(None)
+    rank = group.rank
+    x = torch.arange(2 * 3 * 4 * 5, dtype=torch.float32).reshape(2, 3, 4, 5) + 1000 * rank  # (b, s/C, H, hd)
+    heads = seq_to_heads(x, group)  # (b, s, H/C, hd): the whole sequence, this rank's head block
+    whole = torch.cat([torch.arange(2 * 3 * 4 * 5, dtype=torch.float32).reshape(2, 3, 4, 5) + 1000 * r
+                       for r in range(group.size)], dim=1)
+    block = whole[:, :, rank * 2:(rank + 1) * 2]
+    return torch.equal(heads, block), torch.equal(heads_to_seq(heads, group), x)
+
+
+def test_all_to_alls_turn_a_sequence_split_into_a_head_split_and_back():
+    assert all(all(r) for r in run_distributed(_round_trip, 2))
+
+
+def test_unsupported_combinations_are_refused_with_the_numbers():
+    from zeroplus.parallel.topology import Topology  # noqa: PLC0415 - one use
+
+    with pytest.raises(ValueError, match="context size 2 with tensor size 2 is not supported yet"):
+        Topology(4, tensor=2, context=2)
+    with pytest.raises(ValueError, match="not divisible by tensor x context x pipeline = 1 x 3 x 1 = 3"):
+        Topology(4, context=3)
+
+
+def _resume(path: str) -> tuple[float, float]:
+    """Two steps and a checkpoint; the engine and a fresh one that loads the checkpoint each take the third step."""
+    cfg = {"train_micro_batch_size_per_gpu": MICRO,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 3},
+           "zeroplus": {"log_level": "warning", "parallel": {"context": 2}}}
+    batches = _batches(1)
+    engine = zeroplus.initialize(_model(), cfg)
+    for s in range(2):
+        engine.backward(engine(*batches[s]))
+        engine.step()
+    engine.save_checkpoint(path)
+    again = zeroplus.initialize(_model(), cfg)
+    again.load_checkpoint(path)
+    out = []
+    for run in (engine, again):  # the third step (optimizer states restored too) and the forward after it
+        run.backward(run(*batches[2]))
+        run.step()
+        out.append(run(*batches[0]).item())
+    return out[0], out[1]
+
+
+def test_checkpoint_resumes_bit_exactly_under_context_parallelism(tmp_path):
+    for continued, resumed in run_distributed(_resume, 2, str(tmp_path)):
+        assert continued == resumed
