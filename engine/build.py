@@ -21,17 +21,19 @@ from zeroplus.accelerator import Accelerator
 from zeroplus.activations import ResizeRecompute, SavedTensorRouter, SwapAttention, checkpointing
 from zeroplus.activations.resize_recompute import DEFAULT_CLASSES
 from zeroplus.activations.tiled import tile_mlps
-from zeroplus.activations.tiled_loss import tile_loss
+from zeroplus.activations.tiled_loss import is_hf_causal_lm, tile_loss
 from zeroplus.config import ConfigError, ResolvedConfig, ZeroplusConfig, resolved_zero
 from zeroplus.config.blocks import TiledConfig
 from zeroplus.ledger import Ledger
 from zeroplus.logs import log_rank0
+from zeroplus.models import GPT
 from zeroplus.offload import virtual_host
 from zeroplus.offload.disk_space import check_free_space, states_per_element
 from zeroplus.offload.policies import MasterPolicy, OptimizerStateOffload, ParamOffload
 from zeroplus.offload.tiers import make_tier
 from zeroplus.optim.build import adopt_client_optimizer, build_optimizer, would_fuse
 from zeroplus.optim.schedulers import build_scheduler
+from zeroplus.parallel.context_hf import ulysses_hf
 from zeroplus.parallel.groups import ParallelGroups
 from zeroplus.parallel.moe import is_expert
 from zeroplus.parallel.pipeline import PipelineModule
@@ -155,6 +157,8 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Any, accel: Ac
                       "zeroplus estimate with a model factory predicts it); the report shows what is measured")
     parts = TrainingParts(partition, step, opt, scheduler, LossScaler(cfg.fp16),
                           _activation_techniques(model, cfg, ledger, accel))
+    if context > 1 and parallel is not None:
+        _split_sequences(model, parallel)
     engine = Engine(model, cfg, parts, dp, ledger, accel, rss_at_start - model_bytes)
     engine.parallel = parallel
     return engine
@@ -389,6 +393,22 @@ def _tile(model: torch.nn.Module, tiles: TiledConfig) -> None:
             raise ConfigError(f"config key 'zeroplus.tiled.loss_tokens': {err}") from None
         log_rank0("tiled.loss_tokens: the LM head and cross-entropy of %s run over %d tokens at a time",
                   type(model).__name__, tiles.loss_tokens)
+
+
+def _split_sequences(model: torch.nn.Module, parallel: ParallelGroups) -> None:
+    """Context parallelism: zeroplus's GPT splits its sequences itself; a Hugging Face causal LM gets
+    Ulysses attention and a forward that keeps this rank's slice (``parallel/context_hf.py``)."""
+    if isinstance(model, GPT):
+        return
+    if not is_hf_causal_lm(model):
+        raise ConfigError(f"config key 'zeroplus.parallel.context' ({parallel.topology.context}): "
+                          f"{type(model).__name__} is neither zeroplus's GPT nor a Hugging Face causal LM; split its "
+                          f"sequences with zeroplus.parallel.context (local_slice, positions, seq_to_heads and "
+                          f"heads_to_seq around attention)")
+    try:
+        ulysses_hf(model, parallel.context)
+    except ValueError as err:
+        raise ConfigError(f"config key 'zeroplus.parallel.context': {err}") from None
 
 
 def _check_targets(key: str, targets: list[str], model: torch.nn.Module, classes: list[str], names: list[str]) -> None:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import zeroplus
+from tests import hf_models
 from tests.dist_helper import rank_and_world, run_distributed
 from tests.reference import clip_global_norm
 from zeroplus.comm import DataParallelGroup
@@ -154,3 +155,58 @@ def _resume(path: str) -> tuple[float, float]:
 def test_checkpoint_resumes_bit_exactly_under_context_parallelism(tmp_path):
     for continued, resumed in run_distributed(_resume, 2, str(tmp_path)):
         assert continued == resumed
+
+
+def _llama(data_ranks: int = 1) -> tuple[list[float], dict[str, torch.Tensor]]:
+    rank, world = rank_and_world()
+    torch.manual_seed(0)
+    model = hf_models.build("llama")  # 4 heads, 2 key/value heads (GQA), rotary positions
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": CLIP,
+           "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9, "weight_decay": 0.01}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+           "zeroplus": {"log_level": "warning", "parallel": {"context": world // data_ranks}}}
+    engine = zeroplus.initialize(model, cfg)
+    d = parallel_groups().coordinates.data
+    losses = []
+    for s, (x, _) in enumerate(_llama_batches()):
+        if s % data_ranks != d:
+            continue
+        labels = x.clone()
+        labels[:, :5] = -100  # ignored tokens, all in context rank 0's slice
+        loss = engine(input_ids=x, labels=labels).loss
+        engine.backward(loss)
+        engine.step()
+        local = loss.detach().clone()
+        torch.distributed.all_reduce(local)
+        losses.append(local.item() / world)
+    return losses, engine.consolidated_fp32_state()
+
+
+def _llama_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return _batches(1)
+
+
+def test_ulysses_on_hugging_face_llama_with_gqa_rope_and_ignored_labels():
+    """Llama (grouped-query attention, rotary positions: the positions must be the global ones), ZeRO-3,
+    context 2, labels with 5 ignored tokens per row all in one rank's slice: losses and parameters
+    equal the single-process model's within fp32 tolerance."""
+    torch.manual_seed(0)
+    ref_model = hf_models.build("llama")
+    params = [p for p in ref_model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=LR, momentum=0.9, weight_decay=0.01)
+    ref_losses = []
+    for x, _ in _llama_batches():
+        labels = x.clone()
+        labels[:, :5] = -100
+        loss = ref_model(input_ids=x, labels=labels).loss
+        loss.backward()
+        ref_losses.append(loss.item())
+        clip_global_norm(params, CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    ref_state = {n: p.detach() for n, p in ref_model.named_parameters()}
+    for losses, state in run_distributed(_llama, 2):
+        assert torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0), (losses, ref_losses)
+        for name, value in state.items():
+            floor = 1e-5 * ref_state[name].abs().max().item()
+            torch.testing.assert_close(value, ref_state[name], rtol=1e-5, atol=floor, msg=name)
