@@ -89,10 +89,7 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     if accel.name == "cpu" and cfg.bf16.enabled:
         warn_if_bf16_is_emulated()
     pipelined = parallel.topology.pipeline > 1
-    if context > 1 and cfg.zeroplus.memory_estimate:
-        log_rank0("memory estimate: context parallelism is not simulated yet; no prediction this run",
-                  level=logging.WARNING)
-    source = _estimate_source(model, cfg, parallel) if not pipelined and context == 1 else None
+    source = _estimate_source(model, cfg, parallel) if not pipelined else None
     problem = simulation_problem(source[0]) if source is not None else None
     if problem is not None:  # said now, before any batch; the first forward will not try again
         log_rank0("memory estimate unavailable for this model: %s; zeroplus.memory_estimate false skips this check",

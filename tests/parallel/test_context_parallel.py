@@ -16,11 +16,13 @@ import torch
 import zeroplus
 from tests import hf_models
 from tests.dist_helper import rank_and_world, run_distributed
+from tests.parallel.model_states import assert_model_states_predicted, ledger_peaks
 from tests.reference import clip_global_norm
 from zeroplus.comm import DataParallelGroup
 from zeroplus.models import GPT, gpt_config
 from zeroplus.parallel.context import heads_to_seq, seq_to_heads
 from zeroplus.parallel.groups import parallel_groups
+from zeroplus.parallel.topology import KINDS, Topology
 
 STEPS, MICRO, SEQ, LR, CLIP = 3, 2, 32, 0.1, 1.0
 
@@ -122,9 +124,16 @@ def test_all_to_alls_turn_a_sequence_split_into_a_head_split_and_back():
     assert all(all(r) for r in run_distributed(_round_trip, 2))
 
 
-def test_unsupported_combinations_are_refused_with_the_numbers():
-    from zeroplus.parallel.topology import Topology  # noqa: PLC0415 - one use
+def test_every_group_kind_covers_every_rank_once_with_context():
+    for topology in (Topology(4, context=2), Topology(8, context=4), Topology(8, context=2)):
+        for kind in KINDS:
+            ranks = sorted(r for group in topology.groups(kind) for r in group)
+            assert ranks == list(range(topology.world_size)), (topology, kind)
+    assert Topology(8, context=2).groups("zero") == [[0, 1, 2, 3, 4, 5, 6, 7]]
+    assert Topology(8, context=2).groups("context") == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
+
+def test_unsupported_combinations_are_refused_with_the_numbers():
     with pytest.raises(ValueError, match="context size 2 with tensor size 2 is not supported yet"):
         Topology(4, tensor=2, context=2)
     with pytest.raises(ValueError, match="not divisible by tensor x context x pipeline = 1 x 3 x 1 = 3"):
@@ -210,3 +219,31 @@ def test_ulysses_on_hugging_face_llama_with_gqa_rope_and_ignored_labels():
         for name, value in state.items():
             floor = 1e-5 * ref_state[name].abs().max().item()
             torch.testing.assert_close(value, ref_state[name], rtol=1e-5, atol=floor, msg=name)
+
+
+def _predicted_and_measured(stage: int, context: int) -> tuple[dict, dict, dict]:
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 2,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 3000},
+           "zeroplus": {"log_level": "warning", "parallel": {"context": context}}}
+    engine = zeroplus.initialize(_model(), cfg)
+    d = parallel_groups().coordinates.data
+    batches = _batches(parallel_groups().topology.data)
+    for s in range(2):
+        for _ in range(2):  # (step() after each backward: the optimizer steps at the accumulation boundary)
+            engine.backward(engine(*batches[s * parallel_groups().topology.data + d]))
+            engine.step()
+    rank, world = rank_and_world()
+    budget = zeroplus.estimate(_model, cfg, world_size=world, rank=rank, seq_len=SEQ)
+    return ledger_peaks(engine), engine.budget.category_peaks, budget.category_peaks
+
+
+@pytest.mark.parametrize("stage,world,context", [(3, 2, 2), (2, 4, 2)])
+def test_memory_estimate_covers_context_parallelism(stage, world, context):
+    """The engine's prediction at its first forward and ``zeroplus.estimate`` (built on the meta device,
+    the context group simulated) give the model-state peaks the ledger measures, under ZeRO over
+    data x context."""
+    for rank, (measured, engine_predicted, estimated) in enumerate(run_distributed(_predicted_and_measured, world,
+                                                                                   stage, context)):
+        assert_model_states_predicted(measured, f"rank {rank}, stage {stage}, context {context}",
+                                      estimate=estimated, engine=engine_predicted)

@@ -47,7 +47,7 @@ def model_state_bytes(build_model: Callable[[], torch.nn.Module], config: dict[s
         model.to(dtype)
     group_of = {id(p): 0 for p in model.parameters() if p.requires_grad}
     ledger = Ledger()
-    partition = make_partition(model, cfg, groups.data, ledger, dtype, group_of, None, expert_split(groups))
+    partition = make_partition(model, cfg, groups.zero, ledger, dtype, group_of, None, expert_split(groups))
     out = {c.value: ledger.live_bytes(c) for c in (Category.PARAM, Category.PARAM_GATHERED, Category.MASTER)}
     zero = resolved_zero(cfg.zero_optimization)  # make_partition refused anything still 'auto'
     if zero.stage == 3 and zero.offloads_params:

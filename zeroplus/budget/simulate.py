@@ -40,7 +40,7 @@ from ..engine.build import build_engine, compute_dtype
 from ..engine.checkpoint import rank_state
 from ..ledger import Category, Ledger
 from ..offload import meta_tier
-from ..parallel.groups import current_groups
+from ..parallel.groups import current_groups, using
 from ..parallel.pipeline_schedule import train_batch
 from ..parallel.registry import carry_marks
 from ..parallel.topology import KINDS
@@ -300,11 +300,14 @@ def simulate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     kwargs = _meta(dict(example_kwargs or {}), memo)
     groups = virtual_groups(cfg, world_size, rank, gloo_buffers=workspace is not None)  # CPU: gloo's temporaries
     pipeline = _pipeline_plan(model, cfg, groups, seq_len, _meta(tuple(example_inputs or ()), memo))
+    stand_ins = group_stand_ins(current_groups(), groups)  # (this process's groups: asked before using() below)
+
     def make() -> torch.nn.Module:
         if isinstance(model, torch.nn.Module):
-            return meta_copy(model, group_stand_ins(current_groups(), groups))
+            return meta_copy(model, stand_ins)
         return build_in(groups, model)
     with _quiet(), _own_checkpointing_settings(), contextlib.ExitStack() as stack:
+        stack.enter_context(using(groups))  # a model that asks for its groups at run time (context) gets these
         built = make() if construction != "whole" else None  # never whole in memory: built outside the count
         stack.enter_context(tracker)
         stack.enter_context(attention)
@@ -312,11 +315,11 @@ def simulate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
             meta_model = make()  # the model as built, whole on the rank: the init phase counts it
         else:
             meta_model = built
-            partition_tree(meta_model, groups.data, torch.device("meta"))  # Init's chunks, counted
+            partition_tree(meta_model, groups.zero, torch.device("meta"))  # Init's chunks, counted
         tracker.enter("init")
         resolve_batch(cfg, groups.data.size)
         resolve_auto(cfg, meta_model, False)
-        engine = build_engine(meta_model, resolved(cfg), groups.data, MetaAccelerator(), 0,
+        engine = build_engine(meta_model, resolved(cfg), groups.zero, MetaAccelerator(), 0,
                               ledger=ledger, simulated=tracker, parallel=groups)
         tracker.runtime = runtime[0]
         mbs = int(engine.train_micro_batch_size_per_gpu())

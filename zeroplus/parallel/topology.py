@@ -111,9 +111,11 @@ class Topology:
         if kind == "pipeline":
             return [[at(t, d, p, c) for p in range(P)] for d in range(D) for c in range(C) for t in range(T)]
         if kind == "expert":
-            return [[at(t, e + E * x, p) for e in range(E)] for p in range(P) for x in range(X) for t in range(T)]
+            return [[at(t, e + E * x, p, c) for e in range(E)]
+                    for p in range(P) for x in range(X) for c in range(C) for t in range(T)]
         if kind == "expert_data":
-            return [[at(t, e + E * x, p) for x in range(X)] for p in range(P) for e in range(E) for t in range(T)]
+            return [[at(t, e + E * x, p, c) for x in range(X)]
+                    for p in range(P) for e in range(E) for c in range(C) for t in range(T)]
         if kind == "model":
             return [[at(t, d, p, c) for p in range(P) for t in range(T)] for d in range(D) for c in range(C)]
         raise ValueError(f"unknown group kind {kind!r}; one of {KINDS}")
