@@ -33,7 +33,7 @@ from zeroplus.offload.policies import MasterPolicy, OptimizerStateOffload, Param
 from zeroplus.offload.tiers import make_tier
 from zeroplus.optim.build import adopt_client_optimizer, build_optimizer, would_fuse
 from zeroplus.optim.schedulers import build_scheduler
-from zeroplus.parallel.context_hf import ulysses_hf
+from zeroplus.parallel.context_hf import context_parallel_hf
 from zeroplus.parallel.groups import ParallelGroups
 from zeroplus.parallel.moe import is_expert
 from zeroplus.parallel.pipeline import PipelineModule
@@ -397,7 +397,7 @@ def _tile(model: torch.nn.Module, tiles: TiledConfig) -> None:
 
 def _split_sequences(model: torch.nn.Module, parallel: ParallelGroups) -> None:
     """Context parallelism: zeroplus's GPT splits its sequences itself; a Hugging Face causal LM gets
-    Ulysses attention and a forward that keeps this rank's slice (``parallel/context_hf.py``)."""
+    Ulysses or ring attention and a forward that keeps this rank's part (``parallel/context_hf.py``)."""
     if isinstance(model, GPT):
         return
     if not is_hf_causal_lm(model):
@@ -406,7 +406,7 @@ def _split_sequences(model: torch.nn.Module, parallel: ParallelGroups) -> None:
                           f"sequences with zeroplus.parallel.context (local_slice, positions, seq_to_heads and "
                           f"heads_to_seq around attention)")
     try:
-        ulysses_hf(model, parallel.context)
+        context_parallel_hf(model, parallel.context, parallel.context_mode)
     except ValueError as err:
         raise ConfigError(f"config key 'zeroplus.parallel.context': {err}") from None
 

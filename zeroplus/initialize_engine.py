@@ -71,9 +71,6 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     except ValueError as err:
         raise ConfigError(f"config key 'zeroplus.parallel': {err}") from None
     context = parallel.topology.context
-    if context > 1 and cfg.zeroplus.parallel.context_mode == "ring":
-        raise ConfigError(f"config key 'zeroplus.parallel.context_mode': 'ring' is not implemented yet (context size "
-                          f"{context}); use 'ulysses'")
     # ZeRO partitions and averages over data x context; a batch is split over the data ranks only
     dp = DataParallelGroup(process_group) if process_group is not None else parallel.zero
     check_fillable(cfg)

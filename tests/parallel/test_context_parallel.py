@@ -22,6 +22,7 @@ from zeroplus.comm import DataParallelGroup
 from zeroplus.models import GPT, gpt_config
 from zeroplus.parallel.context import heads_to_seq, seq_to_heads
 from zeroplus.parallel.groups import parallel_groups
+from zeroplus.parallel.ring_attention import ring_attention, zigzag_slice
 from zeroplus.parallel.topology import KINDS, Topology
 
 STEPS, MICRO, SEQ, LR, CLIP = 3, 2, 32, 0.1, 1.0
@@ -42,12 +43,12 @@ def _batches(data_ranks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def _train(stage: int, context: int) -> dict:
+def _train(stage: int, context: int, mode: str = "ulysses") -> dict:
     rank, world = rank_and_world()
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": CLIP,
            "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9, "weight_decay": 0.01}},
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-           "zeroplus": {"log_level": "warning", "parallel": {"context": context}}}
+           "zeroplus": {"log_level": "warning", "parallel": {"context": context, "context_mode": mode}}}
     engine = zeroplus.initialize(_model(), cfg)
     groups = parallel_groups()
     data_ranks, d = groups.topology.data, groups.coordinates.data
@@ -109,6 +110,13 @@ def test_ulysses_context_4_and_data_x_context_2_x_2():
     _check(run_distributed(_train, 4, 2, 2), 2)
 
 
+@pytest.mark.parametrize("stage,world,context", [(1, 2, 2), (3, 2, 2), (2, 4, 4), (3, 4, 2)])
+def test_ring_context_matches_the_single_process_model(stage, world, context):
+    """``context_mode: "ring"``: the GPT keeps its zigzag chunks (positions global) and runs ring attention."""
+    results = run_distributed(_train, world, stage, context, "ring")
+    _check(results, world // context)
+
+
 def _round_trip() -> tuple[bool, bool]:
     group = DataParallelGroup(None)
     rank = group.rank
@@ -166,14 +174,14 @@ def test_checkpoint_resumes_bit_exactly_under_context_parallelism(tmp_path):
         assert continued == resumed
 
 
-def _llama(data_ranks: int = 1) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _llama(mode: str = "ulysses", data_ranks: int = 1) -> tuple[list[float], dict[str, torch.Tensor]]:
     rank, world = rank_and_world()
     torch.manual_seed(0)
     model = hf_models.build("llama")  # 4 heads, 2 key/value heads (GQA), rotary positions
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": CLIP,
            "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9, "weight_decay": 0.01}},
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-           "zeroplus": {"log_level": "warning", "parallel": {"context": world // data_ranks}}}
+           "zeroplus": {"log_level": "warning", "parallel": {"context": world // data_ranks, "context_mode": mode}}}
     engine = zeroplus.initialize(model, cfg)
     d = parallel_groups().coordinates.data
     losses = []
@@ -195,9 +203,10 @@ def _llama_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return _batches(1)
 
 
-def test_ulysses_on_hugging_face_llama_with_gqa_rope_and_ignored_labels():
+@pytest.mark.parametrize("mode", ["ulysses", "ring"])
+def test_hugging_face_llama_with_gqa_rope_and_ignored_labels(mode):
     """Llama (grouped-query attention, rotary positions: the positions must be the global ones), ZeRO-3,
-    context 2, labels with 5 ignored tokens per row all in one rank's slice: losses and parameters
+    context 2, labels with 5 ignored tokens per row all in one rank's part: losses and parameters
     equal the single-process model's within fp32 tolerance."""
     torch.manual_seed(0)
     ref_model = hf_models.build("llama")
@@ -214,7 +223,7 @@ def test_ulysses_on_hugging_face_llama_with_gqa_rope_and_ignored_labels():
         opt.step()
         opt.zero_grad(set_to_none=True)
     ref_state = {n: p.detach() for n, p in ref_model.named_parameters()}
-    for losses, state in run_distributed(_llama, 2):
+    for losses, state in run_distributed(_llama, 2, mode):
         assert torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0), (losses, ref_losses)
         for name, value in state.items():
             floor = 1e-5 * ref_state[name].abs().max().item()
@@ -247,3 +256,27 @@ def test_memory_estimate_covers_context_parallelism(stage, world, context):
                                                                                    stage, context)):
         assert_model_states_predicted(measured, f"rank {rank}, stage {stage}, context {context}",
                                       estimate=estimated, engine=engine_predicted)
+
+
+def _ring_vs_whole() -> tuple[float, float, float, float]:
+    group = DataParallelGroup(None)
+    g = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(2, 3, 8 * group.size, 8, generator=g) for _ in range(4))
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = torch.nn.functional.scaled_dot_product_attention(*whole, is_causal=True)
+    ref.backward(dout)
+    mine = [zigzag_slice(t, group, dim=2).clone().requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*mine, group)
+    out.backward(zigzag_slice(dout, group, dim=2))
+
+    def err(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - zigzag_slice(b, group, dim=2)).abs().max() / b.abs().max())
+    return (err(out.detach(), ref.detach()),) + tuple(err(m.grad, w.grad) for m, w in zip(mine, whole))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_attention_equals_whole_causal_attention(world):
+    """Zigzag-split queries, keys and values on C ranks; the output and the gradients of Q, K and V equal
+    torch's causal attention over the whole sequence, each within 1e-5 of its largest value."""
+    for errors in run_distributed(_ring_vs_whole, world):
+        assert max(errors) < 1e-5, errors

@@ -40,7 +40,8 @@ def virtual_groups(cfg: ZeroplusConfig, world_size: int, rank: int, gloo_buffers
     """Rank ``rank``'s groups in the config's topology over ``world_size`` ranks, as stand-ins."""
     topology = topology_of(cfg, world_size)
     topology.coordinates(rank)  # names a rank outside the world
-    return ParallelGroups(topology, rank, virtual=lambda r, n: VirtualGroup(r, n, gloo_buffers=gloo_buffers))
+    return ParallelGroups(topology, rank, virtual=lambda r, n: VirtualGroup(r, n, gloo_buffers=gloo_buffers),
+                          context_mode=cfg.zeroplus.parallel.context_mode)
 
 
 def build_in(groups: ParallelGroups, build: Callable[[], torch.nn.Module]) -> torch.nn.Module:

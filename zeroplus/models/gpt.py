@@ -22,6 +22,7 @@ from ..comm import DataParallelGroup
 from ..parallel.context import check_heads, heads_to_seq, local_slice, positions, seq_to_heads
 from ..parallel.groups import current_groups
 from ..parallel.moe import MoE, with_aux_loss
+from ..parallel.ring_attention import ring_attention, zigzag_positions, zigzag_slice
 
 
 @dataclasses.dataclass
@@ -69,6 +70,9 @@ class CausalSelfAttention(nn.Module):
         b, t, c = x.shape  # (batch, seq, d); under context parallelism this rank's 1/C of the sequence
         cp = context_group()
         q, k, v = self.qkv(x).split(c, dim=2)
+        if cp.size > 1 and context_mode() == "ring":  # this rank's zigzag tokens, keys and values around the ring
+            q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+            return self.proj(ring_attention(q, k, v, cp).transpose(1, 2).reshape(b, t, c))
         q, k, v = (seq_to_heads(z.view(b, t, self.n_head, c // self.n_head), cp).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, heads / C, whole seq, d/heads)
         return self.proj(heads_to_seq(y.transpose(1, 2), cp).reshape(b, t, c))
@@ -78,6 +82,11 @@ def context_group() -> DataParallelGroup:
     """The context-parallel group of the groups made so far (``zeroplus/parallel/context.py``; one rank if none)."""
     groups = current_groups()
     return groups.context if groups is not None else _ONE_RANK
+
+
+def context_mode() -> str:
+    groups = current_groups()
+    return groups.context_mode if groups is not None else "ulysses"
 
 
 _ONE_RANK = DataParallelGroup(None)
@@ -150,12 +159,14 @@ class GPT(nn.Module):
         parallelism (C ranks) every rank of a context group gets the same whole sequences and keeps its
         contiguous 1/C (positions stay global): the logits are of those tokens, the loss their mean."""
         cp = context_group()
-        if cp.size > 1:
+        ring = cp.size > 1 and context_mode() == "ring"
+        split = zigzag_slice if ring else local_slice  # ring: chunks c and 2C-1-c of 2C (balanced causal work)
+        if cp.size > 1 and not ring:
             check_heads(self.config.n_head, self.config.n_head, cp)
-            idx = local_slice(idx, cp)
-            targets = local_slice(targets, cp) if targets is not None else None
+        idx = split(idx, cp)
+        targets = split(targets, cp) if targets is not None else None
         b, t = idx.shape
-        pos = positions(t, cp, idx.device)
+        pos = zigzag_positions(t, cp, idx.device) if ring else positions(t, cp, idx.device)
         x = self.wte(idx) + self.wpe(pos)  # (b, t, d)
         replay = self.config.checkpoint_blocks and self.training and torch.is_grad_enabled()
         for block in self.blocks:

@@ -1,16 +1,18 @@
-"""Ulysses context parallelism for Hugging Face causal LMs (Llama, Qwen2, Mistral, Mixtral, ...).
+"""Context parallelism for Hugging Face causal LMs (Llama, Qwen2, Mistral, Mixtral, ...).
 
-    ulysses_hf(model, groups.context)     # zeroplus.initialize does this under "context": C
+    context_parallel_hf(model, groups.context, "ulysses")   # zeroplus.initialize does this under "context": C
 
 Two changes to the model instance, nothing else: (1) an attention implementation registered with
-Transformers' ``AttentionInterface`` wraps the model's own (``sdpa``/``eager``): Q, K and V arrive
-as this rank's tokens of all heads, go through ``seq_to_heads`` (``context.py``; K and V with their
-own, fewer heads under grouped-query attention), attention runs causally over the whole sequence
-for H/C heads, and the output comes back through ``heads_to_seq``. (2) The forward takes the whole
-sequences, as every rank of a context group is given them, and passes on this rank's contiguous
-slice: the input ids, the global position ids (so rotary embeddings rotate by the global position)
-and the labels shifted over the whole sequence before slicing (``shift_labels``: the last token of a
-slice predicts the first of the next one). Each rank's loss is the sum over its tokens divided by 1/C
+Transformers' ``AttentionInterface``. Ulysses wraps the model's own (``sdpa``/``eager``): Q, K and V
+arrive as this rank's tokens of all heads, go through ``seq_to_heads`` (``context.py``; K and V with
+their own, fewer heads under grouped-query attention), attention runs causally over the whole
+sequence for H/C heads, and the output comes back through ``heads_to_seq``. Ring runs
+``ring_attention`` (``ring_attention.py``) on this rank's zigzag tokens, K and V repeated to the query
+heads under grouped-query attention. (2) The forward takes the whole sequences, as every rank of a
+context group is given them, and passes on this rank's part (contiguous for Ulysses, the zigzag
+chunks for ring): the input ids, the global position ids (so rotary embeddings rotate by the global
+position) and the labels shifted over the whole sequence before splitting (``shift_labels``: the
+last token of a part predicts the first token after it). Each rank's loss is the sum over its tokens divided by 1/C
 of the counted tokens of the whole sequences (or of the trainer's ``num_items_in_batch``), so that
 the mean over the context ranks, which the engine's gradient average forms, is the mean over every
 token: exact also when ignored labels (-100) fall unevenly.
@@ -29,6 +31,7 @@ from torch import nn
 from ..activations.tiled_loss import IGNORE_INDEX, shifted
 from ..comm import DataParallelGroup
 from .context import check_heads, heads_to_seq, local_slice, seq_to_heads
+from .ring_attention import ring_attention, zigzag_slice
 
 transformers: Any
 try:
@@ -36,7 +39,7 @@ try:
 except ImportError:  # transformers is optional: only its models need this
     transformers = None
 
-NAME = "zeroplus_ulysses"
+NAME = "zeroplus_context"
 
 
 def ulysses_attention(inner: Callable[..., Any], group: DataParallelGroup) -> Callable[..., Any]:
@@ -51,18 +54,34 @@ def ulysses_attention(inner: Callable[..., Any], group: DataParallelGroup) -> Ca
     return attention
 
 
-def ulysses_hf(model: nn.Module, group: DataParallelGroup) -> None:
-    """Give a Hugging Face causal LM instance Ulysses attention over ``group`` (module docstring)."""
+def ring_hf_attention(group: DataParallelGroup) -> Callable[..., Any]:
+    """An attention function (Transformers' signature) running ring attention on this rank's zigzag tokens."""
+    def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: Any, scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        repeat = query.shape[1] // key.shape[1]  # grouped-query attention: query head i reads key head i // repeat
+        if repeat > 1:
+            key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+        return ring_attention(query, key, value, group, scaling).transpose(1, 2), None
+    return attention
+
+
+def context_parallel_hf(model: nn.Module, group: DataParallelGroup, mode: str = "ulysses") -> None:
+    """Give a Hugging Face causal LM instance context parallelism over ``group`` (module docstring);
+    ``mode``: "ulysses" or "ring"."""
     if transformers is None:
         raise ValueError("context parallelism for a Hugging Face model needs the transformers package")
     config: Any = getattr(model, "config")
-    heads = int(config.num_attention_heads)
-    check_heads(heads, int(getattr(config, "num_key_value_heads", None) or heads), group)
+    ring = mode == "ring"
+    if not ring:
+        heads = int(config.num_attention_heads)
+        check_heads(heads, int(getattr(config, "num_key_value_heads", None) or heads), group)
     inner = transformers.AttentionInterface._global_mapping.get(config._attn_implementation)
     if inner is None:
         inner = transformers.integrations.sdpa_attention.sdpa_attention_forward  # eager and unknown: sdpa's math
     name = f"{NAME}_{id(model)}"
-    transformers.AttentionInterface.register(name, ulysses_attention(inner, group))
+    attention = ring_hf_attention(group) if ring else ulysses_attention(inner, group)
+    transformers.AttentionInterface.register(name, attention)
+    split = zigzag_slice if ring else local_slice
     config._attn_implementation = name
     original = model.forward
 
@@ -84,12 +103,12 @@ def ulysses_hf(model: nn.Module, group: DataParallelGroup) -> None:
             # each rank divides its tokens' sum by 1/C of the count: the engine's mean over the C ranks is then
             # the mean over every token, however the ignored ones fall
             kwargs["num_items_in_batch"] = items / group.size
-            kwargs["shift_labels"] = local_slice(whole, group).contiguous()  # (HF views it flat)
-            labels = local_slice(labels, group)
-        return original(local_slice(input_ids, group), *args, labels=labels,
-                        position_ids=local_slice(position_ids, group), **kwargs)
+            kwargs["shift_labels"] = split(whole, group).contiguous()  # (HF views it flat)
+            labels = split(labels, group)
+        return original(split(input_ids, group), *args, labels=labels, position_ids=split(position_ids, group),
+                        **kwargs)
 
     model.forward = types.MethodType(forward, model)  # type: ignore[method-assign]
 
 
-__all__ = ["ulysses_attention", "ulysses_hf"]
+__all__ = ["context_parallel_hf", "ring_hf_attention", "ulysses_attention"]

@@ -33,11 +33,12 @@ class _SingleRank(DataParallelGroup):
 
 class ParallelGroups:
     def __init__(self, topology: Topology, rank: int, virtual: Callable[[int, int], Any] | None = None,
-                 timeout_seconds: float | None = None) -> None:
+                 timeout_seconds: float | None = None, context_mode: str = "ulysses") -> None:
         """``virtual``: ``(rank in group, group size) -> group`` makes stand-ins instead of process groups
         (the memory estimate's ``VirtualGroup``: one rank of a topology simulated in one process).
         ``timeout_seconds``: the collective timeout of the groups created here."""
         self.topology = topology
+        self.context_mode = context_mode  # how attention sees a sequence split over the context group
         self.global_rank = rank
         self.coordinates: Coordinates = topology.coordinates(rank)
         self.world_group = None if virtual else _world_group()  # the default group these were made in
@@ -79,6 +80,10 @@ def _timeout(spec: Any) -> float | None:
     return spec.zeroplus.collective_timeout if hasattr(spec, "zeroplus") else None
 
 
+def _context_mode(spec: Any) -> str:
+    return spec.zeroplus.parallel.context_mode if hasattr(spec, "zeroplus") else "ulysses"
+
+
 def _sizes(spec: Any) -> tuple[int, int, int, int]:
     if isinstance(spec, Topology):
         return spec.tensor, spec.pipeline, spec.expert, spec.context
@@ -102,7 +107,7 @@ def init_parallel(spec: Any = None) -> ParallelGroups:
             return _CURRENT  # a config without parallel sizes runs in the groups already made
         raise ValueError(f"rank {rank}: process groups exist for {_CURRENT.topology.describe()}, and the config "
                          f"asks for {topology.describe()}; call zeroplus.parallel.reset_parallel() first")
-    _CURRENT = ParallelGroups(topology, rank, timeout_seconds=_timeout(spec))
+    _CURRENT = ParallelGroups(topology, rank, timeout_seconds=_timeout(spec), context_mode=_context_mode(spec))
     return _CURRENT
 
 
