@@ -148,11 +148,11 @@ def test_unsupported_combinations_are_refused_with_the_numbers():
         Topology(4, context=3)
 
 
-def _resume(path: str) -> tuple[float, float]:
+def _resume(path: str, mode: str) -> tuple[float, float]:
     """Two steps and a checkpoint; the engine and a fresh one that loads the checkpoint each take the third step."""
     cfg = {"train_micro_batch_size_per_gpu": MICRO,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 3},
-           "zeroplus": {"log_level": "warning", "parallel": {"context": 2}}}
+           "zeroplus": {"log_level": "warning", "parallel": {"context": 2, "context_mode": mode}}}
     batches = _batches(1)
     engine = zeroplus.initialize(_model(), cfg)
     for s in range(2):
@@ -169,8 +169,9 @@ def _resume(path: str) -> tuple[float, float]:
     return out[0], out[1]
 
 
-def test_checkpoint_resumes_bit_exactly_under_context_parallelism(tmp_path):
-    for continued, resumed in run_distributed(_resume, 2, str(tmp_path)):
+@pytest.mark.parametrize("mode", ["ulysses", "ring"])
+def test_checkpoint_resumes_bit_exactly_under_context_parallelism(tmp_path, mode):
+    for continued, resumed in run_distributed(_resume, 2, str(tmp_path), mode):
         assert continued == resumed
 
 
@@ -280,3 +281,20 @@ def test_ring_attention_equals_whole_causal_attention(world):
     torch's causal attention over the whole sequence, each within 1e-5 of its largest value."""
     for errors in run_distributed(_ring_vs_whole, world):
         assert max(errors) < 1e-5, errors
+
+
+def _all_to_all_bytes() -> tuple[int, int]:
+    context = zeroplus.init_parallel({"zeroplus": {"parallel": {"context": 2}}}).context
+    model = _model()
+    x, y = _batches(1)[0]
+    context.bytes_sent.clear()
+    model(x, y).backward()
+    return context.bytes_sent["all_to_all"], context.size
+
+
+def test_ulysses_sends_the_formula_volume():
+    """Per layer and micro-batch, forward: Q, K, V and the output, each b * s * h / C elements sent by every
+    rank (4 b s h / C), and as much again in backward; counted on the context group's own tally."""
+    b, s, h, layers = MICRO, SEQ, 64, 2
+    for sent, c in run_distributed(_all_to_all_bytes, 2):
+        assert sent == 2 * layers * 4 * b * s * h // c * 4, sent  # (forward and backward, fp32)
