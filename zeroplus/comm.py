@@ -239,6 +239,24 @@ class DataParallelGroup:
         return self._run("all_to_all", lambda o, i: dist.all_to_all_single(o, i, group=self.group, async_op=True),
                          (output, input))
 
+    def shift_ring(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Handle]:
+        """Send ``tensors`` to the next rank of the group and receive the previous rank's (same shapes) into
+        new tensors, asynchronously: ``(incoming, handle)``; wait on the handle before reading them."""
+        incoming = [torch.empty_like(t) for t in tensors]
+        if self.size == 1:
+            for inc, t in zip(incoming, tensors):
+                inc.copy_(t)
+            return incoming, Handle(None)
+        after, before = self._global((self.rank + 1) % self.size), self._global((self.rank - 1) % self.size)
+        for t in tensors:
+            self._count("ring", t)
+        n = len(tensors)
+
+        def issue(*ts: torch.Tensor) -> Any:
+            return _Works([w for out, inc in zip(ts[:n], ts[n:]) for w in (
+                dist.isend(out, after, group=self.group), dist.irecv(inc, before, group=self.group))])
+        return incoming, self._run("ring", issue, tuple(t.contiguous() for t in tensors) + tuple(incoming))
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Group rank ``src``'s ``tensor`` on every rank, in place (blocking)."""
         if self.size == 1:

@@ -231,11 +231,11 @@ def test_hugging_face_llama_with_gqa_rope_and_ignored_labels(mode):
             torch.testing.assert_close(value, ref_state[name], rtol=1e-5, atol=floor, msg=name)
 
 
-def _predicted_and_measured(stage: int, context: int) -> tuple[dict, dict, dict]:
+def _predicted_and_measured(stage: int, context: int, mode: str) -> tuple[dict, dict, dict]:
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 2,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 3000},
-           "zeroplus": {"log_level": "warning", "parallel": {"context": context}}}
+           "zeroplus": {"log_level": "warning", "parallel": {"context": context, "context_mode": mode}}}
     engine = zeroplus.initialize(_model(), cfg)
     d = parallel_groups().coordinates.data
     batches = _batches(parallel_groups().topology.data)
@@ -244,17 +244,18 @@ def _predicted_and_measured(stage: int, context: int) -> tuple[dict, dict, dict]
             engine.backward(engine(*batches[s * parallel_groups().topology.data + d]))
             engine.step()
     rank, world = rank_and_world()
+    assert engine.budget is not None, "the engine made no prediction"
     budget = zeroplus.estimate(_model, cfg, world_size=world, rank=rank, seq_len=SEQ)
     return ledger_peaks(engine), engine.budget.category_peaks, budget.category_peaks
 
 
-@pytest.mark.parametrize("stage,world,context", [(3, 2, 2), (2, 4, 2)])
-def test_memory_estimate_covers_context_parallelism(stage, world, context):
+@pytest.mark.parametrize("stage,world,context,mode", [(3, 2, 2, "ulysses"), (2, 4, 2, "ulysses"), (3, 2, 2, "ring")])
+def test_memory_estimate_covers_context_parallelism(stage, world, context, mode):
     """The engine's prediction at its first forward and ``zeroplus.estimate`` (built on the meta device,
     the context group simulated) give the model-state peaks the ledger measures, under ZeRO over
     data x context."""
     for rank, (measured, engine_predicted, estimated) in enumerate(run_distributed(_predicted_and_measured, world,
-                                                                                   stage, context)):
+                                                                                   stage, context, mode)):
         assert_model_states_predicted(measured, f"rank {rank}, stage {stage}, context {context}",
                                       estimate=estimated, engine=engine_predicted)
 

@@ -27,7 +27,6 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..comm import DataParallelGroup
 
@@ -53,24 +52,6 @@ def zigzag_positions(local_length: int, group: DataParallelGroup, device: Any = 
 
 def _chunks(rank: int, size: int) -> tuple[int, int]:
     return rank, 2 * size - 1 - rank
-
-
-class _Ring:
-    """Send to the next rank and receive from the previous one, asynchronously, over ``group``."""
-
-    def __init__(self, group: DataParallelGroup) -> None:
-        self.group = group
-        ranks = [group._global(i) for i in range(group.size)]
-        self.next, self.prev = ranks[(group.rank + 1) % group.size], ranks[(group.rank - 1) % group.size]
-
-    def start(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any]]:
-        """Start sending ``tensors`` on and receiving the previous rank's; wait on the works before use."""
-        incoming = [torch.empty_like(t) for t in tensors]
-        works = []
-        for out, inc in zip(tensors, incoming):
-            works.append(dist.isend(out.contiguous(), self.next, group=self.group.group))
-            works.append(dist.irecv(inc, self.prev, group=self.group.group))
-        return incoming, works
 
 
 def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
@@ -106,16 +87,15 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: DataParallelGroup,
                 scale: float) -> torch.Tensor:
         size, rank = group.size, group.rank
-        ring = _Ring(group)
         qh = _halves(q)
         out = [torch.zeros(h.shape, dtype=torch.float32, device=q.device) for h in qh]
         lse = [torch.full(h.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device) for h in qh]
         kv = [k.contiguous(), v.contiguous()]
         incoming: list[torch.Tensor] = []
-        works: list[Any] = []
+        moving = None
         for step in range(size):
             if step < size - 1:
-                incoming, works = ring.start(kv)  # the next block travels while this one is computed
+                incoming, moving = group.shift_ring(kv)  # the next block travels while this one is computed
             source = (rank - step) % size
             kh, vh = _halves(kv[0]), _halves(kv[1])
             for qi, ki, causal in _pairs(_chunks(rank, size), _chunks(source, size)):
@@ -124,9 +104,8 @@ class _RingAttention(torch.autograd.Function):
                 out[qi] = (out[qi] * torch.exp(lse[qi] - merged).unsqueeze(-1)
                            + o_b * torch.exp(l_b - merged).unsqueeze(-1))
                 lse[qi] = merged
-            if step < size - 1:
-                for w in works:
-                    w.wait()
+            if moving is not None and step < size - 1:
+                moving.wait()
                 kv = incoming
         o = torch.cat(out, dim=-2)
         l_all = torch.cat(lse, dim=-1)
@@ -139,7 +118,6 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         group, scale = ctx.group, ctx.scale
         size, rank = group.size, group.rank
-        ring = _Ring(group)
         do = grad.float()
         delta = (do * o).sum(-1)  # rowsum(dO * O)
         qh, doh, lh, dh = _halves(q), _halves(do), _halves(lse.unsqueeze(-1)), _halves(delta.unsqueeze(-1))
@@ -149,7 +127,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(size):
             source = (rank - step) % size
             kb, vb, dk, dv = travelling
-            kv_in, kv_works = ring.start([kb, vb])  # K and V are only read here: they travel during the compute
+            kv_in, kv_moving = group.shift_ring([kb, vb])  # K and V are only read here: they travel during the compute
             kh, vh = _halves(kb), _halves(vb)
             dkh, dvh = list(_halves(dk)), list(_halves(dv))
             for qi, ki, causal in _pairs(_chunks(rank, size), _chunks(source, size)):
@@ -164,9 +142,9 @@ class _RingAttention(torch.autograd.Function):
                 dq[qi].add_(torch.matmul(ds, kh[ki].float()) * scale)
                 dkh[ki].add_(torch.matmul(ds.transpose(-1, -2), qh[qi].float()) * scale)
             # the gradients follow their block; after C moves both are home (dK, dV of this rank's own keys)
-            d_in, d_works = ring.start([dk, dv])
-            for w in kv_works + d_works:
-                w.wait()
+            d_in, d_moving = group.shift_ring([dk, dv])
+            kv_moving.wait()
+            d_moving.wait()
             travelling = kv_in + d_in
         return (torch.cat(dq, dim=-2).to(q.dtype), travelling[2].to(k.dtype), travelling[3].to(v.dtype), None, None)
 
