@@ -13,6 +13,7 @@ import atexit
 import contextlib
 import logging
 import os
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -369,6 +370,9 @@ class Engine:
         self._partition.wait_in_flight()
 
 
+EXIT_GRACE_SECONDS = 0.02
+
+
 def _wait_at_exit(ref: weakref.ref) -> None:
     """At interpreter exit: wait for an engine's in-flight collectives (a failure here is reported by the
     collective's own error path, not raised at exit). Also after the script destroyed the process group:
@@ -381,3 +385,7 @@ def _wait_at_exit(ref: weakref.ref) -> None:
         engine._partition.wait_in_flight()
     except Exception as err:  # noqa: BLE001 - at exit there is no caller to raise to
         logger.warning("collectives in flight at exit did not finish: %s", err)
+    # Blocking collectives of others (torch's object collectives, a trainer's metric all-reduces) hand their
+    # tensors back from gloo's worker a moment after returning, and freeing a Python-owned one takes the GIL:
+    # give it up briefly while the interpreter is whole, rather than have a worker ask for it during teardown.
+    time.sleep(EXIT_GRACE_SECONDS)

@@ -1,0 +1,137 @@
+"""Long sequences: activation peak per rank against sequence length, without and with context
+parallelism (Ulysses, ring) and tiled MLP and loss; and the longest sequence that fits a budget.
+
+    python bench/bench_context.py [--seqs 1024,2048,4096] [--contexts 2,4] [--vocab 32000] [--budget-mib 1024]
+
+Each row is one launch (torchrun, gloo, one thread per rank; C ranks = data 1 x context C; C = 1
+is a single process without context parallelism): the built-in GPT "small" (4 layers, d 128, 4 heads)
+with a ``--vocab`` vocabulary, ZeRO-1 in fp32, micro-batch 1, one warm-up step, then one measured
+step. The activation peak is the process's resident peak during that step's forward and backward
+above its resident memory just before it, with glibc returning freed memory
+(``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_``), the largest over the ranks. Target (issue
+21): at C ranks at most 1.15 / C of the single-process peak at the same total sequence; the tiled
+loss removes the vocabulary-sized logits (``4 * s * V`` bytes and their gradient) from the peak.
+The headline: the longest sequence length of those run whose activation peak fits ``--budget-mib``
+per rank, for each setting.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def worker(args: argparse.Namespace) -> None:
+    import zeroplus
+    from zeroplus.models import GPT, gpt_config
+
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.set_num_threads(1)
+    zp: dict = {"log_level": "warning", "memory_estimate": False}
+    if args.context > 1:
+        zp["parallel"] = {"context": args.context, "context_mode": args.mode}
+    if args.tiled:
+        zp["tiled"] = {"mlp_tokens": 512, "loss_tokens": 512}
+    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+           "zero_optimization": {"stage": 1}, "zeroplus": zp}
+    torch.manual_seed(0)
+    engine = zeroplus.initialize(GPT(gpt_config("small", vocab_size=args.vocab, block_size=args.seq)), cfg)
+    x = torch.randint(0, args.vocab, (1, args.seq))
+    engine.backward(engine(x, x))
+    engine.step()
+    if dist.is_initialized():
+        dist.barrier()
+    before = rss("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM from here
+    engine.backward(engine(x, x))
+    peak = rss("VmHWM") - before
+    engine.step()
+    with open(f"{args.out}.{rank}.json", "w") as f:
+        json.dump({"activation_peak": peak}, f)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def launch(seq: int, context: int, mode: str, tiled: bool, vocab: int) -> int:
+    env = dict(os.environ, ZEROPLUS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072",
+               MALLOC_TRIM_THRESHOLD_="131072", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "r")
+        args = [__file__, "--worker", "--seq", str(seq), "--context", str(context), "--mode", mode, "--vocab",
+                str(vocab), "--out", out] + (["--tiled"] if tiled else [])
+        cmd = ([sys.executable] + args if context == 1 else
+               [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(context)] + args)
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        return max(json.load(open(f"{out}.{r}.json"))["activation_peak"] for r in range(context))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", default="", help=argparse.SUPPRESS)
+    p.add_argument("--seq", type=int, default=1024, help=argparse.SUPPRESS)
+    p.add_argument("--context", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--mode", default="ulysses", help=argparse.SUPPRESS)
+    p.add_argument("--tiled", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seqs", default="1024,2048,4096")
+    p.add_argument("--contexts", default="2,4")
+    p.add_argument("--budget-mib", type=float, default=1024.0)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    seqs = [int(s) for s in args.seqs.split(",")]
+    settings = [("no context parallelism", 1, "ulysses")]
+    for c in (int(c) for c in args.contexts.split(",")):
+        settings += [(f"Ulysses C={c}", c, "ulysses"), (f"ring C={c}", c, "ring")]
+    print(f"activation peak per rank (MiB), GPT small, vocabulary {args.vocab}, fp32, micro-batch 1; "
+          f"ratio: against the single process at the same sequence, target 1.15 / C")
+    header = f"{'setting':<28}{'tiled':>6}" + "".join(f"{s:>16}" for s in seqs)
+    print(header)
+    base: dict[tuple[bool, int], int] = {}
+    fits: dict[str, int] = {}
+    for name, c, mode in settings:
+        for tiled in (False, True):
+            cells = []
+            for s in seqs:
+                peak = launch(s, c, mode, tiled, args.vocab)
+                if c == 1:
+                    base[(tiled, s)] = peak
+                ratio = peak / base[(tiled, s)] if (tiled, s) in base else float("nan")
+                cells.append(f"{peak / 2**20:8.0f} ({ratio:4.2f})")
+                if peak <= args.budget_mib * 2**20:
+                    key = f"{name}{', tiled' if tiled else ''}"
+                    fits[key] = max(fits.get(key, 0), s)
+            print(f"{name:<28}{'yes' if tiled else 'no':>6}" + "".join(f"{cell:>16}" for cell in cells), flush=True)
+    print(f"\nlongest sequence run whose activation peak fits {args.budget_mib:.0f} MiB per rank:")
+    for name, c, _ in settings:
+        for tiled in (False, True):
+            key = f"{name}{', tiled' if tiled else ''}"
+            print(f"  {key:<36}{fits.get(key, 0):>8} tokens" + ("" if key in fits else " (none of those run)"))
+
+
+if __name__ == "__main__":
+    main()
