@@ -25,17 +25,10 @@ import tempfile
 
 import torch
 import torch.distributed as dist
+from bench_worker import rss_bytes as rss
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-
-
-def rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
 
 
 def worker(args: argparse.Namespace) -> None:
