@@ -11,7 +11,9 @@ import argparse
 import json
 import logging
 import math
+import os
 import pathlib
+import sys
 import time
 from typing import Any
 
@@ -149,5 +151,15 @@ def main(argv: list[str] | None = None) -> None:
         dist.destroy_process_group()
 
 
+def end_process() -> None:
+    """The job is done (printed, saved, groups destroyed): end the process without the interpreter's
+    teardown, in which a gloo worker freeing a finished collective's tensors can still abort it
+    ("terminate called without an active exception", PyTorch PR 179291; design note 47)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     main()
+    end_process()
