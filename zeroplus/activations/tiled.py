@@ -21,13 +21,13 @@ tile's gradient becomes the accumulator) and one tile's gradient beside them. Co
 forward runs twice (as with activation checkpointing).
 
 Values: ``fn`` is row-wise, so each row's output and input gradient come from the same arithmetic as
-untiled (bitwise equal where the matmul kernel's result for a row does not depend on how many rows
-it is given, which holds for the CPU kernels checked in the tests); parameter gradients and a summed
+untiled, bitwise equal where the matmul kernel's result for a row does not depend on how many rows
+it is given (on this project's CPUs it does: equal within 1e-6 relative, tested); parameter gradients and a summed
 loss add the tiles' partial sums in tile order instead of one sum over all rows: equal within fp32
 rounding of the sum (tests: relative 1e-5).
 
 Not for functions that mix rows: attention, and mixture-of-experts layers (a token's expert
-capacity depends on the whole batch) are refused where this is applied by name (``tile_modules``).
+capacity depends on the whole batch) are left out where this is applied by name (``tile_mlps``).
 """
 from __future__ import annotations
 
@@ -38,14 +38,19 @@ import torch
 from torch import nn
 
 
+def _as_rows(x: torch.Tensor, extras: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``x`` as ``(N, d)`` rows and each extra with the same leading ``N`` (views)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows, [e.reshape(rows.shape[0], *e.shape[x.dim() - 1:]) for e in extras]
+
+
 class _Tiled(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, fn: Callable[..., torch.Tensor], tile: int, summed: bool, n_extras: int,
                 x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
         extras, params = rest[:n_extras], rest[n_extras:]
-        rows = x.reshape(-1, x.shape[-1])
+        rows, flat_extras = _as_rows(x, extras)
         n = rows.shape[0]
-        flat_extras = [e.reshape(n, *e.shape[x.dim() - 1:]) for e in extras]
         out: torch.Tensor | None = None
         with torch.no_grad():
             for a in range(0, n, tile):
@@ -58,7 +63,6 @@ class _Tiled(torch.autograd.Function):
                     out[a:a + y.shape[0]] = y
         assert out is not None, "tiled(): no rows"
         ctx.fn, ctx.tile, ctx.summed, ctx.n_extras = fn, tile, summed, n_extras
-        ctx.n_params = len(params)
         ctx.save_for_backward(x, *extras)
         ctx.params = params
         return out if summed else out.reshape(*x.shape[:-1], *out.shape[1:])
@@ -67,9 +71,8 @@ class _Tiled(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         x, *extras = ctx.saved_tensors
         params = [p for p in ctx.params if p.requires_grad]
-        rows = x.reshape(-1, x.shape[-1])
+        rows, flat_extras = _as_rows(x, extras)
         n = rows.shape[0]
-        flat_extras = [e.reshape(n, *e.shape[x.dim() - 1:]) for e in extras]
         grad_rows = grad if ctx.summed else grad.reshape(n, *grad.shape[x.dim() - 1:])
         dx = torch.empty_like(rows) if ctx.needs_input_grad[4] else None
         sums: list[torch.Tensor | None] = [None] * len(params)

@@ -54,13 +54,18 @@ def _chunks(rank: int, size: int) -> tuple[int, int]:
     return rank, 2 * size - 1 - rank
 
 
+def _future(n: int, device: Any) -> torch.Tensor:
+    """The causal mask of a diagonal chunk pair: True where a key comes after its query."""
+    return torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
+
+
 def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk pair: the normalised output and the log-sum-exp of its scores (fp32)."""
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if causal:
         n = s.shape[-1]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        s = s.masked_fill(_future(n, s.device), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.float()), lse
 
@@ -135,7 +140,7 @@ class _RingAttention(torch.autograd.Function):
                 p = torch.exp(s - lh[qi])
                 if causal:
                     n = p.shape[-1]
-                    p = p.masked_fill(torch.ones(n, n, dtype=torch.bool, device=p.device).triu(1), 0.0)
+                    p = p.masked_fill(_future(n, p.device), 0.0)
                 dvh[ki].add_(torch.matmul(p.transpose(-1, -2), doh[qi]))
                 dp = torch.matmul(doh[qi], vh[ki].float().transpose(-1, -2))
                 ds = p * (dp - dh[qi])
