@@ -8,6 +8,7 @@ it gets: equal to the last bits, not bitwise here); parameter gradients and the 
 from __future__ import annotations
 
 import copy
+import weakref
 
 import pytest
 import torch
@@ -17,7 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import zeroplus
 from tests import hf_models
 from tests.dist_helper import rank_and_world, run_distributed
-from zeroplus.activations.tiled import tile_module, tiled_cross_entropy
+from zeroplus.activations.linear_cross_entropy import linear_cross_entropy_sum
+from zeroplus.activations.tiled import cross_entropy_sum, head_function, tile_module, tiled, tiled_cross_entropy
 from zeroplus.activations.tiled_loss import tile_hf_causal_lm
 from zeroplus.config import ConfigError
 from zeroplus.models import GPT, gpt_config
@@ -39,6 +41,43 @@ class _Widest(TorchDispatchMode):
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
                 self.widest = max(self.widest, t.numel())
+        return out
+
+
+class _LiveBytes(TorchDispatchMode):
+    """The peak bytes of the storages operators return, alive at once (a storage counted from the first
+    tensor returned on it until the last such tensor is freed; ``before``'s storages not counted)."""
+
+    def __init__(self, *before: torch.Tensor) -> None:
+        super().__init__()
+        self.known = {t.untyped_storage().data_ptr() for t in before}
+        self.users: dict[int, int] = {}
+        self.sizes: dict[int, int] = {}
+        self.tracked: dict[int, weakref.ref] = {}
+        self.live = self.peak = 0
+
+    def _freed(self, ptr: int) -> None:
+        self.users[ptr] -= 1
+        if not self.users[ptr]:
+            del self.users[ptr]
+            self.live -= self.sizes.pop(ptr)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if not isinstance(t, torch.Tensor) or (id(t) in self.tracked and self.tracked[id(t)]() is t):
+                continue  # (an in-place operator returns its input)
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr in self.known:
+                continue
+            self.tracked[id(t)] = weakref.ref(t)
+            if ptr not in self.users:
+                self.users[ptr], self.sizes[ptr] = 0, storage.nbytes()
+                self.live += storage.nbytes()
+            self.users[ptr] += 1
+            weakref.finalize(t, self._freed, ptr)
+        self.peak = max(self.peak, self.live)
         return out
 
 
@@ -97,6 +136,56 @@ def test_tiled_cross_entropy_matches_and_never_forms_the_logits():
     assert _close(h.grad, h0.grad, 1e-6)
     _check_grads(head, plain)
     assert seen.widest == 300 * 64  # the weight's gradient; logits at most 8 x 300, never 74 x 300
+
+
+def _loss_peak(loss_fn, head: nn.Module, h: torch.Tensor) -> int:
+    with _LiveBytes(head.weight, h) as seen:
+        loss_fn().backward()
+    head.zero_grad(set_to_none=True)
+    return seen.peak
+
+
+def test_tiled_loss_of_a_linear_head_holds_one_tile_of_logits():
+    """A plain ``nn.Linear`` head: at most one tile's fp32 logits (which become its probabilities and its
+    gradient in place) beside the head's gradient, at once, forward and backward; the generic tiling of
+    ``F.cross_entropy`` holds 3.5 tiles' worth, untiled everything (about 12 tiles here)."""
+    torch.manual_seed(0)
+    vocab, d, rows, tile = 20000, 64, 512, 128
+    head = nn.Linear(d, vocab, bias=False)
+    h = torch.randn(rows, d, requires_grad=True)
+    targets = torch.randint(0, vocab, (rows,))
+    one_tile, grads = 4 * tile * vocab, 4 * vocab * d + 4 * rows * d  # the head's and the rows' gradients
+    fused = _loss_peak(lambda: tiled_cross_entropy(head, h, targets, tile), head, h)
+    fn, params = head_function(head)
+    generic = _loss_peak(lambda: tiled(cross_entropy_sum(fn), h, params, tile, extras=(targets,), summed=True),
+                         head, h)
+    untiled = _loss_peak(lambda: nn.functional.cross_entropy(head(h), targets, reduction="sum"), head, h)
+    assert one_tile + grads <= fused <= 1.01 * (one_tile + grads), fused / one_tile
+    assert generic >= 3.4 * one_tile and untiled >= 4 * rows * vocab * 2
+
+
+@pytest.mark.parametrize("dtype,bias", [(torch.float32, True), (torch.bfloat16, False)])
+def test_linear_cross_entropy_matches_cross_entropy(dtype, bias):
+    """The fused tiled loss of a linear head against ``F.cross_entropy`` on the whole logits, with a bias,
+    ignored targets and a gradient other than 1: fp32 loss and weight/bias gradients within 1e-5 of
+    their largest value, rows' gradient within 1e-6; bf16 (per-tile weight gradients summed in fp32,
+    rounded once, against one bf16 matmul over all rows) within 1e-2."""
+    torch.manual_seed(0)
+    head = nn.Linear(32, 300, bias=bias).to(dtype)
+    plain = copy.deepcopy(head)
+    h = torch.randn(45, 32, dtype=dtype, requires_grad=True)
+    h0 = h.detach().clone().requires_grad_()
+    targets = torch.randint(0, 300, (45,))
+    targets[3:9] = -100
+    loss = linear_cross_entropy_sum(h, head.weight, head.bias, targets, 8)
+    ref = nn.functional.cross_entropy(plain(h0).float(), targets, reduction="sum")
+    (loss * 0.37).backward()
+    (ref * 0.37).backward()
+    rel = 1e-5 if dtype == torch.float32 else 1e-2
+    assert _close(loss, ref, rel)
+    assert _close(h.grad.float(), h0.grad.float(), 1e-6 if dtype == torch.float32 else rel)
+    for p, q in zip(head.parameters(), plain.parameters()):
+        assert p.grad.dtype == dtype and _close(p.grad.float(), q.grad.float(), rel)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "mixtral"])

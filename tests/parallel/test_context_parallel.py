@@ -260,7 +260,7 @@ def test_memory_estimate_covers_context_parallelism(stage, world, context, mode)
                                       estimate=estimated, engine=engine_predicted)
 
 
-def _ring_vs_whole() -> tuple[float, float, float, float]:
+def _ring_vs_whole(block_rows: int | None) -> tuple[float, float, float, float]:
     group = DataParallelGroup(None)
     g = torch.Generator().manual_seed(3)
     q, k, v, dout = (torch.randn(2, 3, 8 * group.size, 8, generator=g) for _ in range(4))
@@ -268,7 +268,7 @@ def _ring_vs_whole() -> tuple[float, float, float, float]:
     ref = torch.nn.functional.scaled_dot_product_attention(*whole, is_causal=True)
     ref.backward(dout)
     mine = [zigzag_slice(t, group, dim=2).clone().requires_grad_() for t in (q, k, v)]
-    out = ring_attention(*mine, group)
+    out = ring_attention(*mine, group, block_rows=block_rows)
     out.backward(zigzag_slice(dout, group, dim=2))
 
     def err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -276,11 +276,12 @@ def _ring_vs_whole() -> tuple[float, float, float, float]:
     return (err(out.detach(), ref.detach()),) + tuple(err(m.grad, w.grad) for m, w in zip(mine, whole))
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_ring_attention_equals_whole_causal_attention(world):
+@pytest.mark.parametrize("world,block_rows", [(2, None), (2, 3), (4, 1)])
+def test_ring_attention_equals_whole_causal_attention(world, block_rows):
     """Zigzag-split queries, keys and values on C ranks; the output and the gradients of Q, K and V equal
-    torch's causal attention over the whole sequence, each within 1e-5 of its largest value."""
-    for errors in run_distributed(_ring_vs_whole, world):
+    torch's causal attention over the whole sequence, each within 1e-5 of its largest value; also with
+    each chunk pair cut into blocks of 3 query rows (the last block short) or 1 row."""
+    for errors in run_distributed(_ring_vs_whole, world, block_rows):
         assert max(errors) < 1e-5, errors
 
 

@@ -32,10 +32,12 @@ capacity depends on the whole batch) are left out where this is applied by name 
 from __future__ import annotations
 
 import types
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeGuard
 
 import torch
 from torch import nn
+
+from .linear_cross_entropy import linear_cross_entropy_sum
 
 
 def _as_rows(x: torch.Tensor, extras: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -151,11 +153,15 @@ def cross_entropy_sum(head: Callable[[torch.Tensor], torch.Tensor], ignore_index
     return fn
 
 
+def _plain_linear(head: nn.Module) -> TypeGuard[nn.Linear]:
+    return isinstance(head, nn.Linear) and type(head).forward is nn.Linear.forward
+
+
 def head_function(head: nn.Module) -> tuple[Callable[[torch.Tensor], torch.Tensor], list[torch.Tensor]]:
     """``(fn, params)`` for the tiles: a plain ``nn.Linear`` as ``F.linear`` on its own weight (a use of a
     tied weight outside its holders, which the engine adds like any other gradient: no replayed use per
     tile), any other head module called as it is."""
-    if isinstance(head, nn.Linear) and type(head).forward is nn.Linear.forward:
+    if _plain_linear(head):
         weight, bias = head.weight, head.bias
         params = [p for p in (weight, bias) if p is not None and p.requires_grad]
         return (lambda rows: nn.functional.linear(rows, weight, bias)), params
@@ -165,11 +171,16 @@ def head_function(head: nn.Module) -> tuple[Callable[[torch.Tensor], torch.Tenso
 def tiled_cross_entropy(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, tile_tokens: int,
                         ignore_index: int = -100, divisor: Any = None) -> torch.Tensor:
     """The cross-entropy of ``head(hidden)`` against ``targets`` (``hidden``'s leading shape), over tiles of
-    ``tile_tokens`` rows: the ``(rows, vocab)`` logits exist one tile at a time, in forward and backward.
+    ``tile_tokens`` rows: the ``(rows, vocab)`` logits exist one tile at a time, in forward and backward (a
+    plain ``nn.Linear`` head: one buffer per tile, ``linear_cross_entropy.py``; any other: ``tiled``).
     Divided by ``divisor`` if given, else by the number of targets not ``ignore_index`` (the mean)."""
-    fn, params = head_function(head)
     targets = targets.to(hidden.device)
-    total = tiled(cross_entropy_sum(fn, ignore_index), hidden, params, tile_tokens, extras=(targets,), summed=True)
+    if _plain_linear(head):
+        rows, flat = _as_rows(hidden, (targets,))
+        total = linear_cross_entropy_sum(rows, head.weight, head.bias, flat[0], tile_tokens, ignore_index)
+    else:
+        fn, params = head_function(head)
+        total = tiled(cross_entropy_sum(fn, ignore_index), hidden, params, tile_tokens, extras=(targets,), summed=True)
     return total / (divisor if divisor is not None else (targets != ignore_index).sum())
 
 

@@ -5,21 +5,25 @@ The sequence is cut into 2C chunks and rank c holds chunks ``c`` and ``2C - 1 - 
 (an early chunk with little to attend to is paired with a late one with much). Each rank keeps its
 queries; its keys and values travel around the ring (rank c sends to c + 1, receives from c - 1) in
 C - 1 steps, the next block's send and receive started before the current block is computed, so the
-transfer overlaps the compute (in backward the keys and values overlap it, their gradients follow).
-Blocks are combined with the online-softmax rule: for the partial output ``o_a`` with log-sum-exp
-``l_a`` and a new block's ``o_b, l_b``,
+transfer overlaps the compute. Blocks are combined with the online-softmax rule: for the partial
+output ``o_a`` with log-sum-exp ``l_a`` and a new block's ``o_b, l_b``,
 ``l = logaddexp(l_a, l_b)``, ``o = o_a exp(l_a - l) + o_b exp(l_b - l)``. Backward recomputes each
-block's probabilities from the final log-sum-exp, sends the key/value blocks around again together
-with their gradient accumulators, which arrive back at their owner after the last step.
+block's probabilities from the final log-sum-exp while K and V go around the ring again; each rank
+adds its share of a block's dK and dV to the sum the earlier ranks sent, which arrived during that
+compute, and sends it on, so after C moves every rank holds its own keys' whole gradient.
 
 Masks between query chunk i and key chunk j (chunk indices in the whole sequence): j < i everything,
-j == i causal, j > i nothing (skipped).
+j == i causal, j > i nothing (skipped). A chunk pair is computed in blocks of query rows
+(``query_rows``: about ``SCORE_BLOCK_ELEMENTS`` scores each); under the causal mask a block of rows
+``a .. e`` reads keys ``0 .. e`` only.
 
 Memory per rank, for ``b`` sequences, ``h`` heads of ``d``, ``L = s / C`` local tokens: the output
-and its log-sum-exp (kept for backward, with the inputs), two K/V blocks (the one computed on and the
-one arriving: ``2 * 2 * b h L d`` elements), and one block's scores, ``b h (L/2)^2`` per chunk pair;
-backward adds the travelling dK/dV (``2 * b h L d``, twice while one is in flight). Communication: K
-and V (``2 b h L d`` elements) C - 1 times forward; K, V, dK and dV C times backward.
+and its log-sum-exp in fp32 (kept for backward, with the inputs), two K/V blocks (the one computed on
+and the one arriving: ``2 * 2 * b h L d`` elements), and one block of scores, at most
+``SCORE_BLOCK_ELEMENTS`` (4 MiB) whatever ``L`` (at least 16 rows: ``16 b h L / 2``); backward adds
+dQ and three dK/dV pairs (this rank's share, the one in flight, the one arriving: ``3 * 2 * b h L d``
+fp32). Communication: K and V (``2 b h L d`` elements) C - 1 times forward, and C - 1 times in
+backward with dK and dV C times.
 """
 from __future__ import annotations
 
@@ -29,6 +33,8 @@ from typing import Any
 import torch
 
 from ..comm import DataParallelGroup
+
+SCORE_BLOCK_ELEMENTS = 1 << 20  # fp32 scores of one block of query rows: 4 MiB
 
 
 def zigzag_slice(x: torch.Tensor, group: DataParallelGroup, dim: int = 1) -> torch.Tensor:
@@ -54,20 +60,9 @@ def _chunks(rank: int, size: int) -> tuple[int, int]:
     return rank, 2 * size - 1 - rank
 
 
-def _future(n: int, device: Any) -> torch.Tensor:
-    """The causal mask of a diagonal chunk pair: True where a key comes after its query."""
-    return torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
-
-
-def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk pair: the normalised output and the log-sum-exp of its scores (fp32)."""
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if causal:
-        n = s.shape[-1]
-        s = s.masked_fill(_future(n, s.device), float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.float()), lse
+def _future(rows: int, keys: int, first_row: int, device: Any) -> torch.Tensor:
+    """The causal mask of rows ``first_row ..`` of a diagonal chunk pair: True where a key comes after its query."""
+    return torch.ones(rows, keys, dtype=torch.bool, device=device).triu(first_row + 1)
 
 
 def _pairs(q_chunks: tuple[int, int], k_chunks: tuple[int, int]) -> list[tuple[int, int, bool]]:
@@ -87,81 +82,116 @@ def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return t[..., :n, :], t[..., n:, :]
 
 
+def _row_blocks(n: int, rows: int, causal: bool) -> list[tuple[int, int, int]]:
+    """``(first row, end row, keys seen)`` of each block of query rows of an ``n x n`` chunk pair: under the
+    causal mask rows ``a .. e`` see keys ``0 .. e`` only, so later keys are not computed at all."""
+    return [(a, min(a + rows, n), min(a + rows, n) if causal else n) for a in range(0, n, rows)]
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, first_row: int) -> torch.Tensor:
+    """One block's scaled scores in fp32, the causal future at ``-inf``."""
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(_future(s.shape[-2], s.shape[-1], first_row, s.device), float("-inf"))
+    return s
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: DataParallelGroup,
-                scale: float) -> torch.Tensor:
+                scale: float, rows: int) -> torch.Tensor:
         size, rank = group.size, group.rank
         qh = _halves(q)
-        out = [torch.zeros(h.shape, dtype=torch.float32, device=q.device) for h in qh]
-        lse = [torch.full(h.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device) for h in qh]
+        o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        oh, lh = _halves(o), _halves(lse.unsqueeze(-1))
         kv = [k.contiguous(), v.contiguous()]
         incoming: list[torch.Tensor] = []
         moving = None
         for step in range(size):
             if step < size - 1:
                 incoming, moving = group.shift_ring(kv)  # the next block travels while this one is computed
-            source = (rank - step) % size
             kh, vh = _halves(kv[0]), _halves(kv[1])
-            for qi, ki, causal in _pairs(_chunks(rank, size), _chunks(source, size)):
-                o_b, l_b = _block(qh[qi], kh[ki], vh[ki], scale, causal)
-                merged = torch.logaddexp(lse[qi], l_b)
-                out[qi] = (out[qi] * torch.exp(lse[qi] - merged).unsqueeze(-1)
-                           + o_b * torch.exp(l_b - merged).unsqueeze(-1))
-                lse[qi] = merged
+            for qi, ki, causal in _pairs(_chunks(rank, size), _chunks((rank - step) % size, size)):
+                for a, e, seen in _row_blocks(qh[qi].shape[-2], rows, causal):
+                    s = _scores(qh[qi][..., a:e, :], kh[ki][..., :seen, :], scale, causal, a)
+                    l_b = torch.logsumexp(s, dim=-1, keepdim=True)
+                    o_b = torch.matmul(s.sub_(l_b).exp_(), vh[ki][..., :seen, :].float())
+                    o_part, l_part = oh[qi][..., a:e, :], lh[qi][..., a:e, :]
+                    merged = torch.logaddexp(l_part, l_b)
+                    o_part.mul_(torch.exp(l_part - merged)).add_(o_b.mul_(torch.exp(l_b - merged)))
+                    l_part.copy_(merged)
             if moving is not None and step < size - 1:
                 moving.wait()
                 kv = incoming
-        o = torch.cat(out, dim=-2)
-        l_all = torch.cat(lse, dim=-1)
-        ctx.save_for_backward(q, k, v, o, l_all)
-        ctx.group, ctx.scale = group, scale
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.group, ctx.scale, ctx.rows = group, scale, rows
         return o.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, o, lse = ctx.saved_tensors
-        group, scale = ctx.group, ctx.scale
+        group, scale, rows = ctx.group, ctx.scale, ctx.rows
         size, rank = group.size, group.rank
         do = grad.float()
-        delta = (do * o).sum(-1)  # rowsum(dO * O)
-        qh, doh, lh, dh = _halves(q), _halves(do), _halves(lse.unsqueeze(-1)), _halves(delta.unsqueeze(-1))
-        dq = [torch.zeros(h.shape, dtype=torch.float32, device=q.device) for h in qh]
-        travelling = [k.contiguous(), v.contiguous(), torch.zeros(k.shape, dtype=torch.float32, device=k.device),
-                      torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
+        delta = (do * o).sum(-1, keepdim=True)  # rowsum(dO * O)
+        qh, doh, lh, dh = _halves(q), _halves(do), _halves(lse.unsqueeze(-1)), _halves(delta)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dqh = _halves(dq)
+        kv = [k.contiguous(), v.contiguous()]
+        kv_in: list[torch.Tensor] = []
+        d_in: list[torch.Tensor] = []
+        kv_moving = d_moving = None
         for step in range(size):
-            source = (rank - step) % size
-            kb, vb, dk, dv = travelling
-            kv_in, kv_moving = group.shift_ring([kb, vb])  # K and V are only read here: they travel during the compute
-            kh, vh = _halves(kb), _halves(vb)
-            dkh, dvh = list(_halves(dk)), list(_halves(dv))
-            for qi, ki, causal in _pairs(_chunks(rank, size), _chunks(source, size)):
-                s = torch.matmul(qh[qi].float(), kh[ki].float().transpose(-1, -2)) * scale
-                p = torch.exp(s - lh[qi])
-                if causal:
-                    n = p.shape[-1]
-                    p = p.masked_fill(_future(n, p.device), 0.0)
-                dvh[ki].add_(torch.matmul(p.transpose(-1, -2), doh[qi]))
-                dp = torch.matmul(doh[qi], vh[ki].float().transpose(-1, -2))
-                ds = p * (dp - dh[qi])
-                dq[qi].add_(torch.matmul(ds, kh[ki].float()) * scale)
-                dkh[ki].add_(torch.matmul(ds.transpose(-1, -2), qh[qi].float()) * scale)
-            # the gradients follow their block; after C moves both are home (dK, dV of this rank's own keys)
-            d_in, d_moving = group.shift_ring([dk, dv])
-            kv_moving.wait()
-            d_moving.wait()
-            travelling = kv_in + d_in
-        return (torch.cat(dq, dim=-2).to(q.dtype), travelling[2].to(k.dtype), travelling[3].to(v.dtype), None, None)
+            if step < size - 1:
+                kv_in, kv_moving = group.shift_ring(kv)  # K and V are only read here: they travel during the compute
+            kh, vh = _halves(kv[0]), _halves(kv[1])
+            mine = [torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+                    torch.zeros(v.shape, dtype=torch.float32, device=v.device)]  # this rank's share of dK, dV
+            dkh, dvh = _halves(mine[0]), _halves(mine[1])
+            for qi, ki, causal in _pairs(_chunks(rank, size), _chunks((rank - step) % size, size)):
+                for a, e, seen in _row_blocks(qh[qi].shape[-2], rows, causal):
+                    qb, dob, kb, vb = qh[qi][..., a:e, :].float(), doh[qi][..., a:e, :], \
+                        kh[ki][..., :seen, :].float(), vh[ki][..., :seen, :].float()
+                    p = _scores(qb, kb, scale, False, 0).sub_(lh[qi][..., a:e, :]).exp_()
+                    if causal:
+                        p = p.masked_fill_(_future(e - a, seen, a, p.device), 0.0)
+                    dvh[ki][..., :seen, :].add_(torch.matmul(p.transpose(-1, -2), dob))
+                    ds = p.mul_(torch.matmul(dob, vb.transpose(-1, -2)).sub_(dh[qi][..., a:e, :]))
+                    dqh[qi][..., a:e, :].add_(torch.matmul(ds, kb), alpha=scale)
+                    dkh[ki][..., :seen, :].add_(torch.matmul(ds.transpose(-1, -2), qb), alpha=scale)
+            # the gradients follow their block: the share of the ranks before this one arrived during the
+            # compute above; after C moves each block's sum is home
+            if d_moving is not None:
+                d_moving.wait()
+                mine[0].add_(d_in[0])
+                mine[1].add_(d_in[1])
+            d_in, d_moving = group.shift_ring(mine)
+            if kv_moving is not None and step < size - 1:
+                kv_moving.wait()
+                kv = kv_in
+        assert d_moving is not None
+        d_moving.wait()
+        return dq.to(q.dtype), d_in[0].to(k.dtype), d_in[1].to(v.dtype), None, None, None
+
+
+def query_rows(batch_heads: int, keys: int) -> int:
+    """Query rows per block so that one block's scores hold about ``SCORE_BLOCK_ELEMENTS`` (at least 16)."""
+    return max(16, SCORE_BLOCK_ELEMENTS // max(1, batch_heads * keys))
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: DataParallelGroup,
-                   scale: float | None = None) -> torch.Tensor:
+                   scale: float | None = None, block_rows: int | None = None) -> torch.Tensor:
     """Causal attention of this rank's zigzag queries ``(b, h, L, d)`` over the whole sequence, whose keys
-    and values ``(b, h, L, d)`` are spread over ``group`` in the same zigzag split (``L`` even)."""
+    and values ``(b, h, L, d)`` are spread over ``group`` in the same zigzag split (``L`` even).
+    ``block_rows``: query rows per score block (default ``query_rows``: about ``SCORE_BLOCK_ELEMENTS``)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if q.shape[-2] % 2:
         raise ValueError(f"ring attention: {q.shape[-2]} local tokens are not two equal zigzag chunks")
-    return _RingAttention.apply(q, k, v, group, scale)
+    rows = query_rows(q.shape[0] * q.shape[1], q.shape[-2] // 2) if block_rows is None else int(block_rows)
+    if rows < 1:
+        raise ValueError(f"ring attention: block_rows must be a positive number of query rows, got {block_rows}")
+    return _RingAttention.apply(q, k, v, group, scale, rows)
 
 
-__all__ = ["ring_attention", "zigzag_positions", "zigzag_slice"]
+__all__ = ["SCORE_BLOCK_ELEMENTS", "query_rows", "ring_attention", "zigzag_positions", "zigzag_slice"]
