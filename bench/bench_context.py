@@ -1,7 +1,8 @@
 """Long sequences: activation peak per rank against sequence length, without and with context
 parallelism (Ulysses, ring) and tiled MLP and loss; and the longest sequence that fits a budget.
 
-    python bench/bench_context.py [--seqs 1024,2048,4096] [--contexts 2,4] [--vocab 32000] [--budget-mib 1024]
+    python bench/bench_context.py [--seqs 1024,2048,4096] [--tiled-seqs 16384] [--contexts 2,4] [--vocab 32000]
+                                  [--loss-tokens 512] [--mlp-tokens 512] [--budget-mib 1024]
 
 Each row is one launch (torchrun, gloo, one thread per rank; C ranks = data 1 x context C; C = 1
 is a single process without context parallelism): the built-in GPT "small" (4 layers, d 128, 4 heads)
@@ -12,7 +13,8 @@ above its resident memory just before it, with glibc returning freed memory
 21): at C ranks at most 1.15 / C of the single-process peak at the same total sequence; the tiled
 loss removes the vocabulary-sized logits (``4 * s * V`` bytes and their gradient) from the peak.
 The headline: the longest sequence length of those run whose activation peak fits ``--budget-mib``
-per rank, for each setting.
+per rank, for each setting. ``--tiled-seqs``: longer lengths run with tiling only (untiled, the
+logits alone would take ``4 s V`` bytes several times over).
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ def worker(args: argparse.Namespace) -> None:
     if args.context > 1:
         zp["parallel"] = {"context": args.context, "context_mode": args.mode}
     if args.tiled:
-        zp["tiled"] = {"mlp_tokens": 512, "loss_tokens": 512}
+        zp["tiled"] = {"mlp_tokens": args.mlp_tokens, "loss_tokens": args.loss_tokens}
     cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
            "zero_optimization": {"stage": 1}, "zeroplus": zp}
     torch.manual_seed(0)
@@ -65,13 +67,14 @@ def worker(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
-def launch(seq: int, context: int, mode: str, tiled: bool, vocab: int) -> int:
+def launch(seq: int, context: int, mode: str, tiled: bool, vocab: int, tiles: tuple[int, int] = (512, 512)) -> int:
     env = dict(os.environ, ZEROPLUS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072",
                MALLOC_TRIM_THRESHOLD_="131072", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r")
         args = [__file__, "--worker", "--seq", str(seq), "--context", str(context), "--mode", mode, "--vocab",
-                str(vocab), "--out", out] + (["--tiled"] if tiled else [])
+                str(vocab), "--out", out, "--mlp-tokens", str(tiles[0]), "--loss-tokens", str(tiles[1])
+                ] + (["--tiled"] if tiled else [])
         cmd = ([sys.executable] + args if context == 1 else
                [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(context)] + args)
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -90,6 +93,9 @@ def main() -> None:
     p.add_argument("--tiled", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--seqs", default="1024,2048,4096")
+    p.add_argument("--tiled-seqs", default="", help="longer lengths run with tiling only")
+    p.add_argument("--mlp-tokens", type=int, default=512, help="tokens per MLP tile")
+    p.add_argument("--loss-tokens", type=int, default=512, help="tokens per loss tile")
     p.add_argument("--contexts", default="2,4")
     p.add_argument("--budget-mib", type=float, default=1024.0)
     args = p.parse_args()
@@ -97,20 +103,26 @@ def main() -> None:
         worker(args)
         return
     seqs = [int(s) for s in args.seqs.split(",")]
+    tiled_only = [int(s) for s in args.tiled_seqs.split(",") if s]
+    tiles = (args.mlp_tokens, args.loss_tokens)
     settings = [("no context parallelism", 1, "ulysses")]
     for c in (int(c) for c in args.contexts.split(",")):
         settings += [(f"Ulysses C={c}", c, "ulysses"), (f"ring C={c}", c, "ring")]
     print(f"activation peak per rank (MiB), GPT small, vocabulary {args.vocab}, fp32, micro-batch 1; "
-          f"ratio: against the single process at the same sequence, target 1.15 / C")
-    header = f"{'setting':<28}{'tiled':>6}" + "".join(f"{s:>16}" for s in seqs)
+          f"ratio: against the single process at the same sequence, target 1.15 / C; tiles: MLP {tiles[0]}, "
+          f"loss {tiles[1]} tokens")
+    header = f"{'setting':<28}{'tiled':>6}" + "".join(f"{s:>16}" for s in seqs + tiled_only)
     print(header)
     base: dict[tuple[bool, int], int] = {}
     fits: dict[str, int] = {}
     for name, c, mode in settings:
         for tiled in (False, True):
             cells = []
-            for s in seqs:
-                peak = launch(s, c, mode, tiled, args.vocab)
+            for s in seqs + tiled_only:
+                if not tiled and s in tiled_only:
+                    cells.append("-")
+                    continue
+                peak = launch(s, c, mode, tiled, args.vocab, tiles)
                 if c == 1:
                     base[(tiled, s)] = peak
                 ratio = peak / base[(tiled, s)] if (tiled, s) in base else float("nan")

@@ -18,9 +18,10 @@ from tests import hf_models
 from tests.dist_helper import rank_and_world, run_distributed
 from tests.parallel.model_states import assert_model_states_predicted, ledger_peaks
 from tests.reference import clip_global_norm
+from zeroplus.budget.virtual_group import VirtualGroup
 from zeroplus.comm import DataParallelGroup
 from zeroplus.models import GPT, gpt_config
-from zeroplus.parallel.context import heads_to_seq, seq_to_heads
+from zeroplus.parallel.context import check_heads, heads_to_seq, seq_to_heads
 from zeroplus.parallel.groups import parallel_groups
 from zeroplus.parallel.ring_attention import ring_attention, zigzag_slice
 from zeroplus.parallel.topology import KINDS, Topology
@@ -146,6 +147,8 @@ def test_unsupported_combinations_are_refused_with_the_numbers():
         Topology(4, tensor=2, context=2)
     with pytest.raises(ValueError, match="not divisible by tensor x context x pipeline = 1 x 3 x 1 = 3"):
         Topology(4, context=3)
+    with pytest.raises(ValueError, match="6 attention heads are not divisible by context size 4"):
+        check_heads(6, VirtualGroup(0, 4))  # (fewer key/value heads than C are repeated instead: the Llama test)
 
 
 def _resume(path: str, mode: str) -> tuple[float, float]:
@@ -204,10 +207,11 @@ def _llama_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return _batches(1)
 
 
-@pytest.mark.parametrize("mode", ["ulysses", "ring"])
-def test_hugging_face_llama_with_gqa_rope_and_ignored_labels(mode):
+@pytest.mark.parametrize("mode,context", [("ulysses", 2), ("ring", 2), ("ulysses", 4)])
+def test_hugging_face_llama_with_gqa_rope_and_ignored_labels(mode, context):
     """Llama (grouped-query attention, rotary positions: the positions must be the global ones), ZeRO-3,
-    context 2, labels with 5 ignored tokens per row all in one rank's part: losses and parameters
+    context 2 (and Ulysses at 4, where the 2 key/value heads are repeated to the 4 query heads before
+    the exchange), labels with 5 ignored tokens per row all in one rank's part: losses and parameters
     equal the single-process model's within fp32 tolerance."""
     torch.manual_seed(0)
     ref_model = hf_models.build("llama")
@@ -224,7 +228,7 @@ def test_hugging_face_llama_with_gqa_rope_and_ignored_labels(mode):
         opt.step()
         opt.zero_grad(set_to_none=True)
     ref_state = {n: p.detach() for n, p in ref_model.named_parameters()}
-    for losses, state in run_distributed(_llama, 2, mode):
+    for losses, state in run_distributed(_llama, context, mode):
         assert torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0), (losses, ref_losses)
         for name, value in state.items():
             floor = 1e-5 * ref_state[name].abs().max().item()

@@ -162,7 +162,7 @@ class GPT(nn.Module):
         ring = cp.size > 1 and context_mode() == "ring"
         split = zigzag_slice if ring else local_slice  # ring: chunks c and 2C-1-c of 2C (balanced causal work)
         if cp.size > 1 and not ring:
-            check_heads(self.config.n_head, self.config.n_head, cp)
+            check_heads(self.config.n_head, cp)
         idx = split(idx, cp)
         targets = split(targets, cp) if targets is not None else None
         b, t = idx.shape

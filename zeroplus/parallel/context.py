@@ -8,8 +8,10 @@ slice of all H heads into the whole sequence of H/C heads, and after it the reve
 Each is the other's backward. Everything outside attention (embeddings, norms, MLPs, the loss) is
 per token and runs on the local slice. The split is contiguous: rank c holds tokens
 ``[c * s/C, (c + 1) * s/C)``, so positions are global ones offset by ``c * s/C`` (``positions``).
-Grouped-query attention: K and V go through the same all-to-all with their own (fewer) heads;
-the number of heads of each must be divisible by C (refused otherwise, with the numbers).
+Grouped-query attention: K and V go through the same all-to-all with their own (fewer) heads. The
+number of query heads must be divisible by C (refused otherwise, with the numbers); key/value heads
+that are not are repeated to one per query head first (``context_hf.py``: K and V then cost as
+much as Q to send and hold).
 
 Memory per rank: activations of s/C tokens everywhere except inside attention, which holds the whole
 sequence for H/C heads (the same bytes as s/C tokens of H heads), plus each all-to-all's output.
@@ -63,11 +65,11 @@ class _Exchange(torch.autograd.Function):
         return ctx.back(grad, ctx.group), None, None, None
 
 
-def check_heads(heads: int, kv_heads: int, group: DataParallelGroup) -> None:
-    for name, n in (("attention heads", heads), ("key/value heads", kv_heads)):
-        if n % group.size:
-            raise ValueError(f"Ulysses context parallelism splits {name} over the context group: {n} {name} are not "
-                             f"divisible by context size {group.size}")
+def check_heads(heads: int, group: DataParallelGroup) -> None:
+    """Refuse a number of attention heads the context group cannot split evenly, with the numbers."""
+    if heads % group.size:
+        raise ValueError(f"Ulysses context parallelism splits attention heads over the context group: {heads} "
+                         f"attention heads are not divisible by context size {group.size}")
 
 
 def seq_to_heads(x: torch.Tensor, group: DataParallelGroup) -> torch.Tensor:

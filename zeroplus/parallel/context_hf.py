@@ -5,7 +5,8 @@
 Two changes to the model instance, nothing else: (1) an attention implementation registered with
 Transformers' ``AttentionInterface``. Ulysses wraps the model's own (``sdpa``/``eager``): Q, K and V
 arrive as this rank's tokens of all heads, go through ``seq_to_heads`` (``context.py``; K and V with
-their own, fewer heads under grouped-query attention), attention runs causally over the whole
+their own, fewer heads under grouped-query attention, or repeated to one per query head where their
+number does not divide by C), attention runs causally over the whole
 sequence for H/C heads, and the output comes back through ``heads_to_seq``. Ring runs
 ``ring_attention`` (``ring_attention.py``) on this rank's zigzag tokens, K and V repeated to the query
 heads under grouped-query attention. (2) The forward takes the whole sequences, as every rank of a
@@ -47,8 +48,15 @@ def ulysses_attention(inner: Callable[..., Any], group: DataParallelGroup) -> Ca
     this rank's heads."""
     def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        repeated = key.shape[1] % group.size != 0  # fewer key/value heads than C splits: one per query head
+        if repeated:
+            key, value = (t.repeat_interleave(query.shape[1] // key.shape[1], dim=1) for t in (key, value))
         q, k, v = (seq_to_heads(t.transpose(1, 2), group).transpose(1, 2) for t in (query, key, value))
         kwargs.pop("is_causal", None)
+        if repeated:  # (the model's own attention would repeat them again by its num_key_value_groups)
+            out = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=kwargs.get("dropout", 0.0),
+                                                             is_causal=True, scale=kwargs.get("scaling"))
+            return heads_to_seq(out.transpose(1, 2), group), None
         out, weights = inner(module, q, k, v, None, is_causal=True, **kwargs)  # out: (b, s, H/C, hd)
         return heads_to_seq(out, group), weights
     return attention
@@ -73,8 +81,7 @@ def context_parallel_hf(model: nn.Module, group: DataParallelGroup, mode: str = 
     config: Any = getattr(model, "config")
     ring = mode == "ring"
     if not ring:
-        heads = int(config.num_attention_heads)
-        check_heads(heads, int(getattr(config, "num_key_value_heads", None) or heads), group)
+        check_heads(int(config.num_attention_heads), group)
     inner = transformers.AttentionInterface._global_mapping.get(config._attn_implementation)
     if inner is None:
         inner = transformers.integrations.sdpa_attention.sdpa_attention_forward  # eager and unknown: sdpa's math
