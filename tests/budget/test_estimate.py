@@ -31,6 +31,7 @@ import torch
 import zeroplus
 from tests.dist_helper import rank_and_world, run_distributed
 from tests.new_storage import NewStorageBytes
+from tests.saved_bytes import saved_in_real_step
 from zeroplus.budget.command import ranks_needed
 from zeroplus.ledger import Category
 from zeroplus.models import GPT, gpt_config
@@ -103,25 +104,10 @@ def test_every_ledger_category_peak_is_predicted_exactly(tmp_path):
 
 
 def _saved_in_real_forward(engine: zeroplus.Engine, x: torch.Tensor) -> int:
-    """Bytes autograd saves for backward in one real forward, each storage once, outside the
-    engine's ledger (the parameters are the ledger's flat buffers). The first step predicts the
-    budget (outside the hook); the second is counted."""
+    """The first step predicts the budget (outside the hook); the second is counted."""
     engine.backward(engine(x, x))
     engine.step()
-    held = engine.ledger.storage_keys()
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        key = t.untyped_storage()._cdata
-        if key not in held:
-            saved[key] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = engine(x, x)
-    engine.backward(loss)
-    engine.step()
-    return sum(saved.values())
+    return saved_in_real_step(engine, lambda: engine(x, x))
 
 
 def test_activations_are_what_autograd_saves():

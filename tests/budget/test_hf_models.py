@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import zeroplus
 from tests.hf_models import FAMILIES, build
+from tests.saved_bytes import saved_in_real_step
 from zeroplus.budget.meta_values import SimulationError
 from zeroplus.budget.simulate import CpuAttention
 from zeroplus.ledger import Category
@@ -50,23 +51,6 @@ def _batch(seq: int = 24) -> dict:
     return {"input_ids": ids, "labels": ids, "attention_mask": mask}
 
 
-def _saved_in_real_forward(engine: zeroplus.Engine, batch: dict) -> int:
-    held = engine.ledger.storage_keys()
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        key = t.untyped_storage()._cdata
-        if key not in held and t.device.type != "meta":
-            saved[key] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = engine(**batch).loss
-    engine.backward(loss)
-    engine.step()
-    return sum(saved.values())
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_budget_of_each_family_matches_the_real_run(family):
     torch.manual_seed(0)
@@ -75,7 +59,7 @@ def test_budget_of_each_family_matches_the_real_run(family):
     engine.backward(engine(**batch).loss)  # the first forward predicts
     engine.step()
     assert engine.budget is not None, "no prediction"
-    real = _saved_in_real_forward(engine, batch)
+    real = saved_in_real_step(engine, lambda: engine(**batch).loss)
     for c in Category:
         assert engine.budget.category_peaks[c.value] == engine.ledger.peak_bytes(c), (family, c)
     assert real > 50_000

@@ -18,6 +18,7 @@ from tests import hf_models
 from tests.dist_helper import rank_and_world, run_distributed
 from tests.parallel.model_states import assert_model_states_predicted, ledger_peaks
 from tests.reference import clip_global_norm
+from tests.saved_bytes import saved_in_real_step
 from zeroplus.budget.virtual_group import VirtualGroup
 from zeroplus.comm import DataParallelGroup
 from zeroplus.models import GPT, gpt_config
@@ -262,6 +263,30 @@ def test_memory_estimate_covers_context_parallelism(stage, world, context, mode)
                                                                                    stage, context, mode)):
         assert_model_states_predicted(measured, f"rank {rank}, stage {stage}, context {context}",
                                       estimate=estimated, engine=engine_predicted)
+
+
+def _saved_for_backward(mode: str, context: int) -> tuple[int, int]:
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+           "zeroplus": {"log_level": "warning", "parallel": {"context": context, "context_mode": mode}}}
+    engine = zeroplus.initialize(_model(), cfg)
+    x, y = _batches(1)[0]
+    engine.backward(engine(x, y))  # the first forward predicts
+    engine.step()
+    assert engine.budget is not None, "the engine made no prediction"
+    return saved_in_real_step(engine, lambda: engine(x, y)), engine.budget.saved_for_backward
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "ring"])
+def test_predicted_activations_under_context_parallelism_are_what_autograd_saves(mode):
+    """The engine's prediction of what one forward saves for backward, per context rank, against the bytes
+    autograd saves in the real forward (within 0.5%: the loss and its scalars are alive, not saved), and
+    about half of one process's on the whole sequences (the tiny GPT: its embeddings' and head's saved
+    inputs are per token too)."""
+    whole, _ = run_distributed(_saved_for_backward, 1, mode, 1)[0]
+    for real, predicted in run_distributed(_saved_for_backward, 2, mode, 2):
+        assert predicted == pytest.approx(real, rel=0.005), (predicted, real)
+        assert 0.45 * whole < real < 0.6 * whole, (real, whole)
 
 
 def _ring_vs_whole(block_rows: int | None) -> tuple[float, float, float, float]:
