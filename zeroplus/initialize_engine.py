@@ -78,10 +78,11 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     resolve_auto(cfg, model, optimizer is not None)
     if dp.size > 1:
         check_ranks_agree(model, cfg, dp, parallel.topology.to_dict())
-    split = parallel.model.size > 1 or parallel.expert.size > 1 or context > 1
+    split = parallel.model.size > 1 or parallel.expert.size > 1
     if split and (auto_keys(cfg) or cfg.zeroplus.memory_budget is not None):
         raise ConfigError(f"config key 'zeroplus.memory_budget' with {parallel.topology.describe()}: the memory "
-                          f"estimate and planner cover data parallelism only so far; remove the budget and 'auto'")
+                          f"estimate and planner cover data and context parallelism only so far; remove the "
+                          f"budget and 'auto'")
     cfg = resolved(_plan(model, cfg, dp))
     if accel.name == "cpu" and cfg.bf16.enabled:
         warn_if_bf16_is_emulated()

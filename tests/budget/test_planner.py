@@ -72,6 +72,39 @@ def test_the_planners_choice_runs_within_the_budget():
     assert results[0]["stage"] == results[1]["stage"]
 
 
+def _context_config(budget: int | None = None) -> dict:
+    return {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": "auto"},
+            "zeroplus": {"log_level": "warning", "memory_budget": budget, "seq_len": SEQ,
+                         "parallel": {"context": 2, "context_mode": "ring"}}}
+
+
+def _plan_with_context_job() -> dict:
+    rank, world = rank_and_world()
+    base = parse_config(_context_config())[0]
+    peaks = [zeroplus.estimate(_model, apply_settings(base, Settings(s, None, False, False)), world_size=world,
+                               rank=rank, seq_len=SEQ).peak_bytes for s in (0, 1)]
+    budget = sum(peaks) // 2
+    torch.manual_seed(0)
+    engine = zeroplus.initialize(_model(), _context_config(budget))
+    x = torch.randint(0, 256, (1, SEQ))
+    for _ in range(2):
+        engine.backward(engine(x, x))
+        engine.step()
+    report = engine.memory_report()
+    return {"budget": budget, "peaks": peaks, "stage": engine.zero_optimization_stage(),
+            "measured": report.process_peak_above_start_bytes, "predicted": report.predicted_peak_bytes}
+
+
+def test_the_planner_plans_under_context_parallelism():
+    """Context 2 (ring), fp32, a budget between the predicted peaks of stages 0 and 1 under context
+    parallelism: both ranks pick stage 1 and run within the budget."""
+    for r in run_distributed(_plan_with_context_job, 2):
+        assert r["peaks"][1] < r["budget"] < r["peaks"][0]
+        assert r["stage"] == 1 and r["predicted"] <= r["budget"]
+        assert r["measured"] <= r["budget"], r
+
+
 def _refused_job() -> tuple[str, bool]:
     model = _model()
     before = model.wte.weight.untyped_storage()._cdata
