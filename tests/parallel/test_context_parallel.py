@@ -189,10 +189,10 @@ def _llama(mode: str = "ulysses", data_ranks: int = 1) -> tuple[list[float], dic
            "zeroplus": {"log_level": "warning", "parallel": {"context": world // data_ranks, "context_mode": mode}}}
     engine = zeroplus.initialize(model, cfg)
     d = parallel_groups().coordinates.data
+    batches = _batches(data_ranks)
     losses = []
-    for s, (x, _) in enumerate(_llama_batches()):
-        if s % data_ranks != d:
-            continue
+    for s in range(STEPS):
+        x = batches[s * data_ranks + d][0]  # every rank of a context group: the same whole sequences
         labels = x.clone()
         labels[:, :5] = -100  # ignored tokens, all in context rank 0's slice
         loss = engine(input_ids=x, labels=labels).loss
@@ -204,22 +204,22 @@ def _llama(mode: str = "ulysses", data_ranks: int = 1) -> tuple[list[float], dic
     return losses, engine.consolidated_fp32_state()
 
 
-def _llama_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return _batches(1)
-
-
-@pytest.mark.parametrize("mode,context", [("ulysses", 2), ("ring", 2), ("ulysses", 4)])
-def test_hugging_face_llama_with_gqa_rope_and_ignored_labels(mode, context):
+@pytest.mark.parametrize("mode,world,data_ranks", [("ulysses", 2, 1), ("ring", 2, 1), ("ulysses", 4, 1),
+                                                    ("ring", 4, 2)])
+def test_hugging_face_llama_with_gqa_rope_and_ignored_labels(mode, world, data_ranks):
     """Llama (grouped-query attention, rotary positions: the positions must be the global ones), ZeRO-3,
     context 2 (and Ulysses at 4, where the 2 key/value heads are repeated to the 4 query heads before
-    the exchange), labels with 5 ignored tokens per row all in one rank's part: losses and parameters
-    equal the single-process model's within fp32 tolerance."""
+    the exchange; and ring with data x context 2 x 2, the reference taking both data ranks' batches at
+    once), labels with 5 ignored tokens per row all in one rank's part: losses and parameters equal
+    the single-process model's within fp32 tolerance."""
     torch.manual_seed(0)
     ref_model = hf_models.build("llama")
     params = [p for p in ref_model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=LR, momentum=0.9, weight_decay=0.01)
     ref_losses = []
-    for x, _ in _llama_batches():
+    batches = _batches(data_ranks)
+    for s in range(STEPS):
+        x = torch.cat([b[0] for b in batches[s * data_ranks:(s + 1) * data_ranks]])
         labels = x.clone()
         labels[:, :5] = -100
         loss = ref_model(input_ids=x, labels=labels).loss
@@ -229,7 +229,7 @@ def test_hugging_face_llama_with_gqa_rope_and_ignored_labels(mode, context):
         opt.step()
         opt.zero_grad(set_to_none=True)
     ref_state = {n: p.detach() for n, p in ref_model.named_parameters()}
-    for losses, state in run_distributed(_llama, context, mode):
+    for losses, state in run_distributed(_llama, world, mode, data_ranks):
         assert torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0), (losses, ref_losses)
         for name, value in state.items():
             floor = 1e-5 * ref_state[name].abs().max().item()
