@@ -5,8 +5,10 @@ parallelism (Ulysses, ring) and tiled MLP and loss; and the longest sequence tha
                                   [--loss-tokens 512] [--mlp-tokens 512] [--budget-mib 1024]
 
 Each row is one launch (torchrun, gloo, one thread per rank; C ranks = data 1 x context C; C = 1
-is a single process without context parallelism): the built-in GPT "small" (4 layers, d 128, 4 heads)
-with a ``--vocab`` vocabulary, ZeRO-1 in fp32, micro-batch 1, one warm-up step, then one measured
+is a single process without context parallelism): the built-in GPT "small" (4 layers, d 128, 4 heads;
+learned positions: a table of ``--seq`` rows whose gradient every rank holds whole, so it grows with
+the sequence and does not divide by C) or, ``--model llama``, a Hugging Face Llama of that size
+(rotary positions; 4 x d gated MLP) built from its config, with a ``--vocab`` vocabulary, ZeRO-1 in fp32, micro-batch 1, one warm-up step, then one measured
 step. The activation peak is the process's resident peak during that step's forward and backward
 above its resident memory just before it, with glibc returning freed memory
 (``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_``), the largest over the ranks. Target (issue
@@ -49,16 +51,26 @@ def worker(args: argparse.Namespace) -> None:
     cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
            "zero_optimization": {"stage": 1}, "zeroplus": zp}
     torch.manual_seed(0)
-    engine = zeroplus.initialize(GPT(gpt_config("small", vocab_size=args.vocab, block_size=args.seq)), cfg)
+    if args.model == "llama":
+        import transformers
+        llama = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=128, intermediate_size=512,
+                                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                                         max_position_embeddings=args.seq, attn_implementation="sdpa")
+        engine = zeroplus.initialize(transformers.LlamaForCausalLM(llama), cfg)
+    else:
+        engine = zeroplus.initialize(GPT(gpt_config("small", vocab_size=args.vocab, block_size=args.seq)), cfg)
     x = torch.randint(0, args.vocab, (1, args.seq))
-    engine.backward(engine(x, x))
+
+    def loss() -> torch.Tensor:
+        return engine(input_ids=x, labels=x).loss if args.model == "llama" else engine(x, x)
+    engine.backward(loss())
     engine.step()
     if dist.is_initialized():
         dist.barrier()
     before = rss("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM from here
-    engine.backward(engine(x, x))
+    engine.backward(loss())
     peak = rss("VmHWM") - before
     engine.step()
     with open(f"{args.out}.{rank}.json", "w") as f:
@@ -67,14 +79,15 @@ def worker(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
-def launch(seq: int, context: int, mode: str, tiled: bool, vocab: int, tiles: tuple[int, int] = (512, 512)) -> int:
+def launch(seq: int, context: int, mode: str, tiled: bool, vocab: int, tiles: tuple[int, int] = (512, 512),
+           model: str = "gpt") -> int:
     env = dict(os.environ, ZEROPLUS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072",
                MALLOC_TRIM_THRESHOLD_="131072", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r")
         args = [__file__, "--worker", "--seq", str(seq), "--context", str(context), "--mode", mode, "--vocab",
-                str(vocab), "--out", out, "--mlp-tokens", str(tiles[0]), "--loss-tokens", str(tiles[1])
-                ] + (["--tiled"] if tiled else [])
+                str(vocab), "--out", out, "--mlp-tokens", str(tiles[0]), "--loss-tokens", str(tiles[1]),
+                "--model", model] + (["--tiled"] if tiled else [])
         cmd = ([sys.executable] + args if context == 1 else
                [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(context)] + args)
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -92,6 +105,9 @@ def main() -> None:
     p.add_argument("--mode", default="ulysses", help=argparse.SUPPRESS)
     p.add_argument("--tiled", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--model", choices=("gpt", "llama"), default="gpt",
+                   help="gpt: zeroplus's GPT small (learned positions, a table of --seq rows); llama: a Hugging "
+                        "Face Llama of the same size (rotary positions, untied head), built from its config")
     p.add_argument("--seqs", default="1024,2048,4096")
     p.add_argument("--tiled-seqs", default="", help="longer lengths run with tiling only")
     p.add_argument("--mlp-tokens", type=int, default=512, help="tokens per MLP tile")
@@ -108,7 +124,8 @@ def main() -> None:
     settings = [("no context parallelism", 1, "ulysses")]
     for c in (int(c) for c in args.contexts.split(",")):
         settings += [(f"Ulysses C={c}", c, "ulysses"), (f"ring C={c}", c, "ring")]
-    print(f"activation peak per rank (MiB), GPT small, vocabulary {args.vocab}, fp32, micro-batch 1; "
+    title = "GPT small" if args.model == "gpt" else "Llama (GPT small's size)"
+    print(f"activation peak per rank (MiB), {title}, vocabulary {args.vocab}, fp32, micro-batch 1; "
           f"ratio: against the single process at the same sequence, target 1.15 / C; tiles: MLP {tiles[0]}, "
           f"loss {tiles[1]} tokens")
     header = f"{'setting':<28}{'tiled':>6}" + "".join(f"{s:>16}" for s in seqs + tiled_only)
@@ -122,7 +139,7 @@ def main() -> None:
                 if not tiled and s in tiled_only:
                     cells.append("-")
                     continue
-                peak = launch(s, c, mode, tiled, args.vocab, tiles)
+                peak = launch(s, c, mode, tiled, args.vocab, tiles, args.model)
                 if c == 1:
                     base[(tiled, s)] = peak
                 ratio = peak / base[(tiled, s)] if (tiled, s) in base else float("nan")
