@@ -8,9 +8,10 @@ Each row is one launch (torchrun, gloo, one thread per rank; C ranks = data 1 x 
 is a single process without context parallelism): the built-in GPT "small" (4 layers, d 128, 4 heads;
 learned positions: a table of ``--seq`` rows whose gradient every rank holds whole, so it grows with
 the sequence and does not divide by C) or, ``--model llama``, a Hugging Face Llama of that size
-(rotary positions; 4 x d gated MLP) built from its config, with a ``--vocab`` vocabulary, ZeRO-1 in fp32, micro-batch 1, one warm-up step, then one measured
-step. The activation peak is the process's resident peak during that step's forward and backward
-above its resident memory just before it, with glibc returning freed memory
+(rotary positions; 4 x d gated MLP) built from its config, with a ``--vocab`` vocabulary, ZeRO-1
+in fp32, micro-batch 1, one warm-up step, then one measured step. The activation peak is the
+process's resident peak during that step's forward and backward above its resident memory just
+before it, with glibc returning freed memory
 (``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_``), the largest over the ranks. Target (issue
 21): at C ranks at most 1.15 / C of the single-process peak at the same total sequence; the tiled
 loss removes the vocabulary-sized logits (``4 * s * V`` bytes and their gradient) from the peak.
