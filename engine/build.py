@@ -22,6 +22,7 @@ from zeroplus.activations import ResizeRecompute, SavedTensorRouter, SwapAttenti
 from zeroplus.activations.resize_recompute import DEFAULT_CLASSES
 from zeroplus.activations.tiled import tile_mlps
 from zeroplus.activations.tiled_loss import is_hf_causal_lm, tile_loss
+from zeroplus.activations.training_cache import drop_training_cache
 from zeroplus.config import ConfigError, ResolvedConfig, ZeroplusConfig, resolved_zero
 from zeroplus.config.blocks import TiledConfig
 from zeroplus.ledger import Ledger
@@ -368,6 +369,8 @@ def _activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: 
                       level=logging.WARNING)
         claimers.append(swapper)
     _tile(model, zp.tiled)
+    if is_hf_causal_lm(model):
+        drop_training_cache(model)
     sequence_split = cfg.zeroplus.parallel.sequence_parallel
     if ac.partition_activations and sequence_split:
         log_rank0("activation_checkpointing.partition_activations: no effect with zeroplus.parallel."

@@ -1,0 +1,43 @@
+"""Hugging Face causal LMs keep no key/value cache while the engine trains them.
+
+With ``config.use_cache`` true (the default in the Llama, Qwen2, Mistral, Mixtral and GPT-2 configs) a
+Hugging Face model's forward builds a key/value cache in training too, and the cache's first update
+copies every layer's keys and values into it (``torch.cat``), held with the output until it is
+dropped, though nothing in training reads it. The engine's model forward passes ``use_cache=False``
+while the model is in training mode and the caller did not pass ``use_cache`` (an explicit value,
+and evaluation, keep the model's own behaviour). Values are unchanged.
+
+Memory saved, per micro-batch: ``2 * layers * kv_heads * head_dim`` elements per token (a Llama of 4
+layers, d 128, fp32: 64 MiB at 16384 tokens, measured with a live-storage count at the start of
+backward; ``tests/memory/test_training_cache.py``).
+"""
+from __future__ import annotations
+
+import inspect
+import types
+from typing import Any
+
+from torch import nn
+
+
+def drop_training_cache(model: nn.Module) -> bool:
+    """Make ``model``'s forward default to ``use_cache=False`` in training mode (once); False if its forward
+    takes no ``use_cache``."""
+    settings = vars(model)
+    if settings.get("_zeroplus_no_training_cache"):
+        return True
+    original = model.forward
+    if "use_cache" not in inspect.signature(original).parameters:
+        return False
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if self.training and "use_cache" not in kwargs:
+            kwargs["use_cache"] = False
+        return original(*args, **kwargs)
+
+    model.forward = types.MethodType(forward, model)  # type: ignore[method-assign]
+    settings["_zeroplus_no_training_cache"] = True
+    return True
+
+
+__all__ = ["drop_training_cache"]
