@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Callable
 
 import pytest
 import torch
@@ -40,19 +41,20 @@ def _config(budget: str | int | None = None, **zero) -> dict:
                          "resize_recompute": {"enabled": "auto"}, "memory_budget": budget, "seq_len": SEQ}}
 
 
-def _peak(settings: Settings, world: int) -> int:
-    cfg = apply_settings(parse_config(_config())[0], settings)
+def _peak(settings: Settings, world: int, config: Callable[[], dict] = _config) -> int:
+    cfg = apply_settings(parse_config(config())[0], settings)
     return zeroplus.estimate(_model, cfg, world_size=world, seq_len=SEQ).peak_bytes
 
 
-def _plan_and_train_job() -> dict:
+def _plan_and_train_job(config: Callable[..., dict] = _config, micro: int = 2, steps: int = 3) -> dict:
+    """A budget halfway between the predicted peaks of stages 0 and 1; ``initialize`` plans within it."""
     rank, world = rank_and_world()
-    stage0, stage1 = _peak(Settings(0, None, False, False), world), _peak(Settings(1, None, False, False), world)
+    stage0, stage1 = (_peak(Settings(s, None, False, False), world, config) for s in (0, 1))
     budget = (stage0 + stage1) // 2
     torch.manual_seed(0)
-    engine = zeroplus.initialize(_model(), _config(budget))
-    x = torch.randint(0, 256, (2, SEQ))
-    for _ in range(3):
+    engine = zeroplus.initialize(_model(), config(budget))
+    x = torch.randint(0, 256, (micro, SEQ))
+    for _ in range(steps):
         engine.backward(engine(x, x))
         engine.step()
     report = engine.memory_report()
@@ -79,28 +81,11 @@ def _context_config(budget: int | None = None) -> dict:
                          "parallel": {"context": 2, "context_mode": "ring"}}}
 
 
-def _plan_with_context_job() -> dict:
-    rank, world = rank_and_world()
-    base = parse_config(_context_config())[0]
-    peaks = [zeroplus.estimate(_model, apply_settings(base, Settings(s, None, False, False)), world_size=world,
-                               rank=rank, seq_len=SEQ).peak_bytes for s in (0, 1)]
-    budget = sum(peaks) // 2
-    torch.manual_seed(0)
-    engine = zeroplus.initialize(_model(), _context_config(budget))
-    x = torch.randint(0, 256, (1, SEQ))
-    for _ in range(2):
-        engine.backward(engine(x, x))
-        engine.step()
-    report = engine.memory_report()
-    return {"budget": budget, "peaks": peaks, "stage": engine.zero_optimization_stage(),
-            "measured": report.process_peak_above_start_bytes, "predicted": report.predicted_peak_bytes}
-
-
 def test_the_planner_plans_under_context_parallelism():
     """Context 2 (ring), fp32, a budget between the predicted peaks of stages 0 and 1 under context
     parallelism: both ranks pick stage 1 and run within the budget."""
-    for r in run_distributed(_plan_with_context_job, 2):
-        assert r["peaks"][1] < r["budget"] < r["peaks"][0]
+    for r in run_distributed(_plan_and_train_job, 2, _context_config, 1, 2):
+        assert r["stage1"] < r["budget"] < r["stage0"]
         assert r["stage"] == 1 and r["predicted"] <= r["budget"]
         assert r["measured"] <= r["budget"], r
 
