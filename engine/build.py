@@ -368,9 +368,9 @@ def _activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: 
                       "to it saves nothing; zeroplus.activation_tier {'device': 'file', 'path': DIR} swaps to files",
                       level=logging.WARNING)
         claimers.append(swapper)
-    _tile(model, zp.tiled)
     if is_hf_causal_lm(model):
         drop_training_cache(model)
+    _tile(model, zp.tiled)
     sequence_split = cfg.zeroplus.parallel.sequence_parallel
     if ac.partition_activations and sequence_split:
         log_rank0("activation_checkpointing.partition_activations: no effect with zeroplus.parallel."

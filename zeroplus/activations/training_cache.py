@@ -21,13 +21,14 @@ from torch import nn
 
 
 def drop_training_cache(model: nn.Module) -> bool:
-    """Make ``model``'s forward default to ``use_cache=False`` in training mode (once); False if its forward
-    takes no ``use_cache``."""
+    """Make ``model``'s forward default to ``use_cache=False`` in training mode (once); False if its class's
+    forward takes no ``use_cache``. The class's signature decides, not the instance's ``forward``: another
+    wrapper (the tiled loss's, ``*args, **kwargs``) may already stand in front of it and pass it on."""
     settings = vars(model)
     if settings.get("_zeroplus_no_training_cache"):
         return True
     original = model.forward
-    if "use_cache" not in inspect.signature(original).parameters:
+    if "use_cache" not in inspect.signature(type(model).forward).parameters:
         return False
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
