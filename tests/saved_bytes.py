@@ -1,27 +1,42 @@
-"""What autograd saves for backward in one real forward, outside the engine's ledger."""
+"""What one real forward leaves for backward, outside the engine's ledger."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import zeroplus
 
 
+class _NewStorages(TorchDispatchMode):
+    """Every storage an operation creates while active, weakly referenced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                if storage._cdata not in self.storages and storage.nbytes():
+                    self.storages[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+        return out
+
+
 def saved_in_real_step(engine: zeroplus.Engine, loss_of: Callable[[], torch.Tensor]) -> int:
-    """Bytes autograd saves for backward while ``loss_of()`` runs the engine's forward, each storage once,
-    not counting the ledger's buffers (the parameters are its flat buffers); then backward and step."""
+    """Bytes of the storages ``loss_of()`` creates (running the engine's forward) that are still alive when
+    it returns the loss, each once, not counting the ledger's buffers (the parameters' flat buffers): what
+    autograd saved for backward, and the loss. Then backward and step. A dispatch mode, not saved-tensor
+    hooks: those would make the mechanisms that stand aside under other hooks (``ulysses_output.py``) do so."""
     held = engine.ledger.storage_keys()
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        key = t.untyped_storage()._cdata
-        if key not in held and t.device.type != "meta":
-            saved[key] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with _NewStorages() as mode:
         loss = loss_of()
+    alive = sum(n for key, (ref, n) in mode.storages.items() if key not in held and not ref.expired())
     engine.backward(loss)
     engine.step()
-    return sum(saved.values())
+    return alive

@@ -19,10 +19,11 @@ from torch import nn
 from ..activations.checkpointing import checkpoint
 from ..activations.tiled import tiled_cross_entropy
 from ..comm import DataParallelGroup
-from ..parallel.context import check_heads, heads_to_seq, local_slice, positions, seq_to_heads
+from ..parallel.context import check_heads, local_slice, positions, seq_to_heads
 from ..parallel.groups import current_groups
 from ..parallel.moe import MoE, with_aux_loss
 from ..parallel.ring_attention import ring_attention, zigzag_positions, zigzag_slice
+from ..parallel.ulysses_output import output_exchanged
 
 
 @dataclasses.dataclass
@@ -74,8 +75,11 @@ class CausalSelfAttention(nn.Module):
             q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
             return self.proj(ring_attention(q, k, v, cp).transpose(1, 2).reshape(b, t, c))
         q, k, v = (seq_to_heads(z.view(b, t, self.n_head, c // self.n_head), cp).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, heads / C, whole seq, d/heads)
-        return self.proj(heads_to_seq(y.transpose(1, 2), cp).reshape(b, t, c))
+
+        def attend() -> tuple[torch.Tensor, None]:  # (b, whole seq, heads / C, d/heads)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2), None
+        y, _ = output_exchanged(cp, attend)  # brought home: (b, seq / C, heads, d/heads)
+        return self.proj(y.reshape(b, t, c))
 
 
 def context_group() -> DataParallelGroup:

@@ -14,10 +14,12 @@ that are not are repeated to one per query head first (``context_hf.py``: K and 
 much as Q to send and hold).
 
 Memory per rank: activations of s/C tokens everywhere except inside attention, which holds the whole
-sequence for H/C heads (the same bytes as s/C tokens of H heads), plus each all-to-all's output.
+sequence for H/C heads (the same bytes as s/C tokens of H heads), plus each all-to-all's output; the
+attention output is kept once (``ulysses_output.py``).
 Communication per attention layer and micro-batch: Q, K, V and the output, each ``b * s * H * hd / C``
 elements sent and received per rank in forward (4 b s h / C with h = H * hd for plain multi-head
-attention; K and V scale with their own heads under GQA), and the same in backward.
+attention; K and V scale with their own heads under GQA); in backward their gradients and the output
+once more (attention's saved copy of it is formed again from the home copy: ``ulysses_output.py``).
 """
 from __future__ import annotations
 
@@ -77,6 +79,11 @@ def seq_to_heads(x: torch.Tensor, group: DataParallelGroup) -> torch.Tensor:
     return x if group.size == 1 else _Exchange.apply(x, group, _seq_to_heads, _heads_to_seq)
 
 
+def seq_to_heads_plain(x: torch.Tensor, group: DataParallelGroup) -> torch.Tensor:
+    """``seq_to_heads`` outside autograd (the all-to-all alone; ``ulysses_output.py`` re-forms a saved output)."""
+    return x if group.size == 1 else _seq_to_heads(x, group)
+
+
 def heads_to_seq(x: torch.Tensor, group: DataParallelGroup) -> torch.Tensor:
     """``(b, s, H/C, hd)`` -> ``(b, s/C, H, hd)``: the inverse of ``seq_to_heads``."""
     return x if group.size == 1 else _Exchange.apply(x, group, _heads_to_seq, _seq_to_heads)
@@ -100,4 +107,4 @@ def positions(local_length: int, group: DataParallelGroup, device: Any = None) -
     return torch.arange(start, start + local_length, device=device)
 
 
-__all__ = ["check_heads", "heads_to_seq", "local_slice", "positions", "seq_to_heads"]
+__all__ = ["check_heads", "heads_to_seq", "local_slice", "positions", "seq_to_heads", "seq_to_heads_plain"]

@@ -31,8 +31,9 @@ from torch import nn
 
 from ..activations.tiled_loss import IGNORE_INDEX, shifted
 from ..comm import DataParallelGroup
-from .context import check_heads, heads_to_seq, local_slice, seq_to_heads
+from .context import check_heads, local_slice, seq_to_heads
 from .ring_attention import ring_attention, zigzag_slice
+from .ulysses_output import output_exchanged
 
 transformers: Any
 try:
@@ -53,12 +54,14 @@ def ulysses_attention(inner: Callable[..., Any], group: DataParallelGroup) -> Ca
             key, value = (t.repeat_interleave(query.shape[1] // key.shape[1], dim=1) for t in (key, value))
         q, k, v = (seq_to_heads(t.transpose(1, 2), group).transpose(1, 2) for t in (query, key, value))
         kwargs.pop("is_causal", None)
-        if repeated:  # (the model's own attention would repeat them again by its num_key_value_groups)
-            out = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=kwargs.get("dropout", 0.0),
-                                                             is_causal=True, scale=kwargs.get("scaling"))
-            return heads_to_seq(out.transpose(1, 2), group), None
-        out, weights = inner(module, q, k, v, None, is_causal=True, **kwargs)  # out: (b, s, H/C, hd)
-        return heads_to_seq(out, group), weights
+
+        def attend() -> tuple[torch.Tensor, Any]:  # out: (b, s, H/C, hd)
+            if repeated:  # (the model's own attention would repeat them again by its num_key_value_groups)
+                out = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=kwargs.get("dropout", 0.0),
+                                                                 is_causal=True, scale=kwargs.get("scaling"))
+                return out.transpose(1, 2), None
+            return inner(module, q, k, v, None, is_causal=True, **kwargs)
+        return output_exchanged(group, attend)
     return attention
 
 

@@ -18,8 +18,10 @@ j == i causal, j > i nothing (skipped). A chunk pair is computed in blocks of qu
 ``a .. e`` reads keys ``0 .. e`` only.
 
 Memory per rank, for ``b`` sequences, ``h`` heads of ``d``, ``L = s / C`` local tokens: the output
-and its log-sum-exp in fp32 (kept for backward, with the inputs), two K/V blocks (the one computed on
-and the one arriving: ``2 * 2 * b h L d`` elements), and one block of scores, at most
+(accumulated in fp32 in the ``(b, L, h, d)`` layout, returned in the inputs' dtype) and its log-sum-exp
+in fp32, kept for backward with the inputs; the output kept is the one returned, so the output
+projection's saved input (the transpose back, a view) is the same storage, not a second copy; two
+K/V blocks (the one computed on and the one arriving: ``2 * 2 * b h L d`` elements), and one block of scores, at most
 ``SCORE_BLOCK_ELEMENTS`` (4 MiB) whatever ``L`` (at least 16 rows: ``16 b h L / 2``); backward adds
 dQ and three dK/dV pairs (this rank's share, the one in flight, the one arriving: ``3 * 2 * b h L d``
 fp32). Communication: K and V (``2 b h L d`` elements) C - 1 times forward, and C - 1 times in
@@ -102,7 +104,8 @@ class _RingAttention(torch.autograd.Function):
                 scale: float, rows: int) -> torch.Tensor:
         size, rank = group.size, group.rank
         qh = _halves(q)
-        o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        b, h, n, d = q.shape  # o in the (b, L, h, d) layout: the caller's transpose back is then a view of it
+        o = torch.zeros((b, n, h, d), dtype=torch.float32, device=q.device).transpose(1, 2)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         oh, lh = _halves(o), _halves(lse.unsqueeze(-1))
         kv = [k.contiguous(), v.contiguous()]
@@ -124,9 +127,10 @@ class _RingAttention(torch.autograd.Function):
             if moving is not None and step < size - 1:
                 moving.wait()
                 kv = incoming
-        ctx.save_for_backward(q, k, v, o, lse)
+        out = o.to(q.dtype)  # (o itself in fp32)
+        ctx.save_for_backward(q, k, v, out, lse)  # the output as returned: the storage the next layer saves
         ctx.group, ctx.scale, ctx.rows = group, scale, rows
-        return o.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
