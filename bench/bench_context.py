@@ -119,7 +119,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    seqs = [int(s) for s in args.seqs.split(",")]
+    seqs = [int(s) for s in args.seqs.split(",") if s]
     tiled_only = [int(s) for s in args.tiled_seqs.split(",") if s]
     tiles = (args.mlp_tokens, args.loss_tokens)
     settings = [("no context parallelism", 1, "ulysses")]
