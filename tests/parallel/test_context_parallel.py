@@ -279,17 +279,18 @@ def _saved_for_backward(mode: str, context: int) -> tuple[int, int]:
     return saved_in_real_step(engine, lambda: engine(x, y)), engine.budget.saved_for_backward
 
 
-@pytest.mark.parametrize("mode", ["ulysses", "ring"])
-def test_predicted_activations_under_context_parallelism_are_what_autograd_saves(mode):
+@pytest.mark.parametrize("mode,context", [("ulysses", 2), ("ring", 2), ("ulysses", 4)])
+def test_predicted_activations_under_context_parallelism_are_what_autograd_saves(mode, context):
     """The engine's prediction of what one forward saves for backward, per context rank, against the bytes
     autograd saves in the real forward (within 0.5%: the loss and its scalars are alive, not saved), and
-    half of one process's on the whole sequences within 1% (the tiny GPT: its embeddings' and head's saved
+    1/C of one process's on the whole sequences within 2% (the tiny GPT: its embeddings' and head's saved
     inputs are per token too): attention keeps one copy of its output, not its own beside the output
-    projection's (measured 0.502 of one process; 0.527 with two copies)."""
+    projection's (C = 2: measured 0.502 of one process; 0.527 with two copies), also with one head per
+    rank (C = 4), where the exchange back must not leave the caller a strided view to copy again."""
     whole, _ = run_distributed(_saved_for_backward, 1, mode, 1)[0]
-    for real, predicted in run_distributed(_saved_for_backward, 2, mode, 2):
+    for real, predicted in run_distributed(_saved_for_backward, context, mode, context):
         assert predicted == pytest.approx(real, rel=0.005), (predicted, real)
-        assert 0.49 * whole < real < 0.51 * whole, (real, whole)
+        assert 0.98 / context * whole < real < 1.02 / context * whole, (real, whole)
 
 
 def _ring_vs_whole(block_rows: int | None) -> tuple[float, float, float, float]:

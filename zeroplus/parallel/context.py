@@ -50,7 +50,9 @@ def _heads_to_seq(x: torch.Tensor, group: DataParallelGroup) -> torch.Tensor:
     c = group.size
     chunks = x.reshape(b, c, s // c, heads_local, hd).permute(1, 0, 2, 3, 4)  # chunk j: rank j's tokens
     got = _all_to_all_dim0(chunks, group)  # got[r]: this rank's tokens of rank r's head block
-    return got.permute(1, 2, 0, 3, 4).reshape(b, s // c, c * heads_local, hd)
+    # contiguous, so that the caller's (b, s/C, H * hd) is a view of it (with one head per rank the reshape
+    # alone would be a strided view of ``got``, and the caller's flattening a second copy)
+    return got.permute(1, 2, 0, 3, 4).reshape(b, s // c, c * heads_local, hd).contiguous()
 
 
 class _Exchange(torch.autograd.Function):

@@ -20,8 +20,10 @@ j == i causal, j > i nothing (skipped). A chunk pair is computed in blocks of qu
 Memory per rank, for ``b`` sequences, ``h`` heads of ``d``, ``L = s / C`` local tokens: the output
 (accumulated in fp32 in the ``(b, L, h, d)`` layout, returned in the inputs' dtype) and its log-sum-exp
 in fp32, kept for backward with the inputs; the output kept is the one returned, so the output
-projection's saved input (the transpose back, a view) is the same storage, not a second copy; two
-K/V blocks (the one computed on and the one arriving: ``2 * 2 * b h L d`` elements), and one block of scores, at most
+projection's saved input (the transpose back, a view) is the same storage, not a second copy; the
+K/V block arriving (``2 b h L d`` elements) beside the one computed on, which is this rank's own
+without a copy at the first step when its memory is already ``(b, L, h, d)`` (K and V viewed per
+head from a projection's output; the blocks travel in that layout), and one block of scores, at most
 ``SCORE_BLOCK_ELEMENTS`` (4 MiB) whatever ``L`` (at least 16 rows: ``16 b h L / 2``); backward adds
 dQ and three dK/dV pairs (this rank's share, the one in flight, the one arriving: ``3 * 2 * b h L d``
 fp32). Communication: K and V (``2 b h L d`` elements) C - 1 times forward, and C - 1 times in
@@ -79,6 +81,12 @@ def _pairs(q_chunks: tuple[int, int], k_chunks: tuple[int, int]) -> list[tuple[i
     return out
 
 
+def _travelling(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ``(b, h, L, d)`` as a contiguous ``(b, L, h, d)`` buffer to send around the ring: no copy when its
+    memory already has that layout (a model's keys and values viewed per head from ``(b, L, h * d)``)."""
+    return t.transpose(1, 2).contiguous()
+
+
 def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n = t.shape[-2] // 2
     return t[..., :n, :], t[..., n:, :]
@@ -108,13 +116,13 @@ class _RingAttention(torch.autograd.Function):
         o = torch.zeros((b, n, h, d), dtype=torch.float32, device=q.device).transpose(1, 2)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         oh, lh = _halves(o), _halves(lse.unsqueeze(-1))
-        kv = [k.contiguous(), v.contiguous()]
+        kv = [_travelling(k), _travelling(v)]  # (b, L, h, d) buffers; computed on as (b, h, L, d) views
         incoming: list[torch.Tensor] = []
         moving = None
         for step in range(size):
             if step < size - 1:
                 incoming, moving = group.shift_ring(kv)  # the next block travels while this one is computed
-            kh, vh = _halves(kv[0]), _halves(kv[1])
+            kh, vh = _halves(kv[0].transpose(1, 2)), _halves(kv[1].transpose(1, 2))
             for qi, ki, causal in _pairs(_chunks(rank, size), _chunks((rank - step) % size, size)):
                 for a, e, seen in _row_blocks(qh[qi].shape[-2], rows, causal):
                     s = _scores(qh[qi][..., a:e, :], kh[ki][..., :seen, :], scale, causal, a)
@@ -142,17 +150,17 @@ class _RingAttention(torch.autograd.Function):
         qh, doh, lh, dh = _halves(q), _halves(do), _halves(lse.unsqueeze(-1)), _halves(delta)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dqh = _halves(dq)
-        kv = [k.contiguous(), v.contiguous()]
+        kv = [_travelling(k), _travelling(v)]  # (b, L, h, d) buffers; computed on as (b, h, L, d) views
         kv_in: list[torch.Tensor] = []
         d_in: list[torch.Tensor] = []
         kv_moving = d_moving = None
         for step in range(size):
             if step < size - 1:
                 kv_in, kv_moving = group.shift_ring(kv)  # K and V are only read here: they travel during the compute
-            kh, vh = _halves(kv[0]), _halves(kv[1])
-            mine = [torch.zeros(k.shape, dtype=torch.float32, device=k.device),
-                    torch.zeros(v.shape, dtype=torch.float32, device=v.device)]  # this rank's share of dK, dV
-            dkh, dvh = _halves(mine[0]), _halves(mine[1])
+            kh, vh = _halves(kv[0].transpose(1, 2)), _halves(kv[1].transpose(1, 2))
+            mine = [torch.zeros(kv[0].shape, dtype=torch.float32, device=k.device),
+                    torch.zeros(kv[1].shape, dtype=torch.float32, device=v.device)]  # this rank's share of dK, dV
+            dkh, dvh = _halves(mine[0].transpose(1, 2)), _halves(mine[1].transpose(1, 2))
             for qi, ki, causal in _pairs(_chunks(rank, size), _chunks((rank - step) % size, size)):
                 for a, e, seen in _row_blocks(qh[qi].shape[-2], rows, causal):
                     qb, dob, kb, vb = qh[qi][..., a:e, :].float(), doh[qi][..., a:e, :], \
@@ -176,7 +184,8 @@ class _RingAttention(torch.autograd.Function):
                 kv = kv_in
         assert d_moving is not None
         d_moving.wait()
-        return dq.to(q.dtype), d_in[0].to(k.dtype), d_in[1].to(v.dtype), None, None, None
+        dk, dv = (d.transpose(1, 2) for d in d_in)  # (b, h, L, d) views of the (b, L, h, d) buffers
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def query_rows(batch_heads: int, keys: int) -> int:
