@@ -15,7 +15,10 @@ before it, with glibc returning freed memory
 (``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_``), the largest over the ranks. Target (issue
 21): at C ranks at most 1.15 / C of the single-process peak at the same total sequence; the tiled
 loss removes the vocabulary-sized logits (``4 * s * V`` bytes and their gradient) from the peak.
-The headline: the longest sequence length of those run whose activation peak fits ``--budget-mib``
+Also printed: the part of the peak that grows with the sequence (MiB per 1024 tokens between the two
+longest lengths run), whose ratio to the single process's leaves out what every rank holds whatever
+the length (one loss tile ``4 t V``, the head's gradient ``4 V d``), which no split of the sequence
+can divide. The headline: the longest sequence length of those run whose activation peak fits ``--budget-mib``
 per rank, for each setting. ``--tiled-seqs``: longer lengths run with tiling only (untiled, the
 logits alone would take ``4 s V`` bytes several times over).
 """
@@ -133,6 +136,7 @@ def main() -> None:
     print(header)
     base: dict[tuple[bool, int], int] = {}
     fits: dict[str, int] = {}
+    peaks: dict[tuple[str, bool], dict[int, int]] = {}
     for name, c, mode in settings:
         for tiled in (False, True):
             cells = []
@@ -141,6 +145,7 @@ def main() -> None:
                     cells.append("-")
                     continue
                 peak = launch(s, c, mode, tiled, args.vocab, tiles, args.model)
+                peaks.setdefault((name, tiled), {})[s] = peak
                 if c == 1:
                     base[(tiled, s)] = peak
                 ratio = peak / base[(tiled, s)] if (tiled, s) in base else float("nan")
@@ -149,6 +154,20 @@ def main() -> None:
                     key = f"{name}{', tiled' if tiled else ''}"
                     fits[key] = max(fits.get(key, 0), s)
             print(f"{name:<28}{'yes' if tiled else 'no':>6}" + "".join(f"{cell:>16}" for cell in cells), flush=True)
+    print("\nthe part of the peak that grows with the sequence: MiB per 1024 tokens between the two longest "
+          "lengths run (a per-rank constant, such as one loss tile and the head's gradient, drops out); "
+          "ratio against the single process, target 1.15 / C:")
+    for tiled in (False, True):
+        slopes: dict[str, float] = {}
+        for name, c, _ in settings:
+            got = sorted(peaks.get((name, tiled), {}).items())
+            if len(got) < 2:
+                continue
+            (s0, p0), (s1, p1) = got[-2:]
+            slopes[name] = (p1 - p0) / (s1 - s0) * 1024 / 2**20
+            one = slopes.get(settings[0][0])
+            ratio = f"({slopes[name] / one:4.2f})" if one else ""
+            print(f"  {name + (', tiled' if tiled else ''):<36}{slopes[name]:8.2f} {ratio}  [{s0} -> {s1} tokens]")
     print(f"\nlongest sequence run whose activation peak fits {args.budget_mib:.0f} MiB per rank:")
     for name, c, _ in settings:
         for tiled in (False, True):
