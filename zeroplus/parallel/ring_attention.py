@@ -26,7 +26,8 @@ without a copy at the first step when its memory is already ``(b, L, h, d)`` (K 
 head from a projection's output; the blocks travel in that layout), and one block of scores, at most
 ``SCORE_BLOCK_ELEMENTS`` (4 MiB) whatever ``L`` (at least 16 rows: ``16 b h L / 2``); backward adds
 dQ and three dK/dV pairs (this rank's share, the one in flight, the one arriving: ``3 * 2 * b h L d``
-fp32). Communication: K and V (``2 b h L d`` elements) C - 1 times forward, and C - 1 times in
+fp32; a pair and a K/V block are released before the next transfer is posted, never four at once).
+Communication: K and V (``2 b h L d`` elements) C - 1 times forward, and C - 1 times in
 backward with dK and dV C times.
 """
 from __future__ import annotations
@@ -134,7 +135,7 @@ class _RingAttention(torch.autograd.Function):
                     l_part.copy_(merged)
             if moving is not None and step < size - 1:
                 moving.wait()
-                kv = incoming
+                kv, moving = incoming, None  # (the handle held the block sent: freed before the next is received)
         out = o.to(q.dtype)  # (o itself in fp32)
         ctx.save_for_backward(q, k, v, out, lse)  # the output as returned: the storage the next layer saves
         ctx.group, ctx.scale, ctx.rows = group, scale, rows
@@ -178,10 +179,11 @@ class _RingAttention(torch.autograd.Function):
                 d_moving.wait()
                 mine[0].add_(d_in[0])
                 mine[1].add_(d_in[1])
+                d_in, d_moving = [], None  # the sum that arrived and the share sent before: freed before the next
             d_in, d_moving = group.shift_ring(mine)
             if kv_moving is not None and step < size - 1:
                 kv_moving.wait()
-                kv = kv_in
+                kv, kv_moving = kv_in, None
         assert d_moving is not None
         d_moving.wait()
         dk, dv = (d.transpose(1, 2) for d in d_in)  # (b, h, L, d) views of the (b, L, h, d) buffers

@@ -91,8 +91,8 @@ def output_exchanged(group: DataParallelGroup,
     """Run ``attend`` (returning the head-layout output ``(b, s, H/C, hd)`` and anything else), and return the
     output brought home ``(b, s/C, H, hd)`` with the rest; attention's saved copy of its output is then
     formed again from the home copy in backward (module docstring)."""
-    hooked = (group.size > 1 and torch.is_grad_enabled()
-              and torch._C._autograd._top_saved_tensors_default_hooks(False) is None)
+    top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # (private: absent, stand aside)
+    hooked = group.size > 1 and torch.is_grad_enabled() and top_hooks is not None and top_hooks(False) is None
     if not hooked:
         out, rest = attend()
         return heads_to_seq(out, group), rest
