@@ -13,7 +13,6 @@ import atexit
 import contextlib
 import logging
 import os
-import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -34,6 +33,7 @@ from zeroplus.zero import ShardedStep, ZeroPartition
 from .checkpoint import save_checkpoint
 from .checkpoint_export import write_state_dict
 from .checkpoint_load import load_checkpoint
+from .exit_grace import register_exit_grace
 from .loss_scaler import LossScaler
 from .pretrained_load import PretrainedLoad, load_pretrained
 
@@ -72,7 +72,9 @@ class Engine:
         # called once, before the first forward that trains (``zeroplus.initialize`` predicts the budget there)
         self._first_forward_hooks: list[Callable[[Engine, tuple[Any, ...], dict[str, Any]], None]] = []
         # collectives still in flight when the script ends without destroy() (the post-step all-gathers,
-        # stage 3's prefetch) are waited for before the interpreter tears the process group down under them
+        # stage 3's prefetch) are waited for before the interpreter tears the process group down under them;
+        # then, once per process and also when this engine is gone, gloo's workers get the GIL once more
+        register_exit_grace()
         atexit.register(_wait_at_exit, weakref.ref(self))
         self.budget: Any = None  # the predicted ``zeroplus.MemoryBudget``, once a hook has set it
         self.parallel: Any = None  # the ParallelGroups when the model is split beyond dp (build_engine sets it)
@@ -370,9 +372,6 @@ class Engine:
         self._partition.wait_in_flight()
 
 
-EXIT_GRACE_SECONDS = 0.02
-
-
 def _wait_at_exit(ref: weakref.ref) -> None:
     """At interpreter exit: wait for an engine's in-flight collectives (a failure here is reported by the
     collective's own error path, not raised at exit). Also after the script destroyed the process group:
@@ -385,7 +384,3 @@ def _wait_at_exit(ref: weakref.ref) -> None:
         engine._partition.wait_in_flight()
     except Exception as err:  # noqa: BLE001 - at exit there is no caller to raise to
         logger.warning("collectives in flight at exit did not finish: %s", err)
-    # Blocking collectives of others (torch's object collectives, a trainer's metric all-reduces) hand their
-    # tensors back from gloo's worker a moment after returning, and freeing a Python-owned one takes the GIL:
-    # give it up briefly while the interpreter is whole, rather than have a worker ask for it during teardown.
-    time.sleep(EXIT_GRACE_SECONDS)
