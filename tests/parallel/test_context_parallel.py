@@ -19,7 +19,7 @@ from tests import hf_models
 from tests.dist_helper import rank_and_world, run_distributed
 from tests.parallel.model_states import assert_model_states_predicted, ledger_peaks
 from tests.reference import clip_global_norm
-from tests.saved_bytes import saved_in_real_step
+from tests.saved_bytes import PeakOfNewStorages, saved_in_real_step
 from zeroplus.budget.virtual_group import VirtualGroup
 from zeroplus.comm import DataParallelGroup
 from zeroplus.models import GPT, gpt_config
@@ -316,6 +316,30 @@ def test_ring_attention_equals_whole_causal_attention(world, block_rows):
     each chunk pair cut into blocks of 3 query rows (the last block short) or 1 row."""
     for errors in run_distributed(_ring_vs_whole, world, block_rows):
         assert max(errors) < 1e-5, errors
+
+
+def _ring_backward_peak() -> float:
+    group = DataParallelGroup(None)
+    g = torch.Generator().manual_seed(group.rank)
+    length, heads, dim = 512, 2, 64  # this rank's tokens; a unit is b h L d fp32 = 256 KiB
+    q, k, v = (torch.randn(1, length, heads, dim, generator=g).transpose(1, 2).requires_grad_() for _ in range(3))
+    out = ring_attention(q, k, v, group, block_rows=8)  # score blocks of 2 x 8 x 256: 1/16 of a unit
+    dout = torch.randn_like(out)
+    with PeakOfNewStorages() as mode:
+        out.backward(dout)
+    return mode.peak / (length * heads * dim * 4)
+
+
+@pytest.mark.parametrize("world,units", [(2, 6.2), (4, 8.2)])
+def test_ring_backward_holds_dq_two_kv_blocks_and_three_half_pairs(world, units):
+    """Ring backward beside its inputs, in units of ``b h L d`` fp32: dQ (1), the K/V block computed on and
+    the one arriving (2 + 2, at C = 2 the own block is not a copy and nothing arrives at the last step),
+    the dK/dV sums of three key chunks (3: computing, leaving, arriving), the returned dK and dV (2, at the
+    end, in place of the blocks) and score blocks (0.1). Before the sums travelled by key chunk, one transfer at
+    a time, and each step's temporaries were released before the next transfer, C = 4 held 13.1 units here
+    and C = 2 9.6."""
+    for peak in run_distributed(_ring_backward_peak, world):
+        assert peak <= units, (world, peak)
 
 
 def _output_kept_once() -> tuple[bool, bool, bool, str]:

@@ -8,9 +8,12 @@ C - 1 steps, the next block's send and receive started before the current block 
 transfer overlaps the compute. Blocks are combined with the online-softmax rule: for the partial
 output ``o_a`` with log-sum-exp ``l_a`` and a new block's ``o_b, l_b``,
 ``l = logaddexp(l_a, l_b)``, ``o = o_a exp(l_a - l) + o_b exp(l_b - l)``. Backward recomputes each
-block's probabilities from the final log-sum-exp while K and V go around the ring again; each rank
-adds its share of a block's dK and dV to the sum the earlier ranks sent, which arrived during that
-compute, and sends it on, so after C moves every rank holds its own keys' whole gradient.
+block's probabilities from the final log-sum-exp while K and V go around the ring again. The sum of
+a block's dK and dV over the ranks that have computed on it travels with it, one key chunk (half a
+block) at a time: a rank adds its share of a chunk into the earlier ranks' sum of it in place and
+sends it on at once, so one chunk's sum travels (leaving, and the next block's arriving) while the
+other chunk is computed; before a chunk's sum is sent the other's transfer is waited for, so only one
+is in flight. After C moves every rank holds its own keys' whole gradient.
 
 Masks between query chunk i and key chunk j (chunk indices in the whole sequence): j < i everything,
 j == i causal, j > i nothing (skipped). A chunk pair is computed in blocks of query rows
@@ -24,9 +27,17 @@ projection's saved input (the transpose back, a view) is the same storage, not a
 K/V block arriving (``2 b h L d`` elements) beside the one computed on, which is this rank's own
 without a copy at the first step when its memory is already ``(b, L, h, d)`` (K and V viewed per
 head from a projection's output; the blocks travel in that layout), and one block of scores, at most
-``SCORE_BLOCK_ELEMENTS`` (4 MiB) whatever ``L`` (at least 16 rows: ``16 b h L / 2``); backward adds
-dQ and three dK/dV pairs (this rank's share, the one in flight, the one arriving: ``3 * 2 * b h L d``
-fp32; a pair and a K/V block are released before the next transfer is posted, never four at once).
+``SCORE_BLOCK_ELEMENTS`` fp32 whatever ``L`` (at least 16 rows: ``16 b h L / 2``). Backward, in
+units of ``b h L d`` fp32 beside its inputs: dQ (1), the K/V block computed on and the one arriving
+(2 + 2; at the first step the own block, without a copy as above; nothing arrives at the last), the
+dK/dV sums of three key chunks (3: the one computed into, the other leaving and the next block's
+arriving) and two blocks of scores (the probabilities and their gradient); at the end the returned
+dK and dV (2) replace the blocks. At ``b h L d = 1 M`` (C = 4 at 32768 tokens on 4 heads of 32,
+``tests/parallel``'s dispatch-mode count of new storages) 40 MiB, against 56 MiB when a rank's whole
+share of a block's dK/dV was computed beside the sum arriving and the one leaving, and each step's
+temporaries were still referenced when the next transfer was posted (at C = 2, 16384 tokens: 56.5
+against 84.5 MiB). Each step's temporaries now live in ``_merge_block`` and ``_chunk_backward``, and
+a block's share is added into the sum with a batched GEMM, without a product of its size.
 Communication: K and V (``2 b h L d`` elements) C - 1 times forward, and C - 1 times in
 backward with dK and dV C times.
 """
@@ -101,10 +112,56 @@ def _row_blocks(n: int, rows: int, causal: bool) -> list[tuple[int, int, int]]:
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, first_row: int) -> torch.Tensor:
     """One block's scaled scores in fp32, the causal future at ``-inf``."""
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)
     if causal:
-        s = s.masked_fill(_future(s.shape[-2], s.shape[-1], first_row, s.device), float("-inf"))
+        s = s.masked_fill_(_future(s.shape[-2], s.shape[-1], first_row, s.device), float("-inf"))
     return s
+
+
+def _merge_block(qh: tuple[torch.Tensor, ...], kv: list[torch.Tensor], oh: tuple[torch.Tensor, ...],
+                 lh: tuple[torch.Tensor, ...], pairs: list[tuple[int, int, bool]], rows: int, scale: float) -> None:
+    """Merge one K/V block's attention into the partial outputs ``oh`` and log-sum-exps ``lh`` (online
+    softmax); its temporaries (one block of scores) are gone when it returns."""
+    kh, vh = _halves(kv[0].transpose(1, 2)), _halves(kv[1].transpose(1, 2))
+    for qi, ki, causal in pairs:
+        for a, e, seen in _row_blocks(qh[qi].shape[-2], rows, causal):
+            s = _scores(qh[qi][..., a:e, :], kh[ki][..., :seen, :], scale, causal, a)
+            l_b = torch.logsumexp(s, dim=-1, keepdim=True)
+            o_b = torch.matmul(s.sub_(l_b).exp_(), vh[ki][..., :seen, :].float())
+            o_part, l_part = oh[qi][..., a:e, :], lh[qi][..., a:e, :]
+            merged = torch.logaddexp(l_part, l_b)
+            o_part.mul_(torch.exp(l_part - merged)).add_(o_b.mul_(torch.exp(l_b - merged)))
+            l_part.copy_(merged)
+            del s, o_b  # before the next block's scores exist
+
+
+def _add_product_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
+    """``out += alpha * a @ b`` for ``(batch, heads, ., .)`` operands, into ``out`` (a strided view of a
+    ``(b, L, h, d)`` buffer) without a temporary of its size: one batched GEMM per sequence."""
+    for i in range(out.shape[0]):
+        out[i].baddbmm_(a[i], b[i], alpha=alpha)
+
+
+def _chunk_backward(qh: tuple[torch.Tensor, ...], doh: tuple[torch.Tensor, ...], lh: tuple[torch.Tensor, ...],
+                    dh: tuple[torch.Tensor, ...], dqh: tuple[torch.Tensor, ...], kv: list[torch.Tensor], ki: int,
+                    pairs: list[tuple[int, int, bool]], acc: list[torch.Tensor], rows: int, scale: float) -> None:
+    """Add key chunk ``ki`` of one K/V block's share of dQ into ``dqh`` and of its dK, dV into ``acc``
+    (``(b, L / 2, h, d)`` fp32), recomputing the probabilities from the final log-sum-exp; its temporaries
+    (two blocks of scores) are gone when it returns."""
+    kb_all, vb_all = _halves(kv[0].transpose(1, 2))[ki], _halves(kv[1].transpose(1, 2))[ki]
+    dk, dv = acc[0].transpose(1, 2), acc[1].transpose(1, 2)  # (b, h, L / 2, d) views
+    for qi, _, causal in pairs:
+        for a, e, seen in _row_blocks(qh[qi].shape[-2], rows, causal):
+            qb, dob = qh[qi][..., a:e, :].float(), doh[qi][..., a:e, :]
+            kb, vb = kb_all[..., :seen, :].float(), vb_all[..., :seen, :].float()
+            p = _scores(qb, kb, scale, False, 0).sub_(lh[qi][..., a:e, :]).exp_()
+            if causal:
+                p = p.masked_fill_(_future(e - a, seen, a, p.device), 0.0)
+            _add_product_(dv[..., :seen, :], p.transpose(-1, -2), dob, 1.0)
+            ds = p.mul_(torch.matmul(dob, vb.transpose(-1, -2)).sub_(dh[qi][..., a:e, :]))
+            dqh[qi][..., a:e, :].add_(torch.matmul(ds, kb), alpha=scale)
+            _add_product_(dk[..., :seen, :], ds.transpose(-1, -2), qb, scale)
+            del p, ds  # before the next block's scores exist
 
 
 class _RingAttention(torch.autograd.Function):
@@ -123,19 +180,10 @@ class _RingAttention(torch.autograd.Function):
         for step in range(size):
             if step < size - 1:
                 incoming, moving = group.shift_ring(kv)  # the next block travels while this one is computed
-            kh, vh = _halves(kv[0].transpose(1, 2)), _halves(kv[1].transpose(1, 2))
-            for qi, ki, causal in _pairs(_chunks(rank, size), _chunks((rank - step) % size, size)):
-                for a, e, seen in _row_blocks(qh[qi].shape[-2], rows, causal):
-                    s = _scores(qh[qi][..., a:e, :], kh[ki][..., :seen, :], scale, causal, a)
-                    l_b = torch.logsumexp(s, dim=-1, keepdim=True)
-                    o_b = torch.matmul(s.sub_(l_b).exp_(), vh[ki][..., :seen, :].float())
-                    o_part, l_part = oh[qi][..., a:e, :], lh[qi][..., a:e, :]
-                    merged = torch.logaddexp(l_part, l_b)
-                    o_part.mul_(torch.exp(l_part - merged)).add_(o_b.mul_(torch.exp(l_b - merged)))
-                    l_part.copy_(merged)
+            _merge_block(qh, kv, oh, lh, _pairs(_chunks(rank, size), _chunks((rank - step) % size, size)), rows, scale)
             if moving is not None and step < size - 1:
                 moving.wait()
-                kv, moving = incoming, None  # (the handle held the block sent: freed before the next is received)
+                kv, moving = incoming, None  # the block computed on is freed here (the handle held the one sent)
         out = o.to(q.dtype)  # (o itself in fp32)
         ctx.save_for_backward(q, k, v, out, lse)  # the output as returned: the storage the next layer saves
         ctx.group, ctx.scale, ctx.rows = group, scale, rows
@@ -152,41 +200,36 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dqh = _halves(dq)
         kv = [_travelling(k), _travelling(v)]  # (b, L, h, d) buffers; computed on as (b, h, L, d) views
+        b, n, h, d = kv[0].shape
         kv_in: list[torch.Tensor] = []
-        d_in: list[torch.Tensor] = []
-        kv_moving = d_moving = None
+        kv_moving = None
+        # per key chunk (half of a block): the (dK, dV) sum of the ranks before this one, arriving, and its handle
+        sums: list[list[torch.Tensor]] = [[], []]
+        moving: list[Any] = [None, None]
         for step in range(size):
-            if step < size - 1:
-                kv_in, kv_moving = group.shift_ring(kv)  # K and V are only read here: they travel during the compute
-            kh, vh = _halves(kv[0].transpose(1, 2)), _halves(kv[1].transpose(1, 2))
-            mine = [torch.zeros(kv[0].shape, dtype=torch.float32, device=k.device),
-                    torch.zeros(kv[1].shape, dtype=torch.float32, device=v.device)]  # this rank's share of dK, dV
-            dkh, dvh = _halves(mine[0].transpose(1, 2)), _halves(mine[1].transpose(1, 2))
-            for qi, ki, causal in _pairs(_chunks(rank, size), _chunks((rank - step) % size, size)):
-                for a, e, seen in _row_blocks(qh[qi].shape[-2], rows, causal):
-                    qb, dob, kb, vb = qh[qi][..., a:e, :].float(), doh[qi][..., a:e, :], \
-                        kh[ki][..., :seen, :].float(), vh[ki][..., :seen, :].float()
-                    p = _scores(qb, kb, scale, False, 0).sub_(lh[qi][..., a:e, :]).exp_()
-                    if causal:
-                        p = p.masked_fill_(_future(e - a, seen, a, p.device), 0.0)
-                    dvh[ki][..., :seen, :].add_(torch.matmul(p.transpose(-1, -2), dob))
-                    ds = p.mul_(torch.matmul(dob, vb.transpose(-1, -2)).sub_(dh[qi][..., a:e, :]))
-                    dqh[qi][..., a:e, :].add_(torch.matmul(ds, kb), alpha=scale)
-                    dkh[ki][..., :seen, :].add_(torch.matmul(ds.transpose(-1, -2), qb), alpha=scale)
-            # the gradients follow their block: the share of the ranks before this one arrived during the
-            # compute above; after C moves each block's sum is home
-            if d_moving is not None:
-                d_moving.wait()
-                mine[0].add_(d_in[0])
-                mine[1].add_(d_in[1])
-                d_in, d_moving = [], None  # the sum that arrived and the share sent before: freed before the next
-            d_in, d_moving = group.shift_ring(mine)
+            pairs = _pairs(_chunks(rank, size), _chunks((rank - step) % size, size))
+            for ki in (0, 1):
+                if moving[ki] is None:  # the first rank to see this block
+                    acc = [torch.zeros((b, n // 2, h, d), dtype=torch.float32, device=k.device) for _ in range(2)]
+                else:  # the sum of the ranks before, sent when they finished this key chunk (already waited for)
+                    moving[ki].wait()
+                    acc = sums[ki]
+                if ki == 0 and step < size - 1:  # K and V are only read here: they travel during the compute
+                    kv_in, kv_moving = group.shift_ring(kv)
+                _chunk_backward(qh, doh, lh, dh, dqh, kv, ki, [pair for pair in pairs if pair[1] == ki], acc, rows,
+                                scale)
+                if moving[1 - ki] is not None:  # one chunk's transfer at a time: the other's sum is home first
+                    moving[1 - ki].wait()
+                # on to the rank that computes this block next (after C moves, home); the next block's sum comes in
+                sums[ki], moving[ki] = group.shift_ring(acc)
+                del acc  # the handle holds the sum sent until its transfer is done
             if kv_moving is not None and step < size - 1:
                 kv_moving.wait()
                 kv, kv_moving = kv_in, None
-        assert d_moving is not None
-        d_moving.wait()
-        dk, dv = (d.transpose(1, 2) for d in d_in)  # (b, h, L, d) views of the (b, L, h, d) buffers
+        kv = kv_in = []  # the last block computed on: gone before dK and dV are put together
+        for handle in moving:
+            handle.wait()
+        dk, dv = (torch.cat([sums[0][i], sums[1][i]], dim=1).transpose(1, 2) for i in range(2))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
