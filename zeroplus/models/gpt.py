@@ -70,10 +70,13 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape  # (batch, seq, d); under context parallelism this rank's 1/C of the sequence
         cp = context_group()
-        q, k, v = self.qkv(x).split(c, dim=2)
         if cp.size > 1 and context_mode() == "ring":  # this rank's zigzag tokens, keys and values around the ring
-            q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+            # Q, K and V each in its own (b, t, heads, d/heads) memory, which the ring sends as it is: without
+            # this, K and V (views into the fused projection's rows) were copied before every transfer
+            q, k, v = self.qkv(x).view(b, t, 3, self.n_head, c // self.n_head).permute(2, 0, 1, 3, 4).contiguous()
+            q, k, v = (z.transpose(1, 2) for z in (q, k, v))
             return self.proj(ring_attention(q, k, v, cp).transpose(1, 2).reshape(b, t, c))
+        q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (seq_to_heads(z.view(b, t, self.n_head, c // self.n_head), cp).transpose(1, 2) for z in (q, k, v))
 
         def attend() -> tuple[torch.Tensor, None]:  # (b, whole seq, heads / C, d/heads)
