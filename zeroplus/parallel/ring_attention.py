@@ -33,11 +33,12 @@ units of ``b h L d`` fp32 beside its inputs: dQ (1), the K/V block computed on a
 dK/dV sums of three key chunks (3: the one computed into, the other leaving and the next block's
 arriving) and two blocks of scores (the probabilities and their gradient); at the end the returned
 dK and dV (2) replace the blocks. At ``b h L d = 1 M`` (C = 4 at 32768 tokens on 4 heads of 32,
-``tests/parallel``'s dispatch-mode count of new storages) 40 MiB, against 56 MiB when a rank's whole
-share of a block's dK/dV was computed beside the sum arriving and the one leaving, and each step's
-temporaries were still referenced when the next transfer was posted (at C = 2, 16384 tokens: 56.5
-against 84.5 MiB). Each step's temporaries now live in ``_merge_block`` and ``_chunk_backward``, and
-a block's share is added into the sum with a batched GEMM, without a product of its size.
+counting new storages with a dispatch mode) 34 MiB (40 with 4 MiB blocks of scores), against 56 MiB when
+a rank's whole share of a block's dK/dV was computed beside the sum arriving and the one leaving, and
+each step's temporaries were still referenced when the next transfer was posted (at C = 2, 16384
+tokens: 56.5 against 84.5 MiB, with 4 MiB blocks). Each step's temporaries live in
+``_merge_block`` and ``_chunk_backward``, and a block's share is added into the sum with a batched
+GEMM, without a product of its size.
 Communication: K and V (``2 b h L d`` elements) C - 1 times forward, and C - 1 times in
 backward with dK and dV C times.
 """
@@ -50,7 +51,10 @@ import torch
 
 from ..comm import DataParallelGroup
 
-SCORE_BLOCK_ELEMENTS = 1 << 20  # fp32 scores of one block of query rows: 4 MiB
+# fp32 scores of one block of query rows: 1 MiB. At 4 MiB the ring was no faster (CPU, C = 2, 8192 tokens per
+# rank, 4 heads of 32: 4.3-4.6 s against 3.7-4.4 s forward and backward, three launches each) and backward's
+# two blocks held 6 MiB more.
+SCORE_BLOCK_ELEMENTS = 1 << 18
 
 
 def zigzag_slice(x: torch.Tensor, group: DataParallelGroup, dim: int = 1) -> torch.Tensor:
