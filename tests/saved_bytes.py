@@ -20,12 +20,16 @@ class _NewStorages(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        self._register(out, set())
+        return out
+
+    def _register(self, out: Any, skip: set[int]) -> None:
+        """Record the storages of ``out``'s tensors not seen yet and not in ``skip``."""
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()
-                if storage._cdata not in self.storages and storage.nbytes():
+                if storage._cdata not in skip and storage._cdata not in self.storages and storage.nbytes():
                     self.storages[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
-        return out
 
 
 def saved_in_real_step(engine: zeroplus.Engine, loss_of: Callable[[], torch.Tensor]) -> int:
@@ -42,24 +46,19 @@ def saved_in_real_step(engine: zeroplus.Engine, loss_of: Callable[[], torch.Tens
     return alive
 
 
-class PeakOfNewStorages(TorchDispatchMode):
+class PeakOfNewStorages(_NewStorages):
     """The largest number of bytes that storages created while active held at once, checked after every
     operation (what a mechanism holds beside its inputs). An output that shares an input's storage (a view,
     an in-place result) is not new."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
         self.peak = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         self.storages = {key: (ref, n) for key, (ref, n) in self.storages.items() if not ref.expired()}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                storage = t.untyped_storage()
-                if storage._cdata not in inputs and storage._cdata not in self.storages and storage.nbytes():
-                    self.storages[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+        self._register(out, inputs)
         self.peak = max(self.peak, sum(n for _, n in self.storages.values()))
         return out

@@ -185,7 +185,7 @@ class _RingAttention(torch.autograd.Function):
             if step < size - 1:
                 incoming, moving = group.shift_ring(kv)  # the next block travels while this one is computed
             _merge_block(qh, kv, oh, lh, _pairs(_chunks(rank, size), _chunks((rank - step) % size, size)), rows, scale)
-            if moving is not None and step < size - 1:
+            if moving is not None:  # (none after the last step)
                 moving.wait()
                 kv, moving = incoming, None  # the block computed on is freed here (the handle held the one sent)
         out = o.to(q.dtype)  # (o itself in fp32)
@@ -227,7 +227,7 @@ class _RingAttention(torch.autograd.Function):
                 # on to the rank that computes this block next (after C moves, home); the next block's sum comes in
                 sums[ki], moving[ki] = group.shift_ring(acc)
                 del acc  # the handle holds the sum sent until its transfer is done
-            if kv_moving is not None and step < size - 1:
+            if kv_moving is not None:  # (none after the last step)
                 kv_moving.wait()
                 kv, kv_moving = kv_in, None
         kv = kv_in = []  # the last block computed on: gone before dK and dV are put together
