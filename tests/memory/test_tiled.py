@@ -12,13 +12,15 @@ import weakref
 
 import pytest
 import torch
+import transformers
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import zeroplus
 from tests import hf_models
 from tests.dist_helper import rank_and_world, run_distributed
-from zeroplus.activations.linear_cross_entropy import linear_cross_entropy_sum
+from zeroplus.activations.grad_rows import offer_rows, rows_sink
+from zeroplus.activations.linear_cross_entropy import SLICE_FRACTION, linear_cross_entropy_sum, vocab_slice
 from zeroplus.activations.tiled import cross_entropy_sum, head_function, tile_module, tiled, tiled_cross_entropy
 from zeroplus.activations.tiled_loss import tile_hf_causal_lm
 from zeroplus.config import ConfigError
@@ -147,7 +149,8 @@ def _loss_peak(loss_fn, head: nn.Module, h: torch.Tensor) -> int:
 
 def test_tiled_loss_of_a_linear_head_holds_one_tile_of_logits():
     """A plain ``nn.Linear`` head: at most one tile's fp32 logits (which become its probabilities and its
-    gradient in place) beside the head's gradient, at once, forward and backward; the generic tiling of
+    gradient in place) beside the head's and the rows' gradients and one vocabulary slice of the head's
+    gradient (an eighth of a tile), at once, forward and backward; the generic tiling of
     ``F.cross_entropy`` holds 3.5 tiles' worth, untiled everything (about 12 tiles here)."""
     torch.manual_seed(0)
     vocab, d, rows, tile = 20000, 64, 512, 128
@@ -160,16 +163,54 @@ def test_tiled_loss_of_a_linear_head_holds_one_tile_of_logits():
     generic = _loss_peak(lambda: tiled(cross_entropy_sum(fn), h, params, tile, extras=(targets,), summed=True),
                          head, h)
     untiled = _loss_peak(lambda: nn.functional.cross_entropy(head(h), targets, reduction="sum"), head, h)
-    assert one_tile + grads <= fused <= 1.01 * (one_tile + grads), fused / one_tile
+    assert one_tile + grads <= fused <= 1.01 * (one_tile * (1 + 1 / SLICE_FRACTION) + grads), fused / one_tile
     assert generic >= 3.4 * one_tile and untiled >= 4 * rows * vocab * 2
+
+
+class _FlatBuffer:
+    """An engine's flat gradient buffer for one head weight, receiving its gradient by rows."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.grad = torch.zeros_like(weight)
+        self.slices: list[tuple[int, int, bool]] = []
+
+    def __call__(self, start: int, rows: torch.Tensor, last: bool) -> None:
+        self.grad[start:start + rows.shape[0]] += rows
+        self.slices.append((start, rows.shape[0], last))
+
+
+def test_tiled_loss_hands_the_head_gradient_by_vocabulary_slices_and_never_holds_it_whole():
+    """With a sink offered for the head's weight (the engine's, ``grad_rows.py``), the head's gradient
+    arrives slice by slice, in order, the last one flagged, and equals the plain loss's (fp32, 1e-5); the
+    weight gets no gradient of its own; the backward's peak is one tile's logits, the rows' gradient and
+    one slice (an eighth of a tile) beside the buffer: the head's whole gradient (here a quarter of a
+    tile) is never formed."""
+    torch.manual_seed(0)
+    vocab, d, rows, tile = 20000, 64, 512, 128
+    head = nn.Linear(d, vocab, bias=False)
+    plain = copy.deepcopy(head)
+    h = torch.randn(rows, d, requires_grad=True)
+    targets = torch.randint(0, vocab, (rows,))
+    sink = _FlatBuffer(head.weight)
+    offer_rows(head.weight, sink)
+    with _LiveBytes(head.weight, h, sink.grad) as seen:
+        tiled_cross_entropy(head, h, targets, tile).backward()
+    nn.functional.cross_entropy(plain(h.detach()), targets).backward()
+    step = vocab_slice(vocab, d, tile)[0]
+    assert sink.slices == [(v, min(step, vocab - v), v + step >= vocab) for v in range(0, vocab, step)]
+    assert head.weight.grad is None and _close(sink.grad, plain.weight.grad, 1e-5)
+    one_tile = 4 * tile * vocab
+    assert seen.peak <= 1.01 * (one_tile * (1 + 1 / SLICE_FRACTION) + 4 * rows * d), seen.peak / one_tile
+    del sink
+    assert rows_sink(head.weight) is None  # the registry holds the sink weakly: gone with its owner
 
 
 @pytest.mark.parametrize("dtype,bias", [(torch.float32, True), (torch.bfloat16, False)])
 def test_linear_cross_entropy_matches_cross_entropy(dtype, bias):
     """The fused tiled loss of a linear head against ``F.cross_entropy`` on the whole logits, with a bias,
     ignored targets and a gradient other than 1: fp32 loss and weight/bias gradients within 1e-5 of
-    their largest value, rows' gradient within 1e-6; bf16 (per-tile weight gradients summed in fp32,
-    rounded once, against one bf16 matmul over all rows) within 1e-2."""
+    their largest value, rows' gradient (summed over vocabulary slices) within 1e-6; bf16 (per-tile weight
+    gradients summed in fp32, rounded once, against one bf16 matmul over all rows) within 1e-2."""
     torch.manual_seed(0)
     head = nn.Linear(32, 300, bias=bias).to(dtype)
     plain = copy.deepcopy(head)
@@ -213,10 +254,10 @@ def test_hf_causal_lm_tiled_loss_matches_its_own(family):
     assert model(ids).logits.shape == (2, 24, 256)  # without labels: the model's own forward
 
 
-def _engine_losses(family: str, stage: int, tiled: bool) -> list[float]:
+def _engine_losses(family: str, stage: int, tiled: bool, accumulation: int = 1) -> list[float]:
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny")) if family == "gpt" else hf_models.build(family)
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "gradient_accumulation_steps": accumulation,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
            "zeroplus": {"log_level": "warning", **({"tiled": {"mlp_tokens": 8, "loss_tokens": 8}} if tiled else {})}}
@@ -226,7 +267,7 @@ def _engine_losses(family: str, stage: int, tiled: bool) -> list[float]:
     loss_tiles = model.config.loss_tile_tokens if family == "gpt" else vars(model).get("_zeroplus_loss_tiles", 0)
     assert loss_tiles == (8 if tiled else 0)
     losses = []
-    for step in range(3):
+    for step in range(3 * accumulation):
         ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(step + 100 * rank_and_world()[0]))
         loss = engine(ids, ids) if family == "gpt" else engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
@@ -235,17 +276,71 @@ def _engine_losses(family: str, stage: int, tiled: bool) -> list[float]:
     return losses
 
 
-def _both(family: str, stage: int) -> tuple[list[float], list[float]]:
-    return _engine_losses(family, stage, False), _engine_losses(family, stage, True)
+def _both(family: str, stage: int, accumulation: int) -> tuple[list[float], list[float]]:
+    return _engine_losses(family, stage, False, accumulation), _engine_losses(family, stage, True, accumulation)
 
 
-@pytest.mark.parametrize("family,stage", [("gpt", 1), ("gpt", 3), ("llama", 3)])
-def test_engine_with_tiled_config_follows_the_untiled_run(family, stage):
+@pytest.mark.parametrize("family,stage,accumulation", [("gpt", 1, 1), ("gpt", 3, 1), ("llama", 3, 1),
+                                                       ("llama", 1, 2)])
+def test_engine_with_tiled_config_follows_the_untiled_run(family, stage, accumulation):
     """``zeroplus.tiled`` in the config, 2 ranks: the tiled run's losses follow the untiled one's over 3
-    steps within 1e-5 relative (the tied GPT head's gradient reaches the flat buffer once, summed over
-    the tiles, at stage 3 as at stage 1)."""
-    for untiled, tiled_run in run_distributed(_both, 2, family, stage):
+    steps within 1e-5 relative (the head's gradient reaches the flat buffer by vocabulary slices, the
+    tied GPT head's once, summed over the tiles, at stage 3 as at stage 1; with micro-batches
+    accumulated, the second micro-batch's slices added to the first's)."""
+    for untiled, tiled_run in run_distributed(_both, 2, family, stage, accumulation):
         assert torch.allclose(torch.tensor(tiled_run), torch.tensor(untiled), rtol=1e-5, atol=0), (tiled_run, untiled)
+
+
+class _LargeOutputs(TorchDispatchMode):
+    """The shapes of operator outputs of at least ``elements`` elements that are not views (new memory)."""
+
+    def __init__(self, elements: int) -> None:
+        super().__init__()
+        self.elements, self.shapes = elements, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if any(r.alias_info is not None for r in func._schema.returns):  # a view or an in-place result
+            return out
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.numel() >= self.elements:
+                self.shapes.append(tuple(t.shape))
+        return out
+
+
+def _head_gradient_shapes(family: str, stage: int) -> list[tuple[int, ...]]:
+    """Shapes of every tensor of at least the head's size made during a tiled backward (vocabulary 1000,
+    d 64: larger than any other parameter)."""
+    torch.manual_seed(0)
+    if family == "gpt":
+        model = GPT(gpt_config("tiny", vocab_size=1000))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, attn_implementation="sdpa"))
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+           "zeroplus": {"log_level": "warning", "tiled": {"loss_tokens": 8}}}
+    engine = zeroplus.initialize(model, cfg)
+    shapes = []
+    for step in range(2):
+        ids = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(step + 100 * rank_and_world()[0]))
+        loss = engine(ids, ids) if family == "gpt" else engine(input_ids=ids, labels=ids).loss
+        with _LargeOutputs(1000 * 64) as seen:
+            engine.backward(loss)
+        engine.step()
+        shapes += seen.shapes
+    return shapes
+
+
+@pytest.mark.parametrize("family,stage", [("gpt", 1), ("llama", 3)])
+def test_engine_takes_the_tiled_head_gradient_by_slices(family, stage):
+    """Under the engine (2 ranks) the tiled loss hands the head's gradient to the flat gradient buffer one
+    vocabulary slice at a time: in backward, nothing of the head's size or more is made but 1-D flat
+    buffers (the head's whole ``(V, d)`` gradient, tied to the embedding or not, never exists). The values
+    are proven by ``test_engine_with_tiled_config_follows_the_untiled_run``."""
+    for shapes in run_distributed(_head_gradient_shapes, 2, family, stage):
+        assert shapes and all(len(s) == 1 for s in shapes), shapes
 
 
 def test_tiled_config_refuses_what_it_cannot_tile():

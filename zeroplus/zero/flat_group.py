@@ -160,6 +160,7 @@ class FlatParamGroup:
         self.per_use: set[int] = set()  # parameters whose uses send their gradients (``use_grads.py``): not counted
         self.row_params: set[int] = set()  # of those, the ones an embedding sends rows for
         self.dense_pending = 0  # dense uses of per-use parameters made in the forward, not yet back
+        self.by_rows: set[int] = set()  # parameters whose gradient came by rows, their gradient hook not yet run
         self.rows: dict[int, list[tuple[torch.Tensor, torch.Tensor, int]]] = {}  # stages 2-3: (ids, sums, tokens)
         if stage == 3:
             self.release()
@@ -190,17 +191,32 @@ class FlatParamGroup:
             self.gathered = False
 
     # -- gradients ----------------------------------------------------------------------------
-    def accumulate_grad(self, index: int, grad: torch.Tensor) -> None:
+    def accumulate_grad(self, index: int, grad: torch.Tensor | None) -> None:
         """Add one parameter's gradient into the flat gradient buffer (allocated on first use): the
-        first gradient since the buffer was allocated is copied in, later ones added."""
-        view = self._grad_view(index)
-        if self._written[index]:
-            view.add_(grad)  # no flattening copy of a strided grad
-        else:
-            view.copy_(grad)
-            self._written[index] = True
+        first gradient since the buffer was allocated is copied in, later ones added. ``None``: it came
+        by rows (``add_grad_rows``) and is only counted."""
+        if grad is not None:
+            view = self._grad_view(index)
+            if self._written[index]:
+                view.add_(grad)  # no flattening copy of a strided grad
+            else:
+                view.copy_(grad)
+                self._written[index] = True
         if index not in self.per_use:
             self.grads_seen += 1
+
+    def add_grad_rows(self, index: int, start: int, values: torch.Tensor, last: bool) -> None:
+        """Rows ``start..start+len(values)`` of parameter ``index``'s gradient (``activations/grad_rows.py``),
+        copied in or added as ``accumulate_grad`` would the whole gradient: the slices of one gradient are
+        disjoint, so the parameter counts as written only once its ``last`` slice is in."""
+        view = self._grad_view(index)[start:start + values.shape[0]]
+        if self._written[index]:
+            view.add_(values)
+        else:
+            view.copy_(values)
+        if last:
+            self._written[index] = True
+            self.by_rows.add(index)
 
     def add_rows(self, index: int, rows: torch.Tensor, values: torch.Tensor) -> None:
         """Add ``values[k]`` into row ``rows[k]`` of a 2-D parameter's gradient (distinct rows: an

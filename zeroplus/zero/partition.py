@@ -37,6 +37,7 @@ from typing import Callable
 
 import torch
 
+from ..activations.grad_rows import RowsSink, offer_rows
 from ..comm import DataParallelGroup
 from ..config import ResolvedZeroConfig
 from ..ledger import Ledger
@@ -137,9 +138,13 @@ class ZeroPartition:
         per_use = routed(model, {id(p) for g in self.groups for p in g.params},
                          {id(p) for g in self.root.groups for p in g.params})
         sinks: dict[int, UseSinks] = {}
+        self._row_sinks: list[RowsSink] = []  # the registry holds them weakly (grad_rows.py): alive with the partition
         for g in self.groups:
             for i, p in enumerate(g.params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(g, i)))
+                if p.dim() == 2:
+                    self._row_sinks.append(functools.partial(self._grad_rows_arrived, g, i))
+                    offer_rows(p, self._row_sinks[-1])
                 if id(p) in per_use:
                     g.per_use.add(i)
                     sinks[id(p)] = UseSinks(functools.partial(self._dense_use_arrived, g, i),
@@ -227,17 +232,25 @@ class ZeroPartition:
         for u in self.units:
             u.groups_ready = 0
 
+    def _grad_rows_arrived(self, group: FlatParamGroup, index: int, start: int, rows: torch.Tensor,
+                           last: bool) -> None:
+        """A slice of rows of a 2-D parameter's gradient (the tiled loss's head, ``grad_rows.py``): into the flat
+        buffer at once; the parameter's gradient hook, which runs after it with no gradient, counts it."""
+        group.add_grad_rows(index, start, rows, last)
+
     def _make_grad_hook(self, group: FlatParamGroup, index: int):
         def hook(param: torch.nn.Parameter) -> None:
             grad = param.grad
-            if grad is None and index in group.per_use:  # its uses' gradients went to the flat buffer
+            by_rows = index in group.by_rows  # its gradient went into the flat buffer by rows
+            group.by_rows.discard(index)
+            if grad is None and not by_rows and index in group.per_use:  # its uses' gradients went there
                 return
             if index in group.per_use:  # a use outside its holders: its saved tensors may need the values late
                 self.release_root_early = False
-            if grad is None:  # torch calls this hook only after accumulating a gradient
+            if grad is None and not by_rows:  # torch calls this hook only after accumulating a gradient
                 raise RuntimeError(f"{group.name}: parameter {index} reached its gradient hook without a gradient")
             param.grad = None
-            group.accumulate_grad(index, grad)
+            group.accumulate_grad(index, grad)  # None: counted only
             if group.per_use:
                 self._maybe_reduce_early(group)
             elif group.grads_seen == len(group.params):
@@ -277,6 +290,7 @@ class ZeroPartition:
                 self._group_ready(g)
             g.grads_seen = 0
             g.dense_pending = 0
+            g.by_rows.clear()
         for g in self.groups:
             g.wait_pending()
         self._in_flight.clear()
