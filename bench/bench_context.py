@@ -9,17 +9,20 @@ is a single process without context parallelism): the built-in GPT "small" (4 la
 learned positions: a table of ``--seq`` rows whose gradient every rank holds whole, so it grows with
 the sequence and does not divide by C) or, ``--model llama``, a Hugging Face Llama of that size
 (rotary positions; 4 x d gated MLP) built from its config, with a ``--vocab`` vocabulary, ZeRO-1
-in fp32, micro-batch 1, one warm-up step, then one measured step. The activation peak is the
-process's resident peak during that step's forward and backward above its resident memory just
-before it, with glibc returning freed memory
-(``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_``), the largest over the ranks. Target (issue
+in fp32, micro-batch 1, two micro-batches per step, one warm-up step, then one measured step. The
+activation peak is the process's resident peak during the forward and backward of the step's second
+micro-batch above its resident memory just before it, with glibc returning freed memory
+(``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_``), the largest over the ranks: the model states,
+gradient buffers included (made by the first micro-batch, accumulated into by the second), are
+resident then, so the peak is what the activations and the compute's temporaries add. The first
+micro-batch's peak, which also makes the gradient buffers, is printed apart. Target (issue
 21): at C ranks at most 1.15 / C of the single-process peak at the same total sequence; the tiled
 loss removes the vocabulary-sized logits (``4 * s * V`` bytes and their gradient) from the peak.
 Also printed: the part of the peak that grows with the sequence (MiB per 1024 tokens between the two
 longest lengths run), whose ratio to the single process's leaves out what every rank holds whatever
-the length (one loss tile ``4 t V``, the head's gradient ``4 V d``), which no split of the sequence
-can divide. The headline: the longest sequence length of those run whose activation peak fits ``--budget-mib``
-per rank, for each setting. ``--tiled-seqs``: longer lengths run with tiling only (untiled, the
+the length (one block of the loss's logits, ``4 t V``), which no split of the sequence can divide. The
+headline: the longest sequence length of those run whose activation peak fits ``--budget-mib`` per
+rank, for each setting. ``--tiled-seqs``: longer lengths run with tiling only (untiled, the
 logits alone would take ``4 s V`` bytes several times over).
 """
 from __future__ import annotations
@@ -52,8 +55,8 @@ def worker(args: argparse.Namespace) -> None:
         zp["parallel"] = {"context": args.context, "context_mode": args.mode}
     if args.tiled:
         zp["tiled"] = {"mlp_tokens": args.mlp_tokens, "loss_tokens": args.loss_tokens}
-    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-           "zero_optimization": {"stage": 1}, "zeroplus": zp}
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 1}, "zeroplus": zp}
     torch.manual_seed(0)
     if args.model == "llama":
         import transformers
@@ -67,24 +70,29 @@ def worker(args: argparse.Namespace) -> None:
 
     def loss() -> torch.Tensor:
         return engine(input_ids=x, labels=x).loss if args.model == "llama" else engine(x, x)
-    engine.backward(loss())
-    engine.step()
-    if dist.is_initialized():
-        dist.barrier()
-    before = rss("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM from here
-    engine.backward(loss())
-    peak = rss("VmHWM") - before
-    engine.step()
+    for _ in range(2):  # the warm-up step
+        engine.backward(loss())
+        engine.step()
+    peaks = []
+    for _ in range(2):  # the measured step: its first micro-batch makes the gradient buffers, the second finds them
+        if dist.is_initialized():
+            dist.barrier()
+        before = rss("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM from here
+        engine.backward(loss())
+        peaks.append(rss("VmHWM") - before)
+        engine.step()
     with open(f"{args.out}.{rank}.json", "w") as f:
-        json.dump({"activation_peak": peak}, f)
+        json.dump({"activation_peak": peaks[1], "with_gradient_buffers": peaks[0]}, f)
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
 def launch(seq: int, context: int, mode: str, tiled: bool, vocab: int, tiles: tuple[int, int] = (512, 512),
-           model: str = "gpt") -> int:
+           model: str = "gpt") -> tuple[int, int]:
+    """``(activation peak, peak of a micro-batch that makes the gradient buffers)``, bytes, the largest over
+    the ranks."""
     env = dict(os.environ, ZEROPLUS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072",
                MALLOC_TRIM_THRESHOLD_="131072", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with tempfile.TemporaryDirectory() as tmp:
@@ -97,7 +105,8 @@ def launch(seq: int, context: int, mode: str, tiled: bool, vocab: int, tiles: tu
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
-        return max(json.load(open(f"{out}.{r}.json"))["activation_peak"] for r in range(context))
+        ranks = [json.load(open(f"{out}.{r}.json")) for r in range(context)]
+        return max(r["activation_peak"] for r in ranks), max(r["with_gradient_buffers"] for r in ranks)
 
 
 def main() -> None:
@@ -137,6 +146,7 @@ def main() -> None:
     base: dict[tuple[bool, int], int] = {}
     fits: dict[str, int] = {}
     peaks: dict[tuple[str, bool], dict[int, int]] = {}
+    making: list[str] = []  # rows of the second table
     for name, c, mode in settings:
         for tiled in (False, True):
             cells = []
@@ -144,7 +154,8 @@ def main() -> None:
                 if not tiled and s in tiled_only:
                     cells.append("-")
                     continue
-                peak = launch(s, c, mode, tiled, args.vocab, tiles, args.model)
+                peak, made = launch(s, c, mode, tiled, args.vocab, tiles, args.model)
+                making.append(f"  {name + (', tiled' if tiled else ''):<36}{s:>8} tokens {made / 2**20:8.0f}")
                 peaks.setdefault((name, tiled), {})[s] = peak
                 if c == 1:
                     base[(tiled, s)] = peak
@@ -155,7 +166,7 @@ def main() -> None:
                     fits[key] = max(fits.get(key, 0), s)
             print(f"{name:<28}{'yes' if tiled else 'no':>6}" + "".join(f"{cell:>16}" for cell in cells), flush=True)
     print("\nthe part of the peak that grows with the sequence: MiB per 1024 tokens between the two longest "
-          "lengths run (a per-rank constant, such as one loss tile and the head's gradient, drops out); "
+          "lengths run (a per-rank constant, such as one block of the loss's logits, drops out); "
           "ratio against the single process, target 1.15 / C:")
     for tiled in (False, True):
         slopes: dict[str, float] = {}
@@ -168,6 +179,9 @@ def main() -> None:
             one = slopes.get(settings[0][0])
             ratio = f"({slopes[name] / one:4.2f})" if one else ""
             print(f"  {name + (', tiled' if tiled else ''):<36}{slopes[name]:8.2f} {ratio}  [{s0} -> {s1} tokens]")
+    print("\nthe same runs' first micro-batch of the step, which also makes the gradient buffers (MiB per rank; "
+          "at ZeRO-1 every rank's are whole, the same with and without context parallelism):")
+    print("\n".join(making))
     print(f"\nlongest sequence run whose activation peak fits {args.budget_mib:.0f} MiB per rank:")
     for name, c, _ in settings:
         for tiled in (False, True):
