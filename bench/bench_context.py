@@ -146,7 +146,7 @@ def main() -> None:
     base: dict[tuple[bool, int], int] = {}
     fits: dict[str, int] = {}
     peaks: dict[tuple[str, bool], dict[int, int]] = {}
-    making: list[str] = []  # rows of the second table
+    making: dict[tuple[str, bool], dict[int, int]] = {}  # the second table
     for name, c, mode in settings:
         for tiled in (False, True):
             cells = []
@@ -155,7 +155,7 @@ def main() -> None:
                     cells.append("-")
                     continue
                 peak, made = launch(s, c, mode, tiled, args.vocab, tiles, args.model)
-                making.append(f"  {name + (', tiled' if tiled else ''):<36}{s:>8} tokens {made / 2**20:8.0f}")
+                making.setdefault((name, tiled), {})[s] = made
                 peaks.setdefault((name, tiled), {})[s] = peak
                 if c == 1:
                     base[(tiled, s)] = peak
@@ -181,7 +181,10 @@ def main() -> None:
             print(f"  {name + (', tiled' if tiled else ''):<36}{slopes[name]:8.2f} {ratio}  [{s0} -> {s1} tokens]")
     print("\nthe same runs' first micro-batch of the step, which also makes the gradient buffers (MiB per rank; "
           "at ZeRO-1 every rank's are whole, the same with and without context parallelism):")
-    print("\n".join(making))
+    print(header)
+    for (name, tiled), made in making.items():
+        cells = [f"{made[s] / 2**20:8.0f}" if s in made else "-" for s in seqs + tiled_only]
+        print(f"{name:<28}{'yes' if tiled else 'no':>6}" + "".join(f"{cell:>16}" for cell in cells))
     print(f"\nlongest sequence run whose activation peak fits {args.budget_mib:.0f} MiB per rank:")
     for name, c, _ in settings:
         for tiled in (False, True):
