@@ -78,10 +78,14 @@ def test_every_ledger_category_peak_is_predicted_exactly(tmp_path):
     for rank, rank_result in enumerate(run_distributed(_ledger_job, 2, str(tmp_path))):
         for case, (measured, predicted, budget_rank, world) in zip(CASES, rank_result):
             assert (budget_rank, world) == (rank, 2)
-            if case[3]:  # the estimate assumes writes land at once; the window lets 4 sub-groups wait for theirs
+            if case[3]:  # the estimate assumes writes land at once; the window lets 4 sub-groups wait for theirs.
+                # It also counts a prefetched read's buffer from the prefetch, where the real read thread makes it
+                # when it runs: under load, up to buffer_count - 1 = 3 reads can still be queued at the peak (seen
+                # once beside a 4-rank benchmark: 30 KB under the window).
                 writes_in_flight = 4 * 2 * 3000 * 4
+                reads_queued = 3 * 2 * 3000 * 4
                 window, real = predicted.pop("offload_buffer"), measured.pop("offload_buffer")
-                assert window - 2 * 3000 * 4 <= real <= window + writes_in_flight
+                assert window - reads_queued <= real <= window + writes_in_flight, (window, real)
             # gloo's worker drops a finished collective's buffer a moment after wait() returns (a bucket,
             # or a stage-3 unit's cast shard: at most 66 KB here), so under load the measured comm peak
             # can be one such buffer higher; it can never be lower.
