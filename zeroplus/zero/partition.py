@@ -142,8 +142,8 @@ class ZeroPartition:
         for g in self.groups:
             for i, p in enumerate(g.params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(g, i)))
-                if p.dim() == 2:
-                    self._row_sinks.append(functools.partial(self._grad_rows_arrived, g, i))
+                if p.dim() == 2:  # slices straight into the flat buffer; the hook (run after, no gradient) counts
+                    self._row_sinks.append(functools.partial(g.add_grad_rows, i))
                     offer_rows(p, self._row_sinks[-1])
                 if id(p) in per_use:
                     g.per_use.add(i)
@@ -231,12 +231,6 @@ class ZeroPartition:
         self._ready.clear()
         for u in self.units:
             u.groups_ready = 0
-
-    def _grad_rows_arrived(self, group: FlatParamGroup, index: int, start: int, rows: torch.Tensor,
-                           last: bool) -> None:
-        """A slice of rows of a 2-D parameter's gradient (the tiled loss's head, ``grad_rows.py``): into the flat
-        buffer at once; the parameter's gradient hook, which runs after it with no gradient, counts it."""
-        group.add_grad_rows(index, start, rows, last)
 
     def _make_grad_hook(self, group: FlatParamGroup, index: int):
         def hook(param: torch.nn.Parameter) -> None:
