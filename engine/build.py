@@ -20,7 +20,7 @@ import torch.distributed as dist
 from zeroplus.accelerator import Accelerator
 from zeroplus.activations import ResizeRecompute, SavedTensorRouter, SwapAttention, checkpointing
 from zeroplus.activations.resize_recompute import DEFAULT_CLASSES
-from zeroplus.activations.tiled import tile_mlps
+from zeroplus.activations.tiled import per_rank_tile, tile_mlps
 from zeroplus.activations.tiled_loss import is_hf_causal_lm, tile_loss
 from zeroplus.activations.training_cache import drop_training_cache
 from zeroplus.config import ConfigError, ResolvedConfig, ZeroplusConfig, resolved_zero
@@ -157,7 +157,7 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Any, accel: Ac
             log_rank0("memory estimate: not made for a pipeline stage at initialize (it needs every stage's shapes; "
                       "zeroplus estimate with a model factory predicts it); the report shows what is measured")
     parts = TrainingParts(partition, step, opt, scheduler, LossScaler(cfg.fp16),
-                          _activation_techniques(model, cfg, ledger, accel))
+                          _activation_techniques(model, cfg, ledger, accel, context))
     if context > 1 and parallel is not None:
         _split_sequences(model, parallel)
     engine = Engine(model, cfg, parts, dp, ledger, accel, rss_at_start - model_bytes)
@@ -339,8 +339,9 @@ def _optimizer_offload(cfg: ResolvedConfig, accel: Accelerator, ledger: Ledger, 
 
 
 def _activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: Ledger,
-                           accel: Accelerator) -> SavedTensorRouter:
-    """Resize recompute and swap attention (through one saved-tensor router), and the settings of
+                           accel: Accelerator, context: int) -> SavedTensorRouter:
+    """Resize recompute and swap attention (through one saved-tensor router), the tiles of
+    ``zeroplus.tiled`` (``context``: ranks sharing each sequence), and the settings of
     ``zeroplus.checkpointing`` from the ``activation_checkpointing`` block."""
     zp, ac = cfg.zeroplus, cfg.activation_checkpointing
     tier = None
@@ -370,7 +371,7 @@ def _activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: 
         claimers.append(swapper)
     if is_hf_causal_lm(model):
         drop_training_cache(model)
-    _tile(model, zp.tiled)
+    _tile(model, zp.tiled, context)
     sequence_split = cfg.zeroplus.parallel.sequence_parallel
     if ac.partition_activations and sequence_split:
         log_rank0("activation_checkpointing.partition_activations: no effect with zeroplus.parallel."
@@ -384,18 +385,23 @@ def _activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: 
     return SavedTensorRouter(claimers)
 
 
-def _tile(model: torch.nn.Module, tiles: TiledConfig) -> None:
-    """``zeroplus.tiled``: the MLPs and the loss run over tiles of tokens (``activations/tiled.py``)."""
+def _tile(model: torch.nn.Module, tiles: TiledConfig, context: int) -> None:
+    """``zeroplus.tiled``: the MLPs and the loss run over tiles of tokens (``activations/tiled.py``). A
+    tile counts tokens of the whole sequence: with the sequence split over ``context`` ranks each rank
+    runs ``ceil(tokens / context)`` of its part at a time, so a tile's intermediates divide by the
+    context ranks as every other activation does (a fixed per-rank tile would not)."""
     if tiles.mlp_tokens is not None:
-        done = tile_mlps(model, tiles.mlp_tokens, tiles.mlp_modules)
+        done = tile_mlps(model, per_rank_tile(tiles.mlp_tokens, context), tiles.mlp_modules)
         _check_targets("tiled.mlp_tokens", done, model, tiles.mlp_modules or ["*MLP"], [])
     if tiles.loss_tokens is not None:
+        loss_tile = per_rank_tile(tiles.loss_tokens, context)
         try:
-            tile_loss(model, tiles.loss_tokens)
+            tile_loss(model, loss_tile)
         except ValueError as err:
             raise ConfigError(f"config key 'zeroplus.tiled.loss_tokens': {err}") from None
-        log_rank0("tiled.loss_tokens: the LM head and cross-entropy of %s run over %d tokens at a time",
-                  type(model).__name__, tiles.loss_tokens)
+        log_rank0("tiled.loss_tokens: the LM head and cross-entropy of %s run over %d tokens at a time%s",
+                  type(model).__name__, tiles.loss_tokens,
+                  f" ({loss_tile} on each of the {context} context ranks)" if context > 1 else "")
 
 
 def _split_sequences(model: torch.nn.Module, parallel: ParallelGroups) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import zeroplus
 from tests import hf_models
@@ -47,27 +48,55 @@ def _batches(data_ranks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def _train(stage: int, context: int, mode: str = "ulysses") -> dict:
+class _RowsOfWidth(TorchDispatchMode):
+    """The most rows of any new operator output (not a view; not on the meta device, where the engine's
+    first forward predicts its memory) whose last dimension is ``width`` (a tile's logits, ``(t, V)``, or
+    its MLP intermediate)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.width, self.rows = width, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if any(r.alias_info is not None for r in func._schema.returns):
+            return out
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and not t.is_meta and t.dim() >= 2 and t.shape[-1] == self.width:
+                self.rows = max(self.rows, t.numel() // self.width)
+        return out
+
+
+def _tiles(tokens: int | None) -> dict:
+    return {} if tokens is None else {"tiled": {"mlp_tokens": tokens, "loss_tokens": tokens}}
+
+
+def _train(stage: int, context: int, mode: str = "ulysses", tile: int | None = None) -> dict:
+    """``tile``: ``zeroplus.tiled`` MLP and loss tiles of that many tokens (of the whole sequence); the
+    result's ``tile_rows`` is the most rows of a logits block or MLP intermediate (width 256 in this GPT)
+    made in a forward."""
     rank, world = rank_and_world()
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": CLIP,
            "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9, "weight_decay": 0.01}},
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-           "zeroplus": {"log_level": "warning", "parallel": {"context": context, "context_mode": mode}}}
+           "zeroplus": {"log_level": "warning", "parallel": {"context": context, "context_mode": mode}, **_tiles(tile)}}
     engine = zeroplus.initialize(_model(), cfg)
     groups = parallel_groups()
     data_ranks, d = groups.topology.data, groups.coordinates.data
     batches = _batches(data_ranks)
     losses = []
+    widest = _RowsOfWidth(engine.module.config.vocab_size)
     for s in range(STEPS):
         x, y = batches[s * data_ranks + d]  # every rank of a context group: the same whole sequences
-        loss = engine(x, y)
+        with widest:
+            loss = engine(x, y)
         engine.backward(loss)
         engine.step()
         local = loss.detach().clone()
         torch.distributed.all_reduce(local)  # the mean over the zero group's local means
         losses.append(local.item() / world)
     return {"losses": losses, "state": engine.consolidated_fp32_state(), "zero": engine.dp.size,
-            "data": data_ranks}
+            "data": data_ranks, "tile_rows": widest.rows}
 
 
 def _reference(data_ranks: int) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -119,6 +148,17 @@ def test_ring_context_matches_the_single_process_model(stage, world, context):
     """``context_mode: "ring"``: the GPT keeps its zigzag chunks (positions global) and runs ring attention."""
     results = run_distributed(_train, world, stage, context, "ring")
     _check(results, world // context)
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "ring"])
+def test_tiled_mlp_and_loss_under_context_parallelism_match_the_single_process_model(mode):
+    """``zeroplus.tiled`` with context 2: the tiled MLPs and loss run on each rank's part of the sequence and
+    the run equals the untiled single-process model's within the same tolerance. A tile counts tokens of
+    the whole sequence, so each rank's tile is half of it: no logits block or MLP intermediate has more
+    than 8 rows for tiles of 16 tokens (each rank holds 32 of the batch's 64 tokens)."""
+    results = run_distributed(_train, 2, 1, 2, mode, 16)
+    _check(results, 1)
+    assert [r["tile_rows"] for r in results] == [8, 8]
 
 
 def _round_trip() -> tuple[bool, bool]:
@@ -181,14 +221,16 @@ def test_checkpoint_resumes_bit_exactly_under_context_parallelism(tmp_path, mode
         assert continued == resumed
 
 
-def _llama(mode: str = "ulysses", data_ranks: int = 1) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _llama(mode: str = "ulysses", data_ranks: int = 1, tile: int | None = None
+           ) -> tuple[list[float], dict[str, torch.Tensor]]:
     rank, world = rank_and_world()
     torch.manual_seed(0)
     model = hf_models.build("llama")  # 4 heads, 2 key/value heads (GQA), rotary positions
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": CLIP,
            "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9, "weight_decay": 0.01}},
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-           "zeroplus": {"log_level": "warning", "parallel": {"context": world // data_ranks, "context_mode": mode}}}
+           "zeroplus": {"log_level": "warning", "parallel": {"context": world // data_ranks, "context_mode": mode},
+                        **_tiles(tile)}}
     engine = zeroplus.initialize(model, cfg)
     d = parallel_groups().coordinates.data
     batches = _batches(data_ranks)
@@ -206,14 +248,16 @@ def _llama(mode: str = "ulysses", data_ranks: int = 1) -> tuple[list[float], dic
     return losses, engine.consolidated_fp32_state()
 
 
-@pytest.mark.parametrize("mode,world,data_ranks", [("ulysses", 2, 1), ("ring", 2, 1), ("ulysses", 4, 1),
-                                                    ("ring", 4, 2)])
-def test_hugging_face_llama_with_gqa_rope_and_ignored_labels(mode, world, data_ranks):
+@pytest.mark.parametrize("mode,world,data_ranks,tile", [("ulysses", 2, 1, None), ("ring", 2, 1, None),
+                                                         ("ulysses", 4, 1, None), ("ring", 4, 2, None),
+                                                         ("ring", 2, 1, 16)])
+def test_hugging_face_llama_with_gqa_rope_and_ignored_labels(mode, world, data_ranks, tile):
     """Llama (grouped-query attention, rotary positions: the positions must be the global ones), ZeRO-3,
     context 2 (and Ulysses at 4, where the 2 key/value heads are repeated to the 4 query heads before
     the exchange; and ring with data x context 2 x 2, the reference taking both data ranks' batches at
     once), labels with 5 ignored tokens per row all in one rank's part: losses and parameters equal
-    the single-process model's within fp32 tolerance."""
+    the single-process model's within fp32 tolerance; and so with ring and ``zeroplus.tiled`` (MLPs and loss
+    over tiles of 16 tokens of the sequence, 8 per rank)."""
     torch.manual_seed(0)
     ref_model = hf_models.build("llama")
     params = [p for p in ref_model.parameters() if p.requires_grad]
@@ -231,7 +275,7 @@ def test_hugging_face_llama_with_gqa_rope_and_ignored_labels(mode, world, data_r
         opt.step()
         opt.zero_grad(set_to_none=True)
     ref_state = {n: p.detach() for n, p in ref_model.named_parameters()}
-    for losses, state in run_distributed(_llama, world, mode, data_ranks):
+    for losses, state in run_distributed(_llama, world, mode, data_ranks, tile):
         assert torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0), (losses, ref_losses)
         for name, value in state.items():
             floor = 1e-5 * ref_state[name].abs().max().item()

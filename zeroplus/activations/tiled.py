@@ -115,6 +115,13 @@ def _trainable(module: nn.Module) -> list[torch.Tensor]:
     return [p for p in module.parameters() if p.requires_grad]
 
 
+def per_rank_tile(tile_tokens: int, context: int) -> int:
+    """Tokens per tile on each of ``context`` ranks sharing a sequence, for tiles of ``tile_tokens`` of
+    the whole sequence: ``ceil(tile_tokens / context)``, so a rank's tile holds ``1 / context`` of the
+    whole-sequence tile's intermediates (rounded up to a token)."""
+    return -(-tile_tokens // context)
+
+
 def tile_module(module: nn.Module, tile_tokens: int) -> nn.Module:
     """Run ``module`` (a position-wise MLP: one input, one output of the same leading shape) over tiles of
     ``tile_tokens`` rows from now on. Its parameters, names and hooks stay as they are; returns it."""

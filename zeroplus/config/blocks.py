@@ -153,13 +153,16 @@ class TiledConfig(Block):
 
     mlp_tokens: PositiveInt | None = Field(
         None, description="Tokens per tile of every position-wise MLP: its wide intermediate exists for one "
-                          "tile at a time, in forward and backward.")
+                          "tile at a time, in forward and backward. Tokens of the whole sequence: under "
+                          "zeroplus.parallel.context C each rank's tile is ceil(mlp_tokens / C).")
     mlp_modules: list[str] | None = Field(
         None, description="MLP class names to tile (default: classes whose name ends in 'MLP', mixtures of "
                           "experts left out).")
     loss_tokens: PositiveInt | None = Field(
         None, description="Tokens per tile of the LM head and cross-entropy (zeroplus's GPT or a Hugging Face "
-                          "causal LM): the vocabulary-sized logits exist for one tile at a time.")
+                          "causal LM): the vocabulary-sized logits exist for one tile at a time. Tokens of the "
+                          "whole sequence: under zeroplus.parallel.context C each rank's tile is "
+                          "ceil(loss_tokens / C).")
 
 
 class ActivationTierConfig(Block):
