@@ -2,7 +2,7 @@
 parallelism (Ulysses, ring) and tiled MLP and loss; and the longest sequence that fits a budget.
 
     python bench/bench_context.py [--seqs 1024,2048,4096] [--tiled-seqs 16384] [--contexts 2,4] [--vocab 32000]
-                                  [--loss-tokens 512] [--mlp-tokens 512] [--budget-mib 1024]
+                                  [--loss-tokens 512] [--mlp-tokens 512] [--budget-mib 128,512]
 
 Each row is one launch (torchrun, gloo, one thread per rank; C ranks = data 1 x context C; C = 1
 is a single process without context parallelism): the built-in GPT "small" (4 layers, d 128, 4 heads;
@@ -22,7 +22,7 @@ Also printed: the part of the peak that grows with the sequence (MiB per 1024 to
 longest lengths run), whose ratio to the single process's leaves out what every rank holds whatever
 the length (one block of the loss's logits, ``4 t V``), which no split of the sequence can divide. The
 headline: the longest sequence length of those run whose activation peak fits ``--budget-mib`` per
-rank, for each setting. ``--tiled-seqs``: longer lengths run with tiling only (untiled, the
+rank (one column per budget), for each setting. ``--tiled-seqs``: longer lengths run with tiling only (untiled, the
 logits alone would take ``4 s V`` bytes several times over).
 """
 from __future__ import annotations
@@ -126,7 +126,7 @@ def main() -> None:
     p.add_argument("--mlp-tokens", type=int, default=512, help="tokens per MLP tile")
     p.add_argument("--loss-tokens", type=int, default=512, help="tokens per loss tile")
     p.add_argument("--contexts", default="2,4")
-    p.add_argument("--budget-mib", type=float, default=1024.0)
+    p.add_argument("--budget-mib", default="128,512", help="per-rank budgets (MiB) of the headline, comma-separated")
     args = p.parse_args()
     if args.worker:
         worker(args)
@@ -144,7 +144,8 @@ def main() -> None:
     header = f"{'setting':<28}{'tiled':>6}" + "".join(f"{s:>16}" for s in seqs + tiled_only)
     print(header)
     base: dict[tuple[bool, int], int] = {}
-    fits: dict[str, int] = {}
+    budgets = [float(b) for b in args.budget_mib.split(",")]
+    fits: dict[tuple[str, float], int] = {}
     peaks: dict[tuple[str, bool], dict[int, int]] = {}
     making: dict[tuple[str, bool], dict[int, int]] = {}  # the second table
     for name, c, mode in settings:
@@ -161,9 +162,10 @@ def main() -> None:
                     base[(tiled, s)] = peak
                 ratio = peak / base[(tiled, s)] if (tiled, s) in base else float("nan")
                 cells.append(f"{peak / 2**20:8.0f} ({ratio:4.2f})")
-                if peak <= args.budget_mib * 2**20:
-                    key = f"{name}{', tiled' if tiled else ''}"
-                    fits[key] = max(fits.get(key, 0), s)
+                for budget in budgets:
+                    if peak <= budget * 2**20:
+                        key = (f"{name}{', tiled' if tiled else ''}", budget)
+                        fits[key] = max(fits.get(key, 0), s)
             print(f"{name:<28}{'yes' if tiled else 'no':>6}" + "".join(f"{cell:>16}" for cell in cells), flush=True)
     print("\nthe part of the peak that grows with the sequence: MiB per 1024 tokens between the two longest "
           "lengths run (a per-rank constant, such as one block of the loss's logits, drops out); "
@@ -185,11 +187,12 @@ def main() -> None:
     for (name, tiled), made in making.items():
         cells = [f"{made[s] / 2**20:8.0f}" if s in made else "-" for s in seqs + tiled_only]
         print(f"{name:<28}{'yes' if tiled else 'no':>6}" + "".join(f"{cell:>16}" for cell in cells))
-    print(f"\nlongest sequence run whose activation peak fits {args.budget_mib:.0f} MiB per rank:")
+    print("\nlongest sequence run whose activation peak fits the budget per rank (tokens; 0: none of those run):")
+    print(f"  {'setting':<36}" + "".join(f"{f'{b:.0f} MiB':>12}" for b in budgets))
     for name, c, _ in settings:
         for tiled in (False, True):
             key = f"{name}{', tiled' if tiled else ''}"
-            print(f"  {key:<36}{fits.get(key, 0):>8} tokens" + ("" if key in fits else " (none of those run)"))
+            print(f"  {key:<36}" + "".join(f"{fits.get((key, b), 0):>12}" for b in budgets))
 
 
 if __name__ == "__main__":
