@@ -311,10 +311,11 @@ def test_memory_estimate_covers_context_parallelism(stage, world, context, mode)
                                       estimate=estimated, engine=engine_predicted)
 
 
-def _saved_for_backward(mode: str, context: int) -> tuple[int, int]:
+def _saved_for_backward(mode: str, context: int, tile: int | None = None) -> tuple[int, int]:
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-           "zeroplus": {"log_level": "warning", "parallel": {"context": context, "context_mode": mode}}}
+           "zeroplus": {"log_level": "warning", "parallel": {"context": context, "context_mode": mode},
+                        **_tiles(tile)}}
     engine = zeroplus.initialize(_model(), cfg)
     x, y = _batches(1)[0]
     engine.backward(engine(x, y))  # the first forward predicts
@@ -323,16 +324,19 @@ def _saved_for_backward(mode: str, context: int) -> tuple[int, int]:
     return saved_in_real_step(engine, lambda: engine(x, y)), engine.budget.saved_for_backward
 
 
-@pytest.mark.parametrize("mode,context", [("ulysses", 2), ("ring", 2), ("ulysses", 4)])
-def test_predicted_activations_under_context_parallelism_are_what_autograd_saves(mode, context):
+@pytest.mark.parametrize("mode,context,tile", [("ulysses", 2, None), ("ring", 2, None), ("ulysses", 4, None),
+                                               ("ring", 2, 16)])
+def test_predicted_activations_under_context_parallelism_are_what_autograd_saves(mode, context, tile):
     """The engine's prediction of what one forward saves for backward, per context rank, against the bytes
     autograd saves in the real forward (within 0.5%: the loss and its scalars are alive, not saved), and
     1/C of one process's on the whole sequences within 2% (the tiny GPT: its embeddings' and head's saved
     inputs are per token too): attention keeps one copy of its output, not its own beside the output
     projection's (C = 2: measured 0.502 of one process; 0.527 with two copies), also with one head per
-    rank (C = 4), where the exchange back must not leave the caller a strided view to copy again."""
-    whole, _ = run_distributed(_saved_for_backward, 1, mode, 1)[0]
-    for real, predicted in run_distributed(_saved_for_backward, context, mode, context):
+    rank (C = 4), where the exchange back must not leave the caller a strided view to copy again. With
+    ``zeroplus.tiled`` (ring, tiles of 16 tokens of the sequence) the same against the tiled single
+    process: the tiled MLPs and loss save only their inputs, on each rank its part."""
+    whole, _ = run_distributed(_saved_for_backward, 1, mode, 1, tile)[0]
+    for real, predicted in run_distributed(_saved_for_backward, context, mode, context, tile):
         assert predicted == pytest.approx(real, rel=0.005), (predicted, real)
         assert 0.98 / context * whole < real < 1.02 / context * whole, (real, whole)
 
