@@ -187,10 +187,13 @@ def main() -> None:
     for (name, tiled), made in making.items():
         cells = [f"{made[s] / 2**20:8.0f}" if s in made else "-" for s in seqs + tiled_only]
         print(f"{name:<28}{'yes' if tiled else 'no':>6}" + "".join(f"{cell:>16}" for cell in cells))
-    print("\nlongest sequence run whose activation peak fits the budget per rank (tokens; 0: none of those run):")
+    print("\nlongest sequence run whose activation peak fits the budget per rank (tokens; 0: none of the lengths "
+          "run fits; a setting with no length run is left out):")
     print(f"  {'setting':<36}" + "".join(f"{f'{b:.0f} MiB':>12}" for b in budgets))
     for name, c, _ in settings:
         for tiled in (False, True):
+            if (name, tiled) not in peaks:
+                continue
             key = f"{name}{', tiled' if tiled else ''}"
             print(f"  {key:<36}" + "".join(f"{fits.get((key, b), 0):>12}" for b in budgets))
 
