@@ -190,12 +190,9 @@ def main() -> None:
     print("\nlongest sequence run whose activation peak fits the budget per rank (tokens; 0: none of the lengths "
           "run fits; a setting with no length run is left out):")
     print(f"  {'setting':<36}" + "".join(f"{f'{b:.0f} MiB':>12}" for b in budgets))
-    for name, c, _ in settings:
-        for tiled in (False, True):
-            if (name, tiled) not in peaks:
-                continue
-            key = f"{name}{', tiled' if tiled else ''}"
-            print(f"  {key:<36}" + "".join(f"{fits.get((key, b), 0):>12}" for b in budgets))
+    for name, tiled in peaks:
+        key = f"{name}{', tiled' if tiled else ''}"
+        print(f"  {key:<36}" + "".join(f"{fits.get((key, b), 0):>12}" for b in budgets))
 
 
 if __name__ == "__main__":
