@@ -33,6 +33,7 @@ from zeroplus.zero import ShardedStep, ZeroPartition
 from .checkpoint import save_checkpoint
 from .checkpoint_export import write_state_dict
 from .checkpoint_load import load_checkpoint
+from .compile import CompiledUnits, compile_settings
 from .exit_grace import register_exit_grace
 from .loss_scaler import LossScaler
 from .pretrained_load import PretrainedLoad, load_pretrained
@@ -87,6 +88,7 @@ class Engine:
         self._reduced_since_step = False  # one at the accumulation boundary (it reduced the accumulated gradients)
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary()
         self._last_step_applied = False
+        self._compiled: CompiledUnits | None = None  # compile()
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
@@ -181,6 +183,28 @@ class Engine:
             self._partition.after_forward()
 
     forward = __call__
+
+    def compile(self, backend: Any = "inductor", compile_kwargs: dict[str, Any] | None = None, schedule: Any = None,
+                compiled_autograd_enabled: bool = False) -> None:
+        """Compile each unit's forward with ``torch.compile(backend=backend, **compile_kwargs)``; the engine's
+        gathers, releases, reductions and prefetches stay eager around the graphs (``engine/compile.py``).
+        A second call with the same arguments does nothing; with others it is an error."""
+        settings = compile_settings(backend, compile_kwargs, schedule, compiled_autograd_enabled)
+        if self._compiled is not None:
+            if settings != self._compiled.settings:
+                raise ValueError(f"compile(): the engine is compiled already with {self._compiled.settings}; "
+                                 f"asked again with {settings} (rank {self.dp.rank})")
+            return
+        units = [(u.name, u.module) for u in self._partition.units if not u.is_root]
+        self._compiled = CompiledUnits(units or [("<model>", self._module)], settings)
+        if self.dp.rank == 0:
+            logger.info("compiled %d module(s) with backend %s: %s", len(self._compiled.names), backend,
+                        ", ".join(self._compiled.names[:4]) + (" ..." if len(self._compiled.names) > 4 else ""))
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether ``compile()`` ran."""
+        return self._compiled is not None
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -370,6 +394,9 @@ class Engine:
     def destroy(self) -> None:
         """Wait for in-flight collectives and remove hooks (call before destroying the process group)."""
         self._partition.wait_in_flight()
+        if self._compiled is not None:
+            self._compiled.remove()
+            self._compiled = None
 
 
 def _wait_at_exit(ref: weakref.ref) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from ..eager import eager
 from ..ledger import Category, Ledger
 from .saved_tensors import storage_key
 
@@ -78,10 +79,10 @@ class ResizeRecompute:
                 continue
             parent = model.get_submodule(name.rpartition(".")[0])
             self.targets.append(name)
-            self._handles.append(module.register_forward_hook(self._make_output_hook(parent)))
+            self._handles.append(module.register_forward_hook(eager(self._make_output_hook(parent))))
             parents[id(parent)] = parent
         for parent in parents.values():
-            self._handles.append(parent.register_forward_hook(self._parent_done))
+            self._handles.append(parent.register_forward_hook(eager(self._parent_done)))
 
     # -- forward -------------------------------------------------------------------------------
     def begin_forward(self) -> None:

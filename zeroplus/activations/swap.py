@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..eager import eager
 from ..ledger import Category, Ledger
 from .saved_tensors import storage_key
 
@@ -28,10 +29,12 @@ TECHNIQUE = "swap_attention"
 
 
 class _Token:
-    __slots__ = ("layer", "stored", "nbytes")
+    __slots__ = ("layer", "stored", "nbytes", "stride")
 
-    def __init__(self, layer: int, stored: Any, nbytes: int) -> None:
-        self.layer, self.stored, self.nbytes = layer, stored, nbytes
+    def __init__(self, layer: int, stored: Any, nbytes: int, stride: tuple[int, ...] | None) -> None:
+        """``stride``: the saved tensor's strides when it was not contiguous (a compiled graph's backward
+        asserts them; the tier gives back contiguous values), else None."""
+        self.layer, self.stored, self.nbytes, self.stride = layer, stored, nbytes, stride
 
 
 class SwapAttention:
@@ -53,8 +56,8 @@ class SwapAttention:
                 if any(name.startswith(t + ".") for t in self.targets):
                     continue  # inside a chosen module already
                 self.targets.append(name)
-                self._handles.append(module.register_forward_pre_hook(self._enter))
-                self._handles.append(module.register_forward_hook(self._leave))
+                self._handles.append(module.register_forward_pre_hook(eager(self._enter)))
+                self._handles.append(module.register_forward_hook(eager(self._leave)))
 
     # -- forward -------------------------------------------------------------------------------
     def begin_forward(self) -> None:
@@ -83,7 +86,8 @@ class SwapAttention:
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes < self.min_bytes or storage_key(tensor) in self._param_storages:
             return None
-        token = _Token(self._current, self.tier.put(tensor.detach()), nbytes)
+        stride = None if tensor.is_contiguous() else tuple(tensor.stride())
+        token = _Token(self._current, self.tier.put(tensor.detach()), nbytes, stride)
         self._layers[self._current].append(token)
         if self.tier.saves_memory:
             self.ledger.save(TECHNIQUE, Category.ACTIVATION, nbytes)
@@ -97,6 +101,9 @@ class SwapAttention:
             for other in self._layers[token.layer - 1]:
                 self.tier.prefetch(other.stored)
         value = self.tier.get(token.stored)
+        if token.stride is not None and tuple(value.stride()) != token.stride:  # the layout it was saved in
+            value = torch.empty_strided(value.shape, token.stride, dtype=value.dtype,
+                                        device=value.device).copy_(value)
         if self.tier.saves_memory:
             self.ledger.unsave(TECHNIQUE, Category.ACTIVATION, token.nbytes)
         token.stored = None

@@ -131,11 +131,18 @@ class MemoryTracker(TorchDispatchMode):
 
         self._resize = original
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
+        # a compiled model's forward runs eagerly here: TorchDynamo refuses frames under a dispatch mode and
+        # would remember the refusal for the code object, leaving the real forward uncompiled afterwards
+        self._eager = torch.compiler.set_stance("force_eager")
+        self._eager.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> Any:
         torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
-        return super().__exit__(*exc)
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._eager.__exit__(*exc)
 
     # -- observation ----------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:

@@ -69,6 +69,16 @@ class DeepSpeedEngine(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.engine(*args, **kwargs)
 
+    def compile(self, backend: Any = "inductor", compile_kwargs: dict[str, Any] | None = None,  # type: ignore[override]
+                schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
+        """DeepSpeed's ``engine.compile()`` (Accelerate and the Trainer call it under ``--torch_compile``):
+        the zeroplus engine compiles each unit's forward (``zeroplus/engine/compile.py``)."""
+        self.engine.compile(backend, compile_kwargs, schedule, compiled_autograd_enabled)
+
+    @property
+    def is_compiled(self) -> bool:
+        return self.engine.is_compiled
+
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True,
                  **unsupported: Any) -> torch.Tensor:
         if unsupported:

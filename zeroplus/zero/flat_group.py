@@ -103,8 +103,12 @@ class FlatParamGroup:
         # ``.data`` has its own version counter: writing through it (gathers, post-step copies)
         # does not invalidate the parameter views autograd saved for backward.
         self._full_data = self.full.data
-        for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
-            p.data = self.full[off:off + n].view(shape)
+        self._views = [self.full[off:off + n].view(shape) for off, n, shape in zip(self.offsets, self.numels, self.shapes)]
+        # what a released parameter holds (see note: released parameters): no elements, over the buffer's
+        # storage, so the parameter's storage stays the same object whether gathered or not
+        self._released = self.full[:0]
+        for p, view in zip(self.params, self._views):
+            p.data = view
             setattr(p, FLAT_ATTR, self)  # GatheredParameters finds the group of an engine's parameter
 
         # Stage 3 on one rank in fp32: the master is the whole buffer, so the parameters stay gathered on
@@ -173,6 +177,8 @@ class FlatParamGroup:
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
         self.ledger.resized(self.full)
         self.gathered = True
+        for p, view in zip(self.params, self._views):
+            p.data = view
         return self.all_gather_into_full()
 
     def all_gather_into_full(self) -> Handle:
@@ -184,11 +190,15 @@ class FlatParamGroup:
         return self.dp.all_gather(self._full_data, source)
 
     def release(self) -> None:
-        """Free the gathered buffer (stage 3); the parameter views stay but hold no memory."""
+        """Free the gathered buffer (stage 3). Each parameter then holds an empty tensor of its dtype and
+        device (shape ``(0,)``) until the next gather (see note: released parameters); the views autograd
+        saved keep the buffer's storage object and read the values again once it is gathered."""
         if self.gathered and not self.resident:
             self.full.untyped_storage().resize_(0)
             self.ledger.resized(self.full)
             self.gathered = False
+            for p in self.params:
+                p.data = self._released
 
     # -- gradients ----------------------------------------------------------------------------
     def accumulate_grad(self, index: int, grad: torch.Tensor | None) -> None:

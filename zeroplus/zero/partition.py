@@ -39,6 +39,7 @@ import torch
 
 from ..activations.grad_rows import RowsSink, offer_rows
 from ..comm import DataParallelGroup
+from ..eager import eager
 from ..config import ResolvedZeroConfig
 from ..ledger import Ledger
 from ..offload.policies import MasterPolicy
@@ -158,7 +159,7 @@ class ZeroPartition:
         prefetch = zero.stage3_prefetch_bucket_size
         if self.stage in (1, 2):  # every unit, the root included, waits for its post-step all-gather before
             for unit in self.units:  # its forward, and any state_dict() for all of them, even called on the model
-                self._hooks.append(unit.module.register_forward_pre_hook(self._make_wait_hook(unit)))
+                self._hooks.append(unit.module.register_forward_pre_hook(eager(self._make_wait_hook(unit))))
             self._hooks.append(model.register_state_dict_pre_hook(lambda *args: self.wait_all()))
         self.stage3 = (Stage3Scheduler(self.units[:-1], self.root, prefetch)
                        if self.stage == 3 else None)

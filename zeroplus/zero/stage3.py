@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from ..eager import eager
 from .units import Unit
 
 
@@ -46,8 +47,8 @@ class Stage3Scheduler:
         self._recording: list[int] = []
         self._handles: list[Any] = []
         for unit in units:
-            self._handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
-            self._handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
+            self._handles.append(unit.module.register_forward_pre_hook(eager(self._make_pre_forward(unit))))
+            self._handles.append(unit.module.register_forward_hook(eager(self._make_post_forward(unit))))
 
     # -- forward ------------------------------------------------------------------------------
     def begin_forward(self) -> None:

@@ -1,7 +1,7 @@
 """Stage 3: ``state_dict()`` of the model (or of any of its modules) returns whole parameters.
 
-Between forwards a stage-3 parameter is a view into its unit's gathered buffer, whose storage is
-freed: reading it would read freed memory. A post-hook on every module that holds trainable
+Between forwards a stage-3 parameter holds an empty placeholder (``flat_group.py``; see note:
+released parameters). A post-hook on every module that holds trainable
 parameters gathers the unit each of them lives in (an all-gather over the data group), stores a copy
 of the parameter in the state dict, and frees the unit again unless it was gathered already. So
 ``state_dict()`` is a collective at stage 3: every rank calls it, as with FSDP's full state dict
@@ -41,8 +41,8 @@ def _make_hook(direct: list[tuple[str, Unit]]):
             unit.wait_gather()
             for name in names:
                 key = prefix + name
-                if key in state_dict:
-                    state_dict[key] = state_dict[key].detach().clone()
+                if key in state_dict:  # what the module stored is the released placeholder: read it now
+                    state_dict[key] = module._parameters[name].detach().clone()  # type: ignore[union-attr]
             if not held:
                 unit.release()
     return hook

@@ -40,6 +40,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..eager import eager
+
 DenseSink = Callable[[torch.Tensor], None]
 RowSink = Callable[[torch.Tensor, torch.Tensor, int], None]  # (distinct ids, summed gradient per id, tokens)
 
@@ -155,8 +157,8 @@ class UseGrads:
             embedding = len(names) == 1 and plain_embedding(module, names[0])
             if embedding:
                 self.row_receivers.add(id(module._parameters[names[0]]))
-            self._handles.append(module.register_forward_pre_hook(self._swap_in(names, sinks, embedding, on_replay)))
-            self._handles.append(module.register_forward_hook(self._swap_out(sinks, embedding), always_call=True))
+            self._handles.append(module.register_forward_pre_hook(eager(self._swap_in(names, sinks, embedding, on_replay))))
+            self._handles.append(module.register_forward_hook(eager(self._swap_out(sinks, embedding)), always_call=True))
 
     @staticmethod
     def _swap_in(names: list[str], sinks: dict[int, UseSinks], embedding: bool, on_replay: Callable[[], None]):

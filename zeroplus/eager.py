@@ -1,0 +1,22 @@
+"""The engine's hooks run eagerly, never inside a compiled graph (see note: compilation).
+
+A forward hook the engine puts on a module (stage 3's gather and release, stages 1-2's wait for the
+post-step all-gather, per-use gradient routing, swap attention, resize-based recompute) waits on
+collectives, resizes storages and swaps parameters: state that changes from call to call and that a
+traced graph would freeze at its first value. ``eager(hook)`` marks the hook so that TorchDynamo
+never traces it: a module compiled with ``torch.compile`` or ``module.compile()`` runs the hook as
+Python around its graph (one graph break per hooked call), and the graph reads the parameters the
+hook has just gathered. Memory and communication: none of its own.
+"""
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+import torch
+
+F = TypeVar("F", bound=Callable)
+
+
+def eager(hook: F) -> F:
+    """``hook``, never traced by TorchDynamo (it and everything it calls run as Python)."""
+    return torch.compiler.disable(hook, recursive=True)  # type: ignore[return-value]
