@@ -156,6 +156,9 @@ def main() -> None:
     p.add_argument("--checkpoint-blocks", action="store_true",
                    help="activation checkpointing of every block (zeroplus's or DeepSpeed's checkpoint)")
     p.add_argument("--device", choices=["cpu", "cuda", "npu"], default="cpu")
+    p.add_argument("--compile", action="store_true",
+                   help="compile: engine.compile() (zeroplus, DeepSpeed); each block's compile() before fully_shard "
+                        "(FSDP2, torchtitan's way); the first step's time includes the compilation")
     args = p.parse_args()
 
     volume = CollectiveVolume()
@@ -177,6 +180,8 @@ def main() -> None:
         gpt_module.checkpoint = deepspeed.checkpointing.checkpoint
     if args.framework == "zeroplus":
         engine = zeroplus.initialize(model, cfg)
+        if args.compile:
+            engine.compile()
 
         def train_step(x: torch.Tensor) -> float:
             loss = engine(x, x)
@@ -186,6 +191,8 @@ def main() -> None:
     elif args.framework == "deepspeed":
         cfg.pop("zeroplus")
         engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+        if args.compile:
+            engine.compile()
 
         def train_step(x: torch.Tensor) -> float:
             loss = engine(x, x)
@@ -205,6 +212,8 @@ def main() -> None:
         mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=low)
         reshard = args.stage == 3
         for block in model.blocks:
+            if args.compile:
+                block.compile()
             fully_shard(block, mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(model, mp_policy=mp, reshard_after_forward=reshard)
         train_step = plain_step(model, model, adamw(model))

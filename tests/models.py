@@ -130,3 +130,72 @@ class LlamaStyleNet(nn.Module):
             x = layer(x)
         logits = self.lm_head(self.norm(x))
         return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+
+
+# -- a GPT in plain PyTorch: its own Linear, LayerNorm and Embedding read ``self.weight`` in forward ----------
+class PlainLinear(nn.Module):
+    def __init__(self, d_in: int, d_out: int, bias: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d_out, d_in) / d_in ** 0.5)
+        self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.weight.t()
+        return y + self.bias if self.bias is not None else y
+
+
+class PlainLayerNorm(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.bias = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = x.mean(-1, keepdim=True)
+        var = ((x - mean) ** 2).mean(-1, keepdim=True)
+        return (x - mean) / torch.sqrt(var + 1e-5) * self.weight + self.bias
+
+
+class PlainEmbedding(nn.Module):
+    def __init__(self, n: int, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n, d) * 0.02)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[ids]
+
+
+class PlainBlock(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = PlainLayerNorm(d), PlainLayerNorm(d)
+        self.qkv, self.proj = PlainLinear(d, 3 * d), PlainLinear(d, d)
+        self.fc, self.out = PlainLinear(d, 4 * d), PlainLinear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(att)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class PlainGPT(nn.Module):
+    """A small GPT with no torch.nn layer classes: every module reads its ``self.weight`` itself."""
+
+    def __init__(self, vocab: int = 256, d: int = 32, layers: int = 2, heads: int = 4, seq: int = 16) -> None:
+        super().__init__()
+        self.tok, self.pos = PlainEmbedding(vocab, d), PlainEmbedding(seq, d)
+        self.blocks = nn.ModuleList(PlainBlock(d, heads) for _ in range(layers))
+        self.ln, self.head = PlainLayerNorm(d), PlainLinear(d, vocab, bias=False)
+
+    def hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok(ids) + self.pos(torch.arange(ids.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.ln(x)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.hidden(ids))

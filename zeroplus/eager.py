@@ -20,3 +20,15 @@ F = TypeVar("F", bound=Callable)
 def eager(hook: F) -> F:
     """``hook``, never traced by TorchDynamo (it and everything it calls run as Python)."""
     return torch.compiler.disable(hook, recursive=True)  # type: ignore[return-value]
+
+
+def compiled_modules(model: torch.nn.Module) -> list[str]:
+    """Qualified names of ``model``'s modules that run compiled: wrapped by ``torch.compile(module)``,
+    compiled in place by ``module.compile()``, or given a compiled ``forward`` (``engine.compile()``)."""
+    found = []
+    for name, module in model.named_modules():
+        compiled_forward = hasattr(module.__dict__.get("forward"), "_torchdynamo_orig_callable")
+        if (isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
+                or getattr(module, "_compiled_call_impl", None) is not None or compiled_forward):
+            found.append(name or "<model>")
+    return found

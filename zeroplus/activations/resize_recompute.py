@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ..eager import eager
+from ..eager import compiled_modules, eager
 from ..ledger import Category, Ledger
 from .saved_tensors import storage_key
 
@@ -64,6 +64,7 @@ class ResizeRecompute:
         """Recompute the outputs of modules whose class is in ``class_names``, whose name matches one of
         ``name_patterns``, and with ``norms`` every normalisation layer (``is_norm``)."""
         classes, patterns = set(class_names), list(name_patterns)
+        self.model = model
         self.ledger = ledger
         self.targets: list[str] = []
         self._records: dict[int, _Record] = {}
@@ -86,6 +87,13 @@ class ResizeRecompute:
 
     # -- forward -------------------------------------------------------------------------------
     def begin_forward(self) -> None:
+        compiled = compiled_modules(self.model)
+        if compiled:  # see note: compilation
+            raise NotImplementedError(
+                f"zeroplus.resize_recompute does not work with compiled modules ({', '.join(compiled[:4])}"
+                f"{' ...' if len(compiled) > 4 else ''}): a compiled graph's backward reads the dropped outputs "
+                f"before they are recomputed, so its gradients would be wrong. Turn resize_recompute off, or "
+                f"do not compile (activation checkpointing and swap_attention work compiled)")
         self._active = True
 
     def end_forward(self) -> None:

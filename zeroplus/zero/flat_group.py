@@ -103,7 +103,8 @@ class FlatParamGroup:
         # ``.data`` has its own version counter: writing through it (gathers, post-step copies)
         # does not invalidate the parameter views autograd saved for backward.
         self._full_data = self.full.data
-        self._views = [self.full[off:off + n].view(shape) for off, n, shape in zip(self.offsets, self.numels, self.shapes)]
+        self._views = [self.full[off:off + n].view(shape)
+                       for off, n, shape in zip(self.offsets, self.numels, self.shapes)]
         # what a released parameter holds (see note: released parameters): no elements, over the buffer's
         # storage, so the parameter's storage stays the same object whether gathered or not
         self._released = self.full[:0]
@@ -171,15 +172,22 @@ class FlatParamGroup:
 
     # -- stage-3 gather / release -----------------------------------------------------------
     def gather(self) -> Handle | None:
-        """Start the all-gather of the shards into ``full``; ``None`` if already gathered."""
+        """Start the all-gather of the shards into ``full``; ``None`` if already gathered. The parameters
+        see the values from ``expose()`` on."""
         if self.gathered:
             return None
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
         self.ledger.resized(self.full)
         self.gathered = True
-        for p, view in zip(self.params, self._views):
-            p.data = view
         return self.all_gather_into_full()
+
+    def expose(self) -> None:
+        """Point every parameter at its view of the gathered buffer, once the gather has landed (``Unit``
+        calls it after waiting): while the all-gather is in flight the parameters still read as released,
+        never as a buffer another thread is writing (see note: released parameters)."""
+        if self.gathered:
+            for p, view in zip(self.params, self._views):
+                p.data = view
 
     def all_gather_into_full(self) -> Handle:
         """All-gather every rank's low-precision shard into ``full`` (which must be allocated)."""

@@ -66,9 +66,12 @@ class GatheredParameters:
                     continue
                 group.wait_pending()
                 unit = group.unit
-                if group.stage == 3 and not group.gathered and unit is not None and unit not in self._units:
-                    unit.wait_gather()
-                    self._units.append(unit)
+                if group.stage == 3 and unit is not None and unit not in self._units:
+                    if group.gathered:  # gathered by the engine (a prefetch may be in flight): let it land
+                        unit.wait_handles()
+                    else:
+                        unit.wait_gather()
+                        self._units.append(unit)
             elif shard_of(p) is not None:
                 if not self._claim(p):
                     continue

@@ -39,8 +39,8 @@ import torch
 
 from ..activations.grad_rows import RowsSink, offer_rows
 from ..comm import DataParallelGroup
-from ..eager import eager
 from ..config import ResolvedZeroConfig
+from ..eager import eager
 from ..ledger import Ledger
 from ..offload.policies import MasterPolicy
 from .flat_group import FlatParamGroup
@@ -143,7 +143,8 @@ class ZeroPartition:
         for g in self.groups:
             for i, p in enumerate(g.params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(g, i)))
-                if p.dim() == 2:  # slices straight into the flat buffer; the hook (run after, no gradient) counts
+                if len(g.shapes[i]) == 2:  # slices straight into the flat buffer; the hook (run after, no
+                    # gradient) counts. (The recorded shape: a released stage-3 parameter is empty.)
                     self._row_sinks.append(functools.partial(g.add_grad_rows, i))
                     offer_rows(p, self._row_sinks[-1])
                 if id(p) in per_use:

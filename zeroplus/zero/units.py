@@ -56,10 +56,13 @@ class Unit:
                 g.master_store.prefetch()
 
     def wait_handles(self) -> None:
-        """Wait for the gathers already issued (a prefetch), issuing none."""
+        """Wait for the gathers already issued (a prefetch), issuing none; the parameters of every gathered
+        group then hold their values (``FlatParamGroup.expose``)."""
         for handle in self.gather_handles:
             handle.wait()
         self.gather_handles.clear()
+        for g in self.groups:
+            g.expose()
 
     def wait_gather(self) -> None:
         self.start_gather()

@@ -157,8 +157,10 @@ class UseGrads:
             embedding = len(names) == 1 and plain_embedding(module, names[0])
             if embedding:
                 self.row_receivers.add(id(module._parameters[names[0]]))
-            self._handles.append(module.register_forward_pre_hook(eager(self._swap_in(names, sinks, embedding, on_replay))))
-            self._handles.append(module.register_forward_hook(eager(self._swap_out(sinks, embedding)), always_call=True))
+            swap_in = eager(self._swap_in(names, sinks, embedding, on_replay))
+            swap_out = eager(self._swap_out(sinks, embedding))
+            self._handles.append(module.register_forward_pre_hook(swap_in))
+            self._handles.append(module.register_forward_hook(swap_out, always_call=True))
 
     @staticmethod
     def _swap_in(names: list[str], sinks: dict[int, UseSinks], embedding: bool, on_replay: Callable[[], None]):
