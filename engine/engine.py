@@ -89,6 +89,7 @@ class Engine:
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary()
         self._last_step_applied = False
         self._compiled: CompiledUnits | None = None  # compile()
+        self._forward_module = module  # what a forward calls: the model, or its torch.compile wrapper
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
@@ -178,7 +179,7 @@ class Engine:
         self._partition.before_forward()
         try:
             with self._activations.forward():
-                return self._module(*args, **kwargs)
+                return self._forward_module(*args, **kwargs)
         finally:
             self._partition.after_forward()
 
@@ -201,10 +202,17 @@ class Engine:
             logger.info("compiled %d module(s) with backend %s: %s", len(self._compiled.names), backend,
                         ", ".join(self._compiled.names[:4]) + (" ..." if len(self._compiled.names) > 4 else ""))
 
+    def forward_through(self, wrapper: torch.nn.Module) -> None:
+        """Run every forward through ``wrapper`` (``torch.compile(model)``'s module, which ``initialize``
+        was given): the engine partitions and names the model inside it, the forward stays compiled."""
+        if getattr(wrapper, "_orig_mod", None) is not self._module:
+            raise ValueError(f"forward_through(): {type(wrapper).__name__} does not wrap this engine's model")
+        self._forward_module = wrapper
+
     @property
     def is_compiled(self) -> bool:
-        """Whether ``compile()`` ran."""
-        return self._compiled is not None
+        """Whether ``compile()`` ran, or ``initialize`` was given a ``torch.compile`` wrapper."""
+        return self._compiled is not None or self._forward_module is not self._module
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -22,13 +22,19 @@ def eager(hook: F) -> F:
     return torch.compiler.disable(hook, recursive=True)  # type: ignore[return-value]
 
 
+def compiled_wrapper(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is ``torch.compile(inner)``'s wrapper (asked by name: importing TorchDynamo to
+    ask ``isinstance`` would load the compiler stack into every process that imports zeroplus)."""
+    return type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None),
+                                                                    torch.nn.Module)
+
+
 def compiled_modules(model: torch.nn.Module) -> list[str]:
     """Qualified names of ``model``'s modules that run compiled: wrapped by ``torch.compile(module)``,
     compiled in place by ``module.compile()``, or given a compiled ``forward`` (``engine.compile()``)."""
     found = []
     for name, module in model.named_modules():
         compiled_forward = hasattr(module.__dict__.get("forward"), "_torchdynamo_orig_callable")
-        if (isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
-                or getattr(module, "_compiled_call_impl", None) is not None or compiled_forward):
+        if compiled_wrapper(module) or getattr(module, "_compiled_call_impl", None) is not None or compiled_forward:
             found.append(name or "<model>")
     return found

@@ -36,6 +36,7 @@ from .config import (
     resolved,
 )
 from .cpu_precision import warn_if_bf16_is_emulated
+from .eager import compiled_wrapper
 from .engine.build import build_engine
 from .engine.engine import Engine
 from .engine.rank_agreement import check_ranks_agree
@@ -57,6 +58,11 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     ``reset_parameters()``, for what those do not set)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    # torch.compile(model): the engine works on the model inside (its own parameter and module names, as
+    # checkpoints and name patterns expect them), and runs each forward through the compiled wrapper
+    wrapper: torch.nn.Module | None = None
+    if compiled_wrapper(model):
+        wrapper, model = model, model.get_submodule("_orig_mod")
     accel = get_accelerator()
     accel.reset_peak_memory_stats()  # the engine's peak is measured from here
     rss_at_start = accel.memory_allocated()
@@ -84,6 +90,11 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
                           f"estimate and planner cover data and context parallelism only so far; remove the "
                           f"budget and 'auto'")
     cfg = resolved(_plan(model, cfg, dp))
+    if wrapper is not None and cfg.zeroplus.resize_recompute.enabled:  # see note: compilation
+        raise ConfigError("config key 'zeroplus.resize_recompute': resize_recompute does not work with compiled "
+                          "modules (<model>: torch.compile(model) was given to initialize): a compiled graph's "
+                          "backward reads the dropped outputs before they are recomputed. Turn it off, or do not "
+                          "compile")
     if accel.name == "cpu" and cfg.bf16.enabled:
         warn_if_bf16_is_emulated()
     pipelined = parallel.topology.pipeline > 1
@@ -97,6 +108,8 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
                           model_parameters=model_parameters, parallel=parallel, init_fn=init_fn)
     if source is not None:
         engine.before_first_forward(_predictor(*source))
+    if wrapper is not None:
+        engine.forward_through(wrapper)
     return engine
 
 

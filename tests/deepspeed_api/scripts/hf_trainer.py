@@ -7,7 +7,8 @@ the config's optimizer and schedule with their ``"auto"`` values filled by the T
 every 2 steps; then a second Trainer on a fresh model resumes from ``checkpoint-2`` and trains steps
 3-4 again. With ``--pretrained DIR`` the model comes from ``from_pretrained`` instead (under ZeRO-3:
 into shards) and each parameter's sum, read through ``deepspeed.zero.GatheredParameters``, is kept.
-Rank 0 writes each run's logged losses and gradient norms as JSON.
+Rank 0 writes each run's logged losses and gradient norms as JSON. ``--torch_compile``: the Trainer's
+own flag (Accelerate then calls ``engine.compile()``); ``--no-resume`` skips the second Trainer.
 """
 import argparse
 import json
@@ -36,7 +37,7 @@ def arguments(args) -> TrainingArguments:
                              gradient_accumulation_steps=2, max_steps=STEPS, learning_rate=3e-3, weight_decay=0.01,
                              warmup_steps=2, max_grad_norm=0.5, logging_steps=1, save_steps=2, save_strategy="steps",
                              report_to=[], seed=0, data_seed=0, disable_tqdm=True, dataloader_drop_last=True,
-                             use_cpu=not torch.cuda.is_available())
+                             use_cpu=not torch.cuda.is_available(), torch_compile=args.torch_compile)
 
 
 def model(pretrained: str | None = None) -> torch.nn.Module:
@@ -67,6 +68,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--local_rank", type=int, default=-1)
     parser.add_argument("--pretrained", default=None, help="start from this saved model (from_pretrained)")
+    parser.add_argument("--torch_compile", action="store_true")
+    parser.add_argument("--no-resume", action="store_true")
     args = parser.parse_args()
     expected, loaded = {}, {}
     if args.pretrained:  # saved from a model built whole, before the TrainingArguments turn ZeRO-3 on
@@ -86,10 +89,12 @@ def main() -> None:
     first = logged(trainer)
     engine = trainer.model_wrapped
     facts = {"engine": type(engine).__module__, "stage": engine.zero_optimization_stage(),
-             "checkpoints": sorted(os.listdir(args.output_dir))}
-    training_args = arguments(args)
-    trainer = Trainer(model=model(args.pretrained), args=training_args, train_dataset=Tokens())
-    trainer.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-2"))
+             "checkpoints": sorted(os.listdir(args.output_dir)),
+             "compiled": bool(getattr(engine, "is_compiled", False))}
+    if not args.no_resume:
+        training_args = arguments(args)
+        trainer = Trainer(model=model(args.pretrained), args=training_args, train_dataset=Tokens())
+        trainer.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-2"))
     if torch.distributed.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump({"first": first, "resumed": logged(trainer), "expected": expected, "loaded": loaded,
