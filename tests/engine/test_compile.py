@@ -107,7 +107,7 @@ def test_compiled_training_equals_eager_for_every_way_of_compiling(stage):
     {"swap_attention": {"enabled": True, "names": ["blocks.*"], "min_bytes": 0}},
 ], ids=["offload_param", "swap_attention"])
 def test_compiled_training_equals_eager_with_memory_techniques_at_stage_3(extra):
-    for rank_results in run_distributed(_compare_ways, 2, 3, ("engine", "block"), extra, "inductor"):
+    for rank_results in run_distributed(_compare_ways, 2, 3, WAYS, extra, "inductor"):
         _assert_equal_to_eager(rank_results, f"ZeRO-3 with {sorted(extra)}", rtol=1e-4, atol=1e-5)
 
 
