@@ -152,11 +152,11 @@ def _hugging_face(family: str) -> dict[str, Any]:
     cfg = _config(3)
     def loss_of(out: Any) -> torch.Tensor:
         return out.logits.float().square().mean()
-    return {way: _train(lambda: build(family), cfg, way, "aot_eager", rank, loss_of) for way in ("eager", "engine")}
+    return {way: _train(lambda: build(family), cfg, way, "aot_eager", rank, loss_of) for way in ("eager", *WAYS)}
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_engine_compile_of_hugging_face_models_equals_eager_with_no_graph_break(family):
+def test_hugging_face_models_compiled_every_way_equal_eager_with_no_graph_break_in_a_layer(family):
     for rank_results in run_distributed(_hugging_face, 2, family):
         _, _, stats = rank_results["engine"]
         assert stats["breaks"] == 0, f"{family}: graph breaks inside the decoder layers: {stats}"
