@@ -146,6 +146,39 @@ def test_engine_compile_with_inductor_equals_eager_under_activation_checkpointin
         _assert_equal_to_eager(rank_results, "ZeRO-3, inductor, checkpointed blocks", rtol=1e-4, atol=1e-5)
 
 
+def _gpt_with(extra: dict[str, Any]) -> dict[str, Any]:
+    """zeroplus's GPT taking its targets (its own loss: tiled when configured), eager and engine.compile()."""
+    rank = torch.distributed.get_rank()
+    results = {}
+    for way in ("eager", "engine"):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        engine = zeroplus.initialize(GPT(gpt_config("tiny", vocab_size=VOCAB, block_size=SEQ)), _config(3, extra))
+        if way == "engine":
+            engine.compile()
+        losses = []
+        for batch in _batches(rank):
+            loss = engine(batch[:, :-1], batch[:, 1:])
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        stats = {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values())}
+        results[way] = (losses, engine.consolidated_fp32_state(), stats)
+        engine.destroy()
+    return results
+
+
+@pytest.mark.parametrize("extra", [
+    {"tiled": {"mlp_tokens": 8, "loss_tokens": 8}},
+    {"parallel": {"context": 2, "context_mode": "ulysses"}},
+    {"parallel": {"context": 2, "context_mode": "ring"}},
+], ids=["tiled", "ulysses", "ring"])
+def test_compiled_gpt_with_tiling_or_context_parallelism_equals_eager(extra):
+    for rank_results in run_distributed(_gpt_with, 2, extra):
+        _assert_equal_to_eager(rank_results, f"GPT with {extra}", rtol=1e-4, atol=1e-5)
+
+
 def _hugging_face(family: str) -> dict[str, Any]:
     from tests.hf_models import build
     rank = torch.distributed.get_rank()
