@@ -36,7 +36,7 @@ from .config import (
     resolved,
 )
 from .cpu_precision import warn_if_bf16_is_emulated
-from .eager import compiled_wrapper
+from .eager import compiled_modules, compiled_wrapper
 from .engine.build import build_engine
 from .engine.engine import Engine
 from .engine.rank_agreement import check_ranks_agree
@@ -167,6 +167,7 @@ def _predictor(model: torch.nn.Module, cfg: ResolvedConfig):
             logger.warning("memory estimate unavailable (%s: %s); zeroplus.memory_estimate false skips it",
                            type(err).__name__, err)
             return
+        engine.budget.compiled = engine.is_compiled or bool(compiled_modules(engine.module))
         if engine.dp.rank == 0:
             logger.info("%s", engine.budget)
     return predict

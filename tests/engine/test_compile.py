@@ -73,6 +73,8 @@ def _train(build: Any, cfg: dict[str, Any], way: str, backend: str, rank: int,
         losses.append(loss.item())
     torch._dynamo.config.error_on_recompile = False
     stats = {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values())}
+    assert engine.budget is not None and engine.budget.compiled == (way != "eager"), (way, engine.budget)
+    assert ("compiled: activations" in str(engine.budget)) == (way != "eager")
     state = engine.consolidated_fp32_state()  # (the model's own names: no "_orig_mod." under torch.compile)
     engine.destroy()
     return losses, state, stats

@@ -65,6 +65,9 @@ class MemoryBudget:
     # what each activation technique takes off the training peak: the peak simulated with it off minus
     # the peak with it on (estimate(..., effects=True)); what it moves is in the run's MemoryReport.saved
     technique_effects: dict[str, int] = dataclasses.field(default_factory=dict)
+    # the run is compiled (engine.compile(), compiled blocks or model): the activation and temporary figures
+    # are eager's, and the compiler's own resident memory is not predicted (see note: compilation)
+    compiled: bool = False
     # computes technique_effects on first need (resolve_effects: the engine's report), so a run that never
     # looks at its report does not pay the extra simulations
     pending_effects: Callable[[], dict[str, int]] | None = dataclasses.field(default=None, repr=False,
@@ -121,6 +124,9 @@ class MemoryBudget:
         lines.append(f"  {'total at the phase peak':<34}" + "".join(f"{self.phases[p]['total'] / 2**20:10.1f}"
                                                                     for p in phases))
         lines.append(f"  peak: {self.peak_bytes / 2**30:.3f} GiB in {self.peak_phase}")
+        if self.compiled:
+            lines.append("  compiled: activations and temporaries are predicted as eager's (a compiled graph may save "
+                         "other tensors); the compiler's own memory (about 50 MiB resident on CPU) is not included")
         tiers = {k: v for k, v in self.model_states.items() if k.endswith("_offloaded") and v}
         for key, value in tiers.items():
             lines.append(f"  on the offload tier, not in the device: {key} {value / 2**20:.1f} MiB")
