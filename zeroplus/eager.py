@@ -5,7 +5,7 @@ post-step all-gather, per-use gradient routing, swap attention, resize-based rec
 collectives, resizes storages and swaps parameters: state that changes from call to call and that a
 traced graph would freeze at its first value. ``eager(hook)`` marks the hook so that TorchDynamo
 never traces it: a module compiled with ``torch.compile`` or ``module.compile()`` runs the hook as
-Python around its graph (one graph break per hooked call), and the graph reads the parameters the
+Python between its graphs (the compiled code calls out to it), and the graphs read the parameters the
 hook has just gathered. Memory and communication: none of its own.
 """
 from __future__ import annotations
