@@ -56,8 +56,11 @@ class Unit:
                 g.master_store.prefetch()
 
     def wait_handles(self) -> None:
-        """Wait for the gathers already issued (a prefetch), issuing none; the parameters of every gathered
-        group then hold their values (``FlatParamGroup.expose``)."""
+        """Wait for the gathers already issued (a prefetch), issuing none; the parameters of the groups they
+        filled then hold their values (``FlatParamGroup.expose``). Nothing issued: nothing to do (every
+        gather since the last release was waited here, and exposed then)."""
+        if not self.gather_handles:
+            return
         for handle in self.gather_handles:
             handle.wait()
         self.gather_handles.clear()
