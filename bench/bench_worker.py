@@ -129,16 +129,42 @@ def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
         return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
 
 
-def plain_step(wrapped: torch.nn.Module, model: torch.nn.Module, opt: torch.optim.Optimizer):
+def plain_step(wrapped: torch.nn.Module, model: torch.nn.Module, opt: torch.optim.Optimizer, hf: bool = False):
     """One step of a torch-native wrapper (DDP, FSDP2): forward, backward, clipping to 1.0, AdamW."""
     def train_step(x: torch.Tensor) -> float:
-        loss = wrapped(x, x)
+        loss = lm_loss(wrapped, x, hf)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.item()
     return train_step
+
+
+HF_LLAMA = {"hf-llama": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
+                              num_key_value_heads=4, vocab_size=256)}
+
+
+def build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, list[torch.nn.Module], int]:
+    """(model, its blocks (what FSDP2 shards and compiles one by one), vocabulary size): zeroplus's GPT
+    by size name, or ``hf-llama``: a Hugging Face ``LlamaForCausalLM`` of the GPT small's shape, built
+    from its config (random weights, eager attention)."""
+    if args.model in HF_LLAMA:
+        from transformers import LlamaConfig, LlamaForCausalLM
+        cfg = LlamaConfig(**HF_LLAMA[args.model], max_position_embeddings=max(64, args.seq),
+                          attn_implementation="eager", tie_word_embeddings=False)
+        model = LlamaForCausalLM(cfg)
+        if args.checkpoint_blocks:
+            model.gradient_checkpointing_enable()
+        return model, list(model.model.layers), cfg.vocab_size
+    from zeroplus.models import GPT, gpt_config
+    model = GPT(gpt_config(args.model, block_size=max(64, args.seq), checkpoint_blocks=args.checkpoint_blocks))
+    return model, list(model.blocks), model.config.vocab_size
+
+
+def lm_loss(model: torch.nn.Module, x: torch.Tensor, hf: bool) -> torch.Tensor:
+    """Next-token loss on ``x`` (the GPT takes targets; a Hugging Face model takes labels)."""
+    return model(input_ids=x, labels=x).loss if hf else model(x, x)
 
 
 def main() -> None:
@@ -162,14 +188,14 @@ def main() -> None:
     args = p.parse_args()
 
     volume = CollectiveVolume()
-    from zeroplus.models import GPT, gpt_config
     if args.framework == "deepspeed":
         import deepspeed
     import zeroplus
     meter = Meter(args.device)
     rank = meter.rank
 
-    model = GPT(gpt_config(args.model, block_size=max(64, args.seq), checkpoint_blocks=args.checkpoint_blocks))
+    model, blocks, vocab = build_model(args)
+    hf = args.model in HF_LLAMA
     model.to(meter.device)  # (zeroplus and DeepSpeed would move it; DDP and FSDP2 expect it there)
     n_params = sum(p.numel() for p in model.parameters())  # (DeepSpeed's ZeRO-3 leaves empty tensors behind)
     cfg = ds_config(args.stage, args.micro_batch, args.dtype)
@@ -184,7 +210,7 @@ def main() -> None:
             engine.compile()
 
         def train_step(x: torch.Tensor) -> float:
-            loss = engine(x, x)
+            loss = lm_loss(engine, x, hf)
             engine.backward(loss)
             engine.step()
             return loss.item()
@@ -195,7 +221,7 @@ def main() -> None:
             engine.compile()
 
         def train_step(x: torch.Tensor) -> float:
-            loss = engine(x, x)
+            loss = lm_loss(engine, x, hf)
             engine.backward(loss)
             engine.step()
             return loss.item()
@@ -205,24 +231,24 @@ def main() -> None:
         wrapped = torch.nn.parallel.DistributedDataParallel(model) if args.framework == "ddp" else model
         if args.framework == "ddp":  # torch's own all-reduce hook, in Python: its all_reduce is counted
             wrapped.register_comm_hook(None, default_hooks.allreduce_hook)
-        train_step = plain_step(wrapped, model, adamw(model))
+        train_step = plain_step(wrapped, model, adamw(model), hf)
     else:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         low = torch.bfloat16 if args.dtype == "bf16" else None
         mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=low)
         reshard = args.stage == 3
-        for block in model.blocks:
+        for block in blocks:
             if args.compile:
                 block.compile()
             fully_shard(block, mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(model, mp_policy=mp, reshard_after_forward=reshard)
-        train_step = plain_step(model, model, adamw(model))
+        train_step = plain_step(model, model, adamw(model), hf)
 
     g = torch.Generator().manual_seed(rank)
     times, losses, volumes = [], [], []
     volume.take()  # (set-up's broadcasts)
     for _ in range(args.steps):
-        x = torch.randint(0, model.config.vocab_size, (args.micro_batch, args.seq), generator=g).to(meter.device)
+        x = torch.randint(0, vocab, (args.micro_batch, args.seq), generator=g).to(meter.device)
         meter.synchronize()
         t0 = time.perf_counter()
         losses.append(train_step(x))  # (.item() waits for the loss; the optimizer step may still run)

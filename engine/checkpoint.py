@@ -67,8 +67,11 @@ def _for_file(t: torch.Tensor) -> torch.Tensor:
     return t if t.untyped_storage().nbytes() - own <= own // 16 else t.clone()
 
 
-def rank_state(engine: Engine, client_state: dict[str, Any] | None) -> dict[str, Any]:
-    """What this rank's file holds (the memory estimate runs it on the meta device for the save phase)."""
+def rank_state(engine: Engine, client_state: dict[str, Any] | None,
+               exclude_frozen_parameters: bool = False) -> dict[str, Any]:
+    """What this rank's file holds (the memory estimate runs it on the meta device for the save phase).
+    ``exclude_frozen_parameters``: rank 0's ``module_extra`` holds the buffers only, not the parameters
+    that no optimizer trains (a PEFT adapter's checkpoint: the base model is loaded from its own files)."""
     part, opt, rank = engine._partition, engine.optimizer, engine.dp.rank
     groups: dict[str, Any] = {}
     for g in part.groups:
@@ -86,7 +89,8 @@ def rank_state(engine: Engine, client_state: dict[str, Any] | None) -> dict[str,
     if rank == 0:
         trainable = {id(p) for g in part.groups for p in g.params}
         copy = engine.accelerator.host_copy
-        extra = {n: copy(t) for n, t in engine.module.named_parameters() if id(t) not in trainable}
+        if not exclude_frozen_parameters:
+            extra = {n: copy(t) for n, t in engine.module.named_parameters() if id(t) not in trainable}
         extra.update({n: copy(b) for n, b in engine.module.named_buffers()})
     return {
         "rank": rank, "groups": groups, "module_extra": extra, "client_state": client_state or {},
@@ -115,7 +119,7 @@ def _group_entries(engine: Engine) -> list[dict[str, Any]]:
     return list(merged.values())
 
 
-def _metadata(engine: Engine, tag: str, digests: list[str]) -> dict[str, Any]:
+def _metadata(engine: Engine, tag: str, digests: list[str], exclude_frozen_parameters: bool) -> dict[str, Any]:
     part = engine._partition
     groups = _group_entries(engine)
     canonical = {id(p): n for n, p in engine.module.named_parameters()}
@@ -125,6 +129,7 @@ def _metadata(engine: Engine, tag: str, digests: list[str]) -> dict[str, Any]:
             "aliases": aliases,
             "compute_dtype": str(part.groups[0].compute_dtype) if part.groups else None,
             "global_steps": engine.global_steps, "groups": groups,
+            "frozen_parameters_excluded": exclude_frozen_parameters,
             "files": {str(r): d for r, d in enumerate(digests)}, "topology": _topology(engine),
             "config": engine.config.model_dump(mode="json")}
 
@@ -168,9 +173,11 @@ def _prepare(save_dir: str, final_dir: str, tag: str) -> tuple[str | None, str |
 
 
 def save_checkpoint(engine: Engine, save_dir: str, tag: str | None = None,
-                    client_state: dict[str, Any] | None = None, save_latest: bool = True) -> str:
+                    client_state: dict[str, Any] | None = None, save_latest: bool = True,
+                    exclude_frozen_parameters: bool = False) -> str:
     """Every rank calls this. Returns the final directory ``save_dir/tag``; ``save_latest``: point
-    ``save_dir/latest`` at it.
+    ``save_dir/latest`` at it; ``exclude_frozen_parameters``: leave out the parameters no optimizer
+    trains (loading it back needs ``strict=False``, which keeps the model's own).
 
     With tensor or pipeline parallelism each slice of the model is a checkpoint of its own in
     ``tag/tpTT_ppPP/`` (its data group's files and metadata), and ``tag/metadata.json`` lists the
@@ -192,7 +199,8 @@ def save_checkpoint(engine: Engine, save_dir: str, tag: str | None = None,
     digest, error = None, None
     try:
         os.makedirs(part_dir, exist_ok=True)
-        digest = io.save_rank_state(part_dir, dp.rank, rank_state(engine, client_state), _global_rank(engine))
+        digest = io.save_rank_state(part_dir, dp.rank, rank_state(engine, client_state, exclude_frozen_parameters),
+                                    _global_rank(engine))
     except OSError as err:
         error = err
     io.fault_point(f"after_rank_file_{dp.rank}")
@@ -205,7 +213,7 @@ def save_checkpoint(engine: Engine, save_dir: str, tag: str | None = None,
         raise RuntimeError(f"checkpoint {final_dir} was not saved (rank {_global_rank(engine)}): "
                            + "; ".join(failures) + f"; {io.LATEST} still names the previous checkpoint")
     digests = dp.all_gather_objects(digest)
-    metadata = _metadata(engine, tag, digests)
+    metadata = _metadata(engine, tag, digests, exclude_frozen_parameters)
     if part:
         if dp.rank == 0:
             io.write_metadata(part_dir, metadata)

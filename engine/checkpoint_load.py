@@ -167,16 +167,26 @@ def _plan_group(engine: Engine, g: FlatParamGroup, sources: dict[str, tuple[dict
     return _GroupLoad(g, pieces, opt_state)
 
 
-def _check_extra(engine: Engine, extra: dict[str, torch.Tensor], where: str) -> None:
+def _check_extra(engine: Engine, extra: dict[str, torch.Tensor], where: str, strict: bool) -> None:
+    """Shapes of the saved buffers and frozen parameters; ``strict``: every frozen parameter of the model
+    must be in the checkpoint (one saved with ``exclude_frozen_parameters=True`` has none of them)."""
     targets: dict[str, torch.Tensor] = dict(engine.module.named_parameters())
     targets.update(dict(engine.module.named_buffers()))
     wrong = [f"{n}: checkpoint {tuple(v.shape)} vs model {tuple(targets[n].shape)}" for n, v in extra.items()
              if n in targets and targets[n].shape != v.shape]
     if wrong:
         raise ValueError(f"checkpoint file {where}: buffers or frozen parameters of another shape: {wrong}")
+    trainable = {id(p) for g in engine._partition.groups for p in g.params}
+    missing = [n for n, p in engine.module.named_parameters() if id(p) not in trainable and n not in extra]
+    if strict and missing:
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        raise ValueError(f"checkpoint file {where} lacks {len(missing)} frozen parameters of this model ({shown}; "
+                         f"rank {_global_rank(engine)}): it was saved with exclude_frozen_parameters=True (an "
+                         f"adapter's checkpoint). Load it with strict=False (DeepSpeed API: load_module_strict=False), "
+                         f"which keeps the model's own frozen parameters")
 
 
-def _read(engine: Engine, load_dir: str, tag: str | None, load_optim: bool) -> _Plan:
+def _read(engine: Engine, load_dir: str, tag: str | None, load_optim: bool, strict: bool) -> _Plan:
     tag = io.resolve_tag(load_dir, tag)
     top = os.path.join(load_dir, tag)
     path, meta = _open_part(engine, top, io.read_metadata(top))
@@ -191,7 +201,7 @@ def _read(engine: Engine, load_dir: str, tag: str | None, load_optim: bool) -> _
     if absent:
         raise ValueError(f"checkpoint file {files.name(own_rank)} lacks {absent}")
     extra = files.get(0)["module_extra"]
-    _check_extra(engine, extra, files.name(0))
+    _check_extra(engine, extra, files.name(0), strict)
     return _Plan(top, groups, extra, own, meta["world_size"])
 
 
@@ -280,15 +290,16 @@ def _with_note(error: BaseException, note: str) -> BaseException:
 
 def load_checkpoint(engine: Engine, load_dir: str, tag: str | None = None, *, load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True,
-                    load_module_only: bool = False) -> tuple[str, dict[str, Any]]:
+                    load_module_only: bool = False, strict: bool = True) -> tuple[str, dict[str, Any]]:
     """Every rank calls this; returns ``(path, client_state)``. On any rank's failure every rank raises
-    and no engine has changed (see the module docstring)."""
+    and no engine has changed (see the module docstring). ``strict`` False: frozen parameters the
+    checkpoint lacks keep their values (trained parameters must all be there either way)."""
     world, rank = _world(engine), _global_rank(engine)
     load_optim = load_optimizer_states and not load_module_only
     engine._partition.wait_all()
     plan, error = None, None
     try:
-        plan = _read(engine, load_dir, tag, load_optim)
+        plan = _read(engine, load_dir, tag, load_optim, strict)
     except Exception as err:  # noqa: BLE001 - every rank must hear of it before anyone writes
         error = err
     _agree(world, rank, error, "reading", os.path.join(load_dir, tag or io.LATEST))

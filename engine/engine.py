@@ -340,18 +340,22 @@ class Engine:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None,
-                        client_state: dict[str, Any] | None = None, save_latest: bool = True) -> str:
+                        client_state: dict[str, Any] | None = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> str:
         """Every rank calls it; atomic (see ``engine/checkpoint_io.py``); tag defaults to global_stepN;
-        ``save_latest`` False leaves ``save_dir/latest`` as it was."""
+        ``save_latest`` False leaves ``save_dir/latest`` as it was; ``exclude_frozen_parameters``: the
+        trained parameters' checkpoint only (an adapter's), loaded back with ``strict=False``."""
         self._checkpoint_saved = True
-        return save_checkpoint(self, save_dir, tag, client_state, save_latest)
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, *, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False) -> tuple[str, dict[str, Any]]:
-        """Every rank calls it; any data-parallel size and stage; returns ``(path, client_state)``."""
+                        load_module_only: bool = False, strict: bool = True) -> tuple[str, dict[str, Any]]:
+        """Every rank calls it; any data-parallel size and stage; returns ``(path, client_state)``;
+        ``strict`` False keeps the frozen parameters a checkpoint lacks."""
         return load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
-                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                               strict=strict)
 
     def load_pretrained(self, path: str, *, prefixes: dict[str, str] | None = None, allow_missing: Any = (),
                         strict: bool = True) -> PretrainedLoad:
@@ -359,9 +363,11 @@ class Engine:
         not) read straight into this rank's shards (``engine/pretrained_load.py``)."""
         return load_pretrained(self, path, prefixes=prefixes, allow_missing=allow_missing, strict=strict)
 
-    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> str | None:
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> str | None:
         """Gather the whole model in the compute dtype into one file on rank 0 (every rank calls
-        it: at stages 1-3 the masters are all-gathered). Returns the path on rank 0."""
+        it: at stages 1-3 the masters are all-gathered). Returns the path on rank 0.
+        ``exclude_frozen_parameters``: the trained parameters and the buffers only (an adapter)."""
         par = self.parallel
         if par is not None and (par.model.size > 1 or par.expert.size > 1):
             raise ValueError(f"save_16bit_model() writes one whole model, and this run splits it ("
@@ -377,7 +383,8 @@ class Engine:
         canonical = {id(p): n for n, p in self.module.named_parameters()}
         for name, p in self.module.named_parameters(remove_duplicate=False):
             if id(p) not in trainable:
-                out[name] = self.accelerator.host_copy(p)
+                if not exclude_frozen_parameters:
+                    out[name] = self.accelerator.host_copy(p)
             elif canonical[id(p)] != name:
                 out[name] = out[canonical[id(p)]].clone()  # tied weight, under each of its names
         out.update({n: self.accelerator.host_copy(b) for n, b in self.module.named_buffers()})

@@ -241,3 +241,30 @@ def test_load_with_other_param_groups_matches_by_name(tmp_path):
     other.load_checkpoint(path, load_optimizer_states=False)
     loaded = other.consolidated_fp32_state()
     assert set(loaded) == set(saved) and all(torch.equal(loaded[k], saved[k]) for k in saved)
+
+
+def test_checkpoint_without_frozen_parameters_loads_only_non_strict(tmp_path):
+    """``exclude_frozen_parameters=True`` (the Trainer's for a PEFT model) leaves the frozen layer out of the
+    files; loading it strictly is an error naming the frozen parameters and the way forward, nothing
+    loaded; ``strict=False`` loads the trained parameters and keeps this model's frozen ones."""
+    path = str(tmp_path / "ckpt")
+    torch.manual_seed(0)
+    engine = zeroplus.initialize(ParityNet(), _config(1, "fp32"))
+    _steps(engine, 0, 2, world=1)
+    engine.save_checkpoint(path, tag="adapter", exclude_frozen_parameters=True)
+    saved = torch.load(os.path.join(path, "adapter", "rank00000.pt"), weights_only=True)["module_extra"]
+    assert not [n for n in saved if n.startswith("frozen.")], sorted(saved)
+    torch.manual_seed(1)
+    other = zeroplus.initialize(ParityNet(), _config(1, "fp32"))
+    own_frozen = other.module.frozen.weight.detach().clone()
+    before = _full_state(other)
+    with pytest.raises(ValueError, match=r"lacks 2 frozen parameters of this model \(frozen.weight, frozen.bias; "
+                                         r"rank 0\).*exclude_frozen_parameters=True.*strict=False"):
+        other.load_checkpoint(path, tag="adapter")
+    assert all(torch.equal(v, before[k]) if isinstance(v, torch.Tensor) else v == before[k]
+               for k, v in _full_state(other).items()), "a refused load changes nothing"
+    other.load_checkpoint(path, tag="adapter", strict=False)
+    assert torch.equal(other.module.frozen.weight, own_frozen), "the model's own frozen parameters are kept"
+    ours, theirs = _full_state(engine), _full_state(other)
+    assert all(torch.equal(v, theirs[k]) if isinstance(v, torch.Tensor) else v == theirs[k] for k, v in ours.items())
+    assert other.global_steps == engine.global_steps == 2

@@ -217,12 +217,10 @@ class DeepSpeedEngine(torch.nn.Module):
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict[str, Any] | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """DeepSpeed's signature; the checkpoint is zeroplus's (``global_stepN`` directories, ``latest``).
-        True, as DeepSpeed returns."""
-        if exclude_frozen_parameters and any(not p.requires_grad for p in self.engine._module.parameters()):
-            refuse("DeepSpeedEngine.save_checkpoint(exclude_frozen_parameters=True) with frozen parameters",
-                   "save them with the rest (exclude_frozen_parameters=False)")
+        ``exclude_frozen_parameters`` (the Trainer passes it for a PEFT model): the trained parameters,
+        their optimizer states and the buffers only. True, as DeepSpeed returns."""
         self.engine.save_checkpoint(save_dir, None if tag is None else str(tag), client_state or None,
-                                    save_latest=save_latest)
+                                    save_latest=save_latest, exclude_frozen_parameters=exclude_frozen_parameters)
         return True
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
@@ -230,8 +228,9 @@ class DeepSpeedEngine(torch.nn.Module):
                         load_module_only: bool = False, custom_load_fn: Any = None
                         ) -> tuple[str | None, dict[str, Any] | None]:
         """``(path, client_state)``; ``(None, None)`` with a warning when ``load_dir`` has no ``latest`` and no
-        tag was given, as DeepSpeed does. Loading matches every parameter by name whatever
-        ``load_module_strict`` says: a checkpoint that lacks one is an error naming it."""
+        tag was given, as DeepSpeed does. Trained parameters are matched by name (a checkpoint that lacks
+        one is an error naming it); ``load_module_strict=False`` (the Trainer's for a PEFT model) keeps
+        the frozen parameters a checkpoint saved with ``exclude_frozen_parameters=True`` lacks."""
         if custom_load_fn is not None:
             refuse("DeepSpeedEngine.load_checkpoint(custom_load_fn=...)")
         if tag is None and not os.path.isfile(os.path.join(load_dir, LATEST)):
@@ -240,14 +239,13 @@ class DeepSpeedEngine(torch.nn.Module):
             return None, None
         path, client_state = self.engine.load_checkpoint(
             load_dir, None if tag is None else str(tag), load_optimizer_states=load_optimizer_states,
-            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+            strict=load_module_strict)
         return path, client_state
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
-        if exclude_frozen_parameters:
-            refuse("DeepSpeedEngine.save_16bit_model(exclude_frozen_parameters=True)")
-        self.engine.save_16bit_model(save_dir, save_filename)
+        self.engine.save_16bit_model(save_dir, save_filename, exclude_frozen_parameters)
         return True
 
     save_fp16_model = save_16bit_model

@@ -9,6 +9,9 @@ every 2 steps; then a second Trainer on a fresh model resumes from ``checkpoint-
 into shards) and each parameter's sum, read through ``deepspeed.zero.GatheredParameters``, is kept.
 Rank 0 writes each run's logged losses and gradient norms as JSON. ``--torch_compile``: the Trainer's
 own flag (Accelerate then calls ``engine.compile()``); ``--no-resume`` skips the second Trainer.
+``--lora``: the model is a PEFT LoRA model (rank 4 on every attention and MLP projection, the base
+frozen): the Trainer then saves adapter checkpoints (``save_checkpoint(exclude_frozen_parameters=True)``,
+``adapter_model.safetensors``) and resumes with ``load_checkpoint(load_module_strict=False)``.
 """
 import argparse
 import json
@@ -49,6 +52,14 @@ def model(pretrained: str | None = None) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config)
 
 
+def with_lora(base: torch.nn.Module) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(1)  # the adapters' initial values, the same on every rank and engine
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
+                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    return get_peft_model(base, config)
+
+
 def checksums(module: torch.nn.Module) -> dict:
     """Each parameter's float64 sum, gathered (DeepSpeed's way of reading ZeRO-3 parameters whole)."""
     with deepspeed.zero.GatheredParameters(list(module.parameters())):
@@ -70,6 +81,7 @@ def main() -> None:
     parser.add_argument("--pretrained", default=None, help="start from this saved model (from_pretrained)")
     parser.add_argument("--torch_compile", action="store_true")
     parser.add_argument("--no-resume", action="store_true")
+    parser.add_argument("--lora", action="store_true", help="train a PEFT LoRA adapter on the frozen model")
     args = parser.parse_args()
     expected, loaded = {}, {}
     if args.pretrained:  # saved from a model built whole, before the TrainingArguments turn ZeRO-3 on
@@ -84,6 +96,8 @@ def main() -> None:
     first_model = model(args.pretrained)
     if args.pretrained:
         loaded = checksums(first_model)
+    if args.lora:
+        first_model = with_lora(first_model)
     trainer = Trainer(model=first_model, args=training_args, train_dataset=Tokens())
     trainer.train()
     first = logged(trainer)
@@ -93,7 +107,8 @@ def main() -> None:
              "compiled": bool(getattr(engine, "is_compiled", False))}
     if not args.no_resume:
         training_args = arguments(args)
-        trainer = Trainer(model=model(args.pretrained), args=training_args, train_dataset=Tokens())
+        again = with_lora(model(args.pretrained)) if args.lora else model(args.pretrained)
+        trainer = Trainer(model=again, args=training_args, train_dataset=Tokens())
         trainer.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-2"))
     if torch.distributed.get_rank() == 0:
         with open(args.out, "w") as f:
