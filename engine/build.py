@@ -33,6 +33,7 @@ from zeroplus.offload.disk_space import check_free_space, states_per_element
 from zeroplus.offload.policies import MasterPolicy, OptimizerStateOffload, ParamOffload
 from zeroplus.offload.tiers import make_tier
 from zeroplus.optim.build import adopt_client_optimizer, build_optimizer, would_fuse
+from zeroplus.optim.forward_only import ForwardOnly
 from zeroplus.optim.schedulers import build_scheduler
 from zeroplus.parallel.context_hf import context_parallel_hf
 from zeroplus.parallel.groups import ParallelGroups
@@ -120,10 +121,18 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Any, accel: Ac
                               "in the config rather than optimizer=/model_parameters=, and build models split by "
                               "tensor, pipeline or expert parallelism normally (not supported on meta yet)")
         materialize_meta(model, dp, accel.device(), init_fn)
-    groups = _param_groups(model, optimizer, model_parameters)
+    forward_only = optimizer is None and cfg.optimizer is None  # (zeroplus/optim/forward_only.py)
+    if forward_only and lr_scheduler is not None:
+        raise ConfigError("an lr_scheduler was passed to initialize() without an optimizer (no 'optimizer' block, "
+                          "no optimizer=): give the optimizer too")
+    groups = [] if forward_only else _param_groups(model, optimizer, model_parameters)
     group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
     untrained = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in group_of]
-    if untrained:
+    if forward_only:
+        log_rank0("no optimizer (no 'optimizer' block, no optimizer=): a forward-only engine; its %d parameters are "
+                  "kept as frozen parameters are, with no gradient, master or optimizer state",
+                  len(list(model.parameters())))
+    elif untrained:
         log_rank0("parameters that require grad but are in no optimizer group stay fixed: %s", untrained[:8],
                   level=logging.WARNING)
     ledger = Ledger() if ledger is None else ledger
@@ -178,8 +187,6 @@ def _check_request(model: torch.nn.Module, cfg: ResolvedConfig, parallel: Parall
     if optimizer is not None and cfg.optimizer is not None:
         raise ConfigError("an optimizer was passed to initialize() and the config has an 'optimizer' block; "
                           "give one or the other")
-    if optimizer is None and cfg.optimizer is None:
-        raise ConfigError("no optimizer: add an 'optimizer' block to the config or pass optimizer=")
     if lr_scheduler is not None and cfg.scheduler is not None:
         raise ConfigError("an lr_scheduler was passed to initialize() and the config has a 'scheduler' block; "
                           "give one or the other")
@@ -190,6 +197,8 @@ def _optimizer_and_schedule(cfg: ResolvedConfig, partition: ZeroPartition, group
                             simulated: Any) -> tuple[torch.optim.Optimizer, Any]:
     """The optimizer over the master shards (the client's, re-pointed, or the config's) and its schedule."""
     masters = [[g.master_param for g in partition.groups if g.group_index == gi] for gi in range(len(groups))]
+    if not groups:
+        return ForwardOnly(), lr_scheduler
     if optimizer is not None:
         opt = adopt_client_optimizer(optimizer, masters)
     else:

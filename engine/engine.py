@@ -25,6 +25,8 @@ from zeroplus.comm import DataParallelGroup
 from zeroplus.config import ResolvedConfig
 from zeroplus.ledger import Ledger
 from zeroplus.memory_report import MemoryReport
+from zeroplus.optim.forward_only import WHY as FORWARD_ONLY
+from zeroplus.optim.forward_only import ForwardOnly
 from zeroplus.parallel.moe import set_aux_grad_scale
 from zeroplus.parallel.pipeline import PipelineModule
 from zeroplus.parallel.pipeline_schedule import eval_batch, train_batch
@@ -240,6 +242,7 @@ class Engine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"backward() needs a scalar loss tensor, got {type(loss).__name__} "
                             f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''} (rank {self.dp.rank})")
+        self._refuse_if_forward_only("backward()")
         # Counting micro-steps, a second backward before step() is a forgotten step(). With the boundary
         # set from outside (Accelerate: backward, backward, ..., step at the boundary) backwards may
         # follow each other until one at the boundary has reduced the accumulated gradients.
@@ -292,10 +295,16 @@ class Engine:
                             f"(call engine(batch) under torch.no_grad() instead)")
         return eval_batch(self, self._module, data_iter)
 
+    def _refuse_if_forward_only(self, call: str) -> None:
+        if isinstance(self.optimizer, ForwardOnly):
+            raise RuntimeError(f"{call} on rank {self.dp.rank}: {FORWARD_ONLY}; give the config an 'optimizer' block "
+                               f"(or optimizer=) to train the model")
+
     def step(self) -> None:
         """Ends a micro-step; at the accumulation boundary, the optimizer step. An error (nothing
         changes) when no backward() ran since the last step(): stepping on no gradient would move the
         weights by the optimizer's momentum alone."""
+        self._refuse_if_forward_only("step()")
         if not self._backward_since_step:
             raise RuntimeError(f"step() called without a backward() since the last step() (rank {self.dp.rank}, "
                                f"micro-step {self.micro_steps}, global step {self.global_steps}): there is no "

@@ -52,6 +52,29 @@ def test_integral_floats_are_accepted_for_integer_fields():
     assert cfg.zero_optimization.sub_group_size == 1_000_000_000
 
 
+def test_dotted_keys_are_the_nested_keys_they_name(caplog):
+    """TRL adds its reference model's bucket sizes as dotted top-level keys (fractional for the prefetch
+    bucket); DeepSpeed ignores them, zeroplus refused them as unknown keys before: they are read as the
+    nested keys they name, a fractional element count as the whole elements below it."""
+    raw = {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"},
+           "zero_optimization.reduce_bucket_size": 1024, "zero_optimization.stage3_prefetch_bucket_size": 921.6,
+           "zero_optimization.stage3_param_persistence_threshold": 320}
+    with caplog.at_level(logging.INFO, logger="zeroplus.config"):
+        cfg, _ = parse_config(raw)
+    zero = cfg.zero_optimization
+    assert (zero.stage, zero.reduce_bucket_size, zero.stage3_prefetch_bucket_size,
+            zero.stage3_param_persistence_threshold) == (3, 1024, 921, 320)
+    assert "'zero_optimization.reduce_bucket_size' given as a dotted key (1024) replaces 'auto'" in caplog.text
+    assert "zero_optimization.reduce_bucket_size" in raw, "the caller's dict is not changed"
+    cfg, _ = parse_config({"bf16.enabled": True, "zero_optimization": {"offload_param.device": "cpu"}})
+    assert cfg.bf16.enabled is True and cfg.zero_optimization.offload_param.device == "cpu"
+    with pytest.raises(ConfigError, match=r"unknown config key 'zero_optimization.reduce_bucket_sise'.*did you "
+                                          r"mean 'zero_optimization.reduce_bucket_size'"):
+        parse_config({"zero_optimization.reduce_bucket_sise": 3})
+    with pytest.raises(ConfigError, match=r"'fp16.enabled' \(value True\) names a key inside 'fp16', which is True"):
+        parse_config({"fp16": True, "fp16.enabled": True})
+
+
 @pytest.mark.parametrize("raw,dp,expected", [
     ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, 2, (32, 4, 4)),
     ({"train_batch_size": 32, "gradient_accumulation_steps": 2}, 4, (32, 4, 2)),
@@ -126,8 +149,8 @@ def test_initialize_rejects_bad_optimizer_params_and_both_precisions():
                                                       "optimizer": {"type": "AdamW", "params": {}}})
     with pytest.raises(ValueError, match="optimizer.type 'Adamax2' is not supported"):
         zeroplus.initialize(GPT(gpt_config("tiny")), {**base, "optimizer": {"type": "Adamax2", "params": {}}})
-    with pytest.raises(ConfigError, match="no optimizer"):
-        zeroplus.initialize(GPT(gpt_config("tiny")), base)
+    with pytest.raises(ConfigError, match="config has a 'scheduler' but no 'optimizer' block"):
+        zeroplus.initialize(GPT(gpt_config("tiny")), {**base, "scheduler": {"type": "WarmupLR", "params": {}}})
 
 
 def test_example_configs_parse():

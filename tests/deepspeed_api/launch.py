@@ -7,7 +7,9 @@ the command and both ranks' output.
 """
 from __future__ import annotations
 
+import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -41,3 +43,15 @@ def on_deepspeed(script: str, args: list[str], nproc: int = 2, timeout: float = 
     return _run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                  f"--master-port={free_port()}", "-m", "tests.deepspeed_api.real_deepspeed",
                  os.path.join(SCRIPTS, script), *args], timeout)
+
+
+def hf_template(name: str, for_deepspeed_on_cpu: bool) -> dict:
+    """``configs/NAME.json`` (a Hugging Face template, ``"auto"`` values left for the Trainer); for
+    DeepSpeed on a CPU without optimizer offload (it would build its CPU Adam kernel) and with
+    ``torch_adam``."""
+    config = json.loads(pathlib.Path(ROOT, "configs", f"{name}.json").read_text())
+    if for_deepspeed_on_cpu:
+        config["zero_optimization"].pop("offload_optimizer", None)
+        config["zero_optimization"].pop("offload_param", None)
+        config["optimizer"]["params"]["torch_adam"] = True
+    return config

@@ -24,19 +24,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.deepspeed_api.launch import ROOT, on_deepspeed, on_zeroplus
+from tests.deepspeed_api.launch import hf_template, on_deepspeed, on_zeroplus
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 
-def _template(name: str, for_deepspeed_on_cpu: bool) -> dict:
-    config = json.loads(pathlib.Path(ROOT, "configs", f"{name}.json").read_text())
-    if for_deepspeed_on_cpu:
-        config["zero_optimization"].pop("offload_optimizer", None)
-        config["zero_optimization"].pop("offload_param", None)
-        config["optimizer"]["params"]["torch_adam"] = True
-    return config
 
 
 def _trainer(launch, tmp_path: pathlib.Path, name: str, config: dict, pretrained: bool,
@@ -57,7 +50,7 @@ def _resumed_steps(result: dict) -> list[float]:
 @pytest.mark.parametrize("template", ["hf_zero2_template", "hf_zero3_template"])
 def test_trainer_runs_unchanged_resumes_and_matches_deepspeed(tmp_path, template):
     stage = 3 if "zero3" in template else 2
-    ours, log = _trainer(on_zeroplus, tmp_path, "zeroplus", _template(template, stage == 2), stage == 3)
+    ours, log = _trainer(on_zeroplus, tmp_path, "zeroplus", hf_template(template, stage == 2), stage == 3)
     assert ours["engine"] == "zeroplus.deepspeed_api.engine" and ours["stage"] == stage
     assert "serves DeepSpeed's API" in log and "predicted memory of rank 0 of 2" in log, log[-3000:]
     assert "zeroplus after the first step: memory peak" in log and "in the ledger" in log
@@ -65,7 +58,7 @@ def test_trainer_runs_unchanged_resumes_and_matches_deepspeed(tmp_path, template
     assert _resumed_steps(ours) == ours["first"]["loss"][2:], "resumed from checkpoint-2, steps 3-4 must not change"
     pytest.importorskip("deepspeed")
     assert ours["loaded"] == ours["expected"], "from_pretrained under ZeRO-3 must load the saved weights exactly"
-    theirs, _ = _trainer(on_deepspeed, tmp_path, "deepspeed", _template(template, True), stage == 3)
+    theirs, _ = _trainer(on_deepspeed, tmp_path, "deepspeed", hf_template(template, True), stage == 3)
     assert theirs["engine"] == "deepspeed.runtime.engine"
     for key in ("loss", "grad_norm"):
         assert ours["first"][key] == pytest.approx(theirs["first"][key], rel=1e-5), key
@@ -80,7 +73,7 @@ def test_trainer_torch_compile_compiles_the_engine_and_trains_as_eager(tmp_path)
     """``--torch_compile`` under the DeepSpeed API: Accelerate calls ``engine.compile()`` (an
     AttributeError before), and the compiled ZeRO-3 run's losses and gradient norms equal the eager
     run's within fp32 tolerance (inductor's kernels round differently)."""
-    config = _template("hf_zero3_template", False)
+    config = hf_template("hf_zero3_template", False)
     eager, _ = _trainer(on_zeroplus, tmp_path, "eager", config, False, ("--no-resume",))
     compiled, log = _trainer(on_zeroplus, tmp_path, "compiled", config, False, ("--no-resume", "--torch_compile"))
     assert compiled["compiled"] and not eager["compiled"], log[-3000:]
@@ -98,7 +91,7 @@ def test_trainer_trains_a_lora_adapter_saves_resumes_and_matches_deepspeed(tmp_p
     within 1e-5 relative (measured 4.5e-8 absolute), and the adapter loads into a plain PEFT model."""
     peft = pytest.importorskip("peft")
     stage = 3 if "zero3" in template else 2
-    ours, _ = _trainer(on_zeroplus, tmp_path, "zeroplus", _template(template, stage == 2), True, ("--lora",))
+    ours, _ = _trainer(on_zeroplus, tmp_path, "zeroplus", hf_template(template, stage == 2), True, ("--lora",))
     assert ours["checkpoints"] == ["checkpoint-2", "checkpoint-4"]
     assert _resumed_steps(ours) == ours["first"]["loss"][2:], "resumed from checkpoint-2, steps 3-4 must not change"
     rank0 = torch.load(tmp_path / "zeroplus" / "checkpoint-4" / "global_step4" / "rank00000.pt", weights_only=True)
@@ -107,7 +100,7 @@ def test_trainer_trains_a_lora_adapter_saves_resumes_and_matches_deepspeed(tmp_p
     adapter = load_file(tmp_path / "zeroplus" / "checkpoint-4" / "adapter_model.safetensors")
     assert adapter and all("lora_" in n for n in adapter), sorted(adapter)[:4]
     pytest.importorskip("deepspeed")
-    theirs, _ = _trainer(on_deepspeed, tmp_path, "deepspeed", _template(template, True), True, ("--lora",))
+    theirs, _ = _trainer(on_deepspeed, tmp_path, "deepspeed", hf_template(template, True), True, ("--lora",))
     for key in ("loss", "grad_norm"):
         assert ours["first"][key] == pytest.approx(theirs["first"][key], rel=1e-5), key
     assert _resumed_steps(ours) == pytest.approx(_resumed_steps(theirs), rel=1e-5)

@@ -110,6 +110,17 @@ class ZeroConfig(Block):
     offload_optimizer: OffloadOptimizerConfig | None = None
     offload_param: OffloadParamConfig | None = None
 
+    @field_validator("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+                     "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+                     "sub_group_size", mode="before")
+    @classmethod
+    def _whole_elements(cls, value: Any) -> Any:
+        """A count of elements given as a fractional number (TRL writes ``0.9 * hidden * hidden``): the
+        whole elements below it."""
+        if isinstance(value, float) and value >= 0:
+            return int(value)
+        return value
+
     @property
     def offloads_optimizer(self) -> bool:
         """Optimizer states go to a lower tier (``offload_optimizer.device`` is ``cpu`` or ``nvme``)."""

@@ -8,14 +8,43 @@ It runs before pydantic validation and only reads the dict.
 from __future__ import annotations
 
 import difflib
+import logging
 import typing
 from typing import Any
 
 from pydantic import BaseModel
 
+logger = logging.getLogger("zeroplus.config")
+
 
 class ConfigError(ValueError):
     """A user config that cannot be accepted; the message names the key path and the value."""
+
+
+def expand_dotted(data: dict[str, Any], path: str = "") -> None:
+    """Read each dotted key (``"zero_optimization.reduce_bucket_size": v``, as TRL writes for its reference
+    model) as the nested key it names, in place: its writer means that key, so it replaces a nested
+    value already there (logged). DeepSpeed ignores such keys; a dotted key that names no valid key is
+    then an unknown key like any other (``check_keys``). A dotted key whose prefix is not an object
+    (``"fp16.enabled"`` beside ``"fp16": true``) is a ``ConfigError`` naming both."""
+    for key in [k for k in list(data) if isinstance(k, str) and "." in k]:
+        value = data.pop(key)
+        *parents, leaf = key.split(".")
+        node, where = data, path
+        for part in parents:
+            where = f"{where}.{part}" if where else part
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"config key '{(path + '.') if path else ''}{key}' (value {value!r}) names a key "
+                                  f"inside '{where}', which is {child!r}, not an object")
+            node = child
+        full = f"{where}.{leaf}"
+        if leaf in node and node[leaf] != value:
+            logger.info("config key '%s' given as a dotted key (%r) replaces %r", full, value, node[leaf])
+        node[leaf] = value
+    for key, value in data.items():
+        if isinstance(value, dict):
+            expand_dotted(value, f"{path}.{key}" if path else str(key))
 
 
 def allowed_keys(model: type[BaseModel]) -> dict[str, str]:

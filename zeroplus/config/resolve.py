@@ -1,8 +1,9 @@
 """Turn a raw dict (or JSON path) into a validated, fully resolved ``ZeroplusConfig``.
 
-Order: strict key check (path + "did you mean"), pydantic validation, then resolution of
-``"auto"`` values and of the batch triple once the data-parallel size is known. Every
-resolution is logged once on rank 0; a value that cannot be derived is a ``ConfigError``.
+Order: dotted keys read as the nested keys they name, strict key check (path + "did you mean"),
+pydantic validation, then resolution of ``"auto"`` values and of the batch triple once the
+data-parallel size is known. Every resolution is logged once on rank 0; a value that cannot be
+derived is a ``ConfigError``.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from .keys import ConfigError, check_keys
+from .keys import ConfigError, check_keys, expand_dotted
 from .model import ZeroplusConfig
 
 logger = logging.getLogger("zeroplus.config")
@@ -41,6 +42,7 @@ def parse_config(config: dict[str, Any] | str | os.PathLike) -> tuple[ZeroplusCo
     else:
         raise TypeError(f"config must be a dict or a path to a JSON file, got {type(config).__name__}")
     unimplemented: list[str] = []
+    expand_dotted(data)
     check_keys(data, ZeroplusConfig, "", unimplemented)
     try:
         cfg = ZeroplusConfig.model_validate(data)

@@ -10,6 +10,7 @@ built in unless ``dtype=`` says otherwise, so fp32 master weights start from the
 Transformers swaps ``zero_wrapper_for_fp_tensor_constructor`` while it builds a model under ZeRO-3,
 so that DeepSpeed's ``Init`` does not retype ``torch.arange``. zeroplus's ``Init`` never retypes
 tensor constructors, so the function here is never called: it exists to be swapped and restored.
+``ZeroParamStatus`` is ``zeroplus/zero/param_status.py``'s enum: each engine parameter's ``ds_status``.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 
 from zeroplus.zero.construction import Init as ZeroplusInit
 from zeroplus.zero.gathered import GatheredParameters
+from zeroplus.zero.param_status import ParamStatus as ZeroParamStatus
 
 from .accelerator import get_accelerator
 from .unsupported import module_getattr, refuse
@@ -53,4 +55,4 @@ def zero_wrapper_for_fp_tensor_constructor(fn: Callable[..., Any], target_fp_dty
     return fn
 
 
-__all__ = ["GatheredParameters", "Init", "get_accelerator", "zero_wrapper_for_fp_tensor_constructor"]
+__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "get_accelerator", "zero_wrapper_for_fp_tensor_constructor"]

@@ -45,6 +45,7 @@ from ..ledger import Category, Ledger
 from ..offload.policies import MasterPolicy
 from . import init_shards
 from .master_store import FullMaster, MasterStore, SharedMaster
+from .param_status import ParamStatus, mark
 from .tiered_master import TieredMaster
 
 FLAT_ATTR = "_zeroplus_flat_group"
@@ -111,6 +112,7 @@ class FlatParamGroup:
         for p, view in zip(self.params, self._views):
             p.data = view
             setattr(p, FLAT_ATTR, self)  # GatheredParameters finds the group of an engine's parameter
+        mark(self.params, ParamStatus.AVAILABLE)
 
         # Stage 3 on one rank in fp32: the master is the whole buffer, so the parameters stay gathered on
         # it (4 * P in all instead of 4 * P plus the units gathered, and no copy per gather)
@@ -179,6 +181,7 @@ class FlatParamGroup:
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
         self.ledger.resized(self.full)
         self.gathered = True
+        mark(self.params, ParamStatus.INFLIGHT)
         return self.all_gather_into_full()
 
     def expose(self) -> None:
@@ -188,6 +191,7 @@ class FlatParamGroup:
         if self.gathered:
             for p, view in zip(self.params, self._views):
                 p.data = view
+            mark(self.params, ParamStatus.AVAILABLE)
 
     def all_gather_into_full(self) -> Handle:
         """All-gather every rank's low-precision shard into ``full`` (which must be allocated)."""
@@ -207,6 +211,7 @@ class FlatParamGroup:
             self.gathered = False
             for p in self.params:
                 p.data = self._released
+            mark(self.params, ParamStatus.NOT_AVAILABLE)
 
     # -- gradients ----------------------------------------------------------------------------
     def accumulate_grad(self, index: int, grad: torch.Tensor | None) -> None:

@@ -45,6 +45,7 @@ from ..ledger import Ledger
 from ..offload.policies import MasterPolicy
 from .flat_group import FlatParamGroup
 from .grad_reducer import GradReducer
+from .param_status import ParamStatus, mark
 from .placement import UnitPlacement
 from .row_reduce import reduce_rows
 from .stage3 import Stage3Scheduler
@@ -126,6 +127,8 @@ class ZeroPartition:
             self.units.append(unit)
         self.root = self.units[-1]
         self.groups: list[FlatParamGroup] = [g for u in self.units for g in u.groups]
+        flat = {id(p) for g in self.groups for p in g.params}
+        mark([p for p in model.parameters() if id(p) not in flat], ParamStatus.AVAILABLE)  # never partitioned
         overlap = True if zero.overlap_comm is None else zero.overlap_comm
         accumulate_fp32 = self.stage >= 2 and gradient_accumulation_steps > 1
         self.reducer = GradReducer(self.stage, dp, zero.reduce_bucket_size, zero.reduce_scatter, overlap, ledger,
