@@ -21,7 +21,7 @@ setup(
         "npu": ["torch_npu"],
         "plotting": ["matplotlib"],
         "test": ["pytest>=7", "pytest-timeout", "ruff", "mypy==2.4.1", "transformers==5.23.0", "accelerate==1.15.0",
-                 "peft==0.21.2", "trl==1.16.0"],
+                 "peft==0.21.2", "trl==1.16.0", "bitsandbytes==0.50.2"],
     },
     entry_points={"console_scripts": ["zeroplus=zeroplus.cli:main"]},
 )

@@ -123,10 +123,11 @@ def ds_config(stage: int, micro_batch: int = 1, dtype: str = "bf16") -> dict:
 def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
     """torch's AdamW with its fused kernel where the device has one (CPU and CUDA do): the fastest
     plain reference, and the kernel zeroplus itself picks."""
+    params = [p for p in model.parameters() if p.requires_grad]  # (a LoRA model: the adapters)
     try:
-        return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+        return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
     except RuntimeError:
-        return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+        return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1)
 
 
 def plain_step(wrapped: torch.nn.Module, model: torch.nn.Module, opt: torch.optim.Optimizer, hf: bool = False):
@@ -142,7 +143,10 @@ def plain_step(wrapped: torch.nn.Module, model: torch.nn.Module, opt: torch.opti
 
 
 HF_LLAMA = {"hf-llama": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
-                              num_key_value_heads=4, vocab_size=256)}
+                              num_key_value_heads=4, vocab_size=256),
+            "hf-llama-160m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                                  num_key_value_heads=4, vocab_size=32000)}
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, list[torch.nn.Module], int]:
@@ -156,7 +160,11 @@ def build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, list[torch.n
         model = LlamaForCausalLM(cfg)
         if args.checkpoint_blocks:
             model.gradient_checkpointing_enable()
-        return model, list(model.model.layers), cfg.vocab_size
+        layers = list(model.model.layers)
+        if args.lora:  # PEFT LoRA, rank 8 on every projection: the base frozen
+            from peft import LoraConfig, get_peft_model
+            model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS))
+        return model, layers, cfg.vocab_size
     from zeroplus.models import GPT, gpt_config
     model = GPT(gpt_config(args.model, block_size=max(64, args.seq), checkpoint_blocks=args.checkpoint_blocks))
     return model, list(model.blocks), model.config.vocab_size
@@ -182,6 +190,7 @@ def main() -> None:
     p.add_argument("--checkpoint-blocks", action="store_true",
                    help="activation checkpointing of every block (zeroplus's or DeepSpeed's checkpoint)")
     p.add_argument("--device", choices=["cpu", "cuda", "npu"], default="cpu")
+    p.add_argument("--lora", action="store_true", help="a Hugging Face model (--model hf-*) under PEFT LoRA")
     p.add_argument("--compile", action="store_true",
                    help="compile: engine.compile() (zeroplus, DeepSpeed); each block's compile() before fully_shard "
                         "(FSDP2, torchtitan's way); the first step's time includes the compilation")
@@ -216,7 +225,8 @@ def main() -> None:
             return loss.item()
     elif args.framework == "deepspeed":
         cfg.pop("zeroplus")
-        engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+        engine, *_ = deepspeed.initialize(model=model, config=cfg,
+                                          model_parameters=[p for p in model.parameters() if p.requires_grad])
         if args.compile:
             engine.compile()
 

@@ -30,6 +30,7 @@ import torch
 from zeroplus.comm import DataParallelGroup
 from zeroplus.parallel.topology import Topology
 from zeroplus.zero.flat_group import FlatParamGroup
+from zeroplus.zero.frozen_values import read_frozen
 
 from . import checkpoint_io as io
 from .safe_load import check_loadable, numpy_rng_from_file, numpy_rng_to_file
@@ -85,12 +86,14 @@ def rank_state(engine: Engine, client_state: dict[str, Any] | None,
                 whole[key] = value
         groups[g.name] = {"lo": lo, "hi": hi, "master": _for_file(g.master_store.read(a, b)), "sliced": sliced,
                           "whole": whole}
-    extra = {}
+    extra: dict[str, torch.Tensor] = {}
+    copy = engine.accelerator.host_copy
+    if not exclude_frozen_parameters:  # stage 3's frozen groups whole on rank 0 (every rank gathers them)
+        read_frozen(part.frozen, (lambda n, t: extra.__setitem__(n, copy(t))) if rank == 0 else None)
     if rank == 0:
-        trainable = {id(p) for g in part.groups for p in g.params}
-        copy = engine.accelerator.host_copy
+        flat = {id(p) for g in part.groups + part.frozen for p in g.params}
         if not exclude_frozen_parameters:
-            extra = {n: copy(t) for n, t in engine.module.named_parameters() if id(t) not in trainable}
+            extra.update({n: copy(t) for n, t in engine.module.named_parameters() if id(t) not in flat})
         extra.update({n: copy(b) for n, b in engine.module.named_buffers()})
     return {
         "rank": rank, "groups": groups, "module_extra": extra, "client_state": client_state or {},

@@ -26,6 +26,7 @@ import torch
 
 from zeroplus.ledger import Category
 from zeroplus.zero.flat_group import FlatParamGroup
+from zeroplus.zero.frozen_values import write_frozen
 
 from . import checkpoint_io as io
 from .checkpoint import _global_rank, _model_part, _set_rng_state, _topology, _world
@@ -170,10 +171,11 @@ def _plan_group(engine: Engine, g: FlatParamGroup, sources: dict[str, tuple[dict
 def _check_extra(engine: Engine, extra: dict[str, torch.Tensor], where: str, strict: bool) -> None:
     """Shapes of the saved buffers and frozen parameters; ``strict``: every frozen parameter of the model
     must be in the checkpoint (one saved with ``exclude_frozen_parameters=True`` has none of them)."""
-    targets: dict[str, torch.Tensor] = dict(engine.module.named_parameters())
-    targets.update(dict(engine.module.named_buffers()))
-    wrong = [f"{n}: checkpoint {tuple(v.shape)} vs model {tuple(targets[n].shape)}" for n, v in extra.items()
-             if n in targets and targets[n].shape != v.shape]
+    shapes: dict[str, tuple[int, ...]] = {n: tuple(t.shape) for n, t in engine.module.named_parameters()}
+    shapes.update({n: tuple(b.shape) for n, b in engine.module.named_buffers()})
+    shapes.update({n: tuple(s) for g in engine._partition.frozen for n, s in zip(g.names, g.shapes)})  # (released)
+    wrong = [f"{n}: checkpoint {tuple(v.shape)} vs model {shapes[n]}" for n, v in extra.items()
+             if n in shapes and shapes[n] != tuple(v.shape)]
     if wrong:
         raise ValueError(f"checkpoint file {where}: buffers or frozen parameters of another shape: {wrong}")
     trainable = {id(p) for g in engine._partition.groups for p in g.params}
@@ -255,10 +257,13 @@ def _apply_tensors(engine: Engine, plan: _Plan) -> None:
                         states[key][piece.at:piece.at + piece.numel].copy_(value[piece.src:piece.src + piece.numel])
             if load.opt_state:
                 engine._step.load_state(g, load.opt_state)
+        frozen = {n: (g, i) for g in engine._partition.frozen for i, n in enumerate(g.names)}
         targets: dict[str, torch.Tensor] = dict(engine.module.named_parameters())
         targets.update(dict(engine.module.named_buffers()))
         for name, value in plan.extra.items():
-            if name in targets:
+            if name in frozen:  # stage 3: into this rank's shard
+                write_frozen(*frozen[name], value.to(frozen[name][0].compute_dtype))
+            elif name in targets:
                 targets[name].copy_(value)
     engine._partition.params_from_masters()
 

@@ -31,6 +31,7 @@ from zeroplus.parallel.moe import set_aux_grad_scale
 from zeroplus.parallel.pipeline import PipelineModule
 from zeroplus.parallel.pipeline_schedule import eval_batch, train_batch
 from zeroplus.zero import ShardedStep, ZeroPartition
+from zeroplus.zero.frozen_values import read_frozen
 
 from .checkpoint import save_checkpoint
 from .checkpoint_export import write_state_dict
@@ -39,6 +40,7 @@ from .compile import CompiledUnits, compile_settings
 from .exit_grace import register_exit_grace
 from .loss_scaler import LossScaler
 from .pretrained_load import PretrainedLoad, load_pretrained
+from .state_offload import StateOffload
 
 logger = logging.getLogger("zeroplus.engine")
 
@@ -64,6 +66,7 @@ class Engine:
         self._module = module
         self.config = config
         self.optimizer = parts.optimizer
+        self._state_offload = StateOffload(self)
         self.lr_scheduler = parts.lr_scheduler
         self.loss_scaler = parts.loss_scaler
         self.dp = dp
@@ -174,6 +177,7 @@ class Engine:
 
     # -- forward / backward / step ------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._state_offload.refuse_if_offloaded("forward")
         if self._first_forward_hooks and torch.is_grad_enabled() and self._module.training:
             hooks, self._first_forward_hooks = self._first_forward_hooks, []
             for hook in hooks:
@@ -295,7 +299,22 @@ class Engine:
                             f"(call engine(batch) under torch.no_grad() instead)")
         return eval_batch(self, self._module, data_iter)
 
+    def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
+                       non_blocking: bool = False) -> int:
+        """Move the training states (``include``: DeepSpeed's ``OffloadStateTypeEnum`` kinds or their names;
+        all by default) off the device into host memory, bit for bit (``engine/state_offload.py``); forward,
+        backward and step are errors until ``reload_states()``. Returns the bytes moved on this rank."""
+        if str(getattr(device, "value", device)) != "cpu":
+            raise ValueError(f"offload_states(device={device!r}) on rank {self.dp.rank}: the states go to host "
+                             f"memory ('cpu'); NVMe is offload_optimizer's and offload_param's tier")
+        return self._state_offload.offload(include, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> int:
+        """Bring back what ``offload_states()`` moved; returns the bytes moved (0 if nothing was off)."""
+        return self._state_offload.reload(non_blocking)
+
     def _refuse_if_forward_only(self, call: str) -> None:
+        self._state_offload.refuse_if_offloaded(call)
         if isinstance(self.optimizer, ForwardOnly):
             raise RuntimeError(f"{call} on rank {self.dp.rank}: {FORWARD_ONLY}; give the config an 'optimizer' block "
                                f"(or optimizer=) to train the model")
@@ -383,6 +402,10 @@ class Engine:
                              f"{par.topology.describe()}; rank {par.global_rank} holds a slice): consolidating "
                              f"slices is not built; use save_checkpoint()")
         state = self._partition.consolidated_fp32_state()
+        frozen: dict[str, torch.Tensor] = {}  # stage 3's frozen groups (every rank gathers them)
+        if not exclude_frozen_parameters:
+            read_frozen(self._partition.frozen, (lambda n, t: frozen.__setitem__(n, self.accelerator.host_copy(t)))
+                        if self.dp.rank == 0 else None)
         if self.dp.rank != 0:
             self.dp.barrier()
             return None
@@ -393,7 +416,8 @@ class Engine:
         for name, p in self.module.named_parameters(remove_duplicate=False):
             if id(p) not in trainable:
                 if not exclude_frozen_parameters:
-                    out[name] = self.accelerator.host_copy(p)
+                    own = frozen.get(canonical[id(p)])
+                    out[name] = own if own is not None else self.accelerator.host_copy(p)
             elif canonical[id(p)] != name:
                 out[name] = out[canonical[id(p)]].clone()  # tied weight, under each of its names
         out.update({n: self.accelerator.host_copy(b) for n, b in self.module.named_buffers()})

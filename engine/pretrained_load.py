@@ -10,7 +10,8 @@ rank's shard (safetensors: exactly those bytes, by ``pread``, ``safetensors_rang
 is opened with ``torch.load(mmap=True, weights_only=True)``, so slicing it reads those pages only), cast to the
 parameter's dtype as built and written into the fp32 master shard; the compute-dtype copies then
 follow the masters as after a checkpoint load (stages 1-2 all-gather them; stage 3 gathers when it
-computes). Frozen parameters and persistent buffers, which every rank keeps whole, are read whole.
+computes). Frozen parameters at stage 3 are read into their shards the same way; at stages 0-2 they
+and persistent buffers, which every rank keeps whole, are read whole.
 The result equals ``model.load_state_dict(state)`` before ``initialize``, bit for bit.
 
 Names are strict: a parameter or persistent buffer the files lack, and a name in the files that is no
@@ -108,7 +109,7 @@ class _Target:
     names: list[str]          # every name the model knows this tensor by (ties)
     shape: tuple[int, ...]
     dtype: torch.dtype        # as built: values are cast to it first, as load_state_dict would
-    group: Any = None         # the flat group holding it (trainable), else None
+    group: Any = None         # the flat group holding it (trained, or stage 3's frozen), else None
     index: int = -1           # its index in that group
     tensor: torch.Tensor | None = None  # a frozen parameter or a buffer, kept whole on every rank
 
@@ -119,7 +120,7 @@ def _targets(engine: Engine) -> list[_Target]:
         aliases.setdefault(id(p), []).append(name)
     out: list[_Target] = []
     flat: set[int] = set()
-    for g in engine.partition.groups:
+    for g in engine.partition.groups + engine.partition.frozen:  # (stage 3's frozen groups: into their shards)
         for i, p in enumerate(g.params):
             flat.add(id(p))
             out.append(_Target(aliases[id(p)], tuple(g.shapes[i]), g.dtypes[i], g, i))

@@ -91,10 +91,10 @@ def test_backward_without_accumulation_scaling_and_the_16bit_state_dict():
 
 def test_what_is_not_served_is_named():
     engine, optimizer, *_ = _engine()
-    with pytest.raises(NotImplementedError, match="DeepSpeedEngine.offload_states is part of DeepSpeed's API that "
-                                                  "zeroplus does not support yet"):
-        engine.offload_states()
-    assert not hasattr(engine, "offload_states") and not hasattr(deepspeed, "init_inference")
+    with pytest.raises(NotImplementedError, match="DeepSpeedEngine.get_sequence_parallel_group is part of DeepSpeed's "
+                                                  "API that zeroplus does not support yet"):
+        engine.get_sequence_parallel_group()
+    assert not hasattr(engine, "get_sequence_parallel_group") and not hasattr(deepspeed, "init_inference")
     with pytest.raises(NotImplementedError, match="deepspeed.init_inference"):
         deepspeed.init_inference
     with pytest.raises(NotImplementedError, match=r"engine.step\(\)"):
@@ -107,6 +107,29 @@ def test_what_is_not_served_is_named():
         deepspeed.ops.adam.DeepSpeedCPUAdam(ParityNet().parameters(), bias_correction=False)
 
 
+def test_offload_states_takes_deepspeeds_enums_and_round_trips():
+    """RL frameworks' call: ``offload_states(include=[OffloadStateTypeEnum...], device=OffloadDeviceEnum.cpu)``,
+    then ``reload_states()``; training goes on exactly as without (``tests/engine/test_state_offload.py``
+    has the per-stage checks)."""
+    from zeroplus.deepspeed_api.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+    batches = make_batches(4, 2)
+    ours, *_ = _engine()
+    plain, *_ = _engine()
+    for i, (x, y) in enumerate(batches):
+        for engine in (ours, plain):
+            engine.backward(engine(x, y))
+            engine.step()
+        if i == 1:
+            ours.offload_states(include=[OffloadStateTypeEnum.optim_states, OffloadStateTypeEnum.hp_params],
+                                device=OffloadDeviceEnum.cpu, non_blocking=True)
+            with pytest.raises(RuntimeError, match=r"reload_states\(\) first"):
+                ours(x, y)
+            ours.reload_states()
+    assert all(torch.equal(a, b) for a, b in zip(_weights(ours).values(), _weights(plain).values()))
+    with pytest.raises(ValueError, match="the states go to host memory"):
+        ours.offload_states(device=OffloadDeviceEnum.nvme)
+
+
 PROBE = """
 import importlib.metadata, deepspeed
 from transformers.integrations.deepspeed import is_deepspeed_available
@@ -114,6 +137,7 @@ from accelerate.utils import is_deepspeed_available as accelerate_has_it
 from accelerate.utils.versions import compare_versions
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 from deepspeed.runtime.zero import partition_parameters
+from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 import deepspeed.runtime.lr_schedules
 assert deepspeed.__name__ == "zeroplus.deepspeed_api", deepspeed
 assert importlib.metadata.version("deepspeed") == deepspeed.__version__ == "0.19.8+zeroplus"

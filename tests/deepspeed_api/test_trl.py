@@ -5,7 +5,9 @@ ZeRO-3 templates (DeepSpeed's without optimizer offload and with ``torch_adam``,
 CPU; zeroplus's as they are). DPO's reference model is a second ``deepspeed.initialize`` without an
 optimizer (refused before: "no optimizer") whose config, at ZeRO-3, carries TRL's bucket sizes as
 dotted top-level keys (refused before as unknown keys); its fused LM head asks each parameter's
-``ds_status`` (missing before). The logged losses, gradient norms and DPO's rewards must equal
+``ds_status`` (missing before). GRPO samples completions from the model gathered whole, pausing the
+engine's stage-3 hooks through ``optimizer.parameter_offload`` as it does DeepSpeed's (an
+AttributeError before). The logged losses, gradient norms and DPO's and GRPO's rewards must equal
 DeepSpeed's: losses and norms within 1e-5 relative, rewards (beta times a difference of two
 log-probabilities near -25) within 1e-6 absolute. Measured: gradient norms to 1e-8 relative,
 rewards to 5e-8.
@@ -33,7 +35,7 @@ def _run(launch, tmp_path: pathlib.Path, name: str, trainer: str, config: dict) 
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("trainer,stage", [("dpo", 2), ("dpo", 3), ("sft", 3)])
+@pytest.mark.parametrize("trainer,stage", [("dpo", 2), ("dpo", 3), ("sft", 3), ("grpo", 3)])
 def test_trl_trainer_runs_unchanged_and_matches_deepspeed(tmp_path, trainer, stage):
     ours = _run(on_zeroplus, tmp_path, "zeroplus", trainer, hf_template(f"hf_zero{stage}_template", False))
     assert ours["engine"] == "zeroplus.deepspeed_api.engine" and len(ours["loss"]) == 4
@@ -44,6 +46,7 @@ def test_trl_trainer_runs_unchanged_and_matches_deepspeed(tmp_path, trainer, sta
     theirs = _run(on_deepspeed, tmp_path, "deepspeed", trainer, hf_template(f"hf_zero{stage}_template", True))
     for key in ("loss", "grad_norm"):
         assert ours[key] == pytest.approx(theirs[key], rel=1e-5), key
+    assert ours["reward"] == theirs["reward"], "GRPO: the same completions sampled, the same rewards"
     for key in ("rewards/chosen", "rewards/rejected"):
         assert ours[key] == pytest.approx(theirs[key], abs=1e-6), key
     if trainer == "dpo":

@@ -29,7 +29,9 @@ def _forward_only(stage: int) -> dict:
     with torch.no_grad():
         ours, theirs = engine(x, x), plain(x, x)
     out = {"equal": torch.equal(ours, theirs), "bytes": {c.value: engine.ledger.peak_bytes(c) for c in
-                                                          (Category.GRAD, Category.MASTER, Category.OPTIM_STATE)}}
+                                                          (Category.GRAD, Category.MASTER, Category.OPTIM_STATE)},
+           "param_bytes": engine.ledger.live_bytes(Category.PARAM),
+           "model_bytes": sum(p.numel() * 4 for p in plain.parameters())}
     loss = engine(x, x)
     for call in ("backward", "step"):
         try:
@@ -45,6 +47,8 @@ def test_an_engine_without_an_optimizer_runs_forward_only(stage):
     for rank, out in enumerate(run_distributed(_forward_only, 2, stage)):
         assert out["equal"], "forward-only outputs equal the plain model's"
         assert out["bytes"] == {"grad": 0, "master": 0, "optim_state": 0}, out["bytes"]
+        if stage == 3:  # partitioned as frozen parameters are: this rank's half (and padding), in the ledger
+            assert out["model_bytes"] / 2 <= out["param_bytes"] < out["model_bytes"] / 2 + 4 * 64, out
         for call in ("backward", "step"):
             assert out[call] is not None and f"{call}() on rank {rank}: this engine was initialized without an " \
                                               f"optimizer" in out[call] and "'optimizer' block" in out[call], out[call]
@@ -56,13 +60,14 @@ def _statuses() -> list:
         "stage": 3, "stage3_param_persistence_threshold": 0}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
     up, frozen = engine.module.blocks[0].up.weight, engine.module.frozen.weight
     seen = [up.ds_status, frozen.ds_status]
-    with zeroplus.GatheredParameters([up]):
-        seen.append(up.ds_status)
-    seen.append(up.ds_status)
+    with zeroplus.GatheredParameters([up, frozen]):
+        seen += [up.ds_status, frozen.ds_status]
+    seen += [up.ds_status, frozen.ds_status]
     return seen
 
 
 def test_ds_status_says_whether_a_stage3_parameter_holds_its_values():
+    """At stage 3 trained and frozen parameters alike are released between uses."""
+    released, there = ParamStatus.NOT_AVAILABLE, ParamStatus.AVAILABLE
     for seen in run_distributed(_statuses, 2):
-        assert seen == [ParamStatus.NOT_AVAILABLE, ParamStatus.AVAILABLE, ParamStatus.AVAILABLE,
-                        ParamStatus.NOT_AVAILABLE], seen
+        assert seen == [released, released, there, there, released, released], seen

@@ -1,7 +1,8 @@
 """Bytes per ledger category, asserted against the partition math from parameter counts.
 
 After a step (2 ranks, ParityNet, AdamW), for each group of P padded elements and S = P / 2:
-  stage 0-2: param = c * P;              stage 3: param = 0 (gathers cast the master)
+  stage 0-2: param = c * P;              stage 3: param = c * F / 2 (the frozen layer's shard; the
+                                         gathers cast the master)
   master     = 4 * owned at stages 0-2 (0 when fp32: the parameter is the master); 4 * S at stage 3
   optim_state = 2 * 4 * owned (exp_avg, exp_avg_sq)
   grad = 0 (gradients are freed after the step)
@@ -51,7 +52,9 @@ def _run(cases: list[tuple[int, str]]) -> list[dict]:
                 and time.monotonic() < deadline:
             time.sleep(0.01)
         units = [(u.is_root, [(g.padded_numel, g.shard_numel, g.owned_numel) for g in u.groups]) for u in part.units]
-        out.append({"report": engine.memory_report().to_dict(), "units": units, "in_flight": in_flight})
+        frozen = [[(g.padded_numel, g.shard_numel) for g in u.frozen] for u in part.units]
+        out.append({"report": engine.memory_report().to_dict(), "units": units, "frozen": frozen,
+                    "in_flight": in_flight})
     return out
 
 
@@ -67,18 +70,22 @@ def test_ledger_bytes_per_category_match_partition_math():
             owned = sum(o for _, _, o in groups)
             live = {k: v["live_bytes"] for k, v in r["report"]["categories"].items()}
             label = f"stage {stage} {dtype} rank {rank}"
-            expected_param = 0 if stage == 3 else c * sum(p for p, _, _ in groups)
+            frozen_shards = sum(s for fs in r["frozen"] for _, s in fs)
+            assert (frozen_shards > 0) == (stage == 3), label  # ParityNet's frozen layer, partitioned at stage 3
+            expected_param = c * frozen_shards if stage == 3 else c * sum(p for p, _, _ in groups)
             expected_master = 4 * owned if stage == 3 or dtype == "bf16" else 0
             assert live[Category.PARAM.value] == expected_param, label
             assert live[Category.MASTER.value] == expected_master, label
             assert live[Category.OPTIM_STATE.value] == 2 * 4 * owned, label
             assert live[Category.GRAD.value] == 0, label
             # stage 3 gathers the root unit and the first block ahead of the next forward
-            first_two = c * (sum(p for p, _, _ in r["units"][-1][1]) + sum(p for p, _, _ in r["units"][0][1]))
+            first_two = c * (sum(p for p, _, _ in r["units"][-1][1]) + sum(p for p, _, _ in r["units"][0][1])
+                             + sum(p for p, _ in r["frozen"][-1] + r["frozen"][0]))
             assert live[Category.PARAM_GATHERED.value] == (first_two if stage == 3 else 0), label
             assert live[Category.COMM_BUFFER.value] == r["in_flight"], label
             if stage == 3:
-                root = sum(p for is_root, gs in r["units"] if is_root for p, _, _ in gs)
+                root = sum(p for is_root, gs in r["units"] if is_root for p, _, _ in gs) + sum(
+                    p for p, _ in r["frozen"][-1])
                 blocks = sorted((sum(p for p, _, _ in gs) for is_root, gs in r["units"] if not is_root), reverse=True)
                 bound = c * (root + blocks[0] + blocks[1])
                 peak = r["report"]["categories"][Category.PARAM_GATHERED.value]["peak_bytes"]
@@ -92,5 +99,6 @@ def test_stage3_model_states_are_one_shard():
     sizes = [sum(p for _, gs in r["units"] for p, _, _ in gs) for r in results]
     states = [r["report"]["categories"][Category.PARAM.value]["live_bytes"]
               + r["report"]["categories"][Category.MASTER.value]["live_bytes"] for r in results]
+    frozen = sum(p for fs in results[1]["frozen"] for p, _ in fs)  # the frozen layer: a bf16 shard only
     assert states[0] == 2 * sizes[0] + 4 * sizes[0] // 2
-    assert states[1] == 4 * sizes[1] // 2
+    assert states[1] == 4 * sizes[1] // 2 + 2 * frozen // 2

@@ -39,6 +39,7 @@ SERVED = {
     "deepspeed.runtime.engine": ".engine",
     "deepspeed.runtime.lr_schedules": ".lr_schedules",
     "deepspeed.runtime.zero": ".zero",
+    "deepspeed.runtime.zero.offload_config": ".offload_config",
     "deepspeed.runtime.zero.partition_parameters": ".partition_parameters",
     "deepspeed.utils": ".utils",
     "deepspeed.zero": ".zero",

@@ -98,6 +98,15 @@ class DeepSpeedEngine(torch.nn.Module):
                       "ledger (engine.memory_report() has each category)",
                       report.process_peak_above_start_bytes / 2**20, report.total["peak_bytes"] / 2**20)
 
+    def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        """DeepSpeed's signature (``include``: ``OffloadStateTypeEnum`` members; ``device``:
+        ``OffloadDeviceEnum.cpu``): the engine's states to host memory until ``reload_states()``."""
+        self.engine.offload_states(include, device, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        self.engine.reload_states(non_blocking)
+
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         self.engine.set_gradient_accumulation_boundary(is_boundary)
 

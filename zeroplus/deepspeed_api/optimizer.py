@@ -14,12 +14,22 @@ import torch
 
 from zeroplus.engine.engine import Engine
 
+from .parameter_offload import ParameterOffload
 from .unsupported import refuse
 
 
 class DeepSpeedZeroOptimizer:
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
+        self._offload: ParameterOffload | None = None
+
+    @property
+    def parameter_offload(self) -> ParameterOffload:
+        """Stage 3: the hooks TRL pauses to generate from the gathered model (``parameter_offload.py``);
+        an ``AttributeError`` (absent, as in DeepSpeed) at stages 0-2."""
+        if self._offload is None:
+            self._offload = ParameterOffload(self._engine)
+        return self._offload
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:

@@ -28,6 +28,12 @@ fp32 the same way). ``full`` at stage 3 is one tensor object whose storage is re
 released and back to ``c * P`` when gathered, so the views the parameters and autograd hold stay
 valid. A reduced shard in the compute dtype becomes fp32 one group at a time inside the step.
 
+Frozen groups (stage 3: parameters no optimizer trains, a LoRA model's base): this rank's shard in
+the compute dtype, c * S, and nothing else: no master, no gradient buffer, no optimizer state; they
+are gathered and released with their unit like the rest (a 7B base in bf16 is 14 GB / N per rank, plus
+one unit gathered). They are not among the partition's trained groups (``ZeroPartition.frozen``), and
+not offloaded with ``offload_param`` (their shard stays on the device).
+
 With shared-storage master weights (``master_store.SharedMaster``, bf16 only) the fp32 master
 column becomes a 2-byte residual per owned element at stages 0-2 (the bf16 high halves are the
 owned range of ``full``), and at stage 3 a bf16 shard plus a residual (2 + 2 bytes), with no
@@ -56,13 +62,16 @@ class FlatParamGroup:
 
     def __init__(self, name: str, named_params: list[tuple[str, torch.nn.Parameter]], group_index: int,
                  stage: int, dp: DataParallelGroup, compute_dtype: torch.dtype, ledger: Ledger,
-                 master: MasterPolicy = MasterPolicy(), device: torch.device | None = None) -> None:
+                 master: MasterPolicy = MasterPolicy(), device: torch.device | None = None,
+                 trainable: bool = True) -> None:
         """``master``: shared storage, rounding, and the tier to keep the master shard on (stage 3,
         ``tiered_master.py``). ``device``: where the flat buffer lives (default: the first parameter's
         device); the parameters are copied into it from wherever they are, cast to ``compute_dtype``
         (a parameter ``zeroplus.Init`` partitioned is gathered first, one at a time), and every rank
-        takes the group's first rank's values."""
+        takes the group's first rank's values. ``trainable`` False (stage 3 only): frozen parameters,
+        kept as this rank's shard in the compute dtype and nothing else (see note: frozen groups)."""
         self.name = name
+        self.trainable = trainable
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.group_index = group_index
@@ -130,7 +139,15 @@ class FlatParamGroup:
         # high halves are the shard. In fp32 the shard is the master.
         self.shard: torch.Tensor | None = None
         self.master: torch.Tensor | None = None  # the fp32 master tensor, when it exists whole
-        if master.shared:
+        if not trainable:  # frozen: the compute-dtype shard is all there is (read and written as the "master")
+            if stage != 3:
+                raise ValueError(f"flat group {name}: frozen parameters are partitioned at stage 3 only, not {stage}")
+            self.shard = owned_view if self.resident else self.ledger.empty(
+                self.shard_numel, compute_dtype, Category.PARAM, self.device).copy_(owned_view)
+            self.master_store: MasterStore = FullMaster(self.shard, False)
+            self.master_param = torch.nn.Parameter(torch.empty(0, dtype=compute_dtype, device=self.device),
+                                                   requires_grad=False)
+        elif master.shared:
             if compute_dtype != torch.bfloat16:
                 raise ValueError(f"shared-storage master weights need bf16 training, not {compute_dtype}")
             high = owned_view if stage < 3 else self._own_copy(owned_view, self.shard_numel, compute_dtype)
@@ -138,7 +155,7 @@ class FlatParamGroup:
             low = ledger.zeros(self.owned_numel, torch.int16, Category.MASTER, self.device)
             if stage < 3:  # the fp32 master would be 4 bytes per owned element; the residual is 2
                 ledger.save("shared_master_weights", Category.MASTER, 2 * self.owned_numel)
-            self.master_store: MasterStore = SharedMaster(high, low)
+            self.master_store = SharedMaster(high, low)
             placeholder = torch.empty(0, dtype=torch.float32, device=self.device)
             self.master_param = torch.nn.Parameter(placeholder, requires_grad=False)  # data swapped in by the step
         else:
@@ -153,7 +170,7 @@ class FlatParamGroup:
             self.master = whole
             self.master_store = FullMaster(whole, master.round_like_shared)
             self.master_param = torch.nn.Parameter(whole, requires_grad=False)
-        if master.offload is not None:  # stage 3: the master shard is the parameter shard
+        if master.offload is not None and trainable:  # stage 3: the master shard is the parameter shard
             self.master_store = TieredMaster(self.master_store, master.offload.tier, ledger, master.offload.max_writes)
             self.shard = self.master = None
             placeholder = torch.empty(0, dtype=torch.float32, device=self.device)

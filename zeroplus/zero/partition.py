@@ -50,7 +50,7 @@ from .placement import UnitPlacement
 from .row_reduce import reduce_rows
 from .stage3 import Stage3Scheduler
 from .stage3_state_dict import install_state_dict_hooks
-from .units import Unit, assign_parameters, bucketed, find_unit_modules
+from .units import Unit, assign_parameters, bucketed, find_unit_modules, frozen_partitioned
 from .use_grads import UseGrads, UseSinks, routed
 
 logger = logging.getLogger("zeroplus.zero")
@@ -94,17 +94,22 @@ class ZeroPartition:
         self.early_per_use = zero.stage >= 2
         self.dp = dp
         self.ledger = ledger
-        unit_modules = find_unit_modules(model, unit_class_names)
+        frozen_too = self.stage == 3  # frozen parameters are partitioned too (flat_group.py: frozen groups)
+        unit_modules = find_unit_modules(model, unit_class_names, frozen_too)
         self.units: list[Unit] = []
-        for index, (name, module, params) in enumerate(assign_parameters(model, unit_modules)):
+        device = placement.device if placement is not None else None
+        for index, (name, module, params) in enumerate(assign_parameters(model, unit_modules, frozen_too)):
             if placement is not None:
                 placement.prepare(module, [m for _, m in unit_modules])
             groups = []
             by_group: dict[tuple[int, bool], list[tuple[str, torch.nn.Parameter]]] = {}
+            frozen_named: list[tuple[str, torch.nn.Parameter]] = []
             for pname, p in params:
-                if id(p) in param_group_of:
+                if p.requires_grad and id(p) in param_group_of:
                     expert = experts is not None and experts.holds(p)
                     by_group.setdefault((param_group_of[id(p)], expert), []).append((pname, p))
+                elif frozen_partitioned(p, self.stage, experts):
+                    frozen_named.append((pname, p))
             for gi, expert in sorted(by_group):
                 runs = bucketed(by_group[(gi, expert)], zero.reduce_bucket_size)
                 for k, named in enumerate(runs):
@@ -114,12 +119,17 @@ class ZeroPartition:
                         named = [(f"{n}{split.suffix}", p) for n, p in named]
                         group_dp, label = split.group, label + split.suffix
                     group = FlatParamGroup(label, named, gi, self.stage, group_dp, compute_dtype, ledger, master,
-                                           placement.device if placement is not None else None)
+                                           device)
                     if split is not None:
                         group.expert, group.file_ranks = True, split.data_ranks()
                     groups.append(group)
-            unit = Unit(index=index, name=name, module=module, groups=groups, is_root=(module is model))
-            for g in groups:
+            runs = bucketed(frozen_named, zero.reduce_bucket_size)
+            frozen = [FlatParamGroup(f"{name}#frozen" + (f".{k}" if len(runs) > 1 else ""), named, -1, self.stage, dp,
+                                     compute_dtype, ledger, master, device, trainable=False)
+                      for k, named in enumerate(runs)]
+            unit = Unit(index=index, name=name, module=module, groups=groups, is_root=(module is model),
+                        frozen=frozen)
+            for g in groups + frozen:
                 g.unit, g.owner = unit, self
             if self.stage == 3 and unit.numel <= zero.stage3_param_persistence_threshold:
                 unit.persistent = True
@@ -127,7 +137,8 @@ class ZeroPartition:
             self.units.append(unit)
         self.root = self.units[-1]
         self.groups: list[FlatParamGroup] = [g for u in self.units for g in u.groups]
-        flat = {id(p) for g in self.groups for p in g.params}
+        self.frozen: list[FlatParamGroup] = [g for u in self.units for g in u.frozen]  # stage 3 (units.py)
+        flat = {id(p) for g in self.groups + self.frozen for p in g.params}
         mark([p for p in model.parameters() if id(p) not in flat], ParamStatus.AVAILABLE)  # never partitioned
         overlap = True if zero.overlap_comm is None else zero.overlap_comm
         accumulate_fp32 = self.stage >= 2 and gradient_accumulation_steps > 1
@@ -225,8 +236,8 @@ class ZeroPartition:
         values (its holders' uses have run, embeddings run on detached weights), so its gathered buffer is
         freed then instead of at the end of backward. Only after a first backward showed no use outside
         the holders and no holder replayed inside backward (either could read the values later)."""
-        if (self.stage3 is not None and self.release_root_early and self._backwards_seen > 0
-                and all(id(g) in self._ready for g in self.root.groups)):
+        if (self.stage3 is not None and self.release_root_early and self._backwards_seen > 0 and not self.root.frozen
+                and all(id(g) in self._ready for g in self.root.groups)):  # (frozen weights: read to the end)
             self.root.release()
 
     def begin_backward(self, reduce: bool) -> None:
@@ -364,8 +375,11 @@ class ZeroPartition:
 
     def describe(self) -> str:
         lines = [f"ZeRO stage {self.stage}, data-parallel size {self.dp.size}, {len(self.units)} units, "
-                 f"{len(self.groups)} flat groups"]
+                 f"{len(self.groups)} flat groups"
+                 + (f" and {len(self.frozen)} frozen (shards only: no gradient, master or optimizer state)"
+                    if self.frozen else "")]
         for u in self.units:
             lines.append(f"  unit {u.name}: {u.numel} elements in {len(u.groups)} group(s)"
+                         + (f" and {len(u.frozen)} frozen" if u.frozen else "")
                          + (" (persistent)" if u.persistent else ""))
         return "\n".join(lines)

@@ -9,7 +9,8 @@ flat groups:
   casting as it copies, broadcasts that buffer from the group's first rank, takes its shard and (at
   stage 3) frees the buffer; the parameters become views of it;
 - ``prepare`` moves the unit's other tensors (frozen parameters, parameters in no optimizer group,
-  buffers) to the device, floating-point ones to the compute dtype, and broadcasts each from its
+  buffers) to the device, floating-point ones to the compute dtype (a ``Parameter`` subclass keeps its
+  dtype: bitsandbytes packs 4-bit values into float storage), and broadcasts each from its
   group's first rank (an expert's from the expert-data group's), as ``model.to(device, dtype)`` and a
   broadcast of every tensor did for the whole model before.
 
@@ -46,8 +47,9 @@ class UnitPlacement:
         self.flattened = flattened
         self._moved: dict[int, torch.Tensor] = {}  # id of a tensor as given -> its tensor on the device
 
-    def _convert(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.device, self.cast if self.cast is not None and t.is_floating_point() else None)
+    def _convert(self, t: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
+        cast = self.cast if self.cast is not None and t.is_floating_point() and not keep_dtype else None
+        return t.to(self.device, cast)
 
     def _broadcast(self, t: torch.Tensor) -> None:
         self.group_of(t).broadcast(t)
@@ -62,7 +64,9 @@ class UnitPlacement:
                         continue
                     self._moved[id(p)] = p
                     whole = init_shards.adopt(p) if init_shards.shard_of(p) is not None else p.data
-                    p.data = self._convert(whole)
+                    # a Parameter subclass keeps its dtype: its storage may pack quantized values
+                    # (bitsandbytes' Params4bit with bnb_4bit_quant_storage=float32), which a cast corrupts
+                    p.data = self._convert(whole, keep_dtype=type(p) is not torch.nn.Parameter)
                     if p.grad is not None:
                         p.grad = self._convert(p.grad)
                     self._broadcast(p.data)

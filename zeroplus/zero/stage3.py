@@ -8,9 +8,12 @@ forward. A post-hook releases
 the unit (its storage is resized to 0) and hooks the unit's output tensors so that, when their
 gradient arrives, the unit is gathered again for its backward and the units before it are
 prefetched. A unit is released in backward as soon as all its gradients have arrived (the
-partition calls ``on_unit_grads_done``). The root unit (parameters outside any repeated block,
-such as tied embeddings) stays gathered from the start of forward to the end of backward (or
-until its gradients are all in, ``partition.py``'s early root release), and
+partition calls ``on_unit_grads_done``), unless it holds frozen parameters: their values are read
+for the gradient of the unit's input, which may come after the unit's own gradients, so such a unit
+is released when the next unit's backward starts (its output's gradient is then complete, so every
+use inside the unit that feeds it has run) or at the end of backward. The root unit (parameters
+outside any repeated block, such as tied embeddings) stays gathered from the start of forward to
+the end of backward (or until its gradients are all in, ``partition.py``'s early root release), and
 units below ``stage3_param_persistence_threshold`` elements stay gathered for good.
 
 Activation checkpointing replays a unit's forward inside backward: the replay gathers the unit
@@ -45,6 +48,8 @@ class Stage3Scheduler:
         self.prefetch_numel = prefetch_numel
         self.forward_order: list[int] = []
         self._recording: list[int] = []
+        self._held: list[Unit] = []  # units with frozen groups gathered for backward, released at the next one
+        self.paused = False  # the module hooks do nothing (TRL generating from a model gathered whole)
         self._handles: list[Any] = []
         for unit in units:
             self._handles.append(unit.module.register_forward_pre_hook(eager(self._make_pre_forward(unit))))
@@ -82,8 +87,11 @@ class Stage3Scheduler:
 
     def _make_pre_forward(self, unit: Unit):
         def hook(module: torch.nn.Module, args: Any) -> None:
+            if self.paused:
+                return
             unit.wait_gather()
             if _in_backward():  # an activation-checkpoint replay: gathered for its backward
+                self._hold(unit)
                 return
             self._recording.append(unit.index)
             order = self.forward_order
@@ -93,8 +101,8 @@ class Stage3Scheduler:
 
     def _make_post_forward(self, unit: Unit):
         def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
-            if _in_backward():  # a replay's backward follows at once; released when its grads are done
-                return output
+            if self.paused or _in_backward():  # (a replay's backward follows at once; released when its
+                return output                  # grads are done)
             if torch.is_grad_enabled():
                 unit.backward_gathered = False
                 for t in tree_flatten(output)[0]:
@@ -110,6 +118,7 @@ class Stage3Scheduler:
             if unit.backward_gathered:
                 return None
             unit.backward_gathered = True
+            self._hold(unit)
             unit.wait_gather()
             order = list(reversed(self.forward_order))
             if unit.index in order and self.prefetch_numel != 0:
@@ -117,11 +126,19 @@ class Stage3Scheduler:
             return None
         return hook
 
+    def _hold(self, unit: Unit) -> None:
+        """``unit`` starts its backward: the units with frozen groups held so far are done (see above)."""
+        for held in self._held:
+            if held is not unit:
+                held.release()
+        self._held = [unit] if unit.frozen and unit is not self.root else []
+
     def on_unit_grads_done(self, unit: Unit) -> None:
-        if unit is not self.root:
+        if unit is not self.root and not unit.frozen:
             unit.release()
 
     def end_backward(self) -> None:
+        self._held = []
         for unit in self.units:
             unit.release()
         self.root.release()

@@ -5,8 +5,9 @@ every child of a ``ModuleList``/``Sequential`` whose children (two or more) shar
 unit (the repeated transformer blocks); ``zeroplus.unit_modules`` names classes instead. All
 parameters outside any unit form the root unit (embeddings, final norm, head). A parameter that
 appears in several modules (tied weights) belongs to the first unit that reaches it in module
-order, and is counted once. Frozen parameters (``requires_grad=False``) are not flattened: they
-stay in place on every rank in the compute dtype.
+order, and is counted once. Frozen parameters (``requires_grad=False``, or in no optimizer group) are
+flattened at stage 3 into frozen groups of their unit (``Unit.frozen``: a shard in the compute dtype,
+no gradient or master); at stages 0-2 they stay in place on every rank in the compute dtype.
 
 Within a unit, parameters are split further by optimizer param group, so every flat buffer has one
 set of hyper-parameters, and then into runs of at most ``reduce_bucket_size`` elements (whole
@@ -18,6 +19,7 @@ flight (``partition.py``), so at most about two groups' gradients, each at most 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -38,20 +40,26 @@ class Unit:
     gather_handles: list[Handle] = dataclasses.field(default_factory=list)
     groups_ready: int = 0
     backward_gathered: bool = False
+    frozen: list[FlatParamGroup] = dataclasses.field(default_factory=list)  # stage 3: its frozen parameters
+
+    @property
+    def all_groups(self) -> list[FlatParamGroup]:
+        """The trained groups and the frozen ones: what a gather fills and a release frees."""
+        return self.groups + self.frozen
 
     @property
     def numel(self) -> int:
-        return sum(g.padded_numel for g in self.groups)
+        return sum(g.padded_numel for g in self.all_groups)
 
     def start_gather(self) -> None:
-        for g in self.groups:
+        for g in self.all_groups:
             handle = g.gather()
             if handle is not None:
                 self.gather_handles.append(handle)
 
     def start_fetch(self) -> None:
         """Start bringing offloaded shards back ahead of the gather (``offload_param``)."""
-        for g in self.groups:
+        for g in self.all_groups:
             if not g.gathered:
                 g.master_store.prefetch()
 
@@ -64,7 +72,7 @@ class Unit:
         for handle in self.gather_handles:
             handle.wait()
         self.gather_handles.clear()
-        for g in self.groups:
+        for g in self.all_groups:
             g.expose()
 
     def wait_gather(self) -> None:
@@ -76,12 +84,14 @@ class Unit:
         if self.persistent and not force:
             return
         self.wait_handles()  # an in-flight prefetch must land before its buffer goes away
-        for g in self.groups:
+        for g in self.all_groups:
             g.release()
 
 
-def find_unit_modules(model: torch.nn.Module, class_names: list[str] | None) -> list[tuple[str, torch.nn.Module]]:
-    """The (qualified name, module) of every unit other than the root, in module order."""
+def find_unit_modules(model: torch.nn.Module, class_names: list[str] | None,
+                      frozen_too: bool = False) -> list[tuple[str, torch.nn.Module]]:
+    """The (qualified name, module) of every unit other than the root, in module order; a repeated child
+    with no trainable parameter is a unit only with ``frozen_too`` (stage 3 partitions frozen ones)."""
     found: list[tuple[str, torch.nn.Module]] = []
     taken: set[int] = set()
 
@@ -106,31 +116,44 @@ def find_unit_modules(model: torch.nn.Module, class_names: list[str] | None) -> 
         classes = {type(c) for _, c in children}
         if len(children) >= 2 and len(classes) == 1 and id(module) not in taken:
             for child_name, child in children:
-                if any(p.requires_grad for p in child.parameters()):
+                if any(p.requires_grad or frozen_too for p in child.parameters()):
                     found.append((f"{name}.{child_name}" if name else child_name, child))
             taken.add(id(module))
     return found
 
 
-def assign_parameters(model: torch.nn.Module, unit_modules: list[tuple[str, torch.nn.Module]]
-                      ) -> list[tuple[str, torch.nn.Module, list[tuple[str, torch.nn.Parameter]]]]:
-    """Trainable parameters per unit, root last; each parameter once (tied weights deduplicated)."""
+Named = list[tuple[str, torch.nn.Parameter]]
+
+
+def assign_parameters(model: torch.nn.Module, unit_modules: list[tuple[str, torch.nn.Module]],
+                      frozen_too: bool = False) -> list[tuple[str, torch.nn.Module, Named]]:
+    """Trainable parameters per unit (``frozen_too``: every parameter), root last; each parameter once
+    (tied weights deduplicated)."""
     seen: set[int] = set()
-    units: list[tuple[str, torch.nn.Module, list[tuple[str, torch.nn.Parameter]]]] = []
+    units: list[tuple[str, torch.nn.Module, Named]] = []
     for name, module in unit_modules:
         params = []
         for pname, p in module.named_parameters():
-            if p.requires_grad and id(p) not in seen:
+            if (p.requires_grad or frozen_too) and id(p) not in seen:
                 seen.add(id(p))
                 params.append((f"{name}.{pname}", p))
         units.append((name, module, params))
     root_params = []
     for pname, p in model.named_parameters():
-        if p.requires_grad and id(p) not in seen:
+        if (p.requires_grad or frozen_too) and id(p) not in seen:
             seen.add(id(p))
             root_params.append((pname, p))
     units.append(("<root>", model, root_params))
     return units
+
+
+def frozen_partitioned(p: torch.nn.Parameter, stage: int, experts: Any) -> bool:
+    """Whether a parameter no optimizer trains is flattened into a frozen group: at stage 3, a plain
+    floating-point ``Parameter`` (a subclass such as bitsandbytes' ``Params4bit`` packs quantized values
+    into its storage, which a cast or a summing all-gather would corrupt: it stays whole as it is), and
+    not an expert's split over ranks."""
+    return (stage == 3 and type(p) is torch.nn.Parameter and p.is_floating_point()
+            and not (experts is not None and experts.holds(p)))
 
 
 def bucketed(named: list[tuple[str, torch.nn.Parameter]], limit: int) -> list[list[tuple[str, torch.nn.Parameter]]]:

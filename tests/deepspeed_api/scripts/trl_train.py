@@ -5,8 +5,10 @@ built from its config after the trainer's arguments (so ZeRO-3 builds it under `
 word-level tokenizer made here (no download), and a fixed data set of token words: SFT on plain
 text, DPO on (prompt, chosen, rejected) triples with a reference model (a second model built the same
 way, which TRL prepares as an engine without an optimizer: ``deepspeed.initialize(model, config)``,
-with its own bucket sizes as dotted keys at ZeRO-3). 4 optimizer steps (micro-batch 2, accumulation
-2); rank 0 writes the logged losses (and DPO's rewards) as JSON, and what the reference model became.
+with its own bucket sizes as dotted keys at ZeRO-3), GRPO on prompts, 4 sampled completions each of
+at most 6 words, rewarded by how many of the first ten words they use (no reference model: beta 0).
+4 optimizer steps (micro-batch 2, accumulation 2); rank 0 writes the logged losses (and DPO's and
+GRPO's rewards) as JSON, and what the reference model became.
 """
 import argparse
 import json
@@ -37,9 +39,16 @@ def data(kind: str) -> Dataset:
     g = torch.Generator().manual_seed(1)
     if kind == "sft":
         return Dataset.from_dict({"text": [sentence(g, 12) for _ in range(64)]})
+    if kind == "grpo":
+        return Dataset.from_dict({"prompt": [sentence(g, 6) for _ in range(64)]})
     rows = [(sentence(g, 6), " " + sentence(g, 5), " " + sentence(g, 5)) for _ in range(64)]
     return Dataset.from_dict({"prompt": [r[0] for r in rows], "chosen": [r[1] for r in rows],
                               "rejected": [r[2] for r in rows]})
+
+
+def reward(completions: list[str], **kwargs) -> list[float]:
+    """GRPO's reward: how many words of a completion are among the first ten."""
+    return [float(sum(w in WORDS[:10] for w in c.split())) for c in completions]
 
 
 def model(vocab: int) -> torch.nn.Module:
@@ -52,7 +61,7 @@ def model(vocab: int) -> torch.nn.Module:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--trainer", choices=["sft", "dpo"], required=True)
+    parser.add_argument("--trainer", choices=["sft", "dpo", "grpo"], required=True)
     parser.add_argument("--deepspeed", required=True)
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--out", required=True)
@@ -70,6 +79,13 @@ def main() -> None:
         deepspeed.init_distributed()
         trainer = SFTTrainer(model=model(len(tok)), args=training_args, train_dataset=data("sft"),
                              processing_class=tok)
+    elif args.trainer == "grpo":
+        from trl import GRPOConfig, GRPOTrainer
+        training_args = GRPOConfig(**common, num_generations=4, max_completion_length=6, beta=0.0,
+                                   generation_kwargs={"do_sample": True}, temperature=1.0)
+        deepspeed.init_distributed()
+        trainer = GRPOTrainer(model=model(len(tok)), reward_funcs=reward, args=training_args,
+                              train_dataset=data("grpo"), processing_class=tok)
     else:
         from trl import DPOConfig, DPOTrainer
         training_args = DPOConfig(**common, max_length=16, beta=0.1)
@@ -81,7 +97,7 @@ def main() -> None:
                  "ref_stage": ref.zero_optimization_stage() if hasattr(ref, "zero_optimization_stage") else None}
     trainer.train()
     rows = [r for r in trainer.state.log_history if "loss" in r]
-    keys = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected")
+    keys = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "reward")
     result = {k: [float(r[k]) for r in rows if k in r] for k in keys}
     if torch.distributed.get_rank() == 0:
         with open(args.out, "w") as f:
