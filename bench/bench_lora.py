@@ -8,7 +8,7 @@ layer and the root). Each row is one torchrun launch of ``bench_worker.py`` for 
 freed memory) and one for memory (glibc returning it: the per-rank peak above the process before the
 model). Medians after ``--warmup`` steps; ratios against DeepSpeed and FSDP2 from the same run.
 
-    python bench/bench_lora.py                                  # hf-llama-160m, fp32, 1 x 256 tokens
+    python bench/bench_lora.py                                  # hf-llama-125m, fp32, 1 x 256 tokens
     python bench/bench_lora.py --dtype bf16 --frameworks zeroplus,fsdp2
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from bench_zero import launch
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--frameworks", default="zeroplus,deepspeed,fsdp2")
-    p.add_argument("--model", default="hf-llama-160m")
+    p.add_argument("--model", default="hf-llama-125m")
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=8)

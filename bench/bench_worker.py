@@ -144,7 +144,7 @@ def plain_step(wrapped: torch.nn.Module, model: torch.nn.Module, opt: torch.opti
 
 HF_LLAMA = {"hf-llama": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
                               num_key_value_heads=4, vocab_size=256),
-            "hf-llama-160m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+            "hf-llama-125m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                                   num_key_value_heads=4, vocab_size=32000)}
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
