@@ -31,6 +31,7 @@ import dataclasses
 import fnmatch
 import json
 import os
+import re
 from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
@@ -169,8 +170,20 @@ def _plan(engine: Engine, files: _Files, prefixes: dict[str, str], allow_missing
         raise ValueError(f"load_pretrained({files.path!r}) on rank {engine.dp.rank}: " + "; ".join(problems[:24])
                          + (f" (and {len(problems) - 24} more)" if len(problems) > 24 else "")
                          + ". Nothing was loaded (prefixes= renames the files' names, allow_missing= lets "
-                         "parameters keep their values, strict=False ignores unexpected names)")
+                         "parameters keep their values, strict=False ignores unexpected names)" + _experts_hint(
+                             engine, unexpected))
     return plan, PretrainedLoad(files.path, [t.names[0] for t, _ in plan], missing, unexpected)
+
+
+def _experts_hint(engine: Engine, unexpected: list[str]) -> str:
+    """A model with packed 3-D experts and files with one tensor per expert (the layout Transformers 5's
+    ``save_pretrained`` still writes and its ``from_pretrained`` converts): say so."""
+    packed = any(len(s) == 3 and "experts" in n for g in engine.partition.groups for n, s in zip(g.names, g.shapes))
+    if packed and any(re.search(r"\.experts\.\d+\.", n) for n in unexpected):
+        return (". The files hold one tensor per expert, the model packs each layer's experts into 3-D "
+                "parameters: converting at load is not built yet; write the packed layout (the model's own "
+                "state_dict(), or engine.save_16bit_model) and load that")
+    return ""
 
 
 def load_pretrained(engine: Engine, path: str, *, prefixes: dict[str, str] | None = None,
