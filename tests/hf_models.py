@@ -34,3 +34,15 @@ def build(family: str, size: str = "tiny", attn: str = "sdpa", max_positions: in
                                                 n_positions=max_positions, bos_token_id=0, eos_token_id=0,
                                                 attn_implementation=attn))
     raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
+
+
+class LossOf(torch.nn.Module):
+    """``model(x, y)`` as ``tests/reference.py``'s loop calls it: the Hugging Face loss on ``labels=y``
+    (names gain a ``model.`` prefix)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=x, labels=y).loss

@@ -15,7 +15,7 @@ import torch
 
 import zeroplus
 from tests.dist_helper import rank_and_world, run_distributed
-from tests.hf_models import build
+from tests.hf_models import LossOf, build
 from tests.reference import engine_train, reference_train
 from zeroplus.ledger import Category
 
@@ -23,15 +23,7 @@ peft = pytest.importorskip("peft")
 LR, CLIP, STEPS, WORLD = 1e-3, 1.0, 3, 2
 
 
-class LM(torch.nn.Module):
-    """``model(x, y)`` as the reference loop calls it: the Hugging Face loss on ``labels=y``."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=x, labels=y).loss
+LM = LossOf
 
 
 def _lora(checkpointing: bool) -> LM:

@@ -22,19 +22,13 @@ import torch
 
 import zeroplus
 from tests.dist_helper import rank_and_world, run_distributed
-from tests.hf_models import build
+from tests.hf_models import LossOf, build
 from tests.reference import reference_train
 
 LR, CLIP, STEPS, WORLD, VOCAB = 1e-3, 1.0, 3, 2, 256
 
 
-class LM(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=x, labels=y).loss
+LM = LossOf
 
 
 def _batches() -> list:
