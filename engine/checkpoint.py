@@ -89,7 +89,7 @@ def rank_state(engine: Engine, client_state: dict[str, Any] | None,
     extra: dict[str, torch.Tensor] = {}
     copy = engine.accelerator.host_copy
     if not exclude_frozen_parameters:  # stage 3's frozen groups whole on rank 0 (every rank gathers them)
-        read_frozen(part.frozen, (lambda n, t: extra.__setitem__(n, copy(t))) if rank == 0 else None)
+        extra = read_frozen(part.frozen, copy if rank == 0 else None)
     if rank == 0:
         flat = {id(p) for g in part.groups + part.frozen for p in g.params}
         if not exclude_frozen_parameters:

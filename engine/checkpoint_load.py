@@ -26,7 +26,6 @@ import torch
 
 from zeroplus.ledger import Category
 from zeroplus.zero.flat_group import FlatParamGroup
-from zeroplus.zero.frozen_values import write_frozen
 
 from . import checkpoint_io as io
 from .checkpoint import _global_rank, _model_part, _set_rng_state, _topology, _world
@@ -261,8 +260,9 @@ def _apply_tensors(engine: Engine, plan: _Plan) -> None:
         targets: dict[str, torch.Tensor] = dict(engine.module.named_parameters())
         targets.update(dict(engine.module.named_buffers()))
         for name, value in plan.extra.items():
-            if name in frozen:  # stage 3: into this rank's shard
-                write_frozen(*frozen[name], value.to(frozen[name][0].compute_dtype))
+            if name in frozen:  # stage 3: into this rank's shard (params_from_masters re-gathers below)
+                group, index = frozen[name]
+                group.write_param(index, value.reshape(-1))
             elif name in targets:
                 targets[name].copy_(value)
     engine._partition.params_from_masters()

@@ -246,7 +246,7 @@ class Engine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"backward() needs a scalar loss tensor, got {type(loss).__name__} "
                             f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''} (rank {self.dp.rank})")
-        self._refuse_if_forward_only("backward()")
+        self._refuse_unless_trainable("backward()")
         # Counting micro-steps, a second backward before step() is a forgotten step(). With the boundary
         # set from outside (Accelerate: backward, backward, ..., step at the boundary) backwards may
         # follow each other until one at the boundary has reduced the accumulated gradients.
@@ -313,7 +313,8 @@ class Engine:
         """Bring back what ``offload_states()`` moved; returns the bytes moved (0 if nothing was off)."""
         return self._state_offload.reload(non_blocking)
 
-    def _refuse_if_forward_only(self, call: str) -> None:
+    def _refuse_unless_trainable(self, call: str) -> None:
+        """``backward()`` and ``step()`` need the states on the device and an optimizer."""
         self._state_offload.refuse_if_offloaded(call)
         if isinstance(self.optimizer, ForwardOnly):
             raise RuntimeError(f"{call} on rank {self.dp.rank}: {FORWARD_ONLY}; give the config an 'optimizer' block "
@@ -323,7 +324,7 @@ class Engine:
         """Ends a micro-step; at the accumulation boundary, the optimizer step. An error (nothing
         changes) when no backward() ran since the last step(): stepping on no gradient would move the
         weights by the optimizer's momentum alone."""
-        self._refuse_if_forward_only("step()")
+        self._refuse_unless_trainable("step()")
         if not self._backward_since_step:
             raise RuntimeError(f"step() called without a backward() since the last step() (rank {self.dp.rank}, "
                                f"micro-step {self.micro_steps}, global step {self.global_steps}): there is no "
@@ -404,8 +405,7 @@ class Engine:
         state = self._partition.consolidated_fp32_state()
         frozen: dict[str, torch.Tensor] = {}  # stage 3's frozen groups (every rank gathers them)
         if not exclude_frozen_parameters:
-            read_frozen(self._partition.frozen, (lambda n, t: frozen.__setitem__(n, self.accelerator.host_copy(t)))
-                        if self.dp.rank == 0 else None)
+            frozen = read_frozen(self._partition.frozen, self.accelerator.host_copy if self.dp.rank == 0 else None)
         if self.dp.rank != 0:
             self.dp.barrier()
             return None

@@ -337,6 +337,16 @@ class FlatParamGroup:
     def gather_master(self) -> torch.Tensor:
         return self.gather_owned(self.master_store.read(0, self.owned_numel))
 
+    def write_param(self, index: int, flat: torch.Tensor) -> None:
+        """Write parameter ``index``'s whole values (``flat``, its elements in order) into the part of it this
+        rank owns, through the master store (the gathered buffer is not touched: the caller re-gathers)."""
+        off, n = self.offsets[index], self.numels[index]
+        lo, hi = self.owned_start, self.owned_start + self.owned_numel
+        start, end = max(off, lo), min(off + n, hi)
+        if start < end:
+            with torch.no_grad():
+                self.master_store.write(start - lo, flat[start - off:end - off])
+
     def param_segments(self) -> list[tuple[int, int, int]]:
         """``(param_index, start, end)`` of each parameter inside this rank's owned range."""
         lo, hi = self.owned_start, self.owned_start + self.owned_numel

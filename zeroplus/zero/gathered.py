@@ -113,7 +113,4 @@ def _take_from(param: torch.nn.Parameter, group: Any, rank: int) -> None:
     with torch.no_grad():
         flat = group._full_data[off:off + n]
         group.dp.broadcast(flat, src=rank)
-        lo, hi = group.owned_start, group.owned_start + group.owned_numel
-        start, end = max(off, lo), min(off + n, hi)
-        if start < end:
-            group.master_store.write(start - lo, flat[start - off:end - off].to(torch.float32))
+        group.write_param(index, flat.to(torch.float32))
