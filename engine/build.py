@@ -46,7 +46,7 @@ from zeroplus.zero.meta_init import has_meta_tensors, materialize_meta
 from zeroplus.zero.partition import ExpertSplit
 from zeroplus.zero.placement import UnitPlacement
 from zeroplus.zero.sharded_step import ModelParallelNorm, StepPolicy
-from zeroplus.zero.units import frozen_partitioned
+from zeroplus.zero.units import frozen_dtype
 
 from .engine import Engine, TrainingParts
 from .loss_scaler import LossScaler
@@ -140,7 +140,7 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Any, accel: Ac
     param_offload = _param_offload(cfg, model, group_of, dp.size, accel, ledger)
     stage = cfg.zero_optimization.stage
     flattened = {id(p) for p in model.parameters() if (p.requires_grad and id(p) in group_of)
-                 or frozen_partitioned(p, stage if isinstance(stage, int) else 0, experts)}  # (units.py)
+                 or frozen_dtype(p, stage if isinstance(stage, int) else 0, experts, dtype) is not None}  # (units.py)
     try:
         partition = make_partition(model, cfg, dp, ledger, dtype, group_of, param_offload, experts,
                                    UnitPlacement(accel.device(), dtype, _broadcast_group(dp, experts), flattened))

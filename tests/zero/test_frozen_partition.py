@@ -86,38 +86,108 @@ def _qlora(path: str, storage: torch.dtype) -> LM:
         bnb_4bit_quant_storage=storage))
     torch.manual_seed(0)
     config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
-    return LM(peft.get_peft_model(quantized, config))
+    model = LM(peft.get_peft_model(quantized, config))
+    return model.train()  # (from_pretrained returns eval mode, where bitsandbytes' CPU backend repacks: quantized.py)
 
 
-def _packed(model: torch.nn.Module) -> dict:
-    """The packed 4-bit weights as raw bytes (in float32 storage some bit patterns are NaNs)."""
-    return {n: p.detach().view(torch.uint8).clone() for n, p in model.named_parameters() if hasattr(p, "quant_state")}
+def _packed_names(model: torch.nn.Module) -> list[str]:
+    return [n for n, p in model.named_parameters() if hasattr(p, "quant_state")]
+
+
+def _packed(model: torch.nn.Module, names: list[str]) -> dict:
+    """The packed 4-bit weights as raw bytes (in float32 storage some bit patterns are NaNs), read through
+    ``state_dict()`` (a collective at stage 3: it gathers them)."""
+    state = model.state_dict()
+    return {n: state[n].detach().view(torch.uint8).clone() for n in names}
+
+
+def _eval_losses(model: torch.nn.Module, batches: list) -> list[float]:
+    """Losses of an inference-mode pass (``eval()``, no gradients: where bitsandbytes' CPU backend would
+    repack a 4-bit weight in place), then the model back in training mode."""
+    model.eval()
+    with torch.no_grad():
+        out = [model(x, y).item() for x, y in batches]
+    model.train()
+    return out
 
 
 def _train_qlora(path: str, storage: torch.dtype) -> dict:
     rank, world = rank_and_world()
     model = _qlora(path, storage)
+    names = _packed_names(model)
+    packed_bytes = {n: p.numel() * p.element_size() for n, p in model.named_parameters() if n in names}
     engine, out = _train_at_stage3(model, rank, world)
-    return {**out, "packed": _packed(engine.module)}
+    groups = [(g.name, g.compute_dtype, g.shard.numel() * g.shard.element_size(), g.numel * g.shard.element_size())
+              for g in engine.partition.frozen]
+    evals = _eval_losses(engine, _batches()[:2])
+    engine.module.model.save_pretrained(f"{path}-adapter{rank}")  # PEFT's adapter save (state_dict: a collective)
+    return {**out, "packed": _packed(engine.module, names), "groups": groups, "packed_bytes": packed_bytes,
+            "evals": evals, "param_bytes": engine.ledger.live_bytes(Category.PARAM)}
 
 
 @pytest.mark.parametrize("storage", [torch.uint8, torch.float32])
-def test_qlora_trains_over_the_4bit_base_as_the_plain_peft_model(tmp_path, storage):
+def test_qlora_partitions_the_4bit_base_and_trains_as_the_plain_peft_model(tmp_path, storage):
     """QLoRA (bitsandbytes' NF4 base on its CPU backend, packed in uint8 or, as FSDP recipes ask with
-    ``bnb_4bit_quant_storage``, in float32; LoRA adapters in fp32) at ZeRO-3: the packed
-    4-bit weights stay whole on every rank, bit for bit the plain model's (never cast, dequantized or
-    summed by a collective: a ``Parameter`` subclass is not flattened), the rest of the base is
-    partitioned, and losses and adapters equal the plain single-process model's within 1e-5 relative."""
+    ``bnb_4bit_quant_storage``, in float32; LoRA adapters in fp32) at ZeRO-3: the packed 4-bit weights
+    are partitioned as raw storage (each rank holds half of their bytes; never cast, dequantized or
+    summed by a collective), gathered bit for bit the plain model's, and losses and adapters equal the
+    plain single-process model's within 1e-5 relative; an inference-mode pass afterwards (where the
+    CPU backend would repack a weight in place) gives the plain model's losses and leaves the packing."""
     pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes (pip install bitsandbytes)")
     torch.manual_seed(0)
     build("llama").save_pretrained(tmp_path / "base")
     results = run_distributed(_train_qlora, WORLD, str(tmp_path / "base"), storage)
     reference = _qlora(str(tmp_path / "base"), storage)
     losses, final = reference_train(reference, _batches(), STEPS, WORLD, 1, LR, CLIP)
-    packed = _packed(reference)  # (bitsandbytes' CPU backend may repack them in its first forward)
+    names = _packed_names(reference)
+    packed = _packed(reference, names)
     assert len(packed) >= 6
+    reference.train()
+    with torch.no_grad():
+        evals = [reference(x, y).item() for x, y in _batches()[:2]]
+    storage_name = str(storage).split(".")[-1]
     for r in results:
         assert sorted(r["packed"]) == sorted(packed) and all(torch.equal(r["packed"][n], packed[n]) for n in packed)
+        quantized = [(name, total) for name, dtype, _, total in r["groups"] if dtype == storage]
+        assert len(quantized) >= 2, r["groups"]  # each decoder layer's packed weights
+        assert all(name.endswith(f"#frozen-{storage_name}") or storage == torch.float32 for name, _ in quantized)
+        assert sum(total for _, total in quantized) >= sum(r["packed_bytes"].values())
+        shards = sum(shard for _, dtype, shard, _ in r["groups"] if dtype == storage)
+        assert shards * WORLD == sum(total for _, dtype, _, total in r["groups"] if dtype == storage) or \
+            shards * WORLD - sum(total for _, dtype, _, total in r["groups"] if dtype == storage) < 64 * len(r["groups"])
+        assert r["param_bytes"] < sum(r["packed_bytes"].values()) / WORLD + 4 * sum(
+            p.numel() for p in reference.parameters() if not p.requires_grad and not hasattr(p, "quant_state"))
+        assert r["evals"] == pytest.approx(evals, rel=1e-5)
     assert results[0]["losses"] == pytest.approx(losses, rel=1e-5)
     for name, value in results[0]["adapters"].items():
         torch.testing.assert_close(value, final[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    from safetensors.torch import load_file
+    saved = load_file(str(tmp_path / "base-adapter0" / "adapter_model.safetensors"))
+    assert len(saved) == len(results[0]["adapters"]) and all(".lora_" in n for n in saved)
+    for name, value in saved.items():  # (PEFT drops the adapter's name from the keys)
+        trained = final["model." + name.replace(".weight", ".default.weight")]  # (LossOf wraps the PEFT model)
+        torch.testing.assert_close(value, trained, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _initialize_after_an_inference_pass(path: str) -> str:
+    rank, world = rank_and_world()
+    model = _qlora(path, torch.uint8)
+    _eval_losses(model, _batches()[:1])  # bitsandbytes' CPU backend repacks the 4-bit weights here
+    try:
+        _train_at_stage3(model, rank, world)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_qlora_weight_in_the_cpu_inference_layout_is_refused_naming_it(tmp_path):
+    """A 4-bit weight bitsandbytes repacked for CPU inference (an eval-mode forward before initialize) cannot be
+    partitioned in its storage layout: every rank refuses, naming the weight and what to do."""
+    bnb = pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes (pip install bitsandbytes)")
+    if not bnb.functional.has_avx512bf16():
+        pytest.skip("bitsandbytes repacks 4-bit weights for inference only on CPUs with avx512_bf16")
+    torch.manual_seed(0)
+    build("llama").save_pretrained(tmp_path / "base")
+    for rank, message in enumerate(run_distributed(_initialize_after_an_inference_pass, WORLD, str(tmp_path / "base"))):
+        assert f"rank {rank}" in message and "q_proj.base_layer.weight" in message, message
+        assert "CPU inference layout" in message and "before any eval-mode forward" in message, message

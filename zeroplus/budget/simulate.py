@@ -45,6 +45,7 @@ from ..parallel.pipeline_schedule import train_batch
 from ..parallel.registry import carry_marks
 from ..parallel.topology import KINDS
 from ..zero.init_shards import partition_tree
+from ..zero.quantized import mark_packed_copy, packed_storage
 from .meta_values import SimulationError, give_values, shadow_of
 from .tracker import MemoryTracker
 from .virtual_parallel import SimulatedLinks, boundary_shapes, build_in, virtual_groups
@@ -78,6 +79,8 @@ def meta_copy(model: torch.nn.Module, replace: dict[int, Any] | None = None) -> 
     for p in model.parameters():
         memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
         carry_marks(p, memo[id(p)])  # split over the tensor group, an expert's
+        if packed_storage(p):  # a 4-bit weight: partitioned in its storage dtype (zero/quantized.py)
+            mark_packed_copy(memo[id(p)])
     for b in model.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
     return copy.deepcopy(model, memo)

@@ -29,7 +29,8 @@ released and back to ``c * P`` when gathered, so the views the parameters and au
 valid. A reduced shard in the compute dtype becomes fp32 one group at a time inside the step.
 
 Frozen groups (stage 3: parameters no optimizer trains, a LoRA model's base): this rank's shard in
-the compute dtype, c * S, and nothing else: no master, no gradient buffer, no optimizer state; they
+the group's dtype (the compute dtype, or a quantized weight's storage dtype: ``quantized.py``; its gathers
+copy, never cast), c * S, and nothing else: no master, no gradient buffer, no optimizer state; they
 are gathered and released with their unit like the rest (a 7B base in bf16 is 14 GB / N per rank, plus
 one unit gathered). They are not among the partition's trained groups (``ZeroPartition.frozen``), and
 not offloaded with ``offload_param`` (their shard stays on the device).

@@ -50,7 +50,8 @@ from .placement import UnitPlacement
 from .row_reduce import reduce_rows
 from .stage3 import Stage3Scheduler
 from .stage3_state_dict import install_state_dict_hooks
-from .units import Unit, assign_parameters, bucketed, find_unit_modules, frozen_partitioned
+from .quantized import packed_storage, prepare_packed
+from .units import Unit, assign_parameters, bucketed, find_unit_modules, frozen_dtype
 from .use_grads import UseGrads, UseSinks, routed
 
 logger = logging.getLogger("zeroplus.zero")
@@ -103,13 +104,15 @@ class ZeroPartition:
                 placement.prepare(module, [m for _, m in unit_modules])
             groups = []
             by_group: dict[tuple[int, bool], list[tuple[str, torch.nn.Parameter]]] = {}
-            frozen_named: list[tuple[str, torch.nn.Parameter]] = []
+            frozen_named: dict[torch.dtype, list[tuple[str, torch.nn.Parameter]]] = {}  # by the group's dtype
             for pname, p in params:
                 if p.requires_grad and id(p) in param_group_of:
                     expert = experts is not None and experts.holds(p)
                     by_group.setdefault((param_group_of[id(p)], expert), []).append((pname, p))
-                elif frozen_partitioned(p, self.stage, experts):
-                    frozen_named.append((pname, p))
+                elif (dtype := frozen_dtype(p, self.stage, experts, compute_dtype)) is not None:
+                    if packed_storage(p):
+                        prepare_packed(pname, p, device, dp.rank)
+                    frozen_named.setdefault(dtype, []).append((pname, p))
             for gi, expert in sorted(by_group):
                 runs = bucketed(by_group[(gi, expert)], zero.reduce_bucket_size)
                 for k, named in enumerate(runs):
@@ -123,10 +126,13 @@ class ZeroPartition:
                     if split is not None:
                         group.expert, group.file_ranks = True, split.data_ranks()
                     groups.append(group)
-            runs = bucketed(frozen_named, zero.reduce_bucket_size)
-            frozen = [FlatParamGroup(f"{name}#frozen" + (f".{k}" if len(runs) > 1 else ""), named, -1, self.stage, dp,
-                                     compute_dtype, ledger, master, device, trainable=False)
-                      for k, named in enumerate(runs)]
+            frozen = []
+            for dtype, named_of_dtype in frozen_named.items():  # (the compute dtype; packed quantized storage)
+                runs = bucketed(named_of_dtype, zero.reduce_bucket_size)
+                label = f"{name}#frozen" + ("" if dtype == compute_dtype else f"-{str(dtype).split('.')[-1]}")
+                frozen += [FlatParamGroup(label + (f".{k}" if len(runs) > 1 else ""), named, -1, self.stage, dp,
+                                          dtype, ledger, master, device, trainable=False)
+                           for k, named in enumerate(runs)]
             unit = Unit(index=index, name=name, module=module, groups=groups, is_root=(module is model),
                         frozen=frozen)
             for g in groups + frozen:

@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 
 from . import init_shards
+from .quantized import move_quant_state
 
 
 class UnitPlacement:
@@ -67,6 +68,7 @@ class UnitPlacement:
                     # a Parameter subclass keeps its dtype: its storage may pack quantized values
                     # (bitsandbytes' Params4bit with bnb_4bit_quant_storage=float32), which a cast corrupts
                     p.data = self._convert(whole, keep_dtype=type(p) is not torch.nn.Parameter)
+                    move_quant_state(p, self.device)  # (a 4-bit weight's statistics: quantized.py)
                     if p.grad is not None:
                         p.grad = self._convert(p.grad)
                     self._broadcast(p.data)

@@ -7,7 +7,7 @@ parameters outside any unit form the root unit (embeddings, final norm, head). A
 appears in several modules (tied weights) belongs to the first unit that reaches it in module
 order, and is counted once. Frozen parameters (``requires_grad=False``, or in no optimizer group) are
 flattened at stage 3 into frozen groups of their unit (``Unit.frozen``: a shard in the compute dtype,
-no gradient or master); at stages 0-2 they stay in place on every rank in the compute dtype.
+or a quantized weight's in its storage dtype (``quantized.py``), no gradient or master); at stages 0-2 they stay in place on every rank in the compute dtype.
 
 Within a unit, parameters are split further by optimizer param group, so every flat buffer has one
 set of hyper-parameters, and then into runs of at most ``reduce_bucket_size`` elements (whole
@@ -25,6 +25,7 @@ import torch
 
 from ..comm import Handle
 from .flat_group import FlatParamGroup
+from .quantized import packed_storage
 
 
 @dataclasses.dataclass
@@ -147,13 +148,17 @@ def assign_parameters(model: torch.nn.Module, unit_modules: list[tuple[str, torc
     return units
 
 
-def frozen_partitioned(p: torch.nn.Parameter, stage: int, experts: Any) -> bool:
-    """Whether a parameter no optimizer trains is flattened into a frozen group: at stage 3, a plain
-    floating-point ``Parameter`` (a subclass such as bitsandbytes' ``Params4bit`` packs quantized values
-    into its storage, which a cast or a summing all-gather would corrupt: it stays whole as it is), and
-    not an expert's split over ranks."""
-    return (stage == 3 and type(p) is torch.nn.Parameter and p.is_floating_point()
-            and not (experts is not None and experts.holds(p)))
+def frozen_dtype(p: torch.nn.Parameter, stage: int, experts: Any, compute_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype of the frozen group a parameter no optimizer trains is flattened into, or None (it stays
+    whole where it is): at stage 3, a plain floating-point ``Parameter`` in ``compute_dtype``; a quantized
+    weight whose storage packs codes (``quantized.py``: QLoRA's 4-bit base) as its raw storage dtype; any
+    other ``Parameter`` subclass stays whole (its storage may hold what a cast or a copy would corrupt), as
+    does an expert's parameter split over ranks."""
+    if stage != 3 or (experts is not None and experts.holds(p)):
+        return None
+    if type(p) is torch.nn.Parameter and p.is_floating_point():
+        return compute_dtype
+    return p.dtype if packed_storage(p) else None
 
 
 def bucketed(named: list[tuple[str, torch.nn.Parameter]], limit: int) -> list[list[tuple[str, torch.nn.Parameter]]]:
