@@ -12,6 +12,8 @@ own flag (Accelerate then calls ``engine.compile()``); ``--no-resume`` skips the
 ``--lora``: the model is a PEFT LoRA model (rank 4 on every attention and MLP projection, the base
 frozen): the Trainer then saves adapter checkpoints (``save_checkpoint(exclude_frozen_parameters=True)``,
 ``adapter_model.safetensors``) and resumes with ``load_checkpoint(load_module_strict=False)``.
+``--qlora`` (with ``--pretrained``): the same over a 4-bit base (``from_pretrained`` with bitsandbytes'
+NF4 ``BitsAndBytesConfig``, the model then in training mode as PEFT's QLoRA recipes leave it).
 """
 import argparse
 import json
@@ -43,7 +45,12 @@ def arguments(args) -> TrainingArguments:
                              use_cpu=not torch.cuda.is_available(), torch_compile=args.torch_compile)
 
 
-def model(pretrained: str | None = None) -> torch.nn.Module:
+def model(pretrained: str | None = None, qlora: bool = False) -> torch.nn.Module:
+    if qlora:  # a 4-bit base: bitsandbytes quantizes at load (not under zero.Init)
+        from transformers import BitsAndBytesConfig
+        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                          bnb_4bit_compute_dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(pretrained, quantization_config=quantization).train()
     if pretrained is not None:  # under ZeRO-3 read into shards (zero.Init + GatheredParameters per module)
         return AutoModelForCausalLM.from_pretrained(pretrained)
     torch.manual_seed(0)
@@ -82,6 +89,7 @@ def main() -> None:
     parser.add_argument("--torch_compile", action="store_true")
     parser.add_argument("--no-resume", action="store_true")
     parser.add_argument("--lora", action="store_true", help="train a PEFT LoRA adapter on the frozen model")
+    parser.add_argument("--qlora", action="store_true", help="--lora over a 4-bit base (needs --pretrained)")
     args = parser.parse_args()
     expected, loaded = {}, {}
     if args.pretrained:  # saved from a model built whole, before the TrainingArguments turn ZeRO-3 on
@@ -93,10 +101,10 @@ def main() -> None:
     deepspeed.init_distributed()  # on a CPU (use_cpu) the Trainer leaves DeepSpeed's comm to initialize()
     if args.pretrained:
         torch.distributed.barrier()
-    first_model = model(args.pretrained)
-    if args.pretrained:
+    first_model = model(args.pretrained, args.qlora)
+    if args.pretrained and not args.qlora:
         loaded = checksums(first_model)
-    if args.lora:
+    if args.lora or args.qlora:
         first_model = with_lora(first_model)
     trainer = Trainer(model=first_model, args=training_args, train_dataset=Tokens())
     trainer.train()
@@ -107,7 +115,8 @@ def main() -> None:
              "compiled": bool(getattr(engine, "is_compiled", False))}
     if not args.no_resume:
         training_args = arguments(args)
-        again = with_lora(model(args.pretrained)) if args.lora else model(args.pretrained)
+        again = model(args.pretrained, args.qlora)
+        again = with_lora(again) if args.lora or args.qlora else again
         trainer = Trainer(model=again, args=training_args, train_dataset=Tokens())
         trainer.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-2"))
     if torch.distributed.get_rank() == 0:
