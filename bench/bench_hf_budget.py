@@ -59,9 +59,11 @@ def main() -> None:
     p.add_argument("--allocator", choices=["trim", "default"], default="trim")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--mask", action="store_true")
+    p.add_argument("--import-first", action="store_true", help="import the model's classes before the measured start")
     p.add_argument("--json")
     args = p.parse_args()
-    extra = (["--bf16"] if args.bf16 else []) + (["--mask"] if args.mask else [])
+    extra = (["--bf16"] if args.bf16 else []) + (["--mask"] if args.mask else []) + (
+        ["--import-first"] if args.import_first else [])
     rows = []
     print(f"{'family':<10}{'stage':>6}{'seq':>6}{'rank':>5}{'predicted MiB':>15}{'measured MiB':>14}{'error':>9}")
     for family in args.families.split(","):
@@ -74,7 +76,8 @@ def main() -> None:
                     error = 100.0 * (r["predicted"] - r["peak_above_start_bytes"]) / r["peak_above_start_bytes"]
                     rows.append(dict(r, family=family, stage=stage, seq=seq, error_pct=error))
                     print(f"{family:<10}{stage:>6}{seq:>6}{r['rank']:>5}{r['predicted'] / 2**20:>15.1f}"
-                          f"{r['peak_above_start_bytes'] / 2**20:>14.1f}{error:>+8.1f}%", flush=True)
+                          f"{r['peak_above_start_bytes'] / 2**20:>14.1f}{error:>+8.1f}%"
+                          f"  engine {r['engine_measured'] / 2**20:.1f} model {r['model_bytes'] / 2**20:.1f}", flush=True)
     errors = [abs(r["error_pct"]) for r in rows]
     if errors:
         print(f"\n{len(rows)} predictions ({args.allocator} allocator): median |error| "

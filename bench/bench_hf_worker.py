@@ -31,15 +31,20 @@ def main() -> None:
     p.add_argument("--mask", action="store_true", help="pass an attention mask")
     p.add_argument("--zeroplus", default="{}", help="JSON merged into the config's zeroplus block")
     p.add_argument("--out-prefix", required=True)
+    p.add_argument("--import-first", action="store_true",
+                   help="import the model's Transformers classes before the measured start (as scripts do)")
     args = p.parse_args()
 
     import zeroplus
+    if args.import_first:  # the family's modeling module, as `from transformers import LlamaForCausalLM` would
+        build(args.family, "tiny")
     rank, start_rss = start_measuring()
     model = build(args.family, args.size, args.attn)
     cfg = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1, "torch_adam": True}},
            "zero_optimization": {"stage": args.stage}, "bf16": {"enabled": args.bf16},
            "zeroplus": json.loads(args.zeroplus)}
+    model_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     engine = zeroplus.initialize(model, cfg)
     g = torch.Generator().manual_seed(rank)
     for _ in range(args.steps):
@@ -54,6 +59,8 @@ def main() -> None:
         json.dump({"rank": rank, "peak_above_start_bytes": peak,
                    "predicted": budget.training_peak_bytes if budget is not None else None,
                    "phase": budget.training_peak_phase if budget is not None else None,
+                   "model_bytes": model_bytes, "phases": budget.phases if budget is not None else None,
+                   "engine_measured": engine.memory_report().process_peak_above_start_bytes,
                    "saved": engine.memory_report().saved,
                    "technique_effects": engine.memory_report().technique_effects}, f)
     dist.barrier()

@@ -26,6 +26,7 @@ from .budget.simulate import group_stand_ins, meta_copy, simulation_problem
 from .comm import DataParallelGroup, init_distributed_if_launched
 from .config import (
     ConfigError,
+    OptimizerConfig,
     ResolvedConfig,
     ZeroplusConfig,
     auto_keys,
@@ -41,6 +42,7 @@ from .engine.build import build_engine
 from .engine.engine import Engine
 from .engine.rank_agreement import check_ranks_agree
 from .logs import log_rank0, setup_logging
+from .optim.build import describe_client_optimizer
 from .parallel.groups import ParallelGroups, init_parallel
 
 logger = logging.getLogger("zeroplus.engine")
@@ -98,7 +100,7 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     if accel.name == "cpu" and cfg.bf16.enabled:
         warn_if_bf16_is_emulated()
     pipelined = parallel.topology.pipeline > 1
-    source = _estimate_source(model, cfg, parallel) if not pipelined else None
+    source = _estimate_source(model, cfg, parallel, optimizer) if not pipelined else None
     problem = simulation_problem(source[0]) if source is not None else None
     if problem is not None:  # said now, before any batch; the first forward will not try again
         log_rank0("memory estimate unavailable for this model: %s; zeroplus.memory_estimate false skips this check",
@@ -137,15 +139,25 @@ def _plan(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any) -> ZeroplusConfi
     return apply_settings(cfg, settings)
 
 
-def _estimate_source(model: torch.nn.Module, cfg: ResolvedConfig,
-                     parallel: ParallelGroups) -> tuple[torch.nn.Module, ResolvedConfig] | None:
+def _estimate_source(model: torch.nn.Module, cfg: ResolvedConfig, parallel: ParallelGroups,
+                     optimizer: torch.optim.Optimizer | None) -> tuple[torch.nn.Module, ResolvedConfig] | None:
     """``zeroplus.memory_estimate``: a meta-device copy of the model as given and the config, to predict
     the memory with at the first forward. The copy keeps the model's process groups (the estimate swaps
-    in stand-ins for the rank it simulates)."""
+    in stand-ins for the rank it simulates). A client ``optimizer`` (the Trainer's, given with a config
+    that has no ``optimizer`` block) goes into the copy of the config as the block that builds one like
+    it (``describe_client_optimizer``); one the budget cannot size is named in a warning."""
     if not cfg.zeroplus.memory_estimate:
         return None
+    estimated = copy.deepcopy(cfg)
+    if optimizer is not None:
+        try:
+            kind, params = describe_client_optimizer(optimizer)
+        except ValueError as err:
+            log_rank0("memory estimate unavailable: %s", err, level=logging.WARNING)
+            return None
+        estimated.optimizer = OptimizerConfig(type=kind, params=params)
     try:  # each group stands in for itself: the copy keeps them, uncopied
-        return meta_copy(model, group_stand_ins(parallel, parallel)), copy.deepcopy(cfg)
+        return meta_copy(model, group_stand_ins(parallel, parallel)), estimated
     except Exception as err:  # noqa: BLE001 - a module that cannot be copied: train without the prediction
         log_rank0("memory estimate unavailable: the model cannot be copied to the meta device (%s: %s)",
                   type(err).__name__, err, level=logging.WARNING)

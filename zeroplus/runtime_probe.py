@@ -4,9 +4,9 @@
 for two steps with zeroplus on one gloo rank and prints, as JSON, two numbers:
 
 - ``construction``: resident memory above the process before the model existed, at the end of
-  ``initialize``, minus the tensors the simulation predicts for the ``init`` phase. Most of it is torch
-  importing ``torch._dynamo`` when the first optimizer is constructed (77 MiB on the machine that
-  wrote this).
+  ``initialize``, minus the tensors the simulation predicts for the ``init`` phase (13 MiB on the
+  machine that wrote this; ``torch._dynamo``, which the first optimizer would import, came with
+  ``import zeroplus`` and is in the baseline: ``budget/runtime_overhead.py``).
 - ``training``: the same over two training steps, minus the predicted training peak's tensors: the
   construction's part plus what the first forward and backward load (kernel libraries, autograd's
   thread, the engine's own first-forward estimate).

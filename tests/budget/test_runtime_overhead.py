@@ -22,8 +22,8 @@ def fresh(monkeypatch, tmp_path):
 
 def test_measured_once_kept_and_read_back(fresh, monkeypatch):
     construction, training = runtime_bytes("cpu")
-    # torch._dynamo alone is tens of MiB when the first optimizer is built; a tiny model's run adds more
-    assert 8 * 2**20 < construction <= training < 2**30
+    # kernel libraries and autograd's thread; not torch._dynamo (tens of MiB), which came with zeroplus
+    assert 2 * 2**20 < construction <= training < 60 * 2**20
     (kept,) = fresh.glob("runtime-overhead-*.json")
     record = json.loads(kept.read_text())
     assert (record["construction"], record["training"]) == (construction, training)

@@ -1,8 +1,8 @@
 """What a training process holds beyond its tensors, measured on this machine once and kept.
 
-The budget adds ``runtime`` to every phase: on CPU, resident memory that is not a tensor (torch
-importing ``torch._dynamo`` when the first optimizer is built, kernel libraries and autograd's thread
-loaded by the first forward and backward, the engine's own first-forward estimate). It differs
+The budget adds ``runtime`` to every phase: on CPU, resident memory that is not a tensor (kernel
+libraries and autograd's thread loaded by the first forward and backward, the engine's own
+first-forward estimate). It differs
 between machines, libraries and versions, so it is not a constant: ``runtime_bytes("cpu")`` runs
 ``python -m zeroplus.runtime_probe`` in a child process (a two-step run of a 0.3 MiB model, about
 8 s here), under the allocator the budget assumes (``ALLOCATOR_ENV``), and keeps its two numbers
@@ -10,6 +10,14 @@ between machines, libraries and versions, so it is not a constant: ``runtime_byt
 zeroplus versions, so later processes on the machine read them. Ranks that start together wait on
 one lock and probe once. On CUDA and NPU the budget predicts the caching allocator's peak, which
 holds tensors only: 0.
+
+Modules torch imports lazily are paid before the model exists, not predicted (see note: runtime
+baseline). torch imports ``torch._dynamo`` (71 MiB resident here) when the first optimizer is built, so
+a process that had imported it before building its model (every script that imports anything
+concrete from Transformers) held it in its baseline, and one that had not paid it inside the engine:
+the same run was predicted 71 MiB apart depending on the script's imports. zeroplus imports
+``LAZY_IMPORTS`` with this module, so with ``import zeroplus``: they are in every baseline, in the
+probe's too, and never in the prediction.
 
 ``ZEROPLUS_RUNTIME_BYTES="construction,training"`` (bytes, or sizes such as ``80MiB``) sets the two
 numbers instead; ``ZEROPLUS_CACHE_DIR`` moves the file (default ``$XDG_CACHE_HOME/zeroplus`` or
@@ -31,6 +39,7 @@ import subprocess
 import sys
 
 import torch
+import torch._dynamo  # noqa: F401 - LAZY_IMPORTS: into the process's baseline (see note: runtime baseline)
 
 from ..cache_dir import cache_file, read_record, write_record
 from ..config import parse_bytes
@@ -39,7 +48,8 @@ logger = logging.getLogger("zeroplus")
 
 ENV = "ZEROPLUS_RUNTIME_BYTES"
 ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
-FALLBACK_BYTES = (77 * 2**20, 99 * 2**20)  # GPT-tiny on 2 gloo ranks, 2-core x86 without native bf16
+FALLBACK_BYTES = (13 * 2**20, 21 * 2**20)  # GPT-tiny on 1 gloo rank, 2-core x86 with avx512_bf16
+LAZY_IMPORTS = ("torch._dynamo",)  # what torch imports lazily for an engine: imported above, with zeroplus
 # a launcher's variables would make the probe's engine join the caller's job
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
@@ -109,7 +119,7 @@ def _describe(pair: tuple[int, int]) -> str:
 
 def _cache_key() -> dict[str, str]:
     return {"host": platform.node(), "machine": platform.machine(), "python": platform.python_version(),
-            "torch": torch.__version__, "zeroplus": _zeroplus_version()}
+            "torch": torch.__version__, "zeroplus": _zeroplus_version(), "baseline": ",".join(LAZY_IMPORTS)}
 
 
 def _zeroplus_version() -> str:

@@ -89,6 +89,33 @@ def would_fuse(type_name: str, params: dict[str, Any], fused: bool) -> bool:
     return bool(optimizer_kwargs(cls, type_name, params, fused).get("fused"))
 
 
+def describe_client_optimizer(optimizer: torch.optim.Optimizer) -> tuple[str, dict[str, Any]]:
+    """The config ``optimizer`` block (type, params) that builds an optimizer like ``optimizer`` (a client's:
+    the Trainer's, Accelerate's, the user's), so the memory budget can simulate its states: its class by
+    name (a ``torch.optim`` class or zeroplus's Lamb; zeroplus's DeepSpeed stand-ins, ``DeepSpeedCPUAdam``
+    and the like, as their torch base class) and the first param group's hyper-parameters that the class
+    takes. Raises ``ValueError`` naming the class when the budget cannot build one like it."""
+    given = type(optimizer)
+    known = [c for c in given.__mro__ if c is Lamb or (c.__module__.startswith("torch.optim")
+                                                        and getattr(torch.optim, c.__name__, None) is c)]
+    cls = known[0] if known else torch.optim.Optimizer
+    # a subclass may keep any state of its own: only zeroplus's stand-ins (deepspeed_api/ops.py) are known
+    # to keep their torch base class's
+    if cls is torch.optim.Optimizer or (cls is not given and not given.__module__.startswith("zeroplus.")):
+        raise ValueError(f"the client optimizer {given.__module__}.{given.__qualname__} is not a torch.optim class "
+                         f"or zeroplus's Lamb, so its states cannot be sized; give the config an 'optimizer' block "
+                         f"instead, or set zeroplus.memory_estimate false")
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+    group = optimizer.param_groups[0] if optimizer.param_groups else optimizer.defaults
+    params = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k in accepted}
+    if cls is torch.optim.Adam:
+        params["adam_w_mode"] = False  # (the config's "Adam" is AdamW otherwise: resolve_optimizer_class)
+    params.pop("foreach", None)  # the kernel choice: fused as the client's, else the loop
+    if not params.pop("fused", None):
+        params["fused"] = False
+    return cls.__name__, params
+
+
 def adopt_client_optimizer(optimizer: torch.optim.Optimizer, groups_params: list[list[torch.nn.Parameter]]
                            ) -> torch.optim.Optimizer:
     """Point a client optimizer's param groups at the master shards, keeping the object (and any
