@@ -77,7 +77,8 @@ def main() -> None:
                     rows.append(dict(r, family=family, stage=stage, seq=seq, error_pct=error))
                     print(f"{family:<10}{stage:>6}{seq:>6}{r['rank']:>5}{r['predicted'] / 2**20:>15.1f}"
                           f"{r['peak_above_start_bytes'] / 2**20:>14.1f}{error:>+8.1f}%"
-                          f"  engine {r['engine_measured'] / 2**20:.1f} model {r['model_bytes'] / 2**20:.1f}", flush=True)
+                          f"  engine {r['engine_measured'] / 2**20:.1f} model {r['model_bytes'] / 2**20:.1f}",
+                          flush=True)
     errors = [abs(r["error_pct"]) for r in rows]
     if errors:
         print(f"\n{len(rows)} predictions ({args.allocator} allocator): median |error| "

@@ -1,7 +1,8 @@
 """Measure this machine's runtime overhead: what a training process holds beyond its tensors.
 
-``python -m zeroplus.runtime_probe`` trains the built-in GPT ``tiny`` (about 0.3 MiB of parameters)
-for two steps with zeroplus on one gloo rank and prints, as JSON, two numbers:
+``python -m zeroplus.runtime_probe [--dtype fp32|bf16|fp16]`` trains the built-in GPT ``tiny`` (about
+0.3 MiB of parameters), in that compute dtype, for two steps with zeroplus on one gloo rank and
+prints, as JSON, two numbers:
 
 - ``construction``: resident memory above the process before the model existed, at the end of
   ``initialize``, minus the tensors the simulation predicts for the ``init`` phase (13 MiB on the
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 
 import torch
 import torch.distributed as dist
@@ -36,6 +38,7 @@ def _tensor_bytes(phase: dict[str, int]) -> int:
 
 
 def main() -> None:
+    dtype = sys.argv[sys.argv.index("--dtype") + 1] if "--dtype" in sys.argv else "fp32"  # (runtime_overhead.DTYPES)
     logging.disable(logging.WARNING)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     host = Accelerator()
@@ -45,7 +48,8 @@ def main() -> None:
     model = GPT(gpt_config("tiny"))
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-              "zero_optimization": {"stage": 3}, "zeroplus": {"log_level": "error"}}
+              "zero_optimization": {"stage": 3}, "zeroplus": {"log_level": "error"},
+              "bf16": {"enabled": dtype == "bf16"}, "fp16": {"enabled": dtype == "fp16"}}
     engine = initialize(model, config)
     constructed = host.max_memory_allocated() - start
     tokens = torch.randint(0, gpt_config("tiny").vocab_size, (2, SEQ))

@@ -85,10 +85,11 @@ def main(argv: list[str] | None = None) -> None:
     settings = parse_config(config)[0].zeroplus.parallel
     # this rank's part: tensor slices, pipeline stage (batches then run through engine.train_batch)
     model = split_gpt(gpt, sequence_parallel=settings.sequence_parallel, overlap_chunks=settings.overlap_chunks)
+    corpus = read_corpus(args.data)  # the job's data, read before the engine: in the budget's baseline, not its error
     engine = zeroplus.initialize(model, config)
     rank = parallel_groups().coordinates.data  # the data rank picks the batches (context ranks share them)
     main_rank = not dist.is_initialized() or dist.get_rank() == 0  # prints (tensor ranks share a data rank)
-    data = ByteBatches(read_corpus(args.data), args.seq_len, engine.train_micro_batch_size_per_gpu(), rank, args.seed)
+    data = ByteBatches(corpus, args.seq_len, engine.train_micro_batch_size_per_gpu(), rank, args.seed)
     if main_rank:
         print(f"zeroplus train: GPT-{args.size} ({n_params / 1e6:.2f}M parameters), {parallel.describe()}, "
               f"config {label}, data: {corpus_description(args.data)}", flush=True)

@@ -37,6 +37,16 @@ def test_measured_once_kept_and_read_back(fresh, monkeypatch):
     assert runtime_bytes("cuda") == runtime_bytes("npu") == (0, 0)
 
 
+def test_each_compute_dtype_is_probed_apart(fresh):
+    """A bf16 run loads kernels an fp32 run does not (12 MiB more here): probed and kept on its own."""
+    fp32, bf16 = runtime_bytes("cpu", "fp32"), runtime_bytes("cpu", "bf16")
+    assert fp32 != bf16 and 0 < bf16[1] < 2**30
+    kept = sorted(json.loads(p.read_text())["dtype"] for p in fresh.glob("runtime-overhead-*.json"))
+    assert kept == ["bf16", "fp32"]
+    with pytest.raises(ValueError, match="dtype 'float32' is not one of"):
+        runtime_bytes("cpu", "float32")
+
+
 def test_set_by_hand(fresh, monkeypatch):
     monkeypatch.setenv(ENV, "80MiB, 104857600")
     assert runtime_bytes("cpu") == (80 * 2**20, 100 * 2**20)

@@ -153,8 +153,8 @@ def test_qlora_partitions_the_4bit_base_and_trains_as_the_plain_peft_model(tmp_p
         assert all(name.endswith(f"#frozen-{storage_name}") or storage == torch.float32 for name, _ in quantized)
         assert sum(total for _, total in quantized) >= sum(r["packed_bytes"].values())
         shards = sum(shard for _, dtype, shard, _ in r["groups"] if dtype == storage)
-        assert shards * WORLD == sum(total for _, dtype, _, total in r["groups"] if dtype == storage) or \
-            shards * WORLD - sum(total for _, dtype, _, total in r["groups"] if dtype == storage) < 64 * len(r["groups"])
+        totals = sum(total for _, dtype, _, total in r["groups"] if dtype == storage)
+        assert totals <= shards * WORLD < totals + 64 * len(r["groups"])  # half each, plus padding
         assert r["param_bytes"] < sum(r["packed_bytes"].values()) / WORLD + 4 * sum(
             p.numel() for p in reference.parameters() if not p.requires_grad and not hasattr(p, "quant_state"))
         assert r["evals"] == pytest.approx(evals, rel=1e-5)

@@ -197,7 +197,7 @@ def _estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: di
     tracker, cfg = simulate(model, config, world_size, rank, micro_batch_size=micro_batch_size, seq_len=seq_len,
                             example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
                             workspace=cpu_workspace_bytes if kind == "cpu" else None,
-                            runtime=runtime_bytes(kind), construction=construction)
+                            runtime=runtime_bytes(kind, _compute_dtype(config)), construction=construction)
     phases = {}
     for phase in PHASES:
         peak = tracker.peaks[phase]
@@ -211,6 +211,12 @@ def _estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: di
     return MemoryBudget(rank, world_size, cfg.train_micro_batch_size_per_gpu,
                         cfg.gradient_accumulation_steps, cfg.zero_optimization.stage, phases, states, kind,
                         category_peaks, tracker.saved_for_backward, tracker.checkpoint_copies, _split(cfg, world_size))
+
+
+def _compute_dtype(config: dict[str, Any] | str | ZeroplusConfig) -> str:
+    """``fp32``, ``bf16`` or ``fp16``: whose runtime overhead the run has (``runtime_overhead.py``)."""
+    cfg = load_config(config)
+    return "bf16" if cfg.bf16.enabled is True else "fp16" if cfg.fp16.enabled is True else "fp32"
 
 
 def _split(cfg: Any, world_size: int) -> str:

@@ -50,21 +50,25 @@ ENV = "ZEROPLUS_RUNTIME_BYTES"
 ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
 FALLBACK_BYTES = (13 * 2**20, 21 * 2**20)  # GPT-tiny on 1 gloo rank, 2-core x86 with avx512_bf16
 LAZY_IMPORTS = ("torch._dynamo",)  # what torch imports lazily for an engine: imported above, with zeroplus
+DTYPES = ("fp32", "bf16", "fp16")  # compute dtypes, each probed apart
 # a launcher's variables would make the probe's engine join the caller's job
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
 
 @functools.lru_cache(maxsize=None)
-def runtime_bytes(kind: str) -> tuple[int, int]:
+def runtime_bytes(kind: str, dtype: str = "fp32") -> tuple[int, int]:
     """(bytes from the engine's construction on, bytes from the end of the first backward on) for a
-    process training on accelerator ``kind``."""
+    process training on accelerator ``kind`` in compute dtype ``dtype`` (``fp32``, ``bf16``, ``fp16``:
+    a 16-bit run loads its own kernels, 12 MiB more for bf16 here; each is probed once)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"runtime_bytes: dtype {dtype!r} is not one of {DTYPES}")
     if kind != "cpu":
         return (0, 0)
     override = os.environ.get(ENV)
     if override is not None:
         return _parse_override(override)
-    path = _cache_file()
+    path = _cache_file(dtype)
     cached = _read(path)
     if cached is not None:
         return cached
@@ -73,23 +77,23 @@ def runtime_bytes(kind: str) -> tuple[int, int]:
         lock = open(path + ".lock", "w")  # noqa: SIM115 - held across the probe, closed below
     except OSError as err:
         logger.warning("cannot keep the runtime overhead in %s (%s): measuring it for this process only", path, err)
-        return probe()
+        return probe(dtype)
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         cached = _read(path)  # a rank that waited finds the first one's result
         if cached is not None:
             return cached
-        measured = probe()
-        _write(path, measured)
+        measured = probe(dtype)
+        _write(path, measured, dtype)
         return measured
 
 
-def probe() -> tuple[int, int]:
+def probe(dtype: str = "fp32") -> tuple[int, int]:
     """Run ``zeroplus.runtime_probe`` in a child process and return its two numbers; on failure, warn
     and return ``FALLBACK_BYTES``."""
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
     env.update(ALLOCATOR_ENV, ZEROPLUS_ACCELERATOR="cpu", **{ENV: "0,0"})
-    cmd = [sys.executable, "-m", "zeroplus.runtime_probe"]
+    cmd = [sys.executable, "-m", "zeroplus.runtime_probe", "--dtype", dtype]
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
         if done.returncode != 0:
@@ -117,8 +121,8 @@ def _describe(pair: tuple[int, int]) -> str:
     return f"{pair[0] / 2**20:.1f} MiB from construction, {pair[1] / 2**20:.1f} MiB from the first backward"
 
 
-def _cache_key() -> dict[str, str]:
-    return {"host": platform.node(), "machine": platform.machine(), "python": platform.python_version(),
+def _cache_key(dtype: str) -> dict[str, str]:
+    return {"dtype": dtype, "host": platform.node(), "machine": platform.machine(), "python": platform.python_version(),
             "torch": torch.__version__, "zeroplus": _zeroplus_version(), "baseline": ",".join(LAZY_IMPORTS)}
 
 
@@ -129,8 +133,8 @@ def _zeroplus_version() -> str:
         return "source"
 
 
-def _cache_file() -> str:
-    return cache_file("runtime-overhead", _cache_key())
+def _cache_file(dtype: str) -> str:
+    return cache_file("runtime-overhead", _cache_key(dtype))
 
 
 def _read(path: str) -> tuple[int, int] | None:
@@ -140,5 +144,5 @@ def _read(path: str) -> tuple[int, int] | None:
     return None
 
 
-def _write(path: str, measured: tuple[int, int]) -> None:
-    write_record(path, {"construction": measured[0], "training": measured[1], **_cache_key()})
+def _write(path: str, measured: tuple[int, int], dtype: str) -> None:
+    write_record(path, {"construction": measured[0], "training": measured[1], **_cache_key(dtype)})

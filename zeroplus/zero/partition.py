@@ -47,10 +47,10 @@ from .flat_group import FlatParamGroup
 from .grad_reducer import GradReducer
 from .param_status import ParamStatus, mark
 from .placement import UnitPlacement
+from .quantized import packed_storage, prepare_packed
 from .row_reduce import reduce_rows
 from .stage3 import Stage3Scheduler
 from .stage3_state_dict import install_state_dict_hooks
-from .quantized import packed_storage, prepare_packed
 from .units import Unit, assign_parameters, bucketed, find_unit_modules, frozen_dtype
 from .use_grads import UseGrads, UseSinks, routed
 

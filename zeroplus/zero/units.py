@@ -7,7 +7,8 @@ parameters outside any unit form the root unit (embeddings, final norm, head). A
 appears in several modules (tied weights) belongs to the first unit that reaches it in module
 order, and is counted once. Frozen parameters (``requires_grad=False``, or in no optimizer group) are
 flattened at stage 3 into frozen groups of their unit (``Unit.frozen``: a shard in the compute dtype,
-or a quantized weight's in its storage dtype (``quantized.py``), no gradient or master); at stages 0-2 they stay in place on every rank in the compute dtype.
+or a quantized weight's in its storage dtype (``quantized.py``), no gradient or master); at stages 0-2
+they stay in place on every rank in the compute dtype.
 
 Within a unit, parameters are split further by optimizer param group, so every flat buffer has one
 set of hyper-parameters, and then into runs of at most ``reduce_bucket_size`` elements (whole
