@@ -21,8 +21,10 @@ import torch
 
 from zeroplus.accelerator import Accelerator
 from zeroplus.activations import SavedTensorRouter
+from zeroplus.activations.forward_census import ForwardCensus, storage_keys_of
 from zeroplus.comm import DataParallelGroup
 from zeroplus.config import ResolvedConfig
+from zeroplus.eager import compiled_modules
 from zeroplus.ledger import Ledger
 from zeroplus.memory_report import MemoryReport
 from zeroplus.optim.forward_only import WHY as FORWARD_ONLY
@@ -86,6 +88,7 @@ class Engine:
         self.parallel: Any = None  # the ParallelGroups when the model is split beyond dp (build_engine sets it)
         self._checkpoint_saved = False  # the report compares with the predicted peak that includes a save
         self._activations = parts.activations
+        self._activation_bytes: int | None = None  # what the first training forward left alive (_census)
         self._no_sync = False
         # One backward() per micro-step, then step(); backwards inside no_sync() accumulate freely.
         self._backward_since_step = False  # any backward since the last step()
@@ -182,14 +185,28 @@ class Engine:
             hooks, self._first_forward_hooks = self._first_forward_hooks, []
             for hook in hooks:
                 hook(self, args, kwargs)
+        census = self._census()
         self._partition.before_forward()
         try:
-            with self._activations.forward():
-                return self._forward_module(*args, **kwargs)
+            with self._activations.forward(), census if census is not None else contextlib.nullcontext():
+                out = self._forward_module(*args, **kwargs)
+            if census is not None:  # what is saved for backward: not the ledger's, not the output's own
+                self._activation_bytes = census.alive_bytes(self.ledger.storage_keys() | storage_keys_of(out))
+            return out
         finally:
             self._partition.after_forward()
 
     forward = __call__
+
+    def _census(self) -> ForwardCensus | None:
+        """The first training forward's census of what it leaves alive (``activations/forward_census.py``);
+        None for every other forward, and for compiled modules."""
+        if self._activation_bytes is not None or not (torch.is_grad_enabled() and self._module.training):
+            return None
+        if self.is_compiled or compiled_modules(self._module):
+            self._activation_bytes = 0
+            return None
+        return ForwardCensus()
 
     def compile(self, backend: Any = "inductor", compile_kwargs: dict[str, Any] | None = None, schedule: Any = None,
                 compiled_autograd_enabled: bool = False) -> None:
@@ -437,7 +454,8 @@ class Engine:
         """The ledger's live and peak bytes per category and the device's peak above the start of
         ``initialize`` (the model's own bytes included), beside the predicted budget if any."""
         peak = max(0, self.accelerator.max_memory_allocated() - self._baseline)
-        return MemoryReport.from_ledger(self.dp.rank, self.ledger, peak, self.budget, self._checkpoint_saved)
+        return MemoryReport.from_ledger(self.dp.rank, self.ledger, peak, self.budget, self._checkpoint_saved,
+                                        saved_for_backward=self._activation_bytes or 0)
 
     def destroy(self) -> None:
         """Wait for in-flight collectives and remove hooks (call before destroying the process group)."""

@@ -23,8 +23,8 @@ def eager(hook: F) -> F:
 
 
 def compiled_wrapper(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is ``torch.compile(inner)``'s wrapper (asked by name: importing TorchDynamo to
-    ask ``isinstance`` would load the compiler stack into every process that imports zeroplus)."""
+    """Whether ``module`` is ``torch.compile(inner)``'s wrapper (asked by name, which needs no import of
+    TorchDynamo's classes)."""
     return type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None),
                                                                     torch.nn.Module)
 

@@ -1,11 +1,13 @@
 """What this rank holds, per ledger category, as a table for people and a dict for tools.
 
 Live bytes are what is allocated now; peak bytes the most ever allocated at once since the last
-reset. ``process_peak_above_start_bytes`` is the device's peak since ``initialize`` (on CPU: the
-process's peak resident memory, VmHWM, above the resident memory when ``initialize`` started
-less the model's own bytes, which count as the engine's), which also counts what the ledger
-does not see (activations, temporaries, the runtime). ``saved`` lists, per memory technique and
-category, the bytes it keeps from being held (live and peak).
+reset; the ``activation`` row's peak adds what the first training forward left alive for backward
+(``activations/forward_census.py``) to what the engine moves itself.
+``process_peak_above_start_bytes`` is the device's peak since ``initialize`` (on CPU: the process's
+peak resident memory, VmHWM, above the resident memory when ``initialize`` started less the model's
+own bytes, which count as the engine's), which also counts what neither sees (temporaries, the
+runtime). ``saved`` lists, per memory technique and category, the bytes it keeps from being held
+(live and peak).
 
 ``predicted`` is the engine's ``MemoryBudget`` (``zeroplus.estimate`` at the first forward) as a
 dict, when there is one: each ledger category's predicted peak stands beside the measured one,
@@ -42,9 +44,12 @@ class MemoryReport:
 
     @classmethod
     def from_ledger(cls, rank: int, ledger: Ledger, process_peak_above_start_bytes: int,
-                    budget: Any = None, checkpoint_saved: bool = False) -> MemoryReport:
+                    budget: Any = None, checkpoint_saved: bool = False, saved_for_backward: int = 0) -> MemoryReport:
+        """``saved_for_backward``: what the first training forward left alive outside the ledger
+        (``activations/forward_census.py``), added to the ``activation`` row's peak."""
         snap = ledger.snapshot()
         total, saved = snap.pop("total"), snap.pop("saved")
+        snap[Category.ACTIVATION.value]["peak_bytes"] += saved_for_backward
         return cls(rank, snap, total, process_peak_above_start_bytes, saved,
                    budget.to_dict() if budget is not None else None, checkpoint_saved)
 
@@ -75,6 +80,15 @@ class MemoryReport:
         ``technique_effects``; empty without a prediction), unlike ``saved``: the most it moved at once."""
         return dict(self.predicted.get("technique_effects", {})) if self.predicted is not None else {}
 
+    def predicted_category_peaks(self) -> dict[str, int] | None:
+        """Each category's predicted peak beside the measured one: the ledger's, with what autograd saves
+        for backward (the budget's ``saved_for_backward``) in ``activation``, as it is measured."""
+        if self.predicted is None:
+            return None
+        peaks = dict(self.predicted["category_peaks"])
+        peaks["activation"] = peaks.get("activation", 0) + int(self.predicted.get("saved_for_backward", 0))
+        return peaks
+
     def save_chart(self, path: str) -> str:
         """A PNG of predicted beside measured peaks per category (``zeroplus[plotting]``)."""
         return report_chart(self, path)
@@ -92,7 +106,7 @@ class MemoryReport:
         return dataclasses.asdict(self)
 
     def __str__(self) -> str:
-        peaks = self.predicted["category_peaks"] if self.predicted else None
+        peaks = self.predicted_category_peaks()
         head = f"  {'category':<16}{'live':>10}{'peak':>10}" + (f"{'predicted':>11}{'error':>9}" if peaks else "")
         lines = [f"memory on rank {self.rank} (MiB)", head]
         for cat in Category:

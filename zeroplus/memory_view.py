@@ -60,7 +60,7 @@ def report_chart(report: Any, path: str) -> str:
     if report.predicted is None:
         raise ValueError("the report has no prediction to chart (zeroplus.memory_estimate is off, or no forward ran)")
     plt = _pyplot()
-    predicted = report.predicted["category_peaks"]
+    predicted = report.predicted_category_peaks()
     names = [c for c, b in report.categories.items() if b["peak_bytes"] or predicted.get(c)]
     measured_mib = [report.categories[c]["peak_bytes"] / 2**20 for c in names]
     predicted_mib = [predicted.get(c, 0) / 2**20 for c in names]

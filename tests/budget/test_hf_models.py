@@ -4,7 +4,8 @@ window), Mixtral (routed experts).
 
 - Each family at ZeRO-3 with an attention mask: the engine predicts at its first forward; every ledger
   category's predicted peak equals the measured one byte for byte, and what the simulated forward leaves
-  for backward equals what autograd saved in the real forward to 0.2% (the loss's scalars; Mixtral too:
+  for backward equals what autograd saved in the real forward to 0.2%, as does the report's measured
+  activation row (the loss's scalars; Mixtral too:
   its experts save the sorted token batch whole, so the round-robin routing stand-in saves what the
   real routing saves).
 - Every family x {sdpa, eager} x {with, without an attention mask} is simulated through every phase,
@@ -65,6 +66,11 @@ def test_budget_of_each_family_matches_the_real_run(family):
     assert real > 50_000
     # off by the loss and its scalars (alive, not saved): a few hundred bytes
     assert engine.budget.saved_for_backward == pytest.approx(real, rel=0.002), family
+    # the report's activation row: measured at the first forward (not the ledger's 0), beside the prediction
+    report = engine.memory_report()
+    measured = report.categories["activation"]["peak_bytes"]
+    assert measured == pytest.approx(real, rel=0.002), (family, measured, real)
+    assert report.predicted_category_peaks()["activation"] == engine.budget.saved_for_backward
     engine.destroy()
 
 

@@ -104,3 +104,20 @@ def test_recompute_drops_the_outputs_from_memory(monkeypatch):
     assert recomputed["saved"] == recomputed["expected"] and plain["saved"] == 0
     dropped = plain["held"] - recomputed["held"]
     assert abs(dropped - recomputed["expected"]) <= 0.1 * recomputed["expected"], (dropped, recomputed)
+
+
+def test_a_saved_tensor_modified_in_place_after_the_forward_is_an_error():
+    """With a memory technique on, every saved tensor passes through saved-tensor hooks, where autograd checks
+    no in-place modification; the router checks it for the tensors it keeps as they are (without the check,
+    backward here would silently use the modified values)."""
+    engine = zeroplus.initialize(GPT(gpt_config("tiny")), {
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zeroplus": {"log_level": "warning", "memory_estimate": False, "resize_recompute": {"enabled": True}}})
+    x = torch.randint(0, gpt_config("tiny").vocab_size, (2, 16))
+    kept: list[torch.Tensor] = []
+    handle = engine.module.lm_head.register_forward_pre_hook(lambda m, args: kept.append(args[0]))
+    loss = engine(x, x)
+    handle.remove()
+    kept[0].mul_(2)  # the head's input, which the head saved for its weight's gradient
+    with pytest.raises(RuntimeError, match=r"saved for backward was modified in place after the forward"):
+        engine.backward(loss)

@@ -3,7 +3,8 @@
 Each technique (a *claimer*) is offered every tensor autograd saves for backward; the first that
 returns a token keeps it, and that technique's ``unpack`` gives the tensor back when backward
 needs it. Unclaimed tensors are kept as a detached alias (same storage, no reference cycle
-through their grad_fn), which costs nothing. Installed only when some technique is enabled, so
+through their grad_fn), which costs nothing, with their version: autograd checks no in-place
+modification of what passes through hooks, so ``_unpack`` does. Installed only when some technique is enabled, so
 the engine without them runs autograd untouched. Tensors saved inside
 ``torch.utils.checkpoint`` regions are the checkpoint's (its hooks are innermost).
 """
@@ -51,12 +52,19 @@ class SavedTensorRouter:
             token = c.pack(tensor)
             if token is not None:
                 return c, token
-        return None, tensor.detach()
+        return None, (tensor.detach(), tensor._version)
 
     @staticmethod
     def _unpack(packed: tuple[Claimer | None, Any]) -> torch.Tensor:
         claimer, token = packed
-        return token if claimer is None else claimer.unpack(token)
+        if claimer is not None:
+            return claimer.unpack(token)
+        alias, version = token
+        if alias._version != version:  # (autograd checks no versions through hooks: this is its check)
+            raise RuntimeError(f"a tensor of shape {tuple(alias.shape)} saved for backward was modified in place "
+                               f"after the forward (version {version} -> {alias._version}); backward would use "
+                               f"other values than the forward's")
+        return alias
 
     def end_backward(self) -> None:
         for c in self.claimers:
