@@ -4,32 +4,12 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import zeroplus
+from zeroplus.activations.forward_census import ForwardCensus
 
-
-class _NewStorages(TorchDispatchMode):
-    """Every storage an operation creates while active, weakly referenced."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        self._register(out, set())
-        return out
-
-    def _register(self, out: Any, skip: set[int]) -> None:
-        """Record the storages of ``out``'s tensors not seen yet and not in ``skip``."""
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                storage = t.untyped_storage()
-                if storage._cdata not in skip and storage._cdata not in self.storages and storage.nbytes():
-                    self.storages[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+_NewStorages = ForwardCensus  # every storage an operation creates while active, weakly referenced
 
 
 def saved_in_real_step(engine: zeroplus.Engine, loss_of: Callable[[], torch.Tensor]) -> int:
@@ -40,7 +20,7 @@ def saved_in_real_step(engine: zeroplus.Engine, loss_of: Callable[[], torch.Tens
     held = engine.ledger.storage_keys()
     with _NewStorages() as mode:
         loss = loss_of()
-    alive = sum(n for key, (ref, n) in mode.storages.items() if key not in held and not ref.expired())
+    alive = mode.alive_bytes(held)
     engine.backward(loss)
     engine.step()
     return alive
@@ -59,6 +39,6 @@ class PeakOfNewStorages(_NewStorages):
         out = func(*args, **(kwargs or {}))
         inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         self.storages = {key: (ref, n) for key, (ref, n) in self.storages.items() if not ref.expired()}
-        self._register(out, inputs)
+        self.record(out, inputs)
         self.peak = max(self.peak, sum(n for _, n in self.storages.values()))
         return out

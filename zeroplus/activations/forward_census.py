@@ -26,25 +26,29 @@ from torch.utils._pytree import tree_flatten
 
 
 class ForwardCensus(TorchDispatchMode):
-    """Every storage an operation creates while active, weakly referenced, with its size."""
+    """Every storage an operation creates while active, weakly referenced, with its size (``storages``)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._storages: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        self.record(out, set())
+        return out
+
+    def record(self, out: Any, skip: set[int]) -> None:
+        """Record the storages of ``out``'s tensors not seen yet and not in ``skip`` (identities)."""
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()
                 key = storage._cdata
-                if key not in self._storages and storage.nbytes():
-                    self._storages[key] = (StorageWeakRef(storage), storage.nbytes())
-        return out
+                if key not in skip and key not in self.storages and storage.nbytes():
+                    self.storages[key] = (StorageWeakRef(storage), storage.nbytes())
 
     def alive_bytes(self, excluded: set[int]) -> int:
         """Bytes of the recorded storages still alive, but for those whose identity is in ``excluded``."""
-        return sum(n for key, (ref, n) in self._storages.items() if key not in excluded and not ref.expired())
+        return sum(n for key, (ref, n) in self.storages.items() if key not in excluded and not ref.expired())
 
 
 def storage_keys_of(output: Any) -> set[int]:
