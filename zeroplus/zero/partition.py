@@ -111,7 +111,7 @@ class ZeroPartition:
                     by_group.setdefault((param_group_of[id(p)], expert), []).append((pname, p))
                 elif (dtype := frozen_dtype(p, self.stage, experts, compute_dtype)) is not None:
                     if packed_storage(p):
-                        prepare_packed(pname, p, device, dp.rank)
+                        prepare_packed(pname, p, module, device, dp.rank)
                     frozen_named.setdefault(dtype, []).append((pname, p))
             for gi, expert in sorted(by_group):
                 runs = bucketed(by_group[(gi, expert)], zero.reduce_bucket_size)

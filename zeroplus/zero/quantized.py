@@ -53,18 +53,21 @@ def mark_packed_copy(copy: torch.nn.Parameter) -> None:
     _COPIES.add(copy)
 
 
-def prepare_packed(name: str, p: torch.nn.Parameter, device: torch.device | None, rank: int) -> None:
+def prepare_packed(name: str, p: torch.nn.Parameter, owner: torch.nn.Module, device: torch.device | None,
+                   rank: int) -> None:
     """Before ``p`` is partitioned: refuse a weight already in bitsandbytes' CPU inference layout, switch
-    that repack off for its layer, and move its quant state to ``device``."""
+    that repack off for its layer (the weight's ``module``, else the module under ``owner`` holding it),
+    and move its quant state to ``device``."""
     state: Any = getattr(p, "quant_state", None)  # (None on the estimate's meta copy)
     if getattr(state, "packing_format_for_cpu", False):
         raise ValueError(
             f"rank {rank}: the 4-bit weight {name} is in bitsandbytes' CPU inference layout (its layer ran a "
             f"forward in eval mode without gradients before zeroplus.initialize); a partitioned weight must "
             f"keep its storage layout. Call initialize before any eval-mode forward, or load the model again")
-    layer = getattr(p, "module", None)
-    if layer is not None and hasattr(layer, "support_avx512bf16_for_cpu"):
-        layer.support_avx512bf16_for_cpu = False  # (see the module note: inference repacks in place)
+    layers = [getattr(p, "module", None)] + [m for m in owner.modules() if m._parameters.get("weight") is p]
+    for layer in layers:
+        if layer is not None and hasattr(layer, "support_avx512bf16_for_cpu"):
+            layer.support_avx512bf16_for_cpu = False  # (see the module note: inference repacks in place)
     move_quant_state(p, device)
 
 
