@@ -242,3 +242,26 @@ def test_models_never_whole_start_below_their_training_peak_and_ranks_per_stage(
     assert set(needed) == {1, 2, 3} and needed[3] is not None
     assert needed[1] is None or needed[3] <= needed[1]
 
+
+
+class _AsksAutocast(torch.nn.Module):
+    """Asks about autocast on its input's device, as TRL's chunked log-probabilities do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        return self.proj(x.to(dtype)).square().mean()
+
+
+def test_a_model_asking_about_autocast_on_its_device_is_simulated():
+    """On the meta device ``torch.is_autocast_enabled("meta")`` raises (meta has no autocast); inside the
+    simulation it answers for the simulated device, and only there."""
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 2}}
+    budget = zeroplus.estimate(_AsksAutocast(), config, world_size=2, example_inputs=(torch.randn(2, 64),))
+    assert budget.training_peak_bytes > 0
+    with pytest.raises(RuntimeError, match="unknown device type for autocast"):
+        torch.is_autocast_enabled("meta")

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..accelerator import Accelerator
+from ..accelerator import Accelerator, get_accelerator
 from ..activations import checkpointing
 from ..config import ConfigError, ZeroplusConfig, auto_keys, load_config, resolve_auto, resolve_batch, resolved
 from ..engine.build import build_engine, compute_dtype
@@ -96,6 +96,29 @@ def _quiet() -> Iterator[None]:
         yield
     finally:
         log.setLevel(previous)
+
+
+@contextlib.contextmanager
+def meta_autocast_queries(device_type: str) -> Iterator[None]:
+    """``torch.is_autocast_enabled("meta")`` and ``torch.get_autocast_dtype("meta")`` answer as for
+    ``device_type`` (the device simulated) while the simulation runs: code that asks about autocast on
+    its tensors' device (TRL's chunked log-probabilities do) raises on meta, which has no autocast.
+    Only these two queries, only inside the simulation, and only for "meta"; restored on exit."""
+    enabled, dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
+
+    def is_enabled(*args: Any) -> bool:
+        if args and args[0] == "meta":
+            return enabled(device_type)
+        return enabled(*args)
+
+    def get_dtype(device: str) -> torch.dtype:
+        return dtype(device_type if device == "meta" else device)
+
+    torch.is_autocast_enabled, torch.get_autocast_dtype = is_enabled, get_dtype  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.is_autocast_enabled, torch.get_autocast_dtype = enabled, dtype  # type: ignore[assignment]
 
 
 class CpuAttention(TorchFunctionMode):
@@ -314,6 +337,7 @@ def simulate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
         built = make() if construction != "whole" else None  # never whole in memory: built outside the count
         stack.enter_context(tracker)
         stack.enter_context(attention)
+        stack.enter_context(meta_autocast_queries(get_accelerator().name))
         if built is None:
             meta_model = make()  # the model as built, whole on the rank: the init phase counts it
         else:
