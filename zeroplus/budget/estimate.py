@@ -37,6 +37,7 @@ import torch
 
 from ..accelerator import get_accelerator
 from ..config import ZeroplusConfig, load_config
+from ..engine.build import compute_dtype
 from ..memory_view import CATEGORIES, LABELS, budget_chart
 from ..parallel.groups import current_groups, parallel_groups
 from .model_states import model_state_bytes
@@ -214,9 +215,9 @@ def _estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: di
 
 
 def _compute_dtype(config: dict[str, Any] | str | ZeroplusConfig) -> str:
-    """``fp32``, ``bf16`` or ``fp16``: whose runtime overhead the run has (``runtime_overhead.py``)."""
-    cfg = load_config(config)
-    return "bf16" if cfg.bf16.enabled is True else "fp16" if cfg.fp16.enabled is True else "fp32"
+    """``fp32``, ``bf16`` or ``fp16``: whose runtime overhead the run has (``runtime_overhead.py``), by the
+    engine's own choice of compute dtype."""
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(compute_dtype(load_config(config)), "fp32")
 
 
 def _split(cfg: Any, world_size: int) -> str:
