@@ -199,3 +199,23 @@ def test_values_the_simulation_lacks_are_named(tmp_path, caplog):
                            "--world-size", "1", "--seq-len", "8"], capture_output=True, text=True)
     assert proc.returncode == 2, proc.stderr
     assert "the memory simulation cannot run aten." in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_budget_under_non_reentrant_gradient_checkpointing_matches_the_real_run(family):
+    """TRL's SFT default: the recompute in backward runs the attention kernel the forward ran (the
+    simulation's attention choice stays in force through backward), so the estimate exists and its
+    ledger categories equal the real run's."""
+    torch.manual_seed(0)
+    model = build(family, "tiny")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    engine = zeroplus.initialize(model, _config())
+    batch = _batch()
+    engine.backward(engine(**batch).loss)
+    engine.step()
+    assert engine.budget is not None, "no prediction"
+    for c in Category:
+        assert engine.budget.category_peaks[c.value] == engine.ledger.peak_bytes(c), (family, c)
+    real = saved_in_real_step(engine, lambda: engine(**batch).loss)
+    assert engine.budget.saved_for_backward == pytest.approx(real, rel=0.01), family
+    engine.destroy()

@@ -128,7 +128,9 @@ class CpuAttention(TorchFunctionMode):
     attention matrix per head, in fp32); CPU picks its fused flash kernel for most inputs, which
     saves only the output and a log-sum-exp. The choice is asked of torch with a one-element
     CPU stand-in of the same dtype and options, and the flash kernel is called on meta when CPU
-    would call it."""
+    would call it. A torch-function mode is off while its handler runs, so a backward (where
+    non-reentrant gradient checkpointing recomputes the forward) is run with the mode back on:
+    the recompute takes the same kernel as the forward it repeats."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -144,7 +146,27 @@ class CpuAttention(TorchFunctionMode):
                     q, k, v, options.get("dropout_p", 0.0), options.get("is_causal", False),
                     attn_mask=mask, scale=options.get("scale"))
                 return out
+        if func is torch.Tensor.backward or func is torch.autograd.backward:
+            return self._backward(func, args, kwargs)
         return func(*args, **kwargs)
+
+    def _backward(self, func: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+        """``func``'s backward run by autograd's engine with this mode on (so in force when checkpointed
+        blocks are recomputed). Calling ``func`` itself with the mode on would come back here: the
+        engine is reached as ``torch.autograd.backward`` reaches it (private torch calls, simulation only)."""
+        bound = inspect.signature(func).bind(*args, **kwargs).arguments
+        tensors = bound.get("self", bound.get("tensors"))
+        tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+        create = bool(bound.get("create_graph", False))
+        retain = bound.get("retain_graph")
+        inputs = bound.get("inputs")
+        inputs = () if inputs is None else (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        with self:
+            grads = torch.autograd._tensor_or_tensors_to_tuple(bound.get("gradient", bound.get("grad_tensors")),
+                                                               len(tensors))
+            grads = torch.autograd._make_grads(tensors, grads, is_grads_batched=False)
+            torch.autograd.graph._engine_run_backward(tensors, grads, create if retain is None else retain, create,
+                                                      inputs, allow_unreachable=True, accumulate_grad=True)
 
     @staticmethod
     def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: dict[str, Any]) -> bool:
