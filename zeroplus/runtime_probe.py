@@ -4,10 +4,12 @@
 0.3 MiB of parameters), in that compute dtype, for two steps with zeroplus on one gloo rank and
 prints, as JSON, two numbers:
 
-- ``construction``: resident memory above the process before the model existed, at the end of
-  ``initialize``, minus the tensors the simulation predicts for the ``init`` phase (13 MiB on the
-  machine that wrote this; ``torch._dynamo``, which the first optimizer would import, came with
-  ``import zeroplus`` and is in the baseline: ``budget/runtime_overhead.py``).
+- ``construction``: the peak the engine's own report measures at the end of ``initialize`` (resident
+  memory above the process when ``initialize`` started, the model's tensors counted as the engine's:
+  ``memory_report.py``; what building the model cost besides its tensors is baseline), minus the
+  tensors the simulation predicts for the ``init`` phase (9 MiB in fp32 on the machine that wrote this;
+  ``torch._dynamo``, which the first optimizer would import, came with ``import zeroplus`` and is in
+  the baseline: ``budget/runtime_overhead.py``).
 - ``training``: the same over two training steps, minus the predicted training peak's tensors: the
   construction's part plus what the first forward and backward load (kernel libraries, autograd's
   thread, the engine's own first-forward estimate).
@@ -26,7 +28,6 @@ import sys
 import torch
 import torch.distributed as dist
 
-from .accelerator import Accelerator
 from .initialize_engine import initialize
 from .models import GPT, gpt_config
 
@@ -41,9 +42,6 @@ def main() -> None:
     dtype = sys.argv[sys.argv.index("--dtype") + 1] if "--dtype" in sys.argv else "fp32"  # (runtime_overhead.DTYPES)
     logging.disable(logging.WARNING)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    host = Accelerator()
-    start = host.memory_allocated()
-    host.reset_peak_memory_stats()
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny"))
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
@@ -51,12 +49,12 @@ def main() -> None:
               "zero_optimization": {"stage": 3}, "zeroplus": {"log_level": "error"},
               "bf16": {"enabled": dtype == "bf16"}, "fp16": {"enabled": dtype == "fp16"}}
     engine = initialize(model, config)
-    constructed = host.max_memory_allocated() - start
+    constructed = engine.memory_report().process_peak_above_start_bytes  # the basis every report measures on
     tokens = torch.randint(0, gpt_config("tiny").vocab_size, (2, SEQ))
     for _ in range(2):
         engine.backward(engine(tokens, tokens))
         engine.step()
-    trained = host.max_memory_allocated() - start
+    trained = engine.memory_report().process_peak_above_start_bytes
     budget = engine.budget
     if budget is None:
         raise RuntimeError("the runtime probe's engine made no memory prediction")

@@ -265,3 +265,17 @@ def test_a_model_asking_about_autocast_on_its_device_is_simulated():
     assert budget.training_peak_bytes > 0
     with pytest.raises(RuntimeError, match="unknown device type for autocast"):
         torch.is_autocast_enabled("meta")
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_the_clipped_steps_norm_scratch_is_no_longer_than_the_gradient_it_reads(stage):
+    """The gradient norm's float64 scratch was 8 MiB whatever the model: a CPU touched only the pages a
+    small gradient needed, so the step's predicted temporaries were 8 MiB too many and the runtime
+    probe learnt the difference as overhead. It is now as long as the longest owned gradient."""
+    model = GPT(gpt_config("tiny"))
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": stage}}
+    budget = zeroplus.estimate(model, config, world_size=2, seq_len=16)
+    numel = sum(p.numel() for p in model.parameters())
+    owned = numel if stage == 0 else numel // 2 + 1
+    assert 0 < budget.phases["step"]["temporaries"] <= 2 * 8 * owned, budget.phases["step"]

@@ -48,9 +48,13 @@ logger = logging.getLogger("zeroplus")
 
 ENV = "ZEROPLUS_RUNTIME_BYTES"
 ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
-FALLBACK_BYTES = (13 * 2**20, 21 * 2**20)  # GPT-tiny on 1 gloo rank, 2-core x86 with avx512_bf16
+FALLBACK_BYTES = (9 * 2**20, 24 * 2**20)  # GPT-tiny on 1 gloo rank, fp32, 2-core x86 with avx512_bf16
 LAZY_IMPORTS = ("torch._dynamo",)  # what torch imports lazily for an engine: imported above, with zeroplus
 DTYPES = ("fp32", "bf16", "fp16")  # compute dtypes, each probed apart
+# what the probe measures changed (2: the step's norm scratch no longer counted whole in the tensors
+# subtracted; measured on the engine report's basis): a kept result from an earlier meaning is probed
+# again, whatever the package version
+PROBE_VERSION = "2"
 # a launcher's variables would make the probe's engine join the caller's job
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
@@ -123,7 +127,8 @@ def _describe(pair: tuple[int, int]) -> str:
 
 def _cache_key(dtype: str) -> dict[str, str]:
     return {"dtype": dtype, "host": platform.node(), "machine": platform.machine(), "python": platform.python_version(),
-            "torch": torch.__version__, "zeroplus": _zeroplus_version(), "baseline": ",".join(LAZY_IMPORTS)}
+            "torch": torch.__version__, "zeroplus": _zeroplus_version(), "baseline": ",".join(LAZY_IMPORTS),
+            "probe": PROBE_VERSION}
 
 
 def _zeroplus_version() -> str:

@@ -155,8 +155,8 @@ class CpuAttention(TorchFunctionMode):
         blocks are recomputed). Calling ``func`` itself with the mode on would come back here: the
         engine is reached as ``torch.autograd.backward`` reaches it (private torch calls, simulation only)."""
         bound = inspect.signature(func).bind(*args, **kwargs).arguments
-        tensors = bound.get("self", bound.get("tensors"))
-        tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+        given: Any = bound.get("self", bound.get("tensors"))
+        tensors = (given,) if isinstance(given, torch.Tensor) else tuple(given)
         create = bool(bound.get("create_graph", False))
         retain = bound.get("retain_graph")
         inputs = bound.get("inputs")

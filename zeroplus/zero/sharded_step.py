@@ -36,7 +36,7 @@ from .flat_group import FlatParamGroup
 from .master_store import FullMaster
 from .partition import ZeroPartition
 
-_NORM_CHUNK = 1 << 20  # elements per float64 temporary (8 MiB)
+_NORM_CHUNK = 1 << 20  # elements per float64 temporary (8 MiB at most; the longest owned gradient if shorter)
 
 
 class _LocalGroup:
@@ -134,7 +134,8 @@ class ShardedStep:
         stage0 = self.partition.stage == 0
         device = self.partition.groups[0].device if self.partition.groups else torch.device("cpu")
         total = torch.zeros((), dtype=_norm_dtype(device), device=device)
-        scratch = torch.empty(_NORM_CHUNK, dtype=total.dtype, device=device)
+        longest = max((g.owned_numel for g in self.partition.groups), default=1)
+        scratch = torch.empty(min(_NORM_CHUNK, longest), dtype=total.dtype, device=device)  # no longer than a source
         experts = torch.zeros_like(total)  # stage 0: the experts' part, summed over the expert group
         mp = self.model_parallel
         for g in self.partition.groups:
