@@ -455,7 +455,8 @@ class Engine:
         ``initialize`` (the model's own bytes included), beside the predicted budget if any."""
         peak = max(0, self.accelerator.max_memory_allocated() - self._baseline)
         return MemoryReport.from_ledger(self.dp.rank, self.ledger, peak, self.budget, self._checkpoint_saved,
-                                        saved_for_backward=self._activation_bytes or 0)
+                                        saved_for_backward=self._activation_bytes or 0,
+                                        baseline_bytes=max(0, self._baseline))
 
     def destroy(self) -> None:
         """Wait for in-flight collectives and remove hooks (call before destroying the process group)."""

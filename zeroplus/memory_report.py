@@ -9,6 +9,12 @@ own bytes, which count as the engine's), which also counts what neither sees (te
 runtime). ``saved`` lists, per memory technique and category, the bytes it keeps from being held
 (live and peak).
 
+``baseline_bytes`` is what the process held when ``initialize`` started, less the model's own
+tensors (on CPU: resident memory; on a device: its allocated memory): imported modules (torch,
+``torch._dynamo``, Transformers), the user's data, an earlier engine. It is paid before the engine
+exists, so it is neither predicted nor counted as error; it is shown as its own line, with the
+process's peak (baseline plus the peak above start) beside it.
+
 ``predicted`` is the engine's ``MemoryBudget`` (``zeroplus.estimate`` at the first forward) as a
 dict, when there is one: each ledger category's predicted peak stands beside the measured one,
 and the predicted device peak beside the measured, with the error in percent.
@@ -41,17 +47,19 @@ class MemoryReport:
     saved: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     predicted: dict[str, Any] | None = None
     checkpoint_saved: bool = False  # the measured peak covers a save: compare it with the peak that includes one
+    baseline_bytes: int = 0  # held before initialize (imports, data, earlier engines): neither predicted nor error
 
     @classmethod
     def from_ledger(cls, rank: int, ledger: Ledger, process_peak_above_start_bytes: int,
-                    budget: Any = None, checkpoint_saved: bool = False, saved_for_backward: int = 0) -> MemoryReport:
+                    budget: Any = None, checkpoint_saved: bool = False, saved_for_backward: int = 0,
+                    baseline_bytes: int = 0) -> MemoryReport:
         """``saved_for_backward``: what the first training forward left alive outside the ledger
         (``activations/forward_census.py``), added to the ``activation`` row's peak."""
         snap = ledger.snapshot()
         total, saved = snap.pop("total"), snap.pop("saved")
         snap[Category.ACTIVATION.value]["peak_bytes"] += saved_for_backward
         return cls(rank, snap, total, process_peak_above_start_bytes, saved,
-                   budget.to_dict() if budget is not None else None, checkpoint_saved)
+                   budget.to_dict() if budget is not None else None, checkpoint_saved, baseline_bytes)
 
     @property
     def predicted_peak_bytes(self) -> int | None:
@@ -94,12 +102,15 @@ class MemoryReport:
         return report_chart(self, path)
 
     def peak_line(self) -> str:
+        """One line: the peak above ``initialize``, the prediction beside it, and the baseline apart."""
         line = f"memory peak {self.process_peak_above_start_bytes / 2**30:.3f} GiB"
         predicted = self.predicted_peak_bytes
         if predicted is not None:
             error = self.peak_error_pct
             line += (f", predicted {predicted / 2**30:.3f} GiB in {self.predicted_peak_phase}"
                      + (f" ({error:+.1f}%)" if error is not None else ""))
+        if self.baseline_bytes:
+            line += f"; baseline before initialize {self.baseline_bytes / 2**30:.3f} GiB, outside the budget"
         return line
 
     def to_dict(self) -> dict[str, Any]:
@@ -120,6 +131,10 @@ class MemoryReport:
         lines.append(f"  {'device peak above start':<26}{_mib(self.process_peak_above_start_bytes)}"
                      + (f" {_mib(predicted)}{_pct(predicted, self.process_peak_above_start_bytes)}"
                         f"  (predicted in {self.predicted_peak_phase})" if predicted is not None else ""))
+        if self.baseline_bytes:
+            lines.append(f"  {'baseline before initialize':<26}{_mib(self.baseline_bytes)}  (imports, data, earlier "
+                         "engines: outside the budget, not error)")
+            lines.append(f"  {'process peak':<26}{_mib(self.baseline_bytes + self.process_peak_above_start_bytes)}")
         if self.saved:
             effects = self.technique_effects
             lines.append(f"  {'not held, by technique':<30}{'live':>10}{'most':>10}{'off peak':>10}")

@@ -1,18 +1,18 @@
 """Measure this machine's runtime overhead: what a training process holds beyond its tensors.
 
-``python -m zeroplus.runtime_probe [--dtype fp32|bf16|fp16]`` trains the built-in GPT ``tiny`` (about
-0.3 MiB of parameters), in that compute dtype, for two steps with zeroplus on one gloo rank and
-prints, as JSON, two numbers:
+``python -m zeroplus.runtime_probe [--dtype fp32|bf16|fp16]`` first runs ``budget/first_use.py``'s work
+in the fresh process, then trains the built-in GPT ``tiny`` (about 0.3 MiB of parameters), in that
+compute dtype, for two steps with zeroplus on one gloo rank and prints, as JSON, three numbers:
 
+- ``first_use``: the resident memory the first-use work left (what any process pays once, by the
+  first training step it runs: measured again in each training process by ``initialize``).
 - ``construction``: the peak the engine's own report measures at the end of ``initialize`` (resident
   memory above the process when ``initialize`` started, the model's tensors counted as the engine's:
   ``memory_report.py``; what building the model cost besides its tensors is baseline), minus the
-  tensors the simulation predicts for the ``init`` phase (9 MiB in fp32 on the machine that wrote this;
+  tensors the simulation predicts for the ``init`` phase (the process group and the engine's set-up).
   ``torch._dynamo``, which the first optimizer would import, came with ``import zeroplus`` and is in
-  the baseline: ``budget/runtime_overhead.py``).
-- ``training``: the same over two training steps, minus the predicted training peak's tensors: the
-  construction's part plus what the first forward and backward load (kernel libraries, autograd's
-  thread, the engine's own first-forward estimate).
+  the baseline: ``budget/runtime_overhead.py``.
+- ``training``: the same over two training steps, minus the predicted training peak's tensors.
 
 The memory budget (``budget/runtime_overhead.py``) runs this once per machine and keeps the result.
 It is run under the allocator the budget assumes (glibc returning freed memory: the variables in
@@ -28,6 +28,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from .budget.first_use import pay
 from .initialize_engine import initialize
 from .models import GPT, gpt_config
 
@@ -42,6 +43,7 @@ def main() -> None:
     dtype = sys.argv[sys.argv.index("--dtype") + 1] if "--dtype" in sys.argv else "fp32"  # (runtime_overhead.DTYPES)
     logging.disable(logging.WARNING)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    first_use = pay(dtype)  # before anything else trains here: a fresh process's first-use cost
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny"))
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
@@ -58,7 +60,7 @@ def main() -> None:
     budget = engine.budget
     if budget is None:
         raise RuntimeError("the runtime probe's engine made no memory prediction")
-    result = {"construction": max(0, constructed - _tensor_bytes(budget.phases["init"])),
+    result = {"first_use": first_use, "construction": max(0, constructed - _tensor_bytes(budget.phases["init"])),
               "training": max(0, trained - _tensor_bytes(budget.phases[budget.training_peak_phase]))}
     print(json.dumps(result))
     dist.destroy_process_group()

@@ -1,15 +1,21 @@
 """What a training process holds beyond its tensors, measured on this machine once and kept.
 
-The budget adds ``runtime`` to every phase: on CPU, resident memory that is not a tensor (kernel
-libraries and autograd's thread loaded by the first forward and backward, the engine's own
-first-forward estimate). It differs
-between machines, libraries and versions, so it is not a constant: ``runtime_bytes("cpu")`` runs
-``python -m zeroplus.runtime_probe`` in a child process (a two-step run of a 0.3 MiB model, about
-8 s here), under the allocator the budget assumes (``ALLOCATOR_ENV``), and keeps its two numbers
-(from construction on, from the first backward on) in a file keyed by host, Python, torch and
-zeroplus versions, so later processes on the machine read them. Ranks that start together wait on
-one lock and probe once. On CUDA and NPU the budget predicts the caching allocator's peak, which
-holds tensors only: 0.
+The budget adds ``runtime`` to every phase: on CPU, resident memory that is not a tensor. Most of it
+is paid once per process, by the first training step it ever runs (kernel code and generated
+kernels, autograd's thread, the meta kernels of the estimate: ``first_use.py``), and the rest by
+the engine itself (its process group, hooks, the first-forward estimate). The first part is
+measured in the process the prediction is for: ``initialize`` runs ``first_use.pay`` and the
+engine's prediction adds what it measured (all of it in a fresh process, nearly nothing in one
+that has trained before: a test session, a script that evaluated its model first). The second part
+differs between machines, libraries and versions, so it is not a constant either:
+``runtime_bytes("cpu")`` runs ``python -m zeroplus.runtime_probe`` in a child process (a two-step run
+of a 0.3 MiB model, about 8 s here), under the allocator the budget assumes (``ALLOCATOR_ENV``),
+which measures first use apart and then the engine's two numbers (from construction on, from the
+first backward on), and keeps the three in a file keyed by host, Python, torch and zeroplus versions
+and the probe's own version, so later processes on the machine read them. Ranks that start together
+wait on one lock and probe once. A prediction made outside the training process (``zeroplus
+estimate``, the planner before a launch) adds the probe's first use: a fresh process's. On CUDA and
+NPU the budget predicts the caching allocator's peak, which holds tensors only: 0.
 
 Modules torch imports lazily are paid before the model exists, not predicted (see note: runtime
 baseline). torch imports ``torch._dynamo`` (71 MiB resident here) when the first optimizer is built, so
@@ -20,10 +26,10 @@ the same run was predicted 71 MiB apart depending on the script's imports. zerop
 probe's too, and never in the prediction.
 
 ``ZEROPLUS_RUNTIME_BYTES="construction,training"`` (bytes, or sizes such as ``80MiB``) sets the two
-numbers instead; ``ZEROPLUS_CACHE_DIR`` moves the file (default ``$XDG_CACHE_HOME/zeroplus`` or
-``~/.cache/zeroplus``). If the probe cannot run, the budget warns with its error and uses
-``FALLBACK_BYTES``, measured on the machine that wrote this. Memory: two integers; the probe's
-memory is the child's.
+totals instead (first use included); ``ZEROPLUS_CACHE_DIR`` moves the file (default
+``$XDG_CACHE_HOME/zeroplus`` or ``~/.cache/zeroplus``). If the probe cannot run, the budget warns with
+its error and uses ``FALLBACK_BYTES``, measured on the machine that wrote this. Memory: three integers;
+the probe's memory is the child's.
 """
 from __future__ import annotations
 
@@ -48,23 +54,24 @@ logger = logging.getLogger("zeroplus")
 
 ENV = "ZEROPLUS_RUNTIME_BYTES"
 ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
-FALLBACK_BYTES = (9 * 2**20, 24 * 2**20)  # GPT-tiny on 1 gloo rank, fp32, 2-core x86 with avx512_bf16
+FALLBACK_BYTES = (23 * 2**20, 0, 2 * 2**20)  # GPT-tiny on 1 gloo rank, fp32, 2-core x86 with avx512_bf16
 LAZY_IMPORTS = ("torch._dynamo",)  # what torch imports lazily for an engine: imported above, with zeroplus
 DTYPES = ("fp32", "bf16", "fp16")  # compute dtypes, each probed apart
 # what the probe measures changed (2: the step's norm scratch no longer counted whole in the tensors
-# subtracted; measured on the engine report's basis): a kept result from an earlier meaning is probed
-# again, whatever the package version
-PROBE_VERSION = "2"
+# subtracted; measured on the engine report's basis; 3: first use measured apart): a kept result from
+# an earlier meaning is probed again, whatever the package version
+PROBE_VERSION = "3"
 # a launcher's variables would make the probe's engine join the caller's job
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
 
-@functools.lru_cache(maxsize=None)
-def runtime_bytes(kind: str, dtype: str = "fp32") -> tuple[int, int]:
+def runtime_bytes(kind: str, dtype: str = "fp32", first_use: int | None = None) -> tuple[int, int]:
     """(bytes from the engine's construction on, bytes from the end of the first backward on) for a
     process training on accelerator ``kind`` in compute dtype ``dtype`` (``fp32``, ``bf16``, ``fp16``:
-    a 16-bit run loads its own kernels, 12 MiB more for bf16 here; each is probed once)."""
+    a 16-bit run loads its own kernels, 11 MiB more for bf16 here; each is probed once).
+    ``first_use``: what ``first_use.pay`` measured in the process the prediction is for (the part of
+    the first-use cost it had not paid yet); None for a fresh process (the probe's measure of it)."""
     if dtype not in DTYPES:
         raise ValueError(f"runtime_bytes: dtype {dtype!r} is not one of {DTYPES}")
     if kind != "cpu":
@@ -72,6 +79,14 @@ def runtime_bytes(kind: str, dtype: str = "fp32") -> tuple[int, int]:
     override = os.environ.get(ENV)
     if override is not None:
         return _parse_override(override)
+    fresh, construction, training = _measured(dtype)
+    paid_here = fresh if first_use is None else first_use
+    return (construction + paid_here, training + paid_here)
+
+
+@functools.lru_cache(maxsize=None)
+def _measured(dtype: str) -> tuple[int, int, int]:
+    """The probe's (first use, construction, training), from the kept file or probed now."""
     path = _cache_file(dtype)
     cached = _read(path)
     if cached is not None:
@@ -92,8 +107,8 @@ def runtime_bytes(kind: str, dtype: str = "fp32") -> tuple[int, int]:
         return measured
 
 
-def probe(dtype: str = "fp32") -> tuple[int, int]:
-    """Run ``zeroplus.runtime_probe`` in a child process and return its two numbers; on failure, warn
+def probe(dtype: str = "fp32") -> tuple[int, int, int]:
+    """Run ``zeroplus.runtime_probe`` in a child process and return its three numbers; on failure, warn
     and return ``FALLBACK_BYTES``."""
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
     env.update(ALLOCATOR_ENV, ZEROPLUS_ACCELERATOR="cpu", **{ENV: "0,0"})
@@ -103,7 +118,7 @@ def probe(dtype: str = "fp32") -> tuple[int, int]:
         if done.returncode != 0:
             raise RuntimeError(f"exit code {done.returncode}: {done.stderr.strip()[-500:]}")
         result = json.loads(done.stdout.strip().splitlines()[-1])
-        measured = (int(result["construction"]), int(result["training"]))
+        measured = (int(result["first_use"]), int(result["construction"]), int(result["training"]))
     except (OSError, ValueError, KeyError, IndexError, RuntimeError, subprocess.TimeoutExpired) as err:
         logger.warning("the runtime overhead probe (%s) failed (%s: %s); the memory budget uses %s instead "
                        "(set %s to give it)", " ".join(cmd), type(err).__name__, err, _describe(FALLBACK_BYTES), ENV)
@@ -121,8 +136,9 @@ def _parse_override(value: str) -> tuple[int, int]:
     return (first, second)
 
 
-def _describe(pair: tuple[int, int]) -> str:
-    return f"{pair[0] / 2**20:.1f} MiB from construction, {pair[1] / 2**20:.1f} MiB from the first backward"
+def _describe(measured: tuple[int, int, int]) -> str:
+    return (f"{measured[0] / 2**20:.1f} MiB on first use, then {measured[1] / 2**20:.1f} MiB from construction, "
+            f"{measured[2] / 2**20:.1f} MiB from the first backward")
 
 
 def _cache_key(dtype: str) -> dict[str, str]:
@@ -142,12 +158,14 @@ def _cache_file(dtype: str) -> str:
     return cache_file("runtime-overhead", _cache_key(dtype))
 
 
-def _read(path: str) -> tuple[int, int] | None:
+def _read(path: str) -> tuple[int, int, int] | None:
     record = read_record(path)
     with contextlib.suppress(KeyError, TypeError, ValueError):
-        return (int(record["construction"]), int(record["training"])) if record is not None else None
+        return ((int(record["first_use"]), int(record["construction"]), int(record["training"]))
+                if record is not None else None)
     return None
 
 
-def _write(path: str, measured: tuple[int, int], dtype: str) -> None:
-    write_record(path, {"construction": measured[0], "training": measured[1], **_cache_key(dtype)})
+def _write(path: str, measured: tuple[int, int, int], dtype: str) -> None:
+    write_record(path, {"first_use": measured[0], "construction": measured[1], "training": measured[2],
+                        **_cache_key(dtype)})

@@ -94,9 +94,8 @@ class DeepSpeedEngine(torch.nn.Module):
         self.engine.step()
         if before == 0 and self.engine.global_steps == 1:
             report = self.engine.memory_report()
-            log_rank0("zeroplus after the first step: memory peak %.1f MiB above initialize(), %.1f MiB of it in the "
-                      "ledger (engine.memory_report() has each category)",
-                      report.process_peak_above_start_bytes / 2**20, report.total["peak_bytes"] / 2**20)
+            log_rank0("zeroplus after the first step: %s (engine.memory_report() has each category)",
+                      report.peak_line())
 
     def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
                        non_blocking: bool = False) -> None:
