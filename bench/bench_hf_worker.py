@@ -1,6 +1,8 @@
-"""One rank of a Hugging Face model trained by zeroplus (launched by ``bench_hf_budget.py`` under torchrun):
-writes its measured peak (resident memory above the process before the model exists) beside the
-engine's own first-forward prediction."""
+"""One rank of a Hugging Face model, or zeroplus's GPT (``--family gpt``), trained by zeroplus (launched by
+``bench_hf_budget.py`` under torchrun): writes its measured peak beside the engine's own first-forward
+prediction, on two bases: the engine report's (resident memory above the process when ``initialize``
+started, the model's tensors counted: what the budget predicts and the log prints) and the process's
+before the model existed."""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from bench_worker import rss_bytes, start_measuring  # noqa: E402
 
 from tests.hf_models import build  # noqa: E402
+from zeroplus.models import GPT, gpt_config  # noqa: E402
 
 
 def main() -> None:
@@ -33,13 +36,25 @@ def main() -> None:
     p.add_argument("--out-prefix", required=True)
     p.add_argument("--import-first", action="store_true",
                    help="import the model's Transformers classes before the measured start (as scripts do)")
+    p.add_argument("--train-first", action="store_true",
+                   help="train a tiny copy of the family one step before the measured start (as a script that "
+                        "evaluated or trained something first)")
     args = p.parse_args()
 
     import zeroplus
-    if args.import_first:  # the family's modeling module, as `from transformers import LlamaForCausalLM` would
+    gpt = args.family == "gpt"
+    if args.import_first and not gpt:  # the family's modeling module, as `from transformers import X` would
         build(args.family, "tiny")
+    if args.train_first:
+        earlier = GPT(gpt_config("tiny")) if gpt else build(args.family, "tiny")
+        ids = torch.randint(0, 200, (2, 32))
+        (earlier(ids, ids) if gpt else earlier(input_ids=ids, labels=ids).loss).backward()
+        torch.optim.AdamW(earlier.parameters()).step()
+        del earlier
     rank, start_rss = start_measuring()
-    model = build(args.family, args.size, args.attn)
+    model = (GPT(gpt_config(args.size, block_size=max(64, args.seq))) if gpt
+             else build(args.family, args.size, args.attn))
+    vocab = gpt_config(args.size).vocab_size if gpt else model.config.vocab_size
     cfg = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1, "torch_adam": True}},
            "zero_optimization": {"stage": args.stage}, "bf16": {"enabled": args.bf16},
@@ -48,9 +63,9 @@ def main() -> None:
     engine = zeroplus.initialize(model, cfg)
     g = torch.Generator().manual_seed(rank)
     for _ in range(args.steps):
-        ids = torch.randint(0, model.config.vocab_size, (args.micro_batch, args.seq), generator=g)
+        ids = torch.randint(0, vocab, (args.micro_batch, args.seq), generator=g)
         kwargs = {"attention_mask": torch.ones_like(ids)} if args.mask else {}
-        loss = engine(input_ids=ids, labels=ids, **kwargs).loss
+        loss = engine(ids, ids) if gpt else engine(input_ids=ids, labels=ids, **kwargs).loss
         engine.backward(loss)
         engine.step()
     peak = rss_bytes("VmHWM") - start_rss
@@ -61,6 +76,7 @@ def main() -> None:
                    "phase": budget.training_peak_phase if budget is not None else None,
                    "model_bytes": model_bytes, "phases": budget.phases if budget is not None else None,
                    "engine_measured": engine.memory_report().process_peak_above_start_bytes,
+                   "baseline": engine.memory_report().baseline_bytes,
                    "saved": engine.memory_report().saved,
                    "technique_effects": engine.memory_report().technique_effects}, f)
     dist.barrier()

@@ -54,7 +54,8 @@ logger = logging.getLogger("zeroplus")
 
 ENV = "ZEROPLUS_RUNTIME_BYTES"
 ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
-FALLBACK_BYTES = (23 * 2**20, 0, 2 * 2**20)  # GPT-tiny on 1 gloo rank, fp32, 2-core x86 with avx512_bf16
+# first use, then GPT-tiny on 1 gloo rank; fp32 on a 2-core x86 with avx512_bf16
+FALLBACK_BYTES = (21 * 2**20, 2 * 2**20, 7 * 2**20)
 LAZY_IMPORTS = ("torch._dynamo",)  # what torch imports lazily for an engine: imported above, with zeroplus
 DTYPES = ("fp32", "bf16", "fp16")  # compute dtypes, each probed apart
 # what the probe measures changed (2: the step's norm scratch no longer counted whole in the tensors
