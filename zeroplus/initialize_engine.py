@@ -20,8 +20,8 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .accelerator import get_accelerator
-from .budget.estimate import compute_dtype_name, estimate
-from .budget.first_use import pay as pay_first_use
+from .budget.estimate import estimate
+from .budget.first_use import code_resident
 from .budget.planner import apply_settings, plan
 from .budget.simulate import group_stand_ins, meta_copy, simulation_problem
 from .comm import DataParallelGroup, init_distributed_if_launched
@@ -69,6 +69,7 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     accel = get_accelerator()
     accel.reset_peak_memory_stats()  # the engine's peak is measured from here
     rss_at_start = accel.memory_allocated()
+    code = code_resident() if accel.name == "cpu" else None  # torch's code this process holds already
     cfg, unimplemented = parse_config(config)
     init_distributed_if_launched(cfg.zeroplus.collective_timeout)
     setup_logging(cfg.zeroplus.log_level)
@@ -93,10 +94,7 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
                           f"estimate and planner cover data and context parallelism only so far; remove the "
                           f"budget and 'auto'")
     pipelined = parallel.topology.pipeline > 1
-    predicts = not pipelined and (cfg.zeroplus.memory_estimate or cfg.zeroplus.memory_budget is not None)
-    # paid here, inside the engine's measured peak, and predicted by what it measured (budget/first_use.py)
-    first_use = pay_first_use(compute_dtype_name(cfg)) if predicts and accel.name == "cpu" else None
-    cfg = resolved(_plan(model, cfg, dp, first_use))
+    cfg = resolved(_plan(model, cfg, dp, code))
     if wrapper is not None and cfg.zeroplus.resize_recompute.enabled:  # see note: compilation
         raise ConfigError("config key 'zeroplus.resize_recompute': resize_recompute does not work with compiled "
                           "modules (<model>: torch.compile(model) was given to initialize): a compiled graph's "
@@ -113,13 +111,13 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     engine = build_engine(model, cfg, dp, accel, rss_at_start, optimizer=optimizer, lr_scheduler=lr_scheduler,
                           model_parameters=model_parameters, parallel=parallel, init_fn=init_fn)
     if source is not None:
-        engine.before_first_forward(_predictor(*source, first_use))
+        engine.before_first_forward(_predictor(*source, code))
     if wrapper is not None:
         engine.forward_through(wrapper)
     return engine
 
 
-def _plan(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, first_use: int | None) -> ZeroplusConfig:
+def _plan(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, code: int | None) -> ZeroplusConfig:
     """``zeroplus.memory_budget``: rank 0 plans (``zeroplus/budget/planner.py``) and every rank takes
     its choice, or raises its refusal, before anything is allocated."""
     autos = auto_keys(cfg)
@@ -132,7 +130,7 @@ def _plan(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, first_use: int |
     if dp.rank == 0:
         try:
             chosen = plan(meta_copy(model), cfg, world_size=dp.size, log=lambda m: log_rank0("%s", m),
-                          first_use=first_use)
+                          code=code)
             outcome = (chosen.settings, chosen.reason)
         except ConfigError as err:
             outcome = str(err)
@@ -169,9 +167,9 @@ def _estimate_source(model: torch.nn.Module, cfg: ResolvedConfig, parallel: Para
         return None
 
 
-def _predictor(model: torch.nn.Module, cfg: ResolvedConfig, first_use: int | None):
+def _predictor(model: torch.nn.Module, cfg: ResolvedConfig, code: int | None):
     """The first-forward hook: this rank's memory budget for inputs shaped like the first batch
-    (``zeroplus.estimate`` on the meta copy, with the first-use cost measured in this process); rank 0
+    (``zeroplus.estimate`` on the meta copy, with torch's code this process held at ``initialize``); rank 0
     logs it. A model the estimator cannot run is trained anyway."""
     def predict(engine: Engine, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         par = engine.parallel  # with tensor or expert parallelism: this rank of the whole world
@@ -179,7 +177,7 @@ def _predictor(model: torch.nn.Module, cfg: ResolvedConfig, first_use: int | Non
                        else (engine.dp.size, engine.dp.rank))
         try:
             engine.budget = estimate(model, cfg, world_size=world, rank=rank, effects=True, example_inputs=args,
-                                     example_kwargs=kwargs, first_use=first_use)
+                                     example_kwargs=kwargs, code=code)
         except Exception as err:  # noqa: BLE001 - the prediction must never stop training
             logger.warning("memory estimate unavailable (%s: %s); zeroplus.memory_estimate false skips it",
                            type(err).__name__, err)

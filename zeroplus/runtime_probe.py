@@ -1,18 +1,18 @@
 """Measure this machine's runtime overhead: what a training process holds beyond its tensors.
 
-``python -m zeroplus.runtime_probe [--dtype fp32|bf16|fp16]`` first runs ``budget/first_use.py``'s work
-in the fresh process, then trains the built-in GPT ``tiny`` (about 0.3 MiB of parameters), in that
-compute dtype, for two steps with zeroplus on one gloo rank and prints, as JSON, three numbers:
+``python -m zeroplus.runtime_probe [--dtype fp32|bf16|fp16]`` trains the built-in GPT ``tiny`` (about
+0.3 MiB of parameters), in that compute dtype, for two steps with zeroplus on one gloo rank in a fresh
+process and prints, as JSON:
 
-- ``first_use``: the resident memory the first-use work left (what any process pays once, by the
-  first training step it runs: measured again in each training process by ``initialize``).
 - ``construction``: the peak the engine's own report measures at the end of ``initialize`` (resident
   memory above the process when ``initialize`` started, the model's tensors counted as the engine's:
   ``memory_report.py``; what building the model cost besides its tensors is baseline), minus the
-  tensors the simulation predicts for the ``init`` phase (the process group and the engine's set-up).
-  ``torch._dynamo``, which the first optimizer would import, came with ``import zeroplus`` and is in
-  the baseline: ``budget/runtime_overhead.py``.
+  tensors the simulation predicts for the ``init`` phase. ``torch._dynamo``, which the first optimizer
+  would import, came with ``import zeroplus`` and is in the baseline: ``budget/runtime_overhead.py``.
 - ``training``: the same over two training steps, minus the predicted training peak's tensors.
+- ``code_built``, ``code_constructed``, ``code_trained``: torch's code resident after the model was
+  built, after ``initialize`` and after training (``budget/first_use.py``), so a process that already
+  holds some of it is predicted without it.
 
 The memory budget (``budget/runtime_overhead.py``) runs this once per machine and keeps the result.
 It is run under the allocator the budget assumes (glibc returning freed memory: the variables in
@@ -28,7 +28,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from .budget.first_use import pay
+from .budget.first_use import code_resident
 from .initialize_engine import initialize
 from .models import GPT, gpt_config
 
@@ -43,24 +43,27 @@ def main() -> None:
     dtype = sys.argv[sys.argv.index("--dtype") + 1] if "--dtype" in sys.argv else "fp32"  # (runtime_overhead.DTYPES)
     logging.disable(logging.WARNING)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    first_use = pay(dtype)  # before anything else trains here: a fresh process's first-use cost
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny"))
+    code_built = code_resident() or 0
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
               "zero_optimization": {"stage": 3}, "zeroplus": {"log_level": "error"},
               "bf16": {"enabled": dtype == "bf16"}, "fp16": {"enabled": dtype == "fp16"}}
     engine = initialize(model, config)
     constructed = engine.memory_report().process_peak_above_start_bytes  # the basis every report measures on
+    code_constructed = code_resident() or 0
     tokens = torch.randint(0, gpt_config("tiny").vocab_size, (2, SEQ))
     for _ in range(2):
         engine.backward(engine(tokens, tokens))
         engine.step()
     trained = engine.memory_report().process_peak_above_start_bytes
+    code_trained = code_resident() or 0
     budget = engine.budget
     if budget is None:
         raise RuntimeError("the runtime probe's engine made no memory prediction")
-    result = {"first_use": first_use, "construction": max(0, constructed - _tensor_bytes(budget.phases["init"])),
+    result = {"code_built": code_built, "code_constructed": code_constructed, "code_trained": code_trained,
+              "construction": max(0, constructed - _tensor_bytes(budget.phases["init"])),
               "training": max(0, trained - _tensor_bytes(budget.phases[budget.training_peak_phase]))}
     print(json.dumps(result))
     dist.destroy_process_group()

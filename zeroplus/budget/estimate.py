@@ -144,7 +144,7 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
              world_size: int, rank: int = 0, micro_batch_size: int | None = None, seq_len: int | None = None,
              example_inputs: tuple[Any, ...] | None = None, example_kwargs: dict[str, Any] | None = None,
              loss_fn: Callable[[Any], torch.Tensor] = default_loss, accelerator: str | None = None,
-             effects: bool = False, construction: str = "whole", first_use: int | None = None) -> MemoryBudget:
+             effects: bool = False, construction: str = "whole", code: int | None = None) -> MemoryBudget:
     """Predict rank ``rank``'s memory for training ``model`` with ``config`` on ``world_size`` ranks.
 
     ``model``: a module (copied to the meta device; its own memory is untouched) or a function of
@@ -160,12 +160,12 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     ``resolve_effects()``, ``to_dict()``, the engine's report). ``construction``: ``"whole"`` (the model
     built normally, whole on every rank at ``initialize``), ``"init"`` (built under ``zeroplus.Init``) or
     ``"meta"`` (built on the meta device): the init phase's peak differs (``simulate.py``).
-    ``first_use``: the first-use cost measured in the process that will train (``first_use.pay``, which
-    ``initialize`` runs); None for a fresh process (``runtime_overhead.py``).
+    ``code``: how much of torch's code the process that will train already holds
+    (``first_use.code_resident``, read by ``initialize``); None for a fresh process (``runtime_overhead.py``).
     """
     budget = _estimate(model, config, world_size=world_size, rank=rank, micro_batch_size=micro_batch_size,
                        seq_len=seq_len, example_inputs=example_inputs, example_kwargs=example_kwargs,
-                       loss_fn=loss_fn, accelerator=accelerator, construction=construction, first_use=first_use)
+                       loss_fn=loss_fn, accelerator=accelerator, construction=construction, code=code)
     if effects:
         examples = _meta(example_inputs) if example_inputs is not None else None  # shapes only: no batch kept
         kw_examples = _meta(example_kwargs) if example_kwargs is not None else None
@@ -180,7 +180,7 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
                     off = _estimate(model, without, world_size=world_size, rank=rank,
                                     micro_batch_size=micro_batch_size, seq_len=seq_len, example_inputs=examples,
                                     example_kwargs=kw_examples, loss_fn=loss_fn, accelerator=accelerator,
-                                    first_use=first_use)
+                                    code=code)
                     out[technique] = off.training_peak_bytes - budget.training_peak_bytes
             return out
         budget.pending_effects = measure
@@ -194,14 +194,14 @@ def _estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: di
               *, world_size: int, rank: int, micro_batch_size: int | None, seq_len: int | None,
               example_inputs: tuple[Any, ...] | None, example_kwargs: dict[str, Any] | None,
               loss_fn: Callable[[Any], torch.Tensor], accelerator: str | None,
-              construction: str = "whole", first_use: int | None = None) -> MemoryBudget:
+              construction: str = "whole", code: int | None = None) -> MemoryBudget:
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     kind = accelerator or get_accelerator().name
     tracker, cfg = simulate(model, config, world_size, rank, micro_batch_size=micro_batch_size, seq_len=seq_len,
                             example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
                             workspace=cpu_workspace_bytes if kind == "cpu" else None,
-                            runtime=runtime_bytes(kind, compute_dtype_name(config), first_use),
+                            runtime=runtime_bytes(kind, compute_dtype_name(config), code),
                             construction=construction)
     phases = {}
     for phase in PHASES:

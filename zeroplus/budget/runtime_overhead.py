@@ -1,21 +1,19 @@
 """What a training process holds beyond its tensors, measured on this machine once and kept.
 
 The budget adds ``runtime`` to every phase: on CPU, resident memory that is not a tensor. Most of it
-is paid once per process, by the first training step it ever runs (kernel code and generated
-kernels, autograd's thread, the meta kernels of the estimate: ``first_use.py``), and the rest by
-the engine itself (its process group, hooks, the first-forward estimate). The first part is
-measured in the process the prediction is for: ``initialize`` runs ``first_use.pay`` and the
-engine's prediction adds what it measured (all of it in a fresh process, nearly nothing in one
-that has trained before: a test session, a script that evaluated its model first). The second part
-differs between machines, libraries and versions, so it is not a constant either:
-``runtime_bytes("cpu")`` runs ``python -m zeroplus.runtime_probe`` in a child process (a two-step run
-of a 0.3 MiB model, about 8 s here), under the allocator the budget assumes (``ALLOCATOR_ENV``),
-which measures first use apart and then the engine's two numbers (from construction on, from the
-first backward on), and keeps the three in a file keyed by host, Python, torch and zeroplus versions
-and the probe's own version, so later processes on the machine read them. Ranks that start together
-wait on one lock and probe once. A prediction made outside the training process (``zeroplus
-estimate``, the planner before a launch) adds the probe's first use: a fresh process's. On CUDA and
-NPU the budget predicts the caching allocator's peak, which holds tensors only: 0.
+is torch's own code, paged in the first time a process trains (``first_use.py``); the rest is the
+engine's (its process group, hooks, generated kernels, the first-forward estimate). It differs between
+machines, libraries and versions, so it is not a constant: ``runtime_bytes("cpu")`` runs
+``python -m zeroplus.runtime_probe`` in a child process (a two-step run of a 0.3 MiB model, about 8 s
+here), under the allocator the budget assumes (``ALLOCATOR_ENV``), and keeps its numbers (from
+construction on, from the first backward on, and how much of torch's code was resident after its model
+was built, after ``initialize`` and after training) in a file keyed by host, Python, torch and zeroplus
+versions and the probe's own version, so later processes on the machine read them. Ranks that start
+together wait on one lock and probe once. ``initialize`` reads how much of torch's code its own process
+already holds, and the prediction takes off what that process has paid already (a test session, a
+script that evaluated first, the Trainer): no figure from a fresh process is added to one that has
+paid it. ``zeroplus estimate`` and the planner before a launch assume a fresh process. On CUDA and NPU
+the budget predicts the caching allocator's peak, which holds tensors only: 0.
 
 Modules torch imports lazily are paid before the model exists, not predicted (see note: runtime
 baseline). torch imports ``torch._dynamo`` (71 MiB resident here) when the first optimizer is built, so
@@ -26,9 +24,9 @@ the same run was predicted 71 MiB apart depending on the script's imports. zerop
 probe's too, and never in the prediction.
 
 ``ZEROPLUS_RUNTIME_BYTES="construction,training"`` (bytes, or sizes such as ``80MiB``) sets the two
-totals instead (first use included); ``ZEROPLUS_CACHE_DIR`` moves the file (default
+numbers instead (whatever the process holds); ``ZEROPLUS_CACHE_DIR`` moves the file (default
 ``$XDG_CACHE_HOME/zeroplus`` or ``~/.cache/zeroplus``). If the probe cannot run, the budget warns with
-its error and uses ``FALLBACK_BYTES``, measured on the machine that wrote this. Memory: three integers;
+its error and uses ``FALLBACK_BYTES``, measured on the machine that wrote this. Memory: five integers;
 the probe's memory is the child's.
 """
 from __future__ import annotations
@@ -54,25 +52,26 @@ logger = logging.getLogger("zeroplus")
 
 ENV = "ZEROPLUS_RUNTIME_BYTES"
 ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
-# first use, then GPT-tiny on 1 gloo rank; fp32 on a 2-core x86 with avx512_bf16
-FALLBACK_BYTES = (21 * 2**20, 2 * 2**20, 7 * 2**20)
+RECORD = ("construction", "training", "code_built", "code_constructed", "code_trained")  # the probe's numbers
+FALLBACK_BYTES = (12 * 2**20, 24 * 2**20, 40 * 2**20, 45 * 2**20, 62 * 2**20)  # GPT-tiny, 1 gloo rank, fp32, here
 LAZY_IMPORTS = ("torch._dynamo",)  # what torch imports lazily for an engine: imported above, with zeroplus
 DTYPES = ("fp32", "bf16", "fp16")  # compute dtypes, each probed apart
 # what the probe measures changed (2: the step's norm scratch no longer counted whole in the tensors
-# subtracted; measured on the engine report's basis; 3: first use measured apart): a kept result from
-# an earlier meaning is probed again, whatever the package version
+# subtracted; measured on the engine report's basis; 3: torch's code resident recorded): a kept result
+# from an earlier meaning is probed again, whatever the package version
 PROBE_VERSION = "3"
 # a launcher's variables would make the probe's engine join the caller's job
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
 
-def runtime_bytes(kind: str, dtype: str = "fp32", first_use: int | None = None) -> tuple[int, int]:
+def runtime_bytes(kind: str, dtype: str = "fp32", code: int | None = None) -> tuple[int, int]:
     """(bytes from the engine's construction on, bytes from the end of the first backward on) for a
     process training on accelerator ``kind`` in compute dtype ``dtype`` (``fp32``, ``bf16``, ``fp16``:
     a 16-bit run loads its own kernels, 11 MiB more for bf16 here; each is probed once).
-    ``first_use``: what ``first_use.pay`` measured in the process the prediction is for (the part of
-    the first-use cost it had not paid yet); None for a fresh process (the probe's measure of it)."""
+    ``code``: ``first_use.code_resident()`` of the process the prediction is for, read when it starts
+    ``initialize``; what it holds beyond the probe's after-build figure is taken off, up to what the
+    probe's run paged in by then. None: a fresh process (nothing taken off)."""
     if dtype not in DTYPES:
         raise ValueError(f"runtime_bytes: dtype {dtype!r} is not one of {DTYPES}")
     if kind != "cpu":
@@ -80,14 +79,17 @@ def runtime_bytes(kind: str, dtype: str = "fp32", first_use: int | None = None) 
     override = os.environ.get(ENV)
     if override is not None:
         return _parse_override(override)
-    fresh, construction, training = _measured(dtype)
-    paid_here = fresh if first_use is None else first_use
-    return (construction + paid_here, training + paid_here)
+    construction, training, built, constructed, trained = _measured(dtype)
+    if code is None:
+        return (construction, training)
+    ahead = max(0, code - built)
+    return (max(0, construction - min(ahead, constructed - built)), max(0, training - min(ahead, trained - built)))
 
 
 @functools.lru_cache(maxsize=None)
-def _measured(dtype: str) -> tuple[int, int, int]:
-    """The probe's (first use, construction, training), from the kept file or probed now."""
+def _measured(dtype: str) -> tuple[int, int, int, int, int]:
+    """The probe's (construction, training, code after build, after initialize, after training), from the
+    kept file or probed now."""
     path = _cache_file(dtype)
     cached = _read(path)
     if cached is not None:
@@ -108,9 +110,9 @@ def _measured(dtype: str) -> tuple[int, int, int]:
         return measured
 
 
-def probe(dtype: str = "fp32") -> tuple[int, int, int]:
-    """Run ``zeroplus.runtime_probe`` in a child process and return its three numbers; on failure, warn
-    and return ``FALLBACK_BYTES``."""
+def probe(dtype: str = "fp32") -> tuple[int, int, int, int, int]:
+    """Run ``zeroplus.runtime_probe`` in a child process and return its numbers (``RECORD`` order); on
+    failure, warn and return ``FALLBACK_BYTES``."""
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
     env.update(ALLOCATOR_ENV, ZEROPLUS_ACCELERATOR="cpu", **{ENV: "0,0"})
     cmd = [sys.executable, "-m", "zeroplus.runtime_probe", "--dtype", dtype]
@@ -119,11 +121,12 @@ def probe(dtype: str = "fp32") -> tuple[int, int, int]:
         if done.returncode != 0:
             raise RuntimeError(f"exit code {done.returncode}: {done.stderr.strip()[-500:]}")
         result = json.loads(done.stdout.strip().splitlines()[-1])
-        measured = (int(result["first_use"]), int(result["construction"]), int(result["training"]))
+        c, t, built, constructed, trained = (int(result[key]) for key in RECORD)
     except (OSError, ValueError, KeyError, IndexError, RuntimeError, subprocess.TimeoutExpired) as err:
         logger.warning("the runtime overhead probe (%s) failed (%s: %s); the memory budget uses %s instead "
                        "(set %s to give it)", " ".join(cmd), type(err).__name__, err, _describe(FALLBACK_BYTES), ENV)
         return FALLBACK_BYTES
+    measured = (c, t, built, constructed, trained)
     logger.info("runtime overhead measured on this machine: %s", _describe(measured))
     return measured
 
@@ -137,9 +140,9 @@ def _parse_override(value: str) -> tuple[int, int]:
     return (first, second)
 
 
-def _describe(measured: tuple[int, int, int]) -> str:
-    return (f"{measured[0] / 2**20:.1f} MiB on first use, then {measured[1] / 2**20:.1f} MiB from construction, "
-            f"{measured[2] / 2**20:.1f} MiB from the first backward")
+def _describe(measured: tuple[int, ...]) -> str:
+    return (f"{measured[0] / 2**20:.1f} MiB from construction, {measured[1] / 2**20:.1f} MiB from the first "
+            f"backward, {(measured[4] - measured[2]) / 2**20:.1f} MiB of it torch's code paged in")
 
 
 def _cache_key(dtype: str) -> dict[str, str]:
@@ -159,14 +162,12 @@ def _cache_file(dtype: str) -> str:
     return cache_file("runtime-overhead", _cache_key(dtype))
 
 
-def _read(path: str) -> tuple[int, int, int] | None:
+def _read(path: str) -> tuple[int, int, int, int, int] | None:
     record = read_record(path)
     with contextlib.suppress(KeyError, TypeError, ValueError):
-        return ((int(record["first_use"]), int(record["construction"]), int(record["training"]))
-                if record is not None else None)
+        return tuple(int(record[key]) for key in RECORD) if record is not None else None  # type: ignore[return-value]
     return None
 
 
-def _write(path: str, measured: tuple[int, int, int], dtype: str) -> None:
-    write_record(path, {"first_use": measured[0], "construction": measured[1], "training": measured[2],
-                        **_cache_key(dtype)})
+def _write(path: str, measured: tuple[int, ...], dtype: str) -> None:
+    write_record(path, {**dict(zip(RECORD, measured)), **_cache_key(dtype)})
