@@ -69,8 +69,10 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     accel = get_accelerator()
     accel.reset_peak_memory_stats()  # the engine's peak is measured from here
     rss_at_start = accel.memory_allocated()
-    code = code_resident() if accel.name == "cpu" else None  # torch's code this process holds already
     cfg, unimplemented = parse_config(config)
+    predicts = cfg.zeroplus.memory_estimate or cfg.zeroplus.memory_budget is not None
+    # torch's code this process holds already (budget/first_use.py): read only where a budget is made
+    code = code_resident() if predicts and accel.name == "cpu" else None
     init_distributed_if_launched(cfg.zeroplus.collective_timeout)
     setup_logging(cfg.zeroplus.log_level)
     if unimplemented:

@@ -9,7 +9,7 @@ something before ``initialize`` is predicted without the first use it paid. The 
 these +13% to +46% (the runtime overhead of another process added to one that had paid it).
 
 Stated tolerance: 15%, not the issue's 5%. A tiny Llama's peak (30-50 MiB) is mostly runtime, and its
-own kernels' first use (the Llama's ops beyond the GPT the first-use measurement trains, 2.5 MiB here)
+own kernels' first use (the Llama's ops beyond those of the runtime probe's GPT, 2.5 MiB here)
 and the 2-rank stage-3 collectives' (2 MiB) are not in the prediction: measured -5% to -14%. On the
 benchmark's models (hundreds of MiB) the same gap is 1% (``docs/benchmark.md``).
 """

@@ -49,22 +49,31 @@ def _peak(settings: Settings, world: int, config: Callable[[], dict] = _config) 
     return zeroplus.estimate(_model, cfg, world_size=world, seq_len=SEQ).peak_bytes
 
 
+def _train(config: dict, micro: int = 2, steps: int = 3) -> Any:
+    torch.manual_seed(0)
+    engine = zeroplus.initialize(_model(), config)
+    x = torch.randint(0, 256, (micro, SEQ))
+    for _ in range(steps):
+        engine.backward(engine(x, x))
+        engine.step()
+    return engine
+
+
+def _outcome(engine: Any) -> dict:
+    """What the planner chose and how the run measured against its prediction."""
+    report = engine.memory_report()
+    return {"stage": engine.zero_optimization_stage(), "shared": engine.config.zeroplus.shared_master_weights,
+            "recompute": engine.config.zeroplus.resize_recompute.enabled,
+            "measured": report.process_peak_above_start_bytes, "predicted": report.predicted_peak_bytes}
+
+
 def _plan_and_train_job(config: Callable[..., dict] = _config, micro: int = 2, steps: int = 3) -> dict:
     """A budget halfway between the predicted peaks of stages 0 and 1; ``initialize`` plans within it."""
     rank, world = rank_and_world()
     stage0, stage1 = (_peak(Settings(s, None, False, False), world, config) for s in (0, 1))
     budget = (stage0 + stage1) // 2
-    torch.manual_seed(0)
-    engine = zeroplus.initialize(_model(), config(budget))
-    x = torch.randint(0, 256, (micro, SEQ))
-    for _ in range(steps):
-        engine.backward(engine(x, x))
-        engine.step()
-    report = engine.memory_report()
-    return {"budget": budget, "stage0": stage0, "stage1": stage1, "stage": engine.zero_optimization_stage(),
-            "shared": engine.config.zeroplus.shared_master_weights,
-            "recompute": engine.config.zeroplus.resize_recompute.enabled,
-            "measured": report.process_peak_above_start_bytes, "predicted": report.predicted_peak_bytes}
+    engine = _train(config(budget), micro, steps)
+    return {"budget": budget, "stage0": stage0, "stage1": stage1, **_outcome(engine)}
 
 
 @pytest.fixture
@@ -81,16 +90,6 @@ def _fixed(stage: int) -> dict:
     config["zero_optimization"]["stage"] = stage
     config["zeroplus"].update(shared_master_weights=False, resize_recompute={"enabled": False}, memory_budget=None)
     return config
-
-
-def _train(config: dict, steps: int = 3) -> Any:
-    torch.manual_seed(0)
-    engine = zeroplus.initialize(_model(), config)
-    x = torch.randint(0, 256, (2, SEQ))
-    for _ in range(steps):
-        engine.backward(engine(x, x))
-        engine.step()
-    return engine
 
 
 def _between_measured_peaks_job() -> dict:
@@ -112,12 +111,7 @@ def _between_measured_peaks_job() -> dict:
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, measured)  # one budget for all ranks: between the highest 1 and lowest 0
     budget = (min(m[0] for m in every) + max(m[1] for m in every)) // 2
-    engine = _train(_config(budget))
-    report = engine.memory_report()
-    return {"measured0": measured[0], "measured1": measured[1], "budget": budget,
-            "stage": engine.zero_optimization_stage(), "shared": engine.config.zeroplus.shared_master_weights,
-            "recompute": engine.config.zeroplus.resize_recompute.enabled,
-            "measured": report.process_peak_above_start_bytes, "predicted": report.predicted_peak_bytes}
+    return {"measured0": measured[0], "measured1": measured[1], "budget": budget, **_outcome(_train(_config(budget)))}
 
 
 def test_a_budget_between_two_stages_measured_peaks_picks_the_one_that_fits(budget_allocator):

@@ -201,7 +201,7 @@ def _estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: di
     tracker, cfg = simulate(model, config, world_size, rank, micro_batch_size=micro_batch_size, seq_len=seq_len,
                             example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
                             workspace=cpu_workspace_bytes if kind == "cpu" else None,
-                            runtime=runtime_bytes(kind, compute_dtype_name(config), code),
+                            runtime=runtime_bytes(kind, _compute_dtype_name(config), code),
                             construction=construction)
     phases = {}
     for phase in PHASES:
@@ -218,7 +218,7 @@ def _estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: di
                         category_peaks, tracker.saved_for_backward, tracker.checkpoint_copies, _split(cfg, world_size))
 
 
-def compute_dtype_name(config: dict[str, Any] | str | ZeroplusConfig) -> str:
+def _compute_dtype_name(config: dict[str, Any] | str | ZeroplusConfig) -> str:
     """``fp32``, ``bf16`` or ``fp16``: whose runtime overhead the run has (``runtime_overhead.py``), by the
     engine's own choice of compute dtype."""
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(compute_dtype(load_config(config)), "fp32")

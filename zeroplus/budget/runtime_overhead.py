@@ -41,6 +41,7 @@ import os
 import platform
 import subprocess
 import sys
+from typing import Any
 
 import torch
 import torch._dynamo  # noqa: F401 - LAZY_IMPORTS: into the process's baseline (see note: runtime baseline)
@@ -121,12 +122,11 @@ def probe(dtype: str = "fp32") -> tuple[int, int, int, int, int]:
         if done.returncode != 0:
             raise RuntimeError(f"exit code {done.returncode}: {done.stderr.strip()[-500:]}")
         result = json.loads(done.stdout.strip().splitlines()[-1])
-        c, t, built, constructed, trained = (int(result[key]) for key in RECORD)
+        measured = _record(result)
     except (OSError, ValueError, KeyError, IndexError, RuntimeError, subprocess.TimeoutExpired) as err:
         logger.warning("the runtime overhead probe (%s) failed (%s: %s); the memory budget uses %s instead "
                        "(set %s to give it)", " ".join(cmd), type(err).__name__, err, _describe(FALLBACK_BYTES), ENV)
         return FALLBACK_BYTES
-    measured = (c, t, built, constructed, trained)
     logger.info("runtime overhead measured on this machine: %s", _describe(measured))
     return measured
 
@@ -162,10 +162,17 @@ def _cache_file(dtype: str) -> str:
     return cache_file("runtime-overhead", _cache_key(dtype))
 
 
+def _record(values: dict[str, Any]) -> tuple[int, int, int, int, int]:
+    """The probe's numbers from its JSON or the kept file, in ``RECORD`` order (KeyError, TypeError or
+    ValueError when one is missing or not a number)."""
+    construction, training, built, constructed, trained = (int(values[key]) for key in RECORD)
+    return construction, training, built, constructed, trained
+
+
 def _read(path: str) -> tuple[int, int, int, int, int] | None:
     record = read_record(path)
     with contextlib.suppress(KeyError, TypeError, ValueError):
-        return tuple(int(record[key]) for key in RECORD) if record is not None else None  # type: ignore[return-value]
+        return _record(record) if record is not None else None
     return None
 
 

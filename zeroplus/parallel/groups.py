@@ -123,12 +123,6 @@ def using(groups: ParallelGroups) -> Iterator[ParallelGroups]:
         _CURRENT = previous
 
 
-def one_rank() -> ParallelGroups:
-    """Groups of this rank alone (every size 1, no process group touched): for work that must not see
-    the job's split, such as the budget's first-use measurement (``budget/first_use.py``)."""
-    return ParallelGroups(Topology(1), 0, virtual=lambda _index, _size: _SingleRank())
-
-
 def _world_group() -> Any:
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
@@ -149,4 +143,4 @@ def reset_parallel() -> None:
     _CURRENT = None
 
 
-__all__ = ["ParallelGroups", "init_parallel", "one_rank", "parallel_groups", "reset_parallel"]
+__all__ = ["ParallelGroups", "init_parallel", "parallel_groups", "reset_parallel"]
