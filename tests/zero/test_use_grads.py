@@ -102,6 +102,31 @@ def test_embedding_rows_go_into_the_flat_buffer(monkeypatch):
     assert peak_off >= peak + table - table // 4, (peak_off, peak, table)
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_an_untied_embedding_never_allocates_a_flat_gradient(stage):
+    """At stages 2-3 the root's embedding is a group of its own (``-uses``), whose gradient comes only as rows:
+    when backward reaches the embedding the gradients held are the head's and the blocks', not a table-sized
+    flat buffer (in one group with the head, the table's slice was allocated, and on one rank kept, with the
+    head's gradient). Checked to fail with the embedding grouped with the head."""
+    table = VOCAB * 64 * 4
+    torch.manual_seed(0)
+    model = SmallHeadNet()
+    engine = zeroplus.initialize(model, _config(stage))
+    apart = [g for g in engine.partition.root.groups if g.names == ["emb.weight"]]
+    assert len(apart) == 1 and apart[0].name.startswith("<root>#0-uses"), [g.name for g in engine.partition.groups]
+    seen: list[int] = []
+
+    def watch(module: nn.Module, args: object, out: torch.Tensor) -> None:  # gradients held when backward reaches it
+        out.register_hook(lambda g: seen.append(engine.ledger.live_bytes(Category.GRAD)))
+    model.emb.register_forward_hook(watch)
+    for _ in range(2):
+        ids = torch.randint(0, VOCAB, (2, 16))
+        engine.backward(engine(ids, ids))
+        assert apart[0].grad_full is None
+        engine.step()
+    assert seen and max(seen) < table // 4, (seen, table)
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 @pytest.mark.parametrize("make", [_gpt, SmallHeadNet, DirectHeadNet],
                          ids=["tied-gpt", "embedding-padding", "use-outside-holder"])

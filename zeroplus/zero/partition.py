@@ -14,7 +14,9 @@ embeddings, add their gradients into the flat buffer as they are computed (``use
 stages 2-3 such a group is reduced as soon as its dense gradients are in (the tied head's, at the
 start of backward), so its flat buffer does not live through the backward; the embedding's rows
 are kept as per-token sums and reduced sparsely into the shard when the backward ends
-(``row_reduce.py``). At stages 0-1 the rows go into the flat buffer.
+(``row_reduce.py``). At stages 0-1 the rows go into the flat buffer. At stages 2-3 the root unit's
+per-use parameters form groups of their own (label ``-uses``): an untied embedding's group then never
+allocates a flat gradient (vocabulary x hidden in the compute dtype saved for the whole backward).
 
 Experts (``zeroplus.parallel.MoE``, expert-parallel size E > 1): a unit's expert parameters form
 flat groups of their own, partitioned over the expert-data group (the D / E ranks holding the same
@@ -51,7 +53,7 @@ from .quantized import packed_storage, prepare_packed
 from .row_reduce import reduce_rows
 from .stage3 import Stage3Scheduler
 from .stage3_state_dict import install_state_dict_hooks
-from .units import Unit, assign_parameters, bucketed, find_unit_modules, frozen_dtype
+from .units import Named, Unit, assign_parameters, bucketed, find_unit_modules, frozen_dtype
 from .use_grads import UseGrads, UseSinks, routed
 
 logger = logging.getLogger("zeroplus.zero")
@@ -99,24 +101,27 @@ class ZeroPartition:
         unit_modules = find_unit_modules(model, unit_class_names, frozen_too)
         self.units: list[Unit] = []
         device = placement.device if placement is not None else None
-        for index, (name, module, params) in enumerate(assign_parameters(model, unit_modules, frozen_too)):
+        assigned = assign_parameters(model, unit_modules, frozen_too)
+        alone = self._routed_apart(model, assigned, param_group_of)
+        for index, (name, module, params) in enumerate(assigned):
             if placement is not None:
                 placement.prepare(module, [m for _, m in unit_modules])
             groups = []
-            by_group: dict[tuple[int, bool], list[tuple[str, torch.nn.Parameter]]] = {}
+            by_group: dict[tuple[int, bool, bool], list[tuple[str, torch.nn.Parameter]]] = {}
             frozen_named: dict[torch.dtype, list[tuple[str, torch.nn.Parameter]]] = {}  # by the group's dtype
             for pname, p in params:
                 if p.requires_grad and id(p) in param_group_of:
                     expert = experts is not None and experts.holds(p)
-                    by_group.setdefault((param_group_of[id(p)], expert), []).append((pname, p))
+                    by_group.setdefault((param_group_of[id(p)], expert, id(p) in alone), []).append((pname, p))
                 elif (dtype := frozen_dtype(p, self.stage, experts, compute_dtype)) is not None:
                     if packed_storage(p):
                         prepare_packed(pname, p, module, device, dp.rank)
                     frozen_named.setdefault(dtype, []).append((pname, p))
-            for gi, expert in sorted(by_group):
-                runs = bucketed(by_group[(gi, expert)], zero.reduce_bucket_size)
+            for gi, expert, apart in sorted(by_group):
+                runs = bucketed(by_group[(gi, expert, apart)], zero.reduce_bucket_size)
                 for k, named in enumerate(runs):
-                    group_dp, label = dp, f"{name}#{gi}" + (f".{k}" if len(runs) > 1 else "")
+                    label = f"{name}#{gi}" + ("-uses" if apart else "") + (f".{k}" if len(runs) > 1 else "")
+                    group_dp = dp
                     split = experts if expert else None
                     if split is not None:
                         named = [(f"{n}{split.suffix}", p) for n, p in named]
@@ -173,6 +178,7 @@ class ZeroPartition:
                                             functools.partial(self._rows_arrived, g, i),
                                             functools.partial(self._dense_use_made, g))
         self.use_grads = UseGrads(model, sinks, on_replay=self._holder_replayed)
+        self._deferred: list[FlatParamGroup] = []  # per-use groups whose dense use just arrived (_dense_use_arrived)
         self.release_root_early = True  # cleared for good by a use outside the holders or a replay
         self._backwards_seen = 0
         for g in self.groups:
@@ -208,6 +214,20 @@ class ZeroPartition:
 
     # -- backward -----------------------------------------------------------------------------
     # -- per-use gradients (use_grads.py) -----------------------------------------------------------
+    def _routed_apart(self, model: torch.nn.Module, assigned: list[tuple[str, torch.nn.Module, Named]],
+                      param_group_of: dict[int, int]) -> set[int]:
+        """Stages 2-3: the root unit's per-use parameters (its embeddings, a tied head's weight), which get flat
+        groups of their own. An untied embedding's gradient comes only as rows, reduced sparsely, so its group
+        never allocates a flat gradient; in one group with the head and final norm it would be allocated whole
+        (vocabulary x hidden in the compute dtype, e.g. 1 GiB for a 128k-token bf16 embedding at hidden 4096)
+        when the head's gradient arrives, and its zeros reduced with them."""
+        if not self.early_per_use:
+            return set()
+        trained = [{id(p) for _, p in params if p.requires_grad and id(p) in param_group_of}
+                   for _, _, params in assigned]
+        root = trained[-1]
+        return routed(model, set().union(*trained), root) & root
+
     def _holder_replayed(self) -> None:
         self.release_root_early = False
     def _dense_use_made(self, group: FlatParamGroup) -> None:
@@ -215,9 +235,18 @@ class ZeroPartition:
         group.dense_pending += 1
 
     def _dense_use_arrived(self, group: FlatParamGroup, index: int, grad: torch.Tensor) -> None:
+        """A holder's use delivered ``grad`` (added into the flat buffer). The early reduction this may allow
+        starts at the next gradient hook or at the end of backward, not here: ``grad`` (a table-sized tied
+        head's gradient) is alive until this returns, and the reduction's landing shard beside it would raise
+        the peak by the shard."""
         group.accumulate_grad(index, grad)
         group.dense_pending -= 1
-        self._maybe_reduce_early(group)
+        self._deferred.append(group)
+
+    def _reduce_deferred(self) -> None:
+        """Start the early reductions ``_dense_use_arrived`` left (every rank at the same hook: one graph)."""
+        while self._deferred:
+            self._maybe_reduce_early(self._deferred.pop(0))
 
     def _rows_arrived(self, group: FlatParamGroup, index: int, ids: torch.Tensor, sums: torch.Tensor,
                       tokens: int) -> None:
@@ -235,7 +264,6 @@ class ZeroPartition:
         if (self.early_per_use and id(group) not in self._ready and group.dense_pending <= 0
                 and group.grad_full is not None and group.grads_seen == len(group.params) - len(group.per_use)):
             self._group_ready(group)
-            self._maybe_release_root()
 
     def _maybe_release_root(self) -> None:
         """Stage 3: once every root group's gradients are in, nothing left in this backward reads the root's
@@ -243,8 +271,16 @@ class ZeroPartition:
         freed then instead of at the end of backward. Only after a first backward showed no use outside
         the holders and no holder replayed inside backward (either could read the values later)."""
         if (self.stage3 is not None and self.release_root_early and self._backwards_seen > 0 and not self.root.frozen
-                and all(id(g) in self._ready for g in self.root.groups)):  # (frozen weights: read to the end)
-            self.root.release()
+                and any(g.per_use for g in self.root.groups)  # (its holders' hooks are what tell a use outside)
+                and all(id(g) in self._ready or self._only_rows_to_come(g) for g in self.root.groups)):
+            self.root.release()  # (frozen weights: read to the end)
+
+    @staticmethod
+    def _only_rows_to_come(group: FlatParamGroup) -> bool:
+        """A per-use group holding no dense gradient and waiting for none: only embedding rows are left to
+        come, and an embedding runs on its detached weight (``use_grads.py``), so the values are not read."""
+        return (bool(group.per_use) and group.grad_full is None and group.dense_pending <= 0
+                and group.grads_seen == len(group.params) - len(group.per_use))
 
     def begin_backward(self, reduce: bool) -> None:
         """``reduce``: reduce gradients in this backward (always at stages 2-3, at the boundary at 0-1)."""
@@ -256,6 +292,7 @@ class ZeroPartition:
 
     def _make_grad_hook(self, group: FlatParamGroup, index: int):
         def hook(param: torch.nn.Parameter) -> None:
+            self._reduce_deferred()
             grad = param.grad
             by_rows = index in group.by_rows  # its gradient went into the flat buffer by rows
             group.by_rows.discard(index)
@@ -289,11 +326,14 @@ class ZeroPartition:
         unit.groups_ready += 1
         if self.stage3 is not None and unit.groups_ready == len(unit.groups):
             self.stage3.on_unit_grads_done(unit)
+        if unit.is_root:
+            self._maybe_release_root()
 
     def end_backward(self) -> None:
         """Reduce groups some of whose parameters got no gradient, then wait for every reduction. A
         group with no gradient at all waits for the boundary at stage 2 (a pipeline chunk's backward
         touches only its own groups; the others are reduced in their own backwards)."""
+        self._reduce_deferred()
         with_rows = []
         for g in self.groups:  # fixed order: every rank issues the same collectives
             untouched_until_boundary = self.stage == 2 and g.grad_full is None and not self.at_boundary \
