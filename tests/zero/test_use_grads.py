@@ -81,6 +81,16 @@ def _backward_peak(model: nn.Module, stage: int) -> tuple[int, int]:
     return new.peak, held
 
 
+def _held_when_backward_reaches(module: nn.Module, engine, category: Category) -> list[int]:
+    """The ledger's live bytes of ``category`` each time backward reaches ``module``'s output."""
+    seen: list[int] = []
+
+    def watch(m: nn.Module, args: object, out: torch.Tensor) -> None:
+        out.register_hook(lambda g: seen.append(engine.ledger.live_bytes(category)))
+    module.register_forward_hook(watch)
+    return seen
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_tied_head_gradient_is_not_held_until_the_embedding(stage, monkeypatch):
     table = VOCAB * 64 * 4
@@ -114,11 +124,7 @@ def test_an_untied_embedding_never_allocates_a_flat_gradient(stage):
     engine = zeroplus.initialize(model, _config(stage))
     apart = [g for g in engine.partition.root.groups if g.names == ["emb.weight"]]
     assert len(apart) == 1 and apart[0].name.startswith("<root>#0-uses"), [g.name for g in engine.partition.groups]
-    seen: list[int] = []
-
-    def watch(module: nn.Module, args: object, out: torch.Tensor) -> None:  # gradients held when backward reaches it
-        out.register_hook(lambda g: seen.append(engine.ledger.live_bytes(Category.GRAD)))
-    model.emb.register_forward_hook(watch)
+    seen = _held_when_backward_reaches(model.emb, engine, Category.GRAD)
     for _ in range(2):
         ids = torch.randint(0, VOCAB, (2, 16))
         engine.backward(engine(ids, ids))
@@ -172,11 +178,7 @@ def test_stage3_root_is_released_once_its_gradients_are_in():
     model = _gpt()
     engine = zeroplus.initialize(model, {**_config(3), "bf16": {"enabled": True}})
     root_bytes = sum(g.padded_numel * 2 for g in engine.partition.root.groups)
-    seen: list[int] = []
-
-    def watch(module: nn.Module, args: object, out: torch.Tensor) -> None:  # gathered bytes when backward reaches it
-        out.register_hook(lambda g: seen.append(engine.ledger.live_bytes(Category.PARAM_GATHERED)))
-    model.wte.register_forward_hook(watch)
+    seen = _held_when_backward_reaches(model.wte, engine, Category.PARAM_GATHERED)
     for _ in range(3):
         ids = torch.randint(0, VOCAB, (2, 16))
         engine.backward(engine(ids, ids))
