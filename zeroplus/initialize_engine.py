@@ -187,6 +187,8 @@ def _predictor(model: torch.nn.Module, cfg: ResolvedConfig, code: int | None):
         engine.budget.compiled = engine.is_compiled or bool(compiled_modules(engine.module))
         if engine.dp.rank == 0:
             logger.info("%s", engine.budget)
+            for caveat in engine.budget.caveats:
+                logger.warning("memory budget, not predicted: %s", caveat)
     return predict
 
 

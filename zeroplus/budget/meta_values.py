@@ -130,7 +130,11 @@ def _topk_stand_in(args: tuple, kwargs: dict, out: Any) -> None:
 
 
 class MetaValues:
-    """Runs one aten operation for the tracker on meta tensors, keeping and using known values."""
+    """Runs one aten operation for the tracker on meta tensors, keeping and using known values. ``routed``:
+    how many ``topk`` results it made up (a router's choice, routed round-robin)."""
+
+    def __init__(self) -> None:
+        self.routed = 0
 
     def __call__(self, func: Any, args: tuple, kwargs: dict) -> Any:
         tensors = _tensor_args(args, kwargs)
@@ -150,6 +154,7 @@ class MetaValues:
                 raise _cannot_run(func, err) from None
             return tree_map(_meta_like, self._run_on_shadows(func, args, kwargs, tensors))
         if func is aten.topk.default and not known:
+            self.routed += 1
             _topk_stand_in(args, kwargs, out)
             return out
         if known and all(t.numel() <= LIMIT for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)):
