@@ -68,7 +68,9 @@ class ByteBatches:
     def _windows(self, data: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         starts = torch.randint(0, len(data) - self.seq_len - 1, (self.micro_batch,), generator=g)
         rows = torch.stack([data[s:s + self.seq_len + 1] for s in starts.tolist()]).long()  # (b, t+1)
-        return rows[:, :-1], rows[:, 1:]
+        # contiguous, as a data loader's batches are: strided ids and targets run other kernels in the model's
+        # embedding and loss, whose code (4 MiB of libtorch_cpu.so here) no budget predicts
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
     def batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(hash((self.seed, self.rank, step, micro)) & 0x7FFFFFFF)
