@@ -8,10 +8,10 @@ classes before the measured start or not gives the same error, to 2 points; a pr
 something before ``initialize`` is predicted without the first use it paid. The issue's table had
 these +13% to +46% (the runtime overhead of another process added to one that had paid it).
 
-Stated tolerance: 15%, not the issue's 5%. A tiny Llama's peak (30-50 MiB) is mostly runtime, and its
-own kernels' first use (the Llama's ops beyond those of the runtime probe's GPT, 2.5 MiB here)
-and the 2-rank stage-3 collectives' (2 MiB) are not in the prediction: measured -5% to -14%. On the
-benchmark's models (hundreds of MiB) the same gap is 1% (``docs/benchmark.md``).
+Tolerance: the issue's 5% for its rows (measured -3.3% to +2.8% over three runs of this file). A process that
+trained before ``initialize``: 10% (+3.7% to +7.7%: what it paid is read, not the kernels' per-shape state).
+The 15% this file stated before was set when these rows measured -5% to -14%, before the step's norm scratch
+was sized to the gradient and torch's resident code was read (``budget/first_use.py``).
 """
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ def _errors(tmp_path, stage: int, micro: int, seq: int, import_first: bool, trai
     return errors
 
 
-TOLERANCE = 15.0  # percent; see the module's docstring
+TOLERANCE = 5.0  # percent; see the module's docstring
+TRAINED_FIRST_TOLERANCE = 10.0
 
 
 @pytest.mark.parametrize("stage,micro,seq", [(1, 4, 512), (2, 1, 512)])
@@ -67,4 +68,4 @@ def test_a_process_that_trained_before_is_predicted_without_the_first_use_it_pai
     use: its peak above ``initialize`` is about half a fresh process's here, and the prediction follows
     (before the first-use measurement it was +70% over: the issue's Trainer row, +37%)."""
     errors = _errors(tmp_path, 1, 4, 512, True, train_first=True)
-    assert all(abs(e) <= TOLERANCE for e in errors), errors
+    assert all(abs(e) <= TRAINED_FIRST_TOLERANCE for e in errors), errors
