@@ -90,6 +90,7 @@ class Engine:
         self._activations = parts.activations
         self._activation_bytes: int | None = None  # what the first training forward left alive (_census)
         self._no_sync = False
+        self._destroyed = False  # destroy(): hooks removed, the model given back
         # One backward() per micro-step, then step(); backwards inside no_sync() accumulate freely.
         self._backward_since_step = False  # any backward since the last step()
         self._synced_backward_since_step = False  # one outside no_sync()
@@ -180,6 +181,7 @@ class Engine:
 
     # -- forward / backward / step ------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._refuse_if_destroyed("forward")
         self._state_offload.refuse_if_offloaded("forward")
         if self._first_forward_hooks and torch.is_grad_enabled() and self._module.training:
             hooks, self._first_forward_hooks = self._first_forward_hooks, []
@@ -331,7 +333,8 @@ class Engine:
         return self._state_offload.reload(non_blocking)
 
     def _refuse_unless_trainable(self, call: str) -> None:
-        """``backward()`` and ``step()`` need the states on the device and an optimizer."""
+        """``backward()`` and ``step()`` need a live engine, the states on the device and an optimizer."""
+        self._refuse_if_destroyed(call)
         self._state_offload.refuse_if_offloaded(call)
         if isinstance(self.optimizer, ForwardOnly):
             raise RuntimeError(f"{call} on rank {self.dp.rank}: {FORWARD_ONLY}; give the config an 'optimizer' block "
@@ -459,11 +462,24 @@ class Engine:
                                         baseline_bytes=max(0, self._baseline))
 
     def destroy(self) -> None:
-        """Wait for in-flight collectives and remove hooks (call before destroying the process group)."""
-        self._partition.wait_in_flight()
+        """End the engine and give the model back: in-flight collectives waited for; at stage 3 the parameters
+        gathered and left in the model with their current values (a collective: every rank calls it, before
+        destroying the process group; one model's worth of memory, as before ``initialize``); every hook the
+        engine put on the model removed (ZeRO's, the memory techniques', compiled units'), so ``initialize`` may
+        take the same model again. Later forward, backward and step calls raise. A second call does nothing."""
+        if self._destroyed:
+            return
+        self._partition.remove()
+        self._activations.remove()
         if self._compiled is not None:
             self._compiled.remove()
             self._compiled = None
+        self._destroyed = True
+
+    def _refuse_if_destroyed(self, call: str) -> None:
+        if self._destroyed:
+            raise RuntimeError(f"{call} on rank {self.dp.rank}: this engine was destroyed (engine.destroy()); the "
+                               f"model holds its parameters again: zeroplus.initialize it anew to train on")
 
 
 def _wait_at_exit(ref: weakref.ref) -> None:

@@ -179,3 +179,4 @@ class ResizeRecompute:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+        self._handles.clear()

@@ -27,11 +27,18 @@ class Claimer(Protocol):
     def pack(self, tensor: torch.Tensor) -> Any | None: ...
     def unpack(self, token: Any) -> torch.Tensor: ...
     def end_backward(self) -> None: ...
+    def remove(self) -> None: ...
 
 
 class SavedTensorRouter:
     def __init__(self, claimers: list[Claimer]) -> None:
         self.claimers = claimers
+
+    def remove(self) -> None:
+        """Remove every claimer's hooks from the model (``Engine.destroy``); the router then claims nothing."""
+        for c in self.claimers:
+            c.remove()
+        self.claimers = []
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:

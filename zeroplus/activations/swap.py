@@ -122,3 +122,4 @@ class SwapAttention:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+        self._handles.clear()

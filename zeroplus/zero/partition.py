@@ -403,6 +403,21 @@ class ZeroPartition:
         for g in self.groups:
             g.wait_pending()
 
+    def remove(self) -> None:
+        """Give the model back (``Engine.destroy``): every collective waited for; at stage 3 every unit gathered
+        and left so, its parameters holding their current values (in the compute dtype, as at stages 0-2: a
+        collective, and one model's worth of memory, as before ``initialize``); every hook this partition put on
+        the model removed (gradient, forward, state-dict; stage 3's gather and release; the per-use swaps)."""
+        self.wait_in_flight()
+        if self.stage3 is not None:
+            self.stage3.remove()
+            for unit in self.units:
+                unit.wait_gather()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self.use_grads.remove()
+
     def wait_in_flight(self) -> None:
         """Every collective this partition issued and nobody waited for yet: reductions, post-step
         all-gathers, and stage 3's prefetched gathers (before the process group goes away)."""

@@ -153,3 +153,4 @@ class Stage3Scheduler:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+        self._handles.clear()

@@ -1,0 +1,88 @@
+"""``engine.destroy()`` gives the model back (issue 38, item 2).
+
+The issue's case, a tiny Hugging Face Llama at ZeRO-3 on 2 gloo ranks, then the memory techniques on one
+rank: after ``destroy()`` no hook the engine added is left on the model (forward, forward-pre,
+post-accumulate-grad, state-dict: counted on every module and parameter), a later call raises, and a second
+``initialize`` on the same model trains exactly as a single build from the same values does (bitwise: the
+same parameters, the same steps; before the fix it failed at its first backward with "parameter 2 reached
+its gradient hook without a gradient", left by the first engine's hooks).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zeroplus
+from tests.dist_helper import run_distributed
+from tests.hf_models import build
+
+
+def _hooks(model: torch.nn.Module) -> int:
+    modules = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._state_dict_hooks)
+                  + len(m._state_dict_pre_hooks) + len(m._backward_hooks) for m in model.modules())
+    params = sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+    return modules + params
+
+
+def _config(stage: int, **zeroplus_block) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+            "zeroplus": {"log_level": "warning", "memory_estimate": False, **zeroplus_block}}
+
+
+def _train(engine, steps: int) -> list[float]:
+    losses = []
+    g = torch.Generator().manual_seed(engine.dp.rank)
+    for _ in range(steps):
+        ids = torch.randint(0, 256, (2, 16), generator=g)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _build_destroy_build(stage: int, zeroplus_block: dict) -> dict:
+    torch.manual_seed(0)
+    model = build("llama", "tiny")
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    before = _hooks(model)
+    first = zeroplus.initialize(model, _config(stage, **zeroplus_block))
+    during = _hooks(model)
+    first.destroy()
+    first.destroy()  # a second call does nothing
+    after = _hooks(model)
+    with pytest.raises(RuntimeError, match="this engine was destroyed"):
+        first(input_ids=torch.zeros(2, 4, dtype=torch.long))
+    given_back = all(torch.equal(p.detach(), start[n]) for n, p in model.named_parameters())
+    second = zeroplus.initialize(model, _config(stage, **zeroplus_block))
+    again = _train(second, 3)
+    second.destroy()
+    torch.manual_seed(0)
+    once = _train(zeroplus.initialize(build("llama", "tiny"), _config(stage, **zeroplus_block)), 3)
+    return {"hooks": (before, during, after), "given_back": given_back, "again": again, "once": once,
+            "trained_values": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _check(result: dict) -> None:
+    before, during, after = result["hooks"]
+    assert during > before and after == before, result["hooks"]
+    assert result["given_back"], "after destroy() the model does not hold the values it had"
+    assert result["again"] == result["once"], (result["again"], result["once"])
+
+
+def test_destroy_removes_every_hook_and_the_model_trains_again_at_zero3_on_two_ranks():
+    results = run_distributed(_build_destroy_build, 2, 3, {})
+    for r in results:
+        _check(r)
+    for name, value in results[0]["trained_values"].items():  # stage 3 gave every rank the whole trained model
+        assert torch.equal(value, results[1]["trained_values"][name]), name
+
+
+@pytest.mark.parametrize("stage,block", [(0, {}), (2, {}),
+                                         (3, {"resize_recompute": {"enabled": True, "norms": True},
+                                              "swap_attention": {"enabled": True}})],
+                         ids=["stage0", "stage2", "stage3-techniques"])
+def test_destroy_removes_every_hook_at_each_stage_and_with_the_memory_techniques(stage, block):
+    _check(_build_destroy_build(stage, block))
