@@ -184,6 +184,7 @@ def test_command_line_prints_the_full_budget(tmp_path):
     assert "micro-batch 3 x accumulation 2" in table.stdout
 
 
+@pytest.mark.fast
 def test_engine_reports_predicted_beside_measured(caplog, tmp_path):
     x = torch.randint(0, 256, (2, 16))
     cfg = _config(3, "bf16")

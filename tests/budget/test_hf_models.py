@@ -54,6 +54,7 @@ def _batch(seq: int = 24) -> dict:
     return {"input_ids": ids, "labels": ids, "attention_mask": mask}
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("family", FAMILIES)
 def test_budget_of_each_family_matches_the_real_run(family):
     torch.manual_seed(0)

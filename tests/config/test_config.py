@@ -11,6 +11,8 @@ import zeroplus
 from zeroplus.config import ConfigError, parse_config, resolve_auto, resolve_batch
 from zeroplus.models import GPT, gpt_config
 
+pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
+
 
 def _resolved(raw: dict, dp: int = 1, model: torch.nn.Module | None = None):
     cfg, unimplemented = parse_config(raw)

@@ -22,6 +22,8 @@ import zeroplus.deepspeed_api as deepspeed
 from tests.deepspeed_api.launch import ROOT, _env
 from tests.models import ParityNet, make_batches
 
+pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
+
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 2},
           "zeroplus": {"log_level": "warning", "memory_estimate": False}}

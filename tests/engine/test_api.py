@@ -14,6 +14,8 @@ import torch
 import zeroplus
 from tests.models import ParityNet, make_batches
 
+pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
+
 BASE = {"train_micro_batch_size_per_gpu": 2, "zeroplus": {"log_level": "warning"}}
 
 

@@ -79,6 +79,16 @@ def _resume_cases(cases: list, ckpt_root: str, mode: str) -> list[dict]:
 def test_resume_is_bit_exact(tmp_path):
     cases = [(s, d) for s in (0, 1, 2, 3) for d in ("fp32", "bf16", "fp16")]
     cases += [(1, "bf16-shared"), (3, "bf16-shared")]
+    _assert_resume_is_bit_exact(cases, tmp_path)
+
+
+@pytest.mark.fast
+def test_resume_at_stage_3_in_bf16_is_bit_exact(tmp_path):
+    """The fast tier's checkpoint round trip: one case of the test above."""
+    _assert_resume_is_bit_exact([(3, "bf16")], tmp_path)
+
+
+def _assert_resume_is_bit_exact(cases: list, tmp_path) -> None:
     straight = run_distributed(_resume_cases, 2, cases, str(tmp_path), "straight")[0]
     second = run_distributed(_resume_cases, 2, cases, str(tmp_path), "second")[0]
     for case, a, b2 in zip(cases, straight, second):

@@ -16,6 +16,8 @@ import zeroplus
 from tests.dist_helper import run_distributed
 from tests.hf_models import build
 
+pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
+
 
 def _hooks(model: torch.nn.Module) -> int:
     modules = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._state_dict_hooks)

@@ -19,6 +19,8 @@ import zeroplus
 from tests.dist_helper import rank_and_world, run_distributed
 from tests.models import ParityNet, make_batches
 
+pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
+
 
 def _config(stage: int) -> dict:
     return {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,

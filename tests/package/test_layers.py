@@ -7,7 +7,11 @@ partitioning, offload, kernels) import neither. A failure names the modules.
 """
 from __future__ import annotations
 
+import pytest
+
 from tests.package.import_graph import cycles, imports_in_functions, module_imports
+
+pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
 
 # layer: what it must never import (prefixes)
 FORBIDDEN = {

@@ -93,11 +93,12 @@ GRID = [dict(stage=s, bucket=b) for s in (0, 1, 2, 3) for b in (5, 100, 10**8)] 
     [dict(stage=s, bucket=b, opt="SGD", clip=0.0) for s in (0, 1, 2, 3) for b in (100, 10**8)]
 
 
+@pytest.mark.fast
 def test_parity_world_1():
     _check_all(1, GRID, run_cases(GRID))
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.fast), 4])
 def test_parity_distributed(world):
     extra = [dict(stage=2, bucket=100, reduce_scatter=False), dict(stage=3, bucket=100, overlap=False),
              dict(stage=3, bucket=100, persist=10**6), dict(stage=3, bucket=100, prefetch=0),

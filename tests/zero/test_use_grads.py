@@ -22,6 +22,8 @@ from zeroplus.ledger import Category
 from zeroplus.models import GPT, gpt_config
 from zeroplus.zero import partition as partition_module
 
+pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
+
 VOCAB = 4096
 
 
