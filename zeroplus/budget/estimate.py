@@ -131,6 +131,9 @@ class MemoryBudget:
             lines.append("  compiled: activations and temporaries are predicted as eager's (a compiled graph may save "
                          "other tensors); the compiler's own memory (about 50 MiB resident on CPU) is not included")
         lines += [f"  not predicted: {caveat}" for caveat in self.caveats]
+        if self.accelerator == "cpu" and self.world_size > 1:  # (docs/benchmark.md: the main job on 2 ranks)
+            lines.append("  not predicted: gloo's own native memory, which creeps up by 1-4 MiB over the first tens of "
+                         "steps on CPU ranks and levels off")
         tiers = {k: v for k, v in self.model_states.items() if k.endswith("_offloaded") and v}
         for key, value in tiers.items():
             lines.append(f"  on the offload tier, not in the device: {key} {value / 2**20:.1f} MiB")
