@@ -28,6 +28,7 @@ from zeroplus.config.blocks import TiledConfig
 from zeroplus.ledger import Ledger
 from zeroplus.logs import log_rank0
 from zeroplus.models import GPT
+from zeroplus.models.context_hf import context_parallel_hf
 from zeroplus.offload import virtual_host
 from zeroplus.offload.disk_space import check_free_space, states_per_element
 from zeroplus.offload.policies import MasterPolicy, OptimizerStateOffload, ParamOffload
@@ -35,7 +36,6 @@ from zeroplus.offload.tiers import make_tier
 from zeroplus.optim.build import adopt_client_optimizer, build_optimizer, would_fuse
 from zeroplus.optim.forward_only import ForwardOnly
 from zeroplus.optim.schedulers import build_scheduler
-from zeroplus.parallel.context_hf import context_parallel_hf
 from zeroplus.parallel.groups import ParallelGroups
 from zeroplus.parallel.moe import is_expert
 from zeroplus.parallel.pipeline import PipelineModule
@@ -418,7 +418,7 @@ def _tile(model: torch.nn.Module, tiles: TiledConfig, context: int) -> None:
 
 def _split_sequences(model: torch.nn.Module, parallel: ParallelGroups) -> None:
     """Context parallelism: zeroplus's GPT splits its sequences itself; a Hugging Face causal LM gets
-    Ulysses or ring attention and a forward that keeps this rank's part (``parallel/context_hf.py``)."""
+    Ulysses or ring attention and a forward that keeps this rank's part (``models/context_hf.py``)."""
     if isinstance(model, GPT):
         return
     if not is_hf_causal_lm(model):

@@ -12,9 +12,9 @@ from .engine.engine import Engine
 from .initialize_engine import initialize
 from .memory_report import MemoryReport
 from .parallel import init_parallel
+from .version import __version__ as __version__
 from .zero.construction import Init
 from .zero.gathered import GatheredParameters
 
 __all__ = ["ConfigError", "Engine", "GatheredParameters", "Init", "MemoryBudget", "MemoryReport", "estimate",
            "init_parallel", "initialize", "load_fp32_state_dict"]
-__version__ = "0.1.0"

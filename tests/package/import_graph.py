@@ -1,8 +1,9 @@
 """The package's import graph, read from the source (imports inside functions included).
 
 ``module_imports()`` maps each ``zeroplus`` module to the ``zeroplus`` modules it imports, wherever in
-the file the import stands; ``cycles()`` lists the strongly connected groups of two or more modules
-(import loops); ``imports_in_functions()`` lists the imports written inside a function or method.
+the file the import stands (``type_checking=True``: those under ``if TYPE_CHECKING`` as well);
+``cycles()`` lists the strongly connected groups of two or more modules (import loops);
+``imports_in_functions()`` lists the imports written inside a function or method.
 """
 from __future__ import annotations
 
@@ -37,11 +38,11 @@ def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def _targets(module: str, path: Path, known: dict[str, Path]) -> list[tuple[str, bool]]:
-    """(imported zeroplus module, inside a function) for each import in the file."""
+def _targets(module: str, path: Path, known: dict[str, Path]) -> list[tuple[str, bool, bool]]:
+    """(imported zeroplus module, inside a function, under ``if TYPE_CHECKING``) for each import in the file."""
     tree = ast.parse(path.read_text(), str(path))
     is_package = path.name == "__init__.py"
-    found: list[tuple[str, bool]] = []
+    found: list[tuple[str, bool, bool]] = []
 
     def visit(node: ast.AST, in_function: bool, in_type_checking: bool) -> None:
         for child in ast.iter_child_nodes(node):
@@ -53,26 +54,27 @@ def _targets(module: str, path: Path, known: dict[str, Path]) -> list[tuple[str,
             elif isinstance(child, ast.ImportFrom):
                 base = _resolve(module, is_package, child)
                 names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in child.names]
-            if not checking:
-                for name in names:
-                    while name and name not in known:
-                        name = name.rpartition(".")[0]
-                    if name.startswith("zeroplus") and name != module:
-                        found.append((name, in_function))
+            for name in names:
+                while name and name not in known:
+                    name = name.rpartition(".")[0]
+                if name.startswith("zeroplus") and name != module:
+                    found.append((name, in_function, checking))
             visit(child, inside, checking)
 
     visit(tree, False, False)
     return found
 
 
-def module_imports() -> dict[str, set[str]]:
+def module_imports(type_checking: bool = False) -> dict[str, set[str]]:
+    """Each module's imports run when it loads; ``type_checking``: those under ``if TYPE_CHECKING`` too."""
     known = _modules()
-    return {m: {t for t, _ in _targets(m, p, known)} for m, p in known.items()}
+    return {m: {t for t, _, checking in _targets(m, p, known) if type_checking or not checking}
+            for m, p in known.items()}
 
 
 def imports_in_functions() -> list[tuple[str, str]]:
     known = _modules()
-    return sorted({(m, t) for m, p in known.items() for t, inner in _targets(m, p, known) if inner})
+    return sorted({(m, t) for m, p in known.items() for t, inner, _ in _targets(m, p, known) if inner})
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -1,9 +1,9 @@
 """The layers run one way (``docs/design-notes.md``, "Layers").
 
-Read from the source, imports inside functions included: no import loop anywhere in the package; no
-import written inside a function (where one would hide a loop); the engine never imports the memory
-budget or the top layer (``initialize_engine.py``), and the layers below the engine (config,
-partitioning, offload, kernels) import neither. A failure names the modules.
+Read from the source, imports inside functions and under ``if TYPE_CHECKING`` included: no import loop
+anywhere in the package (imports that run); no import written inside a function (where one would hide a
+loop); and every package and top-level module of ``zeroplus`` in one of the layers below, importing only
+from its own layer or lower ones. A failure names the modules.
 """
 from __future__ import annotations
 
@@ -13,16 +13,33 @@ from tests.package.import_graph import cycles, imports_in_functions, module_impo
 
 pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
 
-# layer: what it must never import (prefixes)
-FORBIDDEN = {
-    "zeroplus.config": ("zeroplus.zero", "zeroplus.offload", "zeroplus.engine", "zeroplus.budget",
-                        "zeroplus.initialize_engine"),
-    "zeroplus.zero": ("zeroplus.engine", "zeroplus.budget", "zeroplus.initialize_engine"),
-    "zeroplus.offload": ("zeroplus.zero", "zeroplus.engine", "zeroplus.budget", "zeroplus.initialize_engine"),
-    "zeroplus.kernels": ("zeroplus.zero", "zeroplus.engine", "zeroplus.budget", "zeroplus.initialize_engine"),
-    "zeroplus.engine": ("zeroplus.budget", "zeroplus.initialize_engine", "zeroplus.cli", "zeroplus.train_job"),
-    "zeroplus.budget": ("zeroplus.initialize_engine",),
-}
+# lowest first: a package (``zeroplus.<name>``) or a top-level module (``zeroplus.<name>.py``) per entry
+LAYERS = [
+    ("leaves", ["accelerator.py", "cache_dir.py", "collective_faults.py", "comm.py", "cpu_precision.py", "data.py",
+                "eager.py", "ledger.py", "logs.py", "memory_report.py", "memory_view.py", "version.py"]),
+    ("config", ["config"]),
+    ("kernels", ["kernels"]),
+    ("offload", ["offload"]),
+    ("optimizers", ["optim"]),
+    ("parallelism", ["parallel"]),
+    ("activation techniques", ["activations", "checkpointing.py"]),
+    ("models", ["models"]),
+    ("partitioning", ["zero"]),
+    ("engine", ["engine"]),
+    ("memory budget", ["budget"]),
+    ("initialize", ["initialize_engine.py", "runtime_probe.py"]),
+    ("DeepSpeed's API", ["deepspeed_api"]),
+    ("the top", ["<init>", "launcher.py", "train_job.py", "cli.py"]),
+]
+RANK = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}
+
+
+def _part(module: str) -> str:
+    """The layer entry a module belongs to: its package under ``zeroplus``, or its own file."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "<init>"
+    return parts[1] if parts[1] in RANK else parts[1] + ".py"
 
 
 def test_no_import_loops():
@@ -33,8 +50,13 @@ def test_no_imports_inside_functions():
     assert imports_in_functions() == []
 
 
+def test_every_module_is_in_a_layer():
+    missing = sorted({_part(m) for m in module_imports()} - set(RANK))
+    assert missing == [], f"not in LAYERS: {missing}"
+
+
 def test_layers_import_only_downwards():
-    wrong = [(module, target) for module, targets in module_imports().items() for target in targets
-             for layer, banned in FORBIDDEN.items()
-             if (module == layer or module.startswith(layer + ".")) and target.startswith(banned)]
-    assert wrong == []
+    upward = sorted((m, t) for m, targets in module_imports(type_checking=True).items() for t in targets
+                    if RANK.get(_part(t), -1) > RANK.get(_part(m), len(LAYERS)))
+    assert upward == [], "\n".join(f"{m} ({LAYERS[RANK[_part(m)]][0]}) imports {t} ({LAYERS[RANK[_part(t)]][0]})"
+                                   for m, t in upward)

@@ -17,8 +17,8 @@ import os
 import sys
 from typing import Any
 
-from zeroplus import __version__
 from zeroplus.logs import setup_logging
+from zeroplus.version import __version__
 
 PREFIX = "zeroplus.deepspeed_api"
 SERVED = {

@@ -16,8 +16,8 @@ import os
 import shutil
 import tempfile
 
-from zeroplus import __version__
 from zeroplus.cache_dir import cache_root
+from zeroplus.version import __version__
 
 API_VERSION = "0.19.8"
 DIST_VERSION = f"{API_VERSION}+zeroplus"

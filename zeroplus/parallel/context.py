@@ -10,7 +10,7 @@ per token and runs on the local slice. The split is contiguous: rank c holds tok
 ``[c * s/C, (c + 1) * s/C)``, so positions are global ones offset by ``c * s/C`` (``positions``).
 Grouped-query attention: K and V go through the same all-to-all with their own (fewer) heads. The
 number of query heads must be divisible by C (refused otherwise, with the numbers); key/value heads
-that are not are repeated to one per query head first (``context_hf.py``: K and V then cost as
+that are not are repeated to one per query head first (``models/context_hf.py``: K and V then cost as
 much as Q to send and hold).
 
 Memory per rank: activations of s/C tokens everywhere except inside attention, which holds the whole

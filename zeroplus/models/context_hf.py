@@ -31,9 +31,9 @@ from torch import nn
 
 from ..activations.tiled_loss import IGNORE_INDEX, shifted
 from ..comm import DataParallelGroup
-from .context import check_heads, local_slice, seq_to_heads
-from .ring_attention import ring_attention, zigzag_slice
-from .ulysses_output import output_exchanged
+from ..parallel.context import check_heads, local_slice, seq_to_heads
+from ..parallel.ring_attention import ring_attention, zigzag_slice
+from ..parallel.ulysses_output import output_exchanged
 
 transformers: Any
 try:
