@@ -27,7 +27,6 @@ from zeroplus.config import ConfigError, ResolvedConfig, ZeroplusConfig, resolve
 from zeroplus.config.blocks import TiledConfig
 from zeroplus.ledger import Ledger
 from zeroplus.logs import log_rank0
-from zeroplus.models import GPT
 from zeroplus.models.context_hf import context_parallel_hf
 from zeroplus.offload import virtual_host
 from zeroplus.offload.disk_space import check_free_space, states_per_element
@@ -419,7 +418,7 @@ def _tile(model: torch.nn.Module, tiles: TiledConfig, context: int) -> None:
 def _split_sequences(model: torch.nn.Module, parallel: ParallelGroups) -> None:
     """Context parallelism: zeroplus's GPT splits its sequences itself; a Hugging Face causal LM gets
     Ulysses or ring attention and a forward that keeps this rank's part (``models/context_hf.py``)."""
-    if isinstance(model, GPT):
+    if getattr(model, "splits_own_sequences", False):  # zeroplus's GPT (a capability, not its class)
         return
     if not is_hf_causal_lm(model):
         raise ConfigError(f"config key 'zeroplus.parallel.context' ({parallel.topology.context}): "

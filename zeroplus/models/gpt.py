@@ -141,6 +141,10 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    # a capability the engine reads (engine/build.py): under context parallelism this model keeps its own 1/C of
+    # every sequence (its attention exchanges the rest), so the engine wraps nothing
+    splits_own_sequences = True
+
     def __init__(self, cfg: GPTConfig, expert_group: Any = None) -> None:
         """``expert_group``: the expert-parallel group for MoE blocks (default: ``parallel_groups().expert``;
         a group of one rank holds every expert)."""

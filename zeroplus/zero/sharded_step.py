@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -30,13 +30,21 @@ from ..ledger import Category, Ledger
 from ..offload.optimizer_states import TieredStates, Window, plan_sub_groups
 from ..offload.policies import OptimizerStateOffload
 from ..offload.virtual_host import VirtualStates
-from ..optim.lamb import Lamb
 from .chunked_step import ChunkedStep
 from .flat_group import FlatParamGroup
 from .master_store import FullMaster
 from .partition import ZeroPartition
 
 _NORM_CHUNK = 1 << 20  # elements per float64 temporary (8 MiB at most; the longest owned gradient if shorter)
+
+
+@runtime_checkable
+class SegmentedOptimizer(Protocol):
+    """An optimizer that needs each flat shard's per-parameter pieces (``optim/lamb.py``: the trust ratio is per
+    parameter, so it sums the squares of each piece over the data group); told them once, at construction."""
+
+    def set_segments(self, param: torch.Tensor, segments: list[tuple[int, int, int]], num_params: int,
+                     dp: Any) -> None: ...
 
 
 class _LocalGroup:
@@ -125,7 +133,7 @@ class ShardedStep:
             for g in partition.groups:
                 self.virtual[id(g)] = VirtualStates(g.owned_numel, g.device, ledger, virtual_kernels)
         self._options = {id(p): pg for pg in optimizer.param_groups for p in pg["params"]}
-        if isinstance(optimizer, Lamb):
+        if isinstance(optimizer, SegmentedOptimizer):  # a capability (Lamb's per-parameter trust ratio), not a class
             for g in partition.groups:
                 optimizer.set_segments(g.master_param, g.param_segments(), len(g.params),
                                        g.dp if partition.stage > 0 else _LocalGroup())
