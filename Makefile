@@ -20,7 +20,7 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy zeroplus
+	$(PY) tools/typecheck.py
 	DS_ACCELERATOR=cpu $(PY) -m pytest -q tests $(ARGS)
 
 # the fast tier (pytest marker `fast`): a broken core in under 3 minutes; CI runs the whole suite (`make test`)
@@ -30,7 +30,7 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy zeroplus
+	$(PY) tools/typecheck.py
 
 bench: $(STAMP)
 	DS_ACCELERATOR=cpu $(PY) bench/bench_zero.py $(ARGS)

@@ -1,10 +1,16 @@
 """zeroplus: a memory-first ZeRO-style training engine for PyTorch.
 
-The top-level folders ``engine/``, ``offload/`` and ``kernels/`` are linked into the
-``zeroplus`` namespace (``zeroplus/engine -> ../engine``), so only ``zeroplus.*`` is
-installed and no top-level ``engine`` or ``kernels`` module shadows other packages.
+The top-level folders ``engine/``, ``offload/`` and ``kernels/`` are the subpackages ``zeroplus.engine``,
+``zeroplus.offload`` and ``zeroplus.kernels`` (``package_dir``), and ``configs/`` is ``zeroplus/configs``:
+only ``zeroplus.*`` is installed, so no top-level ``engine`` or ``kernels`` module shadows other packages.
+Run from the source tree, ``zeroplus/source_tree.py`` maps the same names.
 """
 from setuptools import find_packages, setup
+
+MAPPED = ("engine", "offload", "kernels")  # zeroplus/source_tree.py's MAPPED
+PACKAGES = find_packages(include=["zeroplus", "zeroplus.*"])
+for _folder in MAPPED:
+    PACKAGES += [f"zeroplus.{_folder}"] + [f"zeroplus.{_folder}.{sub}" for sub in find_packages(where=_folder)]
 
 setup(
     name="zeroplus",
@@ -13,8 +19,9 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["zeroplus", "zeroplus.*"]),
-    package_data={"zeroplus": ["configs/*.json"]},
+    packages=PACKAGES + ["zeroplus.configs"],
+    package_dir={"zeroplus.configs": "configs", **{f"zeroplus.{folder}": folder for folder in MAPPED}},
+    package_data={"zeroplus.configs": ["*.json"]},
     install_requires=["torch>=2.4", "numpy", "psutil", "pydantic>=2", "tqdm", "safetensors"],
     extras_require={
         "deepspeed": ["deepspeed==0.19.8"],

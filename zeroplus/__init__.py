@@ -5,6 +5,7 @@
     engine.backward(loss)
     engine.step()
 """
+from . import source_tree  # noqa: F401 - first: from a source checkout, finds engine/, offload/, kernels/
 from .budget.estimate import MemoryBudget, estimate
 from .config import ConfigError
 from .engine.checkpoint_export import load_fp32_state_dict

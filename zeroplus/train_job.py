@@ -30,6 +30,7 @@ from zeroplus.models import GPT, gpt_config
 from zeroplus.models.split import split_gpt
 from zeroplus.parallel.groups import parallel_groups
 from zeroplus.parallel.moe import is_expert
+from zeroplus.source_tree import configs_dir
 
 logger = logging.getLogger("zeroplus.train")
 
@@ -56,8 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def default_config_path() -> str:
     """ZeRO-3 in bf16, or in fp32 when the compute is a CPU that would emulate bf16 (many times slower)."""
     emulated = get_accelerator().name == "cpu" and not native_bf16()
-    return str(pathlib.Path(zeroplus.__file__).parent / "configs" /
-               ("zero3_fp32.json" if emulated else "zero3_bf16.json"))
+    return os.path.join(configs_dir(), "zero3_fp32.json" if emulated else "zero3_bf16.json")
 
 
 def with_context(path: str, context: int) -> dict[str, Any]:

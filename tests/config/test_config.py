@@ -10,6 +10,7 @@ import torch
 import zeroplus
 from zeroplus.config import ConfigError, parse_config, resolve_auto, resolve_batch
 from zeroplus.models import GPT, gpt_config
+from zeroplus.source_tree import configs_dir
 
 pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
 
@@ -157,7 +158,7 @@ def test_initialize_rejects_bad_optimizer_params_and_both_precisions():
 
 def test_example_configs_parse():
     import pathlib
-    configs = sorted(pathlib.Path(zeroplus.__file__).parent.joinpath("configs").glob("*.json"))
+    configs = sorted(pathlib.Path(configs_dir()).glob("*.json"))
     assert len(configs) >= 6
     for path in configs:
         cfg, unimplemented = parse_config(str(path))
@@ -202,7 +203,7 @@ def test_every_unknown_key_is_listed_at_once():
 
 def test_a_hugging_face_template_as_it_is_names_every_auto_key_and_who_fills_them():
     import pathlib
-    path = pathlib.Path(zeroplus.__file__).parent / "configs" / "hf_zero3_template.json"
+    path = pathlib.Path(configs_dir()) / "hf_zero3_template.json"
     with pytest.raises(ConfigError) as err:
         zeroplus.initialize(GPT(gpt_config("tiny")), str(path))
     message = str(err.value)

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 import zeroplus
-from engine.engine import _wait_at_exit
-from engine.exit_grace import EXIT_GRACE_SECONDS
 from tests.dist_helper import free_port, run_distributed
+from zeroplus.engine.engine import _wait_at_exit
+from zeroplus.engine.exit_grace import EXIT_GRACE_SECONDS
 from zeroplus.models import GPT, gpt_config
 
 

@@ -8,25 +8,30 @@ the file the import stands (``type_checking=True``: those under ``if TYPE_CHECKI
 from __future__ import annotations
 
 import ast
+import importlib
 import os
 from pathlib import Path
 
 import zeroplus
+from zeroplus.source_tree import MAPPED
 
-ROOT = Path(zeroplus.__file__).resolve().parent  # the installed tree (linked folders resolve under it)
+ROOT = Path(zeroplus.__file__).resolve().parent
+# each package's folder: zeroplus's own, and the top-level folders it maps (beside it in a source checkout)
+FOLDERS = {"zeroplus": ROOT, **{f"zeroplus.{name}": Path(importlib.import_module(f"zeroplus.{name}").__path__[0])
+                                for name in MAPPED}}
 
 
 def _modules() -> dict[str, Path]:
     out = {}
-    for dirpath, _, files in os.walk(ROOT, followlinks=True):
-        for name in files:
-            if name.endswith(".py"):
-                path = Path(dirpath) / name
-                rel = path.relative_to(ROOT).with_suffix("")
-                parts = ["zeroplus", *rel.parts]
-                if parts[-1] == "__init__":
-                    parts = parts[:-1]
-                out[".".join(parts)] = path
+    for package, folder in FOLDERS.items():
+        for dirpath, _, files in os.walk(folder):
+            for name in files:
+                if name.endswith(".py"):
+                    path = Path(dirpath) / name
+                    parts = [*package.split("."), *path.relative_to(folder).with_suffix("").parts]
+                    if parts[-1] == "__init__":
+                        parts = parts[:-1]
+                    out.setdefault(".".join(parts), path)
     return out
 
 
