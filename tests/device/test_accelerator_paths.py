@@ -8,7 +8,7 @@ kernels); optimizer states and parameter shards in pinned host memory and in fil
 events, ``record_stream``) and swap attention, bit for bit against no offload; the ledger against
 the device allocator (``max_memory_allocated``); and on two devices ZeRO-3's reduce-scatter
 overlapping backward (NCCL/HCCL) against stage 0. ``ZEROPLUS_DEVICE_TESTS_ON_CPU=1`` runs the one-device
-tests on the CPU, which checks the tests, not the device paths. Untested on a device: see README "Tests".
+tests on the CPU, which checks the tests, not the device paths. Untested on a device: see docs/testing.md.
 """
 from __future__ import annotations
 

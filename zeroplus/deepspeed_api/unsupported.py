@@ -17,8 +17,8 @@ class NotSupportedError(NotImplementedError, AttributeError):
 def not_supported(where: str, how: str = "") -> NotSupportedError:
     """The error for DeepSpeed's ``where`` (``"DeepSpeedEngine.offload_states"``), with what to do instead."""
     return NotSupportedError(f"{where} is part of DeepSpeed's API that zeroplus does not support yet"
-                             f"{'; ' + how if how else ''} (zeroplus serves DeepSpeed's API: README, "
-                             f"'Coming from DeepSpeed', lists what is served)")
+                             f"{'; ' + how if how else ''} (zeroplus serves DeepSpeed's API: docs/deepspeed.md "
+                             f"lists what is served)")
 
 
 def refuse(where: str, how: str = "") -> NoReturn:
