@@ -79,7 +79,7 @@ class ExpertSplit:
 
 # Reductions still in flight when the next one starts; older ones are waited on, which bounds
 # the flat gradients and comm buffers alive during backward to about this many groups.
-MAX_GROUPS_IN_FLIGHT = 1
+MAX_GROUPS_IN_FLIGHT = 1  # see note 3 (docs/design-notes.md)
 
 
 class ZeroPartition:
