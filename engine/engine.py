@@ -41,6 +41,7 @@ from .checkpoint_load import load_checkpoint
 from .compile import CompiledUnits, compile_settings
 from .exit_grace import register_exit_grace
 from .loss_scaler import LossScaler
+from .micro_step import Life, MicroStep
 from .pretrained_load import PretrainedLoad, load_pretrained
 from .state_offload import StateOffload
 
@@ -90,11 +91,9 @@ class Engine:
         self._activations = parts.activations
         self._activation_bytes: int | None = None  # what the first training forward left alive (_census)
         self._no_sync = False
-        self._destroyed = False  # destroy(): hooks removed, the model given back
+        self._life = Life.LIVE  # micro_step.py
         # One backward() per micro-step, then step(); backwards inside no_sync() accumulate freely.
-        self._backward_since_step = False  # any backward since the last step()
-        self._synced_backward_since_step = False  # one outside no_sync()
-        self._reduced_since_step = False  # one at the accumulation boundary (it reduced the accumulated gradients)
+        self._micro = MicroStep.IDLE  # what the backwards since the last step() did (micro_step.py)
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary()
         self._last_step_applied = False
         self._compiled: CompiledUnits | None = None  # compile()
@@ -269,8 +268,8 @@ class Engine:
         # Counting micro-steps, a second backward before step() is a forgotten step(). With the boundary
         # set from outside (Accelerate: backward, backward, ..., step at the boundary) backwards may
         # follow each other until one at the boundary has reduced the accumulated gradients.
-        twice = (self._synced_backward_since_step and not self._no_sync if self._boundary_override is None
-                 else self._reduced_since_step)
+        twice = (self._micro >= MicroStep.SYNCED and not self._no_sync if self._boundary_override is None
+                 else self._micro == MicroStep.REDUCED)
         if twice:
             raise RuntimeError(f"backward() called twice without step() between them (rank {self.dp.rank}, micro-step "
                                f"{self.micro_steps}): each backward reduces this micro-batch's gradients, so a second "
@@ -279,9 +278,8 @@ class Engine:
         factor = self._loss_factor(scale_wrt_gas)
         reduce = self.is_gradient_accumulation_boundary() and not self._no_sync
         self._partition.begin_backward(reduce)
-        self._backward_since_step = True
-        self._synced_backward_since_step = self._synced_backward_since_step or not self._no_sync
-        self._reduced_since_step = self._reduced_since_step or reduce
+        self._micro = self._micro.raised(MicroStep.REDUCED if reduce else
+                                         MicroStep.BACKWARD if self._no_sync else MicroStep.SYNCED)
         (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
         self._partition.end_backward()
         if not retain_graph:
@@ -293,7 +291,7 @@ class Engine:
         None; scaled as ``backward`` scales it), else from the gradient the next chunk sent. ``reduce``:
         this is the batch's last backward on this rank (gradients are reduced at its end)."""
         self._partition.begin_backward(reduce and not self._no_sync)
-        self._backward_since_step = True
+        self._micro = self._micro.raised(MicroStep.BACKWARD)
         factor = self._loss_factor()
         if grad is None:
             (output * factor if factor != 1.0 else output).backward()
@@ -345,11 +343,11 @@ class Engine:
         changes) when no backward() ran since the last step(): stepping on no gradient would move the
         weights by the optimizer's momentum alone."""
         self._refuse_unless_trainable("step()")
-        if not self._backward_since_step:
+        if self._micro == MicroStep.IDLE:
             raise RuntimeError(f"step() called without a backward() since the last step() (rank {self.dp.rank}, "
                                f"micro-step {self.micro_steps}, global step {self.global_steps}): there is no "
                                f"gradient to step on; the engine is unchanged")
-        self._backward_since_step = self._synced_backward_since_step = self._reduced_since_step = False
+        self._micro = MicroStep.IDLE
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:
@@ -467,17 +465,17 @@ class Engine:
         destroying the process group; one model's worth of memory, as before ``initialize``); every hook the
         engine put on the model removed (ZeRO's, the memory techniques', compiled units'), so ``initialize`` may
         take the same model again. Later forward, backward and step calls raise. A second call does nothing."""
-        if self._destroyed:
+        if self._life is Life.DESTROYED:
             return
         self._partition.remove()
         self._activations.remove()
         if self._compiled is not None:
             self._compiled.remove()
             self._compiled = None
-        self._destroyed = True
+        self._life = Life.DESTROYED
 
     def _refuse_if_destroyed(self, call: str) -> None:
-        if self._destroyed:
+        if self._life is Life.DESTROYED:
             raise RuntimeError(f"{call} on rank {self.dp.rank}: this engine was destroyed (engine.destroy()); the "
                                f"model holds its parameters again: zeroplus.initialize it anew to train on")
 
