@@ -42,6 +42,7 @@ cast buffer for the gathers.
 """
 from __future__ import annotations
 
+import enum
 import math
 from typing import Any
 
@@ -56,6 +57,24 @@ from .param_status import ParamStatus, mark
 from .tiered_master import TieredMaster
 
 FLAT_ATTR = "_zeroplus_flat_group"
+
+
+class Residency(enum.Enum):
+    """What a flat group holds of its parameters' values (stage 3 moves through all three; stages 0-2 stay
+    ``GATHERED``). Bytes on this rank beyond the shard (``shard_numel`` elements, always held):
+
+    - ``RELEASED``: nothing; every parameter reads as an empty tensor (see note: released parameters).
+    - ``GATHERING``: the full buffer (``padded_numel`` in the compute dtype) is allocated and an all-gather is
+      writing it; the parameters still read as released. Only ``expose()`` (after the wait) moves on.
+    - ``GATHERED``: the full buffer holds the values and every parameter is a view of it.
+
+    Transitions, all in ``FlatParamGroup``: ``gather()`` RELEASED -> GATHERING, ``expose()`` GATHERING ->
+    GATHERED, ``release()`` GATHERED -> RELEASED (a resident group, one rank in fp32, never releases);
+    releasing while GATHERING would free a buffer a collective is writing, and raises."""
+
+    RELEASED = "released"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
 
 
 class FlatParamGroup:
@@ -180,7 +199,7 @@ class FlatParamGroup:
         self._written: list[bool] = []  # which parameters' views of ``grad_full`` hold values (``_grad_view``)
         self.master_grad: torch.Tensor | None = None  # reduced gradient of the owned range (stages 1-3)
         self.pending: list[Handle] = []
-        self.gathered = True
+        self.residency = Residency.GATHERED  # built whole; stage 3 releases it just below
         self.grads_seen = 0
         self.per_use: set[int] = set()  # parameters whose uses send their gradients (``use_grads.py``): not counted
         self.row_params: set[int] = set()  # of those, the ones an embedding sends rows for
@@ -191,6 +210,11 @@ class FlatParamGroup:
             self.release()
 
     # -- stage-3 gather / release -----------------------------------------------------------
+    @property
+    def gathered(self) -> bool:
+        """The full buffer is allocated (``GATHERING`` or ``GATHERED``): read-only, ``Residency`` says which."""
+        return self.residency is not Residency.RELEASED
+
     def gather(self) -> Handle | None:
         """Start the all-gather of the shards into ``full``; ``None`` if already gathered. The parameters
         see the values from ``expose()`` on."""
@@ -198,7 +222,7 @@ class FlatParamGroup:
             return None
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
         self.ledger.resized(self.full)
-        self.gathered = True
+        self.residency = Residency.GATHERING
         mark(self.params, ParamStatus.INFLIGHT)
         return self.all_gather_into_full()
 
@@ -210,6 +234,7 @@ class FlatParamGroup:
             for p, view in zip(self.params, self._views):
                 p.data = view
             mark(self.params, ParamStatus.AVAILABLE)
+            self.residency = Residency.GATHERED
 
     def all_gather_into_full(self) -> Handle:
         """All-gather every rank's low-precision shard into ``full`` (which must be allocated)."""
@@ -223,10 +248,13 @@ class FlatParamGroup:
         """Free the gathered buffer (stage 3). Each parameter then holds an empty tensor of its dtype and
         device (shape ``(0,)``) until the next gather (see note: released parameters); the views autograd
         saved keep the buffer's storage object and read the values again once it is gathered."""
+        if self.residency is Residency.GATHERING:
+            raise RuntimeError(f"{self.name}: released while its all-gather is in flight (wait for it and expose() "
+                               f"first): the collective would write into a freed buffer")
         if self.gathered and not self.resident:
             self.full.untyped_storage().resize_(0)
             self.ledger.resized(self.full)
-            self.gathered = False
+            self.residency = Residency.RELEASED
             for p in self.params:
                 p.data = self._released
             mark(self.params, ParamStatus.NOT_AVAILABLE)
