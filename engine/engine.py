@@ -35,14 +35,14 @@ from zeroplus.parallel.pipeline_schedule import eval_batch, train_batch
 from zeroplus.zero import ShardedStep, ZeroPartition
 from zeroplus.zero.frozen_values import read_frozen
 
-from .checkpoint import save_checkpoint
-from .checkpoint_export import write_state_dict
-from .checkpoint_load import load_checkpoint
+from .checkpoints.export import write_state_dict
+from .checkpoints.load import load_checkpoint
+from .checkpoints.pretrained_load import PretrainedLoad, load_pretrained
+from .checkpoints.save import save_checkpoint
 from .compile import CompiledUnits, compile_settings
 from .exit_grace import register_exit_grace
 from .loss_scaler import LossScaler
 from .micro_step import Life, MicroStep
-from .pretrained_load import PretrainedLoad, load_pretrained
 from .state_offload import StateOffload
 
 logger = logging.getLogger("zeroplus.engine")
@@ -60,6 +60,9 @@ class TrainingParts:
     lr_scheduler: Any
     loss_scaler: LossScaler
     activations: SavedTensorRouter
+
+_COUNTERS = ("global_steps", "micro_steps", "global_samples", "skipped_steps")  # Engine.counters()
+
 
 class Engine:
     def __init__(self, module: torch.nn.Module, config: ResolvedConfig, parts: TrainingParts, dp: DataParallelGroup,
@@ -152,6 +155,23 @@ class Engine:
         ``names``, ``shapes``, ``master_store``, ``owned_start``/``owned_numel``), ``stage``, ``describe()``.
         Reading is safe; changing it is not supported."""
         return self._partition
+
+    @property
+    def sharded_step(self) -> ShardedStep:
+        """The optimizer step over this rank's shards (checkpoints read and write its states through it)."""
+        return self._step
+
+    def counters(self) -> dict[str, int]:
+        """The step counters a checkpoint saves: global and micro steps, samples, skipped steps."""
+        return {k: getattr(self, k) for k in _COUNTERS}
+
+    def set_counters(self, values: dict[str, int]) -> None:
+        """Set the step counters (a checkpoint load): exactly the keys ``counters()`` has, each an integer."""
+        if set(values) != set(_COUNTERS) or not all(isinstance(v, int) for v in values.values()):
+            raise ValueError(f"set_counters needs integers for exactly {list(_COUNTERS)} (rank {self.dp.rank}), "
+                             f"got {values}")
+        for k, v in values.items():
+            setattr(self, k, v)
 
     def consolidated_fp32_state(self) -> dict[str, torch.Tensor]:
         """Every trainable parameter's full fp32 master value by name, on every rank (a collective at
@@ -389,7 +409,7 @@ class Engine:
     def save_checkpoint(self, save_dir: str, tag: str | None = None,
                         client_state: dict[str, Any] | None = None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> str:
-        """Every rank calls it; atomic (see ``engine/checkpoint_io.py``); tag defaults to global_stepN;
+        """Every rank calls it; atomic (see ``engine/checkpoints/files.py``); tag defaults to global_stepN;
         ``save_latest`` False leaves ``save_dir/latest`` as it was; ``exclude_frozen_parameters``: the
         trained parameters' checkpoint only (an adapter's), loaded back with ``strict=False``."""
         self._checkpoint_saved = True
@@ -407,7 +427,7 @@ class Engine:
     def load_pretrained(self, path: str, *, prefixes: dict[str, str] | None = None, allow_missing: Any = (),
                         strict: bool = True) -> PretrainedLoad:
         """Every rank calls it: a Hugging Face checkpoint (directory or file; safetensors or .bin, sharded or
-        not) read straight into this rank's shards (``engine/pretrained_load.py``)."""
+        not) read straight into this rank's shards (``engine/checkpoints/pretrained_load.py``)."""
         return load_pretrained(self, path, prefixes=prefixes, allow_missing=allow_missing, strict=strict)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",

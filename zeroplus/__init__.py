@@ -8,7 +8,7 @@
 from . import source_tree  # noqa: F401 - first: from a source checkout, finds engine/, offload/, kernels/
 from .budget.estimate import MemoryBudget, estimate
 from .config import ConfigError
-from .engine.checkpoint_export import load_fp32_state_dict
+from .engine.checkpoints.export import load_fp32_state_dict
 from .engine.engine import Engine
 from .initialize_engine import initialize
 from .memory_report import MemoryReport

@@ -1,7 +1,7 @@
 """``zeroplus.checkpointing``: activation checkpointing under DeepSpeed's name (``deepspeed.checkpointing``).
 
 The mechanism is ``zeroplus/activations/checkpointing.py``, beside the other activation techniques;
-training checkpoints (save, load, export) are ``zeroplus/engine/checkpoint*.py``.
+training checkpoints (save, load, export) are ``engine/checkpoints/`` (``zeroplus.engine.checkpoints``).
 """
 from .activations.checkpointing import checkpoint, configure, is_configured, reset
 

@@ -7,8 +7,8 @@ import os
 import sys
 
 from .budget.command import main as estimate_main
-from .engine.checkpoint_export import load_fp32_state_dict, write_state_dict
-from .engine.deepspeed_import import convert_deepspeed
+from .engine.checkpoints.deepspeed_import import convert_deepspeed
+from .engine.checkpoints.export import load_fp32_state_dict, write_state_dict
 from .launcher import run, torchrun_command
 from .train_job import main as train_main
 

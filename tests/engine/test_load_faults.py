@@ -10,7 +10,7 @@ rank 1's file missing, rank 1's file a crafted pickle, a buffer of another shape
 Every rank raises, naming the broken file, and every rank's masters, optimizer states, module
 parameters and buffers, counters, loss scale and schedule are bitwise what they were before the call;
 after that the good checkpoint loads and training goes on. A failure localises to the read phase
-(``engine/checkpoint_load.py``) letting a rank write before the others agreed.
+(``engine/checkpoints/load.py``) letting a rank write before the others agreed.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Activation checkpointing, DeepSpeed's API: ``zeroplus.checkpointing.checkpoint(fn, *args)`` (this module
 lives with the other activation techniques; ``zeroplus.checkpointing`` is its public name, as in DeepSpeed;
-training checkpoints are ``zeroplus/engine/checkpoint*.py``).
+training checkpoints are ``engine/checkpoints/``).
 
 ``checkpoint`` runs ``fn`` without keeping its intermediate activations: only its tensor inputs
 are saved, and in backward ``fn`` runs again (with the random-number state it had in forward, so

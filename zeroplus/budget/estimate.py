@@ -14,7 +14,7 @@ Phases: ``init`` (``initialize``: the model as built, then cast and partitioned;
 built in fp32 that is 4 bytes per parameter on one rank, which ZeRO has not yet divided),
 ``forward``, ``backward`` and ``step``; the peak of each is taken over two optimizer steps, so
 the optimizer states created by the first are there in the second. Then ``save``: a checkpoint
-save after them (``engine/checkpoint.py``'s own ``rank_state``), which streams its file from the
+save after them (``engine/checkpoints/save.py``'s own ``rank_state``), which streams its file from the
 training state and adds only the copies it must make (stage 0's slice of the full buffers, a
 split master merged to fp32, states read back from a file tier). ``peak_bytes`` includes the
 save; ``training_peak_bytes`` is the peak between saves.

@@ -37,7 +37,7 @@ from ..accelerator import Accelerator, get_accelerator
 from ..activations import checkpointing
 from ..config import ConfigError, ZeroplusConfig, auto_keys, load_config, resolve_auto, resolve_batch, resolved
 from ..engine.build import build_engine, compute_dtype
-from ..engine.checkpoint import rank_state
+from ..engine.checkpoints.save import rank_state
 from ..ledger import Category, Ledger
 from ..offload import meta_tier
 from ..parallel.groups import current_groups, using

@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 import torch
 
-from zeroplus.engine.checkpoint_io import LATEST
+from zeroplus.engine.checkpoints.files import LATEST
 from zeroplus.engine.engine import Engine
 from zeroplus.logs import log_rank0
 from zeroplus.zero.gathered import GatheredParameters

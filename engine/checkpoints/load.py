@@ -27,15 +27,14 @@ import torch
 from zeroplus.ledger import Category
 from zeroplus.zero.flat_group import FlatParamGroup
 
-from . import checkpoint_io as io
-from .checkpoint import _global_rank, _model_part, _set_rng_state, _topology, _world
+from . import files as io
+from .save import _global_rank, _model_part, _set_rng_state, _topology, _world
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..engine import Engine
 
 logger = logging.getLogger("zeroplus.checkpoint")
 
-_COUNTERS = ("global_steps", "micro_steps", "global_samples", "skipped_steps")
 # Param-group keys that choose torch's implementation, not the math: this engine keeps its own.
 _KERNEL_SWITCHES = frozenset({"fused", "foreach", "capturable", "differentiable"})
 
@@ -68,7 +67,7 @@ def _open_part(engine: Engine, path: str, meta: dict[str, Any]) -> tuple[str, di
 def _check_layout(engine: Engine, meta: dict[str, Any], path: str) -> None:
     """Same parameter names and shapes; otherwise an error listing the differences. (How they are
     grouped may differ: loading matches parameters by name.)"""
-    ours = {n: tuple(s) for g in engine._partition.groups for n, s in zip(g.names, g.shapes)}
+    ours = {n: tuple(s) for g in engine.partition.groups for n, s in zip(g.names, g.shapes)}
     suffixes = {n[n.index("@ep"):] for n in ours if "@ep" in n}  # this rank's expert rank; others' are not ours
     saved = {p[0]: tuple(p[1]) for g in meta["groups"] for p in g["params"]
              if "@ep" not in p[0] or p[0][p[0].index("@ep"):] in suffixes}
@@ -172,12 +171,12 @@ def _check_extra(engine: Engine, extra: dict[str, torch.Tensor], where: str, str
     must be in the checkpoint (one saved with ``exclude_frozen_parameters=True`` has none of them)."""
     shapes: dict[str, tuple[int, ...]] = {n: tuple(t.shape) for n, t in engine.module.named_parameters()}
     shapes.update({n: tuple(b.shape) for n, b in engine.module.named_buffers()})
-    shapes.update({n: tuple(s) for g in engine._partition.frozen for n, s in zip(g.names, g.shapes)})  # (released)
+    shapes.update({n: tuple(s) for g in engine.partition.frozen for n, s in zip(g.names, g.shapes)})  # (released)
     wrong = [f"{n}: checkpoint {tuple(v.shape)} vs model {shapes[n]}" for n, v in extra.items()
              if n in shapes and shapes[n] != tuple(v.shape)]
     if wrong:
         raise ValueError(f"checkpoint file {where}: buffers or frozen parameters of another shape: {wrong}")
-    trainable = {id(p) for g in engine._partition.groups for p in g.params}
+    trainable = {id(p) for g in engine.partition.groups for p in g.params}
     missing = [n for n, p in engine.module.named_parameters() if id(p) not in trainable and n not in extra]
     if strict and missing:
         shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
@@ -194,11 +193,11 @@ def _read(engine: Engine, load_dir: str, tag: str | None, load_optim: bool, stri
     _check_layout(engine, meta, path)
     files = _Files(path, meta)
     sources = {name: (entry, offset) for entry in meta["groups"] for name, _, offset in entry["params"]}
-    groups = [_plan_group(engine, g, sources, files, load_optim) for g in engine._partition.groups]
+    groups = [_plan_group(engine, g, sources, files, load_optim) for g in engine.partition.groups]
     own_rank = min(engine.dp.rank, meta["world_size"] - 1)
     own = files.get(own_rank)
     absent = [k for k in ("counters", "loss_scaler", "lr_scheduler", "optimizer_hparams", "client_state")
-              if k not in own] + [f"counters.{k}" for k in _COUNTERS if k not in own.get("counters", {})]
+              if k not in own] + [f"counters.{k}" for k in engine.counters() if k not in own.get("counters", {})]
     if absent:
         raise ValueError(f"checkpoint file {files.name(own_rank)} lacks {absent}")
     extra = files.get(0)["module_extra"]
@@ -208,15 +207,14 @@ def _read(engine: Engine, load_dir: str, tag: str | None, load_optim: bool, stri
 
 def _small_state(engine: Engine) -> dict[str, Any]:
     """What ``_apply`` changes besides tensors, to put back if applying fails."""
-    return {"counters": {k: getattr(engine, k) for k in _COUNTERS},
+    return {"counters": engine.counters(),
             "scaler": copy.deepcopy(engine.loss_scaler.state_dict()),
             "hparams": [{k: v for k, v in pg.items() if k != "params"} for pg in engine.optimizer.param_groups],
             "scheduler": copy.deepcopy(engine.lr_scheduler.state_dict()) if engine.lr_scheduler is not None else None}
 
 
 def _restore_small_state(engine: Engine, state: dict[str, Any]) -> None:
-    for k, v in state["counters"].items():
-        setattr(engine, k, v)
+    engine.set_counters(state["counters"])
     engine.loss_scaler.load_state_dict(state["scaler"])
     for pg, hp in zip(engine.optimizer.param_groups, state["hparams"]):
         pg.update(hp)
@@ -226,9 +224,7 @@ def _restore_small_state(engine: Engine, state: dict[str, Any]) -> None:
 
 def _apply_small(engine: Engine, own: dict[str, Any], load_optim: bool, load_scheduler: bool,
                  same_world: bool) -> None:
-    counters = own["counters"]
-    for k in _COUNTERS:
-        setattr(engine, k, counters[k])
+    engine.set_counters({k: own["counters"][k] for k in engine.counters()})
     if own["loss_scaler"]:
         engine.loss_scaler.load_state_dict(own["loss_scaler"])
     if load_optim and len(own["optimizer_hparams"]) == len(engine.optimizer.param_groups):
@@ -255,8 +251,8 @@ def _apply_tensors(engine: Engine, plan: _Plan) -> None:
                     for key, value in piece.saved["sliced"].items():
                         states[key][piece.at:piece.at + piece.numel].copy_(value[piece.src:piece.src + piece.numel])
             if load.opt_state:
-                engine._step.load_state(g, load.opt_state)
-        frozen = {n: (g, i) for g in engine._partition.frozen for i, n in enumerate(g.names)}
+                engine.sharded_step.load_state(g, load.opt_state)
+        frozen = {n: (g, i) for g in engine.partition.frozen for i, n in enumerate(g.names)}
         targets: dict[str, torch.Tensor] = dict(engine.module.named_parameters())
         targets.update(dict(engine.module.named_buffers()))
         for name, value in plan.extra.items():
@@ -265,7 +261,7 @@ def _apply_tensors(engine: Engine, plan: _Plan) -> None:
                 group.write_param(index, value.reshape(-1))
             elif name in targets:
                 targets[name].copy_(value)
-    engine._partition.params_from_masters()
+    engine.partition.params_from_masters()
 
 
 def _agree(world: Any, rank: int, error: BaseException | None, doing: str, top: str) -> None:
@@ -301,7 +297,7 @@ def load_checkpoint(engine: Engine, load_dir: str, tag: str | None = None, *, lo
     checkpoint lacks keep their values (trained parameters must all be there either way)."""
     world, rank = _world(engine), _global_rank(engine)
     load_optim = load_optimizer_states and not load_module_only
-    engine._partition.wait_all()
+    engine.partition.wait_all()
     plan, error = None, None
     try:
         plan = _read(engine, load_dir, tag, load_optim, strict)

@@ -1,4 +1,4 @@
-"""Sharded, elastic checkpoints of an engine: what each rank saves (loading: ``checkpoint_load.py``).
+"""Sharded, elastic checkpoints of an engine: what each rank saves (loading: ``load.py``).
 
 Each rank saves, per flat group, its *nominal* range ``[r * S, (r + 1) * S)`` clipped to the
 group's unpadded length: the fp32 master values and every optimizer-state tensor of that range
@@ -32,11 +32,11 @@ from zeroplus.parallel.topology import Topology
 from zeroplus.zero.flat_group import FlatParamGroup
 from zeroplus.zero.frozen_values import read_frozen
 
-from . import checkpoint_io as io
+from . import files as io
 from .safe_load import check_loadable, numpy_rng_from_file, numpy_rng_to_file
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..engine import Engine
 
 
 def _nominal_range(g: FlatParamGroup, rank: int) -> tuple[int, int]:
@@ -73,13 +73,13 @@ def rank_state(engine: Engine, client_state: dict[str, Any] | None,
     """What this rank's file holds (the memory estimate runs it on the meta device for the save phase).
     ``exclude_frozen_parameters``: rank 0's ``module_extra`` holds the buffers only, not the parameters
     that no optimizer trains (a PEFT adapter's checkpoint: the base model is loaded from its own files)."""
-    part, opt, rank = engine._partition, engine.optimizer, engine.dp.rank
+    part, opt, rank = engine.partition, engine.optimizer, engine.dp.rank
     groups: dict[str, Any] = {}
     for g in part.groups:
         lo, hi = _nominal_range(g, g.dp.rank)
         a, b = lo - g.owned_start, hi - g.owned_start
         sliced, whole = {}, {}
-        for key, value in engine._step.state_of(g).items():
+        for key, value in engine.sharded_step.state_of(g).items():
             if isinstance(value, torch.Tensor) and value.numel() == g.owned_numel and value.numel() > 1:
                 sliced[key] = _for_file(value[a:b])
             else:
@@ -97,8 +97,7 @@ def rank_state(engine: Engine, client_state: dict[str, Any] | None,
         extra.update({n: copy(b) for n, b in engine.module.named_buffers()})
     return {
         "rank": rank, "groups": groups, "module_extra": extra, "client_state": client_state or {},
-        "counters": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-                     "global_samples": engine.global_samples, "skipped_steps": engine.skipped_steps},
+        "counters": engine.counters(),
         "loss_scaler": engine.loss_scaler.state_dict(),
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "optimizer_hparams": [{k: v for k, v in pg.items() if k != "params"} for pg in opt.param_groups],
@@ -112,8 +111,8 @@ def _group_entries(engine: Engine) -> list[dict[str, Any]]:
     entries = [{"name": g.name, "numel": g.numel,
                 "params": [[n, list(s), o] for n, s, o in zip(g.names, g.shapes, g.offsets)],
                 "ranges": [[g.file_ranks[r], *_nominal_range(g, r)] for r in range(g.dp.size)]}
-               for g in engine._partition.groups]
-    if not any(g.expert for g in engine._partition.groups):
+               for g in engine.partition.groups]
+    if not any(g.expert for g in engine.partition.groups):
         return entries
     merged: dict[str, dict[str, Any]] = {}
     for rank_entries in engine.dp.all_gather_objects(entries):
@@ -123,7 +122,7 @@ def _group_entries(engine: Engine) -> list[dict[str, Any]]:
 
 
 def _metadata(engine: Engine, tag: str, digests: list[str], exclude_frozen_parameters: bool) -> dict[str, Any]:
-    part = engine._partition
+    part = engine.partition
     groups = _group_entries(engine)
     canonical = {id(p): n for n, p in engine.module.named_parameters()}
     aliases = {n: canonical[id(p)] for n, p in engine.module.named_parameters(remove_duplicate=False)
@@ -192,7 +191,7 @@ def save_checkpoint(engine: Engine, save_dir: str, tag: str | None = None,
                          f"with '.'")
     if client_state:
         check_loadable(client_state, what=f"the client_state given to save_checkpoint (rank {_global_rank(engine)})")
-    engine._partition.wait_all()
+    engine.partition.wait_all()
     final_dir = os.path.join(save_dir, tag)
     tmp_dir, refusal = world.broadcast_object(_prepare(save_dir, final_dir, tag) if world.rank == 0 else None)
     if refusal is not None:

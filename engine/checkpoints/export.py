@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from . import checkpoint_io as io
+from . import files as io
 
 
 def load_fp32_state_dict(ckpt_dir: str, tag: str | None = None) -> dict[str, torch.Tensor]:

@@ -39,7 +39,7 @@ import torch
 from .safetensors_ranges import SafetensorsFile
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..engine import Engine
 
 WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
                 "pytorch_model.bin")

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from . import checkpoint_io as io
+from . import files as io
 from .safe_load import load_weights_only
 
 _OPTIM_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
