@@ -116,12 +116,14 @@ class TieredStates:
 
     def full(self, owned: int) -> dict[str, Any]:
         """Every chunk's states concatenated (a checkpoint save): per-element tensors of ``owned``
-        elements, scalars from the last chunk."""
+        elements, scalars from the last chunk. Per-element: a tensor with dimensions as long as its chunk; a
+        scalar (Adam's ``step``) has none, so a last chunk of one element is concatenated too (taking its
+        one-element states for scalars put them in place of the whole tensors)."""
         out: dict[str, Any] = {}
         for k, (a, b) in enumerate(self.chunks):
             states = self.get(k)
             for key, value in states.items():
-                if isinstance(value, torch.Tensor) and value.numel() == b - a > 1:
+                if _per_element(value, b - a):
                     if key not in out:
                         out[key] = torch.zeros(owned, dtype=value.dtype, device=value.device)
                     out[key][a:b].copy_(value)
@@ -135,5 +137,10 @@ class TieredStates:
         self._resident.clear()
         self._stored.clear()
         for k, (a, b) in enumerate(self.chunks):
-            self.put(k, {key: (v[a:b].clone() if isinstance(v, torch.Tensor) and v.numel() == owned > 1 else
+            self.put(k, {key: (v[a:b].clone() if _per_element(v, owned) else
                                (v.clone() if isinstance(v, torch.Tensor) else v)) for key, v in states.items()})
+
+
+def _per_element(value: Any, size: int) -> bool:
+    """A state with one value per element of a range of ``size``: a tensor with dimensions, that long."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == size

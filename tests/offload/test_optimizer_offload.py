@@ -19,7 +19,8 @@ import zeroplus
 from tests.dist_helper import rank_and_world, run_distributed
 from tests.models import ParityNet, make_batches
 from tests.reference import engine_train
-from zeroplus.ledger import Category
+from zeroplus.ledger import Category, Ledger
+from zeroplus.offload.optimizer_states import TieredStates, Window
 
 SUB = 40
 
@@ -117,3 +118,18 @@ def test_bad_offload_settings(tmp_path):
         zeroplus.initialize(ParityNet(), dict(_config(1, "fp32", str(tmp_path)), zero_optimization={
             "stage": 1, "offload_optimizer": {"device": "nvme", "nvme_path": str(missing)}}))
     assert not missing.exists()
+
+
+def test_a_last_chunk_of_one_element_keeps_its_states_per_element():
+    """``TieredStates.full`` concatenates per-element states chunk by chunk; a last chunk of one element holds
+    one-element tensors, which are per-element too (Adam's ``step`` is 0-dimensional). Taking them for scalars
+    replaced the whole tensors by one element, and the load that followed gave fused Adam states shorter than
+    its chunks: a segmentation fault (ZeRO-2, states in files, a 241-element group in chunks of 40)."""
+    resident = 2  # both chunks resident: no tier is touched
+    states = TieredStates(None, [(0, 3), (3, 4)], resident, Window(1), Ledger())
+    states.put(0, {"step": torch.tensor(2.0), "exp_avg": torch.tensor([1.0, 2.0, 3.0])})
+    states.put(1, {"step": torch.tensor(2.0), "exp_avg": torch.tensor([4.0])})
+    full = states.full(4)
+    assert torch.equal(full["exp_avg"], torch.tensor([1.0, 2.0, 3.0, 4.0])) and full["step"].dim() == 0
+    states.load_full(full, 4)
+    assert [tuple(states.get(k)["exp_avg"].shape) for k in range(2)] == [(3,), (1,)]
