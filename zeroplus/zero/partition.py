@@ -102,7 +102,7 @@ class ZeroPartition:
         self.units: list[Unit] = []
         device = placement.device if placement is not None else None
         assigned = assign_parameters(model, unit_modules, frozen_too)
-        alone = self._routed_apart(model, assigned, param_group_of)
+        per_use, alone = self._per_use(model, assigned, param_group_of)
         for index, (name, module, params) in enumerate(assigned):
             if placement is not None:
                 placement.prepare(module, [m for _, m in unit_modules])
@@ -161,8 +161,6 @@ class ZeroPartition:
         self._ready: set[int] = set()
         self._unit_of_group = {id(g): u for u in self.units for g in u.groups}
         self._hooks = []
-        per_use = routed(model, {id(p) for g in self.groups for p in g.params},
-                         {id(p) for g in self.root.groups for p in g.params})
         sinks: dict[int, UseSinks] = {}
         self._row_sinks: list[RowsSink] = []  # the registry holds them weakly (grad_rows.py): alive with the partition
         for g in self.groups:
@@ -214,19 +212,19 @@ class ZeroPartition:
 
     # -- backward -----------------------------------------------------------------------------
     # -- per-use gradients (use_grads.py) -----------------------------------------------------------
-    def _routed_apart(self, model: torch.nn.Module, assigned: list[tuple[str, torch.nn.Module, Named]],
-                      param_group_of: dict[int, int]) -> set[int]:
-        """Stages 2-3: the root unit's per-use parameters (its embeddings, a tied head's weight), which get flat
-        groups of their own. An untied embedding's gradient comes only as rows, reduced sparsely, so its group
-        never allocates a flat gradient; in one group with the head and final norm it would be allocated whole
-        (vocabulary x hidden in the compute dtype, e.g. 1 GiB for a 128k-token bf16 embedding at hidden 4096)
-        when the head's gradient arrives, and its zeros reduced with them."""
-        if not self.early_per_use:
-            return set()
+    def _per_use(self, model: torch.nn.Module, assigned: list[tuple[str, torch.nn.Module, Named]],
+                 param_group_of: dict[int, int]) -> tuple[set[int], set[int]]:
+        """(the parameters taking the per-use path, ``use_grads.routed``; those of them in flat groups of their
+        own). At stages 2-3 the root unit's per-use parameters (its embeddings, a tied head's weight) are apart:
+        an untied embedding's gradient comes only as rows, reduced sparsely, so its group never allocates a flat
+        gradient; in one group with the head and final norm it would be allocated whole (vocabulary x hidden in
+        the compute dtype, e.g. 1 GiB for a 128k-token bf16 embedding at hidden 4096) when the head's gradient
+        arrives, and its zeros reduced with them."""
         trained = [{id(p) for _, p in params if p.requires_grad and id(p) in param_group_of}
                    for _, _, params in assigned]
         root = trained[-1]
-        return routed(model, set().union(*trained), root) & root
+        per_use = routed(model, set().union(*trained), root)
+        return per_use, (per_use & root if self.early_per_use else set())
 
     def _holder_replayed(self) -> None:
         self.release_root_early = False
