@@ -123,7 +123,7 @@ class TieredStates:
         for k, (a, b) in enumerate(self.chunks):
             states = self.get(k)
             for key, value in states.items():
-                if _per_element(value, b - a):
+                if per_element(value, b - a):
                     if key not in out:
                         out[key] = torch.zeros(owned, dtype=value.dtype, device=value.device)
                     out[key][a:b].copy_(value)
@@ -137,10 +137,12 @@ class TieredStates:
         self._resident.clear()
         self._stored.clear()
         for k, (a, b) in enumerate(self.chunks):
-            self.put(k, {key: (v[a:b].clone() if _per_element(v, owned) else
+            self.put(k, {key: (v[a:b].clone() if per_element(v, owned) else
                                (v.clone() if isinstance(v, torch.Tensor) else v)) for key, v in states.items()})
 
 
-def _per_element(value: Any, size: int) -> bool:
-    """A state with one value per element of a range of ``size``: a tensor with dimensions, that long."""
+def per_element(value: Any, size: int) -> bool:
+    """A state with one value per element of a range of ``size``: a tensor with dimensions, that long. (Adam's
+    ``step`` has none; a range of one element still holds per-element states, which ``numel == size > 1``
+    took for scalars.) Sub-group steps, their tier and checkpoint saves all decide with this."""
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == size

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from zeroplus.comm import DataParallelGroup
+from zeroplus.offload.optimizer_states import per_element
 from zeroplus.parallel.topology import Topology
 from zeroplus.zero.flat_group import FlatParamGroup
 from zeroplus.zero.frozen_values import read_frozen
@@ -80,7 +81,7 @@ def rank_state(engine: Engine, client_state: dict[str, Any] | None,
         a, b = lo - g.owned_start, hi - g.owned_start
         sliced, whole = {}, {}
         for key, value in engine.sharded_step.state_of(g).items():
-            if isinstance(value, torch.Tensor) and value.numel() == g.owned_numel and value.numel() > 1:
+            if per_element(value, g.owned_numel):
                 sliced[key] = _for_file(value[a:b])
             else:
                 whole[key] = value

@@ -30,7 +30,7 @@ import torch
 
 from ..kernels import bf16_split
 from ..ledger import Category, Ledger
-from ..offload.optimizer_states import TieredStates
+from ..offload.optimizer_states import TieredStates, per_element
 from .flat_group import FlatParamGroup
 
 ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adamax,
@@ -87,8 +87,8 @@ class ChunkedStep:
         scratch = self.ledger.empty(min(chunk, bf16_split.CHUNK), torch.int32, Category.MASTER, grad.device)
         state = opt.state.pop(param, {})
         first = not state  # every chunk then starts from the optimizer's own initial state
-        per_element = {k for k, v in state.items() if isinstance(v, torch.Tensor) and v.numel() == owned > 1}
-        scalars = {k: v for k, v in state.items() if k not in per_element}
+        sliced = {k for k, v in state.items() if per_element(v, owned)}
+        scalars = {k: v for k, v in state.items() if k not in sliced}
         placeholder = param.data
         try:
             store.prefetch_range(0, min(chunk, owned))
@@ -100,16 +100,15 @@ class ChunkedStep:
                 param.data, param.grad = values, grad[a:b]
                 chunk_state: dict[str, Any] = {}
                 if not first:
-                    chunk_state = {k: state[k][a:b] for k in per_element}
+                    chunk_state = {k: state[k][a:b] for k in sliced}
                     chunk_state.update({k: _copy_scalar(v) for k, v in scalars.items()})
                 opt.state[param] = chunk_state
                 opt.step()
                 for key, value in opt.state.pop(param).items():
-                    if key not in per_element and first and isinstance(value, torch.Tensor) \
-                            and value.numel() == b - a > 1:
+                    if key not in sliced and first and per_element(value, b - a):
                         state[key] = self.ledger.zeros(owned, value.dtype, Category.OPTIM_STATE, value.device)
-                        per_element.add(key)
-                    if key in per_element:
+                        sliced.add(key)
+                    if key in sliced:
                         if value.data_ptr() != state[key][a:b].data_ptr():
                             state[key][a:b].copy_(value)
                     else:
