@@ -204,10 +204,11 @@ def _estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: di
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     kind = accelerator or get_accelerator().name
+    dtype = _compute_dtype_name(config)
     tracker, cfg = simulate(model, config, world_size, rank, micro_batch_size=micro_batch_size, seq_len=seq_len,
                             example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
                             workspace=cpu_workspace_bytes if kind == "cpu" else None,
-                            runtime=runtime_bytes(kind, _compute_dtype_name(config), code),
+                            runtime=runtime_bytes(kind, dtype, code),
                             construction=construction)
     phases = {}
     for phase in PHASES:
@@ -222,7 +223,7 @@ def _estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: di
     return MemoryBudget(rank, world_size, cfg.train_micro_batch_size_per_gpu,
                         cfg.gradient_accumulation_steps, cfg.zero_optimization.stage, phases, states, kind,
                         category_peaks, tracker.saved_for_backward, tracker.checkpoint_copies, _split(cfg, world_size),
-                        caveats=caveats(kind, _compute_dtype_name(config), tracker.run_op.routed))
+                        caveats=caveats(kind, dtype, tracker.run_op.routed))
 
 
 def caveats(kind: str, dtype: str, routed: int) -> list[str]:
