@@ -70,7 +70,8 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     accel.reset_peak_memory_stats()  # the engine's peak is measured from here
     rss_at_start = accel.memory_allocated()
     cfg, unimplemented = parse_config(config)
-    predicts = cfg.zeroplus.memory_estimate or cfg.zeroplus.memory_budget is not None
+    predicts = (cfg.zeroplus.memory_estimate or cfg.zeroplus.memory_budget is not None) \
+        and cfg.zeroplus.parallel.pipeline == 1  # (a pipeline stage is not estimated: _estimate_source)
     # torch's code this process holds already (budget/first_use.py): read only where a budget is made
     code = code_resident() if predicts and accel.name == "cpu" else None
     init_distributed_if_launched(cfg.zeroplus.collective_timeout)
