@@ -23,7 +23,7 @@ from zeroplus.activations.resize_recompute import DEFAULT_CLASSES
 from zeroplus.activations.tiled import per_rank_tile, tile_mlps
 from zeroplus.activations.tiled_loss import is_hf_causal_lm, tile_loss
 from zeroplus.activations.training_cache import drop_training_cache
-from zeroplus.config import ConfigError, ResolvedConfig, ZeroplusConfig, resolved_zero
+from zeroplus.config import ConfigError, ResolvedConfig, ZeroplusConfig, ZeroStage, resolved_zero
 from zeroplus.config.blocks import TiledConfig
 from zeroplus.ledger import Ledger
 from zeroplus.logs import log_rank0
@@ -137,9 +137,9 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Any, accel: Ac
                   level=logging.WARNING)
     ledger = Ledger() if ledger is None else ledger
     param_offload = _param_offload(cfg, model, group_of, dp.size, accel, ledger)
-    stage = cfg.zero_optimization.stage
+    stage = ZeroStage(cfg.zero_optimization.stage)
     flattened = {id(p) for p in model.parameters() if (p.requires_grad and id(p) in group_of)
-                 or frozen_dtype(p, stage if isinstance(stage, int) else 0, experts, dtype) is not None}  # (units.py)
+                 or frozen_dtype(p, stage, experts, dtype) is not None}  # (units.py)
     try:
         partition = make_partition(model, cfg, dp, ledger, dtype, group_of, param_offload, experts,
                                    UnitPlacement(accel.device(), dtype, _broadcast_group(dp, experts), flattened))
@@ -263,7 +263,7 @@ def _warn_inert_options(cfg: ResolvedConfig) -> None:
     keys = ["allgather_bucket_size"]
     if not zero.offloads_optimizer:
         keys.append("sub_group_size")
-    if zero.stage == 3:
+    if zero.stage.shards_parameters:
         keys += ["stage3_max_live_parameters", "stage3_max_reuse_distance"]
     inert += [f"zero_optimization.{key}" for key in keys if getattr(zero, key) != getattr(defaults, key)]
     if zero.offload_param is not None:  # zeroplus reads whole shards of one unit ahead, no buffer pool
@@ -299,7 +299,7 @@ def _param_offload(cfg: ResolvedConfig, model: torch.nn.Module, group_of: dict[i
     block = zero.offload_param
     if block is None or not zero.offloads_params:
         return None
-    if zero.stage != 3:
+    if not zero.stage.shards_parameters:
         raise ConfigError(f"config key 'zero_optimization.offload_param' needs ZeRO stage 3 (stage is {zero.stage}); "
                           f"at stages 1 and 2 every rank holds all parameters for compute")
     owned = sum(p.numel() for p in model.parameters() if id(p) in group_of) // world + 1
@@ -340,7 +340,7 @@ def _optimizer_offload(cfg: ResolvedConfig, accel: Accelerator, ledger: Ledger, 
     block = zero.offload_optimizer
     if block is None or not zero.offloads_optimizer:
         return None
-    if zero.stage == 0:
+    if not zero.stage.partitions:
         raise ConfigError("config key 'zero_optimization.offload_optimizer' needs ZeRO stage 1, 2 or 3 (stage is 0)")
     tier = _offload_tier("offload_optimizer", block, accel, ledger,
                          int(4 * states_per_element(opt) * owned * block.ratio), cfg.zeroplus.direct_io)

@@ -23,7 +23,7 @@ from zeroplus.accelerator import Accelerator
 from zeroplus.activations import SavedTensorRouter
 from zeroplus.activations.forward_census import ForwardCensus, storage_keys_of
 from zeroplus.comm import DataParallelGroup
-from zeroplus.config import ResolvedConfig
+from zeroplus.config import ResolvedConfig, ZeroStage
 from zeroplus.eager import compiled_modules
 from zeroplus.ledger import Ledger
 from zeroplus.memory_report import MemoryReport
@@ -116,7 +116,7 @@ class Engine:
     def gradient_accumulation_steps(self) -> int:
         return self.config.gradient_accumulation_steps
 
-    def zero_optimization_stage(self) -> int:
+    def zero_optimization_stage(self) -> ZeroStage:
         return self._partition.stage
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -261,7 +261,7 @@ class Engine:
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients without reducing them (stages 0 and 1 only, as in DeepSpeed)."""
-        if self._partition.stage >= 2:
+        if self._partition.stage.shards_gradients:
             raise ValueError(f"no_sync() is not possible at ZeRO stage {self._partition.stage}: gradients are "
                              f"partitioned during backward (rank {self.dp.rank})")
         previous, self._no_sync = self._no_sync, True

@@ -57,7 +57,7 @@ def _tensors(engine: Engine, kinds: set[str]) -> list[torch.Tensor]:
         if "hp_params" in kinds:
             out += [g.master, getattr(g.master_store, "low", None)]
         if "lp_params" in kinds:
-            out += [g.shard, g.full if g.stage < 3 else None]
+            out += [g.shard, None if g.stage.shards_parameters else g.full]
         if kinds & {"lp_grads", "contiguous_grad_buffer"}:
             out += [g.grad_full, g.master_grad]
     if "lp_params" in kinds:

@@ -7,6 +7,10 @@ traced graph would freeze at its first value. ``eager(hook)`` marks the hook so 
 never traces it: a module compiled with ``torch.compile`` or ``module.compile()`` runs the hook as
 Python between its graphs (the compiled code calls out to it), and the graphs read the parameters the
 hook has just gathered. Memory and communication: none of its own.
+
+``in_backward()`` answers a hook's "is autograd running a backward?" (a forward run inside backward is
+an activation-checkpoint replay). Torch has no public call for it; this is the one place zeroplus makes
+the private one, and ``tests/zero/test_in_backward.py`` fails if a torch release changes its answer.
 """
 from __future__ import annotations
 
@@ -20,6 +24,11 @@ F = TypeVar("F", bound=Callable)
 def eager(hook: F) -> F:
     """``hook``, never traced by TorchDynamo (it and everything it calls run as Python)."""
     return torch.compiler.disable(hook, recursive=True)  # type: ignore[return-value]
+
+
+def in_backward() -> bool:
+    """Whether this thread is running autograd's backward (a hook called from inside it: a checkpoint replay)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def compiled_wrapper(module: torch.nn.Module) -> bool:

@@ -50,7 +50,7 @@ def model_state_bytes(build_model: Callable[[], torch.nn.Module], config: dict[s
     partition = make_partition(model, cfg, groups.zero, ledger, dtype, group_of, None, expert_split(groups))
     out = {c.value: ledger.live_bytes(c) for c in (Category.PARAM, Category.PARAM_GATHERED, Category.MASTER)}
     zero = resolved_zero(cfg.zero_optimization)  # make_partition refused anything still 'auto'
-    if zero.stage == 3 and zero.offloads_params:
+    if zero.stage.shards_parameters and zero.offloads_params:
         out["master_offloaded"], out["master"] = out["master"], 0  # on the tier, not the device
     if cfg.optimizer is not None:
         masters = [g.master_param for g in partition.groups]
@@ -59,7 +59,7 @@ def model_state_bytes(build_model: Callable[[], torch.nn.Module], config: dict[s
         owned = [g.owned_numel for g in partition.groups]
         resident = sum(owned)
         offload = zero.offload_optimizer
-        if offload is not None and zero.offloads_optimizer and zero.stage > 0:  # the engine's own sub-group plan
+        if offload is not None and zero.offloads_optimizer and zero.stage.partitions:  # the engine's own sub-group plan
             plan = plan_sub_groups(owned, zero.sub_group_size, offload.ratio)
             resident = sum(chunks[k][1] - chunks[k][0] for chunks, kept in plan for k in range(kept))
             out["optim_state_offloaded"] = per_element * (sum(owned) - resident)

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import ConfigError, ZeroplusConfig, load_config, parse_bytes
+from ..config import ConfigError, ZeroplusConfig, ZeroStage, load_config, parse_bytes
 from .estimate import MemoryBudget, estimate
 
 # Nominal bandwidths (bytes/s) the costs are computed with: only their ratios order candidates.
@@ -121,7 +121,7 @@ def cost(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int) -> floa
     ring = (world_size - 1) / world_size
     moved = {0: 2 * c * params, 1: 2 * c * params, 2: (ga + 1) * c * params, 3: 3 * ga * c * params}[s.stage]
     seconds = ring * moved / BANDWIDTH["comm"]
-    owned = params / (world_size if s.stage > 0 else 1)
+    owned = params / (world_size if ZeroStage(s.stage).partitions else 1)
     block = cfg.zero_optimization.offload_optimizer
     if s.ratio is not None and block is not None:
         seconds += 2 * s.ratio * owned * 8 / BANDWIDTH[block.device]  # AdamW's two states, read and written

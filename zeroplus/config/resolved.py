@@ -26,6 +26,7 @@ from .blocks import (
 )
 from .keys import ConfigError
 from .model import ZeroplusConfig
+from .zero_stage import ZeroStage
 
 
 class ResolvedFP16Config(FP16Config):
@@ -41,7 +42,7 @@ class ResolvedOffloadOptimizerConfig(OffloadOptimizerConfig):
 
 
 class ResolvedZeroConfig(ZeroConfig):
-    stage: Annotated[int, Field(ge=0, le=3)] = 0
+    stage: ZeroStage = ZeroStage.NONE  # the stage as a policy (zero_stage.py)
     reduce_bucket_size: PositiveInt = 500_000_000
     stage3_prefetch_bucket_size: NonNegativeInt | None = None
     stage3_param_persistence_threshold: NonNegativeInt = 100_000

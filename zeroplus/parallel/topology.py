@@ -34,6 +34,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ..config import ZeroStage
+
 KINDS = ("tensor", "data", "pipeline", "expert", "expert_data", "model", "context", "zero")
 
 
@@ -138,7 +140,7 @@ class Topology:
 
 def check_supported(topology: Topology, zero_stage: int) -> None:
     """Combinations the engine refuses at initialisation, with the numbers."""
-    if topology.pipeline > 1 and zero_stage > 2:
+    if topology.pipeline > 1 and ZeroStage(zero_stage).shards_parameters:
         raise ValueError(f"ZeRO stage {zero_stage} with pipeline parallelism (pipeline size {topology.pipeline}) is "
                          f"not supported: a stage-3 gather per micro-batch per stage would repeat every parameter "
                          f"gather {topology.pipeline}-fold; use zero_optimization.stage 0, 1 or 2")

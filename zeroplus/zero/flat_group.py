@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from ..comm import DataParallelGroup, Handle
+from ..config import ZeroStage
 from ..ledger import Category, Ledger
 from ..offload.policies import MasterPolicy
 from . import init_shards
@@ -81,7 +82,7 @@ class FlatParamGroup:
     """Flat storage, shard bookkeeping and gradient accumulation for one list of parameters."""
 
     def __init__(self, name: str, named_params: list[tuple[str, torch.nn.Parameter]], group_index: int,
-                 stage: int, dp: DataParallelGroup, compute_dtype: torch.dtype, ledger: Ledger,
+                 stage: ZeroStage, dp: DataParallelGroup, compute_dtype: torch.dtype, ledger: Ledger,
                  master: MasterPolicy = MasterPolicy(), device: torch.device | None = None,
                  trainable: bool = True) -> None:
         """``master``: shared storage, rounding, and the tier to keep the master shard on (stage 3,
@@ -113,16 +114,16 @@ class FlatParamGroup:
         self.numel = sum(self.numels)
         self.padded_numel = math.ceil(self.numel / dp.size) * dp.size
         self.shard_numel = self.padded_numel // dp.size
-        start = 0 if stage == 0 else dp.rank * self.shard_numel
+        start = dp.rank * self.shard_numel if stage.partitions else 0
         self.owned_start = start
-        self.owned_numel = self.padded_numel if stage == 0 else self.shard_numel
+        self.owned_numel = self.shard_numel if stage.partitions else self.padded_numel
 
         # The full low-precision buffer; the parameters become views into it.
-        full_category = Category.PARAM_GATHERED if stage == 3 else Category.PARAM
+        full_category = Category.PARAM_GATHERED if stage.shards_parameters else Category.PARAM
         self.full = ledger.empty(self.padded_numel, compute_dtype, full_category, self.device)
         # ZeRO-3 over zeroplus.Init's chunks: this rank's part comes from them in one all-to-all, and the
         # buffer is never filled (it holds memory only for the views made below)
-        from_chunks = stage == 3 and init_shards.chunked_over(self.params, dp)
+        from_chunks = stage.shards_parameters and init_shards.chunked_over(self.params, dp)
         if not from_chunks:
             with torch.no_grad():
                 for p, off, n in zip(self.params, self.offsets, self.numels):  # one parameter whole at a time
@@ -145,8 +146,8 @@ class FlatParamGroup:
 
         # Stage 3 on one rank in fp32: the master is the whole buffer, so the parameters stay gathered on
         # it (4 * P in all instead of 4 * P plus the units gathered, and no copy per gather)
-        self.resident = (stage == 3 and dp.size == 1 and compute_dtype == torch.float32 and not master.shared
-                         and master.offload is None and not from_chunks)
+        self.resident = (stage.shards_parameters and dp.size == 1 and compute_dtype == torch.float32
+                         and not master.shared and master.offload is None and not from_chunks)
         owned_view = self._full_data[start:start + self.owned_numel]
         if from_chunks:  # (Init's chunks hold rank 0's values already: no broadcast)
             self.full.untyped_storage().resize_(0)
@@ -160,8 +161,9 @@ class FlatParamGroup:
         self.shard: torch.Tensor | None = None
         self.master: torch.Tensor | None = None  # the fp32 master tensor, when it exists whole
         if not trainable:  # frozen: the compute-dtype shard is all there is (read and written as the "master")
-            if stage != 3:
-                raise ValueError(f"flat group {name}: frozen parameters are partitioned at stage 3 only, not {stage}")
+            if not stage.shards_parameters:
+                raise ValueError(f"flat group {name}: frozen parameters are partitioned at stage 3 only, "
+                                 f"not {int(stage)}")
             self.shard = owned_view if self.resident else self.ledger.empty(
                 self.shard_numel, compute_dtype, Category.PARAM, self.device).copy_(owned_view)
             self.master_store: MasterStore = FullMaster(self.shard, False)
@@ -170,21 +172,22 @@ class FlatParamGroup:
         elif master.shared:
             if compute_dtype != torch.bfloat16:
                 raise ValueError(f"shared-storage master weights need bf16 training, not {compute_dtype}")
-            high = owned_view if stage < 3 else self._own_copy(owned_view, self.shard_numel, compute_dtype)
+            high = (self._own_copy(owned_view, self.shard_numel, compute_dtype) if stage.shards_parameters
+                    else owned_view)
             self.shard = high
             low = ledger.zeros(self.owned_numel, torch.int16, Category.MASTER, self.device)
-            if stage < 3:  # the fp32 master would be 4 bytes per owned element; the residual is 2
+            if not stage.shards_parameters:  # the fp32 master would be 4 bytes per owned element; the residual is 2
                 ledger.save("shared_master_weights", Category.MASTER, 2 * self.owned_numel)
             self.master_store = SharedMaster(high, low)
             placeholder = torch.empty(0, dtype=torch.float32, device=self.device)
             self.master_param = torch.nn.Parameter(placeholder, requires_grad=False)  # data swapped in by the step
         else:
             if compute_dtype == torch.float32:  # no second copy: the fp32 shard is the master
-                whole = owned_view if stage < 3 or self.resident else self._own_copy(owned_view, self.shard_numel,
-                                                                                      compute_dtype)
+                whole = (owned_view if not stage.shards_parameters or self.resident
+                         else self._own_copy(owned_view, self.shard_numel, compute_dtype))
                 self.shard = whole
             else:
-                if stage < 3:
+                if not stage.shards_parameters:
                     self.shard = owned_view
                 whole = self._own_copy(owned_view, self.owned_numel, torch.float32)
             self.master = whole
@@ -206,7 +209,7 @@ class FlatParamGroup:
         self.dense_pending = 0  # dense uses of per-use parameters made in the forward, not yet back
         self.by_rows: set[int] = set()  # parameters whose gradient came by rows, their gradient hook not yet run
         self.rows: dict[int, list[tuple[torch.Tensor, torch.Tensor, int]]] = {}  # stages 2-3: (ids, sums, tokens)
-        if stage == 3:
+        if stage.shards_parameters:
             self.release()
 
     # -- stage-3 gather / release -----------------------------------------------------------
@@ -346,18 +349,18 @@ class FlatParamGroup:
     # -- after the optimizer step -------------------------------------------------------------
     def master_to_params(self) -> Handle | None:
         """Write the stepped master into the compute-dtype parameters; start the all-gather (1, 2)."""
-        if self.stage == 3 or self.shard is None:
+        if self.stage.shards_parameters or self.shard is None:
             return None  # stage 3: the next gather reads the master (stages 1-2 always hold a shard)
         with torch.no_grad():
             self.master_store.to_compute(self.shard)
-        if self.stage in (1, 2):
+        if self.stage.gathers_after_step:
             return self.dp.all_gather(self._full_data, self.shard)
         return None
 
     def gather_owned(self, owned: torch.Tensor) -> torch.Tensor:
         """The whole group-length tensor (``numel``, unpadded) from every rank's owned-range piece
         (the master, or an optimizer state); a collective at stages 1-3."""
-        if self.stage == 0:
+        if not self.stage.partitions:
             return owned[:self.numel].clone()
         full = torch.empty(self.padded_numel, dtype=owned.dtype, device=self.device)
         self.dp.all_gather(full, owned).wait()

@@ -66,7 +66,7 @@ class GatheredParameters:
                     continue
                 group.wait_pending()
                 unit = group.unit
-                if group.stage == 3 and unit is not None and unit not in self._units:
+                if group.stage.shards_parameters and unit is not None and unit not in self._units:
                     if group.gathered:  # gathered by the engine (a prefetch may be in flight): let it land
                         unit.wait_handles()
                     else:

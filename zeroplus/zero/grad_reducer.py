@@ -31,6 +31,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..comm import DataParallelGroup
+from ..config import ZeroStage
 from ..ledger import Category, Ledger
 from .flat_group import FlatParamGroup
 
@@ -38,7 +39,7 @@ _Landing = Callable[[torch.Tensor, torch.Tensor, float], Callable[[], None]]  # 
 
 
 class GradReducer:
-    def __init__(self, stage: int, dp: DataParallelGroup, bucket_numel: int, use_reduce_scatter: bool,
+    def __init__(self, stage: ZeroStage, dp: DataParallelGroup, bucket_numel: int, use_reduce_scatter: bool,
                  overlap: bool, ledger: Ledger, accumulate_fp32: bool) -> None:
         self.stage = stage
         self.accumulate_fp32 = accumulate_fp32
@@ -51,9 +52,9 @@ class GradReducer:
     def reduce(self, group: FlatParamGroup) -> None:
         """Start reducing ``group``'s flat gradient; results land when ``group.wait_pending()`` runs."""
         grad = group.ensure_grad_full()
-        if self.stage > 0 and group.dp.size == self.dp.size == 1:
+        if self.stage.partitions and group.dp.size == self.dp.size == 1:
             self._keep_whole(group, grad)
-        elif self.stage == 0:
+        elif not self.stage.partitions:
             for a in range(0, group.padded_numel, self.bucket_numel):
                 group.pending.append(group.dp.all_reduce(grad[a:a + self.bucket_numel]))
         elif not self.use_reduce_scatter:
@@ -62,7 +63,7 @@ class GradReducer:
             self._reduce_in_place(group, grad)
         else:
             self._reduce_scatter(group, grad)
-        if self.stage > 0:
+        if self.stage.partitions:
             group.grad_full = None  # the handles keep what they still need alive
         if not self.overlap:
             group.wait_pending()

@@ -41,7 +41,7 @@ import torch
 
 from ..activations.grad_rows import RowsSink, offer_rows
 from ..comm import DataParallelGroup
-from ..config import ResolvedZeroConfig
+from ..config import ResolvedZeroConfig, ZeroStage
 from ..eager import eager
 from ..ledger import Ledger
 from ..offload.policies import MasterPolicy
@@ -93,11 +93,11 @@ class ZeroPartition:
         tensors to the device just before its flat groups are built (``placement.py``: one unit at a
         time); None leaves every tensor where it is. At stages 2-3, per-use groups are reduced
         early and embeddings' rows sparsely (``early_per_use``)."""
-        self.stage = zero.stage
-        self.early_per_use = zero.stage >= 2
+        self.stage = ZeroStage(zero.stage)
+        self.early_per_use = self.stage.shards_gradients
         self.dp = dp
         self.ledger = ledger
-        frozen_too = self.stage == 3  # frozen parameters are partitioned too (flat_group.py: frozen groups)
+        frozen_too = self.stage.shards_parameters  # frozen parameters are partitioned too (see note: frozen groups)
         unit_modules = find_unit_modules(model, unit_class_names, frozen_too)
         self.units: list[Unit] = []
         device = placement.device if placement is not None else None
@@ -142,7 +142,7 @@ class ZeroPartition:
                         frozen=frozen)
             for g in groups + frozen:
                 g.unit, g.owner = unit, self
-            if self.stage == 3 and unit.numel <= zero.stage3_param_persistence_threshold:
+            if self.stage.shards_parameters and unit.numel <= zero.stage3_param_persistence_threshold:
                 unit.persistent = True
                 unit.wait_gather()
             self.units.append(unit)
@@ -152,7 +152,7 @@ class ZeroPartition:
         flat = {id(p) for g in self.groups + self.frozen for p in g.params}
         mark([p for p in model.parameters() if id(p) not in flat], ParamStatus.AVAILABLE)  # never partitioned
         overlap = True if zero.overlap_comm is None else zero.overlap_comm
-        accumulate_fp32 = self.stage >= 2 and gradient_accumulation_steps > 1
+        accumulate_fp32 = self.stage.shards_gradients and gradient_accumulation_steps > 1
         self.reducer = GradReducer(self.stage, dp, zero.reduce_bucket_size, zero.reduce_scatter, overlap, ledger,
                                    accumulate_fp32)
         self._in_flight: collections.deque[FlatParamGroup] = collections.deque()
@@ -182,20 +182,20 @@ class ZeroPartition:
         for g in self.groups:
             g.row_params = {i for i, p in enumerate(g.params) if id(p) in self.use_grads.row_receivers}
         prefetch = zero.stage3_prefetch_bucket_size
-        if self.stage in (1, 2):  # every unit, the root included, waits for its post-step all-gather before
+        if self.stage.gathers_after_step:  # every unit, the root included, waits for its post-step all-gather before
             for unit in self.units:  # its forward, and any state_dict() for all of them, even called on the model
                 self._hooks.append(unit.module.register_forward_pre_hook(eager(self._make_wait_hook(unit))))
             self._hooks.append(model.register_state_dict_pre_hook(lambda *args: self.wait_all()))
         self.stage3 = (Stage3Scheduler(self.units[:-1], self.root, prefetch)
-                       if self.stage == 3 else None)
-        if self.stage == 3:
+                       if self.stage.shards_parameters else None)
+        if self.stage.shards_parameters:
             self._hooks += install_state_dict_hooks(model, self.units)
 
     # -- forward ------------------------------------------------------------------------------
     def before_forward(self) -> None:
         # Stages 1-2: each unit (the root first) waits for its own post-step all-gather in a forward
         # pre-hook, so later blocks' gathers overlap earlier compute.
-        if self.stage not in (1, 2):
+        if not self.stage.gathers_after_step:
             self.wait_all()
         if self.stage3 is not None:
             self.stage3.begin_forward()
@@ -282,7 +282,7 @@ class ZeroPartition:
 
     def begin_backward(self, reduce: bool) -> None:
         """``reduce``: reduce gradients in this backward (always at stages 2-3, at the boundary at 0-1)."""
-        self.reduce_this_backward = reduce or self.stage >= 2
+        self.reduce_this_backward = reduce or self.stage.shards_gradients
         self.at_boundary = reduce
         self._ready.clear()
         for u in self.units:
@@ -334,8 +334,8 @@ class ZeroPartition:
         self._reduce_deferred()
         with_rows = []
         for g in self.groups:  # fixed order: every rank issues the same collectives
-            untouched_until_boundary = self.stage == 2 and g.grad_full is None and not self.at_boundary \
-                and not g.rows
+            untouched_until_boundary = (self.stage is ZeroStage.GRADIENTS and g.grad_full is None
+                                        and not self.at_boundary and not g.rows)
             if g.per_use and self.early_per_use and not untouched_until_boundary:
                 self._finish_per_use(g)
                 with_rows += [g] if g.row_params else []

@@ -136,10 +136,10 @@ class ShardedStep:
         if isinstance(optimizer, SegmentedOptimizer):  # a capability (Lamb's per-parameter trust ratio), not a class
             for g in partition.groups:
                 optimizer.set_segments(g.master_param, g.param_segments(), len(g.params),
-                                       g.dp if partition.stage > 0 else _LocalGroup())
+                                       g.dp if partition.stage.partitions else _LocalGroup())
 
     def _grad_norm(self, loss_scale: float) -> float:
-        stage0 = self.partition.stage == 0
+        stage0 = not self.partition.stage.partitions
         device = self.partition.groups[0].device if self.partition.groups else torch.device("cpu")
         total = torch.zeros((), dtype=_norm_dtype(device), device=device)
         longest = max((g.owned_numel for g in self.partition.groups), default=1)
@@ -170,7 +170,7 @@ class ShardedStep:
         return norm / loss_scale
 
     def _master_grad(self, g: FlatParamGroup, coef: float) -> torch.Tensor:
-        grad = g.ensure_grad_full() if self.partition.stage == 0 else g.ensure_master_grad()
+        grad = g.ensure_master_grad() if self.partition.stage.partitions else g.ensure_grad_full()
         if grad.dtype != torch.float32:  # low precision: this group's fp32 gradient only, for its step
             grad = self.ledger.empty(grad.numel(), torch.float32, Category.GRAD, grad.device).copy_(grad)
         return grad.mul_(coef) if coef != 1.0 else grad
@@ -185,7 +185,7 @@ class ShardedStep:
         if not math.isfinite(norm):
             return False
         coef = 1.0 / loss_scale
-        if self.partition.stage == 0:
+        if not self.partition.stage.partitions:
             coef /= self.dp.size
         if self.clip > 0:
             coef *= min(1.0, self.clip / (norm + 1e-6))

@@ -32,12 +32,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ..eager import eager
+from ..eager import eager, in_backward
 from .units import Unit
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 class Stage3Scheduler:
@@ -90,7 +86,7 @@ class Stage3Scheduler:
             if self.paused:
                 return
             unit.wait_gather()
-            if _in_backward():  # an activation-checkpoint replay: gathered for its backward
+            if in_backward():  # an activation-checkpoint replay: gathered for its backward
                 self._hold(unit)
                 return
             self._recording.append(unit.index)
@@ -101,7 +97,7 @@ class Stage3Scheduler:
 
     def _make_post_forward(self, unit: Unit):
         def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
-            if self.paused or _in_backward():  # (a replay's backward follows at once; released when its
+            if self.paused or in_backward():  # (a replay's backward follows at once; released when its
                 return output                  # grads are done)
             if torch.is_grad_enabled():
                 unit.backward_gathered = False

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..comm import Handle
+from ..config import ZeroStage
 from .flat_group import FlatParamGroup
 from .quantized import packed_storage
 
@@ -149,13 +150,14 @@ def assign_parameters(model: torch.nn.Module, unit_modules: list[tuple[str, torc
     return units
 
 
-def frozen_dtype(p: torch.nn.Parameter, stage: int, experts: Any, compute_dtype: torch.dtype) -> torch.dtype | None:
+def frozen_dtype(p: torch.nn.Parameter, stage: ZeroStage, experts: Any,
+                 compute_dtype: torch.dtype) -> torch.dtype | None:
     """The dtype of the frozen group a parameter no optimizer trains is flattened into, or None (it stays
     whole where it is): at stage 3, a plain floating-point ``Parameter`` in ``compute_dtype``; a quantized
     weight whose storage packs codes (``quantized.py``: QLoRA's 4-bit base) as its raw storage dtype; any
     other ``Parameter`` subclass stays whole (its storage may hold what a cast or a copy would corrupt), as
     does an expert's parameter split over ranks."""
-    if stage != 3 or (experts is not None and experts.holds(p)):
+    if not stage.shards_parameters or (experts is not None and experts.holds(p)):
         return None
     if type(p) is torch.nn.Parameter and p.is_floating_point():
         return compute_dtype

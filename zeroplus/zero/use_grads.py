@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..eager import eager
+from ..eager import eager, in_backward
 
 DenseSink = Callable[[torch.Tensor], None]
 RowSink = Callable[[torch.Tensor, torch.Tensor, int], None]  # (distinct ids, summed gradient per id, tokens)
@@ -167,7 +167,7 @@ class UseGrads:
         def hook(module: torch.nn.Module, args: Any) -> None:
             if not torch.is_grad_enabled():
                 return
-            replay = torch._C._current_graph_task_id() != -1
+            replay = in_backward()
             if replay:
                 on_replay()
             saved = {}
