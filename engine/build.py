@@ -171,9 +171,7 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Any, accel: Ac
                           _activation_techniques(model, cfg, ledger, accel, context))
     if context > 1 and parallel is not None:
         _split_sequences(model, parallel)
-    engine = Engine(model, cfg, parts, dp, ledger, accel, rss_at_start - model_bytes)
-    engine.parallel = parallel
-    return engine
+    return Engine(model, cfg, parts, dp, ledger, accel, rss_at_start - model_bytes, parallel)
 
 
 def _check_request(model: torch.nn.Module, cfg: ResolvedConfig, parallel: ParallelGroups | None,

@@ -66,9 +66,10 @@ _COUNTERS = ("global_steps", "micro_steps", "global_samples", "skipped_steps")  
 
 class Engine:
     def __init__(self, module: torch.nn.Module, config: ResolvedConfig, parts: TrainingParts, dp: DataParallelGroup,
-                 ledger: Ledger, accelerator: Accelerator, baseline_bytes: int) -> None:
+                 ledger: Ledger, accelerator: Accelerator, baseline_bytes: int, parallel: Any = None) -> None:
         """``parts``: what ``build_engine`` assembled. ``baseline_bytes``: the device's memory at
-        ``initialize`` without the model's own bytes (the peak above it is what ``zeroplus.estimate`` predicts)."""
+        ``initialize`` without the model's own bytes (the peak above it is what ``zeroplus.estimate`` predicts).
+        ``parallel``: the ParallelGroups when the model is split beyond data parallelism, else None."""
         self._module = module
         self.config = config
         self.optimizer = parts.optimizer
@@ -88,8 +89,12 @@ class Engine:
         # then, once per process and also when this engine is gone, gloo's workers get the GIL once more
         register_exit_grace()
         atexit.register(_wait_at_exit, weakref.ref(self))
-        self.budget: Any = None  # the predicted ``zeroplus.MemoryBudget``, once a hook has set it
-        self.parallel: Any = None  # the ParallelGroups when the model is split beyond dp (build_engine sets it)
+        # garbage-collected without destroy(): its hooks come off the model all the same (no collective)
+        self._compiled_units: list[CompiledUnits] = []
+        self._finalizer = weakref.finalize(self, _collected, parts.partition, parts.activations, self._compiled_units)
+        self._finalizer.atexit = False
+        self.budget: Any = None  # the predicted ``zeroplus.MemoryBudget``, once ``record_budget`` has set it
+        self.parallel = parallel
         self._checkpoint_saved = False  # the report compares with the predicted peak that includes a save
         self._activations = parts.activations
         self._activation_bytes: int | None = None  # what the first training forward left alive (_census)
@@ -242,6 +247,7 @@ class Engine:
             return
         units = [(u.name, u.module) for u in self._partition.units if not u.is_root]
         self._compiled = CompiledUnits(units or [("<model>", self._module)], settings)
+        self._compiled_units.append(self._compiled)
         if self.dp.rank == 0:
             logger.info("compiled %d module(s) with backend %s: %s", len(self._compiled.names), backend,
                         ", ".join(self._compiled.names[:4]) + (" ..." if len(self._compiled.names) > 4 else ""))
@@ -471,6 +477,11 @@ class Engine:
         mode (the top layer predicts the memory budget from those inputs this way)."""
         self._first_forward_hooks.append(hook)
 
+    def record_budget(self, budget: Any) -> None:
+        """The memory budget predicted for this run (``zeroplus.initialize``'s first-forward hook); the report
+        compares the measured peak with it."""
+        self.budget = budget
+
     def memory_report(self) -> MemoryReport:
         """The ledger's live and peak bytes per category and the device's peak above the start of
         ``initialize`` (the model's own bytes included), beside the predicted budget if any."""
@@ -487,6 +498,7 @@ class Engine:
         take the same model again. Later forward, backward and step calls raise. A second call does nothing."""
         if self._life is Life.DESTROYED:
             return
+        self._finalizer.detach()
         self._partition.remove()
         self._activations.remove()
         if self._compiled is not None:
@@ -498,6 +510,16 @@ class Engine:
         if self._life is Life.DESTROYED:
             raise RuntimeError(f"{call} on rank {self.dp.rank}: this engine was destroyed (engine.destroy()); the "
                                f"model holds its parameters again: zeroplus.initialize it anew to train on")
+
+
+def _collected(partition: ZeroPartition, activations: SavedTensorRouter, compiled: list[CompiledUnits]) -> None:
+    """An engine garbage-collected without ``destroy()``: every hook it put on the model removed, with no
+    collective (``ZeroPartition.drop_hooks``: a stage-3 model's released parameters stay empty, and a later
+    ``initialize`` refuses them)."""
+    partition.drop_hooks()
+    activations.remove()
+    for units in compiled:
+        units.remove()
 
 
 def _wait_at_exit(ref: weakref.ref) -> None:

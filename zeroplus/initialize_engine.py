@@ -179,16 +179,17 @@ def _predictor(model: torch.nn.Module, cfg: ResolvedConfig, code: int | None):
         world, rank = ((par.topology.world_size, par.global_rank) if par is not None
                        else (engine.dp.size, engine.dp.rank))
         try:
-            engine.budget = estimate(model, cfg, world_size=world, rank=rank, effects=True, example_inputs=args,
-                                     example_kwargs=kwargs, code=code)
+            budget = estimate(model, cfg, world_size=world, rank=rank, effects=True, example_inputs=args,
+                              example_kwargs=kwargs, code=code)
         except Exception as err:  # noqa: BLE001 - the prediction must never stop training
             logger.warning("memory estimate unavailable (%s: %s); zeroplus.memory_estimate false skips it",
                            type(err).__name__, err)
             return
-        engine.budget.compiled = engine.is_compiled or bool(compiled_modules(engine.module))
+        budget.compiled = engine.is_compiled or bool(compiled_modules(engine.module))
+        engine.record_budget(budget)
         if engine.dp.rank == 0:
-            logger.info("%s", engine.budget)
-            for caveat in engine.budget.caveats:
+            logger.info("%s", budget)
+            for caveat in budget.caveats:
                 logger.warning("memory budget, not predicted: %s", caveat)
     return predict
 

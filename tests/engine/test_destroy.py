@@ -9,6 +9,8 @@ its gradient hook without a gradient", left by the first engine's hooks).
 """
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -88,3 +90,32 @@ def test_destroy_removes_every_hook_and_the_model_trains_again_at_zero3_on_two_r
                          ids=["stage0", "stage2", "stage3-techniques"])
 def test_destroy_removes_every_hook_at_each_stage_and_with_the_memory_techniques(stage, block):
     _check(_build_destroy_build(stage, block))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_an_engine_dropped_without_destroy_takes_its_hooks_off_and_a_stage3_model_is_refused_after(stage):
+    """Garbage collection removes the hooks too (no collective). At stage 2 the parameters keep their values and
+    the model trains again as a single build does; at stage 3 their values were on the lost shards, and a second
+    ``initialize`` refuses the model, naming a parameter, rather than training on empty tensors. A model whose
+    engine is alive and not destroyed is refused the same way."""
+    torch.manual_seed(0)
+    model = build("llama", "tiny")
+    before = _hooks(model)
+    engine = zeroplus.initialize(model, _config(stage))
+    with pytest.raises(ValueError, match=r"parameter 'model\.\w.*another engine.*still partitioned.*destroy\(\)"):
+        zeroplus.initialize(model, _config(stage))
+    _train(engine, 1)
+    values = {n: p.detach().clone() for n, p in model.named_parameters()}
+    del engine
+    gc.collect()
+    assert _hooks(model) == before
+    if stage == 3:
+        with pytest.raises(ValueError, match="its engine was dropped without destroy.*hold no values"):
+            zeroplus.initialize(model, _config(stage))
+        return
+    assert all(torch.equal(p.detach(), values[n]) for n, p in model.named_parameters())
+    again = _train(zeroplus.initialize(model, _config(stage)), 2)
+    torch.manual_seed(0)
+    reference = build("llama", "tiny")
+    reference.load_state_dict(values)
+    assert again == _train(zeroplus.initialize(reference, _config(stage)), 2)

@@ -53,8 +53,9 @@ def _run(cases: list[tuple[int, str]]) -> list[dict]:
             time.sleep(0.01)
         units = [(u.is_root, [(g.padded_numel, g.shard_numel, g.owned_numel) for g in u.groups]) for u in part.units]
         frozen = [[(g.padded_numel, g.shard_numel) for g in u.frozen] for u in part.units]
+        layouts = sorted({g.layout.value for g in part.groups}), sorted({g.layout.value for g in part.frozen})
         out.append({"report": engine.memory_report().to_dict(), "units": units, "frozen": frozen,
-                    "in_flight": in_flight})
+                    "in_flight": in_flight, "layouts": layouts})
     return out
 
 
@@ -76,6 +77,9 @@ def test_ledger_bytes_per_category_match_partition_math():
             expected_master = 4 * owned if stage == 3 or dtype == "bf16" else 0
             assert live[Category.PARAM.value] == expected_param, label
             assert live[Category.MASTER.value] == expected_master, label
+            # the master layout each (stage, dtype) names (flat_group.MasterLayout), whose bytes these are
+            trained = "low precision" if dtype == "bf16" else ("fp32 own" if stage == 3 else "fp32 alias")
+            assert r["layouts"] == ([trained], ["frozen"] if stage == 3 else []), label
             assert live[Category.OPTIM_STATE.value] == 2 * 4 * owned, label
             assert live[Category.GRAD.value] == 0, label
             # stage 3 gathers the root unit and the first block ahead of the next forward

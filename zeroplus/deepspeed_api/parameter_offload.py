@@ -27,7 +27,7 @@ class _PauseHandle:
         self._scheduler = scheduler
 
     def remove(self) -> None:
-        self._scheduler.paused = True
+        self._scheduler.pause(True)
 
 
 class _ModuleView:
@@ -71,5 +71,5 @@ class ParameterOffload:
 
     def _register_deepspeed_module(self, module: Any) -> None:
         """Resume the engine's stage-3 hooks (what re-registering DeepSpeed's hooks does)."""
-        self._scheduler.paused = False
+        self._scheduler.pause(False)
         self.forward_hooks = [_PauseHandle(self._scheduler)]

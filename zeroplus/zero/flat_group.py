@@ -78,19 +78,46 @@ class Residency(enum.Enum):
     GATHERED = "gathered"
 
 
+class MasterLayout(enum.Enum):
+    """How a group keeps the values of its owned range (O elements: S at stages 1-3, P at stage 0; c bytes per
+    element of the compute dtype), chosen once at construction. ``shard`` is what an all-gather sends,
+    ``master`` the fp32 tensor when one exists whole; the master store (``master_store.py``) reads and writes
+    the layout for the step.
+
+    - ``FROZEN``: no master: ``shard``, c * S in the group's dtype, is all (stage 3, untrained parameters).
+    - ``FP32_ALIAS``: fp32 training, the owned range of ``full`` is both ``shard`` and ``master`` (stages 0-2,
+      and stage 3's ``resident`` group): 0 bytes beyond ``full``.
+    - ``FP32_OWN``: fp32 at stage 3: ``full`` is released, so ``shard`` = ``master`` is its own 4 * S copy.
+    - ``LOW_PRECISION``: ``master`` is an fp32 copy, 4 * O; ``shard`` is the owned range of ``full`` at stages
+      0-2, none at stage 3 (each gather casts the master into a c * S buffer).
+    - ``SHARED``: bf16 with shared-storage masters: ``shard`` the bf16 high halves (``full``'s range at stages
+      0-2, a 2 * S copy at stage 3) plus a 2 * O residual; no ``master``.
+    - ``TIERED``: stage 3 with ``offload_param``: the master on a host or NVMe tier (``tiered_master.py``), no
+      ``shard`` and no ``master`` on the device."""
+
+    FROZEN = "frozen"
+    FP32_ALIAS = "fp32 alias"
+    FP32_OWN = "fp32 own"
+    LOW_PRECISION = "low precision"
+    SHARED = "shared"
+    TIERED = "tiered"
+
+
 class FlatParamGroup:
     """Flat storage, shard bookkeeping and gradient accumulation for one list of parameters."""
 
     def __init__(self, name: str, named_params: list[tuple[str, torch.nn.Parameter]], group_index: int,
                  stage: ZeroStage, dp: DataParallelGroup, compute_dtype: torch.dtype, ledger: Ledger,
                  master: MasterPolicy = MasterPolicy(), device: torch.device | None = None,
-                 trainable: bool = True) -> None:
+                 trainable: bool = True, expert_ranks: list[int] | None = None) -> None:
         """``master``: shared storage, rounding, and the tier to keep the master shard on (stage 3,
         ``tiered_master.py``). ``device``: where the flat buffer lives (default: the first parameter's
         device); the parameters are copied into it from wherever they are, cast to ``compute_dtype``
         (a parameter ``zeroplus.Init`` partitioned is gathered first, one at a time), and every rank
         takes the group's first rank's values. ``trainable`` False (stage 3 only): frozen parameters,
-        kept as this rank's shard in the compute dtype and nothing else (see note: frozen groups)."""
+        kept as this rank's shard in the compute dtype and nothing else (see note: frozen groups).
+        ``expert_ranks``: an expert's parameters, partitioned over the expert-data group ``dp``; the data rank
+        whose checkpoint file holds each of its ranks' shards."""
         self.name = name
         self.trainable = trainable
         self.names = [n for n, _ in named_params]
@@ -98,10 +125,11 @@ class FlatParamGroup:
         self.group_index = group_index
         self.stage = stage
         self.dp = dp
-        self.expert = False  # an expert's parameters, partitioned over the expert-data group (partition.py)
-        self.unit: Any = None   # the unit holding this group and the partition (one engine's) holding that,
-        self.owner: Any = None  # set by partition.py
-        self.file_ranks = list(range(dp.size))  # the data rank whose checkpoint file holds each dp rank's shard
+        self.expert = expert_ranks is not None
+        # the data rank whose checkpoint file holds each dp rank's shard
+        self.file_ranks = list(range(dp.size)) if expert_ranks is None else list(expert_ranks)
+        self.unit: Any = None   # the unit holding this group and the partition (one engine's) holding that:
+        self.owner: Any = None  # ``attach()``
         self.ledger = ledger
         self.compute_dtype = compute_dtype
         self.device = self.params[0].device if device is None else torch.device(device)
@@ -167,6 +195,7 @@ class FlatParamGroup:
             self.shard = owned_view if self.resident else self.ledger.empty(
                 self.shard_numel, compute_dtype, Category.PARAM, self.device).copy_(owned_view)
             self.master_store: MasterStore = FullMaster(self.shard, False)
+            self.layout = MasterLayout.FROZEN
             self.master_param = torch.nn.Parameter(torch.empty(0, dtype=compute_dtype, device=self.device),
                                                    requires_grad=False)
         elif master.shared:
@@ -179,6 +208,7 @@ class FlatParamGroup:
             if not stage.shards_parameters:  # the fp32 master would be 4 bytes per owned element; the residual is 2
                 ledger.save("shared_master_weights", Category.MASTER, 2 * self.owned_numel)
             self.master_store = SharedMaster(high, low)
+            self.layout = MasterLayout.SHARED
             placeholder = torch.empty(0, dtype=torch.float32, device=self.device)
             self.master_param = torch.nn.Parameter(placeholder, requires_grad=False)  # data swapped in by the step
         else:
@@ -186,16 +216,19 @@ class FlatParamGroup:
                 whole = (owned_view if not stage.shards_parameters or self.resident
                          else self._own_copy(owned_view, self.shard_numel, compute_dtype))
                 self.shard = whole
+                self.layout = MasterLayout.FP32_OWN if whole is not owned_view else MasterLayout.FP32_ALIAS
             else:
                 if not stage.shards_parameters:
                     self.shard = owned_view
                 whole = self._own_copy(owned_view, self.owned_numel, torch.float32)
+                self.layout = MasterLayout.LOW_PRECISION
             self.master = whole
             self.master_store = FullMaster(whole, master.round_like_shared)
             self.master_param = torch.nn.Parameter(whole, requires_grad=False)
         if master.offload is not None and trainable:  # stage 3: the master shard is the parameter shard
             self.master_store = TieredMaster(self.master_store, master.offload.tier, ledger, master.offload.max_writes)
             self.shard = self.master = None
+            self.layout = MasterLayout.TIERED
             placeholder = torch.empty(0, dtype=torch.float32, device=self.device)
             self.master_param = torch.nn.Parameter(placeholder, requires_grad=False)
         self.grad_full: torch.Tensor | None = None    # compute dtype, padded_numel
@@ -203,14 +236,77 @@ class FlatParamGroup:
         self.master_grad: torch.Tensor | None = None  # reduced gradient of the owned range (stages 1-3)
         self.pending: list[Handle] = []
         self.residency = Residency.GATHERED  # built whole; stage 3 releases it just below
-        self.grads_seen = 0
+        # Gradient arrival in one backward, written only by the methods under "arrival" below:
+        self._grads_seen = 0  # counted parameters whose gradient hook ran
         self.per_use: set[int] = set()  # parameters whose uses send their gradients (``use_grads.py``): not counted
         self.row_params: set[int] = set()  # of those, the ones an embedding sends rows for
-        self.dense_pending = 0  # dense uses of per-use parameters made in the forward, not yet back
-        self.by_rows: set[int] = set()  # parameters whose gradient came by rows, their gradient hook not yet run
+        self._dense_pending = 0  # dense uses of per-use parameters made in the forward, not yet back
+        self._by_rows: set[int] = set()  # parameters whose gradient came by rows, their gradient hook not yet run
         self.rows: dict[int, list[tuple[torch.Tensor, torch.Tensor, int]]] = {}  # stages 2-3: (ids, sums, tokens)
         if stage.shards_parameters:
             self.release()
+
+    def attach(self, unit: Any, owner: Any) -> None:
+        """The unit holding this group, and the partition (one engine's) holding that."""
+        self.unit, self.owner = unit, owner
+
+    def forget_params(self) -> None:
+        """The model's parameters are given back (``ZeroPartition.remove``): they no longer name this group.
+        Their values stay what they hold."""
+        for p in self.params:
+            if getattr(p, FLAT_ATTR, None) is self:
+                delattr(p, FLAT_ATTR)
+
+    # -- arrival: which gradients of one backward are in (``partition.py`` asks and tells) ----------
+    def route_per_use(self, index: int, by_rows: bool) -> None:
+        """Parameter ``index``'s uses send its gradient (``use_grads.py``), by rows if ``by_rows`` (an
+        embedding): its gradient hook no longer counts it."""
+        self.per_use.add(index)
+        if by_rows:
+            self.row_params.add(index)
+
+    def dense_use_made(self) -> None:
+        """Forward: a holder of one of the per-use parameters ran; one more dense gradient to wait for."""
+        self._dense_pending += 1
+
+    def dense_use_arrived(self, index: int, grad: torch.Tensor) -> None:
+        """A holder's use of parameter ``index`` delivered ``grad``: added in, one fewer to wait for."""
+        self.accumulate_grad(index, grad)
+        self._dense_pending -= 1
+
+    def keep_rows(self, index: int, ids: torch.Tensor, sums: torch.Tensor, tokens: int) -> None:
+        """Stages 2-3: an embedding's per-token sums for parameter ``index``, kept for the sparse reduction."""
+        self.rows.setdefault(index, []).append((ids, sums, tokens))
+
+    def take_rows(self) -> dict[int, list[tuple[torch.Tensor, torch.Tensor, int]]]:
+        """The rows kept in this backward, handed over for their reduction (``row_reduce.py``)."""
+        rows, self.rows = self.rows, {}
+        return rows
+
+    def came_by_rows(self, index: int) -> bool:
+        """Whether parameter ``index``'s gradient went into the flat buffer by rows since its hook last ran
+        (asked once, by the hook)."""
+        by_rows = index in self._by_rows
+        self._by_rows.discard(index)
+        return by_rows
+
+    def all_counted(self) -> bool:
+        """Every counted parameter's gradient hook ran (per-use parameters are not counted)."""
+        return self._grads_seen == len(self.params) - len(self.per_use)
+
+    def dense_uses_back(self) -> bool:
+        """Every dense use made in the forward has delivered its gradient."""
+        return self._dense_pending <= 0
+
+    def restart_count(self) -> None:
+        """Reduced (or left for the boundary): count the next backward's gradients from zero."""
+        self._grads_seen = 0
+
+    def end_backward(self) -> None:
+        """The backward is over: nothing is counted, awaited or unclaimed any more."""
+        self._grads_seen = 0
+        self._dense_pending = 0
+        self._by_rows.clear()
 
     # -- stage-3 gather / release -----------------------------------------------------------
     @property
@@ -275,7 +371,7 @@ class FlatParamGroup:
                 view.copy_(grad)
                 self._written[index] = True
         if index not in self.per_use:
-            self.grads_seen += 1
+            self._grads_seen += 1
 
     def add_grad_rows(self, index: int, start: int, values: torch.Tensor, last: bool) -> None:
         """Rows ``start..start+len(values)`` of parameter ``index``'s gradient (``activations/grad_rows.py``),
@@ -288,7 +384,7 @@ class FlatParamGroup:
             view.copy_(values)
         if last:
             self._written[index] = True
-            self.by_rows.add(index)
+            self._by_rows.add(index)
 
     def add_rows(self, index: int, rows: torch.Tensor, values: torch.Tensor) -> None:
         """Add ``values[k]`` into row ``rows[k]`` of a 2-D parameter's gradient (distinct rows: an
@@ -324,6 +420,23 @@ class FlatParamGroup:
                 self._written[index] = True
         return grad
 
+    def drop_grad_full(self) -> None:
+        """A reduction was issued (stages 1-3): the flat gradient is dropped; the handles keep alive what they
+        still read."""
+        self.grad_full = None
+
+    def adopt_master_grad(self, grad: torch.Tensor) -> None:
+        """One rank owns everything: the flat gradient ``grad`` becomes the reduced one, no copy."""
+        self.master_grad = grad
+
+    def new_master_grad(self, dtype: torch.dtype) -> torch.Tensor:
+        """A reduced gradient of the owned range in ``dtype``, left for a reduction to write (ledger:
+        ``grad``); refused if one exists (two reductions in one step would lose the first)."""
+        if self.master_grad is not None:
+            raise RuntimeError(f"{self.name}: reduced twice in one step without accumulation")
+        self.master_grad = self.ledger.empty(self.owned_numel, dtype, Category.GRAD, self.device)
+        return self.master_grad
+
     def ensure_master_grad(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The reduced gradient of the owned range, zeros in ``dtype`` if none exists yet."""
         if self.master_grad is None:
@@ -339,7 +452,7 @@ class FlatParamGroup:
         self.grad_full = None
         self.master_grad = None
         self.master_param.grad = None
-        self.grads_seen = 0
+        self._grads_seen = 0
 
     def _own_copy(self, values: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A ledger-charged (``master``) copy of ``values`` in ``dtype``."""

@@ -64,7 +64,7 @@ class GradReducer:
         else:
             self._reduce_scatter(group, grad)
         if self.stage.partitions:
-            group.grad_full = None  # the handles keep what they still need alive
+            group.drop_grad_full()
         if not self.overlap:
             group.wait_pending()
 
@@ -74,7 +74,7 @@ class GradReducer:
         if self._adds_into_shard(group):
             group.ensure_master_grad().add_(grad)
         else:
-            group.master_grad = grad
+            group.adopt_master_grad(grad)
 
     def _column_buckets(self, grad: torch.Tensor, s: int, cols: int) -> Iterator[tuple[int, int, torch.Tensor]]:
         """``(c0, c1, input)`` per bucket: columns ``[c0, c1)`` of the ``(N, S)`` gradient, made
@@ -108,10 +108,8 @@ class GradReducer:
     def _reduce_scatter_direct(self, group: FlatParamGroup, grad: torch.Tensor, cols: int) -> None:
         """One reduction per step: the collective writes straight into the gradient shard
         (compute dtype), which is then divided by N; no comm buffer for the output."""
-        if group.master_grad is not None:
-            raise AssertionError(f"{group.name}: reduced twice in one step without accumulation")
         s = group.shard_numel
-        shard = group.master_grad = self.ledger.empty(s, grad.dtype, Category.GRAD, grad.device)
+        shard = group.new_master_grad(grad.dtype)
         scale = 1.0 / self.dp.size
         for c0, c1, inp in self._column_buckets(grad, s, cols):
             part = shard[c0:c1]
@@ -150,8 +148,7 @@ class GradReducer:
         (``_adds_into_shard``), else copied, divided, into a new compute-dtype shard."""
         if self._adds_into_shard(group):
             return group.ensure_master_grad(), _adder
-        group.master_grad = self.ledger.empty(group.owned_numel, dtype, Category.GRAD, group.device)
-        return group.master_grad, _copier
+        return group.new_master_grad(dtype), _copier
 
 
 def _adder(target: torch.Tensor, source: torch.Tensor, scale: float) -> Callable[[], None]:

@@ -45,7 +45,7 @@ from ..config import ResolvedZeroConfig, ZeroStage
 from ..eager import eager
 from ..ledger import Ledger
 from ..offload.policies import MasterPolicy
-from .flat_group import FlatParamGroup
+from .flat_group import FLAT_ATTR, FlatParamGroup
 from .grad_reducer import GradReducer
 from .param_status import ParamStatus, mark
 from .placement import UnitPlacement
@@ -82,6 +82,20 @@ class ExpertSplit:
 MAX_GROUPS_IN_FLIGHT = 1  # see note 3 (docs/design-notes.md)
 
 
+def _refuse_partitioned(model: torch.nn.Module, rank: int) -> None:
+    """A model another engine still partitions (not destroyed) is refused: two engines' hooks on one model
+    would both count its gradients, and a stage-3 engine dropped without ``destroy()`` left its parameters
+    empty (their values were on its shards)."""
+    for name, p in model.named_parameters():
+        group = getattr(p, FLAT_ATTR, None)
+        if group is not None:
+            state = ("its engine was dropped without destroy(), which gathers the values back: the released "
+                     "parameters hold no values" if group.owner.hooks_dropped else "is still partitioned by it")
+            raise ValueError(f"zeroplus.initialize on rank {rank}: parameter {name!r} belongs to another engine's "
+                             f"flat group {group.name} and {state}; call engine.destroy() on the first engine "
+                             f"(every rank) before initializing the same model again")
+
+
 class ZeroPartition:
     def __init__(self, model: torch.nn.Module, zero: ResolvedZeroConfig, dp: DataParallelGroup, ledger: Ledger,
                  compute_dtype: torch.dtype, param_group_of: dict[int, int],
@@ -93,6 +107,7 @@ class ZeroPartition:
         tensors to the device just before its flat groups are built (``placement.py``: one unit at a
         time); None leaves every tensor where it is. At stages 2-3, per-use groups are reduced
         early and embeddings' rows sparsely (``early_per_use``)."""
+        _refuse_partitioned(model, dp.rank)
         self.stage = ZeroStage(zero.stage)
         self.early_per_use = self.stage.shards_gradients
         self.dp = dp
@@ -126,11 +141,9 @@ class ZeroPartition:
                     if split is not None:
                         named = [(f"{n}{split.suffix}", p) for n, p in named]
                         group_dp, label = split.group, label + split.suffix
-                    group = FlatParamGroup(label, named, gi, self.stage, group_dp, compute_dtype, ledger, master,
-                                           device)
-                    if split is not None:
-                        group.expert, group.file_ranks = True, split.data_ranks()
-                    groups.append(group)
+                    groups.append(FlatParamGroup(label, named, gi, self.stage, group_dp, compute_dtype, ledger,
+                                                 master, device,
+                                                 expert_ranks=None if split is None else split.data_ranks()))
             frozen = []
             for dtype, named_of_dtype in frozen_named.items():  # (the compute dtype; packed quantized storage)
                 runs = bucketed(named_of_dtype, zero.reduce_bucket_size)
@@ -141,10 +154,9 @@ class ZeroPartition:
             unit = Unit(index=index, name=name, module=module, groups=groups, is_root=(module is model),
                         frozen=frozen)
             for g in groups + frozen:
-                g.unit, g.owner = unit, self
+                g.attach(unit, self)
             if self.stage.shards_parameters and unit.numel <= zero.stage3_param_persistence_threshold:
-                unit.persistent = True
-                unit.wait_gather()
+                unit.keep_gathered()
             self.units.append(unit)
         self.root = self.units[-1]
         self.groups: list[FlatParamGroup] = [g for u in self.units for g in u.groups]
@@ -161,6 +173,7 @@ class ZeroPartition:
         self._ready: set[int] = set()
         self._unit_of_group = {id(g): u for u in self.units for g in u.groups}
         self._hooks = []
+        self.hooks_dropped = False  # drop_hooks()
         sinks: dict[int, UseSinks] = {}
         self._row_sinks: list[RowsSink] = []  # the registry holds them weakly (grad_rows.py): alive with the partition
         for g in self.groups:
@@ -171,7 +184,6 @@ class ZeroPartition:
                     self._row_sinks.append(functools.partial(g.add_grad_rows, i))
                     offer_rows(p, self._row_sinks[-1])
                 if id(p) in per_use:
-                    g.per_use.add(i)
                     sinks[id(p)] = UseSinks(functools.partial(self._dense_use_arrived, g, i),
                                             functools.partial(self._rows_arrived, g, i),
                                             functools.partial(self._dense_use_made, g))
@@ -180,7 +192,9 @@ class ZeroPartition:
         self.release_root_early = True  # cleared for good by a use outside the holders or a replay
         self._backwards_seen = 0
         for g in self.groups:
-            g.row_params = {i for i, p in enumerate(g.params) if id(p) in self.use_grads.row_receivers}
+            for i, p in enumerate(g.params):
+                if id(p) in per_use:
+                    g.route_per_use(i, by_rows=id(p) in self.use_grads.row_receivers)
         prefetch = zero.stage3_prefetch_bucket_size
         if self.stage.gathers_after_step:  # every unit, the root included, waits for its post-step all-gather before
             for unit in self.units:  # its forward, and any state_dict() for all of them, even called on the model
@@ -230,15 +244,14 @@ class ZeroPartition:
         self.release_root_early = False
     def _dense_use_made(self, group: FlatParamGroup) -> None:
         """Forward: a holder of one of ``group``'s per-use parameters ran; one more gradient to wait for."""
-        group.dense_pending += 1
+        group.dense_use_made()
 
     def _dense_use_arrived(self, group: FlatParamGroup, index: int, grad: torch.Tensor) -> None:
         """A holder's use delivered ``grad`` (added into the flat buffer). The early reduction this may allow
         starts at the next gradient hook or at the end of backward, not here: ``grad`` (a table-sized tied
         head's gradient) is alive until this returns, and the reduction's landing shard beside it would raise
         the peak by the shard."""
-        group.accumulate_grad(index, grad)
-        group.dense_pending -= 1
+        group.dense_use_arrived(index, grad)
         self._deferred.append(group)
 
     def _reduce_deferred(self) -> None:
@@ -251,7 +264,7 @@ class ZeroPartition:
         """An embedding's per-token sums: kept for the sparse reduction at stages 2-3 (``row_reduce.py``),
         else added into the flat buffer, which lives until the boundary anyway."""
         if self.early_per_use:
-            group.rows.setdefault(index, []).append((ids, sums, tokens))
+            group.keep_rows(index, ids, sums, tokens)
         else:
             group.add_rows(index, ids, sums)
 
@@ -259,8 +272,8 @@ class ZeroPartition:
         """Stages 2-3: reduce a per-use group's flat gradient as soon as every counted parameter and every
         dense use made in the forward has delivered (the tied head's gradient, at the start of backward),
         instead of holding it to the end. Anything arriving later is reduced again at the end and added."""
-        if (self.early_per_use and id(group) not in self._ready and group.dense_pending <= 0
-                and group.grad_full is not None and group.grads_seen == len(group.params) - len(group.per_use)):
+        if (self.early_per_use and id(group) not in self._ready and group.dense_uses_back()
+                and group.grad_full is not None and group.all_counted()):
             self._group_ready(group)
 
     def _maybe_release_root(self) -> None:
@@ -277,8 +290,7 @@ class ZeroPartition:
     def _only_rows_to_come(group: FlatParamGroup) -> bool:
         """A per-use group holding no dense gradient and waiting for none: only embedding rows are left to
         come, and an embedding runs on its detached weight (``use_grads.py``), so the values are not read."""
-        return (bool(group.per_use) and group.grad_full is None and group.dense_pending <= 0
-                and group.grads_seen == len(group.params) - len(group.per_use))
+        return bool(group.per_use) and group.grad_full is None and group.dense_uses_back() and group.all_counted()
 
     def begin_backward(self, reduce: bool) -> None:
         """``reduce``: reduce gradients in this backward (always at stages 2-3, at the boundary at 0-1)."""
@@ -286,14 +298,13 @@ class ZeroPartition:
         self.at_boundary = reduce
         self._ready.clear()
         for u in self.units:
-            u.groups_ready = 0
+            u.begin_backward()
 
     def _make_grad_hook(self, group: FlatParamGroup, index: int):
         def hook(param: torch.nn.Parameter) -> None:
             self._reduce_deferred()
             grad = param.grad
-            by_rows = index in group.by_rows  # its gradient went into the flat buffer by rows
-            group.by_rows.discard(index)
+            by_rows = group.came_by_rows(index)  # its gradient went into the flat buffer by rows
             if grad is None and not by_rows and index in group.per_use:  # its uses' gradients went there
                 return
             if index in group.per_use:  # a use outside its holders: its saved tensors may need the values late
@@ -304,7 +315,7 @@ class ZeroPartition:
             group.accumulate_grad(index, grad)  # None: counted only
             if group.per_use:
                 self._maybe_reduce_early(group)
-            elif group.grads_seen == len(group.params):
+            elif group.all_counted():
                 self._group_ready(group)
         return hook
 
@@ -319,10 +330,9 @@ class ZeroPartition:
             self._in_flight.append(group)
             while len(self._in_flight) > MAX_GROUPS_IN_FLIGHT:
                 self._in_flight.popleft().wait_pending()
-        group.grads_seen = 0
+        group.restart_count()
         unit = self._unit_of_group[id(group)]
-        unit.groups_ready += 1
-        if self.stage3 is not None and unit.groups_ready == len(unit.groups):
+        if unit.group_done() and self.stage3 is not None:
             self.stage3.on_unit_grads_done(unit)
         if unit.is_root:
             self._maybe_release_root()
@@ -342,17 +352,14 @@ class ZeroPartition:
             elif id(g) not in self._ready and (g.grad_full is not None or self.reduce_this_backward) \
                     and not untouched_until_boundary:
                 self._group_ready(g)
-            g.grads_seen = 0
-            g.dense_pending = 0
-            g.by_rows.clear()
+            g.end_backward()
         for g in self.groups:
             g.wait_pending()
         self._in_flight.clear()
         self._backwards_seen += 1
         shard_dtype = torch.float32 if self.reducer.accumulate_fp32 else None
         for g in with_rows:  # after the dense reductions landed: their first one writes the shard
-            reduce_rows(g, g.rows, 1.0 / self.dp.size, shard_dtype or g.compute_dtype)
-            g.rows = {}
+            reduce_rows(g, g.take_rows(), 1.0 / self.dp.size, shard_dtype or g.compute_dtype)
         if self.stage3 is not None:
             self.stage3.end_backward()
 
@@ -408,13 +415,29 @@ class ZeroPartition:
         the model removed (gradient, forward, state-dict; stage 3's gather and release; the per-use swaps)."""
         self.wait_in_flight()
         if self.stage3 is not None:
-            self.stage3.remove()
             for unit in self.units:
                 unit.wait_gather()
+        self.drop_hooks()
+        for g in self.groups + self.frozen:
+            g.forget_params()
+
+    def drop_hooks(self) -> None:
+        """Remove every hook this partition put on the model, and nothing else: no collective (``Engine``'s
+        finalizer calls it alone when an engine is garbage-collected without ``destroy()``, on each rank at a
+        moment of its own). At stages 0-2 the parameters then keep their values, views of the flat buffers
+        they keep alive, and are plain parameters again; at stage 3 the released ones stay empty and keep
+        their group, so a later ``initialize`` refuses them (``ZeroPartition`` below) instead of training on
+        no values."""
+        self.hooks_dropped = True
+        if self.stage3 is not None:
+            self.stage3.remove()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
         self.use_grads.remove()
+        if not self.stage.shards_parameters:
+            for g in self.groups + self.frozen:
+                g.forget_params()
 
     def wait_in_flight(self) -> None:
         """Every collective this partition issued and nobody waited for yet: reductions, post-step

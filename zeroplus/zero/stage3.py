@@ -45,11 +45,16 @@ class Stage3Scheduler:
         self.forward_order: list[int] = []
         self._recording: list[int] = []
         self._held: list[Unit] = []  # units with frozen groups gathered for backward, released at the next one
-        self.paused = False  # the module hooks do nothing (TRL generating from a model gathered whole)
+        self.paused = False  # the module hooks do nothing (TRL generating from a model gathered whole): pause()
         self._handles: list[Any] = []
         for unit in units:
             self._handles.append(unit.module.register_forward_pre_hook(eager(self._make_pre_forward(unit))))
             self._handles.append(unit.module.register_forward_hook(eager(self._make_post_forward(unit))))
+
+    def pause(self, paused: bool) -> None:
+        """``True``: the module hooks do nothing until ``pause(False)`` (DeepSpeed's hook removal and
+        re-registration around TRL's generation: ``deepspeed_api/parameter_offload.py``)."""
+        self.paused = paused
 
     # -- forward ------------------------------------------------------------------------------
     def begin_forward(self) -> None:
@@ -100,7 +105,7 @@ class Stage3Scheduler:
             if self.paused or in_backward():  # (a replay's backward follows at once; released when its
                 return output                  # grads are done)
             if torch.is_grad_enabled():
-                unit.backward_gathered = False
+                unit.forward_done()
                 for t in tree_flatten(output)[0]:
                     if isinstance(t, torch.Tensor) and t.requires_grad:
                         t.register_hook(self._make_pre_backward(unit))
@@ -111,9 +116,8 @@ class Stage3Scheduler:
     # -- backward -----------------------------------------------------------------------------
     def _make_pre_backward(self, unit: Unit):
         def hook(grad: torch.Tensor) -> None:
-            if unit.backward_gathered:
+            if not unit.claim_backward():
                 return None
-            unit.backward_gathered = True
             self._hold(unit)
             unit.wait_gather()
             order = list(reversed(self.forward_order))

@@ -20,30 +20,81 @@ flight (``partition.py``), so at most about two groups' gradients, each at most 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
 
 import torch
 
 from ..comm import Handle
 from ..config import ZeroStage
-from .flat_group import FlatParamGroup
+from .flat_group import FlatParamGroup, Residency
 from .quantized import packed_storage
+
+
+class UnitPass(enum.Enum):
+    """Which pass a unit's gathered values serve (stage 3; its bytes are its groups' ``Residency``).
+
+    - ``FORWARD``: gathered for (or released after) its forward; its output's first gradient gathers it again.
+    - ``BACKWARD``: gathered for its backward, once per backward (a second output gradient finds it so);
+      released when its gradients are all in (``GroupsDone``), or at the next unit's backward with frozen
+      groups. The next forward's post-hook moves it back to ``FORWARD``."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
 
 
 @dataclasses.dataclass
 class Unit:
-    """One module's flat groups and its stage-3 gather state."""
+    """One module's flat groups and its stage-3 gather state. Its fields are written by its own methods only:
+    ``keep_gathered()`` (persistent), ``start_gather``/``wait_handles``/``release`` (the handles),
+    ``forward_done``/``claim_backward`` (the pass), ``begin_backward``/``group_done`` (groups whose gradients
+    are in)."""
 
     index: int
     name: str
     module: torch.nn.Module
     groups: list[FlatParamGroup]
     is_root: bool = False
-    persistent: bool = False
-    gather_handles: list[Handle] = dataclasses.field(default_factory=list)
-    groups_ready: int = 0
-    backward_gathered: bool = False
     frozen: list[FlatParamGroup] = dataclasses.field(default_factory=list)  # stage 3: its frozen parameters
+    persistent: bool = dataclasses.field(default=False, init=False)  # below the persistence threshold
+    gather_handles: list[Handle] = dataclasses.field(default_factory=list, init=False)
+    serves: UnitPass = dataclasses.field(default=UnitPass.FORWARD, init=False)
+    _groups_done: int = dataclasses.field(default=0, init=False)
+
+    @property
+    def residency(self) -> Residency:
+        """What the unit holds: its groups' residency (they are gathered and released together)."""
+        return self.all_groups[0].residency if self.all_groups else Residency.GATHERED
+
+    def keep_gathered(self) -> None:
+        """Stage 3, a unit below ``stage3_param_persistence_threshold``: gathered now and for good (only a
+        forced release, a checkpoint load's, frees it)."""
+        self.persistent = True
+        self.wait_gather()
+
+    def forward_done(self) -> None:
+        """Its forward ran (with gradients): the next output gradient gathers it for backward."""
+        self.serves = UnitPass.FORWARD
+
+    def claim_backward(self) -> bool:
+        """The first of its outputs' gradients: True (and the unit serves its backward from now); later ones
+        in the same backward: False."""
+        if self.serves is UnitPass.BACKWARD:
+            return False
+        self.serves = UnitPass.BACKWARD
+        return True
+
+    def begin_backward(self) -> None:
+        """No group's gradients are in yet."""
+        self._groups_done = 0
+
+    def group_done(self) -> bool:
+        """One more of its trained groups has all its gradients; True when that was the last."""
+        if self._groups_done >= len(self.groups):
+            raise RuntimeError(f"unit {self.name}: {self._groups_done + 1} groups done in one backward, "
+                               f"of {len(self.groups)}")
+        self._groups_done += 1
+        return self._groups_done == len(self.groups)
 
     @property
     def all_groups(self) -> list[FlatParamGroup]:
