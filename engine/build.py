@@ -11,8 +11,9 @@ master shards; build the schedule. Nothing here reads ``"auto"`` or imports the 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -149,29 +150,43 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Any, accel: Ac
         block = cfg.zero_optimization.offload_param
         raise ConfigError(f"config key 'zero_optimization.offload_param.nvme_path' "
                           f"({block.nvme_path if block else None!r}) on rank {dp.rank}: {err}") from None
-    opt, scheduler = _optimizer_and_schedule(cfg, partition, groups, optimizer, lr_scheduler, simulated)
-    step = ShardedStep(partition, opt, dp, ledger, StepPolicy(
-        gradient_clipping=cfg.gradient_clipping, master_chunk_numel=cfg.zeroplus.master_step_chunk,
-        offload=_optimizer_offload(cfg, accel, ledger, opt, sum(g.owned_numel for g in partition.groups)),
-        virtual_kernels=_virtual_states(cfg, accel, opt),
-        model_parallel=ModelParallelNorm(parallel.model, parallel.tensor.size, is_tensor_parallel)
-        if parallel is not None and model_parallel else None,
-        expert_group=parallel.expert if parallel is not None and experts is not None else None))
-    context = parallel.topology.context if parallel is not None else 1
-    log_rank0("%s; compute dtype %s; optimizer %s; micro-batch %s x accumulation %s x data %d = batch %s%s",
-              partition.describe().splitlines()[0], str(dtype).replace("torch.", ""), type(opt).__name__,
-              cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, dp.size // context,
-              cfg.train_batch_size, f" (each sequence over {context} context ranks)" if context > 1 else "")
-    if split and parallel is not None:
-        log_rank0("%s", parallel.describe())
-        if cfg.zeroplus.memory_estimate and pipelined:
-            log_rank0("memory estimate: not made for a pipeline stage at initialize (it needs every stage's shapes; "
-                      "zeroplus estimate with a model factory predicts it); the report shows what is measured")
-    parts = TrainingParts(partition, step, opt, scheduler, LossScaler(cfg.fp16),
-                          _activation_techniques(model, cfg, ledger, accel, context))
-    if context > 1 and parallel is not None:
-        _split_sequences(model, parallel)
-    return Engine(model, cfg, parts, dp, ledger, accel, rss_at_start - model_bytes, parallel)
+    with _given_back_on_failure(partition):
+        opt, scheduler = _optimizer_and_schedule(cfg, partition, groups, optimizer, lr_scheduler, simulated)
+        step = ShardedStep(partition, opt, dp, ledger, StepPolicy(
+            gradient_clipping=cfg.gradient_clipping, master_chunk_numel=cfg.zeroplus.master_step_chunk,
+            offload=_optimizer_offload(cfg, accel, ledger, opt, sum(g.owned_numel for g in partition.groups)),
+            virtual_kernels=_virtual_states(cfg, accel, opt),
+            model_parallel=ModelParallelNorm(parallel.model, parallel.tensor.size, is_tensor_parallel)
+            if parallel is not None and model_parallel else None,
+            expert_group=parallel.expert if parallel is not None and experts is not None else None))
+        context = parallel.topology.context if parallel is not None else 1
+        log_rank0("%s; compute dtype %s; optimizer %s; micro-batch %s x accumulation %s x data %d = batch %s%s",
+                  partition.describe().splitlines()[0], str(dtype).replace("torch.", ""), type(opt).__name__,
+                  cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, dp.size // context,
+                  cfg.train_batch_size, f" (each sequence over {context} context ranks)" if context > 1 else "")
+        if split and parallel is not None:
+            log_rank0("%s", parallel.describe())
+            if cfg.zeroplus.memory_estimate and pipelined:
+                log_rank0("memory estimate: not made for a pipeline stage at initialize (it needs every stage's "
+                          "shapes; zeroplus estimate with a model factory predicts it); the report shows what is "
+                          "measured")
+        parts = TrainingParts(partition, step, opt, scheduler, LossScaler(cfg.fp16),
+                              _activation_techniques(model, cfg, ledger, accel, context))
+        if context > 1 and parallel is not None:
+            _split_sequences(model, parallel)
+        return Engine(model, cfg, parts, dp, ledger, accel, rss_at_start - model_bytes, parallel)
+
+
+@contextlib.contextmanager
+def _given_back_on_failure(partition: ZeroPartition) -> Iterator[None]:
+    """A failure after the partition is built does not leave the model partitioned by an engine that never was:
+    the hooks come off (no collective: the failure may be this rank's alone). At stages 0-2 the parameters keep
+    their values; at stage 3 the released ones were on the shards, and a later initialize refuses them."""
+    try:
+        yield
+    except BaseException:
+        partition.drop_hooks()
+        raise
 
 
 def _check_request(model: torch.nn.Module, cfg: ResolvedConfig, parallel: ParallelGroups | None,

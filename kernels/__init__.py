@@ -1,4 +1,9 @@
-"""zeroplus.kernels: pure tensor functions, each with a plain-torch reference twin.
+"""zeroplus.kernels: pure tensor functions, each beside its plain-torch reference twin and tested against it
+(``tests/kernels/``). They hold no state, issue no collective and import nothing of zeroplus; the mechanisms
+above drive them.
 
 ``bf16_split``: the bf16/fp32 shared-storage split and merge (shared-storage master weights).
+``cross_entropy``: a linear head's cross-entropy by tiles of rows and vocabulary slices (tiled loss).
+``attention_blocks``: attention by blocks merged with the online softmax (ring attention).
+``npu_adam_w``: the CPU twin of the NPU's AdamW kernel (virtual host memory for optimizer states).
 """

@@ -16,7 +16,8 @@ Memory: exp_avg and exp_avg_sq (8 bytes per owned element) leave device memory e
 memory holds them. The master and gradient stay on the device. Only AdamW (or Adam with no
 weight decay) without amsgrad is supported, since that is the one kernel these tensors accept.
 On every other machine the option is refused at initialisation; ``npu_kernels`` lets the tests
-drive the same step with a CPU twin of the kernel written from its documented formula.
+drive the same step with the kernel's CPU twin, written from its documented formula
+(``zeroplus/kernels/npu_adam_w.py``, tested against torch's AdamW).
 """
 from __future__ import annotations
 

@@ -99,3 +99,8 @@ class PlainLamb(torch.optim.Optimizer):
                 u_norm = update.double().norm().item()
                 ratio = min(max(w_norm / u_norm, 0.01), 10.0) if w_norm > 0 and u_norm > 0 else 1.0
                 p -= group["lr"] * ratio * update
+
+
+def close_to(a: torch.Tensor, b: torch.Tensor, rel: float) -> bool:
+    """``a`` within ``rel`` of the largest magnitude of ``b`` everywhere (a kernel's tolerance against its twin)."""
+    return bool((a - b).abs().max() <= rel * b.abs().max())

@@ -110,7 +110,7 @@ def test_an_engine_dropped_without_destroy_takes_its_hooks_off_and_a_stage3_mode
     gc.collect()
     assert _hooks(model) == before
     if stage == 3:
-        with pytest.raises(ValueError, match="its engine was dropped without destroy.*hold no values"):
+        with pytest.raises(ValueError, match="its engine is gone without destroy.*hold no values"):
             zeroplus.initialize(model, _config(stage))
         return
     assert all(torch.equal(p.detach(), values[n]) for n, p in model.named_parameters())

@@ -2,7 +2,7 @@
 
 The NPU's swapped-memory allocator and ``npu_apply_adam_w`` kernel do not exist here. What runs
 here: the engine refuses the option on this machine naming the key; and, with a CPU twin of the
-kernel written from its documented formula (``_twin_apply``), the engine's use of it (beta
+kernel written from its documented formula (``zeroplus/kernels/npu_adam_w.py``), the engine's use of it (beta
 powers, step count, options per param group, gradient scaling and clipping) trains like torch's
 AdamW at stages 1 and 3 on 2 ranks (within 1e-5: the kernel folds the bias corrections in another
 order), keeps no optimizer-state bytes in device memory per the ledger, and a checkpoint of the
@@ -17,25 +17,11 @@ import zeroplus
 from tests.dist_helper import rank_and_world, run_distributed
 from tests.models import ParityNet, make_batches
 from tests.reference import engine_train
+from zeroplus.kernels import npu_adam_w
 from zeroplus.ledger import Category, Ledger
 from zeroplus.offload import virtual_host
 
-
-def _twin_allocate(size: list[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty(size, dtype=dtype, device=device)
-
-
-def _twin_apply(beta1_power, beta2_power, lr, weight_decay, beta1, beta2, eps, grad, max_grad_norm, amsgrad,
-                maximize, out):
-    """``npu_apply_adam_w`` as its documentation states it, in place on ``out = (var, m, v)``."""
-    var, m, v = out
-    assert max_grad_norm is None and not amsgrad
-    g = -grad if maximize else grad
-    m.mul_(beta1).add_(g, alpha=1 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    denom = (v / (1 - beta2_power * beta2)).sqrt_().add_(eps)
-    var.mul_(1 - lr * weight_decay).sub_(lr * (m / (1 - beta1_power * beta1)) / denom)
-    return var, m, v
+TWIN = (npu_adam_w.allocate, npu_adam_w.apply_adam_w)  # the NPU kernels' CPU twins
 
 
 def _config(stage: int, virtual: bool, optimizer: str = "AdamW") -> dict:
@@ -49,7 +35,7 @@ def _job(stage: int) -> dict:
     rank, world = rank_and_world()
     out = {}
     for virtual in (False, True):
-        virtual_host.CPU_TWIN = (_twin_allocate, _twin_apply) if virtual else None
+        virtual_host.CPU_TWIN = TWIN if virtual else None
         torch.manual_seed(0)
         engine = zeroplus.initialize(ParityNet(), _config(stage, virtual))
         losses = engine_train(engine, make_batches(5 * world, 2), 5, rank, world, 1)
@@ -74,13 +60,13 @@ def test_engine_steps_through_the_kernel_like_adamw(stage):
 
 
 def test_states_round_trip_exactly_through_a_checkpoint():
-    states = virtual_host.VirtualStates(1000, torch.device("cpu"), Ledger(), (_twin_allocate, _twin_apply))
+    states = virtual_host.VirtualStates(1000, torch.device("cpu"), Ledger(), TWIN)
     master = torch.randn(1000)
     group = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
     for _ in range(3):
         states.step(master, torch.randn(1000), group)
     saved = states.state()
-    other = virtual_host.VirtualStates(1000, torch.device("cpu"), Ledger(), (_twin_allocate, _twin_apply))
+    other = virtual_host.VirtualStates(1000, torch.device("cpu"), Ledger(), TWIN)
     other.load(saved)
     assert other.steps == 3 and float(saved["step"]) == 3.0
     assert torch.equal(other.exp_avg, states.exp_avg) and torch.equal(other.exp_avg_sq, states.exp_avg_sq)
@@ -90,7 +76,7 @@ def test_refused_where_it_cannot_run():
     virtual_host.CPU_TWIN = None
     with pytest.raises(zeroplus.ConfigError, match=r"zeroplus.virtual_optimizer_states' needs an Ascend NPU.*cpu"):
         zeroplus.initialize(ParityNet(), _config(1, True))
-    virtual_host.CPU_TWIN = (_twin_allocate, _twin_apply)
+    virtual_host.CPU_TWIN = TWIN
     try:
         with pytest.raises(zeroplus.ConfigError, match="needs AdamW.*not SGD"):
             zeroplus.initialize(ParityNet(), dict(_config(1, True, "SGD"),

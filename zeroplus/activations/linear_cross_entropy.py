@@ -22,6 +22,9 @@ exists only without a sink. The generic ``tiled`` over ``F.cross_entropy`` holds
 ``4 t V`` (the logits, their log-softmax, the gradient; measured in ``tests/memory/test_tiled.py``);
 untiled, ``4 N V`` for the logits and as much for their gradient.
 
+The per-tile and per-slice arithmetic are pure kernels with a reference twin
+(``zeroplus/kernels/cross_entropy.py``); this module drives them and routes each slice's gradient.
+
 Values: per row ``loss = max + log(sum(exp(logits - max))) - logits[target]``, the arithmetic of
 ``F.cross_entropy`` in another order, and the rows' gradient summed over vocabulary slices instead of
 in one product: equal within fp32 rounding (tests: relative 1e-5 for the loss and both gradients).
@@ -31,26 +34,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
+from ..kernels.cross_entropy import SLICE_FRACTION, slice_backward_, tile_loss_, vocab_slice
 from .grad_rows import rows_sink
-
-# A slice of the head's gradient is at most this fraction of one tile's logits (``4 s d <= 4 t V / 8``).
-SLICE_FRACTION = 8
-
-
-def vocab_slice(vocab: int, width: int, tile: int) -> tuple[int, int]:
-    """``(s, b)``: vocabulary rows per slice of the head's gradient (``s * width <= tile * vocab /
-    SLICE_FRACTION``, at least one row) and rows per block of logits (``b * s <= tile * vocab``)."""
-    s = max(1, min(vocab, tile * vocab // (SLICE_FRACTION * width)))
-    return s, max(1, tile * vocab // s)
-
-
-def _log_sum_exp_(logits: torch.Tensor) -> torch.Tensor:
-    """The log-sum-exp ``(t,)`` of fp32 ``logits`` ``(t, V)``, overwriting them."""
-    top = logits.amax(-1, keepdim=True)
-    total = logits.sub_(top).exp_().sum(-1, keepdim=True)
-    return (top + total.log()).squeeze(-1)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -59,13 +45,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 bias: torch.Tensor | None, tile: int, ignore_index: int) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=rows.device)
         lse = torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)
-        for a in range(0, rows.shape[0], tile):
-            keep = targets[a:a + tile] != ignore_index
-            logits = nn.functional.linear(rows[a:a + tile], weight, bias).float()
-            picked = logits.gather(1, torch.where(keep, targets[a:a + tile], 0).unsqueeze(1)).squeeze(1)
-            lse[a:a + tile] = _log_sum_exp_(logits)
-            total.add_(((lse[a:a + tile] - picked) * keep).sum())
-            del logits  # before the next tile's: one tile's logits at a time
+        for a in range(0, rows.shape[0], tile):  # one tile's logits at a time
+            total.add_(tile_loss_(rows[a:a + tile], weight, bias, targets[a:a + tile], ignore_index, lse[a:a + tile]))
         ctx.save_for_backward(rows, targets, lse)
         ctx.weight, ctx.bias, ctx.tile, ctx.ignore_index = weight, bias, tile, ignore_index  # read again in backward
         return total
@@ -87,7 +68,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         step, block = vocab_slice(vocab, weight.shape[1], ctx.tile)
         for v in range(0, vocab, step):
             w = weight[v:v + step]
-            d_w = _slice_backward(rows, w, bias[v:v + step] if bias is not None else None, picked - v, lse, scale,
+            d_w = slice_backward_(rows, w, bias[v:v + step] if bias is not None else None, picked - v, lse, scale,
                                   block, d_rows, d_bias[v:v + step] if d_bias is not None else None, want_weight)
             if d_w is None:
                 continue
@@ -101,45 +82,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 d_bias.to(bias.dtype) if d_bias is not None else None, None, None)
 
 
-def _slice_backward(rows: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
-                    lse: torch.Tensor, scale: torch.Tensor, block: int, d_rows: torch.Tensor | None,
-                    d_bias: torch.Tensor | None, want_weight: bool) -> torch.Tensor | None:
-    """One vocabulary slice ``w`` ``(s, d)`` over blocks of ``block`` rows: adds the rows' share into
-    ``d_rows`` and writes ``d_bias``; returns the slice's fp32 head gradient (if ``want_weight``).
-    ``target``: each row's target minus the slice's first row (outside ``[0, s)``: not in this slice)."""
-    s = w.shape[0]
-    d_w: torch.Tensor | None = None
-    for a in range(0, rows.shape[0], block):
-        x = rows[a:a + block]
-        g = nn.functional.linear(x, w, b).float()
-        g.sub_(lse[a:a + block].unsqueeze(1)).exp_()  # softmax probabilities of this slice
-        t = target[a:a + block]
-        inside = (t >= 0) & (t < s)
-        g.scatter_add_(1, t.clamp(0, s - 1).unsqueeze(1), -inside.unsqueeze(1).float())
-        g.mul_(scale[a:a + block].unsqueeze(1))
-        g_low = g if w.dtype == torch.float32 else g.to(w.dtype)
-        if d_rows is not None:
-            if w.dtype == torch.float32:
-                d_rows[a:a + block].addmm_(g_low, w)
-            else:
-                d_rows[a:a + block].add_(torch.matmul(g_low, w))
-        if want_weight:
-            x_w = x.to(w.dtype)
-            if d_w is None:
-                d_w = torch.matmul(g_low.t(), x_w).float()
-            elif w.dtype == torch.float32:
-                d_w.addmm_(g_low.t(), x_w)  # into the accumulator: no second slice-sized buffer
-            else:
-                d_w.add_(torch.matmul(g_low.t(), x_w))
-        if d_bias is not None:
-            if a == 0:
-                torch.sum(g, 0, out=d_bias)
-            else:
-                d_bias.add_(g.sum(0))
-        del g, g_low  # before the next block's
-    return d_w
-
-
 def linear_cross_entropy_sum(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                              targets: torch.Tensor, tile_tokens: int, ignore_index: int = -100) -> torch.Tensor:
     """The summed cross-entropy of ``rows @ weight.T + bias`` ``(N, d)`` against ``targets`` ``(N,)``, over tiles
@@ -149,4 +91,4 @@ def linear_cross_entropy_sum(rows: torch.Tensor, weight: torch.Tensor, bias: tor
     return _LinearCrossEntropy.apply(rows, targets, weight, bias, int(tile_tokens), ignore_index)
 
 
-__all__ = ["linear_cross_entropy_sum", "vocab_slice"]
+__all__ = ["SLICE_FRACTION", "linear_cross_entropy_sum", "vocab_slice"]

@@ -37,8 +37,9 @@ counting new storages with a dispatch mode) 34 MiB (40 with 4 MiB blocks of scor
 a rank's whole share of a block's dK/dV was computed beside the sum arriving and the one leaving, and
 each step's temporaries were still referenced when the next transfer was posted (at C = 2, 16384
 tokens: 56.5 against 84.5 MiB, with 4 MiB blocks). Each step's temporaries live in
-``_merge_block`` and ``_chunk_backward``, and a block's share is added into the sum with a batched
-GEMM, without a product of its size.
+``_merge_block`` and ``_chunk_backward`` (the block kernels, ``zeroplus/kernels/attention_blocks.py``, with
+their reference twin), and a block's share is added into the sum with a batched GEMM, without a product of
+its size.
 Communication: K and V (``2 b h L d`` elements) C - 1 times forward, and C - 1 times in
 backward with dK and dV C times.
 """
@@ -50,6 +51,7 @@ from typing import Any
 import torch
 
 from ..comm import DataParallelGroup
+from ..kernels.attention_blocks import block_backward_, merge_block_
 
 # fp32 scores of one block of query rows: 1 MiB. At 4 MiB the ring was no faster (CPU, C = 2, 8192 tokens per
 # rank, 4 heads of 32: 4.3-4.6 s against 3.7-4.4 s forward and backward, three launches each) and backward's
@@ -78,11 +80,6 @@ def zigzag_positions(local_length: int, group: DataParallelGroup, device: Any = 
 
 def _chunks(rank: int, size: int) -> tuple[int, int]:
     return rank, 2 * size - 1 - rank
-
-
-def _future(rows: int, keys: int, first_row: int, device: Any) -> torch.Tensor:
-    """The causal mask of rows ``first_row ..`` of a diagonal chunk pair: True where a key comes after its query."""
-    return torch.ones(rows, keys, dtype=torch.bool, device=device).triu(first_row + 1)
 
 
 def _pairs(q_chunks: tuple[int, int], k_chunks: tuple[int, int]) -> list[tuple[int, int, bool]]:
@@ -114,58 +111,30 @@ def _row_blocks(n: int, rows: int, causal: bool) -> list[tuple[int, int, int]]:
     return [(a, min(a + rows, n), min(a + rows, n) if causal else n) for a in range(0, n, rows)]
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, first_row: int) -> torch.Tensor:
-    """One block's scaled scores in fp32, the causal future at ``-inf``."""
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)
-    if causal:
-        s = s.masked_fill_(_future(s.shape[-2], s.shape[-1], first_row, s.device), float("-inf"))
-    return s
-
-
 def _merge_block(qh: tuple[torch.Tensor, ...], kv: list[torch.Tensor], oh: tuple[torch.Tensor, ...],
                  lh: tuple[torch.Tensor, ...], pairs: list[tuple[int, int, bool]], rows: int, scale: float) -> None:
     """Merge one K/V block's attention into the partial outputs ``oh`` and log-sum-exps ``lh`` (online
-    softmax); its temporaries (one block of scores) are gone when it returns."""
+    softmax), one block of query rows at a time (``kernels/attention_blocks.py``)."""
     kh, vh = _halves(kv[0].transpose(1, 2)), _halves(kv[1].transpose(1, 2))
     for qi, ki, causal in pairs:
         for a, e, seen in _row_blocks(qh[qi].shape[-2], rows, causal):
-            s = _scores(qh[qi][..., a:e, :], kh[ki][..., :seen, :], scale, causal, a)
-            l_b = torch.logsumexp(s, dim=-1, keepdim=True)
-            o_b = torch.matmul(s.sub_(l_b).exp_(), vh[ki][..., :seen, :].float())
-            o_part, l_part = oh[qi][..., a:e, :], lh[qi][..., a:e, :]
-            merged = torch.logaddexp(l_part, l_b)
-            o_part.mul_(torch.exp(l_part - merged)).add_(o_b.mul_(torch.exp(l_b - merged)))
-            l_part.copy_(merged)
-            del s, o_b  # before the next block's scores exist
-
-
-def _add_product_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
-    """``out += alpha * a @ b`` for ``(batch, heads, ., .)`` operands, into ``out`` (a strided view of a
-    ``(b, L, h, d)`` buffer) without a temporary of its size: one batched GEMM per sequence."""
-    for i in range(out.shape[0]):
-        out[i].baddbmm_(a[i], b[i], alpha=alpha)
+            merge_block_(qh[qi][..., a:e, :], kh[ki][..., :seen, :], vh[ki][..., :seen, :], oh[qi][..., a:e, :],
+                         lh[qi][..., a:e, :], scale, causal, a)
 
 
 def _chunk_backward(qh: tuple[torch.Tensor, ...], doh: tuple[torch.Tensor, ...], lh: tuple[torch.Tensor, ...],
                     dh: tuple[torch.Tensor, ...], dqh: tuple[torch.Tensor, ...], kv: list[torch.Tensor], ki: int,
                     pairs: list[tuple[int, int, bool]], acc: list[torch.Tensor], rows: int, scale: float) -> None:
     """Add key chunk ``ki`` of one K/V block's share of dQ into ``dqh`` and of its dK, dV into ``acc``
-    (``(b, L / 2, h, d)`` fp32), recomputing the probabilities from the final log-sum-exp; its temporaries
-    (two blocks of scores) are gone when it returns."""
+    (``(b, L / 2, h, d)`` fp32), recomputing the probabilities from the final log-sum-exp, one block of query
+    rows at a time (``kernels/attention_blocks.py``)."""
     kb_all, vb_all = _halves(kv[0].transpose(1, 2))[ki], _halves(kv[1].transpose(1, 2))[ki]
     dk, dv = acc[0].transpose(1, 2), acc[1].transpose(1, 2)  # (b, h, L / 2, d) views
     for qi, _, causal in pairs:
         for a, e, seen in _row_blocks(qh[qi].shape[-2], rows, causal):
-            qb, dob = qh[qi][..., a:e, :].float(), doh[qi][..., a:e, :]
-            kb, vb = kb_all[..., :seen, :].float(), vb_all[..., :seen, :].float()
-            p = _scores(qb, kb, scale, False, 0).sub_(lh[qi][..., a:e, :]).exp_()
-            if causal:
-                p = p.masked_fill_(_future(e - a, seen, a, p.device), 0.0)
-            _add_product_(dv[..., :seen, :], p.transpose(-1, -2), dob, 1.0)
-            ds = p.mul_(torch.matmul(dob, vb.transpose(-1, -2)).sub_(dh[qi][..., a:e, :]))
-            dqh[qi][..., a:e, :].add_(torch.matmul(ds, kb), alpha=scale)
-            _add_product_(dk[..., :seen, :], ds.transpose(-1, -2), qb, scale)
-            del p, ds  # before the next block's scores exist
+            block_backward_(qh[qi][..., a:e, :], kb_all[..., :seen, :], vb_all[..., :seen, :], doh[qi][..., a:e, :],
+                            lh[qi][..., a:e, :], dh[qi][..., a:e, :], dqh[qi][..., a:e, :], dk[..., :seen, :],
+                            dv[..., :seen, :], scale, causal, a)
 
 
 class _RingAttention(torch.autograd.Function):

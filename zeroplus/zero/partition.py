@@ -89,8 +89,9 @@ def _refuse_partitioned(model: torch.nn.Module, rank: int) -> None:
     for name, p in model.named_parameters():
         group = getattr(p, FLAT_ATTR, None)
         if group is not None:
-            state = ("its engine was dropped without destroy(), which gathers the values back: the released "
-                     "parameters hold no values" if group.owner.hooks_dropped else "is still partitioned by it")
+            state = ("its engine is gone without destroy(), which gathers the values back (dropped, or its "
+                     "initialize failed): the released parameters hold no values" if group.owner.hooks_dropped
+                     else "is still partitioned by it")
             raise ValueError(f"zeroplus.initialize on rank {rank}: parameter {name!r} belongs to another engine's "
                              f"flat group {group.name} and {state}; call engine.destroy() on the first engine "
                              f"(every rank) before initializing the same model again")
