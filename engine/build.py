@@ -24,6 +24,7 @@ from zeroplus.activations.resize_recompute import DEFAULT_CLASSES
 from zeroplus.activations.tiled import per_rank_tile, tile_mlps
 from zeroplus.activations.tiled_loss import is_hf_causal_lm, tile_loss
 from zeroplus.activations.training_cache import drop_training_cache
+from zeroplus.comm import Collectives
 from zeroplus.config import ConfigError, ResolvedConfig, ZeroplusConfig, ZeroStage, resolved_zero
 from zeroplus.config.blocks import TiledConfig
 from zeroplus.ledger import Ledger
@@ -80,7 +81,7 @@ def _param_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     return [{"params": items}]
 
 
-def _broadcast_group(dp: Any, experts: ExpertSplit | None) -> Callable[[torch.Tensor], Any]:
+def _broadcast_group(dp: Collectives, experts: ExpertSplit | None) -> Callable[[torch.Tensor], Any]:
     """Whose first rank's values a tensor takes: its expert-data group's for an expert's tensors
     (they differ between expert ranks), else the data group's."""
     def group_of(tensor: torch.Tensor) -> Any:
@@ -95,7 +96,7 @@ def expert_split(parallel: ParallelGroups | None) -> ExpertSplit | None:
     return ExpertSplit(parallel.expert_data, parallel.expert.rank, parallel.expert.size, is_expert)
 
 
-def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Any, accel: Accelerator, rss_at_start: int, *,
+def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, accel: Accelerator, rss_at_start: int, *,
                  optimizer: torch.optim.Optimizer | None = None, lr_scheduler: Any = None,
                  model_parameters: Iterable[Any] | None = None, ledger: Ledger | None = None,
                  simulated: Any = None, parallel: ParallelGroups | None = None,
@@ -236,7 +237,7 @@ def _optimizer_and_schedule(cfg: ResolvedConfig, partition: ZeroPartition, group
     return opt, scheduler
 
 
-def make_partition(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, ledger: Ledger, dtype: torch.dtype,
+def make_partition(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Collectives, ledger: Ledger, dtype: torch.dtype,
                    group_of: dict[int, int], param_offload: ParamOffload | None,
                    experts: ExpertSplit | None, placement: UnitPlacement | None = None) -> ZeroPartition:
     """The partition of ``model`` as ``cfg`` asks (the engine's, and the budget's model-state count's, whose

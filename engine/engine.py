@@ -22,7 +22,7 @@ import torch
 from zeroplus.accelerator import Accelerator
 from zeroplus.activations import SavedTensorRouter
 from zeroplus.activations.forward_census import ForwardCensus, storage_keys_of
-from zeroplus.comm import DataParallelGroup
+from zeroplus.comm import Collectives
 from zeroplus.config import ResolvedConfig, ZeroStage
 from zeroplus.eager import compiled_modules
 from zeroplus.ledger import Ledger
@@ -65,7 +65,7 @@ _COUNTERS = ("global_steps", "micro_steps", "global_samples", "skipped_steps")  
 
 
 class Engine:
-    def __init__(self, module: torch.nn.Module, config: ResolvedConfig, parts: TrainingParts, dp: DataParallelGroup,
+    def __init__(self, module: torch.nn.Module, config: ResolvedConfig, parts: TrainingParts, dp: Collectives,
                  ledger: Ledger, accelerator: Accelerator, baseline_bytes: int, parallel: Any = None) -> None:
         """``parts``: what ``build_engine`` assembled. ``baseline_bytes``: the device's memory at
         ``initialize`` without the model's own bytes (the peak above it is what ``zeroplus.estimate`` predicts).

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from zeroplus.comm import Collectives
 from zeroplus.config import ConfigError, ZeroplusConfig
 
 # Keys that may differ between ranks without changing what they communicate (paths are often per rank).
@@ -64,7 +65,7 @@ def _first_difference(a: Any, b: Any, path: str) -> str | None:
     return None if a == b else f"{path[:-1]}: {a!r} vs {b!r}"
 
 
-def check_ranks_agree(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, topology: dict[str, int]) -> None:
+def check_ranks_agree(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Collectives, topology: dict[str, int]) -> None:
     """Raise the same ``ConfigError`` on every rank of ``dp`` unless all describe the same run."""
     description = describe_rank(model, cfg, topology)
     digests = dp.all_gather_objects(_digest(description))

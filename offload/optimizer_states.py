@@ -21,7 +21,7 @@ import torch
 
 from zeroplus.ledger import Category, Ledger
 
-from .tiers import Stored
+from .tiers import Stored, Tier
 
 
 def plan_sub_groups(owned: list[int], sub_group_size: int, ratio: float) -> list[tuple[list[tuple[int, int]], int]]:
@@ -65,7 +65,7 @@ class Window:
         for other, j in self.order[start:start + (self.size - 1 if count is None else count)]:
             other.prefetch(j)
 
-    def written(self, tier: Any, stored: list[Stored]) -> None:
+    def written(self, tier: Tier, stored: list[Stored]) -> None:
         self._pending.append((tier, stored))
         while len(self._pending) > self.size:
             old_tier, old = self._pending.popleft()
@@ -74,7 +74,7 @@ class Window:
 
 
 class TieredStates:
-    def __init__(self, tier: Any, chunks: list[tuple[int, int]], resident_count: int, window: Window,
+    def __init__(self, tier: Tier, chunks: list[tuple[int, int]], resident_count: int, window: Window,
                  ledger: Ledger) -> None:
         self.tier, self.chunks, self.ledger = tier, chunks, ledger
         self.window = window

@@ -7,7 +7,8 @@ the tier object and the numbers the mechanisms need, nothing else.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+
+from .tiers import Tier
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,7 +17,7 @@ class OptimizerStateOffload:
     (``offload/optimizer_states.py``). Memory on the device: ``1 - ratio`` of the states plus
     ``buffer_count`` sub-groups in flight."""
 
-    tier: Any             # HostTier, FileTier, or the estimator's MetaTier
+    tier: Tier            # HostTier, FileTier, or the estimator's MetaTier
     sub_group_size: int   # elements per sub-group
     ratio: float          # fraction of each flat group's states kept on the tier
     buffer_count: int     # sub-groups read ahead / written back at once (the window)
@@ -27,7 +28,7 @@ class ParamOffload:
     """Stage 3: each flat group's fp32 master shard (the parameter shard) kept on a tier
     (``zero/tiered_master.py``), read one unit ahead of each gather."""
 
-    tier: Any             # HostTier, FileTier, or the estimator's MetaTier
+    tier: Tier            # HostTier, FileTier, or the estimator's MetaTier
     max_writes: int       # write-backs in flight per shard (the next one waits for the oldest)
 
 

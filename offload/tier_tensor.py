@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from . import integrity
-from .tiers import FileTier, HostTier
+from .tiers import FileTier, HostTier, Tier
 
 _names = itertools.count()
 
@@ -193,10 +193,10 @@ def _pwrite(fd: int, holder: list[torch.Tensor], offset: int) -> int:
     return integrity.crc32(host)
 
 
-def keep(tier: HostTier | FileTier, t: torch.Tensor, max_writes: int = 4) -> HostTierTensor | FileTierTensor:
+def keep(tier: Tier, t: torch.Tensor, max_writes: int = 4) -> HostTierTensor | FileTierTensor:
     """Move the 1-D tensor ``t`` to ``tier`` for good (the caller drops its own reference)."""
     if isinstance(tier, FileTier):
         return FileTierTensor(tier, t, max_writes)
-    if hasattr(tier, "keep_tensor"):  # the estimator's meta tier keeps its own kind
-        return tier.keep_tensor(t)  # type: ignore[no-any-return]
-    return HostTierTensor(tier, t)
+    if isinstance(tier, HostTier):
+        return HostTierTensor(tier, t)
+    return tier.keep_tensor(t)  # type: ignore[attr-defined,no-any-return]  # the estimator's meta tier: its own kind

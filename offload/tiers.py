@@ -33,7 +33,7 @@ import itertools
 import logging
 import os
 import shutil
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -58,6 +58,33 @@ class Stored:
         self.data: Any = None   # host tensor, or file path
         self.ready: Any = None  # event or future: the move out is done
         self.back: Any = None   # the prefetch in flight: (tensor, event) or a future
+
+
+class Tier(Protocol):
+    """What the mechanisms above ask of a tier: ``HostTier``, ``FileTier`` and the estimator's ``MetaTier``
+    (``meta_tier.py``) provide it (see the module docstring for each one's memory)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def saves_memory(self) -> bool: ...
+
+    @property
+    def directory(self) -> str | None: ...
+
+    @property
+    def ledger(self) -> Ledger: ...
+
+    def put(self, t: torch.Tensor) -> Stored: ...
+
+    def prefetch(self, stored: Stored) -> None: ...
+
+    def get(self, stored: Stored) -> torch.Tensor: ...
+
+    def wait_written(self, stored: Stored) -> None: ...
+
+    def discard(self, stored: Stored) -> None: ...
 
 
 class HostTier:
@@ -248,3 +275,8 @@ def make_tier(kind: str, path: str | None, accelerator: Accelerator, ledger: Led
             raise ValueError("a file tier needs a directory path, and none is set")
         return FileTier(path, ledger, label=label, direct=direct, create=create)
     return HostTier(accelerator, ledger)
+
+
+if TYPE_CHECKING:  # mypy proves both tiers provide the interface
+    _host: type[Tier] = HostTier
+    _file: type[Tier] = FileTier

@@ -32,7 +32,7 @@ import datetime
 import logging
 import os
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -122,6 +122,56 @@ class _Works:
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class ScalarSum(Protocol):
+    """The one collective a per-parameter statistic needs (Lamb's trust ratios): a scalar summed over ranks.
+    ``Collectives`` provides it, and so does a stand-in for one rank."""
+
+    size: int
+
+    def sum_scalar(self, value: torch.Tensor) -> torch.Tensor: ...
+
+
+class Collectives(Protocol):
+    """What the layers above ask of a data-parallel group: ``DataParallelGroup`` (a process group) and the
+    estimator's ``VirtualGroup`` (one rank of any size simulated in one process, nothing moved:
+    ``budget/virtual_group.py``) provide it. ``gloo``: reductions take gloo's in-place path; ``initialized``:
+    a real process group stands behind it."""
+
+    rank: int
+    size: int
+    gloo: bool
+    initialized: bool
+    group: Any
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = None, on_done: Callable[[], None] | None = None
+                   ) -> Handle: ...
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
+                       on_done: Callable[[], None] | None = None) -> Handle: ...
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor,
+                   on_done: Callable[[], None] | None = None) -> Handle: ...
+
+    def reduce_to_each(self, pieces: list[torch.Tensor], on_done: Callable[[], None] | None = None) -> Handle: ...
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Handle: ...
+
+    def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor, output_sizes: list[int],
+                     input_sizes: list[int]) -> None: ...
+
+    def shift_ring(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Handle]: ...
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None: ...
+
+    def max_flag(self, flag: bool) -> bool: ...
+
+    def sum_scalar(self, value: torch.Tensor) -> torch.Tensor: ...
+
+    def barrier(self) -> None: ...
+
+    def all_gather_objects(self, obj: Any) -> list[Any]: ...
 
 
 class DataParallelGroup:
@@ -309,3 +359,7 @@ class DataParallelGroup:
     def barrier(self) -> None:
         if self.size > 1:
             self._run_blocking("barrier", lambda: dist.barrier(group=self.group))
+
+
+if TYPE_CHECKING:  # mypy proves the process group provides the interface the layers above ask for
+    _: type[Collectives] = DataParallelGroup

@@ -36,7 +36,7 @@ import torch
 
 from ..accelerator import get_accelerator
 from ..ledger import Category, Ledger
-from ..offload.tiers import HostTier
+from ..offload.tiers import HostTier, Tier
 from ..parallel.groups import parallel_groups
 from ..parallel.mappings import all_gather_dim0
 
@@ -51,7 +51,7 @@ class _Settings:
     cpu_checkpointing: bool = False
     synchronize: bool = False
     profile: bool = False
-    tier: Any = None
+    tier: Tier | None = None
     partition: Any = None  # the tensor-parallel group when partition_activations is on
     ledger: Any = None
 
@@ -62,7 +62,7 @@ _settings = _Settings()
 def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activations: bool | None = None,
               contiguous_checkpointing: bool | None = None, num_checkpoints: int | None = None,
               checkpoint_in_cpu: bool | None = None, synchronize: bool | None = None, profile: bool | None = None,
-              tier: Any = None, ledger: Any = None) -> None:
+              tier: Tier | None = None, ledger: Any = None) -> None:
     """Set how ``checkpoint`` behaves (the engine calls this from the config)."""
     ignored = []
     partition = None
@@ -80,7 +80,7 @@ def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activati
         logger.warning("activation checkpointing: without effect: %s", "; ".join(ignored))
     if checkpoint_in_cpu and tier is None:
         tier = HostTier(get_accelerator(), Ledger())
-    if checkpoint_in_cpu and not tier.saves_memory:
+    if checkpoint_in_cpu and tier is not None and not tier.saves_memory:
         logger.warning("activation checkpointing: cpu_checkpointing moves inputs to host memory, which on this "
                        "machine is the device's memory: nothing is saved (zeroplus.activation_tier "
                        "{'device': 'file'} keeps them in files)")

@@ -23,6 +23,7 @@ import torch
 
 from ..eager import eager
 from ..ledger import Category, Ledger
+from ..offload.tiers import Tier
 from .saved_tensors import storage_key
 
 TECHNIQUE = "swap_attention"
@@ -39,7 +40,7 @@ class _Token:
 
 class SwapAttention:
     def __init__(self, model: torch.nn.Module, class_names: list[str] | None, name_patterns: list[str],
-                 tier: Any, ledger: Ledger, min_bytes: int) -> None:
+                 tier: Tier, ledger: Ledger, min_bytes: int) -> None:
         self.tier = tier
         self.ledger = ledger
         self.min_bytes = min_bytes

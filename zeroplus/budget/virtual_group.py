@@ -7,11 +7,11 @@ nothing.
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from ..comm import Handle
+from ..comm import Collectives, Handle
 
 
 class VirtualGroup:
@@ -78,6 +78,10 @@ class VirtualGroup:
     def max_flag(self, flag: bool) -> bool:
         return flag
 
+    def all_gather_objects(self, obj: Any) -> list[Any]:
+        """Every simulated rank holds what this one does."""
+        return [obj] * self.size
+
     def barrier(self) -> None:
         return None
 
@@ -94,3 +98,7 @@ class _Held(Handle):
         if self.group.running is self:
             self.group.running, self.group.temporary = None, None
         super().wait()
+
+
+if TYPE_CHECKING:  # mypy proves the simulation provides what a process group does
+    _: type[Collectives] = VirtualGroup

@@ -16,6 +16,8 @@ from typing import Any, Callable, overload
 
 import torch
 
+from ..comm import ScalarSum
+
 
 class Lamb(torch.optim.Optimizer):
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -31,7 +33,7 @@ class Lamb(torch.optim.Optimizer):
         self._segments: dict[int, tuple[list[tuple[int, int, int]], int, Any]] = {}
 
     def set_segments(self, param: torch.Tensor, segments: list[tuple[int, int, int]], num_params: int,
-                     dp: Any) -> None:
+                     dp: ScalarSum) -> None:
         """Declare that ``param`` is a flat shard holding these pieces of ``num_params`` parameters,
         whose norms are summed over ``dp`` (every rank passes the same ``num_params``)."""
         self._segments[id(param)] = (segments, num_params, dp)

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from ..comm import DataParallelGroup, Handle
+from ..comm import Collectives, Handle
 from ..config import ZeroStage
 from ..ledger import Category, Ledger
 from ..offload.policies import MasterPolicy
@@ -107,7 +107,7 @@ class FlatParamGroup:
     """Flat storage, shard bookkeeping and gradient accumulation for one list of parameters."""
 
     def __init__(self, name: str, named_params: list[tuple[str, torch.nn.Parameter]], group_index: int,
-                 stage: ZeroStage, dp: DataParallelGroup, compute_dtype: torch.dtype, ledger: Ledger,
+                 stage: ZeroStage, dp: Collectives, compute_dtype: torch.dtype, ledger: Ledger,
                  master: MasterPolicy = MasterPolicy(), device: torch.device | None = None,
                  trainable: bool = True, expert_ranks: list[int] | None = None) -> None:
         """``master``: shared storage, rounding, and the tier to keep the master shard on (stage 3,

@@ -20,7 +20,7 @@ import torch
 
 from . import init_shards
 from .construction import Init
-from .flat_group import FLAT_ATTR
+from .flat_group import FLAT_ATTR, FlatParamGroup
 from .init_shards import shard_of
 
 _NONE = object()
@@ -106,7 +106,7 @@ class GatheredParameters:
                              f"whose values every rank keeps) to change them")
 
 
-def _take_from(param: torch.nn.Parameter, group: Any, rank: int) -> None:
+def _take_from(param: torch.nn.Parameter, group: FlatParamGroup, rank: int) -> None:
     """Every rank takes rank ``rank``'s values of an engine's parameter, in its flat buffer and master."""
     index = next(i for i, q in enumerate(group.params) if q is param)
     off, n = group.offsets[index], group.numels[index]

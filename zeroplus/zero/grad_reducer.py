@@ -30,7 +30,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..comm import DataParallelGroup
+from ..comm import Collectives
 from ..config import ZeroStage
 from ..ledger import Category, Ledger
 from .flat_group import FlatParamGroup
@@ -39,7 +39,7 @@ _Landing = Callable[[torch.Tensor, torch.Tensor, float], Callable[[], None]]  # 
 
 
 class GradReducer:
-    def __init__(self, stage: ZeroStage, dp: DataParallelGroup, bucket_numel: int, use_reduce_scatter: bool,
+    def __init__(self, stage: ZeroStage, dp: Collectives, bucket_numel: int, use_reduce_scatter: bool,
                  overlap: bool, ledger: Ledger, accumulate_fp32: bool) -> None:
         self.stage = stage
         self.accumulate_fp32 = accumulate_fp32

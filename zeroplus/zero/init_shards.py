@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ..comm import Collectives
 
 SHARD_ATTR = "_zeroplus_init_shard"
 
@@ -29,7 +30,7 @@ class InitShard:
     values: torch.Tensor     # chunk elements, flat
     shape: torch.Size
     numel: int
-    group: Any               # a DataParallelGroup
+    group: Collectives
     gathered: bool = False   # the parameter holds its whole values now
     blank: bool = False      # no values yet (a meta-device parameter): gathering allocates instead
 
@@ -43,7 +44,8 @@ def _placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) ->
     return torch.full((1,), fill, dtype=dtype, device=device).expand(shape)
 
 
-def partition(param: torch.nn.Parameter, group: Any, device: torch.device, dtype: torch.dtype | None = None) -> None:
+def partition(param: torch.nn.Parameter, group: Collectives, device: torch.device,
+              dtype: torch.dtype | None = None) -> None:
     """Keep this rank's chunk of ``param``'s values (the group's first rank's: every rank takes them, as
     ``initialize`` does) and release the rest. ``dtype``: cast the kept chunk."""
     with torch.no_grad():
@@ -60,7 +62,7 @@ def partition(param: torch.nn.Parameter, group: Any, device: torch.device, dtype
     setattr(param, SHARD_ATTR, shard)
 
 
-def blank(shape: torch.Size, dtype: torch.dtype, device: torch.device, group: Any,
+def blank(shape: torch.Size, dtype: torch.dtype, device: torch.device, group: Collectives,
           requires_grad: bool) -> torch.nn.Parameter:
     """A partitioned parameter with no values yet (for a meta-device one): its first gather allocates it
     whole, uninitialised, for its initialisation to write."""
@@ -128,7 +130,8 @@ def adopt(param: torch.nn.Parameter) -> torch.Tensor:
     return values
 
 
-def partition_tree(model: torch.nn.Module, group: Any, device: torch.device, dtype: torch.dtype | None = None) -> None:
+def partition_tree(model: torch.nn.Module, group: Collectives, device: torch.device,
+                   dtype: torch.dtype | None = None) -> None:
     """Partition every parameter of ``model`` not partitioned yet, module by module (``zeroplus.Init`` does
     it as each module's ``__init__`` returns; the memory estimate does it to a meta model built whole)."""
     for module in model.modules():
@@ -137,7 +140,7 @@ def partition_tree(model: torch.nn.Module, group: Any, device: torch.device, dty
                 partition(param, group, device, dtype)
 
 
-def chunked_over(params: list[torch.nn.Parameter], group: Any) -> bool:
+def chunked_over(params: list[torch.nn.Parameter], group: Collectives) -> bool:
     """Whether every parameter holds ``zeroplus.Init`` chunks cut for ``group``'s ranks (same size, rank and
     members), so a flat group over them can be built from the chunks (``redistribute``)."""
     for p in params:
@@ -150,7 +153,7 @@ def chunked_over(params: list[torch.nn.Parameter], group: Any) -> bool:
     return True
 
 
-def members(group: Any) -> list[int] | None:
+def members(group: Collectives) -> list[int] | None:
     """The global ranks of a ``DataParallelGroup`` (None for the estimator's virtual group)."""
     if not getattr(group, "initialized", False):
         return None
@@ -158,7 +161,7 @@ def members(group: Any) -> list[int] | None:
 
 
 def redistribute(params: list[torch.nn.Parameter], offsets: list[int], numels: list[int], padded_numel: int,
-                 group: Any, dtype: torch.dtype) -> torch.Tensor:
+                 group: Collectives, dtype: torch.dtype) -> torch.Tensor:
     """This rank's part of a flat group (``padded_numel / N`` elements from ``rank * that``, in ``dtype``)
     built from every rank's ``Init`` chunks of its parameters in one all-to-all: each element moves once,
     nothing is gathered whole. Memory: at most two of (the chunks, what this rank sends, what it receives,

@@ -26,10 +26,11 @@ not partitioned); ``initialize`` then adopts the shards as it does ``Init``'s.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
+from ..comm import Collectives
 from . import init_shards
 from .construction import Init, _GatherOnTouch
 
@@ -46,7 +47,7 @@ def is_hugging_face(model: torch.nn.Module) -> bool:
     return hasattr(model, "config") and callable(getattr(model, "post_init", None))
 
 
-def materialize_meta(model: torch.nn.Module, group: Any, device: torch.device,
+def materialize_meta(model: torch.nn.Module, group: Collectives, device: torch.device,
                      init_fn: Callable[[torch.nn.Module], None] | None = None,
                      max_gathered_bytes: int = MAX_GATHERED_BYTES) -> None:
     """Give a meta-device ``model`` its values (see the module docstring), partitioned over ``group``."""
@@ -67,7 +68,7 @@ def _swap(model: torch.nn.Module, params: dict[int, torch.nn.Parameter], buffers
                 m._buffers[name] = buffers[id(b)]
 
 
-def _rebuild(model: torch.nn.Module, group: Any, device: torch.device, max_gathered_bytes: int) -> None:
+def _rebuild(model: torch.nn.Module, group: Collectives, device: torch.device, max_gathered_bytes: int) -> None:
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     default = torch.get_default_dtype()
     if len(dtypes) == 1:
@@ -92,7 +93,7 @@ def _rebuild(model: torch.nn.Module, group: Any, device: torch.device, max_gathe
     _swap(model, {id(mine[n]): theirs[n] for n in mine}, {id(mine_b[n]): theirs_b[n].to(device) for n in mine_b})
 
 
-def _replay(model: torch.nn.Module, group: Any, device: torch.device,
+def _replay(model: torch.nn.Module, group: Collectives, device: torch.device,
             init_fn: Callable[[torch.nn.Module], None] | None, max_gathered_bytes: int) -> None:
     params: dict[int, torch.nn.Parameter] = {}
     owner: dict[int, str] = {}

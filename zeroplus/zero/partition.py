@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 
 from ..activations.grad_rows import RowsSink, offer_rows
-from ..comm import DataParallelGroup
+from ..comm import Collectives
 from ..config import ResolvedZeroConfig, ZeroStage
 from ..eager import eager
 from ..ledger import Ledger
@@ -64,7 +64,7 @@ class ExpertSplit:
     """Where expert parameters are partitioned: ``group`` (expert-data), this rank's ``expert_rank`` of
     ``expert_size``; ``holds(param)`` tells an expert's parameter."""
 
-    group: DataParallelGroup
+    group: Collectives
     expert_rank: int
     expert_size: int
     holds: Callable[[torch.Tensor], bool]
@@ -98,7 +98,7 @@ def _refuse_partitioned(model: torch.nn.Module, rank: int) -> None:
 
 
 class ZeroPartition:
-    def __init__(self, model: torch.nn.Module, zero: ResolvedZeroConfig, dp: DataParallelGroup, ledger: Ledger,
+    def __init__(self, model: torch.nn.Module, zero: ResolvedZeroConfig, dp: Collectives, ledger: Ledger,
                  compute_dtype: torch.dtype, param_group_of: dict[int, int],
                  unit_class_names: list[str] | None = None, gradient_accumulation_steps: int = 1,
                  master: MasterPolicy = MasterPolicy(), experts: ExpertSplit | None = None,

@@ -25,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ..comm import DataParallelGroup
+from ..comm import Collectives, ScalarSum
 from ..ledger import Category, Ledger
 from ..offload.optimizer_states import TieredStates, Window, plan_sub_groups
 from ..offload.policies import OptimizerStateOffload
@@ -44,7 +44,7 @@ class SegmentedOptimizer(Protocol):
     parameter, so it sums the squares of each piece over the data group); told them once, at construction."""
 
     def set_segments(self, param: torch.Tensor, segments: list[tuple[int, int, int]], num_params: int,
-                     dp: Any) -> None: ...
+                     dp: ScalarSum) -> None: ...
 
 
 class _LocalGroup:
@@ -79,7 +79,7 @@ class ModelParallelNorm:
     weight ``1/T``, and the sum runs over the model-parallel group (tensor x pipeline) after the data
     group, so every parameter counts once."""
 
-    def __init__(self, group: Any, tensor_size: int, is_split: Any) -> None:
+    def __init__(self, group: Collectives, tensor_size: int, is_split: Any) -> None:
         self.group, self.tensor_size, self.is_split = group, tensor_size, is_split
 
     def weight(self, param: torch.Tensor) -> float:
@@ -107,11 +107,11 @@ class StepPolicy:
     offload: OptimizerStateOffload | None = None
     virtual_kernels: Any = None
     model_parallel: ModelParallelNorm | None = None
-    expert_group: Any = None
+    expert_group: Collectives | None = None
 
 
 class ShardedStep:
-    def __init__(self, partition: ZeroPartition, optimizer: torch.optim.Optimizer, dp: DataParallelGroup,
+    def __init__(self, partition: ZeroPartition, optimizer: torch.optim.Optimizer, dp: Collectives,
                  ledger: Ledger, policy: StepPolicy = StepPolicy()) -> None:
         self.partition = partition
         self.optimizer = optimizer

@@ -29,6 +29,7 @@ import torch
 from ..kernels import bf16_split
 from ..ledger import Category, Ledger
 from ..offload.tier_tensor import keep
+from ..offload.tiers import Tier
 from .master_store import FullMaster, MasterStore, SharedMaster
 
 TECHNIQUE = "offload_param"
@@ -37,7 +38,7 @@ TECHNIQUE = "offload_param"
 class TieredMaster:
     tiered = True
 
-    def __init__(self, store: MasterStore, tier: Any, ledger: Ledger, max_writes: int = 4) -> None:
+    def __init__(self, store: MasterStore, tier: Tier, ledger: Ledger, max_writes: int = 4) -> None:
         self.shared, self.numel, self.ledger = store.shared, store.numel, ledger
         self.high: Any = None  # shared: the two halves on the tier
         self.low: Any = None
