@@ -8,6 +8,7 @@ it) and by the memory budget's meta-device simulation (``budget/simulate.py``). 
 first rank so every rank starts alike, sharded, and the unit's full copy freed before the next;
 buffers, masters and shards allocated through the ledger); build or adopt the optimizer over the
 master shards; build the schedule. Nothing here reads ``"auto"`` or imports the budget.
+See note: untrained parameters (docs/design-notes.md).
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ and lets the partition reduce gradients (at every micro-batch at stages 2-3, at 
 0-1, never inside ``no_sync()``); ``step()`` counts micro-batches and, at the accumulation
 boundary, runs the sharded optimizer step, the loss scaler and the learning-rate schedule.
 The engine itself allocates nothing large.
+See note: module current (docs/design-notes.md).
 """
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ class Engine:
         # then, once per process and also when this engine is gone, gloo's workers get the GIL once more
         register_exit_grace()
         atexit.register(_wait_at_exit, weakref.ref(self))
-        # garbage-collected without destroy(): its hooks come off the model all the same (no collective)
+        # garbage-collected without destroy(): its hooks come off the model all the same (see note: lifecycle)
         self._compiled_units: list[CompiledUnits] = []
         self._finalizer = weakref.finalize(self, _collected, parts.partition, parts.activations, self._compiled_units)
         self._finalizer.atexit = False

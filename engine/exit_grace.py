@@ -14,6 +14,7 @@ Hugging Face's Trainer drops its engine before the script returns, and the engin
 (which waits for its in-flight collectives) then has nothing to run for, while the Trainer's last
 ``all_gather`` of its FLOP count is still being released by gloo's worker. Costs ``EXIT_GRACE_SECONDS``
 at exit, no memory.
+See note: exit abort (docs/design-notes.md).
 """
 from __future__ import annotations
 

@@ -16,6 +16,8 @@ back to ``IDLE`` (``raised``), so the order is the meaning:
 
 ``Life``: ``LIVE`` until ``destroy()`` gives the model back (``DESTROYED``: hooks removed, stage 3 gathered
 into the model; every training call refuses). Memory: two small integers.
+
+See note: explicit state (docs/design-notes.md).
 """
 from __future__ import annotations
 

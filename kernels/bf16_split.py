@@ -20,6 +20,7 @@ bits of the low half are not kept. (Without this rule some NaNs would round to i
 are the definition the tests hold ``split_into`` / ``merge_into`` to. The latter write into
 given buffers chunk by chunk: one int32 scratch of at most ``CHUNK`` elements (4 MiB), reusable
 across calls, plus NaN masks only for chunks that may hold a NaN.
+See note: split arithmetic; see note: split nan (docs/design-notes.md).
 """
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ freed after it); a read lands in one and the tensor handed back is a view of it 
 Files hold the padded length. ``probe`` tells whether a directory's filesystem accepts
 ``O_DIRECT`` (tmpfs and some overlay filesystems do not); where it does not, the tier stays
 buffered.
+See note: direct io (docs/design-notes.md).
 """
 from __future__ import annotations
 

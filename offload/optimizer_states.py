@@ -11,6 +11,7 @@ optimizer keeps for it (per-element tensors and scalars such as ``step``).
 Memory (all groups together): the resident sub-groups' states, plus at most ``2 * buffer_count``
 sub-groups' states on the device while streaming (``buffer_count`` read or stepping, up to
 ``buffer_count`` being written; the ledger's ``offload_buffer``).
+See note: offload ratio (docs/design-notes.md).
 """
 from __future__ import annotations
 

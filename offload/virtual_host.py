@@ -18,6 +18,7 @@ weight decay) without amsgrad is supported, since that is the one kernel these t
 On every other machine the option is refused at initialisation; ``npu_kernels`` lets the tests
 drive the same step with the kernel's CPU twin, written from its documented formula
 (``zeroplus/kernels/npu_adam_w.py``, tested against torch's AdamW).
+See note: virtual host memory (docs/design-notes.md).
 """
 from __future__ import annotations
 

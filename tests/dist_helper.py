@@ -11,6 +11,7 @@ process with no process group; it takes the test's environment variables and wor
 as they are at the call. Variables read only when a process starts (the allocator's ``MALLOC_*``,
 ``LD_*``, ``PYTHON*``, OpenMP's) cannot reach a forked rank: when the test changed one of those, its
 ranks are spawned instead, as before.
+See note: fork server (docs/design-notes.md).
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ alone would treat ``zeroplus.engine`` as missing and skip it. So the installed l
 ``build/typecheck/`` from hard links to the source files (a copy where links cannot be made), mypy checks that
 tree with the repository's ``mypy.ini``, and its messages name the source files. Nothing in the repository is a
 link; the tree is rebuilt on every run.
+See note: types (docs/design-notes.md).
 """
 from __future__ import annotations
 

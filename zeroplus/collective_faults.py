@@ -9,6 +9,7 @@ already has; the process group itself is unusable after a gloo timeout): each po
 stuck, waits up to ``ROLL_CALL_SECONDS`` for the others, and the ranks that never posted are the ones
 that did not arrive (stalled elsewhere, or dead). Ranks stuck in different collectives (a divergent
 program) are listed with theirs. Costs nothing until a collective fails.
+See note: who did not arrive (docs/design-notes.md).
 """
 from __future__ import annotations
 

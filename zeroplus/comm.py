@@ -24,6 +24,7 @@ interpreter exit that GIL request ends the worker thread mid-destructor and the 
 collective gets fresh aliases of its tensors (``detach()``: same storage, its own tensor object),
 and ``Handle.wait()`` returns only once the backend has let go of them (``_until_released``: a few
 microseconds), so the last reference to every tensor is this thread's.
+See note: gloo in place; see note: gloo broadcasts and reduces (docs/design-notes.md).
 """
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ they cannot be read, so nothing is claimed); ``bf16_slowdown()`` times a 512x512
 (one warm-up, best of two; smaller products are too short to show the difference) in a child process,
 once per machine, so the warning can say how slow it is here without allocating in the process that
 trains.
+See note: default precision (docs/design-notes.md).
 """
 from __future__ import annotations
 

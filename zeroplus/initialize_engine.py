@@ -9,6 +9,7 @@ size and every derivable ``"auto"``; check that every rank agrees on config and 
 device for the memory prediction; assemble the engine (``engine/build.py``) from the resolved config;
 and install the prediction as the engine's first-forward hook, which runs ``zeroplus.estimate`` on the
 meta copy with the first batch's shapes and stores the result as ``engine.budget``.
+See note: first forward (docs/design-notes.md).
 """
 from __future__ import annotations
 

@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
 def end_process() -> None:
     """The job is done (printed, saved, groups destroyed): end the process without the interpreter's
     teardown, in which a gloo worker freeing a finished collective's tensors can still abort it
-    ("terminate called without an active exception", PyTorch PR 179291; design note 47)."""
+    ("terminate called without an active exception", PyTorch PR 179291; see note: exit abort)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -11,6 +11,7 @@ rename. Saving a tag that exists swaps the two directories in one atomic exchang
 filesystem cannot exchange, re-saving a tag is refused. What a killed save leaves behind (hidden
 ``.TAG.tmp-*`` directories, ``.latest.tmp-*`` files) is removed by the next save in the same directory.
 ``ZEROPLUS_CHECKPOINT_FAULT=<point>`` kills the process at a named point (for tests that prove this).
+See note: slice checkpoints (docs/design-notes.md).
 """
 from __future__ import annotations
 

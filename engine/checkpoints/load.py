@@ -13,6 +13,7 @@ more, so a rank that fails here (an offload file that cannot be written) is name
 Memory while loading: the files that overlap this rank's range (a rank reads its own range's files,
 about one at the same world size, two or three after resharding, plus rank 0's for buffers), kept
 until the load ends, and the new optimizer-state buffers beside the old ones until they replace them.
+See note: read agree apply (docs/design-notes.md).
 """
 from __future__ import annotations
 

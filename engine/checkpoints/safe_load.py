@@ -11,6 +11,7 @@ stored as a list, ``numpy_rng_to_file``). DeepSpeed's checkpoints pickle a few o
 objects (fragment addresses, its loss scaler, the ZeRO stage enum); each is rebuilt as an ``Inert``
 record that holds the pickled fields as attributes and runs no code, whether or not DeepSpeed is
 installed. Memory: the file's tensors, nothing more (``torch.load`` reads into fresh storages).
+See note: weights only (docs/design-notes.md).
 """
 from __future__ import annotations
 

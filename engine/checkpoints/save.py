@@ -15,6 +15,7 @@ saving: nothing more where a rank's nominal range is a whole buffer it holds (st
 streams from the tensors themselves), a copy of the nominal range where it is a slice of a larger
 buffer (stage 0; fp32 parameters at stages 1-2, whose master is a range of the full flat buffer)
 or the master is stored split (shared bf16/fp32 masters merge into fp32).
+See note: streamed save (docs/design-notes.md).
 """
 from __future__ import annotations
 

@@ -50,3 +50,33 @@ def test_every_module_is_named_in_the_architecture_map():
     missing = sorted(os.path.relpath(path, ROOT) for path in _modules().values()
                      if f"`{os.path.relpath(path, ROOT)}`" not in text)
     assert missing == []
+
+
+def _note_names() -> set[str]:
+    """The design notes' names: their ``###`` headings, several per heading separated by ``;``."""
+    with open(os.path.join(ROOT, "docs", "design-notes.md")) as f:
+        return {name.strip() for line in f if line.startswith("### ") for name in line[4:].split(";")}
+
+
+def test_every_note_cited_names_a_design_note():
+    """``See note: <name>`` in the code, the tests and the docs names a heading of ``docs/design-notes.md``, and
+    every note is cited somewhere in the code (the mechanism it explains)."""
+    names = _note_names()
+    cite = re.compile(r"see note:\s+([a-z0-9][a-z0-9 \-]*?)\s*(?=[).;,]|\(|$)", re.IGNORECASE | re.MULTILINE)
+    cited: dict[str, list[str]] = {}
+    for top in ("zeroplus", "engine", "offload", "kernels", "tests", "tools", "docs"):
+        for folder, _, files in os.walk(os.path.join(ROOT, top)):
+            for name in files:
+                if name.endswith((".py", ".md")) and name != "design-notes.md":
+                    path = os.path.join(folder, name)
+                    with open(path) as f:
+                        lines = f.read().split("\n")
+                    # a comment's citation ends with its line; a docstring's may go on to the next
+                    in_comment = ["#" in line and "see note:" in line.split("#", 1)[1].lower() for line in lines]
+                    comments = [line.split("#", 1)[1] for line, c in zip(lines, in_comment) if c]
+                    prose = " ".join(line.strip() for line, c in zip(lines, in_comment) if not c)
+                    for found in cite.findall("\n".join(comments)) + cite.findall(prose):
+                        cited.setdefault(found.strip().lower(), []).append(os.path.relpath(path, ROOT))
+    unknown = {name: where for name, where in cited.items() if name not in names}
+    assert unknown == {}
+    assert sorted(names - set(cited)) == []

@@ -4,6 +4,7 @@ Read from the source, imports inside functions and under ``if TYPE_CHECKING`` in
 anywhere in the package (imports that run); no import written inside a function (where one would hide a
 loop); and every package and top-level module of ``zeroplus`` in one of the layers below, importing only
 from its own layer or lower ones. A failure names the modules.
+See note: layers (docs/design-notes.md).
 """
 from __future__ import annotations
 

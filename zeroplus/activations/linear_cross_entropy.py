@@ -28,6 +28,7 @@ The per-tile and per-slice arithmetic are pure kernels with a reference twin
 Values: per row ``loss = max + log(sum(exp(logits - max))) - logits[target]``, the arithmetic of
 ``F.cross_entropy`` in another order, and the rows' gradient summed over vocabulary slices instead of
 in one product: equal within fp32 rounding (tests: relative 1e-5 for the loss and both gradients).
+See note: tiled loss; see note: vocabulary slices (docs/design-notes.md).
 """
 from __future__ import annotations
 

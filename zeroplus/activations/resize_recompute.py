@@ -17,6 +17,7 @@ it and of its inputs, so backward frees them when autograd would. The inputs are
 own backward saves them anyway (GELU, SiLU and the norms save their input). Outputs that share
 storage with an input (in-place modules) are left alone. Outputs of a recompute inside an
 activation-checkpointing replay are not touched (only the engine's own forward is watched).
+See note: resize recompute (docs/design-notes.md).
 """
 from __future__ import annotations
 

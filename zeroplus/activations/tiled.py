@@ -28,6 +28,7 @@ rounding of the sum (tests: relative 1e-5).
 
 Not for functions that mix rows: attention, and mixture-of-experts layers (a token's expert
 capacity depends on the whole batch) are left out where this is applied by name (``tile_mlps``).
+See note: tiled mlp; see note: tile tokens (docs/design-notes.md).
 """
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ would have saved: 115.5 MiB saved for backward either way on a Llama of 4 layers
 tokens); what it removes is a copy of every layer's K and V per step (and one layer's K and V twice
 while its copy is made), and, while a caller keeps the output after backward, the
 ``2 * layers * kv_heads * head_dim`` elements per token its cache holds.
+See note: no kv cache (docs/design-notes.md).
 """
 from __future__ import annotations
 

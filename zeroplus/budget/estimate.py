@@ -27,6 +27,7 @@ Tensor, pipeline and expert parallelism (``zeroplus.parallel`` in the config): `
 rank; the rank's model is built as that rank builds it (its tensor slice, pipeline stage and experts,
 ``virtual_parallel.py``), partitioned over its data group (experts over their expert-data group), and a
 pipeline stage runs the real schedule, so it holds as many micro-batches' activations as 1F1B keeps.
+See note: meta estimate (docs/design-notes.md).
 """
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ paid them for a model it has not run: they stay in the prediction.
 A first version ran a small model's training step at ``initialize`` and measured what it left: as
 exact, but it paid 8-10 MiB of that model's own kernels in every fresh process (the example budget
 job went over its budget). Reading the mappings costs a few milliseconds and no memory.
+See note: first use (docs/design-notes.md).
 """
 from __future__ import annotations
 

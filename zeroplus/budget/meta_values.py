@@ -29,6 +29,7 @@ Anything else that needs values it does not have raises ``SimulationError`` nami
 
 Memory: the shadows are CPU tensors of at most ``LIMIT`` elements each, held as long as their meta
 tensors; they are outside the tracker (which counts the simulated rank, not this process).
+See note: meta values (docs/design-notes.md).
 """
 from __future__ import annotations
 

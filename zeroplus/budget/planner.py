@@ -24,6 +24,7 @@ activations are predicted for (``initialize`` sees no input yet); ``plan()`` als
 
 Cost: one simulation per candidate tried (seconds each for a 100M-parameter model), on one
 process; ranks hold the same bytes (shards are equal), so every rank reaches the same plan.
+See note: planner; see note: planner context (docs/design-notes.md).
 """
 from __future__ import annotations
 

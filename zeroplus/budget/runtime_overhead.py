@@ -28,6 +28,7 @@ numbers instead (whatever the process holds); ``ZEROPLUS_CACHE_DIR`` moves the f
 ``$XDG_CACHE_HOME/zeroplus`` or ``~/.cache/zeroplus``). If the probe cannot run, the budget warns with
 its error and uses ``FALLBACK_BYTES``, measured on the machine that wrote this. Memory: five integers;
 the probe's memory is the child's.
+See note: runtime overhead (docs/design-notes.md).
 """
 from __future__ import annotations
 

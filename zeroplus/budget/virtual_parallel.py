@@ -16,6 +16,7 @@ as the real links keep their send buffers. The schedule itself is the real one
 1F1B (or the interleaved schedule) keeps in flight.
 
 Memory: none (meta tensors); time: one meta forward per pipeline stage, once.
+See note: whole topology (docs/design-notes.md).
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ layer resolves them (``resolve.py``, the planner) and then calls ``resolved(cfg)
 ``ResolvedConfig``, whose field types hold no ``"auto"`` and no unset batch size, so the engine,
 partitioning and the budget's simulation read plain ints, floats and bools. Resolving twice is
 harmless; a key still ``"auto"`` is a ``ConfigError`` naming it.
+See note: resolved config (docs/design-notes.md).
 """
 from __future__ import annotations
 

@@ -16,6 +16,8 @@ stage  name              shards                                bytes per rank
 
 (c P of gradients is held while a group reduces at stages 2-3, one group at a time; ``zero/flat_group.py``
 has the per-group table.)
+
+See note: explicit state (docs/design-notes.md).
 """
 from __future__ import annotations
 

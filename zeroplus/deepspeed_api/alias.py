@@ -7,6 +7,7 @@ answers any other ``deepspeed.*`` import with a ``ModuleNotFoundError`` saying t
 serve that module, instead of loading part of the real DeepSpeed beside zeroplus. It refuses when the
 real DeepSpeed is already imported in this process: two engines would then answer to one name.
 Rank 0 logs once that zeroplus serves the API. ``shim.py`` makes ``import deepspeed`` call it.
+See note: deepspeed by name (docs/design-notes.md).
 """
 from __future__ import annotations
 

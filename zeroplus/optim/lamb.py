@@ -9,6 +9,7 @@ triples and the data-parallel group; the partial squared norms of every paramete
 over the group with one all-reduce per flat shard, so each rank clips exactly as an unsharded
 run would. Memory: two fp32 states per element (exp_avg, exp_avg_sq) and one update-sized
 temporary per tensor stepped.
+See note: lamb (docs/design-notes.md).
 """
 from __future__ import annotations
 

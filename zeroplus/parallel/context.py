@@ -20,6 +20,7 @@ Communication per attention layer and micro-batch: Q, K, V and the output, each 
 elements sent and received per rank in forward (4 b s h / C with h = H * hd for plain multi-head
 attention; K and V scale with their own heads under GQA); in backward their gradients and the output
 once more (attention's saved copy of it is formed again from the home copy: ``ulysses_output.py``).
+See note: ulysses kv heads (docs/design-notes.md).
 """
 from __future__ import annotations
 

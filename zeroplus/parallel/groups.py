@@ -7,6 +7,7 @@ Build a tensor-parallel model after this call (its layers ask ``parallel_groups(
 group); ``zeroplus.initialize`` then partitions over ``groups.data`` (and expert parameters over
 ``groups.expert_data``). Every rank creates every group in the same order (torch.distributed's rule);
 groups of one rank are local objects with no process group behind them.
+See note: model parallelism (docs/design-notes.md).
 """
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ on the last one) and ``engine.step()`` after it, so the optimizer steps once per
 Bubble: ``(P - 1) / (m + P - 1)`` of a batch's time is idle on average (``bench/bench_parallel.py``
 measures it). Memory: a stage keeps the inputs and outputs of at most ``P - s`` micro-batches.
 Communication per micro-batch: one activation forward and one gradient backward per stage boundary.
+See note: pipeline schedule (docs/design-notes.md).
 """
 from __future__ import annotations
 

@@ -28,6 +28,7 @@ expert parallelism it is refused, with the numbers.
 
 Memory: none (rank arithmetic). Communication: creating the groups is one ``new_group`` per group on
 every rank, in the same order.
+See note: context groups (docs/design-notes.md).
 """
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ when grad is off, for one rank, and when the output does not cover its storage c
 copy's version is checked when the output is formed again, and every other saved tensor's when it is
 given back (autograd checks none through hooks): modified in place meanwhile, backward raises
 instead of using other values.
+See note: one output copy (docs/design-notes.md).
 """
 from __future__ import annotations
 

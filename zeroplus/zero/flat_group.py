@@ -39,6 +39,7 @@ With shared-storage master weights (``master_store.SharedMaster``, bf16 only) th
 column becomes a 2-byte residual per owned element at stages 0-2 (the bf16 high halves are the
 owned range of ``full``), and at stage 3 a bf16 shard plus a residual (2 + 2 bytes), with no
 cast buffer for the gathers.
+See note: stage-3 shard; see note: one rank (docs/design-notes.md).
 """
 from __future__ import annotations
 

@@ -23,6 +23,7 @@ gradient as it is (``_keep_whole``).
 
 Memory in flight: at most one group's flat gradient (c * P) plus the comm buffers of the
 buckets not yet waited on. Communication: c * P bytes per group per reduction.
+See note: gradient shards; see note: one rank (docs/design-notes.md).
 """
 from __future__ import annotations
 

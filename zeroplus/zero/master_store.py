@@ -12,6 +12,7 @@ Owned bytes: 2 (residual) instead of 4 (fp32 master) at stages 0-2, where the bf
 anyway; at stage 3, 2 + 2 instead of 4 + a 2-byte cast buffer per all-gather in flight. Reading
 merges into a new fp32 tensor (checkpoints and exports only); the optimizer step merges chunk by
 chunk into one bounded buffer (``chunked_step.py``).
+See note: shared master (docs/design-notes.md).
 """
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ normal build would have started it, since a meta build draws nothing):
 
 Memory per rank: the shards, plus the window (``max_gathered_bytes``), plus the buffers whole (they are
 not partitioned); ``initialize`` then adopts the shards as it does ``Init``'s.
+See note: shard memory build (docs/design-notes.md).
 """
 from __future__ import annotations
 

@@ -28,6 +28,8 @@ each expert's local gradient already sums the tokens of its E expert-parallel ra
 After the optimizer step, the new master values are written into the compute-dtype parameters;
 stages 1 and 2 all-gather them asynchronously, root unit first, and the next forward waits for
 each unit's gather just before that unit runs.
+See note: post-step gathers; see note: expert groups; see note: early per-use reduction;
+see note: root per-use groups (docs/design-notes.md).
 """
 from __future__ import annotations
 
@@ -79,7 +81,7 @@ class ExpertSplit:
 
 # Reductions still in flight when the next one starts; older ones are waited on, which bounds
 # the flat gradients and comm buffers alive during backward to about this many groups.
-MAX_GROUPS_IN_FLIGHT = 1  # see note 3 (docs/design-notes.md)
+MAX_GROUPS_IN_FLIGHT = 1  # see note: one reduction in flight
 
 
 def _refuse_partitioned(model: torch.nn.Module, rank: int) -> None:

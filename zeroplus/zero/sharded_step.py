@@ -16,6 +16,7 @@ Optimizer states that torch creates lazily are registered with the ledger (``opt
 right after the step that creates them. A group whose master is split (shared-storage master
 weights), on a tier (parameter offload) or whose optimizer states are offloaded steps chunk by
 chunk through ``chunked_step.py``.
+See note: gradient norm (docs/design-notes.md).
 """
 from __future__ import annotations
 

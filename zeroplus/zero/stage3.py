@@ -24,6 +24,7 @@ from the tier (``tiered_master.py``), so the read overlaps compute and its gathe
 
 Peak gathered memory: the root unit, plus the unit computing, plus the prefetch window.
 Communication: every non-persistent unit is all-gathered twice per step (forward, backward).
+See note: prefetch (docs/design-notes.md).
 """
 from __future__ import annotations
 

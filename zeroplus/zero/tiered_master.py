@@ -19,6 +19,7 @@ Memory on the device per group: nothing between uses; a prefetched gather source
 per owned element) until its gather; during the step one chunk being read, one stepping and the
 writes in flight (``offload_buffer`` in the ledger). Bytes moved per step: two reads of the
 gather source (forward and backward) and one read and one write of the master.
+See note: parameter offload (docs/design-notes.md).
 """
 from __future__ import annotations
 

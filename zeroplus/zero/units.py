@@ -16,6 +16,7 @@ parameters; one larger than that is a run alone), one ``FlatParamGroup`` each: a
 reduced as one piece, so a bucket smaller than a unit bounds the gradient bytes a reduction holds.
 Memory: the flat gradients alive during backward are the group being filled plus the reductions in
 flight (``partition.py``), so at most about two groups' gradients, each at most the bucket.
+See note: flat groups; see note: reduce bucket; see note: explicit state (docs/design-notes.md).
 """
 from __future__ import annotations
 

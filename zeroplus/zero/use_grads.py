@@ -32,6 +32,7 @@ module may run any number of times): it is reduced when the backward ends (``par
 which for the root unit is when its last gradient arrives anyway. Uses outside a holding module
 (``F.linear(x, self.wte.weight)`` in a parent's forward) still reach the parameter's
 accumulator and its hook, which adds them the same way.
+See note: per-use gradients (docs/design-notes.md).
 """
 from __future__ import annotations
 
