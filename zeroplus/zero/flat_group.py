@@ -184,54 +184,7 @@ class FlatParamGroup:
             with torch.no_grad():
                 owned_view = init_shards.redistribute(self.params, self.offsets, self.numels, self.padded_numel,
                                                       dp, compute_dtype)
-        # ``shard``: this rank's low-precision values (what an all-gather sends). Stage 3 in low
-        # precision keeps none (the gather casts the master) unless the master is split, whose
-        # high halves are the shard. In fp32 the shard is the master.
-        self.shard: torch.Tensor | None = None
-        self.master: torch.Tensor | None = None  # the fp32 master tensor, when it exists whole
-        if not trainable:  # frozen: the compute-dtype shard is all there is (read and written as the "master")
-            if not stage.shards_parameters:
-                raise ValueError(f"flat group {name}: frozen parameters are partitioned at stage 3 only, "
-                                 f"not {int(stage)}")
-            self.shard = owned_view if self.resident else self.ledger.empty(
-                self.shard_numel, compute_dtype, Category.PARAM, self.device).copy_(owned_view)
-            self.master_store: MasterStore = FullMaster(self.shard, False)
-            self.layout = MasterLayout.FROZEN
-            self.master_param = torch.nn.Parameter(torch.empty(0, dtype=compute_dtype, device=self.device),
-                                                   requires_grad=False)
-        elif master.shared:
-            if compute_dtype != torch.bfloat16:
-                raise ValueError(f"shared-storage master weights need bf16 training, not {compute_dtype}")
-            high = (self._own_copy(owned_view, self.shard_numel, compute_dtype) if stage.shards_parameters
-                    else owned_view)
-            self.shard = high
-            low = ledger.zeros(self.owned_numel, torch.int16, Category.MASTER, self.device)
-            if not stage.shards_parameters:  # the fp32 master would be 4 bytes per owned element; the residual is 2
-                ledger.save("shared_master_weights", Category.MASTER, 2 * self.owned_numel)
-            self.master_store = SharedMaster(high, low)
-            self.layout = MasterLayout.SHARED
-            placeholder = torch.empty(0, dtype=torch.float32, device=self.device)
-            self.master_param = torch.nn.Parameter(placeholder, requires_grad=False)  # data swapped in by the step
-        else:
-            if compute_dtype == torch.float32:  # no second copy: the fp32 shard is the master
-                whole = (owned_view if not stage.shards_parameters or self.resident
-                         else self._own_copy(owned_view, self.shard_numel, compute_dtype))
-                self.shard = whole
-                self.layout = MasterLayout.FP32_OWN if whole is not owned_view else MasterLayout.FP32_ALIAS
-            else:
-                if not stage.shards_parameters:
-                    self.shard = owned_view
-                whole = self._own_copy(owned_view, self.owned_numel, torch.float32)
-                self.layout = MasterLayout.LOW_PRECISION
-            self.master = whole
-            self.master_store = FullMaster(whole, master.round_like_shared)
-            self.master_param = torch.nn.Parameter(whole, requires_grad=False)
-        if master.offload is not None and trainable:  # stage 3: the master shard is the parameter shard
-            self.master_store = TieredMaster(self.master_store, master.offload.tier, ledger, master.offload.max_writes)
-            self.shard = self.master = None
-            self.layout = MasterLayout.TIERED
-            placeholder = torch.empty(0, dtype=torch.float32, device=self.device)
-            self.master_param = torch.nn.Parameter(placeholder, requires_grad=False)
+        self._lay_out_values(owned_view, master, trainable)
         self.grad_full: torch.Tensor | None = None    # compute dtype, padded_numel
         self._written: list[bool] = []  # which parameters' views of ``grad_full`` hold values (``_grad_view``)
         self.master_grad: torch.Tensor | None = None  # reduced gradient of the owned range (stages 1-3)
@@ -246,6 +199,60 @@ class FlatParamGroup:
         self.rows: dict[int, list[tuple[torch.Tensor, torch.Tensor, int]]] = {}  # stages 2-3: (ids, sums, tokens)
         if stage.shards_parameters:
             self.release()
+
+    def _lay_out_values(self, owned_view: torch.Tensor, master: MasterPolicy, trainable: bool) -> None:
+        """Set ``shard``, ``master``, the master store and ``layout`` (``MasterLayout``: which of the six, with its
+        bytes) from this rank's owned values ``owned_view``."""
+        sharded = self.stage.shards_parameters  # stage 3: parameters gathered around each use
+        # ``shard``: this rank's low-precision values (what an all-gather sends). Stage 3 in low
+        # precision keeps none (the gather casts the master) unless the master is split, whose
+        # high halves are the shard. In fp32 the shard is the master.
+        self.shard: torch.Tensor | None = None
+        self.master: torch.Tensor | None = None  # the fp32 master tensor, when it exists whole
+        if not trainable:  # frozen: the compute-dtype shard is all there is (read and written as the "master")
+            if not sharded:
+                raise ValueError(f"flat group {self.name}: frozen parameters are partitioned at stage 3 only, "
+                                 f"not {int(self.stage)}")
+            self.shard = owned_view if self.resident else self.ledger.empty(
+                self.shard_numel, self.compute_dtype, Category.PARAM, self.device).copy_(owned_view)
+            self.master_store: MasterStore = FullMaster(self.shard, False)
+            self.layout = MasterLayout.FROZEN
+            self.master_param = torch.nn.Parameter(torch.empty(0, dtype=self.compute_dtype, device=self.device),
+                                                   requires_grad=False)
+        elif master.shared:
+            if self.compute_dtype != torch.bfloat16:
+                raise ValueError(f"shared-storage master weights need bf16 training, not {self.compute_dtype}")
+            high = (self._own_copy(owned_view, self.shard_numel, self.compute_dtype) if sharded
+                    else owned_view)
+            self.shard = high
+            low = self.ledger.zeros(self.owned_numel, torch.int16, Category.MASTER, self.device)
+            if not sharded:  # the fp32 master would be 4 bytes per owned element; the residual is 2
+                self.ledger.save("shared_master_weights", Category.MASTER, 2 * self.owned_numel)
+            self.master_store = SharedMaster(high, low)
+            self.layout = MasterLayout.SHARED
+            placeholder = torch.empty(0, dtype=torch.float32, device=self.device)
+            self.master_param = torch.nn.Parameter(placeholder, requires_grad=False)  # data swapped in by the step
+        else:
+            if self.compute_dtype == torch.float32:  # no second copy: the fp32 shard is the master
+                whole = (owned_view if not sharded or self.resident
+                         else self._own_copy(owned_view, self.shard_numel, self.compute_dtype))
+                self.shard = whole
+                self.layout = MasterLayout.FP32_OWN if whole is not owned_view else MasterLayout.FP32_ALIAS
+            else:
+                if not sharded:
+                    self.shard = owned_view
+                whole = self._own_copy(owned_view, self.owned_numel, torch.float32)
+                self.layout = MasterLayout.LOW_PRECISION
+            self.master = whole
+            self.master_store = FullMaster(whole, master.round_like_shared)
+            self.master_param = torch.nn.Parameter(whole, requires_grad=False)
+        if master.offload is not None and trainable:  # stage 3: the master shard is the parameter shard
+            self.master_store = TieredMaster(self.master_store, master.offload.tier, self.ledger,
+                                             master.offload.max_writes)
+            self.shard = self.master = None
+            self.layout = MasterLayout.TIERED
+            placeholder = torch.empty(0, dtype=torch.float32, device=self.device)
+            self.master_param = torch.nn.Parameter(placeholder, requires_grad=False)
 
     def attach(self, unit: Any, owner: Any) -> None:
         """The unit holding this group, and the partition (one engine's) holding that."""

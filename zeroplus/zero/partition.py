@@ -37,7 +37,7 @@ import collections
 import dataclasses
 import functools
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -112,7 +112,6 @@ class ZeroPartition:
         early and embeddings' rows sparsely (``early_per_use``)."""
         _refuse_partitioned(model, dp.rank)
         self.stage = ZeroStage(zero.stage)
-        self.early_per_use = self.stage.shards_gradients
         self.dp = dp
         self.ledger = ledger
         frozen_too = self.stage.shards_parameters  # frozen parameters are partitioned too (see note: frozen groups)
@@ -171,12 +170,20 @@ class ZeroPartition:
         self.reducer = GradReducer(self.stage, dp, zero.reduce_bucket_size, zero.reduce_scatter, overlap, ledger,
                                    accumulate_fp32)
         self._in_flight: collections.deque[FlatParamGroup] = collections.deque()
-        self.reduce_this_backward = True
-        self.at_boundary = True
+        self.at_boundary = True  # this backward ends an accumulation (begin_backward)
         self._ready: set[int] = set()
         self._unit_of_group = {id(g): u for u in self.units for g in u.groups}
-        self._hooks = []
+        self._deferred: list[FlatParamGroup] = []  # per-use groups whose dense use just arrived (_dense_use_arrived)
+        self.release_root_early = True  # cleared for good by a use outside the holders or a replay
+        self._backwards_seen = 0
+        self._hooks: list[Any] = []
         self.hooks_dropped = False  # drop_hooks()
+        self._install_hooks(model, per_use, zero.stage3_prefetch_bucket_size)
+
+    def _install_hooks(self, model: torch.nn.Module, per_use: set[int], prefetch: int | None) -> None:
+        """Every hook this partition puts on the model (``drop_hooks`` removes them all): each trained parameter's
+        gradient hook and row sink, the per-use routing (``use_grads.py``), stages 1-2's waits for the post-step
+        all-gathers, stage 3's scheduler and state-dict hooks."""
         sinks: dict[int, UseSinks] = {}
         self._row_sinks: list[RowsSink] = []  # the registry holds them weakly (grad_rows.py): alive with the partition
         for g in self.groups:
@@ -191,14 +198,10 @@ class ZeroPartition:
                                             functools.partial(self._rows_arrived, g, i),
                                             functools.partial(self._dense_use_made, g))
         self.use_grads = UseGrads(model, sinks, on_replay=self._holder_replayed)
-        self._deferred: list[FlatParamGroup] = []  # per-use groups whose dense use just arrived (_dense_use_arrived)
-        self.release_root_early = True  # cleared for good by a use outside the holders or a replay
-        self._backwards_seen = 0
         for g in self.groups:
             for i, p in enumerate(g.params):
                 if id(p) in per_use:
                     g.route_per_use(i, by_rows=id(p) in self.use_grads.row_receivers)
-        prefetch = zero.stage3_prefetch_bucket_size
         if self.stage.gathers_after_step:  # every unit, the root included, waits for its post-step all-gather before
             for unit in self.units:  # its forward, and any state_dict() for all of them, even called on the model
                 self._hooks.append(unit.module.register_forward_pre_hook(eager(self._make_wait_hook(unit))))
@@ -242,6 +245,16 @@ class ZeroPartition:
         root = trained[-1]
         per_use = routed(model, set().union(*trained), root)
         return per_use, (per_use & root if self.early_per_use else set())
+
+    @property
+    def early_per_use(self) -> bool:
+        """Stages 2-3: per-use groups are reduced early and embeddings' rows sparsely."""
+        return self.stage.shards_gradients
+
+    @property
+    def reduce_this_backward(self) -> bool:
+        """Gradients are reduced in this backward: at every one at stages 2-3, at the boundary at 0-1."""
+        return self.at_boundary or self.stage.shards_gradients
 
     def _holder_replayed(self) -> None:
         self.release_root_early = False
@@ -297,7 +310,6 @@ class ZeroPartition:
 
     def begin_backward(self, reduce: bool) -> None:
         """``reduce``: reduce gradients in this backward (always at stages 2-3, at the boundary at 0-1)."""
-        self.reduce_this_backward = reduce or self.stage.shards_gradients
         self.at_boundary = reduce
         self._ready.clear()
         for u in self.units:
