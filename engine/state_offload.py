@@ -48,7 +48,7 @@ def _kinds(include: Iterable[Any] | None) -> set[str]:
 
 
 def _tensors(engine: Engine, kinds: set[str]) -> list[torch.Tensor]:
-    part, device = engine._partition, engine.accelerator.device()
+    part, device = engine.partition, engine.accelerator.device()
     out: list[torch.Tensor | None] = []
     for g in part.groups:
         if "optim_states" in kinds:
@@ -82,7 +82,7 @@ class StateOffload:
             raise RuntimeError(f"offload_states() on rank {self.engine.dp.rank}: the states are offloaded already; "
                                f"call reload_states() first")
         kinds = _kinds(include)
-        self.engine._partition.wait_in_flight()
+        self.engine.partition.wait_in_flight()
         by_storage: dict[int, list[torch.Tensor]] = {}
         for t in _tensors(self.engine, kinds):
             by_storage.setdefault(t.untyped_storage()._cdata, []).append(t)

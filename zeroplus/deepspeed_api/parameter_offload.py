@@ -57,7 +57,7 @@ class ParameterOffload:
     """DeepSpeed's ``DeepSpeedZeRoOffload`` as TRL uses it, over a zeroplus engine at stage 3."""
 
     def __init__(self, engine: Engine) -> None:
-        scheduler = engine._partition.stage3
+        scheduler = engine.partition.stage3
         if scheduler is None:
             raise AttributeError("parameter_offload exists at ZeRO stage 3 only")
         self._scheduler = scheduler
