@@ -38,6 +38,33 @@ _OPTIM_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\
 _STAGE3_MODEL_FILE = "zero_pp_rank_{}_mp_rank_00_model_states.pt"
 
 
+def _is_deepspeed(path: str) -> bool:
+    """``path`` is a DeepSpeed checkpoint tag: it holds DeepSpeed's model or optimizer files and no zeroplus
+    metadata."""
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, io.METADATA)):
+        return False
+    return any(_OPTIM_FILE.match(f) or f == "mp_rank_00_model_states.pt" for f in os.listdir(path))
+
+
+def deepspeed_tag(load_dir: str, tag: str | None) -> str | None:
+    """The tag of the DeepSpeed checkpoint in ``load_dir`` that a load of ``tag`` means (None: the one ``latest``
+    names, or without ``latest`` the only DeepSpeed tag there), or None when that is not a DeepSpeed checkpoint
+    (one zeroplus wrote, or nothing: the zeroplus loader says what is missing)."""
+    if not os.path.isdir(load_dir):
+        return None
+    if tag is None:
+        latest = os.path.join(load_dir, io.LATEST)
+        if os.path.isfile(latest):
+            with open(latest) as f:
+                tag = f.read().strip()
+        else:
+            found = [t for t in sorted(os.listdir(load_dir)) if _is_deepspeed(os.path.join(load_dir, t))]
+            if len(found) != 1:
+                return None
+            tag = found[0]
+    return tag if _is_deepspeed(os.path.join(load_dir, tag)) else None
+
+
 def _ds_tag(ds_dir: str, tag: str | None) -> str:
     if tag is None:
         latest = os.path.join(ds_dir, "latest")

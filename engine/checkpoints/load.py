@@ -13,6 +13,11 @@ more, so a rank that fails here (an offload file that cannot be written) is name
 Memory while loading: the files that overlap this rank's range (a rank reads its own range's files,
 about one at the same world size, two or three after resharding, plus rank 0's for buffers), kept
 until the load ends, and the new optimizer-state buffers beside the old ones until they replace them.
+A DeepSpeed checkpoint (a tag holding DeepSpeed's ZeRO-1/2/3 files: what a DeepSpeed run, or the Trainer
+under DeepSpeed, saved) is loaded the same way after the first rank imports it (``deepspeed_import.py``) into
+a hidden directory beside it, ``.zeroplus-import-TAG``, removed once every rank has loaded: resuming a
+DeepSpeed run under zeroplus is changing the launch line. Memory: the importer's, on the first rank only
+(one optimizer file read at a time; the whole model's fp32 masters and states written out).
 See note: read agree apply (docs/design-notes.md).
 """
 from __future__ import annotations
@@ -21,6 +26,7 @@ import copy
 import dataclasses
 import logging
 import os
+import shutil
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,6 +35,7 @@ from zeroplus.ledger import Category
 from zeroplus.zero.flat_group import FlatParamGroup
 
 from . import files as io
+from .deepspeed_import import convert_deepspeed, deepspeed_tag
 from .save import _global_rank, _model_part, _set_rng_state, _topology, _world
 
 if TYPE_CHECKING:
@@ -295,8 +302,31 @@ def load_checkpoint(engine: Engine, load_dir: str, tag: str | None = None, *, lo
                     load_module_only: bool = False, strict: bool = True) -> tuple[str, dict[str, Any]]:
     """Every rank calls this; returns ``(path, client_state)``. On any rank's failure every rank raises
     and no engine has changed (see the module docstring). ``strict`` False: frozen parameters the
-    checkpoint lacks keep their values (trained parameters must all be there either way)."""
+    checkpoint lacks keep their values (trained parameters must all be there either way). A DeepSpeed
+    checkpoint is imported first (see the module docstring); the path returned is its own."""
     world, rank = _world(engine), _global_rank(engine)
+    ds_tag = deepspeed_tag(load_dir, tag)
+    if ds_tag is not None:
+        imported = os.path.join(load_dir, f".zeroplus-import-{ds_tag}")
+        error = None
+        if rank == 0:
+            logger.info("%s is a DeepSpeed checkpoint: importing it (zeroplus convert --from-deepspeed)",
+                        os.path.join(load_dir, ds_tag))
+            try:
+                shutil.rmtree(imported, ignore_errors=True)
+                convert_deepspeed(load_dir, imported, ds_tag)
+            except Exception as err:  # noqa: BLE001 - every rank must hear of it
+                error = _with_note(err, f"importing DeepSpeed checkpoint {os.path.join(load_dir, ds_tag)} into "
+                                        f"{imported}; zeroplus convert --from-deepspeed DIR OUT writes it elsewhere")
+        try:
+            _agree(world, rank, error, "importing", os.path.join(load_dir, ds_tag))
+            _, client_state = load_checkpoint(engine, imported, ds_tag, load_optimizer_states=load_optimizer_states,
+                                              load_lr_scheduler_states=load_lr_scheduler_states,
+                                              load_module_only=load_module_only, strict=strict)
+        finally:  # (every rank has read what it needed: the load's last step is an exchange among all ranks)
+            if rank == 0:
+                shutil.rmtree(imported, ignore_errors=True)
+        return os.path.join(load_dir, ds_tag), client_state
     load_optim = load_optimizer_states and not load_module_only
     engine.partition.wait_all()
     plan, error = None, None

@@ -18,6 +18,7 @@ Accelerate
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 
 import pytest
@@ -65,6 +66,11 @@ def test_trainer_runs_unchanged_resumes_and_matches_deepspeed(tmp_path, template
     for key in ("loss", "grad_norm"):
         assert ours["first"][key] == pytest.approx(theirs["first"][key], rel=1e-5), key
     assert _resumed_steps(ours) == pytest.approx(_resumed_steps(theirs), rel=1e-5)
+    if stage == 2:  # DeepSpeed's own checkpoint-2 resumed under zeroplus, the launch line changed (issue 39 item 5)
+        carried, _ = _trainer(on_zeroplus, tmp_path, "carried", hf_template(template, True), stage == 3,
+                              ("--resume-only", str(tmp_path / "deepspeed" / "checkpoint-2")))
+        assert _resumed_steps(carried) == pytest.approx(_resumed_steps(theirs), rel=1e-5)
+        assert not [f for f in os.listdir(tmp_path / "deepspeed" / "checkpoint-2") if f.startswith(".zeroplus")]
     saved = [load_file(tmp_path / name / "checkpoint-4" / "model.safetensors") for name in ("zeroplus", "deepspeed")]
     assert sorted(saved[0]) == sorted(saved[1]) and saved[0], "the Trainer's saved weights (16-bit gather at ZeRO-3)"
     for name, value in saved[0].items():

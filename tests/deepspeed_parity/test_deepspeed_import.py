@@ -1,7 +1,9 @@
 """DeepSpeed ZeRO-1/2/3 checkpoints, made by DeepSpeed on CPU in the test, resume in zeroplus.
 
-DeepSpeed trains 2 steps, saves, and trains 2 more; ``zeroplus convert --from-deepspeed`` turns the
-checkpoint into a zeroplus one; zeroplus (same JSON config) loads it and trains the same 2 steps.
+DeepSpeed trains 2 steps, saves, and trains 2 more; zeroplus (same JSON config) loads the checkpoint and
+trains the same 2 steps: the stage-2 one after ``zeroplus convert --from-deepspeed``, the stage-3 one straight
+from DeepSpeed's directory (``load_checkpoint`` imports it beside itself and removes the import after; issue
+39 item 5), with ``latest`` and, from a copy without it, by its only tag.
 The fp32 masters after loading equal DeepSpeed's own consolidation (``zero_to_fp32``) bitwise,
 the step counter is kept, and the continued losses match DeepSpeed's: 1e-6 relative in fp32 (stage
 3), 1e-2 in bf16 (stage 2). (Stage 1 writes the same file format as stage 2; stage 3 in bf16 was
@@ -11,6 +13,7 @@ layer, a tied weight and root parameters, so the frozen fragments and aliases of
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -60,9 +63,19 @@ def _zeroplus(root: str) -> list[dict]:
         torch.manual_seed(1)
         cfg = dict(_config(stage, dtype), zeroplus={"log_level": "warning", "memory_estimate": False})
         engine = zeroplus.initialize(ParityNet(), cfg)
-        engine.load_checkpoint(os.path.join(root, f"zp-{stage}-{dtype}"))
+        source = os.path.join(root, f"ds-{stage}-{dtype}" if stage == 3 else f"zp-{stage}-{dtype}")
+        path, _ = engine.load_checkpoint(source)
         masters = engine.consolidated_fp32_state()
-        out.append({"steps": engine.global_steps, "masters": masters, "losses": _steps(engine, 2, 4)})
+        out.append({"steps": engine.global_steps, "masters": masters, "losses": _steps(engine, 2, 4), "path": path,
+                    "left": sorted(f for f in os.listdir(source) if f.startswith(".zeroplus-import"))})
+    engine = zeroplus.initialize(ParityNet(), dict(_config(3, "fp32"), zeroplus={"log_level": "error"}))
+    path, _ = engine.load_checkpoint(os.path.join(root, "ds-3-no-latest"))  # its only tag, without latest
+    out.append({"no_latest": path, "masters": engine.consolidated_fp32_state()})
+    try:
+        engine.load_checkpoint(os.path.join(root, "ds-3-broken"))
+        out.append({"broken": None})
+    except Exception as err:  # noqa: BLE001 - reported
+        out.append({"broken": f"{type(err).__name__}: {err}"})
     return out
 
 
@@ -70,25 +83,34 @@ def test_deepspeed_checkpoint_resumes_in_zeroplus(tmp_path):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     root = str(tmp_path)
     ds_losses = run_distributed(_deepspeed, 2, root, timeout=600)[0]
-    for stage, dtype in CASES:
-        done = subprocess.run([sys.executable, "-m", "zeroplus.cli", "convert", "--from-deepspeed",
-                               os.path.join(root, f"ds-{stage}-{dtype}"), os.path.join(root, f"zp-{stage}-{dtype}")],
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
-    results = run_distributed(_zeroplus, 2, root)[0]
+    done = subprocess.run([sys.executable, "-m", "zeroplus.cli", "convert", "--from-deepspeed",
+                           os.path.join(root, "ds-2-bf16"), os.path.join(root, "zp-2-bf16")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shutil.copytree(os.path.join(root, "ds-3-fp32"), os.path.join(root, "ds-3-no-latest"))
+    os.remove(os.path.join(root, "ds-3-no-latest", "latest"))
+    shutil.copytree(os.path.join(root, "ds-3-fp32"), os.path.join(root, "ds-3-broken"))
+    broken = os.path.join(root, "ds-3-broken", "global_step2", "zero_pp_rank_1_mp_rank_00_model_states.pt")
+    os.remove(broken)  # a stage-3 checkpoint that lost one rank's model-states file
+    ranks = run_distributed(_zeroplus, 2, root)
+    results = ranks[0]
+    for rank, got in enumerate(ranks):  # every rank names the missing file
+        assert got[-1]["broken"] is not None and broken in got[-1]["broken"], got[-1]
+    assert results[-2]["no_latest"] == os.path.join(root, "ds-3-no-latest", "global_step2")
     for (stage, dtype), ds, zp in zip(CASES, ds_losses, results):
         assert zp["steps"] == 2, (stage, dtype)
+        if stage == 3:  # loaded straight from DeepSpeed's directory, the import removed
+            assert zp["path"] == os.path.join(root, "ds-3-fp32", "global_step2") and zp["left"] == [], zp["path"]
+            for name, value in results[-2]["masters"].items():
+                assert torch.equal(value, zp["masters"][name]), f"without latest: {name}"
         reference = get_fp32_state_dict_from_zero_checkpoint(os.path.join(root, f"ds-{stage}-{dtype}"))
         for name, value in zp["masters"].items():
             assert torch.equal(value, reference[name].float()), f"stage {stage} {dtype}: {name}"
         rtol = 1e-6 if dtype == "fp32" else 1e-2
         torch.testing.assert_close(torch.tensor(zp["losses"]), torch.tensor(ds), rtol=rtol, atol=0,
                                    msg=lambda m, s=stage, d=dtype: f"stage {s} {d}: continued losses\n{m}")
-    # a stage-3 checkpoint that lost one rank's model-states file: an error naming it
-    broken = os.path.join(root, "ds-3-fp32", "global_step2", "zero_pp_rank_1_mp_rank_00_model_states.pt")
-    os.remove(broken)
     done = subprocess.run([sys.executable, "-m", "zeroplus.cli", "convert", "--from-deepspeed",
-                           os.path.join(root, "ds-3-fp32"), os.path.join(root, "zp-broken")],
+                           os.path.join(root, "ds-3-broken"), os.path.join(root, "zp-broken")],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and broken in done.stderr, done.stderr[-2000:]
 

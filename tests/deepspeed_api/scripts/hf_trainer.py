@@ -88,6 +88,8 @@ def main() -> None:
     parser.add_argument("--pretrained", default=None, help="start from this saved model (from_pretrained)")
     parser.add_argument("--torch_compile", action="store_true")
     parser.add_argument("--no-resume", action="store_true")
+    parser.add_argument("--resume-only", default=None, help="no first run: resume from this checkpoint-N (another "
+                                                            "run's, DeepSpeed's too)")
     parser.add_argument("--lora", action="store_true", help="train a PEFT LoRA adapter on the frozen model")
     parser.add_argument("--qlora", action="store_true", help="--lora over a 4-bit base (needs --pretrained)")
     args = parser.parse_args()
@@ -106,19 +108,21 @@ def main() -> None:
         loaded = checksums(first_model)
     if args.lora or args.qlora:
         first_model = with_lora(first_model)
-    trainer = Trainer(model=first_model, args=training_args, train_dataset=Tokens())
-    trainer.train()
-    first = logged(trainer)
-    engine = trainer.model_wrapped
-    facts = {"engine": type(engine).__module__, "stage": engine.zero_optimization_stage(),
-             "checkpoints": sorted(os.listdir(args.output_dir)),
-             "compiled": bool(getattr(engine, "is_compiled", False))}
+    first, facts = None, {}
+    if args.resume_only is None:
+        trainer = Trainer(model=first_model, args=training_args, train_dataset=Tokens())
+        trainer.train()
+        first = logged(trainer)
+        engine = trainer.model_wrapped
+        facts = {"engine": type(engine).__module__, "stage": engine.zero_optimization_stage(),
+                 "checkpoints": sorted(os.listdir(args.output_dir)),
+                 "compiled": bool(getattr(engine, "is_compiled", False))}
     if not args.no_resume:
         training_args = arguments(args)
         again = model(args.pretrained, args.qlora)
         again = with_lora(again) if args.lora or args.qlora else again
         trainer = Trainer(model=again, args=training_args, train_dataset=Tokens())
-        trainer.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-2"))
+        trainer.train(resume_from_checkpoint=args.resume_only or os.path.join(args.output_dir, "checkpoint-2"))
     if torch.distributed.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump({"first": first, "resumed": logged(trainer), "expected": expected, "loaded": loaded,
