@@ -415,12 +415,15 @@ class Engine:
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None,
                         client_state: dict[str, Any] | None = None, save_latest: bool = True,
-                        exclude_frozen_parameters: bool = False) -> str:
+                        exclude_frozen_parameters: bool = False, keep_latest_k: int | None = None) -> str:
         """Every rank calls it; atomic (see ``engine/checkpoints/files.py``); tag defaults to global_stepN;
         ``save_latest`` False leaves ``save_dir/latest`` as it was; ``exclude_frozen_parameters``: the
-        trained parameters' checkpoint only (an adapter's), loaded back with ``strict=False``."""
+        trained parameters' checkpoint only (an adapter's), loaded back with ``strict=False``;
+        ``keep_latest_k`` (default ``zeroplus.keep_latest_k``): older checkpoints beyond the k newest removed
+        once this one is committed."""
         self._checkpoint_saved = True
-        return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters,
+                               keep_latest_k)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, *, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True,

@@ -181,6 +181,35 @@ def remove_stale(save_dir: str) -> None:
                     os.remove(path)
 
 
+def keep_latest(save_dir: str, k: int, keep: str) -> list[str]:
+    """Rank 0, after a save committed: remove all but the ``k`` newest complete zeroplus checkpoints in
+    ``save_dir`` (by commit: their metadata's time), never ``keep`` (the tag just saved) nor the one ``latest``
+    names; other directories (DeepSpeed's tags, anything else) are left alone. Each is first renamed to a
+    hidden temporary name (what ``remove_stale`` clears if this dies halfway), so a tag is either whole or
+    gone. Returns the tags removed; a removal that fails is logged, not raised (the save itself is done)."""
+    latest = os.path.join(save_dir, LATEST)
+    pinned = {keep}
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            pinned.add(f.read().strip())
+    tags = [t for t in os.listdir(save_dir) if not t.startswith(".")
+            and os.path.isfile(os.path.join(save_dir, t, METADATA))]
+    tags.sort(key=lambda t: os.path.getmtime(os.path.join(save_dir, t, METADATA)), reverse=True)
+    removed = []
+    for tag in tags[k:]:
+        if tag in pinned:
+            continue
+        doomed = os.path.join(save_dir, f".{tag}.tmp-removing-{os.getpid()}")
+        try:
+            os.rename(os.path.join(save_dir, tag), doomed)
+            _fsync_dir(save_dir)
+            shutil.rmtree(doomed)
+            removed.append(tag)
+        except OSError as err:
+            logger.warning("keep_latest_k: could not remove checkpoint %s: %s", os.path.join(save_dir, tag), err)
+    return removed
+
+
 def write_latest(save_dir: str, tag: str) -> None:
     fault_point("before_latest")
     tmp = os.path.join(save_dir, f".{LATEST}.tmp-{os.getpid()}")

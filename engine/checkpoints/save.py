@@ -19,6 +19,7 @@ See note: streamed save (docs/design-notes.md).
 """
 from __future__ import annotations
 
+import logging
 import os
 import random
 import shutil
@@ -36,6 +37,8 @@ from zeroplus.zero.frozen_values import read_frozen
 
 from . import files as io
 from .safe_load import check_loadable, numpy_rng_from_file, numpy_rng_to_file
+
+logger = logging.getLogger("zeroplus.checkpoint")
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -178,15 +181,21 @@ def _prepare(save_dir: str, final_dir: str, tag: str) -> tuple[str | None, str |
 
 def save_checkpoint(engine: Engine, save_dir: str, tag: str | None = None,
                     client_state: dict[str, Any] | None = None, save_latest: bool = True,
-                    exclude_frozen_parameters: bool = False) -> str:
+                    exclude_frozen_parameters: bool = False, keep_latest_k: int | None = None) -> str:
     """Every rank calls this. Returns the final directory ``save_dir/tag``; ``save_latest``: point
     ``save_dir/latest`` at it; ``exclude_frozen_parameters``: leave out the parameters no optimizer
-    trains (loading it back needs ``strict=False``, which keeps the model's own).
+    trains (loading it back needs ``strict=False``, which keeps the model's own). ``keep_latest_k`` (default:
+    ``zeroplus.keep_latest_k`` in the config; None keeps every one): once this one is committed, older
+    checkpoints in ``save_dir`` beyond the ``k`` newest are removed (``files.keep_latest``).
 
     With tensor or pipeline parallelism each slice of the model is a checkpoint of its own in
     ``tag/tpTT_ppPP/`` (its data group's files and metadata), and ``tag/metadata.json`` lists the
     topology and the slices; the whole tag still appears at once, after every rank has written."""
     dp, world = engine.dp, _world(engine)
+    keep_k = engine.config.zeroplus.keep_latest_k if keep_latest_k is None else keep_latest_k
+    if keep_k is not None and (isinstance(keep_k, bool) or not isinstance(keep_k, int) or keep_k < 1):
+        raise ValueError(f"save_checkpoint(keep_latest_k={keep_k!r}) on rank {_global_rank(engine)}: a positive "
+                         f"number of checkpoints to keep, or None to keep every one")
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
     if not tag or os.sep in tag or tag.startswith("."):
         raise ValueError(f"checkpoint tag {tag!r} must be a non-empty name without '{os.sep}' that does not start "
@@ -228,5 +237,9 @@ def save_checkpoint(engine: Engine, save_dir: str, tag: str | None = None,
         io.commit(tmp_dir, final_dir, metadata)
         if save_latest:
             io.write_latest(save_dir, tag)
+        if keep_k is not None:
+            removed = io.keep_latest(save_dir, keep_k, tag)
+            if removed:
+                logger.info("keep_latest_k %d: removed checkpoints %s from %s", keep_k, removed, save_dir)
     world.barrier()
     return final_dir

@@ -152,7 +152,7 @@ def _crash_during_save(path: str, crash_rank: int, point: str) -> None:
     _steps(engine, 2, 3)
     if rank == crash_rank:
         os.environ["ZEROPLUS_CHECKPOINT_FAULT"] = point
-    engine.save_checkpoint(path, tag="doomed")
+    engine.save_checkpoint(path, tag="doomed", keep_latest_k=1)  # retention only after a commit: "good" stays
 
 
 def _load_latest(path: str) -> int:
@@ -172,6 +172,33 @@ def test_crash_mid_save_keeps_last_good_checkpoint(tmp_path, crash_rank, point):
     if point != "before_latest":
         assert not os.path.exists(os.path.join(path, "doomed"))
     assert run_distributed(_load_latest, 2, path) == [2, 2]
+
+
+def test_keep_latest_k_removes_older_checkpoints_once_a_newer_one_is_committed(tmp_path):
+    """``zeroplus.keep_latest_k`` (config) and ``keep_latest_k=`` (argument): after each save the k newest complete
+    checkpoints stay, the one ``latest`` names always; a DeepSpeed tag and other folders are not touched; the
+    last-kept one still loads. (The crash test above: a save that dies before its commit removes nothing.)"""
+    path = str(tmp_path / "ckpt")
+    os.makedirs(os.path.join(path, "global_step0"))  # a DeepSpeed tag: its files, no zeroplus metadata
+    open(os.path.join(path, "global_step0", "mp_rank_00_model_states.pt"), "wb").close()
+    os.makedirs(os.path.join(path, "notes"))
+    engine = zeroplus.initialize(ParityNet(), dict(_config(1, "fp32"), zeroplus={"log_level": "warning",
+                                                                                 "keep_latest_k": 2}))
+    kept = []
+    for tag in ("a", "b", "c"):
+        _steps(engine, 0, 1, world=1)
+        engine.save_checkpoint(path, tag=tag)
+        kept.append(sorted(os.listdir(path)))
+    assert kept == [["a", "global_step0", "latest", "notes"], ["a", "b", "global_step0", "latest", "notes"],
+                    ["b", "c", "global_step0", "latest", "notes"]]
+    engine.save_checkpoint(path, tag="d", save_latest=False, keep_latest_k=1)  # latest still names c: kept
+    assert sorted(os.listdir(path)) == ["c", "d", "global_step0", "latest", "notes"]
+    with pytest.raises(ValueError, match=r"keep_latest_k=0.*positive number"):
+        engine.save_checkpoint(path, tag="e", keep_latest_k=0)
+    assert not os.path.exists(os.path.join(path, "e"))
+    again = zeroplus.initialize(ParityNet(), _config(1, "fp32"))
+    again.load_checkpoint(path)
+    assert again.global_steps == engine.global_steps
 
 
 def test_bad_checkpoints_are_clear_errors(tmp_path):

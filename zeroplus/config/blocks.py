@@ -249,6 +249,9 @@ class ZeroplusBlock(Block):
         600.0, description="Seconds any collective may wait for the other ranks before every waiting rank raises, "
                            "naming the collective and the rank that did not arrive; applied to the process groups "
                            "zeroplus creates (torch's own default is 30 minutes).")
+    keep_latest_k: PositiveInt | None = Field(
+        None, description="Training checkpoints kept in a save directory: after each save commits, older ones beyond "
+                          "the k newest are removed (never the one 'latest' names). Unset: all are kept.")
     master_step_chunk: PositiveInt = Field(
         1 << 20, description="Elements per chunk when the optimizer steps a shared (split) master.")
 
