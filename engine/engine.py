@@ -37,6 +37,7 @@ from zeroplus.zero import ShardedStep, ZeroPartition
 from zeroplus.zero.frozen_values import read_frozen
 
 from .checkpoints.export import write_state_dict
+from .checkpoints.hf_export import save_pretrained
 from .checkpoints.load import load_checkpoint
 from .checkpoints.pretrained_load import PretrainedLoad, load_pretrained
 from .checkpoints.save import save_checkpoint
@@ -474,6 +475,14 @@ class Engine:
         write_state_dict(out, path)
         self.dp.barrier()
         return path
+
+    def save_pretrained(self, save_dir: str, dtype: str | None = None, max_shard_size: str | int = "5GB"
+                        ) -> list[str] | None:
+        """Every rank calls it: the model in Hugging Face's sharded safetensors layout (files of at most
+        ``max_shard_size``, ``model.safetensors.index.json``, ``config.json`` when the model has one), in
+        ``dtype`` (``fp32``, ``bf16``, ``fp16``; default the compute dtype), one flat group gathered at a time
+        (``engine/checkpoints/hf_export.py``). Returns the file names on rank 0, None elsewhere."""
+        return save_pretrained(self, save_dir, dtype, max_shard_size)
 
     # -- memory ------------------------------------------------------------------------------------
     def before_first_forward(self, hook: Callable[[Engine, tuple[Any, ...], dict[str, Any]], None]) -> None:

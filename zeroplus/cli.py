@@ -9,6 +9,7 @@ import sys
 from .budget.command import main as estimate_main
 from .engine.checkpoints.deepspeed_import import convert_deepspeed
 from .engine.checkpoints.export import load_fp32_state_dict, write_state_dict
+from .engine.checkpoints.hf_export import export_checkpoint
 from .launcher import run, torchrun_command
 from .train_job import main as train_main
 
@@ -20,10 +21,16 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("run", help="launch N local ranks of a script through torchrun: zeroplus run -n N script.py",
                    add_help=False)
     train = sub.add_parser("train", help="train the built-in byte-level GPT (the main job)", add_help=False)
-    convert = sub.add_parser("convert", help="checkpoint -> one fp32 state dict (.safetensors or .pt)")
+    convert = sub.add_parser("convert", help="checkpoint -> one fp32 state dict (.safetensors or .pt), or a Hugging "
+                                             "Face model directory (--format hf)")
     convert.add_argument("checkpoint_dir")
-    convert.add_argument("out", help="output file: .safetensors, .pt, .pth or .bin (with --from-deepspeed: a "
-                                     "checkpoint directory)")
+    convert.add_argument("out", help="output file: .safetensors, .pt, .pth or .bin (with --format hf or "
+                                     "--from-deepspeed: a directory)")
+    convert.add_argument("--format", choices=["state-dict", "hf"], default="state-dict",
+                         help="hf: sharded safetensors + model.safetensors.index.json + config.json, what "
+                              "from_pretrained reads")
+    convert.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="--format hf: values in")
+    convert.add_argument("--max-shard-size", default="5GB", help="--format hf: bytes per file (5GB, 500MB, ...)")
     convert.add_argument("--from-deepspeed", action="store_true",
                          help="CHECKPOINT_DIR is a DeepSpeed ZeRO-1/2/3 checkpoint: write a zeroplus checkpoint to OUT")
     convert.add_argument("--tag", default=None, help="checkpoint tag (default: the one in CHECKPOINT_DIR/latest)")
@@ -51,6 +58,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"zeroplus convert: {err}", file=sys.stderr)
                 return 2
             print(f"wrote zeroplus checkpoint {path}")
+            return 0
+        if args.format == "hf":
+            try:
+                names, peak = export_checkpoint(args.checkpoint_dir, args.out, args.tag, args.dtype,
+                                                args.max_shard_size)
+            except (FileNotFoundError, ValueError) as err:
+                print(f"zeroplus convert: {err}", file=sys.stderr)
+                return 2
+            print(f"wrote {args.out}: {len(names)} file(s) ({args.dtype}), at most {peak:,} tensor bytes held")
             return 0
         try:
             state = load_fp32_state_dict(args.checkpoint_dir, args.tag)

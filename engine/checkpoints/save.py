@@ -36,6 +36,7 @@ from zeroplus.zero.flat_group import FlatParamGroup
 from zeroplus.zero.frozen_values import read_frozen
 
 from . import files as io
+from .hf_export import hf_config
 from .safe_load import check_loadable, numpy_rng_from_file, numpy_rng_to_file
 
 logger = logging.getLogger("zeroplus.checkpoint")
@@ -138,7 +139,7 @@ def _metadata(engine: Engine, tag: str, digests: list[str], exclude_frozen_param
             "global_steps": engine.global_steps, "groups": groups,
             "frozen_parameters_excluded": exclude_frozen_parameters,
             "files": {str(r): d for r, d in enumerate(digests)}, "topology": _topology(engine),
-            "config": engine.config.model_dump(mode="json")}
+            "config": engine.config.model_dump(mode="json"), "hf_config": hf_config(engine.module)}
 
 
 def _model_part(engine: Engine) -> str:
