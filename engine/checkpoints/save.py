@@ -180,6 +180,23 @@ def _prepare(save_dir: str, final_dir: str, tag: str) -> tuple[str | None, str |
         return None, str(err)
 
 
+def _agreed_tag(engine: Engine, world: Any, tag: str) -> str:
+    """The tag every rank saves under: the first rank's. Ranks that gave others are told by
+    ``checkpoint.tag_validation`` (DeepSpeed's): WARN logs it, FAIL raises on every rank before anything is
+    written, IGNORE says nothing."""
+    tags = world.all_gather_objects(tag)
+    if len(set(tags)) == 1:
+        return tag
+    mode = engine.config.checkpoint.tag_validation
+    differ = "checkpoint tags differ across ranks: " + ", ".join(f"rank {r} {t!r}" for r, t in enumerate(tags))
+    if mode == "FAIL":
+        raise ValueError(f"{differ} (rank {_global_rank(engine)}; checkpoint.tag_validation is Fail): nothing was "
+                         f"saved")
+    if mode == "WARN" and world.rank == 0:
+        logger.warning("%s; saving under rank 0's (checkpoint.tag_validation Warn)", differ)
+    return tags[0]
+
+
 def save_checkpoint(engine: Engine, save_dir: str, tag: str | None = None,
                     client_state: dict[str, Any] | None = None, save_latest: bool = True,
                     exclude_frozen_parameters: bool = False, keep_latest_k: int | None = None) -> str:
@@ -197,7 +214,7 @@ def save_checkpoint(engine: Engine, save_dir: str, tag: str | None = None,
     if keep_k is not None and (isinstance(keep_k, bool) or not isinstance(keep_k, int) or keep_k < 1):
         raise ValueError(f"save_checkpoint(keep_latest_k={keep_k!r}) on rank {_global_rank(engine)}: a positive "
                          f"number of checkpoints to keep, or None to keep every one")
-    tag = tag if tag is not None else f"global_step{engine.global_steps}"
+    tag = _agreed_tag(engine, world, tag if tag is not None else f"global_step{engine.global_steps}")
     if not tag or os.sep in tag or tag.startswith("."):
         raise ValueError(f"checkpoint tag {tag!r} must be a non-empty name without '{os.sep}' that does not start "
                          f"with '.'")

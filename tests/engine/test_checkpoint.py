@@ -201,6 +201,35 @@ def test_keep_latest_k_removes_older_checkpoints_once_a_newer_one_is_committed(t
     assert again.global_steps == engine.global_steps
 
 
+def _tags_differ(path: str) -> dict:
+    rank, _ = rank_and_world()
+    out = {}
+    for mode in ("Fail", "warn"):
+        engine = zeroplus.initialize(ParityNet(), dict(_config(2, "fp32"), checkpoint={"tag_validation": mode}))
+        try:
+            out[mode] = engine.save_checkpoint(os.path.join(path, mode), tag=f"t{rank}")
+        except ValueError as err:
+            out[mode] = str(err)
+    return out
+
+
+def test_checkpoint_tag_validation_and_refused_checkpoint_keys(tmp_path):
+    """DeepSpeed's ``checkpoint`` block: ranks saving under different tags fail on every rank before anything is
+    written (Fail) or save under the first rank's (Warn, the default); ``load_universal`` and
+    ``use_node_local_storage`` true are refused, naming the key and what to do instead."""
+    path = str(tmp_path)
+    for rank, out in enumerate(run_distributed(_tags_differ, 2, path)):
+        assert "rank 0 't0', rank 1 't1'" in out["Fail"] and "nothing was saved" in out["Fail"], out
+        assert out["warn"] == os.path.join(path, "warn", "t0"), out
+    assert not os.path.exists(os.path.join(path, "Fail")) or os.listdir(os.path.join(path, "Fail")) == []
+    assert sorted(os.listdir(os.path.join(path, "warn"))) == ["latest", "t0"]
+    for key, says in (("load_universal", "load_checkpoint"), ("use_node_local_storage", "shared filesystem")):
+        with pytest.raises(zeroplus.ConfigError, match=rf"checkpoint\.{key}'.*{says}"):
+            zeroplus.initialize(ParityNet(), dict(_config(1, "fp32"), checkpoint={key: True}))
+    with pytest.raises(zeroplus.ConfigError, match=r"checkpoint\.tag_validation'.*Warn, Ignore, Fail"):
+        zeroplus.initialize(ParityNet(), dict(_config(1, "fp32"), checkpoint={"tag_validation": "sometimes"}))
+
+
 def test_bad_checkpoints_are_clear_errors(tmp_path):
     path = str(tmp_path / "ckpt")
     engine = zeroplus.initialize(ParityNet(), _config(1, "fp32"))

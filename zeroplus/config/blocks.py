@@ -159,6 +159,57 @@ class SwapAttentionConfig(Block):
     min_bytes: NonNegativeInt = Field(65536, description="Smaller saved tensors stay on the device.")
 
 
+class CheckpointConfig(Block):
+    """DeepSpeed's ``"checkpoint"`` block, as training checkpoints read it (``engine/checkpoints/save.py``)."""
+
+    tag_validation: str = Field(
+        "WARN", description="Whether every rank saved under the same tag: Warn (log it; the first rank's tag is "
+                            "used), Ignore (use the first rank's), Fail (every rank raises before anything is "
+                            "written). Any case.")
+    load_universal: bool = Field(
+        False, description="Not read: true is refused. DeepSpeed's ZeRO checkpoints load directly with "
+                           "load_checkpoint (imported on the fly) at any world size and stage.")
+    use_node_local_storage: bool = Field(
+        False, description="Not read: true is refused. Every rank's file goes into the save directory, which "
+                           "every rank reads when resharding (a shared filesystem).")
+    parallel_write: dict[str, bool] = Field(
+        default_factory=dict, description="DeepSpeed's pipeline_stage: every rank writes its own file at once "
+                                          "already, so it changes nothing.")
+
+    @field_validator("tag_validation")
+    @classmethod
+    def _mode(cls, value: str) -> str:
+        if value.upper() not in ("WARN", "IGNORE", "FAIL"):
+            raise ValueError(f"one of Warn, Ignore, Fail (any case), not {value!r}")
+        return value.upper()
+
+    @field_validator("load_universal")
+    @classmethod
+    def _no_universal(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("universal checkpoints are not read; load a DeepSpeed ZeRO checkpoint directly with "
+                             "load_checkpoint (it is imported, at any world size and stage) or convert it with "
+                             "'zeroplus convert --from-deepspeed', and remove the key")
+        return value
+
+    @field_validator("use_node_local_storage")
+    @classmethod
+    def _no_node_local(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("zeroplus writes every rank's file into the save directory, which every rank must "
+                             "be able to read (a shared filesystem: loading reshards at any world size); remove "
+                             "the key and save to a shared path")
+        return value
+
+    @field_validator("parallel_write")
+    @classmethod
+    def _parallel_write(cls, value: dict[str, bool]) -> dict[str, bool]:
+        unknown = sorted(set(value) - {"pipeline_stage"})
+        if unknown:
+            raise ValueError(f"only 'pipeline_stage' is a key of parallel_write, not {unknown}")
+        return value
+
+
 class TiledConfig(Block):
     """Tiled MLP and tiled loss (``zeroplus/activations/tiled.py``): unset leaves them untiled."""
 

@@ -12,6 +12,7 @@ from .blocks import (
     Auto,
     BF16Config,
     Block,
+    CheckpointConfig,
     FP16Config,
     NonNegativeFloat,
     OptimizerConfig,
@@ -29,7 +30,7 @@ class ZeroplusConfig(Block):
     ds_unimplemented: ClassVar[frozenset[str]] = frozenset({
         "amp", "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger",
         "compression_training", "data_efficiency", "curriculum_learning", "elasticity", "autotuning", "aio",
-        "checkpoint", "data_types", "dump_state", "sparse_attention", "sparse_gradients", "pipeline",
+        "data_types", "dump_state", "sparse_attention", "sparse_gradients", "pipeline",
         "communication_data_type",
         "seq_parallel_communication_data_type", "prescale_gradients", "gradient_predivide_factor",
         "disable_allgather", "fp32_allreduce", "eigenvalue", "progressive_layer_drop", "quantize_training",
@@ -47,6 +48,7 @@ class ZeroplusConfig(Block):
     bf16: BF16Config = Field(default_factory=BF16Config, json_schema_extra={"aliases": ["bfloat16"]})
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     steps_per_print: int = Field(10, ge=1, description="Log every N optimizer steps; inf (Accelerate sets it): never.")
     zero_allow_untested_optimizer: bool = Field(
         True, description="DeepSpeed's permission to partition a client optimizer; zeroplus partitions any torch "
