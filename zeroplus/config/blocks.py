@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 Auto = Literal["auto"]
 PositiveInt = Annotated[int, Field(ge=1)]
@@ -159,6 +159,16 @@ class SwapAttentionConfig(Block):
     min_bytes: NonNegativeInt = Field(65536, description="Smaller saved tensors stay on the device.")
 
 
+_REFUSED_CHECKPOINT_KEYS = {
+    "load_universal": "universal checkpoints are not read; load a DeepSpeed ZeRO checkpoint directly with "
+                      "load_checkpoint (it is imported, at any world size and stage) or convert it with 'zeroplus "
+                      "convert --from-deepspeed', and remove the key",
+    "use_node_local_storage": "zeroplus writes every rank's file into the save directory, which every rank must be "
+                              "able to read (a shared filesystem: loading reshards at any world size); remove the "
+                              "key and save to a shared path",
+}
+
+
 class CheckpointConfig(Block):
     """DeepSpeed's ``"checkpoint"`` block, as training checkpoints read it (``engine/checkpoints/save.py``)."""
 
@@ -183,22 +193,11 @@ class CheckpointConfig(Block):
             raise ValueError(f"one of Warn, Ignore, Fail (any case), not {value!r}")
         return value.upper()
 
-    @field_validator("load_universal")
+    @field_validator("load_universal", "use_node_local_storage")
     @classmethod
-    def _no_universal(cls, value: bool) -> bool:
+    def _refused(cls, value: bool, info: ValidationInfo) -> bool:
         if value:
-            raise ValueError("universal checkpoints are not read; load a DeepSpeed ZeRO checkpoint directly with "
-                             "load_checkpoint (it is imported, at any world size and stage) or convert it with "
-                             "'zeroplus convert --from-deepspeed', and remove the key")
-        return value
-
-    @field_validator("use_node_local_storage")
-    @classmethod
-    def _no_node_local(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("zeroplus writes every rank's file into the save directory, which every rank must "
-                             "be able to read (a shared filesystem: loading reshards at any world size); remove "
-                             "the key and save to a shared path")
+            raise ValueError(_REFUSED_CHECKPOINT_KEYS[str(info.field_name)])
         return value
 
     @field_validator("parallel_write")
