@@ -36,6 +36,7 @@ from zeroplus.parallel.pipeline_schedule import eval_batch, train_batch
 from zeroplus.zero import ShardedStep, ZeroPartition
 from zeroplus.zero.frozen_values import read_frozen
 
+from .checkpoints.async_save import AsyncSaves
 from .checkpoints.export import write_state_dict
 from .checkpoints.hf_export import save_pretrained
 from .checkpoints.load import load_checkpoint
@@ -98,6 +99,7 @@ class Engine:
         self.budget: Any = None  # the predicted ``zeroplus.MemoryBudget``, once ``record_budget`` has set it
         self.parallel = parallel
         self._checkpoint_saved = False  # the report compares with the predicted peak that includes a save
+        self._saves = AsyncSaves()  # an asynchronous save in flight (checkpoints/async_save.py)
         self._activations = parts.activations
         self._activation_bytes: int | None = None  # what the first training forward left alive (_census)
         self._no_sync = False
@@ -375,6 +377,7 @@ class Engine:
             raise RuntimeError(f"step() called without a backward() since the last step() (rank {self.dp.rank}, "
                                f"micro-step {self.micro_steps}, global step {self.global_steps}): there is no "
                                f"gradient to step on; the engine is unchanged")
+        self._saves.poll(self.dp)  # an asynchronous save: finished, or failed on every rank, at this step
         self._micro = MicroStep.IDLE
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
@@ -416,21 +419,33 @@ class Engine:
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None,
                         client_state: dict[str, Any] | None = None, save_latest: bool = True,
-                        exclude_frozen_parameters: bool = False, keep_latest_k: int | None = None) -> str:
+                        exclude_frozen_parameters: bool = False, keep_latest_k: int | None = None,
+                        async_save: bool | None = None) -> str:
         """Every rank calls it; atomic (see ``engine/checkpoints/files.py``); tag defaults to global_stepN;
         ``save_latest`` False leaves ``save_dir/latest`` as it was; ``exclude_frozen_parameters``: the
         trained parameters' checkpoint only (an adapter's), loaded back with ``strict=False``;
         ``keep_latest_k`` (default ``zeroplus.keep_latest_k``): older checkpoints beyond the k newest removed
-        once this one is committed."""
+        once this one is committed; ``async_save`` (default ``zeroplus.async_save``): return once the state is
+        staged, the file and the commit following in the background (``wait_for_checkpoint()``)."""
         self._checkpoint_saved = True
         return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters,
-                               keep_latest_k)
+                               keep_latest_k, async_save)
+
+    @property
+    def async_saves(self) -> AsyncSaves:
+        """The asynchronous save in flight, if any (``engine/checkpoints/async_save.py``)."""
+        return self._saves
+
+    def wait_for_checkpoint(self) -> None:
+        """Every rank calls it: wait until an asynchronous save is committed; raise if it failed."""
+        self._saves.wait()
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, *, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, strict: bool = True) -> tuple[str, dict[str, Any]]:
         """Every rank calls it; any data-parallel size and stage; returns ``(path, client_state)``;
         ``strict`` False keeps the frozen parameters a checkpoint lacks."""
+        self._saves.wait()  # an asynchronous save committed (or raising) first
         return load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
                                strict=strict)
@@ -511,13 +526,16 @@ class Engine:
         take the same model again. Later forward, backward and step calls raise. A second call does nothing."""
         if self._life is Life.DESTROYED:
             return
-        self._finalizer.detach()
-        self._partition.remove()
-        self._activations.remove()
-        if self._compiled is not None:
-            self._compiled.remove()
-            self._compiled = None
-        self._life = Life.DESTROYED
+        try:
+            self._saves.wait()  # an asynchronous save committed first; its failure raised after the rest
+        finally:
+            self._finalizer.detach()
+            self._partition.remove()
+            self._activations.remove()
+            if self._compiled is not None:
+                self._compiled.remove()
+                self._compiled = None
+            self._life = Life.DESTROYED
 
     def _refuse_if_destroyed(self, call: str) -> None:
         if self._life is Life.DESTROYED:

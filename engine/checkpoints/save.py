@@ -36,6 +36,7 @@ from zeroplus.zero.flat_group import FlatParamGroup
 from zeroplus.zero.frozen_values import read_frozen
 
 from . import files as io
+from .async_save import PendingSave, stage
 from .hf_export import hf_config
 from .safe_load import check_loadable, numpy_rng_from_file, numpy_rng_to_file
 
@@ -199,18 +200,23 @@ def _agreed_tag(engine: Engine, world: Any, tag: str) -> str:
 
 def save_checkpoint(engine: Engine, save_dir: str, tag: str | None = None,
                     client_state: dict[str, Any] | None = None, save_latest: bool = True,
-                    exclude_frozen_parameters: bool = False, keep_latest_k: int | None = None) -> str:
+                    exclude_frozen_parameters: bool = False, keep_latest_k: int | None = None,
+                    async_save: bool | None = None) -> str:
     """Every rank calls this. Returns the final directory ``save_dir/tag``; ``save_latest``: point
     ``save_dir/latest`` at it; ``exclude_frozen_parameters``: leave out the parameters no optimizer
     trains (loading it back needs ``strict=False``, which keeps the model's own). ``keep_latest_k`` (default:
     ``zeroplus.keep_latest_k`` in the config; None keeps every one): once this one is committed, older
-    checkpoints in ``save_dir`` beyond the ``k`` newest are removed (``files.keep_latest``).
+    checkpoints in ``save_dir`` beyond the ``k`` newest are removed (``files.keep_latest``). ``async_save``
+    (default: ``zeroplus.async_save``): return once this rank's state is staged in host memory; the file and
+    the commit follow in the background (``async_save.py``), and the path returned is where it will appear.
 
     With tensor or pipeline parallelism each slice of the model is a checkpoint of its own in
     ``tag/tpTT_ppPP/`` (its data group's files and metadata), and ``tag/metadata.json`` lists the
     topology and the slices; the whole tag still appears at once, after every rank has written."""
     dp, world = engine.dp, _world(engine)
+    engine.async_saves.wait()  # one save at a time: the one before is committed (or raises) first
     keep_k = engine.config.zeroplus.keep_latest_k if keep_latest_k is None else keep_latest_k
+    background = engine.config.zeroplus.async_save if async_save is None else async_save
     if keep_k is not None and (isinstance(keep_k, bool) or not isinstance(keep_k, int) or keep_k < 1):
         raise ValueError(f"save_checkpoint(keep_latest_k={keep_k!r}) on rank {_global_rank(engine)}: a positive "
                          f"number of checkpoints to keep, or None to keep every one")
@@ -227,6 +233,20 @@ def save_checkpoint(engine: Engine, save_dir: str, tag: str | None = None,
         raise ValueError(f"checkpoint {final_dir} not saved (rank {_global_rank(engine)}): {refusal}")
     part = _model_part(engine)
     part_dir = os.path.join(tmp_dir, part) if part else tmp_dir
+    if background:
+        if part:
+            if world.rank == 0:
+                shutil.rmtree(tmp_dir, ignore_errors=True)
+            raise ValueError(f"save_checkpoint(async_save=True) on rank {_global_rank(engine)}: asynchronous saves "
+                             f"of a model split by tensor or pipeline parallelism are not built; save synchronously")
+        state, copies = stage(rank_state(engine, client_state, exclude_frozen_parameters), engine.accelerator,
+                              engine.ledger)
+        pending = PendingSave(final_dir, engine.async_saves.group(world), _global_rank(engine))
+        engine.async_saves.start(pending, {
+            "tmp_dir": part_dir, "dp_rank": dp.rank, "state": state, "copies": copies, "ledger": engine.ledger,
+            "metadata": _metadata(engine, tag, [], exclude_frozen_parameters), "save_latest": save_latest,
+            "save_dir": save_dir, "tag": tag, "keep_k": keep_k})
+        return final_dir
     digest, error = None, None
     try:
         os.makedirs(part_dir, exist_ok=True)

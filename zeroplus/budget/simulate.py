@@ -37,6 +37,7 @@ from ..accelerator import Accelerator, get_accelerator
 from ..activations import checkpointing
 from ..config import ConfigError, ZeroplusConfig, auto_keys, load_config, resolve_auto, resolve_batch, resolved
 from ..engine.build import build_engine, compute_dtype
+from ..engine.checkpoints.async_save import stage
 from ..engine.checkpoints.save import rank_state
 from ..ledger import Category, Ledger
 from ..offload import meta_tier
@@ -393,7 +394,9 @@ def simulate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
         tracker.category_peaks = {c.value: ledger.peak_bytes(c) for c in Category}  # training's, before the save
         tracker.enter("save")  # what a checkpoint save holds besides the training state (its file streams)
         before = tracker.live + tracker.runtime
-        held_for_the_file = rank_state(engine, None)
+        held_for_the_file: Any = rank_state(engine, None)
+        if engine.config.zeroplus.async_save:  # the whole state staged for the background writer (async_save.py)
+            held_for_the_file = stage(held_for_the_file, engine.accelerator, engine.ledger)
         tracker.observe()
         tracker.checkpoint_copies = tracker.peaks["save"].total - before
         del held_for_the_file

@@ -299,6 +299,10 @@ class ZeroplusBlock(Block):
         600.0, description="Seconds any collective may wait for the other ranks before every waiting rank raises, "
                            "naming the collective and the rank that did not arrive; applied to the process groups "
                            "zeroplus creates (torch's own default is 30 minutes).")
+    async_save: bool = Field(
+        False, description="Training checkpoints are saved asynchronously: save_checkpoint returns once this "
+                            "rank's state is staged in host memory (one rank file's worth, in the ledger's "
+                            "offload_buffer and the budget); the file and the commit follow in the background.")
     keep_latest_k: PositiveInt | None = Field(
         None, description="Training checkpoints kept in a save directory: after each save commits, older ones beyond "
                           "the k newest are removed (never the one 'latest' names). Unset: all are kept.")
