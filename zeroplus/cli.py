@@ -7,6 +7,7 @@ import os
 import sys
 
 from .budget.command import main as estimate_main
+from .engine.checkpoints.dcp_export import export_dcp
 from .engine.checkpoints.deepspeed_import import convert_deepspeed
 from .engine.checkpoints.export import load_fp32_state_dict, write_state_dict
 from .engine.checkpoints.hf_export import export_checkpoint
@@ -26,9 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_argument("checkpoint_dir")
     convert.add_argument("out", help="output file: .safetensors, .pt, .pth or .bin (with --format hf or "
                                      "--from-deepspeed: a directory)")
-    convert.add_argument("--format", choices=["state-dict", "hf"], default="state-dict",
+    convert.add_argument("--format", choices=["state-dict", "hf", "dcp"], default="state-dict",
                          help="hf: sharded safetensors + model.safetensors.index.json + config.json, what "
-                              "from_pretrained reads")
+                              "from_pretrained reads; dcp: a torch.distributed.checkpoint with the model and "
+                              "AdamW states as FSDP2's get_state_dict names them")
     convert.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="--format hf: values in")
     convert.add_argument("--max-shard-size", default="5GB", help="--format hf: bytes per file (5GB, 500MB, ...)")
     convert.add_argument("--from-deepspeed", action="store_true",
@@ -58,6 +60,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"zeroplus convert: {err}", file=sys.stderr)
                 return 2
             print(f"wrote zeroplus checkpoint {path}")
+            return 0
+        if args.format == "dcp":
+            try:
+                count = export_dcp(args.checkpoint_dir, args.out, args.tag)
+            except (FileNotFoundError, ValueError) as err:
+                print(f"zeroplus convert: {err}", file=sys.stderr)
+                return 2
+            print(f"wrote {args.out}: a torch.distributed.checkpoint of {count} model tensors and their optimizer "
+                  f"states")
             return 0
         if args.format == "hf":
             try:

@@ -132,18 +132,23 @@ def _mapped_rank_state(directory: str, rank: int, expected_sha256: str) -> dict[
     return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
 
 
-def export_checkpoint(ckpt_dir: str, out_dir: str, tag: str | None = None, dtype: str = "fp32",
-                      max_shard_size: str | int = "5GB") -> tuple[list[str], int]:
-    """``zeroplus convert CKPT OUT_DIR --format hf``: the files written and the writer's peak tensor bytes."""
+def whole_model_checkpoint(ckpt_dir: str, tag: str | None, what: str) -> tuple[dict[str, Any], dict[int, Any]]:
+    """The metadata and every rank file (mapped) of a checkpoint of one whole model, for an export ``what``."""
     tag = io.resolve_tag(ckpt_dir, tag)
     path = os.path.join(ckpt_dir, tag)
     meta = io.read_metadata(path)
     if "parts" in meta or any("@ep" in p[0] for g in meta["groups"] for p in g["params"]):
-        raise ValueError(f"checkpoint {path} holds a model split over tensor, pipeline or expert ranks; a Hugging "
-                         f"Face export of one whole model from slices is not supported yet")
+        raise ValueError(f"checkpoint {path} holds a model split over tensor, pipeline or expert ranks; a {what} "
+                         f"export of one whole model from slices is not supported yet")
+    return meta, {int(r): _mapped_rank_state(path, int(r), d) for r, d in meta["files"].items()}
+
+
+def export_checkpoint(ckpt_dir: str, out_dir: str, tag: str | None = None, dtype: str = "fp32",
+                      max_shard_size: str | int = "5GB") -> tuple[list[str], int]:
+    """``zeroplus convert CKPT OUT_DIR --format hf``: the files written and the writer's peak tensor bytes."""
+    meta, ranks = whole_model_checkpoint(ckpt_dir, tag, "Hugging Face")
     writer = ShardWriter(out_dir, shard_bytes(max_shard_size), export_dtype(dtype))
     try:
-        ranks = {int(r): _mapped_rank_state(path, int(r), d) for r, d in meta["files"].items()}
         for g in meta["groups"]:
             pieces = [(s["lo"], s["hi"], s["master"]) for s in (ranks[r]["groups"][g["name"]] for r in sorted(ranks))]
             for name, shape, offset in g["params"]:

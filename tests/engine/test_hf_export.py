@@ -1,11 +1,14 @@
-"""Hugging Face exports (issue 39 item 1): ``zeroplus convert CKPT OUT --format hf`` and ``engine.save_pretrained``.
+"""Exports people carry (issue 39): Hugging Face (``zeroplus convert CKPT OUT --format hf``, ``engine.save_pretrained``)
+and ``torch.distributed.checkpoint`` (``--format dcp``).
 
 A tiny GPT-2 (tied head) trained 2 steps at ZeRO-3 on 2 gloo ranks, then exported with a small
 ``max_shard_size`` so the export takes several files: the files, the index and ``config.json`` are there;
 ``from_pretrained`` loads them with no missing, unexpected or mismatched key; every parameter equals the
 engine's consolidated fp32 master bitwise (fp32 export) or its bf16 cast (bf16 export); the tied head is
 written once; the live export and the offline conversion hold the same tensors; the writer never held more
-than one file's tensors (or the largest tensor, alone in its file).
+than one file's tensors (or the largest tensor, alone in its file). The DCP export of the same checkpoint loads
+into FSDP2 (``fully_shard`` per block and root, torch's AdamW) on one rank the way FSDP2 resumes
+(``get_state_dict``, ``dcp.load``, ``set_state_dict``): every parameter and both Adam states bitwise, the step.
 """
 from __future__ import annotations
 
@@ -15,8 +18,17 @@ import subprocess
 import sys
 
 import torch
+import torch.distributed.checkpoint as dcp
 import transformers
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
 
 import zeroplus
 from tests.dist_helper import rank_and_world, run_distributed
@@ -40,7 +52,31 @@ def _job(root: str) -> dict:
     engine.save_checkpoint(os.path.join(root, "ckpt"))
     names = engine.save_pretrained(os.path.join(root, "live"), max_shard_size=SHARD)
     engine.save_pretrained(os.path.join(root, "live-bf16"), dtype="bf16", max_shard_size=SHARD)
-    return {"names": names, "masters": engine.consolidated_fp32_state()}
+    states = {}  # each parameter's whole Adam states (every rank gathers)
+    for grp in engine.partition.groups:
+        own = engine.optimizer_state(grp)
+        whole = {k: grp.gather_owned(own[k]) for k in ("exp_avg", "exp_avg_sq")}
+        for name, offset, numel, shape in zip(grp.names, grp.offsets, grp.numels, grp.shapes):
+            states[name] = {k: v[offset:offset + numel].view(shape).clone() for k, v in whole.items()}
+    return {"names": names, "masters": engine.consolidated_fp32_state(), "states": states}
+
+
+def _fsdp2_loads(directory: str) -> dict:
+    """FSDP2 (``fully_shard`` per block and root) with torch's AdamW, on one rank: the DCP checkpoint loaded the
+    way FSDP2 and torchtitan resume."""
+    model = build("gpt2", "tiny")
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    full = StateDictOptions(full_state_dict=True)
+    optim = get_optimizer_state_dict(model, optimizer, options=full)["state"]
+    return {"model": get_model_state_dict(model, options=full),
+            "states": {n: {k: v for k, v in s.items() if k != "step"} for n, s in optim.items()},
+            "steps": sorted({float(s["step"]) for s in optim.values()})}
 
 
 def _tensors(directory: str) -> dict[str, torch.Tensor]:
@@ -90,3 +126,13 @@ def test_a_sharded_hugging_face_export_loads_with_from_pretrained_and_equals_the
     half = _loaded(os.path.join(root, "live-bf16"), torch.bfloat16)
     for key, value in masters.items():
         assert half[key].dtype == torch.bfloat16 and torch.equal(half[key], value.to(torch.bfloat16)), key
+    # torch.distributed.checkpoint: what 2 zeroplus ranks saved, FSDP2 on one rank loads (issue 39 item 2, out)
+    done = subprocess.run([sys.executable, "-m", "zeroplus.cli", "convert", os.path.join(root, "ckpt"),
+                           os.path.join(root, "dcp"), "--format", "dcp"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    fsdp2 = run_distributed(_fsdp2_loads, 1, os.path.join(root, "dcp"))[0]
+    assert fsdp2["steps"] == [2.0]
+    for key, value in masters.items():
+        assert torch.equal(fsdp2["model"][key], value), f"dcp: {key}"
+        for state, ours in rank0["states"][key].items():
+            assert torch.equal(fsdp2["states"][key][state], ours), f"dcp: {key} {state}"

@@ -1,0 +1,73 @@
+"""A zeroplus checkpoint as a ``torch.distributed.checkpoint`` (DCP) one, for FSDP2 and torchtitan to load.
+
+``zeroplus convert CKPT OUT_DIR --format dcp`` (no ranks) writes, with ``dcp.save`` in one process, the state
+dict that ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)`` gives an FSDP2 model
+trained with torch's AdamW, under two keys: ``{"model": {fqn: tensor}, "optim": {"state": {fqn: {"step",
+"exp_avg", "exp_avg_sq", ...}}, "param_groups": [{..., "params": [fqn, ...]}]}}``. Values are whole fp32
+tensors (DCP reshards them at load time: any world size, any FSDP2 mesh); tied weights appear under every
+name the model's ``state_dict`` uses, optimizer states under the first (as ``named_parameters`` gives them);
+a parameter-group's hyper-parameters are the ones the checkpoint saved (torch's AdamW keys: the loader asks
+for every key its own optimizer has). Frozen parameters and buffers come from rank 0's file. Loading::
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=OUT_DIR)
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+Memory: the whole model's fp32 masters and optimizer states (DCP writes one file from the whole state dict),
+read from the mapped rank files.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from .hf_export import whole_model_checkpoint
+
+_GROUP_INDEX = re.compile(r"#(\d+)")
+
+
+def _whole(pieces: list[tuple[int, int, torch.Tensor]], offset: int, numel: int) -> torch.Tensor:
+    """One parameter's elements ``[offset, offset + numel)`` of a flat group, from the ranges each rank holds."""
+    out = torch.empty(numel, dtype=pieces[0][2].dtype)
+    for lo, hi, values in pieces:
+        a, b = max(lo, offset), min(hi, offset + numel)
+        if a < b:
+            out[a - offset:b - offset] = values[a - lo:b - lo]
+    return out
+
+
+def export_dcp(ckpt_dir: str, out_dir: str, tag: str | None = None) -> int:
+    """Write ``out_dir`` (a DCP checkpoint); return the number of model tensors."""
+    meta, ranks = whole_model_checkpoint(ckpt_dir, tag, "DCP")
+    hparams = ranks[0]["optimizer_hparams"]
+    model: dict[str, torch.Tensor] = {}
+    state: dict[str, dict[str, Any]] = {}
+    params: dict[int, list[str]] = {i: [] for i in range(len(hparams))}
+    for g in meta["groups"]:
+        index = _GROUP_INDEX.search(g["name"])
+        gi = int(index.group(1)) if index else 0
+        saved = [ranks[r]["groups"][g["name"]] for r in sorted(ranks)]
+        masters = [(s["lo"], s["hi"], s["master"]) for s in saved]
+        for name, shape, offset in g["params"]:
+            numel = math.prod(shape)
+            model[name] = _whole(masters, offset, numel).view(shape)
+            entry: dict[str, Any] = {k: v.clone() if isinstance(v, torch.Tensor) else torch.tensor(float(v))
+                                     for k, v in saved[0]["whole"].items()}
+            for key in saved[0]["sliced"]:
+                entry[key] = _whole([(s["lo"], s["hi"], s["sliced"][key]) for s in saved], offset, numel).view(shape)
+            state[name] = entry
+            params.setdefault(gi, []).append(name)
+    for name, value in ranks[0]["module_extra"].items():
+        model[name] = value.clone()
+    for alias, name in meta.get("aliases", {}).items():
+        model[alias] = model[name]
+    groups = [dict(hp, params=params.get(i, [])) for i, hp in enumerate(hparams)]
+    os.makedirs(out_dir, exist_ok=True)
+    dcp.save({"model": model, "optim": {"state": state, "param_groups": groups}}, checkpoint_id=out_dir,
+             no_dist=True)
+    return len(model)
