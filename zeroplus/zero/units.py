@@ -28,7 +28,7 @@ import torch
 
 from ..comm import Handle
 from ..config import ZeroStage
-from .flat_group import FlatParamGroup, Residency
+from .flat_group import FlatParamGroup
 from .quantized import packed_storage
 
 
@@ -61,11 +61,6 @@ class Unit:
     gather_handles: list[Handle] = dataclasses.field(default_factory=list, init=False)
     serves: UnitPass = dataclasses.field(default=UnitPass.FORWARD, init=False)
     _groups_done: int = dataclasses.field(default=0, init=False)
-
-    @property
-    def residency(self) -> Residency:
-        """What the unit holds: its groups' residency (they are gathered and released together)."""
-        return self.all_groups[0].residency if self.all_groups else Residency.GATHERED
 
     def keep_gathered(self) -> None:
         """Stage 3, a unit below ``stage3_param_persistence_threshold``: gathered now and for good (only a
