@@ -26,19 +26,9 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from .hf_export import whole_model_checkpoint
+from .hf_export import whole_model_checkpoint, whole_parameter
 
 _GROUP_INDEX = re.compile(r"#(\d+)")
-
-
-def _whole(pieces: list[tuple[int, int, torch.Tensor]], offset: int, numel: int) -> torch.Tensor:
-    """One parameter's elements ``[offset, offset + numel)`` of a flat group, from the ranges each rank holds."""
-    out = torch.empty(numel, dtype=pieces[0][2].dtype)
-    for lo, hi, values in pieces:
-        a, b = max(lo, offset), min(hi, offset + numel)
-        if a < b:
-            out[a - offset:b - offset] = values[a - lo:b - lo]
-    return out
 
 
 def export_dcp(ckpt_dir: str, out_dir: str, tag: str | None = None) -> int:
@@ -55,11 +45,12 @@ def export_dcp(ckpt_dir: str, out_dir: str, tag: str | None = None) -> int:
         masters = [(s["lo"], s["hi"], s["master"]) for s in saved]
         for name, shape, offset in g["params"]:
             numel = math.prod(shape)
-            model[name] = _whole(masters, offset, numel).view(shape)
+            model[name] = whole_parameter(masters, offset, numel).view(shape)
             entry: dict[str, Any] = {k: v.clone() if isinstance(v, torch.Tensor) else torch.tensor(float(v))
                                      for k, v in saved[0]["whole"].items()}
             for key in saved[0]["sliced"]:
-                entry[key] = _whole([(s["lo"], s["hi"], s["sliced"][key]) for s in saved], offset, numel).view(shape)
+                ranges = [(s["lo"], s["hi"], s["sliced"][key]) for s in saved]
+                entry[key] = whole_parameter(ranges, offset, numel).view(shape)
             state[name] = entry
             params.setdefault(gi, []).append(name)
     for name, value in ranks[0]["module_extra"].items():

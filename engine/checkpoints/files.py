@@ -99,17 +99,37 @@ def save_rank_state(directory: str, rank: int, state: dict[str, Any], global_ran
     return out.sha256.hexdigest()
 
 
-def load_rank_state(directory: str, rank: int, expected_sha256: str) -> dict[str, Any]:
+def _rank_path(directory: str, rank: int) -> str:
     path = os.path.join(directory, rank_file(rank))
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint file {path} (rank {rank}'s shard) is missing")
-    with open(path, "rb") as f:
-        data = f.read()
-    digest = hashlib.sha256(data).hexdigest()
+    return path
+
+
+def _check_digest(path: str, rank: int, digest: str, expected_sha256: str) -> None:
     if digest != expected_sha256:
         raise ValueError(f"checkpoint file {path} (rank {rank}'s shard) is corrupt: SHA-256 {digest[:16]}... "
                          f"does not match {expected_sha256[:16]}... recorded in {METADATA}")
+
+
+def load_rank_state(directory: str, rank: int, expected_sha256: str) -> dict[str, Any]:
+    path = _rank_path(directory, rank)
+    with open(path, "rb") as f:
+        data = f.read()
+    _check_digest(path, rank, hashlib.sha256(data).hexdigest(), expected_sha256)
     return load_weights_only(data, what=f"checkpoint file {path} (rank {rank}'s shard)")
+
+
+def map_rank_state(directory: str, rank: int, expected_sha256: str) -> dict[str, Any]:
+    """``load_rank_state`` without reading the file into memory: its SHA-256 taken in 16 MiB pieces, then its
+    tensors mapped (paged in when touched; the exports copy ranges out of them)."""
+    path = _rank_path(directory, rank)
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while piece := f.read(16 << 20):
+            digest.update(piece)
+    _check_digest(path, rank, digest.hexdigest(), expected_sha256)
+    return load_weights_only(path, what=f"checkpoint file {path} (rank {rank}'s shard)", mmap=True)
 
 
 def write_metadata(directory: str, metadata: dict[str, Any]) -> None:

@@ -19,7 +19,6 @@ names and are renamed into place, the index last.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -33,7 +32,6 @@ from zeroplus.config import parse_bytes
 from zeroplus.zero.frozen_values import read_frozen
 
 from . import files as io
-from .safe_load import load_weights_only
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -115,21 +113,15 @@ class ShardWriter:
         return names
 
 
-def _mapped_rank_state(directory: str, rank: int, expected_sha256: str) -> dict[str, Any]:
-    """A rank file checked (SHA-256, read in 16 MiB pieces) and mapped, not read: tensors page in when touched."""
-    path = os.path.join(directory, io.rank_file(rank))
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"checkpoint file {path} (rank {rank}'s shard) is missing")
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while piece := f.read(16 << 20):
-            digest.update(piece)
-    if digest.hexdigest() != expected_sha256:
-        raise ValueError(f"checkpoint file {path} (rank {rank}'s shard) is corrupt: SHA-256 does not match the "
-                         f"one recorded in {io.METADATA}")
-    with open(path, "rb") as f:  # (the unpickler checks; mmap maps the storages)
-        load_weights_only(f, what=f"checkpoint file {path} (rank {rank}'s shard)")
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+def whole_parameter(pieces: list[tuple[int, int, torch.Tensor]], offset: int, numel: int) -> torch.Tensor:
+    """One parameter's elements ``[offset, offset + numel)`` of a flat group, from the ``(lo, hi, values)`` ranges
+    the rank files hold."""
+    out = torch.empty(numel, dtype=pieces[0][2].dtype)
+    for lo, hi, values in pieces:
+        a, b = max(lo, offset), min(hi, offset + numel)
+        if a < b:
+            out[a - offset:b - offset] = values[a - lo:b - lo]
+    return out
 
 
 def whole_model_checkpoint(ckpt_dir: str, tag: str | None, what: str) -> tuple[dict[str, Any], dict[int, Any]]:
@@ -140,7 +132,7 @@ def whole_model_checkpoint(ckpt_dir: str, tag: str | None, what: str) -> tuple[d
     if "parts" in meta or any("@ep" in p[0] for g in meta["groups"] for p in g["params"]):
         raise ValueError(f"checkpoint {path} holds a model split over tensor, pipeline or expert ranks; a {what} "
                          f"export of one whole model from slices is not supported yet")
-    return meta, {int(r): _mapped_rank_state(path, int(r), d) for r, d in meta["files"].items()}
+    return meta, {int(r): io.map_rank_state(path, int(r), d) for r, d in meta["files"].items()}
 
 
 def export_checkpoint(ckpt_dir: str, out_dir: str, tag: str | None = None, dtype: str = "fp32",
@@ -152,13 +144,7 @@ def export_checkpoint(ckpt_dir: str, out_dir: str, tag: str | None = None, dtype
         for g in meta["groups"]:
             pieces = [(s["lo"], s["hi"], s["master"]) for s in (ranks[r]["groups"][g["name"]] for r in sorted(ranks))]
             for name, shape, offset in g["params"]:
-                numel = math.prod(shape)
-                value = torch.empty(numel, dtype=torch.float32)
-                for lo, hi, master in pieces:  # the ranges of this parameter each rank holds
-                    a, b = max(lo, offset), min(hi, offset + numel)
-                    if a < b:
-                        value[a - offset:b - offset] = master[a - lo:b - lo]
-                writer.add(name, value.view(shape))
+                writer.add(name, whole_parameter(pieces, offset, math.prod(shape)).view(shape))
         for name, value in ranks[0]["module_extra"].items():
             writer.add(name, value)
         return writer.finish(meta.get("hf_config")), writer.peak_bytes

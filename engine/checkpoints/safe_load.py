@@ -69,14 +69,16 @@ class UnsafeCheckpointError(ValueError):
     """A file asks the unpickler for something beyond tensors and containers: refused, nothing ran."""
 
 
-def load_weights_only(source: str | BinaryIO | bytes, *, what: str, deepspeed: bool = False) -> Any:
+def load_weights_only(source: str | BinaryIO | bytes, *, what: str, deepspeed: bool = False,
+                      mmap: bool = False) -> Any:
     """``torch.load`` with the weights-only unpickler (on CPU). ``what`` names the file in errors
-    (its path, and whose it is); ``deepspeed``: also read DeepSpeed's pickled classes as ``Inert``."""
+    (its path, and whose it is); ``deepspeed``: also read DeepSpeed's pickled classes as ``Inert``; ``mmap`` (a
+    path): the tensors are mapped from the file, paged in when touched."""
     stream: Any = io.BytesIO(source) if isinstance(source, bytes) else source
     allowed: list[Any] = list(_DEEPSPEED_STANDINS) if deepspeed else []
     try:
         with torch.serialization.safe_globals(allowed):
-            return torch.load(stream, map_location="cpu", weights_only=True)
+            return torch.load(stream, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
         reason = _refused_global(str(err))
         raise UnsafeCheckpointError(
