@@ -383,6 +383,7 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return
+        self._saves.wait_staged()  # an asynchronous save has its copy of what this step changes
         stepped = self._step.step(self.loss_scaler.scale)
         self._last_step_applied = stepped
         self.loss_scaler.update(overflow=not stepped)
@@ -420,16 +421,17 @@ class Engine:
     def save_checkpoint(self, save_dir: str, tag: str | None = None,
                         client_state: dict[str, Any] | None = None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False, keep_latest_k: int | None = None,
-                        async_save: bool | None = None) -> str:
+                        async_save: bool | None = None, format: str | None = None) -> str:
         """Every rank calls it; atomic (see ``engine/checkpoints/files.py``); tag defaults to global_stepN;
         ``save_latest`` False leaves ``save_dir/latest`` as it was; ``exclude_frozen_parameters``: the
         trained parameters' checkpoint only (an adapter's), loaded back with ``strict=False``;
         ``keep_latest_k`` (default ``zeroplus.keep_latest_k``): older checkpoints beyond the k newest removed
         once this one is committed; ``async_save`` (default ``zeroplus.async_save``): return once the state is
-        staged, the file and the commit following in the background (``wait_for_checkpoint()``)."""
+        staged, the file and the commit following in the background (``wait_for_checkpoint()``); ``format``
+        (default ``zeroplus.checkpoint_format``): "dcp" writes a torch.distributed.checkpoint for FSDP2."""
         self._checkpoint_saved = True
         return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters,
-                               keep_latest_k, async_save)
+                               keep_latest_k, async_save, format)
 
     @property
     def async_saves(self) -> AsyncSaves:

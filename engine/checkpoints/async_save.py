@@ -2,10 +2,14 @@
 commit happen in the background.
 
 In ``save_checkpoint`` (every rank) everything a synchronous save does before its file happens as usual (the
-tag agreed, the temporary directory made, the metadata put together); then ``stage`` copies every tensor of
-this rank's state into host memory of its own (pinned where a device is; the ledger's ``offload_buffer``: one
+tag agreed, the temporary directory made, the metadata put together); then ``allocate`` gives every tensor
+of this rank's state a host buffer of its own (pinned where a device is; the ledger's ``offload_buffer``: one
 rank file's worth, 12 bytes per owned parameter with Adam in fp32, plus rank 0's buffers and frozen
-parameters) and a thread writes it. The thread then exchanges the outcome and the file digests over a process
+parameters) and a thread copies the state into them, then writes it. Nothing changes the masters and
+optimizer states between two optimizer steps (forward and backward only read them; loading and
+``destroy()`` wait for the save), so the copy overlaps the next forward and backward, and the next optimizer
+step waits until it is done (``wait_staged``): the training time a save blocks is the part of the copy
+that the forward and backward did not hide. The thread then exchanges the outcome and the file digests over a process
 group of its own (gloo, made by every rank at the first asynchronous save, so its collectives never interleave
 with training's); rank 0 writes the metadata, renames the directory into place, points ``latest`` at it and
 applies ``keep_latest_k``, and the ranks exchange that outcome too. A failure anywhere: rank 0 removes the
@@ -37,26 +41,37 @@ from . import files as io
 logger = logging.getLogger("zeroplus.checkpoint")
 
 
-def stage(state: Any, accelerator: Accelerator, ledger: Ledger) -> tuple[Any, list[torch.Tensor]]:
-    """``state`` with every tensor copied into host memory of its own (pinned where a device is), and the
-    copies (each charged to the ledger's ``offload_buffer`` until ``unstage``)."""
+def allocate(state: Any, accelerator: Accelerator, ledger: Ledger
+             ) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
+    """``state`` with every tensor replaced by an empty host buffer of its own (pinned where a device is; each
+    charged to the ledger's ``offload_buffer`` until released), the ``(source, buffer)`` pairs still to copy,
+    and the buffers. Allocated on the caller's thread (the ledger is not shared with the save's thread)."""
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     copies: list[torch.Tensor] = []
 
-    def copy(value: Any) -> Any:
+    def place(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             if value.device.type == "meta":  # the estimator's simulated save: shapes only
                 host = torch.empty(value.shape, dtype=value.dtype, device="meta")
             else:
                 host = accelerator.pin_memory(torch.empty(value.shape, dtype=value.dtype))
-                host.copy_(value.detach())
+                pairs.append((value.detach(), host))
             copies.append(ledger.track(host, Category.OFFLOAD_BUFFER))
             return host
         if isinstance(value, dict):
-            return {k: copy(v) for k, v in value.items()}
+            return {k: place(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
-            return type(value)(copy(v) for v in value)
+            return type(value)(place(v) for v in value)
         return value
-    return copy(state), copies
+    return place(state), pairs, copies
+
+
+def stage(state: Any, accelerator: Accelerator, ledger: Ledger) -> tuple[Any, list[torch.Tensor]]:
+    """``state`` copied into host memory of its own now (``allocate`` and the copies), and the copies."""
+    staged, pairs, copies = allocate(state, accelerator, ledger)
+    for source, host in pairs:
+        host.copy_(source)
+    return staged, copies
 
 
 def background_group(world: Collectives) -> Collectives:
@@ -74,6 +89,7 @@ class PendingSave:
         self.final_dir, self.group, self.global_rank = final_dir, group, global_rank
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
+        self.staged = threading.Event()  # set once the thread has copied the state (or failed to)
 
     @property
     def done(self) -> bool:
@@ -90,10 +106,20 @@ class PendingSave:
         if self.error is not None:
             raise self.error
 
+    def wait_staged(self) -> None:
+        """Until the thread has copied the state: what the next optimizer step may then change."""
+        if self.thread is not None:
+            self.staged.wait()
+
     def _run(self, job: dict[str, Any]) -> None:
         group, rank, tmp_dir = self.group, self.group.rank, job["tmp_dir"]
         digest, error = None, None
         try:
+            try:
+                for source, host in job.pop("pairs"):
+                    host.copy_(source)
+            finally:
+                self.staged.set()
             os.makedirs(tmp_dir, exist_ok=True)
             digest = io.save_rank_state(tmp_dir, job["dp_rank"], job["state"], self.global_rank)
         except Exception as err:  # noqa: BLE001 - every rank must hear of it
@@ -153,6 +179,11 @@ class AsyncSaves:
         pending, self.pending = self.pending, None
         if pending is not None:
             pending.wait()
+
+    def wait_staged(self) -> None:
+        """Before the optimizer step changes the masters and states: the pending save has its copy of them."""
+        if self.pending is not None:
+            self.pending.wait_staged()
 
     def poll(self, dp: Collectives) -> None:
         """At a step: once every rank's pending save is done (one flag over ``dp``), finish it, raising its

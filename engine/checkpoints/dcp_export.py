@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 
+from .dcp_save import param_group_of
 from .hf_export import whole_model_checkpoint, whole_parameter
-
-_GROUP_INDEX = re.compile(r"#(\d+)")
 
 
 def export_dcp(ckpt_dir: str, out_dir: str, tag: str | None = None) -> int:
@@ -39,8 +37,7 @@ def export_dcp(ckpt_dir: str, out_dir: str, tag: str | None = None) -> int:
     state: dict[str, dict[str, Any]] = {}
     params: dict[int, list[str]] = {i: [] for i in range(len(hparams))}
     for g in meta["groups"]:
-        index = _GROUP_INDEX.search(g["name"])
-        gi = int(index.group(1)) if index else 0
+        gi = param_group_of(g["name"])
         saved = [ranks[r]["groups"][g["name"]] for r in sorted(ranks)]
         masters = [(s["lo"], s["hi"], s["master"]) for s in saved]
         for name, shape, offset in g["params"]:

@@ -33,6 +33,7 @@ logger = logging.getLogger("zeroplus.checkpoint")
 
 METADATA = "metadata.json"
 LATEST = "latest"
+DCP_METADATA = ".metadata"  # what torch.distributed.checkpoint writes last into a checkpoint directory
 FORMAT_VERSION = 1
 
 
@@ -168,10 +169,12 @@ def can_replace(final_dir: str) -> None:
         shutil.rmtree(probe, ignore_errors=True)
 
 
-def commit(tmp_dir: str, final_dir: str, metadata: dict[str, Any]) -> None:
-    """Rank 0, after every rank wrote its file: metadata, then rename into place (or swap with the
-    tag saved before, which then sits in ``tmp_dir`` and is removed)."""
-    write_metadata(tmp_dir, metadata)
+def commit(tmp_dir: str, final_dir: str, metadata: dict[str, Any] | None) -> None:
+    """Rank 0, after every rank wrote its file: metadata (None: a DCP checkpoint, whose own metadata is there
+    already), then rename into place (or swap with the tag saved before, which then sits in ``tmp_dir`` and is
+    removed)."""
+    if metadata is not None:
+        write_metadata(tmp_dir, metadata)
     fault_point("before_rename")
     parent = os.path.dirname(final_dir)
     if os.path.exists(final_dir):
@@ -202,7 +205,7 @@ def remove_stale(save_dir: str) -> None:
 
 
 def keep_latest(save_dir: str, k: int, keep: str) -> list[str]:
-    """Rank 0, after a save committed: remove all but the ``k`` newest complete zeroplus checkpoints in
+    """Rank 0, after a save committed: remove all but the ``k`` newest complete checkpoints (zeroplus's or DCP's) in
     ``save_dir`` (by commit: their metadata's time), never ``keep`` (the tag just saved) nor the one ``latest``
     names; other directories (DeepSpeed's tags, anything else) are left alone. Each is first renamed to a
     hidden temporary name (what ``remove_stale`` clears if this dies halfway), so a tag is either whole or
@@ -212,9 +215,9 @@ def keep_latest(save_dir: str, k: int, keep: str) -> list[str]:
     if os.path.isfile(latest):
         with open(latest) as f:
             pinned.add(f.read().strip())
-    tags = [t for t in os.listdir(save_dir) if not t.startswith(".")
-            and os.path.isfile(os.path.join(save_dir, t, METADATA))]
-    tags.sort(key=lambda t: os.path.getmtime(os.path.join(save_dir, t, METADATA)), reverse=True)
+    marks = {t: os.path.join(save_dir, t, m) for t in os.listdir(save_dir) if not t.startswith(".")
+             for m in (DCP_METADATA, METADATA) if os.path.isfile(os.path.join(save_dir, t, m))}
+    tags = sorted(marks, key=lambda t: os.path.getmtime(marks[t]), reverse=True)
     removed = []
     for tag in tags[k:]:
         if tag in pinned:

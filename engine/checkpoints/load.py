@@ -35,6 +35,8 @@ from zeroplus.ledger import Category
 from zeroplus.zero.flat_group import FlatParamGroup
 
 from . import files as io
+from .dcp_load import DcpCheckpoint, DcpFiles, dcp_dir
+from .dcp_save import param_group_of
 from .deepspeed_import import convert_deepspeed, deepspeed_tag
 from .save import _global_rank, _model_part, _set_rng_state, _topology, _world
 
@@ -131,11 +133,11 @@ class _Plan:
     groups: list[_GroupLoad]
     extra: dict[str, torch.Tensor]  # buffers and frozen parameters (rank 0's file)
     own: dict[str, Any]             # counters, scaler, schedule, hyper-parameters, RNG, client state
-    saved_world: int                # the data-parallel size that saved it
+    saved_world: int                # the data-parallel size that saved it (0: unknown, a DCP checkpoint)
 
 
 def _plan_group(engine: Engine, g: FlatParamGroup, sources: dict[str, tuple[dict[str, Any], int]],
-                files: _Files, load_optim: bool) -> _GroupLoad:
+                files: _Files | DcpFiles, load_optim: bool) -> _GroupLoad:
     """Which saved ranges fill this rank's owned range of ``g``, parameter by parameter (so the saved
     grouping may differ from ours), each checked against the file that holds it."""
     lo, hi = g.owned_start, min(g.owned_start + g.owned_numel, g.numel)
@@ -211,6 +213,55 @@ def _read(engine: Engine, load_dir: str, tag: str | None, load_optim: bool, stri
     extra = files.get(0)["module_extra"]
     _check_extra(engine, extra, files.name(0), strict)
     return _Plan(top, groups, extra, own, meta["world_size"])
+
+
+def _overlapping(engine: Engine) -> list[str]:
+    """The trained parameters that overlap this rank's owned range of their group (a group with none: its first,
+    whose states' keys and scalars the rank needs all the same)."""
+    names: list[str] = []
+    for g in engine.partition.groups:
+        lo, hi = g.owned_start, g.owned_start + g.owned_numel
+        mine = [n for n, off, k in zip(g.names, g.offsets, g.numels) if off < hi and off + k > lo]
+        names += mine or g.names[:1]
+    return names
+
+
+def _read_dcp(engine: Engine, path: str, load_optim: bool, load_scheduler: bool, strict: bool) -> _Plan:
+    """A DCP checkpoint (``dcp_load.py``) planned like zeroplus's own files."""
+    topology = _topology(engine)
+    if any(topology.get(k, 1) > 1 for k in ("tensor", "pipeline", "expert")):
+        raise ValueError(f"DCP checkpoint {path} cannot be loaded by this run (rank {_global_rank(engine)}): its "
+                         f"model is split ({topology}); a DCP checkpoint loads into data and ZeRO parallelism only")
+    trained = {n: tuple(s) for g in engine.partition.groups for n, s in zip(g.names, g.shapes)}
+    ckpt = DcpCheckpoint(path, trained, load_optim)
+    meta = ckpt.layout(trained)
+    _check_layout(engine, meta, path)
+    files = DcpFiles(ckpt)
+    files.preload(_overlapping(engine))
+    sources = {name: (entry, offset) for entry in meta["groups"] for name, _, offset in entry["params"]}
+    groups = [_plan_group(engine, g, sources, files, load_optim) for g in engine.partition.groups]
+    steps = files.check_states() if load_optim else set()
+    frozen = {n for g in engine.partition.frozen for n in g.names}
+    trainable = {id(p) for g in engine.partition.groups for p in g.params}
+    wanted = frozen | {n for n, p in engine.module.named_parameters() if id(p) not in trainable}
+    wanted |= {n for n, _ in engine.module.named_buffers()}
+    extra = ckpt.read_model([n for n in sorted(wanted) if n in ckpt.sizes])
+    _check_extra(engine, extra, path, strict)
+    counters = engine.counters()
+    if steps:
+        done = int(steps.pop())
+        counters = {"global_steps": done, "micro_steps": done * engine.gradient_accumulation_steps(),
+                    "global_samples": done * engine.train_batch_size(), "skipped_steps": 0}
+        if load_scheduler and engine.lr_scheduler is not None and engine.dp.rank == 0:
+            logger.warning("DCP checkpoint %s holds no learning-rate schedule zeroplus can read: the engine keeps "
+                           "its own schedule's position while the step moves to %d", path, done)
+    by_index: dict[int, list[str]] = {}
+    for g in engine.partition.groups:
+        by_index.setdefault(param_group_of(g.name), []).extend(g.names)
+    hparams = ckpt.hparams([by_index.get(i, []) for i in range(len(engine.optimizer.param_groups))])
+    own = {"counters": counters, "loss_scaler": {}, "lr_scheduler": None, "optimizer_hparams": hparams,
+           "client_state": {}, "rng": None}
+    return _Plan(path, groups, extra, own, 0)
 
 
 def _small_state(engine: Engine) -> dict[str, Any]:
@@ -331,7 +382,9 @@ def load_checkpoint(engine: Engine, load_dir: str, tag: str | None = None, *, lo
     engine.partition.wait_all()
     plan, error = None, None
     try:
-        plan = _read(engine, load_dir, tag, load_optim, strict)
+        dcp_path = dcp_dir(load_dir, tag)
+        plan = _read(engine, load_dir, tag, load_optim, strict) if dcp_path is None else \
+            _read_dcp(engine, dcp_path, load_optim, load_lr_scheduler_states and not load_module_only, strict)
     except Exception as err:  # noqa: BLE001 - every rank must hear of it before anyone writes
         error = err
     _agree(world, rank, error, "reading", os.path.join(load_dir, tag or io.LATEST))

@@ -36,7 +36,8 @@ from zeroplus.zero.flat_group import FlatParamGroup
 from zeroplus.zero.frozen_values import read_frozen
 
 from . import files as io
-from .async_save import PendingSave, stage
+from .async_save import PendingSave, allocate
+from .dcp_save import write_dcp
 from .hf_export import hf_config
 from .safe_load import check_loadable, numpy_rng_from_file, numpy_rng_to_file
 
@@ -198,10 +199,39 @@ def _agreed_tag(engine: Engine, world: Any, tag: str) -> str:
     return tags[0]
 
 
+def _check_format(engine: Engine, fmt: str, background: bool, client_state: dict[str, Any] | None) -> None:
+    """Refuse, before anything is written, a format this save cannot write."""
+    where = f"save_checkpoint(format={fmt!r}) on rank {_global_rank(engine)}"
+    if fmt not in ("zeroplus", "dcp"):
+        raise ValueError(f"{where}: the format is 'zeroplus' (default) or 'dcp'")
+    if fmt != "dcp":
+        return
+    why = ("a model split by tensor or pipeline parallelism" if _model_part(engine)
+           else "expert-parallel groups" if any(g.expert for g in engine.partition.groups)
+           else "an asynchronous save" if background
+           else "a client_state" if client_state else "")
+    if why:
+        raise ValueError(f"{where}: {why} cannot be saved as a DCP checkpoint (it holds the model, the optimizer "
+                         f"states and hyper-parameters in FSDP2's layout); save it in zeroplus's format")
+
+
+def _agree_written(engine: Engine, world: Any, tmp_dir: str, final_dir: str, error: BaseException | None) -> None:
+    """Every rank raises if any rank failed to write its part; the previous checkpoint stays as it was."""
+    failures = [o for o in world.all_gather_objects(None if error is None else str(error)) if o is not None]
+    if not failures:
+        return
+    if world.rank == 0:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    if error is not None:
+        raise error
+    raise RuntimeError(f"checkpoint {final_dir} was not saved (rank {_global_rank(engine)}): "
+                       + "; ".join(failures) + f"; {io.LATEST} still names the previous checkpoint")
+
+
 def save_checkpoint(engine: Engine, save_dir: str, tag: str | None = None,
                     client_state: dict[str, Any] | None = None, save_latest: bool = True,
                     exclude_frozen_parameters: bool = False, keep_latest_k: int | None = None,
-                    async_save: bool | None = None) -> str:
+                    async_save: bool | None = None, format: str | None = None) -> str:
     """Every rank calls this. Returns the final directory ``save_dir/tag``; ``save_latest``: point
     ``save_dir/latest`` at it; ``exclude_frozen_parameters``: leave out the parameters no optimizer
     trains (loading it back needs ``strict=False``, which keeps the model's own). ``keep_latest_k`` (default:
@@ -209,6 +239,9 @@ def save_checkpoint(engine: Engine, save_dir: str, tag: str | None = None,
     checkpoints in ``save_dir`` beyond the ``k`` newest are removed (``files.keep_latest``). ``async_save``
     (default: ``zeroplus.async_save``): return once this rank's state is staged in host memory; the file and
     the commit follow in the background (``async_save.py``), and the path returned is where it will appear.
+    ``format`` (default: ``zeroplus.checkpoint_format``): "zeroplus", or "dcp" for a torch.distributed.checkpoint
+    that FSDP2 and torchtitan load (``dcp_save.py``: model, optimizer states and hyper-parameters; no schedule,
+    RNG or client state).
 
     With tensor or pipeline parallelism each slice of the model is a checkpoint of its own in
     ``tag/tpTT_ppPP/`` (its data group's files and metadata), and ``tag/metadata.json`` lists the
@@ -217,6 +250,8 @@ def save_checkpoint(engine: Engine, save_dir: str, tag: str | None = None,
     engine.async_saves.wait()  # one save at a time: the one before is committed (or raises) first
     keep_k = engine.config.zeroplus.keep_latest_k if keep_latest_k is None else keep_latest_k
     background = engine.config.zeroplus.async_save if async_save is None else async_save
+    fmt = engine.config.zeroplus.checkpoint_format if format is None else format
+    _check_format(engine, fmt, background, client_state)
     if keep_k is not None and (isinstance(keep_k, bool) or not isinstance(keep_k, int) or keep_k < 1):
         raise ValueError(f"save_checkpoint(keep_latest_k={keep_k!r}) on rank {_global_rank(engine)}: a positive "
                          f"number of checkpoints to keep, or None to keep every one")
@@ -239,38 +274,42 @@ def save_checkpoint(engine: Engine, save_dir: str, tag: str | None = None,
                 shutil.rmtree(tmp_dir, ignore_errors=True)
             raise ValueError(f"save_checkpoint(async_save=True) on rank {_global_rank(engine)}: asynchronous saves "
                              f"of a model split by tensor or pipeline parallelism are not built; save synchronously")
-        state, copies = stage(rank_state(engine, client_state, exclude_frozen_parameters), engine.accelerator,
-                              engine.ledger)
+        state, pairs, copies = allocate(rank_state(engine, client_state, exclude_frozen_parameters),
+                                        engine.accelerator, engine.ledger)
         pending = PendingSave(final_dir, engine.async_saves.group(world), _global_rank(engine))
         engine.async_saves.start(pending, {
-            "tmp_dir": part_dir, "dp_rank": dp.rank, "state": state, "copies": copies, "ledger": engine.ledger,
+            "tmp_dir": part_dir, "dp_rank": dp.rank, "state": state, "pairs": pairs, "copies": copies,
+            "ledger": engine.ledger,
             "metadata": _metadata(engine, tag, [], exclude_frozen_parameters), "save_latest": save_latest,
             "save_dir": save_dir, "tag": tag, "keep_k": keep_k})
         return final_dir
-    digest, error = None, None
-    try:
-        os.makedirs(part_dir, exist_ok=True)
-        digest = io.save_rank_state(part_dir, dp.rank, rank_state(engine, client_state, exclude_frozen_parameters),
-                                    _global_rank(engine))
-    except OSError as err:
-        error = err
-    io.fault_point(f"after_rank_file_{dp.rank}")
-    failures = [o for o in world.all_gather_objects(None if error is None else str(error)) if o is not None]
-    if failures:  # every rank raises; the previous checkpoint stays as it was
-        if world.rank == 0:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-        if error is not None:
-            raise error
-        raise RuntimeError(f"checkpoint {final_dir} was not saved (rank {_global_rank(engine)}): "
-                           + "; ".join(failures) + f"; {io.LATEST} still names the previous checkpoint")
-    digests = dp.all_gather_objects(digest)
-    metadata = _metadata(engine, tag, digests, exclude_frozen_parameters)
-    if part:
-        if dp.rank == 0:
-            io.write_metadata(part_dir, metadata)
-        parts = world.all_gather_objects(part)
-        metadata = {"format": io.FORMAT_VERSION, "tag": tag, "topology": metadata["topology"],
-                    "global_steps": engine.global_steps, "parts": sorted(set(parts))}
+    if fmt == "dcp":
+        error = None
+        try:
+            write_dcp(engine, tmp_dir, rank_state(engine, None, exclude_frozen_parameters), engine.dp.group)
+        except Exception as err:  # noqa: BLE001 - DCP raises on every rank when any fails; each rank says so
+            error = err
+        _agree_written(engine, world, tmp_dir, final_dir, error)
+        metadata = None  # DCP's own .metadata, written last, marks the directory whole
+    else:
+        digest, error = None, None
+        try:
+            os.makedirs(part_dir, exist_ok=True)
+            digest = io.save_rank_state(part_dir, dp.rank,
+                                        rank_state(engine, client_state, exclude_frozen_parameters),
+                                        _global_rank(engine))
+        except OSError as err:
+            error = err
+        io.fault_point(f"after_rank_file_{dp.rank}")
+        _agree_written(engine, world, tmp_dir, final_dir, error)
+        digests = dp.all_gather_objects(digest)
+        metadata = _metadata(engine, tag, digests, exclude_frozen_parameters)
+        if part:
+            if dp.rank == 0:
+                io.write_metadata(part_dir, metadata)
+            parts = world.all_gather_objects(part)
+            metadata = {"format": io.FORMAT_VERSION, "tag": tag, "topology": metadata["topology"],
+                        "global_steps": engine.global_steps, "parts": sorted(set(parts))}
     if world.rank == 0:
         io.commit(tmp_dir, final_dir, metadata)
         if save_latest:

@@ -303,6 +303,11 @@ class ZeroplusBlock(Block):
         False, description="Training checkpoints are saved asynchronously: save_checkpoint returns once this "
                             "rank's state is staged in host memory (one rank file's worth, in the ledger's "
                             "offload_buffer and the budget); the file and the commit follow in the background.")
+    checkpoint_format: Literal["zeroplus", "dcp"] = Field(
+        "zeroplus", description="What save_checkpoint writes: 'zeroplus' (its own sharded files: checksummed, "
+                                "resumed bit-exactly with RNG, schedule and client state) or 'dcp' (a "
+                                "torch.distributed.checkpoint in FSDP2's layout, for FSDP2 and torchtitan; model, "
+                                "optimizer states and hyper-parameters only). load_checkpoint reads both.")
     keep_latest_k: PositiveInt | None = Field(
         None, description="Training checkpoints kept in a save directory: after each save commits, older ones beyond "
                           "the k newest are removed (never the one 'latest' names). Unset: all are kept.")
