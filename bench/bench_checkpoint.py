@@ -1,15 +1,16 @@
 """Benchmark: training time blocked per checkpoint save, synchronous against asynchronous (issue 39 item 3).
 
-GPT 111M, 2 ranks (torchrun, gloo, CPU), fp32 AdamW at the given ZeRO stage: a few steps, then ``--saves``
-rounds of (one synchronous save, a step, one asynchronous save, a step), each save into a directory of its own
-on local disk. Per round: the seconds ``save_checkpoint`` blocked (max over ranks); for the asynchronous one
-the call plus what the next step took beyond the step after the synchronous save (the state is copied while
-that step's forward and backward run, and its optimizer step waits for the copy), and the seconds until it
-was committed (``wait_for_checkpoint`` after the step). Prints the medians and the ratio async / sync of the
-blocked time (issue 39's target: <= 0.10).
+GPT 111M, ``--nproc`` ranks of one thread each (default 2; torchrun, gloo, CPU), fp32 AdamW at the given ZeRO
+stage: a few steps, then ``--saves`` rounds of (one synchronous save, a step, one asynchronous save, a step),
+each save into a directory of its own on local disk. Per round: the seconds ``save_checkpoint`` blocked (max
+over ranks); for the asynchronous one the call plus what the next step took beyond the step after the
+synchronous save (the state is copied while that step's forward and backward run, and its optimizer step waits
+for the copy), and the seconds until it was committed (``wait_for_checkpoint`` after the step). Prints the
+medians and the ratio async / sync of the blocked time (issue 39's target: <= 0.10).
 
     python bench/bench_checkpoint.py                 # ZeRO-2, 3 rounds
     python bench/bench_checkpoint.py --stage 3 --saves 5
+    python bench/bench_checkpoint.py --nproc 1 --saves 5   # a core left free for the save's thread
 """
 from __future__ import annotations
 
@@ -72,6 +73,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--stage", type=int, default=2)
     parser.add_argument("--saves", type=int, default=3)
+    parser.add_argument("--nproc", type=int, default=2, help="ranks (one core each: fewer ranks than cores leave "
+                                                            "the save's thread a core, as a GPU run does)")
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--dir", default=None)
     parser.add_argument("--out", default=None)
@@ -82,16 +85,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         env = dict(os.environ, OMP_NUM_THREADS="1", ZEROPLUS_ACCELERATOR="cpu", DS_ACCELERATOR="cpu")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-               "--worker", "--stage", str(args.stage), "--saves", str(args.saves), "--dir", tmp, "--out", out]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+               __file__, "--worker", "--stage", str(args.stage), "--saves", str(args.saves), "--dir", tmp, "--out", out]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             sys.exit(done.stderr[-4000:])
         with open(out) as f:
             rows = json.load(f)
     sync, blocked, committed, call, plain, after = (statistics.median(r[i] for r in rows) for i in range(6))
-    print(f"GPT 111m, 2 ranks (gloo, CPU), fp32 AdamW, ZeRO-{args.stage}, {args.saves} rounds "
-          f"(medians, max over ranks)")
+    print(f"GPT 111m, {args.nproc} ranks of one core each (gloo, CPU, {os.cpu_count()} cores), fp32 AdamW, "
+          f"ZeRO-{args.stage}, {args.saves} rounds (medians, max over ranks)")
     print(f"{'save':<14}{'blocked s':>10}{'committed s':>13}")
     print(f"{'synchronous':<14}{sync:>10.3f}{sync:>13.3f}")
     print(f"{'asynchronous':<14}{blocked:>10.3f}{committed:>13.3f}")
