@@ -285,8 +285,6 @@ def _warn_inert_options(cfg: ResolvedConfig) -> None:
         param_defaults = type(zero.offload_param)()
         inert += [f"zero_optimization.offload_param.{key}" for key in ("buffer_size", "max_in_cpu")
                   if getattr(zero.offload_param, key) != getattr(param_defaults, key)]
-    if cfg.wall_clock_breakdown:
-        inert.append("wall_clock_breakdown")
     if inert:
         log_rank0("accepted but without effect yet: %s", "; ".join(inert), level=logging.WARNING)
 

@@ -20,10 +20,12 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from zeroplus import comm_observers
 from zeroplus.accelerator import Accelerator
 from zeroplus.activations import SavedTensorRouter
 from zeroplus.activations.forward_census import ForwardCensus, storage_keys_of
 from zeroplus.comm import Collectives
+from zeroplus.comms_log import process_log
 from zeroplus.config import ResolvedConfig, ZeroStage
 from zeroplus.eager import compiled_modules
 from zeroplus.ledger import Ledger
@@ -47,6 +49,7 @@ from .exit_grace import register_exit_grace
 from .loss_scaler import LossScaler
 from .micro_step import Life, MicroStep
 from .state_offload import StateOffload
+from .step_timers import StepTimers
 
 logger = logging.getLogger("zeroplus.engine")
 
@@ -94,7 +97,9 @@ class Engine:
         atexit.register(_wait_at_exit, weakref.ref(self))
         # garbage-collected without destroy(): its hooks come off the model all the same (see note: lifecycle)
         self._compiled_units: list[CompiledUnits] = []
-        self._finalizer = weakref.finalize(self, _collected, parts.partition, parts.activations, self._compiled_units)
+        self._observers: list[Any] = []  # this engine's observers of the collectives (its step timers)
+        self._finalizer = weakref.finalize(self, _collected, parts.partition, parts.activations, self._compiled_units,
+                                           self._observers)
         self._finalizer.atexit = False
         self.budget: Any = None  # the predicted ``zeroplus.MemoryBudget``, once ``record_budget`` has set it
         self.parallel = parallel
@@ -114,6 +119,13 @@ class Engine:
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0
+        # wall_clock_breakdown (step_timers.py) and comms_logger (zeroplus/comms_log.py): None when off
+        self.timers = StepTimers(accelerator, ledger) if config.wall_clock_breakdown else None
+        if self.timers is not None:
+            comm_observers.attach(self.timers)
+            self._observers.append(self.timers)
+        logged = config.comms_logger
+        self.comms_log = process_log(logged.prof_all, logged.prof_ops, logged.verbose) if logged.enabled else None
 
     # -- DeepSpeed-style accessors ------------------------------------------------------------
     def train_batch_size(self) -> int:
@@ -216,9 +228,10 @@ class Engine:
             for hook in hooks:
                 hook(self, args, kwargs)
         census = self._census()
+        timed = self.timers.timed("fwd") if self.timers is not None else contextlib.nullcontext()
         self._partition.before_forward()
         try:
-            with self._activations.forward(), census if census is not None else contextlib.nullcontext():
+            with timed, self._activations.forward(), census if census is not None else contextlib.nullcontext():
                 out = self._forward_module(*args, **kwargs)
             if census is not None:  # what is saved for backward: not the ledger's, not the output's own
                 self._activation_bytes = census.alive_bytes(self.ledger.storage_keys() | storage_keys_of(out))
@@ -310,8 +323,9 @@ class Engine:
         self._partition.begin_backward(reduce)
         self._micro = self._micro.raised(MicroStep.REDUCED if reduce else
                                          MicroStep.BACKWARD if self._no_sync else MicroStep.SYNCED)
-        (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
-        self._partition.end_backward()
+        with self.timers.timed("bwd") if self.timers is not None else contextlib.nullcontext():
+            (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
+            self._partition.end_backward()
         if not retain_graph:
             self._activations.end_backward()
         return loss
@@ -383,26 +397,46 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return
-        self._saves.wait_staged()  # an asynchronous save has its copy of what this step changes
-        stepped = self._step.step(self.loss_scaler.scale)
-        self._last_step_applied = stepped
-        self.loss_scaler.update(overflow=not stepped)
-        if stepped:
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-        else:
-            self.skipped_steps += 1
-            self._log_skip()
-        self._partition.after_step()
+        with self.timers.timed("step") if self.timers is not None else contextlib.nullcontext():
+            self._saves.wait_staged()  # an asynchronous save has its copy of what this step changes
+            stepped = self._step.step(self.loss_scaler.scale)
+            self._last_step_applied = stepped
+            self.loss_scaler.update(overflow=not stepped)
+            if stepped:
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
+            else:
+                self.skipped_steps += 1
+                self._log_skip()
+            self._partition.after_step()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
+        if self.timers is not None:
+            self.timers.step_done()
         if self.global_steps % self.config.steps_per_print == 0:
+            self._report_time()
             if self.dp.rank == 0:
                 logger.info("step %d: lr %s, grad norm %.4g, loss scale %g; %s", self.global_steps, self.get_lr(),
                             self._step.last_grad_norm or 0.0, self.loss_scaler.scale,
                             self.memory_report().peak_line())
             if self.config.memory_breakdown:
                 logger.info("step %d\n%s", self.global_steps, self.memory_report())
+
+    def _report_time(self) -> None:
+        """Every ``steps_per_print`` steps: the wall-clock breakdown's line on rank 0 and the straggler's tally
+        (one small all-gather over the data group) when those are on."""
+        if self.timers is not None:
+            report = self.timers.report()
+            if self.dp.rank == 0:
+                logger.info("step %d: %s", self.global_steps, StepTimers.line(report))
+        if self.comms_log is not None:
+            self.comms_log.straggler(self.dp)
+
+    def comms_summary(self) -> str:
+        """The communication log's table (``comms_logger`` enabled), or a line saying it is off."""
+        if self.comms_log is None:
+            return "comms_logger is not enabled in this engine's config"
+        return self.comms_log.summary()
 
     def _log_skip(self) -> None:
         """A skipped step: expected now and then with a dynamic fp16 loss scale, a warning otherwise."""
@@ -532,6 +566,8 @@ class Engine:
             self._saves.wait()  # an asynchronous save committed first; its failure raised after the rest
         finally:
             self._finalizer.detach()
+            for observer in self._observers:
+                comm_observers.detach(observer)
             self._partition.remove()
             self._activations.remove()
             if self._compiled is not None:
@@ -545,14 +581,17 @@ class Engine:
                                f"model holds its parameters again: zeroplus.initialize it anew to train on")
 
 
-def _collected(partition: ZeroPartition, activations: SavedTensorRouter, compiled: list[CompiledUnits]) -> None:
+def _collected(partition: ZeroPartition, activations: SavedTensorRouter, compiled: list[CompiledUnits],
+               observers: list[Any]) -> None:
     """An engine garbage-collected without ``destroy()``: every hook it put on the model removed, with no
     collective (``ZeroPartition.drop_hooks``: a stage-3 model's released parameters stay empty, and a later
-    ``initialize`` refuses them)."""
+    ``initialize`` refuses them); its observers of the collectives detached."""
     partition.drop_hooks()
     activations.remove()
     for units in compiled:
         units.remove()
+    for observer in observers:
+        comm_observers.detach(observer)
 
 
 def _wait_at_exit(ref: weakref.ref) -> None:

@@ -33,6 +33,7 @@ import itertools
 import logging
 import os
 import shutil
+import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -140,7 +141,9 @@ class HostTier:
     def wait_written(self, stored: Stored) -> None:
         """Block until ``put``'s copy out is done (so the device tensor it read can be reused)."""
         if stored.ready is not None:
+            begun = time.perf_counter()
             stored.ready.synchronize()
+            self.ledger.waited(time.perf_counter() - begun)
 
 
 class FileTier:
@@ -209,14 +212,18 @@ class FileTier:
 
     def get(self, stored: Stored) -> torch.Tensor:
         self.prefetch(stored)
+        begun = time.perf_counter()
         value = stored.back.result()
+        self.ledger.waited(time.perf_counter() - begun)
         stored.back = None
         if stored.device.type == "cpu":
             return value
         return self.ledger.track(value.to(stored.device), Category.OFFLOAD_BUFFER)
 
     def wait_written(self, stored: Stored) -> None:
+        begun = time.perf_counter()
         stored.ready.result()
+        self.ledger.waited(time.perf_counter() - begun)
 
     def discard(self, stored: Stored) -> None:
         with contextlib.suppress(Exception):

@@ -64,7 +64,7 @@ class Accelerator:
     def new_stream(self) -> Any:
         return _NullStream()
 
-    def new_event(self) -> Any:
+    def new_event(self, enable_timing: bool = False) -> Any:
         return _NullEvent()
 
     def stream(self, stream: Any) -> contextlib.AbstractContextManager:
@@ -119,8 +119,8 @@ class _StreamAccelerator(Accelerator):
     def new_stream(self) -> Any:
         return self.module.Stream()
 
-    def new_event(self) -> Any:
-        return self.module.Event()
+    def new_event(self, enable_timing: bool = False) -> Any:
+        return self.module.Event(enable_timing=enable_timing)
 
     def stream(self, stream: Any) -> contextlib.AbstractContextManager:
         return self.module.stream(stream)

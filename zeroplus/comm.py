@@ -38,8 +38,10 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 import torch
 import torch.distributed as dist
 
+from . import comm_observers
 from .accelerator import get_accelerator
 from .collective_faults import collective_failed, set_timeout_seconds
+from .comm_observers import Completed
 
 DEFAULT_TIMEOUT_SECONDS = 600.0
 RELEASE_WAIT_SECONDS = 5.0  # how long a wait spins for gloo's worker to let go of a finished work's tensors
@@ -64,20 +66,23 @@ def init_distributed_if_launched(timeout_seconds: float | None = None) -> None:
 class Handle:
     """An in-flight collective; ``wait()`` blocks, then runs the completion callback once.
     ``failed(err)`` turns a backend error into the error raised (``CollectiveError``). ``held``: fresh
-    aliases the backend's worker holds (gloo); ``wait()`` returns once it has released them."""
+    aliases the backend's worker holds (gloo); ``wait()`` returns once it has released them. ``seen``: what the
+    observers are told when it completes (``comm_observers.py``; None when none was attached at issue)."""
 
     def __init__(self, work: Any | None, on_done: Callable[[], None] | None = None,
                  failed: Callable[[BaseException], BaseException] | None = None,
-                 held: tuple[torch.Tensor, ...] = ()) -> None:
+                 held: tuple[torch.Tensor, ...] = (), seen: tuple[str, str, int, int, float] | None = None) -> None:
         self._work = work
         self._on_done = on_done
         self._failed = failed
         self._held = held
+        self._seen = seen
         self.done = False
 
     def wait(self) -> None:
         if self.done:
             return
+        waited = time.perf_counter() if self._seen is not None else 0.0
         if self._work is not None:
             try:
                 self._work.wait()
@@ -87,6 +92,11 @@ class Handle:
         _until_released(self._held)
         self._held = ()
         self.done = True
+        if self._seen is not None:
+            kind, group, size, nbytes, issued = self._seen
+            event = Completed(kind, group, size, nbytes, issued, waited, time.perf_counter())
+            for observer in list(comm_observers.OBSERVERS):
+                observer.completed(event)
         if self._on_done is not None:
             self._on_done()
             self._on_done = None
@@ -190,14 +200,18 @@ class DataParallelGroup:
         backend = str(dist.get_backend(group)) if self.initialized and self.size > 1 else ""
         self.gloo = backend == "gloo"  # all-gathers and gradient reductions by in-place broadcasts and reduces
 
-    def _count(self, kind: str, tensor: torch.Tensor) -> None:
-        self.bytes_sent[kind] += tensor.numel() * tensor.element_size()
+    def _count(self, kind: str, *tensors: torch.Tensor) -> int:
+        """Count the message's bytes (the textbook message of ``kind``); return them."""
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        self.bytes_sent[kind] += nbytes
+        return nbytes
 
     def _run(self, kind: str, call: Callable[..., Any], tensors: tuple[torch.Tensor, ...] = (),
-             on_done: Callable[[], None] | None = None) -> Handle:
+             on_done: Callable[[], None] | None = None, nbytes: int = 0) -> Handle:
         """Issue one async collective, ``call(*tensors)`` (fresh aliases of them on gloo, see the module
-        docstring); its ``Handle``. A backend error becomes a ``CollectiveError`` that names the
-        collective (now or at ``wait()``)."""
+        docstring) of ``nbytes`` (the message, for the observers); its ``Handle``. A backend error becomes a
+        ``CollectiveError`` that names the collective (now or at ``wait()``)."""
+        seen = (kind, self.label, self.size, nbytes, time.perf_counter()) if comm_observers.OBSERVERS else None
         self.issued += 1
         seq = self.issued
 
@@ -208,7 +222,7 @@ class DataParallelGroup:
             work = call(*(held or tensors))
         except RuntimeError as err:
             raise failed(err) from err
-        return Handle(work, on_done, failed, held)
+        return Handle(work, on_done, failed, held, seen)
 
     def _run_blocking(self, kind: str, call: Callable[[], Any]) -> None:
         """One blocking collective on Python objects (torch.distributed's object collectives, barrier)."""
@@ -221,10 +235,10 @@ class DataParallelGroup:
     def all_reduce(self, tensor: torch.Tensor, op: Any = None, on_done: Callable[[], None] | None = None) -> Handle:
         if self.size == 1:
             return Handle(None, on_done)
-        self._count("all_reduce", tensor)
+        nbytes = self._count("all_reduce", tensor)
         op = dist.ReduceOp.SUM if op is None else op
         return self._run("all_reduce", lambda t: dist.all_reduce(t, op=op, group=self.group, async_op=True),
-                         (tensor,), on_done)
+                         (tensor,), on_done, nbytes)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
                        on_done: Callable[[], None] | None = None) -> Handle:
@@ -232,9 +246,9 @@ class DataParallelGroup:
         if self.size == 1:
             output.copy_(input)
             return Handle(None, on_done)
-        self._count("reduce_scatter", input)
+        nbytes = self._count("reduce_scatter", input)
         return self._run("reduce_scatter", lambda o, i: _reduce_scatter(o, i, group=self.group, async_op=True),
-                         (output, input), on_done)
+                         (output, input), on_done, nbytes)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor,
                    on_done: Callable[[], None] | None = None) -> Handle:
@@ -243,7 +257,7 @@ class DataParallelGroup:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return Handle(None, on_done)
-        self._count("all_gather", output)
+        nbytes = self._count("all_gather", output)
         if self._gloo_cpu(output) and output.is_contiguous() and input.is_contiguous():
             flat = output.view(-1)
             n = input.numel()
@@ -252,9 +266,9 @@ class DataParallelGroup:
                 with torch.no_grad():
                     own.copy_(input.view(-1))
             chunks = tuple(flat[i * n:(i + 1) * n] for i in range(self.size))
-            return self._run("all_gather", self._broadcast_each, chunks, on_done)
+            return self._run("all_gather", self._broadcast_each, chunks, on_done, nbytes)
         return self._run("all_gather", lambda o, i: _all_gather(o, i, group=self.group, async_op=True),
-                         (output, input), on_done)
+                         (output, input), on_done, nbytes)
 
     def reduce_to_each(self, pieces: list[torch.Tensor], on_done: Callable[[], None] | None = None) -> Handle:
         """A reduce-scatter in place: ``pieces[i]`` (the same shape on every rank) summed over ranks
@@ -263,11 +277,10 @@ class DataParallelGroup:
         all-reduce of all the pieces, which sends twice the bytes (``grad_reducer.py``)."""
         if self.size == 1:
             return Handle(None, on_done)
-        for piece in pieces:
-            self._count("reduce_scatter", piece)
+        nbytes = self._count("reduce_scatter", *pieces)
         return self._run("reduce_scatter", lambda *ps: _Works([
             dist.reduce(piece, dst=self._global(i), group=self.group, async_op=True) for i, piece in enumerate(ps)]),
-            tuple(pieces), on_done)
+            tuple(pieces), on_done, nbytes)
 
     def _gloo_cpu(self, tensor: torch.Tensor) -> bool:
         return self.gloo and tensor.device.type == "cpu"
@@ -286,9 +299,9 @@ class DataParallelGroup:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return Handle(None)
-        self._count("all_to_all", input)
+        nbytes = self._count("all_to_all", input)
         return self._run("all_to_all", lambda o, i: dist.all_to_all_single(o, i, group=self.group, async_op=True),
-                         (output, input))
+                         (output, input), None, nbytes)
 
     def shift_ring(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Handle]:
         """Send ``tensors`` to the next rank of the group and receive the previous rank's (same shapes) into
@@ -299,22 +312,23 @@ class DataParallelGroup:
                 inc.copy_(t)
             return incoming, Handle(None)
         after, before = self._global((self.rank + 1) % self.size), self._global((self.rank - 1) % self.size)
-        for t in tensors:
-            self._count("ring", t)
+        nbytes = self._count("ring", *tensors)
         n = len(tensors)
 
         def issue(*ts: torch.Tensor) -> Any:
             return _Works([w for out, inc in zip(ts[:n], ts[n:]) for w in (
                 dist.isend(out, after, group=self.group), dist.irecv(inc, before, group=self.group))])
-        return incoming, self._run("ring", issue, tuple(t.contiguous() for t in tensors) + tuple(incoming))
+        return incoming, self._run("ring", issue, tuple(t.contiguous() for t in tensors) + tuple(incoming), None,
+                                   nbytes)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Group rank ``src``'s ``tensor`` on every rank, in place (blocking)."""
         if self.size == 1:
             return
-        self._count("broadcast", tensor)
+        nbytes = self._count("broadcast", tensor)
         src = self._global(src)
-        self._run("broadcast", lambda t: dist.broadcast(t, src=src, group=self.group, async_op=True), (tensor,)).wait()
+        self._run("broadcast", lambda t: dist.broadcast(t, src=src, group=self.group, async_op=True), (tensor,), None,
+                  nbytes).wait()
 
     def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor, output_sizes: list[int],
                      input_sizes: list[int]) -> None:
@@ -322,9 +336,10 @@ class DataParallelGroup:
         if self.size == 1:
             output.copy_(input)
             return
-        self._count("all_to_all", input)
-        self._run("all_to_all", lambda o, i: dist.all_to_all_single(o, i, output_sizes, input_sizes, group=self.group,
-                                                                    async_op=True), (output, input)).wait()
+        nbytes = self._count("all_to_all", input)
+        handle = self._run("all_to_all", lambda o, i: dist.all_to_all_single(
+            o, i, output_sizes, input_sizes, group=self.group, async_op=True), (output, input), None, nbytes)
+        handle.wait()
 
     def max_flag(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is true on any rank (used for fp16 overflow)."""
@@ -332,12 +347,13 @@ class DataParallelGroup:
             return flag
         t = torch.tensor([1.0 if flag else 0.0], device=get_accelerator().device())
         self._run("all_reduce", lambda x: dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group, async_op=True),
-                  (t,)).wait()
+                  (t,), None, 4).wait()
         return bool(t.item() > 0)
 
     def sum_scalar(self, value: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            self._run("all_reduce", lambda x: dist.all_reduce(x, group=self.group, async_op=True), (value,)).wait()
+            self._run("all_reduce", lambda x: dist.all_reduce(x, group=self.group, async_op=True), (value,), None,
+                      value.numel() * value.element_size()).wait()
         return value
 
     def broadcast_object(self, obj: Any) -> Any:

@@ -50,6 +50,12 @@ class Ledger:
         self.total = CategoryBytes()
         self._next_id = 0
         self._saved: dict[tuple[str, Category], CategoryBytes] = {}
+        self.wait_seconds = 0.0  # time blocked waiting for the offload tiers (the wall-clock breakdown reads it)
+
+    def waited(self, seconds: float) -> None:
+        """An offload tier blocked its caller ``seconds`` for a read or a write."""
+        with self._lock:
+            self.wait_seconds += seconds
 
     # -- allocation -------------------------------------------------------------------------
     def empty(self, numel: int, dtype: torch.dtype, category: Category, device: torch.device | str = "cpu",

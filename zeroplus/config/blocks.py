@@ -169,6 +169,19 @@ _REFUSED_CHECKPOINT_KEYS = {
 }
 
 
+class CommsLoggerConfig(Block):
+    """DeepSpeed's ``"comms_logger"`` block (``zeroplus/comms_log.py``)."""
+
+    enabled: bool = Field(False, description="Record every collective: count, bytes, time, algbw and busbw per kind "
+                                             "and group; engine.comms_summary() and deepspeed.comm.log_summary() "
+                                             "print it.")
+    verbose: bool = Field(False, description="Also log each collective as it completes.")
+    prof_all: bool = Field(True, description="Record every kind of collective; false: only those in prof_ops.")
+    prof_ops: list[str] = Field(default_factory=list, description="The kinds recorded when prof_all is false "
+                                                                  "(all_reduce, all_gather_into_tensor, ...).")
+    debug: bool = Field(False, description="DeepSpeed's caller names in the log; not read.")
+
+
 class CheckpointConfig(Block):
     """DeepSpeed's ``"checkpoint"`` block, as training checkpoints read it (``engine/checkpoints/save.py``)."""
 

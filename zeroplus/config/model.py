@@ -13,6 +13,7 @@ from .blocks import (
     BF16Config,
     Block,
     CheckpointConfig,
+    CommsLoggerConfig,
     FP16Config,
     NonNegativeFloat,
     OptimizerConfig,
@@ -28,7 +29,7 @@ class ZeroplusConfig(Block):
     """A whole training config. Batch fields are ``None`` until ``resolve_batch`` fills them."""
 
     ds_unimplemented: ClassVar[frozenset[str]] = frozenset({
-        "amp", "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger",
+        "amp", "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet",
         "compression_training", "data_efficiency", "curriculum_learning", "elasticity", "autotuning", "aio",
         "data_types", "dump_state", "sparse_attention", "sparse_gradients", "pipeline",
         "communication_data_type",
@@ -58,7 +59,11 @@ class ZeroplusConfig(Block):
                           "where the states are, so this has no effect.")
     dataloader_drop_last: bool = Field(
         False, description="The DeepSpeed API's training_data loader drops the last incomplete micro-batch.")
-    wall_clock_breakdown: bool = False
+    wall_clock_breakdown: bool = Field(
+        False, description="Time forward, backward (compute and reduction waits), the optimizer step, stage 3's "
+                           "gather waits and offload waits; logged every steps_per_print steps on rank 0 "
+                           "(engine/step_timers.py).")
+    comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
     memory_breakdown: bool = False
     zeroplus: ZeroplusBlock = Field(default_factory=ZeroplusBlock)
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)

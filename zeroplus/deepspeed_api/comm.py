@@ -15,6 +15,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from zeroplus import comms_log
 from zeroplus.accelerator import get_accelerator
 from zeroplus.collective_faults import set_timeout_seconds
 from zeroplus.comm import DEFAULT_TIMEOUT_SECONDS, init_distributed_if_launched
@@ -147,3 +148,21 @@ __all__ = ["ReduceOp", "all_gather", "all_gather_into_tensor", "all_gather_objec
            "get_global_rank", "get_local_rank", "get_rank", "get_world_group", "get_world_size", "init_distributed",
            "irecv", "is_available", "is_initialized", "isend", "new_group", "recv", "reduce", "reduce_scatter_tensor",
            "send"]
+
+
+def log_summary(show_straggler: bool = False) -> None:
+    """DeepSpeed's ``deepspeed.comm.log_summary()``: the communication log's table (``comms_logger``), printed
+    on rank 0 (``zeroplus/comms_log.py``; the straggler is in the table whenever one was found)."""
+    log = comms_log.current()
+    text = log.summary() if log is not None else "comms_logger is not enabled: set \"comms_logger\": " \
+                                                 "{\"enabled\": true} in the config"
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(text, flush=True)
+
+
+def configure(deepspeed_config: Any = None, enabled: bool | None = None, prof_all: bool | None = None,
+              prof_ops: list[str] | None = None, verbose: bool | None = None, debug: bool | None = None) -> None:
+    """DeepSpeed's ``deepspeed.comm.configure``: with ``enabled`` true, start this process's communication log
+    (an engine whose config enables ``comms_logger`` starts it too)."""
+    if enabled:
+        comms_log.process_log(True if prof_all is None else prof_all, prof_ops, bool(verbose))
