@@ -46,6 +46,7 @@ from .checkpoints.pretrained_load import PretrainedLoad, load_pretrained
 from .checkpoints.save import save_checkpoint
 from .compile import CompiledUnits, compile_settings
 from .exit_grace import register_exit_grace
+from .flops_profiler import FlopsProfiler, device_peak
 from .loss_scaler import LossScaler
 from .micro_step import Life, MicroStep
 from .state_offload import StateOffload
@@ -126,6 +127,7 @@ class Engine:
             self._observers.append(self.timers)
         logged = config.comms_logger
         self.comms_log = process_log(logged.prof_all, logged.prof_ops, logged.verbose) if logged.enabled else None
+        self.flops = self._flops_profiler() if config.flops_profiler.enabled else None  # flops_profiler.py
 
     # -- DeepSpeed-style accessors ------------------------------------------------------------
     def train_batch_size(self) -> int:
@@ -227,6 +229,8 @@ class Engine:
             hooks, self._first_forward_hooks = self._first_forward_hooks, []
             for hook in hooks:
                 hook(self, args, kwargs)
+        if self.flops is not None:
+            self.flops.micro_start(self.global_steps + 1)
         census = self._census()
         timed = self.timers.timed("fwd") if self.timers is not None else contextlib.nullcontext()
         self._partition.before_forward()
@@ -323,9 +327,13 @@ class Engine:
         self._partition.begin_backward(reduce)
         self._micro = self._micro.raised(MicroStep.REDUCED if reduce else
                                          MicroStep.BACKWARD if self._no_sync else MicroStep.SYNCED)
+        if self.flops is not None:
+            self.flops.before_backward()
         with self.timers.timed("bwd") if self.timers is not None else contextlib.nullcontext():
             (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
             self._partition.end_backward()
+        if self.flops is not None:
+            self.flops.after_backward()
         if not retain_graph:
             self._activations.end_backward()
         return loss
@@ -413,6 +421,8 @@ class Engine:
         self.global_samples += self.train_batch_size()
         if self.timers is not None:
             self.timers.step_done()
+        if self.flops is not None:
+            self.flops.step_end(self.dp.rank)
         if self.global_steps % self.config.steps_per_print == 0:
             self._report_time()
             if self.dp.rank == 0:
@@ -421,6 +431,16 @@ class Engine:
                             self.memory_report().peak_line())
             if self.config.memory_breakdown:
                 logger.info("step %d\n%s", self.global_steps, self.memory_report())
+
+    def _flops_profiler(self) -> FlopsProfiler:
+        groups, part = self._partition.groups, self._partition
+        trained = sum(g.numel for g in groups)
+        flat = {id(p) for g in part.groups + part.frozen for p in g.params}
+        total = trained + sum(g.numel for g in part.frozen) + sum(
+            p.numel() for p in self._module.parameters() if id(p) not in flat)
+        dtype = groups[0].compute_dtype if groups else torch.float32
+        peak = device_peak(self.accelerator, dtype, self.config.zeroplus.peak_tflops)
+        return FlopsProfiler(self.config.flops_profiler, peak, (total, trained), self._module)
 
     def _report_time(self) -> None:
         """Every ``steps_per_print`` steps: the wall-clock breakdown's line on rank 0 and the straggler's tally
@@ -431,6 +451,10 @@ class Engine:
                 logger.info("step %d: %s", self.global_steps, StepTimers.line(report))
         if self.comms_log is not None:
             self.comms_log.straggler(self.dp)
+        if self.flops is not None:
+            rate = self.flops.report()
+            if rate and self.dp.rank == 0:
+                logger.info("step %d: %s", self.global_steps, self.flops.line(rate))
 
     def comms_summary(self) -> str:
         """The communication log's table (``comms_logger`` enabled), or a line saying it is off."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import platform
 import resource
 from typing import Any
 
@@ -57,6 +58,10 @@ class Accelerator:
 
     def is_available(self) -> bool:
         return True
+
+    def device_name(self) -> str:
+        """The device's model name (the FLOPs profiler looks its peak up by it)."""
+        return platform.processor() or platform.machine()
 
     def current_stream(self) -> Any:
         return _NullStream()
@@ -112,6 +117,9 @@ class _StreamAccelerator(Accelerator):
 
     def is_available(self) -> bool:
         return bool(self.module.is_available())
+
+    def device_name(self) -> str:
+        return str(self.module.get_device_name())
 
     def current_stream(self) -> Any:
         return self.module.current_stream()

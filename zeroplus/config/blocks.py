@@ -182,6 +182,20 @@ class CommsLoggerConfig(Block):
     debug: bool = Field(False, description="DeepSpeed's caller names in the log; not read.")
 
 
+class FlopsProfilerConfig(Block):
+    """DeepSpeed's ``"flops_profiler"`` block (``engine/flops_profiler.py``)."""
+
+    enabled: bool = Field(False, description="Count the FLOPs of one training step (torch's FlopCounterMode on the "
+                                             "real step) and report TFLOP/s and MFU every steps_per_print steps.")
+    profile_step: PositiveInt = Field(1, description="The optimizer step (1-based) whose FLOPs are counted.")
+    module_depth: int = Field(-1, description="Module levels in the profile; -1: all.")
+    top_modules: PositiveInt = Field(1, description="The largest modules listed at each level.")
+    detailed: bool = Field(True, description="DeepSpeed's per-module listing; the profile always lists modules.")
+    output_file: str | None = Field(None, description="Also write the profile to this file (rank 0).")
+    recompute_fwd_factor: float = Field(0.0, description="DeepSpeed's estimate of recomputed forwards; not read: "
+                                                         "recomputation is counted as it runs.")
+
+
 class CheckpointConfig(Block):
     """DeepSpeed's ``"checkpoint"`` block, as training checkpoints read it (``engine/checkpoints/save.py``)."""
 
@@ -324,6 +338,9 @@ class ZeroplusBlock(Block):
     keep_latest_k: PositiveInt | None = Field(
         None, description="Training checkpoints kept in a save directory: after each save commits, older ones beyond "
                           "the k newest are removed (never the one 'latest' names). Unset: all are kept.")
+    peak_tflops: float | None = Field(
+        None, gt=0, description="Peak TFLOP/s of one device in the compute dtype, for the FLOPs profiler's MFU "
+                                "(default: the datasheet's for known GPUs and NPUs, a measured matmul on CPU).")
     master_step_chunk: PositiveInt = Field(
         1 << 20, description="Elements per chunk when the optimizer steps a shared (split) master.")
 

@@ -14,6 +14,7 @@ from .blocks import (
     Block,
     CheckpointConfig,
     CommsLoggerConfig,
+    FlopsProfilerConfig,
     FP16Config,
     NonNegativeFloat,
     OptimizerConfig,
@@ -29,7 +30,7 @@ class ZeroplusConfig(Block):
     """A whole training config. Batch fields are ``None`` until ``resolve_batch`` fills them."""
 
     ds_unimplemented: ClassVar[frozenset[str]] = frozenset({
-        "amp", "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet",
+        "amp", "tensorboard", "wandb", "csv_monitor", "comet",
         "compression_training", "data_efficiency", "curriculum_learning", "elasticity", "autotuning", "aio",
         "data_types", "dump_state", "sparse_attention", "sparse_gradients", "pipeline",
         "communication_data_type",
@@ -64,6 +65,7 @@ class ZeroplusConfig(Block):
                            "gather waits and offload waits; logged every steps_per_print steps on rank 0 "
                            "(engine/step_timers.py).")
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     memory_breakdown: bool = False
     zeroplus: ZeroplusBlock = Field(default_factory=ZeroplusBlock)
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)

@@ -1,0 +1,64 @@
+"""FLOPs and MFU (issue 40 item 3): ``"flops_profiler"``.
+
+In one process, a stack of three bias-free ``Linear`` layers trains with the profiler on. The FLOPs torch's
+counter saw on the real step equal the textbook count of its matrix products (each layer's forward ``2 T i o``
+for ``T`` tokens, backward the weight's gradient ``2 T i o`` and, for every layer but the first, whose input
+needs no gradient, the input's ``2 T i o``); the profile splits forward and backward that way, lists each
+layer's forward FLOPs and goes to ``output_file``; a report after later steps gives TFLOP/s and the MFU
+against ``zeroplus.peak_tflops``. The peak table finds the parts it names.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zeroplus
+from zeroplus.engine.flops_profiler import known_peak
+
+SIZES = [(16, 32), (32, 24), (24, 16)]
+TOKENS = 2 * 5
+
+
+class _Linears(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(i, o, bias=False) for i, o in SIZES)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return F.mse_loss(x, y)
+
+
+@pytest.mark.fast
+def test_the_counted_flops_are_the_steps_matrix_products_and_give_an_mfu(tmp_path):
+    out = tmp_path / "profile.txt"
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "steps_per_print": 3, "flops_profiler": {"enabled": True, "profile_step": 2, "output_file": str(out),
+                                                    "module_depth": 2, "top_modules": 3},
+           "zeroplus": {"log_level": "warning", "memory_estimate": False, "peak_tflops": 1.5}}
+    engine = zeroplus.initialize(_Linears(), cfg)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(6):
+        engine.backward(engine(torch.randn(2, 5, 16, generator=g), torch.randn(2, 5, 16, generator=g)))
+        engine.step()
+    products = [2 * TOKENS * i * o for i, o in SIZES]
+    forward, backward = sum(products), sum(products) + sum(products[1:])
+    profiler = engine.flops
+    assert profiler.flops_per_step == forward + backward and profiler.forward_flops == forward
+    assert profiler.modules["layers.0"] == products[0] and profiler.modules["layers.2"] == products[2]
+    assert profiler.params == profiler.trained == sum(i * o for i, o in SIZES)
+    text = out.read_text()
+    assert "step 2" in text and "layers.1" in text and "zeroplus.peak_tflops" in text, text
+    report = profiler.last
+    assert report["flops_per_step"] == forward + backward and report["tflops"] > 0
+    assert report["mfu"] == pytest.approx(report["tflops"] / 1.5)
+
+
+def test_the_peak_table_knows_the_parts_it_names():
+    assert known_peak("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989.5
+    assert known_peak("NVIDIA A100-SXM4-80GB", torch.float32) == 19.5
+    assert known_peak("Ascend910B3", torch.float16) == 313.0
+    assert known_peak("Some Future Part", torch.bfloat16) is None
