@@ -10,7 +10,7 @@ $(STAMP): setup.py
 	python3 -m venv $(VENV)
 	# torch==2.13.0 first: the CPU build on this machine's disk, not a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test,deepspeed,plotting]"
+	$(PY) -m pip install -q -e ".[test,deepspeed,plotting,monitors]"
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -27,6 +27,7 @@ setup(
         "deepspeed": ["deepspeed==0.19.8"],
         "npu": ["torch_npu"],
         "plotting": ["matplotlib"],
+        "monitors": ["tensorboard==2.21.0", "wandb==0.31.0"],
         "test": ["pytest>=7", "pytest-timeout", "ruff", "mypy==2.4.1", "transformers==5.23.0", "accelerate==1.15.0",
                  "peft==0.21.2", "trl==1.16.0", "bitsandbytes==0.50.2"],
     },

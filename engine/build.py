@@ -52,6 +52,7 @@ from zeroplus.zero.units import frozen_dtype
 
 from .engine import Engine, TrainingParts
 from .loss_scaler import LossScaler
+from .monitors import check_packages
 
 logger = logging.getLogger("zeroplus.engine")
 
@@ -112,6 +113,8 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
     model_parallel = parallel is not None and parallel.model.size > 1
     split = model_parallel or (parallel is not None and parallel.expert.size > 1)  # beyond data parallelism
     _check_request(model, cfg, parallel, optimizer, lr_scheduler)
+    if simulated is None:
+        check_packages(cfg, parallel.global_rank if parallel is not None else dp.rank)
     _warn_inert_options(cfg)
     model_bytes = _device_bytes(model, accel)  # already there: they count as the engine's, as in the estimate
     pipelined = parallel is not None and parallel.topology.pipeline > 1
@@ -176,7 +179,8 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
                               _activation_techniques(model, cfg, ledger, accel, context))
         if context > 1 and parallel is not None:
             _split_sequences(model, parallel)
-        return Engine(model, cfg, parts, dp, ledger, accel, rss_at_start - model_bytes, parallel)
+        return Engine(model, cfg, parts, dp, ledger, accel, rss_at_start - model_bytes, parallel,
+                      observed=simulated is None)
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ from zeroplus.accelerator import Accelerator
 from zeroplus.activations import SavedTensorRouter
 from zeroplus.activations.forward_census import ForwardCensus, storage_keys_of
 from zeroplus.comm import Collectives
-from zeroplus.comms_log import process_log
+from zeroplus.comms_log import CommsLog
 from zeroplus.config import ResolvedConfig, ZeroStage
 from zeroplus.eager import compiled_modules
 from zeroplus.ledger import Ledger
@@ -46,11 +46,12 @@ from .checkpoints.pretrained_load import PretrainedLoad, load_pretrained
 from .checkpoints.save import save_checkpoint
 from .compile import CompiledUnits, compile_settings
 from .exit_grace import register_exit_grace
-from .flops_profiler import FlopsProfiler, device_peak
+from .flops_profiler import FlopsProfiler
 from .loss_scaler import LossScaler
 from .micro_step import Life, MicroStep
 from .state_offload import StateOffload
 from .step_timers import StepTimers
+from .watch import Watch
 
 logger = logging.getLogger("zeroplus.engine")
 
@@ -73,10 +74,13 @@ _COUNTERS = ("global_steps", "micro_steps", "global_samples", "skipped_steps")  
 
 class Engine:
     def __init__(self, module: torch.nn.Module, config: ResolvedConfig, parts: TrainingParts, dp: Collectives,
-                 ledger: Ledger, accelerator: Accelerator, baseline_bytes: int, parallel: Any = None) -> None:
+                 ledger: Ledger, accelerator: Accelerator, baseline_bytes: int, parallel: Any = None,
+                 observed: bool = True) -> None:
         """``parts``: what ``build_engine`` assembled. ``baseline_bytes``: the device's memory at
         ``initialize`` without the model's own bytes (the peak above it is what ``zeroplus.estimate`` predicts).
-        ``parallel``: the ParallelGroups when the model is split beyond data parallelism, else None."""
+        ``parallel``: the ParallelGroups when the model is split beyond data parallelism, else None.
+        ``observed``: the timers, the communication log, the FLOPs profiler and the monitors the config asks
+        for (False: the estimator's simulated engine, which has none)."""
         self._module = module
         self.config = config
         self.optimizer = parts.optimizer
@@ -120,14 +124,10 @@ class Engine:
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0
-        # wall_clock_breakdown (step_timers.py) and comms_logger (zeroplus/comms_log.py): None when off
-        self.timers = StepTimers(accelerator, ledger) if config.wall_clock_breakdown else None
-        if self.timers is not None:
-            comm_observers.attach(self.timers)
-            self._observers.append(self.timers)
-        logged = config.comms_logger
-        self.comms_log = process_log(logged.prof_all, logged.prof_ops, logged.verbose) if logged.enabled else None
-        self.flops = self._flops_profiler() if config.flops_profiler.enabled else None  # flops_profiler.py
+        # wall_clock_breakdown, comms_logger, flops_profiler and the monitors, those the config enables (watch.py)
+        self._watch = Watch(config, accelerator, ledger, module, parts.partition,
+                            parallel.global_rank if parallel is not None else dp.rank, observed)
+        self._observers.extend(self._watch.observers)
 
     # -- DeepSpeed-style accessors ------------------------------------------------------------
     def train_batch_size(self) -> int:
@@ -229,10 +229,8 @@ class Engine:
             hooks, self._first_forward_hooks = self._first_forward_hooks, []
             for hook in hooks:
                 hook(self, args, kwargs)
-        if self.flops is not None:
-            self.flops.micro_start(self.global_steps + 1)
+        timed = self._watch.forward(args, kwargs, self.global_steps + 1)
         census = self._census()
-        timed = self.timers.timed("fwd") if self.timers is not None else contextlib.nullcontext()
         self._partition.before_forward()
         try:
             with timed, self._activations.forward(), census if census is not None else contextlib.nullcontext():
@@ -327,13 +325,9 @@ class Engine:
         self._partition.begin_backward(reduce)
         self._micro = self._micro.raised(MicroStep.REDUCED if reduce else
                                          MicroStep.BACKWARD if self._no_sync else MicroStep.SYNCED)
-        if self.flops is not None:
-            self.flops.before_backward()
-        with self.timers.timed("bwd") if self.timers is not None else contextlib.nullcontext():
+        with self._watch.backward(loss):
             (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
             self._partition.end_backward()
-        if self.flops is not None:
-            self.flops.after_backward()
         if not retain_graph:
             self._activations.end_backward()
         return loss
@@ -405,7 +399,7 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return
-        with self.timers.timed("step") if self.timers is not None else contextlib.nullcontext():
+        with self._watch.step():
             self._saves.wait_staged()  # an asynchronous save has its copy of what this step changes
             stepped = self._step.step(self.loss_scaler.scale)
             self._last_step_applied = stepped
@@ -419,12 +413,9 @@ class Engine:
             self._partition.after_step()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
-        if self.timers is not None:
-            self.timers.step_done()
-        if self.flops is not None:
-            self.flops.step_end(self.dp.rank)
+        self._watch.step_end(self)
         if self.global_steps % self.config.steps_per_print == 0:
-            self._report_time()
+            self._watch.report(self)
             if self.dp.rank == 0:
                 logger.info("step %d: lr %s, grad norm %.4g, loss scale %g; %s", self.global_steps, self.get_lr(),
                             self._step.last_grad_norm or 0.0, self.loss_scaler.scale,
@@ -432,29 +423,20 @@ class Engine:
             if self.config.memory_breakdown:
                 logger.info("step %d\n%s", self.global_steps, self.memory_report())
 
-    def _flops_profiler(self) -> FlopsProfiler:
-        groups, part = self._partition.groups, self._partition
-        trained = sum(g.numel for g in groups)
-        flat = {id(p) for g in part.groups + part.frozen for p in g.params}
-        total = trained + sum(g.numel for g in part.frozen) + sum(
-            p.numel() for p in self._module.parameters() if id(p) not in flat)
-        dtype = groups[0].compute_dtype if groups else torch.float32
-        peak = device_peak(self.accelerator, dtype, self.config.zeroplus.peak_tflops)
-        return FlopsProfiler(self.config.flops_profiler, peak, (total, trained), self._module)
+    @property
+    def timers(self) -> StepTimers | None:
+        """The wall-clock breakdown (``wall_clock_breakdown``; ``step_timers.py``), or None."""
+        return self._watch.timers
 
-    def _report_time(self) -> None:
-        """Every ``steps_per_print`` steps: the wall-clock breakdown's line on rank 0 and the straggler's tally
-        (one small all-gather over the data group) when those are on."""
-        if self.timers is not None:
-            report = self.timers.report()
-            if self.dp.rank == 0:
-                logger.info("step %d: %s", self.global_steps, StepTimers.line(report))
-        if self.comms_log is not None:
-            self.comms_log.straggler(self.dp)
-        if self.flops is not None:
-            rate = self.flops.report()
-            if rate and self.dp.rank == 0:
-                logger.info("step %d: %s", self.global_steps, self.flops.line(rate))
+    @property
+    def comms_log(self) -> CommsLog | None:
+        """The communication log (``comms_logger``; ``zeroplus/comms_log.py``), or None."""
+        return self._watch.comms_log
+
+    @property
+    def flops(self) -> FlopsProfiler | None:
+        """The FLOPs profiler (``flops_profiler``; ``flops_profiler.py``), or None."""
+        return self._watch.flops
 
     def comms_summary(self) -> str:
         """The communication log's table (``comms_logger`` enabled), or a line saying it is off."""
@@ -590,8 +572,7 @@ class Engine:
             self._saves.wait()  # an asynchronous save committed first; its failure raised after the rest
         finally:
             self._finalizer.detach()
-            for observer in self._observers:
-                comm_observers.detach(observer)
+            self._watch.close()
             self._partition.remove()
             self._activations.remove()
             if self._compiled is not None:

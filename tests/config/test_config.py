@@ -37,9 +37,9 @@ def test_misspelt_nested_key_names_its_path():
 
 
 def test_unimplemented_deepspeed_keys_are_collected_not_fatal():
-    _, unimplemented = parse_config({"train_batch_size": 8, "wandb": {"enabled": False},
+    _, unimplemented = parse_config({"train_batch_size": 8, "eigenvalue": {"enabled": False},
                                      "zero_optimization": {"stage": 1, "round_robin_gradients": True}})
-    assert unimplemented == ["wandb", "zero_optimization.round_robin_gradients"]
+    assert unimplemented == ["eigenvalue", "zero_optimization.round_robin_gradients"]
 
 
 def test_wrong_type_and_range_name_key_and_value():

@@ -141,13 +141,13 @@ def test_inert_and_unimplemented_options_are_warned_about_once(caplog):
     try:
         with caplog.at_level(logging.WARNING, logger="zeroplus"):
             zeroplus.initialize(ParityNet(), {
-                **BASE, "zeroplus": {"log_level": "warning"}, "wandb": {"enabled": False},
+                **BASE, "zeroplus": {"log_level": "warning"}, "eigenvalue": {"enabled": False},
                 "optimizer": {"type": "AdamW", "params": {"lr": 0.1, "torch_adam": True}},
                 "zero_optimization": {"stage": 1, "allgather_bucket_size": 2e8, "sub_group_size": 1e8}})
     finally:
         logger.removeHandler(caplog.handler)
     text = caplog.text
-    assert "does not implement yet (ignored): wandb" in text
+    assert "does not implement yet (ignored): eigenvalue" in text
     assert "accepted but without effect yet: zero_optimization.allgather_bucket_size; " \
            "zero_optimization.sub_group_size" in text
     assert "['torch_adam'] are DeepSpeed-only" in text

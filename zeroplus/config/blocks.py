@@ -196,6 +196,45 @@ class FlopsProfilerConfig(Block):
                                                          "recomputation is counted as it runs.")
 
 
+class TensorBoardConfig(Block):
+    """DeepSpeed's ``"tensorboard"`` block (``engine/monitors.py``)."""
+
+    enabled: bool = Field(False, description="Rank 0 writes the training events with torch.utils.tensorboard.")
+    output_path: str = Field("", description="Directory of the event files (job_name inside it).")
+    job_name: str = Field("DeepSpeedJobName", description="Sub-directory of output_path for this run.")
+
+
+class CsvMonitorConfig(Block):
+    """DeepSpeed's ``"csv_monitor"`` block (``engine/monitors.py``)."""
+
+    enabled: bool = Field(False, description="Rank 0 writes one CSV file per training event.")
+    output_path: str = Field("", description="Directory of the CSV files (job_name inside it).")
+    job_name: str = Field("DeepSpeedJobName", description="Sub-directory of output_path for this run.")
+
+
+class WandbConfig(Block):
+    """DeepSpeed's ``"wandb"`` block (``engine/monitors.py``; WANDB_MODE=offline keeps the run on disk)."""
+
+    enabled: bool = Field(False, description="Rank 0 logs the training events to Weights & Biases.")
+    group: str | None = Field(None, description="wandb.init's group.")
+    team: str | None = Field(None, description="wandb.init's entity.")
+    project: str = Field("deepspeed", description="wandb.init's project.")
+
+
+class CometConfig(Block):
+    """DeepSpeed's ``"comet"`` block (``engine/monitors.py``)."""
+
+    enabled: bool = Field(False, description="Rank 0 logs the training events to Comet (comet_ml).")
+    samples_log_interval: PositiveInt = Field(100, description="DeepSpeed's; events are logged every step here.")
+    project: str | None = None
+    workspace: str | None = None
+    api_key: str | None = None
+    experiment_name: str | None = None
+    experiment_key: str | None = None
+    online: bool | None = None
+    mode: str | None = None
+
+
 class CheckpointConfig(Block):
     """DeepSpeed's ``"checkpoint"`` block, as training checkpoints read it (``engine/checkpoints/save.py``)."""
 

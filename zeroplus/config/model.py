@@ -13,14 +13,18 @@ from .blocks import (
     BF16Config,
     Block,
     CheckpointConfig,
+    CometConfig,
     CommsLoggerConfig,
+    CsvMonitorConfig,
     FlopsProfilerConfig,
     FP16Config,
     NonNegativeFloat,
     OptimizerConfig,
     PositiveInt,
     SchedulerConfig,
+    TensorBoardConfig,
     TensorParallelConfig,
+    WandbConfig,
     ZeroConfig,
     ZeroplusBlock,
 )
@@ -30,7 +34,7 @@ class ZeroplusConfig(Block):
     """A whole training config. Batch fields are ``None`` until ``resolve_batch`` fills them."""
 
     ds_unimplemented: ClassVar[frozenset[str]] = frozenset({
-        "amp", "tensorboard", "wandb", "csv_monitor", "comet",
+        "amp",
         "compression_training", "data_efficiency", "curriculum_learning", "elasticity", "autotuning", "aio",
         "data_types", "dump_state", "sparse_attention", "sparse_gradients", "pipeline",
         "communication_data_type",
@@ -66,6 +70,10 @@ class ZeroplusConfig(Block):
                            "(engine/step_timers.py).")
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    csv_monitor: CsvMonitorConfig = Field(default_factory=CsvMonitorConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    comet: CometConfig = Field(default_factory=CometConfig)
     memory_breakdown: bool = False
     zeroplus: ZeroplusBlock = Field(default_factory=ZeroplusBlock)
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
