@@ -9,6 +9,7 @@ With everything off each call is a few ``is None`` tests. The estimator's simula
 
 Memory: each part's (a few numbers; the step's loss summed on the device, read once per step when a monitor
 is on).
+See note: watch (docs/design-notes.md).
 """
 from __future__ import annotations
 
