@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from zeroplus import comm_observers
+from zeroplus import comm_observers, fault_dumps
 from zeroplus.accelerator import Accelerator
 from zeroplus.activations import SavedTensorRouter
 from zeroplus.activations.forward_census import ForwardCensus, storage_keys_of
@@ -470,6 +470,7 @@ class Engine:
         staged, the file and the commit following in the background (``wait_for_checkpoint()``); ``format``
         (default ``zeroplus.checkpoint_format``): "dcp" writes a torch.distributed.checkpoint for FSDP2."""
         self._checkpoint_saved = True
+        fault_dumps.set_phase("checkpoint save")
         return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters,
                                keep_latest_k, async_save, format)
 
@@ -488,6 +489,7 @@ class Engine:
         """Every rank calls it; any data-parallel size and stage; returns ``(path, client_state)``;
         ``strict`` False keeps the frozen parameters a checkpoint lacks."""
         self._saves.wait()  # an asynchronous save committed (or raising) first
+        fault_dumps.set_phase("checkpoint load")
         return load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
                                strict=strict)

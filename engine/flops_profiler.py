@@ -16,15 +16,16 @@ as the profile counts it).
 
 The peak (TFLOP/s of one device in the compute dtype): ``zeroplus.peak_tflops`` when set; else a table of
 dense tensor-core peaks for known CUDA and Ascend parts (matched in the device name); on CPU a measured one:
-the best of a few timed square matrix products in the compute dtype at the engine's start (a few tenths of
-a second), with every core the process may use. Memory: the counter's per-module table (a few numbers per
+the best of a few timed square matrix products in the compute dtype, timed when first needed (after the
+profiled step: a few tenths of a second, a few MB below the training peak), with every core the process may
+use. Memory: the counter's per-module table (a few numbers per
 module) during the profiled step.
 """
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -77,10 +78,14 @@ def device_peak(accelerator: Any, dtype: torch.dtype, override: float | None) ->
 class FlopsProfiler:
     """Counts one step's FLOPs; turns later steps' times into TFLOP/s and MFU."""
 
-    def __init__(self, block: Any, peak: tuple[float, str], params: tuple[int, int], module: torch.nn.Module) -> None:
+    def __init__(self, block: Any, peak: Callable[[], tuple[float, str]], params: tuple[int, int],
+                 module: torch.nn.Module) -> None:
+        """``peak``: gives the peak and its source when first needed (on CPU it times matrix products: after
+        the profiled step, below the training peak)."""
         self.block, self._module = block, module
         self._hooks: list[Any] = []
-        self.peak, self.peak_source = peak
+        self._peak = peak
+        self._resolved: tuple[float, str] | None = None
         self.params, self.trained = params
         self.flops_per_step: int | None = None  # counted at profile_step
         self.forward_flops = 0
@@ -90,6 +95,20 @@ class FlopsProfiler:
         self._since: float | None = None  # when the steps of the current report began
         self._steps = 0
         self.last: dict[str, float] = {}
+
+    @property
+    def peak(self) -> float:
+        """Peak TFLOP/s of one device in the compute dtype."""
+        return self._peak_and_source()[0]
+
+    @property
+    def peak_source(self) -> str:
+        return self._peak_and_source()[1]
+
+    def _peak_and_source(self) -> tuple[float, str]:
+        if self._resolved is None:
+            self._resolved = self._peak()
+        return self._resolved
 
     @property
     def counting(self) -> bool:

@@ -5,7 +5,9 @@ profiler (``flops_profiler.py``) and the monitors (``monitors.py``) each need th
 begins (its inputs), a backward begins (its loss) and ends, an optimizer step is taken, and every
 ``steps_per_print`` steps a report. ``Watch`` holds whichever the config enabled (None for the others) and
 turns those moments into their calls, so the engine's forward, backward and step each make one call here.
-With everything off each call is a few ``is None`` tests. The estimator's simulated engine watches nothing.
+Each also names the engine's phase for the fault dumps and turns an out-of-memory error into a dump of the
+rank's memory (``zeroplus/fault_dumps.py``). With everything off each call is a few ``is None`` tests and a
+context manager. The estimator's simulated engine watches nothing.
 
 Memory: each part's (a few numbers; the step's loss summed on the device, read once per step when a monitor
 is on).
@@ -21,7 +23,7 @@ from typing import Any
 
 import torch
 
-from zeroplus import comm_observers
+from zeroplus import comm_observers, fault_dumps
 from zeroplus.comms_log import CommsLog, process_log
 from zeroplus.ledger import Category
 
@@ -48,7 +50,7 @@ class Watch:
 
     def __init__(self, config: Any, accelerator: Any, ledger: Any, module: torch.nn.Module, partition: Any,
                  rank: int, observed: bool) -> None:
-        self.ledger = ledger
+        self.ledger, self._accelerator, self._rank = ledger, accelerator, rank
         self.timers = StepTimers(accelerator, ledger) if config.wall_clock_breakdown and observed else None
         if self.timers is not None:
             comm_observers.attach(self.timers)
@@ -68,30 +70,40 @@ class Watch:
         """What this engine attached to the collectives (detached when it ends)."""
         return [self.timers] if self.timers is not None else []
 
-    def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any], next_step: int) -> Any:
+    @contextlib.contextmanager
+    def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any], next_step: int) -> Iterator[None]:
         """Around a forward of optimizer step ``next_step``."""
+        fault_dumps.set_phase("forward")
         if self.flops is not None:
             self.flops.micro_start(next_step)
         if self.monitors is not None:
             self._tokens += tokens_in(args, kwargs)
-        return self.timers.timed("fwd") if self.timers is not None else contextlib.nullcontext()
+        with self._timed("fwd"), self._guard():
+            yield
+
+    def _timed(self, name: str) -> Any:
+        return self.timers.timed(name) if self.timers is not None else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def backward(self, loss: torch.Tensor) -> Iterator[None]:
         """Around a backward of ``loss``."""
+        fault_dumps.set_phase("backward")
         if self.flops is not None:
             self.flops.before_backward()
         if self.monitors is not None:
             self._loss = loss.detach().float() + (self._loss if self._loss is not None else 0.0)
             self._losses += 1
-        with self.timers.timed("bwd") if self.timers is not None else contextlib.nullcontext():
+        with self._timed("bwd"), self._guard():
             yield
         if self.flops is not None:
             self.flops.after_backward()
 
-    def step(self) -> Any:
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
         """Around the optimizer step."""
-        return self.timers.timed("step") if self.timers is not None else contextlib.nullcontext()
+        fault_dumps.set_phase("step")
+        with self._timed("step"), self._guard():
+            yield
 
     def step_end(self, engine: Any) -> None:
         """After the optimizer step and the counters: count it, and write its monitors' events."""
@@ -153,6 +165,17 @@ class Watch:
                        for name, value in engine.budget.category_peaks.items()]
         return events
 
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        """Around the engine's forward, backward and step: an out-of-memory error leaves the rank's memory state
+        in a file its note names (``zeroplus/fault_dumps.py``) on its way up."""
+        try:
+            yield
+        except BaseException as err:
+            if fault_dumps.is_out_of_memory(err):
+                fault_dumps.out_of_memory(err, self._rank, self.ledger, self._accelerator)
+            raise
+
     def close(self) -> None:
         """The engine ends: observers detached, monitors' files closed."""
         for observer in self.observers:
@@ -168,5 +191,5 @@ def _flops_profiler(config: Any, accelerator: Any, module: torch.nn.Module, part
     total = trained + sum(g.numel for g in partition.frozen) + sum(
         p.numel() for p in module.parameters() if id(p) not in flat)
     dtype = groups[0].compute_dtype if groups else torch.float32
-    peak = device_peak(accelerator, dtype, config.zeroplus.peak_tflops)
-    return FlopsProfiler(config.flops_profiler, peak, (total, trained), module)
+    return FlopsProfiler(config.flops_profiler, lambda: device_peak(accelerator, dtype, config.zeroplus.peak_tflops),
+                         (total, trained), module)

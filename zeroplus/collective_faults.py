@@ -8,7 +8,9 @@ failing ranks hold a roll call in the job's key-value store (the rendezvous stor
 already has; the process group itself is unusable after a gloo timeout): each posts where it is
 stuck, waits up to ``ROLL_CALL_SECONDS`` for the others, and the ranks that never posted are the ones
 that did not arrive (stalled elsewhere, or dead). Ranks stuck in different collectives (a divergent
-program) are listed with theirs. Costs nothing until a collective fails.
+program) are listed with theirs. Each failing rank also writes what it was doing (its phase, the
+collective, every thread's stack) to a file the error names (``fault_dumps.py``). Costs nothing until a
+collective fails.
 See note: who did not arrive (docs/design-notes.md).
 """
 from __future__ import annotations
@@ -18,6 +20,8 @@ import time
 from typing import Any
 
 import torch.distributed as dist
+
+from . import fault_dumps
 
 logger = logging.getLogger("zeroplus.comm")
 
@@ -71,10 +75,15 @@ def collective_failed(kind: str, label: str, seq: int, rank: int, size: int, err
     """The error to raise for ``err``, raised by collective ``kind`` (number ``seq``) in group ``label``."""
     where = f"{kind} #{seq} in the {label} group"
     timeout = current_timeout_seconds()
+    who = _roll_call(where)
+    backend = str(err).strip().splitlines()[0] if str(err).strip() else str(type(err))
+    dump = fault_dumps.write("collective", rank, [f"collective: {where} ({size} ranks)", f"roll call: {who}",
+                                                  f"backend: {backend}"])
     error = CollectiveError(
         f"zeroplus: {where} ({size} ranks) failed on rank {rank}"
         + (f" (collective timeout {timeout:g} s, config key 'zeroplus.collective_timeout')" if timeout else "")
-        + f": {_roll_call(where)}. Backend: {str(err).strip().splitlines()[0] if str(err).strip() else type(err)}")
+        + f": {who}. Backend: {backend}"
+        + (f". What this rank was doing (phase, collective, stacks): {dump}" if dump else ""))
     logger.error("%s", error)
     return error
 

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from . import fault_dumps
 from .accelerator import get_accelerator
 from .budget.estimate import estimate
 from .budget.first_use import code_resident
@@ -77,6 +78,9 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     code = code_resident() if predicts and accel.name == "cpu" else None
     init_distributed_if_launched(cfg.zeroplus.collective_timeout)
     setup_logging(cfg.zeroplus.log_level)
+    fault_dumps.set_dump_dir(cfg.zeroplus.dump_dir)
+    if cfg.zeroplus.memory_history:
+        fault_dumps.record_memory_history(accel)
     if unimplemented:
         log_rank0("config keys DeepSpeed knows but zeroplus does not implement yet (ignored): %s",
                   ", ".join(unimplemented), level=logging.WARNING)

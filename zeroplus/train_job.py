@@ -1,9 +1,10 @@
 """The main job: train the built-in byte-level GPT on a local text corpus with a zeroplus config.
 
 Runs on every rank (launched by ``zeroplus train`` through torchrun). Rank 0 shows a progress bar
-with loss, tokens/s and memory, then a summary: final and held-out loss, each rank's peak
-memory by ledger category, and the checkpoint it saved (``--save-dir``; ``--resume`` continues
-from the latest one there).
+with loss, tokens/s, memory, and where a step's time goes with the MFU (the wall-clock breakdown and the
+FLOPs profiler are turned on unless the config sets them), then a summary: final and held-out loss, the
+time split and MFU, each rank's peak memory by ledger category, and the checkpoint it saved
+(``--save-dir``; ``--resume`` continues from the latest one there).
 """
 from __future__ import annotations
 
@@ -51,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-dir", default="runs/zeroplus-gpt", help="checkpoint directory ('' to not save)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
+    p.add_argument("--profile", nargs="?", const="runs/profile", default=None, metavar="DIR",
+                   help="record a torch.profiler trace of steps 3-5 on every rank into DIR (default runs/profile): "
+                        "one rankR.*.pt.trace.json each, for Perfetto, chrome://tracing or TensorBoard")
     return p.parse_args(argv)
 
 
@@ -67,6 +71,53 @@ def with_context(path: str, context: int) -> dict[str, Any]:
     return cfg
 
 
+def watched(config: str | dict[str, Any]) -> dict[str, Any]:
+    """``config`` with the wall-clock breakdown and the FLOPs profiler on where it does not set them: the progress
+    bar and the summary show where a step's time goes and the MFU."""
+    if isinstance(config, dict):
+        cfg = dict(config)
+    else:
+        with open(config) as f:
+            cfg = json.load(f)
+    cfg.setdefault("wall_clock_breakdown", True)
+    cfg.setdefault("flops_profiler", {"enabled": True, "profile_step": 2})
+    return cfg
+
+
+def time_split(engine: Any, fresh: bool = False) -> str:
+    """The step's time split and the MFU, as the progress bar and the summary show them ("" when off).
+    ``fresh``: report the steps since the engine's last report first (the summary)."""
+    timers, flops = engine.timers, engine.flops
+    if fresh and timers is not None and timers.steps:
+        timers.report()
+    if fresh and flops is not None:
+        flops.report()
+    parts = []
+    if timers is not None and timers.last:
+        t = timers.last
+        parts.append(f"fwd {t['fwd']:.0f} | bwd {t['bwd']:.0f} (reduce wait {t['bwd_allreduce']:.0f}) | "
+                     f"step {t['step']:.0f} | gather wait {t['gather_wait']:.0f} ms")
+    if flops is not None and flops.last:
+        parts.append(f"MFU {100 * flops.last['mfu']:.1f}%")
+    return ", ".join(parts)
+
+
+def trace(directory: str | None, engine: Any) -> Any:
+    """``--profile``: a started ``torch.profiler`` that skips two steps, warms up on none and records three, each
+    rank writing its trace into ``directory`` (host activity; the device's too where there is one)."""
+    if directory is None:
+        return None
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if engine.accelerator.name == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    profiler = torch.profiler.profile(
+        activities=activities, schedule=torch.profiler.schedule(wait=2, warmup=0, active=3, repeat=1),
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(directory, worker_name=f"rank{rank}"))
+    profiler.start()
+    return profiler
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
@@ -75,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.context is not None:
         config = with_context(config, args.context)
         label += f" with zeroplus.parallel.context {args.context}"
+    config = watched(config)
     parallel = zeroplus.init_parallel(config).topology  # before the model: its split layers need the groups
     if parallel.expert > 1 and args.experts % parallel.expert:
         raise SystemExit(f"zeroplus train: config {label} splits experts over {parallel.expert} ranks; give "
@@ -100,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     gas = engine.gradient_accumulation_steps()
     tokens_per_step = engine.train_batch_size() * args.seq_len
     bar = tqdm(total=args.steps, disable=not main_rank, unit="step", dynamic_ncols=True)
+    profiler = trace(args.profile, engine)
     start, loss_value = time.perf_counter(), float("nan")
     first_step = engine.global_steps
     for step in range(first_step, first_step + args.steps):
@@ -111,18 +164,26 @@ def main(argv: list[str] | None = None) -> None:
             engine.backward(loss)
             engine.step()
             loss_value = loss.item()
+        if profiler is not None:
+            profiler.step()
         if main_rank:
             elapsed = time.perf_counter() - start
             peak = engine.memory_report().process_peak_above_start_bytes
             done = step + 1 - first_step
+            split = time_split(engine)
             bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_step * done / elapsed:,.0f}",
-                            mem=f"{peak / 2**20:,.0f}MiB")
+                            mem=f"{peak / 2**20:,.0f}MiB", **({"time": split} if split else {}))
             bar.update(1)
     bar.close()
+    if profiler is not None:
+        profiler.stop()
+        if main_rank:
+            print(f"profile: torch.profiler traces of steps 3-5 in {args.profile}", flush=True)
     engine.eval()
     with torch.no_grad():
         held = [engine.eval_batch(iter([data.eval_batch(i)] * gas)).item() if parallel.pipeline > 1
                 else engine(*data.eval_batch(i)).item() for i in range(4)]
+    split = time_split(engine, fresh=True)  # (every rank: a device's timers synchronize)
     saved = engine.save_checkpoint(args.save_dir) if args.save_dir else None
     reports: list[Any] = [None] * (dist.get_world_size() if dist.is_initialized() else 1)  # after the save: it counts
     report = dict(engine.memory_report().to_dict(), rank=dist.get_rank() if dist.is_initialized() else 0)
@@ -135,6 +196,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\nfinished {args.steps} steps in {elapsed:.1f}s ({tokens_per_step * args.steps / elapsed:,.0f} "
               f"tokens/s); final train loss {loss_value:.4f}, held-out loss {sum(held) / len(held):.4f} "
               f"(uniform bytes: {math.log(256):.2f})")
+        if split:
+            profiler = engine.flops
+            against = f" of {profiler.peak:.4g} TFLOP/s ({profiler.peak_source})" \
+                if profiler is not None and profiler.last else ""
+            print(f"time per step (ms, mean of the last steps): {split}{against}")
         print("per-rank peak memory (MiB):")
         cats = list(reports[0]["categories"])
         print("  " + f"{'rank':<6}" + "".join(f"{c:>16}" for c in cats) + f"{'process':>12}")

@@ -10,9 +10,12 @@
   rank that did not arrive.
 - ``save_checkpoint`` / ``load_checkpoint`` called by rank 0 alone: rank 0 raises in time, naming the
   collective and rank 1.
+- In each stall, rank 0's error names a file (``ZEROPLUS_DUMP_DIR``) saying what it was doing: the engine's
+  phase, the collective and every thread's stack.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -67,7 +70,8 @@ def test_ranks_that_disagree_fail_at_initialize():
                 f"{name}, rank {rank}: {errors[name]}"
 
 
-def _stall(what: str) -> dict:
+def _stall(what: str, dumps: str) -> dict:
+    os.environ["ZEROPLUS_DUMP_DIR"] = dumps
     torch.manual_seed(0)
     engine = zeroplus.initialize(ParityNet(), _config())  # creates the process group
     rank, world = rank_and_world()
@@ -86,12 +90,19 @@ def _stall(what: str) -> dict:
             time.sleep(8)
         return {"error": None, "seconds": time.monotonic() - start}
     except (CollectiveError, ValueError, FileNotFoundError) as err:
-        return {"error": f"{type(err).__name__}: {err}", "seconds": time.monotonic() - start}
+        seconds = time.monotonic() - start
+        dump = str(err).split("(phase, collective, stacks): ")[-1] if "(phase, collective" in str(err) else None
+        text = open(dump).read() if dump and os.path.isfile(dump) else None
+        return {"error": f"{type(err).__name__}: {err}", "seconds": seconds, "dump": text}
 
 
 @pytest.mark.parametrize("what", ["backward", "save", "load"])
-def test_a_stalled_rank_ends_the_others_in_time(what):
-    rank0 = run_distributed(_stall, 2, what, init=False, timeout=120)[0]
+def test_a_stalled_rank_ends_the_others_in_time(what, tmp_path):
+    rank0 = run_distributed(_stall, 2, what, str(tmp_path), init=False, timeout=120)[0]
     assert rank0["error"] is not None and rank0["error"].startswith("CollectiveError"), rank0
     assert "rank 1 did not arrive" in rank0["error"] and "collective timeout 3 s" in rank0["error"], rank0
     assert rank0["seconds"] < TIMEOUT_S + ROLL_CALL_SECONDS + 3, rank0
+    # what rank 0 was doing, in the file the error names: its phase, the collective, its stacks (issue 40)
+    dump = rank0["dump"]
+    phase = {"backward": "backward", "save": "checkpoint save", "load": "checkpoint load"}[what]
+    assert dump and f"engine phase: {phase}" in dump and "collective: " in dump and "Python stacks" in dump, dump

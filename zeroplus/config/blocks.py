@@ -365,6 +365,12 @@ class ZeroplusBlock(Block):
         600.0, description="Seconds any collective may wait for the other ranks before every waiting rank raises, "
                            "naming the collective and the rank that did not arrive; applied to the process groups "
                            "zeroplus creates (torch's own default is 30 minutes).")
+    dump_dir: str | None = Field(
+        None, description="Where a rank writes what it was doing when a collective fails or memory runs out "
+                          "(default: $ZEROPLUS_DUMP_DIR, else <temp dir>/zeroplus-dumps).")
+    memory_history: bool = Field(
+        False, description="CUDA: record the allocator's history from the start, dumped beside the out-of-memory "
+                           "file for PyTorch's memory viz (costs allocator time).")
     async_save: bool = Field(
         False, description="Training checkpoints are saved asynchronously: save_checkpoint returns once this "
                             "rank's state is staged in host memory (one rank file's worth, in the ledger's "
