@@ -7,7 +7,8 @@ of each stage (Ψ: the trained elements padded to the group, 4 bytes each in fp3
 in backward and reduce-scatters Ψ (3Ψ); besides, only scalars (norms, flags) are all-reduced. At ZeRO-2, rank
 1 sleeps 0.2 s before each backward: rank 0's breakdown puts that wait in ``bwd_allreduce`` (inside
 ``bwd``), rank 1's does not, and the log names rank 1 as the straggler (the rank the others waited for).
-``deepspeed.comm.log_summary()`` prints the same table.
+``deepspeed.comm.log_summary()`` prints the same table. Under Ulysses (context 2) the context group's
+all-to-all bytes per step are 9·L·b·s·h/C (4 per layer in forward, 5 in backward).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import zeroplus
 from tests.dist_helper import rank_and_world, run_distributed
 from tests.models import DIM, ParityBlock
 from zeroplus.deepspeed_api import comm as deepspeed_comm
+from zeroplus.models import GPT, gpt_config
 
 STEPS = 4
 
@@ -94,3 +96,32 @@ def test_the_breakdown_puts_a_late_rank_in_the_reduction_wait_and_names_it_the_s
     assert "straggler: rank 1" in ranks[0]["summary"], ranks[0]["summary"]
     assert ranks[0]["printed"].strip() == ranks[0]["summary"].strip() and ranks[1]["printed"] == ""
     assert "reduce_scatter" in ranks[0]["summary"] and "busbw GB/s" in ranks[0]["summary"]
+
+
+def _ulysses() -> dict:
+    torch.manual_seed(0)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "zero_optimization": {"stage": 2}, "comms_logger": {"enabled": True},
+           "zeroplus": {"log_level": "warning", "memory_estimate": False,
+                        "parallel": {"context": 2, "context_mode": "ulysses"}}}
+    shape = gpt_config("tiny", n_head=4, block_size=32)
+    engine = zeroplus.initialize(GPT(shape), cfg)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    engine.backward(engine(ids, ids.roll(-1, 1)))
+    engine.step()
+    engine.comms_log.reset()
+    for _ in range(STEPS):
+        engine.backward(engine(ids, ids.roll(-1, 1)))
+        engine.step()
+    row = engine.comms_log.rows[("all_to_all", "context")]
+    engine.destroy()
+    return {"bytes": row.nbytes, "layers": shape.n_layer, "hidden": shape.n_embd}
+
+
+def test_ulysses_moves_the_theorys_bytes_in_the_context_group():
+    """Ulysses (context 2, a batch of 2 sequences of 32 tokens): per layer, forward exchanges q, k, v and the
+    output (4 all-to-alls of b·s·h/C elements each), backward their inverses plus the output formed again
+    (5, ``parallel/ulysses_output.py``): 9·L·b·s·h/C elements per step, fp32."""
+    got = run_distributed(_ulysses, 2)[0]
+    per_message = 2 * 32 * got["hidden"] // 2 * 4
+    assert got["bytes"] / STEPS == 9 * got["layers"] * per_message, got
