@@ -5,7 +5,8 @@ A failed collective (``collective_faults.py``) and an out-of-memory error in the
 step each write one text file per rank before the error propagates, and the error names it (in the
 ``CollectiveError``'s message; as a note added to the out-of-memory error, whose type is kept). The file
 holds what the rank was doing: the engine's phase (``forward``, ``backward``, ``step``, ``checkpoint save``,
-``checkpoint load``: a process-wide string the engine sets as it enters each), the collective (kind, group,
+``checkpoint load``: a process-wide string the engine sets as it enters each) and, at stage 3, the unit whose
+parameters were last gathered for compute (set by the stage-3 hooks), the collective (kind, group,
 sequence number, group size) or the memory (the ledger's live and peak bytes per category, the device's
 allocated and peak bytes), and every thread's Python stack (``faulthandler``). With
 ``zeroplus.memory_history`` on a CUDA device the allocator's history is recorded from the start
@@ -13,8 +14,8 @@ allocated and peak bytes), and every thread's Python stack (``faulthandler``). W
 (``.pickle``, for PyTorch's memory viz).
 
 Where: ``$ZEROPLUS_DUMP_DIR``, else ``zeroplus.dump_dir``, else ``<temp dir>/zeroplus-dumps``; files are named
-``KIND-rankR-pidP-TIME.txt``. Costs nothing until something fails, but the phase string (one assignment per
-phase) and, when asked for, the allocator's history.
+``KIND-rankR-pidP-TIME.txt``. Costs nothing until something fails, but the phase and unit names (one
+assignment per phase and per unit) and, when asked for, the allocator's history.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import torch
 from .ledger import Category
 
 _PHASE = "outside the engine's calls"
+_UNIT: str | None = None  # stage 3: the unit whose parameters were last gathered for compute
 _DIR: str | None = None
 
 
@@ -39,8 +41,14 @@ def set_dump_dir(path: str | None) -> None:
 
 def set_phase(phase: str) -> None:
     """The engine enters ``phase`` (a dump says it)."""
-    global _PHASE
-    _PHASE = phase
+    global _PHASE, _UNIT
+    _PHASE, _UNIT = phase, None
+
+
+def set_unit(name: str) -> None:
+    """Stage 3 is about to compute unit ``name`` (its gather waited for first)."""
+    global _UNIT
+    _UNIT = name
 
 
 def phase() -> str:
@@ -61,6 +69,8 @@ def write(kind: str, rank: int, lines: list[str]) -> str | None:
         with open(path, "w") as f:
             f.write(f"zeroplus {kind} on rank {rank}, pid {os.getpid()}\n")
             f.write(f"engine phase: {_PHASE}\n")
+            if _UNIT is not None:
+                f.write(f"unit: {_UNIT} (stage 3: the last unit whose parameters were gathered for compute)\n")
             for line in lines:
                 f.write(line + "\n")
             f.write("\nPython stacks (every thread, most recent call first):\n")

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from .. import fault_dumps
 from ..eager import eager, in_backward
 from .units import Unit
 
@@ -91,6 +92,7 @@ class Stage3Scheduler:
         def hook(module: torch.nn.Module, args: Any) -> None:
             if self.paused:
                 return
+            fault_dumps.set_unit(unit.name)
             unit.wait_gather()
             if in_backward():  # an activation-checkpoint replay: gathered for its backward
                 self._hold(unit)
@@ -120,6 +122,7 @@ class Stage3Scheduler:
             if not unit.claim_backward():
                 return None
             self._hold(unit)
+            fault_dumps.set_unit(unit.name)
             unit.wait_gather()
             order = list(reversed(self.forward_order))
             if unit.index in order and self.prefetch_numel != 0:
