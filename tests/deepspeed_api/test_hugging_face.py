@@ -48,10 +48,22 @@ def _resumed_steps(result: dict) -> list[float]:
     return [loss for step, loss in zip(result["resumed"]["steps"], result["resumed"]["loss"]) if step > 2]
 
 
+@pytest.fixture(scope="module")
+def zero3_trainer(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, dict, str]:
+    """The Trainer on zeroplus with the ZeRO-3 template, run once for the two tests that need it (the torch.compile
+    test compares its compiled run with this eager one: 12 s of the suite saved)."""
+    root = tmp_path_factory.mktemp("zero3")
+    ours, log = _trainer(on_zeroplus, root, "zeroplus", hf_template("hf_zero3_template", False), True)
+    return root, ours, log
+
+
 @pytest.mark.parametrize("template", ["hf_zero2_template", pytest.param("hf_zero3_template", marks=pytest.mark.fast)])
-def test_trainer_runs_unchanged_resumes_and_matches_deepspeed(tmp_path, template):
+def test_trainer_runs_unchanged_resumes_and_matches_deepspeed(tmp_path, template, request):
     stage = 3 if "zero3" in template else 2
-    ours, log = _trainer(on_zeroplus, tmp_path, "zeroplus", hf_template(template, stage == 2), stage == 3)
+    if stage == 3:
+        tmp_path, ours, log = request.getfixturevalue("zero3_trainer")
+    else:
+        ours, log = _trainer(on_zeroplus, tmp_path, "zeroplus", hf_template(template, True), False)
     assert ours["engine"] == "zeroplus.deepspeed_api.engine" and ours["stage"] == stage
     assert "serves DeepSpeed's API" in log and "predicted memory of rank 0 of 2" in log, log[-3000:]
     line = next(x for x in log.splitlines() if "zeroplus after the first step: memory peak" in x)
@@ -77,13 +89,14 @@ def test_trainer_runs_unchanged_resumes_and_matches_deepspeed(tmp_path, template
         torch.testing.assert_close(value, saved[1][name], rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_trainer_torch_compile_compiles_the_engine_and_trains_as_eager(tmp_path):
+def test_trainer_torch_compile_compiles_the_engine_and_trains_as_eager(tmp_path, zero3_trainer):
     """``--torch_compile`` under the DeepSpeed API: Accelerate calls ``engine.compile()`` (an
     AttributeError before), and the compiled ZeRO-3 run's losses and gradient norms equal the eager
-    run's within fp32 tolerance (inductor's kernels round differently)."""
+    run's (the test above's first run, both starting from the same saved model) within fp32 tolerance
+    (inductor's kernels round differently)."""
     config = hf_template("hf_zero3_template", False)
-    eager, _ = _trainer(on_zeroplus, tmp_path, "eager", config, False, ("--no-resume",))
-    compiled, log = _trainer(on_zeroplus, tmp_path, "compiled", config, False, ("--no-resume", "--torch_compile"))
+    eager = zero3_trainer[1]
+    compiled, log = _trainer(on_zeroplus, tmp_path, "compiled", config, True, ("--no-resume", "--torch_compile"))
     assert compiled["compiled"] and not eager["compiled"], log[-3000:]
     assert "compiled 2 module(s) with backend inductor" in log, log[-3000:]
     for key in ("loss", "grad_norm"):
