@@ -158,3 +158,36 @@ def test_two_devices_reduce_scatter_overlapping_backward(tmp_path):
         out[stage] = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
     assert out[3]["losses"] == pytest.approx(out[0]["losses"], rel=1e-5)
     assert out[3]["norm"] == pytest.approx(out[0]["norm"], rel=1e-5)
+
+
+def test_the_breakdown_times_with_device_events_and_the_profiler_finds_the_peak():
+    """Issue 40 on a device: ``wall_clock_breakdown`` reads device events (every timer positive, ``bwd_inner`` the
+    rest of ``bwd``), and the FLOPs profiler counts the step and takes the device's peak from its table (a known
+    GPU) or, for an unknown one, says to set ``zeroplus.peak_tflops``."""
+    cfg = _config(3, zp={"memory_estimate": False})
+    cfg.update(wall_clock_breakdown=True, steps_per_print=STEPS, flops_profiler={"enabled": True, "profile_step": 2})
+    engine = _train(_parity_net(), cfg)["engine"]
+    report = engine.timers.last
+    assert report["fwd"] > 0 and report["bwd"] > 0 and report["step"] > 0, report
+    assert abs(report["bwd_inner"] + report["bwd_allreduce"] - report["bwd"]) < 1e-6, report
+    profiler = engine.flops
+    assert profiler.flops_per_step and profiler.forward_flops < profiler.flops_per_step
+    assert profiler.peak > 0 or "set zeroplus.peak_tflops" in profiler.peak_source, profiler.peak_source
+    print(f"{ACCEL.device_name()}: peak {profiler.peak} TFLOP/s ({profiler.peak_source}); breakdown {report}")
+
+
+@pytest.mark.skipif(ACCEL.name != "cuda", reason="the allocator's history is CUDA's")
+def test_out_of_memory_on_the_device_dumps_the_ledger_and_the_allocators_history(tmp_path):
+    cfg = _config(3, zp={"memory_estimate": False, "dump_dir": str(tmp_path), "memory_history": True})
+    engine = zeroplus.initialize(_parity_net(), cfg)
+    x, y = make_batches(1, 2)[0]
+
+    def greedy(module: torch.nn.Module, args: tuple) -> None:
+        torch.empty(2 ** 50, device=ACCEL.device())  # more than any device holds
+    hook = engine.module.blocks[1].register_forward_pre_hook(greedy)
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        engine(x.to(ACCEL.device()), y.to(ACCEL.device()))
+    hook.remove()
+    note = caught.value.__notes__[0]
+    assert "allocator's history" in note and str(tmp_path) in note, note
+    assert [f for f in os.listdir(tmp_path) if f.endswith(".pickle")], os.listdir(tmp_path)
