@@ -93,3 +93,29 @@ def test_a_monitor_without_its_package_is_a_config_error_naming_both():
            "comet": {"enabled": True}, "zeroplus": {"log_level": "warning", "memory_estimate": False}}
     with pytest.raises(zeroplus.ConfigError, match=r"'comet.enabled'.*'comet_ml' is not installed.*comet-ml"):
         zeroplus.initialize(ParityNet(), cfg)
+
+
+def test_comet_offline_receives_the_events_where_comet_ml_is_installed(tmp_path, monkeypatch):
+    """Comet (``comet_ml``, not in the ``monitors`` extra): an offline experiment's archive holds rank 0's
+    ``Train/Samples/train_loss`` at its sample count."""
+    pytest.importorskip("comet_ml")
+    import json
+    import zipfile
+    monkeypatch.setenv("COMET_OFFLINE_DIRECTORY", str(tmp_path))
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "comet": {"enabled": True, "online": False, "project": "zeroplus-test"},
+           "zeroplus": {"log_level": "warning", "memory_estimate": False}}
+    engine = zeroplus.initialize(ParityNet(), cfg)
+    x, y = make_batches(1, 2)[0]
+    loss = engine(x, y)
+    engine.backward(loss)
+    engine.step()
+    engine.destroy()
+    archive = [f for f in os.listdir(tmp_path) if f.endswith(".zip")]
+    assert archive, os.listdir(tmp_path)
+    with zipfile.ZipFile(tmp_path / archive[0]) as z:
+        messages = [json.loads(line) for line in z.read("messages.json").decode().splitlines() if line.strip()]
+    metrics = {m["payload"]["metric"]["metricName"]: m["payload"]["metric"] for m in messages
+               if m.get("type") == "metric_msg"}
+    assert metrics["Train/Samples/train_loss"]["step"] == 2
+    assert metrics["Train/Samples/train_loss"]["metricValue"] == pytest.approx(float(loss.detach()), rel=1e-6)
