@@ -120,10 +120,13 @@ def ds_config(stage: int, micro_batch: int = 1, dtype: str = "bf16") -> dict:
             "steps_per_print": 10**6, "zeroplus": {"log_level": "warning"}}
 
 
-def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+def adamw(model: torch.nn.Module, kind: str = "fused") -> torch.optim.Optimizer:
     """torch's AdamW with its fused kernel where the device has one (CPU and CUDA do): the fastest
-    plain reference, and the kernel zeroplus itself picks."""
+    plain reference, and the kernel zeroplus itself picks. ``kind`` "default": torch's defaults (on CPU
+    the per-tensor loop, no fused or foreach temporaries), as a user writing ``AdamW(params)`` gets."""
     params = [p for p in model.parameters() if p.requires_grad]  # (a LoRA model: the adapters)
+    if kind == "default":
+        return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1)
     try:
         return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
     except RuntimeError:
@@ -166,7 +169,9 @@ def build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, list[torch.n
             model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS))
         return model, layers, cfg.vocab_size
     from zeroplus.models import GPT, gpt_config
-    model = GPT(gpt_config(args.model, block_size=max(64, args.seq), checkpoint_blocks=args.checkpoint_blocks))
+    shape = {"vocab_size": args.vocab} if args.vocab else {}
+    model = GPT(gpt_config(args.model, block_size=max(64, args.seq), checkpoint_blocks=args.checkpoint_blocks,
+                           tie_head=not args.untied, **shape))
     return model, list(model.blocks), model.config.vocab_size
 
 
@@ -185,6 +190,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="compute dtype (masters fp32 either way)")
     p.add_argument("--out-prefix", required=True)
+    p.add_argument("--vocab", type=int, default=0, help="the built-in GPT's vocabulary (0: the size's own)")
+    p.add_argument("--untied", action="store_true", help="the built-in GPT's LM head untied from its embedding")
+    p.add_argument("--adamw", choices=["fused", "default"], default="fused",
+                   help="FSDP2's optimizer: torch's fused AdamW, or AdamW with torch's defaults")
     p.add_argument("--zeroplus", default="{}", help="JSON merged into the config's zeroplus block")
     p.add_argument("--zero", default="{}", help="JSON merged into the config's zero_optimization block")
     p.add_argument("--checkpoint-blocks", action="store_true",
@@ -252,7 +261,7 @@ def main() -> None:
                 block.compile()
             fully_shard(block, mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(model, mp_policy=mp, reshard_after_forward=reshard)
-        train_step = plain_step(model, model, adamw(model), hf)
+        train_step = plain_step(model, model, adamw(model, args.adamw), hf)
 
     g = torch.Generator().manual_seed(rank)
     times, losses, volumes = [], [], []

@@ -144,6 +144,10 @@ def main() -> None:
     p.add_argument("--device", choices=["cpu", "cuda", "npu"], default="cpu",
                    help="cuda/npu: NCCL/HCCL, one device per rank, peaks from the device allocator")
     p.add_argument("--nproc", type=int, default=2, help="ranks (one per device)")
+    p.add_argument("--vocab", type=int, default=0, help="the built-in GPT's vocabulary (0: the size's own)")
+    p.add_argument("--untied", action="store_true", help="the LM head untied from the embedding")
+    p.add_argument("--fsdp2-adamw", choices=["fused", "default"], default="fused",
+                   help="FSDP2's AdamW: fused (the fastest) or torch's defaults (no fused/foreach temporaries)")
     args = p.parse_args()
     frameworks = args.frameworks.split(",")
     rows = []
@@ -153,7 +157,9 @@ def main() -> None:
         for framework in frameworks:
             if framework == "ddp" or (framework == "fsdp2" and stage == 1):
                 continue
-            rows.append(measure(f"{framework} stage {stage}", framework, stage, args, nproc=args.nproc))
+            extra = (["--adamw", args.fsdp2_adamw] if framework == "fsdp2" else []) + (
+                ["--vocab", str(args.vocab)] if args.vocab else []) + (["--untied"] if args.untied else [])
+            rows.append(measure(f"{framework} stage {stage}", framework, stage, args, extra=extra, nproc=args.nproc))
     ds = {r["stage"]: r for r in rows if r["framework"] == "deepspeed"}
     fsdp = {r["stage"]: r for r in rows if r["framework"] == "fsdp2"}
     fsdp[1] = fsdp.get(2)  # FSDP2 has no stage 1: compare with its stage-2 equivalent

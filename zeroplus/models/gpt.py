@@ -40,6 +40,7 @@ class GPTConfig:
     moe_capacity_factor: float = 1.25
     moe_aux_coef: float = 0.01
     loss_tile_tokens: int = 0  # > 0: the LM head and cross-entropy run over this many tokens at a time
+    tie_head: bool = True  # False: the LM head has a weight of its own (vocabulary x n_embd more parameters)
 
     @property
     def hidden_size(self) -> int:
@@ -155,7 +156,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, expert_group) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied
+        if cfg.tie_head:
+            self.lm_head.weight = self.wte.weight  # tied
         self.apply(self._init)
 
     @staticmethod
