@@ -33,6 +33,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
+from .hf_export import tied_aliases
+
 if TYPE_CHECKING:
     from ..engine import Engine
 
@@ -112,11 +114,9 @@ def write_dcp(engine: Engine, directory: str, state: dict[str, Any], process_gro
     """Every rank of the data group: write ``directory`` as a DCP checkpoint from ``state`` (this rank's
     ``save.rank_state``: its nominal ranges). Collective; DCP raises on every rank if any rank fails."""
     groups = {g.name: g for g in engine.partition.groups}
-    canonical = {id(p): n for n, p in engine.module.named_parameters()}
     aliases: dict[str, list[str]] = {}
-    for n, p in engine.module.named_parameters(remove_duplicate=False):
-        if canonical[id(p)] != n:
-            aliases.setdefault(canonical[id(p)], []).append(n)
+    for alias, name in tied_aliases(engine.module).items():
+        aliases.setdefault(name, []).append(alias)
     boxes: dict[str, list[tuple[torch.Size, torch.Tensor]]] = {}
     shapes: dict[str, torch.Size] = {}
     model: dict[str, Any] = {}

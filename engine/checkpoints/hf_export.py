@@ -124,6 +124,12 @@ def whole_parameter(pieces: list[tuple[int, int, torch.Tensor]], offset: int, nu
     return out
 
 
+def tied_aliases(module: torch.nn.Module) -> dict[str, str]:
+    """Tied weights: each further name the plain ``state_dict`` uses for a parameter, mapped to its first."""
+    canonical = {id(p): n for n, p in module.named_parameters()}
+    return {n: canonical[id(p)] for n, p in module.named_parameters(remove_duplicate=False) if canonical[id(p)] != n}
+
+
 def whole_model_checkpoint(ckpt_dir: str, tag: str | None, what: str) -> tuple[dict[str, Any], dict[int, Any]]:
     """The metadata and every rank file (mapped) of a checkpoint of one whole model, for an export ``what``."""
     tag = io.resolve_tag(ckpt_dir, tag)

@@ -38,7 +38,7 @@ from zeroplus.zero.frozen_values import read_frozen
 from . import files as io
 from .async_save import PendingSave, allocate
 from .dcp_save import write_dcp
-from .hf_export import hf_config
+from .hf_export import hf_config, tied_aliases
 from .safe_load import check_loadable, numpy_rng_from_file, numpy_rng_to_file
 
 logger = logging.getLogger("zeroplus.checkpoint")
@@ -132,9 +132,7 @@ def _group_entries(engine: Engine) -> list[dict[str, Any]]:
 def _metadata(engine: Engine, tag: str, digests: list[str], exclude_frozen_parameters: bool) -> dict[str, Any]:
     part = engine.partition
     groups = _group_entries(engine)
-    canonical = {id(p): n for n, p in engine.module.named_parameters()}
-    aliases = {n: canonical[id(p)] for n, p in engine.module.named_parameters(remove_duplicate=False)
-               if canonical[id(p)] != n}  # tied weights: every name the plain state_dict uses
+    aliases = tied_aliases(engine.module)  # tied weights: every name the plain state_dict uses
     return {"format": io.FORMAT_VERSION, "tag": tag, "world_size": engine.dp.size, "stage": part.stage,
             "aliases": aliases,
             "compute_dtype": str(part.groups[0].compute_dtype) if part.groups else None,
