@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from zeroplus import comm_observers, fault_dumps
+from zeroplus import fault_dumps
 from zeroplus.accelerator import Accelerator
 from zeroplus.activations import SavedTensorRouter
 from zeroplus.activations.forward_census import ForwardCensus, storage_keys_of
@@ -47,6 +47,7 @@ from .checkpoints.save import save_checkpoint
 from .compile import CompiledUnits, compile_settings
 from .exit_grace import register_exit_grace
 from .flops_profiler import FlopsProfiler
+from .lifecycle import collected, wait_at_exit
 from .loss_scaler import LossScaler
 from .micro_step import Life, MicroStep
 from .state_offload import StateOffload
@@ -99,11 +100,11 @@ class Engine:
         # stage 3's prefetch) are waited for before the interpreter tears the process group down under them;
         # then, once per process and also when this engine is gone, gloo's workers get the GIL once more
         register_exit_grace()
-        atexit.register(_wait_at_exit, weakref.ref(self))
+        atexit.register(wait_at_exit, weakref.ref(self))
         # garbage-collected without destroy(): its hooks come off the model all the same (see note: lifecycle)
         self._compiled_units: list[CompiledUnits] = []
         self._observers: list[Any] = []  # this engine's observers of the collectives (its step timers)
-        self._finalizer = weakref.finalize(self, _collected, parts.partition, parts.activations, self._compiled_units,
+        self._finalizer = weakref.finalize(self, collected, parts.partition, parts.activations, self._compiled_units,
                                            self._observers)
         self._finalizer.atexit = False
         self.budget: Any = None  # the predicted ``zeroplus.MemoryBudget``, once ``record_budget`` has set it
@@ -586,30 +587,3 @@ class Engine:
         if self._life is Life.DESTROYED:
             raise RuntimeError(f"{call} on rank {self.dp.rank}: this engine was destroyed (engine.destroy()); the "
                                f"model holds its parameters again: zeroplus.initialize it anew to train on")
-
-
-def _collected(partition: ZeroPartition, activations: SavedTensorRouter, compiled: list[CompiledUnits],
-               observers: list[Any]) -> None:
-    """An engine garbage-collected without ``destroy()``: every hook it put on the model removed, with no
-    collective (``ZeroPartition.drop_hooks``: a stage-3 model's released parameters stay empty, and a later
-    ``initialize`` refuses them); its observers of the collectives detached."""
-    partition.drop_hooks()
-    activations.remove()
-    for units in compiled:
-        units.remove()
-    for observer in observers:
-        comm_observers.detach(observer)
-
-
-def _wait_at_exit(ref: weakref.ref) -> None:
-    """At interpreter exit: wait for an engine's in-flight collectives (a failure here is reported by the
-    collective's own error path, not raised at exit). Also after the script destroyed the process group:
-    ``destroy_process_group`` neither waits for gloo's works nor stops its workers while the engine still
-    references the group, and a worker that finishes during the interpreter's teardown aborts the process."""
-    engine = ref()
-    if engine is None or not engine.dp.initialized:
-        return
-    try:
-        engine._partition.wait_in_flight()
-    except Exception as err:  # noqa: BLE001 - at exit there is no caller to raise to
-        logger.warning("collectives in flight at exit did not finish: %s", err)

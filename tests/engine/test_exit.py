@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 import zeroplus
 from tests.dist_helper import free_port, run_distributed
-from zeroplus.engine.engine import _wait_at_exit
 from zeroplus.engine.exit_grace import EXIT_GRACE_SECONDS
+from zeroplus.engine.lifecycle import wait_at_exit
 from zeroplus.models import GPT, gpt_config
 
 
@@ -30,7 +30,7 @@ def _in_flight_after_destroy() -> tuple[int, int]:
     engine.step()  # issues the post-step all-gathers; the next forward would wait for them
     dist.destroy_process_group()  # as many scripts end; the engine still holds the group
     before = sum(len(g.pending) for g in engine.partition.groups)
-    _wait_at_exit(weakref.ref(engine))  # what the interpreter runs at exit
+    wait_at_exit(weakref.ref(engine))  # what the interpreter runs at exit
     return before, sum(len(g.pending) for g in engine.partition.groups)
 
 

@@ -1,0 +1,47 @@
+"""An engine's end when nobody calls ``destroy()``: garbage collection and interpreter exit.
+
+``collected``: the engine was garbage-collected; every hook it put on the model comes off and its observers
+of the collectives are detached, with no collective (each rank's finalizer runs at a moment of its own).
+``wait_at_exit``: at interpreter exit, an engine still alive waits for its collectives in flight.
+See note: lifecycle (docs/design-notes.md).
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+from zeroplus import comm_observers
+from zeroplus.activations import SavedTensorRouter
+from zeroplus.zero import ZeroPartition
+
+from .compile import CompiledUnits
+
+logger = logging.getLogger("zeroplus.engine")
+
+
+def collected(partition: ZeroPartition, activations: SavedTensorRouter, compiled: list[CompiledUnits],
+               observers: list[Any]) -> None:
+    """An engine garbage-collected without ``destroy()``: every hook it put on the model removed, with no
+    collective (``ZeroPartition.drop_hooks``: a stage-3 model's released parameters stay empty, and a later
+    ``initialize`` refuses them); its observers of the collectives detached."""
+    partition.drop_hooks()
+    activations.remove()
+    for units in compiled:
+        units.remove()
+    for observer in observers:
+        comm_observers.detach(observer)
+
+
+def wait_at_exit(ref: weakref.ref) -> None:
+    """At interpreter exit: wait for an engine's in-flight collectives (a failure here is reported by the
+    collective's own error path, not raised at exit). Also after the script destroyed the process group:
+    ``destroy_process_group`` neither waits for gloo's works nor stops its workers while the engine still
+    references the group, and a worker that finishes during the interpreter's teardown aborts the process."""
+    engine = ref()
+    if engine is None or not engine.dp.initialized:
+        return
+    try:
+        engine._partition.wait_in_flight()
+    except Exception as err:  # noqa: BLE001 - at exit there is no caller to raise to
+        logger.warning("collectives in flight at exit did not finish: %s", err)
