@@ -22,8 +22,8 @@ from bench_zero import launch
 
 def row(framework: str, stage: int, compiled: bool, args: argparse.Namespace) -> dict:
     extra = ["--compile"] if compiled else []
-    timed = launch(framework, stage, args, malloc=False, extra=extra, keep_freed=True)
-    mem = launch(framework, stage, args, malloc=True, extra=extra) if not args.time_only else timed
+    timed = launch(framework, stage, args, malloc=False, extra=extra, keep_freed=True, nproc=args.nproc)
+    mem = launch(framework, stage, args, malloc=True, extra=extra, nproc=args.nproc) if not args.time_only else timed
     step = statistics.median(t for r in timed for t in r["step_seconds"][args.warmup:])
     first = max(r["step_seconds"][0] for r in timed)
     out = {"framework": framework, "stage": stage, "compiled": compiled, "step_s": step,
@@ -46,6 +46,7 @@ def main() -> None:
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="fp32")
     p.add_argument("--device", choices=["cpu", "cuda", "npu"], default="cpu")
     p.add_argument("--time-only", action="store_true", help="one launch per row (no memory launch)")
+    p.add_argument("--nproc", type=int, default=2, help="ranks (one per device)")
     args = p.parse_args()
     rows = []
     for stage in [int(s) for s in args.stages.split(",")]:
@@ -58,7 +59,7 @@ def main() -> None:
                 except RuntimeError as err:
                     print(f"  failed: {framework} stage {stage} compiled={compiled}: {str(err)[-400:]}",
                           file=sys.stderr, flush=True)
-    print(f"\n{args.model} GPT, {args.dtype}, micro-batch {args.micro_batch} x {args.seq} tokens, 2 ranks, "
+    print(f"\n{args.model} GPT, {args.dtype}, micro-batch {args.micro_batch} x {args.seq} tokens, {args.nproc} ranks, "
           f"{args.device}; median of steps {args.warmup + 1}-{args.steps}")
     print(f"{'engine':<10}{'stage':>6}{'mode':>10}{'s/step':>9}{'steps/s':>9}{'x eager':>9}{'compile s':>11}"
           f"{'peak MiB':>10}{'loss':>9}")

@@ -13,7 +13,7 @@ backward); it has no stage 1.
     python bench/bench_zero.py                      # the full table (about 20 minutes here)
     python bench/bench_zero.py --stages 3 --steps 6 # quicker
     python bench/bench_zero.py --dtype fp32 --frameworks zeroplus,deepspeed,fsdp2,ddp --ledger
-    python bench/bench_zero.py --device cuda --nproc 1     # on a GPU node (untested here: no GPU)
+    python bench/bench_zero.py --device cuda --nproc 1 --memory-only   # one GPU (an H100: docs/benchmark.md)
 
 On a GPU or NPU node (``--device cuda|npu``) the ranks run NCCL/HCCL, one device each, and the peak is
 the device allocator's (``max_memory_allocated`` above what it held before the model existed).

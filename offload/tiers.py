@@ -101,7 +101,7 @@ class HostTier:
 
     def put(self, t: torch.Tensor) -> Stored:
         stored = Stored(t)
-        if not self.saves_memory:
+        if not self.saves_memory or t.device.type == "cpu":  # (a tensor already in host memory stays as it is)
             stored.data = t
             return stored
         host = self.accel.pin_memory(torch.empty(t.shape, dtype=t.dtype))
@@ -116,7 +116,7 @@ class HostTier:
         return stored
 
     def prefetch(self, stored: Stored) -> None:
-        if not self.saves_memory or stored.back is not None:
+        if not self.saves_memory or stored.device.type == "cpu" or stored.back is not None:
             return
         self._in_stream.wait_event(stored.ready)
         with self.accel.stream(self._in_stream):
@@ -126,7 +126,7 @@ class HostTier:
         stored.back = (back, event)
 
     def get(self, stored: Stored) -> torch.Tensor:
-        if not self.saves_memory:
+        if not self.saves_memory or stored.device.type == "cpu":
             return stored.data
         self.prefetch(stored)
         back, event = stored.back

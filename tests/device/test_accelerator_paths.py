@@ -1,14 +1,16 @@
 """The CUDA and Ascend NPU paths, on the device: run where one is present, skipped elsewhere.
 
-Nothing on the CPU machines this project is built on can run these; they are written so that anyone
-with one GPU (or NPU) runs them with ``pytest tests/device`` (two devices add the reduce-scatter test).
+Nothing on the CPU machines this project is built on can run these; anyone with one GPU (or NPU) runs them
+with ``ZEROPLUS_ACCELERATOR=cuda pytest tests/device`` (``tests/conftest.py`` picks the CPU unless told) or
+``bash tests/device/run_on_device.sh`` (the tests and the benchmarks' device rows); two devices add the
+reduce-scatter test. One H100 ran them on 2026-11-26 (docs/benchmark.md).
 Each compares a mechanism on the device against the same run on the device without it, as the CPU
 tests do: stage-3 gathering, prefetch and release against stage 0 (within 1e-5: the same math, other
 kernels); optimizer states and parameter shards in pinned host memory and in files (side streams,
 events, ``record_stream``) and swap attention, bit for bit against no offload; the ledger against
 the device allocator (``max_memory_allocated``); and on two devices ZeRO-3's reduce-scatter
 overlapping backward (NCCL/HCCL) against stage 0. ``ZEROPLUS_DEVICE_TESTS_ON_CPU=1`` runs the one-device
-tests on the CPU, which checks the tests, not the device paths. Untested on a device: see docs/testing.md.
+tests on the CPU, which checks the tests, not the device paths.
 """
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ from zeroplus.models.gpt import GPT, gpt_config
 ACCEL = get_accelerator()
 # ZEROPLUS_DEVICE_TESTS_ON_CPU=1 runs the one-device tests on the CPU: a check of the tests themselves
 pytestmark = pytest.mark.skipif(ACCEL.name == "cpu" and os.environ.get("ZEROPLUS_DEVICE_TESTS_ON_CPU") != "1",
-                                reason="needs a CUDA or Ascend NPU device (none here)")
+                                reason="needs a CUDA or Ascend NPU device and ZEROPLUS_ACCELERATOR=cuda|npu "
+                                       "(tests/conftest.py picks the CPU otherwise)")
 STEPS = 4
 
 
@@ -50,7 +53,8 @@ def _train(model: torch.nn.Module, cfg: dict) -> dict:
         engine.step()
         losses.append(loss.item())
     ACCEL.synchronize()
-    return {"losses": losses, "masters": engine.consolidated_fp32_state(), "engine": engine}
+    gathered = engine.ledger.peak_bytes(Category.PARAM_GATHERED)  # training's, before consolidating gathers all
+    return {"losses": losses, "masters": engine.consolidated_fp32_state(), "engine": engine, "gathered": gathered}
 
 
 def _parity_net() -> torch.nn.Module:
@@ -71,12 +75,13 @@ def _same(a: dict, b: dict, where: str, exact: bool = True) -> None:
 
 
 def test_stage3_gathers_prefetches_and_releases_on_the_device():
-    plain = _train(_parity_net(), _config(0))
-    sharded = _train(_parity_net(), _config(3, zero={"stage3_prefetch_bucket_size": 1}))
+    # in bf16: one rank's fp32 stage 3 keeps its parameters resident on the master (nothing to gather)
+    plain = _train(_parity_net(), _config(0, dtype="bf16"))
+    sharded = _train(_parity_net(), _config(3, zero={"stage3_prefetch_bucket_size": 1}, dtype="bf16"))
     _same(plain, sharded, "stage 3 against stage 0", exact=False)
     engine = sharded["engine"]
-    whole = sum(p.numel() * p.element_size() for p in _parity_net().parameters() if p.requires_grad)
-    peak = engine.ledger.peak_bytes(Category.PARAM_GATHERED)
+    whole = sum(p.numel() * 2 for p in _parity_net().parameters())  # bf16; frozen ones are gathered too
+    peak = sharded["gathered"]
     assert 0 < peak < whole, (peak, whole)  # units were gathered, and released before the next ones
     assert engine.ledger.live_bytes(Category.PARAM_GATHERED) < whole  # only the prefetch for the next forward
 

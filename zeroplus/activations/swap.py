@@ -87,6 +87,8 @@ class SwapAttention:
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes < self.min_bytes or storage_key(tensor) in self._param_storages:
             return None
+        if tensor.device.type == "cpu" and self.tier.name == "host" and self.tier.saves_memory:
+            return None  # in host memory already, beside a device (flash attention's RNG state on CUDA)
         stride = None if tensor.is_contiguous() else tuple(tensor.stride())
         token = _Token(self._current, self.tier.put(tensor.detach()), nbytes, stride)
         self._layers[self._current].append(token)

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The device checks in one go, on a machine with one CUDA GPU: tests/device, then the benchmarks' --device cuda
+# rows (one device, so --nproc 1; no DeepSpeed rows where the image lacks it). Logs go to $OUT (default
+# ./device-out), each step under its own time limit, so a hang costs one step, not the rest. Wheels in .whl/
+# (pydantic and its needs, where the image lacks them) are installed to /tmp/site first. About 4 minutes on
+# an H100 (docs/testing.md). Run from the repository root:  bash tests/device/run_on_device.sh
+set -u
+OUT=${OUT:-device-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 ZEROPLUS_ACCELERATOR=${ZEROPLUS_ACCELERATOR:-cuda} DS_ACCELERATOR=${DS_ACCELERATOR:-cuda}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+step() {  # step NAME SECONDS COMMAND...: run under a limit, log to $OUT/NAME.log
+  local name=$1 limit=$2; shift 2
+  echo "=== $name ($(date +%T), limit ${limit}s): $*"
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc in $((SECONDS - t0)) s"
+  tail -n "${TAIL:-25}" "$OUT/$name.log"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, pydantic; print('torch', torch.__version__, torch.cuda.get_device_name(), 'pydantic', pydantic.VERSION)"
+step device_tests "${TESTS_LIMIT:-200}" python3 -m pytest -q -rA tests/device
+cd bench
+for dtype in bf16 fp32; do  # the engines' single-device memory (glibc's settings do not touch the device allocator)
+  step "bench_zero_$dtype" "${ZERO_LIMIT:-100}" python3 bench_zero.py --device cuda --nproc 1 --memory-only --ledger \
+    --frameworks zeroplus,fsdp2 --stages 2,3 --dtype "$dtype" --steps 10 --seq 512
+done
+step bench_compile "${COMPILE_LIMIT:-100}" python3 bench_compile.py --device cuda --frameworks zeroplus,fsdp2 \
+  --stages 3 --steps 8 --time-only --nproc 1
