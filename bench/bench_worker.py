@@ -194,6 +194,7 @@ def main() -> None:
     p.add_argument("--untied", action="store_true", help="the built-in GPT's LM head untied from its embedding")
     p.add_argument("--adamw", choices=["fused", "default"], default="fused",
                    help="FSDP2's optimizer: torch's fused AdamW, or AdamW with torch's defaults")
+    p.add_argument("--reduce-fp32", action="store_true", help="FSDP2 in bf16: reduce gradients in fp32")
     p.add_argument("--zeroplus", default="{}", help="JSON merged into the config's zeroplus block")
     p.add_argument("--zero", default="{}", help="JSON merged into the config's zero_optimization block")
     p.add_argument("--checkpoint-blocks", action="store_true",
@@ -219,6 +220,8 @@ def main() -> None:
     cfg = ds_config(args.stage, args.micro_batch, args.dtype)
     cfg["zeroplus"].update(json.loads(args.zeroplus))
     cfg["zero_optimization"].update(json.loads(args.zero))
+    if args.framework == "deepspeed" and cfg["zero_optimization"].get("offload_optimizer", {}).get("device") == "cpu":
+        cfg["optimizer"]["params"].pop("torch_adam")  # DeepSpeed's CPU offload steps with its DeepSpeedCPUAdam
     if args.checkpoint_blocks and args.framework == "deepspeed":
         import zeroplus.models.gpt as gpt_module
         gpt_module.checkpoint = deepspeed.checkpointing.checkpoint
@@ -254,7 +257,7 @@ def main() -> None:
     else:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         low = torch.bfloat16 if args.dtype == "bf16" else None
-        mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=low)
+        mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if args.reduce_fp32 else low)
         reshard = args.stage == 3
         for block in blocks:
             if args.compile:
@@ -278,7 +281,8 @@ def main() -> None:
     ledger = {}
     if args.framework == "zeroplus":
         from zeroplus.ledger import Category
-        ledger = {c.value: [engine.ledger.live_bytes(c), engine.ledger.peak_bytes(c)] for c in Category}
+        ledger = {c.value: [engine.ledger.live_bytes(c), engine.ledger.peak_bytes(c),
+                            engine.ledger.at_peak.get(c, 0)] for c in Category}
     with open(f"{args.out_prefix}.{rank}.json", "w") as f:
         json.dump({"rank": rank, "peak_above_start_bytes": peak, "step_seconds": times, "losses": losses,
                    "params": n_params, "ledger_live_peak": ledger,

@@ -86,6 +86,7 @@ def row_parser(doc: str | None, rows: dict) -> argparse.ArgumentParser:
     p.add_argument("--model", default="111m")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--zeroplus", default="", help="JSON merged into the zeroplus rows' zeroplus block (techniques)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
@@ -146,6 +147,10 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2, help="ranks (one per device)")
     p.add_argument("--vocab", type=int, default=0, help="the built-in GPT's vocabulary (0: the size's own)")
     p.add_argument("--untied", action="store_true", help="the LM head untied from the embedding")
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--zeroplus", default="", help="JSON merged into the zeroplus rows' zeroplus block (techniques)")
+    p.add_argument("--fsdp2-reduce", choices=["bf16", "fp32"], default="bf16",
+                   help="FSDP2 in bf16: the gradients' reduction dtype (MixedPrecisionPolicy.reduce_dtype)")
     p.add_argument("--fsdp2-adamw", choices=["fused", "default"], default="fused",
                    help="FSDP2's AdamW: fused (the fastest) or torch's defaults (no fused/foreach temporaries)")
     args = p.parse_args()
@@ -157,7 +162,9 @@ def main() -> None:
         for framework in frameworks:
             if framework == "ddp" or (framework == "fsdp2" and stage == 1):
                 continue
-            extra = (["--adamw", args.fsdp2_adamw] if framework == "fsdp2" else []) + (
+            extra = (["--adamw", args.fsdp2_adamw] + (["--reduce-fp32"] if args.fsdp2_reduce == "fp32" else [])
+                     if framework == "fsdp2" else []) + (
+                ["--zeroplus", args.zeroplus] if framework == "zeroplus" and args.zeroplus else []) + (
                 ["--vocab", str(args.vocab)] if args.vocab else []) + (["--untied"] if args.untied else [])
             rows.append(measure(f"{framework} stage {stage}", framework, stage, args, extra=extra, nproc=args.nproc))
     ds = {r["stage"]: r for r in rows if r["framework"] == "deepspeed"}
@@ -165,7 +172,8 @@ def main() -> None:
     fsdp[1] = fsdp.get(2)  # FSDP2 has no stage 1: compare with its stage-2 equivalent
     where = "gloo, CPU, resident peak" if args.device == "cpu" else f"{args.device}, device allocator peak"
     print(f"GPT {args.model} ({rows[0]['params'] / 1e6:.0f}M parameters), {args.dtype}, {args.nproc} ranks ({where}), "
-          f"micro-batch 1, sequence {args.seq}, {args.steps} steps (median of the last {args.steps - args.warmup})")
+          f"micro-batch {args.micro_batch}, sequence {args.seq}, {args.steps} steps "
+          f"(median of the last {args.steps - args.warmup})")
     header = (f"{'framework':<10}{'stage':>6}{'peak MiB/rank':>15}{'vs DS':>8}{'vs FSDP2':>10}{'step s':>9}"
               f"{'vs DS':>8}{'vs FSDP2':>10}{'tokens/s':>10}{'volume/Psi':>12}")
     print(header)
@@ -183,6 +191,13 @@ def main() -> None:
             if r["framework"] == "zeroplus":
                 peaks = ", ".join(f"{k} {v[1] / 2**20:.0f}" for k, v in r["ledger"].items() if v[1])
                 print(f"ledger peaks (MiB), {r['row']}: {peaks}")
+                at = {k: v[2] for k, v in r["ledger"].items() if len(v) > 2 and v[2]}
+                if r["stage"] == 3 and at:  # where the resident peak goes beyond ZeRO-3's 16 B/param/rank floor
+                    floor, total, peak = 16 * r["params"] / args.nproc, sum(at.values()), r["peak_gib"] * 2**30
+                    cells = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in at.items())
+                    print(f"  at the ledger's peak (MiB): {cells}; total {total / 2**20:.0f}. Resident peak "
+                          f"{peak / 2**20:.0f} = floor {floor / 2**20:.0f} (16 B/param/rank) + ledger beyond it "
+                          f"{(total - floor) / 2**20:.0f} + outside the ledger {(peak - total) / 2**20:.0f}")
     if args.json:
         print(json.dumps(rows))
 

@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from zeroplus import fused_ops
 from zeroplus.accelerator import Accelerator
 from zeroplus.activations import ResizeRecompute, SavedTensorRouter, SwapAttention, checkpointing
 from zeroplus.activations.resize_recompute import DEFAULT_CLASSES
@@ -399,6 +400,13 @@ def _activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: 
         claimers.append(swapper)
     if is_hf_causal_lm(model):
         drop_training_cache(model)
+    if zp.fused_ops:
+        fused = fused_ops.install(model, accel.name)
+        if not fused:
+            raise ConfigError(f"config key 'zeroplus.fused_ops' is true but {type(model).__name__} has no RMSNorm "
+                              f"(a '*RMSNorm' class with weight and variance_epsilon) or gated MLP (gate_proj, "
+                              f"up_proj, down_proj, a SiLU act_fn) to fuse")
+        log_rank0("fused_ops: %d RMSNorms and gated MLPs run %s's kernels", len(fused), accel.name)
     _tile(model, zp.tiled, context)
     sequence_split = cfg.zeroplus.parallel.sequence_parallel
     if ac.partition_activations and sequence_split:

@@ -2,7 +2,8 @@
 
 Every flat parameter, gradient, master, optimizer-state and communication buffer is allocated
 through ``Ledger.empty`` / ``Ledger.zeros`` (or registered with ``Ledger.track``) under a
-category. The ledger keeps live and peak bytes per category and overall, and forgets a buffer
+category. The ledger keeps live and peak bytes per category and overall (and each category's live
+bytes at the moment the total peaked, ``at_peak``: per-category peaks need not coincide), and forgets a buffer
 when its storage is freed (a weakref finalizer on the storage), when ``release`` is called, or
 when its storage is resized (``resized``). Tests assert bytes per category against parameter
 counts; the memory report prints the same numbers.
@@ -48,6 +49,7 @@ class Ledger:
         self._entries: dict[int, tuple[Category, int]] = {}
         self._storage_of: dict[int, int] = {}  # entry key -> the storage's identity (``_cdata``)
         self.total = CategoryBytes()
+        self.at_peak: dict[Category, int] = {}  # live bytes per category when the total last reached its peak
         self._next_id = 0
         self._saved: dict[tuple[str, Category], CategoryBytes] = {}
         self.wait_seconds = 0.0  # time blocked waiting for the offload tiers (the wall-clock breakdown reads it)
@@ -114,7 +116,9 @@ class Ledger:
             cat.live_bytes += nbytes
             cat.peak_bytes = max(cat.peak_bytes, cat.live_bytes)
             self.total.live_bytes += nbytes
-            self.total.peak_bytes = max(self.total.peak_bytes, self.total.live_bytes)
+            if self.total.live_bytes > self.total.peak_bytes:  # (a new peak: rare once training is under way)
+                self.total.peak_bytes = self.total.live_bytes
+                self.at_peak = {c: b.live_bytes for c, b in self._bytes.items() if b.live_bytes}
 
     def _remove(self, key: int) -> None:
         with self._lock:
@@ -156,10 +160,12 @@ class Ledger:
             for cat in list(self._bytes.values()) + list(self._saved.values()):
                 cat.peak_bytes = cat.live_bytes
             self.total.peak_bytes = self.total.live_bytes
+            self.at_peak = {c: b.live_bytes for c, b in self._bytes.items() if b.live_bytes}
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             out = {c.value: dataclasses.asdict(b) for c, b in self._bytes.items()}
             out["total"] = dataclasses.asdict(self.total)
+            out["at_peak"] = {c.value: n for c, n in self.at_peak.items()}
             out["saved"] = {f"{t}/{c.value}": dataclasses.asdict(b) for (t, c), b in sorted(self._saved.items())}
         return out

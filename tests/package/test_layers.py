@@ -24,7 +24,7 @@ LAYERS = [
     ("offload", ["offload"]),
     ("optimizers", ["optim"]),
     ("parallelism", ["parallel"]),
-    ("activation techniques", ["activations", "checkpointing.py"]),
+    ("activation techniques", ["activations", "checkpointing.py", "fused_ops.py"]),
     ("models", ["models"]),
     ("partitioning", ["zero"]),
     ("engine", ["engine"]),

@@ -1,0 +1,76 @@
+"""Fused operators for the model families: which kernel each device runs, and their installation in a model.
+
+``zeroplus.fused_ops: true`` replaces, in the model given to ``initialize``, the forward of
+
+- every RMSNorm of the Llama family (a class named ``*RMSNorm`` with ``weight`` and ``variance_epsilon`` or
+  ``eps``, Hugging Face's formula: ``kernels/rms_norm.py``) and
+- every gated MLP (``gate_proj``, ``up_proj``, ``down_proj`` and a SiLU ``act_fn``, torch's or Hugging Face's:
+  ``kernels/swiglu.py``)
+
+with the device's kernel from ``KERNELS``: on the CPU (and CUDA, where no fused library is installed) the
+lean kernels, which keep fewer tensors for backward and equal eager autograd bit for bit; on an
+Ascend NPU ``torch_npu``'s fused operators (never run here). Rotary embedding and grouped expert products
+stay as the model writes them on the CPU and CUDA (their kernels, ``kernels/rotary.py`` and
+``kernels/grouped_gemm.py``, are measured in ``bench/bench_fused_ops.py``). A config asking for fused
+operators in a model with none of these modules is refused (nothing would change).
+
+Memory: per RMSNorm, ``n d`` elements of the input's dtype held for backward instead of eager's fp32 copy and
+normalised values (8 bytes per element in fp32, 6 in bf16); per gated MLP, one ``n f`` intermediate fewer
+(``silu(gate)``). See the kernels' docstrings. Installed once per model; ``destroy()`` leaves it installed.
+See note: fused operators (docs/design-notes.md).
+"""
+from __future__ import annotations
+
+import types
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .kernels.rms_norm import rms_norm, rms_norm_npu
+from .kernels.swiglu import swiglu, swiglu_npu
+
+# accelerator name -> operator -> kernel (see the module docstring for why each)
+KERNELS: dict[str, dict[str, Callable[..., Any]]] = {
+    "cpu": {"rms_norm": rms_norm, "swiglu": swiglu},
+    "cuda": {"rms_norm": rms_norm, "swiglu": swiglu},
+    "npu": {"rms_norm": rms_norm_npu, "swiglu": swiglu_npu},
+}
+
+
+_SILU = ("SiLU", "SiLUActivation")  # torch's, and Hugging Face's (``F.silu`` of its input)
+
+
+def _norm_eps(module: nn.Module) -> float | None:
+    if not type(module).__name__.endswith("RMSNorm") or not isinstance(getattr(module, "weight", None), nn.Parameter):
+        return None
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    return float(eps) if isinstance(eps, (int, float)) else None
+
+
+def _is_gated_mlp(module: nn.Module) -> bool:
+    return (all(isinstance(getattr(module, name, None), nn.Linear) for name in ("gate_proj", "up_proj", "down_proj"))
+            and type(getattr(module, "act_fn", None)).__name__ in _SILU)
+
+
+def install(model: nn.Module, device: str) -> list[str]:
+    """Replace the forward of ``model``'s RMSNorms and gated MLPs with ``device``'s kernels; the names replaced."""
+    table = KERNELS[device]
+    done = []
+    for name, module in model.named_modules():
+        eps = _norm_eps(module)
+        if eps is not None:
+            norm = table["rms_norm"]
+
+            def norm_forward(self: nn.Module, x: torch.Tensor, eps: float = eps, norm: Any = norm) -> torch.Tensor:
+                return norm(x, self.weight, eps)
+            module.forward = types.MethodType(norm_forward, module)  # type: ignore[method-assign]
+            done.append(name)
+        elif _is_gated_mlp(module):
+            act = table["swiglu"]
+
+            def mlp_forward(self: Any, x: torch.Tensor, act: Any = act) -> torch.Tensor:
+                return self.down_proj(act(self.gate_proj(x), self.up_proj(x)))
+            module.forward = types.MethodType(mlp_forward, module)  # type: ignore[method-assign]
+            done.append(name)
+    return done
