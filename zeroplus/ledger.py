@@ -166,6 +166,5 @@ class Ledger:
         with self._lock:
             out = {c.value: dataclasses.asdict(b) for c, b in self._bytes.items()}
             out["total"] = dataclasses.asdict(self.total)
-            out["at_peak"] = {c.value: n for c, n in self.at_peak.items()}
             out["saved"] = {f"{t}/{c.value}": dataclasses.asdict(b) for (t, c), b in sorted(self._saved.items())}
         return out

@@ -21,7 +21,6 @@ def test_the_breakdown_at_the_total_peak():
     more = ledger.empty(60, torch.float32, Category.MASTER)  # 440 bytes live: below the 600 of the peak
     assert ledger.peak_bytes(Category.MASTER) == 440 and ledger.peak_bytes() == 600
     assert ledger.at_peak == {Category.GRAD: 400, Category.MASTER: 200}
-    assert ledger.snapshot()["at_peak"] == {"grad": 400, "master": 200}
     ledger.reset_peaks()
     assert ledger.at_peak == {Category.MASTER: 440}
     del master, more
