@@ -196,3 +196,26 @@ def test_out_of_memory_on_the_device_dumps_the_ledger_and_the_allocators_history
     note = caught.value.__notes__[0]
     assert "allocator's history" in note and str(tmp_path) in note, note
     assert [f for f in os.listdir(tmp_path) if f.endswith(".pickle")], os.listdir(tmp_path)
+
+
+def test_fused_operators_train_a_llama_as_eager_does_on_the_device():
+    """Issue 41 item 4 on a device: ``zeroplus.fused_ops`` (the lean RMSNorm and SwiGLU, which make eager's graph
+    again in backward) trains a tiny Hugging Face Llama in bf16 to the same losses and weights as without it,
+    bit for bit (the same kernels run; only what is kept for backward differs)."""
+    from tests.hf_models import LossOf, build
+
+    def run(fused: bool) -> dict:
+        torch.manual_seed(0)
+        cfg = _config(2, zp={"fused_ops": fused}, dtype="bf16")
+        engine = zeroplus.initialize(LossOf(build("llama")), cfg)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(3):
+            ids = torch.randint(0, 256, (2, 24), generator=g).to(ACCEL.device())
+            loss = engine(ids, ids)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return {"losses": losses, "masters": engine.consolidated_fp32_state()}
+    _same(run(False), run(True), "fused operators against eager")
+
