@@ -100,5 +100,6 @@ def main() -> None:
         seconds = statistics.median(ts)
         print(f"{kernel:<22}{1e3 * seconds:>10.1f}{args.numel / seconds / 1e6:>10.0f}{extra[kernel] / 2**20:>16.1f}")
 
+
 if __name__ == "__main__":
     main()

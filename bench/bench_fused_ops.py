@@ -67,8 +67,8 @@ def main() -> None:
     n, d, f, h = args.tokens, args.hidden, args.ffn, args.heads
     g = torch.Generator().manual_seed(0)
 
-    def leaf(*shape: int, grad: bool = True) -> torch.Tensor:
-        return torch.randn(*shape, generator=g).to(dtype).requires_grad_(grad)
+    def leaf(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dtype).requires_grad_()
 
     cos, sin = torch.randn(1, n, d // h, generator=g).to(dtype), torch.randn(1, n, d // h, generator=g).to(dtype)
     ends = torch.arange(1, args.experts + 1, dtype=torch.int32) * (n // args.experts)

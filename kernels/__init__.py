@@ -6,7 +6,8 @@ above drive them.
 ``cross_entropy``: a linear head's cross-entropy by tiles of rows and vocabulary slices (tiled loss).
 ``attention_blocks``: attention by blocks merged with the online softmax (ring attention).
 ``npu_adam_w``: the CPU twin of the NPU's AdamW kernel (virtual host memory for optimizer states).
-``swiglu``, ``rms_norm``, ``rotary``, ``grouped_gemm``: the model families' fused operators (``zeroplus.fused_ops``).
+``swiglu``, ``rms_norm``, ``rotary``, ``grouped_gemm``: the model families' fused operators (``zeroplus.fused_ops``);
+``replay``: their gradients, by running the reference again under autograd.
 
 See note: pure kernels (docs/design-notes.md).
 """

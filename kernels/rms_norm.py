@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from .replay import replay_grads
+
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.to(torch.float32)
@@ -35,18 +37,8 @@ class _RMSNorm(torch.autograd.Function):
         return rms_norm_reference(x, weight, eps)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
-        x, weight = ctx.saved_tensors
-        need_x, need_w = ctx.needs_input_grad[:2]
-        with torch.enable_grad():
-            xd = x.detach().requires_grad_(need_x)
-            wd = weight.detach().requires_grad_(need_w)
-            out = rms_norm_reference(xd, wd, ctx.eps)
-            inputs = [t for t, need in ((xd, need_x), (wd, need_w)) if need]
-            grads = list(torch.autograd.grad(out, inputs, grad)) if inputs else []
-        dx = grads.pop(0) if need_x else None
-        dw = grads.pop(0) if need_w else None
-        return dx, dw, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (*replay_grads(rms_norm_reference, ctx.saved_tensors, ctx.needs_input_grad[:2], grad, ctx.eps), None)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

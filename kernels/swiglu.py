@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .replay import replay_grads
+
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
@@ -33,15 +35,9 @@ class _SwiGLU(torch.autograd.Function):
         return swiglu_reference(gate, up)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        gate, up = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        with torch.enable_grad():  # eager's own graph, made again: its gradients bit for bit
-            g = gate.detach().requires_grad_(need[0])
-            u = up.detach().requires_grad_(need[1])
-            inputs = [t for t, n in ((g, need[0]), (u, need[1])) if n]
-            grads = list(torch.autograd.grad(swiglu_reference(g, u), inputs, grad)) if inputs else []
-        return (grads.pop(0) if need[0] else None), (grads.pop(0) if need[1] else None)
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return replay_grads(swiglu_reference, ctx.saved_tensors, ctx.needs_input_grad, grad)
+
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` keeping only ``gate`` and ``up`` for backward."""

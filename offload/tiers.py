@@ -99,9 +99,13 @@ class HostTier:
         self._out_stream = accelerator.new_stream()
         self._in_stream = accelerator.new_stream()
 
+    def _in_place(self, device: torch.device) -> bool:
+        """A tensor on ``device`` stays as it is: nothing to move (no accelerator, or already in host memory)."""
+        return not self.saves_memory or device.type == "cpu"
+
     def put(self, t: torch.Tensor) -> Stored:
         stored = Stored(t)
-        if not self.saves_memory or t.device.type == "cpu":  # (a tensor already in host memory stays as it is)
+        if self._in_place(t.device):
             stored.data = t
             return stored
         host = self.accel.pin_memory(torch.empty(t.shape, dtype=t.dtype))
@@ -116,7 +120,7 @@ class HostTier:
         return stored
 
     def prefetch(self, stored: Stored) -> None:
-        if not self.saves_memory or stored.device.type == "cpu" or stored.back is not None:
+        if self._in_place(stored.device) or stored.back is not None:
             return
         self._in_stream.wait_event(stored.ready)
         with self.accel.stream(self._in_stream):
@@ -126,7 +130,7 @@ class HostTier:
         stored.back = (back, event)
 
     def get(self, stored: Stored) -> torch.Tensor:
-        if not self.saves_memory or stored.device.type == "cpu":
+        if self._in_place(stored.device):
             return stored.data
         self.prefetch(stored)
         back, event = stored.back

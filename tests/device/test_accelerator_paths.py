@@ -218,4 +218,3 @@ def test_fused_operators_train_a_llama_as_eager_does_on_the_device():
             losses.append(loss.item())
         return {"losses": losses, "masters": engine.consolidated_fp32_state()}
     _same(run(False), run(True), "fused operators against eager")
-
