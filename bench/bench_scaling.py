@@ -31,6 +31,7 @@ the median over rounds is quoted. Per launch: median step time of the steps afte
 
     python bench/bench_scaling.py                       # 3 rounds, stages 0-3 (about 15 minutes here)
     python bench/bench_scaling.py --stages 3 --rounds 5
+    python bench/bench_scaling.py --one-rank --keep-freed    # one rank against the plain module only
 """
 from __future__ import annotations
 
@@ -61,10 +62,13 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--keep-freed", action="store_true",
                    help="every row with glibc keeping freed memory (MALLOC_MMAP/TRIM_THRESHOLD_ 4 GiB)")
+    p.add_argument("--one-rank", action="store_true", help="only the one-rank rows: plain and zeroplus at 1 rank")
     args = p.parse_args()
     args.dtype, args.micro_batch = "fp32", 1
     stages = [int(s) for s in args.stages.split(",")]
-    rows = [("plain", 0, 1), ("ddp", 0, 2)] + [("zeroplus", s, n) for s in stages for n in (1, 2)]
+    ranks = (1,) if args.one_rank else (1, 2)
+    rows = [("plain", 0, 1)] + [("ddp", 0, 2)] * (not args.one_rank)
+    rows += [("zeroplus", s, n) for s in stages for n in ranks]
     rounds: list[dict] = []
     for i in range(args.rounds):
         got = {}
@@ -80,11 +84,19 @@ def main() -> None:
     def med_ratio(num: tuple, den: tuple) -> float:
         return statistics.median(r[num]["step"] / r[den]["step"] for r in rounds)
 
-    psi = rounds[0][("plain", 0, 1)]["params"] * 4
+    plain_key = ("plain", 0, 1)
+    psi = rounds[0][plain_key]["params"] * 4
     allocator = "glibc keeping freed memory" if args.keep_freed else "glibc defaults"
     print(f"GPT {args.model}, fp32, micro-batch 1, sequence {args.seq}, gloo on CPU, one thread per rank, {allocator}; "
           f"{args.rounds} rounds, median of steps {args.warmup + 1}-{args.steps} per launch; ratios taken "
           f"within a round, median over rounds")
+    if args.one_rank:
+        print(f"{'row':<20}{'1 rank s':>10}{'plain/row':>11}")
+        print(f"{'plain':<20}{med(plain_key):>10.3f}{1.0:>11.2f}")
+        for s in stages:
+            one = ("zeroplus", s, 1)
+            print(f"{'zeroplus stage ' + str(s):<20}{med(one):>10.3f}{med_ratio(plain_key, one):>11.2f}")
+        return
     header = (f"{'row':<20}{'1 rank s':>10}{'plain/row':>11}{'2 ranks s':>11}{'scale T2/2T1':>14}"
               f"{'volume/Psi':>12}{'theory':>8}  collectives (Psi per step)")
     print(header)

@@ -59,7 +59,7 @@ def _tensors(engine: Engine, kinds: set[str]) -> list[torch.Tensor]:
         if "lp_params" in kinds:
             out += [g.shard, None if g.stage.shards_parameters else g.full]
         if kinds & {"lp_grads", "contiguous_grad_buffer"}:
-            out += [g.grad_full, g.master_grad]
+            out += [g.grad_full, g.master_grad, *g.kept]
     if "lp_params" in kinds:
         out += [g.shard for g in part.frozen]
     return [t for t in out if t is not None and t.device == device and t.untyped_storage().nbytes() > 0]

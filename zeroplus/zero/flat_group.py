@@ -186,6 +186,11 @@ class FlatParamGroup:
                                                       dp, compute_dtype)
         self._lay_out_values(owned_view, master, trainable)
         self.grad_full: torch.Tensor | None = None    # compute dtype, padded_numel
+        # One rank in fp32 (see note: one-rank gradients): autograd's own gradients are kept, uncopied, until
+        # something needs the flat buffer (``_grad_buffer`` moves them in) or the step takes them as they are
+        self.keeps_grads = (trainable and dp.size == 1 and expert_ranks is None
+                            and self.layout is MasterLayout.FP32_ALIAS)
+        self.kept: list[torch.Tensor | None] = [None] * len(self.params)
         self._written: list[bool] = []  # which parameters' views of ``grad_full`` hold values (``_grad_view``)
         self.master_grad: torch.Tensor | None = None  # reduced gradient of the owned range (stages 1-3)
         self.pending: list[Handle] = []
@@ -381,6 +386,58 @@ class FlatParamGroup:
         if index not in self.per_use:
             self._grads_seen += 1
 
+    def keep_grad(self, index: int, grad: torch.Tensor) -> bool:
+        """One rank (``keeps_grads``): hold autograd's gradient of parameter ``index`` as it is (ledger: ``grad``),
+        or add a later one into it; False (nothing done) when it must go into the flat buffer instead: a flat
+        buffer exists already, the parameter's uses send its gradient (``per_use``), or the gradient does not
+        own its storage whole (a view of a larger gradient would keep, and count, all of it)."""
+        if (not self.keeps_grads or self.grad_full is not None or self.master_grad is not None
+                or index in self.per_use):
+            return False
+        kept = self.kept[index]
+        if kept is not None:
+            kept.add_(grad)
+        elif (grad.is_contiguous() and grad.storage_offset() == 0 and grad.dtype == self.compute_dtype
+              and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()):
+            self.kept[index] = self.ledger.track(grad, Category.GRAD)
+        else:
+            return False
+        self._grads_seen += 1
+        return True
+
+    def kept_grads(self) -> list[torch.Tensor] | None:
+        """Every parameter's kept gradient, when each parameter has one and they are all there is (no flat
+        buffer, no reduced gradient); else None."""
+        if self.grad_full is not None or self.master_grad is not None or any(t is None for t in self.kept):
+            return None
+        return [t for t in self.kept if t is not None]
+
+    def grad_of(self, index: int) -> torch.Tensor | None:
+        """Parameter ``index``'s gradient as this rank holds it now, in its shape: kept (one rank), its view of the
+        flat buffer, or of the reduced gradient when this rank owns the whole group; None if none of these."""
+        if self.kept[index] is not None:
+            return self.kept[index]
+        off, n = self.offsets[index], self.numels[index]
+        flat = self.grad_full if self.grad_full is not None else (
+            self.master_grad if self.owned_numel == self.padded_numel else None)
+        return None if flat is None else flat[off:off + n].view(self.shapes[index])
+
+    def holds_kept(self) -> bool:
+        return any(t is not None for t in self.kept)
+
+    def settle_kept(self) -> None:
+        """The kept gradients go into the flat buffer (zeros where a parameter has none), and at stages 1-3 into
+        the reduced gradient, as the one-rank reduction (``grad_reducer._keep_whole``) would have put them."""
+        if not self.holds_kept():
+            return
+        grad = self.ensure_grad_full()
+        if self.stage.partitions:
+            if self.master_grad is None:
+                self.master_grad = grad
+            else:
+                self.master_grad.add_(grad)
+            self.grad_full = None
+
     def add_grad_rows(self, index: int, start: int, values: torch.Tensor, last: bool) -> None:
         """Rows ``start..start+len(values)`` of parameter ``index``'s gradient (``activations/grad_rows.py``),
         copied in or added as ``accumulate_grad`` would the whole gradient: the slices of one gradient are
@@ -416,6 +473,12 @@ class FlatParamGroup:
             self.grad_full = self.ledger.empty(self.padded_numel, self.compute_dtype, Category.GRAD, self.device)
             self.grad_full[self.numel:].zero_()
             self._written = [False] * len(self.params)
+            kept, self.kept = self.kept, [None] * len(self.params)
+            for index, grad in enumerate(kept):  # gradients kept so far (one rank) move in, each freed after
+                if grad is not None:
+                    self._grad_view(index).copy_(grad)
+                    self._written[index] = True
+                    kept[index] = None
         return self.grad_full
 
     def ensure_grad_full(self) -> torch.Tensor:
@@ -458,6 +521,7 @@ class FlatParamGroup:
 
     def free_grads(self) -> None:
         self.grad_full = None
+        self.kept = [None] * len(self.params)
         self.master_grad = None
         self.master_param.grad = None
         self._grads_seen = 0

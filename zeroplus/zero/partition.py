@@ -327,7 +327,9 @@ class ZeroPartition:
             if grad is None and not by_rows:  # torch calls this hook only after accumulating a gradient
                 raise RuntimeError(f"{group.name}: parameter {index} reached its gradient hook without a gradient")
             param.grad = None
-            group.accumulate_grad(index, grad)  # None: counted only
+            # one rank: kept as autograd made it (see note: one-rank gradients); None: counted only
+            if grad is None or not group.keep_grad(index, grad):
+                group.accumulate_grad(index, grad)
             if group.per_use:
                 self._maybe_reduce_early(group)
             elif group.all_counted():

@@ -32,6 +32,7 @@ from ..offload.optimizer_states import TieredStates, Window, plan_sub_groups
 from ..offload.policies import OptimizerStateOffload
 from ..offload.virtual_host import VirtualStates
 from .chunked_step import ChunkedStep
+from .direct_step import DirectStep, squared_norm
 from .flat_group import FlatParamGroup
 from .master_store import FullMaster
 from .partition import ZeroPartition
@@ -134,12 +135,28 @@ class ShardedStep:
             for g in partition.groups:
                 self.virtual[id(g)] = VirtualStates(g.owned_numel, g.device, ledger, virtual_kernels)
         self._options = {id(p): pg for pg in optimizer.param_groups for p in pg["params"]}
+        self.direct = DirectStep(optimizer, self._options, ledger)  # one rank: autograd's gradients as they are
+        self.direct.enabled &= offload is None and virtual_kernels is None
         if isinstance(optimizer, SegmentedOptimizer):  # a capability (Lamb's per-parameter trust ratio), not a class
             for g in partition.groups:
                 optimizer.set_segments(g.master_param, g.param_segments(), len(g.params),
                                        g.dp if partition.stage.partitions else _LocalGroup())
 
-    def _grad_norm(self, loss_scale: float) -> float:
+    def _direct_grads(self) -> dict[int, list[torch.Tensor]]:
+        """The groups stepped over their kept gradients (``direct_step.py``), by id; every other group's kept
+        gradients are moved into its flat buffer here, before anything reads them."""
+        out = {}
+        mp = self.model_parallel
+        for g in self.partition.groups:
+            if g.master_store.shared or g.master_store.tiered or (mp is not None and mp.has_replicated(g)):
+                g.settle_kept()
+                continue
+            grads = self.direct.grads(g)
+            if grads is not None:
+                out[id(g)] = grads
+        return out
+
+    def _grad_norm(self, loss_scale: float, direct: dict[int, list[torch.Tensor]]) -> float:
         stage0 = not self.partition.stage.partitions
         device = self.partition.groups[0].device if self.partition.groups else torch.device("cpu")
         total = torch.zeros((), dtype=_norm_dtype(device), device=device)
@@ -148,6 +165,9 @@ class ShardedStep:
         experts = torch.zeros_like(total)  # stage 0: the experts' part, summed over the expert group
         mp = self.model_parallel
         for g in self.partition.groups:
+            if id(g) in direct:
+                total += squared_norm(direct[id(g)], total.dtype)
+                continue
             source = g.ensure_grad_full() if stage0 else g.ensure_master_grad()
             into = experts if stage0 and g.expert else total
             if mp is None or not mp.has_replicated(g):
@@ -181,7 +201,8 @@ class ShardedStep:
         if self.chunked.tiered:  # offloaded states: the first reads overlap the norm's all-reduce
             first = self.chunked.tiered[id(self.partition.groups[0])]
             first.window.ahead(first, -1, first.window.size)
-        norm = self._grad_norm(loss_scale)
+        direct = self._direct_grads()
+        norm = self._grad_norm(loss_scale, direct)
         self.last_grad_norm = norm
         if not math.isfinite(norm):
             return False
@@ -190,7 +211,10 @@ class ShardedStep:
             coef /= self.dp.size
         if self.clip > 0:
             coef *= min(1.0, self.clip / (norm + 1e-6))
+        self.direct.step([(g, direct[id(g)]) for g in self.partition.groups if id(g) in direct], coef)
         for g in self.partition.groups:
+            if id(g) in direct:
+                continue
             if id(g) in self.virtual:
                 self.virtual[id(g)].step(_whole_master(g), self._master_grad(g, coef),
                                          self._options[id(g.master_param)])

@@ -1,0 +1,92 @@
+"""One rank steps autograd's own gradients (``zeroplus/zero/direct_step.py``).
+
+- Values: at world size 1 in fp32 every stage trains ``ParityNet`` (tied weights, a frozen layer, a parameter
+  used twice) bit for bit as the plain module with ``torch.optim.AdamW(fused=True)`` or SGD, and an MLP with
+  gradient accumulation (a tied weight's uses accumulate in another order across micro-batches,
+  ``use_grads.py``); the flat step differs from it at the tensors' last elements (the fused kernels' scalar
+  tail), so this fails when groups step flat.
+- Memory: a group whose parameters all got a gradient holds autograd's gradients and no flat buffer; the
+  ledger counts them (``grad``: 4 bytes per element of every gradient held), and nothing after the step.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zeroplus
+from tests.models import ParityNet, make_batches
+from zeroplus.ledger import Category
+
+pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
+
+LR = 1e-2
+
+
+def _config(stage: int, optimizer: str, gas: int) -> dict:
+    params = {"lr": LR, "weight_decay": 0.01} | ({"momentum": 0.9} if optimizer == "SGD" else {})
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": 0.0,
+            "optimizer": {"type": optimizer, "params": params}, "zero_optimization": {"stage": stage},
+            "zeroplus": {"log_level": "warning", "memory_estimate": False}}
+
+
+class Mlp(nn.Module):
+    """Widths that leave the fused kernels a scalar tail in every tensor; no embedding, no tied weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(a, b) for a, b in ((37, 53), (53, 53), (53, 11)))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return F.mse_loss(x, y)
+
+
+@pytest.mark.parametrize("model,optimizer,gas", [("parity", "AdamW", 1), ("parity", "SGD", 1), ("mlp", "AdamW", 2)])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_one_rank_trains_bitwise_as_the_plain_module(stage: int, model: str, optimizer: str, gas: int) -> None:
+    torch.manual_seed(0)
+    net = ParityNet() if model == "parity" else Mlp()
+    plain = copy.deepcopy(net)
+    engine = zeroplus.initialize(net, _config(stage, optimizer, gas))
+    trained = [p for p in plain.parameters() if p.requires_grad]
+    opt = (torch.optim.AdamW(trained, lr=LR, weight_decay=0.01, fused=True) if optimizer == "AdamW"
+           else torch.optim.SGD(trained, lr=LR, weight_decay=0.01, momentum=0.9, fused=True))
+    batches = (make_batches(4 * gas, 2) if model == "parity"
+               else [(torch.randn(2, 37), torch.randn(2, 11)) for _ in range(4 * gas)])
+    for s in range(4):
+        for k in range(gas):
+            x, y = batches[s * gas + k]
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            (plain(x, y) / gas).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    state = engine.consolidated_fp32_state()
+    differ = [n for n, p in plain.named_parameters() if p.requires_grad and not torch.equal(state[n], p.detach())]
+    assert not differ, f"stage {stage}, {model}, {optimizer}, accumulation {gas}: not the plain module's: {differ}"
+    engine.destroy()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_one_rank_holds_autograds_gradients_and_no_flat_buffer(stage: int) -> None:
+    torch.manual_seed(0)
+    engine = zeroplus.initialize(ParityNet(), _config(stage, "AdamW", 1))
+    ledger = engine.ledger
+    for x, y in make_batches(2, 2):
+        engine.backward(engine(x, y))
+        groups = engine.partition.groups
+        blocks = [g for g in groups if not g.per_use]
+        assert blocks and all(g.grad_full is None and g.kept_grads() is not None for g in blocks), \
+            [(g.name, g.grad_full is None) for g in blocks]
+        held = sum(t.numel() * 4 for g in groups for t in g.kept if t is not None)
+        flat = sum(t.numel() * 4 for g in groups for t in (g.grad_full, g.master_grad) if t is not None)
+        assert held > 0 and ledger.live_bytes(Category.GRAD) == held + flat
+        engine.step()
+        assert ledger.live_bytes(Category.GRAD) == 0
+    engine.destroy()

@@ -1,0 +1,148 @@
+"""One rank: the step over each parameter's own gradient, as the plain module's optimizer runs it.
+
+At world size 1 in fp32 (``FlatParamGroup.keeps_grads``) nothing is reduced, so the flat gradient
+buffer is only a copy: each gradient written once more (read 4 * P, write 4 * P bytes per step) for
+a step that could read it where it is. Here the gradients stay where autograd put them
+(``FlatParamGroup.keep_grad``, counted in the ledger as ``grad``: 4 * P, as the flat buffer was), and
+the optimizer steps them against views: each parameter's slice of the flat fp32 master (the
+parameters' own storage) and of every flat optimizer state, so the states stay one flat tensor per
+group for checkpoints, offload and the memory report. A group whose gradients went into the flat
+buffer after all (an embedding's rows, a tied weight's uses, a parameter with no gradient) steps the
+same way over views of that buffer. Extra memory: none (views); extra time: one view per parameter
+and state per step.
+
+The gradient norm sums one fp32 norm per gradient (``torch._foreach_norm``, as ``clip_grad_norm_``)
+squared in float64: at one rank no sharding exists whose sum it would have to agree with.
+
+Exactness: torch's fused CPU kernels treat each tensor's last few elements (a scalar tail) apart, an ulp
+away from the vector lanes, so a flat step differs from the plain module's per-parameter step there. Stepping
+per parameter makes one rank's update the plain module's bit for bit (same gradients, same kernel over the
+same tensors) when clipping does not bind; a binding clip scales by a coefficient computed in float64 here
+and in fp32 by ``clip_grad_norm_`` (1e-7 relative).
+
+When it applies (``DirectStep.grads``): torch's elementwise optimizers only (``ELEMENTWISE``: one element's
+update reads only that element, so a slice steps as the flat tensor would); the group's states exist before the
+step (Adam and AdamW's are made here as torch makes them, zeros and a step count; SGD with momentum makes
+its buffer from the first gradient, so its first step is flat); no model-parallel weighting of the norm, no
+offloaded states. See note: one-rank gradients (docs/design-notes.md).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..ledger import Category, Ledger
+from .flat_group import FlatParamGroup
+
+ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+
+
+def squared_norm(grads: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Sum of the squares of ``grads``' elements in ``dtype``: one norm per tensor in its own dtype (torch's
+    ``clip_grad_norm_``), the squares summed in ``dtype``."""
+    norms = torch._foreach_norm(grads, 2.0)
+    return torch.stack(norms).to(dtype).square().sum()
+
+
+class DirectStep:
+    """Steps the flat groups that keep their gradients (one rank, fp32) through per-parameter views."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, options: dict[int, dict[str, Any]], ledger: Ledger) -> None:
+        """``options``: the optimizer's param group of each master parameter, by id."""
+        self.optimizer = optimizer
+        self.options = options
+        self.ledger = ledger
+        self.enabled = type(optimizer) in ELEMENTWISE
+
+    def grads(self, g: FlatParamGroup) -> list[torch.Tensor] | None:
+        """``g``'s gradients, one tensor per parameter, when this step takes the group: the kept ones, or views
+        of the flat (stages 1-3: reduced) gradient they went into. None: the flat step takes it, with any kept
+        gradient moved into the flat buffer first (``settle_kept``)."""
+        if not (self.enabled and g.keeps_grads and self._states_ready(g)):
+            g.settle_kept()
+            return None
+        kept = g.kept_grads()
+        if kept is not None:
+            return kept
+        g.settle_kept()
+        flat = g.ensure_master_grad() if g.stage.partitions else g.ensure_grad_full()
+        return [flat[off:off + n].view(shape) for off, n, shape in zip(g.offsets, g.numels, g.shapes)]
+
+    def _states_ready(self, g: FlatParamGroup) -> bool:
+        """Whether ``g``'s optimizer states exist as flat tensors before the step (made here for Adam and AdamW
+        as torch makes them: ``step`` a 0-d count, on the device for the fused and capturable kernels, the
+        moments zeros; ledger: ``optim_state``)."""
+        p = g.master_param
+        if self.optimizer.state.get(p):
+            return True
+        options = self.options[id(p)]
+        if type(self.optimizer) is torch.optim.SGD:
+            return not options.get("momentum")
+        if type(self.optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+            return False
+        on_device = options.get("fused") or options.get("capturable")
+        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        state: dict[str, Any] = {"step": torch.zeros((), dtype=scalar, device=p.device if on_device else "cpu")}
+        for key in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if options.get("amsgrad") else ()):
+            state[key] = self.ledger.zeros(p.numel(), p.dtype, Category.OPTIM_STATE, p.device)
+        self.optimizer.state[p] = state
+        return True
+
+    def step(self, work: list[tuple[FlatParamGroup, list[torch.Tensor]]], coef: float) -> None:
+        """One optimizer step of every group in ``work`` over its gradients scaled by ``coef``, in one call of the
+        optimizer (one kernel launch per param group); each group's flat states are updated in place and its
+        step count advanced once."""
+        if not work:
+            return
+        if coef != 1.0:
+            torch._foreach_mul_([t for _, grads in work for t in grads], coef)
+        swapped: dict[int, tuple[dict[str, Any], list[torch.Tensor]]] = {}  # id(param group) -> (it, its views)
+        firsts = []
+        for g, grads in work:
+            views = self._views(g, grads)
+            options = self.options[id(g.master_param)]
+            swapped.setdefault(id(options), (options, []))[1].extend(views)
+            firsts.append((g, views))
+        saved = {key: options["params"] for key, (options, _) in swapped.items()}
+        try:
+            for options, views in swapped.values():  # groups with no direct work keep masters with no gradient:
+                options["params"] = views  # torch skips them
+            self.optimizer.step()
+        finally:
+            for key, (options, _) in swapped.items():
+                options["params"] = saved[key]
+            for g, views in firsts:
+                state, first = self.optimizer.state[g.master_param], self.optimizer.state[views[0]]
+                flat = _flat_states(state, g.master_param.numel())
+                for k, v in state.items():  # the rest (the step count): every view advanced its own copy alike
+                    if k in flat:
+                        continue
+                    if isinstance(v, torch.Tensor):
+                        v.copy_(first[k])
+                    else:
+                        state[k] = first[k]
+                for view in views:
+                    view.grad = None
+                    del self.optimizer.state[view]
+
+    def _views(self, g: FlatParamGroup, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One parameter per tensor of ``g``: its slice of the flat master, with its gradient and its slices of
+        the flat states (scalar states copied per view)."""
+        state = self.optimizer.state[g.master_param]
+        flat = _flat_states(state, g.master_param.numel())
+        master = g.master_param.detach()
+        views: list[torch.Tensor] = []
+        for off, n, shape, grad in zip(g.offsets, g.numels, g.shapes, grads):
+            view = torch.nn.Parameter(master[off:off + n].view(shape), requires_grad=False)
+            view.grad = grad
+            self.optimizer.state[view] = {k: (flat[k][off:off + n].view(shape) if k in flat
+                                              else v.clone() if isinstance(v, torch.Tensor) else v)
+                                          for k, v in state.items()}
+            views.append(view)
+        return views
+
+
+def _flat_states(state: dict[str, Any], owned: int) -> dict[str, torch.Tensor]:
+    """The states one element per master element (sliced per parameter); the rest (a step count) is copied."""
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.numel() == owned and v.dim() == 1}
