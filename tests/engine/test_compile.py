@@ -148,7 +148,7 @@ def test_engine_compile_with_inductor_equals_eager_under_activation_checkpointin
         _assert_equal_to_eager(rank_results, "ZeRO-3, inductor, checkpointed blocks", rtol=1e-4, atol=1e-5)
 
 
-def _gpt_with(extra: dict[str, Any]) -> dict[str, Any]:
+def _gpt_with(extra: dict[str, Any], backend: str) -> dict[str, Any]:
     """zeroplus's GPT taking its targets (its own loss: tiled when configured), eager and engine.compile()."""
     rank = torch.distributed.get_rank()
     results = {}
@@ -158,7 +158,7 @@ def _gpt_with(extra: dict[str, Any]) -> dict[str, Any]:
         torch.manual_seed(0)
         engine = zeroplus.initialize(GPT(gpt_config("tiny", vocab_size=VOCAB, block_size=SEQ)), _config(3, extra))
         if way == "engine":
-            engine.compile()
+            engine.compile(backend=backend)
         losses = []
         for batch in _batches(rank):
             loss = engine(batch[:, :-1], batch[:, 1:])
@@ -171,13 +171,16 @@ def _gpt_with(extra: dict[str, Any]) -> dict[str, Any]:
     return results
 
 
-@pytest.mark.parametrize("extra", [
-    {"tiled": {"mlp_tokens": 8, "loss_tokens": 8}},
-    {"parallel": {"context": 2, "context_mode": "ulysses"}},
-    {"parallel": {"context": 2, "context_mode": "ring"}},
+@pytest.mark.parametrize("extra,backend", [
+    ({"tiled": {"mlp_tokens": 8, "loss_tokens": 8}}, "inductor"),
+    ({"parallel": {"context": 2, "context_mode": "ulysses"}}, "aot_eager"),
+    ({"parallel": {"context": 2, "context_mode": "ring"}}, "aot_eager"),
 ], ids=["tiled", "ulysses", "ring"])
-def test_compiled_gpt_with_tiling_or_context_parallelism_equals_eager(extra):
-    for rank_results in run_distributed(_gpt_with, 2, extra):
+def test_compiled_gpt_with_tiling_or_context_parallelism_equals_eager(extra, backend):
+    """Context parallelism under ``aot_eager``: what it tests is the capture (its collectives and attention
+    functions traced, forward and backward) equal to eager; inductor's rounding is the other cases' (12 s of
+    inductor compiles saved per layout)."""
+    for rank_results in run_distributed(_gpt_with, 2, extra, backend):
         _assert_equal_to_eager(rank_results, f"GPT with {extra}", rtol=1e-4, atol=1e-5)
 
 

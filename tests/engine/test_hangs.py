@@ -5,9 +5,9 @@
   ``ConfigError`` at ``initialize`` naming the first difference (before, each hung or was filled in
   silently by the initial broadcast).
 - A stall (zeroplus creates the process group from the launcher's environment, with
-  ``zeroplus.collective_timeout`` 3 s): rank 1 sleeps 8 s before its backward; rank 0 raises a
-  ``CollectiveError`` within the timeout plus the roll call, naming the collective and rank 1 as the
-  rank that did not arrive.
+  ``zeroplus.collective_timeout`` 3 s): rank 1 stalls before its backward until rank 0 has ended (8 s at
+  most); rank 0 raises a ``CollectiveError`` within the timeout plus the roll call, naming the collective
+  and rank 1 as the rank that did not arrive.
 - ``save_checkpoint`` / ``load_checkpoint`` called by rank 0 alone: rank 0 raises in time, naming the
   collective and rank 1.
 - In each stall, rank 0's error names a file (``ZEROPLUS_DUMP_DIR``) saying what it was doing: the engine's
@@ -77,23 +77,34 @@ def _stall(what: str, dumps: str) -> dict:
     rank, world = rank_and_world()
     x, y = make_batches(world, 2)[rank]
     start = time.monotonic()
+    done = os.path.join(dumps, "rank0-done")  # rank 1 stalls until rank 0 has ended (8 s at most)
     try:
         if what == "backward":
             loss = engine(x, y)
             if rank == 1:
-                time.sleep(8)
+                _stall_until(done, 8)
             engine.backward(loss)
             engine.step()
         elif rank == 0:  # rank 1 never calls it: it goes on with other work, then leaves
             engine.save_checkpoint("/tmp/zeroplus-unused") if what == "save" else engine.load_checkpoint("/nonexistent")
         else:
-            time.sleep(8)
+            _stall_until(done, 8)
         return {"error": None, "seconds": time.monotonic() - start}
     except (CollectiveError, ValueError, FileNotFoundError) as err:
         seconds = time.monotonic() - start
         dump = str(err).split("(phase, collective, stacks): ")[-1] if "(phase, collective" in str(err) else None
         text = open(dump).read() if dump and os.path.isfile(dump) else None
         return {"error": f"{type(err).__name__}: {err}", "seconds": seconds, "dump": text}
+    finally:
+        if rank == 0:
+            open(done, "w").close()
+
+
+def _stall_until(path: str, seconds: float) -> None:
+    """Sleep until ``path`` exists or ``seconds`` have passed."""
+    end = time.monotonic() + seconds
+    while not os.path.exists(path) and time.monotonic() < end:
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("what", ["backward", "save", "load"])

@@ -36,8 +36,8 @@ from ..parallel.ring_attention import ring_attention, zigzag_slice
 from ..parallel.ulysses_output import output_exchanged
 
 transformers: Any
-try:
-    import transformers
+try:  # with ``import zeroplus``, on purpose: the budget's baseline then holds it whether or not the script imported
+    import transformers  # it before building its model (tests/budget/test_budget_in_process.py; note 63's reasoning)
 except ImportError:  # transformers is optional: only its models need this
     transformers = None
 
