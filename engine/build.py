@@ -401,12 +401,18 @@ def _activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: 
     if is_hf_causal_lm(model):
         drop_training_cache(model)
     if zp.fused_ops:
-        fused = fused_ops.install(model, accel.name)
+        compiled = zp.fused_ops == "compiled"
+        if compiled and accel.name not in fused_ops.COMPILED_DEVICES + ("meta",):
+            raise ConfigError(f"config key 'zeroplus.fused_ops' is 'compiled', which compiles with inductor on "
+                              f"{' and '.join(fused_ops.COMPILED_DEVICES)}, not on this rank's {accel.name}: use "
+                              f"true for its fused operators")
+        fused = fused_ops.install(model, accel.name, compiled)
         if not fused:
-            raise ConfigError(f"config key 'zeroplus.fused_ops' is true but {type(model).__name__} has no RMSNorm "
-                              f"(a '*RMSNorm' class with weight and variance_epsilon) or gated MLP (gate_proj, "
-                              f"up_proj, down_proj, a SiLU act_fn) to fuse")
-        log_rank0("fused_ops: %d RMSNorms and gated MLPs run %s's kernels", len(fused), accel.name)
+            raise ConfigError(f"config key 'zeroplus.fused_ops' is {zp.fused_ops!r} but {type(model).__name__} has "
+                              f"no RMSNorm (a '*RMSNorm' class with weight and variance_epsilon) or gated MLP "
+                              f"(gate_proj, up_proj, down_proj, a SiLU act_fn) to fuse")
+        log_rank0("fused_ops: %d RMSNorms and gated MLPs run %s's %s", len(fused), accel.name,
+                  "compiled references" if compiled else "kernels")
     _tile(model, zp.tiled, context)
     sequence_split = cfg.zeroplus.parallel.sequence_parallel
     if ac.partition_activations and sequence_split:

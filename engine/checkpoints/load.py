@@ -36,6 +36,7 @@ from zeroplus.zero.flat_group import FlatParamGroup
 
 from . import files as io
 from .dcp_load import DcpCheckpoint, DcpFiles, dcp_dir
+from .dcp_save import param_group_of
 from .deepspeed_import import convert_deepspeed, deepspeed_tag
 from .save import _global_rank, _model_part, _set_rng_state, _topology, _world
 
@@ -254,7 +255,6 @@ def _read_dcp(engine: Engine, path: str, load_optim: bool, load_scheduler: bool,
         if load_scheduler and engine.lr_scheduler is not None and engine.dp.rank == 0:
             logger.warning("DCP checkpoint %s holds no learning-rate schedule zeroplus can read: the engine keeps "
                            "its own schedule's position while the step moves to %d", path, done)
-    from .dcp_save import param_group_of  # (torch's DCP, imported when one is read or written)
     by_index: dict[int, list[str]] = {}
     for g in engine.partition.groups:
         by_index.setdefault(param_group_of(g.name), []).extend(g.names)

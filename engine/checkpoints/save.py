@@ -37,6 +37,7 @@ from zeroplus.zero.frozen_values import read_frozen
 
 from . import files as io
 from .async_save import PendingSave, allocate
+from .dcp_save import write_dcp
 from .hf_export import hf_config, tied_aliases
 from .safe_load import check_loadable, numpy_rng_from_file, numpy_rng_to_file
 
@@ -283,7 +284,6 @@ def save_checkpoint(engine: Engine, save_dir: str, tag: str | None = None,
     if fmt == "dcp":
         error = None
         try:
-            from .dcp_save import write_dcp  # (torch's DCP, imported when one is written)
             write_dcp(engine, tmp_dir, rank_state(engine, None, exclude_frozen_parameters), engine.dp.group)
         except Exception as err:  # noqa: BLE001 - DCP raises on every rank when any fails; each rank says so
             error = err

@@ -6,7 +6,8 @@ a weight that needs no gradient), with fewer bytes kept for backward (counted by
 grouped expert product equal to the per-expert loop with an empty expert, gradients included; the rotary
 reference equal to Hugging Face's own function; a tiny Llama and Qwen2 trained 3 steps through
 ``initialize`` with ``zeroplus.fused_ops`` equal to the same engine without it, losses and weights bit for bit;
-the key refused in a model with nothing to fuse.
+``"compiled"``: the compiled references run and train a tiny Llama in fp32 as eager to fp32 rounding; the key
+refused in a model with nothing to fuse.
 """
 from __future__ import annotations
 
@@ -87,10 +88,10 @@ def test_rotary_reference_is_hugging_faces():
         assert torch.equal(a, b)
 
 
-def _train(family: str, fused: bool, steps: int = 3) -> tuple[list[float], dict]:
+def _train(family: str, fused: bool | str, steps: int = 3, bf16: bool = True) -> tuple[list[float], dict]:
     torch.manual_seed(0)
     model = LossOf(build(family))
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "bf16": {"enabled": True},
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "bf16": {"enabled": bf16},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2},
            "zeroplus": {"log_level": "warning", "fused_ops": fused}}
     engine = zeroplus.initialize(model, cfg)
@@ -102,6 +103,7 @@ def _train(family: str, fused: bool, steps: int = 3) -> tuple[list[float], dict]
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+    assert engine.memory_report().predicted_peak_bytes is not None, "the memory estimate failed with fused_ops"
     state = engine.consolidated_fp32_state()
     engine.destroy()
     return losses, state
@@ -113,6 +115,19 @@ def test_fused_ops_train_a_hugging_face_model_bit_for_bit(family):
     plain, fused = _train(family, False), _train(family, True)
     assert fused[0] == plain[0]
     assert all(torch.equal(fused[1][name], value) for name, value in plain[1].items())
+
+
+def test_compiled_fused_ops_train_within_fp32_rounding_of_eager():
+    """``fused_ops: "compiled"``: the compiled references are what runs (graphs captured, no graph break), and
+    a tiny Llama in fp32 trains as eager to fp32 rounding (inductor's fused loops round otherwise)."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    plain, compiled = _train("llama", False, bf16=False), _train("llama", "compiled", bf16=False)
+    assert counters["stats"]["unique_graphs"] >= 2 and not counters["graph_break"], dict(counters["stats"])
+    torch.testing.assert_close(torch.tensor(compiled[0]), torch.tensor(plain[0]), rtol=1e-5, atol=0)
+    for name, value in plain[1].items():
+        torch.testing.assert_close(compiled[1][name], value, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_fused_ops_refused_where_nothing_would_change():

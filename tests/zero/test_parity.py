@@ -103,11 +103,11 @@ def test_parity_distributed(world):
     extra = [dict(stage=2, bucket=100, reduce_scatter=False), dict(stage=3, bucket=100, overlap=False),
              dict(stage=3, bucket=100, persist=10**6), dict(stage=3, bucket=100, prefetch=0),
              dict(stage=1, bucket=7, reduce_scatter=False)]
-    # Four ranks share two cores: keep the per-collective count down there (buckets of 40 elements
-    # are still smaller than any weight matrix; 5-element buckets run at two ranks). Data groups of 4
-    # at every stage, with AdamW and clipping, are also in tests/parallel/test_expert_parallel.py.
-    cases = GRID + extra if world == 2 else [dict(stage=s, bucket=40) for s in (1, 2)] \
-        + [dict(stage=s, bucket=40, opt="SGD", clip=0.0) for s in (0, 3)]
+    # Four ranks share two cores: keep the per-collective count down there (buckets of 200 elements
+    # still cut every weight matrix (481 elements) in pieces; 5-element buckets run at two ranks). Data groups
+    # of 4 at every stage, with AdamW and clipping, are also in tests/parallel/test_expert_parallel.py.
+    cases = GRID + extra if world == 2 else [dict(stage=s, bucket=200) for s in (1, 2)] \
+        + [dict(stage=s, bucket=200, opt="SGD", clip=0.0) for s in (0, 3)]
     results = run_distributed(run_cases, world, cases)
     _check_all(world, cases, results[0])
     for r in range(1, world):  # every rank holds the same consolidated master
