@@ -92,6 +92,7 @@ class FlopsProfiler:
         self._mark = 0  # the count when the current forward began
         self.modules: dict[str, int] = {}
         self._mode: FlopCounterMode | None = None
+        self._eager: Any = None  # torch.compiler's force_eager stance while counting
         self._since: float | None = None  # when the steps of the current report began
         self._steps = 0
         self.last: dict[str, float] = {}
@@ -117,6 +118,10 @@ class FlopsProfiler:
     def micro_start(self, next_step: int) -> None:
         """Before a forward of optimizer step ``next_step``: start counting if it is the profiled one."""
         if self._mode is None and self.flops_per_step is None and next_step == self.block.profile_step:
+            # a compiled function runs eagerly in the counted step: under a dispatch mode TorchDynamo refuses the
+            # frame and remembers the refusal for the code object, which left it uncompiled for the whole run
+            self._eager = torch.compiler.set_stance("force_eager")
+            self._eager.__enter__()
             self._mode = FlopCounterMode(display=False)
             self._mode.__enter__()
             self._watch_modules()
@@ -159,6 +164,7 @@ class FlopsProfiler:
             return
         mode, self._mode = self._mode, None
         mode.__exit__(None, None, None)
+        self._eager.__exit__(None, None, None)
         self.flops_per_step = mode.get_total_flops()
         for hook in self._hooks:
             hook.remove()

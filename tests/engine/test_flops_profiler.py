@@ -57,6 +57,33 @@ def test_the_counted_flops_are_the_steps_matrix_products_and_give_an_mfu(tmp_pat
     assert report["mfu"] == pytest.approx(report["tflops"] / 1.5)
 
 
+_tanh = torch.compile(torch.tanh)  # a compiled helper inside a model (a user's, or zeroplus.fused_ops "compiled")
+
+
+class _CompiledInside(_Linears):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = _tanh(layer(x))
+        return F.mse_loss(x, y)
+
+
+def test_a_compiled_function_inside_the_model_is_compiled_after_the_counted_step():
+    """The counted step runs under torch's ``FlopCounterMode``, a dispatch mode, and the first training forward
+    under the activation census, another: TorchDynamo refuses a frame under one and remembers it, so the helper
+    ran eagerly for the whole run until both went through ``force_eager``."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "flops_profiler": {"enabled": True, "profile_step": 2},
+           "zeroplus": {"log_level": "warning", "memory_estimate": False}}
+    engine = zeroplus.initialize(_CompiledInside(), cfg)
+    for _ in range(3):
+        engine.backward(engine(torch.randn(2, 5, 16), torch.randn(2, 5, 16)))
+        engine.step()
+    assert engine.flops.flops_per_step and counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])
+
+
 def test_the_peak_table_knows_the_parts_it_names():
     assert known_peak("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989.5
     assert known_peak("NVIDIA A100-SXM4-80GB", torch.float32) == 19.5
