@@ -119,7 +119,8 @@ class FlopsProfiler:
         """Before a forward of optimizer step ``next_step``: start counting if it is the profiled one."""
         if self._mode is None and self.flops_per_step is None and next_step == self.block.profile_step:
             # a compiled function runs eagerly in the counted step: under a dispatch mode TorchDynamo refuses the
-            # frame and remembers the refusal for the code object, which left it uncompiled for the whole run
+            # frame and remembers the refusal for the code object, which left it uncompiled for the whole run (see
+            # note: dispatch modes and compiled functions)
             self._eager = torch.compiler.set_stance("force_eager")
             self._eager.__enter__()
             self._mode = FlopCounterMode(display=False)

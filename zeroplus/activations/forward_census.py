@@ -13,8 +13,9 @@ Not saved-tensor hooks around every forward: autograd checks no in-place modific
 through them, and mechanisms that stand aside under other hooks (``parallel/ulysses_output.py``)
 would. Not for compiled modules (a dispatch mode changes what TorchDynamo traces) or pipeline
 stages; a compiled function inside the model runs eagerly in the census's forward (``force_eager``), so
-TorchDynamo does not remember it as refused. Memory: one weak reference per storage the forward creates,
-dropped when it ends; time: one Python call per operation in that forward only.
+TorchDynamo does not remember it as refused (see note: dispatch modes and compiled functions). Memory: one
+weak reference per storage the forward creates, dropped when it ends; time: one Python call per operation in
+that forward only.
 """
 from __future__ import annotations
 
