@@ -402,10 +402,6 @@ def _activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: 
         drop_training_cache(model)
     if zp.fused_ops:
         compiled = zp.fused_ops == "compiled"
-        if compiled and accel.name not in fused_ops.COMPILED_DEVICES + ("meta",):
-            raise ConfigError(f"config key 'zeroplus.fused_ops' is 'compiled', which compiles with inductor on "
-                              f"{' and '.join(fused_ops.COMPILED_DEVICES)}, not on this rank's {accel.name}: use "
-                              f"true for its fused operators")
         fused = fused_ops.install(model, accel.name, compiled)
         if not fused:
             raise ConfigError(f"config key 'zeroplus.fused_ops' is {zp.fused_ops!r} but {type(model).__name__} has "

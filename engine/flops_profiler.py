@@ -30,6 +30,8 @@ from typing import Any, Callable
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from zeroplus.eager import EagerWhileActive
+
 logger = logging.getLogger("zeroplus.engine")
 
 # Dense peak TFLOP/s per device, by a part of the device's name, for 16-bit and 32-bit compute (32-bit: the
@@ -92,7 +94,6 @@ class FlopsProfiler:
         self._mark = 0  # the count when the current forward began
         self.modules: dict[str, int] = {}
         self._mode: FlopCounterMode | None = None
-        self._eager: Any = None  # torch.compiler's force_eager stance while counting
         self._since: float | None = None  # when the steps of the current report began
         self._steps = 0
         self.last: dict[str, float] = {}
@@ -118,12 +119,7 @@ class FlopsProfiler:
     def micro_start(self, next_step: int) -> None:
         """Before a forward of optimizer step ``next_step``: start counting if it is the profiled one."""
         if self._mode is None and self.flops_per_step is None and next_step == self.block.profile_step:
-            # a compiled function runs eagerly in the counted step: under a dispatch mode TorchDynamo refuses the
-            # frame and remembers the refusal for the code object, which left it uncompiled for the whole run (see
-            # note: dispatch modes and compiled functions)
-            self._eager = torch.compiler.set_stance("force_eager")
-            self._eager.__enter__()
-            self._mode = FlopCounterMode(display=False)
+            self._mode = _EagerFlopCounter(display=False)  # compiled code runs eagerly in the counted step
             self._mode.__enter__()
             self._watch_modules()
 
@@ -165,7 +161,6 @@ class FlopsProfiler:
             return
         mode, self._mode = self._mode, None
         mode.__exit__(None, None, None)
-        self._eager.__exit__(None, None, None)
         self.flops_per_step = mode.get_total_flops()
         for hook in self._hooks:
             hook.remove()
@@ -212,3 +207,8 @@ class FlopsProfiler:
     def line(self, report: dict[str, float]) -> str:
         return (f"{report['tflops']:.4g} TFLOP/s per rank, MFU {100 * report['mfu']:.2f}% of {self.peak:.4g} "
                 f"TFLOP/s ({self.peak_source})")
+
+
+class _EagerFlopCounter(EagerWhileActive, FlopCounterMode):
+    """Torch's FLOP counter, with compiled code run eagerly while it counts (see note: dispatch modes and compiled
+    functions)."""

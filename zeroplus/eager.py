@@ -14,7 +14,7 @@ the private one, and ``tests/zero/test_in_backward.py`` fails if a torch release
 """
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -24,6 +24,25 @@ F = TypeVar("F", bound=Callable)
 def eager(hook: F) -> F:
     """``hook``, never traced by TorchDynamo (it and everything it calls run as Python)."""
     return torch.compiler.disable(hook, recursive=True)  # type: ignore[return-value]
+
+
+class EagerWhileActive:
+    """Mixed into a mode the engine enters around real work (a ``TorchDispatchMode``: the estimator's tracker, the
+    activation census, the FLOPs counter): while it is active, compiled code runs eagerly
+    (``torch.compiler.set_stance("force_eager")``). Under a dispatch mode TorchDynamo refuses a frame and remembers
+    the refusal for the code object, which left a compiled function inside the model uncompiled for the whole run
+    (see note: dispatch modes and compiled functions). List it before the mode's class."""
+
+    def __enter__(self) -> Any:
+        self._eager = torch.compiler.set_stance("force_eager")
+        self._eager.__enter__()
+        return super().__enter__()  # type: ignore[misc]
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)  # type: ignore[misc]
+        finally:
+            self._eager.__exit__(*exc)
 
 
 def in_backward() -> bool:

@@ -33,6 +33,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .config import ConfigError
 from .kernels.rms_norm import rms_norm, rms_norm_npu, rms_norm_reference
 from .kernels.swiglu import swiglu, swiglu_npu, swiglu_reference
 
@@ -73,11 +74,12 @@ def _is_gated_mlp(module: nn.Module) -> bool:
 def install(model: nn.Module, device: str, compiled: bool = False) -> list[str]:
     """Replace the forward of ``model``'s RMSNorms and gated MLPs with ``device``'s kernels (``compiled``: the
     compiled reference twins); the names replaced."""
-    if compiled and device not in COMPILED_DEVICES + ("meta",):
-        raise ValueError(f"zeroplus.fused_ops 'compiled' compiles with inductor on {' and '.join(COMPILED_DEVICES)}, "
-                         f"not on {device!r}: use true for the device's fused operators")
     if device == "meta":  # the memory estimate's model: the lean kernels keep what the compiled ones keep
         compiled, device = False, "cpu"
+    if compiled and device not in COMPILED_DEVICES:
+        raise ConfigError(f"config key 'zeroplus.fused_ops' is 'compiled', which compiles with inductor on "
+                          f"{' and '.join(COMPILED_DEVICES)}, not on this rank's {device}: use true for its fused "
+                          f"operators")
     table = compiled_kernels() if compiled else KERNELS[device]
     done = []
     for name, module in model.named_modules():

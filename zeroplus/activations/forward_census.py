@@ -12,7 +12,7 @@ them apart). Later forwards run untouched; one of the same shapes leaves the sam
 Not saved-tensor hooks around every forward: autograd checks no in-place modification of what passes
 through them, and mechanisms that stand aside under other hooks (``parallel/ulysses_output.py``)
 would. Not for compiled modules (a dispatch mode changes what TorchDynamo traces) or pipeline
-stages; a compiled function inside the model runs eagerly in the census's forward (``force_eager``), so
+stages; a compiled function inside the model runs eagerly in the census's forward (``EagerWhileActive``), so
 TorchDynamo does not remember it as refused (see note: dispatch modes and compiled functions). Memory: one
 weak reference per storage the forward creates, dropped when it ends; time: one Python call per operation in
 that forward only.
@@ -26,27 +26,15 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..eager import EagerWhileActive
 
-class ForwardCensus(TorchDispatchMode):
+
+class ForwardCensus(EagerWhileActive, TorchDispatchMode):
     """Every storage an operation creates while active, weakly referenced, with its size (``storages``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
-
-    def __enter__(self) -> ForwardCensus:
-        # a compiled function inside the model (fused_ops "compiled", a user's torch.compile'd helper) runs eagerly
-        # in this one forward: under a dispatch mode TorchDynamo refuses the frame and remembers the refusal for
-        # the code object, which left it uncompiled for the whole run (tests/kernels/test_fused_ops.py)
-        self._eager = torch.compiler.set_stance("force_eager")
-        self._eager.__enter__()
-        return super().__enter__()
-
-    def __exit__(self, *exc: Any) -> Any:
-        try:
-            return super().__exit__(*exc)
-        finally:
-            self._eager.__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))

@@ -33,6 +33,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..eager import EagerWhileActive
 from ..ledger import Category, Ledger
 from .meta_values import MetaValues
 
@@ -60,7 +61,7 @@ class PhasePeak:
     by_category: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
-class MemoryTracker(TorchDispatchMode):
+class MemoryTracker(EagerWhileActive, TorchDispatchMode):
     def __init__(self, ledger: Ledger, workspace: Callable[[Any, Any], int] | None = None) -> None:
         """``workspace(func, out)``: bytes the kernel of ``func`` holds inside the call (per
         accelerator; ``cpu_workspace_bytes`` for CPU), counted at that operation only. Every operation
@@ -131,18 +132,11 @@ class MemoryTracker(TorchDispatchMode):
 
         self._resize = original
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
-        # a compiled model's forward runs eagerly here: TorchDynamo refuses frames under a dispatch mode and
-        # would remember the refusal for the code object, leaving the real forward uncompiled afterwards
-        self._eager = torch.compiler.set_stance("force_eager")
-        self._eager.__enter__()
-        return super().__enter__()
+        return super().__enter__()  # (a compiled model's forward runs eagerly here: EagerWhileActive)
 
     def __exit__(self, *exc: Any) -> Any:
         torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
-        try:
-            return super().__exit__(*exc)
-        finally:
-            self._eager.__exit__(*exc)
+        return super().__exit__(*exc)
 
     # -- observation ----------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:

@@ -433,10 +433,10 @@ class FlatParamGroup:
         grad = self.ensure_grad_full()
         if self.stage.partitions:
             if self.master_grad is None:
-                self.master_grad = grad
+                self.adopt_master_grad(grad)
             else:
                 self.master_grad.add_(grad)
-            self.grad_full = None
+            self.drop_grad_full()
 
     def add_grad_rows(self, index: int, start: int, values: torch.Tensor, last: bool) -> None:
         """Rows ``start..start+len(values)`` of parameter ``index``'s gradient (``activations/grad_rows.py``),

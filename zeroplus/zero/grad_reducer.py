@@ -52,7 +52,7 @@ class GradReducer:
 
     def reduce(self, group: FlatParamGroup) -> None:
         """Start reducing ``group``'s flat gradient; results land when ``group.wait_pending()`` runs."""
-        if self.dp.size == 1 and group.grad_full is None and group.kept_grads() is not None:
+        if self.dp.size == 1 and group.kept_grads() is not None:
             return  # one rank: the kept gradients stay where autograd put them (see note: one-rank gradients)
         grad = group.ensure_grad_full()
         if self.stage.partitions and group.dp.size == self.dp.size == 1:

@@ -148,7 +148,7 @@ class ShardedStep:
         out = {}
         mp = self.model_parallel
         for g in self.partition.groups:
-            if g.master_store.shared or g.master_store.tiered or (mp is not None and mp.has_replicated(g)):
+            if mp is not None and mp.has_replicated(g):  # the norm weighs its parameters: the flat path's segments
                 g.settle_kept()
                 continue
             grads = self.direct.grads(g)
