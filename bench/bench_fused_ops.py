@@ -5,10 +5,12 @@ median time of forward plus backward over ``--repeats`` runs after two warm-ups,
 from forward to backward (distinct storages, counted by saved-tensor hooks), for: the reference (eager), the
 reference under ``torch.compile`` (inductor; its compile time left out), and zeroplus's kernel, the one
 ``zeroplus.fused_ops`` installs on this device where it installs one. Grouped GEMM: ``--experts`` experts with
-equal rows. One process, ``--threads`` threads.
+equal rows. One process, ``--threads`` threads. ``--device cuda`` times on the GPU (synchronised around each
+run) and adds Liger's Triton kernels (``liger`` rows: RMSNorm, SwiGLU) where ``liger_kernel`` is installed.
 
     python bench/bench_fused_ops.py                      # bf16, 4096 tokens, 1024 x 2816
     python bench/bench_fused_ops.py --dtype fp32 --threads 1
+    python bench/bench_fused_ops.py --device cuda
 """
 from __future__ import annotations
 
@@ -28,11 +30,31 @@ from zeroplus.kernels.rotary import rotary_reference  # noqa: E402
 from zeroplus.kernels.swiglu import swiglu, swiglu_reference  # noqa: E402
 
 
-def measure(fn: Callable[..., Any], make: Callable[[], list[torch.Tensor]], repeats: int) -> tuple[float, int]:
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _liger(device: str) -> dict[str, Callable[..., Any]]:
+    """Liger's RMSNorm (casting as Llama does: fp32 inside) and SwiGLU, where it is installed (CUDA only)."""
+    if device != "cuda":
+        return {}
+    try:
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+    except ImportError:
+        return {}
+    return {"rms_norm": lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-6, 0.0, "llama", False),
+            "swiglu": lambda a, b: LigerSiLUMulFunction.apply(a, b)}
+
+
+def measure(fn: Callable[..., Any], make: Callable[[], list[torch.Tensor]], repeats: int,
+            device: str = "cpu") -> tuple[float, int]:
     """(median seconds of forward + backward, bytes kept for backward)."""
     times, kept = [], 0
     for i in range(repeats + 2):
         inputs = make()
+        _sync(device)
         storages: dict[int, int] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -43,6 +65,7 @@ def measure(fn: Callable[..., Any], make: Callable[[], list[torch.Tensor]], repe
             out = fn(*inputs)
         outs = out if isinstance(out, tuple) else (out,)
         torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        _sync(device)
         if i >= 2:
             times.append(time.perf_counter() - start)
             kept = sum(storages.values())
@@ -60,18 +83,22 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile rows")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     n, d, f, h = args.tokens, args.hidden, args.ffn, args.heads
-    g = torch.Generator().manual_seed(0)
+    dev = args.device
+    g = torch.Generator(device=dev).manual_seed(0)  # inputs made on the device: host randn of 10^8 takes seconds
 
     def leaf(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g).to(dtype).requires_grad_()
+        return torch.randn(*shape, generator=g, device=dev).to(dtype).requires_grad_()
 
-    cos, sin = torch.randn(1, n, d // h, generator=g).to(dtype), torch.randn(1, n, d // h, generator=g).to(dtype)
-    ends = torch.arange(1, args.experts + 1, dtype=torch.int32) * (n // args.experts)
+    cos = torch.randn(1, n, d // h, generator=g, device=dev).to(dtype)
+    sin = torch.randn(1, n, d // h, generator=g, device=dev).to(dtype)
+    ends = (torch.arange(1, args.experts + 1, dtype=torch.int32) * (n // args.experts)).to(dev)
+    liger = _liger(dev)
     ops = {  # name: (reference, zeroplus's kernel or None, inputs)
         "rms_norm": (lambda x, w: rms_norm_reference(x, w, 1e-6), lambda x, w: rms_norm(x, w, 1e-6),
                      lambda: [leaf(n, d), leaf(d)]),
@@ -81,7 +108,7 @@ def main() -> None:
         "grouped_gemm": (grouped_mm_reference, grouped_mm,
                          lambda: [leaf(n, d), leaf(args.experts, d, f // args.experts * 2), ends]),
     }
-    print(f"{args.dtype}, {n} tokens, hidden {d}, MLP {f}, {h} heads, {args.experts} experts, "
+    print(f"{dev}, {args.dtype}, {n} tokens, hidden {d}, MLP {f}, {h} heads, {args.experts} experts, "
           f"{torch.get_num_threads()} threads; forward + backward, median of {args.repeats}")
     print(f"{'operator':<14}{'variant':<12}{'ms':>9}{'x reference':>13}{'kept MiB':>10}")
     for name, (ref, fused, make) in ops.items():
@@ -90,9 +117,11 @@ def main() -> None:
             variants["compiled"] = torch.compile(ref, dynamic=False)
         if fused is not None:
             variants["zeroplus"] = fused
+        if name in liger:
+            variants["liger"] = liger[name]
         base = None
         for variant, fn in variants.items():
-            seconds, kept = measure(fn, make, args.repeats)
+            seconds, kept = measure(fn, make, args.repeats, dev)
             base = base or seconds
             print(f"{name:<14}{variant:<12}{1e3 * seconds:>9.2f}{base / seconds:>13.2f}{kept / 2**20:>10.1f}")
 

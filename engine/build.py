@@ -401,14 +401,12 @@ def _activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: 
     if is_hf_causal_lm(model):
         drop_training_cache(model)
     if zp.fused_ops:
-        compiled = zp.fused_ops == "compiled"
-        fused = fused_ops.install(model, accel.name, compiled)
+        fused, what = fused_ops.install(model, accel.name, zp.fused_ops)
         if not fused:
             raise ConfigError(f"config key 'zeroplus.fused_ops' is {zp.fused_ops!r} but {type(model).__name__} has "
                               f"no RMSNorm (a '*RMSNorm' class with weight and variance_epsilon) or gated MLP "
                               f"(gate_proj, up_proj, down_proj, a SiLU act_fn) to fuse")
-        log_rank0("fused_ops: %d RMSNorms and gated MLPs run %s's %s", len(fused), accel.name,
-                  "compiled references" if compiled else "kernels")
+        log_rank0("fused_ops: %d RMSNorms and gated MLPs run %s's %s", len(fused), accel.name, what)
     _tile(model, zp.tiled, context)
     sequence_split = cfg.zeroplus.parallel.sequence_parallel
     if ac.partition_activations and sequence_split:

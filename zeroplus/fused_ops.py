@@ -18,7 +18,12 @@ operators in a model with none of these modules is refused (nothing would change
 ``torch.compile`` (inductor; ``compiled_kernels``): on this CPU the fastest of all (RMSNorm 5.5x eager, SwiGLU
 2.2x, ``bench/bench_fused_ops.py``), each a few fused loops whose backward the partitioner recomputes rather
 than keeps; the values round as inductor's kernels do (within fp32 rounding of eager, not its bits), and each
-process pays a compile per shape (seconds, the first steps).
+process pays a compile per shape (seconds, the first steps). ``"liger"`` (CUDA, ``liger_kernel`` installed):
+Liger's Triton kernels (``kernels/liger.py``), rounding as they do. ``"fastest"``: the fastest measured on
+the device (``FASTEST``): Liger on CUDA where it is installed, else the compiled references (on one H100,
+bf16 16384 x 4096: RMSNorm eager 3.55 ms, replaying kernel 4.62, compiled 1.59, Liger 1.49); the compiled
+references on the CPU; the NPU's fused operators. A choice the rank's device cannot run is refused naming
+the key, the device and what is missing, on every rank, before the model is touched.
 
 Memory: per RMSNorm, ``n d`` elements of the input's dtype held for backward instead of eager's fp32 copy and
 normalised values (8 bytes per element in fp32, 6 in bf16); per gated MLP, one ``n f`` intermediate fewer
@@ -34,6 +39,7 @@ import torch
 from torch import nn
 
 from .config import ConfigError
+from .kernels import liger
 from .kernels.rms_norm import rms_norm, rms_norm_npu, rms_norm_reference
 from .kernels.swiglu import swiglu, swiglu_npu, swiglu_reference
 
@@ -56,6 +62,40 @@ def compiled_kernels() -> dict[str, Callable[..., Any]]:
     return _compiled
 
 
+LIGER: dict[str, Callable[..., Any]] = {"rms_norm": liger.rms_norm_liger, "swiglu": liger.swiglu_liger}
+
+
+def _fastest(device: str) -> str | bool:
+    """``"fastest"`` on ``device``: what bench/bench_fused_ops.py measured fastest there."""
+    if device == "cuda":
+        return "liger" if liger.available() else "compiled"
+    return "compiled" if device in COMPILED_DEVICES else True
+
+
+def kernels_for(device: str, choice: bool | str) -> tuple[dict[str, Callable[..., Any]], str]:
+    """(operator -> kernel, what it is) for ``zeroplus.fused_ops`` = ``choice`` on ``device``; a choice the
+    device cannot run is a ConfigError naming the key, the device and what is missing."""
+    if device == "meta":  # the memory estimate's model: the lean kernels keep what the others keep
+        return KERNELS["cpu"], "kernels"
+    if choice == "fastest":
+        choice = _fastest(device)
+    if choice == "compiled":
+        if device not in COMPILED_DEVICES:
+            raise ConfigError(f"config key 'zeroplus.fused_ops' is 'compiled', which compiles with inductor on "
+                              f"{' and '.join(COMPILED_DEVICES)}, not on this rank's {device}: use true for its "
+                              f"fused operators")
+        return compiled_kernels(), "compiled references"
+    if choice == "liger":
+        if device != "cuda":
+            raise ConfigError(f"config key 'zeroplus.fused_ops' is 'liger', whose Triton kernels run on CUDA, not "
+                              f"on this rank's {device}: use true or 'fastest'")
+        if not liger.available():
+            raise ConfigError("config key 'zeroplus.fused_ops' is 'liger' but the package 'liger_kernel' is not "
+                              "installed on this rank (pip install liger-kernel), or use 'fastest'")
+        return LIGER, "Liger kernels"
+    return KERNELS[device], "kernels"
+
+
 _SILU = ("SiLU", "SiLUActivation")  # torch's, and Hugging Face's (``F.silu`` of its input)
 
 
@@ -71,16 +111,10 @@ def _is_gated_mlp(module: nn.Module) -> bool:
             and type(getattr(module, "act_fn", None)).__name__ in _SILU)
 
 
-def install(model: nn.Module, device: str, compiled: bool = False) -> list[str]:
-    """Replace the forward of ``model``'s RMSNorms and gated MLPs with ``device``'s kernels (``compiled``: the
-    compiled reference twins); the names replaced."""
-    if device == "meta":  # the memory estimate's model: the lean kernels keep what the compiled ones keep
-        compiled, device = False, "cpu"
-    if compiled and device not in COMPILED_DEVICES:
-        raise ConfigError(f"config key 'zeroplus.fused_ops' is 'compiled', which compiles with inductor on "
-                          f"{' and '.join(COMPILED_DEVICES)}, not on this rank's {device}: use true for its fused "
-                          f"operators")
-    table = compiled_kernels() if compiled else KERNELS[device]
+def install(model: nn.Module, device: str, choice: bool | str = True) -> tuple[list[str], str]:
+    """Replace the forward of ``model``'s RMSNorms and gated MLPs with the kernels ``kernels_for(device,
+    choice)`` names; (the names replaced, what runs)."""
+    table, what = kernels_for(device, choice)
     done = []
     for name, module in model.named_modules():
         eps = _norm_eps(module)
@@ -98,4 +132,4 @@ def install(model: nn.Module, device: str, compiled: bool = False) -> list[str]:
                 return self.down_proj(act(self.gate_proj(x), self.up_proj(x)))
             module.forward = types.MethodType(mlp_forward, module)  # type: ignore[method-assign]
             done.append(name)
-    return done
+    return done, what

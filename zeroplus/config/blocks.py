@@ -344,12 +344,15 @@ class ZeroplusBlock(Block):
     resize_recompute: ResizeRecomputeConfig = Field(default_factory=ResizeRecomputeConfig)
     swap_attention: SwapAttentionConfig = Field(default_factory=SwapAttentionConfig)
     tiled: TiledConfig = Field(default_factory=TiledConfig)
-    fused_ops: bool | Literal["compiled"] = Field(
+    fused_ops: bool | Literal["compiled", "liger", "fastest"] = Field(
         False, description="The Llama family's RMSNorms and gated (SwiGLU) MLPs run the device's fused kernels "
                            "(zeroplus/fused_ops.py): bitwise equal to eager, fewer tensors kept for "
                            "backward; refused in a model with neither. \"compiled\" (CPU and CUDA): their "
                            "reference functions compiled by torch.compile (inductor), the fastest on this "
-                           "CPU, rounding as inductor does (not eager's bits), a compile per process and shape.")
+                           "CPU, rounding as inductor does (not eager's bits), a compile per process and shape. "
+                           "\"liger\" (CUDA, liger_kernel installed): Liger's Triton kernels. \"fastest\": "
+                           "the fastest measured per device (CUDA: Liger where installed, else compiled; CPU: "
+                           "compiled; NPU: its fused operators).")
     activation_tier: ActivationTierConfig = Field(default_factory=ActivationTierConfig)
     direct_io: bool = Field(
         True, description="Offload and swap files bypass the page cache (O_DIRECT, aligned buffers) where the "
