@@ -5,8 +5,11 @@ median time of forward plus backward over ``--repeats`` runs after two warm-ups,
 from forward to backward (distinct storages, counted by saved-tensor hooks), for: the reference (eager), the
 reference under ``torch.compile`` (inductor; its compile time left out), and zeroplus's kernel, the one
 ``zeroplus.fused_ops`` installs on this device where it installs one. Grouped GEMM: ``--experts`` experts with
-equal rows. One process, ``--threads`` threads. ``--device cuda`` times on the GPU (synchronised around each
-run) and adds Liger's Triton kernels (``liger`` rows: RMSNorm, SwiGLU) where ``liger_kernel`` is installed.
+equal rows; ``moe_experts``: ``--experts`` SwiGLU experts of width ``--ffn / --experts`` on equal slots, the
+per-expert loop (``expert_loop``) against the stacked experts' batched products (``GroupedExperts``, what
+``MoE`` runs with a ``GroupedFFN``). One process, ``--threads`` threads. ``--device cuda`` times on the GPU
+(synchronised around each run) and adds Liger's Triton kernels (``liger`` rows: RMSNorm, SwiGLU) where
+``liger_kernel`` is installed.
 
     python bench/bench_fused_ops.py                      # bf16, 4096 tokens, 1024 x 2816
     python bench/bench_fused_ops.py --dtype fp32 --threads 1
@@ -28,6 +31,7 @@ from zeroplus.kernels.grouped_gemm import grouped_mm, grouped_mm_reference  # no
 from zeroplus.kernels.rms_norm import rms_norm, rms_norm_reference  # noqa: E402
 from zeroplus.kernels.rotary import rotary_reference  # noqa: E402
 from zeroplus.kernels.swiglu import swiglu, swiglu_reference  # noqa: E402
+from zeroplus.parallel.grouped_experts import GroupedExperts, GroupedFFN, expert_loop  # noqa: E402
 
 
 def _sync(device: str) -> None:
@@ -99,6 +103,7 @@ def main() -> None:
     sin = torch.randn(1, n, d // h, generator=g, device=dev).to(dtype)
     ends = (torch.arange(1, args.experts + 1, dtype=torch.int32) * (n // args.experts)).to(dev)
     liger = _liger(dev)
+    stacked = GroupedExperts(args.experts, d, GroupedFFN(f // args.experts, "swiglu")).to(dev, dtype)
     ops = {  # name: (reference, zeroplus's kernel or None, inputs)
         "rms_norm": (lambda x, w: rms_norm_reference(x, w, 1e-6), lambda x, w: rms_norm(x, w, 1e-6),
                      lambda: [leaf(n, d), leaf(d)]),
@@ -107,6 +112,7 @@ def main() -> None:
                    lambda: [leaf(1, h, n, d // h), leaf(1, h, n, d // h)]),
         "grouped_gemm": (grouped_mm_reference, grouped_mm,
                          lambda: [leaf(n, d), leaf(args.experts, d, f // args.experts * 2), ends]),
+        "moe_experts": (lambda x: expert_loop(stacked, x), stacked, lambda: [leaf(args.experts, n // args.experts, d)]),
     }
     print(f"{dev}, {args.dtype}, {n} tokens, hidden {d}, MLP {f}, {h} heads, {args.experts} experts, "
           f"{torch.get_num_threads()} threads; forward + backward, median of {args.repeats}")

@@ -44,6 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--size", default="small", help="built-in GPT size: tiny, small, medium, 111m")
     p.add_argument("--experts", type=int, default=0,
                    help="each block's MLP a top-2 mixture of this many experts (split over zeroplus.parallel.expert)")
+    p.add_argument("--grouped-experts", action="store_true",
+                   help="with --experts: each layer's experts as stacked weights, one batched product per projection")
     p.add_argument("--context", type=int, default=None,
                    help="context-parallel size: ranks that each hold 1/C of every sequence (Ulysses; sets "
                         "zeroplus.parallel.context in the config)")
@@ -131,7 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     if parallel.expert > 1 and args.experts % parallel.expert:
         raise SystemExit(f"zeroplus train: config {label} splits experts over {parallel.expert} ranks; give "
                          f"--experts N with N a multiple of {parallel.expert} (got {args.experts})")
-    moe = dict(moe_experts=args.experts, moe_k=min(2, args.experts)) if args.experts else {}
+    moe = (dict(moe_experts=args.experts, moe_k=min(2, args.experts), moe_grouped=args.grouped_experts)
+           if args.experts else {})
     gpt = GPT(gpt_config(args.size, block_size=max(args.seq_len, 64), **moe))
     n_params = sum(p.numel() * (parallel.expert if is_expert(p) else 1) for p in gpt.parameters())  # all experts
     settings = parse_config(config)[0].zeroplus.parallel

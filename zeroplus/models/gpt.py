@@ -6,6 +6,8 @@ Parameters: about ``12 * n_layer * d^2 + (vocab + seq) * d``. With ``moe_experts
 MLP is a mixture of X such MLPs (``zeroplus.parallel.MoE``, top-``moe_k``), ``8 * d^2 * X`` parameters
 per block instead of ``8 * d^2``, split over the expert-parallel group (X / E per rank); each layer's
 load-balancing loss, times ``moe_aux_coef``, enters the gradient without changing the returned loss.
+``moe_grouped``: the same experts held as stacked weights (``parallel/grouped_experts.py``), one batched
+product per projection for all of a rank's experts.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from ..activations.checkpointing import checkpoint
 from ..activations.tiled import tiled_cross_entropy
 from ..comm import DataParallelGroup
 from ..parallel.context import check_heads, local_slice, positions, seq_to_heads
+from ..parallel.grouped_experts import GroupedFFN
 from ..parallel.groups import current_groups
 from ..parallel.moe import MoE, with_aux_loss
 from ..parallel.ring_attention import ring_attention, zigzag_positions, zigzag_slice
@@ -39,6 +42,7 @@ class GPTConfig:
     moe_k: int = 1
     moe_capacity_factor: float = 1.25
     moe_aux_coef: float = 0.01
+    moe_grouped: bool = False  # the experts as stacked weights, one batched product per projection
     loss_tile_tokens: int = 0  # > 0: the LM head and cross-entropy run over this many tokens at a time
     tie_head: bool = True  # False: the LM head has a weight of its own (vocabulary x n_embd more parameters)
 
@@ -117,7 +121,8 @@ class MoEMLP(nn.Module):
 
     def __init__(self, cfg: GPTConfig, expert_group: Any = None) -> None:
         super().__init__()
-        self.moe = MoE(cfg.n_embd, lambda: MLP(cfg), cfg.moe_experts, k=cfg.moe_k,
+        expert = GroupedFFN(4 * cfg.n_embd, "gelu", bias=True) if cfg.moe_grouped else (lambda: MLP(cfg))
+        self.moe = MoE(cfg.n_embd, expert, cfg.moe_experts, k=cfg.moe_k,
                        capacity_factor=cfg.moe_capacity_factor, ep=expert_group)
         self.aux_coef = cfg.moe_aux_coef
         self.last_aux_loss: torch.Tensor | None = None

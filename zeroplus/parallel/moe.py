@@ -2,6 +2,7 @@
 and all-to-all dispatch and combine (GShard's scheme).
 
     moe = MoE(dim, expert=lambda: MLP(...), num_experts=8, k=2, capacity_factor=1.25)
+    moe = MoE(dim, expert=GroupedFFN(4 * dim, "swiglu"), num_experts=8)   # stacked, one product per projection
     y, aux_loss = moe(x)          # x (..., dim); add aux_loss * coef to the training loss
 
 The ``E`` ranks of an expert group hold ``num_experts / E`` experts each. Per rank and expert, at most
@@ -17,7 +18,9 @@ this rank's tokens whose first choice is ``e`` and ``p_e`` the mean gate probabi
 balanced. Memory: the dispatch buffer and its all-to-all output, ``num_experts * capacity * dim``
 each, and the same for the combine. Communication: two all-to-alls of that size per layer forward,
 two per backward. Expert parameters are recorded (``is_expert``); ZeRO must partition them over the
-expert-data group.
+expert-data group. With a ``GroupedFFN`` the local experts are one ``GroupedExperts`` (``grouped_experts.py``:
+stacked weights, one batched product per projection over every local expert's slots) instead of a
+``ModuleList`` of the factory's modules.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm import DataParallelGroup
+from .grouped_experts import GroupedExperts, GroupedFFN
 from .groups import parallel_groups
 from .registry import ParameterSet
 
@@ -140,7 +144,7 @@ class TopKGate(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, dim: int, expert: Callable[[], nn.Module], num_experts: int, *, k: int = 1,
+    def __init__(self, dim: int, expert: Callable[[], nn.Module] | GroupedFFN, num_experts: int, *, k: int = 1,
                  capacity_factor: float = 1.25, min_capacity: int = 4, ep: DataParallelGroup | None = None) -> None:
         super().__init__()
         self.ep = ep if ep is not None else parallel_groups().expert
@@ -150,7 +154,9 @@ class MoE(nn.Module):
         self.num_experts, self.local = num_experts, num_experts // self.ep.size
         self.first_expert = self.ep.rank * self.local
         self.gate = TopKGate(dim, num_experts, k, capacity_factor, min_capacity)
-        self.experts = nn.ModuleList(expert() for _ in range(self.local))
+        self.grouped = isinstance(expert, GroupedFFN)  # the experts are one GroupedExperts
+        self.experts: nn.Module = (GroupedExperts(self.local, dim, expert) if isinstance(expert, GroupedFFN)
+                                   else nn.ModuleList(expert() for _ in range(self.local)))
         for p in self.experts.parameters():
             mark_expert(p)
 
@@ -165,12 +171,17 @@ class MoE(nn.Module):
         dispatch = tokens.new_zeros(E * cap, d).index_copy(0, index, tokens[rows[0]])
         received = _AllToAll.apply(dispatch, self.ep)  # (ep x local x cap, d): each rank's slots of my experts
         received = received.view(self.ep.size, self.local, cap, d)
-        outputs = torch.stack([self.experts[i](received[:, i].reshape(-1, d)).view(self.ep.size, cap, d)
-                               for i in range(self.local)], dim=1)  # (ep, local, cap, d)
+        if isinstance(self.experts, GroupedExperts):  # every local expert's slots in one product per projection
+            ran = self.experts(received.transpose(0, 1).reshape(self.local, -1, d))
+            outputs = ran.view(self.local, self.ep.size, cap, d).transpose(0, 1)  # (ep, local, cap, d)
+        else:
+            assert isinstance(self.experts, nn.ModuleList)
+            outputs = torch.stack([self.experts[i](received[:, i].reshape(-1, d)).view(self.ep.size, cap, d)
+                                   for i in range(self.local)], dim=1)  # (ep, local, cap, d)
         returned = _AllToAll.apply(outputs.reshape(E * cap, d), self.ep)  # my tokens' slots, all experts
         picked = returned.index_select(0, index) * weight[rows].to(tokens.dtype).unsqueeze(1)
         y = tokens.new_zeros(tokens.shape).index_add(0, rows[0], picked)
         return y.view(shape), aux
 
 
-__all__ = ["MoE", "TopKGate", "is_expert", "mark_expert", "set_aux_grad_scale", "with_aux_loss"]
+__all__ = ["GroupedFFN", "MoE", "TopKGate", "is_expert", "mark_expert", "set_aux_grad_scale", "with_aux_loss"]
