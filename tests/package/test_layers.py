@@ -24,6 +24,7 @@ LAYERS = [
     ("offload", ["offload"]),
     ("optimizers", ["optim"]),
     ("parallelism", ["parallel"]),
+    ("embedding tables", ["embeddings"]),
     ("activation techniques", ["activations", "checkpointing.py", "fused_ops.py"]),
     ("models", ["models"]),
     ("partitioning", ["zero"]),
