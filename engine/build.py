@@ -51,6 +51,7 @@ from zeroplus.zero.placement import UnitPlacement
 from zeroplus.zero.sharded_step import ModelParallelNorm, StepPolicy
 from zeroplus.zero.units import frozen_dtype
 
+from .embedding_tables import check_tables
 from .engine import Engine, TrainingParts
 from .loss_scaler import LossScaler
 from .monitors import check_packages
@@ -114,6 +115,7 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
     model_parallel = parallel is not None and parallel.model.size > 1
     split = model_parallel or (parallel is not None and parallel.expert.size > 1)  # beyond data parallelism
     _check_request(model, cfg, parallel, optimizer, lr_scheduler)
+    check_tables(model, cfg, dp, parallel)
     if simulated is None:
         check_packages(cfg, parallel.global_rank if parallel is not None else dp.rank)
     _warn_inert_options(cfg)

@@ -45,6 +45,7 @@ from .checkpoints.load import load_checkpoint
 from .checkpoints.pretrained_load import PretrainedLoad, load_pretrained
 from .checkpoints.save import save_checkpoint
 from .compile import CompiledUnits, compile_settings
+from .embedding_tables import EmbeddingTables
 from .exit_grace import register_exit_grace
 from .flops_profiler import FlopsProfiler
 from .lifecycle import collected, wait_at_exit
@@ -92,6 +93,7 @@ class Engine:
         self.ledger = ledger
         self.accelerator = accelerator
         self._partition = parts.partition
+        self._tables = EmbeddingTables(module, ledger)
         self._step = parts.step
         self._baseline = baseline_bytes
         # called once, before the first forward that trains (``zeroplus.initialize`` predicts the budget there)
@@ -403,6 +405,7 @@ class Engine:
         with self._watch.step():
             self._saves.wait_staged()  # an asynchronous save has its copy of what this step changes
             stepped = self._step.step(self.loss_scaler.scale)
+            self._tables.step(stepped)  # sharded embedding tables: their row updates (embedding_tables.py)
             self._last_step_applied = stepped
             self.loss_scaler.update(overflow=not stepped)
             if stepped:

@@ -19,12 +19,15 @@ import torch
 from zeroplus.comm import Collectives
 from zeroplus.config import ConfigError, ZeroplusConfig
 
+from .embedding_tables import table_buffer_names
+
 # Keys that may differ between ranks without changing what they communicate (paths are often per rank).
 _PER_RANK_KEYS = ("zeroplus.log_level", "zeroplus.activation_tier.path",
                   "zero_optimization.offload_optimizer.nvme_path", "zero_optimization.offload_param.nvme_path")
 
 
 def describe_rank(model: torch.nn.Module, cfg: ZeroplusConfig, topology: dict[str, int]) -> dict[str, Any]:
+    shards = table_buffer_names(model)  # sharded embedding tables differ between ranks by design
     config = cfg.model_dump(mode="json")
     for key in _PER_RANK_KEYS:
         *blocks, leaf = key.split(".")
@@ -36,7 +39,8 @@ def describe_rank(model: torch.nn.Module, cfg: ZeroplusConfig, topology: dict[st
     return {"config": config, "topology": topology,
             "parameters": [[n, list(p.shape), str(p.dtype).replace("torch.", ""), p.requires_grad]
                            for n, p in model.named_parameters()],
-            "buffers": [[n, list(b.shape), str(b.dtype).replace("torch.", "")] for n, b in model.named_buffers()]}
+            "buffers": [[n, list(b.shape), str(b.dtype).replace("torch.", "")] for n, b in model.named_buffers()
+                        if n not in shards]}
 
 
 def _digest(description: dict[str, Any]) -> str:

@@ -103,6 +103,21 @@ class EmbeddingBagCollection(nn.Module):
         self.optimizers = {t.name: SparseOptimizer(self.optim_config, self.weight(t.name)) for t in self.tables}
         self.pending: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {t.name: [] for t in self.tables}
 
+    @property
+    def device(self) -> torch.device:
+        """Where the shards are (``to_device`` moves them; the engine does at ``initialize``)."""
+        return self.weight(self.tables[0].name).device
+
+    def to_device(self, device: torch.device | str) -> None:
+        """The shards and their optimizer states moved to ``device``, fp32 kept (the engine's placement calls
+        this instead of moving and casting the buffers as it does a dense model's)."""
+        for t in self.tables:
+            moved = self.weight(t.name).to(device)
+            setattr(self, f"weight__{t.name}", moved)
+            optimizer = self.optimizers[t.name]
+            optimizer.weight = moved
+            optimizer.state = {k: v.to(device) for k, v in optimizer.state.items()}
+
     def mine(self, name: str) -> Shard:
         return self.shards[name][self.rank]
 
@@ -155,15 +170,16 @@ class EmbeddingBagCollection(nn.Module):
             raise ValueError(f"EmbeddingBagCollection on rank {self.rank}: every table needs the same number of "
                              f"bags, got {batches}")
         send: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [[] for _ in range(W)]
-        counts = torch.zeros(W, T + 3, dtype=torch.long)  # then: batch, weighted-table mask, error flag
+        # per destination: ids per table, then this rank's batch, its weighted-table mask, an error flag
+        counts = torch.zeros(W, T + 3, dtype=torch.long, device=self.device)
         for j, t in enumerate(self.tables):
             ids, offsets, weights = checked[t.name]
-            lengths = torch.diff(offsets, append=torch.tensor([ids.numel()]))
+            lengths = torch.diff(offsets, append=torch.tensor([ids.numel()], device=self.device))
             if (lengths < 0).any() or (offsets.numel() and offsets[0] != 0):
                 raise ValueError(f"table {t.name!r} on rank {self.rank}: offsets must start at 0, not decrease and"
                                  f" not pass the {ids.numel()} ids, got {offsets.tolist()[:8]}")
-            bags = torch.repeat_interleave(torch.arange(batch) + self.rank * batch, lengths)
-            w = weights.float() if weights is not None else torch.ones(ids.numel())
+            bags = torch.repeat_interleave(torch.arange(batch, device=self.device) + self.rank * batch, lengths)
+            w = weights.float() if weights is not None else torch.ones(ids.numel(), device=self.device)
             for dest, mask in enumerate(self._holders(t, ids)):
                 send[dest].append((ids[mask], bags[mask], w[mask]))
                 counts[dest, j] = int(mask.sum())
@@ -179,7 +195,7 @@ class EmbeddingBagCollection(nn.Module):
             checked, batch, send, counts = self._prepare(features)
             problem = ""
         except ValueError as err:
-            problem, counts = str(err), torch.zeros(W, T + 3, dtype=torch.long)
+            problem, counts = str(err), torch.zeros(W, T + 3, dtype=torch.long, device=self.device)
             counts[:, T + 2] = 1
         got = torch.empty_like(counts)
         self.group.all_to_all(got.view(-1), counts.view(-1)).wait()
@@ -196,15 +212,15 @@ class EmbeddingBagCollection(nn.Module):
         ids_out = torch.cat([torch.cat([x[0] for x in send[d]]) for d in range(W)])
         bags_out = torch.cat([torch.cat([x[1] for x in send[d]]) for d in range(W)])
         w_out = torch.cat([torch.cat([x[2] for x in send[d]]) for d in range(W)])
-        ids_in = torch.empty(sum(out_sizes), dtype=torch.long)
-        bags_in = torch.empty(sum(out_sizes), dtype=torch.long)
-        w_in = torch.empty(sum(out_sizes))
+        ids_in = torch.empty(sum(out_sizes), dtype=torch.long, device=self.device)
+        bags_in = torch.empty(sum(out_sizes), dtype=torch.long, device=self.device)
+        w_in = torch.empty(sum(out_sizes), device=self.device)
         for out, inp in ((ids_in, ids_out), (bags_in, bags_out), (w_in, w_out)):
             self.group.all_to_all_v(out, inp, out_sizes, in_sizes)
         step = _Step(batch)
         # split what came in: source-major, table-minor
         per_source = [got[s, :T].tolist() for s in range(W)]
-        starts = torch.tensor([0] + out_sizes).cumsum(0).tolist()
+        starts = torch.tensor([0] + out_sizes, device=self.device).cumsum(0).tolist()
         for j, t in enumerate(self.tables):
             pieces = []
             for s in range(W):
@@ -216,7 +232,7 @@ class EmbeddingBagCollection(nn.Module):
             step.routed[t.name] = _Routed(rows, bags, weights)
             if t.sharding == "row" and t.pooling == "mean":
                 ids, offsets, _ = checked[t.name]
-                step.lengths[t.name] = torch.diff(offsets, append=torch.tensor([ids.numel()]))
+                step.lengths[t.name] = torch.diff(offsets, append=torch.tensor([ids.numel()], device=self.device))
         return step
 
     # --- pooling and the way back ------------------------------------------------------------------------
@@ -235,17 +251,17 @@ class EmbeddingBagCollection(nn.Module):
                 rows = self.weight(t.name).index_select(0, r.rows)
                 if r.weights is not None:
                     rows = rows * r.weights.unsqueeze(1)
-                partials.append(torch.zeros(W * B, t.dim).index_add_(0, r.bags, rows))
+                partials.append(torch.zeros(W * B, t.dim, device=self.device).index_add_(0, r.bags, rows))
             elif not s.empty:
-                offsets = torch.searchsorted(r.bags, torch.arange(W * B))
+                offsets = torch.searchsorted(r.bags, torch.arange(W * B, device=self.device))
                 pooled = F.embedding_bag(r.rows, self.weight(t.name), offsets, mode=t.pooling,
                                          per_sample_weights=r.weights)
                 for d in range(W):
                     blocks[d].append(pooled[d * B:(d + 1) * B].reshape(-1))
         out_sizes = [B * sum(self.shards[t.name][h].cols for t in self.tables if t.sharding != "row")
                      for h in range(W)]
-        sent = [torch.cat(b) if b else torch.empty(0) for b in blocks]
-        received = torch.empty(sum(out_sizes))
+        sent = [torch.cat(b) if b else torch.empty(0, device=self.device) for b in blocks]
+        received = torch.empty(sum(out_sizes), device=self.device)
         self.group.all_to_all_v(received, torch.cat(sent), out_sizes, [x.numel() for x in sent])
         pieces = list(received.split(out_sizes))
         by_table: dict[str, list[torch.Tensor]] = {t.name: [] for t in self.tables}
@@ -257,7 +273,7 @@ class EmbeddingBagCollection(nn.Module):
                     by_table[t.name].append(pieces[h][at:at + B * cols].view(B, cols))
                     at += B * cols
         if partials:
-            summed = torch.empty(B, sum(p.shape[1] for p in partials))
+            summed = torch.empty(B, sum(p.shape[1] for p in partials), device=self.device)
             self.group.reduce_scatter(summed, torch.cat(partials, 1).contiguous()).wait()
             at = 0
             for t in (t for t in self.tables if t.sharding == "row"):
@@ -286,15 +302,15 @@ class EmbeddingBagCollection(nn.Module):
                 s = self.shards[t.name][h]
                 if s.cols:
                     blocks[h].append(g[:, s.col0:s.col1].reshape(-1))
-        sent = [torch.cat(b) if b else torch.empty(0) for b in blocks]
+        sent = [torch.cat(b) if b else torch.empty(0, device=self.device) for b in blocks]
         mine = [self.mine(t.name).cols if t.sharding != "row" else 0 for t in self.tables]
-        received = torch.empty(W * B * sum(mine))
+        received = torch.empty(W * B * sum(mine), device=self.device)
         self.group.all_to_all_v(received, torch.cat(sent), [B * sum(mine)] * W, [x.numel() for x in sent])
         per_source = received.view(W, B * sum(mine)) if sum(mine) else None
         gathered = None
         if row_grads:
             local = torch.cat(row_grads, 1).contiguous()
-            gathered = torch.empty(W * B, local.shape[1])
+            gathered = torch.empty(W * B, local.shape[1], device=self.device)
             self.group.all_gather(gathered, local).wait()
         at_col, at_row = 0, 0
         for j, t in enumerate(self.tables):
@@ -318,7 +334,8 @@ class EmbeddingBagCollection(nn.Module):
             if r.weights is not None:
                 contrib = contrib * r.weights.unsqueeze(1)
             unique, inverse = torch.unique(r.rows, return_inverse=True)
-            summed = torch.zeros(unique.numel(), contrib.shape[1]).index_add_(0, inverse, contrib)
+            summed = torch.zeros(unique.numel(), contrib.shape[1], device=self.device)
+            summed.index_add_(0, inverse, contrib)
             self.pending[t.name].append((unique, summed / W))
 
     # --- the optimizer -----------------------------------------------------------------------------------
@@ -332,10 +349,11 @@ class EmbeddingBagCollection(nn.Module):
             elif pending:
                 rows_all = torch.cat([p[0] for p in pending])
                 rows, inverse = torch.unique(rows_all, return_inverse=True)
-                grad = torch.zeros(rows.numel(), pending[0][1].shape[1]).index_add_(
+                grad = torch.zeros(rows.numel(), pending[0][1].shape[1], device=self.device).index_add_(
                     0, inverse, torch.cat([p[1] for p in pending]))
             else:
-                rows, grad = torch.empty(0, dtype=torch.long), torch.empty(0, self.mine(t.name).cols)
+                rows = torch.empty(0, dtype=torch.long, device=self.device)
+                grad = torch.empty(0, self.mine(t.name).cols, device=self.device)
             if self.optim_config.type == "rowwise_adagrad" and t.sharding == "column" and self.world > 1:
                 self.optimizers[t.name].update(rows, grad, self._whole_row_squares(t, grad), t.dim)
             else:
@@ -347,10 +365,16 @@ class EmbeddingBagCollection(nn.Module):
         columns. Every column holder got the same ids, so the same unique rows in the same order; ranks
         holding no column learn their count and add zeros (two collectives per such table and step)."""
         holders = sum(1 for s in self.shards[t.name] if s.cols)
-        count = int(self.group.sum_scalar(torch.tensor(float(grad.shape[0]))).item()) // holders
-        squares = grad.pow(2).sum(1) if grad.shape[1] else torch.zeros(count)
+        rows = torch.tensor(float(grad.shape[0]), device=self.device)
+        count = int(self.group.sum_scalar(rows).item()) // holders
+        squares = grad.pow(2).sum(1) if grad.shape[1] else torch.zeros(count, device=self.device)
         self.group.all_reduce(squares).wait()
         return squares
+
+    def drop_pending(self) -> None:
+        """Forget the pending row gradients (a skipped step)."""
+        for pending in self.pending.values():
+            pending.clear()
 
     def full_table(self, name: str) -> torch.Tensor:
         """The whole table assembled from every rank's shard (a collective; for tests and export: it holds a

@@ -22,6 +22,9 @@ holds those tensors: a ``state_dict()`` or tensors the caller kept, weights shar
 keep theirs alive, and then the host holds the whole model until they are dropped. Buffers and
 frozen parameters on the host are released when moved, under the same condition.
 
+An ``EmbeddingBagCollection``'s buffers are its rank's table shards (``zeroplus/embeddings``): they differ
+between ranks and stay fp32, so the collection moves them itself and nothing is broadcast or cast.
+
 A buffer registered in several modules stays one tensor (``Module.to`` would make two). A module's own
 ``_apply`` override is not called: tensors are moved one by one.
 """
@@ -31,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..embeddings import EmbeddingBagCollection
 from . import init_shards
 from .quantized import move_quant_state
 
@@ -60,6 +64,10 @@ class UnitPlacement:
         when ``module`` is the root)."""
         with torch.no_grad():
             for m in modules_outside(module, {id(e) for e in exclude if e is not module}):
+                if isinstance(m, EmbeddingBagCollection):  # its own shards: moved, never cast or broadcast
+                    m.to_device(self.device)
+                    self._moved.update({id(b): b for b in m.buffers(recurse=False)})
+                    continue
                 for p in m._parameters.values():
                     if p is None or id(p) in self.flattened or id(p) in self._moved:
                         continue
