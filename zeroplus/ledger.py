@@ -14,11 +14,12 @@ peak, so the report shows what shared master weights, recompute and swapping spa
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import threading
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -44,7 +45,9 @@ class Ledger:
     """Live and peak bytes per category for this rank. Thread-safe (comm threads free buffers)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._held = threading.local()  # this thread's depth inside the lock
+        self._deferred: list[int] = []  # entries whose storage died while this thread held the lock
         self._bytes = {c: CategoryBytes() for c in Category}
         self._entries: dict[int, tuple[Category, int]] = {}
         self._storage_of: dict[int, int] = {}  # entry key -> the storage's identity (``_cdata``)
@@ -56,7 +59,7 @@ class Ledger:
 
     def waited(self, seconds: float) -> None:
         """An offload tier blocked its caller ``seconds`` for a read or a write."""
-        with self._lock:
+        with self._locked():
             self.wait_seconds += seconds
 
     # -- allocation -------------------------------------------------------------------------
@@ -72,7 +75,7 @@ class Ledger:
     def track(self, tensor: torch.Tensor, category: Category) -> torch.Tensor:
         """Count ``tensor``'s storage under ``category`` until the storage dies or is released."""
         storage = tensor.untyped_storage()
-        with self._lock:
+        with self._locked():
             self._next_id += 1
             key = self._next_id
         nbytes = storage.nbytes()
@@ -100,7 +103,7 @@ class Ledger:
         key = getattr(tensor, "_zeroplus_ledger_key", None)
         if key is None:
             raise AssertionError("resized() on a tensor the ledger does not track")
-        with self._lock:
+        with self._locked():
             category, _ = self._entries.get(key, (None, 0))
         if category is None:
             raise AssertionError("resized() on a released tensor")
@@ -110,7 +113,7 @@ class Ledger:
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _add(self, key: int, category: Category, nbytes: int) -> None:
-        with self._lock:
+        with self._locked():
             self._entries[key] = (category, nbytes)
             cat = self._bytes[category]
             cat.live_bytes += nbytes
@@ -120,8 +123,27 @@ class Ledger:
                 self.total.peak_bytes = self.total.live_bytes
                 self.at_peak = {c: b.live_bytes for c, b in self._bytes.items() if b.live_bytes}
 
-    def _remove(self, key: int) -> None:
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The lock. A storage can die while its thread holds it: the garbage collector runs the storage's
+        finalizer (``_remove``) inside whatever allocation triggered it, ``_add``'s dict insert included, on
+        the same thread. A plain lock deadlocked there (seen in the suite); that removal is deferred until
+        the outermost section ends."""
         with self._lock:
+            depth = getattr(self._held, "depth", 0)
+            self._held.depth = depth + 1
+            try:
+                yield
+            finally:
+                self._held.depth = depth
+        while depth == 0 and self._deferred:
+            self._remove(self._deferred.pop())
+
+    def _remove(self, key: int) -> None:
+        if getattr(self._held, "depth", 0):  # a finalizer run inside this thread's locked section
+            self._deferred.append(key)
+            return
+        with self._locked():
             entry = self._entries.pop(key, None)
             self._storage_of.pop(key, None)
             if entry is None:
@@ -132,7 +154,7 @@ class Ledger:
 
     def save(self, technique: str, category: Category, nbytes: int) -> None:
         """``technique`` now keeps ``nbytes`` of ``category`` from being held."""
-        with self._lock:
+        with self._locked():
             b = self._saved.setdefault((technique, Category(category)), CategoryBytes())
             b.live_bytes += nbytes
             b.peak_bytes = max(b.peak_bytes, b.live_bytes)
@@ -146,7 +168,7 @@ class Ledger:
 
     def storage_keys(self) -> set[int]:
         """The identities (``_cdata``) of the storages counted now (the estimator's tracker asks)."""
-        with self._lock:
+        with self._locked():
             return {self._storage_of[k] for k in self._entries if k in self._storage_of}
 
     def live_bytes(self, category: Category | None = None) -> int:
@@ -156,14 +178,14 @@ class Ledger:
         return self.total.peak_bytes if category is None else self._bytes[Category(category)].peak_bytes
 
     def reset_peaks(self) -> None:
-        with self._lock:
+        with self._locked():
             for cat in list(self._bytes.values()) + list(self._saved.values()):
                 cat.peak_bytes = cat.live_bytes
             self.total.peak_bytes = self.total.live_bytes
             self.at_peak = {c: b.live_bytes for c, b in self._bytes.items() if b.live_bytes}
 
     def snapshot(self) -> dict[str, Any]:
-        with self._lock:
+        with self._locked():
             out = {c.value: dataclasses.asdict(b) for c, b in self._bytes.items()}
             out["total"] = dataclasses.asdict(self.total)
             out["saved"] = {f"{t}/{c.value}": dataclasses.asdict(b) for (t, c), b in sorted(self._saved.items())}

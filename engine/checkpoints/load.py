@@ -6,7 +6,8 @@ owned range, checks that every range, state key and buffer shape it is about to 
 allocates the optimizer-state buffers it will fill. Nothing of the engine changes. **Agree**: the
 ranks exchange their outcome (one small all-gather over the whole job); if any rank failed, every
 rank raises, naming the failing rank and its file, and every engine stays bitwise as it was.
-**Apply**: masters, optimizer states, buffers and frozen parameters, counters, loss scaler,
+**Apply**: masters, optimizer states, buffers and frozen parameters, embedding-table shards
+(``table_shards.py``: resharded from the saved rectangles that overlap each rank's), counters, loss scaler,
 hyper-parameters, schedule and RNG are written from what was read; the outcome is exchanged once
 more, so a rank that fails here (an offload file that cannot be written) is named on every rank.
 
@@ -27,7 +28,7 @@ import dataclasses
 import logging
 import os
 import shutil
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -39,6 +40,7 @@ from .dcp_load import DcpCheckpoint, DcpFiles, dcp_dir
 from .dcp_save import param_group_of
 from .deepspeed_import import convert_deepspeed, deepspeed_tag
 from .save import _global_rank, _model_part, _set_rng_state, _topology, _world
+from .table_shards import plan_tables, shard_names
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -134,6 +136,7 @@ class _Plan:
     extra: dict[str, torch.Tensor]  # buffers and frozen parameters (rank 0's file)
     own: dict[str, Any]             # counters, scaler, schedule, hyper-parameters, RNG, client state
     saved_world: int                # the data-parallel size that saved it (0: unknown, a DCP checkpoint)
+    tables: list[Callable[[], None]] = dataclasses.field(default_factory=list)  # table_shards.py's copies
 
 
 def _plan_group(engine: Engine, g: FlatParamGroup, sources: dict[str, tuple[dict[str, Any], int]],
@@ -212,7 +215,8 @@ def _read(engine: Engine, load_dir: str, tag: str | None, load_optim: bool, stri
         raise ValueError(f"checkpoint file {files.name(own_rank)} lacks {absent}")
     extra = files.get(0)["module_extra"]
     _check_extra(engine, extra, files.name(0), strict)
-    return _Plan(top, groups, extra, own, meta["world_size"])
+    tables = plan_tables(engine, meta, files.get, files.name, load_optim)
+    return _Plan(top, groups, extra, own, meta["world_size"], tables)
 
 
 def _overlapping(engine: Engine) -> list[str]:
@@ -228,6 +232,9 @@ def _overlapping(engine: Engine) -> list[str]:
 
 def _read_dcp(engine: Engine, path: str, load_optim: bool, load_scheduler: bool, strict: bool) -> _Plan:
     """A DCP checkpoint (``dcp_load.py``) planned like zeroplus's own files."""
+    if shard_names(engine):
+        raise ValueError(f"DCP checkpoint {path} cannot be loaded into a model with sharded embedding tables (rank "
+                         f"{_global_rank(engine)}): DCP's layout has no table shards; load a zeroplus checkpoint")
     topology = _topology(engine)
     if any(topology.get(k, 1) > 1 for k in ("tensor", "pipeline", "expert")):
         raise ValueError(f"DCP checkpoint {path} cannot be loaded by this run (rank {_global_rank(engine)}): its "
@@ -320,6 +327,8 @@ def _apply_tensors(engine: Engine, plan: _Plan) -> None:
                 group.write_param(index, value.reshape(-1))
             elif name in targets:
                 targets[name].copy_(value)
+        for write in plan.tables:
+            write()
     engine.partition.params_from_masters()
 
 

@@ -4,7 +4,8 @@ Each rank saves, per flat group, its *nominal* range ``[r * S, (r + 1) * S)`` cl
 group's unpadded length: the fp32 master values and every optimizer-state tensor of that range
 (at stage 0, where a rank holds everything, it still saves only its nominal range, so the files
 never repeat each other). Plus: step counters, loss scaler, schedule, optimizer hyper-parameters,
-RNG states and the client state; rank 0 also saves buffers and frozen parameters. Low-precision
+RNG states and the client state; rank 0 also saves buffers and frozen parameters; each rank its
+embedding-table shards (``table_shards.py``). Low-precision
 parameters are not saved: they are the masters rounded. ``metadata.json`` records every group's
 parameters (name, shape, offset), which rank saved which range, and each file's SHA-256.
 
@@ -40,6 +41,7 @@ from .async_save import PendingSave, allocate
 from .dcp_save import write_dcp
 from .hf_export import hf_config, tied_aliases
 from .safe_load import check_loadable, numpy_rng_from_file, numpy_rng_to_file
+from .table_shards import shard_names, table_layout, table_state
 
 logger = logging.getLogger("zeroplus.checkpoint")
 
@@ -102,9 +104,11 @@ def rank_state(engine: Engine, client_state: dict[str, Any] | None,
         flat = {id(p) for g in part.groups + part.frozen for p in g.params}
         if not exclude_frozen_parameters:
             extra.update({n: copy(t) for n, t in engine.module.named_parameters() if id(t) not in flat})
-        extra.update({n: copy(b) for n, b in engine.module.named_buffers()})
+        shards = shard_names(engine)  # embedding tables' shards: each rank's own, under "tables"
+        extra.update({n: copy(b) for n, b in engine.module.named_buffers() if n not in shards})
     return {
         "rank": rank, "groups": groups, "module_extra": extra, "client_state": client_state or {},
+        "tables": table_state(engine),
         "counters": engine.counters(),
         "loss_scaler": engine.loss_scaler.state_dict(),
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
@@ -136,7 +140,7 @@ def _metadata(engine: Engine, tag: str, digests: list[str], exclude_frozen_param
     return {"format": io.FORMAT_VERSION, "tag": tag, "world_size": engine.dp.size, "stage": part.stage,
             "aliases": aliases,
             "compute_dtype": str(part.groups[0].compute_dtype) if part.groups else None,
-            "global_steps": engine.global_steps, "groups": groups,
+            "global_steps": engine.global_steps, "groups": groups, "tables": table_layout(engine),
             "frozen_parameters_excluded": exclude_frozen_parameters,
             "files": {str(r): d for r, d in enumerate(digests)}, "topology": _topology(engine),
             "config": engine.config.model_dump(mode="json"), "hf_config": hf_config(engine.module)}
@@ -206,6 +210,7 @@ def _check_format(engine: Engine, fmt: str, background: bool, client_state: dict
         return
     why = ("a model split by tensor or pipeline parallelism" if _model_part(engine)
            else "expert-parallel groups" if any(g.expert for g in engine.partition.groups)
+           else "sharded embedding tables" if shard_names(engine)
            else "an asynchronous save" if background
            else "a client_state" if client_state else "")
     if why:

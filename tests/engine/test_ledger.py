@@ -4,6 +4,8 @@ coincide): a buffer freed before a later, smaller one keeps the peak's breakdown
 again from what is live."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -24,3 +26,20 @@ def test_the_breakdown_at_the_total_peak():
     ledger.reset_peaks()
     assert ledger.at_peak == {Category.MASTER: 440}
     del master, more
+
+
+def test_a_storage_dying_while_the_ledger_is_locked_is_counted_off_without_deadlock():
+    """The garbage collector can run a tracked storage's finalizer inside the ledger's own locked section (an
+    allocation in ``_add`` triggers it, on the same thread): that removal is deferred to the section's end.
+    With a plain lock this deadlocked (a hang seen in the checkpoint tests); run in a thread so it fails."""
+    ledger = Ledger()
+    held = [ledger.zeros(1000, torch.float32, Category.PARAM)]
+
+    def inside() -> None:
+        with ledger._locked():
+            held.clear()  # the storage dies here, its finalizer runs now
+    worker = threading.Thread(target=inside, daemon=True)
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive(), "the ledger deadlocked on a finalizer run inside its lock"
+    assert ledger.live_bytes(Category.PARAM) == 0 and ledger.live_bytes() == 0

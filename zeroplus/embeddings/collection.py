@@ -376,14 +376,20 @@ class EmbeddingBagCollection(nn.Module):
         for pending in self.pending.values():
             pending.clear()
 
-    def full_table(self, name: str) -> torch.Tensor:
-        """The whole table assembled from every rank's shard (a collective; for tests and export: it holds a
-        whole table)."""
+    def full_table(self, name: str, state: str | None = None) -> torch.Tensor:
+        """The whole table (or its optimizer state ``state``: ``"sum"``, ``"exp_avg"``, ...) assembled from every
+        rank's shard (a collective; for tests and export: it holds a whole table)."""
         t = next(t for t in self.tables if t.name == name)
-        pieces = self.group.all_gather_objects(self.weight(name).clone())
-        full = torch.zeros(t.num_embeddings, t.dim)
+        mine = self.weight(name) if state is None else self.optimizers[name].state[state]
+        pieces = self.group.all_gather_objects(mine.detach().cpu().clone())
+        per_row = pieces[self.rank].dim() == 1  # row-wise Adagrad's state: one value per row
+        full = torch.zeros(t.num_embeddings) if per_row else torch.zeros(t.num_embeddings, t.dim)
         for s, piece in zip(self.shards[name], pieces):
-            if not s.empty:
+            if s.empty:
+                continue
+            if per_row:
+                full[s.row0:s.row1] = piece
+            else:
                 full[s.row0:s.row1, s.col0:s.col1] = piece
         return full
 
