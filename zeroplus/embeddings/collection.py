@@ -31,6 +31,7 @@ same again in backward.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -156,7 +157,7 @@ class EmbeddingBagCollection(nn.Module):
                 for s in spans]
 
     def _prepare(self, features: Mapping[str, Bag]) -> tuple[dict, int, list, torch.Tensor]:
-        """This rank's checked input, its batch, what goes to each rank, and the counts row (may raise)."""
+        """Per table this rank's bag lengths, its batch, what goes to each rank, and the counts (may raise)."""
         missing = [t.name for t in self.tables if t.name not in features]
         extra = sorted(set(features) - {t.name for t in self.tables})
         if missing or extra:
@@ -164,6 +165,7 @@ class EmbeddingBagCollection(nn.Module):
                              f"missing" + (f", {extra} are not tables" if extra else ""))
         T, W = len(self.tables), self.world
         checked = {t.name: self._check(t, features[t.name]) for t in self.tables}
+        lengths_of = {}
         batches = {name: c[1].numel() for name, c in checked.items()}
         batch = next(iter(batches.values()))
         if any(b != batch for b in batches.values()):
@@ -178,6 +180,7 @@ class EmbeddingBagCollection(nn.Module):
             if (lengths < 0).any() or (offsets.numel() and offsets[0] != 0):
                 raise ValueError(f"table {t.name!r} on rank {self.rank}: offsets must start at 0, not decrease and"
                                  f" not pass the {ids.numel()} ids, got {offsets.tolist()[:8]}")
+            lengths_of[t.name] = lengths
             bags = torch.repeat_interleave(torch.arange(batch, device=self.device) + self.rank * batch, lengths)
             w = weights.float() if weights is not None else torch.ones(ids.numel(), device=self.device)
             for dest, mask in enumerate(self._holders(t, ids)):
@@ -185,14 +188,14 @@ class EmbeddingBagCollection(nn.Module):
                 counts[dest, j] = int(mask.sum())
         counts[:, T] = batch
         counts[:, T + 1] = sum(int(checked[t.name][2] is not None) << j for j, t in enumerate(self.tables))
-        return checked, batch, send, counts
+        return lengths_of, batch, send, counts
 
     def _route(self, features: Mapping[str, Bag]) -> _Step:
         """Every id to the ranks holding its row or columns. Bad input on any rank raises on every rank (the
         count exchange carries an error flag; the messages are then gathered), so no rank waits alone."""
         T, W = len(self.tables), self.world
         try:
-            checked, batch, send, counts = self._prepare(features)
+            lengths_of, batch, send, counts = self._prepare(features)
             problem = ""
         except ValueError as err:
             problem, counts = str(err), torch.zeros(W, T + 3, dtype=torch.long, device=self.device)
@@ -209,9 +212,7 @@ class EmbeddingBagCollection(nn.Module):
         weighted = [bool(int(counts[0, T + 1]) >> j & 1) for j in range(T)]
         in_sizes = [int(counts[d, :T].sum()) for d in range(W)]
         out_sizes = [int(got[s, :T].sum()) for s in range(W)]
-        ids_out = torch.cat([torch.cat([x[0] for x in send[d]]) for d in range(W)])
-        bags_out = torch.cat([torch.cat([x[1] for x in send[d]]) for d in range(W)])
-        w_out = torch.cat([torch.cat([x[2] for x in send[d]]) for d in range(W)])
+        ids_out, bags_out, w_out = (torch.cat([torch.cat([x[k] for x in send[d]]) for d in range(W)]) for k in range(3))
         ids_in = torch.empty(sum(out_sizes), dtype=torch.long, device=self.device)
         bags_in = torch.empty(sum(out_sizes), dtype=torch.long, device=self.device)
         w_in = torch.empty(sum(out_sizes), device=self.device)
@@ -220,7 +221,7 @@ class EmbeddingBagCollection(nn.Module):
         step = _Step(batch)
         # split what came in: source-major, table-minor
         per_source = [got[s, :T].tolist() for s in range(W)]
-        starts = torch.tensor([0] + out_sizes, device=self.device).cumsum(0).tolist()
+        starts = [0, *itertools.accumulate(out_sizes)]
         for j, t in enumerate(self.tables):
             pieces = []
             for s in range(W):
@@ -231,8 +232,7 @@ class EmbeddingBagCollection(nn.Module):
             weights = torch.cat([w_in[p] for p in pieces]) if weighted[j] else None
             step.routed[t.name] = _Routed(rows, bags, weights)
             if t.sharding == "row" and t.pooling == "mean":
-                ids, offsets, _ = checked[t.name]
-                step.lengths[t.name] = torch.diff(offsets, append=torch.tensor([ids.numel()], device=self.device))
+                step.lengths[t.name] = lengths_of[t.name]
         return step
 
     # --- pooling and the way back ------------------------------------------------------------------------

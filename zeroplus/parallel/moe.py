@@ -154,11 +154,15 @@ class MoE(nn.Module):
         self.num_experts, self.local = num_experts, num_experts // self.ep.size
         self.first_expert = self.ep.rank * self.local
         self.gate = TopKGate(dim, num_experts, k, capacity_factor, min_capacity)
-        self.grouped = isinstance(expert, GroupedFFN)  # the experts are one GroupedExperts
         self.experts: nn.Module = (GroupedExperts(self.local, dim, expert) if isinstance(expert, GroupedFFN)
                                    else nn.ModuleList(expert() for _ in range(self.local)))
         for p in self.experts.parameters():
             mark_expert(p)
+
+    @property
+    def grouped(self) -> bool:
+        """The local experts are one ``GroupedExperts`` (stacked weights)."""
+        return isinstance(self.experts, GroupedExperts)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = x.shape
