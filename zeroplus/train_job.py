@@ -27,6 +27,8 @@ from zeroplus.accelerator import get_accelerator
 from zeroplus.config import parse_config
 from zeroplus.cpu_precision import native_bf16
 from zeroplus.data import ByteBatches, corpus_description, read_corpus
+from zeroplus.dlrm_job import main as dlrm_main
+from zeroplus.job_report import gather_reports, print_memory, resume
 from zeroplus.models import GPT, gpt_config
 from zeroplus.models.split import split_gpt
 from zeroplus.parallel.groups import parallel_groups
@@ -38,6 +40,8 @@ logger = logging.getLogger("zeroplus.train")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="zeroplus train", description=__doc__)
+    p.add_argument("--model", choices=["gpt", "dlrm"], default="gpt",
+                   help="dlrm: the second main job, a DLRM with sharded tables (zeroplus train --model dlrm --help)")
     p.add_argument("--config", default=None, help="config JSON (default: configs/zero3_bf16.json, or "
                                                    "configs/zero3_fp32.json on a CPU that emulates bf16)")
     p.add_argument("--data", default=None, help="text file or folder (default: the Python standard library)")
@@ -121,6 +125,12 @@ def trace(directory: str | None, engine: Any) -> Any:
 
 
 def main(argv: list[str] | None = None) -> None:
+    choice = argparse.ArgumentParser(add_help=False)
+    choice.add_argument("--model", choices=["gpt", "dlrm"], default="gpt")
+    which, rest = choice.parse_known_args(argv)
+    if which.model == "dlrm":
+        dlrm_main(rest)
+        return
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     config: Any = args.config or default_config_path()
@@ -149,9 +159,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"zeroplus train: GPT-{args.size} ({n_params / 1e6:.2f}M parameters), {parallel.describe()}, "
               f"config {label}, data: {corpus_description(args.data)}", flush=True)
     if args.resume:
-        path, _ = engine.load_checkpoint(args.save_dir)
-        if main_rank:
-            print(f"resumed from {path} at step {engine.global_steps}", flush=True)
+        resume(engine, args.save_dir, main_rank)
     gas = engine.gradient_accumulation_steps()
     tokens_per_step = engine.train_batch_size() * args.seq_len
     bar = tqdm(total=args.steps, disable=not main_rank, unit="step", dynamic_ncols=True)
@@ -188,12 +196,7 @@ def main(argv: list[str] | None = None) -> None:
                 else engine(*data.eval_batch(i)).item() for i in range(4)]
     split = time_split(engine, fresh=True)  # (every rank: a device's timers synchronize)
     saved = engine.save_checkpoint(args.save_dir) if args.save_dir else None
-    reports: list[Any] = [None] * (dist.get_world_size() if dist.is_initialized() else 1)  # after the save: it counts
-    report = dict(engine.memory_report().to_dict(), rank=dist.get_rank() if dist.is_initialized() else 0)
-    if dist.is_initialized():
-        dist.all_gather_object(reports, report)
-    else:
-        reports = [report]
+    reports = gather_reports(engine)  # after the save: it counts
     if main_rank:
         elapsed = time.perf_counter() - start
         print(f"\nfinished {args.steps} steps in {elapsed:.1f}s ({tokens_per_step * args.steps / elapsed:,.0f} "
@@ -204,12 +207,7 @@ def main(argv: list[str] | None = None) -> None:
             against = f" of {profiler.peak:.4g} TFLOP/s ({profiler.peak_source})" \
                 if profiler is not None and profiler.last else ""
             print(f"time per step (ms, mean of the last steps): {split}{against}")
-        print("per-rank peak memory (MiB):")
-        cats = list(reports[0]["categories"])
-        print("  " + f"{'rank':<6}" + "".join(f"{c:>16}" for c in cats) + f"{'process':>12}")
-        for r in reports:
-            print("  " + f"{r['rank']:<6}" + "".join(f"{r['categories'][c]['peak_bytes'] / 2**20:>16.1f}" for c in cats)
-                  + f"{r['process_peak_above_start_bytes'] / 2**20:>12.1f}")
+        print_memory(reports)
         for key, b in reports[0]["saved"].items():  # memory techniques: bytes kept from being held
             print(f"  not held by {key}: peak " + ", ".join(f"rank {r['rank']} "
                   f"{r['saved'].get(key, {}).get('peak_bytes', 0) / 2**20:.1f} MiB" for r in reports))

@@ -7,7 +7,9 @@ tables over every rank's batch, the loss the mean of the ranks' losses, stepped 
 (dense) and ``torch.optim.Adagrad`` (tables). Checked: every rank's loss at every step within 1e-5, the
 dense weights (``consolidated_fp32_state``) and the assembled tables after the steps within 1e-5 relative,
 and the ledger: this rank's table shards under ``param`` plus its dense share, its Adagrad states under
-``optim_state`` beside AdamW's. Refused: fp16 and gradient clipping with tables, naming the key.
+``optim_state`` beside AdamW's, each category's peak as ``zeroplus.estimate`` predicted it before the run from a
+builder and as the engine's own estimate did from the module (the tables built again on the meta device for the
+rank, ``embeddings/simulated.py``). Refused: fp16 and gradient clipping with tables, naming the key.
 """
 from __future__ import annotations
 
@@ -60,7 +62,10 @@ def _sharded(stage: int) -> dict:
     model.load_state_dict(dense, strict=False)
     for name, full in tables.items():
         model.embeddings.load_table(name, full)
-    engine = zeroplus.initialize(model, _config(stage))
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    budget = zeroplus.estimate(lambda: DLRM(CFG, SPARSE), _config(stage), world_size=world, rank=rank,
+                               example_inputs=_batch(0, rank))
+    engine = zeroplus.initialize(model, _config(stage, zeroplus={"log_level": "warning"}))  # its own estimate on
     ebc = model.embeddings
     ledger = {"param": engine.ledger.live_bytes(Category.PARAM),
               "optim_state": engine.ledger.live_bytes(Category.OPTIM_STATE)}
@@ -71,7 +76,11 @@ def _sharded(stage: int) -> dict:
         engine.step()
         losses.append(loss.item())
     state = engine.consolidated_fp32_state()
-    result = {"losses": losses, "dense": state, "tables": {t.name: ebc.full_table(t.name) for t in CFG.tables},
+    kinds = ("param", "grad", "master", "optim_state")
+    own = engine.memory_report().predicted_category_peaks() or {}  # the engine's, from the module at its first forward
+    predicted = {c: (budget.category_peaks[c], own.get(c), engine.ledger.peak_bytes(Category(c))) for c in kinds}
+    result = {"predicted": predicted, "losses": losses, "dense": state,
+              "tables": {t.name: ebc.full_table(t.name) for t in CFG.tables},
               "ledger": ledger, "owners": ebc.owners, "world": ebc.world, "rank": rank}
     engine.destroy()
     return result
@@ -128,6 +137,7 @@ def _check(got: list[dict], world: int) -> None:
         table_states = sum(state_bytes(SPARSE, s.rows, s.cols) for s in shards)
         assert r["ledger"]["param"] - table_bytes in (dense_bytes, dense_bytes // world, 0), (rank, r["ledger"])
         assert r["ledger"]["optim_state"] - table_states >= 0, (rank, r["ledger"])
+        assert all(p == q == m for p, q, m in r["predicted"].values()), (rank, r["predicted"])  # predicted, measured
         assert table_bytes < sum(t.num_embeddings * t.dim * 4 for t in CFG.tables) or world == 1
 
 

@@ -70,6 +70,25 @@ def test_zeroplus_train_main_job_learns(tmp_path):
     assert "resumed from" in again.stdout and (save / "latest").read_text() == "global_step45"
 
 
+def test_zeroplus_train_dlrm_second_main_job_learns_and_resumes_resharded(tmp_path):
+    save = tmp_path / "ckpt"
+    args = [sys.executable, "-m", "zeroplus.cli", "train", "--model", "dlrm", "--max-rows", "5000", "--save-dir",
+            str(save)]
+    out = subprocess.run(args + ["--steps", "40"], env=ENV, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
+    assert summary["steps"] == 40 and summary["final_loss"] < 0.6 and summary["held_out_loss"] < 0.6  # log 2: 0.69
+    assert "26 tables" in out.stdout and "2 ranks, tables table-wise" in out.stdout  # the planner's choice
+    assert out.stdout.count("\n  0 ") + out.stdout.count("\n  1 ") >= 2  # both ranks' memory rows
+    assert (save / "latest").read_text() == "global_step40"
+    again = subprocess.run(args + ["--steps", "5", "--resume", "--sharding", "row"], env=ENV, capture_output=True,
+                           text=True, timeout=300)  # saved table-wise, loaded row-wise
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "tables row-wise" in again.stdout and "resumed from" in again.stdout
+    assert (save / "latest").read_text() == "global_step45"
+    assert json.loads([line for line in again.stdout.splitlines() if line.startswith("{")][-1])["held_out_loss"] < 0.6
+
+
 def test_zeroplus_train_with_context_parallelism(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 2000)

@@ -32,7 +32,7 @@ LAYERS = [
     ("memory budget", ["budget"]),
     ("initialize", ["initialize_engine.py", "runtime_probe.py"]),
     ("DeepSpeed's API", ["deepspeed_api"]),
-    ("the top", ["<init>", "launcher.py", "train_job.py", "cli.py"]),
+    ("the top", ["<init>", "launcher.py", "dlrm_job.py", "job_report.py", "train_job.py", "cli.py"]),
 ]
 RANK = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}
 

@@ -36,6 +36,7 @@ from torch.overrides import TorchFunctionMode
 from ..accelerator import Accelerator, get_accelerator
 from ..activations import checkpointing
 from ..config import ConfigError, ZeroplusConfig, auto_keys, load_config, resolve_auto, resolve_batch, resolved
+from ..embeddings import EmbeddingBagCollection
 from ..engine.build import build_engine, compute_dtype
 from ..engine.checkpoints.async_save import stage
 from ..engine.checkpoints.save import rank_state
@@ -49,6 +50,7 @@ from ..zero.init_shards import partition_tree
 from ..zero.quantized import mark_packed_copy, packed_storage
 from .meta_values import SimulationError, give_values, shadow_of
 from .tracker import MemoryTracker
+from .virtual_group import VirtualGroup
 from .virtual_parallel import SimulatedLinks, boundary_shapes, build_in, virtual_groups
 
 
@@ -77,6 +79,9 @@ def meta_copy(model: torch.nn.Module, replace: dict[int, Any] | None = None) -> 
     untouched and nothing is copied but the module objects). ``replace``: ``id(obj) -> stand-in`` for
     objects the copy should hold instead (process groups: themselves, or the estimate's stand-ins)."""
     memo: dict[int, Any] = dict(replace or {})
+    for m in model.modules():  # sharded tables: built again on meta, never their states copied
+        if isinstance(m, EmbeddingBagCollection):
+            memo[id(m)] = meta_tables(m, memo.get(id(m.group)))
     for p in model.parameters():
         memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
         carry_marks(p, memo[id(p)])  # split over the tensor group, an expert's
@@ -85,6 +90,13 @@ def meta_copy(model: torch.nn.Module, replace: dict[int, Any] | None = None) -> 
     for b in model.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
     return copy.deepcopy(model, memo)
+
+
+def meta_tables(ebc: EmbeddingBagCollection, group: Any | None) -> EmbeddingBagCollection:
+    """``ebc`` built again on the meta device over ``group`` (the estimate's stand-in for its ranks; None: a
+    virtual group of its own rank and size): the shards and optimizer states of that rank, no values."""
+    with torch.device("meta"):
+        return EmbeddingBagCollection(ebc.tables, ebc.optim_config, group or VirtualGroup(ebc.rank, ebc.world))
 
 
 @contextlib.contextmanager

@@ -32,14 +32,17 @@ same again in backward.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm import DataParallelGroup
+from ..comm import Collectives, DataParallelGroup
+from ..parallel.groups import current_groups
+from .planner import plan_tables
+from .routed import LookupState, Routed
+from .simulated import simulated_route, unique_rows
 from .sparse_optim import SparseOptimConfig, SparseOptimizer
 from .tables import Shard, TableConfig, shard
 
@@ -64,37 +67,26 @@ def table_owners(tables: Sequence[TableConfig], world: int) -> dict[str, int]:
     return owners
 
 
-@dataclass
-class _Routed:
-    """One table's ids on a holder: local rows, global bags, weights (None: unweighted)."""
-    rows: torch.Tensor
-    bags: torch.Tensor
-    weights: torch.Tensor | None
-
-
-@dataclass
-class _Step:
-    """What one forward keeps for its backward."""
-    batch: int
-    routed: dict[str, _Routed] = field(default_factory=dict)
-    lengths: dict[str, torch.Tensor] = field(default_factory=dict)  # row-wise mean tables: this rank's bag sizes
-
-
 class EmbeddingBagCollection(nn.Module):
     def __init__(self, tables: Sequence[TableConfig], optimizer: SparseOptimConfig | None = None,
-                 group: DataParallelGroup | None = None, seed: int = 0) -> None:
+                 group: Collectives | None = None, seed: int = 0) -> None:
         super().__init__()
         names = [t.name for t in tables]
         if len(set(names)) != len(names) or not names:
             raise ValueError(f"EmbeddingBagCollection needs tables with distinct names, got {names}")
-        self.tables = list(tables)
-        self.group = group if group is not None else DataParallelGroup(None)
+        self.optim_config = optimizer or SparseOptimConfig()
+        if group is None:  # the data-parallel ranks: init_parallel's (the estimate's stand-ins), else the world
+            current = current_groups()
+            group = current.data if current is not None else DataParallelGroup(None)
+        self.group = group
         self.world, self.rank = self.group.size, self.group.rank
+        self.tables = list(tables)
+        if any(t.sharding == "auto" for t in tables):  # chosen by the planner, which then places every table
+            self.tables = plan_tables(tables, self.world, self.optim_config).tables
         owners = table_owners(self.tables, self.world)
         self.owners = owners
         self.shards: dict[str, list[Shard]] = {
             t.name: [shard(t, self.world, r, owners.get(t.name, 0)) for r in range(self.world)] for t in self.tables}
-        self.optim_config = optimizer or SparseOptimConfig()
         g = torch.Generator().manual_seed(seed + 1000 * self.rank)
         for t in self.tables:
             s = self.mine(t.name)
@@ -190,7 +182,7 @@ class EmbeddingBagCollection(nn.Module):
         counts[:, T + 1] = sum(int(checked[t.name][2] is not None) << j for j, t in enumerate(self.tables))
         return lengths_of, batch, send, counts
 
-    def _route(self, features: Mapping[str, Bag]) -> _Step:
+    def _route(self, features: Mapping[str, Bag]) -> LookupState:
         """Every id to the ranks holding its row or columns. Bad input on any rank raises on every rank (the
         count exchange carries an error flag; the messages are then gathered), so no rank waits alone."""
         T, W = len(self.tables), self.world
@@ -218,7 +210,7 @@ class EmbeddingBagCollection(nn.Module):
         w_in = torch.empty(sum(out_sizes), device=self.device)
         for out, inp in ((ids_in, ids_out), (bags_in, bags_out), (w_in, w_out)):
             self.group.all_to_all_v(out, inp, out_sizes, in_sizes)
-        step = _Step(batch)
+        step = LookupState(batch)
         # split what came in: source-major, table-minor
         per_source = [got[s, :T].tolist() for s in range(W)]
         starts = [0, *itertools.accumulate(out_sizes)]
@@ -230,18 +222,18 @@ class EmbeddingBagCollection(nn.Module):
             rows = torch.cat([ids_in[p] for p in pieces]) - self.mine(t.name).row0
             bags = torch.cat([bags_in[p] for p in pieces])
             weights = torch.cat([w_in[p] for p in pieces]) if weighted[j] else None
-            step.routed[t.name] = _Routed(rows, bags, weights)
+            step.routed[t.name] = Routed(rows, bags, weights)
             if t.sharding == "row" and t.pooling == "mean":
                 step.lengths[t.name] = lengths_of[t.name]
         return step
 
     # --- pooling and the way back ------------------------------------------------------------------------
     def forward(self, features: Mapping[str, Bag]) -> torch.Tensor:
-        step = self._route(features)
+        step = self._route(features) if self.device.type != "meta" else simulated_route(self, features)
         anchor = torch.zeros((), requires_grad=torch.is_grad_enabled())
         return _Lookup.apply(anchor, self, step)
 
-    def _pool(self, step: _Step) -> torch.Tensor:
+    def _pool(self, step: LookupState) -> torch.Tensor:
         W, B = self.world, step.batch
         blocks: list[list[torch.Tensor]] = [[] for _ in range(W)]  # per destination: my column blocks
         partials = []
@@ -284,7 +276,7 @@ class EmbeddingBagCollection(nn.Module):
                 by_table[t.name] = [block]
         return torch.cat([torch.cat(by_table[t.name], 1) for t in self.tables], 1)
 
-    def _backward(self, step: _Step, grad: torch.Tensor) -> None:
+    def _backward(self, step: LookupState, grad: torch.Tensor) -> None:
         """Each holder's rows' gradients from the pooled gradient ``grad`` ``(B, sum dims)``: pending."""
         W, B = self.world, step.batch
         grad = grad.contiguous()
@@ -324,7 +316,8 @@ class EmbeddingBagCollection(nn.Module):
                 pooled_grad = per_source[:, at_col:at_col + B * mine[j]].reshape(W * B, mine[j])
                 at_col += B * mine[j]
                 if t.pooling == "mean":
-                    counts = torch.bincount(r.bags, minlength=W * B).clamp(min=1)
+                    counts = (torch.bincount(r.bags, minlength=W * B) if not r.bags.is_meta
+                              else torch.empty(W * B, dtype=torch.long, device="meta")).clamp(min=1)
                     pooled_grad = pooled_grad / counts.unsqueeze(1).to(pooled_grad.dtype)
             else:
                 continue
@@ -333,7 +326,7 @@ class EmbeddingBagCollection(nn.Module):
             contrib = pooled_grad.index_select(0, r.bags)
             if r.weights is not None:
                 contrib = contrib * r.weights.unsqueeze(1)
-            unique, inverse = torch.unique(r.rows, return_inverse=True)
+            unique, inverse = unique_rows(r.rows, self.mine(t.name).rows)
             summed = torch.zeros(unique.numel(), contrib.shape[1], device=self.device)
             summed.index_add_(0, inverse, contrib)
             self.pending[t.name].append((unique, summed / W))
@@ -348,7 +341,7 @@ class EmbeddingBagCollection(nn.Module):
                 rows, grad = pending[0]
             elif pending:
                 rows_all = torch.cat([p[0] for p in pending])
-                rows, inverse = torch.unique(rows_all, return_inverse=True)
+                rows, inverse = unique_rows(rows_all, self.mine(t.name).rows)
                 grad = torch.zeros(rows.numel(), pending[0][1].shape[1], device=self.device).index_add_(
                     0, inverse, torch.cat([p[1] for p in pending]))
             else:
@@ -366,7 +359,7 @@ class EmbeddingBagCollection(nn.Module):
         holding no column learn their count and add zeros (two collectives per such table and step)."""
         holders = sum(1 for s in self.shards[t.name] if s.cols)
         rows = torch.tensor(float(grad.shape[0]), device=self.device)
-        count = int(self.group.sum_scalar(rows).item()) // holders
+        count = int(self.group.sum_scalar(rows).item()) // holders if not grad.is_meta else grad.shape[0]
         squares = grad.pow(2).sum(1) if grad.shape[1] else torch.zeros(count, device=self.device)
         self.group.all_reduce(squares).wait()
         return squares
@@ -402,7 +395,7 @@ class EmbeddingBagCollection(nn.Module):
 
 class _Lookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, ebc: EmbeddingBagCollection, step: _Step) -> torch.Tensor:
+    def forward(ctx: Any, anchor: torch.Tensor, ebc: EmbeddingBagCollection, step: LookupState) -> torch.Tensor:
         ctx.ebc, ctx.step = ebc, step
         return ebc._pool(step)
 

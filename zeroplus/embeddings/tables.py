@@ -10,6 +10,8 @@
 - ``"column"`` (column-wise): columns ``[c0, c1)`` of every row, ``ceil(dim / world)`` per rank (the last
   fewer; a rank past ``dim`` holds none). Bytes: ``num_embeddings * (c1 - c0) * 4``.
 
+``"auto"``: the collection asks ``planner.plan_tables`` (table-wise for small tables, row-wise for large).
+
 Table-wise is column-wise with every column on one rank, and the collection runs both through the same
 route (``collection.py``). Optimizer states add per rank: Adagrad ``rows x cols x 4``, row-wise Adagrad
 ``rows x 4``, Adam ``2 x rows x cols x 4`` (``sparse_optim.py``).
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 POOLINGS = ("sum", "mean")
-SHARDINGS = ("table", "row", "column")
+SHARDINGS = ("table", "row", "column", "auto")
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,7 @@ class TableConfig:
     num_embeddings: int
     dim: int
     pooling: Literal["sum", "mean"] = "sum"
-    sharding: Literal["table", "row", "column"] = "table"
+    sharding: Literal["table", "row", "column", "auto"] = "table"  # auto: planner.py chooses
     owner: int | None = None  # table-wise: the rank holding it (None: the collection chooses)
 
     def __post_init__(self) -> None:

@@ -10,7 +10,8 @@ that ZeRO partitions. Interaction: the bottom MLP's output ``x`` (``B x D``) and
 (``B x D`` each, so every table has ``dim == D``) stacked to ``B x (T + 1) x D``, their ``(T + 1) T / 2``
 distinct pairwise dot products, concatenated with ``x`` into the top MLP. Memory per sample: the pooled
 ``T D`` and the ``(T + 1)^2`` products (autograd keeps the stack for the product's backward).
-``synthetic_batch`` makes Criteo-like data: log-normal dense features, power-law ids, bags of 0-3 ids.
+``synthetic_batch`` makes Criteo-like data: log-normal dense features, power-law ids, bags of 0-3 ids, and
+labels from a fixed teacher (learnable: the loss falls below ``log 2``).
 """
 from __future__ import annotations
 
@@ -40,6 +41,21 @@ class DLRMConfig:
         if wrong:
             raise ValueError(f"DLRMConfig: every table's dim must equal the bottom MLP's output {dim} (the dot "
                              f"interaction), not: {', '.join(wrong)}")
+
+
+# the 26 categorical features' cardinalities in Criteo's Kaggle display-advertising set (33.8M rows in all)
+CRITEO_ROWS = (1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992, 5461306,
+               10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572)
+
+
+def criteo_config(dim: int = 16, max_rows: int | None = None, sharding: str = "auto",
+                  bottom: Sequence[int] = (512, 256), top: Sequence[int] = (512, 256)) -> DLRMConfig:
+    """DLRM on Criteo's shape: 13 dense features, 26 tables of ``CRITEO_ROWS`` rows (each at most ``max_rows``,
+    as DLRM's ``--max-ind-range`` hashes ids into), ``dim`` columns, the MLPs of the reference model (the
+    bottom's last width ``dim``)."""
+    tables = [TableConfig(f"c{i}", min(n, max_rows or n), dim, sharding=sharding)  # type: ignore[arg-type]
+              for i, n in enumerate(CRITEO_ROWS)]
+    return DLRMConfig(dense_features=13, tables=tables, bottom=(*bottom, dim), top=top)
 
 
 def _mlp(widths: Sequence[int], last_relu: bool) -> nn.Sequential:
@@ -76,18 +92,25 @@ class DLRM(nn.Module):
 def synthetic_batch(cfg: DLRMConfig, batch: int, generator: torch.Generator,
                     alpha: float = 1.2) -> tuple[torch.Tensor, dict, torch.Tensor]:
     """(dense, sparse, labels) for ``batch`` samples: Criteo-like, ids drawn by a power law of exponent
-    ``alpha`` over each table's rows (row 0 the most frequent), 0-3 ids per bag."""
+    ``alpha`` over each table's rows (row 0 the most frequent), 0-3 ids per bag. Labels are drawn from a fixed
+    teacher, so there is something to learn: the click probability is the sigmoid of each table's mean id
+    effect (a hash of the id, in [-1, 1)) plus the first dense feature's log."""
     dense = torch.randn(batch, cfg.dense_features, generator=generator).exp()
     sparse = {}
+    logit = dense[:, 0].log()
     for t in cfg.tables:
         lengths = torch.randint(0, 4, (batch,), generator=generator)
         u = torch.rand(int(lengths.sum()), generator=generator)
         top = (t.num_embeddings + 1) ** (1 - alpha)  # the inverse CDF of x^-alpha on [1, rows + 1)
         ids = (((top - 1) * u + 1) ** (1 / (1 - alpha))).floor().long() - 1
         ids = ids.clamp(0, t.num_embeddings - 1)
-        sparse[t.name] = (ids, torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]]))
-    labels = torch.randint(0, 2, (batch,), generator=generator).float()
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]])
+        sparse[t.name] = (ids, offsets)
+        effect = (ids * 2654435761 % 65536).float() / 32768 - 1
+        bags = torch.repeat_interleave(torch.arange(batch), lengths)
+        logit = logit + torch.zeros(batch).index_add_(0, bags, effect) / lengths.clamp(min=1)
+    labels = torch.bernoulli(torch.sigmoid(logit), generator=generator)
     return dense, sparse, labels
 
 
-__all__ = ["DLRM", "DLRMConfig", "synthetic_batch"]
+__all__ = ["CRITEO_ROWS", "DLRM", "DLRMConfig", "criteo_config", "synthetic_batch"]
