@@ -7,7 +7,8 @@ collection, and ``engine.step()`` at the accumulation boundary applies them righ
 optimizer step, or drops them when the step is skipped. The loss the engine back-propagates is already
 divided by the accumulation steps, so the table gradients are too. Ledger: each shard under ``param`` and
 its optimizer state under ``optim_state``, the bytes ``tables.shard_bytes`` and ``sparse_optim.state_bytes``
-state, per rank.
+state, per rank; a table cached from a tier (``row_cache.py``) counts its slots there instead, and its row map
+under ``param``.
 
 Refused (``ConfigError``, every rank alike, before anything is built): a collection over another group than
 the engine's data-parallel ranks; fp16 (the pending gradients are not unscaled or checked for overflow);
@@ -66,9 +67,11 @@ class EmbeddingTables:
         self.collections = list(collections(model).values())
         for ebc in self.collections:
             for t in ebc.tables:
-                ledger.track(ebc.weight(t.name), Category.PARAM)
+                ledger.track(ebc.weight(t.name), Category.PARAM)  # a cached table's: its slots
                 for state in ebc.optimizers[t.name].state.values():
                     ledger.track(state, Category.OPTIM_STATE)
+            for cache in ebc.caches.values():  # the row -> slot map, 8 bytes per shard row
+                ledger.track(cache.slot_of, Category.PARAM)
 
     def step(self, applied: bool) -> None:
         """The accumulation boundary: the pending row gradients applied (``applied``: the dense step ran),

@@ -16,7 +16,8 @@ Backends:
   streams with events (the device waits only for its own range). On a CPU-only machine the host
   is the device: the tensor stays as it is, reads are views (no copy), and nothing is saved.
 - file tier: one file per tensor in the tier's per-process directory, read with ``preadv`` into
-  the destination buffer and written with ``pwrite`` on the tier's read and write thread pools,
+  the destination buffer and written with ``pwrite`` on the tier's read and write thread pools (or, by rows,
+  ``read_rows``/``write_rows`` in the calling thread: a row cache's scattered misses),
   space reserved up front (``posix_fallocate``) so a full disk fails at ``keep``, not in the middle
   of a step.
 
@@ -109,6 +110,17 @@ class HostTierTensor:
             dst.copy_(values, non_blocking=True)
             values.record_stream(stream)
 
+    def read_rows(self, rows: list[int], width: int) -> torch.Tensor:
+        """Rows ``rows`` of the tensor seen as ``(numel / width, width)``, gathered now, on the device."""
+        with_device_writes_done(self)
+        picked = self.data.view(-1, width)[torch.tensor(rows, dtype=torch.long)]
+        return picked.to(self.device) if picked.device != self.device else picked
+
+    def write_rows(self, rows: list[int], values: torch.Tensor) -> None:
+        """Rows ``rows`` replaced with ``values`` (``len(rows) x width``), now."""
+        with_device_writes_done(self)
+        self.data.view(-1, values.shape[1])[torch.tensor(rows, dtype=torch.long)] = values.to(self.data.device)
+
     def close(self) -> None:
         del self.data  # (closed: nothing held)
 
@@ -164,6 +176,45 @@ class FileTierTensor:
         self._crc[(at, numel)] = future
         self._writes.append(future)
 
+    def read_rows(self, rows: list[int], width: int) -> torch.Tensor:
+        """Rows ``rows`` (sorted, distinct) of the tensor seen as ``(numel / width, width)``, read now in this
+        thread after every earlier write: rows at most ``ROW_GAP`` apart in one ``preadv`` into one staging
+        buffer (the rows between read and dropped), then picked out (no CRC check: partial ranges)."""
+        for w in self._writes:
+            w.result()
+        spans = _spans(rows, ROW_GAP)
+        total = sum(last - first + 1 for first, last, _ in spans)
+        staging = torch.empty(total * width, dtype=self.dtype)
+        raw = staging.view(torch.uint8).numpy().data
+        row_bytes, at = width * self.itemsize, 0
+        picks: list[int] = []
+        for first, last, members in spans:
+            n = last - first + 1
+            got = os.preadv(self.fd, [raw[at * row_bytes:(at + n) * row_bytes]], first * row_bytes)
+            if got != n * row_bytes:
+                raise OSError(f"{self.path}: read {got} of {n * row_bytes} bytes at row {first}")
+            picks.extend(at + r - first for r in members)
+            at += n
+        return staging.view(total, width)[torch.tensor(picks, dtype=torch.long)].to(self.device)
+
+    def write_rows(self, rows: list[int], values: torch.Tensor) -> None:
+        """Rows ``rows`` (sorted, distinct) replaced with ``values``, written now in this thread (after every
+        earlier write): one ``pwrite`` per run of consecutive rows. The ranges' CRCs are forgotten."""
+        for w in self._writes:
+            w.result()
+        self._writes = []
+        host = _host(values)  # 1-D: the rows one after another
+        row_bytes = host.numel() // max(1, len(rows)) * self.itemsize
+        raw = host.view(torch.uint8).numpy().data
+        i = 0
+        for first, last, members in _spans(rows, 1):
+            n = len(members)
+            chunk, done = raw[i * row_bytes:(i + n) * row_bytes], 0
+            while done < len(chunk):
+                done += os.pwrite(self.fd, chunk[done:], first * row_bytes + done)
+            i += n
+        self._crc.clear()
+
     def close(self) -> None:
         for w in self._writes:
             w.result()
@@ -175,6 +226,25 @@ class FileTierTensor:
             os.remove(self.path)
         except OSError:
             pass
+
+
+ROW_GAP = 64  # rows this close are read in one span (read_rows)
+
+
+def _spans(rows: list[int], gap: int) -> list[tuple[int, int, list[int]]]:
+    """Sorted ``rows`` split where neighbours are more than ``gap`` apart: (first, last, members)."""
+    spans, start = [], 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or rows[i] - rows[i - 1] > gap:
+            spans.append((rows[start], rows[i - 1], rows[start:i]))
+            start = i
+    return spans
+
+
+def with_device_writes_done(kept: HostTierTensor) -> None:
+    """A host tier with an accelerator: its side-stream writes landed before the host copy is read or written."""
+    if kept.tier.saves_memory:
+        kept.tier.accel.synchronize()
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:

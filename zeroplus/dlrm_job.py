@@ -2,12 +2,13 @@
 
 Runs on every rank (launched by ``zeroplus train`` through torchrun). The model is Criteo's shape
 (``models/dlrm.py``: 13 dense features, 26 tables of the Kaggle set's cardinalities, each at most
-``--max-rows`` rows, ``--dim`` columns), its tables sharded over the data-parallel ranks as ``--sharding``
-says (``auto``: the planner's choice per table, ``embeddings/planner.py``) and stepped by a row-sparse
-optimizer, its MLPs under ZeRO as the config says. Each rank draws its own batches (power-law ids, labels from
-a fixed teacher). Rank 0 shows a progress bar with loss, samples/s and memory, then a summary: the plan,
-final and held-out loss, each rank's peak memory by ledger category, and the checkpoint saved
-(``--save-dir``; ``--resume`` continues from the latest one there).
+``--max-rows`` rows, ``--dim`` columns), its tables sharded over the data-parallel ranks as ``--sharding`` says
+(``auto``: the planner's choice per table, ``embeddings/planner.py``; ``--cache-rows``: large tables in files
+with their hot rows in memory, ``embeddings/row_cache.py``) and stepped by a row-sparse optimizer, its MLPs
+under ZeRO as the config says. Each rank draws its own batches (power-law ids, labels from a fixed teacher).
+Rank 0 shows a progress bar with loss, samples/s and memory, then a summary: the plan, final and held-out
+loss, each rank's peak memory by ledger category, and the checkpoint saved (``--save-dir``; ``--resume``
+continues from the latest one there).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import zeroplus
 from zeroplus.embeddings import SparseOptimConfig
 from zeroplus.embeddings.planner import plan_tables
 from zeroplus.embeddings.sparse_optim import OPTIMIZERS
+from zeroplus.embeddings.tables import TableTier
 from zeroplus.job_report import gather_reports, print_memory, resume
 from zeroplus.models.dlrm import DLRM, criteo_config, synthetic_batch
 from zeroplus.source_tree import configs_dir
@@ -40,6 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-rows", type=int, default=100_000,
                    help="rows per table at most (DLRM's --max-ind-range; 0: Criteo's full 33.8M rows)")
     p.add_argument("--dim", type=int, default=16, help="embedding columns (the bottom MLP's output)")
+    p.add_argument("--cache-rows", type=int, default=0,
+                   help="tables of more rows than this live in files under --tier-path, this many hot rows in memory "
+                        "(0: every table in memory)")
+    p.add_argument("--tier-path", default="runs/zeroplus-dlrm-tables", help="directory of the tables' files")
     p.add_argument("--sparse-optimizer", choices=OPTIMIZERS, default="rowwise_adagrad")
     p.add_argument("--sparse-lr", type=float, default=0.05)
     p.add_argument("--steps", type=int, default=300)
@@ -56,10 +62,11 @@ def main(argv: list[str] | None = None) -> None:
         config: dict[str, Any] = json.load(f)
     data = zeroplus.init_parallel(config).data  # before the model: its tables shard over these ranks
     world, rank = data.size, data.rank
-    cfg = criteo_config(args.dim, args.max_rows or None, args.sharding)
+    cfg = criteo_config(args.dim, args.max_rows or None, args.sharding, cache_rows=args.cache_rows or None)
+    tier = TableTier("file", args.tier_path) if args.cache_rows else None
     optimizer = SparseOptimConfig(args.sparse_optimizer, lr=args.sparse_lr)  # type: ignore[arg-type]
     plan = plan_tables(cfg.tables, world, optimizer)
-    model = DLRM(cfg, optimizer, seed=args.seed)
+    model = DLRM(cfg, optimizer, seed=args.seed, tier=tier)
     engine = zeroplus.initialize(model, config)
     batch = engine.train_micro_batch_size_per_gpu()
     main_rank = rank == 0
@@ -98,11 +105,22 @@ def main(argv: list[str] | None = None) -> None:
                 for i in range(4)]
     saved = engine.save_checkpoint(args.save_dir) if args.save_dir else None
     reports = gather_reports(engine)
+    rates = model.embeddings.cache_hit_rates()
+    hit_rates: list[Any] = [None] * world
+    if dist.is_initialized():
+        dist.all_gather_object(hit_rates, rates)
+    else:
+        hit_rates = [rates]
     if main_rank:
         print(f"\nfinished {args.steps} steps in {elapsed:.1f}s ({rate:,.0f} samples/s); final train loss "
               f"{loss_value:.4f}, held-out loss {sum(held) / len(held):.4f} "
               f"(a coin flip: {math.log(2):.4f})")
         print_memory(reports)
+        for r, rates in enumerate(hit_rates):
+            if rates:
+                print(f"  rank {r}: row caches of {len(rates)} tables on {args.tier_path}, hit rate "
+                      f"{100 * sum(rates.values()) / len(rates):.1f}% (mean over the tables; lowest "
+                      f"{min(rates, key=rates.__getitem__)} {100 * min(rates.values()):.1f}%)")
         print(f"checkpoint: {saved}" if saved else "checkpoint: not saved (--save-dir '')")
         print(json.dumps({"final_loss": loss_value, "held_out_loss": sum(held) / len(held), "steps": args.steps,
                           "samples_per_s": rate}))

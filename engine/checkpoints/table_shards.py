@@ -39,7 +39,8 @@ def table_state(engine: Engine) -> dict[str, Any]:
     out = {}
     for key, (ebc, t) in _tables(engine).items():
         opt = ebc.optimizers[t.name]
-        out[key] = {"weight": ebc.weight(t.name), "state": dict(opt.state), "step": opt.step_count,
+        weight, states = ebc.shard_values(t.name)  # (a cached table's read from its tier)
+        out[key] = {"weight": weight, "state": dict(states), "step": opt.step_count,
                     "optimizer": ebc.optim_config.type}
     return out
 
@@ -77,7 +78,7 @@ def plan_tables(engine: Engine, meta: dict[str, Any], get: Callable[[int], dict[
             copies.append(set_step)
         if mine.empty:
             continue
-        weight = ebc.weight(t.name)
+        weight, states = ebc.shard_values(t.name)
         for rank, (r0, r1, c0, c1) in enumerate(layout["shards"]):
             rows = (max(r0, mine.row0), min(r1, mine.row1))
             cols = (max(c0, mine.col0), min(c1, mine.col1))
@@ -97,11 +98,15 @@ def plan_tables(engine: Engine, meta: dict[str, Any], get: Callable[[int], dict[
             if load_optim:
                 for k, value in entry["state"].items():
                     per_row = value.dim() == 1
-                    pieces.append((opt.state[k], value[src[0]].clone() if per_row else value[src].clone(),
+                    pieces.append((states[k], value[src[0]].clone() if per_row else value[src].clone(),
                                    dst[0] if per_row else dst))
 
             def write(pieces: list[tuple[torch.Tensor, torch.Tensor, Any]] = pieces) -> None:
                 for target, value, where in pieces:
                     target[where].copy_(value)
             copies.append(write)
+
+        def settle(ebc: Any = ebc, name: str = t.name, weight: torch.Tensor = weight, states: Any = states) -> None:
+            ebc.replace_shard(name, weight, states)  # a cached table: the whole shard back to its tier
+        copies.append(settle)
     return copies

@@ -42,9 +42,10 @@ from ..comm import Collectives, DataParallelGroup
 from ..parallel.groups import current_groups
 from .planner import plan_tables
 from .routed import LookupState, Routed
+from .row_tier import attach, cached_tables
 from .simulated import simulated_route, unique_rows
 from .sparse_optim import SparseOptimConfig, SparseOptimizer
-from .tables import Shard, TableConfig, shard
+from .tables import Shard, TableConfig, TableTier, shard
 
 Bag = tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
@@ -69,7 +70,7 @@ def table_owners(tables: Sequence[TableConfig], world: int) -> dict[str, int]:
 
 class EmbeddingBagCollection(nn.Module):
     def __init__(self, tables: Sequence[TableConfig], optimizer: SparseOptimConfig | None = None,
-                 group: Collectives | None = None, seed: int = 0) -> None:
+                 group: Collectives | None = None, seed: int = 0, tier: TableTier | None = None) -> None:
         super().__init__()
         names = [t.name for t in tables]
         if len(set(names)) != len(names) or not names:
@@ -94,6 +95,7 @@ class EmbeddingBagCollection(nn.Module):
                                                           generator=g) if not s.empty else torch.empty(s.rows, s.cols)
             self.register_buffer(f"weight__{t.name}", weight)
         self.optimizers = {t.name: SparseOptimizer(self.optim_config, self.weight(t.name)) for t in self.tables}
+        self.caches = cached_tables(self, tier)  # tables with cache_rows: moved to the tier, hot rows kept
         self.pending: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {t.name: [] for t in self.tables}
 
     @property
@@ -103,8 +105,13 @@ class EmbeddingBagCollection(nn.Module):
 
     def to_device(self, device: torch.device | str) -> None:
         """The shards and their optimizer states moved to ``device``, fp32 kept (the engine's placement calls
-        this instead of moving and casting the buffers as it does a dense model's)."""
+        this instead of moving and casting the buffers as it does a dense model's); a cached table's slots."""
+        for cache in self.caches.values():
+            cache.to(device)
         for t in self.tables:
+            if t.name in self.caches:
+                attach(self, t.name, self.caches[t.name])
+                continue
             moved = self.weight(t.name).to(device)
             setattr(self, f"weight__{t.name}", moved)
             optimizer = self.optimizers[t.name]
@@ -230,8 +237,14 @@ class EmbeddingBagCollection(nn.Module):
     # --- pooling and the way back ------------------------------------------------------------------------
     def forward(self, features: Mapping[str, Bag]) -> torch.Tensor:
         step = self._route(features) if self.device.type != "meta" else simulated_route(self, features)
+        for name, cache in self.caches.items():  # a cached table's rows brought in (they stay until the step)
+            cache.fetch(step.routed[name].rows)
         anchor = torch.zeros((), requires_grad=torch.is_grad_enabled())
-        return _Lookup.apply(anchor, self, step)
+        pooled = _Lookup.apply(anchor, self, step)
+        if not torch.is_grad_enabled():  # no gradient will wait for a step: the rows may leave
+            for cache in self.caches.values():
+                cache.step_done()
+        return pooled
 
     def _pool(self, step: LookupState) -> torch.Tensor:
         W, B = self.world, step.batch
@@ -240,13 +253,13 @@ class EmbeddingBagCollection(nn.Module):
         for t in self.tables:
             r, s = step.routed[t.name], self.mine(t.name)
             if t.sharding == "row":
-                rows = self.weight(t.name).index_select(0, r.rows)
+                rows = self.weight(t.name).index_select(0, self._index(t.name, r.rows))
                 if r.weights is not None:
                     rows = rows * r.weights.unsqueeze(1)
                 partials.append(torch.zeros(W * B, t.dim, device=self.device).index_add_(0, r.bags, rows))
             elif not s.empty:
                 offsets = torch.searchsorted(r.bags, torch.arange(W * B, device=self.device))
-                pooled = F.embedding_bag(r.rows, self.weight(t.name), offsets, mode=t.pooling,
+                pooled = F.embedding_bag(self._index(t.name, r.rows), self.weight(t.name), offsets, mode=t.pooling,
                                          per_sample_weights=r.weights)
                 for d in range(W):
                     blocks[d].append(pooled[d * B:(d + 1) * B].reshape(-1))
@@ -335,45 +348,75 @@ class EmbeddingBagCollection(nn.Module):
     @torch.no_grad()
     def step(self) -> None:
         """Apply every table's pending row gradients (all micro-batches since the last step), then clear them."""
+        merged = {t.name: self._merged(t) for t in self.tables}
+        whole_rows = [t for t in self.tables
+                      if self.optim_config.type == "rowwise_adagrad" and t.sharding == "column" and self.world > 1]
+        squares = self._whole_row_squares(whole_rows, [merged[t.name][1] for t in whole_rows])
         for t in self.tables:
-            pending = self.pending[t.name]
-            if len(pending) == 1:
-                rows, grad = pending[0]
-            elif pending:
-                rows_all = torch.cat([p[0] for p in pending])
-                rows, inverse = unique_rows(rows_all, self.mine(t.name).rows)
-                grad = torch.zeros(rows.numel(), pending[0][1].shape[1], device=self.device).index_add_(
-                    0, inverse, torch.cat([p[1] for p in pending]))
+            rows, grad = merged[t.name]
+            index = self._index(t.name, rows)
+            if t.name in squares:
+                self.optimizers[t.name].update(index, grad, squares[t.name], t.dim)
             else:
-                rows = torch.empty(0, dtype=torch.long, device=self.device)
-                grad = torch.empty(0, self.mine(t.name).cols, device=self.device)
-            if self.optim_config.type == "rowwise_adagrad" and t.sharding == "column" and self.world > 1:
-                self.optimizers[t.name].update(rows, grad, self._whole_row_squares(t, grad), t.dim)
-            else:
-                self.optimizers[t.name].update(rows, grad)
-            pending.clear()
+                self.optimizers[t.name].update(index, grad)
+            if t.name in self.caches:
+                self.caches[t.name].changed(index)
+            self.pending[t.name].clear()
+        for cache in self.caches.values():
+            cache.step_done()
 
-    def _whole_row_squares(self, t: TableConfig, grad: torch.Tensor) -> torch.Tensor:
-        """Row-wise Adagrad on a column-wise table: each looked-up row's squared gradient summed over all its
-        columns. Every column holder got the same ids, so the same unique rows in the same order; ranks
-        holding no column learn their count and add zeros (two collectives per such table and step)."""
-        holders = sum(1 for s in self.shards[t.name] if s.cols)
-        rows = torch.tensor(float(grad.shape[0]), device=self.device)
-        count = int(self.group.sum_scalar(rows).item()) // holders if not grad.is_meta else grad.shape[0]
-        squares = grad.pow(2).sum(1) if grad.shape[1] else torch.zeros(count, device=self.device)
+    def _merged(self, t: TableConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """Table ``t``'s pending micro-batches as one (unique rows, summed gradients)."""
+        pending = self.pending[t.name]
+        if len(pending) == 1:
+            return pending[0]
+        if not pending:
+            return (torch.empty(0, dtype=torch.long, device=self.device),
+                    torch.empty(0, self.mine(t.name).cols, device=self.device))
+        rows, inverse = unique_rows(torch.cat([p[0] for p in pending]), self.mine(t.name).rows)
+        grad = torch.zeros(rows.numel(), pending[0][1].shape[1], device=self.device).index_add_(
+            0, inverse, torch.cat([p[1] for p in pending]))
+        return rows, grad
+
+    def _index(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        """Where local ``rows`` of table ``name`` are in its buffer: themselves, or their cache slots."""
+        cache = self.caches.get(name)
+        return rows if cache is None or rows.is_meta else cache.slots_of(rows)
+
+    def cache_hit_rates(self) -> dict[str, float]:
+        """Each cached table's hit rate on this rank (distinct rows found resident / distinct rows fetched)."""
+        return {name: cache.hit_rate() for name, cache in self.caches.items()}
+
+    def _whole_row_squares(self, tables: list[TableConfig], grads: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Row-wise Adagrad on column-wise tables: each looked-up row's squared gradient summed over all its
+        columns, per table. Every column holder got the same ids, so the same unique rows in the same order;
+        ranks holding no column learn the counts and add zeros. Two collectives per step for all such tables:
+        the counts, then every table's squares in one buffer."""
+        if not tables:
+            return {}
+        if grads[0].is_meta:
+            return {t.name: g.pow(2).sum(1) for t, g in zip(tables, grads)}
+        rows = torch.tensor([float(g.shape[0]) for g in grads], device=self.device)
+        self.group.all_reduce(rows).wait()
+        holders = [sum(1 for s in self.shards[t.name] if s.cols) for t in tables]
+        counts = [int(r) // h for r, h in zip(rows.tolist(), holders)]
+        squares = torch.cat([g.pow(2).sum(1) if g.shape[1] else torch.zeros(n, device=self.device)
+                             for g, n in zip(grads, counts)])
         self.group.all_reduce(squares).wait()
-        return squares
+        return {t.name: part for t, part in zip(tables, squares.split(counts))}
 
     def drop_pending(self) -> None:
         """Forget the pending row gradients (a skipped step)."""
         for pending in self.pending.values():
             pending.clear()
+        for cache in self.caches.values():
+            cache.step_done()
 
     def full_table(self, name: str, state: str | None = None) -> torch.Tensor:
         """The whole table (or its optimizer state ``state``: ``"sum"``, ``"exp_avg"``, ...) assembled from every
         rank's shard (a collective; for tests and export: it holds a whole table)."""
         t = next(t for t in self.tables if t.name == name)
-        mine = self.weight(name) if state is None else self.optimizers[name].state[state]
+        mine = self.shard_values(name)[0] if state is None else self.shard_values(name)[1][state]
         pieces = self.group.all_gather_objects(mine.detach().cpu().clone())
         per_row = pieces[self.rank].dim() == 1  # row-wise Adagrad's state: one value per row
         full = torch.zeros(t.num_embeddings) if per_row else torch.zeros(t.num_embeddings, t.dim)
@@ -390,7 +433,22 @@ class EmbeddingBagCollection(nn.Module):
     def load_table(self, name: str, full: torch.Tensor) -> None:
         """This rank's shard of ``full`` (the whole table, on every rank) copied in."""
         s = self.mine(name)
-        self.weight(name).copy_(full[s.row0:s.row1, s.col0:s.col1])
+        weight, states = self.shard_values(name)
+        weight.copy_(full[s.row0:s.row1, s.col0:s.col1])
+        self.replace_shard(name, weight, states)
+
+    def shard_values(self, name: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """This rank's whole shard of table ``name`` and its optimizer states: the live tensors, or for a cached
+        table copies read from its tier (written back by ``replace_shard``)."""
+        cache = self.caches.get(name)
+        if cache is None:
+            return self.weight(name), self.optimizers[name].state
+        return cache.whole("weight"), {k: cache.whole(k) for k in self.optimizers[name].state}
+
+    def replace_shard(self, name: str, weight: torch.Tensor, states: dict[str, torch.Tensor]) -> None:
+        """After ``shard_values``' tensors were changed: a cached table's tier rewritten (else nothing to do)."""
+        if name in self.caches:
+            self.caches[name].replace({"weight": weight, **states})
 
 
 class _Lookup(torch.autograd.Function):

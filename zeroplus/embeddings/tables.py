@@ -12,6 +12,9 @@
 
 ``"auto"``: the collection asks ``planner.plan_tables`` (table-wise for small tables, row-wise for large).
 
+``cache_rows``: the table's shard lives on the collection's tier (``TableTier``: host memory or files), its
+``cache_rows`` most recently used rows in memory (``row_cache.py``); table- and row-wise tables only.
+
 Table-wise is column-wise with every column on one rank, and the collection runs both through the same
 route (``collection.py``). Optimizer states add per rank: Adagrad ``rows x cols x 4``, row-wise Adagrad
 ``rows x 4``, Adam ``2 x rows x cols x 4`` (``sparse_optim.py``).
@@ -35,6 +38,7 @@ class TableConfig:
     pooling: Literal["sum", "mean"] = "sum"
     sharding: Literal["table", "row", "column", "auto"] = "table"  # auto: planner.py chooses
     owner: int | None = None  # table-wise: the rank holding it (None: the collection chooses)
+    cache_rows: int | None = None  # the shard on the collection's tier, this many hot rows in memory (row_cache.py)
 
     def __post_init__(self) -> None:
         if self.num_embeddings < 1 or self.dim < 1:
@@ -42,8 +46,24 @@ class TableConfig:
                              f"{self.num_embeddings} x {self.dim}")
         if self.pooling not in POOLINGS:
             raise ValueError(f"table {self.name!r}: pooling must be one of {POOLINGS}, got {self.pooling!r}")
+        if self.cache_rows is not None and self.cache_rows < 1:
+            raise ValueError(f"table {self.name!r}: cache_rows must be at least 1 (or None: no cache), got "
+                             f"{self.cache_rows}")
         if self.sharding not in SHARDINGS:
             raise ValueError(f"table {self.name!r}: sharding must be one of {SHARDINGS}, got {self.sharding!r}")
+
+
+@dataclass(frozen=True)
+class TableTier:
+    """Where the shards of tables with ``cache_rows`` live: pinned host memory, or files under ``path``."""
+    kind: Literal["host", "file"] = "file"
+    path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("host", "file"):
+            raise ValueError(f"table tier kind must be 'host' or 'file', got {self.kind!r}")
+        if self.kind == "file" and not self.path:
+            raise ValueError("a file table tier needs a directory path (TableTier('file', path))")
 
 
 @dataclass(frozen=True)
@@ -88,4 +108,4 @@ def shard_bytes(table: TableConfig, world: int, rank: int, owner: int = 0, eleme
     return s.rows * s.cols * element_bytes
 
 
-__all__ = ["POOLINGS", "SHARDINGS", "Shard", "TableConfig", "shard", "shard_bytes"]
+__all__ = ["POOLINGS", "SHARDINGS", "Shard", "TableConfig", "TableTier", "shard", "shard_bytes"]

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..comm import DataParallelGroup
 from ..embeddings import EmbeddingBagCollection, SparseOptimConfig, TableConfig
+from ..embeddings.tables import TableTier
 
 
 @dataclass(frozen=True)
@@ -49,16 +50,21 @@ CRITEO_ROWS = (1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683
 
 
 def criteo_config(dim: int = 16, max_rows: int | None = None, sharding: str = "auto",
-                  bottom: Sequence[int] = (512, 256), top: Sequence[int] = (512, 256)) -> DLRMConfig:
+                  bottom: Sequence[int] = (512, 256), top: Sequence[int] = (512, 256),
+                  cache_rows: int | None = None) -> DLRMConfig:
     """DLRM on Criteo's shape: 13 dense features, 26 tables of ``CRITEO_ROWS`` rows (each at most ``max_rows``,
     as DLRM's ``--max-ind-range`` hashes ids into), ``dim`` columns, the MLPs of the reference model (the
-    bottom's last width ``dim``)."""
-    tables = [TableConfig(f"c{i}", min(n, max_rows or n), dim, sharding=sharding)  # type: ignore[arg-type]
-              for i, n in enumerate(CRITEO_ROWS)]
+    bottom's last width ``dim``). ``cache_rows``: tables of more rows live on the collection's tier, that many
+    hot rows in memory."""
+    def table(i: int, n: int) -> TableConfig:
+        rows = min(n, max_rows or n)
+        cached = cache_rows if cache_rows is not None and rows > cache_rows else None
+        return TableConfig(f"c{i}", rows, dim, sharding=sharding, cache_rows=cached)  # type: ignore[arg-type]
+    tables = [table(i, n) for i, n in enumerate(CRITEO_ROWS)]
     return DLRMConfig(dense_features=13, tables=tables, bottom=(*bottom, dim), top=top)
 
 
-def _mlp(widths: Sequence[int], last_relu: bool) -> nn.Sequential:
+def mlp(widths: Sequence[int], last_relu: bool) -> nn.Sequential:
     layers: list[nn.Module] = []
     for i, (a, b) in enumerate(zip(widths, widths[1:])):
         layers.append(nn.Linear(a, b))
@@ -69,13 +75,13 @@ def _mlp(widths: Sequence[int], last_relu: bool) -> nn.Sequential:
 
 class DLRM(nn.Module):
     def __init__(self, cfg: DLRMConfig, optimizer: SparseOptimConfig | None = None,
-                 group: DataParallelGroup | None = None, seed: int = 0) -> None:
+                 group: DataParallelGroup | None = None, seed: int = 0, tier: TableTier | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         n = len(cfg.tables) + 1
-        self.bottom = _mlp([cfg.dense_features, *cfg.bottom], last_relu=True)
-        self.embeddings = EmbeddingBagCollection(cfg.tables, optimizer, group, seed)
-        self.top = _mlp([cfg.bottom[-1] + n * (n - 1) // 2, *cfg.top, 1], last_relu=False)
+        self.bottom = mlp([cfg.dense_features, *cfg.bottom], last_relu=True)
+        self.embeddings = EmbeddingBagCollection(cfg.tables, optimizer, group, seed, tier)  # tier: cached tables
+        self.top = mlp([cfg.bottom[-1] + n * (n - 1) // 2, *cfg.top, 1], last_relu=False)
         rows, cols = torch.triu_indices(n, n, offset=1)
         self._pairs: torch.Tensor
         self.register_buffer("_pairs", rows * n + cols, persistent=False)
@@ -113,4 +119,4 @@ def synthetic_batch(cfg: DLRMConfig, batch: int, generator: torch.Generator,
     return dense, sparse, labels
 
 
-__all__ = ["CRITEO_ROWS", "DLRM", "DLRMConfig", "criteo_config", "synthetic_batch"]
+__all__ = ["CRITEO_ROWS", "DLRM", "DLRMConfig", "criteo_config", "mlp", "synthetic_batch"]
