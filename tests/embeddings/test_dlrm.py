@@ -1,6 +1,6 @@
 """DLRM through ``zeroplus.initialize``: the dense MLPs under ZeRO, the tables sharded (``zeroplus.embeddings``).
 
-On 1 rank (ZeRO-2) and 2 gloo ranks (ZeRO-3), a DLRM with four tables (table-, row- and column-wise; one
+On 1 rank (ZeRO-2) and 2 and 4 gloo ranks (ZeRO-3), a DLRM with four tables (table-, row- and column-wise; one
 larger than a rank's share would hold whole at 2 ranks) trains 3 steps on synthetic Criteo-like batches (power-law ids,
 so duplicates; empty bags) against one process holding the same model with ``nn.EmbeddingBag(sparse=True)``
 tables over every rank's batch, the loss the mean of the ranks' losses, stepped by ``torch.optim.AdamW``
@@ -145,8 +145,9 @@ def test_dlrm_trains_as_one_process_on_one_rank() -> None:
     _check([_sharded(2)], 1)
 
 
-def test_dlrm_trains_as_one_process_on_two_ranks_at_zero_3() -> None:
-    _check(run_distributed(_sharded, 2, 3), 2)
+@pytest.mark.parametrize("world", [2, 4])
+def test_dlrm_trains_as_one_process_on_several_ranks_at_zero_3(world: int) -> None:
+    _check(run_distributed(_sharded, world, 3), world)
 
 
 def test_tables_refuse_fp16_and_gradient_clipping() -> None:
