@@ -1,5 +1,6 @@
 """Long sequences: activation peak per rank against sequence length, without and with context
-parallelism (Ulysses, ring) and tiled MLP and loss; and the longest sequence that fits a budget.
+parallelism (Ulysses, ring, and at C >= 4 hybrid: Ulysses over pairs, a ring across them) and tiled MLP and
+loss; and the longest sequence that fits a budget.
 
     python bench/bench_context.py [--seqs 1024,2048,4096] [--tiled-seqs 16384] [--contexts 2,4] [--vocab 32000]
                                   [--loss-tokens 512] [--mlp-tokens 512] [--budget-mib 128,512]
@@ -52,7 +53,8 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     zp: dict = {"log_level": "warning", "memory_estimate": False}
     if args.context > 1:
-        zp["parallel"] = {"context": args.context, "context_mode": args.mode}
+        zp["parallel"] = {"context": args.context, "context_mode": args.mode,
+                          **({"ulysses_size": 2} if args.mode == "hybrid" else {})}
     if args.tiled:
         zp["tiled"] = {"mlp_tokens": args.mlp_tokens, "loss_tokens": args.loss_tokens}
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
@@ -137,6 +139,8 @@ def main() -> None:
     settings = [("no context parallelism", 1, "ulysses")]
     for c in (int(c) for c in args.contexts.split(",")):
         settings += [(f"Ulysses C={c}", c, "ulysses"), (f"ring C={c}", c, "ring")]
+        if c >= 4 and c % 2 == 0:  # Ulysses over pairs, a ring of C / 2 across them
+            settings.append((f"hybrid 2 x {c // 2} C={c}", c, "hybrid"))
     title = "GPT small" if args.model == "gpt" else "Llama (GPT small's size)"
     print(f"activation peak per rank (MiB), {title}, vocabulary {args.vocab}, fp32, micro-batch 1; "
           f"ratio: against the single process at the same sequence, target 1.15 / C; tiles: MLP {tiles[0]}, "

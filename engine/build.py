@@ -453,7 +453,8 @@ def _split_sequences(model: torch.nn.Module, parallel: ParallelGroups) -> None:
                           f"sequences with zeroplus.parallel.context (local_slice, positions, seq_to_heads and "
                           f"heads_to_seq around attention)")
     try:
-        context_parallel_hf(model, parallel.context, parallel.context_mode)
+        context_parallel_hf(model, parallel.context, parallel.context_mode,
+                            (parallel.context_ulysses, parallel.context_ring))
     except ValueError as err:
         raise ConfigError(f"config key 'zeroplus.parallel.context': {err}") from None
 

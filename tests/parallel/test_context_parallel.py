@@ -23,6 +23,7 @@ from tests.reference import clip_global_norm
 from tests.saved_bytes import PeakOfNewStorages, saved_in_real_step
 from zeroplus.budget.virtual_group import VirtualGroup
 from zeroplus.comm import DataParallelGroup
+from zeroplus.config import ConfigError, parse_config
 from zeroplus.models import GPT, gpt_config
 from zeroplus.parallel.context import check_heads, heads_to_seq, seq_to_heads
 from zeroplus.parallel.groups import parallel_groups
@@ -71,7 +72,7 @@ def _tiles(tokens: int | None) -> dict:
     return {} if tokens is None else {"tiled": {"mlp_tokens": tokens, "loss_tokens": tokens}}
 
 
-def _train(stage: int, context: int, mode: str = "ulysses", tile: int | None = None) -> dict:
+def _train(stage: int, context: int, mode: str = "ulysses", tile: int | None = None, ulysses: int = 1) -> dict:
     """``tile``: ``zeroplus.tiled`` MLP and loss tiles of that many tokens (of the whole sequence); the
     result's ``tile_rows`` is the most rows of a logits block or MLP intermediate (width 256 in this GPT)
     made in a forward."""
@@ -79,7 +80,8 @@ def _train(stage: int, context: int, mode: str = "ulysses", tile: int | None = N
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": CLIP,
            "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9, "weight_decay": 0.01}},
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-           "zeroplus": {"log_level": "warning", "parallel": {"context": context, "context_mode": mode}, **_tiles(tile)}}
+           "zeroplus": {"log_level": "warning", "parallel": {"context": context, "context_mode": mode,
+                                                             "ulysses_size": ulysses}, **_tiles(tile)}}
     engine = zeroplus.initialize(_model(), cfg)
     groups = parallel_groups()
     data_ranks, d = groups.topology.data, groups.coordinates.data
@@ -148,6 +150,22 @@ def test_ring_context_matches_the_single_process_model(stage, world, context):
     """``context_mode: "ring"``: the GPT keeps its zigzag chunks (positions global) and runs ring attention."""
     results = run_distributed(_train, world, stage, context, "ring")
     _check(results, world // context)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_hybrid_ulysses_2_x_ring_2_matches_the_single_process_model(stage):
+    """``context_mode: "hybrid"``, ``ulysses_size`` 2 of context 4: heads over pairs, K/V around rings of 2."""
+    _check(run_distributed(_train, 4, stage, 4, "hybrid", None, 2), 1)
+
+
+def test_hybrid_sizes_are_checked_with_the_numbers():
+    base = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    cases = [({"context": 4, "context_mode": "hybrid", "ulysses_size": 3}, "context 4 and ulysses_size 3"),
+             ({"context": 4, "context_mode": "hybrid"}, "context 4 and ulysses_size 1"),
+             ({"context": 2, "ulysses_size": 2}, "ulysses_size is 2: it splits the context ranks only")]
+    for parallel, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            parse_config({**base, "zeroplus": {"parallel": parallel}})
 
 
 @pytest.mark.parametrize("mode", ["ulysses", "ring"])
@@ -221,16 +239,17 @@ def test_checkpoint_resumes_bit_exactly_under_context_parallelism(tmp_path, mode
         assert continued == resumed
 
 
-def _llama(mode: str = "ulysses", data_ranks: int = 1, tile: int | None = None
+def _llama(mode: str = "ulysses", data_ranks: int = 1, tile: int | None = None, family: str = "llama"
            ) -> tuple[list[float], dict[str, torch.Tensor]]:
     rank, world = rank_and_world()
     torch.manual_seed(0)
-    model = hf_models.build("llama")  # 4 heads, 2 key/value heads (GQA), rotary positions
+    model = hf_models.build(family)  # 4 heads, 2 key/value heads (GQA), rotary positions
+    hybrid = {"ulysses_size": 2} if mode == "hybrid" else {}
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": CLIP,
            "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9, "weight_decay": 0.01}},
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-           "zeroplus": {"log_level": "warning", "parallel": {"context": world // data_ranks, "context_mode": mode},
-                        **_tiles(tile)}}
+           "zeroplus": {"log_level": "warning", "parallel": {"context": world // data_ranks, "context_mode": mode,
+                                                             **hybrid}, **_tiles(tile)}}
     engine = zeroplus.initialize(model, cfg)
     d = parallel_groups().coordinates.data
     batches = _batches(data_ranks)
@@ -248,18 +267,20 @@ def _llama(mode: str = "ulysses", data_ranks: int = 1, tile: int | None = None
     return losses, engine.consolidated_fp32_state()
 
 
-@pytest.mark.parametrize("mode,world,data_ranks,tile", [("ulysses", 2, 1, None), ("ring", 2, 1, None),
-                                                         ("ulysses", 4, 1, None), ("ring", 4, 2, None),
-                                                         ("ring", 2, 1, 16)])
-def test_hugging_face_llama_with_gqa_rope_and_ignored_labels(mode, world, data_ranks, tile):
+@pytest.mark.parametrize("mode,world,data_ranks,tile,family", [
+    ("ulysses", 2, 1, None, "llama"), ("ring", 2, 1, None, "llama"), ("ulysses", 4, 1, None, "llama"),
+    ("ring", 4, 2, None, "llama"), ("ring", 2, 1, 16, "llama"), ("hybrid", 4, 1, None, "llama"),
+    ("hybrid", 4, 1, None, "qwen2")])
+def test_hugging_face_llama_with_gqa_rope_and_ignored_labels(mode, world, data_ranks, tile, family):
     """Llama (grouped-query attention, rotary positions: the positions must be the global ones), ZeRO-3,
     context 2 (and Ulysses at 4, where the 2 key/value heads are repeated to the 4 query heads before
     the exchange; and ring with data x context 2 x 2, the reference taking both data ranks' batches at
     once), labels with 5 ignored tokens per row all in one rank's part: losses and parameters equal
     the single-process model's within fp32 tolerance; and so with ring and ``zeroplus.tiled`` (MLPs and loss
-    over tiles of 16 tokens of the sequence, 8 per rank)."""
+    over tiles of 16 tokens of the sequence, 8 per rank); and ``context_mode: "hybrid"`` at 2 x 2 for Llama and
+    Qwen2 (K/V repeated to the query heads, heads over the Ulysses pair, K/V around the ring)."""
     torch.manual_seed(0)
-    ref_model = hf_models.build("llama")
+    ref_model = hf_models.build(family)
     params = [p for p in ref_model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=LR, momentum=0.9, weight_decay=0.01)
     ref_losses = []
@@ -275,7 +296,7 @@ def test_hugging_face_llama_with_gqa_rope_and_ignored_labels(mode, world, data_r
         opt.step()
         opt.zero_grad(set_to_none=True)
     ref_state = {n: p.detach() for n, p in ref_model.named_parameters()}
-    for losses, state in run_distributed(_llama, world, mode, data_ranks, tile):
+    for losses, state in run_distributed(_llama, world, mode, data_ranks, tile, family):
         assert torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0), (losses, ref_losses)
         for name, value in state.items():
             floor = 1e-5 * ref_state[name].abs().max().item()
@@ -286,7 +307,7 @@ def _predicted_and_measured(stage: int, context: int, mode: str) -> tuple[dict, 
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 2,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 3000},
-           "zeroplus": {"log_level": "warning", "parallel": {"context": context, "context_mode": mode}}}
+           "zeroplus": {"log_level": "warning", "parallel": _parallel(context, mode)}}
     engine = zeroplus.initialize(_model(), cfg)
     d = parallel_groups().coordinates.data
     batches = _batches(parallel_groups().topology.data)
@@ -300,7 +321,15 @@ def _predicted_and_measured(stage: int, context: int, mode: str) -> tuple[dict, 
     return ledger_peaks(engine), engine.budget.category_peaks, budget.category_peaks
 
 
-@pytest.mark.parametrize("stage,world,context,mode", [(3, 2, 2, "ulysses"), (2, 4, 2, "ulysses"), (3, 2, 2, "ring")])
+def _parallel(context: int, mode: str) -> dict:
+    """The parallel block; hybrid: Ulysses pairs (one process, context 1: no split at all)."""
+    if mode == "hybrid":
+        return {"context": context, "context_mode": mode, "ulysses_size": 2} if context > 1 else {}
+    return {"context": context, "context_mode": mode}
+
+
+@pytest.mark.parametrize("stage,world,context,mode", [(3, 2, 2, "ulysses"), (2, 4, 2, "ulysses"), (3, 2, 2, "ring"),
+                                                      (3, 4, 4, "hybrid")])
 def test_memory_estimate_covers_context_parallelism(stage, world, context, mode):
     """The engine's prediction at its first forward and ``zeroplus.estimate`` (built on the meta device,
     the context group simulated) give the model-state peaks the ledger measures, under ZeRO over
@@ -314,8 +343,7 @@ def test_memory_estimate_covers_context_parallelism(stage, world, context, mode)
 def _saved_for_backward(mode: str, context: int, tile: int | None = None) -> tuple[int, int]:
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-           "zeroplus": {"log_level": "warning", "parallel": {"context": context, "context_mode": mode},
-                        **_tiles(tile)}}
+           "zeroplus": {"log_level": "warning", "parallel": _parallel(context, mode), **_tiles(tile)}}
     engine = zeroplus.initialize(_model(), cfg)
     x, y = _batches(1)[0]
     engine.backward(engine(x, y))  # the first forward predicts
@@ -325,7 +353,7 @@ def _saved_for_backward(mode: str, context: int, tile: int | None = None) -> tup
 
 
 @pytest.mark.parametrize("mode,context,tile", [("ulysses", 2, None), ("ring", 2, None), ("ulysses", 4, None),
-                                               ("ring", 2, 16)])
+                                               ("ring", 2, 16), ("hybrid", 4, None)])
 def test_predicted_activations_under_context_parallelism_are_what_autograd_saves(mode, context, tile):
     """The engine's prediction of what one forward saves for backward, per context rank, against the bytes
     autograd saves in the real forward (within 0.5%: the loss and its scalars are alive, not saved), and
@@ -334,11 +362,14 @@ def test_predicted_activations_under_context_parallelism_are_what_autograd_saves
     projection's (C = 2: measured 0.502 of one process; 0.527 with two copies), also with one head per
     rank (C = 4), where the exchange back must not leave the caller a strided view to copy again. With
     ``zeroplus.tiled`` (ring, tiles of 16 tokens of the sequence) the same against the tiled single
-    process: the tiled MLPs and loss save only their inputs, on each rank its part."""
+    process: the tiled MLPs and loss save only their inputs, on each rank its part. ``hybrid`` at 2 x 2 keeps
+    attention's output twice (the ring's, and the one exchanged back for the projection): 1.061/C, under the
+    issue's 1.15/C."""
     whole, _ = run_distributed(_saved_for_backward, 1, mode, 1, tile)[0]
     for real, predicted in run_distributed(_saved_for_backward, context, mode, context, tile):
         assert predicted == pytest.approx(real, rel=0.005), (predicted, real)
-        assert 0.98 / context * whole < real < 1.02 / context * whole, (real, whole)
+        high = 1.07 if mode == "hybrid" else 1.02  # hybrid: 1.061 measured, the output kept twice (ring's, exchanged)
+        assert 0.98 / context * whole < real < high / context * whole, (real, whole)
 
 
 def _ring_vs_whole(block_rows: int | None) -> tuple[float, float, float, float]:
@@ -439,6 +470,30 @@ def _all_to_all_bytes() -> tuple[int, int]:
     context.bytes_sent.clear()
     model(x, y).backward()
     return context.bytes_sent["all_to_all"], context.size
+
+
+def _hybrid_bytes() -> tuple[int, int, int]:
+    groups = zeroplus.init_parallel({"zeroplus": {"parallel": {"context": 4, "context_mode": "hybrid",
+                                                               "ulysses_size": 2}}})
+    model = _model()
+    x, y = _batches(1)[0]
+    ulysses, ring = groups.context_ulysses, groups.context_ring
+    ulysses.bytes_sent.clear()
+    ring.bytes_sent.clear()
+    model(x, y).backward()
+    return ulysses.bytes_sent["all_to_all"], ring.bytes_sent["ring"], sum(ring.bytes_sent.values())
+
+
+def test_hybrid_sends_the_formula_volume():
+    """``hybrid`` at C = U x R = 2 x 2, per layer and micro-batch, in units of ``b s h / C`` elements (a rank's
+    share of one activation): over the Ulysses group Q, K, V and the output in forward, their gradients in
+    backward (8); around the ring K and V R - 1 times in forward, R - 1 times again in backward and dK, dV R times
+    (2 (R - 1) + 2 (R - 1) + 2 R = 8 at R = 2). Nothing else on either group."""
+    b, s, h, layers, c, r = MICRO, SEQ, 64, 2, 4, 2
+    unit = b * s * h // c * 4  # fp32
+    for a2a, ring, ring_all in run_distributed(_hybrid_bytes, 4):
+        assert a2a == layers * 8 * unit, (a2a, unit)
+        assert ring == ring_all == layers * (2 * (r - 1) + 2 * (r - 1) + 2 * r) * unit, (ring, ring_all, unit)
 
 
 def test_ulysses_sends_the_formula_volume():

@@ -42,7 +42,8 @@ def virtual_groups(cfg: ZeroplusConfig, world_size: int, rank: int, gloo_buffers
     topology = topology_of(cfg, world_size)
     topology.coordinates(rank)  # names a rank outside the world
     return ParallelGroups(topology, rank, virtual=lambda r, n: VirtualGroup(r, n, gloo_buffers=gloo_buffers),
-                          context_mode=cfg.zeroplus.parallel.context_mode)
+                          context_mode=cfg.zeroplus.parallel.context_mode,
+                          ulysses_size=cfg.zeroplus.parallel.ulysses_size)
 
 
 def build_in(groups: ParallelGroups, build: Callable[[], torch.nn.Module]) -> torch.nn.Module:

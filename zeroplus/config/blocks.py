@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 Auto = Literal["auto"]
 PositiveInt = Annotated[int, Field(ge=1)]
@@ -318,14 +318,31 @@ class ParallelConfig(Block):
                                                "divides data size): ranks that split a mixture-of-experts layer.")
     context: PositiveInt = Field(1, description="Context-parallel size: ranks that each hold 1/context of every "
                                                 "sequence's tokens (ZeRO partitions over data x context).")
-    context_mode: Literal["ulysses", "ring"] = Field(
+    context_mode: Literal["ulysses", "ring", "hybrid"] = Field(
         "ulysses", description="How attention sees the whole sequence: 'ulysses' (all-to-all from a sequence split to "
-                               "a head split and back) or 'ring' (K/V blocks passed around the context ranks).")
+                               "a head split and back), 'ring' (K/V blocks passed around the context ranks) or "
+                               "'hybrid' (Ulysses over groups of ulysses_size ranks, a ring across them).")
+    ulysses_size: PositiveInt = Field(
+        1, description="context_mode 'hybrid': the ranks of each Ulysses group (heads split over them); the ring "
+                       "runs over context / ulysses_size of them. Both above 1.")
     sequence_parallel: bool = Field(False, description="Split activations along the sequence between "
                                                        "tensor-parallel regions (norms, dropout, residuals).")
     overlap_chunks: PositiveInt = Field(
         1, description="Chunks each tensor-parallel collective and its matmul are cut into, so that chunk i+1 "
                        "communicates while chunk i computes (1: communicate, then compute).")
+
+    @model_validator(mode="after")
+    def _hybrid_sizes(self) -> ParallelConfig:
+        u, c = self.ulysses_size, self.context
+        if self.context_mode != "hybrid":
+            if u != 1:
+                raise ValueError(f"zeroplus.parallel.ulysses_size is {u}: it splits the context ranks only under "
+                                 f"context_mode 'hybrid' (context_mode is {self.context_mode!r})")
+        elif not (1 < u < c and c % u == 0):
+            raise ValueError(f"zeroplus.parallel.context_mode 'hybrid' runs Ulysses over ulysses_size ranks and a ring "
+                             f"over context / ulysses_size: context {c} and ulysses_size {u} need 1 < ulysses_size "
+                             f"< context with context divisible by it (use 'ulysses' or 'ring' for one of them)")
+        return self
 
 
 class ZeroplusBlock(Block):

@@ -27,7 +27,7 @@ and per step the routed ids (8 + 8 + 4 bytes per id sent and received), the hold
 (``world B x cols`` per column/table shard and ``world B x dim`` per row-wise table, fp32) and the pending
 row gradients (``unique rows x cols``). Communication per forward: the ids (20 bytes each, once per holder),
 the pooled blocks (``B x cols`` to each rank) and ``world B x dim`` reduce-scattered per row-wise table; the
-same again in backward.
+same again in backward. See note: sparse tables (docs/design-notes.md).
 """
 from __future__ import annotations
 

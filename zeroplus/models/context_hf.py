@@ -31,7 +31,7 @@ from torch import nn
 
 from ..activations.tiled_loss import IGNORE_INDEX, shifted
 from ..comm import DataParallelGroup
-from ..parallel.context import check_heads, local_slice, seq_to_heads
+from ..parallel.context import check_heads, heads_to_seq, local_slice, seq_to_heads
 from ..parallel.ring_attention import ring_attention, zigzag_slice
 from ..parallel.ulysses_output import output_exchanged
 
@@ -76,22 +76,47 @@ def ring_hf_attention(group: DataParallelGroup) -> Callable[..., Any]:
     return attention
 
 
-def context_parallel_hf(model: nn.Module, group: DataParallelGroup, mode: str = "ulysses") -> None:
+def hybrid_hf_attention(ulysses: DataParallelGroup, ring: DataParallelGroup) -> Callable[..., Any]:
+    """An attention function (Transformers' signature) for ``context_mode: "hybrid"``: this rank's tokens of
+    all heads to the ring rank's zigzag tokens of 1/U of the heads (Ulysses), ring attention over the ring,
+    and back. Grouped-query K and V are repeated to one per query head first (the ring needs them so)."""
+    def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: Any, scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        repeat = query.shape[1] // key.shape[1]
+        if repeat > 1:
+            key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+        q, k, v = (seq_to_heads(t.transpose(1, 2), ulysses).transpose(1, 2) for t in (query, key, value))
+        return heads_to_seq(ring_attention(q, k, v, ring, scaling).transpose(1, 2), ulysses), None
+    return attention
+
+
+def context_parallel_hf(model: nn.Module, group: DataParallelGroup, mode: str = "ulysses",
+                        parts: tuple[DataParallelGroup, DataParallelGroup] | None = None) -> None:
     """Give a Hugging Face causal LM instance context parallelism over ``group`` (module docstring);
-    ``mode``: "ulysses" or "ring"."""
+    ``mode``: "ulysses", "ring" or "hybrid" (``parts``: the Ulysses group and the ring, ``groups.py``)."""
     if transformers is None:
         raise ValueError("context parallelism for a Hugging Face model needs the transformers package")
     config: Any = getattr(model, "config")
     ring = mode == "ring"
-    if not ring:
+    if mode == "hybrid" and parts is None:
+        raise ValueError("context_mode 'hybrid' needs the Ulysses group and the ring (parts)")
+    if mode == "ulysses":
         check_heads(int(config.num_attention_heads), group)
     inner = transformers.AttentionInterface._global_mapping.get(config._attn_implementation)
     if inner is None:
         inner = transformers.integrations.sdpa_attention.sdpa_attention_forward  # eager and unknown: sdpa's math
     name = f"{NAME}_{id(model)}"
-    attention = ring_hf_attention(group) if ring else ulysses_attention(inner, group)
+    split: Callable[..., torch.Tensor] = zigzag_slice if ring else local_slice
+    if parts is not None and mode == "hybrid":
+        ug, rg = parts
+        check_heads(int(config.num_attention_heads), ug)
+        attention = hybrid_hf_attention(ug, rg)
+
+        def split(x: torch.Tensor, _: DataParallelGroup) -> torch.Tensor:  # ring's zigzag, then the 1/U slice
+            return local_slice(zigzag_slice(x, rg), ug)
+    else:
+        attention = ring_hf_attention(group) if ring else ulysses_attention(inner, group)
     transformers.AttentionInterface.register(name, attention)
-    split = zigzag_slice if ring else local_slice
     config._attn_implementation = name
     original = model.forward
 
@@ -121,4 +146,4 @@ def context_parallel_hf(model: nn.Module, group: DataParallelGroup, mode: str = 
     model.forward = types.MethodType(forward, model)  # type: ignore[method-assign]
 
 
-__all__ = ["context_parallel_hf", "ring_hf_attention", "ulysses_attention"]
+__all__ = ["context_parallel_hf", "hybrid_hf_attention", "ring_hf_attention", "ulysses_attention"]

@@ -21,7 +21,7 @@ from torch import nn
 from ..activations.checkpointing import checkpoint
 from ..activations.tiled import tiled_cross_entropy
 from ..comm import DataParallelGroup
-from ..parallel.context import check_heads, local_slice, positions, seq_to_heads
+from ..parallel.context import check_heads, heads_to_seq, local_slice, positions, seq_to_heads
 from ..parallel.grouped_experts import GroupedFFN
 from ..parallel.groups import current_groups
 from ..parallel.moe import MoE, with_aux_loss
@@ -76,6 +76,13 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape  # (batch, seq, d); under context parallelism this rank's 1/C of the sequence
         cp = context_group()
+        if cp.size > 1 and context_mode() == "hybrid":  # heads over the Ulysses group, K/V around the ring
+            ug, rg = hybrid_groups()
+            q, k, v = self.qkv(x).split(c, dim=2)
+            q, k, v = (seq_to_heads(z.view(b, t, self.n_head, c // self.n_head), ug).transpose(1, 2)
+                       for z in (q, k, v))  # (b, heads / U, t U: the ring rank's zigzag tokens, d/heads)
+            y = heads_to_seq(ring_attention(q, k, v, rg).transpose(1, 2), ug)
+            return self.proj(y.reshape(b, t, c))
         if cp.size > 1 and context_mode() == "ring":  # this rank's zigzag tokens, keys and values around the ring
             # Q, K and V each in its own (b, t, heads, d/heads) memory, which the ring sends as it is: without
             # this, K and V (views into the fused projection's rows) were copied before every transfer
@@ -100,6 +107,12 @@ def context_group() -> DataParallelGroup:
 def context_mode() -> str:
     groups = current_groups()
     return groups.context_mode if groups is not None else "ulysses"
+
+
+def hybrid_groups() -> tuple[DataParallelGroup, DataParallelGroup]:
+    """``context_mode: "hybrid"``: the Ulysses group (heads) and the ring (K/V) of this rank."""
+    groups = current_groups()
+    return (groups.context_ulysses, groups.context_ring) if groups is not None else (_ONE_RANK, _ONE_RANK)
 
 
 _ONE_RANK = DataParallelGroup(None)
@@ -178,14 +191,23 @@ class GPT(nn.Module):
         parallelism (C ranks) every rank of a context group gets the same whole sequences and keeps its
         contiguous 1/C (positions stay global): the logits are of those tokens, the loss their mean."""
         cp = context_group()
-        ring = cp.size > 1 and context_mode() == "ring"
-        split = zigzag_slice if ring else local_slice  # ring: chunks c and 2C-1-c of 2C (balanced causal work)
-        if cp.size > 1 and not ring:
-            check_heads(self.config.n_head, cp)
-        idx = split(idx, cp)
-        targets = split(targets, cp) if targets is not None else None
-        b, t = idx.shape
-        pos = zigzag_positions(t, cp, idx.device) if ring else positions(t, cp, idx.device)
+        mode = context_mode() if cp.size > 1 else "ulysses"
+        if mode == "hybrid":  # the ring rank's zigzag chunks, then this rank's contiguous 1/U of them
+            ug, rg = hybrid_groups()
+            check_heads(self.config.n_head, ug)
+            idx = local_slice(zigzag_slice(idx, rg), ug)
+            targets = local_slice(zigzag_slice(targets, rg), ug) if targets is not None else None
+            b, t = idx.shape
+            pos = local_slice(zigzag_positions(t * ug.size, rg, idx.device), ug, dim=0)
+        else:
+            ring = mode == "ring"
+            split = zigzag_slice if ring else local_slice  # ring: chunks c and 2C-1-c of 2C (balanced causal work)
+            if cp.size > 1 and not ring:
+                check_heads(self.config.n_head, cp)
+            idx = split(idx, cp)
+            targets = split(targets, cp) if targets is not None else None
+            b, t = idx.shape
+            pos = zigzag_positions(t, cp, idx.device) if ring else positions(t, cp, idx.device)
         x = self.wte(idx) + self.wpe(pos)  # (b, t, d)
         replay = self.config.checkpoint_blocks and self.training and torch.is_grad_enabled()
         for block in self.blocks:

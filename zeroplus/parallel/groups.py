@@ -34,7 +34,7 @@ class _SingleRank(DataParallelGroup):
 
 class ParallelGroups:
     def __init__(self, topology: Topology, rank: int, virtual: Callable[[int, int], Any] | None = None,
-                 timeout_seconds: float | None = None, context_mode: str = "ulysses") -> None:
+                 timeout_seconds: float | None = None, context_mode: str = "ulysses", ulysses_size: int = 1) -> None:
         """``virtual``: ``(rank in group, group size) -> group`` makes stand-ins instead of process groups
         (the memory estimate's ``VirtualGroup``: one rank of a topology simulated in one process).
         ``timeout_seconds``: the collective timeout of the groups created here."""
@@ -69,6 +69,34 @@ class ParallelGroups:
         self.expert, self.expert_data, self.model = made["expert"], made["expert_data"], made["model"]
         self.context = made["context"]  # the ranks sharing each sequence (zeroplus/parallel/context.py)
         self.zero = made["zero"]  # ZeRO's group: data x context
+        # the context ranks' two parts: the heads' all-to-all (Ulysses) and the K/V ring
+        single = _SingleRank()
+        self.context_ulysses, self.context_ring = self.context, single
+        if context_mode == "ring":
+            self.context_ulysses, self.context_ring = single, self.context
+        elif context_mode == "hybrid" and topology.context > 1:
+            self.context_ulysses, self.context_ring = self._hybrid(topology, rank, ulysses_size, virtual,
+                                                                   timeout_seconds)
+
+    def _hybrid(self, topology: Topology, rank: int, u: int, virtual: Callable[[int, int], Any] | None,
+                timeout_seconds: float | None) -> tuple[Any, Any]:
+        """Each context group of C = U x R ranks (in context order) cut into R Ulysses groups of U consecutive
+        ranks and U rings of R ranks, one from each; this rank's two. Every rank creates every group."""
+        mine: dict[str, Any] = {}
+        for members in topology.groups("context"):
+            parts = {"ulysses": [members[i:i + u] for i in range(0, len(members), u)],
+                     "ring": [members[i::u] for i in range(u)]}
+            for kind, groups in parts.items():
+                for group in groups:
+                    if virtual is not None:
+                        if rank in group:
+                            mine[kind] = virtual(group.index(rank), len(group))
+                        continue
+                    timeout = None if timeout_seconds is None else datetime.timedelta(seconds=timeout_seconds)
+                    handle = dist.new_group(group, timeout=timeout)
+                    if rank in group:
+                        mine[kind] = DataParallelGroup(handle, f"context_{kind}")
+        return mine["ulysses"], mine["ring"]
 
     def describe(self) -> str:
         c = self.coordinates
@@ -83,6 +111,10 @@ def _timeout(spec: Any) -> float | None:
 
 def _context_mode(spec: Any) -> str:
     return spec.zeroplus.parallel.context_mode if hasattr(spec, "zeroplus") else "ulysses"
+
+
+def _ulysses_size(spec: Any) -> int:
+    return spec.zeroplus.parallel.ulysses_size if hasattr(spec, "zeroplus") else 1
 
 
 def _sizes(spec: Any) -> tuple[int, int, int, int]:
@@ -108,7 +140,8 @@ def init_parallel(spec: Any = None) -> ParallelGroups:
             return _CURRENT  # a config without parallel sizes runs in the groups already made
         raise ValueError(f"rank {rank}: process groups exist for {_CURRENT.topology.describe()}, and the config "
                          f"asks for {topology.describe()}; call zeroplus.parallel.reset_parallel() first")
-    _CURRENT = ParallelGroups(topology, rank, timeout_seconds=_timeout(spec), context_mode=_context_mode(spec))
+    _CURRENT = ParallelGroups(topology, rank, timeout_seconds=_timeout(spec), context_mode=_context_mode(spec),
+                              ulysses_size=_ulysses_size(spec))
     return _CURRENT
 
 
