@@ -7,7 +7,8 @@
    micro-batches per batch, each stage's busy time (its forwards and backwards) against the batch's
    wall time without the optimizer step; the measured bubble ``1 - busy / wall`` (mean of the
    stages) beside the ideal ``(P - 1) / (m + P - 1)``, and ``((P - 1) / v) / (m + (P - 1) / v)``
-   interleaved.
+   interleaved; and interleaved with one extra warm-up forward per stage (``extra_warmup``); with each
+   stage's time waiting in receives (the bubble and the transfers not hidden).
 
     python bench/bench_parallel.py [--size medium] [--seq 256] [--micro-batch 4] [--steps 6]
 
@@ -66,14 +67,15 @@ def _pp_worker(args: argparse.Namespace) -> dict:
     from zeroplus.models.gpt_pipe import gpt_pipeline_layers, gpt_pipeline_loss
     from zeroplus.parallel.pipeline import PipelineModule
     out = {}
-    for v, m in [(1, 1), (1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (2, 8)]:
+    for v, m, extra in [(1, 1, 0), (1, 2, 0), (1, 4, 0), (1, 8, 0), (2, 2, 0), (2, 4, 0), (2, 8, 0), (2, 4, 1),
+                         (2, 8, 1)]:
         cfg = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": m,
                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 1},
                "zeroplus": {"log_level": "warning", "memory_estimate": False, "parallel": {"pipeline": 2}}}
         zeroplus.init_parallel(cfg)
         torch.manual_seed(0)
         model = PipelineModule(gpt_pipeline_layers(GPT(gpt_config(args.size, block_size=args.seq))),
-                               gpt_pipeline_loss, virtual_stages=v)
+                               gpt_pipeline_loss, virtual_stages=v, extra_warmup=bool(extra))
         engine = zeroplus.initialize(model, cfg)
         busy, stepping = [0.0], [0.0]
 
@@ -89,7 +91,7 @@ def _pp_worker(args: argparse.Namespace) -> dict:
         engine.backward_stage = timed(engine.backward_stage, busy)
         engine._step.step = timed(engine._step.step, stepping)
         x = torch.randint(0, 256, (args.micro_batch, args.seq))
-        fractions, walls = [], []
+        fractions, walls, waits = [], [], []
         for batch in range(args.steps + 1):
             busy[0] = stepping[0] = 0.0
             dist.barrier()
@@ -99,7 +101,9 @@ def _pp_worker(args: argparse.Namespace) -> dict:
             if batch >= 1:
                 fractions.append(1.0 - busy[0] / wall)
                 walls.append(wall)
-        out[f"{v},{m}"] = {"bubble": statistics.median(fractions), "wall": statistics.median(walls)}
+                waits.append(model.last_recv_wait)
+        out[f"{v},{m},{extra}"] = {"bubble": statistics.median(fractions), "wall": statistics.median(walls),
+                                   "recv_wait": statistics.median(waits)}
         engine.destroy()
     return out
 
@@ -161,13 +165,15 @@ def _print_tp(tp: list[dict], args: argparse.Namespace) -> None:
 def _print_pp(pp: list[dict], args: argparse.Namespace) -> None:
     print(f"\npipeline, data 1 x pipeline 2, GPT-{args.size} as {gpt_layers(args.size)} layers; v virtual stages per "
           f"rank (1: 1F1B, 2: interleaved); median of {args.steps} batches, optimizer step excluded")
-    print(f"  {'v':<4}{'micro-batches':<16}{'wall s':>10}{'bubble stage 0':>16}{'stage 1':>10}{'mean':>8}{'ideal':>8}")
+    print(f"  {'v':<4}{'micro-batches':<16}{'+1 warm-up':>11}{'wall s':>10}{'bubble stage 0':>16}{'stage 1':>10}"
+          f"{'mean':>8}{'ideal':>8}{'recv wait s (0 / 1)':>22}")
     for key, r0 in pp[0].items():
         r1 = pp[1][key]
-        v, m = (int(k) for k in key.split(","))
+        v, m, extra = (int(k) for k in key.split(","))
         ideal = (1 / v) / (m + 1 / v)  # (P - 1) / v of idle micro-batch slots, P = 2
-        print(f"  {v:<4}{m:<16}{r0['wall']:>10.3f}{r0['bubble']:>16.2f}{r1['bubble']:>10.2f}"
-              f"{(r0['bubble'] + r1['bubble']) / 2:>8.2f}{ideal:>8.2f}")
+        waits = f"{r0['recv_wait']:.3f} / {r1['recv_wait']:.3f}"
+        print(f"  {v:<4}{m:<16}{'yes' if extra else 'no':>11}{r0['wall']:>10.3f}{r0['bubble']:>16.2f}"
+              f"{r1['bubble']:>10.2f}{(r0['bubble'] + r1['bubble']) / 2:>8.2f}{ideal:>8.2f}{waits:>22}")
 
 
 def gpt_layers(size: str) -> int:

@@ -4,7 +4,9 @@ GPT.
 The built-in GPT (4 blocks, so 6 pipeline layers: embeddings, blocks, norm and head; the head untied
 from the token table, in the reference too) is cut into 2 stages; each data replica runs 1F1B over 4
 micro-batches per batch with ZeRO-1 or ZeRO-2 inside each stage's data group, and the interleaved
-schedule (2 virtual stages per rank: 4 chunks of the 6 layers) with ZeRO-1 and ZeRO-2. The reference
+schedule (2 virtual stages per rank: 4 chunks of the 6 layers) with ZeRO-1 and ZeRO-2, and with one extra
+warm-up forward per stage (ZeRO-2), which must give the interleaved run's losses, norms and parameters bit for
+bit. The reference
 is the plain model with ``torch.optim.AdamW`` accumulating the same 8 micro-batches per step,
 clipped by the global norm. Checked: each batch's mean loss on every stage, the global gradient norm
 (summed over the stages), every parameter after 3 steps and the trained model's ``eval_batch`` loss,
@@ -49,15 +51,17 @@ def _config(stage: int) -> dict:
             "zeroplus": {"log_level": "warning", "memory_estimate": False, "parallel": {"pipeline": 2}}}
 
 
-CASES = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (ZeRO stage, virtual stages per rank): 1F1B, and interleaved
+# (ZeRO stage, virtual stages per rank, one extra warm-up forward): 1F1B, interleaved, interleaved + 1 warm-up
+CASES = [(1, 1, False), (2, 1, False), (1, 2, False), (2, 2, False), (2, 2, True)]
 
 
 def _pipeline_job() -> list:
     out = []
-    for stage, virtual in CASES:
+    for stage, virtual, extra in CASES:
         cfg = _config(stage)
         parallel = zeroplus.init_parallel(cfg)
-        model = PipelineModule(gpt_pipeline_layers(_gpt()), gpt_pipeline_loss, virtual_stages=virtual)
+        model = PipelineModule(gpt_pipeline_layers(_gpt()), gpt_pipeline_loss, virtual_stages=virtual,
+                               extra_warmup=extra)
         engine = zeroplus.initialize(model, cfg)
         batches, d = _batches(), parallel.data.rank
         losses, norms = [], []
@@ -114,9 +118,14 @@ def test_data_x_pipeline_1f1b_and_interleaved_match_the_single_process_model(pip
     ref_losses, ref_norms, ref_params, ref_held_out = _reference()
     assert ref_norms[0] > CLIP
     for rank, results in enumerate(ranks):
-        for (zero_stage, virtual), got in zip(CASES, results):
+        by_case = dict(zip(CASES, results))
+        for (zero_stage, virtual, extra), got in by_case.items():
             where = (f"rank {rank} (pipeline stage {got['pipeline_stage']}, data {got['data_rank']}), "
-                     f"ZeRO {zero_stage}, {virtual} virtual stages")
+                     f"ZeRO {zero_stage}, {virtual} virtual stages" + (", one extra warm-up" if extra else ""))
+            if extra:  # the same backward order as the interleaved schedule: the same run bit for bit
+                twin = by_case[(zero_stage, virtual, False)]
+                assert got["losses"] == twin["losses"] and got["norms"] == twin["norms"], where
+                assert all(torch.equal(v, twin["params"][n]) for n, v in got["params"].items()), where
             assert got["losses"] == pytest.approx(ref_losses[got["data_rank"]], rel=2e-5), f"{where}: losses"
             assert got["norms"] == pytest.approx(ref_norms, rel=2e-5), f"{where}: grad norms"
             assert got["held_out"] == pytest.approx(ref_held_out, rel=2e-5), f"{where}: eval_batch loss"
@@ -124,7 +133,7 @@ def test_data_x_pipeline_1f1b_and_interleaved_match_the_single_process_model(pip
             for name, value in got["params"].items():  # Adam: rounding noise decides near-zero gradients' updates
                 torch.testing.assert_close(value, ref_params[name], rtol=1e-4, atol=LR / 10,
                                            msg=lambda m, n=name: f"{where}, {n}: {m}")
-            if got["data_rank"] == 0:  # data rank 1 holds the same shapes
+            if got["data_rank"] == 0 and not extra:  # data rank 1 holds the same shapes
                 _check_estimate(got["ledger"], zero_stage, virtual, rank, where)
     held = set().union(*(set(r[0]["params"]) for r in ranks))
     assert held == set(ref_params), "the stages together hold every layer"
@@ -176,10 +185,41 @@ def test_tensor_x_pipeline_matches_the_single_process_model(pipeline_ranks):
         assert got["norms"] == pytest.approx(norms, rel=2e-5), f"rank {rank}: grad norms"
 
 
+def _runs_to_the_end(P: int, m: int, v: int, extra: bool) -> bool:
+    """Every stage's ops run with blocking receives and sends that never block (isend): a forward of global
+    chunk g waits for g - 1's forward of the micro-batch, a backward for g + 1's backward; True if every stage
+    finishes (no deadlock)."""
+    ops = [schedule(P, r, m, v, extra) for r in range(P)]
+    done: set[tuple[str, int, int]] = set()  # (kind, micro-batch, global chunk)
+    at = [0] * P
+    progress = True
+    while progress:
+        progress = False
+        for r in range(P):
+            while at[r] < len(ops[r]):
+                kind, i, c = ops[r][at[r]]
+                g = c * P + r
+                needs = ("F", i, g - 1) if kind == "F" and g > 0 else ("B", i, g + 1) if kind == "B" and \
+                    g < P * v - 1 else None
+                if needs is not None and needs not in done:
+                    break
+                done.add((kind, i, g))
+                at[r] += 1
+                progress = True
+    return all(a == len(o) for a, o in zip(at, ops))
+
+
 @pytest.mark.parametrize("P,m,v", [(2, 4, 1), (4, 8, 1), (2, 4, 2), (4, 8, 2), (3, 6, 3), (4, 2, 1)])
-def test_schedule_runs_every_micro_batch_once_in_dependency_order(P, m, v):
+@pytest.mark.parametrize("extra", [False, True])
+def test_schedule_runs_every_micro_batch_once_in_dependency_order(P, m, v, extra):
+    assert _runs_to_the_end(P, m, v, extra)
     for stage in range(P):
-        ops = schedule(P, stage, m, v)
+        ops = schedule(P, stage, m, v, extra)
+        base = schedule(P, stage, m, v)
+        if extra:  # one forward more before the first backward, the backwards in the same order
+            first_b = next(k for k, op in enumerate(ops) if op[0] == "B")
+            assert first_b == min(next(k for k, op in enumerate(base) if op[0] == "B") + 1, m * v)
+            assert [op for op in ops if op[0] == "B"] == [op for op in base if op[0] == "B"]
         forwards = [(i, c) for kind, i, c in ops if kind == "F"]
         backwards = [(i, c) for kind, i, c in ops if kind == "B"]
         assert sorted(forwards) == sorted(backwards) == sorted((i, c) for i in range(m) for c in range(v))
@@ -187,7 +227,7 @@ def test_schedule_runs_every_micro_batch_once_in_dependency_order(P, m, v):
             assert ops.index(("F", i, c)) < ops.index(("B", i, c))
         in_flight = max(sum(1 for kind, *_ in ops[:k + 1] if kind == "F") - sum(1 for kind, *_ in ops[:k + 1]
                         if kind == "B") for k in range(len(ops)))
-        if v == 1:  # 1F1B: stage s holds at most P - s micro-batches
-            assert in_flight <= min(P - stage, m)
+        if v == 1:  # 1F1B: stage s holds at most P - s micro-batches (one more with the extra warm-up)
+            assert in_flight <= min(P - stage + int(extra), m)
     with pytest.raises(ValueError, match=r"gradient_accumulation_steps \(3\) to be a multiple of the pipeline size"):
         schedule(2, 0, 3, 2)

@@ -33,11 +33,15 @@ def uniform_boundaries(num_layers: int, num_stages: int) -> list[int]:
 class PipelineModule(nn.Module):
     def __init__(self, layers: Sequence[nn.Module], loss_fn: Callable[[Any, Any], torch.Tensor], *,
                  boundaries: Sequence[int] | None = None, virtual_stages: int = 1,
-                 pp: DataParallelGroup | None = None) -> None:
+                 pp: DataParallelGroup | None = None, extra_warmup: bool = False) -> None:
         """``virtual_stages`` v > 1: the layers are cut into ``P * v`` chunks and this rank holds chunks
         ``stage, stage + P, ...`` (the interleaved schedule: the bubble shrinks by v, the sends grow by v);
-        ``boundaries`` then has ``P * v + 1`` cut points."""
+        ``boundaries`` then has ``P * v + 1`` cut points. ``extra_warmup``: one more warm-up forward on every
+        stage (``pipeline_schedule.schedule``): a forward's send and the backward beside it no longer wait on
+        each other, for one more micro-batch's activations held."""
         super().__init__()
+        self.extra_warmup = extra_warmup
+        self.last_recv_wait = 0.0  # seconds the last train_batch waited in receives (pipeline_schedule.py)
         self.pp = pp if pp is not None else parallel_groups().pipeline
         self.stage, self.num_stages, self.virtual_stages = self.pp.rank, self.pp.size, virtual_stages
         if virtual_stages < 1:

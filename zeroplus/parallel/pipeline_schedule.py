@@ -9,12 +9,14 @@ micro-batch's backward goes through the engine (loss scaling, gradient accumulat
 on the last one) and ``engine.step()`` after it, so the optimizer steps once per batch.
 
 Bubble: ``(P - 1) / (m + P - 1)`` of a batch's time is idle on average (``bench/bench_parallel.py``
-measures it). Memory: a stage keeps the inputs and outputs of at most ``P - s`` micro-batches.
+measures it, and the time each stage waits in receives: ``module.last_recv_wait``). Memory: a stage keeps
+the inputs and outputs of at most ``P - s`` micro-batches (one more with ``extra_warmup``).
 Communication per micro-batch: one activation forward and one gradient backward per stage boundary.
 See note: pipeline schedule (docs/design-notes.md).
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Iterator
 
 import torch
@@ -40,6 +42,7 @@ class _Links:
         self.rank, self.P, self.v = module.stage, pp.size, module.virtual_stages
         self.group = pp.group
         self.in_flight: list[tuple[Any, torch.Tensor]] = []  # isends and their buffers, until the batch ends
+        self.waited = 0.0  # seconds spent in receives: the bubble and the transfers not hidden
 
     def first(self, chunk: int) -> bool:
         return self.rank == 0 and chunk == 0
@@ -69,11 +72,13 @@ class _Links:
         self._send(activation.detach(), peer, _TAG_ACTIVATION + to_chunk)
 
     def recv_forward(self, chunk: int) -> torch.Tensor:
+        started = time.perf_counter()
         peer = self.ranks[self._before(chunk)[0]]
         header = torch.empty(_HEADER, dtype=torch.int64)
         dist.recv(header, peer, group=self.group, tag=_TAG_HEADER + chunk)
         out = torch.empty(header[2:2 + int(header[1])].tolist(), dtype=_DTYPES[int(header[0])])
         dist.recv(out, peer, group=self.group, tag=_TAG_ACTIVATION + chunk)
+        self.waited += time.perf_counter() - started
         return out
 
     def send_backward(self, grad: torch.Tensor, chunk: int) -> None:
@@ -81,8 +86,10 @@ class _Links:
         self._send(grad, peer, _TAG_GRADIENT + to_chunk)
 
     def recv_backward(self, like: torch.Tensor, chunk: int) -> torch.Tensor:
+        started = time.perf_counter()
         grad = torch.empty_like(like)
         dist.recv(grad, self.ranks[self._after(chunk)[0]], group=self.group, tag=_TAG_GRADIENT + chunk)
+        self.waited += time.perf_counter() - started
         return grad
 
     def finish(self) -> None:
@@ -103,12 +110,18 @@ class _Links:
         return loss
 
 
-def schedule(num_stages: int, stage: int, micro_batches: int, virtual_stages: int = 1) -> list[tuple[str, int, int]]:
+def schedule(num_stages: int, stage: int, micro_batches: int, virtual_stages: int = 1,
+             extra_warmup: bool = False) -> list[tuple[str, int, int]]:
     """This stage's operations in order: ``("F" | "B", micro-batch, local chunk)``.
 
     One chunk per rank: 1F1B. Several (Megatron's interleaved schedule): forwards go P micro-batches
     at a time through chunk 0, then chunk 1, ...; backwards the same way from the last chunk; the
-    warm-up is ``2 (P - s - 1) + (v - 1) P`` forwards."""
+    warm-up is ``2 (P - s - 1) + (v - 1) P`` forwards. ``extra_warmup``: one more (MindSpeed's VPP variant):
+    in the steady state a stage's forward k and the backward after it then belong to micro-batches a
+    whole round apart, so the gradient the backward receives was sent while the forward ran, and the
+    forward's output is sent while the backward runs, instead of each waiting on the other. The backward
+    order is unchanged (the same gradients, accumulated in the same order: the same losses bit for bit);
+    each stage holds one more micro-batch's activations."""
     P, m, v = num_stages, micro_batches, virtual_stages
     if v == 1:
         forwards = [(i, 0) for i in range(m)]
@@ -125,6 +138,7 @@ def schedule(num_stages: int, stage: int, micro_batches: int, virtual_stages: in
         forwards = [(micro(k), (k // P) % v) for k in range(total)]
         backwards = [(micro(k), v - 1 - (k // P) % v) for k in range(total)]
         warmup = min(2 * (P - stage - 1) + (v - 1) * P, total)
+    warmup = min(warmup + int(extra_warmup), len(forwards))
     ops = [("F", *forwards[k]) for k in range(warmup)]
     for k in range(len(forwards) - warmup):
         ops += [("F", *forwards[warmup + k]), ("B", *backwards[k])]
@@ -148,7 +162,7 @@ def train_batch(engine: Any, module: PipelineModule, data_iter: Iterator[Any], l
     micro = [next(data_iter) for _ in range(m)]
     held: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
     losses: list[torch.Tensor] = []
-    ops = schedule(module.num_stages, module.stage, m, module.virtual_stages)
+    ops = schedule(module.num_stages, module.stage, m, module.virtual_stages, getattr(module, "extra_warmup", False))
     last_backward = max(i for i, op in enumerate(ops) if op[0] == "B")
     for at, (kind, i, chunk) in enumerate(ops):
         if kind == "F":
@@ -174,6 +188,7 @@ def train_batch(engine: Any, module: PipelineModule, data_iter: Iterator[Any], l
         if chunk == 0:  # this micro-batch's last backward on this rank
             phase("step")
             engine.step()
+    module.last_recv_wait = getattr(links, "waited", 0.0)
     return links.end_batch(losses)
 
 
