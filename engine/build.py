@@ -382,6 +382,7 @@ def _activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: 
         except ValueError as err:
             raise ConfigError(f"config key 'zeroplus.activation_tier': {err}") from None
     claimers: list[Any] = []
+    undo: list[Any] = []  # forwards replaced (fused_ops), given back at destroy
     recompute = zp.resize_recompute
     if recompute.enabled:
         classes = list(DEFAULT_CLASSES if recompute.modules is None else recompute.modules)
@@ -403,7 +404,7 @@ def _activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: 
     if is_hf_causal_lm(model):
         drop_training_cache(model)
     if zp.fused_ops:
-        fused, what = fused_ops.install(model, accel.name, zp.fused_ops)
+        fused, what = fused_ops.install(model, accel.name, zp.fused_ops, undo)
         if not fused:
             raise ConfigError(f"config key 'zeroplus.fused_ops' is {zp.fused_ops!r} but {type(model).__name__} has "
                               f"no RMSNorm (a '*RMSNorm' class with weight and variance_epsilon) or gated MLP "
@@ -420,7 +421,7 @@ def _activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: 
                             num_checkpoints=ac.number_checkpoints, checkpoint_in_cpu=ac.cpu_checkpointing,
                             synchronize=ac.synchronize_checkpoint_boundary, profile=ac.profile, tier=tier,
                             ledger=ledger)
-    return SavedTensorRouter(claimers)
+    return SavedTensorRouter(claimers, undo)
 
 
 def _tile(model: torch.nn.Module, tiles: TiledConfig, context: int) -> None:

@@ -108,6 +108,8 @@ def _train(family: str, fused: bool | str, steps: int = 3, bf16: bool = True) ->
     assert engine.memory_report().predicted_peak_bytes is not None, "the memory estimate failed with fused_ops"
     state = engine.consolidated_fp32_state()
     engine.destroy()
+    patched = [name for name, m in model.named_modules() if "forward" in m.__dict__]
+    assert patched == [], f"destroy() left fused forwards on {patched}"  # the model runs eager again
     return losses, state
 
 

@@ -11,7 +11,7 @@ the engine without them runs autograd untouched. Tensors saved inside
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
@@ -31,14 +31,21 @@ class Claimer(Protocol):
 
 
 class SavedTensorRouter:
-    def __init__(self, claimers: list[Claimer]) -> None:
+    def __init__(self, claimers: list[Claimer], undo: list[Callable[[], None]] | None = None) -> None:
+        """``undo``: what else the techniques changed in the model (forwards replaced by fused operators),
+        undone by ``remove``."""
         self.claimers = claimers
+        self.undo = list(undo or [])
 
     def remove(self) -> None:
-        """Remove every claimer's hooks from the model (``Engine.destroy``); the router then claims nothing."""
+        """Remove every claimer's hooks from the model (``Engine.destroy``), and undo the other changes; the
+        router then claims nothing."""
         for c in self.claimers:
             c.remove()
         self.claimers = []
+        for give_back in reversed(self.undo):
+            give_back()
+        self.undo = []
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
