@@ -54,6 +54,7 @@ from zeroplus.zero.units import frozen_dtype
 from .embedding_tables import check_tables
 from .engine import Engine, TrainingParts
 from .loss_scaler import LossScaler
+from .model_patches import remember
 from .monitors import check_packages
 
 logger = logging.getLogger("zeroplus.engine")
@@ -178,8 +179,10 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
                 log_rank0("memory estimate: not made for a pipeline stage at initialize (it needs every stage's "
                           "shapes; zeroplus estimate with a model factory predicts it); the report shows what is "
                           "measured")
+        as_built = remember(model)  # the forwards and settings the techniques below change, given back by destroy
         parts = TrainingParts(partition, step, opt, scheduler, LossScaler(cfg.fp16),
                               _activation_techniques(model, cfg, ledger, accel, context))
+        parts.activations.undo.append(as_built)
         if context > 1 and parallel is not None:
             _split_sequences(model, parallel)
         return Engine(model, cfg, parts, dp, ledger, accel, rss_at_start - model_bytes, parallel,
@@ -382,7 +385,7 @@ def _activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: 
         except ValueError as err:
             raise ConfigError(f"config key 'zeroplus.activation_tier': {err}") from None
     claimers: list[Any] = []
-    undo: list[Any] = []  # forwards replaced (fused_ops), given back at destroy
+    undo: list[Any] = []  # forwards replaced (fused_ops), given back at destroy (before model_patches' record)
     recompute = zp.resize_recompute
     if recompute.enabled:
         classes = list(DEFAULT_CLASSES if recompute.modules is None else recompute.modules)

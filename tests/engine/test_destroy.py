@@ -5,7 +5,8 @@ rank: after ``destroy()`` no hook the engine added is left on the model (forward
 post-accumulate-grad, state-dict: counted on every module and parameter), a later call raises, and a second
 ``initialize`` on the same model trains exactly as a single build from the same values does (bitwise: the
 same parameters, the same steps; before the fix it failed at its first backward with "parameter 2 reached
-its gradient hook without a gradient", left by the first engine's hooks).
+its gradient hook without a gradient", left by the first engine's hooks); with tiled MLPs and loss and fused
+operators, every forward and setting the engine replaced is given back (``engine/model_patches.py``).
 """
 from __future__ import annotations
 
@@ -47,16 +48,23 @@ def _train(engine, steps: int) -> list[float]:
     return losses
 
 
+def _patched(model: torch.nn.Module) -> list[str]:
+    """Modules with an instance forward or a tile size set on them, and the config's settings the engine changes."""
+    names = [n for n, m in model.named_modules()
+             if any(k in vars(m) for k in ("forward", "_zeroplus_tiled", "_zeroplus_loss_tiles"))]
+    return names + [f"attn {model.config._attn_implementation}"]
+
+
 def _build_destroy_build(stage: int, zeroplus_block: dict) -> dict:
     torch.manual_seed(0)
     model = build("llama", "tiny")
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
-    before = _hooks(model)
+    before = _hooks(model), _patched(model)
     first = zeroplus.initialize(model, _config(stage, **zeroplus_block))
-    during = _hooks(model)
+    during = _hooks(model), _patched(model)
     first.destroy()
     first.destroy()  # a second call does nothing
-    after = _hooks(model)
+    after = _hooks(model), _patched(model)
     with pytest.raises(RuntimeError, match="this engine was destroyed"):
         first(input_ids=torch.zeros(2, 4, dtype=torch.long))
     given_back = all(torch.equal(p.detach(), start[n]) for n, p in model.named_parameters())
@@ -70,8 +78,9 @@ def _build_destroy_build(stage: int, zeroplus_block: dict) -> dict:
 
 
 def _check(result: dict) -> None:
-    before, during, after = result["hooks"]
+    (before, patched_before), (during, patched_during), (after, patched_after) = result["hooks"]
     assert during > before and after == before, result["hooks"]
+    assert patched_after == patched_before, (patched_before, patched_during, patched_after)
     assert result["given_back"], "after destroy() the model does not hold the values it had"
     assert result["again"] == result["once"], (result["again"], result["once"])
 
@@ -86,8 +95,9 @@ def test_destroy_removes_every_hook_and_the_model_trains_again_at_zero3_on_two_r
 
 @pytest.mark.parametrize("stage,block", [(0, {}), (2, {}),
                                          (3, {"resize_recompute": {"enabled": True, "norms": True},
-                                              "swap_attention": {"enabled": True}})],
-                         ids=["stage0", "stage2", "stage3-techniques"])
+                                              "swap_attention": {"enabled": True}}),
+                                         (2, {"tiled": {"mlp_tokens": 8, "loss_tokens": 8}, "fused_ops": True})],
+                         ids=["stage0", "stage2", "stage3-techniques", "stage2-tiled-fused"])
 def test_destroy_removes_every_hook_at_each_stage_and_with_the_memory_techniques(stage, block):
     _check(_build_destroy_build(stage, block))
 
