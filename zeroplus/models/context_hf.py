@@ -31,7 +31,7 @@ from torch import nn
 
 from ..activations.tiled_loss import IGNORE_INDEX, shifted
 from ..comm import DataParallelGroup
-from ..parallel.context import check_heads, heads_to_seq, local_slice, seq_to_heads
+from ..parallel.context import check_heads, local_slice, seq_to_heads
 from ..parallel.ring_attention import ring_attention, zigzag_slice
 from ..parallel.ulysses_output import output_exchanged
 
@@ -86,7 +86,10 @@ def hybrid_hf_attention(ulysses: DataParallelGroup, ring: DataParallelGroup) -> 
         if repeat > 1:
             key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
         q, k, v = (seq_to_heads(t.transpose(1, 2), ulysses).transpose(1, 2) for t in (query, key, value))
-        return heads_to_seq(ring_attention(q, k, v, ring, scaling).transpose(1, 2), ulysses), None
+
+        def attend() -> tuple[torch.Tensor, None]:
+            return ring_attention(q, k, v, ring, scaling).transpose(1, 2), None
+        return output_exchanged(ulysses, attend)  # (the ring's saved output formed again from the home copy)
     return attention
 
 

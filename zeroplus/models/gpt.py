@@ -21,7 +21,7 @@ from torch import nn
 from ..activations.checkpointing import checkpoint
 from ..activations.tiled import tiled_cross_entropy
 from ..comm import DataParallelGroup
-from ..parallel.context import check_heads, heads_to_seq, local_slice, positions, seq_to_heads
+from ..parallel.context import check_heads, local_slice, positions, seq_to_heads
 from ..parallel.grouped_experts import GroupedFFN
 from ..parallel.groups import current_groups
 from ..parallel.moe import MoE, with_aux_loss
@@ -81,7 +81,10 @@ class CausalSelfAttention(nn.Module):
             q, k, v = self.qkv(x).split(c, dim=2)
             q, k, v = (seq_to_heads(z.view(b, t, self.n_head, c // self.n_head), ug).transpose(1, 2)
                        for z in (q, k, v))  # (b, heads / U, t U: the ring rank's zigzag tokens, d/heads)
-            y = heads_to_seq(ring_attention(q, k, v, rg).transpose(1, 2), ug)
+
+            def ring() -> tuple[torch.Tensor, None]:  # (b, t U, heads / U, d/heads), in the ring's output memory
+                return ring_attention(q, k, v, rg).transpose(1, 2), None
+            y, _ = output_exchanged(ug, ring)  # brought home, the ring's saved output formed again from it
             return self.proj(y.reshape(b, t, c))
         if cp.size > 1 and context_mode() == "ring":  # this rank's zigzag tokens, keys and values around the ring
             # Q, K and V each in its own (b, t, heads, d/heads) memory, which the ring sends as it is: without
