@@ -39,6 +39,7 @@ from zeroplus.offload.tiers import make_tier
 from zeroplus.optim.build import adopt_client_optimizer, build_optimizer, would_fuse
 from zeroplus.optim.forward_only import ForwardOnly
 from zeroplus.optim.schedulers import build_scheduler
+from zeroplus.parallel.dropless_moe import DroplessMoE
 from zeroplus.parallel.groups import ParallelGroups
 from zeroplus.parallel.moe import is_expert
 from zeroplus.parallel.pipeline import PipelineModule
@@ -94,6 +95,16 @@ def _broadcast_group(dp: Collectives, experts: ExpertSplit | None) -> Callable[[
     return group_of
 
 
+def _check_lending(model: torch.nn.Module, cfg: ResolvedConfig) -> None:
+    """Lent experts (``DroplessMoE(hot_experts=...)``) read their parameters outside their module's forward,
+    where ZeRO-3 has not gathered them: refused there, naming the modules."""
+    lenders = [n or "<root>" for n, m in model.named_modules() if isinstance(m, DroplessMoE) and m.hot_experts]
+    if lenders and cfg.zero_optimization.stage == 3:
+        raise ConfigError(f"config key 'zero_optimization.stage' is 3 and {lenders} lend their hot experts "
+                          f"(hot_experts): the lent parameters are read outside the experts' forward, where ZeRO-3 "
+                          f"has not gathered them; use stage 0-2 or hot_experts=0")
+
+
 def expert_split(parallel: ParallelGroups | None) -> ExpertSplit | None:
     """Experts split over ranks: their parameters are partitioned over the expert-data group."""
     if parallel is None or parallel.expert.size == 1:
@@ -117,6 +128,7 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
     split = model_parallel or (parallel is not None and parallel.expert.size > 1)  # beyond data parallelism
     _check_request(model, cfg, parallel, optimizer, lr_scheduler)
     check_tables(model, cfg, dp, parallel)
+    _check_lending(model, cfg)
     if simulated is None:
         check_packages(cfg, parallel.global_rank if parallel is not None else dp.rank)
     _warn_inert_options(cfg)
