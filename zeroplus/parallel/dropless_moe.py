@@ -24,8 +24,10 @@ not below ``num_experts``, stacked (``GroupedFFN``) experts with lending. Under 
 would be read outside their module's forward, where they are not gathered: the engine refuses that pair
 (``engine/build.py``).
 
-Memory: the sorted tokens sent and received (``k x tokens x dim`` each way at most), the experts' activations
-for the tokens they ran, and with lending the lent parameters (their size, per hot expert) until backward.
+The memory estimate cannot simulate this routing (its sizes are the gate's values): ``initialize`` warns that no
+estimate is made, and training runs. Memory: the sorted tokens sent and received (``k x tokens x dim`` each way at
+most), the experts' activations for the tokens they ran, and with lending the lent parameters (their size, per hot
+expert) until backward.
 """
 from __future__ import annotations
 
