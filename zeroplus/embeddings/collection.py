@@ -416,7 +416,11 @@ class EmbeddingBagCollection(nn.Module):
         """The whole table (or its optimizer state ``state``: ``"sum"``, ``"exp_avg"``, ...) assembled from every
         rank's shard (a collective; for tests and export: it holds a whole table)."""
         t = next(t for t in self.tables if t.name == name)
-        mine = self.shard_values(name)[0] if state is None else self.shard_values(name)[1][state]
+        cache, key = self.caches.get(name), "weight" if state is None else state
+        if cache is not None:  # only the component asked for read from the tier
+            mine = cache.whole(key)
+        else:
+            mine = self.weight(name) if state is None else self.optimizers[name].state[state]
         pieces = self.group.all_gather_objects(mine.detach().cpu().clone())
         per_row = pieces[self.rank].dim() == 1  # row-wise Adagrad's state: one value per row
         full = torch.zeros(t.num_embeddings) if per_row else torch.zeros(t.num_embeddings, t.dim)
