@@ -397,7 +397,6 @@ def _activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: 
         except ValueError as err:
             raise ConfigError(f"config key 'zeroplus.activation_tier': {err}") from None
     claimers: list[Any] = []
-    undo: list[Any] = []  # forwards replaced (fused_ops), given back at destroy (before model_patches' record)
     recompute = zp.resize_recompute
     if recompute.enabled:
         classes = list(DEFAULT_CLASSES if recompute.modules is None else recompute.modules)
@@ -419,7 +418,7 @@ def _activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: 
     if is_hf_causal_lm(model):
         drop_training_cache(model)
     if zp.fused_ops:
-        fused, what = fused_ops.install(model, accel.name, zp.fused_ops, undo)
+        fused, what = fused_ops.install(model, accel.name, zp.fused_ops)
         if not fused:
             raise ConfigError(f"config key 'zeroplus.fused_ops' is {zp.fused_ops!r} but {type(model).__name__} has "
                               f"no RMSNorm (a '*RMSNorm' class with weight and variance_epsilon) or gated MLP "
@@ -436,7 +435,7 @@ def _activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: 
                             num_checkpoints=ac.number_checkpoints, checkpoint_in_cpu=ac.cpu_checkpointing,
                             synchronize=ac.synchronize_checkpoint_boundary, profile=ac.profile, tier=tier,
                             ledger=ledger)
-    return SavedTensorRouter(claimers, undo)
+    return SavedTensorRouter(claimers)
 
 
 def _tile(model: torch.nn.Module, tiles: TiledConfig, context: int) -> None:

@@ -32,7 +32,6 @@ See note: fused operators (docs/design-notes.md).
 """
 from __future__ import annotations
 
-import functools
 import types
 from typing import Any, Callable
 
@@ -100,14 +99,6 @@ def kernels_for(device: str, choice: bool | str) -> tuple[dict[str, Callable[...
 _SILU = ("SiLU", "SiLUActivation")  # torch's, and Hugging Face's (``F.silu`` of its input)
 
 
-def _give_back(module: nn.Module, previous: Any) -> None:
-    """``module``'s forward as it was before ``install``: its class's, or the instance's own it had."""
-    if previous is None:
-        module.__dict__.pop("forward", None)
-    else:
-        module.forward = previous  # type: ignore[method-assign]
-
-
 def _norm_eps(module: nn.Module) -> float | None:
     if not type(module).__name__.endswith("RMSNorm") or not isinstance(getattr(module, "weight", None), nn.Parameter):
         return None
@@ -120,16 +111,13 @@ def _is_gated_mlp(module: nn.Module) -> bool:
             and type(getattr(module, "act_fn", None)).__name__ in _SILU)
 
 
-def install(model: nn.Module, device: str, choice: bool | str = True,
-            undo: list[Callable[[], None]] | None = None) -> tuple[list[str], str]:
+def install(model: nn.Module, device: str, choice: bool | str = True) -> tuple[list[str], str]:
     """Replace the forward of ``model``'s RMSNorms and gated MLPs with the kernels ``kernels_for(device,
-    choice)`` names; (the names replaced, what runs). ``undo``: gets one call per module that gives it its
-    forward back (``Engine.destroy`` makes them: a model initialized again without fused_ops runs eager)."""
+    choice)`` names; (the names replaced, what runs). ``Engine.destroy`` gives the forwards back
+    (``engine/model_patches.py``)."""
     table, what = kernels_for(device, choice)
     done = []
     for name, module in model.named_modules():
-        if (_norm_eps(module) is not None or _is_gated_mlp(module)) and undo is not None:
-            undo.append(functools.partial(_give_back, module, module.__dict__.get("forward")))
         eps = _norm_eps(module)
         if eps is not None:
             norm = table["rms_norm"]

@@ -32,8 +32,8 @@ class Claimer(Protocol):
 
 class SavedTensorRouter:
     def __init__(self, claimers: list[Claimer], undo: list[Callable[[], None]] | None = None) -> None:
-        """``undo``: what else the techniques changed in the model (forwards replaced by fused operators),
-        undone by ``remove``."""
+        """``undo``: what else was changed on the model (``engine/model_patches.py``'s record of the forwards
+        and settings the techniques replaced), undone by ``remove``."""
         self.claimers = claimers
         self.undo = list(undo or [])
 
