@@ -109,7 +109,18 @@ def expert_split(parallel: ParallelGroups | None) -> ExpertSplit | None:
     """Experts split over ranks: their parameters are partitioned over the expert-data group."""
     if parallel is None or parallel.expert.size == 1:
         return None
-    return ExpertSplit(parallel.expert_data, parallel.expert.rank, parallel.expert.size, is_expert)
+    span = parallel.tensor.size if parallel.topology.experts_span_tensor else 1
+    return ExpertSplit(parallel.expert_data, parallel.expert.rank, parallel.expert.size, is_expert, span)
+
+
+def _norm_split(experts: ExpertSplit | None, stage: ZeroStage) -> Callable[[torch.Tensor], bool]:
+    """Which parameters the gradient norm counts whole on each tensor rank (``ModelParallelNorm``): the
+    tensor-parallel ones, and in the expert-data mode at stages 1-3 the experts (each expert's shards lie on
+    ranks of different tensor ranks, once each); at stage 0 the experts' part is summed over the expert group,
+    which spans the tensor ranks, so it counts 1/T on each as a replicated parameter does."""
+    if experts is None or experts.tensor_span == 1 or not stage.partitions:
+        return is_tensor_parallel
+    return lambda p: is_tensor_parallel(p) or experts.holds(p)
 
 
 def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, accel: Accelerator, rss_at_start: int, *,
@@ -177,7 +188,7 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
             gradient_clipping=cfg.gradient_clipping, master_chunk_numel=cfg.zeroplus.master_step_chunk,
             offload=_optimizer_offload(cfg, accel, ledger, opt, sum(g.owned_numel for g in partition.groups)),
             virtual_kernels=_virtual_states(cfg, accel, opt),
-            model_parallel=ModelParallelNorm(parallel.model, parallel.tensor.size, is_tensor_parallel)
+            model_parallel=ModelParallelNorm(parallel.model, parallel.tensor.size, _norm_split(experts, stage))
             if parallel is not None and model_parallel else None,
             expert_group=parallel.expert if parallel is not None and experts is not None else None))
         context = parallel.topology.context if parallel is not None else 1

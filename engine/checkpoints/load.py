@@ -66,6 +66,12 @@ def _open_part(engine: Engine, path: str, meta: dict[str, Any]) -> tuple[str, di
                          + " x ".join(f"{k} {ours[k]}" for k in sizes)
                          + ": loading across tensor, pipeline or expert sizes is not supported (the data-parallel "
                          "size and ZeRO stage may differ)")
+    span = (bool(saved.get("experts_span_tensor")), bool(ours.get("experts_span_tensor")))
+    if ours["expert"] > 1 and span[0] != span[1]:
+        mode = {True: "drawn from data x tensor (experts_span_tensor)", False: "drawn from data ranks"}
+        raise ValueError(f"checkpoint {path} was saved with expert groups {mode[span[0]]}; this run (rank "
+                         f"{_global_rank(engine)}) has them {mode[span[1]]}: the same expert rank holds other "
+                         f"experts, so loading is refused")
     part = _model_part(engine)
     if not part:
         return path, meta

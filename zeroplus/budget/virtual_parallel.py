@@ -34,7 +34,8 @@ from .virtual_group import VirtualGroup
 
 def topology_of(cfg: ZeroplusConfig, world_size: int) -> Topology:
     par = cfg.zeroplus.parallel
-    return Topology(world_size, par.tensor, par.pipeline, par.expert, par.context)
+    return Topology(world_size, par.tensor, par.pipeline, par.expert, par.context,
+                    experts_span_tensor=par.experts_span_tensor)
 
 
 def virtual_groups(cfg: ZeroplusConfig, world_size: int, rank: int, gloo_buffers: bool = False) -> ParallelGroups:

@@ -316,6 +316,11 @@ class ParallelConfig(Block):
     pipeline: PositiveInt = Field(1, description="Pipeline-parallel size: ranks that each run a slice of the layers.")
     expert: PositiveInt = Field(1, description="Expert-parallel size, carved out of the data-parallel ranks (it "
                                                "divides data size): ranks that split a mixture-of-experts layer.")
+    experts_span_tensor: bool = Field(
+        False, description="The expert-data mode: expert groups drawn from data x tensor ranks rather than data "
+                           "ranks alone (expert a multiple of tensor, dividing data x tensor), so tensor parallelism "
+                           "stays in attention and experts are never split; each tensor rank routes 1/tensor of "
+                           "its tokens.")
     context: PositiveInt = Field(1, description="Context-parallel size: ranks that each hold 1/context of every "
                                                 "sequence's tokens (ZeRO partitions over data x context).")
     context_mode: Literal["ulysses", "ring", "hybrid"] = Field(

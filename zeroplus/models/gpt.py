@@ -22,6 +22,7 @@ from ..activations.checkpointing import checkpoint
 from ..activations.tiled import tiled_cross_entropy
 from ..comm import DataParallelGroup
 from ..parallel.context import check_heads, local_slice, positions, seq_to_heads
+from ..parallel.expert_tokens import TokenSplit
 from ..parallel.grouped_experts import GroupedFFN
 from ..parallel.groups import current_groups
 from ..parallel.moe import MoE, with_aux_loss
@@ -135,11 +136,13 @@ class MLP(nn.Module):
 class MoEMLP(nn.Module):
     """The MLP as a mixture of experts (each one ``MLP``); its balancing loss joins the backward."""
 
-    def __init__(self, cfg: GPTConfig, expert_group: Any = None) -> None:
+    def __init__(self, cfg: GPTConfig, expert_group: Any = None, split: TokenSplit | None = None) -> None:
+        """``split``: how tokens are shared with the tensor group (``parallel/expert_tokens.py``; default: the
+        topology's)."""
         super().__init__()
         expert = GroupedFFN(4 * cfg.n_embd, "gelu", bias=True) if cfg.moe_grouped else (lambda: MLP(cfg))
         self.moe = MoE(cfg.n_embd, expert, cfg.moe_experts, k=cfg.moe_k,
-                       capacity_factor=cfg.moe_capacity_factor, ep=expert_group)
+                       capacity_factor=cfg.moe_capacity_factor, ep=expert_group, split=split)
         self.aux_coef = cfg.moe_aux_coef
         self.last_aux_loss: torch.Tensor | None = None
 

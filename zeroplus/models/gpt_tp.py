@@ -4,6 +4,9 @@ Attention heads are split among the ``T`` ranks (``qkv`` column-parallel, each r
 rows of q, k and v; ``proj`` row-parallel), the MLP likewise (``fc`` column, ``proj`` row), the token
 table along the vocabulary (tied to the LM head, whose logits stay split: the loss is the
 vocab-parallel cross entropy). Norms, positions and the row-parallel biases are whole on every rank.
+Mixture-of-experts MLPs (``moe_experts``) keep their experts whole: in the expert-data mode
+(``experts_span_tensor``) the tensor ranks enlarge the expert group and each routes 1/T of the tokens
+(``parallel/expert_tokens.py``).
 Activations run ``(seq, batch, dim)``; with sequence parallelism they are split along the sequence
 between the tensor-parallel regions (``(s/T, b, d)``: norms and residuals hold 1/T), and the
 region boundaries become all-gather-then-matmul and matmul-then-reduce-scatter, chunked by
@@ -23,6 +26,7 @@ from torch import nn
 
 from ..activations.checkpointing import checkpoint
 from ..comm import DataParallelGroup
+from ..parallel.expert_tokens import TokenSplit
 from ..parallel.groups import parallel_groups
 from ..parallel.mappings import copy_to_tensor, gather_last_dim, sum_grad_over_tensor
 from ..parallel.overlap import all_gather_matmul
@@ -34,7 +38,7 @@ from ..parallel.tensor_layers import (
     mark_tensor_parallel,
     vocab_parallel_cross_entropy,
 )
-from .gpt import GPT, MLP, Block, GPTConfig
+from .gpt import GPT, MLP, Block, GPTConfig, MoEMLP
 
 
 def _norm(dim: int, sequence_parallel: bool, tp: DataParallelGroup) -> nn.LayerNorm:
@@ -80,11 +84,26 @@ class TensorParallelBlock(nn.Module):
         self.ln1 = _norm(cfg.n_embd, sequence_parallel, tp)
         self.attn = TensorParallelAttention(cfg, tp, sequence_parallel, chunks)
         self.ln2 = _norm(cfg.n_embd, sequence_parallel, tp)
-        self.mlp = TensorParallelMLP(cfg, tp, sequence_parallel, chunks)
+        self.mlp: nn.Module = (_experts(cfg, tp, sequence_parallel) if cfg.moe_experts
+                               else TensorParallelMLP(cfg, tp, sequence_parallel, chunks))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
+
+
+def _experts(cfg: GPTConfig, tp: DataParallelGroup, sequence_parallel: bool) -> MoEMLP:
+    """The block's mixture of experts beside tensor-parallel attention: whole experts. In the expert-data mode
+    (``experts_span_tensor``) the expert group spans the tensor ranks and each routes 1/T of the tokens (under
+    sequence parallelism its own part); otherwise every tensor rank runs the same experts on the same tokens
+    (replicated), which sequence parallelism cannot do (its ranks hold different tokens): refused."""
+    groups = parallel_groups()
+    span = groups.topology.experts_span_tensor
+    if tp.size > 1 and sequence_parallel and not span:
+        raise ValueError(f"a mixture of experts beside tensor size {tp.size} with sequence parallelism needs "
+                         f"zeroplus.parallel.experts_span_tensor (the expert-data mode): the tensor ranks hold "
+                         f"different tokens, so each must route its own")
+    return MoEMLP(cfg, groups.expert, TokenSplit(tp if span else None, presplit=sequence_parallel))
 
 
 class TensorParallelGPT(nn.Module):
@@ -107,10 +126,6 @@ class TensorParallelGPT(nn.Module):
     def from_dense(cls, gpt: GPT, *, sequence_parallel: bool = False, overlap_chunks: int = 1,
                    tp: DataParallelGroup | None = None) -> TensorParallelGPT:
         """This rank's slices of ``gpt``'s weights (heads, MLP width and vocabulary split)."""
-        if gpt.config.moe_experts:
-            raise ValueError(f"TensorParallelGPT has dense MLPs; this GPT's are mixtures of {gpt.config.moe_experts} "
-                             f"experts (tensor-parallel experts are not built: split experts with "
-                             f"zeroplus.parallel.expert instead)")
         model = cls(gpt.config, sequence_parallel=sequence_parallel, overlap_chunks=overlap_chunks, tp=tp)
         d, T = gpt.config.n_embd, model.tp.size
         with torch.no_grad():
@@ -128,9 +143,12 @@ class TensorParallelGPT(nn.Module):
                                for t in range(T)])
                 mine.attn.qkv.load_dense(w, b)
                 mine.attn.proj.load_dense(dense.attn.proj.weight, dense.attn.proj.bias)
-                mlp = cast(MLP, dense.mlp)  # dense: MoE was refused above
-                mine.mlp.fc.load_dense(mlp.fc.weight, mlp.fc.bias)
-                mine.mlp.proj.load_dense(mlp.proj.weight, mlp.proj.bias)
+                if isinstance(mine.mlp, MoEMLP):
+                    _load_experts(mine.mlp, cast(MoEMLP, dense.mlp))
+                    continue
+                mlp, tp_mlp = cast(MLP, dense.mlp), cast(TensorParallelMLP, mine.mlp)
+                tp_mlp.fc.load_dense(mlp.fc.weight, mlp.fc.bias)
+                tp_mlp.proj.load_dense(mlp.proj.weight, mlp.proj.bias)
         return model
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -150,6 +168,26 @@ class TensorParallelGPT(nn.Module):
         losses = vocab_parallel_cross_entropy(logits.reshape(t * b, -1), targets.t().reshape(-1), self.wte.start,
                                               self.tp)
         return losses.mean()
+
+
+def _load_experts(mine: MoEMLP, dense: MoEMLP) -> None:
+    """The router and this rank's experts (by their global index) from a mixture holding every expert, or
+    holding this rank's experts already (built under the same expert group)."""
+    mine.moe.gate.load_state_dict(dense.moe.gate.state_dict())
+    if (dense.moe.local, dense.moe.first_expert) == (mine.moe.local, mine.moe.first_expert):
+        mine.moe.experts.load_state_dict(dense.moe.experts.state_dict())
+        return
+    if dense.moe.local != dense.moe.num_experts:
+        raise ValueError(f"from_dense takes a GPT holding all {dense.moe.num_experts} experts of each block, or "
+                         f"this rank's {mine.moe.local} from expert {mine.moe.first_expert}; this one holds "
+                         f"{dense.moe.local} from expert {dense.moe.first_expert}")
+    full = dense.moe.experts.state_dict()
+    first, local = mine.moe.first_expert, mine.moe.local
+    if mine.moe.grouped:  # stacked: this rank's rows of every stacked weight
+        mine.moe.experts.load_state_dict({n: v[first:first + local] for n, v in full.items()})
+        return
+    mine.moe.experts.load_state_dict({f"{int(n.split('.', 1)[0]) - first}.{n.split('.', 1)[1]}": v
+                                      for n, v in full.items() if first <= int(n.split(".", 1)[0]) < first + local})
 
 
 def embed(owner: Any, idx: torch.Tensor) -> torch.Tensor:

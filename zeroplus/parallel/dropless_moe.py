@@ -24,6 +24,8 @@ not below ``num_experts``, stacked (``GroupedFFN``) experts with lending. Under 
 would be read outside their module's forward, where they are not gathered: the engine refuses that pair
 (``engine/build.py``).
 
+In the expert-data mode each tensor rank routes 1/T of its tokens (``expert_tokens.py``).
+
 The memory estimate cannot simulate this routing (its sizes are the gate's values): ``initialize`` warns that no
 estimate is made, and training runs. Memory: the sorted tokens sent and received (``k x tokens x dim`` each way at
 most), the experts' activations for the tokens they ran, and with lending the lent parameters (their size, per hot
@@ -38,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm import DataParallelGroup
+from .expert_tokens import TokenSplit
 from .groups import parallel_groups
 from .moe import mark_expert
 
@@ -89,9 +92,10 @@ class _Lend(torch.autograd.Function):
 
 class DroplessMoE(nn.Module):
     def __init__(self, dim: int, expert: Callable[[], nn.Module], num_experts: int, *, k: int = 1,
-                 hot_experts: int = 0, ep: DataParallelGroup | None = None) -> None:
+                 hot_experts: int = 0, ep: DataParallelGroup | None = None, split: TokenSplit | None = None) -> None:
         super().__init__()
         self.ep = ep if ep is not None else parallel_groups().expert
+        self.split = split if split is not None else TokenSplit.of_topology()
         if num_experts % self.ep.size:
             raise ValueError(f"num_experts = {num_experts} does not split over an expert-parallel group of "
                              f"{self.ep.size} ranks")
@@ -113,13 +117,13 @@ class DroplessMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = x.shape
-        tokens = x.reshape(-1, shape[-1])
+        tokens = self.split.enter(x.reshape(-1, shape[-1]))  # the expert-data mode: this rank's 1/T
         E = self.num_experts
-        probs = F.softmax(self.gate(tokens).float(), dim=-1)
+        probs = F.softmax(F.linear(tokens, self.split.router_weight(self.gate.weight)).float(), dim=-1)
         weight, expert = probs.topk(self.k, dim=-1)
         if self.k > 1:
             weight = weight / weight.sum(-1, keepdim=True)
-        aux = E * (F.one_hot(expert[:, 0], E).float().mean(0) * probs.mean(0)).sum()
+        aux = E * (self.split.mean(F.one_hot(expert[:, 0], E).float().mean(0)) * self.split.mean(probs.mean(0))).sum()
         pair_expert, pair_weight = expert.reshape(-1), weight.reshape(-1).to(tokens.dtype)
         pair_token = torch.arange(tokens.shape[0], device=tokens.device).repeat_interleave(self.k)
         hot = self._hot(torch.bincount(pair_expert, minlength=E)) if self.hot_experts else []
@@ -132,7 +136,7 @@ class DroplessMoE(nn.Module):
         for e in hot:
             mine = pair_expert == e
             y = y.index_add(0, pair_token[mine], self._lent(e, tokens[pair_token[mine]]) * pair_weight[mine, None])
-        return y.view(shape), aux
+        return self.split.leave(y).view(shape), aux
 
     def _hot(self, counts: torch.Tensor) -> list[int]:
         """The ``hot_experts`` experts with the most (token, choice) pairs over the expert group."""

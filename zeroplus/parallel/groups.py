@@ -124,6 +124,13 @@ def _sizes(spec: Any) -> tuple[int, int, int, int]:
     return parallel.tensor, parallel.pipeline, parallel.expert, parallel.context
 
 
+def _span(spec: Any) -> bool:
+    """The expert-data mode (``Topology.experts_span_tensor``)."""
+    if isinstance(spec, Topology):
+        return spec.experts_span_tensor
+    return spec.zeroplus.parallel.experts_span_tensor if hasattr(spec, "zeroplus") else False
+
+
 def init_parallel(spec: Any = None) -> ParallelGroups:
     """Create (or return the existing) process groups for a parsed config, a config dict or path, or a
     ``Topology``. With no process group launched: one rank, every size 1 (anything else is an error)."""
@@ -134,7 +141,7 @@ def init_parallel(spec: Any = None) -> ParallelGroups:
     launched = dist.is_available() and dist.is_initialized()
     world, rank = (dist.get_world_size(), dist.get_rank()) if launched else (1, 0)
     sizes = _sizes(spec) if spec is not None else (1, 1, 1, 1)
-    topology = Topology(world, *sizes)
+    topology = Topology(world, *sizes, experts_span_tensor=spec is not None and _span(spec))
     if _CURRENT is not None and _CURRENT.world_group is _world_group():
         if _CURRENT.topology == topology or sizes == (1, 1, 1, 1):
             return _CURRENT  # a config without parallel sizes runs in the groups already made

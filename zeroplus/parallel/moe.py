@@ -20,7 +20,9 @@ each, and the same for the combine. Communication: two all-to-alls of that size 
 two per backward. Expert parameters are recorded (``is_expert``); ZeRO must partition them over the
 expert-data group. With a ``GroupedFFN`` the local experts are one ``GroupedExperts`` (``grouped_experts.py``:
 stacked weights, one batched product per projection over every local expert's slots) instead of a
-``ModuleList`` of the factory's modules.
+``ModuleList`` of the factory's modules. In the expert-data mode (``split``, by default from the topology) each
+tensor rank routes 1/T of the tokens it shares with its tensor group (``expert_tokens.py``); capacity is then
+per rank's 1/T.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm import DataParallelGroup
+from .expert_tokens import TokenSplit
 from .grouped_experts import GroupedExperts, GroupedFFN
 from .groups import parallel_groups
 from .registry import ParameterSet
@@ -118,6 +121,7 @@ class TopKGate(nn.Module):
         self.wg = nn.Linear(dim, num_experts, bias=False)
         self.num_experts, self.k = num_experts, k
         self.capacity_factor, self.min_capacity = capacity_factor, min_capacity
+        self.split = TokenSplit()  # the expert-data mode's token split (set by MoE): router grads, aux means
 
     def capacity(self, tokens: int) -> int:
         return max(self.min_capacity, math.ceil(self.k * tokens / self.num_experts * self.capacity_factor))
@@ -126,12 +130,12 @@ class TopKGate(nn.Module):
         """For tokens ``x`` (n, d): expert ``(n, k)``, slot ``(n, k)`` (-1: dropped), weight ``(n, k)``,
         the load-balancing loss, and the capacity."""
         n, E = x.shape[0], self.num_experts
-        probs = F.softmax(self.wg(x).float(), dim=-1)  # (n, E)
+        probs = F.softmax(F.linear(x, self.split.router_weight(self.wg.weight)).float(), dim=-1)  # (n, E)
         weight, expert = probs.topk(self.k, dim=-1)  # (n, k)
         if self.k > 1:
             weight = weight / weight.sum(-1, keepdim=True)
         first = F.one_hot(expert[:, 0], E).float()
-        aux = E * (first.mean(0) * probs.mean(0)).sum()
+        aux = E * (self.split.mean(first.mean(0)) * self.split.mean(probs.mean(0))).sum()
         cap = self.capacity(n)
         slot = torch.empty_like(expert)
         used = torch.zeros(E, dtype=torch.long, device=x.device)
@@ -145,15 +149,18 @@ class TopKGate(nn.Module):
 
 class MoE(nn.Module):
     def __init__(self, dim: int, expert: Callable[[], nn.Module] | GroupedFFN, num_experts: int, *, k: int = 1,
-                 capacity_factor: float = 1.25, min_capacity: int = 4, ep: DataParallelGroup | None = None) -> None:
+                 capacity_factor: float = 1.25, min_capacity: int = 4, ep: DataParallelGroup | None = None,
+                 split: TokenSplit | None = None) -> None:
         super().__init__()
         self.ep = ep if ep is not None else parallel_groups().expert
+        self.split = split if split is not None else TokenSplit.of_topology()
         if num_experts % self.ep.size:
             raise ValueError(f"num_experts = {num_experts} does not split over an expert-parallel group of "
                              f"{self.ep.size} ranks")
         self.num_experts, self.local = num_experts, num_experts // self.ep.size
         self.first_expert = self.ep.rank * self.local
         self.gate = TopKGate(dim, num_experts, k, capacity_factor, min_capacity)
+        self.gate.split = self.split
         self.experts: nn.Module = (GroupedExperts(self.local, dim, expert) if isinstance(expert, GroupedFFN)
                                    else nn.ModuleList(expert() for _ in range(self.local)))
         for p in self.experts.parameters():
@@ -166,7 +173,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = x.shape
-        tokens = x.reshape(-1, shape[-1])  # (n, d)
+        tokens = self.split.enter(x.reshape(-1, shape[-1]))  # (n, d); the expert-data mode: this rank's n / T
         expert, slot, weight, aux, cap = self.gate(tokens)
         E, d = self.num_experts, tokens.shape[-1]
         kept = slot >= 0  # (n, k)
@@ -185,7 +192,7 @@ class MoE(nn.Module):
         returned = _AllToAll.apply(outputs.reshape(E * cap, d), self.ep)  # my tokens' slots, all experts
         picked = returned.index_select(0, index) * weight[rows].to(tokens.dtype).unsqueeze(1)
         y = tokens.new_zeros(tokens.shape).index_add(0, rows[0], picked)
-        return y.view(shape), aux
+        return self.split.leave(y).view(shape), aux
 
 
 __all__ = ["GroupedFFN", "MoE", "TopKGate", "is_expert", "mark_expert", "set_aux_grad_scale", "with_aux_loss"]

@@ -5,7 +5,10 @@
 with ``t < T`` (tensor), ``c < C`` (context), ``d < D`` (data), ``p < P`` (pipeline). Expert parallelism
 is carved out of the data dimension: ``d = e + E * x`` with ``e < E`` (the expert-parallel rank,
 fastest, so an expert group's all-to-all stays among neighbouring ranks) and ``x < D / E`` (the
-expert-data-parallel rank).
+expert-data-parallel rank). With ``experts_span_tensor`` (the expert-data mode) it is carved out of
+data x tensor instead: ``t + T * d = e + E * x`` with ``x < D T / E``, so tensor parallelism stays in
+attention and the tensor ranks enlarge the expert group (``E`` a multiple of ``T``, dividing ``D T``);
+each tensor rank routes 1/T of its tokens (``parallel/moe.py``).
 
 - tensor group: the T ranks of one (c, d, p): they hold one copy of the model between them, each a
   slice of every tensor-parallel weight.
@@ -17,9 +20,10 @@ expert-data-parallel rank).
   gradients and optimizer states over it and averages gradients over it, since every context rank's
   loss is the mean over its own tokens.
 - pipeline group: the P ranks of one (t, c, d): the stages of one copy of the model.
-- expert group: the E ranks of one (t, x, p): experts are split among them, tokens travel by all-to-all.
+- expert group: the E ranks of one (t, x, p): experts are split among them, tokens travel by all-to-all
+  (expert-data mode: the E consecutive ranks of one (x, p), whole tensor groups).
 - expert-data group: the D / E ranks of one (t, e, p): they hold the same experts; ZeRO partitions expert
-  parameters over it.
+  parameters over it (expert-data mode: the D T / E ranks of one (e, p)).
 - model-parallel group: the T x P ranks of one (c, d): everything one copy of the model is split over
   (the gradient norm sums over it after the zero group).
 
@@ -59,6 +63,7 @@ class Topology:
     pipeline: int = 1
     expert: int = 1
     context: int = 1
+    experts_span_tensor: bool = False  # the expert-data mode: expert groups drawn from data x tensor
 
     def __post_init__(self) -> None:
         for key in ("world_size", "tensor", "pipeline", "expert", "context"):
@@ -75,10 +80,23 @@ class Topology:
         if self.context > 1 and others:
             raise ValueError(f"context size {self.context} with {', '.join(f'{k} size {v}' for k, v in others.items())}"
                              f" is not supported yet: context parallelism runs beside data parallelism only")
-        if self.data % self.expert:
+        if self.experts_span_tensor:
+            self._check_span()
+        elif self.data % self.expert:
             raise ValueError(f"expert-parallel size {self.expert} does not divide the data-parallel size {self.data} "
                              f"(world {self.world_size} / tensor {self.tensor} / pipeline {self.pipeline}): expert "
                              f"groups are carved out of the data-parallel ranks")
+
+    def _check_span(self) -> None:
+        """The expert-data mode's sizes: whole tensor groups in each expert group, expert groups tiling data x
+        tensor; context parallelism is refused beside it."""
+        T, D, E = self.tensor, self.data, self.expert
+        where = (f"zeroplus.parallel.experts_span_tensor draws expert groups from data x tensor = {D} x {T} "
+                 f"= {D * T} ranks")
+        if self.context > 1:
+            raise ValueError(f"{where}; context size {self.context} is not supported beside it")
+        if E % T or (D * T) % E:
+            raise ValueError(f"{where}: expert size {E} must be a multiple of tensor size {T} and divide {D * T}")
 
     @property
     def data(self) -> int:
@@ -86,7 +104,15 @@ class Topology:
 
     @property
     def expert_data(self) -> int:
-        return self.data // self.expert
+        return self.data * (self.tensor if self.experts_span_tensor else 1) // self.expert
+
+    def _expert_flat(self, t: int, d: int) -> int:
+        """The index experts are carved from: the data rank, or (expert-data mode) ``t + T * d``."""
+        return t + self.tensor * d if self.experts_span_tensor else d
+
+    def _at_flat(self, f: int, p: int, c: int) -> int:
+        """The global rank of expert-data-mode index ``f = t + T * d`` at pipeline ``p``, context ``c``."""
+        return self.rank_of(f % self.tensor, f // self.tensor, p, c)
 
     def coordinates(self, rank: int) -> Coordinates:
         if not 0 <= rank < self.world_size:
@@ -94,7 +120,8 @@ class Topology:
         t, rest = rank % self.tensor, rank // self.tensor
         c, rest = rest % self.context, rest // self.context
         d, p = rest % self.data, rest // self.data
-        return Coordinates(t, d, p, d % self.expert, d // self.expert, c)
+        f = self._expert_flat(t, d)
+        return Coordinates(t, d, p, f % self.expert, f // self.expert, c)
 
     def rank_of(self, tensor: int = 0, data: int = 0, pipeline: int = 0, context: int = 0) -> int:
         return tensor + self.tensor * (context + self.context * (data + self.data * pipeline))
@@ -113,6 +140,12 @@ class Topology:
             return [[at(t, d, p, c) for d in range(D) for c in range(C)] for p in range(P) for t in range(T)]
         if kind == "pipeline":
             return [[at(t, d, p, c) for p in range(P)] for d in range(D) for c in range(C) for t in range(T)]
+        if kind == "expert" and self.experts_span_tensor:
+            return [[self._at_flat(e + E * x, p, c) for e in range(E)] for p in range(P) for x in range(X)
+                    for c in range(C)]
+        if kind == "expert_data" and self.experts_span_tensor:
+            return [[self._at_flat(e + E * x, p, c) for x in range(X)] for p in range(P) for e in range(E)
+                    for c in range(C)]
         if kind == "expert":
             return [[at(t, e + E * x, p, c) for e in range(E)]
                     for p in range(P) for x in range(X) for c in range(C) for t in range(T)]
@@ -129,13 +162,15 @@ class Topology:
     def to_dict(self) -> dict[str, int]:
         out = {"world_size": self.world_size, "tensor": self.tensor, "pipeline": self.pipeline,
                "expert": self.expert, "data": self.data}
-        return out | ({"context": self.context} if self.context > 1 else {})
+        return out | ({"context": self.context} if self.context > 1 else {}) | \
+            ({"experts_span_tensor": True} if self.experts_span_tensor else {})
 
     def describe(self) -> str:
         parts = [f"data {self.data}"] + ([f"context {self.context}"] if self.context > 1 else []) + \
             [f"tensor {self.tensor}", f"pipeline {self.pipeline}"]
         if self.expert > 1:
-            parts.append(f"expert {self.expert} (expert-data {self.expert_data})")
+            over = " over data x tensor" if self.experts_span_tensor else ""
+            parts.append(f"expert {self.expert}{over} (expert-data {self.expert_data})")
         return f"{self.world_size} ranks = " + " x ".join(parts)
 
 

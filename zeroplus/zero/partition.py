@@ -70,14 +70,16 @@ class ExpertSplit:
     expert_rank: int
     expert_size: int
     holds: Callable[[torch.Tensor], bool]
+    tensor_span: int = 1  # the expert-data mode: the tensor size the expert groups are drawn across, else 1
 
     @property
     def suffix(self) -> str:
         return f"@ep{self.expert_rank}"
 
     def data_ranks(self) -> list[int]:
-        """The data-parallel ranks of this expert-data group, in its rank order (d = e + E * x)."""
-        return [self.expert_rank + self.expert_size * x for x in range(self.group.size)]
+        """The data-parallel ranks of this expert-data group, in its rank order (d = e + E * x; the expert-data
+        mode: ``t + T d = e + E x``, and with E a multiple of T every member has tensor rank ``e mod T``)."""
+        return [(self.expert_rank + self.expert_size * x) // self.tensor_span for x in range(self.group.size)]
 
 # Reductions still in flight when the next one starts; older ones are waited on, which bounds
 # the flat gradients and comm buffers alive during backward to about this many groups.
