@@ -13,8 +13,9 @@ Each layout is launched twice per round: with glibc returning freed memory for t
 process before the model, max over ranks), and without it for the step time (median after 2 warm-up steps,
 slowest rank). Reported: peak, step, the parameters each rank holds (experts and the rest, before ZeRO's
 partition), ZeRO's model states per rank (the ledger's parameter + gradient + master + optimizer-state peaks),
-and the bytes each rank hands to all-to-alls and all-gathers per step (``bench_worker.CollectiveVolume``; the
-all-gathers include ZeRO-2's parameter gather after the step). Rounds interleave the
+and the bytes each rank hands to all-to-alls (the experts' tokens) and to every other collective per step
+(``bench_worker.CollectiveVolume``: ZeRO-2's reductions and parameter gather, tensor parallelism's all-reduces, and
+in the expert-data mode the tokens' all-gather, which gloo runs as broadcasts). Rounds interleave the
 layouts; medians over rounds.
 
     python bench/bench_expert_data.py                  # 3 rounds (~10 minutes here)
@@ -133,15 +134,15 @@ def main() -> None:
     print(f"4 ranks, TensorParallelGPT d 256 x 4 layers, 8 experts top-2, micro-batch {MICRO} x {SEQ}, ZeRO-2 fp32, "
           f"median of {args.rounds} rounds")
     print("| layout | experts / rank | expert params / rank | other params / rank | ZeRO model states MiB/rank "
-          "| all-to-all MiB/rank/step | all-gather MiB/rank/step | peak MiB/rank | step s |")
+          "| all-to-all MiB/rank/step | other collectives MiB/rank/step | peak MiB/rank | step s |")
     print("|---|---|---|---|---|---|---|---|---|")
     mib = 2 ** 20
     for layout, cfg in LAYOUTS.items():
         r0 = last[layout][0]
-        gathered = sum(v for k, v in r0["volume"].items() if k.startswith("all_gather"))
+        others = sum(v for k, v in r0["volume"].items() if k != "all_to_all_single")
         print(f"| {layout} | {8 // cfg['expert']} | {r0['held']['experts'] / 1e6:.2f}M "
               f"| {r0['held']['dense'] / 1e6:.2f}M | {max(r['states'] for r in last[layout]) / mib:.1f} "
-              f"| {r0['volume'].get('all_to_all_single', 0) / mib:.1f} | {gathered / mib:.1f} "
+              f"| {r0['volume'].get('all_to_all_single', 0) / mib:.1f} | {others / mib:.1f} "
               f"| {statistics.median(peaks[layout]) / mib:.0f} | {statistics.median(steps[layout]):.3f} |")
 
 if __name__ == "__main__":
