@@ -20,6 +20,7 @@ the median step time of those launches (under the trimming allocator: for memory
 
     python bench/bench_harness.py                                 # fp32 and bf16, 3 rounds (~15 minutes)
     python bench/bench_harness.py --dtypes fp32 --rows zeroplus,fsdp2 --rounds 1
+    python bench/bench_harness.py --micro-batch 4 --seq 256        # the activation regime, same model
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def config(dtype: str, ds_defaults: bool) -> dict:
             "zero_optimization": zero, "steps_per_print": 10**6}
 
 
-def worker(row: str, dtype: str, steps: int, out: str) -> None:
+def worker(row: str, dtype: str, steps: int, out: str, micro: int = 1, seq: int = 64) -> None:
     """One rank of one row: imports, the measured start, the user's model, ``steps`` steps."""
     import torch
     import torch.distributed as dist
@@ -102,8 +103,9 @@ def worker(row: str, dtype: str, steps: int, out: str) -> None:
     start = resident("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM from here
-    model = UserGPT()
+    model = UserGPT(seq=seq)
     cfg = config(dtype, row == "zeroplus-ds-defaults")
+    cfg["train_micro_batch_size_per_gpu"] = micro
     if row == "fsdp2":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bf16" \
             else MixedPrecisionPolicy()
@@ -134,7 +136,7 @@ def worker(row: str, dtype: str, steps: int, out: str) -> None:
     g = torch.Generator().manual_seed(rank)
     times, losses = [], []
     for _ in range(steps):
-        x = torch.randint(0, 16384, (1, 64), generator=g)
+        x = torch.randint(0, 16384, (micro, seq), generator=g)
         t0 = time.perf_counter()
         losses.append(step(x))
         times.append(time.perf_counter() - t0)
@@ -144,13 +146,14 @@ def worker(row: str, dtype: str, steps: int, out: str) -> None:
     os._exit(0)  # (DeepSpeed aborts in interpreter teardown on CPU)
 
 
-def launch(row: str, dtype: str, steps: int) -> dict:
+def launch(row: str, dtype: str, steps: int, micro: int = 1, seq: int = 64) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r")
         env = {k: v for k, v in os.environ.items() if k not in MALLOC_ENV}
         env.update(MALLOC_ENV, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", ZEROPLUS_ACCELERATOR="cpu")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               os.path.abspath(__file__), "--worker", row, "--dtypes", dtype, "--steps", str(steps), "--out", out]
+               os.path.abspath(__file__), "--worker", row, "--dtypes", dtype, "--steps", str(steps), "--out", out,
+               "--micro-batch", str(micro), "--seq", str(seq)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         ranks = []
         for rank in range(2):
@@ -169,11 +172,13 @@ def main() -> None:
     p.add_argument("--dtypes", default="fp32,bf16")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=64)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        worker(args.worker, args.dtypes, args.steps, args.out)
+        worker(args.worker, args.dtypes, args.steps, args.out, args.micro_batch, args.seq)
         return
     rows, dtypes = args.rows.split(","), args.dtypes.split(",")
     unknown = set(rows) - set(ROWS)
@@ -183,8 +188,10 @@ def main() -> None:
     for _ in range(args.rounds):
         for dtype in dtypes:
             for row in rows:
-                results.setdefault((row, dtype), []).append(launch(row, dtype, args.steps))
-    print(f"ZeRO-3, user GPT 111M, 2 gloo ranks, 1 x 64, {args.steps} steps, median of {args.rounds} launches")
+                results.setdefault((row, dtype), []).append(launch(row, dtype, args.steps, args.micro_batch,
+                                                                   args.seq))
+    print(f"ZeRO-3, user GPT 111M, 2 gloo ranks, {args.micro_batch} x {args.seq}, {args.steps} steps, "
+          f"median of {args.rounds} launches")
     print("| row | dtype | peak MiB/rank (launches) | / FSDP2 | step s (trimming allocator) | last loss |")
     print("|---|---|---|---|---|---|")
     for dtype in dtypes:

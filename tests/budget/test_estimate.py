@@ -24,6 +24,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,6 +36,7 @@ from tests.saved_bytes import saved_in_real_step
 from zeroplus.budget.command import ranks_needed
 from zeroplus.ledger import Category
 from zeroplus.models import GPT, gpt_config
+from zeroplus.models.gpt_tp import TensorParallelGPT
 
 
 def _config(stage: int, dtype: str, shared: bool = False, offload_dir: str | None = None, **zp) -> dict:
@@ -252,6 +254,15 @@ def test_models_never_whole_start_below_their_training_peak_and_ranks_per_stage(
     needed = ranks_needed(lambda: GPT(gpt_config("small")), str(path), budget, 4, 32, None, "init")
     assert set(needed) == {1, 2, 3} and needed[3] is not None
     assert needed[1] is None or needed[3] <= needed[1]
+
+
+def test_ranks_needed_tries_only_world_sizes_the_parallel_layout_tiles():
+    """Tensor 2 with expert 4 over data x tensor needs 4 ranks: 1 and 2 are not tried (they raised before)."""
+    config = str(Path(__file__).resolve().parents[2] / "configs" / "zero2_bf16_tp2_ep4_expert_data.json")
+    build = lambda: TensorParallelGPT(gpt_config("tiny", block_size=32, moe_experts=4),  # noqa: E731
+                                      sequence_parallel=True)
+    needed = ranks_needed(build, config, 2**40, 4, 32, None, "whole")
+    assert needed == {1: 4, 2: 4, 3: 4}
 
 
 

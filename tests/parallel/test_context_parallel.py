@@ -503,3 +503,20 @@ def test_ulysses_sends_the_formula_volume():
     b, s, h, layers = MICRO, SEQ, 64, 2
     for sent, c in run_distributed(_all_to_all_bytes, 2):
         assert sent == layers * (4 + 5) * b * s * h // c * 4, sent  # (forward and backward, fp32)
+
+
+def _second_layout() -> tuple[bool, str]:
+    ring = {"zeroplus": {"parallel": {"context": 2, "context_mode": "ring"}}}
+    groups = zeroplus.init_parallel(ring)
+    same = zeroplus.init_parallel(ring) is groups
+    with pytest.raises(ValueError) as refused:
+        zeroplus.init_parallel({"zeroplus": {"parallel": {"context": 2, "context_mode": "ulysses"}}})
+    return same, str(refused.value)
+
+
+def test_groups_made_for_one_context_layout_refuse_another():
+    """Groups exist for context 2 as a ring: the same config gets them again; a config with the same sizes and
+    Ulysses is refused (it ran as a ring before), naming both layouts."""
+    for same, message in run_distributed(_second_layout, 2):
+        assert same
+        assert "context_mode 'ring'" in message and "asks for 'ulysses'" in message, message

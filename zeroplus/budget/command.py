@@ -36,6 +36,7 @@ from .meta_values import SimulationError
 from .model_states import model_state_bytes
 from .planner import Settings, apply_settings, plan
 from .simulate import CONSTRUCTIONS
+from .virtual_parallel import topology_of
 
 
 def _builder(spec: str, config: str, experts: int = 0) -> Callable[[], Any]:
@@ -95,12 +96,23 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def _tiles(cfg: Any, world: int) -> bool:
+    """Whether ``world`` ranks hold the config's parallel layout (``Topology`` refuses it otherwise)."""
+    try:
+        topology_of(cfg, world)
+    except ValueError:
+        return False
+    return True
+
+
 def ranks_needed(build: Callable[[], Any], config: str, budget: int, max_world: int, seq_len: int,
                  micro_batch_size: int | None, construction: str) -> dict[int, int | None]:
     """For ZeRO stages 1-3 (nothing offloaded, no shared masters, no recompute: the config's other keys as
     given), the fewest ranks, a power of two up to ``max_world``, whose predicted peak is within ``budget``
-    (None: none is). A binary search: the peak falls as ranks are added."""
+    (None: none is). A binary search: the peak falls as ranks are added. Only world sizes the config's
+    tensor, pipeline, expert and context sizes can tile are tried."""
     sizes = [2**k for k in range(max(0, max_world).bit_length()) if 2**k <= max_world]
+    sizes = [w for w in sizes if _tiles(parse_config(config)[0], w)]
     out: dict[int, int | None] = {}
     for stage in (1, 2, 3):
         cfg = apply_settings(parse_config(config)[0], Settings(stage, None, False, False))

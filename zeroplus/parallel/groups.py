@@ -40,6 +40,8 @@ class ParallelGroups:
         ``timeout_seconds``: the collective timeout of the groups created here."""
         self.topology = topology
         self.context_mode = context_mode  # how attention sees a sequence split over the context group
+        # (context_mode, ulysses_size) as init_parallel compares them; one layout without context parallelism
+        self.context_layout = (context_mode, ulysses_size) if topology.context > 1 else ("ulysses", 1)
         self.global_rank = rank
         self.coordinates: Coordinates = topology.coordinates(rank)
         self.world_group = None if virtual else _world_group()  # the default group these were made in
@@ -117,6 +119,16 @@ def _ulysses_size(spec: Any) -> int:
     return spec.zeroplus.parallel.ulysses_size if hasattr(spec, "zeroplus") else 1
 
 
+def _context_layout(spec: Any, topology: Topology) -> tuple[str, int] | None:
+    """(context_mode, ulysses_size) a config asks for; one layout without context parallelism; None for a
+    ``Topology``, which names sizes only (any layout of them will do)."""
+    if topology.context == 1:
+        return "ulysses", 1
+    if isinstance(spec, Topology):
+        return None
+    return _context_mode(spec), _ulysses_size(spec)
+
+
 def _sizes(spec: Any) -> tuple[int, int, int, int]:
     if isinstance(spec, Topology):
         return spec.tensor, spec.pipeline, spec.expert, spec.context
@@ -143,8 +155,15 @@ def init_parallel(spec: Any = None) -> ParallelGroups:
     sizes = _sizes(spec) if spec is not None else (1, 1, 1, 1)
     topology = Topology(world, *sizes, experts_span_tensor=spec is not None and _span(spec))
     if _CURRENT is not None and _CURRENT.world_group is _world_group():
-        if _CURRENT.topology == topology or sizes == (1, 1, 1, 1):
+        if sizes == (1, 1, 1, 1):
             return _CURRENT  # a config without parallel sizes runs in the groups already made
+        if _CURRENT.topology == topology:
+            made, asked = _CURRENT.context_layout, _context_layout(spec, topology)
+            if asked is not None and made != asked:  # the same sizes, another attention layout: not the old one
+                raise ValueError(f"rank {rank}: process groups exist for {topology.describe()} with context_mode "
+                                 f"{made[0]!r} (ulysses_size {made[1]}), and the config asks for {asked[0]!r} "
+                                 f"(ulysses_size {asked[1]}); call zeroplus.parallel.reset_parallel() first")
+            return _CURRENT
         raise ValueError(f"rank {rank}: process groups exist for {_CURRENT.topology.describe()}, and the config "
                          f"asks for {topology.describe()}; call zeroplus.parallel.reset_parallel() first")
     _CURRENT = ParallelGroups(topology, rank, timeout_seconds=_timeout(spec), context_mode=_context_mode(spec),
