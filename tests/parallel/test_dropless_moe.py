@@ -108,6 +108,42 @@ def test_dropless_experts_routed_or_lent_equal_one_process(runs, hot):
                                        msg=lambda m, n=name: f"{where}: expert {n} {m}")
 
 
+def _expert_data_mode() -> list[dict]:
+    """4 ranks, tensor 2 x data 2, expert 4 over data x tensor: each tensor group shares its data rank's tokens,
+    and each of its ranks routes half of them (``expert_tokens.py``); routed, then with expert 0 lent."""
+    groups = zeroplus.init_parallel({"zeroplus": {"parallel": {"tensor": 2, "expert": 4, "experts_span_tensor": True}}})
+    d = groups.data.rank
+    out = []
+    for hot in (0, 1):
+        whole, layer = _layer(), _layer(hot, groups.expert)
+        with torch.no_grad():
+            layer.experts[0].load_state_dict(whole.experts[layer.first_expert].state_dict())
+        loss, y, aux = _loss(layer, d)
+        loss.backward()
+        gate = layer.gate.weight.grad.clone()  # summed over the tensor ranks' halves; now over the data ranks
+        groups.data.all_reduce(gate).wait()
+        out.append({"y": y.detach(), "aux": aux.item(), "gate": gate, "data": d, "hot": layer.last_hot,
+                    "experts": {f"{layer.first_expert}.{n}": p.grad.clone()
+                                for n, p in layer.experts[0].named_parameters()}})
+    return out
+
+
+def test_dropless_experts_in_the_expert_data_mode_equal_one_process():
+    """The reference as above (each data rank's tokens once); every rank's output is its data rank's whole
+    output (gathered over its tensor group)."""
+    ys, auxes, gate, experts = _reference()
+    for rank, results in enumerate(run_distributed(_expert_data_mode, 4)):
+        for hot, got in enumerate(results):
+            where, d = f"expert-data mode, hot_experts {hot}, rank {rank}", results[0]["data"]
+            assert got["hot"] == ([0] if hot else []), where
+            torch.testing.assert_close(got["y"], ys[d], rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: output {m}")
+            assert got["aux"] == pytest.approx(auxes[d], rel=1e-6), where
+            torch.testing.assert_close(got["gate"], gate, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: gate {m}")
+            for name, grad in got["experts"].items():
+                torch.testing.assert_close(grad, experts[name], rtol=1e-5, atol=1e-6,
+                                           msg=lambda m, n=name: f"{where}: expert {n} {m}")
+
+
 def test_lending_trades_the_hot_experts_tokens_for_its_parameters(runs):
     routed, lent = runs[0][0]["bytes"], runs[1][0]["bytes"]
     params = sum(p.numel() * 4 for p in _expert().parameters())

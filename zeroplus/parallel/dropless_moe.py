@@ -168,12 +168,12 @@ class DroplessMoE(nn.Module):
         for i in range(L):
             index = torch.cat([torch.arange(starts[s][i], starts[s][i] + per_source[s][i]) for s in range(P)])
             index = index.to(tokens.device)
-            if index.numel():
-                pieces.append(self.experts[i](received[index]))
-                places.append(index)
-        ran = received.new_zeros(received.shape)
-        if pieces:
-            ran = ran.index_copy(0, torch.cat(places), torch.cat(pieces))
+            # every local expert runs, on no rows too: the exchange's backward then runs on every rank alike (a
+            # rank whose experts got no token, e.g. a lent expert's owner, would otherwise leave it out and hang
+            # the others, as its output would not depend on anything that takes a gradient)
+            pieces.append(self.experts[i](received[index]))
+            places.append(index)
+        ran = received.new_zeros(received.shape).index_copy(0, torch.cat(places), torch.cat(pieces))
         back = _AllToAllV.apply(ran, self.ep, recv, send)
         return y.index_add(0, token, back * weight.unsqueeze(1))
 
