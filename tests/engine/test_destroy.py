@@ -102,6 +102,15 @@ def test_destroy_removes_every_hook_at_each_stage_and_with_the_memory_techniques
     _check(_build_destroy_build(stage, block))
 
 
+def test_destroy_gives_back_a_context_parallel_hugging_face_models_forward_and_attention():
+    """Context parallelism (2 ranks, Ulysses) replaces the model's forward (each rank keeps its slice) and its
+    attention implementation; destroy() puts both back, and the model trains again as a fresh build does."""
+    for r in run_distributed(_build_destroy_build, 2, 2, {"parallel": {"context": 2}}):
+        (_, patched_before), (_, patched_during), _ = r["hooks"]
+        assert "" in patched_during and patched_during != patched_before, patched_during  # it was replaced
+        _check(r)
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_an_engine_dropped_without_destroy_takes_its_hooks_off_and_a_stage3_model_is_refused_after(stage):
     """Garbage collection removes the hooks too (no collective). At stage 2 the parameters keep their values and
