@@ -9,9 +9,9 @@ tokens than one over all. Checked per case (ZeRO stage, sequence parallelism): e
 gradient norm (an expert counted twice, or a router gradient not summed over the tensor ranks, changes it), and
 each rank's experts (by global index), router and norms after 3 steps. The layout it refines, experts over data
 ranks only and replicated on both tensor ranks (expert size 2), is checked the same way. ``zeroplus.estimate``
-predicts each rank's model-state peaks exactly. Refused: sizes that do not tile data x tensor, sequence
-parallelism with replicated experts, tokens that do not split over the tensor ranks, and a checkpoint saved in
-the other layout.
+predicts the model-state peaks of ranks 0 and 1 exactly (data rank 1's ranks hold the same shapes). A checkpoint
+resumes bit-exact. Refused: sizes that do not tile data x tensor, sequence parallelism with replicated experts,
+tokens that do not split over the tensor ranks, and a checkpoint saved in the other layout.
 """
 from __future__ import annotations
 
@@ -161,6 +161,8 @@ def test_expert_data_mode_matches_all_experts_in_one_process():
                 torch.testing.assert_close(value, ref_params[name], rtol=1e-4, atol=LR / 10,
                                            msg=lambda m, n=name: f"{where}, {n}: {m}")
             held |= set(got["params"])
+            if rank >= 2:  # data rank 1 holds the same shapes as data rank 0
+                continue
             stage, sp, expert, span = case
             budget = zeroplus.estimate(lambda sp=sp: TensorParallelGPT(_gpt_config(), sequence_parallel=sp),
                                        _config(stage, sp, expert, span), world_size=4, rank=rank, seq_len=SEQ)
