@@ -33,7 +33,8 @@ import zeroplus
 from tests.dist_helper import rank_and_world, run_distributed
 from tests.new_storage import NewStorageBytes
 from tests.saved_bytes import saved_in_real_step
-from zeroplus.budget.command import ranks_needed
+from zeroplus.budget.command import _builder, ranks_needed
+from zeroplus.budget.planner import plan
 from zeroplus.ledger import Category
 from zeroplus.models import GPT, gpt_config
 from zeroplus.models.gpt_tp import TensorParallelGPT
@@ -263,6 +264,20 @@ def test_ranks_needed_tries_only_world_sizes_the_parallel_layout_tiles():
                                       sequence_parallel=True)
     needed = ranks_needed(build, config, 2**40, 4, 32, None, "whole")
     assert needed == {1: 4, 2: 4, 3: 4}
+
+
+def test_beside_pipelines_neither_the_planner_nor_ranks_needed_tries_stage_3(tmp_path):
+    """ZeRO-3 with pipeline parallelism is refused (``topology.check_supported``): with ``"stage": "auto"`` the
+    planner chose among 0-2 and ``ranks_needed`` answers for 1-2 (both raised that refusal before)."""
+    cfg = json.loads((Path(__file__).resolve().parents[2] / "configs" / "zero1_bf16_pp2.json").read_text())
+    cfg["zero_optimization"]["stage"] = "auto"
+    path = tmp_path / "pp_auto.json"
+    path.write_text(json.dumps(cfg))
+    build = _builder("tiny", str(path))  # as zeroplus estimate builds it: this rank's pipeline stage
+    chosen = plan(build, str(path), world_size=4, budget="1GB", seq_len=32)
+    assert chosen.settings.stage in (0, 1, 2)
+    needed = ranks_needed(build, str(path), 2**40, 4, 32, None, "whole")
+    assert set(needed) == {1, 2}
 
 
 

@@ -114,7 +114,8 @@ def ranks_needed(build: Callable[[], Any], config: str, budget: int, max_world: 
     sizes = [2**k for k in range(max(0, max_world).bit_length()) if 2**k <= max_world]
     sizes = [w for w in sizes if _tiles(parse_config(config)[0], w)]
     out: dict[int, int | None] = {}
-    for stage in (1, 2, 3):
+    parsed = parse_config(config)[0]
+    for stage in (1, 2) if parsed.zeroplus.parallel.pipeline > 1 else (1, 2, 3):  # (stage 3 beside pipelines: refused)
         cfg = apply_settings(parse_config(config)[0], Settings(stage, None, False, False))
 
         def fits(world: int, cfg: Any = cfg) -> bool:

@@ -81,6 +81,8 @@ class Plan:
 def _candidates(cfg: ZeroplusConfig) -> list[Settings]:
     zero, zp = cfg.zero_optimization, cfg.zeroplus
     stages = [0, 1, 2, 3] if zero.stage == "auto" else [int(zero.stage)]
+    if zero.stage == "auto" and zp.parallel.pipeline > 1:  # stage 3 beside pipelines is refused (topology.py)
+        stages = [0, 1, 2]
     block = zero.offload_optimizer
     if block is None or not zero.offloads_optimizer:
         ratios: list[float | None] = [None]
