@@ -119,7 +119,7 @@ class DroplessMoE(nn.Module):
         shape = x.shape
         tokens = self.split.enter(x.reshape(-1, shape[-1]))  # the expert-data mode: this rank's 1/T
         E = self.num_experts
-        probs = F.softmax(F.linear(tokens, self.split.router_weight(self.gate.weight)).float(), dim=-1)
+        probs = F.softmax(self.split.route(self.gate, tokens).float(), dim=-1)
         weight, expert = probs.topk(self.k, dim=-1)
         if self.k > 1:
             weight = weight / weight.sum(-1, keepdim=True)

@@ -84,9 +84,14 @@ class TokenSplit:
         out: torch.Tensor = _GatherTokens.apply(y, self.tensor)
         return out
 
-    def router_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        """The router's weight as used here: its gradient summed over the tensor ranks' token parts."""
-        return weight if self.tensor is None else sum_grad_over_tensor(weight, self.tensor)
+    def route(self, router: torch.nn.Linear, tokens: torch.Tensor) -> torch.Tensor:
+        """``router(tokens)``; split, with its weight's gradient summed over the tensor ranks' token parts (the
+        module's own forward is called when nothing is split, so hooks and wrappers on it see the call)."""
+        if self.tensor is None:
+            out: torch.Tensor = router(tokens)
+            return out
+        bias = None if router.bias is None else sum_grad_over_tensor(router.bias, self.tensor)
+        return torch.nn.functional.linear(tokens, sum_grad_over_tensor(router.weight, self.tensor), bias)
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
         """A mean over this rank's tokens made the mean over the tensor group's (equal parts)."""

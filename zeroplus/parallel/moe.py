@@ -130,7 +130,7 @@ class TopKGate(nn.Module):
         """For tokens ``x`` (n, d): expert ``(n, k)``, slot ``(n, k)`` (-1: dropped), weight ``(n, k)``,
         the load-balancing loss, and the capacity."""
         n, E = x.shape[0], self.num_experts
-        probs = F.softmax(F.linear(x, self.split.router_weight(self.wg.weight)).float(), dim=-1)  # (n, E)
+        probs = F.softmax(self.split.route(self.wg, x).float(), dim=-1)  # (n, E)
         weight, expert = probs.topk(self.k, dim=-1)  # (n, k)
         if self.k > 1:
             weight = weight / weight.sum(-1, keepdim=True)
