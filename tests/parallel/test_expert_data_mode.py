@@ -5,7 +5,7 @@ experts, and each tensor rank routes half of the tokens its tensor group shares 
 The reference is the plain GPT with all 4 experts in one process and ``torch.optim.AdamW`` on both data ranks'
 micro-batches (each loss / 2, the balancing loss weighted alike), clipped at a norm the gradients exceed. The
 capacity factor keeps every choice (capacity = k x tokens), since a capacity over 1/T of the tokens drops other
-tokens than one over all. Checked per case (ZeRO stage, sequence parallelism): every rank's losses, the global
+tokens than one over all. Checked per case (ZeRO stage 0-3, sequence parallelism): every rank's losses, the global
 gradient norm (an expert counted twice, or a router gradient not summed over the tensor ranks, changes it), and
 each rank's experts (by global index), router and norms after 3 steps. The layout it refines, experts over data
 ranks only and replicated on both tensor ranks (expert size 2), is checked the same way. ``zeroplus.estimate``
@@ -32,7 +32,7 @@ from zeroplus.parallel.topology import Topology
 
 STEPS, MICRO, SEQ, CLIP, LR, EXPERTS, DATA = 3, 2, 16, 0.5, 1e-2, 4, 2
 # (ZeRO stage, sequence parallel, expert size, experts_span_tensor)
-CASES = [(1, False, 4, True), (2, True, 4, True), (3, False, 4, True), (2, False, 2, False)]
+CASES = [(0, False, 4, True), (1, False, 4, True), (2, True, 4, True), (3, False, 4, True), (2, False, 2, False)]
 
 
 def _gpt_config():
