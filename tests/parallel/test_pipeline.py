@@ -126,6 +126,11 @@ def test_data_x_pipeline_1f1b_and_interleaved_match_the_single_process_model(pip
                 twin = by_case[(zero_stage, virtual, False)]
                 assert got["losses"] == twin["losses"] and got["norms"] == twin["norms"], where
                 assert all(torch.equal(v, twin["params"][n]) for n, v in got["params"].items()), where
+                # and the losses of 1F1B bit for bit (the bar); the norm sums the same squares over other
+                # flat groups (the chunks split the stage), in float64: equal to its last bits
+                one_f_one_b = by_case[(zero_stage, 1, False)]
+                assert got["losses"] == one_f_one_b["losses"], f"{where}: losses against 1F1B"
+                assert got["norms"] == pytest.approx(one_f_one_b["norms"], rel=1e-12), f"{where}: norms against 1F1B"
             assert got["losses"] == pytest.approx(ref_losses[got["data_rank"]], rel=2e-5), f"{where}: losses"
             assert got["norms"] == pytest.approx(ref_norms, rel=2e-5), f"{where}: grad norms"
             assert got["held_out"] == pytest.approx(ref_held_out, rel=2e-5), f"{where}: eval_batch loss"
