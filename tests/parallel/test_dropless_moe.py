@@ -96,16 +96,21 @@ def runs() -> dict:
 
 @pytest.mark.parametrize("hot", [0, 1])
 def test_dropless_experts_routed_or_lent_equal_one_process(runs, hot):
-    ys, auxes, gate, experts = _reference()
+    reference = _reference()
     for rank, got in enumerate(runs[hot]):
-        where = f"hot_experts {hot}, rank {rank}"
-        assert got["hot"] == ([0] if hot else []), where
-        torch.testing.assert_close(got["y"], ys[rank], rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: output {m}")
-        assert got["aux"] == pytest.approx(auxes[rank], rel=1e-6), where
-        torch.testing.assert_close(got["gate"], gate, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: gate {m}")
-        for name, grad in got["experts"].items():
-            torch.testing.assert_close(grad, experts[name], rtol=1e-5, atol=1e-6,
-                                       msg=lambda m, n=name: f"{where}: expert {n} {m}")
+        _assert_equal(got, reference, rank, hot, f"hot_experts {hot}, rank {rank}")
+
+
+def _assert_equal(got: dict, reference: tuple, data_rank: int, hot: int, where: str) -> None:
+    """One rank's output, balancing loss, gate and expert gradients against the reference's for its data rank."""
+    ys, auxes, gate, experts = reference
+    assert got["hot"] == ([0] if hot else []), where
+    torch.testing.assert_close(got["y"], ys[data_rank], rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: output {m}")
+    assert got["aux"] == pytest.approx(auxes[data_rank], rel=1e-6), where
+    torch.testing.assert_close(got["gate"], gate, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: gate {m}")
+    for name, grad in got["experts"].items():
+        torch.testing.assert_close(grad, experts[name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, n=name: f"{where}: expert {n} {m}")
 
 
 def _expert_data_mode() -> list[dict]:
@@ -131,17 +136,10 @@ def _expert_data_mode() -> list[dict]:
 def test_dropless_experts_in_the_expert_data_mode_equal_one_process():
     """The reference as above (each data rank's tokens once); every rank's output is its data rank's whole
     output (gathered over its tensor group)."""
-    ys, auxes, gate, experts = _reference()
+    reference = _reference()
     for rank, results in enumerate(run_distributed(_expert_data_mode, 4)):
         for hot, got in enumerate(results):
-            where, d = f"expert-data mode, hot_experts {hot}, rank {rank}", results[0]["data"]
-            assert got["hot"] == ([0] if hot else []), where
-            torch.testing.assert_close(got["y"], ys[d], rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: output {m}")
-            assert got["aux"] == pytest.approx(auxes[d], rel=1e-6), where
-            torch.testing.assert_close(got["gate"], gate, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: gate {m}")
-            for name, grad in got["experts"].items():
-                torch.testing.assert_close(grad, experts[name], rtol=1e-5, atol=1e-6,
-                                           msg=lambda m, n=name: f"{where}: expert {n} {m}")
+            _assert_equal(got, reference, got["data"], hot, f"expert-data mode, hot_experts {hot}, rank {rank}")
 
 
 def test_lending_trades_the_hot_experts_tokens_for_its_parameters(runs):
