@@ -12,6 +12,9 @@ up front, see note: runtime baseline) is in its peak.
 Rows: ``zeroplus`` (the JSON below, zeroplus's defaults for what it leaves out); ``zeroplus-ds-defaults``
 (the same JSON with DeepSpeed's documented defaults written out: ``stage3_prefetch_bucket_size`` 5e7,
 ``stage3_param_persistence_threshold`` 1e5, ``reduce_bucket_size`` 5e8, ...; zeroplus honours them);
+``zeroplus-recompute`` (plus ``"resize_recompute": {"enabled": true, "norms": true}``: the GELU and
+LayerNorm outputs recomputed in backward, bitwise the same gradients); ``zeroplus-recompute-units`` (plus
+``"unit_modules": ["Block", "Embedding"]``: the embeddings leave the root unit);
 ``fsdp2`` (``fully_shard`` per block and root, default ``reshard_after_forward``, bf16:
 ``MixedPrecisionPolicy(bf16, reduce_dtype=fp32)``, ``torch.optim.AdamW`` with default arguments,
 ``clip_grad_norm_``, ``zero_grad(set_to_none=True)``); ``deepspeed`` (the JSON, ``DS_ACCELERATOR=cpu``).
@@ -37,7 +40,12 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131
 DS_DEFAULTS = {"stage3_prefetch_bucket_size": 5e7, "stage3_param_persistence_threshold": 1e5,
                "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8, "stage3_max_live_parameters": 1e9,
                "stage3_max_reuse_distance": 1e9, "sub_group_size": 1e9}
-ROWS = ("zeroplus", "zeroplus-ds-defaults", "fsdp2", "deepspeed")
+ROWS = ("zeroplus", "zeroplus-ds-defaults", "zeroplus-recompute", "zeroplus-recompute-units", "fsdp2", "deepspeed")
+# the zeroplus rows' own keys: resize recompute of the activations and norms (F.gelu inline is seen too), and the
+# input embeddings as units of their own (gathered for their forward and backward only, not the whole step)
+RECOMPUTE = {"resize_recompute": {"enabled": True, "norms": True}}
+ZEROPLUS_KEYS = {"zeroplus": {}, "zeroplus-ds-defaults": {}, "zeroplus-recompute": RECOMPUTE,
+                 "zeroplus-recompute-units": {**RECOMPUTE, "unit_modules": ["Block", "Embedding"]}}
 
 
 def config(dtype: str, ds_defaults: bool) -> dict:
@@ -125,7 +133,7 @@ def worker(row: str, dtype: str, steps: int, out: str, micro: int = 1, seq: int 
         if row == "deepspeed":
             engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
         else:
-            cfg["zeroplus"] = {"log_level": "warning"}
+            cfg["zeroplus"] = {"log_level": "warning", **ZEROPLUS_KEYS[row]}
             engine = zeroplus.initialize(model, cfg)
 
         def step(x: torch.Tensor) -> float:

@@ -411,10 +411,11 @@ def _activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: 
     recompute = zp.resize_recompute
     if recompute.enabled:
         classes = list(DEFAULT_CLASSES if recompute.modules is None else recompute.modules)
-        technique = ResizeRecompute(model, classes, recompute.names, ledger, norms=recompute.norms)
+        technique = ResizeRecompute(model, classes, recompute.names, ledger, norms=recompute.norms,
+                                    functional=recompute.functional)
         _check_targets("resize_recompute", technique.targets, model,
                        classes + (["norms (*LayerNorm, *RMSNorm, *GroupNorm)"] if recompute.norms else []),
-                       recompute.names)
+                       recompute.names, [f.__name__ for f in technique.functions])
         claimers.append(technique)
     swap = zp.swap_attention
     if swap.enabled:
@@ -485,8 +486,12 @@ def _split_sequences(model: torch.nn.Module, parallel: ParallelGroups) -> None:
         raise ConfigError(f"config key 'zeroplus.parallel.context': {err}") from None
 
 
-def _check_targets(key: str, targets: list[str], model: torch.nn.Module, classes: list[str], names: list[str]) -> None:
-    if not targets:
+def _check_targets(key: str, targets: list[str], model: torch.nn.Module, classes: list[str], names: list[str],
+                   functions: list[str] | None = None) -> None:
+    """Refuse a technique that matches nothing; with ``functions`` (their calls are seen only as the forward
+    runs) no module needs to match."""
+    if not targets and not functions:
         raise ConfigError(f"config key 'zeroplus.{key}' matches no module of {type(model).__name__} "
                           f"(classes {classes}, names {names})")
-    log_rank0("%s: %d modules (%s%s)", key, len(targets), ", ".join(targets[:3]), ", ..." if len(targets) > 3 else "")
+    log_rank0("%s: %d modules (%s%s)%s", key, len(targets), ", ".join(targets[:3]), ", ..." if len(targets) > 3 else "",
+              f", and calls of {', '.join(functions)}" if functions else "")

@@ -1,7 +1,8 @@
 """Resize-based recompute: bitwise-identical gradients, and the dropped bytes really leave memory.
 
-Gradients: the built-in GPT and a Hugging Face Llama-style model (RMSNorm, SwiGLU with ``nn.SiLU``,
-one layer with an HF-style ``GELUActivation`` module), activation functions and norms recomputed,
+Gradients: the built-in GPT, a Hugging Face Llama-style model (RMSNorm, SwiGLU with ``nn.SiLU``,
+one layer with an HF-style ``GELUActivation`` module) and a model calling the functional forms inline
+(``F.layer_norm``, ``F.silu``, ``F.gelu(approximate="tanh")``), activation functions and norms recomputed,
 at stages 0 and 3 in fp32 and bf16 on 2 ranks, with two micro-batches per step: every reduced
 gradient (the flat buffer at stage 0, the shard at stage 3) and the loss equal the run without
 recompute bit for bit.
@@ -16,6 +17,8 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import zeroplus
 from tests.dist_helper import rank_and_world, run_distributed
@@ -24,8 +27,34 @@ from zeroplus.ledger import Category
 from zeroplus.models.gpt import GPT, gpt_config
 
 
+class _InlineBlock(nn.Module):
+    """A gated MLP written with the functional forms: nothing for a module hook to see."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm_w, self.norm_b = nn.Parameter(torch.ones(d)), nn.Parameter(torch.zeros(d))
+        self.up, self.gate, self.down = nn.Linear(d, 2 * d), nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.layer_norm(x, (x.shape[-1],), self.norm_w, self.norm_b)
+        return x + self.down(F.silu(self.gate(h)) * F.gelu(self.up(h), approximate="tanh"))
+
+
+class _InlineNet(nn.Module):
+    def __init__(self, vocab: int = 37, d: int = 16, layers: int = 2) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, d), nn.Linear(d, vocab)
+        self.blocks = nn.ModuleList(_InlineBlock(d) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h)
+        return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
 def _model(kind: str) -> torch.nn.Module:
-    return GPT(gpt_config("tiny")) if kind == "gpt" else LlamaStyleNet()
+    return {"gpt": lambda: GPT(gpt_config("tiny")), "llama": LlamaStyleNet, "inline": _InlineNet}[kind]()
 
 
 def _config(stage: int, dtype: str, recompute: bool, micro: int = 2) -> dict:
@@ -62,12 +91,15 @@ def _job(kind: str) -> list:
     return [(_gradients(kind, s, d, False), _gradients(kind, s, d, True)) for s, d in cases]
 
 
-@pytest.mark.parametrize("kind", ["gpt", "llama"])
+@pytest.mark.parametrize("kind", ["gpt", "llama", "inline"])
 def test_recompute_gradients_are_bitwise_identical(kind):
     results = run_distributed(_job, 2, kind)[0]
     for (stage, dtype), (plain, recomputed) in zip([(s, d) for s in (0, 3) for d in ("fp32", "bf16")], results):
         where = f"{kind} stage {stage} {dtype}"
         assert all(b > 0 for b in recomputed["saved"]) and not any(plain["saved"]), where
+        if kind == "inline":  # per block, the norm's output (d wide) and the two activations' (2 d each)
+            expected = 2 * 2 * 16 * 5 * 16 * (4 if dtype == "fp32" else 2)
+            assert recomputed["saved"] == [expected] * 4, (where, recomputed["saved"])
         assert plain["losses"] == recomputed["losses"], where
         for step, (a, b) in enumerate(zip(plain["grads"], recomputed["grads"])):
             for i, (ga, gb) in enumerate(zip(a, b)):

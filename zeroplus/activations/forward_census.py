@@ -51,8 +51,10 @@ class ForwardCensus(EagerWhileActive, TorchDispatchMode):
                     self.storages[key] = (StorageWeakRef(storage), storage.nbytes())
 
     def alive_bytes(self, excluded: set[int]) -> int:
-        """Bytes of the recorded storages still alive, but for those whose identity is in ``excluded``."""
-        return sum(n for key, (ref, n) in self.storages.items() if key not in excluded and not ref.expired())
+        """Bytes the recorded storages still alive hold now (one resized to 0 by resize recompute holds
+        nothing), but for those whose identity is in ``excluded``."""
+        return sum(torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()  # type: ignore[attr-defined]
+                   for key, (ref, _) in self.storages.items() if key not in excluded and not ref.expired())
 
 
 def storage_keys_of(output: Any) -> set[int]:

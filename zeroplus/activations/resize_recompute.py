@@ -2,10 +2,14 @@
 
 For each chosen module (by class name, default the activation functions ``GELU``, ``SiLU``,
 ``Mish`` and Hugging Face's activation modules; norms such as ``LayerNorm``/``RMSNorm`` as an
-option; or by qualified-name pattern): its output ``y`` is remembered with the inputs it was computed
-from. When the module's parent finishes its forward, if autograd saved ``y`` for some consumer (e.g.
-the next Linear) and the parent does not return it, ``y``'s storage is resized to 0: the tensor object, and every view
-autograd saved, stay, but hold no memory. When backward unpacks ``y`` for that consumer, the
+option; or by qualified-name pattern), and for each call of their functional forms in the model's own
+forward code (``F.gelu``, ``F.silu``, ``F.mish``; with norms ``F.layer_norm``, ``F.rms_norm``,
+``F.group_norm``; seen through a ``TorchFunctionMode`` while the engine's forward runs, the module running
+the call known from global forward hooks installed for that time): its output ``y`` is remembered with
+the inputs it was computed from (a functional call's "parent" is the module whose forward made the
+call). When the module's parent finishes its forward, if autograd saved ``y`` for some consumer (e.g.
+the next Linear) and the parent does not return it, ``y``'s storage is resized to 0: the tensor object,
+and every view autograd saved, stay, but hold no memory. When backward unpacks ``y`` for that consumer, the
 module is run again on the same inputs (no grad) and the result copied into the same storage,
 just before the consumer's backward uses it. Recomputation is deterministic, so gradients are
 bitwise identical to a run without it.
@@ -17,15 +21,18 @@ it and of its inputs, so backward frees them when autograd would. The inputs are
 own backward saves them anyway (GELU, SiLU and the norms save their input). Outputs that share
 storage with an input (in-place modules) are left alone. Outputs of a recompute inside an
 activation-checkpointing replay are not touched (only the engine's own forward is watched).
-See note: resize recompute (docs/design-notes.md).
+See note: resize recompute; see note: functional recompute (docs/design-notes.md).
 """
 from __future__ import annotations
 
 import fnmatch
+import functools
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from ..eager import compiled_modules, eager
@@ -39,6 +46,9 @@ DEFAULT_CLASSES = ("GELU", "SiLU", "Mish", "GELUActivation", "NewGELUActivation"
                    "AccurateGELUActivation")
 NORM_CLASSES = ("LayerNorm", "RMSNorm", "GroupNorm")
 _NORM_TYPES = (torch.nn.LayerNorm, torch.nn.RMSNorm, torch.nn.GroupNorm)
+# the functional forms of the default classes and of the norms (``functional``)
+ACTIVATION_FUNCTIONS: tuple[Callable, ...] = (F.gelu, F.silu, F.mish)
+NORM_FUNCTIONS: tuple[Callable, ...] = (F.layer_norm, F.rms_norm, F.group_norm)
 
 
 def is_norm(module: torch.nn.Module) -> bool:
@@ -52,22 +62,44 @@ def is_norm(module: torch.nn.Module) -> bool:
 class _Record:
     __slots__ = ("module", "args", "output", "key", "nbytes", "packed", "unpacked", "released")
 
-    def __init__(self, module: torch.nn.Module, args: tuple, output: torch.Tensor, key: int) -> None:
+    def __init__(self, module: Callable, args: tuple, output: torch.Tensor, key: int) -> None:
         self.module, self.args, self.output, self.key = module, args, output, key
         self.nbytes = output.untyped_storage().nbytes()
         self.packed = self.unpacked = 0
         self.released = False
 
 
+class _FunctionalCalls(TorchFunctionMode):
+    """Hands each call of a chosen function to its owner with the output (the call itself runs as usual)."""
+
+    def __init__(self, owner: "ResizeRecompute") -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in self.owner.functions:
+            self.owner._functional_output(func, args, kwargs, out)
+        return out
+
+
 class ResizeRecompute:
     def __init__(self, model: torch.nn.Module, class_names: list[str], name_patterns: list[str],
-                 ledger: Ledger, norms: bool = False) -> None:
+                 ledger: Ledger, norms: bool = False, functional: bool = False) -> None:
         """Recompute the outputs of modules whose class is in ``class_names``, whose name matches one of
-        ``name_patterns``, and with ``norms`` every normalisation layer (``is_norm``)."""
+        ``name_patterns``, and with ``norms`` every normalisation layer (``is_norm``); with ``functional``
+        also the outputs of ``ACTIVATION_FUNCTIONS`` (with ``norms``, ``NORM_FUNCTIONS`` too) called by the
+        model's forward code outside those modules."""
         classes, patterns = set(class_names), list(name_patterns)
         self.model = model
         self.ledger = ledger
         self.targets: list[str] = []
+        self.functions = frozenset((ACTIVATION_FUNCTIONS + (NORM_FUNCTIONS if norms else ())) if functional else ())
+        self._target_ids: set[int] = set()
+        self._stack: list[torch.nn.Module] = []  # the modules whose forward is running, innermost last
+        self._mode: _FunctionalCalls | None = None
+        self._global_hooks: list[Any] = []
         self._records: dict[int, _Record] = {}
         self._pending: dict[int, list[_Record]] = {}
         self._active = False
@@ -81,6 +113,7 @@ class ResizeRecompute:
                 continue
             parent = model.get_submodule(name.rpartition(".")[0])
             self.targets.append(name)
+            self._target_ids.add(id(module))
             self._handles.append(module.register_forward_hook(eager(self._make_output_hook(parent))))
             parents[id(parent)] = parent
         for parent in parents.values():
@@ -96,9 +129,21 @@ class ResizeRecompute:
                 f"before they are recomputed, so its gradients would be wrong. Turn resize_recompute off, or "
                 f"do not compile (activation checkpointing and swap_attention work compiled)")
         self._active = True
+        if self.functions:
+            self._global_hooks = [torch.nn.modules.module.register_module_forward_pre_hook(eager(self._enter)),
+                                  torch.nn.modules.module.register_module_forward_hook(eager(self._leave))]
+            self._mode = _FunctionalCalls(self)
+            self._mode.__enter__()
 
     def end_forward(self) -> None:
         self._active = False
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+        for h in self._global_hooks:
+            h.remove()
+        self._global_hooks = []
+        self._stack.clear()
         for records in self._pending.values():  # chosen modules run outside their parent
             for record in records:
                 if not record.packed:
@@ -119,6 +164,29 @@ class ResizeRecompute:
             self._records[key] = record
             self._pending.setdefault(id(parent_ref()), []).append(record)
         return hook
+
+    def _enter(self, module: torch.nn.Module, args: Any) -> None:
+        self._stack.append(module)
+
+    def _leave(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self._stack and self._stack[-1] is module:
+            self._stack.pop()
+        if id(module) in self._pending:  # (its own hook, if it has one, then finds nothing left)
+            self._parent_done(module, args, output)
+
+    def _functional_output(self, func: Callable, args: tuple, kwargs: dict, output: Any) -> None:
+        if not self._active or self._recomputing or not self._stack or not isinstance(output, torch.Tensor) \
+                or not output.requires_grad:
+            return
+        parent = self._stack[-1]
+        if id(parent) in self._target_ids:
+            return  # a chosen module's own call (``nn.GELU`` calls ``F.gelu``): its output hook records it
+        key = storage_key(output)
+        if any(isinstance(a, torch.Tensor) and storage_key(a) == key for a in tree_flatten(args)[0]):
+            return  # in place
+        record = _Record(functools.partial(func, **kwargs), args, output, key)
+        self._records[key] = record
+        self._pending.setdefault(id(parent), []).append(record)
 
     def _parent_done(self, parent: torch.nn.Module, args: Any, output: Any) -> None:
         records = self._pending.pop(id(parent), [])
@@ -178,6 +246,6 @@ class ResizeRecompute:
         self._pending.clear()
 
     def remove(self) -> None:
-        for h in self._handles:
+        for h in self._handles + self._global_hooks:
             h.remove()
         self._handles.clear()

@@ -149,6 +149,8 @@ class ResizeRecomputeConfig(Block):
                         "GroupNorm, their subclasses, and classes named *LayerNorm, *RMSNorm or *GroupNorm.")
     names: list[str] = Field(default_factory=list, description="Qualified-name patterns (fnmatch), e.g. "
                                                                "'blocks.*.mlp.act'.")
+    functional: bool = Field(True, description="Also the functional forms the model's forward calls itself: "
+                             "F.gelu, F.silu, F.mish, and with norms F.layer_norm, F.rms_norm, F.group_norm.")
 
 
 class SwapAttentionConfig(Block):
