@@ -24,6 +24,7 @@ the median step time of those launches (under the trimming allocator: for memory
     python bench/bench_harness.py                                 # fp32 and bf16, 3 rounds (~15 minutes)
     python bench/bench_harness.py --dtypes fp32 --rows zeroplus,fsdp2 --rounds 1
     python bench/bench_harness.py --micro-batch 4 --seq 256        # the activation regime, same model
+    python bench/bench_harness.py --timing --dtypes bf16 --rows zeroplus,zeroplus-recompute   # step times
 """
 from __future__ import annotations
 
@@ -154,11 +155,12 @@ def worker(row: str, dtype: str, steps: int, out: str, micro: int = 1, seq: int 
     os._exit(0)  # (DeepSpeed aborts in interpreter teardown on CPU)
 
 
-def launch(row: str, dtype: str, steps: int, micro: int = 1, seq: int = 64) -> dict:
+def launch(row: str, dtype: str, steps: int, micro: int = 1, seq: int = 64, trim: bool = True) -> dict:
+    """One launch of ``row``; ``trim`` False: glibc keeps freed memory (for step times, not peaks)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r")
         env = {k: v for k, v in os.environ.items() if k not in MALLOC_ENV}
-        env.update(MALLOC_ENV, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", ZEROPLUS_ACCELERATOR="cpu")
+        env.update(MALLOC_ENV if trim else {}, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", ZEROPLUS_ACCELERATOR="cpu")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                os.path.abspath(__file__), "--worker", row, "--dtypes", dtype, "--steps", str(steps), "--out", out,
                "--micro-batch", str(micro), "--seq", str(seq)]
@@ -182,6 +184,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--timing", action="store_true", help="launch without the trimming allocator: step times "
+                   "to compare (the peaks then include what glibc keeps)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -197,10 +201,11 @@ def main() -> None:
         for dtype in dtypes:
             for row in rows:
                 results.setdefault((row, dtype), []).append(launch(row, dtype, args.steps, args.micro_batch,
-                                                                   args.seq))
+                                                                   args.seq, trim=not args.timing))
     print(f"ZeRO-3, user GPT 111M, 2 gloo ranks, {args.micro_batch} x {args.seq}, {args.steps} steps, "
-          f"median of {args.rounds} launches")
-    print("| row | dtype | peak MiB/rank (launches) | / FSDP2 | step s (trimming allocator) | last loss |")
+          f"median of {args.rounds} launches{', glibc keeping freed memory' if args.timing else ''}")
+    trimming = "" if args.timing else " (trimming allocator)"
+    print(f"| row | dtype | peak MiB/rank (launches) | / FSDP2 | step s{trimming} | last loss |")
     print("|---|---|---|---|---|---|")
     for dtype in dtypes:
         fsdp = results.get(("fsdp2", dtype))
