@@ -2,7 +2,8 @@
 
 Gradients: the built-in GPT, a Hugging Face Llama-style model (RMSNorm, SwiGLU with ``nn.SiLU``,
 one layer with an HF-style ``GELUActivation`` module) and a model calling the functional forms inline
-(``F.layer_norm``, ``F.silu``, ``F.gelu(approximate="tanh")``), activation functions and norms recomputed,
+(``F.layer_norm``, ``F.silu``, ``F.gelu(approximate="tanh")``; and one whose forward reads an output already
+dropped, which is recomputed first), activation functions and norms recomputed,
 at stages 0 and 3 in fp32 and bf16 on 2 ranks, with two micro-batches per step: every reduced
 gradient (the flat buffer at stage 0, the shard at stage 3) and the loss equal the run without
 recompute bit for bit.
@@ -53,8 +54,34 @@ class _InlineNet(nn.Module):
         return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
 
 
+class _StashingBlock(_InlineBlock):
+    """Keeps its gate's activation on itself, as a cache a hook fills would."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.layer_norm(x, (x.shape[-1],), self.norm_w, self.norm_b)
+        self.kept = F.silu(self.gate(h))
+        return x + self.down(self.kept * F.gelu(self.up(h), approximate="tanh"))
+
+
+class _StashingNet(_InlineNet):
+    """Each block after the first reads the previous block's kept activation, dropped when that block ended:
+    the read must see its values (recomputed), not a storage of 0 bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_StashingBlock(16) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h, kept = self.emb(x), None
+        for block in self.blocks:
+            h = block(h) if kept is None else block(h + kept.mean(-1, keepdim=True))
+            kept = block.kept
+        return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
 def _model(kind: str) -> torch.nn.Module:
-    return {"gpt": lambda: GPT(gpt_config("tiny")), "llama": LlamaStyleNet, "inline": _InlineNet}[kind]()
+    return {"gpt": lambda: GPT(gpt_config("tiny")), "llama": LlamaStyleNet, "inline": _InlineNet,
+            "stashing": _StashingNet}[kind]()
 
 
 def _config(stage: int, dtype: str, recompute: bool, micro: int = 2) -> dict:
@@ -91,7 +118,7 @@ def _job(kind: str) -> list:
     return [(_gradients(kind, s, d, False), _gradients(kind, s, d, True)) for s, d in cases]
 
 
-@pytest.mark.parametrize("kind", ["gpt", "llama", "inline"])
+@pytest.mark.parametrize("kind", ["gpt", "llama", "inline", "stashing"])
 def test_recompute_gradients_are_bitwise_identical(kind):
     results = run_distributed(_job, 2, kind)[0]
     for (stage, dtype), (plain, recomputed) in zip([(s, d) for s in (0, 3) for d in ("fp32", "bf16")], results):

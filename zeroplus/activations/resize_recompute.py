@@ -19,7 +19,9 @@ consumer's backward (the ledger's ``resize_recompute`` / ``activation``); during
 output's worth of temporary. Once the last consumer has unpacked an output, the record lets go of
 it and of its inputs, so backward frees them when autograd would. The inputs are not held extra: the chosen modules'
 own backward saves them anyway (GELU, SiLU and the norms save their input). Outputs that share
-storage with an input (in-place modules) are left alone. Outputs of a recompute inside an
+storage with an input (in-place modules) are left alone. A forward operation reading a dropped output
+(kept by the model past its parent and read later in the same forward) recomputes it first; it is then held
+until backward, as without the technique. Outputs of a recompute inside an
 activation-checkpointing replay are not touched (only the engine's own forward is watched).
 See note: resize recompute; see note: functional recompute (docs/design-notes.md).
 """
@@ -78,6 +80,13 @@ class _FunctionalCalls(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if self.owner._released:  # a later forward op reads an output already dropped: give it its values
+            for value in (*args, *kwargs.values()):
+                for t in value if isinstance(value, (list, tuple)) else (value,):
+                    if isinstance(t, torch.Tensor):
+                        record = self.owner._released.get(storage_key(t))
+                        if record is not None:
+                            self.owner._restore(record)
         out = func(*args, **kwargs)
         if func in self.owner.functions:
             self.owner._functional_output(func, args, kwargs, out)
@@ -99,6 +108,7 @@ class ResizeRecompute:
         self._target_ids: set[int] = set()
         self._stack: list[torch.nn.Module] = []  # the modules whose forward is running, innermost last
         self._mode: _FunctionalCalls | None = None
+        self._released: dict[int, _Record] = {}  # dropped outputs by storage, while the forward runs
         self._global_hooks: list[Any] = []
         self._records: dict[int, _Record] = {}
         self._pending: dict[int, list[_Record]] = {}
@@ -129,11 +139,11 @@ class ResizeRecompute:
                 f"before they are recomputed, so its gradients would be wrong. Turn resize_recompute off, or "
                 f"do not compile (activation checkpointing and swap_attention work compiled)")
         self._active = True
+        self._mode = _FunctionalCalls(self)  # (a read of a dropped output in the forward restores it first)
+        self._mode.__enter__()
         if self.functions:
             self._global_hooks = [torch.nn.modules.module.register_module_forward_pre_hook(eager(self._enter)),
                                   torch.nn.modules.module.register_module_forward_hook(eager(self._leave))]
-            self._mode = _FunctionalCalls(self)
-            self._mode.__enter__()
 
     def end_forward(self) -> None:
         self._active = False
@@ -144,6 +154,7 @@ class ResizeRecompute:
             h.remove()
         self._global_hooks = []
         self._stack.clear()
+        self._released.clear()
         for records in self._pending.values():  # chosen modules run outside their parent
             for record in records:
                 if not record.packed:
@@ -196,6 +207,7 @@ class ResizeRecompute:
             if record.packed and key not in kept:
                 record.output.untyped_storage().resize_(0)
                 record.released = True
+                self._released[key] = record
                 self.ledger.save(TECHNIQUE, Category.ACTIVATION, record.nbytes)
             elif not record.packed:
                 del self._records[key]  # nothing saved it: it dies with the forward, as without us
@@ -236,6 +248,7 @@ class ResizeRecompute:
         record.output.untyped_storage().resize_(record.nbytes)
         record.output.data.copy_(value)  # through .data: autograd's version counter is unchanged
         record.released = False
+        self._released.pop(record.key, None)
         self.ledger.unsave(TECHNIQUE, Category.ACTIVATION, record.nbytes)
 
     def end_backward(self) -> None:
