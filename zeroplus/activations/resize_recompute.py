@@ -104,7 +104,8 @@ class ResizeRecompute:
         self.model = model
         self.ledger = ledger
         self.targets: list[str] = []
-        self.functions = frozenset((ACTIVATION_FUNCTIONS + (NORM_FUNCTIONS if norms else ())) if functional else ())
+        self.function_list = (ACTIVATION_FUNCTIONS + (NORM_FUNCTIONS if norms else ())) if functional else ()
+        self.functions = frozenset(self.function_list)
         self._target_ids: set[int] = set()
         self._stack: list[torch.nn.Module] = []  # the modules whose forward is running, innermost last
         self._mode: _FunctionalCalls | None = None
