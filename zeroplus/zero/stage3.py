@@ -49,10 +49,7 @@ class Stage3Scheduler:
         self._held: list[Unit] = []  # units with frozen groups gathered for backward, released at the next one
         self.paused = False  # the module hooks do nothing (TRL generating from a model gathered whole): pause()
         self._handles: list[Any] = []
-        # one rank in fp32: every group resident (gathered for good on its master), so the hooks would find
-        # nothing to gather, release or prefetch; none are installed (see note: one rank)
-        self.resident = all(g.resident for unit in units + [root] for g in unit.all_groups)
-        for unit in [] if self.resident else units:
+        for unit in units:
             self._handles.append(unit.module.register_forward_pre_hook(eager(self._make_pre_forward(unit))))
             self._handles.append(unit.module.register_forward_hook(eager(self._make_post_forward(unit))))
 
