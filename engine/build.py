@@ -415,7 +415,7 @@ def _activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: 
                                     functional=recompute.functional)
         _check_targets("resize_recompute", technique.targets, model,
                        classes + (["norms (*LayerNorm, *RMSNorm, *GroupNorm)"] if recompute.norms else []),
-                       recompute.names, [f.__name__ for f in technique.function_list])
+                       recompute.names, [f.__name__ for f in technique.functions])
         claimers.append(technique)
     swap = zp.swap_attention
     if swap.enabled:

@@ -104,8 +104,7 @@ class ResizeRecompute:
         self.model = model
         self.ledger = ledger
         self.targets: list[str] = []
-        self.function_list = (ACTIVATION_FUNCTIONS + (NORM_FUNCTIONS if norms else ())) if functional else ()
-        self.functions = frozenset(self.function_list)
+        self.functions = (ACTIVATION_FUNCTIONS + (NORM_FUNCTIONS if norms else ())) if functional else ()
         self._target_ids: set[int] = set()
         self._stack: list[torch.nn.Module] = []  # the modules whose forward is running, innermost last
         self._mode: _FunctionalCalls | None = None
@@ -166,16 +165,21 @@ class ResizeRecompute:
         parent_ref = weakref.ref(parent)
 
         def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
-            if not self._active or self._recomputing or not isinstance(output, torch.Tensor) \
-                    or not output.requires_grad:
-                return
-            key = storage_key(output)
-            if any(isinstance(a, torch.Tensor) and storage_key(a) == key for a in tree_flatten(args)[0]):
-                return  # in place: the output is the input's storage
-            record = _Record(module, args, output, key)
-            self._records[key] = record
-            self._pending.setdefault(id(parent_ref()), []).append(record)
+            if self._active and not self._recomputing:
+                self._remember(module, args, output, id(parent_ref()))
         return hook
+
+    def _remember(self, compute: Callable, args: tuple, output: Any, parent: int) -> None:
+        """Record ``output`` = ``compute(*args)`` to drop when the module with identity ``parent`` ends its forward
+        (not a tensor needing a gradient, or written in place over an input: left alone)."""
+        if not isinstance(output, torch.Tensor) or not output.requires_grad:
+            return
+        key = storage_key(output)
+        if any(isinstance(a, torch.Tensor) and storage_key(a) == key for a in tree_flatten(args)[0]):
+            return  # in place: the output is the input's storage
+        record = _Record(compute, args, output, key)
+        self._records[key] = record
+        self._pending.setdefault(parent, []).append(record)
 
     def _enter(self, module: torch.nn.Module, args: Any) -> None:
         self._stack.append(module)
@@ -187,18 +191,11 @@ class ResizeRecompute:
             self._parent_done(module, args, output)
 
     def _functional_output(self, func: Callable, args: tuple, kwargs: dict, output: Any) -> None:
-        if not self._active or self._recomputing or not self._stack or not isinstance(output, torch.Tensor) \
-                or not output.requires_grad:
-            return
-        parent = self._stack[-1]
-        if id(parent) in self._target_ids:
+        """A chosen function's call seen by the mode (only while the forward runs; a recompute runs inside the
+        mode's handler, where the mode does not see it)."""
+        if not self._stack or id(self._stack[-1]) in self._target_ids:
             return  # a chosen module's own call (``nn.GELU`` calls ``F.gelu``): its output hook records it
-        key = storage_key(output)
-        if any(isinstance(a, torch.Tensor) and storage_key(a) == key for a in tree_flatten(args)[0]):
-            return  # in place
-        record = _Record(functools.partial(func, **kwargs), args, output, key)
-        self._records[key] = record
-        self._pending.setdefault(id(parent), []).append(record)
+        self._remember(functools.partial(func, **kwargs), args, output, id(self._stack[-1]))
 
     def _parent_done(self, parent: torch.nn.Module, args: Any, output: Any) -> None:
         records = self._pending.pop(id(parent), [])
