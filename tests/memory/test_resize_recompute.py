@@ -42,10 +42,10 @@ class _InlineBlock(nn.Module):
 
 
 class _InlineNet(nn.Module):
-    def __init__(self, vocab: int = 37, d: int = 16, layers: int = 2) -> None:
+    def __init__(self, vocab: int = 37, d: int = 16, layers: int = 2, block: type = _InlineBlock) -> None:
         super().__init__()
         self.emb, self.head = nn.Embedding(vocab, d), nn.Linear(d, vocab)
-        self.blocks = nn.ModuleList(_InlineBlock(d) for _ in range(layers))
+        self.blocks = nn.ModuleList(block(d) for _ in range(layers))
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         h = self.emb(x)
@@ -68,8 +68,7 @@ class _StashingNet(_InlineNet):
     the read must see its values (recomputed), not a storage of 0 bytes."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(_StashingBlock(16) for _ in range(3))
+        super().__init__(layers=3, block=_StashingBlock)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         h, kept = self.emb(x), None
