@@ -194,6 +194,7 @@ class FlatParamGroup:
         self._written: list[bool] = []  # which parameters' views of ``grad_full`` hold values (``_grad_view``)
         self.master_grad: torch.Tensor | None = None  # reduced gradient of the owned range (stages 1-3)
         self.pending: list[Handle] = []
+        self._read_by_pending: list[torch.Tensor] = []  # dropped flat gradients the pending reductions read
         self.residency = Residency.GATHERED  # built whole; stage 3 releases it just below
         # Gradient arrival in one backward, written only by the methods under "arrival" below:
         self._grads_seen = 0  # counted parameters whose gradient hook ran
@@ -493,7 +494,11 @@ class FlatParamGroup:
 
     def drop_grad_full(self) -> None:
         """A reduction was issued (stages 1-3): the flat gradient is dropped; the handles keep alive what they
-        still read."""
+        still read, and the ledger stops counting it when they are waited on (``wait_pending``), not when its
+        storage dies: gloo's worker thread may drop the last reference a moment later, and counting until
+        then made the gradient peak depend on thread timing (one group more, seen in CI)."""
+        if self.pending and self.grad_full is not None and self.grad_full is not self.master_grad:
+            self._read_by_pending.append(self.grad_full)
         self.grad_full = None
 
     def adopt_master_grad(self, grad: torch.Tensor) -> None:
@@ -518,6 +523,9 @@ class FlatParamGroup:
         for handle in self.pending:
             handle.wait()
         self.pending.clear()
+        for grad in self._read_by_pending:
+            self.ledger.release(grad)
+        self._read_by_pending.clear()
 
     def free_grads(self) -> None:
         self.grad_full = None
