@@ -2,8 +2,9 @@
 
 Gradients: the built-in GPT, a Hugging Face Llama-style model (RMSNorm, SwiGLU with ``nn.SiLU``,
 one layer with an HF-style ``GELUActivation`` module) and a model calling the functional forms inline
-(``F.layer_norm``, ``F.silu``, ``F.gelu(approximate="tanh")``; and one whose forward reads an output already
-dropped, which is recomputed first), activation functions and norms recomputed,
+(``F.layer_norm``, ``F.silu``, ``F.gelu(approximate="tanh")``; one whose forward keeps an output on a module
+and reads it in the next block; one whose forward hooks keep outputs and views of them, read after the forward:
+those outputs are not dropped), activation functions and norms recomputed,
 at stages 0 and 3 in fp32 and bf16 on 2 ranks, with two micro-batches per step: every reduced
 gradient (the flat buffer at stage 0, the shard at stage 3) and the loss equal the run without
 recompute bit for bit.
@@ -64,8 +65,9 @@ class _StashingBlock(_InlineBlock):
 
 
 class _StashingNet(_InlineNet):
-    """Each block after the first reads the previous block's kept activation, dropped when that block ended:
-    the read must see its values (recomputed), not a storage of 0 bytes."""
+    """Each block after the first reads the previous block's kept activation: held on the block when that block
+    ends, so not dropped (its read saw a storage of 0 bytes, a segmentation fault, before reads in the forward
+    recomputed first; since session 33 such outputs are not dropped at all)."""
 
     def __init__(self) -> None:
         super().__init__(layers=3, block=_StashingBlock)
@@ -78,9 +80,23 @@ class _StashingNet(_InlineNet):
         return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
 
 
+class _HookedNet(LlamaStyleNet):
+    """A user's forward hooks keep the first ``nn.SiLU``'s output and a detached view of the second's (as
+    activation statistics do), read after the forward, before backward: those outputs must not be dropped (a
+    storage of 0 bytes read there was a segmentation fault). The first is seen by its Python references, the
+    second only by its storage's owners."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[torch.Tensor] = []
+        first, second = [m for m in self.modules() if isinstance(m, nn.SiLU)]
+        first.register_forward_hook(lambda _m, _a, out: self.seen.append(out))
+        second.register_forward_hook(lambda _m, _a, out: self.seen.append(out.detach()[..., :4]))
+
+
 def _model(kind: str) -> torch.nn.Module:
     return {"gpt": lambda: GPT(gpt_config("tiny")), "llama": LlamaStyleNet, "inline": _InlineNet,
-            "stashing": _StashingNet}[kind]()
+            "stashing": _StashingNet, "hooked": _HookedNet}[kind]()
 
 
 def _config(stage: int, dtype: str, recompute: bool, micro: int = 2) -> dict:
@@ -94,14 +110,18 @@ def _config(stage: int, dtype: str, recompute: bool, micro: int = 2) -> dict:
 def _gradients(kind: str, stage: int, dtype: str, recompute: bool) -> dict:
     rank, world = rank_and_world()
     torch.manual_seed(0)
-    engine = zeroplus.initialize(_model(kind), _config(stage, dtype, recompute))
+    model = _model(kind)
+    engine = zeroplus.initialize(model, _config(stage, dtype, recompute))
     batches = [(x % 37, y % 37) for x, y in make_batches(4 * world, 2, seq=16)]
-    out = {"losses": [], "grads": [], "saved": []}
+    out = {"losses": [], "grads": [], "saved": [], "seen": []}
     for step in range(2):
         for micro in range(2):
             x, y = batches[(step * 2 + micro) * world + rank]
             loss = engine(x, y)
             out["saved"].append(engine.ledger.saved_bytes("resize_recompute", Category.ACTIVATION))
+            if kind == "hooked":  # read after the forward, before backward
+                out["seen"].append([t.sum().item() for t in model.seen])
+                model.seen.clear()
             engine.backward(loss)
             out["losses"].append(loss.item())
             if engine.is_gradient_accumulation_boundary():
@@ -117,7 +137,7 @@ def _job(kind: str) -> list:
     return [(_gradients(kind, s, d, False), _gradients(kind, s, d, True)) for s, d in cases]
 
 
-@pytest.mark.parametrize("kind", ["gpt", "llama", "inline", "stashing"])
+@pytest.mark.parametrize("kind", ["gpt", "llama", "inline", "stashing", "hooked"])
 def test_recompute_gradients_are_bitwise_identical(kind):
     results = run_distributed(_job, 2, kind)[0]
     for (stage, dtype), (plain, recomputed) in zip([(s, d) for s in (0, 3) for d in ("fp32", "bf16")], results):
@@ -127,6 +147,7 @@ def test_recompute_gradients_are_bitwise_identical(kind):
             expected = 2 * 2 * 16 * 5 * 16 * (4 if dtype == "fp32" else 2)
             assert recomputed["saved"] == [expected] * 4, (where, recomputed["saved"])
         assert plain["losses"] == recomputed["losses"], where
+        assert plain["seen"] == recomputed["seen"], where
         for step, (a, b) in enumerate(zip(plain["grads"], recomputed["grads"])):
             for i, (ga, gb) in enumerate(zip(a, b)):
                 assert torch.equal(ga, gb), f"{where}: step {step} group {i} gradient differs"

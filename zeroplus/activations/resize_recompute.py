@@ -8,7 +8,8 @@ forward code (``F.gelu``, ``F.silu``, ``F.mish``; with norms ``F.layer_norm``, `
 the call known from global forward hooks installed for that time): its output ``y`` is remembered with
 the inputs it was computed from (a functional call's "parent" is the module whose forward made the
 call). When the module's parent finishes its forward, if autograd saved ``y`` for some consumer (e.g.
-the next Linear) and the parent does not return it, ``y``'s storage is resized to 0: the tensor object,
+the next Linear), the parent does not return it and nothing else holds it (``_held_elsewhere``: a hook or
+the model keeping ``y`` or a view of it, which could read it later), ``y``'s storage is resized to 0: the tensor object,
 and every view autograd saved, stay, but hold no memory. When backward unpacks ``y`` for that consumer, the
 module is run again on the same inputs (no grad) and the result copied into the same storage,
 just before the consumer's backward uses it. Recomputation is deterministic, so gradients are
@@ -19,16 +20,17 @@ consumer's backward (the ledger's ``resize_recompute`` / ``activation``); during
 output's worth of temporary. Once the last consumer has unpacked an output, the record lets go of
 it and of its inputs, so backward frees them when autograd would. The inputs are not held extra: the chosen modules'
 own backward saves them anyway (GELU, SiLU and the norms save their input). Outputs that share
-storage with an input (in-place modules) are left alone. A forward operation reading a dropped output
-(kept by the model past its parent and read later in the same forward) recomputes it first; it is then held
-until backward, as without the technique. Outputs of a recompute inside an
+storage with an input (in-place modules) are left alone, and so are outputs held elsewhere (held until
+backward, as without the technique): nothing but autograd's saved aliases can read a dropped output, and
+their unpack recomputes it first. Outputs of a recompute inside an
 activation-checkpointing replay are not touched (only the engine's own forward is watched).
-See note: resize recompute; see note: functional recompute (docs/design-notes.md).
+See note: resize recompute; see note: functional recompute; see note: held outputs (docs/design-notes.md).
 """
 from __future__ import annotations
 
 import fnmatch
 import functools
+import sys
 import weakref
 from typing import Any, Callable
 
@@ -80,13 +82,6 @@ class _FunctionalCalls(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if self.owner._released:  # a later forward op reads an output already dropped: give it its values
-            for value in (*args, *kwargs.values()):
-                for t in value if isinstance(value, (list, tuple)) else (value,):
-                    if isinstance(t, torch.Tensor):
-                        record = self.owner._released.get(storage_key(t))
-                        if record is not None:
-                            self.owner._restore(record)
         out = func(*args, **kwargs)
         if func in self.owner.functions:
             self.owner._functional_output(func, args, kwargs, out)
@@ -108,7 +103,6 @@ class ResizeRecompute:
         self._target_ids: set[int] = set()
         self._stack: list[torch.nn.Module] = []  # the modules whose forward is running, innermost last
         self._mode: _FunctionalCalls | None = None
-        self._released: dict[int, _Record] = {}  # dropped outputs by storage, while the forward runs
         self._global_hooks: list[Any] = []
         self._records: dict[int, _Record] = {}
         self._pending: dict[int, list[_Record]] = {}
@@ -139,9 +133,9 @@ class ResizeRecompute:
                 f"before they are recomputed, so its gradients would be wrong. Turn resize_recompute off, or "
                 f"do not compile (activation checkpointing and swap_attention work compiled)")
         self._active = True
-        self._mode = _FunctionalCalls(self)  # (a read of a dropped output in the forward restores it first)
-        self._mode.__enter__()
         if self.functions:
+            self._mode = _FunctionalCalls(self)
+            self._mode.__enter__()
             self._global_hooks = [torch.nn.modules.module.register_module_forward_pre_hook(eager(self._enter)),
                                   torch.nn.modules.module.register_module_forward_hook(eager(self._leave))]
 
@@ -154,7 +148,6 @@ class ResizeRecompute:
             h.remove()
         self._global_hooks = []
         self._stack.clear()
-        self._released.clear()
         for records in self._pending.values():  # chosen modules run outside their parent
             for record in records:
                 if not record.packed:
@@ -202,13 +195,27 @@ class ResizeRecompute:
         kept = {storage_key(t) for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)}
         for record in records:
             key = storage_key(record.output)
-            if record.packed and key not in kept:
+            if record.packed and key not in kept and not self._held_elsewhere(record):
                 record.output.untyped_storage().resize_(0)
                 record.released = True
-                self._released[key] = record
                 self.ledger.save(TECHNIQUE, Category.ACTIVATION, record.nbytes)
             elif not record.packed:
                 del self._records[key]  # nothing saved it: it dies with the forward, as without us
+
+    def _held_elsewhere(self, record: _Record) -> bool:
+        """Whether something besides autograd (through the aliases ``pack`` made) and the records holds
+        ``record``'s output when its parent's forward ends: the tensor itself (a hook or the model kept it) or
+        another tensor over its storage (a view kept). A read of it after the forward would then find a
+        storage of 0 bytes (a segmentation fault), so it is not dropped: held until backward, as without the
+        technique. Counted, not guessed: the tensor's Python references (the record's, and each record whose
+        inputs it is) and its storage's owners (the tensor and one alias per pack)."""
+        out = record.output
+        chained = sum(1 for r in self._records.values() if r is not record
+                      for a in tree_flatten(r.args)[0] if a is out)
+        storage = out.untyped_storage()
+        owners = torch._C._storage_Use_Count(storage._cdata) - 1  # (less ``storage``'s own)
+        # getrefcount's own argument, ``out`` here and ``record.output``
+        return sys.getrefcount(out) - 3 - chained > 0 or owners != 1 + record.packed
 
     # -- saved tensors -------------------------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> Any | None:
@@ -246,7 +253,6 @@ class ResizeRecompute:
         record.output.untyped_storage().resize_(record.nbytes)
         record.output.data.copy_(value)  # through .data: autograd's version counter is unchanged
         record.released = False
-        self._released.pop(record.key, None)
         self.ledger.unsave(TECHNIQUE, Category.ACTIVATION, record.nbytes)
 
     def end_backward(self) -> None:
