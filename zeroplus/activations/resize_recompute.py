@@ -64,13 +64,15 @@ def is_norm(module: torch.nn.Module) -> bool:
 
 
 class _Record:
-    __slots__ = ("module", "args", "output", "key", "nbytes", "packed", "unpacked", "released")
+    __slots__ = ("module", "args", "output", "key", "nbytes", "packed", "unpacked", "released", "sources", "chained")
 
     def __init__(self, module: Callable, args: tuple, output: torch.Tensor, key: int) -> None:
         self.module, self.args, self.output, self.key = module, args, output, key
         self.nbytes = output.untyped_storage().nbytes()
         self.packed = self.unpacked = 0
         self.released = False
+        self.sources: list[_Record] = []  # records whose output is one of ``args`` (norm -> activation)
+        self.chained = 0  # references to ``output`` in the ``args`` of live records (``_held_elsewhere``)
 
 
 class _FunctionalCalls(TorchFunctionMode):
@@ -152,6 +154,7 @@ class ResizeRecompute:
             for record in records:
                 if not record.packed:
                     self._records.pop(storage_key(record.output), None)
+                    self._forget(record)
         self._pending.clear()
 
     def _make_output_hook(self, parent: torch.nn.Module):
@@ -168,9 +171,15 @@ class ResizeRecompute:
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
             return
         key = storage_key(output)
-        if any(isinstance(a, torch.Tensor) and storage_key(a) == key for a in tree_flatten(args)[0]):
+        inputs = [a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)]
+        if any(storage_key(a) == key for a in inputs):
             return  # in place: the output is the input's storage
         record = _Record(compute, args, output, key)
+        for a in inputs:
+            source = self._records.get(storage_key(a))
+            if source is not None and source.output is a:
+                source.chained += 1
+                record.sources.append(source)
         self._records[key] = record
         self._pending.setdefault(parent, []).append(record)
 
@@ -201,6 +210,14 @@ class ResizeRecompute:
                 self.ledger.save(TECHNIQUE, Category.ACTIVATION, record.nbytes)
             elif not record.packed:
                 del self._records[key]  # nothing saved it: it dies with the forward, as without us
+                self._forget(record)
+
+    @staticmethod
+    def _forget(record: _Record) -> None:
+        """``record`` is let go: its inputs no longer count as references its sources expect."""
+        for source in record.sources:
+            source.chained -= 1
+        record.sources = []
 
     def _held_elsewhere(self, record: _Record) -> bool:
         """Whether something besides autograd (through the aliases ``pack`` made) and the records holds
@@ -210,12 +227,10 @@ class ResizeRecompute:
         technique. Counted, not guessed: the tensor's Python references (the record's, and each record whose
         inputs it is) and its storage's owners (the tensor and one alias per pack)."""
         out = record.output
-        chained = sum(1 for r in self._records.values() if r is not record
-                      for a in tree_flatten(r.args)[0] if a is out)
         storage = out.untyped_storage()
         owners = torch._C._storage_Use_Count(storage._cdata) - 1  # (less ``storage``'s own)
         # getrefcount's own argument, ``out`` here and ``record.output``
-        return sys.getrefcount(out) - 3 - chained > 0 or owners != 1 + record.packed
+        return sys.getrefcount(out) - 3 - record.chained > 0 or owners != 1 + record.packed
 
     # -- saved tensors -------------------------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> Any | None:
@@ -234,6 +249,7 @@ class ResizeRecompute:
         if record.unpacked == record.packed:  # its last consumer: let autograd free it as usual
             self._records.pop(record.key, None)
             del record.args, record.output  # (the record is done: drop its references)
+            self._forget(record)
         return alias
 
     def _restore(self, record: _Record) -> None:
