@@ -153,7 +153,7 @@ class ResizeRecompute:
         for records in self._pending.values():  # chosen modules run outside their parent
             for record in records:
                 if not record.packed:
-                    self._records.pop(storage_key(record.output), None)
+                    self._records.pop(record.key, None)
                     self._forget(record)
         self._pending.clear()
 
@@ -203,13 +203,12 @@ class ResizeRecompute:
         records = self._pending.pop(id(parent), [])
         kept = {storage_key(t) for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)}
         for record in records:
-            key = storage_key(record.output)
-            if record.packed and key not in kept and not self._held_elsewhere(record):
+            if record.packed and record.key not in kept and not self._held_elsewhere(record):
                 record.output.untyped_storage().resize_(0)
                 record.released = True
                 self.ledger.save(TECHNIQUE, Category.ACTIVATION, record.nbytes)
             elif not record.packed:
-                del self._records[key]  # nothing saved it: it dies with the forward, as without us
+                del self._records[record.key]  # nothing saved it: it dies with the forward, as without us
                 self._forget(record)
 
     @staticmethod
