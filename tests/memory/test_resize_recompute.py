@@ -94,9 +94,28 @@ class _HookedNet(LlamaStyleNet):
         second.register_forward_hook(lambda _m, _a, out: self.seen.append(out.detach()[..., :4]))
 
 
+class _ScalingBlock(_InlineBlock):
+    """Writes its activations in place before the next layer reads them (``h.mul_``, ``g.add_``): the values
+    autograd saves are not what a recompute would give, so they must not be dropped (they were, and the
+    gradients came out wrong, silently, before the versions were compared)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__(d)
+        self.act = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.layer_norm(x, (x.shape[-1],), self.norm_w, self.norm_b)
+        a = F.silu(self.gate(h))
+        a.mul_(0.5)
+        g = self.act(self.up(h))
+        g.add_(1.0)
+        return x + self.down(a * g)
+
+
 def _model(kind: str) -> torch.nn.Module:
     return {"gpt": lambda: GPT(gpt_config("tiny")), "llama": LlamaStyleNet, "inline": _InlineNet,
-            "stashing": _StashingNet, "hooked": _HookedNet}[kind]()
+            "stashing": _StashingNet, "hooked": _HookedNet,
+            "scaling": lambda: _InlineNet(block=_ScalingBlock)}[kind]()
 
 
 def _config(stage: int, dtype: str, recompute: bool, micro: int = 2) -> dict:
@@ -137,7 +156,7 @@ def _job(kind: str) -> list:
     return [(_gradients(kind, s, d, False), _gradients(kind, s, d, True)) for s, d in cases]
 
 
-@pytest.mark.parametrize("kind", ["gpt", "llama", "inline", "stashing", "hooked"])
+@pytest.mark.parametrize("kind", ["gpt", "llama", "inline", "stashing", "hooked", "scaling"])
 def test_recompute_gradients_are_bitwise_identical(kind):
     results = run_distributed(_job, 2, kind)[0]
     for (stage, dtype), (plain, recomputed) in zip([(s, d) for s in (0, 3) for d in ("fp32", "bf16")], results):
@@ -199,4 +218,42 @@ def test_a_saved_tensor_modified_in_place_after_the_forward_is_an_error():
     handle.remove()
     kept[0].mul_(2)  # the head's input, which the head saved for its weight's gradient
     with pytest.raises(RuntimeError, match=r"saved for backward was modified in place after the forward"):
+        engine.backward(loss)
+
+
+class _Inner(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.act, self.down = nn.GELU(), nn.Linear(d, d)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(u))
+
+
+class _WritesInputNet(nn.Module):
+    """Writes the GELU's input in place after the block holding the GELU has returned (the GELU's output is
+    dropped by then)."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.up, self.inner, self.head = nn.Linear(d, d), _Inner(d), nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = self.up(x)
+        y = self.inner(u)
+        u.mul_(2)
+        return self.head(y).sum()
+
+
+def test_an_input_written_in_place_after_the_forward_is_refused_at_recompute():
+    """A recompute from inputs written since would give other values than the forward's (silently wrong
+    gradients for a module that does not save its input); it raises, naming the module, before the consumer's
+    backward reads them (GELU saves its input, so autograd would also refuse, later, at GELU's backward)."""
+    torch.manual_seed(0)
+    engine = zeroplus.initialize(_WritesInputNet(), {
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zeroplus": {"log_level": "warning", "memory_estimate": False, "resize_recompute": {"enabled": True}}})
+    loss = engine(torch.randn(2, 16))
+    assert engine.ledger.saved_bytes("resize_recompute", Category.ACTIVATION) == 2 * 16 * 4
+    with pytest.raises(RuntimeError, match=r"an input of GELU was modified in place after its forward"):
         engine.backward(loss)

@@ -20,11 +20,13 @@ consumer's backward (the ledger's ``resize_recompute`` / ``activation``); during
 output's worth of temporary. Once the last consumer has unpacked an output, the record lets go of
 it and of its inputs, so backward frees them when autograd would. The inputs are not held extra: the chosen modules'
 own backward saves them anyway (GELU, SiLU and the norms save their input). Outputs that share
-storage with an input (in-place modules) are left alone, and so are outputs held elsewhere (held until
-backward, as without the technique): nothing but autograd's saved aliases can read a dropped output, and
-their unpack recomputes it first. Outputs of a recompute inside an
+storage with an input (in-place modules) are left alone, and so are outputs held elsewhere or written in place
+before the parent ended (held until backward, as without the technique); an input written in place since its
+forward makes the recompute raise rather than give other values. Nothing but autograd's saved aliases can
+read a dropped output, and their unpack recomputes it first. Outputs of a recompute inside an
 activation-checkpointing replay are not touched (only the engine's own forward is watched).
-See note: resize recompute; see note: functional recompute; see note: held outputs (docs/design-notes.md).
+See note: resize recompute; see note: functional recompute; see note: held outputs; see note: modified in place
+(docs/design-notes.md).
 """
 from __future__ import annotations
 
@@ -64,15 +66,21 @@ def is_norm(module: torch.nn.Module) -> bool:
 
 
 class _Record:
-    __slots__ = ("module", "args", "output", "key", "nbytes", "packed", "unpacked", "released", "sources", "chained")
+    __slots__ = ("module", "args", "output", "key", "nbytes", "packed", "unpacked", "released", "sources", "chained",
+                 "versions")
 
     def __init__(self, module: Callable, args: tuple, output: torch.Tensor, key: int) -> None:
         self.module, self.args, self.output, self.key = module, args, output, key
         self.nbytes = output.untyped_storage().nbytes()
+        self.versions = _versions(args, output)  # the output's and inputs' as computed (``_modified``)
         self.packed = self.unpacked = 0
         self.released = False
         self.sources: list[_Record] = []  # records whose output is one of ``args`` (norm -> activation)
         self.chained = 0  # references to ``output`` in the ``args`` of live records (``_held_elsewhere``)
+
+
+def _versions(args: tuple, output: torch.Tensor) -> tuple[int, ...]:
+    return (output._version, *(a._version for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)))
 
 
 class _FunctionalCalls(TorchFunctionMode):
@@ -203,7 +211,8 @@ class ResizeRecompute:
         records = self._pending.pop(id(parent), [])
         kept = {storage_key(t) for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)}
         for record in records:
-            if record.packed and record.key not in kept and not self._held_elsewhere(record):
+            if (record.packed and record.key not in kept and not self._held_elsewhere(record)
+                    and _versions(record.args, record.output) == record.versions):
                 record.output.untyped_storage().resize_(0)
                 record.released = True
                 self.ledger.save(TECHNIQUE, Category.ACTIVATION, record.nbytes)
@@ -254,6 +263,14 @@ class ResizeRecompute:
     def _restore(self, record: _Record) -> None:
         if not record.released:
             return
+        now = _versions(record.args, record.output)
+        if now[1:] != record.versions[1:]:  # see note: modified in place
+            name = getattr(record.module, "__name__", None) or type(record.module).__name__
+            raise RuntimeError(
+                f"zeroplus.resize_recompute: an input of {name} was modified in place after its forward (input "
+                f"versions {list(record.versions[1:])}, now {list(now[1:])}), so its dropped output cannot be "
+                f"recomputed as it was computed; turn resize_recompute off for it (modules, names, functional) or "
+                f"do not write its inputs in place")
         for arg in tree_flatten(record.args)[0]:  # a chosen module fed by another (norm -> act)
             if isinstance(arg, torch.Tensor):
                 source = self._records.get(storage_key(arg))
