@@ -112,25 +112,41 @@ class _ScalingBlock(_InlineBlock):
         return x + self.down(a * g)
 
 
+class _AutocastNet(_InlineNet):
+    """Runs its blocks under CPU autocast to bf16; the config also chooses each block's ``up`` Linear by name,
+    whose output autocast makes in bf16 from fp32 inputs (a recompute without autocast gave fp32 values). The
+    tokens are flattened first: a Linear over 3-d inputs returns a view, whose base counts as one more holder
+    (``_held_elsewhere``), and is not dropped."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.emb(x.flatten())
+            for block in self.blocks:
+                h = block(h)
+        return F.cross_entropy(self.head(h.to(self.head.weight.dtype)).float(), y.flatten())
+
+
 def _model(kind: str) -> torch.nn.Module:
     return {"gpt": lambda: GPT(gpt_config("tiny")), "llama": LlamaStyleNet, "inline": _InlineNet,
             "stashing": _StashingNet, "hooked": _HookedNet,
-            "scaling": lambda: _InlineNet(block=_ScalingBlock)}[kind]()
+            "scaling": lambda: _InlineNet(block=_ScalingBlock), "autocast": _AutocastNet}[kind]()
 
 
-def _config(stage: int, dtype: str, recompute: bool, micro: int = 2) -> dict:
+def _config(stage: int, dtype: str, recompute: bool, micro: int = 2, names: tuple[str, ...] = ()) -> dict:
     return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 2,
             "bf16": {"enabled": dtype == "bf16"}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
             "zeroplus": {"log_level": "warning", "memory_estimate": False,
-                         "resize_recompute": {"enabled": recompute, "norms": True}}}
+                         "resize_recompute": {"enabled": recompute, "norms": True,
+                                                                     "names": list(names)}}}
 
 
 def _gradients(kind: str, stage: int, dtype: str, recompute: bool) -> dict:
     rank, world = rank_and_world()
     torch.manual_seed(0)
     model = _model(kind)
-    engine = zeroplus.initialize(model, _config(stage, dtype, recompute))
+    engine = zeroplus.initialize(model, _config(stage, dtype, recompute,
+                                                names=("blocks.*.up",) if kind == "autocast" else ()))
     batches = [(x % 37, y % 37) for x, y in make_batches(4 * world, 2, seq=16)]
     out = {"losses": [], "grads": [], "saved": [], "seen": []}
     for step in range(2):
@@ -156,7 +172,8 @@ def _job(kind: str) -> list:
     return [(_gradients(kind, s, d, False), _gradients(kind, s, d, True)) for s, d in cases]
 
 
-@pytest.mark.parametrize("kind", ["gpt", "llama", "inline", "stashing", "hooked", "scaling"])
+@pytest.mark.parametrize("kind", ["gpt", "llama", "inline", "stashing", "hooked", "scaling",
+                                  "autocast"])
 def test_recompute_gradients_are_bitwise_identical(kind):
     results = run_distributed(_job, 2, kind)[0]
     for (stage, dtype), (plain, recomputed) in zip([(s, d) for s in (0, 3) for d in ("fp32", "bf16")], results):

@@ -11,7 +11,8 @@ call). When the module's parent finishes its forward, if autograd saved ``y`` fo
 the next Linear), the parent does not return it and nothing else holds it (``_held_elsewhere``: a hook or
 the model keeping ``y`` or a view of it, which could read it later), ``y``'s storage is resized to 0: the tensor object,
 and every view autograd saved, stay, but hold no memory. When backward unpacks ``y`` for that consumer, the
-module is run again on the same inputs (no grad) and the result copied into the same storage,
+module is run again on the same inputs (no grad, under the forward's autocast state) and the result copied into
+the same storage,
 just before the consumer's backward uses it. Recomputation is deterministic, so gradients are
 bitwise identical to a run without it.
 
@@ -30,6 +31,7 @@ See note: resize recompute; see note: functional recompute; see note: held outpu
 """
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
 import sys
@@ -67,12 +69,13 @@ def is_norm(module: torch.nn.Module) -> bool:
 
 class _Record:
     __slots__ = ("module", "args", "output", "key", "nbytes", "packed", "unpacked", "released", "sources", "chained",
-                 "versions")
+                 "versions", "autocast")
 
     def __init__(self, module: Callable, args: tuple, output: torch.Tensor, key: int) -> None:
         self.module, self.args, self.output, self.key = module, args, output, key
         self.nbytes = output.untyped_storage().nbytes()
-        self.versions = _versions(args, output)  # the output's and inputs' as computed (``_modified``)
+        self.versions = _versions(args, output)  # the output's and inputs' as computed
+        self.autocast = _autocast_state(output.device)  # replayed by the recompute
         self.packed = self.unpacked = 0
         self.released = False
         self.sources: list[_Record] = []  # records whose output is one of ``args`` (norm -> activation)
@@ -81,6 +84,19 @@ class _Record:
 
 def _versions(args: tuple, output: torch.Tensor) -> tuple[int, ...]:
     return (output._version, *(a._version for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)))
+
+
+def _name(record: _Record) -> str:
+    """The function or module class that computed ``record``'s output, for errors."""
+    func = record.module.func if isinstance(record.module, functools.partial) else record.module
+    return getattr(func, "__name__", None) or type(func).__name__
+
+
+def _autocast_state(device: torch.device) -> tuple[tuple[str, bool, torch.dtype], ...]:
+    """Autocast as it is now for the CPU and ``device``'s type: a recompute runs in backward, where it may be
+    off (a norm under CUDA autocast computes in fp32 from bf16 inputs; without it, in bf16)."""
+    types = ["cpu"] + ([device.type] if device.type not in ("cpu", "meta") else [])
+    return tuple((t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types)
 
 
 class _FunctionalCalls(TorchFunctionMode):
@@ -265,10 +281,9 @@ class ResizeRecompute:
             return
         now = _versions(record.args, record.output)
         if now[1:] != record.versions[1:]:  # see note: modified in place
-            name = getattr(record.module, "__name__", None) or type(record.module).__name__
             raise RuntimeError(
-                f"zeroplus.resize_recompute: an input of {name} was modified in place after its forward (input "
-                f"versions {list(record.versions[1:])}, now {list(now[1:])}), so its dropped output cannot be "
+                f"zeroplus.resize_recompute: an input of {_name(record)} was modified in place after its forward "
+                f"(input versions {list(record.versions[1:])}, now {list(now[1:])}), so its dropped output cannot be "
                 f"recomputed as it was computed; turn resize_recompute off for it (modules, names, functional) or "
                 f"do not write its inputs in place")
         for arg in tree_flatten(record.args)[0]:  # a chosen module fed by another (norm -> act)
@@ -278,10 +293,17 @@ class ResizeRecompute:
                     self._restore(source)
         self._recomputing = True
         try:
-            with torch.no_grad():
+            with torch.no_grad(), contextlib.ExitStack() as stack:
+                for device_type, enabled, dtype in record.autocast:
+                    stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
                 value = record.module(*record.args)
         finally:
             self._recomputing = False
+        if value.dtype != record.output.dtype or value.shape != record.output.shape:
+            raise RuntimeError(
+                f"zeroplus.resize_recompute: recomputing an output of {_name(record)} gave {value.dtype} "
+                f"{tuple(value.shape)} where the forward gave {record.output.dtype} {tuple(record.output.shape)}; "
+                f"turn resize_recompute off for it (modules, names, functional)")
         record.output.untyped_storage().resize_(record.nbytes)
         record.output.data.copy_(value)  # through .data: autograd's version counter is unchanged
         record.released = False
