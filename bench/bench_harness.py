@@ -12,9 +12,10 @@ up front, see note: runtime baseline) is in its peak.
 Rows: ``zeroplus`` (the JSON below, zeroplus's defaults for what it leaves out); ``zeroplus-ds-defaults``
 (the same JSON with DeepSpeed's documented defaults written out: ``stage3_prefetch_bucket_size`` 5e7,
 ``stage3_param_persistence_threshold`` 1e5, ``reduce_bucket_size`` 5e8, ...; zeroplus honours them);
-``zeroplus-recompute`` (plus ``"resize_recompute": {"enabled": true, "norms": true}``: the GELU and
-LayerNorm outputs recomputed in backward, bitwise the same gradients); ``zeroplus-recompute-units`` (plus
-``"unit_modules": ["Block", "Embedding"]``: the embeddings leave the root unit);
+``zeroplus-no-recompute`` (plus ``"resize_recompute": {"enabled": false}``: the defaults before session
+34; on by default since, the GELU and LayerNorm outputs are recomputed in backward, bitwise the same
+gradients: see note: recompute by default); ``zeroplus-units`` (plus ``"unit_modules": ["Block",
+"Embedding"]``: the embeddings leave the root unit);
 ``fsdp2`` (``fully_shard`` per block and root, default ``reshard_after_forward``, bf16:
 ``MixedPrecisionPolicy(bf16, reduce_dtype=fp32)``, ``torch.optim.AdamW`` with default arguments,
 ``clip_grad_norm_``, ``zero_grad(set_to_none=True)``); ``deepspeed`` (the JSON, ``DS_ACCELERATOR=cpu``).
@@ -24,7 +25,7 @@ the median step time of those launches (under the trimming allocator: for memory
     python bench/bench_harness.py                                 # fp32 and bf16, 3 rounds (~15 minutes)
     python bench/bench_harness.py --dtypes fp32 --rows zeroplus,fsdp2 --rounds 1
     python bench/bench_harness.py --micro-batch 4 --seq 256        # the activation regime, same model
-    python bench/bench_harness.py --timing --dtypes bf16 --rows zeroplus,zeroplus-recompute   # step times
+    python bench/bench_harness.py --timing --dtypes bf16 --rows zeroplus,zeroplus-no-recompute   # step times
 """
 from __future__ import annotations
 
@@ -41,12 +42,12 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131
 DS_DEFAULTS = {"stage3_prefetch_bucket_size": 5e7, "stage3_param_persistence_threshold": 1e5,
                "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8, "stage3_max_live_parameters": 1e9,
                "stage3_max_reuse_distance": 1e9, "sub_group_size": 1e9}
-ROWS = ("zeroplus", "zeroplus-ds-defaults", "zeroplus-recompute", "zeroplus-recompute-units", "fsdp2", "deepspeed")
-# the zeroplus rows' own keys: resize recompute of the activations and norms (F.gelu inline is seen too), and the
-# input embeddings as units of their own (gathered for their forward and backward only, not the whole step)
-RECOMPUTE = {"resize_recompute": {"enabled": True, "norms": True}}
-ZEROPLUS_KEYS = {"zeroplus": {}, "zeroplus-ds-defaults": {}, "zeroplus-recompute": RECOMPUTE,
-                 "zeroplus-recompute-units": {**RECOMPUTE, "unit_modules": ["Block", "Embedding"]}}
+ROWS = ("zeroplus", "zeroplus-ds-defaults", "zeroplus-no-recompute", "zeroplus-units", "fsdp2", "deepspeed")
+# the zeroplus rows' own keys: resize recompute off (the defaults before session 34), and the input embeddings as
+# units of their own (gathered for their forward and backward only, not the whole step)
+ZEROPLUS_KEYS = {"zeroplus": {}, "zeroplus-ds-defaults": {},
+                 "zeroplus-no-recompute": {"resize_recompute": {"enabled": False}},
+                 "zeroplus-units": {"unit_modules": ["Block", "Embedding"]}}
 
 
 def config(dtype: str, ds_defaults: bool) -> dict:

@@ -24,12 +24,13 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_zero import measure, print_ratio_table, row_parser  # noqa: E402
 
+OFF = {"resize_recompute": {"enabled": False}}  # (on by default since session 34: each row names what it has)
 ROWS = {
-    "baseline": ("zeroplus", {}, False),
-    "shared": ("zeroplus", {"shared_master_weights": True}, False),
+    "baseline": ("zeroplus", OFF, False),
+    "shared": ("zeroplus", {**OFF, "shared_master_weights": True}, False),
     "recompute": ("zeroplus", {"resize_recompute": {"enabled": True, "norms": True}}, False),
-    "swap": ("zeroplus", {"swap_attention": {"enabled": True}, "activation_tier": {"device": "file"}}, False),
-    "checkpointing": ("zeroplus", {}, True),
+    "swap": ("zeroplus", {**OFF, "swap_attention": {"enabled": True}, "activation_tier": {"device": "file"}}, False),
+    "checkpointing": ("zeroplus", OFF, True),
     "shared+recompute": ("zeroplus", {"shared_master_weights": True,
                                       "resize_recompute": {"enabled": True, "norms": True}}, False),
     "all": ("zeroplus", {"shared_master_weights": True, "resize_recompute": {"enabled": True, "norms": True},

@@ -204,7 +204,8 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
                           "measured")
         as_built = remember(model)  # the forwards and settings the techniques below change, given back by destroy
         parts = TrainingParts(partition, step, opt, scheduler, LossScaler(cfg.fp16),
-                              _activation_techniques(model, cfg, ledger, accel, context))
+                              _activation_techniques(model, cfg, ledger, accel, context,
+                                                     [u.module for u in partition.units if not u.is_root]))
         parts.activations.undo.append(as_built)
         if context > 1 and parallel is not None:
             _split_sequences(model, parallel)
@@ -396,7 +397,7 @@ def _optimizer_offload(cfg: ResolvedConfig, accel: Accelerator, ledger: Ledger, 
 
 
 def _activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: Ledger,
-                           accel: Accelerator, context: int) -> SavedTensorRouter:
+                           accel: Accelerator, context: int, scope: list[torch.nn.Module]) -> SavedTensorRouter:
     """Resize recompute and swap attention (through one saved-tensor router), the tiles of
     ``zeroplus.tiled`` (``context``: ranks sharing each sequence), and the settings of
     ``zeroplus.checkpointing`` from the ``activation_checkpointing`` block."""
@@ -412,7 +413,7 @@ def _activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: 
     if recompute.enabled:
         classes = list(DEFAULT_CLASSES if recompute.modules is None else recompute.modules)
         technique = ResizeRecompute(model, classes, recompute.names, ledger, norms=recompute.norms,
-                                    functional=recompute.functional)
+                                    functional=recompute.functional, by_default=recompute.by_default)
         _check_targets("resize_recompute", technique.targets, model,
                        classes + (["norms (*LayerNorm, *RMSNorm, *GroupNorm)"] if recompute.norms else []),
                        recompute.names, [f.__name__ for f in technique.functions])
@@ -447,7 +448,7 @@ def _activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: 
                             num_checkpoints=ac.number_checkpoints, checkpoint_in_cpu=ac.cpu_checkpointing,
                             synchronize=ac.synchronize_checkpoint_boundary, profile=ac.profile, tier=tier,
                             ledger=ledger)
-    return SavedTensorRouter(claimers)
+    return SavedTensorRouter(claimers, scope=scope)
 
 
 def _tile(model: torch.nn.Module, tiles: TiledConfig, context: int) -> None:

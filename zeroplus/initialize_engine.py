@@ -93,7 +93,10 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     dp = DataParallelGroup(process_group) if process_group is not None else parallel.zero
     check_fillable(cfg)
     resolve_batch(cfg, dp.size // context)
-    resolve_auto(cfg, model, optimizer is not None)
+    compiled = wrapper is not None or bool(compiled_modules(model))
+    recompute_unset = cfg.zeroplus.resize_recompute.enabled is None
+    resolve_auto(cfg, model, optimizer is not None, compiled=compiled,
+                 planned=cfg.zeroplus.memory_budget is not None)
     if dp.size > 1:
         check_ranks_agree(model, cfg, dp, parallel.topology.to_dict())
     split = parallel.model.size > 1 or parallel.expert.size > 1
@@ -103,6 +106,7 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
                           f"budget and 'auto'")
     pipelined = parallel.topology.pipeline > 1
     cfg = resolved(_plan(model, cfg, dp, code))
+    cfg.zeroplus.resize_recompute.by_default = recompute_unset and cfg.zeroplus.resize_recompute.enabled
     if wrapper is not None and cfg.zeroplus.resize_recompute.enabled:  # see note: compilation
         raise ConfigError("config key 'zeroplus.resize_recompute': resize_recompute does not work with compiled "
                           "modules (<model>: torch.compile(model) was given to initialize): a compiled graph's "
@@ -183,6 +187,9 @@ def _predictor(model: torch.nn.Module, cfg: ResolvedConfig, code: int | None):
         par = engine.parallel  # with tensor or expert parallelism: this rank of the whole world
         world, rank = ((par.topology.world_size, par.global_rank) if par is not None
                        else (engine.dp.size, engine.dp.rank))
+        recompute = cfg.zeroplus.resize_recompute
+        if recompute.by_default and (engine.is_compiled or compiled_modules(engine.module)):
+            recompute.enabled = False  # (it stands down at this forward: see note: recompute by default)
         try:
             budget = estimate(model, cfg, world_size=world, rank=rank, effects=True, example_inputs=args,
                               example_kwargs=kwargs, code=code)

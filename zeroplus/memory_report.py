@@ -142,6 +142,6 @@ class MemoryReport:
                 effect = effects.get(key.split("/")[0])
                 lines.append(f"  {key:<30}{_mib(b['live_bytes'])}{_mib(b['peak_bytes'])}"
                              + (_mib(effect) if effect is not None else f"{'-':>10}"))
-            lines.append("  (most: the bytes moved off at once; off peak: what the technique takes off the "
-                         "predicted peak, simulated with it and without it)")
+            lines.append("  (most: the bytes moved off at once" + ("; off peak: what the technique takes off the "
+                         "predicted peak, simulated with it and without it)" if effects else ")"))
         return "\n".join(lines)

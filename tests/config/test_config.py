@@ -187,7 +187,10 @@ def test_resolved_config_has_no_auto_and_names_what_is_left():
     out = resolved(cfg)
     assert isinstance(out, ResolvedConfig) and resolved(out) is out
     assert (out.train_batch_size, out.gradient_accumulation_steps, out.zero_optimization.stage) == (8, 1, 2)
-    assert out.model_dump() == cfg.model_dump()
+    recompute = out.zeroplus.resize_recompute  # unset: on by default (see note: recompute by default)
+    assert (recompute.enabled, recompute.by_default) == (True, True)
+    cfg.zeroplus.resize_recompute.enabled = True
+    assert out.model_dump(exclude={"zeroplus": {"resize_recompute": {"by_default"}}}) == cfg.model_dump()
 
 
 def test_every_unknown_key_is_listed_at_once():

@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..eager import compiled_modules, eager
 from ..ledger import Category, Ledger
+from ..logs import log_rank0
 from .saved_tensors import storage_key
 
 TECHNIQUE = "resize_recompute"
@@ -109,19 +110,24 @@ class _FunctionalCalls(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func in self.owner.functions:
+        if func in self.owner.functions and not torch.compiler.is_compiling():  # (a compiled function's calls:
+            # its graph keeps what it saves; see note: hook scope)
             self.owner._functional_output(func, args, kwargs, out)
         return out
 
 
 class ResizeRecompute:
+    lets_inner_hooks = True  # an output saved under inner hooks is not packed here, so not dropped: safe
     def __init__(self, model: torch.nn.Module, class_names: list[str], name_patterns: list[str],
-                 ledger: Ledger, norms: bool = False, functional: bool = False) -> None:
+                 ledger: Ledger, norms: bool = False, functional: bool = False, by_default: bool = False) -> None:
         """Recompute the outputs of modules whose class is in ``class_names``, whose name matches one of
         ``name_patterns``, and with ``norms`` every normalisation layer (``is_norm``); with ``functional``
         also the outputs of ``ACTIVATION_FUNCTIONS`` (with ``norms``, ``NORM_FUNCTIONS`` too) called by the
-        model's forward code outside those modules."""
+        model's forward code outside those modules. ``by_default``: on because the config left it unset, so
+        a model found compiled at a forward turns it off (``stood_down``) rather than refusing."""
         classes, patterns = set(class_names), list(name_patterns)
+        self.by_default = by_default
+        self.stood_down = False
         self.model = model
         self.ledger = ledger
         self.targets: list[str] = []
@@ -151,7 +157,15 @@ class ResizeRecompute:
 
     # -- forward -------------------------------------------------------------------------------
     def begin_forward(self) -> None:
+        if self.stood_down:
+            return
         compiled = compiled_modules(self.model)
+        if compiled and self.by_default:  # see note: recompute by default
+            log_rank0("resize_recompute (on by default) is off from here: %s runs compiled",
+                      ", ".join(compiled[:4]) + (" ..." if len(compiled) > 4 else ""))
+            self.remove()
+            self.stood_down = True
+            return
         if compiled:  # see note: compilation
             raise NotImplementedError(
                 f"zeroplus.resize_recompute does not work with compiled modules ({', '.join(compiled[:4])}"
@@ -166,6 +180,8 @@ class ResizeRecompute:
                                   torch.nn.modules.module.register_module_forward_hook(eager(self._leave))]
 
     def end_forward(self) -> None:
+        if self.stood_down:
+            return
         self._active = False
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
@@ -264,10 +280,14 @@ class ResizeRecompute:
         if record is None:
             return None
         record.packed += 1
-        return record, tensor.detach()
+        return record, tensor.detach(), tensor._version
 
-    def unpack(self, token: tuple[_Record, torch.Tensor]) -> torch.Tensor:
-        record, alias = token
+    def unpack(self, token: tuple[_Record, torch.Tensor, int]) -> torch.Tensor:
+        record, alias, version = token
+        if not record.released and alias._version != version:  # kept, then written (see note: modified in place)
+            raise RuntimeError(f"a tensor of shape {tuple(alias.shape)} saved for backward was modified in place "
+                               f"after the forward (version {version} -> {alias._version}); backward would use "
+                               f"other values than the forward's")
         self._restore(record)
         record.unpacked += 1
         if record.unpacked == record.packed:  # its last consumer: let autograd free it as usual

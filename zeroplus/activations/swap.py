@@ -39,6 +39,9 @@ class _Token:
 
 
 class SwapAttention:
+    stood_down = False  # (it runs compiled too)
+    lets_inner_hooks = False  # what attention saves is what it swaps
+
     def __init__(self, model: torch.nn.Module, class_names: list[str] | None, name_patterns: list[str],
                  tier: Tier, ledger: Ledger, min_bytes: int) -> None:
         self.tier = tier

@@ -142,10 +142,13 @@ class ActivationCheckpointingConfig(Block):
 
 
 class ResizeRecomputeConfig(Block):
-    enabled: bool | Auto = False
+    enabled: bool | Auto | None = Field(
+        None, description="Unset: on wherever it can run (not with compiled modules or pipeline stages: see note: "
+                          "recompute by default), and with a memory_budget the planner's choice; 'auto': the "
+                          "planner's choice within memory_budget.")
     modules: list[str] | None = Field(None, description="Module class names whose outputs are dropped after "
                                                         "forward and recomputed (default: activation functions).")
-    norms: bool = Field(False, description="Also every normalisation layer: torch's LayerNorm, RMSNorm and "
+    norms: bool = Field(True, description="Also every normalisation layer: torch's LayerNorm, RMSNorm and "
                         "GroupNorm, their subclasses, and classes named *LayerNorm, *RMSNorm or *GroupNorm.")
     names: list[str] = Field(default_factory=list, description="Qualified-name patterns (fnmatch), e.g. "
                                                                "'blocks.*.mlp.act'.")

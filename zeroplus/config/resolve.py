@@ -128,8 +128,17 @@ def model_hidden_size(model: torch.nn.Module) -> int:
     raise ConfigError("cannot resolve 'auto' bucket sizes: the model has no config.hidden_size, norm or linear layer")
 
 
-def resolve_auto(cfg: ZeroplusConfig, model: torch.nn.Module, has_client_optimizer: bool) -> None:
-    """Resolve every ``"auto"`` outside the batch triple, logging each resolution."""
+def resolve_auto(cfg: ZeroplusConfig, model: torch.nn.Module, has_client_optimizer: bool,
+                 compiled: bool = False, planned: bool = False) -> None:
+    """Resolve every ``"auto"`` outside the batch triple, logging each resolution, and the keys left unset
+    whose default depends on the run: ``resize_recompute.enabled`` is on unless ``compiled`` (the model or a
+    module of it runs compiled) or pipelined, and with ``planned`` (a memory budget follows) the planner's."""
+    recompute = cfg.zeroplus.resize_recompute
+    if recompute.enabled is None:  # see note: recompute by default
+        if compiled or cfg.zeroplus.parallel.pipeline > 1:
+            recompute.enabled = False
+        else:
+            recompute.enabled = "auto" if planned else True
     param_dtypes = {p.dtype for p in model.parameters()}
     for block, dtype in ((cfg.fp16, torch.float16), (cfg.bf16, torch.bfloat16)):
         if block.enabled == "auto":

@@ -52,6 +52,7 @@ class ResolvedZeroConfig(ZeroConfig):
 
 class ResolvedResizeRecomputeConfig(ResizeRecomputeConfig):
     enabled: bool = False
+    by_default: bool = False  # on because the key was left unset: stands down when the model is compiled later
 
 
 class ResolvedZeroplusBlock(ZeroplusBlock):
@@ -97,6 +98,9 @@ def resolved(cfg: ZeroplusConfig) -> ResolvedConfig:
     if isinstance(cfg, ResolvedConfig):
         return cfg
     data = cfg.model_dump()
+    recompute = data["zeroplus"]["resize_recompute"]
+    if recompute["enabled"] is None:  # unset and not resolved by ``resolve_auto``: its default, on
+        recompute.update(enabled=True, by_default=True)
     left = _unresolved(data, "") + [key for key in _BATCH if data[key] is None]
     if left:
         raise ConfigError(f"config keys {left} are still 'auto' or unset after resolution: give them values "

@@ -19,7 +19,8 @@ backward one such tensor at a time, formed when the attention's backward starts 
 ends. Communication: one more all-to-all of that size per layer in backward (five instead of four).
 
 It stands aside (everything saved as usual) when other saved-tensor hooks are active (the engine's
-swap attention or resize recompute, a ``torch.utils.checkpoint`` region: they decide what is saved),
+swap attention, a ``torch.utils.checkpoint`` region: they decide what is saved; not resize recompute's alone,
+which only claims less under it),
 when grad is off, for one rank, and when the output does not cover its storage contiguously. The home
 copy's version is checked when the output is formed again, and every other saved tensor's when it is
 given back (autograd checks none through hooks): modified in place meanwhile, backward raises
@@ -93,7 +94,10 @@ def output_exchanged(group: DataParallelGroup,
     output brought home ``(b, s/C, H, hd)`` with the rest; attention's saved copy of its output is then
     formed again from the home copy in backward (module docstring)."""
     top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # (private: absent, stand aside)
-    hooked = group.size > 1 and torch.is_grad_enabled() and top_hooks is not None and top_hooks(False) is None
+    top: Any = top_hooks(False) if top_hooks is not None else ()
+    # (the engine's router lets inner hooks when only resize recompute is on: see note: hook scope)
+    yields = top is None or (bool(top) and getattr(getattr(top[0], "__self__", None), "lets_inner_hooks", False))
+    hooked = group.size > 1 and torch.is_grad_enabled() and top_hooks is not None and yields
     if not hooked:
         out, rest = attend()
         return heads_to_seq(out, group), rest
