@@ -23,6 +23,7 @@ from torch._dynamo.utils import counters
 import zeroplus
 from tests.dist_helper import run_distributed
 from tests.models import PlainGPT
+from zeroplus.ledger import Category
 from zeroplus.models import GPT, gpt_config
 
 WAYS = ("whole", "block", "engine")
@@ -66,13 +67,15 @@ def _train(build: Any, cfg: dict[str, Any], way: str, backend: str, rank: int,
         if step == 1:  # no recompilation after the first step
             torch._dynamo.config.error_on_recompile = way != "eager"
         out = engine(batch[:, :-1])
+        dropped = engine.ledger.saved_bytes("resize_recompute", Category.ACTIVATION)
         loss = loss_of(out) if loss_of is not None else F.cross_entropy(out.reshape(-1, VOCAB),
                                                                             batch[:, 1:].reshape(-1))
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
     torch._dynamo.config.error_on_recompile = False
-    stats = {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values())}
+    stats = {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values()),
+             "dropped": dropped, "recompute": engine.config.zeroplus.resize_recompute.enabled}
     assert engine.budget is not None and engine.budget.compiled == (way != "eager"), (way, engine.budget)
     assert ("compiled: activations" in str(engine.budget)) == (way != "eager")
     state = engine.consolidated_fp32_state()  # (the model's own names: no "_orig_mod." under torch.compile)
@@ -100,7 +103,13 @@ def _assert_equal_to_eager(results: dict[str, Any], label: str, rtol: float = 1e
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_compiled_training_equals_eager_for_every_way_of_compiling(stage):
+    """With the defaults: eager drops its activations' outputs (resize recompute, on by default), and every
+    compiled way has it off (the wrapper at ``initialize``; ``block.compile()`` and ``engine.compile()`` after
+    it, where it stands down at the first forward) and trains as eager does."""
     for rank_results in run_distributed(_compare_ways, 2, stage, WAYS, None, "inductor"):
+        said = {way: (stats["dropped"], stats["recompute"]) for way, (_, _, stats) in rank_results.items()}
+        assert said["eager"][0] > 0 and said["eager"][1] is True, said
+        assert all(said[way] == (0, False) for way in ("whole", "engine")) and said["block"][0] == 0, said
         _assert_equal_to_eager(rank_results, f"ZeRO-{stage}", rtol=1e-4, atol=1e-5)
 
 
