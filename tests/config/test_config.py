@@ -241,3 +241,34 @@ def test_bf16_on_a_cpu_that_emulates_it_is_warned_once(caplog):
     assert default_config_path().endswith("zero3_bf16.json" if native_bf16() else "zero3_fp32.json")
     if emulated:
         assert "x as long as an fp32 one here" in emulated[0]
+
+
+def test_resize_recompute_left_unset_is_on_where_it_can_run():
+    """``zeroplus.resize_recompute.enabled`` unset (see note: recompute by default): on, with the norms; off for a
+    compiled model and for pipeline stages; with a memory budget the planner's, which then weighs both (and only
+    off beside pipelines, which refuse it). Written out, it keeps its value."""
+    from zeroplus.budget.planner import _candidates
+
+    model = GPT(gpt_config("tiny"))
+
+    def resolved_value(zp: dict, **kwargs) -> object:
+        cfg, _ = parse_config({"train_micro_batch_size_per_gpu": 2, "zeroplus": zp})
+        resolve_auto(cfg, model, False, **kwargs)
+        return cfg.zeroplus.resize_recompute.enabled
+
+    assert parse_config({})[0].zeroplus.resize_recompute.norms is True
+    assert resolved_value({}) is True
+    assert resolved_value({}, compiled=True) is False
+    assert resolved_value({"parallel": {"pipeline": 2}}) is False
+    assert resolved_value({}, planned=True) == "auto"
+    assert resolved_value({"resize_recompute": {"enabled": False}}) is False
+    assert resolved_value({"resize_recompute": {"enabled": True}}, compiled=True) is True  # refused where it runs
+
+    def recompute_candidates(zp: dict) -> set:
+        cfg, _ = parse_config({"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+                               "zeroplus": {"memory_budget": "1GB", **zp}})
+        return {s.recompute for s in _candidates(cfg)}
+
+    assert recompute_candidates({}) == {False, True}
+    assert recompute_candidates({"parallel": {"pipeline": 2}}) == {False}
+    assert recompute_candidates({"resize_recompute": {"enabled": False}}) == {False}
