@@ -413,7 +413,8 @@ def _activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: 
     if recompute.enabled:
         classes = list(DEFAULT_CLASSES if recompute.modules is None else recompute.modules)
         technique = ResizeRecompute(model, classes, recompute.names, ledger, norms=recompute.norms,
-                                    functional=recompute.functional, by_default=recompute.by_default)
+                                    functional=recompute.functional, by_default=recompute.by_default,
+                                    settings=recompute)
         _check_targets("resize_recompute", technique.targets, model,
                        classes + (["norms (*LayerNorm, *RMSNorm, *GroupNorm)"] if recompute.norms else []),
                        recompute.names, [f.__name__ for f in technique.functions])

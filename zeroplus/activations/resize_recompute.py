@@ -119,14 +119,17 @@ class _FunctionalCalls(TorchFunctionMode):
 class ResizeRecompute:
     lets_inner_hooks = True  # an output saved under inner hooks is not packed here, so not dropped: safe
     def __init__(self, model: torch.nn.Module, class_names: list[str], name_patterns: list[str],
-                 ledger: Ledger, norms: bool = False, functional: bool = False, by_default: bool = False) -> None:
+                 ledger: Ledger, norms: bool = False, functional: bool = False, by_default: bool = False,
+                 settings: Any = None) -> None:
         """Recompute the outputs of modules whose class is in ``class_names``, whose name matches one of
         ``name_patterns``, and with ``norms`` every normalisation layer (``is_norm``); with ``functional``
         also the outputs of ``ACTIVATION_FUNCTIONS`` (with ``norms``, ``NORM_FUNCTIONS`` too) called by the
         model's forward code outside those modules. ``by_default``: on because the config left it unset, so
-        a model found compiled at a forward turns it off (``stood_down``) rather than refusing."""
+        a model found compiled at a forward turns it off (``stood_down``, and ``settings.enabled``, the engine's
+        config block, says so) rather than refusing."""
         classes, patterns = set(class_names), list(name_patterns)
         self.by_default = by_default
+        self.settings = settings
         self.stood_down = False
         self.model = model
         self.ledger = ledger
@@ -165,6 +168,8 @@ class ResizeRecompute:
                       ", ".join(compiled[:4]) + (" ..." if len(compiled) > 4 else ""))
             self.remove()
             self.stood_down = True
+            if self.settings is not None:
+                self.settings.enabled = False
             return
         if compiled:  # see note: compilation
             raise NotImplementedError(
