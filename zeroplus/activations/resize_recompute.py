@@ -118,6 +118,7 @@ class _FunctionalCalls(TorchFunctionMode):
 
 class ResizeRecompute:
     lets_inner_hooks = True  # an output saved under inner hooks is not packed here, so not dropped: safe
+
     def __init__(self, model: torch.nn.Module, class_names: list[str], name_patterns: list[str],
                  ledger: Ledger, norms: bool = False, functional: bool = False, by_default: bool = False,
                  settings: Any = None) -> None:

@@ -88,16 +88,20 @@ def _covers_storage(t: torch.Tensor) -> bool:
             and t.numel() * t.element_size() == t.untyped_storage().nbytes())
 
 
+def _yields(top: Any) -> bool:
+    """Whether the saved-tensor hooks on top (``None``: none) let this mechanism's own run inside them: the
+    engine's router does when resize recompute is its only claimer (see note: hook scope). Asked only with
+    more than one rank (a call TorchDynamo cannot trace, inside compiled blocks)."""
+    return top is None or getattr(getattr(top[0], "__self__", None), "lets_inner_hooks", False)
+
+
 def output_exchanged(group: DataParallelGroup,
                      attend: Callable[[], tuple[torch.Tensor, Any]]) -> tuple[torch.Tensor, Any]:
     """Run ``attend`` (returning the head-layout output ``(b, s, H/C, hd)`` and anything else), and return the
     output brought home ``(b, s/C, H, hd)`` with the rest; attention's saved copy of its output is then
     formed again from the home copy in backward (module docstring)."""
     top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # (private: absent, stand aside)
-    top: Any = top_hooks(False) if top_hooks is not None else ()
-    # (the engine's router lets inner hooks when only resize recompute is on: see note: hook scope)
-    yields = top is None or (bool(top) and getattr(getattr(top[0], "__self__", None), "lets_inner_hooks", False))
-    hooked = group.size > 1 and torch.is_grad_enabled() and top_hooks is not None and yields
+    hooked = group.size > 1 and torch.is_grad_enabled() and top_hooks is not None and _yields(top_hooks(False))
     if not hooked:
         out, rest = attend()
         return heads_to_seq(out, group), rest
