@@ -269,9 +269,6 @@ class Engine:
             return
         units = [(u.name, u.module) for u in self._partition.units if not u.is_root]
         self._compiled = CompiledUnits(units or [("<model>", self._module)], settings)
-        recompute = self.config.zeroplus.resize_recompute
-        if recompute.by_default:  # it stands down at the next forward (see note: recompute by default)
-            recompute.enabled = False
         self._compiled_units.append(self._compiled)
         if self.dp.rank == 0:
             logger.info("compiled %d module(s) with backend %s: %s", len(self._compiled.names), backend,

@@ -80,15 +80,10 @@ class SavedTensorRouter:
             return
         for c in self.claimers:
             c.begin_forward()
-        standing = [c for c in self.claimers if not c.stood_down]
-        if len(standing) < len(self.claimers):  # (its hooks are gone; the forward runs without it)
-            for c in self.claimers:
-                if c.stood_down:
-                    c.remove()
-            self.claimers = standing
-            if not standing:
-                yield
-                return
+        self.claimers = [c for c in self.claimers if not c.stood_down]  # (it removed its own hooks)
+        if not self.claimers:
+            yield
+            return
         try:
             if self._handles:
                 self._open = True

@@ -93,9 +93,9 @@ def _candidates(cfg: ZeroplusConfig) -> list[Settings]:
     bf16 = cfg.bf16.enabled is True
     shared = ([False, True] if bf16 else [False]) if zp.shared_master_weights == "auto" else [
         bool(zp.shared_master_weights)]
-    chooses = zp.resize_recompute.enabled in ("auto", None)  # (unset: see note: recompute by default)
-    recompute = [bool(zp.resize_recompute.enabled)] if not chooses else [False] if zp.parallel.pipeline > 1 else [
-        False, True]  # (pipeline stages refuse it: engine/build.py)
+    recompute = [bool(zp.resize_recompute.enabled)]
+    if zp.resize_recompute.enabled in ("auto", None):  # (unset: see note: recompute by default)
+        recompute = [False] if zp.parallel.pipeline > 1 else [False, True]  # (pipeline stages refuse it)
     out = []
     for stage, ratio, sh, rc in itertools.product(stages, ratios, shared, recompute):
         if ratio is not None and stage == 0:
