@@ -42,11 +42,13 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131
 DS_DEFAULTS = {"stage3_prefetch_bucket_size": 5e7, "stage3_param_persistence_threshold": 1e5,
                "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8, "stage3_max_live_parameters": 1e9,
                "stage3_max_reuse_distance": 1e9, "sub_group_size": 1e9}
-ROWS = ("zeroplus", "zeroplus-ds-defaults", "zeroplus-no-recompute", "zeroplus-units", "fsdp2", "deepspeed")
+ROWS = ("zeroplus", "zeroplus-ds-defaults", "zeroplus-no-recompute", "zeroplus-torch-loss", "zeroplus-units", "fsdp2",
+        "deepspeed")
 # the zeroplus rows' own keys: resize recompute off (the defaults before session 34), and the input embeddings as
 # units of their own (gathered for their forward and backward only, not the whole step)
 ZEROPLUS_KEYS = {"zeroplus": {}, "zeroplus-ds-defaults": {},
                  "zeroplus-no-recompute": {"resize_recompute": {"enabled": False}},
+                 "zeroplus-torch-loss": {"lean_cross_entropy": False},
                  "zeroplus-units": {"unit_modules": ["Block", "Embedding"]}}
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from zeroplus import fused_ops
 from zeroplus.accelerator import Accelerator
 from zeroplus.activations import ResizeRecompute, SavedTensorRouter, SwapAttention, checkpointing
+from zeroplus.activations.lean_loss import LeanCrossEntropy
 from zeroplus.activations.resize_recompute import DEFAULT_CLASSES
 from zeroplus.activations.tiled import per_rank_tile, tile_mlps
 from zeroplus.activations.tiled_loss import is_hf_causal_lm, tile_loss
@@ -449,7 +450,7 @@ def _activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: 
                             num_checkpoints=ac.number_checkpoints, checkpoint_in_cpu=ac.cpu_checkpointing,
                             synchronize=ac.synchronize_checkpoint_boundary, profile=ac.profile, tier=tier,
                             ledger=ledger)
-    return SavedTensorRouter(claimers, scope=scope)
+    return SavedTensorRouter(claimers, scope=scope, around=[LeanCrossEntropy()] if zp.lean_cross_entropy else [])
 
 
 def _tile(model: torch.nn.Module, tiles: TiledConfig, context: int) -> None:

@@ -239,7 +239,8 @@ class Engine:
             with timed, self._activations.forward(), census if census is not None else contextlib.nullcontext():
                 out = self._forward_module(*args, **kwargs)
             if census is not None:  # what is saved for backward: not the ledger's, not the output's own
-                self._activation_bytes = census.alive_bytes(self.ledger.storage_keys() | storage_keys_of(out))
+                output = storage_keys_of(out) - self._activations.kept()  # (logits a lean loss keeps: saved)
+                self._activation_bytes = census.alive_bytes(self.ledger.storage_keys() | output)
             return out
         finally:
             self._partition.after_forward()

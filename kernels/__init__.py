@@ -4,6 +4,7 @@ above drive them.
 
 ``bf16_split``: the bf16/fp32 shared-storage split and merge (shared-storage master weights).
 ``cross_entropy``: a linear head's cross-entropy by tiles of rows and vocabulary slices (tiled loss).
+``cross_entropy_rows``: cross-entropy over given logits by blocks of rows, the logits kept (the lean loss).
 ``attention_blocks``: attention by blocks merged with the online softmax (ring attention).
 ``npu_adam_w``: the CPU twin of the NPU's AdamW kernel (virtual host memory for optimizer states).
 ``swiglu``, ``rms_norm``, ``rotary``, ``grouped_gemm``: the model families' fused operators (``zeroplus.fused_ops``);

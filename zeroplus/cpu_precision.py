@@ -29,6 +29,11 @@ _NATIVE_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 AVX-512 / AMX, ARM's 
 
 @functools.lru_cache(maxsize=1)
 def native_bf16() -> bool:
+    """Whether this CPU has bf16 instructions that oneDNN may use: the flags, unless ``ONEDNN_MAX_CPU_ISA``
+    (or ``DNNL_MAX_CPU_ISA``) caps oneDNN below them (a cap naming none of BF16, AMX, FP16 or AVX10)."""
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").upper()
+    if cap and cap not in ("ALL", "DEFAULT") and not any(w in cap for w in ("BF16", "AMX", "FP16", "AVX10")):
+        return False
     try:
         with open("/proc/cpuinfo") as f:
             text = f.read()

@@ -9,7 +9,9 @@ the engine without them runs autograd untouched, and only inside the partition's
 (``scope``), where the techniques act: with hooks, autograd gives back every saved tensor as a new tensor
 object, so a parameter saved by code outside the blocks (TRL's chunked log-probabilities save the head
 weight and read its ``ds_status`` in backward) would come back without its attributes. Tensors saved inside
-``torch.utils.checkpoint`` regions are the checkpoint's (its hooks are innermost).
+``torch.utils.checkpoint`` regions are the checkpoint's (its hooks are innermost). The router's ``forward`` also
+enters the techniques that act on the forward's calls rather than on what it saves (``around``: the lean loss's
+function mode), with or without claimers.
 """
 from __future__ import annotations
 
@@ -38,14 +40,25 @@ class Claimer(Protocol):
     def remove(self) -> None: ...
 
 
+class ForwardMode(Protocol):
+    """A technique acting on the forward's calls (``around``), entered for each training forward."""
+
+    kept: set[int]  # storage keys the current forward keeps for backward that the forward's output may hold
+
+    def __enter__(self) -> Any: ...
+    def __exit__(self, *exc: Any) -> Any: ...
+
+
 class SavedTensorRouter:
     def __init__(self, claimers: list[Claimer], undo: list[Callable[[], None]] | None = None,
-                 scope: list[torch.nn.Module] | None = None) -> None:
+                 scope: list[torch.nn.Module] | None = None,
+                 around: list[ForwardMode] | None = None) -> None:
         """``undo``: what else was changed on the model (``engine/model_patches.py``'s record of the forwards
         and settings the techniques replaced), undone by ``remove``. ``scope``: the modules (the partition's
         repeated blocks) whose forwards alone run under the hooks; none: the whole forward (see note: hook
-        scope)."""
+        scope). ``around``: contexts (re-entrant, such as a ``TorchFunctionMode``) every training forward runs in."""
         self.claimers = claimers
+        self.around = list(around or [])
         self.undo = list(undo or [])
         self._open = False  # the engine's forward is running (``forward``): scope modules push the hooks
         self._pushed: list[Any] = []  # the hook contexts the scope modules entered, innermost last
@@ -66,6 +79,7 @@ class SavedTensorRouter:
         for c in self.claimers:
             c.remove()
         self.claimers = []
+        self.around = []
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -75,7 +89,18 @@ class SavedTensorRouter:
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
-        if not self.claimers or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
+            yield
+            return
+        with contextlib.ExitStack() as stack:
+            for context in self.around:
+                stack.enter_context(context)
+            with self._hooks():
+                yield
+
+    @contextlib.contextmanager
+    def _hooks(self) -> Iterator[None]:
+        if not self.claimers:
             yield
             return
         for c in self.claimers:
@@ -97,6 +122,10 @@ class SavedTensorRouter:
                 self._pushed.pop()[1].__exit__(None, None, None)
             for c in self.claimers:
                 c.end_forward()
+
+    def kept(self) -> set[int]:
+        """Storages the last training forward's ``around`` techniques keep for backward (``ForwardMode.kept``)."""
+        return set().union(*(m.kept for m in self.around))
 
     def _enter_scope(self, module: torch.nn.Module, args: Any) -> None:
         if self._open and self.claimers:  # (not an activation-checkpoint replay in backward)

@@ -33,6 +33,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..cpu_precision import native_bf16
 from ..eager import EagerWhileActive
 from ..ledger import Category, Ledger
 from .meta_values import MetaValues
@@ -45,9 +46,13 @@ _MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_addmm_activation"}
 
 def cpu_workspace_bytes(func: Any, out: Any) -> int:
     """Bytes a CPU kernel allocates inside itself for the length of the call, which no dispatch
-    mode sees: a bf16 matrix product on CPU (oneDNN) computes into an fp32 buffer of the
-    output's size, then rounds (measured: resident peak above the output = 4 bytes per output
-    element for mm/addmm in bf16, none in fp16 or fp32)."""
+    mode sees: on a CPU that emulates bf16, a bf16 matrix product (oneDNN) computes into an fp32
+    buffer of the output's size, then rounds (measured: resident peak above the output = 4 bytes per
+    output element for mm/addmm in bf16, none in fp16 or fp32). A CPU with ``avx512_bf16`` or AMX
+    computes bf16 products without it (measured under ``ONEDNN_MAX_CPU_ISA``: AVX512_CORE 4 bytes
+    per output element, AVX512_CORE_BF16 and AMX none)."""
+    if native_bf16():
+        return 0
     if func._overloadpacket.__name__ in _MATMULS and isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16:
         return 4 * out.numel()
     return 0

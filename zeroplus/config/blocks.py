@@ -371,6 +371,11 @@ class ZeroplusBlock(Block):
     resize_recompute: ResizeRecomputeConfig = Field(default_factory=ResizeRecomputeConfig)
     swap_attention: SwapAttentionConfig = Field(default_factory=SwapAttentionConfig)
     tiled: TiledConfig = Field(default_factory=TiledConfig)
+    lean_cross_entropy: bool = Field(
+        True, description="The model's own F.cross_entropy calls over (tokens, classes) logits with class targets "
+                          "(a loss computed in its forward) run by blocks of rows while the engine's forward runs: "
+                          "bitwise the same loss and gradients, one logits' worth less memory at the loss's "
+                          "backward (zeroplus/activations/lean_loss.py); false: torch's own.")
     fused_ops: bool | Literal["compiled", "liger", "fastest"] = Field(
         False, description="The Llama family's RMSNorms and gated (SwiGLU) MLPs run the device's fused kernels "
                            "(zeroplus/fused_ops.py): bitwise equal to eager, fewer tensors kept for "
