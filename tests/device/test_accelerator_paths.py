@@ -10,7 +10,8 @@ kernels); optimizer states and parameter shards in pinned host memory and in fil
 events, ``record_stream``) and swap attention, bit for bit against no offload; the ledger against
 the device allocator (``max_memory_allocated``); and on two devices ZeRO-3's reduce-scatter
 overlapping backward (NCCL/HCCL) against stage 0; the fused operators (bitwise with ``true``, within fp32
-rounding compiled or Liger's) and the one-rank step bit for bit against the plain module with fused AdamW.
+rounding compiled or Liger's), the one-rank step bit for bit against the plain module with fused AdamW, and the
+lean loss's kernel bit for bit against ``F.cross_entropy``.
 ``ZEROPLUS_DEVICE_TESTS_ON_CPU=1`` runs the one-device tests on the CPU, which checks the tests, not the
 device paths.
 """
@@ -275,3 +276,25 @@ def test_one_rank_steps_as_the_plain_module_with_fused_adamw_on_the_device(stage
     differ = {n: (state[n].cpu() - p.detach().cpu()).abs().max().item() for n, p in plain.named_parameters()
               if p.requires_grad and not torch.equal(state[n].cpu(), p.detach().cpu())}
     assert not differ, f"stage {stage}: not the plain module's (largest difference per parameter): {differ}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_lean_loss_is_torchs_cross_entropy_bit_for_bit_on_the_device(dtype: torch.dtype):
+    """The lean loss's kernel (``kernels/cross_entropy_rows.py``, on by default) on the device: the loss and the
+    logits' gradient of a 16384-class vocabulary over 1000 tokens (several blocks, the last ragged; ignored rows;
+    every reduction) equal ``F.cross_entropy``'s bit for bit, as on the CPU: each ATen operator it calls on a block
+    of rows computes a row on its own (the device's softmax kernels pick their launch by the row length)."""
+    from zeroplus.kernels.cross_entropy_rows import cross_entropy_rows, reference
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(1000, 16384, generator=g) * 4).to(dtype).to(ACCEL.device())
+    targets = torch.randint(0, 16384, (1000,), generator=g)
+    targets[::7] = -100
+    targets = targets.to(ACCEL.device())
+    for reduction in ("mean", "sum", "none"):
+        a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+        want, got = reference(a, targets, -100, reduction), cross_entropy_rows(b, targets, -100, reduction)
+        assert torch.equal(got, want), (dtype, reduction)
+        upstream = torch.rand(want.shape, generator=g).to(dtype).to(ACCEL.device()) + 0.5
+        want.backward(upstream)
+        got.backward(upstream)
+        assert torch.equal(b.grad, a.grad), (dtype, reduction)
