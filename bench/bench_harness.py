@@ -16,7 +16,8 @@ Rows: ``zeroplus`` (the JSON below, zeroplus's defaults for what it leaves out);
 34; on by default since, the GELU and LayerNorm outputs are recomputed in backward, bitwise the same
 gradients: see note: recompute by default); ``zeroplus-torch-loss`` (plus
 ``"lean_cross_entropy": false``: torch's own cross-entropy, the defaults before session 35, see
-note: lean loss); ``zeroplus-units`` (plus ``"unit_modules": ["Block", "Embedding"]``: the embeddings leave the root unit);
+note: lean loss); ``zeroplus-units`` (plus ``"unit_modules": ["Block", "Embedding"]``: the embeddings leave
+the root unit);
 ``fsdp2`` (``fully_shard`` per block and root, default ``reshard_after_forward``, bf16:
 ``MixedPrecisionPolicy(bf16, reduce_dtype=fp32)``, ``torch.optim.AdamW`` with default arguments,
 ``clip_grad_norm_``, ``zero_grad(set_to_none=True)``); ``deepspeed`` (the JSON, ``DS_ACCELERATOR=cpu``).

@@ -231,6 +231,25 @@ class ZeroPartition:
     def after_forward(self) -> None:
         if self.stage3 is not None:
             self.stage3.end_forward()
+            if torch.is_grad_enabled() and self._root_trusted():
+                for g in self.root.groups:
+                    if self._rows_only(g):
+                        g.release()
+
+    def _root_trusted(self) -> bool:
+        """Stage 3: a first backward showed no use of a root parameter outside its holders and no holder
+        replayed inside backward, so nothing in backward reads a root value its holders do not (the early
+        root release's condition, ``_maybe_release_root``)."""
+        return self.release_root_early and self._backwards_seen > 0 and not self.root.frozen
+
+    @staticmethod
+    def _rows_only(group: FlatParamGroup) -> bool:
+        """A root group of plain embeddings' weights only (each a per-use parameter whose gradient comes by
+        rows) that no dense holder used in this forward: after the forward nothing reads its values (an
+        embedding's backward runs on its detached weight's rows, ``use_grads.py``), so its gathered buffer is
+        freed at the forward's end rather than held through backward (see note: embeddings released)."""
+        every = set(range(len(group.params)))
+        return group.per_use == every and group.row_params == every and group.dense_uses_back()
 
     # -- backward -----------------------------------------------------------------------------
     # -- per-use gradients (use_grads.py) -----------------------------------------------------------
@@ -299,7 +318,7 @@ class ZeroPartition:
         values (its holders' uses have run, embeddings run on detached weights), so its gathered buffer is
         freed then instead of at the end of backward. Only after a first backward showed no use outside
         the holders and no holder replayed inside backward (either could read the values later)."""
-        if (self.stage3 is not None and self.release_root_early and self._backwards_seen > 0 and not self.root.frozen
+        if (self.stage3 is not None and self._root_trusted()
                 and any(g.per_use for g in self.root.groups)  # (its holders' hooks are what tell a use outside)
                 and all(id(g) in self._ready or self._only_rows_to_come(g) for g in self.root.groups)):
             self.root.release()  # (frozen weights: read to the end)
