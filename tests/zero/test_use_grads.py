@@ -197,12 +197,15 @@ def test_stage3_root_is_released_once_its_gradients_are_in():
     assert seen[0] >= root_bytes and all(b < root_bytes for b in seen[1:]), (seen, root_bytes)
 
 
-def _after_forward(make, monkeypatch, release: bool) -> tuple[list[int], list[float]]:
-    """(the gathered bytes when each forward returns, the losses) over 3 bf16 steps at stage 3."""
+def _after_forward(make, monkeypatch, release: bool, persist: int = 0) -> tuple[list[int], list[float]]:
+    """(the gathered bytes when each forward returns, the losses) over 3 bf16 steps at stage 3; units under
+    ``persist`` elements stay gathered."""
     if not release:
         monkeypatch.setattr(partition_module.ZeroPartition, "_rows_only", staticmethod(lambda group: False))
     torch.manual_seed(0)
-    engine = zeroplus.initialize(make(), {**_config(3), "bf16": {"enabled": True}})
+    cfg = {**_config(3), "bf16": {"enabled": True}}
+    cfg["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": persist}
+    engine = zeroplus.initialize(make(), cfg)
     gathered, losses = [], []
     g = torch.Generator().manual_seed(2)
     for _ in range(3):
@@ -231,6 +234,9 @@ def test_stage3_untied_embedding_is_released_when_the_forward_ends(make, monkeyp
         assert freed[1] == freed[2] == held[1] - table, (freed, held, table)
     else:
         assert freed == held
+    # a root under the persistence threshold stays gathered for good (its post-step gather refills the buffer)
+    kept, kept_losses = _after_forward(make, monkeypatch, release=True, persist=10**9)
+    assert kept_losses == held_losses and kept[1] == kept[2] == kept[0] >= held[0], (kept, held)
 
 
 def test_holders_get_their_parameters_back_even_when_the_forward_raises():

@@ -231,7 +231,7 @@ class ZeroPartition:
     def after_forward(self) -> None:
         if self.stage3 is not None:
             self.stage3.end_forward()
-            if torch.is_grad_enabled() and self._root_trusted():
+            if torch.is_grad_enabled() and self._root_trusted() and not self.root.persistent:
                 for g in self.root.groups:
                     if self._rows_only(g):
                         g.release()
@@ -247,7 +247,8 @@ class ZeroPartition:
         """A root group of plain embeddings' weights only (each a per-use parameter whose gradient comes by
         rows) that no dense holder used in this forward: after the forward nothing reads its values (an
         embedding's backward runs on its detached weight's rows, ``use_grads.py``), so its gathered buffer is
-        freed at the forward's end rather than held through backward (see note: embeddings released)."""
+        freed at the forward's end rather than held through backward (see note: embeddings released). Not in a
+        persistent root (under ``stage3_param_persistence_threshold``): its post-step gather refills the buffer."""
         every = set(range(len(group.params)))
         return group.per_use == every and group.row_params == every and group.dense_uses_back()
 
