@@ -13,7 +13,8 @@ for the gradient of the unit's input, which may come after the unit's own gradie
 is released when the next unit's backward starts (its output's gradient is then complete, so every
 use inside the unit that feeds it has run) or at the end of backward. The root unit (parameters
 outside any repeated block, such as tied embeddings) stays gathered from the start of forward to
-the end of backward (or until its gradients are all in, ``partition.py``'s early root release), and
+the end of backward (or until its gradients are all in, ``partition.py``'s early root release; its plain
+embeddings' groups only to the forward's end, ``ZeroPartition.after_forward``), and
 units below ``stage3_param_persistence_threshold`` elements stay gathered for good.
 
 Activation checkpointing replays a unit's forward inside backward: the replay gathers the unit
