@@ -54,13 +54,12 @@ class LeanCrossEntropy(TorchFunctionMode):
                 return func(*args, **kwargs)
             bound.apply_defaults()
             call = dict(bound.arguments)
-            logits = call.pop("input")
+            logits, targets = call.pop("input"), call.pop("target")
             if (torch.is_grad_enabled() and isinstance(logits, torch.Tensor) and logits.requires_grad
-                    and supported(logits, call.pop("target"), **call)):
+                    and supported(logits, targets, **call)):
                 self.taken += 1
                 self.kept.add(storage_key(logits))
-                return cross_entropy_rows(logits, bound.arguments["target"], bound.arguments["ignore_index"],
-                                          bound.arguments["reduction"])
+                return cross_entropy_rows(logits, targets, call["ignore_index"], call["reduction"])
         return func(*args, **kwargs)
 
 

@@ -51,9 +51,8 @@ def cpu_workspace_bytes(func: Any, out: Any) -> int:
     output element for mm/addmm in bf16, none in fp16 or fp32). A CPU with ``avx512_bf16`` or AMX
     computes bf16 products without it (measured under ``ONEDNN_MAX_CPU_ISA``: AVX512_CORE 4 bytes
     per output element, AVX512_CORE_BF16 and AMX none)."""
-    if native_bf16():
-        return 0
-    if func._overloadpacket.__name__ in _MATMULS and isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16:
+    if (isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and func._overloadpacket.__name__ in _MATMULS
+            and not native_bf16()):
         return 4 * out.numel()
     return 0
 
