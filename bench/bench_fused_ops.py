@@ -7,9 +7,12 @@ reference under ``torch.compile`` (inductor; its compile time left out), and zer
 ``zeroplus.fused_ops`` installs on this device where it installs one. Grouped GEMM: ``--experts`` experts with
 equal rows; ``moe_experts``: ``--experts`` SwiGLU experts of width ``--ffn / --experts`` on equal slots, the
 per-expert loop (``expert_loop``) against the stacked experts' batched products (``GroupedExperts``, what
-``MoE`` runs with a ``GroupedFFN``). One process, ``--threads`` threads. ``--device cuda`` times on the GPU
-(synchronised around each run) and adds Liger's Triton kernels (``liger`` rows: RMSNorm, SwiGLU) where
-``liger_kernel`` is installed.
+``MoE`` runs with a ``GroupedFFN``); ``cross_entropy``: ``--tokens`` rows of ``--vocab`` logits against class
+targets, ``F.cross_entropy`` against ``cross_entropy_rows`` (the lean loss). One process, ``--threads`` threads.
+``--device cuda`` times on the GPU (synchronised around each run), adds Liger's Triton kernels (``liger`` rows:
+RMSNorm, SwiGLU, and cross-entropy, which writes the gradient into the logits in forward) where ``liger_kernel``
+is installed, and a ``peak MiB`` column: the device allocator's peak over forward and backward above what was
+allocated once the inputs were made.
 
     python bench/bench_fused_ops.py                      # bf16, 4096 tokens, 1024 x 2816
     python bench/bench_fused_ops.py --dtype fp32 --threads 1
@@ -25,8 +28,10 @@ import time
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from zeroplus.kernels.cross_entropy_rows import cross_entropy_rows  # noqa: E402
 from zeroplus.kernels.grouped_gemm import grouped_mm, grouped_mm_reference  # noqa: E402
 from zeroplus.kernels.rms_norm import rms_norm, rms_norm_reference  # noqa: E402
 from zeroplus.kernels.rotary import rotary_reference  # noqa: E402
@@ -40,25 +45,32 @@ def _sync(device: str) -> None:
 
 
 def _liger(device: str) -> dict[str, Callable[..., Any]]:
-    """Liger's RMSNorm (casting as Llama does: fp32 inside) and SwiGLU, where it is installed (CUDA only)."""
+    """Liger's RMSNorm (casting as Llama does: fp32 inside), SwiGLU and cross-entropy, where it is installed
+    (CUDA only)."""
     if device != "cuda":
         return {}
     try:
+        from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
     except ImportError:
         return {}
     return {"rms_norm": lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-6, 0.0, "llama", False),
-            "swiglu": lambda a, b: LigerSiLUMulFunction.apply(a, b)}
+            "swiglu": lambda a, b: LigerSiLUMulFunction.apply(a, b),
+            "cross_entropy": lambda x, t: LigerCrossEntropyFunction.apply(x, t, None)[0]}
 
 
 def measure(fn: Callable[..., Any], make: Callable[[], list[torch.Tensor]], repeats: int,
-            device: str = "cpu") -> tuple[float, int]:
-    """(median seconds of forward + backward, bytes kept for backward)."""
-    times, kept = [], 0
+            device: str = "cpu") -> tuple[float, int, int]:
+    """(median seconds of forward + backward, bytes kept for backward, the device allocator's peak bytes over
+    forward and backward above what was allocated before them; 0 on the CPU)."""
+    times, kept, peak = [], 0, 0
     for i in range(repeats + 2):
         inputs = make()
         _sync(device)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
         storages: dict[int, int] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -73,7 +85,10 @@ def measure(fn: Callable[..., Any], make: Callable[[], list[torch.Tensor]], repe
         if i >= 2:
             times.append(time.perf_counter() - start)
             kept = sum(storages.values())
-    return statistics.median(times), kept
+            if device == "cuda":
+                peak = torch.cuda.max_memory_allocated() - before
+        del inputs, out, outs
+    return statistics.median(times), kept, peak
 
 
 def main() -> None:
@@ -83,6 +98,7 @@ def main() -> None:
     p.add_argument("--ffn", type=int, default=2816)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=32000, help="the cross-entropy row's classes")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -113,10 +129,13 @@ def main() -> None:
         "grouped_gemm": (grouped_mm_reference, grouped_mm,
                          lambda: [leaf(n, d), leaf(args.experts, d, f // args.experts * 2), ends]),
         "moe_experts": (lambda x: expert_loop(stacked, x), stacked, lambda: [leaf(args.experts, n // args.experts, d)]),
+        "cross_entropy": (F.cross_entropy, cross_entropy_rows,
+                          lambda: [leaf(n, args.vocab),
+                                   torch.randint(0, args.vocab, (n,), generator=g, device=dev)]),
     }
     print(f"{dev}, {args.dtype}, {n} tokens, hidden {d}, MLP {f}, {h} heads, {args.experts} experts, "
           f"{torch.get_num_threads()} threads; forward + backward, median of {args.repeats}")
-    print(f"{'operator':<14}{'variant':<12}{'ms':>9}{'x reference':>13}{'kept MiB':>10}")
+    print(f"{'operator':<14}{'variant':<12}{'ms':>9}{'x reference':>13}{'kept MiB':>10}{'peak MiB':>10}")
     for name, (ref, fused, make) in ops.items():
         variants: dict[str, Callable[..., Any]] = {"reference": ref}
         if not args.no_compile:
@@ -127,9 +146,10 @@ def main() -> None:
             variants["liger"] = liger[name]
         base = None
         for variant, fn in variants.items():
-            seconds, kept = measure(fn, make, args.repeats, dev)
+            seconds, kept, peak = measure(fn, make, args.repeats, dev)
             base = base or seconds
-            print(f"{name:<14}{variant:<12}{1e3 * seconds:>9.2f}{base / seconds:>13.2f}{kept / 2**20:>10.1f}")
+            shown = f"{peak / 2**20:>10.1f}" if dev == "cuda" else f"{'-':>10}"
+            print(f"{name:<14}{variant:<12}{1e3 * seconds:>9.2f}{base / seconds:>13.2f}{kept / 2**20:>10.1f}{shown}")
 
 
 if __name__ == "__main__":

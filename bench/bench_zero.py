@@ -126,7 +126,7 @@ def print_ratio_table(rows: list[dict], base_name: str, ds_name: str) -> None:
         def ratio(key, ref, r=r):
             return f"{r[key] / ref[key]:.2f}" if ref else "-"
         print(f"{r['row']:<24}{r['peak_gib']:>10.3f}{ratio('peak_gib', base):>{wb}}{ratio('peak_gib', ds):>{wd}}"
-              f"{r['step_s']:>9.2f}{ratio('step_s', base):>{wb}}{ratio('step_s', ds):>{wd}}{r['loss']:>11.4f}")
+              f"{r['step_s']:>9.3f}{ratio('step_s', base):>{wb}}{ratio('step_s', ds):>{wd}}{r['loss']:>11.4f}")
 
 
 def main() -> None:
@@ -156,11 +156,12 @@ def main() -> None:
     args = p.parse_args()
     frameworks = args.frameworks.split(",")
     rows = []
-    if "ddp" in frameworks:
-        rows.append(measure("ddp", "ddp", 0, args, nproc=args.nproc))
+    for whole in ("plain", "ddp"):  # the references, one row each: the plain module (one rank), DDP
+        if whole in frameworks:
+            rows.append(measure(whole, whole, 0, args, nproc=args.nproc))
     for stage in (int(s) for s in args.stages.split(",")):
         for framework in frameworks:
-            if framework == "ddp" or (framework == "fsdp2" and stage == 1):
+            if framework in ("plain", "ddp") or (framework == "fsdp2" and stage == 1):
                 continue
             extra = (["--adamw", args.fsdp2_adamw] + (["--reduce-fp32"] if args.fsdp2_reduce == "fp32" else [])
                      if framework == "fsdp2" else []) + (
@@ -182,9 +183,9 @@ def main() -> None:
         def ratio(key: str, ref: dict | None, r: dict = r) -> str:
             return f"{r[key] / ref[key]:.2f}" if ref else "-"
         b, f = ds.get(r["stage"]), fsdp.get(r["stage"])
-        stage = "-" if r["framework"] == "ddp" else str(r["stage"])
+        stage = "-" if r["framework"] in ("plain", "ddp") else str(r["stage"])
         print(f"{r['framework']:<10}{stage:>6}{r['peak_gib'] * 1024:>15.0f}{ratio('peak_gib', b):>8}"
-              f"{ratio('peak_gib', f):>10}{r['step_s']:>9.2f}{ratio('step_s', b):>8}{ratio('step_s', f):>10}"
+              f"{ratio('peak_gib', f):>10}{r['step_s']:>9.3f}{ratio('step_s', b):>8}{ratio('step_s', f):>10}"
               f"{r['tokens_per_s']:>10.1f}{r['volume_psi']:>12.2f}")
     if args.ledger:
         for r in rows:
