@@ -12,7 +12,10 @@ temporaries.
 
 Memory, with ``b`` bytes per element: forward ``2 r C b`` of temporaries (none kept beyond the logits);
 backward ``2 N C b`` (kept logits and the gradient) plus ``2 r C b``, against ``3 N C b`` for the reference.
-``r = max(1, BLOCK_ELEMENTS // C)``.
+On the CPU ``r = max(1, BLOCK_ELEMENTS // C)``: cache-sized blocks, faster than the reference there. On an
+accelerator ``r = ceil(N / DEVICE_BLOCKS)``: each block costs about ten kernel launches, and blocks of 2^19
+elements made the loss 30 times slower than the reference on an H100 (docs/benchmark.md); eight blocks cost
+about eighty launches and hold ``2 N C b / 8`` of temporaries, so backward peaks at ``2.25 N C b``.
 
 Reference twin: ``F.cross_entropy(logits, targets, ignore_index=..., reduction=...)``. The blocks call the
 same ATen operators as the reference on fewer rows (``log_softmax``, ``nll_loss_forward`` over the picked
@@ -29,13 +32,17 @@ from typing import Any
 import torch
 from torch import nn
 
-BLOCK_ELEMENTS = 1 << 19  # elements of one block of rows (2 MiB in fp32)
+BLOCK_ELEMENTS = 1 << 19  # elements of one block of rows on the CPU (2 MiB in fp32)
+DEVICE_BLOCKS = 8  # blocks of rows on an accelerator, whatever the size (launches, not caches, set its cost)
 _REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}  # ATen's enum
 _aten = torch.ops.aten
 
 
-def block_rows(classes: int) -> int:
-    """Rows per block for ``classes`` columns."""
+def block_rows(classes: int, rows: int = 0, device: torch.device | str = "cpu") -> int:
+    """Rows per block for ``rows`` rows of ``classes`` columns on ``device``: about ``BLOCK_ELEMENTS`` elements on
+    the CPU, ``DEVICE_BLOCKS`` blocks elsewhere."""
+    if torch.device(device).type != "cpu":
+        return max(1, -(-rows // DEVICE_BLOCKS))
     return max(1, BLOCK_ELEMENTS // max(1, classes))
 
 
@@ -43,7 +50,8 @@ class _CrossEntropyRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
                 reduction: str) -> torch.Tensor:
-        n, rows = logits.shape[0], block_rows(logits.shape[1])
+        n = logits.shape[0]
+        rows = block_rows(logits.shape[1], n, logits.device)
         ignored = targets == ignore_index
         safe = targets.masked_fill(ignored, 0)  # (an ignored row picks column 0; nll_loss skips it)
         # the picked entries as the one column of (N, 1) that ignore_index is not: column 1 of (N, 2) if it is 0
@@ -61,7 +69,7 @@ class _CrossEntropyRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         logits, targets, total_weight = ctx.saved_tensors
-        rows = block_rows(logits.shape[1])
+        rows = block_rows(logits.shape[1], logits.shape[0], logits.device)
         grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
         for s in range(0, logits.shape[0], rows):
             block = torch.log_softmax(logits[s:s + rows], 1)
@@ -102,4 +110,4 @@ def reference(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -
     return nn.functional.cross_entropy(logits, targets, ignore_index=ignore_index, reduction=reduction)
 
 
-__all__ = ["BLOCK_ELEMENTS", "block_rows", "cross_entropy_rows", "reference", "supported"]
+__all__ = ["BLOCK_ELEMENTS", "DEVICE_BLOCKS", "block_rows", "cross_entropy_rows", "reference", "supported"]
