@@ -14,12 +14,11 @@ peak, so the report shows what shared master weights, recompute and swapping spa
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import threading
 import weakref
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -41,6 +40,29 @@ class CategoryBytes:
     peak_bytes: int = 0
 
 
+class _Section:
+    """One entry into the ledger's lock (``Ledger._locked``): this thread's depth counted, and the removals
+    deferred while it held the lock done once the outermost section ends."""
+
+    __slots__ = ("_ledger",)
+
+    def __init__(self, ledger: "Ledger") -> None:
+        self._ledger = ledger
+
+    def __enter__(self) -> None:
+        ledger = self._ledger
+        ledger._lock.acquire()
+        ledger._held.depth = getattr(ledger._held, "depth", 0) + 1
+
+    def __exit__(self, *exc: Any) -> None:
+        ledger = self._ledger
+        depth = ledger._held.depth - 1
+        ledger._held.depth = depth
+        ledger._lock.release()
+        while depth == 0 and ledger._deferred:
+            ledger._remove(ledger._deferred.pop())
+
+
 class Ledger:
     """Live and peak bytes per category for this rank. Thread-safe (comm threads free buffers)."""
 
@@ -48,6 +70,7 @@ class Ledger:
         self._lock = threading.RLock()
         self._held = threading.local()  # this thread's depth inside the lock
         self._deferred: list[int] = []  # entries whose storage died while this thread held the lock
+        self._section = _Section(self)
         self._bytes = {c: CategoryBytes() for c in Category}
         self._entries: dict[int, tuple[Category, int]] = {}
         self._storage_of: dict[int, int] = {}  # entry key -> the storage's identity (``_cdata``)
@@ -75,12 +98,12 @@ class Ledger:
     def track(self, tensor: torch.Tensor, category: Category) -> torch.Tensor:
         """Count ``tensor``'s storage under ``category`` until the storage dies or is released."""
         storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
         with self._locked():
             self._next_id += 1
             key = self._next_id
-        nbytes = storage.nbytes()
-        self._add(key, category, nbytes)
-        self._storage_of[key] = storage._cdata
+            self._add_held(key, category, nbytes)
+            self._storage_of[key] = storage._cdata
         tensor._zeroplus_ledger_key = key  # type: ignore[attr-defined]
         weakref.finalize(storage, self._remove, key)
         return tensor
@@ -114,30 +137,27 @@ class Ledger:
     # -- bookkeeping ------------------------------------------------------------------------
     def _add(self, key: int, category: Category, nbytes: int) -> None:
         with self._locked():
-            self._entries[key] = (category, nbytes)
-            cat = self._bytes[category]
-            cat.live_bytes += nbytes
-            cat.peak_bytes = max(cat.peak_bytes, cat.live_bytes)
-            self.total.live_bytes += nbytes
-            if self.total.live_bytes > self.total.peak_bytes:  # (a new peak: rare once training is under way)
-                self.total.peak_bytes = self.total.live_bytes
-                self.at_peak = {c: b.live_bytes for c, b in self._bytes.items() if b.live_bytes}
+            self._add_held(key, category, nbytes)
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
+    def _add_held(self, key: int, category: Category, nbytes: int) -> None:
+        """``_add`` inside a section this thread holds."""
+        self._entries[key] = (category, nbytes)
+        cat = self._bytes[category]
+        cat.live_bytes += nbytes
+        if cat.live_bytes > cat.peak_bytes:
+            cat.peak_bytes = cat.live_bytes
+        self.total.live_bytes += nbytes
+        if self.total.live_bytes > self.total.peak_bytes:  # (a new peak: rare once training is under way)
+            self.total.peak_bytes = self.total.live_bytes
+            self.at_peak = {c: b.live_bytes for c, b in self._bytes.items() if b.live_bytes}
+
+    def _locked(self) -> _Section:
         """The lock. A storage can die while its thread holds it: the garbage collector runs the storage's
         finalizer (``_remove``) inside whatever allocation triggered it, ``_add``'s dict insert included, on
         the same thread. A plain lock deadlocked there (seen in the suite); that removal is deferred until
-        the outermost section ends."""
-        with self._lock:
-            depth = getattr(self._held, "depth", 0)
-            self._held.depth = depth + 1
-            try:
-                yield
-            finally:
-                self._held.depth = depth
-        while depth == 0 and self._deferred:
-            self._remove(self._deferred.pop())
+        the outermost section ends. (A class, not a generator context manager: entered about a thousand times
+        a step, once per gradient kept or freed.)"""
+        return self._section
 
     def _remove(self, key: int) -> None:
         if getattr(self._held, "depth", 0):  # a finalizer run inside this thread's locked section

@@ -90,3 +90,56 @@ def test_one_rank_holds_autograds_gradients_and_no_flat_buffer(stage: int) -> No
         engine.step()
         assert ledger.live_bytes(Category.GRAD) == 0
     engine.destroy()
+
+
+def test_one_rank_resumes_from_a_checkpoint_bitwise_and_lets_the_replaced_states_go(tmp_path) -> None:
+    """The per-parameter views are made once and kept (``direct_step._Views``): after ``load_checkpoint`` the step
+    count they carry is the loaded one (Adam's bias correction; a stale count changes every weight), and the
+    states the load replaced are freed at once, not held by the old views until the next step."""
+    torch.manual_seed(0)
+    engine = zeroplus.initialize(ParityNet(), _config(1, "AdamW", 1))
+    batches = make_batches(6, 2)
+
+    def train(steps: list) -> list[float]:
+        losses = []
+        for x, y in steps:
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return losses
+    train(batches[:2])
+    engine.save_checkpoint(str(tmp_path), tag="two")
+    straight = train(batches[2:6])
+    after = {n: t.clone() for n, t in engine.consolidated_fp32_state().items()}
+    states = engine.ledger.live_bytes(Category.OPTIM_STATE)
+    engine.load_checkpoint(str(tmp_path), tag="two")
+    assert engine.ledger.live_bytes(Category.OPTIM_STATE) == states  # (not the old and the loaded ones)
+    assert train(batches[2:6]) == straight
+    differ = [n for n, t in engine.consolidated_fp32_state().items() if not torch.equal(t, after[n])]
+    assert not differ, f"resumed from step 2, not the uninterrupted run: {differ}"
+    engine.destroy()
+
+
+def test_one_rank_step_count_written_in_place_is_the_one_stepped() -> None:
+    """A step count the user resets in place (``state["step"].zero_()``, a warm restart of Adam's bias correction)
+    is the one the next step uses, as in the plain module: the kept views take the group's count each step."""
+    torch.manual_seed(0)
+    net = ParityNet()
+    plain = copy.deepcopy(net)
+    engine = zeroplus.initialize(net, _config(1, "AdamW", 1))
+    opt = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=LR, weight_decay=0.01, fused=True)
+    for s, (x, y) in enumerate(make_batches(4, 2)):
+        if s == 2:
+            for states in (engine.optimizer.state.values(), opt.state.values()):
+                for state in states:
+                    state["step"].zero_()
+        engine.backward(engine(x, y))
+        engine.step()
+        plain(x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    state = engine.consolidated_fp32_state()
+    differ = [n for n, p in plain.named_parameters() if p.requires_grad and not torch.equal(state[n], p.detach())]
+    assert not differ, f"after a step count reset in place, not the plain module's: {differ}"
+    engine.destroy()

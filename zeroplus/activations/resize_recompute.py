@@ -25,7 +25,9 @@ storage with an input (in-place modules) are left alone, and so are outputs held
 before the parent ended (held until backward, as without the technique); an input written in place since its
 forward makes the recompute raise rather than give other values. Nothing but autograd's saved aliases can
 read a dropped output, and their unpack recomputes it first. Outputs of a recompute inside an
-activation-checkpointing replay are not touched (only the engine's own forward is watched).
+activation-checkpointing replay are not touched (only the engine's own forward is watched). The functional
+watch (a mode over every torch call, and global module hooks) ends after the first backward if it recorded
+nothing: the model calls the chosen modules, which their own hooks see (see note: idle modes).
 See note: resize recompute; see note: functional recompute; see note: held outputs; see note: modified in place
 (docs/design-notes.md).
 """
@@ -34,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import functools
+import logging
 import sys
 import weakref
 from typing import Any, Callable
@@ -69,13 +72,14 @@ def is_norm(module: torch.nn.Module) -> bool:
 
 
 class _Record:
-    __slots__ = ("module", "args", "output", "key", "nbytes", "packed", "unpacked", "released", "sources", "chained",
-                 "versions", "autocast")
+    __slots__ = ("module", "args", "inputs", "output", "key", "nbytes", "packed", "unpacked", "released", "sources",
+                 "chained", "versions", "autocast")
 
-    def __init__(self, module: Callable, args: tuple, output: torch.Tensor, key: int) -> None:
-        self.module, self.args, self.output, self.key = module, args, output, key
+    def __init__(self, module: Callable, args: tuple, inputs: list[torch.Tensor], output: torch.Tensor,
+                 key: int) -> None:
+        self.module, self.args, self.inputs, self.output, self.key = module, args, inputs, output, key
         self.nbytes = output.untyped_storage().nbytes()
-        self.versions = _versions(args, output)  # the output's and inputs' as computed
+        self.versions = _versions(inputs, output)  # the output's and inputs' as computed
         self.autocast = _autocast_state(output.device)  # replayed by the recompute
         self.packed = self.unpacked = 0
         self.released = False
@@ -83,8 +87,15 @@ class _Record:
         self.chained = 0  # references to ``output`` in the ``args`` of live records (``_held_elsewhere``)
 
 
-def _versions(args: tuple, output: torch.Tensor) -> tuple[int, ...]:
-    return (output._version, *(a._version for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)))
+def _tensors(args: Any) -> list[torch.Tensor]:
+    """The tensors in ``args`` (a flat tuple without walking it as a tree: the common case, once per record)."""
+    if isinstance(args, tuple) and not any(isinstance(a, (list, tuple, dict)) for a in args):
+        return [a for a in args if isinstance(a, torch.Tensor)]
+    return [a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)]
+
+
+def _versions(inputs: list[torch.Tensor], output: torch.Tensor) -> tuple[int, ...]:
+    return (output._version, *(a._version for a in inputs))
 
 
 def _name(record: _Record) -> str:
@@ -144,6 +155,8 @@ class ResizeRecompute:
         self._pending: dict[int, list[_Record]] = {}
         self._active = False
         self._recomputing = False
+        self._functional_seen = 0  # functional outputs recorded before the first backward ended
+        self._decided = False  # whether the functional calls were looked for (see note: idle modes)
         self._handles = []
         parents: dict[int, torch.nn.Module] = {}
         for name, module in model.named_modules():
@@ -217,10 +230,10 @@ class ResizeRecompute:
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
             return
         key = storage_key(output)
-        inputs = [a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)]
+        inputs = _tensors(args)
         if any(storage_key(a) == key for a in inputs):
             return  # in place: the output is the input's storage
-        record = _Record(compute, args, output, key)
+        record = _Record(compute, args, inputs, output, key)
         for a in inputs:
             source = self._records.get(storage_key(a))
             if source is not None and source.output is a:
@@ -243,14 +256,15 @@ class ResizeRecompute:
         mode's handler, where the mode does not see it)."""
         if not self._stack or id(self._stack[-1]) in self._target_ids:
             return  # a chosen module's own call (``nn.GELU`` calls ``F.gelu``): its output hook records it
+        self._functional_seen += 1
         self._remember(functools.partial(func, **kwargs), args, output, id(self._stack[-1]))
 
     def _parent_done(self, parent: torch.nn.Module, args: Any, output: Any) -> None:
         records = self._pending.pop(id(parent), [])
-        kept = {storage_key(t) for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)}
+        kept = {storage_key(t) for t in _tensors(output if isinstance(output, tuple) else (output,))}
         for record in records:
             if (record.packed and record.key not in kept and not self._held_elsewhere(record)
-                    and _versions(record.args, record.output) == record.versions):
+                    and _versions(record.inputs, record.output) == record.versions):
                 record.output.untyped_storage().resize_(0)
                 record.released = True
                 self.ledger.save(TECHNIQUE, Category.ACTIVATION, record.nbytes)
@@ -305,23 +319,23 @@ class ResizeRecompute:
     def _restore(self, record: _Record) -> None:
         if not record.released:
             return
-        now = _versions(record.args, record.output)
+        now = _versions(record.inputs, record.output)
         if now[1:] != record.versions[1:]:  # see note: modified in place
             raise RuntimeError(
                 f"zeroplus.resize_recompute: an input of {_name(record)} was modified in place after its forward "
                 f"(input versions {list(record.versions[1:])}, now {list(now[1:])}), so its dropped output cannot be "
                 f"recomputed as it was computed; turn resize_recompute off for it (modules, names, functional) or "
                 f"do not write its inputs in place")
-        for arg in tree_flatten(record.args)[0]:  # a chosen module fed by another (norm -> act)
-            if isinstance(arg, torch.Tensor):
-                source = self._records.get(storage_key(arg))
-                if source is not None:
-                    self._restore(source)
+        for arg in record.inputs:  # a chosen module fed by another (norm -> act), or a view of its output
+            source = self._records.get(storage_key(arg))
+            if source is not None:
+                self._restore(source)
         self._recomputing = True
         try:
             with torch.no_grad(), contextlib.ExitStack() as stack:
-                for device_type, enabled, dtype in record.autocast:
-                    stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+                if _autocast_state(record.output.device) != record.autocast:  # (entering it costs per record)
+                    for device_type, enabled, dtype in record.autocast:
+                        stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
                 value = record.module(*record.args)
         finally:
             self._recomputing = False
@@ -336,6 +350,13 @@ class ResizeRecompute:
         self.ledger.unsave(TECHNIQUE, Category.ACTIVATION, record.nbytes)
 
     def end_backward(self) -> None:
+        if not self._decided and self.functions:  # see note: idle modes
+            self._decided = True
+            if not self._functional_seen:
+                self.functions = ()
+                log_rank0("resize_recompute: the first step's forward called no %s outside the chosen modules; "
+                          "not looked for from here (the call-watching mode costs per call)",
+                          ", ".join(f.__name__ for f in ACTIVATION_FUNCTIONS + NORM_FUNCTIONS), level=logging.DEBUG)
         for record in self._records.values():
             if record.released:  # backward never needed it (e.g. a branch without gradient)
                 self.ledger.unsave(TECHNIQUE, Category.ACTIVATION, record.nbytes)

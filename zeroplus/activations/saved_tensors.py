@@ -11,7 +11,7 @@ object, so a parameter saved by code outside the blocks (TRL's chunked log-proba
 weight and read its ``ds_status`` in backward) would come back without its attributes. Tensors saved inside
 ``torch.utils.checkpoint`` regions are the checkpoint's (its hooks are innermost). The router's ``forward`` also
 enters the techniques that act on the forward's calls rather than on what it saves (``around``: the lean loss's
-function mode), with or without claimers.
+function mode), with or without claimers, until it says it is ``idle``.
 """
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ class ForwardMode(Protocol):
     """A technique acting on the forward's calls (``around``), entered for each training forward."""
 
     kept: set[int]  # storage keys the current forward keeps for backward that the forward's output may hold
+    idle: bool  # nothing to do in this model's forwards: no longer entered (see note: idle modes)
 
     def __enter__(self) -> Any: ...
     def __exit__(self, *exc: Any) -> Any: ...
@@ -94,7 +95,8 @@ class SavedTensorRouter:
             return
         with contextlib.ExitStack() as stack:
             for context in self.around:
-                stack.enter_context(context)
+                if not context.idle:
+                    stack.enter_context(context)
             with self._hooks():
                 yield
 

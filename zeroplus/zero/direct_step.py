@@ -8,8 +8,9 @@ the optimizer steps them against views: each parameter's slice of the flat fp32 
 parameters' own storage) and of every flat optimizer state, so the states stay one flat tensor per
 group for checkpoints, offload and the memory report. A group whose gradients went into the flat
 buffer after all (an embedding's rows, a tied weight's uses, a parameter with no gradient) steps the
-same way over views of that buffer. Extra memory: none (views); extra time: one view per parameter
-and state per step.
+same way over views of that buffer. Extra memory: none (views), and one small step count per parameter; extra
+time: the views are made once and kept (``_Views``) while the master and the flat states are the same tensors
+at the same addresses, and each step copies the group's step count into them in one call.
 
 The gradient norm sums one fp32 norm per gradient (``torch._foreach_norm``, as ``clip_grad_norm_``)
 squared in float64: at one rank no sharding exists whose sum it would have to agree with.
@@ -54,6 +55,7 @@ class DirectStep:
         self.options = options
         self.ledger = ledger
         self.enabled = type(optimizer) in ELEMENTWISE
+        self._made: dict[int, _Views] = {}  # id(group) -> its views, while their tensors stand
 
     def grads(self, g: FlatParamGroup) -> list[torch.Tensor] | None:
         """``g``'s gradients, one tensor per parameter, when this step takes the group: the kept ones, or views
@@ -126,21 +128,60 @@ class DirectStep:
                     view.grad = None
                     del self.optimizer.state[view]
 
+    def forget(self, g: FlatParamGroup) -> None:
+        """Drop ``g``'s views (its states are being replaced: the views would keep the old ones alive)."""
+        self._made.pop(id(g), None)
+
     def _views(self, g: FlatParamGroup, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """One parameter per tensor of ``g``: its slice of the flat master, with its gradient and its slices of
-        the flat states (scalar states copied per view)."""
+        the flat states (scalar states as the group's now), entered in the optimizer's state for this step."""
         state = self.optimizer.state[g.master_param]
-        flat = _flat_states(state, g.master_param.numel())
-        master = g.master_param.detach()
-        views: list[torch.Tensor] = []
-        for off, n, shape, grad in zip(g.offsets, g.numels, g.shapes, grads):
-            view = torch.nn.Parameter(master[off:off + n].view(shape), requires_grad=False)
+        made = self._made.get(id(g))
+        if made is None or not made.stands(g.master_param, state):
+            made = self._made[id(g)] = _Views(g, state)
+        made.sync(state)
+        for view, grad, view_state in zip(made.views, grads, made.states):
             view.grad = grad
-            self.optimizer.state[view] = {k: (flat[k][off:off + n].view(shape) if k in flat
-                                              else v.clone() if isinstance(v, torch.Tensor) else v)
-                                          for k, v in state.items()}
-            views.append(view)
-        return views
+            self.optimizer.state[view] = view_state
+        return made.views
+
+
+class _Views:
+    """A group's per-parameter views and their optimizer states, made once: the master's slices, the flat
+    states' slices, and a copy of each other state (a step count) that ``sync`` sets to the group's."""
+
+    def __init__(self, g: FlatParamGroup, state: dict[str, Any]) -> None:
+        flat = _flat_states(state, g.master_param.numel())
+        self.key = _identity(g.master_param, state)
+        master = g.master_param.detach()
+        self.views: list[torch.Tensor] = []
+        self.states: list[dict[str, Any]] = []
+        for off, n, shape in zip(g.offsets, g.numels, g.shapes):
+            self.views.append(torch.nn.Parameter(master[off:off + n].view(shape), requires_grad=False))
+            self.states.append({k: (flat[k][off:off + n].view(shape) if k in flat
+                                    else v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()})
+        self.scalars = [k for k in state if k not in flat]
+
+    def stands(self, master: torch.Tensor, state: dict[str, Any]) -> bool:
+        """Whether the master and the states are still the tensors (and addresses) the views were made over."""
+        return _identity(master, state) == self.key
+
+    def sync(self, state: dict[str, Any]) -> None:
+        """Each view's scalar states set to the group's (a step count loaded or advanced elsewhere)."""
+        for k in self.scalars:
+            v = state[k]
+            if isinstance(v, torch.Tensor):
+                torch._foreach_copy_([s[k] for s in self.states], [v] * len(self.states))
+            else:
+                for s in self.states:
+                    s[k] = v
+
+
+def _identity(master: torch.Tensor, state: dict[str, Any]) -> tuple:
+    """What the views depend on: the master's and each state tensor's object, address and size."""
+    return (id(master), master.data_ptr(), master.numel(),
+            tuple((k, id(v), v.data_ptr(), v.numel(), v.dtype, v.device) if isinstance(v, torch.Tensor) else (k,)
+                  for k, v in state.items()))
 
 
 def _flat_states(state: dict[str, Any], owned: int) -> dict[str, torch.Tensor]:

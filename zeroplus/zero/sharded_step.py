@@ -239,6 +239,7 @@ class ShardedStep:
         return tiered.full(g.owned_numel) if tiered is not None else self.optimizer.state.get(g.master_param, {})
 
     def load_state(self, g: FlatParamGroup, state: dict[str, Any]) -> None:
+        self.direct.forget(g)  # (its views would hold the replaced states until the next step)
         if id(g) in self.virtual:
             self.virtual[id(g)].load(state)
             return
