@@ -67,9 +67,14 @@ def test_one_rank_trains_bitwise_as_the_plain_module(stage: int, model: str, opt
             (plain(x, y) / gas).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+    _assert_plain(engine, plain, f"stage {stage}, {model}, {optimizer}, accumulation {gas}")
+
+
+def _assert_plain(engine: zeroplus.Engine, plain: nn.Module, case: str) -> None:
+    """Every trained weight of ``engine`` equals ``plain``'s bit for bit; the engine is destroyed."""
     state = engine.consolidated_fp32_state()
     differ = [n for n, p in plain.named_parameters() if p.requires_grad and not torch.equal(state[n], p.detach())]
-    assert not differ, f"stage {stage}, {model}, {optimizer}, accumulation {gas}: not the plain module's: {differ}"
+    assert not differ, f"{case}: not the plain module's: {differ}"
     engine.destroy()
 
 
@@ -139,7 +144,4 @@ def test_one_rank_step_count_written_in_place_is_the_one_stepped() -> None:
         plain(x, y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    state = engine.consolidated_fp32_state()
-    differ = [n for n, p in plain.named_parameters() if p.requires_grad and not torch.equal(state[n], p.detach())]
-    assert not differ, f"after a step count reset in place, not the plain module's: {differ}"
-    engine.destroy()
+    _assert_plain(engine, plain, "after a step count reset in place")
