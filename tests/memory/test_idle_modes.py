@@ -1,12 +1,18 @@
-"""Function modes that find nothing to do in a model's forwards stop being entered (see note: idle modes).
+"""Function modes enter only where they have something to do (see note: idle modes).
 
-One rank, stage 1, the defaults (resize recompute with its functional watch, the lean loss). Each forward's
-torch-function mode stack is read from inside the model (``torch._C._len_torch_function_stack``):
+One rank, stage 1, the defaults (resize recompute with its functional watch, the lean loss), three steps. The
+model reads the torch-function mode stack depth (``torch._C._len_torch_function_stack``) at the start of each
+forward and where its head starts, after the blocks:
 
-- a model that returns logits, its loss taken outside: both modes run in the first step's forward and none from
-  the second; the losses are those of the engine with both keys off, bit for bit;
-- a model whose forward calls ``F.cross_entropy`` and ``F.gelu`` itself: both modes stay on every forward, and
-  the lean loss still takes the call each step.
+- loss taken outside the forward (the logits returned): both modes in the first forward, none from the second;
+- loss in the forward, activation modules: the first forward has both from the start; from the second the
+  functional watch is gone and the lean loss is entered only when the last block's forward ends, and still
+  takes the loss each step;
+- loss in the forward, ``F.gelu`` called in the blocks: the functional watch stays, so the lean loss is entered
+  from the start every step (modes leave in stack order);
+- a second loss taken between the blocks: the lean loss stays entered from the start (it would miss that call).
+
+Every case's losses equal the engine's with both keys off, bit for bit.
 """
 from __future__ import annotations
 
@@ -22,32 +28,46 @@ pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
 VOCAB, D = 64, 16
 
 
-class _Net(nn.Module):
-    """Two blocks (``functional``: ``F.gelu`` called in the block's forward, else an ``nn.GELU`` module) and a head;
-    with targets the loss in the forward, else the logits returned. Records the mode stack depth per forward."""
-
+class _Block(nn.Module):
     def __init__(self, functional: bool) -> None:
         super().__init__()
         self.functional = functional
+        self.norm, self.fc, self.act = nn.LayerNorm(D), nn.Linear(D, D), nn.GELU()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        z = self.fc(self.norm(h))
+        return h + (F.gelu(z) if self.functional else self.act(z))
+
+
+class _Net(nn.Module):
+    """Blocks and a head; ``loss``: "outside" (logits returned), "inside" (the loss in the forward) or "between"
+    (a second loss after the first block too)."""
+
+    def __init__(self, functional: bool, loss: str) -> None:
+        super().__init__()
+        self.loss = loss
         self.emb, self.head = nn.Embedding(VOCAB, D), nn.Linear(D, VOCAB)
-        self.norms = nn.ModuleList(nn.LayerNorm(D) for _ in range(2))
-        self.fcs = nn.ModuleList(nn.Linear(D, D) for _ in range(2))
-        self.act = nn.GELU()
-        self.depths: list[int] = []
+        self.blocks = nn.ModuleList(_Block(functional) for _ in range(2))
+        self.depths: list[tuple[int, int]] = []  # (at the forward's start, at the head)
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
-        self.depths.append(torch._C._len_torch_function_stack())
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        start = torch._C._len_torch_function_stack()
         h = self.emb(x)
-        for norm, fc in zip(self.norms, self.fcs):
-            z = fc(norm(h))
-            h = h + (F.gelu(z) if self.functional else self.act(z))
+        extra = 0
+        for i, block in enumerate(self.blocks):
+            h = block(h)
+            if i == 0 and self.loss == "between":
+                extra = F.cross_entropy(self.head(h).view(-1, VOCAB), y.view(-1))
+        self.depths.append((start, torch._C._len_torch_function_stack()))
         logits = self.head(h)
-        return logits if y is None else F.cross_entropy(logits.view(-1, VOCAB), y.view(-1))
+        if self.loss == "outside":
+            return logits
+        return F.cross_entropy(logits.view(-1, VOCAB), y.view(-1)) + extra
 
 
-def _train(functional: bool, loss_inside: bool, **keys: object) -> tuple[list[float], _Net, zeroplus.Engine]:
+def _train(functional: bool, loss: str, **keys: object) -> tuple[list[float], _Net, zeroplus.Engine]:
     torch.manual_seed(0)
-    net = _Net(functional)
+    net = _Net(functional, loss)
     cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
            "zero_optimization": {"stage": 1},
            "zeroplus": {"log_level": "warning", "memory_estimate": False, **keys}}
@@ -56,30 +76,26 @@ def _train(functional: bool, loss_inside: bool, **keys: object) -> tuple[list[fl
     losses = []
     for _ in range(3):
         x, y = torch.randint(0, VOCAB, (2, 8), generator=g), torch.randint(0, VOCAB, (2, 8), generator=g)
-        loss = engine(x, y) if loss_inside else F.cross_entropy(engine(x).view(-1, VOCAB), y.view(-1))
-        engine.backward(loss)
+        out = engine(x, y)
+        value = F.cross_entropy(out.view(-1, VOCAB), y.view(-1)) if loss == "outside" else out
+        engine.backward(value)
         engine.step()
-        losses.append(loss.item())
+        losses.append(value.item())
     return losses, net, engine
 
 
-def test_modes_with_nothing_to_do_are_not_entered_after_the_first_step():
-    losses, net, engine = _train(False, loss_inside=False)
-    assert net.depths[0] == 2 and net.depths[1:] == [0, 0], net.depths  # lean loss and the functional watch
-    off, _, plain = _train(False, loss_inside=False, lean_cross_entropy=False, resize_recompute={"enabled": False})
-    assert losses == off
-    engine.destroy()
-    plain.destroy()
-
-
-def test_modes_with_calls_to_take_stay_on_every_forward():
-    losses, net, engine = _train(True, loss_inside=True)
-    assert net.depths == [2, 2, 2], net.depths
+@pytest.mark.parametrize("functional,loss,depths,taken", [
+    (False, "outside", [(2, 2), (0, 0), (0, 0)], 0),
+    (False, "inside", [(2, 2), (0, 1), (0, 1)], 3),
+    (True, "inside", [(2, 2), (2, 2), (2, 2)], 3),
+    (False, "between", [(2, 2), (1, 1), (1, 1)], 6),
+])
+def test_modes_enter_only_where_they_act(functional: bool, loss: str, depths: list, taken: int):
+    losses, net, engine = _train(functional, loss)
+    assert net.depths == depths
     lean = engine._activations.around[0]
-    assert lean.taken == 3 and not lean.idle
-    recompute = next(c for c in engine._activations.claimers if type(c).__name__ == "ResizeRecompute")
-    assert recompute.functions and recompute._functional_seen > 0
-    off, _, plain = _train(True, loss_inside=True, lean_cross_entropy=False, resize_recompute={"enabled": False})
+    assert lean.taken == taken and lean.idle == (taken == 0)
+    off, _, plain = _train(functional, loss, lean_cross_entropy=False, resize_recompute={"enabled": False})
     assert losses == off
     engine.destroy()
     plain.destroy()

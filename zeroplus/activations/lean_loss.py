@@ -38,6 +38,8 @@ class LeanCrossEntropy(TorchFunctionMode):
     (a model's output may be those logits: kept now until backward, whether or not the caller keeps the
     output, so the first forward's census counts them as saved)."""
 
+    late = True  # a loss comes after the blocks: entered when the last one's forward ends (see note: idle modes)
+
     def __init__(self) -> None:
         super().__init__()
         self.taken = 0

@@ -173,6 +173,11 @@ class ResizeRecompute:
             self._handles.append(parent.register_forward_hook(eager(self._parent_done)))
 
     # -- forward -------------------------------------------------------------------------------
+    @property
+    def watches_calls(self) -> bool:
+        """Whether ``begin_forward`` enters the functional mode (see note: idle modes)."""
+        return bool(self.functions) and not self.stood_down
+
     def begin_forward(self) -> None:
         if self.stood_down:
             return

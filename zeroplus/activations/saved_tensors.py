@@ -11,7 +11,10 @@ object, so a parameter saved by code outside the blocks (TRL's chunked log-proba
 weight and read its ``ds_status`` in backward) would come back without its attributes. Tensors saved inside
 ``torch.utils.checkpoint`` regions are the checkpoint's (its hooks are innermost). The router's ``forward`` also
 enters the techniques that act on the forward's calls rather than on what it saves (``around``: the lean loss's
-function mode), with or without claimers, until it says it is ``idle``.
+function mode), with or without claimers, until it says it is ``idle``; one that only acts after the blocks
+(``late``) is entered when the last scope module's forward ends, so the blocks' calls do not pass through it,
+unless a claimer watches calls too (modes leave in stack order) or a forward took its calls before then (see
+note: idle modes).
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ def storage_key(t: torch.Tensor) -> int:
 
 class Claimer(Protocol):
     stood_down: bool  # turned itself off for good at ``begin_forward`` (resize recompute finding a compiled model)
+    watches_calls: bool  # enters a function mode of its own at ``begin_forward`` (no ``late`` entry beside it)
     lets_inner_hooks: bool  # hooks pushed inside the router's may take the saves of a region (it claims less)
 
     def begin_forward(self) -> None: ...
@@ -45,6 +49,8 @@ class ForwardMode(Protocol):
 
     kept: set[int]  # storage keys the current forward keeps for backward that the forward's output may hold
     idle: bool  # nothing to do in this model's forwards: no longer entered (see note: idle modes)
+    late: bool  # its calls come after the blocks: may be entered when the last scope module's forward ends
+    taken: int  # calls it acted on so far (whether any came before the blocks ended)
 
     def __enter__(self) -> Any: ...
     def __exit__(self, *exc: Any) -> Any: ...
@@ -66,6 +72,13 @@ class SavedTensorRouter:
         self._handles = [h for m in (scope or []) if claimers
                          for h in (m.register_forward_pre_hook(eager(self._enter_scope)),
                                    m.register_forward_hook(eager(self._leave_scope), always_call=True))]
+        # the late modes: entered at the end of the last scope module's forward, once a forward showed that is safe
+        self._tail = ([scope[-1].register_forward_hook(eager(self._tail_ended))]
+                      if scope and any(m.late for m in self.around) else [])
+        self._late_safe: bool | None = None  # whether early forwards took every call after the tail ended
+        self._waiting: list[ForwardMode] = []  # late modes to enter at the tail's end (this forward)
+        self._entered: list[ForwardMode] = []  # late modes entered (this forward)
+        self._taken_at_tail: int | None = None  # (an early forward) calls taken when the tail ended
 
     @property
     def lets_inner_hooks(self) -> bool:
@@ -81,9 +94,9 @@ class SavedTensorRouter:
             c.remove()
         self.claimers = []
         self.around = []
-        for h in self._handles:
+        for h in self._handles + self._tail:
             h.remove()
-        self._handles = []
+        self._handles, self._tail = [], []
         for give_back in reversed(self.undo):
             give_back()
         self.undo = []
@@ -93,12 +106,38 @@ class SavedTensorRouter:
         if not torch.is_grad_enabled():
             yield
             return
+        active = [m for m in self.around if not m.idle]
+        late = bool(self._late_safe) and not any(c.watches_calls for c in self.claimers)
+        self._waiting = [m for m in active if late and m.late]
+        self._taken_at_tail = None
+        taken = sum(m.taken for m in active)
+        exc: tuple[Any, Any, Any] = (None, None, None)
         with contextlib.ExitStack() as stack:
-            for context in self.around:
-                if not context.idle:
+            for context in active:
+                if context not in self._waiting:
                     stack.enter_context(context)
-            with self._hooks():
-                yield
+            try:
+                with self._hooks():
+                    yield
+            except BaseException as err:
+                exc = (type(err), err, err.__traceback__)
+                raise
+            finally:
+                while self._entered:
+                    self._entered.pop().__exit__(*exc)
+                self._waiting = []
+        if self._tail and not late and self._late_safe is not False and self._taken_at_tail is not None:
+            self._late_safe = self._taken_at_tail == taken  # an early forward: none of its calls before the tail?
+
+    def _tail_ended(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """The last scope module's forward ended: enter the late modes (once a forward), or note the calls taken."""
+        if self._waiting and torch.is_grad_enabled():
+            for m in self._waiting:
+                m.__enter__()
+                self._entered.append(m)
+            self._waiting = []
+        elif self._taken_at_tail is None:
+            self._taken_at_tail = sum(m.taken for m in self.around if not m.idle)
 
     @contextlib.contextmanager
     def _hooks(self) -> Iterator[None]:

@@ -40,6 +40,7 @@ class _Token:
 
 class SwapAttention:
     stood_down = False  # (it runs compiled too)
+    watches_calls = False  # (no function mode)
     lets_inner_hooks = False  # what attention saves is what it swaps
 
     def __init__(self, model: torch.nn.Module, class_names: list[str] | None, name_patterns: list[str],
