@@ -128,7 +128,7 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
                  optimizer: torch.optim.Optimizer | None = None, lr_scheduler: Any = None,
                  model_parameters: Iterable[Any] | None = None, ledger: Ledger | None = None,
                  simulated: Any = None, parallel: ParallelGroups | None = None,
-                 init_fn: Callable[[torch.nn.Module], None] | None = None) -> Engine:
+                 init_fn: Callable[[torch.nn.Module], None] | None = None, compiled: bool = False) -> Engine:
     """The engine over ``dp`` (a ``DataParallelGroup``, or the estimator's ``VirtualGroup``) on
     ``accel``'s device, from a parsed and resolved config (batch triple and ``"auto"`` resolved by
     the caller); everything after process-group set-up.
@@ -206,7 +206,7 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
         as_built = remember(model)  # the forwards and settings the techniques below change, given back by destroy
         parts = TrainingParts(partition, step, opt, scheduler, LossScaler(cfg.fp16),
                               _activation_techniques(model, cfg, ledger, accel, context,
-                                                     [u.module for u in partition.units if not u.is_root]))
+                                                     [u.module for u in partition.units if not u.is_root], compiled))
         parts.activations.undo.append(as_built)
         if context > 1 and parallel is not None:
             _split_sequences(model, parallel)
@@ -398,10 +398,12 @@ def _optimizer_offload(cfg: ResolvedConfig, accel: Accelerator, ledger: Ledger, 
 
 
 def _activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: Ledger,
-                           accel: Accelerator, context: int, scope: list[torch.nn.Module]) -> SavedTensorRouter:
+                           accel: Accelerator, context: int, scope: list[torch.nn.Module],
+                           compiled: bool) -> SavedTensorRouter:
     """Resize recompute and swap attention (through one saved-tensor router), the tiles of
     ``zeroplus.tiled`` (``context``: ranks sharing each sequence), and the settings of
-    ``zeroplus.checkpointing`` from the ``activation_checkpointing`` block."""
+    ``zeroplus.checkpointing`` from the ``activation_checkpointing`` block. ``compiled``: the model runs compiled
+    from the start (no late mode: its hook on the last block would break a whole-model graph)."""
     zp, ac = cfg.zeroplus, cfg.activation_checkpointing
     tier = None
     if zp.swap_attention.enabled or ac.cpu_checkpointing:
@@ -450,7 +452,8 @@ def _activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: 
                             num_checkpoints=ac.number_checkpoints, checkpoint_in_cpu=ac.cpu_checkpointing,
                             synchronize=ac.synchronize_checkpoint_boundary, profile=ac.profile, tier=tier,
                             ledger=ledger)
-    return SavedTensorRouter(claimers, scope=scope, around=[LeanCrossEntropy()] if zp.lean_cross_entropy else [])
+    return SavedTensorRouter(claimers, scope=scope, around=[LeanCrossEntropy()] if zp.lean_cross_entropy else [],
+                             late=not compiled)
 
 
 def _tile(model: torch.nn.Module, tiles: TiledConfig, context: int) -> None:

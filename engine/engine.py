@@ -236,7 +236,8 @@ class Engine:
         census = self._census()
         self._partition.before_forward()
         try:
-            with timed, self._activations.forward(), census if census is not None else contextlib.nullcontext():
+            activations = self._activations.forward(self._runs_compiled)
+            with timed, activations, census if census is not None else contextlib.nullcontext():
                 out = self._forward_module(*args, **kwargs)
             if census is not None:  # what is saved for backward: not the ledger's, not the output's own
                 output = storage_keys_of(out) - self._activations.kept()  # (logits a lean loss keeps: saved)
@@ -252,10 +253,15 @@ class Engine:
         None for every other forward, and for compiled modules."""
         if self._activation_bytes is not None or not (torch.is_grad_enabled() and self._module.training):
             return None
-        if self.is_compiled or compiled_modules(self._module):
+        if self._runs_compiled():
             self._activation_bytes = 0
             return None
         return ForwardCensus()
+
+    def _runs_compiled(self) -> bool:
+        """Whether the forward runs compiled code: ``compile()``, a ``torch.compile`` wrapper, or a module
+        compiled in place (``module.compile()``, found by walking the modules)."""
+        return self.is_compiled or bool(compiled_modules(self._module))
 
     def compile(self, backend: Any = "inductor", compile_kwargs: dict[str, Any] | None = None, schedule: Any = None,
                 compiled_autograd_enabled: bool = False) -> None:

@@ -121,7 +121,7 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
                   problem, level=logging.WARNING)
         source = None
     engine = build_engine(model, cfg, dp, accel, rss_at_start, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                          model_parameters=model_parameters, parallel=parallel, init_fn=init_fn)
+                          model_parameters=model_parameters, parallel=parallel, init_fn=init_fn, compiled=compiled)
     if source is not None:
         engine.before_first_forward(_predictor(*source, code))
     if wrapper is not None:

@@ -99,3 +99,22 @@ def test_modes_enter_only_where_they_act(functional: bool, loss: str, depths: li
     assert losses == off
     engine.destroy()
     plain.destroy()
+
+
+def test_a_compiled_model_keeps_its_modes_as_in_the_first_forward():
+    """TorchDynamo guards on the mode stack: for a model given compiled to ``initialize`` the lean loss is entered
+    from the start of every forward, even when it takes nothing (no recompile), and no hook waits on the last
+    block (it would break the whole-model graph)."""
+    torch.manual_seed(0)
+    net = torch.compile(_Net(False, "outside"), backend="eager")
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": 1}, "zeroplus": {"log_level": "warning", "memory_estimate": False}}
+    engine = zeroplus.initialize(net, cfg)
+    router = engine._activations
+    assert router._tail == []
+    for _ in range(2):
+        x, y = torch.randint(0, VOCAB, (2, 8)), torch.randint(0, VOCAB, (2, 8))
+        engine.backward(F.cross_entropy(engine(x, y).view(-1, VOCAB), y.view(-1)))
+        engine.step()
+    assert router._decided and not router.around[0].idle and not router._late_safe
+    engine.destroy()

@@ -14,8 +14,9 @@ whole. The loss and every gradient are bitwise the same (the kernel's test). Cos
 function the forward calls; in backward a second log-softmax pass, by blocks (on this CPU the blocked loss is
 faster than the reference: its blocks stay in cache). A loss computed outside the engine's forward (on the
 logits it returns) is not reached: if the first training forward takes no call, the mode stands aside for the
-rest of the run (``idle``), so a model that computes its loss outside pays nothing per call (see note: idle
-modes). See note: lean loss (docs/design-notes.md).
+rest of the run (``idle``, unless the model runs compiled), so a model that computes its loss outside pays
+nothing per call; one that computes it after its blocks meets the mode only after the last block (``late``; see
+note: idle modes). See note: lean loss (docs/design-notes.md).
 """
 from __future__ import annotations
 
@@ -44,17 +45,11 @@ class LeanCrossEntropy(TorchFunctionMode):
         super().__init__()
         self.taken = 0
         self.kept: set[int] = set()
-        self.idle = False  # the first training forward took no call: not entered again (see note: idle modes)
-        self._decided = False
+        self.idle = False  # the first training forward took no call: not entered again (the router's to set)
 
     def __enter__(self) -> LeanCrossEntropy:
         self.kept = set()
         return super().__enter__()
-
-    def __exit__(self, *exc: Any) -> Any:
-        if exc[0] is None and not self._decided:  # (a forward that raised decides nothing)
-            self._decided, self.idle = True, not self.taken
-        return super().__exit__(*exc)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}

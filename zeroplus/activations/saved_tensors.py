@@ -59,11 +59,13 @@ class ForwardMode(Protocol):
 class SavedTensorRouter:
     def __init__(self, claimers: list[Claimer], undo: list[Callable[[], None]] | None = None,
                  scope: list[torch.nn.Module] | None = None,
-                 around: list[ForwardMode] | None = None) -> None:
+                 around: list[ForwardMode] | None = None, late: bool = True) -> None:
         """``undo``: what else was changed on the model (``engine/model_patches.py``'s record of the forwards
         and settings the techniques replaced), undone by ``remove``. ``scope``: the modules (the partition's
         repeated blocks) whose forwards alone run under the hooks; none: the whole forward (see note: hook
-        scope). ``around``: contexts (re-entrant, such as a ``TorchFunctionMode``) every training forward runs in."""
+        scope). ``around``: contexts (re-entrant, such as a ``TorchFunctionMode``) every training forward runs in;
+        ``late``: those that may be entered at the end of the last scope module's forward are (a forward hook on it;
+        false for a model compiled as a whole, where the hook would break the graph)."""
         self.claimers = claimers
         self.around = list(around or [])
         self.undo = list(undo or [])
@@ -74,8 +76,9 @@ class SavedTensorRouter:
                                    m.register_forward_hook(eager(self._leave_scope), always_call=True))]
         # the late modes: entered at the end of the last scope module's forward, once a forward showed that is safe
         self._tail = ([scope[-1].register_forward_hook(eager(self._tail_ended))]
-                      if scope and any(m.late for m in self.around) else [])
-        self._late_safe: bool | None = None  # whether early forwards took every call after the tail ended
+                      if late and scope and any(m.late for m in self.around) else [])
+        self._late_safe = False  # the first forward took every call after the tail ended (see note: idle modes)
+        self._decided = False  # whether the first training forward has ended (and the modes' use was read off it)
         self._waiting: list[ForwardMode] = []  # late modes to enter at the tail's end (this forward)
         self._entered: list[ForwardMode] = []  # late modes entered (this forward)
         self._taken_at_tail: int | None = None  # (an early forward) calls taken when the tail ended
@@ -102,7 +105,10 @@ class SavedTensorRouter:
         self.undo = []
 
     @contextlib.contextmanager
-    def forward(self) -> Iterator[None]:
+    def forward(self, compiled: Callable[[], bool] | None = None) -> Iterator[None]:
+        """The context of one forward of the engine. ``compiled``: whether the model runs compiled, asked once, at
+        the end of the first training forward: then the ``around`` modes are entered from the start of every
+        forward, as in the first (TorchDynamo guards on the mode stack: a change would recompile)."""
         if not torch.is_grad_enabled():
             yield
             return
@@ -126,8 +132,12 @@ class SavedTensorRouter:
                 while self._entered:
                     self._entered.pop().__exit__(*exc)
                 self._waiting = []
-        if self._tail and not late and self._late_safe is not False and self._taken_at_tail is not None:
-            self._late_safe = self._taken_at_tail == taken  # an early forward: none of its calls before the tail?
+        if not self._decided:  # see note: idle modes
+            self._decided = True
+            if compiled is None or not compiled():
+                for m in self.around:
+                    m.idle = not m.taken
+                self._late_safe = bool(self._tail) and self._taken_at_tail == taken
 
     def _tail_ended(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         """The last scope module's forward ended: enter the late modes (once a forward), or note the calls taken."""
