@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..accelerator import get_accelerator
+
 BLOCK_ELEMENTS = 1 << 19  # elements of one block of rows on the CPU (2 MiB in fp32)
 DEVICE_BLOCKS = 8  # blocks of rows on an accelerator, whatever the size (launches, not caches, set its cost)
 _REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}  # ATen's enum
@@ -40,8 +42,12 @@ _aten = torch.ops.aten
 
 def block_rows(classes: int, rows: int = 0, device: torch.device | str = "cpu") -> int:
     """Rows per block for ``rows`` rows of ``classes`` columns on ``device``: about ``BLOCK_ELEMENTS`` elements on
-    the CPU, ``DEVICE_BLOCKS`` blocks elsewhere."""
-    if torch.device(device).type != "cpu":
+    the CPU, ``DEVICE_BLOCKS`` blocks elsewhere. The meta device (the memory estimate's simulated run) blocks as
+    this process's accelerator does, so the prediction holds what the run will."""
+    kind = torch.device(device).type
+    if kind == "meta":
+        kind = get_accelerator().name
+    if kind != "cpu":
         return max(1, -(-rows // DEVICE_BLOCKS))
     return max(1, BLOCK_ELEMENTS // max(1, classes))
 

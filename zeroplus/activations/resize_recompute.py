@@ -87,9 +87,13 @@ class _Record:
         self.chained = 0  # references to ``output`` in the ``args`` of live records (``_held_elsewhere``)
 
 
+_PLAIN = (torch.Tensor, int, float, bool, str, type(None))  # leaves: no tensor inside
+
+
 def _tensors(args: Any) -> list[torch.Tensor]:
-    """The tensors in ``args`` (a flat tuple without walking it as a tree: the common case, once per record)."""
-    if isinstance(args, tuple) and not any(isinstance(a, (list, tuple, dict)) for a in args):
+    """The tensors in ``args``: a tuple of tensors and numbers read as it is (the common case, once per record),
+    anything else walked as a tree."""
+    if type(args) is tuple and all(isinstance(a, _PLAIN) for a in args):
         return [a for a in args if isinstance(a, torch.Tensor)]
     return [a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)]
 

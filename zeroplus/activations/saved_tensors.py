@@ -113,7 +113,7 @@ class SavedTensorRouter:
             yield
             return
         active = [m for m in self.around if not m.idle]
-        late = bool(self._late_safe) and not any(c.watches_calls for c in self.claimers)
+        late = self._late_safe and not any(c.watches_calls for c in self.claimers)
         self._waiting = [m for m in active if late and m.late]
         self._taken_at_tail = None
         taken = sum(m.taken for m in active)
