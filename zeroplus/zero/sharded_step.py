@@ -185,7 +185,8 @@ class ShardedStep:
             mp.group.sum_scalar(total)
         if total.device.type == "meta":  # the estimator's simulated step: no values, clipping is free
             return 0.0
-        norm = math.sqrt(total.item()) if math.isfinite(total.item()) else float("inf")
+        squares = total.item()  # (one read from the device: a synchronisation)
+        norm = math.sqrt(squares) if math.isfinite(squares) else float("inf")
         if stage0:
             norm /= self.dp.size
         return norm / loss_scale
