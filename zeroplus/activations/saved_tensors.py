@@ -116,7 +116,7 @@ class SavedTensorRouter:
         late = self._late_safe and not any(c.watches_calls for c in self.claimers)
         self._waiting = [m for m in active if late and m.late]
         self._taken_at_tail = None
-        taken = sum(m.taken for m in active)
+        taken = None if self._decided else sum(m.taken for m in active)  # (the first forward's observation)
         exc: tuple[Any, Any, Any] = (None, None, None)
         with contextlib.ExitStack() as stack:
             for context in active:
@@ -137,7 +137,7 @@ class SavedTensorRouter:
             if compiled is None or not compiled():
                 for m in self.around:
                     m.idle = not m.taken
-                self._late_safe = bool(self._tail) and self._taken_at_tail == taken
+                self._late_safe = self._taken_at_tail == taken  # (None: no tail, or it never ran)
 
     def _tail_ended(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         """The last scope module's forward ended: enter the late modes (once a forward), or note the calls taken."""
@@ -146,7 +146,7 @@ class SavedTensorRouter:
                 m.__enter__()
                 self._entered.append(m)
             self._waiting = []
-        elif self._taken_at_tail is None:
+        elif not self._decided and self._taken_at_tail is None:
             self._taken_at_tail = sum(m.taken for m in self.around if not m.idle)
 
     @contextlib.contextmanager
