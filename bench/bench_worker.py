@@ -81,6 +81,7 @@ _VOLUME = {
     "reduce_scatter_single": ("input", 1), "reduce_scatter": ("input_list", 1), "broadcast": ("tensor", 1),
     "reduce": ("tensor", 1),
     "all_to_all_single": ("input", 1),
+    "isend": ("tensor", None),  # None: N / (N - 1), a send's share of the reduce-scatter it serves (comm.exchange_rows)
 }
 
 
@@ -100,7 +101,9 @@ class CollectiveVolume:
 
         def counted(*args, **kwargs):
             measured = signature.bind(*args, **kwargs).arguments[argument]
-            self.bytes[name] = self.bytes.get(name, 0) + factor * _nbytes(measured)
+            world = dist.get_world_size()
+            scale = world / max(1, world - 1) if factor is None else factor
+            self.bytes[name] = self.bytes.get(name, 0) + int(scale * _nbytes(measured))
             return fn(*args, **kwargs)
         return counted
 

@@ -4,8 +4,10 @@ in place of the small one.
 
 Each row: the engine's own first-forward prediction against the peak its report measures (above the
 process when ``initialize`` started, the model's tensors counted). Importing the model's Transformers
-classes before the measured start or not gives the same error, to 2 points; a process that trained
-something before ``initialize`` is predicted without the first use it paid. The issue's table had
+classes before the measured start or not gives the same error, to 4 points (one configuration's measured peak
+moves by up to 3 points between runs: 32.6-33.8 MiB at ZeRO-3, 4 x 256, since two gloo ranks reduce gradients by
+exchanging rows, against 33.4-33.9 before, session 37; the gap between the two was 2 points at most); a process
+that trained something before ``initialize`` is predicted without the first use it paid. The issue's table had
 these +13% to +46% (the runtime overhead of another process added to one that had paid it).
 
 Tolerance: the issue's 5% for its rows (measured -3.3% to +2.8% over three runs of this file). A process that
@@ -49,6 +51,7 @@ def _errors(tmp_path, stage: int, micro: int, seq: int, import_first: bool, trai
 
 TOLERANCE = 5.0  # percent; see the module's docstring
 TRAINED_FIRST_TOLERANCE = 10.0
+IMPORT_SPREAD = 4.0  # points: one configuration's own run-to-run spread is up to 3 (see the module's docstring)
 
 
 @pytest.mark.parametrize("stage,micro,seq", [(1, 4, 512), (2, 1, 512)])
@@ -60,7 +63,7 @@ def test_the_issues_hugging_face_rows_are_within_the_stated_tolerance(tmp_path, 
 def test_importing_transformers_before_the_model_or_not_gives_the_same_error(tmp_path):
     first, after = _errors(tmp_path, 3, 4, 256, True), _errors(tmp_path, 3, 4, 256, False)
     assert all(abs(e) <= TOLERANCE for e in first + after), (first, after)
-    assert all(abs(a - b) <= 2.0 for a, b in zip(first, after)), (first, after)
+    assert all(abs(a - b) <= IMPORT_SPREAD for a, b in zip(first, after)), (first, after)
 
 
 def test_a_process_that_trained_before_is_predicted_without_the_first_use_it_paid(tmp_path):

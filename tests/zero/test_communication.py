@@ -5,11 +5,14 @@ not make (gradients written once into the flat buffer, no reduced copy, stage 3 
 the master)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 import zeroplus
 from tests.dist_helper import run_distributed
+from zeroplus.comm import DataParallelGroup
 from zeroplus.ledger import Category
 from zeroplus.models import GPT, gpt_config
 from zeroplus.zero.flat_group import FlatParamGroup
@@ -64,6 +67,35 @@ def test_gloo_sends_the_textbook_volume(stage):
         assert sent.get("reduce_scatter") == padded - (got["rows_only"] if stage >= 2 else 0), sent
         assert (rows == 0) if stage == 1 else (0 < rows <= rows_bound), (sent, gathered, rows_bound)
         assert sent.get("all_reduce", 0) <= 64, sent  # the norm's scalar and one-element flags only
+
+
+def _exchanged() -> dict:
+    """Two exchanges in flight at once on a 3-rank gloo group: rank r's row i holds ``100 r + 10 k + i`` for
+    exchange k; every ``into`` entry starts as NaN."""
+    dp = DataParallelGroup()
+    r, n = dp.rank, dp.size
+    rows = [[torch.full((5,), 100.0 * r + 10 * k + i) for i in range(n)] for k in range(2)]
+    into = [[torch.full((5,), float("nan")) for _ in range(n)] for _ in range(2)]
+    handles = [dp.exchange_rows(rows[k], into[k]) for k in range(2)]
+    for h in reversed(handles):
+        h.wait()
+    return {"rank": r, "into": [[t.tolist() for t in got] for got in into], "sent": dict(dp.bytes_sent)}
+
+
+def test_exchange_rows_gives_each_rank_its_row_from_every_other():
+    """``exchange_rows`` (two gloo ranks' gradient reduction, ``grad_reducer._exchange``): ``into[j]`` on rank r
+    holds rank j's row r, this rank's own entry is left alone, two exchanges in flight do not cross, and the
+    bytes are counted as the reduce-scatter's input."""
+    world = 3
+    for got in run_distributed(_exchanged, world):
+        r = got["rank"]
+        for k in range(2):
+            for j in range(world):
+                if j == r:
+                    assert all(math.isnan(v) for v in got["into"][k][j]), got
+                else:
+                    assert got["into"][k][j] == [100.0 * j + 10 * k + r] * 5, (r, k, j, got["into"][k][j])
+        assert got["sent"] == {"reduce_scatter": 2 * world * 5 * 4}, got["sent"]
 
 
 def test_one_rank_keeps_no_copy_of_gradients_or_parameters():

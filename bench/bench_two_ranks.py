@@ -1,0 +1,154 @@
+"""Benchmark: zeroplus at two (or more) ranks against DDP, in one launch, steps interleaved (issue 41 item 2).
+
+``bench_scaling.py`` launches every row on its own, and launches of one configuration differ here by up to 40%
+(a shared host): more than the differences it looks for. This script builds DDP (the plain module under
+``DistributedDataParallel`` with torch's fused AdamW and clipping) and one zeroplus engine per ``--stages``
+entry in the same processes, from the same weights, and runs them in rounds: each row ``--block`` steps in a
+row, only the last timed (the first takes whatever the previous row left running: zeroplus's post-step
+all-gathers overlap its own next forward, as in training, and are not charged to another row). The row order
+rotates every round. A stage written with an ``r`` (``1r``) is that stage with the gradient reduction two gloo
+ranks used before the row exchange (per-rank reduces; see note: gloo exchange), for comparison. Printed: rank 0's
+median milliseconds of forward, backward and optimizer step (to the
+loss's value, the gradients reduced, the step returned) and the total against DDP's.
+
+With zeroplus at one rank stepping as the plain module does (``bench_one_rank.py``), zeroplus's 1 -> 2 rank
+scaling is at least DDP's when its two-rank step is no longer than DDP's: the ``x DDP`` column >= 1.
+
+    python bench/bench_two_ranks.py                      # GPT 111m, fp32, stages 0-3, 2 ranks
+    python bench/bench_two_ranks.py --stages 1,1r,2,2r --rounds 12   # exchange against reduces
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import zeroplus  # noqa: E402
+from zeroplus.models import GPT, gpt_config  # noqa: E402
+
+
+class Row:
+    """One engine (or DDP) and its phase times in seconds."""
+
+    def __init__(self, name: str, forward: Callable, backward: Callable, step: Callable) -> None:
+        self.name, self.phases = name, (forward, backward, step)
+        self.times: list[tuple[float, float, float]] = []
+        self.losses: list[float] = []
+
+    def run(self, x: torch.Tensor, keep: bool) -> None:
+        forward, backward, step = self.phases
+        start = time.perf_counter()
+        loss = forward(x)
+        value = loss.item()
+        mid = time.perf_counter()
+        backward(loss)
+        late = time.perf_counter()
+        step()
+        end = time.perf_counter()
+        if keep:
+            self.times.append((mid - start, late - mid, end - late))
+            self.losses.append(value)
+
+    def median(self, phase: int) -> float:
+        return statistics.median(t[phase] for t in self.times)
+
+    def total(self) -> float:
+        return statistics.median(sum(t) for t in self.times)
+
+
+def _with_reduces(engine: zeroplus.Engine) -> zeroplus.Engine:
+    """The engine with gloo's gradient reduction as before session 37: per-rank in-place reduces where two
+    ranks now exchange rows (``grad_reducer._exchange``; see note: gloo exchange). For comparison only."""
+    reducer = engine.partition.reducer
+    reducer._exchange = reducer._reduce_each  # type: ignore[method-assign]
+    return engine
+
+
+def _rows(base: torch.nn.Module, stages: list[str], rank: int) -> list[Row]:
+    ddp_model = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    opt = torch.optim.AdamW(ddp_model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+
+    def ddp_step(model: torch.nn.Module = ddp_model, opt: torch.optim.Optimizer = opt) -> None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    rows = [Row("DDP + fused AdamW", lambda x: ddp_model(x, x), lambda loss: loss.backward(), ddp_step)]
+    for spec in stages:
+        stage = int(spec.rstrip("r"))
+        cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
+               "zero_optimization": {"stage": stage}, "steps_per_print": 10**6,
+               "zeroplus": {"log_level": "warning"}}
+        engine = zeroplus.initialize(copy.deepcopy(base), cfg)
+        name = f"zeroplus stage {stage}"
+        if spec.endswith("r"):
+            engine, name = _with_reduces(engine), name + ", reduces"
+        rows.append(Row(name, lambda x, e=engine: e(x, x), engine.backward, engine.step))
+    return rows
+
+
+def worker(args: argparse.Namespace) -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    overrides = {"n_embd": args.n_embd} if args.n_embd else {}
+    base = GPT(gpt_config(args.model, block_size=max(64, args.seq), **overrides))
+    rows = _rows(base, args.stages.split(","), rank)
+    g = torch.Generator().manual_seed(1 + rank)
+    vocab = base.config.vocab_size
+    for r in range(args.rounds + 1):  # round 0: warm-up
+        order = rows[r % len(rows):] + rows[:r % len(rows)]
+        for row in order:
+            for k in range(args.block):
+                x = torch.randint(0, vocab, (1, args.seq), generator=g)
+                row.run(x, keep=r > 0 and k == args.block - 1)
+    if rank == 0:
+        params = sum(q.numel() for q in base.parameters())
+        print(f"GPT {args.model} width {base.config.n_embd} ({params / 1e6:.1f}M parameters), fp32, gloo, {world} "
+              f"ranks, one thread each, micro-batch 1 x {args.seq}; {args.rounds} rounds of {args.block} steps per "
+              f"row, the last timed; rank 0's median ms")
+        ref = rows[0].total()
+        print(f"{'row':<22}{'forward':>9}{'backward':>10}{'step':>8}{'total':>9}{'x DDP':>8}")
+        for row in rows:
+            print(f"{row.name:<22}{1e3 * row.median(0):>9.1f}{1e3 * row.median(1):>10.1f}{1e3 * row.median(2):>8.1f}"
+                  f"{1e3 * row.total():>9.1f}{ref / row.total():>8.2f}")
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="111m")
+    p.add_argument("--n-embd", type=int, default=0, help="the GPT's width (0: its own)")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--stages", default="0,1,2,3",
+                   help="zeroplus rows; a stage followed by r (1r): with gloo's per-rank reduces, the way before "
+                        "two ranks exchanged rows")
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--block", type=int, default=2, help="steps per row per round, the last timed")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--keep-freed", action="store_true",
+                   help="glibc keeps freed memory (no page faults from buffers freed and allocated again)")
+    args = p.parse_args()
+    if "RANK" in os.environ:
+        worker(args)
+        return
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", ZEROPLUS_ACCELERATOR="cpu")
+    if args.keep_freed:
+        env.update(MALLOC_MMAP_THRESHOLD_=str(32 << 20), MALLOC_TRIM_THRESHOLD_=str(4 << 30))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", __file__,
+           *sys.argv[1:]]
+    raise SystemExit(subprocess.run(cmd, env=env).returncode)
+
+
+if __name__ == "__main__":
+    main()
