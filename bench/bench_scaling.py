@@ -17,7 +17,8 @@ compares alone.
 Timings on this kind of machine drift by 40% between launches, so rows run in rounds (every row
 once per round, in the same order) and each row's ratio to ``plain`` is taken within a round, then
 the median over rounds is quoted. Even so the spread can exceed the differences between rows:
-``bench_two_ranks.py`` compares zeroplus with DDP at two ranks inside one launch, steps interleaved. Per launch: median step time of the steps after ``--warmup``.
+``bench_two_ranks.py`` compares zeroplus with DDP at two ranks inside one launch, steps interleaved.
+Per launch: median step time of the steps after ``--warmup``.
 
 - one rank: ``plain step / zeroplus step`` (target >= 0.95: no partitioning work a single process
   does not need);

@@ -45,6 +45,10 @@ from .collective_faults import collective_failed, set_timeout_seconds
 from .comm_observers import Completed
 
 DEFAULT_TIMEOUT_SECONDS = 600.0
+# One tag for every exchange: gloo matches a pair's sends and receives of one tag in the order they were posted, and
+# every rank posts a group's exchanges in the same order (a new tag per exchange would add keys to gloo's per-tag
+# tables all run long); apart from the default tag 0 of other point-to-point messages (``shift_ring``).
+EXCHANGE_TAG = 83
 RELEASE_WAIT_SECONDS = 5.0  # how long a wait spins for gloo's worker to let go of a finished work's tensors
 
 logger = logging.getLogger(__name__)
@@ -296,7 +300,7 @@ class DataParallelGroup:
         if self.size == 1:
             return Handle(None, on_done)
         nbytes = self._count("reduce_scatter", *rows)
-        tag = self.issued % (1 << 30)  # (the same on every rank: each issues this group's collectives alike)
+        tag = EXCHANGE_TAG
         others = [i for i in range(self.size) if i != self.rank]
         n = len(others)
 
