@@ -73,7 +73,7 @@ def _with_reduces(engine: zeroplus.Engine) -> zeroplus.Engine:
     return engine
 
 
-def _rows(base: torch.nn.Module, stages: list[str], rank: int) -> list[Row]:
+def _rows(base: torch.nn.Module, stages: list[str]) -> list[Row]:
     ddp_model = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     opt = torch.optim.AdamW(ddp_model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
 
@@ -103,7 +103,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     overrides = {"n_embd": args.n_embd} if args.n_embd else {}
     base = GPT(gpt_config(args.model, block_size=max(64, args.seq), **overrides))
-    rows = _rows(base, args.stages.split(","), rank)
+    rows = _rows(base, args.stages.split(","))
     g = torch.Generator().manual_seed(1 + rank)
     vocab = base.config.vocab_size
     for r in range(args.rounds + 1):  # round 0: warm-up

@@ -101,8 +101,7 @@ class CollectiveVolume:
 
         def counted(*args, **kwargs):
             measured = signature.bind(*args, **kwargs).arguments[argument]
-            world = dist.get_world_size()
-            scale = world / max(1, world - 1) if factor is None else factor
+            scale = factor if factor is not None else dist.get_world_size() / max(1, dist.get_world_size() - 1)
             self.bytes[name] = self.bytes.get(name, 0) + int(scale * _nbytes(measured))
             return fn(*args, **kwargs)
         return counted

@@ -300,14 +300,13 @@ class DataParallelGroup:
         if self.size == 1:
             return Handle(None, on_done)
         nbytes = self._count("reduce_scatter", *rows)
-        tag = EXCHANGE_TAG
         others = [i for i in range(self.size) if i != self.rank]
         n = len(others)
 
         def issue(*ts: torch.Tensor) -> Any:
             return _Works([w for k, i in enumerate(others) for w in (
-                dist.isend(ts[k], self._global(i), group=self.group, tag=tag),
-                dist.irecv(ts[n + k], self._global(i), group=self.group, tag=tag))])
+                dist.isend(ts[k], self._global(i), group=self.group, tag=EXCHANGE_TAG),
+                dist.irecv(ts[n + k], self._global(i), group=self.group, tag=EXCHANGE_TAG))])
         return self._run("reduce_scatter", issue, tuple(rows[i] for i in others) + tuple(into[i] for i in others),
                          on_done, nbytes)
 
