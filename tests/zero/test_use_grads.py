@@ -99,7 +99,17 @@ def flat_gradients(monkeypatch):
     """Every gradient goes into the flat buffer, as at world size > 1 (one rank keeps autograd's gradients of the
     groups with no per-use parameter instead, ``direct_step.py``): the memory bounds below are those of the flat
     buffer's path, and their counterfactual (routing off) is autograd's accumulation copied into it."""
-    monkeypatch.setattr(FlatParamGroup, "keep_grad", lambda *args: False)
+    monkeypatch.setattr(FlatParamGroup, "keeps_grads", _NeverKeeps(), raising=False)
+
+
+class _NeverKeeps:
+    """``FlatParamGroup.keeps_grads`` read as False whatever the group set it to (the flat_gradients fixture)."""
+
+    def __get__(self, group: object, owner: type) -> bool:
+        return False
+
+    def __set__(self, group: object, value: bool) -> None:
+        pass
 
 
 @pytest.mark.parametrize("stage", [0, 3])
@@ -147,12 +157,12 @@ def test_an_untied_embedding_never_allocates_a_flat_gradient(stage):
 @pytest.mark.parametrize("stage", [0, 3])
 @pytest.mark.parametrize("make", [_gpt, SmallHeadNet, DirectHeadNet],
                          ids=["tied-gpt", "embedding-padding", "use-outside-holder"])
-def test_gradients_equal_autograds_bit_for_bit(stage, make):
-    """The engine's gradients (one rank: kept, or in the flat buffer at stage 0 and the reduced gradient at stage 3
-    for the per-use groups) equal the plain module's ``.grad`` exactly from the same parameters; after each step
-    the parameters differ in the last bits (the tied weight's uses are summed in another order than autograd's,
-    and this reference is torch's unfused AdamW), so later steps' losses and gradients are compared within
-    tolerance."""
+def test_gradients_equal_autograds_bit_for_bit(stage, make, flat_gradients):
+    """The engine's gradients (in the flat buffer at stage 0 and the reduced gradient at stage 3, as at world size
+    > 1, where an untied embedding sends rows) equal the plain module's ``.grad`` exactly from the same parameters;
+    after each step the parameters differ in the last bits (the tied weight's uses are summed in another order
+    than autograd's, and this reference is torch's unfused AdamW), so later steps' losses and gradients are
+    compared within tolerance."""
     torch.manual_seed(0)
     model = make()
     reference = make()

@@ -400,7 +400,7 @@ class FlatParamGroup:
             kept.add_(grad)
         elif (grad.is_contiguous() and grad.storage_offset() == 0 and grad.dtype == self.compute_dtype
               and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()):
-            self.kept[index] = self.ledger.track(grad, Category.GRAD)
+            self.kept[index] = self.ledger.count(grad, Category.GRAD)  # released where ``kept`` lets it go
         else:
             return False
         self._grads_seen += 1
@@ -479,6 +479,7 @@ class FlatParamGroup:
                 if grad is not None:
                     self._grad_view(index).copy_(grad)
                     self._written[index] = True
+                    self.ledger.release(grad)
                     kept[index] = None
         return self.grad_full
 
@@ -529,6 +530,7 @@ class FlatParamGroup:
 
     def free_grads(self) -> None:
         self.grad_full = None
+        self.ledger.release_all(self.kept)
         self.kept = [None] * len(self.params)
         self.master_grad = None
         self.master_param.grad = None

@@ -1,7 +1,8 @@
 """ZeRO partitioning of a model over a data-parallel group: one code path for stages 0-3.
 
 The partition owns the units and their flat groups (``units.py``, ``flat_group.py``), hooks
-every trainable parameter's gradient accumulation, reduces gradients (``grad_reducer.py``) and,
+every trainable parameter's gradient accumulation (at one rank only where a use is routed: the groups that keep
+autograd's gradients take them when the backward ends), reduces gradients (``grad_reducer.py``) and,
 at stage 3, gathers and releases parameters (``stage3.py``).
 
 When gradients are reduced: stages 0 and 1 at the accumulation boundary only (gradients
@@ -29,7 +30,7 @@ After the optimizer step, the new master values are written into the compute-dty
 stages 1 and 2 all-gather them asynchronously, root unit first, and the next forward waits for
 each unit's gather just before that unit runs.
 See note: post-step gathers; see note: expert groups; see note: early per-use reduction;
-see note: root per-use groups (docs/design-notes.md).
+see note: root per-use groups; see note: one-rank hooks (docs/design-notes.md).
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ from .row_reduce import reduce_rows
 from .stage3 import Stage3Scheduler
 from .stage3_state_dict import install_state_dict_hooks
 from .units import Named, Unit, assign_parameters, bucketed, find_unit_modules, frozen_dtype
-from .use_grads import UseGrads, UseSinks, routed
+from .use_grads import UseGrads, UseSinks, routed, tied
 
 logger = logging.getLogger("zeroplus.zero")
 
@@ -180,6 +181,7 @@ class ZeroPartition:
         self._backwards_seen = 0
         self._hooks: list[Any] = []
         self.hooks_dropped = False  # drop_hooks()
+        per_use -= self._embeddings_kept_whole(model)
         self._install_hooks(model, per_use, zero.stage3_prefetch_bucket_size)
 
     def _install_hooks(self, model: torch.nn.Module, per_use: set[int], prefetch: int | None) -> None:
@@ -188,9 +190,14 @@ class ZeroPartition:
         all-gathers, stage 3's scheduler and state-dict hooks."""
         sinks: dict[int, UseSinks] = {}
         self._row_sinks: list[RowsSink] = []  # the registry holds them weakly (grad_rows.py): alive with the partition
+        # one rank: groups that keep autograd's gradients and route no use take them when the backward ends
+        self._taken_at_end = [(g, i, p) for g in self.groups if self._takes_at_end(g, per_use)
+                              for i, p in enumerate(g.params)]
+        at_end = {id(p) for _, _, p in self._taken_at_end}
         for g in self.groups:
             for i, p in enumerate(g.params):
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(g, i)))
+                if id(p) not in at_end:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(g, i)))
                 if len(g.shapes[i]) == 2:  # slices straight into the flat buffer; the hook (run after, no
                     # gradient) counts. (The recorded shape: a released stage-3 parameter is empty.)
                     self._row_sinks.append(functools.partial(g.add_grad_rows, i))
@@ -208,7 +215,8 @@ class ZeroPartition:
             for unit in self.units:  # its forward, and any state_dict() for all of them, even called on the model
                 self._hooks.append(unit.module.register_forward_pre_hook(eager(self._make_wait_hook(unit))))
             self._hooks.append(model.register_state_dict_pre_hook(lambda *args: self.wait_all()))
-        self.stage3 = (Stage3Scheduler(self.units[:-1], self.root, prefetch)
+        resident = all(g.resident for g in self.groups + self.frozen)  # one rank in fp32: nothing moves
+        self.stage3 = (Stage3Scheduler(self.units[:-1], self.root, prefetch, hooked=not resident)
                        if self.stage.shards_parameters else None)
         if self.stage.shards_parameters:
             self._hooks += install_state_dict_hooks(model, self.units)
@@ -267,6 +275,13 @@ class ZeroPartition:
         root = trained[-1]
         per_use = routed(model, set().union(*trained), root)
         return per_use, (per_use & root if self.early_per_use else set())
+
+    def _embeddings_kept_whole(self, model: torch.nn.Module) -> set[int]:
+        """One rank (see note: one-rank hooks): the untied embeddings whose groups keep autograd's gradients. Their
+        dense gradient is the kept one, no larger than their share of a flat buffer, so sending rows would buy no
+        memory and cost a flat buffer for their group, a copy of its other gradients and a sort of the tokens."""
+        shared = tied(model)
+        return {id(p) for g in self.groups if g.keeps_grads for p in g.params if id(p) not in shared}
 
     @property
     def early_per_use(self) -> bool:
@@ -337,26 +352,44 @@ class ZeroPartition:
         for u in self.units:
             u.begin_backward()
 
+    def _takes_at_end(self, group: FlatParamGroup, per_use: set[int]) -> bool:
+        """One rank (see note: one-rank hooks): ``group`` keeps autograd's gradients (at stage 3: stays gathered)
+        and none of its parameters routes its uses, so nothing is reduced or released when a gradient arrives;
+        its gradients are taken from ``.grad`` when the backward ends (``_take_at_end``), not by a hook each."""
+        return (group.keeps_grads and (group.resident or not self.stage.shards_parameters)
+                and not any(id(p) in per_use for p in group.params))
+
+    def _take_at_end(self) -> None:
+        """The gradients of the groups ``_takes_at_end`` chose, each as its hook would have taken it."""
+        for g, i, p in self._taken_at_end:
+            if p.grad is not None or g.came_by_rows(i):
+                self._arrived(g, i, p)
+
     def _make_grad_hook(self, group: FlatParamGroup, index: int):
         def hook(param: torch.nn.Parameter) -> None:
-            self._reduce_deferred()
-            grad = param.grad
-            by_rows = group.came_by_rows(index)  # its gradient went into the flat buffer by rows
-            if grad is None and not by_rows and index in group.per_use:  # its uses' gradients went there
-                return
-            if index in group.per_use:  # a use outside its holders: its saved tensors may need the values late
-                self.release_root_early = False
-            if grad is None and not by_rows:  # torch calls this hook only after accumulating a gradient
-                raise RuntimeError(f"{group.name}: parameter {index} reached its gradient hook without a gradient")
-            param.grad = None
-            # one rank: kept as autograd made it (see note: one-rank gradients); None: counted only
-            if grad is None or not group.keep_grad(index, grad):
-                group.accumulate_grad(index, grad)
-            if group.per_use:
-                self._maybe_reduce_early(group)
-            elif group.all_counted():
-                self._group_ready(group)
+            self._arrived(group, index, param)
         return hook
+
+    def _arrived(self, group: FlatParamGroup, index: int, param: torch.nn.Parameter) -> None:
+        """Parameter ``index`` of ``group`` has its gradient in ``.grad`` (or sent it by rows): keep it, or add
+        it into the flat buffer, and reduce the group once every gradient is in."""
+        self._reduce_deferred()
+        grad = param.grad
+        by_rows = group.came_by_rows(index)  # its gradient went into the flat buffer by rows
+        if grad is None and not by_rows and index in group.per_use:  # its uses' gradients went there
+            return
+        if index in group.per_use:  # a use outside its holders: its saved tensors may need the values late
+            self.release_root_early = False
+        if grad is None and not by_rows:  # torch calls this hook only after accumulating a gradient
+            raise RuntimeError(f"{group.name}: parameter {index} reached its gradient hook without a gradient")
+        param.grad = None
+        # one rank: kept as autograd made it (see note: one-rank gradients); None: counted only
+        if grad is None or not group.keep_grad(index, grad):
+            group.accumulate_grad(index, grad)
+        if group.per_use:
+            self._maybe_reduce_early(group)
+        elif group.all_counted():
+            self._group_ready(group)
 
     def _group_ready(self, group: FlatParamGroup, reduce: bool = True) -> None:
         """``group``'s gradients are all in: reduce them (unless ``reduce`` is false: a per-use group whose
@@ -380,6 +413,7 @@ class ZeroPartition:
         """Reduce groups some of whose parameters got no gradient, then wait for every reduction. A
         group with no gradient at all waits for the boundary at stage 2 (a pipeline chunk's backward
         touches only its own groups; the others are reduced in their own backwards)."""
+        self._take_at_end()
         self._reduce_deferred()
         with_rows = []
         for g in self.groups:  # fixed order: every rank issues the same collectives
@@ -468,6 +502,7 @@ class ZeroPartition:
         their group, so a later ``initialize`` refuses them (``ZeroPartition`` below) instead of training on
         no values."""
         self.hooks_dropped = True
+        self._taken_at_end = []
         if self.stage3 is not None:
             self.stage3.remove()
         for handle in self._hooks:

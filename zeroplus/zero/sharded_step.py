@@ -159,15 +159,15 @@ class ShardedStep:
     def _grad_norm(self, loss_scale: float, direct: dict[int, list[torch.Tensor]]) -> float:
         stage0 = not self.partition.stage.partitions
         device = self.partition.groups[0].device if self.partition.groups else torch.device("cpu")
-        total = torch.zeros((), dtype=_norm_dtype(device), device=device)
-        longest = max((g.owned_numel for g in self.partition.groups), default=1)
-        scratch = torch.empty(min(_NORM_CHUNK, longest), dtype=total.dtype, device=device)  # no longer than a source
+        dtype = _norm_dtype(device)
+        kept = [t for grads in direct.values() for t in grads]  # (one norm call for them all)
+        total = squared_norm(kept, dtype) if kept else torch.zeros((), dtype=dtype, device=device)
+        flat = [g for g in self.partition.groups if id(g) not in direct]
+        longest = max((g.owned_numel for g in flat), default=1)
+        scratch = torch.empty(min(_NORM_CHUNK, longest) if flat else 0, dtype=dtype, device=device)  # <= a source
         experts = torch.zeros_like(total)  # stage 0: the experts' part, summed over the expert group
         mp = self.model_parallel
-        for g in self.partition.groups:
-            if id(g) in direct:
-                total += squared_norm(direct[id(g)], total.dtype)
-                continue
+        for g in flat:
             source = g.ensure_grad_full() if stage0 else g.ensure_master_grad()
             into = experts if stage0 and g.expert else total
             if mp is None or not mp.has_replicated(g):

@@ -40,8 +40,10 @@ from .units import Unit
 
 
 class Stage3Scheduler:
-    def __init__(self, units: list[Unit], root: Unit, prefetch_numel: int | None) -> None:
-        """``prefetch_numel``: elements gathered ahead of use; ``None`` means one unit ahead."""
+    def __init__(self, units: list[Unit], root: Unit, prefetch_numel: int | None, hooked: bool = True) -> None:
+        """``prefetch_numel``: elements gathered ahead of use; ``None`` means one unit ahead. ``hooked`` false: no
+        module hooks (one rank with every group resident, ``FlatParamGroup.resident``: nothing is ever gathered or
+        released, so a hook per unit and per output would only cost time)."""
         self.units = units
         self.root = root
         self.prefetch_numel = prefetch_numel
@@ -50,7 +52,7 @@ class Stage3Scheduler:
         self._held: list[Unit] = []  # units with frozen groups gathered for backward, released at the next one
         self.paused = False  # the module hooks do nothing (TRL generating from a model gathered whole): pause()
         self._handles: list[Any] = []
-        for unit in units:
+        for unit in units if hooked else []:
             self._handles.append(unit.module.register_forward_pre_hook(eager(self._make_pre_forward(unit))))
             self._handles.append(unit.module.register_forward_hook(eager(self._make_post_forward(unit))))
 
