@@ -297,6 +297,11 @@ class FlatParamGroup:
         rows, self.rows = self.rows, {}
         return rows
 
+    def has_rows(self, index: int) -> bool:
+        """Whether parameter ``index``'s gradient went into the flat buffer by rows since its hook last ran (asked
+        without the hook's clearing, ``came_by_rows``)."""
+        return index in self._by_rows
+
     def came_by_rows(self, index: int) -> bool:
         """Whether parameter ``index``'s gradient went into the flat buffer by rows since its hook last ran
         (asked once, by the hook)."""

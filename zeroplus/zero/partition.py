@@ -212,8 +212,9 @@ class ZeroPartition:
                 if id(p) in per_use:
                     g.route_per_use(i, by_rows=id(p) in self.use_grads.row_receivers)
         if self.stage.gathers_after_step:  # every unit, the root included, waits for its post-step all-gather before
-            for unit in self.units:  # its forward, and any state_dict() for all of them, even called on the model
+            for unit in self.units if self.dp.size > 1 else []:  # its forward (one rank: nothing to wait for)
                 self._hooks.append(unit.module.register_forward_pre_hook(eager(self._make_wait_hook(unit))))
+            # and any state_dict() for all of them, even called on the model
             self._hooks.append(model.register_state_dict_pre_hook(lambda *args: self.wait_all()))
         resident = all(g.resident for g in self.groups + self.frozen)  # one rank in fp32: nothing moves
         self.stage3 = (Stage3Scheduler(self.units[:-1], self.root, prefetch, hooked=not resident)
@@ -362,7 +363,7 @@ class ZeroPartition:
     def _take_at_end(self) -> None:
         """The gradients of the groups ``_takes_at_end`` chose, each as its hook would have taken it."""
         for g, i, p in self._taken_at_end:
-            if p.grad is not None or g.came_by_rows(i):
+            if p.grad is not None or g.has_rows(i):
                 self._arrived(g, i, p)
 
     def _make_grad_hook(self, group: FlatParamGroup, index: int):
@@ -452,7 +453,9 @@ class ZeroPartition:
         all-gathers), root first: the next forward needs the embeddings before any block."""
         for g in self.root.groups + [g for u in self.units[:-1] for g in u.groups]:
             handle = g.master_to_params()
-            if handle is not None:
+            if handle is not None and g.dp.size == 1:  # (complete: no forward hook waits at one rank)
+                handle.wait()
+            elif handle is not None:
                 g.pending.append(handle)
 
     def after_step(self) -> None:
