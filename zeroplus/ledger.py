@@ -112,14 +112,19 @@ class Ledger:
         """Count ``tensor``'s storage under ``category`` until ``release(tensor)``. No finalizer: the caller holds
         the tensor and releases it when it lets it go (one rank's kept gradients, a hundred or more a step:
         ``track``'s finalizer cost about 2 us of its 4 per tensor)."""
-        storage = tensor.untyped_storage()
-        with self._locked():
-            self._next_id += 1
-            key = self._next_id
-            self._add_held(key, category, storage.nbytes())
-            self._storage_of[key] = storage._cdata
-        tensor._zeroplus_ledger_key = key  # type: ignore[attr-defined]
+        self.count_all([tensor], category)
         return tensor
+
+    def count_all(self, tensors: list[torch.Tensor], category: Category) -> None:
+        """``count`` each of ``tensors``, in one section."""
+        with self._locked():
+            for tensor in tensors:
+                storage = tensor.untyped_storage()
+                self._next_id += 1
+                key = self._next_id
+                self._add_held(key, category, storage.nbytes())
+                self._storage_of[key] = storage._cdata
+                tensor._zeroplus_ledger_key = key  # type: ignore[attr-defined]
 
     def track_new_states(self, states: dict[str, Any], category: Category) -> None:
         """Count the multi-element tensors among ``states`` the ledger does not count yet

@@ -297,16 +297,12 @@ class FlatParamGroup:
         rows, self.rows = self.rows, {}
         return rows
 
-    def has_rows(self, index: int) -> bool:
-        """Whether parameter ``index``'s gradient went into the flat buffer by rows since its hook last ran (asked
-        without the hook's clearing, ``came_by_rows``)."""
-        return index in self._by_rows
-
-    def came_by_rows(self, index: int) -> bool:
+    def came_by_rows(self, index: int, clear: bool = True) -> bool:
         """Whether parameter ``index``'s gradient went into the flat buffer by rows since its hook last ran
-        (asked once, by the hook)."""
+        (asked once, by the hook, which clears it; ``clear=False`` only asks)."""
         by_rows = index in self._by_rows
-        self._by_rows.discard(index)
+        if clear:
+            self._by_rows.discard(index)
         return by_rows
 
     def all_counted(self) -> bool:
@@ -393,23 +389,37 @@ class FlatParamGroup:
             self._grads_seen += 1
 
     def keep_grad(self, index: int, grad: torch.Tensor) -> bool:
-        """One rank (``keeps_grads``): hold autograd's gradient of parameter ``index`` as it is (ledger: ``grad``),
-        or add a later one into it; False (nothing done) when it must go into the flat buffer instead: a flat
-        buffer exists already, the parameter's uses send its gradient (``per_use``), or the gradient does not
-        own its storage whole (a view of a larger gradient would keep, and count, all of it)."""
+        """One rank (``keeps_grads``): hold autograd's gradient of parameter ``index`` as it is (ledger: ``grad``), or
+        add a later one into it; False (nothing done) when it must go into the flat buffer instead: a flat buffer exists
+        already, its uses send it (``per_use``), or it does not own its storage whole (a view would keep all of it)."""
         if (not self.keeps_grads or self.grad_full is not None or self.master_grad is not None
                 or index in self.per_use):
             return False
         kept = self.kept[index]
         if kept is not None:
             kept.add_(grad)
-        elif (grad.is_contiguous() and grad.storage_offset() == 0 and grad.dtype == self.compute_dtype
-              and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()):
+        elif self._keepable(grad):
             self.kept[index] = self.ledger.count(grad, Category.GRAD)  # released where ``kept`` lets it go
         else:
             return False
         self._grads_seen += 1
         return True
+
+    def keep_all(self) -> bool:
+        """``keep_grad`` of every ``.grad`` at once (then None) if each is keepable and none is held; else False."""
+        grads = [p.grad for p in self.params if p.grad is not None and self._keepable(p.grad)]
+        if (not self.keeps_grads or self.grad_full is not None or self.master_grad is not None or self.per_use
+                or self._by_rows or self.holds_kept() or len(grads) < len(self.params)):
+            return False
+        self.ledger.count_all(grads, Category.GRAD)
+        for p in self.params:
+            p.grad = None
+        self.kept[:], self._grads_seen = grads, self._grads_seen + len(grads)
+        return True
+
+    def _keepable(self, grad: torch.Tensor) -> bool:
+        return (grad.is_contiguous() and grad.storage_offset() == 0 and grad.dtype == self.compute_dtype
+                and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size())
 
     def kept_grads(self) -> list[torch.Tensor] | None:
         """Every parameter's kept gradient, when each parameter has one and they are all there is (no flat

@@ -191,9 +191,8 @@ class ZeroPartition:
         sinks: dict[int, UseSinks] = {}
         self._row_sinks: list[RowsSink] = []  # the registry holds them weakly (grad_rows.py): alive with the partition
         # one rank: groups that keep autograd's gradients and route no use take them when the backward ends
-        self._taken_at_end = [(g, i, p) for g in self.groups if self._takes_at_end(g, per_use)
-                              for i, p in enumerate(g.params)]
-        at_end = {id(p) for _, _, p in self._taken_at_end}
+        self._taken_at_end = [g for g in self.groups if self._takes_at_end(g, per_use)]
+        at_end = {id(p) for g in self._taken_at_end for p in g.params}
         for g in self.groups:
             for i, p in enumerate(g.params):
                 if id(p) not in at_end:
@@ -362,9 +361,15 @@ class ZeroPartition:
 
     def _take_at_end(self) -> None:
         """The gradients of the groups ``_takes_at_end`` chose, each as its hook would have taken it."""
-        for g, i, p in self._taken_at_end:
-            if p.grad is not None or g.has_rows(i):
-                self._arrived(g, i, p)
+        self._reduce_deferred()
+        for g in self._taken_at_end:
+            if g.keep_all():  # (the usual case: every gradient in .grad, none held yet)
+                if g.all_counted():
+                    self._group_ready(g)
+                continue
+            for i, p in enumerate(g.params):
+                if p.grad is not None or g.came_by_rows(i, clear=False):
+                    self._arrived(g, i, p)
 
     def _make_grad_hook(self, group: FlatParamGroup, index: int):
         def hook(param: torch.nn.Parameter) -> None:
