@@ -14,6 +14,7 @@ docs/benchmark.md).
 
     python bench/bench_one_rank.py                                     # GPT 111m's calls at width 96
     python bench/bench_one_rank.py --n-embd 0 --seq 64 --stage 1       # the real 111m
+    python bench/bench_one_rank.py --untied --stage 3                  # an LM head of its own
     python bench/bench_one_rank.py --variants '{}' '{"resize_recompute": {"enabled": false}}'
     python bench/bench_one_rank.py --device cuda --n-embd 0 --seq 512
 """
@@ -78,6 +79,7 @@ def main() -> None:
     p.add_argument("--model", default="111m")
     p.add_argument("--n-embd", type=int, default=96, help="the GPT's width (0: its own; a multiple of its heads)")
     p.add_argument("--vocab", type=int, default=0, help="the vocabulary (0: the size's own)")
+    p.add_argument("--untied", action="store_true", help="an LM head of its own (the GPT ties it to the embedding)")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--stage", type=int, default=1)
@@ -94,7 +96,9 @@ def main() -> None:
     os.environ.setdefault("MASTER_PORT", "29533")
     os.environ["ZEROPLUS_ACCELERATOR"] = args.device
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=0, world_size=1)
-    overrides = {"vocab_size": args.vocab} if args.vocab else {}
+    overrides: dict = {"vocab_size": args.vocab} if args.vocab else {}
+    if args.untied:
+        overrides["tie_head"] = False
     if args.n_embd:
         overrides["n_embd"] = args.n_embd
     torch.manual_seed(0)
@@ -127,7 +131,8 @@ def main() -> None:
         for row in order:
             row.run(x, args.device, keep=r >= args.warmup)
     params = sum(q.numel() for q in base.parameters())
-    print(f"GPT {args.model} width {base.config.n_embd} ({params / 1e6:.1f}M parameters), {args.dtype}, "
+    print(f"GPT {args.model}{' untied' if args.untied else ''} width {base.config.n_embd} "
+          f"({params / 1e6:.1f}M parameters), {args.dtype}, "
           f"{args.device}, one rank, micro-batch {args.micro_batch} x {args.seq}, {torch.get_num_threads()} threads; "
           f"median ms of the last {args.steps - args.warmup} of {args.steps} interleaved steps")
     ref = rows[0]
