@@ -277,9 +277,10 @@ class ZeroPartition:
         return per_use, (per_use & root if self.early_per_use else set())
 
     def _embeddings_kept_whole(self, model: torch.nn.Module) -> set[int]:
-        """One rank (see note: one-rank hooks): the untied embeddings whose groups keep autograd's gradients. Their
-        dense gradient is the kept one, no larger than their share of a flat buffer, so sending rows would buy no
-        memory and cost a flat buffer for their group, a copy of its other gradients and a sort of the tokens."""
+        """One rank (see note: one-rank hooks): the untied parameters of groups that keep autograd's gradients, taken
+        off the per-use path. An untied embedding's dense gradient is then the kept one, no larger than its share of
+        a flat buffer: rows would buy no memory and cost that buffer, a copy of the group's other gradients and a
+        sort of the tokens. (A tied weight keeps the path: it spares a table-sized gradient, note 42.)"""
         shared = tied(model)
         return {id(p) for g in self.groups if g.keeps_grads for p in g.params if id(p) not in shared}
 
