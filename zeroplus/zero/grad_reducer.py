@@ -89,8 +89,7 @@ class GradReducer:
             yield 0, s, grad
             return
         matrix = grad.view(n, s)
-        for c0 in range(0, s, cols):
-            c1 = min(s, c0 + cols)
+        for c0, c1 in _spans(s, cols):
             inp = self.ledger.empty(n * (c1 - c0), grad.dtype, Category.COMM_BUFFER, grad.device)
             inp.view(n, c1 - c0).copy_(matrix[:, c0:c1])
             yield c0, c1, inp
@@ -146,8 +145,7 @@ class GradReducer:
         n, s, r = group.dp.size, group.shard_numel, group.dp.rank
         rows = grad.view(n, s)
         cols = max(1, self.bucket_numel // n)
-        for c0 in range(0, s, cols):
-            c1 = min(s, c0 + cols)
+        for c0, c1 in _spans(s, cols):
             keep = land(target[c0:c1], rows[r, c0:c1], 1.0 / self.dp.size)
             group.pending.append(group.dp.reduce_to_each([rows[i, c0:c1] for i in range(n)], on_done=keep))
 
@@ -160,8 +158,7 @@ class GradReducer:
         rows = grad.view(2, s)
         shard = group.new_master_grad(grad.dtype)
         cols = max(1, self.bucket_numel // 2)
-        for c0 in range(0, s, cols):
-            c1 = min(s, c0 + cols)
+        for c0, c1 in _spans(s, cols):
             part = shard[c0:c1]
             pieces = [rows[i, c0:c1] for i in range(2)]
             into = [part, part]  # (this rank's entry is neither sent nor written)
@@ -207,3 +204,9 @@ def _scaler(target: torch.Tensor, scale: float) -> Callable[[], None]:
     def mul() -> None:
         target.mul_(scale)
     return mul
+
+
+def _spans(s: int, cols: int) -> Iterator[tuple[int, int]]:
+    """``(c0, c1)``: the buckets of ``cols`` columns (the last one shorter) over a shard of ``s`` elements."""
+    for c0 in range(0, s, cols):
+        yield c0, min(s, c0 + cols)
