@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import zeroplus
+from tests.models import SmallHeadNet
 from tests.new_storage import NewStorageBytes
 from zeroplus.ledger import Category
 from zeroplus.models import GPT, gpt_config
@@ -26,22 +27,6 @@ from zeroplus.zero.flat_group import FlatParamGroup
 pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
 
 VOCAB = 4096
-
-
-class SmallHeadNet(nn.Module):
-    """A large untied embedding (with a padding index) and a small classifier head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, 64, padding_idx=0)
-        self.blocks = nn.ModuleList(nn.Linear(64, 64) for _ in range(2))
-        self.head = nn.Linear(64, 8)
-
-    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.emb(ids)
-        for block in self.blocks:
-            x = torch.tanh(block(x))
-        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten() % 8)
 
 
 class DirectHeadNet(nn.Module):
