@@ -362,7 +362,6 @@ class ZeroPartition:
 
     def _take_at_end(self) -> None:
         """The gradients of the groups ``_takes_at_end`` chose, each as its hook would have taken it."""
-        self._reduce_deferred()
         for g in self._taken_at_end:
             if g.keep_all():  # (the usual case: every gradient in .grad, none held yet)
                 if g.all_counted():
