@@ -14,10 +14,11 @@ Rows: ``zeroplus`` (the JSON below, zeroplus's defaults for what it leaves out);
 ``stage3_param_persistence_threshold`` 1e5, ``reduce_bucket_size`` 5e8, ...; zeroplus honours them);
 ``zeroplus-no-recompute`` (plus ``"resize_recompute": {"enabled": false}``: the defaults before session
 34; on by default since, the GELU and LayerNorm outputs are recomputed in backward, bitwise the same
-gradients: see note: recompute by default); ``zeroplus-torch-loss`` (plus
-``"lean_cross_entropy": false``: torch's own cross-entropy, the defaults before session 35, see
-note: lean loss); ``zeroplus-units`` (plus ``"unit_modules": ["Block", "Embedding"]``: the embeddings leave
-the root unit);
+gradients: see note: recompute by default; since session 39 only where it takes at least 1% off the predicted
+peak, so at 1 x 64 this row and ``zeroplus`` run alike: see note: recompute where it pays);
+``zeroplus-torch-loss`` (plus ``"lean_cross_entropy": false``: torch's own cross-entropy, the defaults before
+session 35, see note: lean loss); ``zeroplus-units`` (plus ``"unit_modules": ["Block", "Embedding"]``: the
+embeddings leave the root unit);
 ``fsdp2`` (``fully_shard`` per block and root, default ``reshard_after_forward``, bf16:
 ``MixedPrecisionPolicy(bf16, reduce_dtype=fp32)``, ``torch.optim.AdamW`` with default arguments,
 ``clip_grad_norm_``, ``zero_grad(set_to_none=True)``); ``deepspeed`` (the JSON, ``DS_ACCELERATOR=cpu``).

@@ -22,7 +22,7 @@ import torch
 
 from . import fault_dumps
 from .accelerator import get_accelerator
-from .budget.estimate import estimate
+from .budget.estimate import RECOMPUTE, RECOMPUTE_PAYS_FROM, estimate
 from .budget.first_use import code_resident
 from .budget.planner import apply_settings, plan
 from .budget.simulate import group_stand_ins, meta_copy, simulation_problem
@@ -198,6 +198,12 @@ def _predictor(model: torch.nn.Module, cfg: ResolvedConfig, code: int | None):
                            type(err).__name__, err)
             return
         budget.compiled = engine.is_compiled or bool(compiled_modules(engine.module))
+        if RECOMPUTE in budget.stood_down:  # see note: recompute where it pays
+            engine.config.zeroplus.resize_recompute.enabled = False  # (it stands down at this forward's start)
+            log_rank0("resize_recompute (on by default) is off: it would take %.1f MiB off this rank's predicted "
+                      "training peak of %.1f MiB, under %g%% (set zeroplus.resize_recompute.enabled true to keep it)",
+                      budget.stood_down[RECOMPUTE] / 2**20,
+                      (budget.steps_peak_bytes - budget.stood_down[RECOMPUTE]) / 2**20, 100 * RECOMPUTE_PAYS_FROM)
         engine.record_budget(budget)
         if engine.dp.rank == 0:
             logger.info("%s", budget)

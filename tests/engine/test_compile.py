@@ -76,8 +76,9 @@ def _train(build: Any, cfg: dict[str, Any], way: str, backend: str, rank: int,
     torch._dynamo.config.error_on_recompile = False
     stats = {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values()),
              "dropped": dropped, "recompute": engine.config.zeroplus.resize_recompute.enabled}
-    assert engine.budget is not None and engine.budget.compiled == (way != "eager"), (way, engine.budget)
-    assert ("compiled: activations" in str(engine.budget)) == (way != "eager")
+    if cfg.get("zeroplus", {}).get("memory_estimate", True):
+        assert engine.budget is not None and engine.budget.compiled == (way != "eager"), (way, engine.budget)
+        assert ("compiled: activations" in str(engine.budget)) == (way != "eager")
     state = engine.consolidated_fp32_state()  # (the model's own names: no "_orig_mod." under torch.compile)
     engine.destroy()
     return losses, state, stats
@@ -105,8 +106,10 @@ def _assert_equal_to_eager(results: dict[str, Any], label: str, rtol: float = 1e
 def test_compiled_training_equals_eager_for_every_way_of_compiling(stage):
     """With the defaults: eager drops its activations' outputs (resize recompute, on by default), and every
     compiled way has it off (the wrapper at ``initialize``; ``block.compile()`` and ``engine.compile()`` after
-    it, where it stands down at the first forward) and trains as eager does."""
-    for rank_results in run_distributed(_compare_ways, 2, stage, WAYS, None, "inductor"):
+    it, where it stands down at the first forward) and trains as eager does. (Without the memory prediction,
+    which at this size would find it keeps nothing off the peak and turn it off in eager too: see note:
+    recompute where it pays.)"""
+    for rank_results in run_distributed(_compare_ways, 2, stage, WAYS, {"memory_estimate": False}, "inductor"):
         said = {way: (stats["dropped"], stats["recompute"]) for way, (_, _, stats) in rank_results.items()}
         assert said["eager"][0] > 0 and said["eager"][1] is True, said
         assert all(said[way] == (0, False) for way in ("whole", "block", "engine")), said

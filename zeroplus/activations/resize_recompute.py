@@ -142,7 +142,8 @@ class ResizeRecompute:
         also the outputs of ``ACTIVATION_FUNCTIONS`` (with ``norms``, ``NORM_FUNCTIONS`` too) called by the
         model's forward code outside those modules. ``by_default``: on because the config left it unset, so
         a model found compiled at a forward turns it off (``stood_down``, and ``settings.enabled``, the engine's
-        config block, says so) rather than refusing."""
+        config block, says so) rather than refusing, and so does ``settings.enabled`` found false at a forward
+        (the memory budget's choice: see note: recompute where it pays)."""
         classes, patterns = set(class_names), list(name_patterns)
         self.by_default = by_default
         self.settings = settings
@@ -185,14 +186,14 @@ class ResizeRecompute:
     def begin_forward(self) -> None:
         if self.stood_down:
             return
+        if self.by_default and self.settings is not None and not self.settings.enabled:
+            self._stand_down()  # the budget found it keeps nothing off the peak (see note: recompute where it pays)
+            return
         compiled = compiled_modules(self.model)
         if compiled and self.by_default:  # see note: recompute by default
             log_rank0("resize_recompute (on by default) is off from here: %s runs compiled",
                       ", ".join(compiled[:4]) + (" ..." if len(compiled) > 4 else ""))
-            self.remove()
-            self.stood_down = True
-            if self.settings is not None:
-                self.settings.enabled = False
+            self._stand_down()
             return
         if compiled:  # see note: compilation
             raise NotImplementedError(
@@ -206,6 +207,13 @@ class ResizeRecompute:
             self._mode.__enter__()
             self._global_hooks = [torch.nn.modules.module.register_module_forward_pre_hook(eager(self._enter)),
                                   torch.nn.modules.module.register_module_forward_hook(eager(self._leave))]
+
+    def _stand_down(self) -> None:
+        """Off for good, on by default: hooks removed, and the engine's config block says so."""
+        self.remove()
+        self.stood_down = True
+        if self.settings is not None:
+            self.settings.enabled = False
 
     def end_forward(self) -> None:
         if self.stood_down:
@@ -354,9 +362,9 @@ class ResizeRecompute:
                 f"{tuple(value.shape)} where the forward gave {record.output.dtype} {tuple(record.output.shape)}; "
                 f"turn resize_recompute off for it (modules, names, functional)")
         record.output.untyped_storage().resize_(record.nbytes)
-        record.output.data.copy_(value)  # through .data: autograd's version counter is unchanged
         record.released = False
-        self.ledger.unsave(TECHNIQUE, Category.ACTIVATION, record.nbytes)
+        self.ledger.unsave(TECHNIQUE, Category.ACTIVATION, record.nbytes)  # (held again from here)
+        record.output.data.copy_(value)  # through .data: autograd's version counter is unchanged
 
     def end_backward(self) -> None:
         if not self._decided and self.functions:  # see note: idle modes

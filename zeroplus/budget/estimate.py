@@ -76,6 +76,14 @@ class MemoryBudget:
                                                                              compare=False)
     # what the prediction is known to leave out for this run (``caveats()``), each a sentence; logged as warnings
     caveats: list[str] = dataclasses.field(default_factory=list)
+    # techniques on by default that this run turns off, with what each would have taken off the training peak
+    # (too little: ``recompute_pays``); the engine's first forward reads it and the technique stands down
+    stood_down: dict[str, int] = dataclasses.field(default_factory=dict)
+    # a lower bound of the steps' peak with resize recompute off, from this run: the most alive at a moment plus what
+    # it had dropped then (``MemoryTracker.undropped_peak``; the steps' peak where it dropped nothing)
+    undropped_peak_bytes: int = 0
+    # the run simulated with each technique off, once simulated (the effects' and the default's own runs)
+    without: dict[str, "MemoryBudget"] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def resolve_effects(self) -> dict[str, int]:
         """``technique_effects``, computing them now if they were left pending."""
@@ -102,14 +110,20 @@ class MemoryBudget:
     def training_peak_bytes(self) -> int:
         return self.phases[self.training_peak_phase]["total"]
 
+    @property
+    def steps_peak_bytes(self) -> int:
+        """The peak of the steps themselves (forward, backward, optimizer step): the training peak less
+        ``initialize``'s, which a model built whole on each rank may set and no activation technique changes."""
+        return max(self.phases[p]["total"] for p in TRAINING_PHASES if p != "init")
+
     def at_peak(self) -> dict[str, int]:
         """Bytes per category at the moment of the predicted peak."""
         return {c: self.phases[self.peak_phase].get(c, 0) for c in CATEGORIES}
 
     def to_dict(self) -> dict[str, Any]:
         self.resolve_effects()
-        out = dataclasses.asdict(dataclasses.replace(self, pending_effects=None))
-        del out["pending_effects"]
+        out = dataclasses.asdict(dataclasses.replace(self, pending_effects=None, without={}))
+        del out["pending_effects"], out["without"]
         out["peak_phase"], out["peak_bytes"] = self.peak_phase, self.peak_bytes
         out["training_peak_phase"], out["training_peak_bytes"] = self.training_peak_phase, self.training_peak_bytes
         return out
@@ -169,29 +183,63 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     ``"meta"`` (built on the meta device): the init phase's peak differs (``simulate.py``).
     ``code``: how much of torch's code the process that will train already holds
     (``first_use.code_resident``, read by ``initialize``); None for a fresh process (``runtime_overhead.py``).
+    Resize recompute left unset (on by default) is simulated without it too, unless this run shows it takes at
+    least 1% off the steps' peak (``steps_peak_bytes``); where it takes less, the budget returned is the run
+    without it (``stood_down`` names it), which is how the engine then runs (see note: recompute where it pays).
     """
-    budget = _estimate(model, config, world_size=world_size, rank=rank, micro_batch_size=micro_batch_size,
-                       seq_len=seq_len, example_inputs=example_inputs, example_kwargs=example_kwargs,
-                       loss_fn=loss_fn, accelerator=accelerator, construction=construction, code=code)
-    if effects:
-        examples = _meta(example_inputs) if example_inputs is not None else None  # shapes only: no batch kept
-        kw_examples = _meta(example_kwargs) if example_kwargs is not None else None
+    common: dict[str, Any] = dict(world_size=world_size, rank=rank, micro_batch_size=micro_batch_size, seq_len=seq_len,
+                                  loss_fn=loss_fn, accelerator=accelerator, code=code)
+    budget, resolved_cfg = _estimate(model, config, example_inputs=example_inputs, example_kwargs=example_kwargs,
+                                     construction=construction, **common)
+    examples = _meta(example_inputs) if example_inputs is not None else None  # shapes only: no batch kept
+    kw_examples = _meta(example_kwargs) if example_kwargs is not None else None
 
-        def measure() -> dict[str, int]:
-            out = {}
+    def without(technique: str) -> MemoryBudget:
+        """The same run with ``technique`` off (its own effects pending), simulated once."""
+        if technique not in budget.without:
             cfg = load_config(config)
-            for technique in ACTIVATION_TECHNIQUES:
-                if getattr(cfg.zeroplus, technique).enabled is True:
-                    without = cfg.model_copy(deep=True)
-                    getattr(without.zeroplus, technique).enabled = False
-                    off = _estimate(model, without, world_size=world_size, rank=rank,
-                                    micro_batch_size=micro_batch_size, seq_len=seq_len, example_inputs=examples,
-                                    example_kwargs=kw_examples, loss_fn=loss_fn, accelerator=accelerator,
-                                    code=code)
-                    out[technique] = off.training_peak_bytes - budget.training_peak_bytes
-            return out
+            block = getattr(cfg.zeroplus, technique)
+            block.enabled = False
+            if hasattr(block, "by_default"):
+                block.by_default = False
+            budget.without[technique] = estimate(model, cfg, example_inputs=examples, example_kwargs=kw_examples,
+                                                 construction=construction, effects=effects, **common)
+        return budget.without[technique]
+
+    peak = budget.steps_peak_bytes
+    if _recompute_by_default(config, resolved_cfg) and not recompute_pays(budget.undropped_peak_bytes - peak, peak):
+        off = without(RECOMPUTE)  # (not known to pay from this run alone: see note: recompute where it pays)
+        effect = off.steps_peak_bytes - peak
+        if not recompute_pays(effect, peak):
+            off.stood_down = {**off.stood_down, RECOMPUTE: effect}
+            return off
+    if effects:
+        def measure() -> dict[str, int]:
+            return {technique: without(technique).training_peak_bytes - budget.training_peak_bytes
+                    for technique in ACTIVATION_TECHNIQUES
+                    if getattr(resolved_cfg.zeroplus, technique).enabled is True}
         budget.pending_effects = measure
     return budget
+
+
+RECOMPUTE = "resize_recompute"
+# resize recompute left unset runs where it lowers the steps' predicted peak by at least this fraction
+RECOMPUTE_PAYS_FROM = 0.01
+
+
+def recompute_pays(effect: int, peak: int) -> bool:
+    """Whether resize recompute, on by default, stays on: it takes ``effect`` bytes off a predicted peak of the
+    steps of ``peak`` bytes, at least ``RECOMPUTE_PAYS_FROM`` of it. Where it does not, it would cost its records and
+    recomputes every step and keep no byte off the peak (the peak is elsewhere: model states, the step)."""
+    return effect >= RECOMPUTE_PAYS_FROM * peak
+
+
+def _recompute_by_default(config: dict[str, Any] | str | ZeroplusConfig, resolved_cfg: Any) -> bool:
+    """Whether resize recompute is on in the simulated run only because the config left it unset (a user's
+    ``enabled`` unset, or an engine's resolved config marked ``by_default``)."""
+    block = load_config(config).zeroplus.resize_recompute
+    unset = block.enabled is None or bool(getattr(block, "by_default", False))
+    return unset and resolved_cfg.zeroplus.resize_recompute.enabled is True
 
 
 ACTIVATION_TECHNIQUES = ("swap_attention", "resize_recompute")
@@ -201,7 +249,8 @@ def _estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: di
               *, world_size: int, rank: int, micro_batch_size: int | None, seq_len: int | None,
               example_inputs: tuple[Any, ...] | None, example_kwargs: dict[str, Any] | None,
               loss_fn: Callable[[Any], torch.Tensor], accelerator: str | None,
-              construction: str = "whole", code: int | None = None) -> MemoryBudget:
+              construction: str = "whole", code: int | None = None) -> tuple[MemoryBudget, Any]:
+    """One simulation's budget, and the config as the simulated engine resolved it."""
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     kind = accelerator or get_accelerator().name
@@ -224,7 +273,8 @@ def _estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: di
     return MemoryBudget(rank, world_size, cfg.train_micro_batch_size_per_gpu,
                         cfg.gradient_accumulation_steps, cfg.zero_optimization.stage, phases, states, kind,
                         category_peaks, tracker.saved_for_backward, tracker.checkpoint_copies, _split(cfg, world_size),
-                        caveats=caveats(kind, dtype, tracker.run_op.routed))
+                        caveats=caveats(kind, dtype, tracker.run_op.routed),
+                        undropped_peak_bytes=tracker.undropped_peak), cfg
 
 
 def caveats(kind: str, dtype: str, routed: int) -> list[str]:

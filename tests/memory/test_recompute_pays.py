@@ -1,0 +1,80 @@
+"""Resize recompute left unset runs only where it takes at least 1% off the predicted peak of the steps (see note:
+recompute where it pays).
+
+The estimate: with the key unset, the budget is the one with the technique off (``stood_down`` names it) where it
+takes nothing off the peak (GPT tiny at 2 x 16: the peak is the model states), and the one with it on where it
+takes enough (4 x 64 and more: activations). The engine, one rank: its first forward reads that choice, so the
+technique stands down before it records anything (no bytes dropped, no saved-tensor hooks, its config block says
+off), or stays on and drops its outputs; either way the losses equal the run with the key written out to match, bit
+for bit, and the run is measured against the budget it runs.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zeroplus
+from tests.dist_helper import run_distributed
+from zeroplus.budget.estimate import RECOMPUTE, recompute_pays
+from zeroplus.ledger import Category
+from zeroplus.models.gpt import GPT, gpt_config
+
+SMALL, LARGE = (2, 16), (4, 64)  # micro-batch x sequence: model states' peak, activations' peak
+
+
+def _config(micro: int, recompute: dict) -> dict:
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 1},
+            "zeroplus": {"resize_recompute": recompute}}
+
+
+def _model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(gpt_config("tiny", block_size=64))
+
+
+def test_recompute_pays_is_a_share_of_the_peak():
+    assert recompute_pays(10, 1000) and not recompute_pays(9, 1000)
+
+
+@pytest.mark.parametrize("shape", [SMALL, LARGE])
+def test_the_estimate_keeps_an_unset_recompute_only_where_it_lowers_the_peak(shape):
+    micro, seq = shape
+    budgets = {name: zeroplus.estimate(_model, _config(micro, block), world_size=1, seq_len=seq)
+               for name, block in (("unset", {}), ("on", {"enabled": True}), ("off", {"enabled": False}))}
+    pays = budgets["off"].steps_peak_bytes - budgets["on"].steps_peak_bytes
+    assert (pays == 0) if shape == SMALL else (pays >= 0.01 * budgets["on"].steps_peak_bytes), pays
+    chosen = budgets["off"] if shape == SMALL else budgets["on"]
+    assert budgets["unset"].phases == chosen.phases
+    assert budgets["unset"].stood_down == ({RECOMPUTE: 0} if shape == SMALL else {})
+    assert budgets["on"].stood_down == budgets["off"].stood_down == {}  # written out: kept as written
+
+
+def _train(micro: int, seq: int, recompute: dict) -> dict:
+    engine = zeroplus.initialize(_model(), _config(micro, recompute))
+    g = torch.Generator().manual_seed(1)
+    losses, dropped = [], []
+    for _ in range(3):
+        x = torch.randint(0, 256, (micro, seq), generator=g)
+        loss = engine(x, x)
+        dropped.append(engine.ledger.saved_bytes(RECOMPUTE, Category.ACTIVATION))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    block = engine.config.zeroplus.resize_recompute
+    return {"losses": losses, "dropped": dropped, "enabled": block.enabled, "stood_down": engine.budget.stood_down,
+            "claimers": len(engine._activations.claimers), "phases": engine.budget.phases}
+
+
+@pytest.mark.parametrize("shape", [SMALL, LARGE])
+def test_the_engine_runs_an_unset_recompute_as_its_budget_chose(shape):
+    unset = run_distributed(_train, 1, *shape, {})[0]
+    written = run_distributed(_train, 1, *shape, {"enabled": shape == LARGE})[0]
+    assert unset["losses"] == written["losses"]  # bitwise: the same run
+    assert unset["phases"] == written["phases"]  # measured against the budget it runs
+    if shape == SMALL:  # stood down at the first forward: nothing recorded, no hooks left
+        assert (unset["enabled"], unset["stood_down"], unset["claimers"]) == (False, {RECOMPUTE: 0}, 0)
+        assert unset["dropped"] == [0, 0, 0]
+    else:
+        assert (unset["enabled"], unset["stood_down"], unset["claimers"]) == (True, {}, 1)
+        assert all(d > 0 for d in unset["dropped"]) and unset["dropped"] == written["dropped"]
