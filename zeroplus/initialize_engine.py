@@ -190,26 +190,40 @@ def _predictor(model: torch.nn.Module, cfg: ResolvedConfig, code: int | None):
         recompute = cfg.zeroplus.resize_recompute
         if recompute.by_default and (engine.is_compiled or compiled_modules(engine.module)):
             recompute.enabled = False  # (it stands down at this forward: see note: recompute by default)
+        deciding = recompute.by_default and recompute.enabled  # (the same on every rank: configs agree)
         try:
             budget = estimate(model, cfg, world_size=world, rank=rank, effects=True, example_inputs=args,
                               example_kwargs=kwargs, code=code)
         except Exception as err:  # noqa: BLE001 - the prediction must never stop training
             logger.warning("memory estimate unavailable (%s: %s); zeroplus.memory_estimate false skips it",
                            type(err).__name__, err)
+            budget = None
+        if deciding:  # see note: recompute where it pays
+            _stand_recompute_down(engine, budget)
+        if budget is None:
             return
         budget.compiled = engine.is_compiled or bool(compiled_modules(engine.module))
-        if RECOMPUTE in budget.stood_down:  # see note: recompute where it pays
-            engine.config.zeroplus.resize_recompute.enabled = False  # (it stands down at this forward's start)
-            log_rank0("resize_recompute (on by default) is off: it would take %.1f MiB off this rank's predicted "
-                      "training peak of %.1f MiB, under %g%% (set zeroplus.resize_recompute.enabled true to keep it)",
-                      budget.stood_down[RECOMPUTE] / 2**20,
-                      (budget.steps_peak_bytes - budget.stood_down[RECOMPUTE]) / 2**20, 100 * RECOMPUTE_PAYS_FROM)
         engine.record_budget(budget)
         if engine.dp.rank == 0:
             logger.info("%s", budget)
             for caveat in budget.caveats:
                 logger.warning("memory budget, not predicted: %s", caveat)
     return predict
+
+
+
+def _stand_recompute_down(engine: Engine, budget: Any) -> None:
+    """Turn resize recompute, on by default, off where ``budget`` (this rank's, None if it failed) found it takes
+    under ``RECOMPUTE_PAYS_FROM`` off the peak; kept on every rank if any rank found it pays (or has no budget), so
+    the ranks run alike. One flag's all-reduce over the data group (see note: recompute where it pays)."""
+    pays_here = budget is None or RECOMPUTE not in budget.stood_down
+    if engine.dp.max_flag(pays_here):
+        return
+    engine.config.zeroplus.resize_recompute.enabled = False  # (it stands down at this forward's start)
+    log_rank0("resize_recompute (on by default) is off: it would take %.1f MiB off this rank's predicted training "
+              "peak of %.1f MiB, under %g%% (set zeroplus.resize_recompute.enabled true to keep it)",
+              budget.stood_down[RECOMPUTE] / 2**20, (budget.steps_peak_bytes - budget.stood_down[RECOMPUTE]) / 2**20,
+              100 * RECOMPUTE_PAYS_FROM)
 
 
 __all__ = ["initialize"]

@@ -15,6 +15,7 @@ import torch
 
 import zeroplus
 from tests.dist_helper import run_distributed
+from zeroplus import initialize_engine
 from zeroplus.budget.estimate import RECOMPUTE, recompute_pays
 from zeroplus.ledger import Category
 from zeroplus.models.gpt import GPT, gpt_config
@@ -62,8 +63,10 @@ def _train(micro: int, seq: int, recompute: dict) -> dict:
         engine.step()
         losses.append(loss.item())
     block = engine.config.zeroplus.resize_recompute
-    return {"losses": losses, "dropped": dropped, "enabled": block.enabled, "stood_down": engine.budget.stood_down,
-            "claimers": len(engine._activations.claimers), "phases": engine.budget.phases}
+    budget = engine.budget
+    return {"losses": losses, "dropped": dropped, "enabled": block.enabled,
+            "claimers": len(engine._activations.claimers),
+            "stood_down": budget.stood_down if budget else None, "phases": budget.phases if budget else None}
 
 
 @pytest.mark.parametrize("shape", [SMALL, LARGE])
@@ -78,3 +81,21 @@ def test_the_engine_runs_an_unset_recompute_as_its_budget_chose(shape):
     else:
         assert (unset["enabled"], unset["stood_down"], unset["claimers"]) == (True, {}, 1)
         assert all(d > 0 for d in unset["dropped"]) and unset["dropped"] == written["dropped"]
+
+
+def _train_without_a_prediction_on_rank_1() -> dict:
+    def no_prediction(*args, **kwargs):
+        raise RuntimeError("no prediction on this rank")
+    if torch.distributed.get_rank() == 1:
+        initialize_engine.estimate = no_prediction  # (this worker process only)
+    return _train(*SMALL, {})
+
+
+def test_the_ranks_agree_and_one_without_a_prediction_keeps_it_on_everywhere():
+    """Two ranks at SMALL both stand it down; when rank 1 has no prediction (its estimate raised), both keep it on,
+    so the ranks run alike (one flag's all-reduce at the first forward)."""
+    both = run_distributed(_train, 2, *SMALL, {})
+    assert [(r["enabled"], r["claimers"], r["dropped"]) for r in both] == [(False, 0, [0, 0, 0])] * 2
+    one = run_distributed(_train_without_a_prediction_on_rank_1, 2)
+    assert [(r["enabled"], r["claimers"]) for r in one] == [(True, 1)] * 2
+    assert all(d > 0 for r in one for d in r["dropped"])
