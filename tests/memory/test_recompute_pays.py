@@ -48,6 +48,7 @@ def test_the_estimate_keeps_an_unset_recompute_only_where_it_lowers_the_peak(sha
     chosen = budgets["off"] if shape == SMALL else budgets["on"]
     assert budgets["unset"].phases == chosen.phases
     assert budgets["unset"].stood_down == ({RECOMPUTE: 0} if shape == SMALL else {})
+    assert ("resize_recompute (on by default) is off" in str(budgets["unset"])) == (shape == SMALL)  # the table says
     assert budgets["on"].stood_down == budgets["off"].stood_down == {}  # written out: kept as written
 
 

@@ -145,6 +145,8 @@ class MemoryBudget:
         if self.compiled:
             lines.append("  compiled: activations and temporaries are predicted as eager's (a compiled graph may save "
                          "other tensors); the compiler's own memory (about 50 MiB resident on CPU) is not included")
+        lines += [f"  {technique} (on by default) is off: it would take {effect / 2**20:.1f} MiB off the steps' peak, "
+                  f"under {100 * RECOMPUTE_PAYS_FROM:g}%" for technique, effect in self.stood_down.items()]
         lines += [f"  not predicted: {caveat}" for caveat in self.caveats]
         if self.accelerator == "cpu" and self.world_size > 1:  # (docs/benchmark.md: the main job on 2 ranks)
             lines.append("  not predicted: gloo's own native memory, which creeps up by 1-4 MiB over the first tens of "
