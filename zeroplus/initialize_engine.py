@@ -211,13 +211,14 @@ def _predictor(model: torch.nn.Module, cfg: ResolvedConfig, code: int | None):
     return predict
 
 
-
 def _stand_recompute_down(engine: Engine, budget: Any) -> None:
     """Turn resize recompute, on by default, off where ``budget`` (this rank's, None if it failed) found it takes
     under ``RECOMPUTE_PAYS_FROM`` off the peak; kept on every rank if any rank found it pays (or has no budget), so
     the ranks run alike. One flag's all-reduce over the data group (see note: recompute where it pays)."""
     pays_here = budget is None or RECOMPUTE not in budget.stood_down
     if engine.dp.max_flag(pays_here):
+        if budget is not None:
+            budget.stood_down.pop(RECOMPUTE, None)  # (kept: its phases, without it, over-predict by under 1%)
         return
     engine.config.zeroplus.resize_recompute.enabled = False  # (it stands down at this forward's start)
     log_rank0("resize_recompute (on by default) is off: it would take %.1f MiB off this rank's predicted training "

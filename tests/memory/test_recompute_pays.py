@@ -99,4 +99,5 @@ def test_the_ranks_agree_and_one_without_a_prediction_keeps_it_on_everywhere():
     assert [(r["enabled"], r["claimers"], r["dropped"]) for r in both] == [(False, 0, [0, 0, 0])] * 2
     one = run_distributed(_train_without_a_prediction_on_rank_1, 2)
     assert [(r["enabled"], r["claimers"]) for r in one] == [(True, 1)] * 2
+    assert [r["stood_down"] for r in one] == [{}, None]  # rank 0's table does not say off; rank 1 has no budget
     assert all(d > 0 for r in one for d in r["dropped"])
