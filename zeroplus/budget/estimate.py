@@ -37,6 +37,7 @@ from typing import Any, Callable
 import torch
 
 from ..accelerator import get_accelerator
+from ..activations.resize_recompute import TECHNIQUE as RECOMPUTE
 from ..config import ZeroplusConfig, load_config
 from ..engine.build import compute_dtype
 from ..memory_view import CATEGORIES, LABELS, budget_chart
@@ -82,8 +83,6 @@ class MemoryBudget:
     # a lower bound of the steps' peak with resize recompute off, from this run: the most alive at a moment plus what
     # it had dropped then (``MemoryTracker.undropped_peak``; the steps' peak where it dropped nothing)
     undropped_peak_bytes: int = 0
-    # the run simulated with each technique off, once simulated (the effects' and the default's own runs)
-    without: dict[str, "MemoryBudget"] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def resolve_effects(self) -> dict[str, int]:
         """``technique_effects``, computing them now if they were left pending."""
@@ -122,8 +121,8 @@ class MemoryBudget:
 
     def to_dict(self) -> dict[str, Any]:
         self.resolve_effects()
-        out = dataclasses.asdict(dataclasses.replace(self, pending_effects=None, without={}))
-        del out["pending_effects"], out["without"]
+        out = dataclasses.asdict(dataclasses.replace(self, pending_effects=None))
+        del out["pending_effects"]
         out["peak_phase"], out["peak_bytes"] = self.peak_phase, self.peak_bytes
         out["training_peak_phase"], out["training_peak_bytes"] = self.training_peak_phase, self.training_peak_bytes
         return out
@@ -196,17 +195,19 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     examples = _meta(example_inputs) if example_inputs is not None else None  # shapes only: no batch kept
     kw_examples = _meta(example_kwargs) if example_kwargs is not None else None
 
+    runs_without: dict[str, MemoryBudget] = {}  # (the default's decision and the effects share them)
+
     def without(technique: str) -> MemoryBudget:
         """The same run with ``technique`` off (its own effects pending), simulated once."""
-        if technique not in budget.without:
+        if technique not in runs_without:
             cfg = load_config(config)
             block = getattr(cfg.zeroplus, technique)
             block.enabled = False
             if hasattr(block, "by_default"):
                 block.by_default = False
-            budget.without[technique] = estimate(model, cfg, example_inputs=examples, example_kwargs=kw_examples,
-                                                 construction=construction, effects=effects, **common)
-        return budget.without[technique]
+            runs_without[technique] = estimate(model, cfg, example_inputs=examples, example_kwargs=kw_examples,
+                                               construction=construction, effects=effects, **common)
+        return runs_without[technique]
 
     peak = budget.steps_peak_bytes
     if _recompute_by_default(config, resolved_cfg) and not recompute_pays(budget.undropped_peak_bytes - peak, peak):
@@ -224,7 +225,6 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     return budget
 
 
-RECOMPUTE = "resize_recompute"
 # resize recompute left unset runs where it lowers the steps' predicted peak by at least this fraction
 RECOMPUTE_PAYS_FROM = 0.01
 
