@@ -22,10 +22,17 @@ import torch.nn.functional as F
 from torch import nn
 
 import zeroplus
+from zeroplus.kernels import cross_entropy_rows as rows_kernel
 
 pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
 
 VOCAB, D = 64, 16
+
+
+@pytest.fixture(autouse=True)
+def _small_blocks(monkeypatch):
+    """Blocks of 256 elements: these 16 x 64 logits span four, as a real LM's do (one block is left to torch)."""
+    monkeypatch.setattr(rows_kernel, "BLOCK_ELEMENTS", 256)
 
 
 class _Block(nn.Module):

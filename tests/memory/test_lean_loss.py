@@ -5,7 +5,9 @@ Training: a model whose forward ends in ``F.cross_entropy`` over its flattened l
 and every reduced gradient equal the run with the key off bit for bit, and the mode took one call per
 forward; a call it does not compute (label smoothing) runs as written and is not taken. Memory: the bytes
 created in the loss's backward are one logits' worth fewer (a dispatch mode over every storage), and the
-first forward's census counts the logits the loss keeps as saved even when the model returns them.
+first forward's census counts the logits the loss keeps as saved even when the model returns them. Logits that
+fit one block of rows are left to torch (the blocked loss would hold one logits' worth more in backward): the
+mode takes no call and stands aside after the first forward.
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from tests.dist_helper import rank_and_world, run_distributed
 from tests.hf_models import build
 from tests.models import make_batches
 from tests.saved_bytes import PeakOfNewStorages
-from zeroplus.kernels.cross_entropy_rows import block_rows
+from zeroplus.kernels import cross_entropy_rows as rows_kernel
+from zeroplus.kernels.cross_entropy_rows import block_rows, cross_entropy_rows
 
 VOCAB = 512
 
@@ -48,7 +51,12 @@ def _config(stage: int, dtype: str, lean: bool) -> dict:
             "zeroplus": {"log_level": "warning", "memory_estimate": False, "lean_cross_entropy": lean}}
 
 
-def _train(kind: str, stage: int, dtype: str, lean: bool) -> dict:
+SMALL_BLOCKS = 4096  # elements a block: these logits (48 x 512, 46 x 256) span several blocks, as a real LM's do
+CPU_BLOCKS = rows_kernel.BLOCK_ELEMENTS  # the kernel's own (2^19)
+
+
+def _train(kind: str, stage: int, dtype: str, lean: bool, block_elements: int = SMALL_BLOCKS) -> dict:
+    rows_kernel.BLOCK_ELEMENTS = block_elements  # (this worker process only)
     rank, world = rank_and_world()
     torch.manual_seed(0)
     model = build("llama", "tiny") if kind == "llama" else _Net(smoothing=0.1 if kind == "smoothing" else 0.0)
@@ -65,6 +73,7 @@ def _train(kind: str, stage: int, dtype: str, lean: bool) -> dict:
             out["grads"].append([(g.grad_full if stage == 0 else g.master_grad).clone() for g in groups])
         engine.step()
     out["taken"] = sum(m.taken for m in engine._activations.around)
+    out["idle"] = [m.idle for m in engine._activations.around]
     engine.destroy()
     return out
 
@@ -83,6 +92,35 @@ def test_training_with_the_lean_loss_is_bitwise_torchs(kind):
         for step, (a, b) in enumerate(zip(plain["grads"], lean["grads"])):
             for i, (ga, gb) in enumerate(zip(a, b)):
                 assert torch.equal(ga, gb), f"{where}: step {step} group {i} gradient differs"
+
+
+def _one_block(kind: str) -> tuple[dict, dict]:
+    return _train(kind, 0, "fp32", False), _train(kind, 0, "fp32", True, CPU_BLOCKS)
+
+
+@pytest.mark.parametrize("kind", ["net", "llama"])
+def test_logits_in_one_block_are_left_to_torch(kind):
+    """With the CPU's own blocks (2^19 elements) these logits are one block: the mode takes no call, and stands
+    aside from the second forward on (idle); the run is torch's."""
+    plain, lean = run_distributed(_one_block, 2, kind)[0]
+    assert (lean["taken"], lean["idle"]) == (0, [True]), lean
+    assert plain["losses"] == lean["losses"]
+    assert all(torch.equal(a, b) for x, y in zip(plain["grads"], lean["grads"]) for a, b in zip(x, y))
+
+
+def test_one_block_would_hold_one_logits_worth_more_in_backward():
+    """Why: the blocked loss's backward over a single block holds the logits' gradient beside the block's whole
+    log-softmax and its gradient, where torch's holds nll's gradient and log-softmax's (the logits and the kept
+    log-softmax are inputs, not counted)."""
+    logits = torch.randn(64, 512, requires_grad=True)  # 32768 elements: one CPU block
+    targets = torch.randint(0, 512, (64,))
+    created = {}
+    for name, loss_of in (("torch", F.cross_entropy), ("blocked", cross_entropy_rows)):
+        loss = loss_of(logits, targets)
+        with PeakOfNewStorages() as mode:
+            loss.backward()
+        created[name] = mode.peak
+    assert created["blocked"] - created["torch"] == 64 * 512 * 4, created
 
 
 class _ReturnsLogits(_Net):

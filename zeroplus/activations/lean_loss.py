@@ -6,7 +6,10 @@ backward and, in backward, makes two more of that size while it lives. While the
 with grad (``zeroplus.lean_cross_entropy``, on by default), a ``TorchFunctionMode`` hands each
 ``F.cross_entropy`` call that ``kernels/cross_entropy_rows.py`` computes (``supported``: floating
 ``(N, C)`` logits that need a gradient, class targets, no class weights or label smoothing) to
-``cross_entropy_rows``; every other call, and every call while TorchDynamo traces, runs as written.
+``cross_entropy_rows``; every other call, and every call while TorchDynamo traces, runs as written. So does a call
+whose logits fit one block of rows (``block_rows``: on the CPU, up to 2^19 elements): there the blocked loss would
+hold the logits, its gradient and a whole log-softmax and its gradient in backward, one logits' worth more than
+torch's, and gain nothing in forward (see note: lean loss in one block).
 
 Memory: at the loss's backward one logits' worth less, ``N C b`` bytes (32 MiB for 1024 tokens over a
 16384 vocabulary in bf16), against two blocks of rows' temporaries more; in forward the log-softmax is never
@@ -27,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..kernels.cross_entropy_rows import cross_entropy_rows, supported
+from ..kernels.cross_entropy_rows import block_rows, cross_entropy_rows, supported
 from .saved_tensors import storage_key
 
 _SIGNATURE = inspect.signature(F.cross_entropy)
@@ -62,7 +65,8 @@ class LeanCrossEntropy(TorchFunctionMode):
             call = dict(bound.arguments)
             logits, targets = call.pop("input"), call.pop("target")
             if (torch.is_grad_enabled() and isinstance(logits, torch.Tensor) and logits.requires_grad
-                    and supported(logits, targets, **call)):
+                    and supported(logits, targets, **call)
+                    and block_rows(logits.shape[1], logits.shape[0], logits.device) < logits.shape[0]):
                 self.taken += 1
                 self.kept.add(storage_key(logits))
                 return cross_entropy_rows(logits, targets, call["ignore_index"], call["reduction"])
