@@ -10,7 +10,8 @@ group for checkpoints, offload and the memory report. A group whose gradients we
 buffer after all (an embedding's rows, a tied weight's uses, a parameter with no gradient) steps the
 same way over views of that buffer. Extra memory: none (views), and one small step count per parameter; extra
 time: the views are made once and kept (``_Views``) while the master and the flat states are the same tensors
-at the same addresses, and each step copies the group's step count into them in one call.
+at the same addresses, and the group's step count is copied into them (one call) only when something other than
+this step wrote it (its version counter moved: a checkpoint, a user's reset).
 
 The gradient norm sums one fp32 norm per gradient (``torch._foreach_norm``, as ``clip_grad_norm_``)
 squared in float64: at one rank no sharding exists whose sum it would have to agree with.
@@ -116,12 +117,12 @@ class DirectStep:
                 options["params"] = saved[key]
             for g, views in firsts:
                 state, first = self.optimizer.state[g.master_param], self.optimizer.state[views[0]]
-                flat = _flat_states(state, g.master_param.numel())
-                for k, v in state.items():  # the rest (the step count): every view advanced its own copy alike
-                    if k in flat:
-                        continue
+                made = self._made[id(g)]
+                for k in made.scalars:  # the rest (the step count): every view advanced its own copy alike
+                    v = state[k]
                     if isinstance(v, torch.Tensor):
                         v.copy_(first[k])
+                        made.versions[k] = v._version  # (as the views hold it: ``sync`` has nothing to copy)
                     else:
                         state[k] = first[k]
                 for view in views:
@@ -161,17 +162,22 @@ class _Views:
             self.states.append({k: (flat[k][off:off + n].view(shape) if k in flat
                                     else v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()})
         self.scalars = [k for k in state if k not in flat]
+        # each scalar state tensor's version counter when the views last held its value (none yet: copied)
+        self.versions: dict[str, int] = {}
 
     def stands(self, master: torch.Tensor, state: dict[str, Any]) -> bool:
         """Whether the master and the states are still the tensors (and addresses) the views were made over."""
         return _identity(master, state) == self.key
 
     def sync(self, state: dict[str, Any]) -> None:
-        """Each view's scalar states set to the group's (a step count loaded or advanced elsewhere)."""
+        """Each view's scalar states set to the group's (a step count loaded or advanced elsewhere); a tensor not
+        written since the views took its value (its version counter unchanged) is not copied again."""
         for k in self.scalars:
             v = state[k]
             if isinstance(v, torch.Tensor):
-                torch._foreach_copy_([s[k] for s in self.states], [v] * len(self.states))
+                if self.versions.get(k) != v._version:
+                    torch._foreach_copy_([s[k] for s in self.states], [v] * len(self.states))
+                    self.versions[k] = v._version
             else:
                 for s in self.states:
                     s[k] = v

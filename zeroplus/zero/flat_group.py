@@ -407,9 +407,9 @@ class FlatParamGroup:
 
     def keep_all(self) -> bool:
         """``keep_grad`` of every ``.grad`` at once (then None) if each is keepable and none is held; else False."""
-        grads = [p.grad for p in self.params if p.grad is not None and self._keepable(p.grad)]
+        grads = [p.grad for p in self.params]
         if (not self.keeps_grads or self.grad_full is not None or self.master_grad is not None or self.per_use
-                or self._by_rows or self.holds_kept() or len(grads) < len(self.params)):
+                or self._by_rows or self.holds_kept() or not all(g is not None and self._keepable(g) for g in grads)):
             return False
         self.ledger.count_all(grads, Category.GRAD)
         for p in self.params:
@@ -417,9 +417,8 @@ class FlatParamGroup:
         self.kept[:], self._grads_seen = grads, self._grads_seen + len(grads)
         return True
 
-    def _keepable(self, grad: torch.Tensor) -> bool:
-        return (grad.is_contiguous() and grad.storage_offset() == 0 and grad.dtype == self.compute_dtype
-                and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size())
+    def _keepable(self, g: torch.Tensor) -> bool:  # contiguous, its storage's whole (so at offset 0)
+        return g.dtype == self.compute_dtype and g.is_contiguous() and g.untyped_storage().nbytes() == g.nbytes
 
     def kept_grads(self) -> list[torch.Tensor] | None:
         """Every parameter's kept gradient, when each parameter has one and they are all there is (no flat
