@@ -407,9 +407,9 @@ class FlatParamGroup:
 
     def keep_all(self) -> bool:
         """``keep_grad`` of every ``.grad`` at once (then None) if each is keepable and none is held; else False."""
-        grads = [p.grad for p in self.params]
+        grads = [g for g in (p.grad for p in self.params) if g is not None and self._keepable(g)]
         if (not self.keeps_grads or self.grad_full is not None or self.master_grad is not None or self.per_use
-                or self._by_rows or self.holds_kept() or not all(g is not None and self._keepable(g) for g in grads)):
+                or self._by_rows or self.holds_kept() or len(grads) < len(self.params)):
             return False
         self.ledger.count_all(grads, Category.GRAD)
         for p in self.params:
