@@ -102,6 +102,7 @@ def test_modes_enter_only_where_they_act(functional: bool, loss: str, depths: li
     assert net.depths == depths
     lean = engine._activations.around[0]
     assert lean.taken == taken and lean.idle == (taken == 0)
+    assert (engine._activations._tail == []) == (taken == 0)  # idle: the hook on the last block went too
     off, _, plain = _train(functional, loss, lean_cross_entropy=False, resize_recompute={"enabled": False})
     assert losses == off
     engine.destroy()

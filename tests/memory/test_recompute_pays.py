@@ -4,9 +4,9 @@ recompute where it pays).
 The estimate: with the key unset, the budget is the one with the technique off (``stood_down`` names it) where it
 takes nothing off the peak (GPT tiny at 2 x 16: the peak is the model states), and the one with it on where it
 takes enough (4 x 64 and more: activations). The engine, one rank: its first forward reads that choice, so the
-technique stands down before it records anything (no bytes dropped, no saved-tensor hooks, its config block says
-off), or stays on and drops its outputs; either way the losses equal the run with the key written out to match, bit
-for bit, and the run is measured against the budget it runs.
+technique stands down before it records anything (no bytes dropped, no saved-tensor hooks, no hook left on the
+blocks, its config block says off), or stays on and drops its outputs; either way the losses equal the run with the
+key written out to match, bit for bit, and the run is measured against the budget it runs.
 """
 from __future__ import annotations
 
@@ -65,7 +65,8 @@ def _train(micro: int, seq: int, recompute: dict) -> dict:
         losses.append(loss.item())
     block = engine.config.zeroplus.resize_recompute
     budget = engine.budget
-    return {"losses": losses, "dropped": dropped, "enabled": block.enabled,
+    hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in engine.module.modules())
+    return {"losses": losses, "dropped": dropped, "enabled": block.enabled, "hooks": hooks,
             "claimers": len(engine._activations.claimers),
             "stood_down": budget.stood_down if budget else None, "phases": budget.phases if budget else None}
 
@@ -76,6 +77,7 @@ def test_the_engine_runs_an_unset_recompute_as_its_budget_chose(shape):
     written = run_distributed(_train, 1, *shape, {"enabled": shape == LARGE})[0]
     assert unset["losses"] == written["losses"]  # bitwise: the same run
     assert unset["phases"] == written["phases"]  # measured against the budget it runs
+    assert unset["hooks"] == written["hooks"]  # stood down: its scope hooks on the blocks went with it
     if shape == SMALL:  # stood down at the first forward: nothing recorded, no hooks left
         assert (unset["enabled"], unset["stood_down"], unset["claimers"]) == (False, {RECOMPUTE: 0}, 0)
         assert unset["dropped"] == [0, 0, 0]

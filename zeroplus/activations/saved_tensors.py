@@ -138,6 +138,10 @@ class SavedTensorRouter:
                 for m in self.around:
                     m.idle = not m.taken
                 self._late_safe = self._taken_at_tail == taken  # (None: no tail, or it never ran)
+                if all(m.idle for m in self.around):  # no late mode to enter: the tail's hook goes
+                    for h in self._tail:
+                        h.remove()
+                    self._tail = []
 
     def _tail_ended(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         """The last scope module's forward ended: enter the late modes (once a forward), or note the calls taken."""
@@ -157,7 +161,10 @@ class SavedTensorRouter:
         for c in self.claimers:
             c.begin_forward()
         self.claimers = [c for c in self.claimers if not c.stood_down]  # (it removed its own hooks)
-        if not self.claimers:
+        if not self.claimers:  # every claimer stood down, before this forward ran: the scope hooks go too
+            for h in self._handles:
+                h.remove()
+            self._handles = []
             yield
             return
         try:
