@@ -116,6 +116,7 @@ def test_one_block_would_hold_one_logits_worth_more_in_backward():
     targets = torch.randint(0, 512, (64,))
     created = {}
     for name, loss_of in (("torch", F.cross_entropy), ("blocked", cross_entropy_rows)):
+        logits.grad = None  # (each backward makes its own gradient, none added into the last one's)
         loss = loss_of(logits, targets)
         with PeakOfNewStorages() as mode:
             loss.backward()
