@@ -100,6 +100,7 @@ class StateOffload:
                 self._resized(tensors)
                 self.held.append((tensors, host))
                 moved += host.numel()
+        self._kept_resized()
         return moved
 
     def reload(self, non_blocking: bool) -> int:
@@ -115,12 +116,17 @@ class StateOffload:
         if non_blocking and self.held:
             self.engine.accelerator.synchronize()
         self.held = []
+        self._kept_resized()
         return moved
 
     def _resized(self, tensors: list[torch.Tensor]) -> None:
         for t in tensors:
             if hasattr(t, "_zeroplus_ledger_key"):
                 self.engine.ledger.resized(t)
+
+    def _kept_resized(self) -> None:  # one rank's kept gradients: one ledger entry per group, no mark on each
+        for g in self.engine.partition.groups:
+            g.kept.resized()
 
     def refuse_if_offloaded(self, call: str) -> None:
         if self.held:

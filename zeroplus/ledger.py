@@ -73,7 +73,8 @@ class Ledger:
         self._section = _Section(self)
         self._bytes = {c: CategoryBytes() for c in Category}
         self._entries: dict[int, tuple[Category, int]] = {}
-        self._storage_of: dict[int, int] = {}  # entry key -> the storage's identity (``_cdata``)
+        # entry key -> its storage's identity (``_cdata``), or the storages themselves (``count_as_one``)
+        self._storage_of: dict[int, int | tuple[torch.UntypedStorage, ...]] = {}
         self.total = CategoryBytes()
         self.at_peak: dict[Category, int] = {}  # live bytes per category when the total last reached its peak
         self._next_id = 0
@@ -125,6 +126,31 @@ class Ledger:
                 self._add_held(key, category, storage.nbytes())
                 self._storage_of[key] = storage._cdata
                 tensor._zeroplus_ledger_key = key  # type: ignore[attr-defined]
+
+    def count_as_one(self, storages: list[torch.UntypedStorage], category: Category) -> int:
+        """Count ``storages`` under ``category`` as one entry until ``release_key`` of the key returned: no finalizer,
+        no mark on a tensor, and the entry holds the storages until then (``zero/kept_grads.py``: one rank's
+        gradients of a whole group, which the group holds as long)."""
+        with self._locked():
+            self._next_id += 1
+            key = self._next_id
+            self._add_held(key, category, sum(s.nbytes() for s in storages))
+            self._storage_of[key] = tuple(storages)
+        return key
+
+    def release_key(self, key: int) -> None:
+        """Stop counting the entry ``count_as_one`` returned."""
+        self._remove(key)
+
+    def recount(self, key: int) -> None:
+        """Count ``count_as_one``'s entry ``key`` at its storages' sizes now (``resized`` for such an entry)."""
+        with self._locked():
+            entry, storages = self._entries.get(key), self._storage_of.get(key)
+            if entry is None or not isinstance(storages, tuple):
+                raise AssertionError(f"recount() of ledger entry {key}: not a live count_as_one entry")
+            self._remove_held(key)
+            self._add_held(key, entry[0], sum(s.nbytes() for s in storages))
+            self._storage_of[key] = storages
 
     def track_new_states(self, states: dict[str, Any], category: Category) -> None:
         """Count the multi-element tensors among ``states`` the ledger does not count yet
@@ -219,7 +245,14 @@ class Ledger:
     def storage_keys(self) -> set[int]:
         """The identities (``_cdata``) of the storages counted now (the estimator's tracker asks)."""
         with self._locked():
-            return {self._storage_of[k] for k in self._entries if k in self._storage_of}
+            out: set[int] = set()
+            for k in self._entries:
+                ident = self._storage_of.get(k)
+                if isinstance(ident, tuple):
+                    out.update(s._cdata for s in ident)
+                elif ident is not None:
+                    out.add(ident)
+            return out
 
     def live_bytes(self, category: Category | None = None) -> int:
         return self.total.live_bytes if category is None else self._bytes[Category(category)].live_bytes

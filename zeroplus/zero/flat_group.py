@@ -54,6 +54,7 @@ from ..config import ZeroStage
 from ..ledger import Category, Ledger
 from ..offload.policies import MasterPolicy
 from . import init_shards
+from .kept_grads import KeptGrads
 from .master_store import FullMaster, MasterStore, SharedMaster
 from .param_status import ParamStatus, mark
 from .tiered_master import TieredMaster
@@ -190,7 +191,7 @@ class FlatParamGroup:
         # something needs the flat buffer (``_grad_buffer`` moves them in) or the step takes them as they are
         self.keeps_grads = (trainable and dp.size == 1 and expert_ranks is None
                             and self.layout is MasterLayout.FP32_ALIAS)
-        self.kept: list[torch.Tensor | None] = [None] * len(self.params)
+        self.kept = KeptGrads(len(self.params), compute_dtype, ledger)
         self._written: list[bool] = []  # which parameters' views of ``grad_full`` hold values (``_grad_view``)
         self.master_grad: torch.Tensor | None = None  # reduced gradient of the owned range (stages 1-3)
         self.pending: list[Handle] = []
@@ -389,43 +390,29 @@ class FlatParamGroup:
             self._grads_seen += 1
 
     def keep_grad(self, index: int, grad: torch.Tensor) -> bool:
-        """One rank (``keeps_grads``): hold autograd's gradient of parameter ``index`` as it is (ledger: ``grad``), or
+        """One rank (``keeps_grads``): hold autograd's gradient of parameter ``index`` as it is (``kept_grads.py``), or
         add a later one into it; False (nothing done) when it must go into the flat buffer instead: a flat buffer exists
         already, its uses send it (``per_use``), or it does not own its storage whole (a view would keep all of it)."""
         if (not self.keeps_grads or self.grad_full is not None or self.master_grad is not None
-                or index in self.per_use):
-            return False
-        kept = self.kept[index]
-        if kept is not None:
-            kept.add_(grad)
-        elif self._keepable(grad):
-            self.kept[index] = self.ledger.count(grad, Category.GRAD)  # released where ``kept`` lets it go
-        else:
+                or index in self.per_use or not self.kept.keep(index, grad)):
             return False
         self._grads_seen += 1
         return True
 
     def keep_all(self) -> bool:
         """``keep_grad`` of every ``.grad`` at once (then None) if each is keepable and none is held; else False."""
-        grads = [g for g in (p.grad for p in self.params) if g is not None and self._keepable(g)]
         if (not self.keeps_grads or self.grad_full is not None or self.master_grad is not None or self.per_use
-                or self._by_rows or self.holds_kept() or len(grads) < len(self.params)):
+                or self._by_rows or not self.kept.keep_all(self.params)):
             return False
-        self.ledger.count_all(grads, Category.GRAD)
-        for p in self.params:
-            p.grad = None
-        self.kept[:], self._grads_seen = grads, self._grads_seen + len(grads)
+        self._grads_seen += len(self.params)
         return True
-
-    def _keepable(self, g: torch.Tensor) -> bool:  # contiguous, its storage's whole (so at offset 0)
-        return g.dtype == self.compute_dtype and g.is_contiguous() and g.untyped_storage().nbytes() == g.nbytes
 
     def kept_grads(self) -> list[torch.Tensor] | None:
         """Every parameter's kept gradient, when each parameter has one and they are all there is (no flat
         buffer, no reduced gradient); else None."""
-        if self.grad_full is not None or self.master_grad is not None or any(t is None for t in self.kept):
+        if self.grad_full is not None or self.master_grad is not None:
             return None
-        return [t for t in self.kept if t is not None]
+        return self.kept.whole()
 
     def grad_of(self, index: int) -> torch.Tensor | None:
         """Parameter ``index``'s gradient as this rank holds it now, in its shape: kept (one rank), its view of the
@@ -438,7 +425,7 @@ class FlatParamGroup:
         return None if flat is None else flat[off:off + n].view(self.shapes[index])
 
     def holds_kept(self) -> bool:
-        return any(t is not None for t in self.kept)
+        return self.kept.holds()
 
     def settle_kept(self) -> None:
         """The kept gradients go into the flat buffer (zeros where a parameter has none), and at stages 1-3 into
@@ -488,13 +475,8 @@ class FlatParamGroup:
             self.grad_full = self.ledger.empty(self.padded_numel, self.compute_dtype, Category.GRAD, self.device)
             self.grad_full[self.numel:].zero_()
             self._written = [False] * len(self.params)
-            kept, self.kept = self.kept, [None] * len(self.params)
-            for index, grad in enumerate(kept):  # gradients kept so far (one rank) move in, each freed after
-                if grad is not None:
-                    self._grad_view(index).copy_(grad)
-                    self._written[index] = True
-                    self.ledger.release(grad)
-                    kept[index] = None
+            for index in self.kept.move_into(self._grad_view):  # gradients kept so far (one rank) move in
+                self._written[index] = True
         return self.grad_full
 
     def ensure_grad_full(self) -> torch.Tensor:
@@ -544,8 +526,7 @@ class FlatParamGroup:
 
     def free_grads(self) -> None:
         self.grad_full = None
-        self.ledger.release_all(self.kept)
-        self.kept = [None] * len(self.params)
+        self.kept.drop()
         self.master_grad = None
         self.master_param.grad = None
         self._grads_seen = 0

@@ -1,0 +1,110 @@
+"""One rank's kept gradients: autograd's own gradient tensors, held as they are for a flat group.
+
+At world size 1 in fp32 nothing is reduced (``FlatParamGroup.keeps_grads``), so a group's flat gradient buffer
+would only be a copy. ``KeptGrads`` holds each parameter's gradient tensor as autograd made it, adds a later
+micro-batch's into it in place, and counts them in the ledger as ``grad``: the c * P bytes the flat buffer would
+hold, with no copy. A gradient is kept only if it owns its storage whole (the compute dtype, contiguous, the
+storage no larger than it, so at offset 0): a view would hold the rest of its storage uncounted.
+
+Ledger entries: the gradients ``keep_all`` takes when the backward ends (every one of the group's: the usual
+case) are one entry for the group, since an entry per gradient cost about 1.5 us each way, for a hundred or
+more gradients a step. A gradient kept alone (``keep``, from a gradient hook) is an entry of its own.
+``move_into`` hands them to a flat buffer when one is made after all; ``drop`` lets them go after the step.
+See note: one-rank gradients (docs/design-notes.md).
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+
+from ..ledger import Category, Ledger
+
+
+class KeptGrads:
+    """The kept gradient of each of a group's parameters (None where none is kept), in parameter order."""
+
+    def __init__(self, count: int, dtype: torch.dtype, ledger: Ledger) -> None:
+        self.tensors: list[torch.Tensor | None] = [None] * count
+        self._dtype = dtype
+        self._ledger = ledger
+        self._entry: int | None = None  # the ledger entry of what ``keep_all`` took (None: an entry each)
+
+    def __iter__(self) -> Iterator[torch.Tensor | None]:
+        return iter(self.tensors)
+
+    def __getitem__(self, index: int) -> torch.Tensor | None:
+        return self.tensors[index]
+
+    def holds(self) -> bool:
+        return any(t is not None for t in self.tensors)
+
+    def whole(self) -> list[torch.Tensor] | None:
+        """Every parameter's kept gradient, or None if one has none."""
+        return None if any(t is None for t in self.tensors) else list(self.tensors)  # type: ignore[arg-type]
+
+    def keep(self, index: int, grad: torch.Tensor) -> bool:
+        """Keep ``grad`` as parameter ``index``'s (a ledger entry of its own), or add it into the one kept; False
+        (nothing done) if none is kept and ``grad`` does not own its storage whole."""
+        kept = self.tensors[index]
+        if kept is not None:
+            kept.add_(grad)
+        elif self._whole_storage(grad) is not None:
+            self.tensors[index] = self._ledger.count(grad, Category.GRAD)
+        else:
+            return False
+        return True
+
+    def keep_all(self, params: list[torch.nn.Parameter]) -> bool:
+        """Keep every one of ``params``' ``.grad`` (then None), counted as one ledger entry, if each exists and owns
+        its storage whole and none is kept yet; else False, nothing changed."""
+        if self.holds():
+            return False
+        grads, storages = [p.grad for p in params], []
+        for g in grads:  # (one pass, each storage asked once: this runs for every group in every backward)
+            storage = None if g is None else self._whole_storage(g)
+            if storage is None:
+                return False
+            storages.append(storage)
+        self._entry = self._ledger.count_as_one(storages, Category.GRAD)
+        for p in params:
+            p.grad = None
+        self.tensors = grads  # type: ignore[assignment]
+        return True
+
+    def move_into(self, view_of: Callable[[int], torch.Tensor]) -> list[int]:
+        """Copy each kept gradient into ``view_of(index)`` and let it go, the ledger's count too (each once copied,
+        ``keep_all``'s entry once all are); the indices copied."""
+        moved = []
+        for index, grad in enumerate(self.tensors):
+            if grad is not None:
+                view_of(index).copy_(grad)
+                self._ledger.release(grad)
+                self.tensors[index] = None
+                moved.append(index)
+        self._release_entry()
+        return moved
+
+    def drop(self) -> None:
+        """Let every kept gradient go, and the ledger's count of them."""
+        if not self._release_entry():
+            self._ledger.release_all(self.tensors)
+        self.tensors = [None] * len(self.tensors)
+
+    def resized(self) -> None:
+        """Their storages were resized (``offload_states``): the ledger counts them at their sizes now."""
+        if self._entry is not None:
+            self._ledger.recount(self._entry)
+
+    def _release_entry(self) -> bool:
+        key, self._entry = self._entry, None
+        if key is not None:
+            self._ledger.release_key(key)
+        return key is not None
+
+    def _whole_storage(self, g: torch.Tensor) -> torch.UntypedStorage | None:
+        """``g``'s storage if ``g`` may be kept: the compute dtype, contiguous, and its storage's whole."""
+        if g.dtype != self._dtype or not g.is_contiguous():
+            return None
+        storage = g.untyped_storage()
+        return storage if storage.nbytes() == g.nbytes else None
