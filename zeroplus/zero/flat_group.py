@@ -285,9 +285,18 @@ class FlatParamGroup:
         self._dense_pending += 1
 
     def dense_use_arrived(self, index: int, grad: torch.Tensor) -> None:
-        """A holder's use of parameter ``index`` delivered ``grad``: added in, one fewer to wait for."""
-        self.accumulate_grad(index, grad)
+        """A holder's use of parameter ``index`` delivered ``grad``: added in (kept as it is, one rank at stages 0-1:
+        ``_keeps_uses``), one fewer to wait for."""
+        if not (self._keeps_uses() and self.kept.keep(index, grad)):
+            self.accumulate_grad(index, grad)
         self._dense_pending -= 1
+
+    def _keeps_uses(self) -> bool:
+        """One rank, uses not reduced early (``ZeroPartition.early_per_use``), no flat gradient yet: a per-use
+        parameter's dense uses and rows go into its kept gradient (``kept_grads.py``), as they would into its view of
+        the flat buffer, which nothing else needs then (see note: one-rank tied uses)."""
+        early = self.owner.early_per_use if self.owner is not None else self.stage.shards_gradients
+        return self.keeps_grads and not early and self.grad_full is None and self.master_grad is None
 
     def keep_rows(self, index: int, ids: torch.Tensor, sums: torch.Tensor, tokens: int) -> None:
         """Stages 2-3: an embedding's per-token sums for parameter ``index``, kept for the sparse reduction."""
@@ -455,7 +464,11 @@ class FlatParamGroup:
 
     def add_rows(self, index: int, rows: torch.Tensor, values: torch.Tensor) -> None:
         """Add ``values[k]`` into row ``rows[k]`` of a 2-D parameter's gradient (distinct rows: an
-        embedding's tokens, ``use_grads.py``)."""
+        embedding's tokens, ``use_grads.py``): into its kept gradient if it has one (``_keeps_uses``)."""
+        kept = self.kept[index] if self._keeps_uses() else None
+        if kept is not None:
+            kept.index_add_(0, rows, values)
+            return
         view = self._grad_view(index)
         if not self._written[index]:
             view.zero_()
@@ -541,8 +554,9 @@ class FlatParamGroup:
         """Write the stepped master into the compute-dtype parameters; start the all-gather (1, 2)."""
         if self.stage.shards_parameters or self.shard is None:
             return None  # stage 3: the next gather reads the master (stages 1-2 always hold a shard)
-        with torch.no_grad():
-            self.master_store.to_compute(self.shard)
+        if self.layout is not MasterLayout.FP32_ALIAS:  # (an alias: the shard is the master, nothing to write)
+            with torch.no_grad():
+                self.master_store.to_compute(self.shard)
         if self.stage.gathers_after_step:
             return self.dp.all_gather(self._full_data, self.shard)
         return None

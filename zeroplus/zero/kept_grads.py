@@ -10,7 +10,8 @@ Ledger entries: the gradients ``keep_all`` takes when the backward ends (every o
 case) are one entry for the group, since an entry per gradient cost about 1.5 us each way, for a hundred or
 more gradients a step. A gradient kept alone (``keep``, from a gradient hook) is an entry of its own.
 ``move_into`` hands them to a flat buffer when one is made after all; ``drop`` lets them go after the step.
-See note: one-rank gradients (docs/design-notes.md).
+A tied weight's uses are kept here too (its head's gradient as made, the embedding's rows added into it).
+See note: one-rank gradients; see note: one-rank tied uses (docs/design-notes.md).
 """
 from __future__ import annotations
 

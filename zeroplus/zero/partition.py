@@ -165,6 +165,7 @@ class ZeroPartition:
             self.units.append(unit)
         self.root = self.units[-1]
         self.groups: list[FlatParamGroup] = [g for u in self.units for g in u.groups]
+        self._all_keep = bool(self.groups) and all(g.keeps_grads for g in self.groups)  # one rank (early_per_use)
         self.frozen: list[FlatParamGroup] = [g for u in self.units for g in u.frozen]  # stage 3 (units.py)
         flat = {id(p) for g in self.groups + self.frozen for p in g.params}
         mark([p for p in model.parameters() if id(p) not in flat], ParamStatus.AVAILABLE)  # never partitioned
@@ -274,7 +275,7 @@ class ZeroPartition:
                    for _, _, params in assigned]
         root = trained[-1]
         per_use = routed(model, set().union(*trained), root)
-        return per_use, (per_use & root if self.early_per_use else set())
+        return per_use, (per_use & root if self.stage.shards_gradients else set())
 
     def _embeddings_kept_whole(self, model: torch.nn.Module) -> set[int]:
         """One rank (see note: one-rank hooks): the untied parameters of groups that keep autograd's gradients, taken
@@ -286,8 +287,10 @@ class ZeroPartition:
 
     @property
     def early_per_use(self) -> bool:
-        """Stages 2-3: per-use groups are reduced early and embeddings' rows sparsely."""
-        return self.stage.shards_gradients
+        """Stages 2-3: per-use groups are reduced early and embeddings' rows sparsely. Not at one rank where every group
+        keeps autograd's gradients: nothing is reduced, and a per-use parameter's uses go into its kept gradient as
+        at stages 0-1 (``FlatParamGroup.keeps_uses``; see note: one-rank hooks)."""
+        return self.stage.shards_gradients and not self._all_keep
 
     @property
     def reduce_this_backward(self) -> bool:
