@@ -178,3 +178,25 @@ def test_one_rank_takes_gradients_without_hooks_and_keeps_an_untied_embeddings_o
         opt.step()
         opt.zero_grad(set_to_none=True)
     _assert_plain(engine, plain, f"stage {stage}, an untied embedding")
+
+
+def test_one_rank_kept_gradients_offloaded_leave_the_ledger_and_come_back_bitwise() -> None:
+    """``offload_states(include=["lp_grads"])`` between backward and step moves one rank's kept gradients off and
+    back: the ledger's ``grad`` reads 0 while they are off (a group's kept gradients are one entry, counted again at
+    the storages' sizes: see note: one-rank tied uses), the kept bytes once they are back, and the values return."""
+    torch.manual_seed(0)
+    engine = zeroplus.initialize(ParityNet(), _config(1, "AdamW", 1))
+    x, y = make_batches(1, 2)[0]
+    engine.backward(engine(x, y))
+    held = engine.ledger.live_bytes(Category.GRAD)
+    before = [t.clone() for g in engine.partition.groups for t in g.kept if t is not None]
+    assert held == 4 * sum(t.numel() for t in before) > 0
+    engine.offload_states(include=["lp_grads"])
+    assert engine.ledger.live_bytes(Category.GRAD) == 0
+    engine.reload_states()
+    assert engine.ledger.live_bytes(Category.GRAD) == held
+    after = [t for g in engine.partition.groups for t in g.kept if t is not None]
+    assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))
+    engine.step()
+    assert engine.ledger.live_bytes(Category.GRAD) == 0
+    engine.destroy()
