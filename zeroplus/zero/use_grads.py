@@ -27,6 +27,10 @@ differently: equal within 16-bit rounding, not bitwise. In fp32, bitwise equal t
 accumulation when the buffer starts at zero; with micro-batches accumulated in the
 buffer, ``(acc + g1) + g2`` instead of ``acc + (g1 + g2)``: within one rounding per use.
 
+At one rank in fp32 (every group keeping autograd's gradients, ``kept_grads.py``) the sinks add into the
+parameter's kept gradient instead of a flat buffer: the first dense use's gradient is kept as it came, the rest
+and the rows are added into it, the same sums (see note: one-rank tied uses).
+
 A group holding such a parameter cannot count its gradients to know when they are all in (a
 module may run any number of times): it is reduced when the backward ends (``partition.py``),
 which for the root unit is when its last gradient arrives anyway. Uses outside a holding module
