@@ -285,7 +285,7 @@ class FlatParamGroup:
         self._dense_pending += 1
 
     def dense_use_arrived(self, index: int, grad: torch.Tensor) -> None:
-        """A holder's use of parameter ``index`` delivered ``grad``: added in (kept as it is, one rank at stages 0-1:
+        """A holder's use of parameter ``index`` delivered ``grad``: added in (kept as it is at one rank in fp32:
         ``_keeps_uses``), one fewer to wait for."""
         if not (self._keeps_uses() and self.kept.keep(index, grad)):
             self.accumulate_grad(index, grad)

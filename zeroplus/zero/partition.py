@@ -289,7 +289,7 @@ class ZeroPartition:
     def early_per_use(self) -> bool:
         """Stages 2-3: per-use groups are reduced early and embeddings' rows sparsely. Not at one rank where every group
         keeps autograd's gradients: nothing is reduced, and a per-use parameter's uses go into its kept gradient as
-        at stages 0-1 (``FlatParamGroup.keeps_uses``; see note: one-rank hooks)."""
+        at stages 0-1 (``FlatParamGroup._keeps_uses``; see note: one-rank tied uses)."""
         return self.stage.shards_gradients and not self._all_keep
 
     @property
