@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import zeroplus
 from tests.models import ParityNet, SmallHeadNet, make_batches
@@ -199,4 +200,55 @@ def test_one_rank_kept_gradients_offloaded_leave_the_ledger_and_come_back_bitwis
     assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))
     engine.step()
     assert engine.ledger.live_bytes(Category.GRAD) == 0
+    engine.destroy()
+
+
+class _Ops(TorchDispatchMode):
+    """The aten operators run under it, by name (``_fused_adamw_`` with whether it was given a ``grad_scale``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        self.names.append(name + ("(grad_scale)" if kwargs.get("grad_scale") is not None else ""))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_one_rank_binding_clip_is_applied_inside_the_fused_step(stage: int, fused: bool) -> None:
+    """A binding clip (see note: clip inside the fused step): with torch's fused AdamW the step divides each gradient
+    by ``1 / coef`` in its kernel, with no pass of its own over the gradients (no ``_foreach_mul_``) and no
+    ``grad_scale`` left on the optimizer; without the fused kernel the gradients are multiplied first. Either way
+    the weights are the plain module's (``clip_grad_norm_`` + AdamW) within the stated tolerance (coefficients that
+    differ by an ulp: 1e-5 relative after four steps)."""
+    torch.manual_seed(0)
+    net = ParityNet()
+    plain = copy.deepcopy(net)
+    config = _config(stage, "AdamW", 1) | {"gradient_clipping": 0.01}
+    config["zeroplus"] |= {"fused_optimizer": fused}
+    engine = zeroplus.initialize(net, config)
+    trained = [p for p in plain.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=LR, weight_decay=0.01, fused=True)
+    for x, y in make_batches(4, 2):
+        engine.backward(engine(x, y))
+        with _Ops() as ops:
+            engine.step()
+        assert engine.get_global_grad_norm() > 0.01  # (the clip binds)
+        assert not hasattr(engine.optimizer, "grad_scale")
+        if fused:
+            assert "_foreach_mul_" not in ops.names and "_fused_adamw_(grad_scale)" in ops.names, ops.names
+        else:
+            assert "_foreach_mul_" in ops.names and not any(n.startswith("_fused_adamw_") for n in ops.names)
+        plain(x, y).backward()
+        torch.nn.utils.clip_grad_norm_(trained, 0.01)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    state = engine.consolidated_fp32_state()
+    for n, p in plain.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(state[n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)
     engine.destroy()

@@ -22,6 +22,9 @@ per parameter makes one rank's update the plain module's bit for bit (same gradi
 same tensors) when clipping does not bind; a binding clip scales by a coefficient computed in float64 here
 and in fp32 by ``clip_grad_norm_`` (1e-7 relative).
 
+A binding clip (or a loss scale) is applied inside the fused Adam kernel where it can be (``kernel_scale.py``):
+no pass of its own over the gradients.
+
 When it applies (``DirectStep.grads``): torch's elementwise optimizers only (``ELEMENTWISE``: one element's
 update reads only that element, so a slice steps as the flat tensor would); the group's states exist before the
 step (Adam and AdamW's are made here as torch makes them, zeros and a step count; SGD with momentum makes
@@ -30,12 +33,14 @@ offloaded states. See note: one-rank gradients (docs/design-notes.md).
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 
 from ..ledger import Category, Ledger
 from .flat_group import FlatParamGroup
+from .kernel_scale import divided_in_kernel, scales_in_kernel
 
 ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
 
@@ -98,7 +103,8 @@ class DirectStep:
         step count advanced once."""
         if not work:
             return
-        if coef != 1.0:
+        in_kernel = scales_in_kernel(self.optimizer, coef)
+        if coef != 1.0 and not in_kernel:
             torch._foreach_mul_([t for _, grads in work for t in grads], coef)
         swapped: dict[int, tuple[dict[str, Any], list[torch.Tensor]]] = {}  # id(param group) -> (it, its views)
         firsts = []
@@ -111,7 +117,8 @@ class DirectStep:
         try:
             for options, views in swapped.values():  # groups with no direct work keep masters with no gradient:
                 options["params"] = views  # torch skips them
-            self.optimizer.step()
+            with divided_in_kernel(self.optimizer, coef, work[0][1][0].device) if in_kernel else nullcontext():
+                self.optimizer.step()
         finally:
             for key, (options, _) in swapped.items():
                 options["params"] = saved[key]

@@ -1,0 +1,38 @@
+"""The step's gradient coefficient applied inside torch's fused Adam kernel instead of a pass of its own.
+
+Every step multiplies the gradients by one coefficient first (``sharded_step.py``: ``1 / loss_scale``, ``1 / N``
+at stage 0, a binding clip's ``clip / norm``), a pass over them that reads and writes ``2 * c * n`` bytes for
+``n`` elements (the plain module's ``clip_grad_norm_`` pays the same, ``_foreach_mul_``). torch's fused Adam and
+AdamW take a ``grad_scale`` (``torch.amp.GradScaler`` hands them the loss scale that way) and divide each
+gradient by it inside the step's own kernel, which writes it back divided: setting it to ``1 / coef`` for the
+one ``step()`` call leaves no separate pass. Memory: a 0-d fp32 tensor. Values: ``g / (1 / coef)`` instead of
+``g * coef``, within an ulp or two of the gradient; where the step is bit for bit the plain module's (one rank,
+no binding clip) the coefficient is 1 and nothing is set. Only where every param group of the optimizer is
+fused (torch refuses ``grad_scale`` on its other kernels, even for a group with no gradient) and nobody else set
+a ``grad_scale`` or ``found_inf``. See note: clip inside the fused step (docs/design-notes.md).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+
+def scales_in_kernel(optimizer: torch.optim.Optimizer, coef: float) -> bool:
+    """Whether ``optimizer.step()`` can apply ``coef`` (not 1) inside its kernel: torch's Adam or AdamW, fused in
+    every param group, with no ``grad_scale`` or ``found_inf`` of anyone else's."""
+    return (coef != 1.0 and type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+            and all(pg.get("fused") for pg in optimizer.param_groups)
+            and getattr(optimizer, "grad_scale", None) is None and getattr(optimizer, "found_inf", None) is None)
+
+
+@contextlib.contextmanager
+def divided_in_kernel(optimizer: torch.optim.Optimizer, coef: float, device: torch.device) -> Iterator[None]:
+    """Around the ``step()`` calls that apply ``coef`` in the kernel (``scales_in_kernel`` said so): the optimizer's
+    ``grad_scale`` is ``1 / coef`` on ``device``, and gone afterwards."""
+    optimizer.grad_scale = torch.full((), 1.0 / coef, dtype=torch.float32, device=device)  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        del optimizer.grad_scale  # type: ignore[attr-defined]
