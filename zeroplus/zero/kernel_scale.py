@@ -1,8 +1,11 @@
-"""The step's gradient coefficient applied inside torch's fused Adam kernel instead of a pass of its own.
+"""One rank's gradient coefficient applied inside torch's fused Adam kernel instead of a pass of its own.
 
 Every step multiplies the gradients by one coefficient first (``sharded_step.py``: ``1 / loss_scale``, ``1 / N``
 at stage 0, a binding clip's ``clip / norm``), a pass over them that reads and writes ``2 * c * n`` bytes for
-``n`` elements (the plain module's ``clip_grad_norm_`` pays the same, ``_foreach_mul_``). torch's fused Adam and
+``n`` elements (the plain module's ``clip_grad_norm_`` pays the same, ``_foreach_mul_``). Used by the one-rank
+step over autograd's own gradients (``direct_step.py``) only: the flat step keeps its ``mul_``, because the
+chunked, tiered and virtual-host steps multiply too and each is held bit for bit to the flat one (shared-storage
+masters, offloaded states and parameters: ``tests/memory``, ``tests/offload``). torch's fused Adam and
 AdamW take a ``grad_scale`` (``torch.amp.GradScaler`` hands them the loss scale that way) and divide each
 gradient by it inside the step's own kernel, which writes it back divided: setting it to ``1 / coef`` for the
 one ``step()`` call leaves no separate pass. Memory: a 0-d fp32 tensor. Values: ``g / (1 / coef)`` instead of

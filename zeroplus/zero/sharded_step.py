@@ -8,8 +8,8 @@
    stage 0 their full gradients are summed over the expert group (other ranks, other experts) first.
    A non-finite norm is an overflow on every rank at once: the step is skipped.
 2. One coefficient per step: ``1 / (N at stage 0) / loss_scale * min(1, clip / (norm + 1e-6))``
-   (torch's ``clip_grad_norm_`` rule, applied to unscaled gradients); torch's fused Adam divides by its
-   inverse inside the step's kernel, with no pass of its own (``kernel_scale.py``).
+   (torch's ``clip_grad_norm_`` rule, applied to unscaled gradients). At one rank, torch's fused Adam
+   divides by its inverse inside the step's kernel, with no pass of its own (``kernel_scale.py``).
 3. The step runs flat group by flat group: only one group's fp32 gradient exists at a time at
    stage 0 (built from the low-precision flat gradient), and the optimizer's temporaries are
    bounded by one group (none with torch's fused kernels).
@@ -22,7 +22,6 @@ See note: gradient norm (docs/design-notes.md).
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -36,7 +35,6 @@ from ..offload.virtual_host import VirtualStates
 from .chunked_step import ChunkedStep
 from .direct_step import DirectStep, squared_norm
 from .flat_group import FlatParamGroup
-from .kernel_scale import divided_in_kernel, scales_in_kernel
 from .master_store import FullMaster
 from .partition import ZeroPartition
 
@@ -229,10 +227,8 @@ class ShardedStep:
             if g.master_store.shared or g.master_store.tiered:
                 self.chunked.step(g, self._master_grad(g, coef))
                 continue
-            in_kernel = scales_in_kernel(self.optimizer, coef)  # (no pass of its own: kernel_scale.py)
-            g.master_param.grad = self._master_grad(g, 1.0 if in_kernel else coef)
-            with divided_in_kernel(self.optimizer, coef, g.device) if in_kernel else nullcontext():
-                self.optimizer.step()
+            g.master_param.grad = self._master_grad(g, coef)  # (multiplied here: what the chunked, tiered and
+            self.optimizer.step()  # virtual steps do, so each matches this one bit for bit; see kernel_scale.py)
             g.master_param.grad = None
             self.ledger.track_new_states(self.optimizer.state.get(g.master_param, {}), Category.OPTIM_STATE)
         return True
