@@ -8,8 +8,9 @@
    stage 0 their full gradients are summed over the expert group (other ranks, other experts) first.
    A non-finite norm is an overflow on every rank at once: the step is skipped.
 2. One coefficient per step: ``1 / (N at stage 0) / loss_scale * min(1, clip / (norm + 1e-6))``
-   (torch's ``clip_grad_norm_`` rule, applied to unscaled gradients). At one rank, torch's fused Adam
-   divides by its inverse inside the step's kernel, with no pass of its own (``kernel_scale.py``).
+   (torch's ``clip_grad_norm_`` rule, applied to unscaled gradients). With torch's fused Adam the step's
+   kernel divides by its inverse, with no pass of its own (``kernel_scale.py``): the direct, flat, chunked
+   and tiered steps alike, so each stays bit for bit the others; virtual host memory multiplies.
 3. The step runs flat group by flat group: only one group's fp32 gradient exists at a time at
    stage 0 (built from the low-precision flat gradient), and the optimizer's temporaries are
    bounded by one group (none with torch's fused kernels).
@@ -22,6 +23,7 @@ See note: gradient norm (docs/design-notes.md).
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -35,6 +37,7 @@ from ..offload.virtual_host import VirtualStates
 from .chunked_step import ChunkedStep
 from .direct_step import DirectStep, squared_norm
 from .flat_group import FlatParamGroup
+from .kernel_scale import divided_in_kernel, scales_in_kernel
 from .master_store import FullMaster
 from .partition import ZeroPartition
 
@@ -214,24 +217,27 @@ class ShardedStep:
         if self.clip > 0:
             coef *= min(1.0, self.clip / (norm + 1e-6))
         self.direct.step([(g, direct[id(g)]) for g in self.partition.groups if id(g) in direct], coef)
-        for g in self.partition.groups:
-            if id(g) in direct:
-                continue
-            if id(g) in self.virtual:
-                self.virtual[id(g)].step(_whole_master(g), self._master_grad(g, coef),
-                                         self._options[id(g.master_param)])
-                continue
-            if id(g) in self.chunked.tiered:
-                self.chunked.step_tiered(g, self._master_grad(g, coef))
-                continue
-            if g.master_store.shared or g.master_store.tiered:
-                self.chunked.step(g, self._master_grad(g, coef))
-                continue
-            g.master_param.grad = self._master_grad(g, coef)  # (multiplied here: what the chunked, tiered and
-            self.optimizer.step()  # virtual steps do, so each matches this one bit for bit; see kernel_scale.py)
+        rest = [g for g in self.partition.groups if id(g) not in direct]
+        in_kernel = bool(rest) and scales_in_kernel(self.optimizer, coef)  # the flat, chunked and tiered steps alike
+        with divided_in_kernel(self.optimizer, coef, rest[0].device) if in_kernel else nullcontext():
+            for g in rest:
+                self._step_group(g, coef, 1.0 if in_kernel else coef)
+        return True
+
+    def _step_group(self, g: FlatParamGroup, coef: float, multiply: float) -> None:
+        """One flat group's step: its gradient multiplied by ``multiply`` first (1 where the optimizer's fused kernel
+        divides by ``1 / coef`` itself), except on virtual host memory, whose kernel is not torch's (``coef``)."""
+        if id(g) in self.virtual:
+            self.virtual[id(g)].step(_whole_master(g), self._master_grad(g, coef), self._options[id(g.master_param)])
+        elif id(g) in self.chunked.tiered:
+            self.chunked.step_tiered(g, self._master_grad(g, multiply))
+        elif g.master_store.shared or g.master_store.tiered:
+            self.chunked.step(g, self._master_grad(g, multiply))
+        else:
+            g.master_param.grad = self._master_grad(g, multiply)
+            self.optimizer.step()
             g.master_param.grad = None
             self.ledger.track_new_states(self.optimizer.state.get(g.master_param, {}), Category.OPTIM_STATE)
-        return True
 
     def state_of(self, g: FlatParamGroup) -> dict[str, Any]:
         """The optimizer state of ``g``'s owned range, full size (read from the tier if offloaded)."""
