@@ -1,14 +1,14 @@
-"""One rank's gradient coefficient applied inside torch's fused Adam kernel instead of a pass of its own.
+"""The step's gradient coefficient applied inside torch's fused Adam kernel instead of a pass of its own.
 
 Every step multiplies the gradients by one coefficient first (``sharded_step.py``: ``1 / loss_scale``, ``1 / N``
 at stage 0, a binding clip's ``clip / norm``), a pass over them that reads and writes ``2 * c * n`` bytes for
-``n`` elements (the plain module's ``clip_grad_norm_`` pays the same, ``_foreach_mul_``). Used by the one-rank
-step over autograd's own gradients (``direct_step.py``) only: the flat step keeps its ``mul_``, because the
-chunked, tiered and virtual-host steps multiply too and each is held bit for bit to the flat one (shared-storage
-masters, offloaded states and parameters: ``tests/memory``, ``tests/offload``). torch's fused Adam and
+``n`` elements (the plain module's ``clip_grad_norm_`` pays the same, ``_foreach_mul_``). torch's fused Adam and
 AdamW take a ``grad_scale`` (``torch.amp.GradScaler`` hands them the loss scale that way) and divide each
 gradient by it inside the step's own kernel, which writes it back divided: setting it to ``1 / coef`` for the
-one ``step()`` call leaves no separate pass. Memory: a 0-d fp32 tensor. Values: ``g / (1 / coef)`` instead of
+one ``step()`` call (or the several of a chunked step) leaves no separate pass. Used by every step that runs
+torch's optimizer (one rank's ``direct_step.py``; the flat, chunked and tiered steps), so each stays bit for bit
+the others, as the shared-master and offload tests hold them; virtual host memory's kernel is not torch's and
+multiplies first (within its stated 1e-5). Memory: a 0-d fp32 tensor. Values: ``g / (1 / coef)`` instead of
 ``g * coef``, within an ulp or two of the gradient; where the step is bit for bit the plain module's (one rank,
 no binding clip) the coefficient is 1 and nothing is set. Only where every param group of the optimizer is
 fused (torch refuses ``grad_scale`` on its other kernels, even for a group with no gradient) and nobody else set
