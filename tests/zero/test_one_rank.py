@@ -252,3 +252,25 @@ def test_one_rank_binding_clip_is_applied_inside_the_fused_step(stage: int, fuse
         if p.requires_grad:
             torch.testing.assert_close(state[n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)
     engine.destroy()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_flat_step_takes_the_clip_inside_the_fused_kernel(fused: bool) -> None:
+    """The flat step (bf16 here: one rank's gradients go through the flat buffer) applies a binding clip inside torch's
+    fused AdamW too (see note: clip inside the fused step): no ``mul_`` of the fp32 gradient, the scale handed to the
+    kernel, nothing left on the optimizer; without the fused kernel the gradient is multiplied first."""
+    torch.manual_seed(0)
+    config = _config(1, "AdamW", 1) | {"gradient_clipping": 0.01, "bf16": {"enabled": True}}
+    config["zeroplus"] |= {"fused_optimizer": fused}
+    engine = zeroplus.initialize(ParityNet(), config)
+    assert not any(g.keeps_grads for g in engine.partition.groups)  # (the flat step, not the direct one)
+    for x, y in make_batches(2, 2):
+        engine.backward(engine(x, y))
+        with _Ops() as ops:
+            engine.step()
+        assert engine.get_global_grad_norm() > 0.01 and not hasattr(engine.optimizer, "grad_scale")
+        if fused:
+            assert "mul_" not in ops.names and "_fused_adamw_(grad_scale)" in ops.names, ops.names
+        else:
+            assert "mul_" in ops.names or "_foreach_mul_" in ops.names, ops.names
+    engine.destroy()
