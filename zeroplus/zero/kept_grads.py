@@ -15,7 +15,7 @@ See note: one-rank gradients; see note: one-rank tied uses (docs/design-notes.md
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator, cast
+from typing import Callable, Iterator
 
 import torch
 
@@ -30,7 +30,6 @@ class KeptGrads:
         self._dtype = dtype
         self._ledger = ledger
         self._entry: int | None = None  # the ledger entry of what ``keep_all`` took (None: an entry each)
-        self._held = 0  # how many of ``tensors`` are not None
 
     def __iter__(self) -> Iterator[torch.Tensor | None]:
         return iter(self.tensors)
@@ -39,7 +38,7 @@ class KeptGrads:
         return self.tensors[index]
 
     def holds(self) -> bool:
-        return self._held > 0
+        return any(t is not None for t in self.tensors)
 
     def whole(self) -> list[torch.Tensor] | None:
         """Every parameter's kept gradient, or None if one has none."""
@@ -53,7 +52,6 @@ class KeptGrads:
             kept.add_(grad)
         elif self._whole_storage(grad) is not None:
             self.tensors[index] = self._ledger.count(grad, Category.GRAD)
-            self._held += 1
         else:
             return False
         return True
@@ -61,22 +59,18 @@ class KeptGrads:
     def keep_all(self, params: list[torch.nn.Parameter]) -> bool:
         """Keep every one of ``params``' ``.grad`` (then None), counted as one ledger entry, if each exists and owns
         its storage whole and none is kept yet; else False, nothing changed."""
-        if self._held:
+        if self.holds():
             return False
-        grads = cast("list[torch.Tensor]", [p.grad for p in params])  # (a None raises AttributeError just below)
-        try:  # (one pass, each storage asked once: this runs for every group in every backward)
-            storages = [g.untyped_storage() for g in grads]
-        except AttributeError:  # a parameter with no gradient (None)
-            return False
-        nbytes = [g.nbytes for g in grads]
-        dtype = self._dtype
-        if [s.nbytes() for s in storages] != nbytes or not all(g.dtype == dtype and g.is_contiguous() for g in grads):
-            return False
-        self._entry = self._ledger.count_as_one(storages, Category.GRAD, sum(nbytes))
+        grads, storages = [p.grad for p in params], []
+        for g in grads:  # (one pass, each storage asked once: this runs for every group in every backward)
+            storage = None if g is None else self._whole_storage(g)
+            if storage is None:
+                return False
+            storages.append(storage)
+        self._entry = self._ledger.count_as_one(storages, Category.GRAD)
         for p in params:
             p.grad = None
-        self.tensors = list(grads)
-        self._held = len(grads)
+        self.tensors = grads  # type: ignore[assignment]
         return True
 
     def move_into(self, view_of: Callable[[int], torch.Tensor]) -> list[int]:
@@ -89,7 +83,6 @@ class KeptGrads:
                 self._ledger.release(grad)
                 self.tensors[index] = None
                 moved.append(index)
-        self._held = 0
         self._release_entry()
         return moved
 
@@ -98,7 +91,6 @@ class KeptGrads:
         if not self._release_entry():
             self._ledger.release_all(self.tensors)
         self.tensors = [None] * len(self.tensors)
-        self._held = 0
 
     def resized(self) -> None:
         """Their storages were resized (``offload_states``): the ledger counts them at their sizes now."""
