@@ -47,7 +47,8 @@ class Mlp(nn.Module):
         return F.mse_loss(x, y)
 
 
-@pytest.mark.parametrize("model,optimizer,gas", [("parity", "AdamW", 1), ("parity", "SGD", 1), ("mlp", "AdamW", 2)])
+@pytest.mark.parametrize("model,optimizer,gas", [("parity", "AdamW", 1), ("parity", "SGD", 1), ("parity", "AdamW", 2),
+                                                 ("mlp", "AdamW", 2)])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_one_rank_trains_bitwise_as_the_plain_module(stage: int, model: str, optimizer: str, gas: int) -> None:
     torch.manual_seed(0)
@@ -81,14 +82,18 @@ def _assert_plain(engine: zeroplus.Engine, plain: nn.Module, case: str) -> None:
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_one_rank_holds_autograds_gradients_and_no_flat_buffer(stage: int) -> None:
-    """Every group keeps autograd's gradients, the tied embedding's too (see note: one-rank tied uses): its head's
-    gradient is kept as the head's backward made it and the embedding's rows are added into it, so no group
-    allocates a flat buffer or a reduced gradient at any stage, and the ledger's ``grad`` is the kept bytes."""
+    """Every group keeps autograd's gradients, the tied embedding's too (see note: one-rank tied rows): its head's
+    gradient reaches ``.grad`` as the head's backward made it (no use routed, no gradient hook) and only the
+    embedding's rows are routed, added into it, so no group allocates a flat buffer or a reduced gradient at any
+    stage, and the ledger's ``grad`` is the kept bytes."""
     torch.manual_seed(0)
-    engine = zeroplus.initialize(ParityNet(), _config(stage, "AdamW", 1))
+    net = ParityNet()
+    engine = zeroplus.initialize(net, _config(stage, "AdamW", 1))
     ledger = engine.ledger
     groups = engine.partition.groups
-    assert any(g.per_use for g in groups)  # (the tied weight's uses are routed)
+    assert engine.partition.use_grads.row_receivers == {id(net.embed.weight)}  # (the embedding's rows, only)
+    hooked = [n for g in groups for n, p in zip(g.names, g.params) if p._post_accumulate_grad_hooks]
+    assert not any(g.per_use for g in groups) and not hooked, hooked
     for x, y in make_batches(2, 2):
         engine.backward(engine(x, y))
         assert all(g.grad_full is None and g.master_grad is None and g.kept_grads() is not None for g in groups), \
@@ -179,6 +184,47 @@ def test_one_rank_takes_gradients_without_hooks_and_keeps_an_untied_embeddings_o
         opt.step()
         opt.zero_grad(set_to_none=True)
     _assert_plain(engine, plain, f"stage {stage}, an untied embedding")
+
+
+class RowsFirst(nn.Module):
+    """A tied weight whose embedding's backward runs before its dense use's (the embedding is called last), and
+    one that is only ever looked up (two embeddings share it, no dense use)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(23, 6)
+        self.proj = nn.Linear(6, 23, bias=False)
+        self.proj.weight = self.embed.weight
+        self.lookup, self.again = nn.Embedding(17, 6), nn.Embedding(17, 6)
+        self.again.weight = self.lookup.weight
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        scores = self.proj(x)  # (N, 23): the dense use, first in forward, so last in backward
+        e = self.embed(ids) + self.lookup(ids % 17) * self.again((ids + 3) % 17)
+        return (scores.tanh().sum(-1, keepdim=True) * e).square().mean()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_one_rank_tied_rows_before_the_dense_use_and_without_one(stage: int) -> None:
+    """Rows into ``.grad`` (see note: one-rank tied rows) where they come first: ``.grad`` is made of zeros and the
+    rows, the dense use's gradient is added in later by autograd; and a weight shared by two embeddings only.
+    Bit for bit as the plain module over three steps, with two micro-batches each."""
+    torch.manual_seed(0)
+    net = RowsFirst()
+    plain = copy.deepcopy(net)
+    engine = zeroplus.initialize(net, _config(stage, "AdamW", 2))
+    assert engine.partition.use_grads.row_receivers == {id(net.embed.weight), id(net.lookup.weight)}
+    opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        for _ in range(2):
+            x, ids = torch.randn(2, 4, 6, generator=g), torch.randint(0, 23, (2, 4), generator=g)
+            engine.backward(engine(x, ids))
+            engine.step()
+            (plain(x, ids) / 2).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    _assert_plain(engine, plain, f"stage {stage}, rows before the dense use")
 
 
 def test_one_rank_kept_gradients_offloaded_leave_the_ledger_and_come_back_bitwise() -> None:

@@ -57,7 +57,7 @@ from .row_reduce import reduce_rows
 from .stage3 import Stage3Scheduler
 from .stage3_state_dict import install_state_dict_hooks
 from .units import Named, Unit, assign_parameters, bucketed, find_unit_modules, frozen_dtype
-from .use_grads import UseGrads, UseSinks, routed, tied
+from .use_grads import UseGrads, UseSinks, routed, rows_into_grad, tied
 
 logger = logging.getLogger("zeroplus.zero")
 
@@ -85,6 +85,10 @@ class ExpertSplit:
 # Reductions still in flight when the next one starts; older ones are waited on, which bounds
 # the flat gradients and comm buffers alive during backward to about this many groups.
 MAX_GROUPS_IN_FLIGHT = 1  # see note: one reduction in flight
+
+
+def _nothing() -> None:
+    """``UseSinks.made`` of a parameter whose dense uses are not routed: nothing to count."""
 
 
 def _refuse_partitioned(model: torch.nn.Module, rank: int) -> None:
@@ -191,21 +195,27 @@ class ZeroPartition:
         all-gathers, stage 3's scheduler and state-dict hooks."""
         sinks: dict[int, UseSinks] = {}
         self._row_sinks: list[RowsSink] = []  # the registry holds them weakly (grad_rows.py): alive with the partition
+        # one rank: a tied weight of a group without hooks sends only its embedding's rows, into its .grad
+        into_grad = {id(p) for g in self.groups if self._hookless(g) for p in g.params if id(p) in per_use}
+        per_use = per_use - into_grad
         # one rank: groups that keep autograd's gradients and route no use take them when the backward ends
         self._taken_at_end = [g for g in self.groups if self._takes_at_end(g, per_use)]
         at_end = {id(p) for g in self._taken_at_end for p in g.params}
         for g in self.groups:
             for i, p in enumerate(g.params):
-                if id(p) not in at_end:
+                hooked = id(p) not in at_end  # (taken at the end: a gradient made whole is the one kept, no rows)
+                if hooked:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(g, i)))
-                if len(g.shapes[i]) == 2:  # slices straight into the flat buffer; the hook (run after, no
-                    # gradient) counts. (The recorded shape: a released stage-3 parameter is empty.)
+                if hooked and len(g.shapes[i]) == 2:  # slices straight into the flat buffer; the hook (run after,
+                    # no gradient) counts. (The recorded shape: a released stage-3 parameter is empty.)
                     self._row_sinks.append(functools.partial(g.add_grad_rows, i))
                     offer_rows(p, self._row_sinks[-1])
                 if id(p) in per_use:
                     sinks[id(p)] = UseSinks(functools.partial(self._dense_use_arrived, g, i),
                                             functools.partial(self._rows_arrived, g, i),
                                             functools.partial(self._dense_use_made, g))
+                elif id(p) in into_grad:
+                    sinks[id(p)] = UseSinks(None, rows_into_grad(p), _nothing)
         self.use_grads = UseGrads(model, sinks, on_replay=self._holder_replayed)
         for g in self.groups:
             for i, p in enumerate(g.params):
@@ -356,12 +366,15 @@ class ZeroPartition:
         for u in self.units:
             u.begin_backward()
 
+    def _hookless(self, group: FlatParamGroup) -> bool:
+        """One rank (see note: one-rank hooks): ``group`` keeps autograd's gradients and, at stage 3, stays gathered,
+        so nothing is reduced or released when one of its gradients arrives."""
+        return group.keeps_grads and (group.resident or not self.stage.shards_parameters)
+
     def _takes_at_end(self, group: FlatParamGroup, per_use: set[int]) -> bool:
-        """One rank (see note: one-rank hooks): ``group`` keeps autograd's gradients (at stage 3: stays gathered)
-        and none of its parameters routes its uses, so nothing is reduced or released when a gradient arrives;
-        its gradients are taken from ``.grad`` when the backward ends (``_take_at_end``), not by a hook each."""
-        return (group.keeps_grads and (group.resident or not self.stage.shards_parameters)
-                and not any(id(p) in per_use for p in group.params))
+        """``_hookless`` and none of ``group``'s parameters routes its uses: its gradients are taken from ``.grad``
+        when the backward ends (``_take_at_end``), not by a hook each."""
+        return self._hookless(group) and not any(id(p) in per_use for p in group.params)
 
     def _take_at_end(self) -> None:
         """The gradients of the groups ``_takes_at_end`` chose, each as its hook would have taken it."""

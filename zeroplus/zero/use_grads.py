@@ -29,7 +29,11 @@ buffer, ``(acc + g1) + g2`` instead of ``acc + (g1 + g2)``: within one rounding 
 
 At one rank in fp32 (every group keeping autograd's gradients, ``kept_grads.py``) the sinks add into the
 parameter's kept gradient instead of a flat buffer: the first dense use's gradient is kept as it came, the rest
-and the rows are added into it, the same sums (see note: one-rank tied uses).
+and the rows are added into it, the same sums (see note: one-rank tied uses). Where such a group takes its
+gradients from ``.grad`` when the backward ends (no hook), only the embedding is routed (``UseSinks.dense``
+None): the other uses reach autograd's accumulator as in the plain module (the first use's gradient becomes
+``.grad`` as made, later ones are added in place: no more than the sink holds) and ``rows_into_grad`` adds the
+rows into ``.grad`` (see note: one-rank tied rows).
 
 A group holding such a parameter cannot count its gradients to know when they are all in (a
 module may run any number of times): it is reduced when the backward ends (``partition.py``),
@@ -53,11 +57,12 @@ RowSink = Callable[[torch.Tensor, torch.Tensor, int], None]  # (distinct ids, su
 
 @dataclasses.dataclass
 class UseSinks:
-    """Where one parameter's use gradients go: ``dense(grad)`` for any use, ``rows(ids, sums)`` for
-    an embedding's distinct tokens; ``made()`` is told, in forward, of each dense use whose gradient
+    """Where one parameter's use gradients go: ``dense(grad)`` for any use (None: holders other than an
+    embedding are left alone, their uses reach the parameter's own accumulator), ``rows(ids, sums)`` for
+    an embedding's distinct tokens; ``made()`` is told, in forward, of each routed dense use whose gradient
     will come back (not of uses replayed inside backward)."""
 
-    dense: DenseSink
+    dense: DenseSink | None
     rows: RowSink
     made: Callable[[], None]
 
@@ -78,10 +83,13 @@ class AddIntoFlatGrad(torch.autograd.Function):
 
 class EmbeddingRowsIntoFlat(torch.autograd.Function):
     """Identity on an embedding's output (computed from the detached weight); backward sums the
-    output gradient per distinct token (skipping ``padding_idx``) and hands the sums to ``sink``."""
+    output gradient per distinct token (skipping ``padding_idx``) and hands the sums to ``sink``.
+    ``weight``, passed only so that the backward runs (the output needs an input requiring gradients), makes
+    the weight's accumulator wait for it; None where that must not be (``rows_into_grad``: the output then
+    requires gradients itself)."""
 
     @staticmethod
-    def forward(ctx: Any, output: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
+    def forward(ctx: Any, output: torch.Tensor, weight: torch.Tensor | None, ids: torch.Tensor,
                 padding_idx: int | None, sink: RowSink) -> torch.Tensor:
         ctx.sink, ctx.padding_idx = sink, padding_idx
         ctx.save_for_backward(ids)
@@ -106,6 +114,18 @@ class EmbeddingRowsIntoFlat(torch.autograd.Function):
             sums = torch.zeros(distinct.numel(), rows.shape[-1], dtype=torch.float32, device=grad.device)
             ctx.sink(distinct, sums.index_add_(0, inverse, rows.float()).to(grad.dtype), tokens)
         return None, None, None, None, None  # the output came from the detached weight: nothing flows on
+
+
+def rows_into_grad(param: torch.Tensor) -> RowSink:
+    """A row sink adding an embedding's per-token sums into ``param.grad`` in place (zeros first if it has none):
+    what autograd's accumulator would have added, the dense gradient's rows, without the table-sized temporary.
+    For a group that takes its gradients from ``.grad`` when the backward ends (one rank). A ``.grad`` made here
+    is counted with the rest when it is taken. See note: one-rank tied rows."""
+    def sink(ids: torch.Tensor, sums: torch.Tensor, tokens: int) -> None:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        param.grad.index_add_(0, ids, sums)
+    return sink
 
 
 def holders(model: torch.nn.Module, params: set[int]) -> dict[int, list[tuple[torch.nn.Module, str]]]:
@@ -160,6 +180,10 @@ class UseGrads:
         self.row_receivers: set[int] = set()  # parameters some plain embedding sends rows for
         for module, names in by_module.values():
             embedding = len(names) == 1 and plain_embedding(module, names[0])
+            if not embedding:  # (the parameters whose dense uses are left to autograd: not swapped)
+                names = [n for n in names if sinks[id(module._parameters[n])].dense is not None]
+                if not names:
+                    continue
             if embedding:
                 self.row_receivers.add(id(module._parameters[names[0]]))
             swap_in = eager(self._swap_in(names, sinks, embedding, on_replay))
@@ -184,7 +208,7 @@ class UseGrads:
                 if embedding:
                     module._parameters[name] = param.detach()  # type: ignore[assignment]
                     continue
-                module._parameters[name] = AddIntoFlatGrad.apply(param, sinks[id(param)].dense)
+                module._parameters[name] = AddIntoFlatGrad.apply(param, sinks[id(param)].dense)  # type: ignore[arg-type]
                 if not replay:  # a checkpoint replay's uses were not counted in the forward
                     sinks[id(param)].made()
             ids = args[0] if embedding and args else None
@@ -202,7 +226,11 @@ class UseGrads:
                 module._parameters[name] = param
             if embedding and saved and isinstance(output, torch.Tensor):
                 param = saved["weight"]
-                return EmbeddingRowsIntoFlat.apply(output, param, ids, module.padding_idx, sinks[id(param)].rows)
+                sink = sinks[id(param)]
+                if sink.dense is None:  # (rows into .grad: the head's gradient is accumulated as soon as made)
+                    return EmbeddingRowsIntoFlat.apply(output.requires_grad_(), None, ids, module.padding_idx,
+                                                       sink.rows)
+                return EmbeddingRowsIntoFlat.apply(output, param, ids, module.padding_idx, sink.rows)
             return None
         return hook
 
