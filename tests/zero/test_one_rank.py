@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import zeroplus
 from tests.models import ParityNet, SmallHeadNet, make_batches
+from zeroplus.activations.forward_census import ForwardCensus
 from zeroplus.ledger import Category
 
 pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
@@ -100,8 +101,11 @@ def test_one_rank_holds_autograds_gradients_and_no_flat_buffer(stage: int) -> No
             [(g.name, g.grad_full is None, g.master_grad is None) for g in groups]
         held = sum(t.numel() * 4 for g in groups for t in g.kept if t is not None)
         assert held == 4 * sum(p.numel() for g in groups for p in g.params) == ledger.live_bytes(Category.GRAD)
+        # each kept gradient is its parameter's .grad until the step (see note: one-rank grads in place)
+        assert all(p.grad is t for g in groups for p, t in zip(g.params, g.kept))
         engine.step()
         assert ledger.live_bytes(Category.GRAD) == 0
+        assert all(p.grad is None for g in groups for p in g.params)
     engine.destroy()
 
 
@@ -227,6 +231,31 @@ def test_one_rank_tied_rows_before_the_dense_use_and_without_one(stage: int) -> 
     _assert_plain(engine, plain, f"stage {stage}, rows before the dense use")
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_one_rank_tied_rows_hold_nothing_the_plain_module_does_not(stage: int) -> None:
+    """What one forward leaves alive for backward (outside the weights) is what the plain module's leaves: the
+    embedding's rows function is made to run by an empty tensor of its own, not by its output made to require
+    gradients, which autograd would hold (tokens x hidden) until the backward (see note: one-rank tied rows)."""
+    torch.manual_seed(0)
+    net = ParityNet()
+    plain = copy.deepcopy(net)
+    cfg = _config(stage, "AdamW", 1)
+    cfg["zeroplus"] |= {"resize_recompute": {"enabled": False}, "lean_cross_entropy": False}  # (as the plain one)
+    engine = zeroplus.initialize(net, cfg)
+    x, y = make_batches(1, 2, seq=64)[0]
+    weights = {p.untyped_storage()._cdata for p in plain.parameters()}
+    with ForwardCensus() as census:
+        loss = plain(x, y)
+    alive_plain = census.alive_bytes(weights)
+    del loss
+    with ForwardCensus() as census:
+        loss = engine(x, y)
+    alive = census.alive_bytes(engine.ledger.storage_keys() | {p.untyped_storage()._cdata for p in net.parameters()})
+    assert alive == alive_plain, (alive, alive_plain)
+    engine.backward(loss)
+    engine.destroy()
+
+
 def test_one_rank_kept_gradients_offloaded_leave_the_ledger_and_come_back_bitwise() -> None:
     """``offload_states(include=["lp_grads"])`` between backward and step moves one rank's kept gradients off and
     back: the ledger's ``grad`` reads 0 while they are off (a group's kept gradients are one entry, counted again at
@@ -240,6 +269,7 @@ def test_one_rank_kept_gradients_offloaded_leave_the_ledger_and_come_back_bitwis
     assert held == 4 * sum(t.numel() for t in before) > 0
     engine.offload_states(include=["lp_grads"])
     assert engine.ledger.live_bytes(Category.GRAD) == 0
+    assert all(p.grad is None for p in engine.module.parameters())  # (no .grad shows an emptied storage)
     engine.reload_states()
     assert engine.ledger.live_bytes(Category.GRAD) == held
     after = [t for g in engine.partition.groups for t in g.kept if t is not None]

@@ -5,9 +5,10 @@ buffer is only a copy: each gradient written once more (read 4 * P, write 4 * P 
 a step that could read it where it is. Here the gradients stay where autograd put them
 (``FlatParamGroup.keep_grad``, counted in the ledger as ``grad``: 4 * P, as the flat buffer was), and
 the optimizer steps them against views: each parameter's slice of the flat fp32 master (the
-parameters' own storage) and of every flat optimizer state, so the states stay one flat tensor per
-group for checkpoints, offload and the memory report. A group whose gradients went into the flat
-buffer after all (an embedding's rows, a tied weight's uses, a parameter with no gradient) steps the
+parameters' own storage: the model's parameters themselves are stepped, their kept gradients still in
+their ``.grad``, see note: one-rank grads in place) and of every flat optimizer state, so the states stay
+one flat tensor per group for checkpoints, offload and the memory report. A group whose gradients went
+into the flat buffer after all (an embedding's rows, a tied weight's uses, a parameter with no gradient) steps the
 same way over views of that buffer. Extra memory: none (views), and one small step count per parameter; extra
 time: the views are made once and kept (``_Views``) while the master and the flat states are the same tensors
 at the same addresses, and the group's step count is copied into them (one call) only when something other than
@@ -62,6 +63,7 @@ class DirectStep:
         self.ledger = ledger
         self.enabled = type(optimizer) in ELEMENTWISE
         self._made: dict[int, _Views] = {}  # id(group) -> its views, while their tensors stand
+        self._gave_grad: list[torch.Tensor] = []  # views whose .grad this step set (cleared after it)
 
     def grads(self, g: FlatParamGroup) -> list[torch.Tensor] | None:
         """``g``'s gradients, one tensor per parameter, when this step takes the group: the kept ones, or views
@@ -133,8 +135,10 @@ class DirectStep:
                     else:
                         state[k] = first[k]
                 for view in views:
-                    view.grad = None
                     del self.optimizer.state[view]
+            for view in self._gave_grad:  # (a kept gradient still in its parameter's .grad goes when it is dropped)
+                view.grad = None
+            self._gave_grad = []
 
     def forget(self, g: FlatParamGroup) -> None:
         """Drop ``g``'s views (its states are being replaced: the views would keep the old ones alive)."""
@@ -149,32 +153,41 @@ class DirectStep:
             made = self._made[id(g)] = _Views(g, state)
         made.sync(state)
         for view, grad, view_state in zip(made.views, grads, made.states):
-            view.grad = grad
+            if view.grad is not grad:  # (a parameter's own kept gradient is there already: kept_grads.py)
+                view.grad = grad
+                self._gave_grad.append(view)
             self.optimizer.state[view] = view_state
         return made.views
 
 
 class _Views:
-    """A group's per-parameter views and their optimizer states, made once: the master's slices, the flat
-    states' slices, and a copy of each other state (a step count) that ``sync`` sets to the group's."""
+    """A group's per-parameter views and their optimizer states, made once: the master's slices (the model's own
+    parameters where they are those slices: one rank's fp32 alias), the flat states' slices, and a copy of each
+    other state (a step count) that ``sync`` sets to the group's."""
 
     def __init__(self, g: FlatParamGroup, state: dict[str, Any]) -> None:
         flat = _flat_states(state, g.master_param.numel())
-        self.key = _identity(g.master_param, state)
         master = g.master_param.detach()
         self.views: list[torch.Tensor] = []
         self.states: list[dict[str, Any]] = []
-        for off, n, shape in zip(g.offsets, g.numels, g.shapes):
-            self.views.append(torch.nn.Parameter(master[off:off + n].view(shape), requires_grad=False))
+        for p, off, n, shape in zip(g.params, g.offsets, g.numels, g.shapes):
+            piece = master[off:off + n].view(shape)
+            self.views.append(p if _same(p, piece) else torch.nn.Parameter(piece, requires_grad=False))
             self.states.append({k: (flat[k][off:off + n].view(shape) if k in flat
                                     else v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()})
         self.scalars = [k for k in state if k not in flat]
         # each scalar state tensor's version counter when the views last held its value (none yet: copied)
         self.versions: dict[str, int] = {}
+        self._params = g.params
+        self.key = self._key(g.master_param, state)
 
     def stands(self, master: torch.Tensor, state: dict[str, Any]) -> bool:
-        """Whether the master and the states are still the tensors (and addresses) the views were made over."""
-        return _identity(master, state) == self.key
+        """Whether the master and the states are still the tensors (and addresses) the views were made over, and
+        each parameter still where it was (a parameter stepped as a view must still be the master's slice)."""
+        return self._key(master, state) == self.key
+
+    def _key(self, master: torch.Tensor, state: dict[str, Any]) -> tuple:
+        return _identity(master, state), tuple(p.data_ptr() for p in self._params)
 
     def sync(self, state: dict[str, Any]) -> None:
         """Each view's scalar states set to the group's (a step count loaded or advanced elsewhere); a tensor not
@@ -188,6 +201,12 @@ class _Views:
             else:
                 for s in self.states:
                     s[k] = v
+
+
+def _same(p: torch.Tensor, piece: torch.Tensor) -> bool:
+    """Whether parameter ``p`` is the tensor ``piece`` is: the same memory, shape, strides, dtype and device."""
+    return (p.data_ptr() == piece.data_ptr() and p.shape == piece.shape and p.stride() == piece.stride()
+            and p.dtype == piece.dtype and p.device == piece.device)
 
 
 def _identity(master: torch.Tensor, state: dict[str, Any]) -> tuple:

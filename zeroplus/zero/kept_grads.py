@@ -12,6 +12,11 @@ more gradients a step. A gradient kept alone (``keep``, from a gradient hook) is
 ``move_into`` hands them to a flat buffer when one is made after all; ``drop`` lets them go after the step.
 A tied weight's uses are kept here too (its head's gradient as made, the embedding's rows added into it).
 See note: one-rank gradients; see note: one-rank tied uses (docs/design-notes.md).
+
+What ``keep_all`` takes stays each parameter's ``.grad`` too, as in the plain module, until ``out_of_grad`` (the
+next backward begins, they move into a flat buffer, their storages are resized, the step drops them): the step
+runs the optimizer over the parameters themselves with those gradients (``direct_step.py``), so no ``.grad`` is
+cleared when the backward ends and set again for the step (about 1 us each). See note: one-rank grads in place.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ class KeptGrads:
         self._dtype = dtype
         self._ledger = ledger
         self._entry: int | None = None  # the ledger entry of what ``keep_all`` took (None: an entry each)
+        self._in_grad: list[torch.nn.Parameter] = []  # whose ``.grad`` is still what ``keep_all`` took
 
     def __iter__(self) -> Iterator[torch.Tensor | None]:
         return iter(self.tensors)
@@ -57,8 +63,8 @@ class KeptGrads:
         return True
 
     def keep_all(self, params: list[torch.nn.Parameter]) -> bool:
-        """Keep every one of ``params``' ``.grad`` (then None), counted as one ledger entry, if each exists and owns
-        its storage whole and none is kept yet; else False, nothing changed."""
+        """Keep every one of ``params``' ``.grad`` (left there until ``out_of_grad``), counted as one ledger entry, if
+        each exists and owns its storage whole and none is kept yet; else False, nothing changed."""
         if self.holds():
             return False
         grads, storages = [p.grad for p in params], []
@@ -68,14 +74,20 @@ class KeptGrads:
                 return False
             storages.append(storage)
         self._entry = self._ledger.count_as_one(storages, Category.GRAD)
-        for p in params:
-            p.grad = None
         self.tensors = grads  # type: ignore[assignment]
+        self._in_grad = params
         return True
+
+    def out_of_grad(self) -> None:
+        """The parameters' ``.grad`` no longer shows the kept gradients (held here all the same)."""
+        for p in self._in_grad:
+            p.grad = None
+        self._in_grad = []
 
     def move_into(self, view_of: Callable[[int], torch.Tensor]) -> list[int]:
         """Copy each kept gradient into ``view_of(index)`` and let it go, the ledger's count too (each once copied,
         ``keep_all``'s entry once all are); the indices copied."""
+        self.out_of_grad()
         moved = []
         for index, grad in enumerate(self.tensors):
             if grad is not None:
@@ -88,12 +100,15 @@ class KeptGrads:
 
     def drop(self) -> None:
         """Let every kept gradient go, and the ledger's count of them."""
+        self.out_of_grad()
         if not self._release_entry():
             self._ledger.release_all(self.tensors)
         self.tensors = [None] * len(self.tensors)
 
     def resized(self) -> None:
-        """Their storages were resized (``offload_states``): the ledger counts them at their sizes now."""
+        """Their storages were resized (``offload_states``): the ledger counts them at their sizes now, and no
+        ``.grad`` shows a storage that may be empty."""
+        self.out_of_grad()
         if self._entry is not None:
             self._ledger.recount(self._entry)
 

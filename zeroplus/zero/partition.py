@@ -365,6 +365,8 @@ class ZeroPartition:
         self._ready.clear()
         for u in self.units:
             u.begin_backward()
+        for g in self._taken_at_end:  # (accumulating: this backward's gradients are fresh in .grad, added to the kept)
+            g.kept.out_of_grad()
 
     def _hookless(self, group: FlatParamGroup) -> bool:
         """One rank (see note: one-rank hooks): ``group`` keeps autograd's gradients and, at stage 3, stays gathered,

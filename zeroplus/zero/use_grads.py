@@ -84,12 +84,13 @@ class AddIntoFlatGrad(torch.autograd.Function):
 class EmbeddingRowsIntoFlat(torch.autograd.Function):
     """Identity on an embedding's output (computed from the detached weight); backward sums the
     output gradient per distinct token (skipping ``padding_idx``) and hands the sums to ``sink``.
-    ``weight``, passed only so that the backward runs (the output needs an input requiring gradients), makes
-    the weight's accumulator wait for it; None where that must not be (``rows_into_grad``: the output then
-    requires gradients itself)."""
+    ``anchor``, passed only so that the backward runs (the output needs an input requiring gradients): the
+    weight, whose accumulator then waits for the rows; with ``rows_into_grad``, which needs the accumulator to
+    run first, an empty tensor of its own (not the output made to require gradients: autograd would hold the
+    output, tokens x hidden, until the backward)."""
 
     @staticmethod
-    def forward(ctx: Any, output: torch.Tensor, weight: torch.Tensor | None, ids: torch.Tensor,
+    def forward(ctx: Any, output: torch.Tensor, anchor: torch.Tensor, ids: torch.Tensor,
                 padding_idx: int | None, sink: RowSink) -> torch.Tensor:
         ctx.sink, ctx.padding_idx = sink, padding_idx
         ctx.save_for_backward(ids)
@@ -227,10 +228,8 @@ class UseGrads:
             if embedding and saved and isinstance(output, torch.Tensor):
                 param = saved["weight"]
                 sink = sinks[id(param)]
-                if sink.dense is None:  # (rows into .grad: the head's gradient is accumulated as soon as made)
-                    return EmbeddingRowsIntoFlat.apply(output.requires_grad_(), None, ids, module.padding_idx,
-                                                       sink.rows)
-                return EmbeddingRowsIntoFlat.apply(output, param, ids, module.padding_idx, sink.rows)
+                anchor = param if sink.dense is not None else output.new_empty(0).requires_grad_()
+                return EmbeddingRowsIntoFlat.apply(output, anchor, ids, module.padding_idx, sink.rows)
             return None
         return hook
 
