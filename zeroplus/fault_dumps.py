@@ -6,16 +6,17 @@ step each write one text file per rank before the error propagates, and the erro
 ``CollectiveError``'s message; as a note added to the out-of-memory error, whose type is kept). The file
 holds what the rank was doing: the engine's phase (``forward``, ``backward``, ``step``, ``checkpoint save``,
 ``checkpoint load``: a process-wide string the engine sets as it enters each) and, at stage 3, the unit whose
-parameters were last gathered for compute (set by the stage-3 hooks), the collective (kind, group,
-sequence number, group size) or the memory (the ledger's live and peak bytes per category, the device's
-allocated and peak bytes), and every thread's Python stack (``faulthandler``). With
+parameters were last gathered for compute (set by the stage-3 hooks; where no hook runs, one rank's resident
+stage 3, the innermost unit whose forward is on the error's stack, looked up only when a dump is written), the
+collective (kind, group, sequence number, group size) or the memory (the ledger's live and peak bytes per
+category, the device's allocated and peak bytes), and every thread's Python stack (``faulthandler``). With
 ``zeroplus.memory_history`` on a CUDA device the allocator's history is recorded from the start
 (``torch.cuda.memory._record_memory_history``) and an out-of-memory error also dumps it beside the text file
 (``.pickle``, for PyTorch's memory viz).
 
 Where: ``$ZEROPLUS_DUMP_DIR``, else ``zeroplus.dump_dir``, else ``<temp dir>/zeroplus-dumps``; files are named
 ``KIND-rankR-pidP-TIME.txt``. Costs nothing until something fails, but the phase and unit names (one
-assignment per phase and per unit) and, when asked for, the allocator's history.
+assignment per phase and per hooked unit) and, when asked for, the allocator's history.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ import faulthandler
 import os
 import tempfile
 import time
+import weakref
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -32,6 +35,7 @@ from .ledger import Category
 _PHASE = "outside the engine's calls"
 _UNIT: str | None = None  # stage 3: the unit whose parameters were last gathered for compute
 _DIR: str | None = None
+_UNIT_MODULES: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()  # (no hook names them)
 
 
 def set_dump_dir(path: str | None) -> None:
@@ -51,6 +55,22 @@ def set_unit(name: str) -> None:
     _UNIT = name
 
 
+def name_units(units: dict[torch.nn.Module, str]) -> None:
+    """Units no hook names (``set_unit``): a dump names the innermost of them whose forward is on the error's stack."""
+    _UNIT_MODULES.update(units)
+
+
+def _unit_on_stack(tb: TracebackType | None) -> str | None:
+    """The innermost ``name_units`` module whose ``forward`` (or a method it called) is a frame of ``tb``."""
+    found = None
+    while tb is not None:  # (outermost frame first)
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, torch.nn.Module) and owner in _UNIT_MODULES:
+            found = _UNIT_MODULES[owner]
+        tb = tb.tb_next
+    return found
+
+
 def phase() -> str:
     return _PHASE
 
@@ -59,9 +79,9 @@ def dump_dir() -> str:
     return os.environ.get("ZEROPLUS_DUMP_DIR") or _DIR or os.path.join(tempfile.gettempdir(), "zeroplus-dumps")
 
 
-def write(kind: str, rank: int, lines: list[str]) -> str | None:
+def write(kind: str, rank: int, lines: list[str], err: BaseException | None = None) -> str | None:
     """Write ``lines``, the phase and every thread's stack to a new file; its path (None if it could not be
-    written: the error still propagates, without it)."""
+    written: the error still propagates, without it). ``err``: the error, whose stack may name the unit."""
     try:
         directory = dump_dir()
         os.makedirs(directory, exist_ok=True)
@@ -69,8 +89,11 @@ def write(kind: str, rank: int, lines: list[str]) -> str | None:
         with open(path, "w") as f:
             f.write(f"zeroplus {kind} on rank {rank}, pid {os.getpid()}\n")
             f.write(f"engine phase: {_PHASE}\n")
+            on_stack = _unit_on_stack(err.__traceback__) if err is not None and _UNIT is None else None
             if _UNIT is not None:
                 f.write(f"unit: {_UNIT} (stage 3: the last unit whose parameters were gathered for compute)\n")
+            elif on_stack is not None:
+                f.write(f"unit: {on_stack} (its forward was running)\n")
             for line in lines:
                 f.write(line + "\n")
             f.write("\nPython stacks (every thread, most recent call first):\n")
@@ -98,7 +121,7 @@ def out_of_memory(err: BaseException, rank: int, ledger: Any, accelerator: Any) 
     lines.append(f"{'total':<20}{ledger.live_bytes():>16,}{ledger.peak_bytes():>16,}")
     lines.append(f"device: allocated {accelerator.memory_allocated():,} bytes, "
                  f"peak {accelerator.max_memory_allocated():,}")
-    path = write("oom", rank, lines)
+    path = write("oom", rank, lines, err)
     snapshot = _cuda_snapshot(path) if path is not None and accelerator.name == "cuda" else None
     if path is not None:
         err.add_note(f"zeroplus: rank {rank}'s memory per category and stacks were written to {path}"

@@ -127,14 +127,14 @@ class Ledger:
                 self._storage_of[key] = storage._cdata
                 tensor._zeroplus_ledger_key = key  # type: ignore[attr-defined]
 
-    def count_as_one(self, storages: list[torch.UntypedStorage], category: Category) -> int:
-        """Count ``storages`` under ``category`` as one entry until ``release_key`` of the key returned: no finalizer,
-        no mark on a tensor, and the entry holds the storages until then (``zero/kept_grads.py``: one rank's
-        gradients of a whole group, which the group holds as long)."""
+    def count_as_one(self, storages: list[torch.UntypedStorage], category: Category, nbytes: int) -> int:
+        """Count ``storages`` (``nbytes`` in all, as the caller read them) under ``category`` as one entry until
+        ``release_key`` of the key returned: no finalizer, no mark on a tensor, and the entry holds the storages until
+        then (``zero/kept_grads.py``: one rank's gradients of a whole group, which the group holds as long)."""
         with self._locked():
             self._next_id += 1
             key = self._next_id
-            self._add_held(key, category, sum(s.nbytes() for s in storages))
+            self._add_held(key, category, nbytes)
             self._storage_of[key] = tuple(storages)
         return key
 

@@ -113,6 +113,9 @@ class SavedTensorRouter:
             yield
             return
         active = [m for m in self.around if not m.idle]
+        if self._decided and not active and not self.claimers:  # (every technique idle or stood down: nothing to do)
+            yield
+            return
         late = self._late_safe and not any(c.watches_calls for c in self.claimers)
         self._waiting = [m for m in active if late and m.late]
         self._taken_at_tail = None

@@ -409,7 +409,8 @@ class FlatParamGroup:
         return True
 
     def keep_all(self) -> bool:
-        """``keep_grad`` of every ``.grad`` at once (then None) if each is keepable and none is held; else False."""
+        """``keep_grad`` of every ``.grad`` at once (left in ``.grad``) if each is keepable and none is held; else
+        False."""
         if (not self.keeps_grads or self.grad_full is not None or self.master_grad is not None or self.per_use
                 or self._by_rows or not self.kept.keep_all(self.params)):
             return False

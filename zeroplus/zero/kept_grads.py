@@ -64,16 +64,20 @@ class KeptGrads:
 
     def keep_all(self, params: list[torch.nn.Parameter]) -> bool:
         """Keep every one of ``params``' ``.grad`` (left there until ``out_of_grad``), counted as one ledger entry, if
-        each exists and owns its storage whole and none is kept yet; else False, nothing changed."""
+        each exists and owns its storage whole and none is kept yet; else False, nothing changed. (``_whole_storage``'s
+        test over the list, one comprehension per property: this runs for every group in every backward.)"""
         if self.holds():
             return False
-        grads, storages = [p.grad for p in params], []
-        for g in grads:  # (one pass, each storage asked once: this runs for every group in every backward)
-            storage = None if g is None else self._whole_storage(g)
-            if storage is None:
-                return False
-            storages.append(storage)
-        self._entry = self._ledger.count_as_one(storages, Category.GRAD)
+        grads = [p.grad for p in params]
+        if any([g is None for g in grads]):
+            return False
+        storages = [g.untyped_storage() for g in grads]  # type: ignore[union-attr]
+        sizes = [s.nbytes() for s in storages]
+        dtype = self._dtype
+        if sizes != [g.nbytes for g in grads] or not all(  # type: ignore[union-attr]
+                [g.dtype == dtype and g.is_contiguous() for g in grads]):  # type: ignore[union-attr]
+            return False
+        self._entry = self._ledger.count_as_one(storages, Category.GRAD, sum(sizes))
         self.tensors = grads  # type: ignore[assignment]
         self._in_grad = params
         return True

@@ -381,9 +381,8 @@ class ZeroPartition:
     def _take_at_end(self) -> None:
         """The gradients of the groups ``_takes_at_end`` chose, each as its hook would have taken it."""
         for g in self._taken_at_end:
-            if g.keep_all():  # (the usual case: every gradient in .grad, none held yet)
-                if g.all_counted():
-                    self._group_ready(g)
+            if g.keep_all():  # (the usual case: every gradient in .grad, none held yet; one rank: nothing to reduce)
+                self._group_ready(g, reduce=False)
                 continue
             for i, p in enumerate(g.params):
                 if p.grad is not None or g.came_by_rows(i, clear=False):
@@ -417,7 +416,7 @@ class ZeroPartition:
 
     def _group_ready(self, group: FlatParamGroup, reduce: bool = True) -> None:
         """``group``'s gradients are all in: reduce them (unless ``reduce`` is false: a per-use group whose
-        only gradients are embedding rows) and do the unit's bookkeeping."""
+        only gradients are embedding rows, or one rank's group kept whole) and do the unit's bookkeeping."""
         if id(group) in self._ready:
             return
         self._ready.add(id(group))
