@@ -73,7 +73,7 @@ class Ledger:
         self._section = _Section(self)
         self._bytes = {c: CategoryBytes() for c in Category}
         self._entries: dict[int, tuple[Category, int]] = {}
-        # entry key -> its storage's identity (``_cdata``), or the storages themselves (``count_as_one``)
+        # entry key -> its storage's identity (``_cdata``), or the storages themselves (``count_each``)
         self._storage_of: dict[int, int | tuple[torch.UntypedStorage, ...]] = {}
         self.total = CategoryBytes()
         self.at_peak: dict[Category, int] = {}  # live bytes per category when the total last reached its peak
@@ -127,27 +127,30 @@ class Ledger:
                 self._storage_of[key] = storage._cdata
                 tensor._zeroplus_ledger_key = key  # type: ignore[attr-defined]
 
-    def count_as_one(self, storages: list[torch.UntypedStorage], category: Category, nbytes: int) -> int:
-        """Count ``storages`` (``nbytes`` in all, as the caller read them) under ``category`` as one entry until
-        ``release_key`` of the key returned: no finalizer, no mark on a tensor, and the entry holds the storages until
-        then (``zero/kept_grads.py``: one rank's gradients of a whole group, which the group holds as long)."""
+    def count_each(self, entries: list[tuple[list[torch.UntypedStorage], int]], category: Category) -> list[int]:
+        """Count each ``(storages, nbytes)`` (``nbytes`` their total, as the caller read them) under ``category`` as one
+        entry until ``release_key`` of its key (returned in order), in one section: no finalizer, no mark on a tensor,
+        and the entry holds the storages until then (``zero/kept_grads.py``: one rank's gradients of a whole group,
+        which the group holds as long)."""
+        keys = []
         with self._locked():
-            self._next_id += 1
-            key = self._next_id
-            self._add_held(key, category, nbytes)
-            self._storage_of[key] = tuple(storages)
-        return key
+            for storages, nbytes in entries:
+                self._next_id += 1
+                keys.append(self._next_id)
+                self._add_held(self._next_id, category, nbytes)
+                self._storage_of[self._next_id] = tuple(storages)
+        return keys
 
     def release_key(self, key: int) -> None:
-        """Stop counting the entry ``count_as_one`` returned."""
+        """Stop counting the entry ``count_each`` returned."""
         self._remove(key)
 
     def recount(self, key: int) -> None:
-        """Count ``count_as_one``'s entry ``key`` at its storages' sizes now (``resized`` for such an entry)."""
+        """Count ``count_each``'s entry ``key`` at its storages' sizes now (``resized`` for such an entry)."""
         with self._locked():
             entry, storages = self._entries.get(key), self._storage_of.get(key)
             if entry is None or not isinstance(storages, tuple):
-                raise AssertionError(f"recount() of ledger entry {key}: not a live count_as_one entry")
+                raise AssertionError(f"recount() of ledger entry {key}: not a live count_each entry")
             self._remove_held(key)
             self._add_held(key, entry[0], sum(s.nbytes() for s in storages))
             self._storage_of[key] = storages

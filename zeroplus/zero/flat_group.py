@@ -408,14 +408,14 @@ class FlatParamGroup:
         self._grads_seen += 1
         return True
 
-    def keep_all(self) -> bool:
-        """``keep_grad`` of every ``.grad`` at once (left in ``.grad``) if each is keepable and none is held; else
-        False."""
-        if (not self.keeps_grads or self.grad_full is not None or self.master_grad is not None or self.per_use
-                or self._by_rows or not self.kept.keep_all(self.params)):
-            return False
+    def may_keep_all(self) -> bool:
+        """``keep_grad`` may take every ``.grad`` at once (``KeptGrads.keep_all``; ``kept_all`` then): one rank, no
+        flat buffer, no use routed, nothing sent by rows."""
+        return (self.keeps_grads and self.grad_full is None and self.master_grad is None and not self.per_use
+                and not self._by_rows)
+
+    def kept_all(self) -> None:
         self._grads_seen += len(self.params)
-        return True
 
     def kept_grads(self) -> list[torch.Tensor] | None:
         """Every parameter's kept gradient, when each parameter has one and they are all there is (no flat

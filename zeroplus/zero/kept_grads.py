@@ -17,9 +17,13 @@ What ``keep_all`` takes stays each parameter's ``.grad`` too, as in the plain mo
 next backward begins, they move into a flat buffer, their storages are resized, the step drops them): the step
 runs the optimizer over the parameters themselves with those gradients (``direct_step.py``), so no ``.grad`` is
 cleared when the backward ends and set again for the step (about 1 us each). See note: one-rank grads in place.
+
+``keep_all_at_once`` is ``keep_all`` for every group of a backward (one rank: all of them), each check made once over
+all their gradients and the ledger entered once. See note: one-rank take at once.
 """
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Callable, Iterator
 
 import torch
@@ -64,23 +68,11 @@ class KeptGrads:
 
     def keep_all(self, params: list[torch.nn.Parameter]) -> bool:
         """Keep every one of ``params``' ``.grad`` (left there until ``out_of_grad``), counted as one ledger entry, if
-        each exists and owns its storage whole and none is kept yet; else False, nothing changed. (``_whole_storage``'s
-        test over the list, one comprehension per property: this runs for every group in every backward.)"""
-        if self.holds():
-            return False
-        grads = [p.grad for p in params]
-        if any([g is None for g in grads]):
-            return False
-        storages = [g.untyped_storage() for g in grads]  # type: ignore[union-attr]
-        sizes = [s.nbytes() for s in storages]
-        dtype = self._dtype
-        if sizes != [g.nbytes for g in grads] or not all(  # type: ignore[union-attr]
-                [g.dtype == dtype and g.is_contiguous() for g in grads]):  # type: ignore[union-attr]
-            return False
-        self._entry = self._ledger.count_as_one(storages, Category.GRAD, sum(sizes))
-        self.tensors = grads  # type: ignore[assignment]
-        self._in_grad = params
-        return True
+        each exists and owns its storage whole and none is kept yet; else False, nothing changed."""
+        return keep_all_at_once([self], [params])
+
+    def _took(self, grads: list[torch.Tensor], params: list[torch.nn.Parameter], entry: int) -> None:
+        self._entry, self.tensors, self._in_grad = entry, grads, params  # type: ignore[assignment]
 
     def out_of_grad(self) -> None:
         """The parameters' ``.grad`` no longer shows the kept gradients (held here all the same)."""
@@ -128,3 +120,27 @@ class KeptGrads:
             return None
         storage = g.untyped_storage()
         return storage if storage.nbytes() == g.nbytes else None
+
+
+def keep_all_at_once(kept: list[KeptGrads], params: list[list[torch.nn.Parameter]]) -> bool:
+    """``kept[i].keep_all(params[i])`` for every ``i``, if each would keep all (else False, nothing changed): every
+    ``.grad`` exists and owns its storage whole (``_whole_storage``: each property tested over the whole list at once)
+    and none is kept yet. One ledger entry per group, made in one section (the groups share one ledger)."""
+    if not kept or any([k.holds() for k in kept]):
+        return False
+    flat = [p for ps in params for p in ps]
+    grads = [p.grad for p in flat]
+    if any([g is None for g in grads]):
+        return False
+    storages = [g.untyped_storage() for g in grads]  # type: ignore[union-attr]
+    sizes = [s.nbytes() for s in storages]
+    dtypes = [k._dtype for k, ps in zip(kept, params) for _ in ps]
+    if sizes != [g.nbytes for g in grads] or [g.dtype for g in grads] != dtypes or not all(  # type: ignore[union-attr]
+            [g.is_contiguous() for g in grads]):  # type: ignore[union-attr]
+        return False
+    ends = list(accumulate(len(ps) for ps in params))
+    spans = list(zip([0] + ends[:-1], ends))
+    keys = kept[0]._ledger.count_each([(storages[a:b], sum(sizes[a:b])) for a, b in spans], Category.GRAD)
+    for k, ps, (a, b), key in zip(kept, params, spans, keys):
+        k._took(grads[a:b], ps, key)  # type: ignore[arg-type]
+    return True

@@ -50,6 +50,7 @@ from ..ledger import Ledger
 from ..offload.policies import MasterPolicy
 from .flat_group import FLAT_ATTR, FlatParamGroup
 from .grad_reducer import GradReducer
+from .kept_grads import keep_all_at_once
 from .param_status import ParamStatus, mark
 from .placement import UnitPlacement
 from .quantized import packed_storage, prepare_packed
@@ -379,10 +380,15 @@ class ZeroPartition:
         return self._hookless(group) and not any(id(p) in per_use for p in group.params)
 
     def _take_at_end(self) -> None:
-        """The gradients of the groups ``_takes_at_end`` chose, each as its hook would have taken it."""
-        for g in self._taken_at_end:
-            if g.keep_all():  # (the usual case: every gradient in .grad, none held yet; one rank: nothing to reduce)
-                self._group_ready(g, reduce=False)
+        """The gradients of the groups ``_takes_at_end`` chose, each as its hook would have taken it: in the usual
+        case (every gradient in .grad, none held yet) all groups' at once (see note: one-rank take at once)."""
+        groups = self._taken_at_end
+        at_once = all([g.may_keep_all() for g in groups]) and keep_all_at_once([g.kept for g in groups],
+                                                                              [g.params for g in groups])
+        for g in groups:
+            if at_once or (g.may_keep_all() and g.kept.keep_all(g.params)):
+                g.kept_all()
+                self._group_ready(g, reduce=False)  # (one rank: nothing to reduce)
                 continue
             for i, p in enumerate(g.params):
                 if p.grad is not None or g.came_by_rows(i, clear=False):
