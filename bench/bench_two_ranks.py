@@ -7,7 +7,8 @@ entry in the same processes, from the same weights, and runs them in rounds: eac
 row, only the last timed (the first takes whatever the previous row left running: zeroplus's post-step
 all-gathers overlap its own next forward, as in training, and are not charged to another row). The row order
 rotates every round. A stage written with an ``r`` (``1r``) is that stage with the gradient reduction two gloo
-ranks used before the row exchange (per-rank reduces; see note: gloo exchange), for comparison. Printed: rank 0's
+ranks used before the row exchange (per-rank reduces; see note: gloo exchange), for comparison; with a ``g``
+(``3g``), that stage with every collective on gloo, no shared-memory pair (``zeroplus/shm_pair.py``). Printed: rank 0's
 median milliseconds of forward, backward and optimizer step (to the
 loss's value, the gradients reduced, the step returned) and the total against DDP's.
 
@@ -16,6 +17,7 @@ scaling is at least DDP's when its two-rank step is no longer than DDP's: the ``
 
     python bench/bench_two_ranks.py                      # GPT 111m, fp32, stages 0-3, 2 ranks
     python bench/bench_two_ranks.py --stages 1,1r,2,2r --rounds 12   # exchange against reduces
+    python bench/bench_two_ranks.py --stages 1,1g,3,3g                # shared-memory pair against gloo
 """
 from __future__ import annotations
 
@@ -39,13 +41,15 @@ from zeroplus.models import GPT, gpt_config  # noqa: E402
 class Row:
     """One engine (or DDP) and its phase times in seconds."""
 
-    def __init__(self, name: str, forward: Callable, backward: Callable, step: Callable) -> None:
-        self.name, self.phases = name, (forward, backward, step)
+    def __init__(self, name: str, forward: Callable, backward: Callable, step: Callable,
+                 before: Callable[[], None] = lambda: None) -> None:
+        self.name, self.phases, self.before = name, (forward, backward, step), before
         self.times: list[tuple[float, float, float]] = []
         self.losses: list[float] = []
 
     def run(self, x: torch.Tensor, keep: bool) -> None:
         forward, backward, step = self.phases
+        self.before()
         start = time.perf_counter()
         loss = forward(x)
         value = loss.item()
@@ -83,7 +87,7 @@ def _rows(base: torch.nn.Module, stages: list[str]) -> list[Row]:
         opt.zero_grad(set_to_none=True)
     rows = [Row("DDP + fused AdamW", lambda x: ddp_model(x, x), lambda loss: loss.backward(), ddp_step)]
     for spec in stages:
-        stage = int(spec.rstrip("r"))
+        stage = int(spec.rstrip("rg"))
         cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
                "zero_optimization": {"stage": stage}, "steps_per_print": 10**6,
@@ -92,7 +96,12 @@ def _rows(base: torch.nn.Module, stages: list[str]) -> list[Row]:
         name = f"zeroplus stage {stage}"
         if spec.endswith("r"):
             engine, name = _with_reduces(engine), name + ", reduces"
-        rows.append(Row(name, lambda x, e=engine: e(x, x), engine.backward, engine.step))
+        paired = not spec.endswith("g") and engine.dp.pair is not None
+        name += ", shm pair" if paired else (", gloo" if engine.dp.pair is not None else "")
+
+        def before(dp: zeroplus.comm.DataParallelGroup = engine.dp, on: bool = paired) -> None:
+            dp.pair_on = on  # (the engines share the group: each row sets it for its own steps)
+        rows.append(Row(name, lambda x, e=engine: e(x, x), engine.backward, engine.step, before))
     return rows
 
 
@@ -118,9 +127,9 @@ def worker(args: argparse.Namespace) -> None:
               f"ranks, one thread each, micro-batch 1 x {args.seq}; {args.rounds} rounds of {args.block} steps per "
               f"row, the last timed; rank 0's median ms")
         ref = rows[0].total()
-        print(f"{'row':<22}{'forward':>9}{'backward':>10}{'step':>8}{'total':>9}{'x DDP':>8}")
+        print(f"{'row':<34}{'forward':>9}{'backward':>10}{'step':>8}{'total':>9}{'x DDP':>8}")
         for row in rows:
-            print(f"{row.name:<22}{1e3 * row.median(0):>9.1f}{1e3 * row.median(1):>10.1f}{1e3 * row.median(2):>8.1f}"
+            print(f"{row.name:<34}{1e3 * row.median(0):>9.1f}{1e3 * row.median(1):>10.1f}{1e3 * row.median(2):>8.1f}"
                   f"{1e3 * row.total():>9.1f}{ref / row.total():>8.2f}")
     dist.destroy_process_group()
 
@@ -132,7 +141,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--stages", default="0,1,2,3",
                    help="zeroplus rows; a stage followed by r (1r): with gloo's per-rank reduces, the way before "
-                        "two ranks exchanged rows")
+                        "two ranks exchanged rows; followed by g (3g): every collective on gloo, no shared-memory pair")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--block", type=int, default=2, help="steps per row per round, the last timed")
     p.add_argument("--nproc", type=int, default=2)

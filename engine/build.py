@@ -170,6 +170,7 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
         log_rank0("parameters that require grad but are in no optimizer group stay fixed: %s", untrained[:8],
                   level=logging.WARNING)
     ledger = Ledger() if ledger is None else ledger
+    dp.open_shared_pair(ledger, cfg.zeroplus.shared_memory_pair)  # two gloo ranks of one host (shm_pair.py)
     param_offload = _param_offload(cfg, model, group_of, dp.size, accel, ledger)
     stage = ZeroStage(cfg.zero_optimization.stage)
     flattened = {id(p) for p in model.parameters() if (p.requires_grad and id(p) in group_of)

@@ -40,6 +40,7 @@ import torch
 
 from zeroplus.accelerator import Accelerator
 from zeroplus.ledger import Category, Ledger
+from zeroplus.shm_pair import process_alive
 
 from . import direct_io, integrity
 
@@ -261,19 +262,9 @@ def _remove_dead_directories(path: str) -> None:
         if not entry.startswith(_SWAP_PREFIX):
             continue
         pid = entry[len(_SWAP_PREFIX):].split("-")[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
             logger.info("removing swap directory %s left by process %s", os.path.join(path, entry), pid)
             shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def make_tier(kind: str, path: str | None, accelerator: Accelerator, ledger: Ledger,

@@ -24,7 +24,8 @@ interpreter exit that GIL request ends the worker thread mid-destructor and the 
 collective gets fresh aliases of its tensors (``detach()``: same storage, its own tensor object),
 and ``Handle.wait()`` returns only once the backend has let go of them (``_until_released``: a few
 microseconds), so the last reference to every tensor is this thread's.
-Two ranks reduce gradients by one point-to-point exchange instead (``exchange_rows``).
+Two ranks reduce gradients by one point-to-point exchange instead (``exchange_rows``), and two ranks of one host
+(``open_shared_pair``) swap large all-gathers and exchanges through shared memory instead of TCP (``shm_pair.py``).
 See note: gloo in place; see note: gloo broadcasts and reduces; see note: gloo exchange (docs/design-notes.md).
 """
 from __future__ import annotations
@@ -41,8 +42,10 @@ import torch.distributed as dist
 
 from . import comm_observers
 from .accelerator import get_accelerator
-from .collective_faults import collective_failed, set_timeout_seconds
+from .collective_faults import collective_failed, current_timeout_seconds, set_timeout_seconds
 from .comm_observers import Completed
+from .ledger import Category, Ledger
+from .shm_pair import MIN_BYTES, SharedPair, open_pair
 
 DEFAULT_TIMEOUT_SECONDS = 600.0
 # One tag for every exchange: gloo matches a pair's sends and receives of one tag in the order they were posted, and
@@ -105,6 +108,10 @@ class Handle:
         if self._on_done is not None:
             self._on_done()
             self._on_done = None
+
+
+def _timeout_seconds() -> float:
+    return current_timeout_seconds() or DEFAULT_TIMEOUT_SECONDS
 
 
 def _until_released(held: tuple[torch.Tensor, ...]) -> None:
@@ -177,6 +184,8 @@ class Collectives(Protocol):
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Handle: ...
 
+    def open_shared_pair(self, ledger: Ledger, wanted: bool = True) -> None: ...
+
     def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor, output_sizes: list[int],
                      input_sizes: list[int]) -> None: ...
 
@@ -207,6 +216,27 @@ class DataParallelGroup:
         self.issued = 0  # collectives issued in this group, for messages
         backend = str(dist.get_backend(group)) if self.initialized and self.size > 1 else ""
         self.gloo = backend == "gloo"  # all-gathers and gradient reductions by in-place broadcasts and reduces
+        self.pair: SharedPair | None = None  # two gloo ranks of one host: large swaps through shared memory
+        self.pair_on = False  # ... while this is true (open_shared_pair)
+
+    def open_shared_pair(self, ledger: Ledger, wanted: bool = True) -> None:
+        """Collective: a two-rank gloo group whose ranks share a host swaps its large all-gathers and gradient
+        exchanges through a shared mapping from now on (``shm_pair.py``, 4 MiB in ``ledger``); others keep gloo.
+        Engines share a process's groups: the last one built decides (``wanted``); a mapping made stays."""
+        self.pair_on = wanted
+        if not wanted:
+            return
+        if self.pair is None and self.gloo and self.size == 2:
+            self.pair = open_pair(self, ledger, _timeout_seconds)
+        elif self.pair is not None:  # a later engine over the same group counts it too
+            ledger.track(self.pair.tensor.detach(), Category.COMM_BUFFER)
+
+    def _paired(self, send: torch.Tensor, recv: torch.Tensor) -> bool:
+        """Whether this swap goes through the shared pair: CPU, contiguous, as many bytes each way, large."""
+        nbytes = send.numel() * send.element_size()
+        return (self.pair is not None and self.pair_on and send.device.type == "cpu" and recv.device.type == "cpu"
+                and send.is_contiguous() and recv.is_contiguous() and nbytes >= MIN_BYTES
+                and recv.numel() * recv.element_size() == nbytes)
 
     def _count(self, kind: str, *tensors: torch.Tensor) -> int:
         """Count the message's bytes (the textbook message of ``kind``); return them."""
@@ -274,6 +304,8 @@ class DataParallelGroup:
                 with torch.no_grad():
                     own.copy_(input.view(-1))
             chunks = tuple(flat[i * n:(i + 1) * n] for i in range(self.size))
+            if self._paired(own, chunks[1 - self.rank]):
+                return self._run("all_gather", self._swap, (own, chunks[1 - self.rank]), on_done, nbytes)
             return self._run("all_gather", self._broadcast_each, chunks, on_done, nbytes)
         return self._run("all_gather", lambda o, i: _all_gather(o, i, group=self.group, async_op=True),
                          (output, input), on_done, nbytes)
@@ -302,6 +334,8 @@ class DataParallelGroup:
         nbytes = self._count("reduce_scatter", *rows)
         others = [i for i in range(self.size) if i != self.rank]
         n = len(others)
+        if n == 1 and self._paired(rows[others[0]], into[others[0]]):
+            return self._run("reduce_scatter", self._swap, (rows[others[0]], into[others[0]]), on_done, nbytes)
 
         def issue(*ts: torch.Tensor) -> Any:
             return _Works([w for k, i in enumerate(others) for w in (
@@ -309,6 +343,10 @@ class DataParallelGroup:
                 dist.irecv(ts[n + k], self._global(i), group=self.group, tag=EXCHANGE_TAG))])
         return self._run("reduce_scatter", issue, tuple(rows[i] for i in others) + tuple(into[i] for i in others),
                          on_done, nbytes)
+
+    def _swap(self, send: torch.Tensor, recv: torch.Tensor) -> Any:
+        assert self.pair is not None
+        return self.pair.swap(send, recv)
 
     def _gloo_cpu(self, tensor: torch.Tensor) -> bool:
         return self.gloo and tensor.device.type == "cpu"

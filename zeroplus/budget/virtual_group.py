@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from ..comm import Collectives, Handle
+from ..ledger import Category, Ledger
+from ..shm_pair import MAPPING_BYTES, possible_here
 
 
 class VirtualGroup:
@@ -36,6 +38,14 @@ class VirtualGroup:
         self.bytes_sent: collections.Counter[str] = collections.Counter()
         self.running: Handle | None = None
         self.temporary: torch.Tensor | None = None
+        self.pair: torch.Tensor | None = None
+
+    def open_shared_pair(self, ledger: Ledger, wanted: bool = True) -> None:
+        """Two gloo ranks map a shared pair (``shm_pair.py``) where this process could: its bytes in the ledger, as
+        ``DataParallelGroup.open_shared_pair`` counts them (a two-rank gloo job over two hosts would not map it)."""
+        if wanted and self.gloo and self.size == 2 and self.pair is None and possible_here():
+            self.pair = ledger.track(torch.empty(MAPPING_BYTES, dtype=torch.uint8, device="meta"),
+                                     Category.COMM_BUFFER)
 
     def _held(self, like: torch.Tensor, on_done: Callable[[], None] | None) -> Handle:
         if not (self.gloo_buffers and self.size > 1):
