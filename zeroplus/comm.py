@@ -25,7 +25,8 @@ collective gets fresh aliases of its tensors (``detach()``: same storage, its ow
 and ``Handle.wait()`` returns only once the backend has let go of them (``_until_released``: a few
 microseconds), so the last reference to every tensor is this thread's.
 Two ranks reduce gradients by one point-to-point exchange instead (``exchange_rows``), and two ranks of one host
-(``open_shared_pair``) swap large all-gathers and exchanges through shared memory instead of TCP (``shm_pair.py``).
+(``open_shared_pair``) swap large all-gathers, exchanges and sums through shared memory instead of TCP
+(``shm_pair.py``).
 See note: gloo in place; see note: gloo broadcasts and reduces; see note: gloo exchange (docs/design-notes.md).
 """
 from __future__ import annotations
@@ -45,7 +46,7 @@ from .accelerator import get_accelerator
 from .collective_faults import collective_failed, current_timeout_seconds, set_timeout_seconds
 from .comm_observers import Completed
 from .ledger import Category, Ledger
-from .shm_pair import MIN_BYTES, SharedPair, open_pair
+from .shm_pair import MAPPING_BYTES, MIN_BYTES, SharedPair, open_pair
 
 DEFAULT_TIMEOUT_SECONDS = 600.0
 # One tag for every exchange: gloo matches a pair's sends and receives of one tag in the order they were posted, and
@@ -231,6 +232,11 @@ class DataParallelGroup:
         elif self.pair is not None:  # a later engine over the same group counts it too
             ledger.track(self.pair.tensor.detach(), Category.COMM_BUFFER)
 
+    @property
+    def pair_bytes(self) -> int:
+        """What the shared pair maps while this group uses it (the ledger's comm buffers count it throughout)."""
+        return MAPPING_BYTES if self.pair is not None and self.pair_on else 0
+
     def _paired(self, send: torch.Tensor, recv: torch.Tensor) -> bool:
         """Whether this swap goes through the shared pair: CPU, contiguous, as many bytes each way, large."""
         nbytes = send.numel() * send.element_size()
@@ -274,6 +280,8 @@ class DataParallelGroup:
         if self.size == 1:
             return Handle(None, on_done)
         nbytes = self._count("all_reduce", tensor)
+        if (op is None or op == dist.ReduceOp.SUM) and self._paired(tensor, tensor):
+            return self._run("all_reduce", self._summed, (tensor,), on_done, nbytes)
         op = dist.ReduceOp.SUM if op is None else op
         return self._run("all_reduce", lambda t: dist.all_reduce(t, op=op, group=self.group, async_op=True),
                          (tensor,), on_done, nbytes)
@@ -347,6 +355,10 @@ class DataParallelGroup:
     def _swap(self, send: torch.Tensor, recv: torch.Tensor) -> Any:
         assert self.pair is not None
         return self.pair.swap(send, recv)
+
+    def _summed(self, tensor: torch.Tensor) -> Any:
+        assert self.pair is not None
+        return self.pair.summed(tensor)
 
     def _gloo_cpu(self, tensor: torch.Tensor) -> bool:
         return self.gloo and tensor.device.type == "cpu"

@@ -2,10 +2,10 @@
 
 At two gloo ranks, the data-parallel group's all-gather (each rank sends its chunk and receives the other's) and the
 gradient exchange (``exchange_rows``: each sends the other its row and receives its own) are both a swap of equal
-byte counts. Through loopback TCP each byte is copied into the kernel and out again by gloo's threads, on the
-cores the ranks compute on; here it is written once into a slot of a mapping both processes share and read once out
-of it. Measured on this 2-core CPU, an all-gather of 111 MB per rank: gloo's two broadcasts 70-107 ms, the swap
-30-41 ms (design note below).
+byte counts, and a sum all-reduce is a swap whose received chunks are added in place (``summed``). Through loopback
+TCP each byte is copied into the kernel and out again by gloo's threads, on the cores the ranks compute on; here it
+is written once into a slot of a mapping both processes share and read once out of it. Measured on this 2-core CPU,
+an all-gather of 111 MB per rank: gloo's two broadcasts 70-107 ms, the swap 30-41 ms (design note below).
 
 How: one file under /dev/shm (and two FIFOs beside it), made by rank 0, opened by both ranks and unlinked as soon as
 both have them (nothing outlives the processes). It holds a header of counters and, per rank, ``SLOTS`` slots of
@@ -92,9 +92,10 @@ def process_alive(pid: int) -> bool:
 class _Swap:
     """One queued swap; ``wait()`` as a backend work's (a ``RuntimeError`` when it failed)."""
 
-    def __init__(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+    def __init__(self, send: torch.Tensor, recv: torch.Tensor, add: torch.dtype | None) -> None:
         self.send: torch.Tensor | None = send
         self.recv: torch.Tensor | None = recv
+        self.add = add  # the dtype whose values are added into ``recv`` rather than copied (``summed``)
         self.finished = threading.Event()
         self.error: str | None = None
 
@@ -130,7 +131,16 @@ class SharedPair:
     def swap(self, send: torch.Tensor, recv: torch.Tensor) -> _Swap:
         """Queue: ``send`` (contiguous) to the peer, the peer's bytes into ``recv`` (contiguous, as many bytes). Its
         ``wait()`` returns once both are done; neither may be touched before."""
-        job = _Swap(send.reshape(-1).view(torch.uint8), recv.reshape(-1).view(torch.uint8))
+        job = _Swap(send.reshape(-1).view(torch.uint8), recv.reshape(-1).view(torch.uint8), None)
+        self._jobs.put(job)
+        return job
+
+    def summed(self, tensor: torch.Tensor) -> _Swap:
+        """Queue an all-reduce (sum) of ``tensor`` (contiguous) in place: each chunk goes to the peer before the
+        peer's is added into it. Mine + theirs on one rank, theirs + mine on the other: the same sum to the bit
+        (addition of two values commutes), as gloo's all-reduce of two gives."""
+        flat = tensor.reshape(-1).view(torch.uint8)
+        job = _Swap(flat, flat, tensor.dtype)
         self._jobs.put(job)
         return job
 
@@ -176,7 +186,10 @@ class SharedPair:
                     raise RuntimeError(f"the ranks swap different sizes: {n} bytes on rank {me}, {theirs} on rank "
                                        f"{peer} (their collectives differ)")
                 a, b = (k - 1) * SLOT_BYTES, min(n, k * SLOT_BYTES)
-                recv[a:b].copy_(self._theirs[r % SLOTS, :b - a])
+                if job.add is None:
+                    recv[a:b].copy_(self._theirs[r % SLOTS, :b - a])
+                else:  # (chunk k - 1 of ``send`` went out in the last round: adding into it is safe)
+                    recv[a:b].view(job.add).add_(self._theirs[r % SLOTS, :b - a].view(job.add))
                 c[_READ + me] = self._read = r + 1
                 self._wake()
 

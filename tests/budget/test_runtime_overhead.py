@@ -45,7 +45,8 @@ def test_measured_once_kept_and_read_back(fresh, monkeypatch):
     monkeypatch.setattr(runtime_overhead, "probe", no_second_probe)
     runtime_overhead._measured.cache_clear()
     assert runtime_bytes("cpu") == (construction, training)
-    assert runtime_bytes("cuda") == runtime_bytes("npu") == (0, 0)
+    assert runtime_bytes("cpu", world_size=2) == (construction, training + runtime_overhead.GLOO_PEER_BYTES)
+    assert runtime_bytes("cuda") == runtime_bytes("npu") == runtime_bytes("cuda", world_size=8) == (0, 0)
 
 
 def test_each_compute_dtype_is_probed_apart(fresh):

@@ -67,7 +67,7 @@ def _trajectory(stage: int, shared: bool, optimizer: str) -> dict:
         (2 * owned if shared and stage < 3 else 0)
     assert ("shared_master_weights/master" in engine.memory_report().saved) == (shared and stage < 3)
     return {"steps": steps, "master_bytes": master_bytes, "owned": owned,
-            "forward_comm_peak": engine.ledger.peak_bytes(Category.COMM_BUFFER)}
+            "forward_comm_peak": engine.ledger.peak_bytes(Category.COMM_BUFFER) - engine.dp.pair_bytes}
 
 
 def _job(optimizers: list[str]) -> dict[str, list[tuple[dict, dict]]]:

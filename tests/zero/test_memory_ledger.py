@@ -46,7 +46,7 @@ def _run(cases: list[tuple[int, str]]) -> list[dict]:
         # At stage 3 in bf16 the prefetch for the next forward casts its shards (c * S each for the
         # root and the first block) into comm buffers; on gloo the all-gather (an in-place
         # all-reduce, comm.py) copies them into the gathered buffer when issued, so none is left.
-        in_flight = 0
+        in_flight = engine.dp.pair_bytes  # (two ranks of one host: the shared pair's mapping stays, shm_pair.py)
         deadline = time.monotonic() + 5
         while (engine.ledger.live_bytes(Category.COMM_BUFFER) > in_flight or engine.ledger.live_bytes(Category.GRAD)) \
                 and time.monotonic() < deadline:

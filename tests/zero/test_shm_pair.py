@@ -25,8 +25,8 @@ def _pieces(rank: int, numel: int, dtype: torch.dtype, seed: int) -> torch.Tenso
 
 
 def _swapped(shared: bool) -> dict:
-    """All-gathers (fp32, bf16, a size that is no multiple of a slot, one under ``MIN_BYTES``) and exchanges, several
-    in flight at once and waited in another order than issued, with or without the pair."""
+    """All-gathers (fp32, bf16, a size that is no multiple of a slot, one under ``MIN_BYTES``), exchanges and sums
+    (fp32, bf16), several in flight at once and waited in another order than issued, with or without the pair."""
     dp, ledger = DataParallelGroup(), Ledger()
     if shared:
         dp.open_shared_pair(ledger)
@@ -42,15 +42,17 @@ def _swapped(shared: bool) -> dict:
     rows = [_pieces(r, n, torch.float32, 10 + i) for i in range(2)]
     into = [torch.full((n,), float("nan")) for _ in range(2)]
     handles.append(dp.exchange_rows(rows, into))
+    summed = [_pieces(r, 2 * shm_pair.SLOT_BYTES // 4 + 99, dtype, 20) for dtype in (torch.float32, torch.bfloat16)]
+    handles += [dp.all_reduce(t) for t in summed]
     for h in reversed(handles):
         h.wait()
     return {"paired": dp.pair is not None, "comm_bytes": ledger.live_bytes(Category.COMM_BUFFER),
-            "outs": outs, "into": into[1 - r], "sent": dict(dp.bytes_sent)}
+            "outs": outs, "into": into[1 - r], "summed": summed, "sent": dict(dp.bytes_sent)}
 
 
 def test_the_pair_moves_the_bytes_gloo_moves():
-    """Every all-gather and exchange lands bit for bit what gloo's path lands, with several in flight; the mapping
-    is 4 MiB and a header in the ledger; the bytes counted are the same."""
+    """Every all-gather, exchange and sum lands bit for bit what gloo's path lands, with several in flight; the
+    mapping is 4 MiB and a header in the ledger; the bytes counted are the same."""
     shared, plain = run_distributed(_swapped, 2, True), run_distributed(_swapped, 2, False)
     for r in range(2):
         assert shared[r]["paired"] and not plain[r]["paired"]
@@ -60,6 +62,11 @@ def test_the_pair_moves_the_bytes_gloo_moves():
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))  # (bits: NaN would differ from itself)
         assert torch.equal(shared[r]["into"], plain[r]["into"])
         assert torch.equal(shared[r]["into"], _pieces(1 - r, shm_pair.SLOT_BYTES // 2 + 3, torch.float32, 10 + r))
+        for i, dtype in enumerate((torch.float32, torch.bfloat16)):  # gloo's sum, on both ranks
+            n = 2 * shm_pair.SLOT_BYTES // 4 + 99
+            expected = _pieces(0, n, dtype, 20) + _pieces(1, n, dtype, 20)
+            for got in (shared[r]["summed"][i], plain[r]["summed"][i], shared[1 - r]["summed"][i]):
+                assert torch.equal(got, expected), (r, dtype)
         assert shared[r]["sent"] == plain[r]["sent"]
     for k, (n, dtype) in enumerate([(3 * shm_pair.SLOT_BYTES // 4 + 12345, torch.float32)]):
         expected = torch.cat([_pieces(0, n, dtype, k), _pieces(1, n, dtype, k)])
@@ -88,7 +95,7 @@ def _trained(stage: int, shared: bool) -> dict:
     return {"losses": losses, "state": engine.consolidated_fp32_state(), "swapped": swapped}
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_training_through_the_pair_is_bit_for_bit_gloos(stage):
     """Two ranks of a GPT whose groups are over ``MIN_BYTES``: losses and every parameter after three steps equal
     to the bit with the pair and without it, and the pair carried chunks."""

@@ -57,6 +57,10 @@ ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "
 RECORD = ("construction", "training", "code_built", "code_constructed", "code_trained")  # the probe's numbers
 FALLBACK_BYTES = (12 * 2**20, 24 * 2**20, 40 * 2**20, 45 * 2**20, 62 * 2**20)  # GPT-tiny, 1 gloo rank, fp32, here
 LAZY_IMPORTS = ("torch._dynamo",)  # what torch imports lazily for an engine: imported above, with zeroplus
+# gloo with a peer holds native buffers a one-rank probe never makes: the HF worker's tiny Llama (ZeRO-2, 1 x 512)
+# measured 1.0-1.4 MiB more runtime at two ranks than at one after two steps (session 46; a bare loop of gloo
+# collectives up to 1.2 MB: 2.4 MiB); it creeps up by 1-4 MiB more over tens of steps (the estimate's caveat)
+GLOO_PEER_BYTES = 1 << 20
 DTYPES = ("fp32", "bf16", "fp16")  # compute dtypes, each probed apart
 # what the probe measures changed (2: the step's norm scratch no longer counted whole in the tensors
 # subtracted; measured on the engine report's basis; 3: torch's code resident recorded): a kept result
@@ -67,13 +71,14 @@ _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RA
                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
 
-def runtime_bytes(kind: str, dtype: str = "fp32", code: int | None = None) -> tuple[int, int]:
+def runtime_bytes(kind: str, dtype: str = "fp32", code: int | None = None, world_size: int = 1) -> tuple[int, int]:
     """(bytes from the engine's construction on, bytes from the end of the first backward on) for a
     process training on accelerator ``kind`` in compute dtype ``dtype`` (``fp32``, ``bf16``, ``fp16``:
     a 16-bit run loads its own kernels, 11 MiB more for bf16 here; each is probed once).
     ``code``: ``first_use.code_resident()`` of the process the prediction is for, read when it starts
     ``initialize``; what it holds beyond the probe's after-build figure is taken off, up to what the
-    probe's run paged in by then. None: a fresh process (nothing taken off)."""
+    probe's run paged in by then. None: a fresh process (nothing taken off). ``world_size`` above 1 on CPU:
+    ``GLOO_PEER_BYTES`` more from the first backward on (the probe runs one rank)."""
     if dtype not in DTYPES:
         raise ValueError(f"runtime_bytes: dtype {dtype!r} is not one of {DTYPES}")
     if kind != "cpu":
@@ -82,10 +87,12 @@ def runtime_bytes(kind: str, dtype: str = "fp32", code: int | None = None) -> tu
     if override is not None:
         return _parse_override(override)
     construction, training, built, constructed, trained = _measured(dtype)
+    peers = GLOO_PEER_BYTES if world_size > 1 else 0
     if code is None:
-        return (construction, training)
+        return (construction, training + peers)
     ahead = max(0, code - built)
-    return (max(0, construction - min(ahead, constructed - built)), max(0, training - min(ahead, trained - built)))
+    return (max(0, construction - min(ahead, constructed - built)),
+            max(0, training - min(ahead, trained - built)) + peers)
 
 
 @functools.lru_cache(maxsize=None)
