@@ -326,6 +326,9 @@ class DataParallelGroup:
         if self.size == 1:
             return Handle(None, on_done)
         nbytes = self._count("reduce_scatter", *pieces)
+        if self.size == 2 and self._paired(pieces[1 - self.rank], pieces[self.rank]):
+            return self._run("reduce_scatter", self._reduced, (pieces[1 - self.rank], pieces[self.rank]), on_done,
+                             nbytes)
         return self._run("reduce_scatter", lambda *ps: _Works([
             dist.reduce(piece, dst=self._global(i), group=self.group, async_op=True) for i, piece in enumerate(ps)]),
             tuple(pieces), on_done, nbytes)
@@ -355,6 +358,10 @@ class DataParallelGroup:
     def _swap(self, send: torch.Tensor, recv: torch.Tensor) -> Any:
         assert self.pair is not None
         return self.pair.swap(send, recv)
+
+    def _reduced(self, send: torch.Tensor, onto: torch.Tensor) -> Any:
+        assert self.pair is not None
+        return self.pair.reduced(send, onto)
 
     def _summed(self, tensor: torch.Tensor) -> Any:
         assert self.pair is not None

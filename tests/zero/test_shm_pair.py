@@ -25,8 +25,9 @@ def _pieces(rank: int, numel: int, dtype: torch.dtype, seed: int) -> torch.Tenso
 
 
 def _swapped(shared: bool) -> dict:
-    """All-gathers (fp32, bf16, a size that is no multiple of a slot, one under ``MIN_BYTES``), exchanges and sums
-    (fp32, bf16), several in flight at once and waited in another order than issued, with or without the pair."""
+    """All-gathers (fp32, bf16, a size that is no multiple of a slot, one under ``MIN_BYTES``), exchanges, sums and
+    reduces onto each (fp32, bf16), several in flight at once and waited in another order than issued, with or
+    without the pair."""
     dp, ledger = DataParallelGroup(), Ledger()
     if shared:
         dp.open_shared_pair(ledger)
@@ -44,15 +45,19 @@ def _swapped(shared: bool) -> dict:
     handles.append(dp.exchange_rows(rows, into))
     summed = [_pieces(r, 2 * shm_pair.SLOT_BYTES // 4 + 99, dtype, 20) for dtype in (torch.float32, torch.bfloat16)]
     handles += [dp.all_reduce(t) for t in summed]
+    n = shm_pair.SLOT_BYTES // 4 + 5
+    reduced = [[_pieces(r, n, dtype, 30 + i) for i in range(2)] for dtype in (torch.float32, torch.bfloat16)]
+    handles += [dp.reduce_to_each(pieces) for pieces in reduced]
     for h in reversed(handles):
         h.wait()
     return {"paired": dp.pair is not None, "comm_bytes": ledger.live_bytes(Category.COMM_BUFFER),
-            "outs": outs, "into": into[1 - r], "summed": summed, "sent": dict(dp.bytes_sent)}
+            "outs": outs, "into": into[1 - r], "summed": summed, "reduced": [p[r] for p in reduced],
+            "sent": dict(dp.bytes_sent)}
 
 
 def test_the_pair_moves_the_bytes_gloo_moves():
-    """Every all-gather, exchange and sum lands bit for bit what gloo's path lands, with several in flight; the
-    mapping is 4 MiB and a header in the ledger; the bytes counted are the same."""
+    """Every all-gather, exchange, sum and reduce lands bit for bit what gloo's path lands, with several in flight;
+    the mapping is 4 MiB and a header in the ledger; the bytes counted are the same."""
     shared, plain = run_distributed(_swapped, 2, True), run_distributed(_swapped, 2, False)
     for r in range(2):
         assert shared[r]["paired"] and not plain[r]["paired"]
@@ -67,25 +72,29 @@ def test_the_pair_moves_the_bytes_gloo_moves():
             expected = _pieces(0, n, dtype, 20) + _pieces(1, n, dtype, 20)
             for got in (shared[r]["summed"][i], plain[r]["summed"][i], shared[1 - r]["summed"][i]):
                 assert torch.equal(got, expected), (r, dtype)
+            n = shm_pair.SLOT_BYTES // 4 + 5  # a reduce of two onto each: rank r's piece r holds the sum
+            expected = _pieces(0, n, dtype, 30 + r) + _pieces(1, n, dtype, 30 + r)
+            assert torch.equal(shared[r]["reduced"][i], expected) and torch.equal(plain[r]["reduced"][i], expected)
         assert shared[r]["sent"] == plain[r]["sent"]
     for k, (n, dtype) in enumerate([(3 * shm_pair.SLOT_BYTES // 4 + 12345, torch.float32)]):
         expected = torch.cat([_pieces(0, n, dtype, k), _pieces(1, n, dtype, k)])
         assert torch.equal(shared[0]["outs"][0], expected)
 
 
-def _config(stage: int, shared: bool) -> dict:
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+def _config(stage: int, shared: bool, accumulation: int = 1) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accumulation, "gradient_clipping": 1.0,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
             "zeroplus": {"log_level": "warning", "memory_estimate": False, "shared_memory_pair": shared}}
 
 
-def _trained(stage: int, shared: bool) -> dict:
+def _trained(stage: int, accumulation: int, shared: bool) -> dict:
     torch.manual_seed(0)
-    engine = zeroplus.initialize(GPT(gpt_config("tiny", n_embd=128, vocab_size=4096)), _config(stage, shared))
+    engine = zeroplus.initialize(GPT(gpt_config("tiny", n_embd=128, vocab_size=4096)),
+                                 _config(stage, shared, accumulation))
     r = engine.dp.rank
     losses = []
-    for step in range(3):
+    for step in range(3 * accumulation):
         ids = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(10 * step + r))
         loss = engine(ids, ids)
         engine.backward(loss)
@@ -95,11 +104,13 @@ def _trained(stage: int, shared: bool) -> dict:
     return {"losses": losses, "state": engine.consolidated_fp32_state(), "swapped": swapped}
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_training_through_the_pair_is_bit_for_bit_gloos(stage):
+@pytest.mark.parametrize("stage,accumulation", [(0, 1), (1, 1), (2, 1), (3, 1), (2, 2), (3, 2)])
+def test_training_through_the_pair_is_bit_for_bit_gloos(stage, accumulation):
     """Two ranks of a GPT whose groups are over ``MIN_BYTES``: losses and every parameter after three steps equal
-    to the bit with the pair and without it, and the pair carried chunks."""
-    shared, plain = run_distributed(_trained, 2, stage, True), run_distributed(_trained, 2, stage, False)
+    to the bit with the pair and without it, and the pair carried chunks (gradient accumulation: the reduces onto
+    each rank's shard)."""
+    shared = run_distributed(_trained, 2, stage, accumulation, True)
+    plain = run_distributed(_trained, 2, stage, accumulation, False)
     for r in range(2):
         assert shared[r]["swapped"] > 0 and plain[r]["swapped"] == 0, (shared[r]["swapped"], plain[r]["swapped"])
         assert shared[r]["losses"] == plain[r]["losses"], (shared[r]["losses"], plain[r]["losses"])

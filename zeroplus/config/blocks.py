@@ -407,9 +407,10 @@ class ZeroplusBlock(Block):
                            "naming the collective and the rank that did not arrive; applied to the process groups "
                            "zeroplus creates (torch's own default is 30 minutes).")
     shared_memory_pair: bool = Field(
-        True, description="Two data-parallel gloo ranks on one x86-64 host swap their large all-gathers and gradient "
-                          "exchanges through a 4 MiB shared-memory mapping instead of TCP loopback (about twice as "
-                          "fast, the bytes the same); false keeps gloo for everything (so does ZEROPLUS_SHM_PAIR=0).")
+        True, description="Two data-parallel gloo ranks on one x86-64 host swap their large all-gathers, gradient "
+                          "exchanges and reductions through a 4 MiB shared-memory mapping instead of TCP loopback "
+                          "(about twice as fast, the bytes the same); false keeps gloo for everything (so does "
+                          "ZEROPLUS_SHM_PAIR=0).")
     dump_dir: str | None = Field(
         None, description="Where a rank writes what it was doing when a collective fails or memory runs out "
                           "(default: $ZEROPLUS_DUMP_DIR, else <temp dir>/zeroplus-dumps).")
