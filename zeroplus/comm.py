@@ -237,12 +237,12 @@ class DataParallelGroup:
         """What the shared pair maps while this group uses it (the ledger's comm buffers count it throughout)."""
         return MAPPING_BYTES if self.pair is not None and self.pair_on else 0
 
-    def _paired(self, send: torch.Tensor, recv: torch.Tensor) -> bool:
-        """Whether this swap goes through the shared pair: CPU, contiguous, as many bytes each way, large."""
+    def _pair_for(self, send: torch.Tensor, recv: torch.Tensor) -> SharedPair | None:
+        """The shared pair if this swap goes through it (CPU, contiguous, as many bytes each way, large), else None."""
         nbytes = send.numel() * send.element_size()
-        return (self.pair is not None and self.pair_on and send.device.type == "cpu" and recv.device.type == "cpu"
-                and send.is_contiguous() and recv.is_contiguous() and nbytes >= MIN_BYTES
-                and recv.numel() * recv.element_size() == nbytes)
+        paired = (self.pair_on and send.device.type == "cpu" and recv.device.type == "cpu" and send.is_contiguous()
+                  and recv.is_contiguous() and nbytes >= MIN_BYTES and recv.numel() * recv.element_size() == nbytes)
+        return self.pair if paired else None
 
     def _count(self, kind: str, *tensors: torch.Tensor) -> int:
         """Count the message's bytes (the textbook message of ``kind``); return them."""
@@ -280,8 +280,9 @@ class DataParallelGroup:
         if self.size == 1:
             return Handle(None, on_done)
         nbytes = self._count("all_reduce", tensor)
-        if (op is None or op == dist.ReduceOp.SUM) and self._paired(tensor, tensor):
-            return self._run("all_reduce", self._summed, (tensor,), on_done, nbytes)
+        pair = self._pair_for(tensor, tensor) if op is None or op == dist.ReduceOp.SUM else None
+        if pair is not None:
+            return self._run("all_reduce", lambda t: pair.swap(t, t, add=True), (tensor,), on_done, nbytes)
         op = dist.ReduceOp.SUM if op is None else op
         return self._run("all_reduce", lambda t: dist.all_reduce(t, op=op, group=self.group, async_op=True),
                          (tensor,), on_done, nbytes)
@@ -312,8 +313,9 @@ class DataParallelGroup:
                 with torch.no_grad():
                     own.copy_(input.view(-1))
             chunks = tuple(flat[i * n:(i + 1) * n] for i in range(self.size))
-            if self._paired(own, chunks[1 - self.rank]):
-                return self._run("all_gather", self._swap, (own, chunks[1 - self.rank]), on_done, nbytes)
+            pair = self._pair_for(own, chunks[1 - self.rank])
+            if pair is not None:
+                return self._run("all_gather", pair.swap, (own, chunks[1 - self.rank]), on_done, nbytes)
             return self._run("all_gather", self._broadcast_each, chunks, on_done, nbytes)
         return self._run("all_gather", lambda o, i: _all_gather(o, i, group=self.group, async_op=True),
                          (output, input), on_done, nbytes)
@@ -326,9 +328,10 @@ class DataParallelGroup:
         if self.size == 1:
             return Handle(None, on_done)
         nbytes = self._count("reduce_scatter", *pieces)
-        if self.size == 2 and self._paired(pieces[1 - self.rank], pieces[self.rank]):
-            return self._run("reduce_scatter", self._reduced, (pieces[1 - self.rank], pieces[self.rank]), on_done,
-                             nbytes)
+        pair = self._pair_for(pieces[1 - self.rank], pieces[self.rank]) if self.size == 2 else None
+        if pair is not None:  # the peer's piece goes to it, its piece for this rank is added into this rank's
+            return self._run("reduce_scatter", lambda s, r: pair.swap(s, r, add=True),
+                             (pieces[1 - self.rank], pieces[self.rank]), on_done, nbytes)
         return self._run("reduce_scatter", lambda *ps: _Works([
             dist.reduce(piece, dst=self._global(i), group=self.group, async_op=True) for i, piece in enumerate(ps)]),
             tuple(pieces), on_done, nbytes)
@@ -345,8 +348,9 @@ class DataParallelGroup:
         nbytes = self._count("reduce_scatter", *rows)
         others = [i for i in range(self.size) if i != self.rank]
         n = len(others)
-        if n == 1 and self._paired(rows[others[0]], into[others[0]]):
-            return self._run("reduce_scatter", self._swap, (rows[others[0]], into[others[0]]), on_done, nbytes)
+        pair = self._pair_for(rows[others[0]], into[others[0]]) if n == 1 else None
+        if pair is not None:
+            return self._run("reduce_scatter", pair.swap, (rows[others[0]], into[others[0]]), on_done, nbytes)
 
         def issue(*ts: torch.Tensor) -> Any:
             return _Works([w for k, i in enumerate(others) for w in (
@@ -354,18 +358,6 @@ class DataParallelGroup:
                 dist.irecv(ts[n + k], self._global(i), group=self.group, tag=EXCHANGE_TAG))])
         return self._run("reduce_scatter", issue, tuple(rows[i] for i in others) + tuple(into[i] for i in others),
                          on_done, nbytes)
-
-    def _swap(self, send: torch.Tensor, recv: torch.Tensor) -> Any:
-        assert self.pair is not None
-        return self.pair.swap(send, recv)
-
-    def _reduced(self, send: torch.Tensor, onto: torch.Tensor) -> Any:
-        assert self.pair is not None
-        return self.pair.reduced(send, onto)
-
-    def _summed(self, tensor: torch.Tensor) -> Any:
-        assert self.pair is not None
-        return self.pair.summed(tensor)
 
     def _gloo_cpu(self, tensor: torch.Tensor) -> bool:
         return self.gloo and tensor.device.type == "cpu"

@@ -3,7 +3,7 @@
 At two gloo ranks, the data-parallel group's all-gather (each rank sends its chunk and receives the other's) and the
 gradient exchange (``exchange_rows``: each sends the other its row and receives its own) are both a swap of equal
 byte counts, and a sum all-reduce or a reduce of two onto each rank is a swap whose received chunks are added in
-place (``summed``, ``reduced``). Through loopback
+place (``swap(add=True)``). Through loopback
 TCP each byte is copied into the kernel and out again by gloo's threads, on the cores the ranks compute on; here it
 is written once into a slot of a mapping both processes share and read once out of it. Measured on this 2-core CPU,
 an all-gather of 111 MB per rank: gloo's two broadcasts 70-107 ms, the swap 30-41 ms (design note below).
@@ -96,7 +96,7 @@ class _Swap:
     def __init__(self, send: torch.Tensor, recv: torch.Tensor, add: torch.dtype | None) -> None:
         self.send: torch.Tensor | None = send
         self.recv: torch.Tensor | None = recv
-        self.add = add  # the dtype whose values are added into ``recv`` rather than copied (``summed``)
+        self.add = add  # the dtype whose values are added into ``recv`` rather than copied (``swap(add=True)``)
         self.finished = threading.Event()
         self.error: str | None = None
 
@@ -129,27 +129,14 @@ class SharedPair:
         self._worker = threading.Thread(target=self._run, name="zeroplus-shm-pair", daemon=True)
         self._worker.start()
 
-    def swap(self, send: torch.Tensor, recv: torch.Tensor) -> _Swap:
-        """Queue: ``send`` (contiguous) to the peer, the peer's bytes into ``recv`` (contiguous, as many bytes). Its
-        ``wait()`` returns once both are done; neither may be touched before."""
-        job = _Swap(send.reshape(-1).view(torch.uint8), recv.reshape(-1).view(torch.uint8), None)
-        self._jobs.put(job)
-        return job
-
-    def reduced(self, send: torch.Tensor, onto: torch.Tensor) -> _Swap:
-        """Queue a reduce of two onto each: ``send`` (the peer's piece, contiguous) goes to the peer, and the peer's
-        piece for this rank is added into ``onto`` (contiguous, as many bytes): theirs + mine, the sum gloo's
-        ``reduce`` of two gives, to the bit."""
-        job = _Swap(send.reshape(-1).view(torch.uint8), onto.reshape(-1).view(torch.uint8), onto.dtype)
-        self._jobs.put(job)
-        return job
-
-    def summed(self, tensor: torch.Tensor) -> _Swap:
-        """Queue an all-reduce (sum) of ``tensor`` (contiguous) in place: each chunk goes to the peer before the
-        peer's is added into it. Mine + theirs on one rank, theirs + mine on the other: the same sum to the bit
-        (addition of two values commutes), as gloo's all-reduce of two gives."""
-        flat = tensor.reshape(-1).view(torch.uint8)
-        job = _Swap(flat, flat, tensor.dtype)
+    def swap(self, send: torch.Tensor, recv: torch.Tensor, add: bool = False) -> _Swap:
+        """Queue: ``send`` (contiguous) to the peer, the peer's bytes into ``recv`` (contiguous, as many bytes), or
+        with ``add`` the peer's values added into ``recv`` (``recv`` may be ``send``: an all-reduce of two in place,
+        each chunk sent before the peer's is added into it; else a reduce of two onto each rank). Mine + theirs on
+        one rank, theirs + mine on the other: one value (two addends commute), gloo's sum of two to the bit. Its
+        ``wait()`` returns once all is done; neither tensor may be touched before."""
+        job = _Swap(send.reshape(-1).view(torch.uint8), recv.reshape(-1).view(torch.uint8),
+                    recv.dtype if add else None)
         self._jobs.put(job)
         return job
 
