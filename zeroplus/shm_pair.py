@@ -265,6 +265,7 @@ class _Opened:
 def _open(path: str, rank: int, create: bool) -> tuple[_Opened | None, str | None]:
     """The mapping and the two wake-up pipes (``path.to<rank>``: the one a rank waits on), made when ``create``."""
     fds: list[int] = []
+    mapped = None
     try:
         if create:
             os.mkfifo(f"{path}.to0", 0o600)
@@ -283,6 +284,8 @@ def _open(path: str, rank: int, create: bool) -> tuple[_Opened | None, str | Non
     except OSError as err:
         for fd in fds:
             os.close(fd)
+        if mapped is not None:
+            mapped.close()
         return None, f"{path}: {err}"
 
 
