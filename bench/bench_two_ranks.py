@@ -8,8 +8,10 @@ row, only the last timed (the first takes whatever the previous row left running
 all-gathers overlap its own next forward, as in training, and are not charged to another row). The row order
 rotates every round. A stage written with an ``r`` (``1r``) is that stage with the gradient reduction two gloo
 ranks used before the row exchange (per-rank reduces; see note: gloo exchange), for comparison; with a ``g``
-(``3g``), that stage with every collective on gloo, no shared-memory pair (``zeroplus/shm_pair.py``). Printed: rank 0's
-median milliseconds of forward, backward and optimizer step (to the
+(``3g``), that stage with every collective on gloo, no shared-memory pair (``zeroplus/shm_pair.py``); with a ``p``
+(``3p``), without the buffer pool (``zero/buffer_pool.py``: every freed unit and gradient buffer freed); the rows share
+one process's heap, so ``--no-pool`` (every row without it) in launches alternated with plain ones compares cleaner.
+Printed: rank 0's median milliseconds of forward, backward and optimizer step (to the
 loss's value, the gradients reduced, the step returned) and the total against DDP's.
 
 With zeroplus at one rank stepping as the plain module does (``bench_one_rank.py``), zeroplus's 1 -> 2 rank
@@ -18,6 +20,8 @@ scaling is at least DDP's when its two-rank step is no longer than DDP's: the ``
     python bench/bench_two_ranks.py                      # GPT 111m, fp32, stages 0-3, 2 ranks
     python bench/bench_two_ranks.py --stages 1,1r,2,2r --rounds 12   # exchange against reduces
     python bench/bench_two_ranks.py --stages 1,1g,3,3g                # shared-memory pair against gloo
+    python bench/bench_two_ranks.py --stages 3,3p                     # buffer pool against none
+    python bench/bench_two_ranks.py --stages 3 --no-pool              # ... in launches of their own
 """
 from __future__ import annotations
 
@@ -77,7 +81,7 @@ def _with_reduces(engine: zeroplus.Engine) -> zeroplus.Engine:
     return engine
 
 
-def _rows(base: torch.nn.Module, stages: list[str]) -> list[Row]:
+def _rows(base: torch.nn.Module, stages: list[str], no_pool: bool = False) -> list[Row]:
     ddp_model = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     opt = torch.optim.AdamW(ddp_model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
 
@@ -87,7 +91,7 @@ def _rows(base: torch.nn.Module, stages: list[str]) -> list[Row]:
         opt.zero_grad(set_to_none=True)
     rows = [Row("DDP + fused AdamW", lambda x: ddp_model(x, x), lambda loss: loss.backward(), ddp_step)]
     for spec in stages:
-        stage = int(spec.rstrip("rg"))
+        stage = int(spec.rstrip("rgp"))
         cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
                "zero_optimization": {"stage": stage}, "steps_per_print": 10**6,
@@ -98,6 +102,8 @@ def _rows(base: torch.nn.Module, stages: list[str]) -> list[Row]:
             engine, name = _with_reduces(engine), name + ", reduces"
         paired = not spec.endswith("g") and engine.dp.pair is not None
         name += ", shm pair" if paired else (", gloo" if engine.dp.pair is not None else "")
+        if spec.endswith("p") or no_pool:
+            engine.partition.pool.enabled, name = False, name + ", no pool"
 
         def before(dp: zeroplus.comm.DataParallelGroup = engine.dp, on: bool = paired) -> None:
             dp.pair_on = on  # (the engines share the group: each row sets it for its own steps)
@@ -112,7 +118,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     overrides = {"n_embd": args.n_embd} if args.n_embd else {}
     base = GPT(gpt_config(args.model, block_size=max(64, args.seq), **overrides))
-    rows = _rows(base, args.stages.split(","))
+    rows = _rows(base, args.stages.split(","), args.no_pool)
     g = torch.Generator().manual_seed(1 + rank)
     vocab = base.config.vocab_size
     for r in range(args.rounds + 1):  # round 0: warm-up
@@ -141,7 +147,9 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--stages", default="0,1,2,3",
                    help="zeroplus rows; a stage followed by r (1r): with gloo's per-rank reduces, the way before "
-                        "two ranks exchanged rows; followed by g (3g): every collective on gloo, no shared-memory pair")
+                        "two ranks exchanged rows; followed by g (3g): every collective on gloo, no shared-memory "
+                        "pair; followed by p (3p): without the buffer pool")
+    p.add_argument("--no-pool", action="store_true", help="every zeroplus row without the buffer pool")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--block", type=int, default=2, help="steps per row per round, the last timed")
     p.add_argument("--nproc", type=int, default=2)

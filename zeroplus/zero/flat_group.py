@@ -54,6 +54,7 @@ from ..config import ZeroStage
 from ..ledger import Category, Ledger
 from ..offload.policies import MasterPolicy
 from . import init_shards
+from .buffer_pool import BufferPool
 from .kept_grads import KeptGrads
 from .master_store import FullMaster, MasterStore, SharedMaster
 from .param_status import ParamStatus, mark
@@ -132,6 +133,7 @@ class FlatParamGroup:
         self.file_ranks = list(range(dp.size)) if expert_ranks is None else list(expert_ranks)
         self.unit: Any = None   # the unit holding this group and the partition (one engine's) holding that:
         self.owner: Any = None  # ``attach()``
+        self.pool: BufferPool | None = None  # the partition's freed buffers (``buffer_pool.py``): ``reuse_through()``
         self.ledger = ledger
         self.compute_dtype = compute_dtype
         self.device = self.params[0].device if device is None else torch.device(device)
@@ -265,6 +267,10 @@ class FlatParamGroup:
         """The unit holding this group, and the partition (one engine's) holding that."""
         self.unit, self.owner = unit, owner
 
+    def reuse_through(self, pool: BufferPool) -> None:
+        """This group's freed gathered and gradient buffers go to ``pool``, and its new ones come from it."""
+        self.pool = pool
+
     def forget_params(self) -> None:
         """The model's parameters are given back (``ZeroPartition.remove``): they no longer name this group.
         Their values stay what they hold."""
@@ -344,7 +350,9 @@ class FlatParamGroup:
         see the values from ``expose()`` on."""
         if self.gathered:
             return None
-        self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
+        storage, nbytes = self.full.untyped_storage(), self.padded_numel * self.full.element_size()
+        if self.pool is None or not self.pool.take(storage, nbytes, Category.PARAM_GATHERED):
+            storage.resize_(nbytes)
         self.ledger.resized(self.full)
         self.residency = Residency.GATHERING
         mark(self.params, ParamStatus.INFLIGHT)
@@ -376,8 +384,9 @@ class FlatParamGroup:
             raise RuntimeError(f"{self.name}: released while its all-gather is in flight (wait for it and expose() "
                                f"first): the collective would write into a freed buffer")
         if self.gathered and not self.resident:
-            self.full.untyped_storage().resize_(0)
-            self.ledger.resized(self.full)
+            if self.pool is None or not self.pool.park(self.full, Category.PARAM_GATHERED):
+                self.full.untyped_storage().resize_(0)
+                self.ledger.resized(self.full)
             self.residency = Residency.RELEASED
             for p in self.params:
                 p.data = self._released
@@ -486,12 +495,20 @@ class FlatParamGroup:
         it and adding the first gradients would write every byte twice and read it once more):
         ``_written`` says which parameters' views hold values, and ``ensure_grad_full`` zeroes the rest."""
         if self.grad_full is None:
-            self.grad_full = self.ledger.empty(self.padded_numel, self.compute_dtype, Category.GRAD, self.device)
+            self.grad_full = self._new_grad_full()
             self.grad_full[self.numel:].zero_()
             self._written = [False] * len(self.params)
             for index in self.kept.move_into(self._grad_view):  # gradients kept so far (one rank) move in
                 self._written[index] = True
         return self.grad_full
+
+    def _new_grad_full(self) -> torch.Tensor:
+        """A new flat gradient buffer, from the pool if it holds one of its size (ledger: ``grad``)."""
+        grad = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+        storage = grad.untyped_storage()
+        if self.pool is None or not self.pool.take(storage, self.padded_numel * grad.element_size(), Category.GRAD):
+            return self.ledger.empty(self.padded_numel, self.compute_dtype, Category.GRAD, self.device)
+        return self.ledger.track(grad.set_(storage, 0, (self.padded_numel,), (1,)), Category.GRAD)
 
     def ensure_grad_full(self) -> torch.Tensor:
         """The whole flat gradient, with zeros where no parameter's gradient arrived (unused parameters
@@ -534,8 +551,9 @@ class FlatParamGroup:
         for handle in self.pending:
             handle.wait()
         self.pending.clear()
-        for grad in self._read_by_pending:
-            self.ledger.release(grad)
+        for grad in self._read_by_pending:  # (read by the reductions just waited: their bytes are free to reuse)
+            if self.pool is None or not self.pool.park(grad, Category.GRAD):
+                self.ledger.release(grad)
         self._read_by_pending.clear()
 
     def free_grads(self) -> None:

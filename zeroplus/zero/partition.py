@@ -48,6 +48,7 @@ from ..config import ResolvedZeroConfig, ZeroStage
 from ..eager import eager
 from ..ledger import Ledger
 from ..offload.policies import MasterPolicy
+from .buffer_pool import BufferPool
 from .flat_group import FLAT_ATTR, FlatParamGroup
 from .grad_reducer import GradReducer
 from .kept_grads import keep_all_at_once
@@ -169,6 +170,11 @@ class ZeroPartition:
                 unit.keep_gathered()
             self.units.append(unit)
         self.root = self.units[-1]
+        # freed gathered units and flat gradients reused within a pass (CPU buffers); a parked buffer's request may
+        # be a unit's gathers and a unit's gradients ahead
+        self.pool = BufferPool(ledger, lookahead=2 * max(len(u.all_groups) for u in self.units))
+        for g in (g for u in self.units for g in u.all_groups):
+            g.reuse_through(self.pool)
         self.groups: list[FlatParamGroup] = [g for u in self.units for g in u.groups]
         self._all_keep = bool(self.groups) and all(g.keeps_grads for g in self.groups)  # one rank (early_per_use)
         self.frozen: list[FlatParamGroup] = [g for u in self.units for g in u.frozen]  # stage 3 (units.py)
@@ -228,7 +234,7 @@ class ZeroPartition:
             # and any state_dict() for all of them, even called on the model
             self._hooks.append(model.register_state_dict_pre_hook(lambda *args: self.wait_all()))
         resident = all(g.resident for g in self.groups + self.frozen)  # one rank in fp32: nothing moves
-        self.stage3 = (Stage3Scheduler(self.units[:-1], self.root, prefetch, hooked=not resident)
+        self.stage3 = (Stage3Scheduler(self.units[:-1], self.root, prefetch, self.pool, hooked=not resident)
                        if self.stage.shards_parameters else None)
         if self.stage.shards_parameters:
             self._hooks += install_state_dict_hooks(model, self.units)
@@ -364,6 +370,7 @@ class ZeroPartition:
         """``reduce``: reduce gradients in this backward (always at stages 2-3, at the boundary at 0-1)."""
         self.at_boundary = reduce
         self._ready.clear()
+        self.pool.open("backward" if reduce else "backward, accumulating")  # to end_backward (note: buffer pool)
         for u in self.units:
             u.begin_backward()
         for g in self._taken_at_end:  # (accumulating: this backward's gradients are fresh in .grad, added to the kept)
@@ -455,6 +462,7 @@ class ZeroPartition:
                     and not untouched_until_boundary:
                 self._group_ready(g)
             g.end_backward()
+        self.pool.close()  # every gradient buffer of this backward is allocated and every unit gathered
         for g in self.groups:
             g.wait_pending()
         self._in_flight.clear()

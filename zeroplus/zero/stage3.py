@@ -36,11 +36,13 @@ from torch.utils._pytree import tree_flatten
 
 from .. import fault_dumps
 from ..eager import eager, in_backward
+from .buffer_pool import BufferPool
 from .units import Unit
 
 
 class Stage3Scheduler:
-    def __init__(self, units: list[Unit], root: Unit, prefetch_numel: int | None, hooked: bool = True) -> None:
+    def __init__(self, units: list[Unit], root: Unit, prefetch_numel: int | None, pool: BufferPool,
+                 hooked: bool = True) -> None:
         """``prefetch_numel``: elements gathered ahead of use; ``None`` means one unit ahead. ``hooked`` false: one
         rank with every group resident (``FlatParamGroup.resident``): nothing is ever gathered or released, so no unit
         gets a hook; a fault dump finds the unit computing on the error's stack (``fault_dumps.name_units``: a naming
@@ -48,6 +50,7 @@ class Stage3Scheduler:
         self.units = units
         self.root = root
         self.prefetch_numel = prefetch_numel
+        self.pool = pool  # open in a forward with gradients until its last gather starts (see note: buffer pool)
         self.forward_order: list[int] = []
         self._recording: list[int] = []
         self._held: list[Unit] = []  # units with frozen groups gathered for backward, released at the next one
@@ -68,8 +71,11 @@ class Stage3Scheduler:
     def begin_forward(self) -> None:
         self._recording = []
         self.root.wait_gather()
+        if torch.is_grad_enabled():
+            self.pool.open("forward")
 
     def end_forward(self) -> None:
+        self.pool.close()
         if self._recording:
             self.forward_order = self._recording
         if not torch.is_grad_enabled():
@@ -84,6 +90,8 @@ class Stage3Scheduler:
             budget -= 1 if self.prefetch_numel is None else unit.numel
             if budget <= 0:
                 break
+        if position + 1 == len(order) and not in_backward():  # the forward's last gather: no more takers
+            self.pool.close()
         if position + 1 < len(order):  # offloaded shards: the read runs one unit ahead of the gather
             self.units[order[position + 1]].start_fetch()
 
