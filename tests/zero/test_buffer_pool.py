@@ -27,11 +27,11 @@ def _empty() -> torch.UntypedStorage:
 
 def test_a_buffer_is_parked_only_for_a_request_of_its_size_and_category_in_the_record():
     """The first run of a pass records its requests (100 floats gathered, 200 of gradient, 100 gathered) and parks
-    nothing; in the next run a freed buffer is parked only for a request of the record, within the lookahead, that
-    asked for its size and category and has none parked for it (past requests of another category); the freed tensor
-    keeps its storage object (now empty), the request gets its bytes, and the ledger never counts the bytes twice; a
-    request that asks for something else than what was parked for it frees it; closing frees the rest; a closed pool
-    parks nothing."""
+    nothing; in the next run a freed buffer is parked only for the next request of its category in the record with
+    none parked for it, within the lookahead (past requests of another category), if it asked for its size; the freed
+    tensor keeps its storage object (now empty), the request gets its bytes, and the ledger never counts the bytes
+    twice; a request that asks for something else than what was parked for it frees it; closing frees the rest; a
+    closed pool parks nothing."""
     ledger = Ledger()
     pool = BufferPool(ledger, lookahead=2)
     pool.open("pass")
@@ -47,9 +47,9 @@ def test_a_buffer_is_parked_only_for_a_request_of_its_size_and_category_in_the_r
     assert pool.park(a, Category.PARAM_GATHERED)  # for request 0 (100 floats)
     assert a.untyped_storage() is storage_a and storage_a.nbytes() == 0
     assert ledger.live_bytes() == 1600 and ledger.peak_bytes() == 1600  # moved, never counted twice
-    assert not pool.park(c, G)  # request 1 asks for 200 floats
-    assert not pool.park(b, G)  # ... of gradient
-    assert pool.park(b, R)  # ... which b serves
+    assert not pool.park(c, G)  # the next gathered request with none parked, 2, is beyond the lookahead of 2
+    assert not pool.park(b, G)  # (the same)
+    assert pool.park(b, R)  # the next gradient request, 1, asks for b's size
     assert ledger.live_bytes(Category.GRAD) == 800
     into = _empty()
     served = pool.take(into, 400, G)
@@ -77,13 +77,13 @@ def test_a_buffer_is_parked_only_for_a_request_of_its_size_and_category_in_the_r
     pool.close()
 
 
-def _trained(stage: int, accumulation: int, pooled: bool) -> dict:
+def _trained(stage: int, accumulation: int, bucket: int, pooled: bool) -> dict:
     torch.manual_seed(0)
     engine = zeroplus.initialize(
         GPT(gpt_config("tiny", n_layer=6, n_embd=64, vocab_size=512)),
         {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accumulation, "gradient_clipping": 1.0,
          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
-         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": bucket},
          "zeroplus": {"log_level": "warning", "memory_estimate": False}})
     engine.partition.pool.enabled = pooled
     r = engine.dp.rank
@@ -99,16 +99,18 @@ def _trained(stage: int, accumulation: int, pooled: bool) -> dict:
             "peaks": peaks, "live": engine.ledger.live_bytes() - engine.ledger.live_bytes(Category.COMM_BUFFER)}
 
 
-@pytest.mark.parametrize("stage,accumulation", [(1, 2), (2, 1), (3, 1), (3, 2)])
-def test_two_ranks_train_bit_for_bit_with_the_same_peaks_while_the_pool_serves(stage, accumulation):
+@pytest.mark.parametrize("stage,accumulation,bucket", [(1, 2, 10**9), (2, 1, 10**9), (3, 1, 10**9), (3, 2, 10**9),
+                                                     (3, 1, 20_000)])
+def test_two_ranks_train_bit_for_bit_with_the_same_peaks_while_the_pool_serves(stage, accumulation, bucket):
     """Two ranks of a 6-block GPT: losses and every parameter after four steps equal to the bit with the pool and
     without it, every ledger category's peak (but gloo's comm buffers, whose release lags) and what is live after
     the last step the same, and the pool served requests (stage 2: flat gradients; stage 3: gathers too, more).
     Stage 1 accumulating: a backward that reduces is recorded apart from one that does not (one record for both
-    parked gradients no request took: a higher gradient peak). Fails with parking for any request, or for one of
-    the same size in another category (a higher ``param_gathered`` peak at stage 3)."""
-    pooled = run_distributed(_trained, 2, stage, accumulation, True)
-    plain = run_distributed(_trained, 2, stage, accumulation, False)
+    parked gradients no request took: a higher gradient peak). Fails with parking for any request, for one of the
+    same size in another category (a higher ``param_gathered`` peak at stage 3), or, with buckets of several sizes,
+    for a later request of its size past one of its category (a higher gradient peak)."""
+    pooled = run_distributed(_trained, 2, stage, accumulation, bucket, True)
+    plain = run_distributed(_trained, 2, stage, accumulation, bucket, False)
     for r in range(2):
         assert plain[r]["takes"] == 0 and pooled[r]["takes"] >= {1: 0, 2: 4, 3: 12}[stage], pooled[r]["takes"]
         assert pooled[r]["losses"] == plain[r]["losses"], (pooled[r]["losses"], plain[r]["losses"])

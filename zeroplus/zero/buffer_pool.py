@@ -8,25 +8,25 @@ allocators cache blocks themselves, so the pool takes only CPU buffers.
 
 A pass (``open(name)`` to ``close()``: a forward with gradients, a backward) asks for the same buffers in the same order
 every step. The pool records the byte size and ledger category of each request in a pass, in order (``take`` is asked
-for every one), and in the next run of that pass a buffer being freed is parked instead (``park``) when the request it
-would serve (the next one not yet served by a buffer parked before it) asks for its size and category. Parking moves the
-bytes into a spare storage by swapping the two storages' data pointers, so the storage object the parameters' views and
-autograd's saved tensors hold stays the same one, now empty, exactly as after ``resize_(0)``; that request then swaps
-them into its own empty storage, with whatever values they held: every taker writes its whole buffer before reading it
-(a gather fills all of ``full``; a new flat gradient is written parameter by parameter and the rest zeroed,
-``FlatParamGroup._grad_buffer``). A request that finds a parked buffer of another size (the pass went another way) frees
-every parked buffer and is served as without the pool. (Sizes alone would do for the total; with the category too a
-gathered unit's bytes go to a gather and a gradient's to a gradient, so each category's own level is also the one
-without the pool.)
+for every one). In the next run of that pass a buffer being freed is parked instead (``park``) for the next request of
+its category that no buffer is parked for yet, when that request asks for its size and is at most ``lookahead``
+requests ahead (requests of other categories may come first: in a backward a unit's gathers come between one unit's
+gradients and the next's). Parking moves the bytes into a spare storage by swapping the two storages' data pointers, so
+the storage object the parameters' views and autograd's saved tensors hold stays the same one, now empty, exactly as
+after ``resize_(0)``; that request then swaps them into its own empty storage, with whatever values they held: every
+taker writes its whole buffer before reading it (a gather fills all of ``full``; a new flat gradient is written
+parameter by parameter and the rest zeroed, ``FlatParamGroup._grad_buffer``). A request that asks for something else
+than what was parked for it (the pass went another way) frees it and allocates.
 
 Memory: a parked buffer stays counted in the ledger under the category it was freed from until its request takes it (the
-freed tensor first drops to 0 bytes, then the spare is counted: never both at once). Each one is taken by a request that
-would have allocated its size anyway, so from the release to that request the level stays what it was just before the
-release instead of dipping. It can only end higher than without the pool where something else allocates in between:
-in a forward nothing runs between a unit's release and the next gather (the next unit's pre-hook); in a backward the
-rest of the unit's own backward does (its input's gradient, activation-sized). ``close()`` (the end of the pass) frees
-what is still parked. Storages are swapped with torch's ``UntypedStorage._swap_data_ptr_``; a torch without it gets a
-pool that is never on.
+freed tensor first drops to 0 bytes, then the spare is counted: never both at once). Each one is taken by the next
+request of its category, which would have allocated its size anyway, so within the category nothing is allocated in
+between and its level only stops dipping from the release to that request: each category's peak is the one without
+the pool. The total can end higher only where a temporary of another category is made and freed in between: in a
+forward nothing runs between a unit's release and the next gather (the next unit's pre-hook); in a backward the rest
+of the unit's own backward does (its input's gradient, activation-sized). ``close()`` (the end of the pass) frees what
+is still parked. Storages are swapped with torch's ``UntypedStorage._swap_data_ptr_``; a torch without it gets a pool
+that is never on.
 See note: buffer pool (docs/design-notes.md).
 """
 from __future__ import annotations
@@ -83,9 +83,9 @@ class BufferPool:
         self.ledger.release_all(list(spares))  # (their storages die with the list)
 
     def park(self, tensor: torch.Tensor, category: Category) -> bool:
-        """Move ``tensor``'s bytes into the pool (True), leaving its storage empty as ``resize_(0)`` would, for the
-        next request of the pass's record, within ``lookahead``, that asks for its size and ``category`` and has no
-        buffer parked for it yet; the ledger then counts ``tensor`` (if it tracks it) at 0 bytes and the parked bytes
+        """Move ``tensor``'s bytes into the pool (True), leaving its storage empty as ``resize_(0)`` would, when the
+        next request of the pass's record for ``category`` with no buffer parked for it yet is within ``lookahead``
+        and asks for its size; the ledger then counts ``tensor`` (if it tracks it) at 0 bytes and the parked bytes
         under ``category``. No such request: False, and nothing is done."""
         storage = tensor.untyped_storage()
         nbytes = storage.nbytes()
@@ -93,8 +93,8 @@ class BufferPool:
             return False
         plan, now = self._plans.get(self._pass, []), len(self._asked)
         due = next((j for j in range(now, min(len(plan), now + self.lookahead))
-                    if plan[j] == (nbytes, category) and j not in self._parked), None)
-        if due is None:
+                    if plan[j][1] is category and j not in self._parked), None)  # its category's next request
+        if due is None or plan[due][0] != nbytes:
             return False
         spare = torch.empty(0, dtype=torch.uint8)
         _swap(spare.untyped_storage(), storage)
@@ -103,6 +103,14 @@ class BufferPool:
             self.ledger.resized(tensor)
         self.ledger.count(spare, category)
         return True
+
+    def empty(self, numel: int, dtype: torch.dtype, category: Category, device: torch.device) -> torch.Tensor:
+        """``Ledger.empty`` as a request: a new tensor of ``numel`` elements, its bytes parked for it if any were."""
+        tensor = torch.empty(0, dtype=dtype, device=device)
+        storage = tensor.untyped_storage()
+        if not self.take(storage, numel * tensor.element_size(), category):
+            return self.ledger.empty(numel, dtype, category, device)
+        return self.ledger.track(tensor.set_(storage, 0, (numel,), (1,)), category)
 
     def take(self, storage: torch.UntypedStorage, nbytes: int, category: Category) -> bool:
         """A request for ``nbytes`` of ``category`` into the empty ``storage``: filled from the pool (True) when a

@@ -113,14 +113,13 @@ class FlatParamGroup:
                  stage: ZeroStage, dp: Collectives, compute_dtype: torch.dtype, ledger: Ledger,
                  master: MasterPolicy = MasterPolicy(), device: torch.device | None = None,
                  trainable: bool = True, expert_ranks: list[int] | None = None) -> None:
-        """``master``: shared storage, rounding, and the tier to keep the master shard on (stage 3,
-        ``tiered_master.py``). ``device``: where the flat buffer lives (default: the first parameter's
-        device); the parameters are copied into it from wherever they are, cast to ``compute_dtype``
-        (a parameter ``zeroplus.Init`` partitioned is gathered first, one at a time), and every rank
-        takes the group's first rank's values. ``trainable`` False (stage 3 only): frozen parameters,
-        kept as this rank's shard in the compute dtype and nothing else (see note: frozen groups).
-        ``expert_ranks``: an expert's parameters, partitioned over the expert-data group ``dp``; the data rank
-        whose checkpoint file holds each of its ranks' shards."""
+        """``master``: shared storage, rounding, and the tier for the master shard (stage 3, ``tiered_master.py``).
+        ``device``: where the flat buffer lives (default: the first parameter's device); the parameters are copied
+        into it from wherever they are, cast to ``compute_dtype`` (a parameter ``zeroplus.Init`` partitioned is
+        gathered first, one at a time), and every rank takes the group's first rank's values. ``trainable`` False
+        (stage 3 only): frozen parameters, kept as this rank's shard in the compute dtype and nothing else (see
+        note: frozen groups). ``expert_ranks``: an expert's parameters, partitioned over the expert-data group
+        ``dp``; the data rank whose checkpoint file holds each of its ranks' shards."""
         self.name = name
         self.trainable = trainable
         self.names = [n for n, _ in named_params]
@@ -129,11 +128,10 @@ class FlatParamGroup:
         self.stage = stage
         self.dp = dp
         self.expert = expert_ranks is not None
-        # the data rank whose checkpoint file holds each dp rank's shard
-        self.file_ranks = list(range(dp.size)) if expert_ranks is None else list(expert_ranks)
-        self.unit: Any = None   # the unit holding this group and the partition (one engine's) holding that:
-        self.owner: Any = None  # ``attach()``
-        self.pool: BufferPool | None = None  # the partition's freed buffers (``buffer_pool.py``): ``reuse_through()``
+        self.file_ranks = list(range(dp.size)) if expert_ranks is None else list(expert_ranks)  # (each rank's file)
+        self.unit: Any = None   # the unit holding this group, the partition (one engine's) holding that, and its
+        self.owner: Any = None  # pool of freed buffers (``buffer_pool.py``): ``attach()``
+        self.pool = BufferPool(ledger, lookahead=0)  # (never opened: every buffer allocated and freed, until attach)
         self.ledger = ledger
         self.compute_dtype = compute_dtype
         self.device = self.params[0].device if device is None else torch.device(device)
@@ -263,13 +261,9 @@ class FlatParamGroup:
             placeholder = torch.empty(0, dtype=torch.float32, device=self.device)
             self.master_param = torch.nn.Parameter(placeholder, requires_grad=False)
 
-    def attach(self, unit: Any, owner: Any) -> None:
-        """The unit holding this group, and the partition (one engine's) holding that."""
-        self.unit, self.owner = unit, owner
-
-    def reuse_through(self, pool: BufferPool) -> None:
-        """This group's freed gathered and gradient buffers go to ``pool``, and its new ones come from it."""
-        self.pool = pool
+    def attach(self, unit: Any, owner: Any, pool: BufferPool) -> None:
+        """The unit holding this group, the partition (one engine's) holding that, and its pool of freed buffers."""
+        self.unit, self.owner, self.pool = unit, owner, pool
 
     def forget_params(self) -> None:
         """The model's parameters are given back (``ZeroPartition.remove``): they no longer name this group.
@@ -351,7 +345,7 @@ class FlatParamGroup:
         if self.gathered:
             return None
         storage, nbytes = self.full.untyped_storage(), self.padded_numel * self.full.element_size()
-        if self.pool is None or not self.pool.take(storage, nbytes, Category.PARAM_GATHERED):
+        if not self.pool.take(storage, nbytes, Category.PARAM_GATHERED):
             storage.resize_(nbytes)
         self.ledger.resized(self.full)
         self.residency = Residency.GATHERING
@@ -384,7 +378,7 @@ class FlatParamGroup:
             raise RuntimeError(f"{self.name}: released while its all-gather is in flight (wait for it and expose() "
                                f"first): the collective would write into a freed buffer")
         if self.gathered and not self.resident:
-            if self.pool is None or not self.pool.park(self.full, Category.PARAM_GATHERED):
+            if not self.pool.park(self.full, Category.PARAM_GATHERED):
                 self.full.untyped_storage().resize_(0)
                 self.ledger.resized(self.full)
             self.residency = Residency.RELEASED
@@ -495,20 +489,12 @@ class FlatParamGroup:
         it and adding the first gradients would write every byte twice and read it once more):
         ``_written`` says which parameters' views hold values, and ``ensure_grad_full`` zeroes the rest."""
         if self.grad_full is None:
-            self.grad_full = self._new_grad_full()
+            self.grad_full = self.pool.empty(self.padded_numel, self.compute_dtype, Category.GRAD, self.device)
             self.grad_full[self.numel:].zero_()
             self._written = [False] * len(self.params)
             for index in self.kept.move_into(self._grad_view):  # gradients kept so far (one rank) move in
                 self._written[index] = True
         return self.grad_full
-
-    def _new_grad_full(self) -> torch.Tensor:
-        """A new flat gradient buffer, from the pool if it holds one of its size (ledger: ``grad``)."""
-        grad = torch.empty(0, dtype=self.compute_dtype, device=self.device)
-        storage = grad.untyped_storage()
-        if self.pool is None or not self.pool.take(storage, self.padded_numel * grad.element_size(), Category.GRAD):
-            return self.ledger.empty(self.padded_numel, self.compute_dtype, Category.GRAD, self.device)
-        return self.ledger.track(grad.set_(storage, 0, (self.padded_numel,), (1,)), Category.GRAD)
 
     def ensure_grad_full(self) -> torch.Tensor:
         """The whole flat gradient, with zeros where no parameter's gradient arrived (unused parameters
@@ -521,10 +507,10 @@ class FlatParamGroup:
         return grad
 
     def drop_grad_full(self) -> None:
-        """A reduction was issued (stages 1-3): the flat gradient is dropped; the handles keep alive what they
-        still read, and the ledger stops counting it when they are waited on (``wait_pending``), not when its
-        storage dies: gloo's worker thread may drop the last reference a moment later, and counting until
-        then made the gradient peak depend on thread timing (one group more, seen in CI)."""
+        """A reduction was issued (stages 1-3): the flat gradient is dropped; the handles keep alive what they still
+        read, and the ledger stops counting it (or the pool parks its bytes) when they are waited on (``wait_pending``),
+        not when its storage dies: gloo's worker thread may drop the last reference a moment later, and counting
+        until then made the gradient peak depend on thread timing (one group more, seen in CI)."""
         if self.pending and self.grad_full is not None and self.grad_full is not self.master_grad:
             self._read_by_pending.append(self.grad_full)
         self.grad_full = None
@@ -551,8 +537,8 @@ class FlatParamGroup:
         for handle in self.pending:
             handle.wait()
         self.pending.clear()
-        for grad in self._read_by_pending:  # (read by the reductions just waited: their bytes are free to reuse)
-            if self.pool is None or not self.pool.park(grad, Category.GRAD):
+        for grad in self._read_by_pending:
+            if not self.pool.park(grad, Category.GRAD):
                 self.ledger.release(grad)
         self._read_by_pending.clear()
 

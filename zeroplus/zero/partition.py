@@ -164,8 +164,6 @@ class ZeroPartition:
                            for k, named in enumerate(runs)]
             unit = Unit(index=index, name=name, module=module, groups=groups, is_root=(module is model),
                         frozen=frozen)
-            for g in groups + frozen:
-                g.attach(unit, self)
             if self.stage.shards_parameters and unit.numel <= zero.stage3_param_persistence_threshold:
                 unit.keep_gathered()
             self.units.append(unit)
@@ -173,8 +171,9 @@ class ZeroPartition:
         # freed gathered units and flat gradients reused within a pass (CPU buffers); a parked buffer's request may
         # be a unit's gathers and a unit's gradients ahead
         self.pool = BufferPool(ledger, lookahead=2 * max(len(u.all_groups) for u in self.units))
-        for g in (g for u in self.units for g in u.all_groups):
-            g.reuse_through(self.pool)
+        for u in self.units:
+            for g in u.all_groups:
+                g.attach(u, self, self.pool)
         self.groups: list[FlatParamGroup] = [g for u in self.units for g in u.groups]
         self._all_keep = bool(self.groups) and all(g.keeps_grads for g in self.groups)  # one rank (early_per_use)
         self.frozen: list[FlatParamGroup] = [g for u in self.units for g in u.frozen]  # stage 3 (units.py)
