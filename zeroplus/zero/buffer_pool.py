@@ -1,22 +1,20 @@
-"""Freed buffers reused within one pass on a CPU rank: stage 3's gathered units and the flat gradients.
+"""Freed buffers reused within one pass on a CPU rank: stage 3's gathered units.
 
 A CPU process has no caching allocator. glibc hands a freed block above its mmap threshold (128 KiB, rising to at most
 32 MiB) back to the kernel, and the next allocation of that size faults its pages in again, each one zeroed by the
-kernel: about 1.7 us per 4 KiB page on the benchmark host. A two-rank ZeRO-3 step of GPT 111m gathers every unit twice
-and allocates every group's flat gradient once: 80-100K such faults a step (20K in the forward, 40-60 ms). CUDA and NPU
-allocators cache blocks themselves, so the pool takes only CPU buffers.
+kernel: about 1.7 us per 4 KiB page on the benchmark host. A two-rank ZeRO-3 step of GPT 111m gathers every unit twice:
+with the flat gradients and the root, 97-114K such faults a step (about 200 ms of system time). CUDA and NPU allocators
+cache blocks themselves, so the pool takes only CPU buffers.
 
-A pass (``open(name)`` to ``close()``: a forward with gradients, a backward) asks for the same buffers in the same order
-every step. The pool records the byte size and ledger category of each request in a pass, in order (``take`` is asked
-for every one). In the next run of that pass a buffer being freed is parked instead (``park``) for the next request of
-its category that no buffer is parked for yet, when that request asks for its size and is at most ``lookahead``
-requests ahead (requests of other categories may come first: in a backward a unit's gathers come between one unit's
-gradients and the next's). Parking moves the bytes into a spare storage by swapping the two storages' data pointers, so
-the storage object the parameters' views and autograd's saved tensors hold stays the same one, now empty, exactly as
-after ``resize_(0)``; that request then swaps them into its own empty storage, with whatever values they held: every
-taker writes its whole buffer before reading it (a gather fills all of ``full``; a new flat gradient is written
-parameter by parameter and the rest zeroed, ``FlatParamGroup._grad_buffer``). A request that asks for something else
-than what was parked for it (the pass went another way) frees it and allocates.
+A pass (``open(name)`` to ``close()``: a forward with gradients up to its last gather, a backward) asks for the same
+buffers in the same order every step. The pool records the byte size and ledger category of each request in a pass, in
+order (``take`` is asked for every one). In the next run of that pass a buffer being freed is parked instead (``park``)
+for the next request of its category that no buffer is parked for yet, when that request asks for its size and is at
+most ``lookahead`` requests ahead. Parking moves the bytes into a spare storage by swapping the two storages' data
+pointers, so the storage object the parameters' views and autograd's saved tensors hold stays the same one, now empty,
+exactly as after ``resize_(0)``; that request then swaps them into its own empty storage, with whatever values they
+held: a gather writes the whole buffer before anything reads it. A request that asks for something else than what was
+parked for it (the pass went another way) frees it and allocates.
 
 Memory: a parked buffer stays counted in the ledger under the category it was freed from until its request takes it (the
 freed tensor first drops to 0 bytes, then the spare is counted: never both at once). Each one is taken by the next
@@ -24,9 +22,11 @@ request of its category, which would have allocated its size anyway, so within t
 between and its level only stops dipping from the release to that request: each category's peak is the one without
 the pool. The total can end higher only where a temporary of another category is made and freed in between: in a
 forward nothing runs between a unit's release and the next gather (the next unit's pre-hook); in a backward the rest
-of the unit's own backward does (its input's gradient, activation-sized). ``close()`` (the end of the pass) frees what
-is still parked. Storages are swapped with torch's ``UntypedStorage._swap_data_ptr_``; a torch without it gets a pool
-that is never on.
+of the unit's own backward does (its input's gradient, activation-sized). Flat gradients are not parked: a reduced
+one's next request is the next unit's first gradient, a whole unit's backward away, and parking them added 6 MiB to
+the harness's fp32 peak (``bench_harness.py``: 957 against 951). ``close()`` (the end of the pass) frees what is still
+parked. Storages are swapped with torch's ``UntypedStorage._swap_data_ptr_``; a torch without it gets a pool that is
+never on.
 See note: buffer pool (docs/design-notes.md).
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ class BufferPool:
 
     def __init__(self, ledger: Ledger, lookahead: int) -> None:
         """``lookahead``: how many requests ahead a parked buffer's request may be (the partition gives two per
-        flat group of its largest unit: a unit's gathers and one unit's gradients come in between)."""
+        flat group of its largest unit)."""
         self.ledger = ledger
         self.lookahead = lookahead
         self.enabled = SWAPS  # (benchmarks switch it off to compare)
@@ -103,14 +103,6 @@ class BufferPool:
             self.ledger.resized(tensor)
         self.ledger.count(spare, category)
         return True
-
-    def empty(self, numel: int, dtype: torch.dtype, category: Category, device: torch.device) -> torch.Tensor:
-        """``Ledger.empty`` as a request: a new tensor of ``numel`` elements, its bytes parked for it if any were."""
-        tensor = torch.empty(0, dtype=dtype, device=device)
-        storage = tensor.untyped_storage()
-        if not self.take(storage, numel * tensor.element_size(), category):
-            return self.ledger.empty(numel, dtype, category, device)
-        return self.ledger.track(tensor.set_(storage, 0, (numel,), (1,)), category)
 
     def take(self, storage: torch.UntypedStorage, nbytes: int, category: Category) -> bool:
         """A request for ``nbytes`` of ``category`` into the empty ``storage``: filled from the pool (True) when a

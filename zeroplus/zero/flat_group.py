@@ -130,7 +130,7 @@ class FlatParamGroup:
         self.expert = expert_ranks is not None
         self.file_ranks = list(range(dp.size)) if expert_ranks is None else list(expert_ranks)  # (each rank's file)
         self.unit: Any = None   # the unit holding this group, the partition (one engine's) holding that, and its
-        self.owner: Any = None  # pool of freed buffers (``buffer_pool.py``): ``attach()``
+        self.owner: Any = None  # pool of freed gathered buffers (``buffer_pool.py``): ``attach()``
         self.pool = BufferPool(ledger, lookahead=0)  # (never opened: every buffer allocated and freed, until attach)
         self.ledger = ledger
         self.compute_dtype = compute_dtype
@@ -489,7 +489,7 @@ class FlatParamGroup:
         it and adding the first gradients would write every byte twice and read it once more):
         ``_written`` says which parameters' views hold values, and ``ensure_grad_full`` zeroes the rest."""
         if self.grad_full is None:
-            self.grad_full = self.pool.empty(self.padded_numel, self.compute_dtype, Category.GRAD, self.device)
+            self.grad_full = self.ledger.empty(self.padded_numel, self.compute_dtype, Category.GRAD, self.device)
             self.grad_full[self.numel:].zero_()
             self._written = [False] * len(self.params)
             for index in self.kept.move_into(self._grad_view):  # gradients kept so far (one rank) move in
@@ -508,7 +508,7 @@ class FlatParamGroup:
 
     def drop_grad_full(self) -> None:
         """A reduction was issued (stages 1-3): the flat gradient is dropped; the handles keep alive what they still
-        read, and the ledger stops counting it (or the pool parks its bytes) when they are waited on (``wait_pending``),
+        read, and the ledger stops counting it when they are waited on (``wait_pending``),
         not when its storage dies: gloo's worker thread may drop the last reference a moment later, and counting
         until then made the gradient peak depend on thread timing (one group more, seen in CI)."""
         if self.pending and self.grad_full is not None and self.grad_full is not self.master_grad:
@@ -538,8 +538,7 @@ class FlatParamGroup:
             handle.wait()
         self.pending.clear()
         for grad in self._read_by_pending:
-            if not self.pool.park(grad, Category.GRAD):
-                self.ledger.release(grad)
+            self.ledger.release(grad)
         self._read_by_pending.clear()
 
     def free_grads(self) -> None:

@@ -168,8 +168,8 @@ class ZeroPartition:
                 unit.keep_gathered()
             self.units.append(unit)
         self.root = self.units[-1]
-        # freed gathered units and flat gradients reused within a pass (CPU buffers); a parked buffer's request may
-        # be a unit's gathers and a unit's gradients ahead
+        # stage 3: freed gathered units reused within a pass (CPU buffers); a parked buffer's request may be two
+        # units' gathers ahead
         self.pool = BufferPool(ledger, lookahead=2 * max(len(u.all_groups) for u in self.units))
         for u in self.units:
             for g in u.all_groups:
@@ -461,7 +461,7 @@ class ZeroPartition:
                     and not untouched_until_boundary:
                 self._group_ready(g)
             g.end_backward()
-        self.pool.close()  # every gradient buffer of this backward is allocated and every unit gathered
+        self.pool.close()  # every unit of this backward is gathered
         for g in self.groups:
             g.wait_pending()
         self._in_flight.clear()
