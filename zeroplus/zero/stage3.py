@@ -23,7 +23,9 @@ Activation checkpointing replays a unit's forward inside backward: the replay ga
 With ``offload_param`` the unit after the last one gathered ahead also starts reading its shards
 from the tier (``tiered_master.py``), so the read overlaps compute and its gather finds them.
 
-Peak gathered memory: the root unit, plus the unit computing, plus the prefetch window.
+Peak gathered memory: the root unit, plus the unit computing, plus the prefetch window. On a CPU rank a released
+unit's bytes are parked for the next gather of their size in the same pass instead of going back to the kernel
+(``buffer_pool.py``: the pool is open from a forward's start to its last gather, and through a backward).
 Communication: every non-persistent unit is all-gathered twice per step (forward, backward).
 See note: prefetch (docs/design-notes.md).
 """
