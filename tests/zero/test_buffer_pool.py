@@ -10,6 +10,7 @@ import torch
 
 import zeroplus
 from tests.dist_helper import run_distributed
+from tests.models import train_losses
 from zeroplus.ledger import Category, Ledger
 from zeroplus.models import GPT, gpt_config
 from zeroplus.zero.buffer_pool import BufferPool, PoolState
@@ -92,19 +93,12 @@ def _trained(stage: int, accumulation: int, bucket: int, pooled: bool) -> dict:
     torch.manual_seed(0)
     engine = zeroplus.initialize(
         GPT(gpt_config("tiny", n_layer=6, n_embd=64, vocab_size=512)),
-        {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accumulation, "gradient_clipping": 1.0,
+        {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": accumulation, "gradient_clipping": 1.0,
          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
          "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": bucket},
          "zeroplus": {"log_level": "warning", "memory_estimate": False}})
     engine.partition.pool.enabled = pooled
-    r = engine.dp.rank
-    losses = []
-    for step in range(4 * accumulation):
-        ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(10 * step + r))
-        loss = engine(ids, ids)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = train_losses(engine, hugging_face=False, vocab=512, seq=16, seed=engine.dp.rank, steps=4 * accumulation)
     peaks = {c.value: engine.ledger.peak_bytes(c) for c in Category if c is not Category.COMM_BUFFER}
     return {"losses": losses, "state": engine.consolidated_fp32_state(), "takes": engine.partition.pool.takes,
             "peaks": peaks, "live": engine.ledger.live_bytes() - engine.ledger.live_bytes(Category.COMM_BUFFER)}

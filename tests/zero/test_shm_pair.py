@@ -12,6 +12,7 @@ import torch
 
 import zeroplus
 from tests.dist_helper import run_distributed
+from tests.models import train_losses
 from zeroplus import shm_pair
 from zeroplus.collective_faults import CollectiveError, set_timeout_seconds
 from zeroplus.comm import DataParallelGroup
@@ -82,7 +83,7 @@ def test_the_pair_moves_the_bytes_gloo_moves():
 
 
 def _config(stage: int, shared: bool, accumulation: int = 1) -> dict:
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accumulation, "gradient_clipping": 1.0,
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": accumulation, "gradient_clipping": 1.0,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
             "zeroplus": {"log_level": "warning", "memory_estimate": False, "shared_memory_pair": shared}}
@@ -92,14 +93,7 @@ def _trained(stage: int, accumulation: int, shared: bool) -> dict:
     torch.manual_seed(0)
     engine = zeroplus.initialize(GPT(gpt_config("tiny", n_embd=128, vocab_size=4096)),
                                  _config(stage, shared, accumulation))
-    r = engine.dp.rank
-    losses = []
-    for step in range(3 * accumulation):
-        ids = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(10 * step + r))
-        loss = engine(ids, ids)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = train_losses(engine, hugging_face=False, vocab=4096, seq=32, seed=engine.dp.rank, steps=3 * accumulation)
     swapped = engine.dp.pair._written if engine.dp.pair is not None else 0  # chunks this rank sent through it
     return {"losses": losses, "state": engine.consolidated_fp32_state(), "swapped": swapped}
 

@@ -128,7 +128,8 @@ class FlatParamGroup:
         self.stage = stage
         self.dp = dp
         self.expert = expert_ranks is not None
-        self.file_ranks = list(range(dp.size)) if expert_ranks is None else list(expert_ranks)  # (each rank's file)
+        # the data rank whose checkpoint file holds each dp rank's shard
+        self.file_ranks = list(range(dp.size)) if expert_ranks is None else list(expert_ranks)
         self.unit: Any = None   # the unit holding this group, the partition (one engine's) holding that, and its
         self.owner: Any = None  # pool of freed gathered buffers (``buffer_pool.py``): ``attach()``
         self.pool = BufferPool(ledger, lookahead=0)  # (never opened: every buffer allocated and freed, until attach)
@@ -507,10 +508,10 @@ class FlatParamGroup:
         return grad
 
     def drop_grad_full(self) -> None:
-        """A reduction was issued (stages 1-3): the flat gradient is dropped; the handles keep alive what they still
-        read, and the ledger stops counting it when they are waited on (``wait_pending``),
-        not when its storage dies: gloo's worker thread may drop the last reference a moment later, and counting
-        until then made the gradient peak depend on thread timing (one group more, seen in CI)."""
+        """A reduction was issued (stages 1-3): the flat gradient is dropped; the handles keep alive what they
+        still read, and the ledger stops counting it when they are waited on (``wait_pending``), not when its
+        storage dies: gloo's worker thread may drop the last reference a moment later, and counting until
+        then made the gradient peak depend on thread timing (one group more, seen in CI)."""
         if self.pending and self.grad_full is not None and self.grad_full is not self.master_grad:
             self._read_by_pending.append(self.grad_full)
         self.grad_full = None
