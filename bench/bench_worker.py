@@ -106,6 +106,17 @@ class CollectiveVolume:
             return fn(*args, **kwargs)
         return counted
 
+    def count_swaps(self, pair_class: type) -> None:
+        """Also count two gloo ranks' swaps through shared memory (``zeroplus/shm_pair.py``, ``SharedPair``), which
+        bypass ``torch.distributed``: each stands in for one two-rank collective and counts as it would, twice the
+        bytes it sends (an all-gather's output, a reduce-scatter's input, an all-reduce's buffer counted twice)."""
+        swap = pair_class.swap
+
+        def counted(pair, send, recv, add=False):
+            self.bytes["shm_pair"] = self.bytes.get("shm_pair", 0) + 2 * _nbytes(send)
+            return swap(pair, send, recv, add)
+        pair_class.swap = counted
+
     def take(self) -> dict[str, int]:
         """The volume since the last call, by collective."""
         out, self.bytes = self.bytes, {}
@@ -212,6 +223,7 @@ def main() -> None:
     if args.framework == "deepspeed":
         import deepspeed
     import zeroplus
+    volume.count_swaps(zeroplus.shm_pair.SharedPair)
     meter = Meter(args.device)
     rank = meter.rank
 
