@@ -28,8 +28,8 @@ setup(
         "npu": ["torch_npu"],
         "plotting": ["matplotlib"],
         "monitors": ["tensorboard==2.21.0", "wandb==0.31.0"],
-        "test": ["pytest>=7", "pytest-timeout", "ruff", "mypy==2.4.1", "transformers==5.23.0", "accelerate==1.15.0",
-                 "peft==0.21.2", "trl==1.16.0", "bitsandbytes==0.50.2"],
+        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist", "ruff", "mypy==2.4.1", "transformers==5.23.0",
+                 "accelerate==1.15.0", "peft==0.21.2", "trl==1.16.0", "bitsandbytes==0.50.2"],
     },
     entry_points={"console_scripts": ["zeroplus=zeroplus.cli:main"]},
 )
