@@ -80,13 +80,13 @@ def test_a_buffer_is_parked_only_for_a_request_of_its_size_and_category_in_the_r
 
     wide = BufferPool(ledger, lookahead=3)  # a record of 100, 300, 100 floats gathered
     wide.open("pass")
-    wide.take(_empty(), 400, G), wide.take(_empty(), 1200, G), wide.take(_empty(), 400, G)
+    for nbytes in (400, 1200, 400):
+        wide.take(_empty(), nbytes, G)
     wide.close()
     wide.open("pass")
     assert wide.park(_tracked(ledger, 100, 7.0), G)  # for request 0
     assert not wide.park(_tracked(ledger, 100, 8.0), G)  # the next gathered one, 1, asks for 300: not past it to 2
     wide.close()
-    pool.close()
 
 
 def _trained(stage: int, accumulation: int, bucket: int, pooled: bool) -> dict:
