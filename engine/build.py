@@ -37,7 +37,13 @@ from zeroplus.offload import virtual_host
 from zeroplus.offload.disk_space import check_free_space, states_per_element
 from zeroplus.offload.policies import MasterPolicy, OptimizerStateOffload, ParamOffload
 from zeroplus.offload.tiers import make_tier
-from zeroplus.optim.build import adopt_client_optimizer, build_optimizer, would_fuse
+from zeroplus.optim.build import (
+    adopt_client_optimizer,
+    build_optimizer,
+    check_elementwise,
+    resolve_optimizer_class,
+    would_fuse,
+)
 from zeroplus.optim.forward_only import ForwardOnly
 from zeroplus.optim.schedulers import build_scheduler
 from zeroplus.parallel.dropless_moe import DroplessMoE
@@ -138,7 +144,7 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
     given its values first (``zero/meta_init.py``, with ``init_fn``), at the memory of its shards."""
     model_parallel = parallel is not None and parallel.model.size > 1
     split = model_parallel or (parallel is not None and parallel.expert.size > 1)  # beyond data parallelism
-    _check_request(model, cfg, parallel, optimizer, lr_scheduler)
+    _check_request(model, cfg, parallel, optimizer, lr_scheduler, parallel.global_rank if parallel else dp.rank)
     check_tables(model, cfg, dp, parallel)
     _check_lending(model, cfg)
     if simulated is None:
@@ -228,7 +234,7 @@ def _given_back_on_failure(partition: ZeroPartition) -> Iterator[None]:
 
 
 def _check_request(model: torch.nn.Module, cfg: ResolvedConfig, parallel: ParallelGroups | None,
-                   optimizer: torch.optim.Optimizer | None, lr_scheduler: Any) -> None:
+                   optimizer: torch.optim.Optimizer | None, lr_scheduler: Any, rank: int) -> None:
     """Refuse what cannot be assembled, before anything is moved or allocated."""
     if parallel is not None:
         try:
@@ -237,9 +243,19 @@ def _check_request(model: torch.nn.Module, cfg: ResolvedConfig, parallel: Parall
             raise ConfigError(f"config key 'zeroplus.parallel' on rank {parallel.global_rank}: {err}") from None
         if parallel.topology.pipeline > 1:
             _check_pipeline(model, cfg, parallel)
+        _check_split(model, parallel)
     if optimizer is not None and cfg.optimizer is not None:
         raise ConfigError("an optimizer was passed to initialize() and the config has an 'optimizer' block; "
                           "give one or the other")
+    try:  # (before anything moves: the model is left as it was)
+        if optimizer is not None:
+            check_elementwise(type(optimizer), cfg.zeroplus.elementwise_optimizer, "the client optimizer")
+        elif cfg.optimizer is not None:
+            given = f"config key 'optimizer.type' ({cfg.optimizer.type!r}):"
+            check_elementwise(resolve_optimizer_class(cfg.optimizer.type, dict(cfg.optimizer.params)),
+                              cfg.zeroplus.elementwise_optimizer, given)
+    except ValueError as err:
+        raise ConfigError(f"rank {rank}: {err}") from None
     if lr_scheduler is not None and cfg.scheduler is not None:
         raise ConfigError("an lr_scheduler was passed to initialize() and the config has a 'scheduler' block; "
                           "give one or the other")
@@ -286,6 +302,28 @@ def make_partition(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Collectives,
                          MasterPolicy(bool(cfg.zeroplus.shared_master_weights),
                                       cfg.zeroplus.master_rounding == "like_shared", param_offload),
                          experts=experts, placement=placement)
+
+
+def _check_split(model: torch.nn.Module, parallel: ParallelGroups) -> None:
+    """A tensor or expert size above 1 needs a model zeroplus splits that way: otherwise every rank of the group would
+    compute the whole model while the config names a layout it does not get (and data parallelism would lose those
+    ranks). Tensor: zeroplus's tensor-parallel layers (``zeroplus.parallel``'s ``ColumnParallelLinear``,
+    ``RowParallelLinear``, ``VocabParallelEmbedding``; ``TensorParallelGPT.from_dense``); experts: its ``MoE`` or
+    ``DroplessMoE`` layers. Refused on every rank, before anything moves."""
+    params = list(model.parameters())
+    top, kind = parallel.topology, type(model).__name__
+    if top.tensor > 1 and not any(is_tensor_parallel(p) for p in params):
+        raise ConfigError(
+            f"config key 'tensor_parallel.autotp_size' / 'zeroplus.parallel.tensor' is {top.tensor} (rank "
+            f"{parallel.global_rank}), and the model, a {kind}, has no tensor-parallel layer: zeroplus splits only "
+            f"models built from zeroplus.parallel's ColumnParallelLinear, RowParallelLinear and "
+            f"VocabParallelEmbedding (zeroplus.models.gpt_tp.TensorParallelGPT.from_dense); Hugging Face models "
+            f"are not split yet. Use tensor size 1: every rank then trains as a data-parallel rank")
+    if top.expert > 1 and not any(is_expert(p) for p in params):
+        raise ConfigError(
+            f"config key 'zeroplus.parallel.expert' is {top.expert} (rank {parallel.global_rank}), and the model, a "
+            f"{kind}, has no expert layer zeroplus splits: expert parallelism needs zeroplus.parallel's MoE or "
+            f"DroplessMoE layers (a Hugging Face mixture of experts is not split yet). Use expert size 1")
 
 
 def _check_pipeline(model: torch.nn.Module, cfg: ResolvedConfig, parallel: ParallelGroups) -> None:

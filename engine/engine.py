@@ -210,10 +210,11 @@ class Engine:
 
     @property
     def module(self) -> torch.nn.Module:
-        """The wrapped model, its parameters current: the post-step all-gathers (stages 1-2) are waited
-        for first, so user code reading or saving it never sees a mix of old and new weights. (The model
-        object's own ``state_dict()`` and forward wait too; reading its parameter tensors directly does not.
-        At stage 3 ``state_dict()`` gathers: ``zeroplus/zero/stage3_state_dict.py``.)"""
+        """The wrapped model, its parameters current. ``step()`` returns with the post-step all-gathers
+        (stages 1-2) complete unless ``zeroplus.overlap_param_gather`` defers them to the next forward; then
+        this property, the model's own ``state_dict()`` and its forward wait for them, while its parameter
+        tensors read directly hold the values before the step until then. At stage 3 ``state_dict()``
+        gathers: ``zeroplus/zero/stage3_state_dict.py``."""
         self._partition.wait_all()
         return self._module
 
@@ -422,6 +423,8 @@ class Engine:
                 self.skipped_steps += 1
                 self._log_skip()
             self._partition.after_step()
+            if not self.config.zeroplus.overlap_param_gather:  # every parameter current when step() returns
+                self._partition.wait_all()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         self._watch.step_end(self)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
+from . import files as io
 from .dcp_save import param_group_of
 from .hf_export import whole_model_checkpoint, whole_parameter
 
@@ -50,7 +51,7 @@ def export_dcp(ckpt_dir: str, out_dir: str, tag: str | None = None) -> int:
                 entry[key] = whole_parameter(ranges, offset, numel).view(shape)
             state[name] = entry
             params.setdefault(gi, []).append(name)
-    for name, value in ranks[0]["module_extra"].items():
+    for name, value in io.exported_extra(meta, ranks[0]["module_extra"], ckpt_dir).items():
         model[name] = value.clone()
     for alias, name in meta.get("aliases", {}).items():
         model[alias] = model[name]

@@ -16,6 +16,8 @@ per sub-group) concatenate, in ``param_shapes`` order, each parameter's own part
 optimizer states of sub-group k have the same layout as ``fp32_flat_groups[k]``. So each DeepSpeed
 parameter becomes one zeroplus group of one parameter with N saved ranges.
 
+The script's ``client_state`` (the keys DeepSpeed merged into its model-states files) becomes each rank's
+client state: at stage 3 from the rank's own file, at stages 1-2 from rank 0's, the only one.
 The zeroplus loader matches parameters by name, so the result loads at any world size and stage.
 Memory: every rank's optimizer file is read (fp32 masters and states of the whole model, 12 bytes
 per parameter with Adam) before the output is written, one rank file at a time.
@@ -83,6 +85,22 @@ def _load(path: str) -> dict[str, Any]:
     return load_weights_only(path, what=f"DeepSpeed checkpoint file {path}", deepspeed=True)
 
 
+# What DeepSpeed 0.19 writes into a model-states file itself (``_common_checkpoint_state`` and its MoE and universal
+# checkpoint metadata); every other top-level key is the ``client_state`` a script gave ``save_checkpoint`` (DeepSpeed
+# merges it into the same dict) and is returned by ``load_checkpoint`` on resume.
+_DEEPSPEED_KEYS = frozenset({
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps", "global_steps",
+    "global_samples", "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions", "ds_config", "ds_version",
+    "universal_checkpoint_info", "num_experts", "ds_autoep_layers", "autoep_layers", "folding"})
+
+
+def client_state_of(model: dict[str, Any]) -> dict[str, Any]:
+    """The script's own keys of one DeepSpeed model-states file (what DeepSpeed's ``load_checkpoint`` returns, less
+    its own bookkeeping)."""
+    return {k: v for k, v in model.items() if k not in _DEEPSPEED_KEYS}
+
+
 def _split_states(opt: dict[str, Any], numel: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Optimizer-state tensors laid out like the partition (``sliced``) versus scalars (``whole``).
     The last rank's partition may omit padding that its states keep: those are cut to ``numel``."""
@@ -137,7 +155,7 @@ def _stage3_rank_flat(state: dict[str, Any], path: str) -> tuple[torch.Tensor, d
 
 
 def _stage3_groups(src: str, model: dict[str, Any], states: list[dict[str, Any]],
-                   paths: list[str]) -> tuple[list, list, dict]:
+                   paths: list[str]) -> tuple[list, list, dict, list[dict[str, Any]]]:
     world = len(states)
     shapes = {n: s for group in model["param_shapes"] for n, s in group.items()}
     groups_meta: list = []
@@ -166,7 +184,7 @@ def _stage3_groups(src: str, model: dict[str, Any], states: list[dict[str, Any]]
         pieces = [m["frozen_param_fragments"][name] for m in rank_models]
         extra[name] = torch.cat(pieces)[:math.prod(shape)].view(shape).clone()
     extra.update({n: model["module"][n] for n in model.get("buffer_names") or [] if n in model["module"]})
-    return groups_meta, per_rank, extra
+    return groups_meta, per_rank, extra, [client_state_of(m) for m in rank_models]
 
 
 def convert_deepspeed(ds_dir: str, out_dir: str, tag: str | None = None) -> str:
@@ -188,11 +206,12 @@ def convert_deepspeed(ds_dir: str, out_dir: str, tag: str | None = None) -> str:
     if layout_key not in states[0]:
         raise NotImplementedError(f"{optim_files[0][1]}: unknown DeepSpeed optimizer layout, expected "
                                   f"{layout_key!r} (keys {sorted(states[0])})")
-    if stage3:
-        groups_meta, per_rank, extra = _stage3_groups(src, model, states, [p for _, p in optim_files])
+    if stage3:  # every rank wrote its own model-states file, its client state included
+        groups_meta, per_rank, extra, clients = _stage3_groups(src, model, states, [p for _, p in optim_files])
         torch_optimizer = states[0]["optimizer_state_dict"]
-    else:
+    else:  # rank 0's file only: every rank resumes with its client state, as under DeepSpeed
         groups_meta, per_rank, extra = _stage12_groups(model, states)
+        clients = [client_state_of(model)] * world
         torch_optimizer = states[0]["base_optimizer_state"]
     ds_config = model.get("ds_config", {}) or {}
     gas = int(ds_config.get("gradient_accumulation_steps", 1) or 1)
@@ -207,12 +226,13 @@ def convert_deepspeed(ds_dir: str, out_dir: str, tag: str | None = None) -> str:
     digests = []
     for r in range(world):
         digests.append(io.save_rank_state(tmp, r, {
-            "rank": r, "groups": per_rank[r], "module_extra": extra if r == 0 else {}, "client_state": {},
+            "rank": r, "groups": per_rank[r], "module_extra": extra if r == 0 else {}, "client_state": clients[r],
             "counters": counters, "loss_scaler": scaler_state, "lr_scheduler": model.get("lr_scheduler"),
             "optimizer_hparams": hparams, "rng": None}))
     meta = {"format": io.FORMAT_VERSION, "tag": tag, "world_size": world,
             "stage": int(getattr(states[0].get("zero_stage"), "value", states[0].get("zero_stage") or 0)),
             "aliases": dict(model.get("shared_params") or {}), "compute_dtype": None,
+            "non_persistent_buffers": [],  # (DeepSpeed saves the state_dict's buffers only)
             "global_steps": model["global_steps"], "groups": groups_meta,
             "files": {str(r): d for r, d in enumerate(digests)}, "config": ds_config,
             "imported_from": f"DeepSpeed {model.get('ds_version', '?')} {src}"}

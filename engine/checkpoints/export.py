@@ -47,7 +47,7 @@ def load_fp32_state_dict(ckpt_dir: str, tag: str | None = None) -> dict[str, tor
         for name, shape, offset in g["params"]:
             numel = math.prod(shape)
             out[name] = flat[offset:offset + numel].view(shape).clone()
-    for name, value in files.get(0, {}).get("module_extra", {}).items():
+    for name, value in io.exported_extra(meta, files.get(0, {}).get("module_extra", {}), path).items():
         out[name] = value.float() if value.is_floating_point() else value
     for alias, name in meta.get("aliases", {}).items():
         out[alias] = out[name].clone()

@@ -37,6 +37,26 @@ DCP_METADATA = ".metadata"  # what torch.distributed.checkpoint writes last into
 FORMAT_VERSION = 1
 
 
+def non_persistent_buffers(module: torch.nn.Module) -> list[str]:
+    """The qualified names of ``module``'s buffers its own ``state_dict()`` leaves out (``persistent=False``, as
+    a rotary embedding's ``inv_freq``): a checkpoint keeps them for resuming, and its metadata lists them
+    (``non_persistent_buffers``) so that an export writes exactly the model's ``state_dict()`` keys."""
+    return [f"{prefix}.{name}" if prefix else name for prefix, m in module.named_modules()
+            for name, b in m.named_buffers(recurse=False) if b is not None and name in m._non_persistent_buffers_set]
+
+
+def exported_extra(meta: dict[str, Any], extra: dict[str, torch.Tensor], path: str) -> dict[str, torch.Tensor]:
+    """Rank 0's ``module_extra`` less the buffers the model's ``state_dict()`` does not hold. A checkpoint written
+    before the metadata listed them exports every buffer, with a warning naming it."""
+    skip = meta.get("non_persistent_buffers")
+    if skip is None:
+        logger.warning("checkpoint %s does not list the model's non-persistent buffers (written before zeroplus "
+                       "recorded them): every buffer it holds is exported, and from_pretrained or "
+                       "load_state_dict may report some as unexpected keys", path)
+        return dict(extra)
+    return {n: v for n, v in extra.items() if n not in set(skip)}
+
+
 def fault_point(name: str) -> None:
     """Die here, without cleanup, if the environment asks for it (crash-safety tests)."""
     if os.environ.get("ZEROPLUS_CHECKPOINT_FAULT") == name:

@@ -151,7 +151,7 @@ def export_checkpoint(ckpt_dir: str, out_dir: str, tag: str | None = None, dtype
             pieces = [(s["lo"], s["hi"], s["master"]) for s in (ranks[r]["groups"][g["name"]] for r in sorted(ranks))]
             for name, shape, offset in g["params"]:
                 writer.add(name, whole_parameter(pieces, offset, math.prod(shape)).view(shape))
-        for name, value in ranks[0]["module_extra"].items():
+        for name, value in io.exported_extra(meta, ranks[0]["module_extra"], ckpt_dir).items():
             writer.add(name, value)
         return writer.finish(meta.get("hf_config")), writer.peak_bytes
     finally:

@@ -142,6 +142,7 @@ def _metadata(engine: Engine, tag: str, digests: list[str], exclude_frozen_param
             "compute_dtype": str(part.groups[0].compute_dtype) if part.groups else None,
             "global_steps": engine.global_steps, "groups": groups, "tables": table_layout(engine),
             "frozen_parameters_excluded": exclude_frozen_parameters,
+            "non_persistent_buffers": io.non_persistent_buffers(engine.module),
             "files": {str(r): d for r, d in enumerate(digests)}, "topology": _topology(engine),
             "config": engine.config.model_dump(mode="json"), "hf_config": hf_config(engine.module)}
 

@@ -42,6 +42,13 @@ def _steps(engine, first: int, last: int) -> list[float]:
     return engine_train(engine, make_batches(4 * world, 2), last - first, rank, world, 1, start=first)
 
 
+def _client_state() -> dict:
+    """What a DeepSpeed-tutorial script saves beside the model: its data position (the same on every rank) and a
+    value of its own rank's."""
+    import torch.distributed as dist
+    return {"seen": 12, "sampler": {"epoch": 1, "offset": 96}, "from_rank": dist.get_rank()}
+
+
 def _deepspeed(root: str) -> list[list[float]]:
     deepspeed = deepspeed_reference()
     out = []
@@ -51,7 +58,7 @@ def _deepspeed(root: str) -> list[list[float]]:
         engine, *_ = deepspeed.initialize(model=model, config=_config(stage, dtype),
                                           model_parameters=[p for p in model.parameters() if p.requires_grad])
         _steps(engine, 0, 2)
-        engine.save_checkpoint(os.path.join(root, f"ds-{stage}-{dtype}"))
+        engine.save_checkpoint(os.path.join(root, f"ds-{stage}-{dtype}"), client_state=_client_state())
         out.append(_steps(engine, 2, 4))
     return out
 
@@ -64,9 +71,10 @@ def _zeroplus(root: str) -> list[dict]:
         cfg = dict(_config(stage, dtype), zeroplus={"log_level": "warning", "memory_estimate": False})
         engine = zeroplus.initialize(ParityNet(), cfg)
         source = os.path.join(root, f"ds-{stage}-{dtype}" if stage == 3 else f"zp-{stage}-{dtype}")
-        path, _ = engine.load_checkpoint(source)
+        path, client = engine.load_checkpoint(source)
         masters = engine.consolidated_fp32_state()
         out.append({"steps": engine.global_steps, "masters": masters, "losses": _steps(engine, 2, 4), "path": path,
+                    "client": client,
                     "left": sorted(f for f in os.listdir(source) if f.startswith(".zeroplus-import"))})
     engine = zeroplus.initialize(ParityNet(), dict(_config(3, "fp32"), zeroplus={"log_level": "error"}))
     path, _ = engine.load_checkpoint(os.path.join(root, "ds-3-no-latest"))  # its only tag, without latest
@@ -97,6 +105,10 @@ def test_deepspeed_checkpoint_resumes_in_zeroplus(tmp_path):
     for rank, got in enumerate(ranks):  # every rank names the missing file
         assert got[-1]["broken"] is not None and broken in got[-1]["broken"], got[-1]
     assert results[-2]["no_latest"] == os.path.join(root, "ds-3-no-latest", "global_step2")
+    for rank, got in enumerate(ranks):  # the script's keys, nothing of DeepSpeed's: stage 3 from each rank's own
+        for (stage, _), zp in zip(CASES, got):  # file, stages 1-2 from rank 0's (the only one), as DeepSpeed does
+            want = {"seen": 12, "sampler": {"epoch": 1, "offset": 96}, "from_rank": rank if stage == 3 else 0}
+            assert zp["client"] == want, f"rank {rank} stage {stage}: client state {zp['client']}"
     for (stage, dtype), ds, zp in zip(CASES, ds_losses, results):
         assert zp["steps"] == 2, (stage, dtype)
         if stage == 3:  # loaded straight from DeepSpeed's directory, the import removed

@@ -70,3 +70,28 @@ def test_initialize_refuses_what_the_world_cannot_hold():
     assert all("world size 2 is not divisible by tensor x pipeline = 3 x 1" in m for m in messages), messages
     messages = run_distributed(_refused, 2, {"pipeline": 2}, 3)
     assert all("ZeRO stage 3 with pipeline parallelism (pipeline size 2)" in m and "rank" in m for m in messages)
+
+
+def _refused_model(family: str | None, config: dict) -> str:
+    from tests.hf_models import build
+    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {}},
+           "zero_optimization": {"stage": 1}, "zeroplus": {"memory_estimate": False}, **config}
+    try:
+        zeroplus.initialize(build(family) if family else GPT(gpt_config("tiny")), cfg)
+    except zeroplus.ConfigError as err:
+        return str(err)
+    return "accepted"
+
+
+def test_a_tensor_or_expert_size_the_model_cannot_take_is_refused_on_every_rank():
+    """DeepSpeed's AutoTP key on a Hugging Face Llama, and expert parallelism on a model without experts: every rank
+    refuses at initialize, naming the key, its size, the model class and what would work (rather than training the
+    whole model on every rank of a tensor group, with a data-parallel size of 1)."""
+    messages = run_distributed(_refused_model, 2, "llama", {"tensor_parallel": {"autotp_size": 2}})
+    for rank, m in enumerate(messages):
+        assert "'tensor_parallel.autotp_size'" in m and "is 2 (rank" in m and "LlamaForCausalLM" in m \
+            and "Use tensor size 1" in m, f"rank {rank}: {m}"
+    messages = run_distributed(_refused_model, 2, None, {"zeroplus": {"parallel": {"expert": 2},
+                                                                      "memory_estimate": False}})
+    for rank, m in enumerate(messages):
+        assert "'zeroplus.parallel.expert' is 2" in m and "a GPT" in m and "Use expert size 1" in m, f"rank {rank}: {m}"

@@ -6,7 +6,8 @@ clipping, 3 steps, with and without Hugging Face's activation checkpointing (the
 frozen weights inside backward), against the single-process reference (``tests/reference.py``):
 losses and adapters equal within 1e-5 relative (gradients averaged in another order). The ledger:
 ``param`` holds this rank's shard of the base (half of it, plus padding), ``master`` (the fp32 shard
-itself) and ``optim_state`` the adapters' shard only.
+itself) and ``optim_state`` the adapters' shard only. PEFT's ``get_nb_trainable_parameters`` and the Trainer's
+count (through ``ds_numel``) read the whole model's numbers, and every ``ds_shape`` the whole shape.
 """
 from __future__ import annotations
 
@@ -59,8 +60,11 @@ def _train(checkpointing: bool) -> dict:
     base = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
     engine, out = _train_at_stage3(model, rank, world)
+    trainer_rule = [p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()]  # the Trainer's
     return {**out, "bytes": {c.value: engine.ledger.live_bytes(c) for c in Category}, "base": base,
-            "adapters_numel": adapters, "frozen_groups": len(engine.partition.frozen)}
+            "adapters_numel": adapters, "frozen_groups": len(engine.partition.frozen),
+            "peft_counts": model.model.get_nb_trainable_parameters(), "trainer_count": sum(trainer_rule),
+            "ds_shapes": {n: tuple(p.ds_shape) for n, p in model.named_parameters()}}
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -74,6 +78,11 @@ def test_lora_base_is_partitioned_and_trains_as_the_plain_peft_model(checkpointi
         assert 4 * r["base"] / WORLD <= b["param"] <= 4 * r["base"] / WORLD + 4 * 64 * r["frozen_groups"], b
         assert 4 * r["adapters_numel"] / WORLD <= b["master"] <= 4 * (r["adapters_numel"] / WORLD + 64 * 16), b
         assert 8 * r["adapters_numel"] / WORLD <= b["optim_state"] <= 8 * (r["adapters_numel"] / WORLD + 64 * 16), b
+    peft_counts = reference.model.get_nb_trainable_parameters()
+    for rank, r in enumerate(results):  # counts and shapes of released parameters read as DeepSpeed's (ds_numel)
+        assert r["peft_counts"] == peft_counts, f"rank {rank}: PEFT counts {r['peft_counts']}, plain {peft_counts}"
+        assert r["trainer_count"] == peft_counts[1], f"rank {rank}: the Trainer's count {r['trainer_count']}"
+        assert r["ds_shapes"] == {n: tuple(p.shape) for n, p in reference.named_parameters()}, f"rank {rank}"
     assert results[0]["losses"] == pytest.approx(losses, rel=1e-5)
     for name, value in results[0]["adapters"].items():
         torch.testing.assert_close(value, final[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")

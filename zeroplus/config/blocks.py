@@ -362,6 +362,13 @@ class ZeroplusBlock(Block):
         None, description="Module class names that each become one partition unit (default: repeated blocks).")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     fused_optimizer: bool = Field(True, description="Use torch's fused optimizer kernel where it exists.")
+    elementwise_optimizer: bool = Field(
+        False, description="The optimizer (a client's, or a torch.optim class the config names) updates each "
+                           "element from that element's gradient and states alone, so stepping flat shards cut "
+                           "across parameters is exact. Needed only for a class zeroplus does not know to be so "
+                           "(torch.optim's SGD, Adam, AdamW, Adagrad, Adamax, NAdam, RAdam, RMSprop, ASGD, Rprop, "
+                           "Adadelta, subclasses that keep their step, and zeroplus's Lamb); any other is refused "
+                           "at initialize.")
     shared_master_weights: bool | Auto = Field(
         False, description="bf16 only: keep the fp32 master as the bf16 weights plus 16-bit residuals "
                            "(2 bytes per owned parameter less), restored exactly before each step.")
@@ -411,6 +418,13 @@ class ZeroplusBlock(Block):
                           "exchanges and reductions through a 4 MiB shared-memory mapping instead of TCP loopback "
                           "(about twice as fast, the bytes the same); false keeps gloo for everything (so does "
                           "ZEROPLUS_SHM_PAIR=0).")
+    overlap_param_gather: bool = Field(
+        False, description="Stages 1-2: the all-gathers of the stepped parameters that step() starts are waited for "
+                           "by each unit's next forward instead of before step() returns, so later units' gathers "
+                           "overlap earlier units' compute. Until that forward (or engine.module, or state_dict()) "
+                           "the parameter tensors of the model object, read directly, mix values from before and "
+                           "after the step (this rank's shard is current, the rest is not); false (the default): "
+                           "step() returns with every parameter current, as DDP and DeepSpeed do.")
     dump_dir: str | None = Field(
         None, description="Where a rank writes what it was doing when a collective fails or memory runs out "
                           "(default: $ZEROPLUS_DUMP_DIR, else <temp dir>/zeroplus-dumps).")

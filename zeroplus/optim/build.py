@@ -31,6 +31,33 @@ _DS_ONLY = {"torch_adam", "adam_w_mode", "fp32_optimizer_states", "cuda_aware", 
 _FUSED_CAPABLE = {"Adam", "AdamW", "SGD", "Adagrad"}
 
 
+# torch.optim classes whose update of an element reads only that element's gradient and states and the param
+# group's scalars: stepped on a flat shard (a run of elements cut across parameters) they give, element by element,
+# what they give stepping each parameter whole. Not so: Adafactor (second moments factored over a matrix's rows and
+# columns), Muon (Newton-Schulz on whole matrices), LBFGS (one history over all parameters), SparseAdam (sparse
+# gradients); nor bitsandbytes' 8-bit optimizers (states quantized in blocks that a shard would cut elsewhere).
+ELEMENTWISE = frozenset({"SGD", "Adam", "AdamW", "Adagrad", "Adamax", "NAdam", "RAdam", "RMSprop", "ASGD", "Rprop",
+                         "Adadelta"})
+
+
+def check_elementwise(cls: type[torch.optim.Optimizer], declared: bool, what: str) -> None:
+    """Refuse an optimizer zeroplus does not know to update element by element: its ``step`` comes from one of
+    torch's ``ELEMENTWISE`` classes or zeroplus's Lamb (whose per-parameter norms are taken over the shards, lamb.py),
+    unless the config declares it (``zeroplus.elementwise_optimizer``). ``what``: how the user gave it."""
+    owner = next((c for c in cls.__mro__ if "step" in c.__dict__), torch.optim.Optimizer)
+    known = owner is Lamb or (owner.__module__.startswith("torch.optim") and owner.__name__ in ELEMENTWISE
+                              and getattr(torch.optim, owner.__name__, None) is owner)
+    if known or declared:
+        return
+    raise ValueError(
+        f"{what} {cls.__module__}.{cls.__qualname__} is not known to update each element from that element alone "
+        f"(its step() is {owner.__module__}.{owner.__qualname__}'s), and zeroplus steps flat shards cut across "
+        f"parameters at every stage: an optimizer whose math depends on a parameter's shape (Adafactor's factored "
+        f"moments, Muon's whole matrices, LBFGS, bitsandbytes' block-wise 8-bit states) would train a different "
+        f"model. Use one of torch.optim's {', '.join(sorted(ELEMENTWISE))}, or zeroplus's Lamb; or, if its update "
+        f"is element-wise, say so with config key 'zeroplus.elementwise_optimizer': true")
+
+
 def resolve_optimizer_class(type_name: str, params: dict[str, Any]) -> type[torch.optim.Optimizer]:
     name = type_name.lower()
     if name == "adam":

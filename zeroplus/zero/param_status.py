@@ -5,6 +5,11 @@ and not landed (it still reads as released); ``NOT_AVAILABLE``: released, an emp
 written for DeepSpeed asks this before reading a parameter directly (TRL's fused LM head gathers
 ``lm_head.weight`` with ``GatheredParameters`` unless it is ``AVAILABLE``); DeepSpeed's
 ``ZeroParamStatus`` is this enum. ``FlatParamGroup`` sets it where it gathers, exposes and releases.
+
+At stage 3 every partitioned parameter also carries what DeepSpeed's do and what Transformers, PEFT and Accelerate
+read to count or shape a parameter whose tensor is released (``label_whole``): ``ds_numel`` (the whole parameter's
+element count: PEFT's ``get_nb_trainable_parameters``, the Trainer's ``get_model_param_count``), ``ds_shape`` (its
+whole shape: PEFT's adapter layers size themselves by it) and ``ds_id`` (a number unique within the model).
 """
 from __future__ import annotations
 
@@ -24,3 +29,12 @@ class ParamStatus(enum.Enum):
 def mark(params: list[torch.nn.Parameter], status: ParamStatus) -> None:
     for p in params:
         setattr(p, STATUS_ATTR, status)
+
+
+def label_whole(params: list[torch.nn.Parameter], shapes: list[torch.Size]) -> None:
+    """Stage 3: give each parameter its whole ``ds_numel`` and ``ds_shape``, and ``ds_id`` its index in ``params``
+    (see the module docstring)."""
+    for index, (p, shape) in enumerate(zip(params, shapes)):
+        p.ds_numel = shape.numel()  # type: ignore[attr-defined]
+        p.ds_shape = torch.Size(shape)  # type: ignore[attr-defined]
+        p.ds_id = index  # type: ignore[attr-defined]

@@ -52,7 +52,7 @@ from .buffer_pool import BufferPool
 from .flat_group import FLAT_ATTR, FlatParamGroup
 from .grad_reducer import GradReducer
 from .kept_grads import keep_all_at_once
-from .param_status import ParamStatus, mark
+from .param_status import ParamStatus, label_whole, mark
 from .placement import UnitPlacement
 from .quantized import packed_storage, prepare_packed
 from .row_reduce import reduce_rows
@@ -179,6 +179,9 @@ class ZeroPartition:
         self.frozen: list[FlatParamGroup] = [g for u in self.units for g in u.frozen]  # stage 3 (units.py)
         flat = {id(p) for g in self.groups + self.frozen for p in g.params}
         mark([p for p in model.parameters() if id(p) not in flat], ParamStatus.AVAILABLE)  # never partitioned
+        if self.stage.shards_parameters:  # what Transformers and PEFT read of a released parameter (param_status.py)
+            label_whole([p for g in self.groups + self.frozen for p in g.params],
+                        [s for g in self.groups + self.frozen for s in g.shapes])
         overlap = True if zero.overlap_comm is None else zero.overlap_comm
         accumulate_fp32 = self.stage.shards_gradients and gradient_accumulation_steps > 1
         self.reducer = GradReducer(self.stage, dp, zero.reduce_bucket_size, zero.reduce_scatter, overlap, ledger,
@@ -514,6 +517,7 @@ class ZeroPartition:
                     unit.wait_gather()
             return
         self._push_masters()
+        self.wait_all()  # (a load is no place to overlap: the model object reads current values after it)
 
     def wait_all(self) -> None:
         for g in self.groups:
