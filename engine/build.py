@@ -56,6 +56,7 @@ from zeroplus.zero import ShardedStep, ZeroPartition
 from zeroplus.zero.meta_init import has_meta_tensors, materialize_meta
 from zeroplus.zero.partition import ExpertSplit
 from zeroplus.zero.placement import UnitPlacement
+from zeroplus.zero.quantized import packed_storage
 from zeroplus.zero.sharded_step import ModelParallelNorm, StepPolicy
 from zeroplus.zero.units import frozen_dtype
 
@@ -150,6 +151,7 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
     if simulated is None:
         check_packages(cfg, parallel.global_rank if parallel is not None else dp.rank)
     _warn_inert_options(cfg)
+    _warn_mixed_dtypes(model, compute_dtype(cfg))
     model_bytes = _device_bytes(model, accel)  # already there: they count as the engine's, as in the estimate
     pipelined = parallel is not None and parallel.topology.pipeline > 1
 
@@ -342,6 +344,21 @@ def _device_bytes(model: torch.nn.Module, accel: Accelerator) -> int:
     storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
                 for t in list(model.parameters()) + list(model.buffers()) if t.device.type == device.type}
     return sum(storages.values())
+
+
+def _warn_mixed_dtypes(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """A model whose floating parameters come in more than one dtype (a unit mixing fp32 and bf16: a module kept
+    in fp32 by the model's code, or cast by hand) is computed in the one compute dtype, as DeepSpeed's engine casts
+    it: what it held in another dtype is named, since its forward then computes those in ``dtype``."""
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and not packed_storage(p):  # (packed quantized weights keep their storage)
+            by_dtype.setdefault(p.dtype, []).append(name)
+    if len(by_dtype) > 1:
+        other = {str(d).split(".")[-1]: names[:4] + (["..."] if len(names) > 4 else [])
+                 for d, names in by_dtype.items() if d != dtype}
+        log_rank0("the model's parameters come in %d dtypes; each is cast to the compute dtype %s (the forward "
+                  "computes them in it): %s", len(by_dtype), str(dtype).split(".")[-1], other, level=logging.WARNING)
 
 
 def _warn_inert_options(cfg: ResolvedConfig) -> None:

@@ -51,6 +51,7 @@ from .flops_profiler import FlopsProfiler
 from .lifecycle import collected, wait_at_exit
 from .loss_scaler import LossScaler
 from .micro_step import Life, MicroStep
+from .model_changes import ModelChanges
 from .state_offload import StateOffload
 from .step_timers import StepTimers
 from .watch import Watch
@@ -106,8 +107,9 @@ class Engine:
         # garbage-collected without destroy(): its hooks come off the model all the same (see note: lifecycle)
         self._compiled_units: list[CompiledUnits] = []
         self._observers: list[Any] = []  # this engine's observers of the collectives (its step timers)
+        self._changes = ModelChanges(module)  # parameters or modules attached later: refused (model_changes.py)
         self._finalizer = weakref.finalize(self, collected, parts.partition, parts.activations, self._compiled_units,
-                                           self._observers)
+                                           self._observers, self._changes)
         self._finalizer.atexit = False
         self.budget: Any = None  # the predicted ``zeroplus.MemoryBudget``, once ``record_budget`` has set it
         self.parallel = parallel
@@ -229,6 +231,7 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._refuse_if_destroyed("forward")
         self._state_offload.refuse_if_offloaded("forward")
+        self._changes.refuse_if_changed(self.dp.rank)
         if self._first_forward_hooks and torch.is_grad_enabled() and self._module.training:
             hooks, self._first_forward_hooks = self._first_forward_hooks, []
             for hook in hooks:
@@ -589,6 +592,7 @@ class Engine:
         finally:
             self._finalizer.detach()
             self._watch.close()
+            self._changes.remove()
             self._partition.remove()
             self._activations.remove()
             if self._compiled is not None:

@@ -16,16 +16,18 @@ from zeroplus.activations import SavedTensorRouter
 from zeroplus.zero import ZeroPartition
 
 from .compile import CompiledUnits
+from .model_changes import ModelChanges
 
 logger = logging.getLogger("zeroplus.engine")
 
 
 def collected(partition: ZeroPartition, activations: SavedTensorRouter, compiled: list[CompiledUnits],
-               observers: list[Any]) -> None:
+               observers: list[Any], changes: ModelChanges) -> None:
     """An engine garbage-collected without ``destroy()``: every hook it put on the model removed, with no
     collective (``ZeroPartition.drop_hooks``: a stage-3 model's released parameters stay empty, and a later
     ``initialize`` refuses them); its observers of the collectives detached."""
     partition.drop_hooks()
+    changes.remove()
     activations.remove()
     for units in compiled:
         units.remove()

@@ -25,7 +25,7 @@ from .accelerator import get_accelerator
 from .budget.estimate import RECOMPUTE, RECOMPUTE_PAYS_FROM, estimate
 from .budget.first_use import code_resident
 from .budget.planner import apply_settings, plan
-from .budget.simulate import group_stand_ins, meta_copy, simulation_problem
+from .budget.simulate import group_stand_ins, meta_copy
 from .comm import DataParallelGroup, init_distributed_if_launched
 from .config import (
     ConfigError,
@@ -114,12 +114,8 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
                           "compile")
     if accel.name == "cpu" and cfg.bf16.enabled:
         warn_if_bf16_is_emulated()
+    # predicted at the first forward, from the shapes and dtypes of its real batch (whatever the model takes)
     source = _estimate_source(model, cfg, parallel, optimizer) if not pipelined else None
-    problem = simulation_problem(source[0]) if source is not None else None
-    if problem is not None:  # said now, before any batch; the first forward will not try again
-        log_rank0("memory estimate unavailable for this model: %s; zeroplus.memory_estimate false skips this check",
-                  problem, level=logging.WARNING)
-        source = None
     engine = build_engine(model, cfg, dp, accel, rss_at_start, optimizer=optimizer, lr_scheduler=lr_scheduler,
                           model_parameters=model_parameters, parallel=parallel, init_fn=init_fn, compiled=compiled)
     if source is not None:

@@ -191,11 +191,13 @@ def test_values_the_simulation_lacks_are_named(tmp_path, caplog):
     log = logging.getLogger("zeroplus")  # (it does not propagate: its own handler prints the rank)
     log.addHandler(caplog.handler)
     try:
-        zeroplus.initialize(_DataDependent(), cfg)  # said at initialize, before any batch
+        engine = zeroplus.initialize(_DataDependent(), cfg)
+        engine(torch.randint(0, 256, (2, 8)))  # said at the first forward, which the real batch shapes
     finally:
         log.removeHandler(caplog.handler)
-    assert any("memory estimate unavailable for this model: the memory simulation cannot run aten." in r.getMessage()
-               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert any("memory estimate unavailable (SimulationError: the memory simulation cannot run aten."
+               in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert engine.budget is None
     with pytest.raises(SimulationError, match="aten.is_nonzero|aten._local_scalar_dense"):
         zeroplus.estimate(_DataDependent(), cfg, world_size=1, example_inputs=(torch.randint(0, 256, (2, 8)),))
     path = tmp_path / "cfg.json"
@@ -250,3 +252,23 @@ def test_a_routed_model_in_bf16_on_cpu_is_said_to_grow_beyond_its_budget(caplog)
     assert "not predicted: experts' batch sizes" in str(engine.budget)
     assert any("memory budget, not predicted: experts' batch sizes" in r.getMessage() for r in caplog.records)
     engine.destroy()
+
+
+def test_a_model_of_float_inputs_gets_its_budget_from_the_first_batch():
+    """An ``nn.Sequential`` MLP on float features (no token ids anywhere): the first forward's batch gives the
+    simulation its shapes and dtypes, so the engine predicts and measures it like a language model; its ledger
+    categories are predicted exactly (before, initialize probed it with token ids, took the shape error for values
+    it lacked and gave up: "cannot run aten.addmm.default ... [1, 8] X [16, 64]")."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    engine = zeroplus.initialize(model, _config(2))
+    for _ in range(2):
+        x = torch.randn(2, 16)
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    assert engine.budget is not None, "no estimate from the first batch"
+    predicted = engine.budget.category_peaks
+    for category in (Category.PARAM, Category.GRAD, Category.OPTIM_STATE):
+        measured = engine.ledger.peak_bytes(category)
+        assert measured > 0 and predicted[category.value] == measured, (category, predicted, measured)
+    assert engine.memory_report().peak_error_pct is not None, "no predicted-against-measured line"

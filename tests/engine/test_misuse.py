@@ -84,3 +84,86 @@ def test_misuse_is_refused_and_the_model_is_current():
             assert result["stale"] == [], f"stage {stage} rank {rank}: state_dict after step() stale"
             assert result["unchanged_after_step"], f"stage {stage} rank {rank}: a refused step() changed state"
             assert result["differs_from_clean"] == [], f"stage {stage} rank {rank}: {result['differs_from_clean']}"
+
+
+def _attach_after_initialize(stage: int) -> list[str]:
+    """A module and a parameter attached after initialize, each refused at the next forward; re-setting a module the
+    model held is no change; after destroy() nothing watches the model any more."""
+    rank, world = rank_and_world()
+    x, y = make_batches(world, 2)[rank]
+    out = []
+    for attach in ("module", "parameter", "same module"):
+        torch.manual_seed(0)
+        model = ParityNet()
+        engine = zeroplus.initialize(model, _config(stage))
+        if attach == "module":
+            model.blocks[0].extra = torch.nn.Linear(13, 13)
+        elif attach == "parameter":
+            model.scale = torch.nn.Parameter(torch.ones(1))
+        else:
+            model.blocks[0].up = model.blocks[0].up
+        try:
+            engine.backward(engine(x, y))
+            engine.step()
+            out.append("trained")
+        except RuntimeError as err:
+            out.append(str(err))
+        engine.destroy()
+    model.later = torch.nn.Linear(2, 2)  # after destroy(): the model is the user's again, nothing refuses
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_module_attached_after_initialize_is_refused_at_the_next_forward(stage):
+    """Attached after initialize, a module's parameters would run in the forward without being averaged or stepped
+    (DeepSpeed's users saw it train silently apart): every rank refuses at the next forward, naming it."""
+    for rank, (module, parameter, same) in enumerate(run_distributed(_attach_after_initialize, 2, stage)):
+        assert f"rank {rank}: the model was changed" in module and "module blocks.0.extra (Linear)" in module, module
+        assert "parameter <model>.scale (1,)" in parameter, parameter
+        assert same == "trained", same
+
+
+class _MixedDtypes(torch.nn.Module):
+    """A gate the model keeps in bf16 beside fp32 layers, its input cast to the gate's dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.gate = torch.nn.Linear(16, 16).to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.a(x) * self.gate(x.to(self.gate.weight.dtype)).float()).square().mean()
+
+
+def test_a_unit_mixing_fp32_and_bf16_parameters_is_named_and_trains_as_the_model_cast():
+    """One unit with fp32 and bf16 parameters (a hang or silent cast under DeepSpeed's ZeRO): the engine casts all
+    to the compute dtype, as DeepSpeed's engine does, says so naming the parameters, and trains exactly as the plain
+    model cast to that dtype (SGD, 3 steps, bitwise)."""
+    import logging
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("zeroplus").addHandler(handler)
+    try:
+        torch.manual_seed(0)
+        engine = zeroplus.initialize(_MixedDtypes(), {
+            "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "zero_optimization": {"stage": 2}, "zeroplus": {"memory_estimate": False}})
+    finally:
+        logging.getLogger("zeroplus").removeHandler(handler)
+    assert any("come in 2 dtypes" in r and "'bfloat16': ['gate.weight', 'gate.bias']" in r for r in records), records
+    torch.manual_seed(0)
+    plain = _MixedDtypes().float()
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randn(4, 16, generator=g)
+        engine.backward(engine(x))
+        engine.step()
+        plain(x).backward()
+        opt.step()
+        opt.zero_grad()
+    got = engine.consolidated_fp32_state()
+    for name, p in plain.named_parameters():
+        assert torch.equal(got[name], p.detach()), name
+    engine.destroy()

@@ -27,7 +27,7 @@ from zeroplus.config import ConfigError, parse_config
 from zeroplus.models import GPT, gpt_config
 from zeroplus.parallel.context import check_heads, heads_to_seq, seq_to_heads
 from zeroplus.parallel.groups import parallel_groups
-from zeroplus.parallel.ring_attention import ring_attention, zigzag_slice
+from zeroplus.parallel.ring_attention import ring_attention, windowed_attention, zigzag_slice
 from zeroplus.parallel.topology import KINDS, Topology
 from zeroplus.parallel.ulysses_output import output_exchanged
 
@@ -239,11 +239,21 @@ def test_checkpoint_resumes_bit_exactly_under_context_parallelism(tmp_path, mode
         assert continued == resumed
 
 
+def _hf(family: str) -> torch.nn.Module:
+    """``mistral-window``: Mistral with a sliding window of 6 positions, shorter than the sequence (32) and than a
+    ring chunk (8), so every path must apply it."""
+    if family != "mistral-window":
+        return hf_models.build(family)
+    model = hf_models.build("mistral")
+    model.config.sliding_window = 6
+    return model
+
+
 def _llama(mode: str = "ulysses", data_ranks: int = 1, tile: int | None = None, family: str = "llama"
            ) -> tuple[list[float], dict[str, torch.Tensor]]:
     rank, world = rank_and_world()
     torch.manual_seed(0)
-    model = hf_models.build(family)  # 4 heads, 2 key/value heads (GQA), rotary positions
+    model = _hf(family)  # 4 heads, 2 key/value heads (GQA), rotary positions
     hybrid = {"ulysses_size": 2} if mode == "hybrid" else {}
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": CLIP,
            "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9, "weight_decay": 0.01}},
@@ -270,7 +280,8 @@ def _llama(mode: str = "ulysses", data_ranks: int = 1, tile: int | None = None, 
 @pytest.mark.parametrize("mode,world,data_ranks,tile,family", [
     ("ulysses", 2, 1, None, "llama"), ("ring", 2, 1, None, "llama"), ("ulysses", 4, 1, None, "llama"),
     ("ring", 4, 2, None, "llama"), ("ring", 2, 1, 16, "llama"), ("hybrid", 4, 1, None, "llama"),
-    ("hybrid", 4, 1, None, "qwen2")])
+    ("hybrid", 4, 1, None, "qwen2"), ("ulysses", 2, 1, None, "mistral-window"), ("ring", 2, 1, None, "mistral-window"),
+    ("hybrid", 4, 1, None, "mistral-window")])
 def test_hugging_face_llama_with_gqa_rope_and_ignored_labels(mode, world, data_ranks, tile, family):
     """Llama (grouped-query attention, rotary positions: the positions must be the global ones), ZeRO-3,
     context 2 (and Ulysses at 4, where the 2 key/value heads are repeated to the 4 query heads before
@@ -278,9 +289,10 @@ def test_hugging_face_llama_with_gqa_rope_and_ignored_labels(mode, world, data_r
     once), labels with 5 ignored tokens per row all in one rank's part: losses and parameters equal
     the single-process model's within fp32 tolerance; and so with ring and ``zeroplus.tiled`` (MLPs and loss
     over tiles of 16 tokens of the sequence, 8 per rank); and ``context_mode: "hybrid"`` at 2 x 2 for Llama and
-    Qwen2 (K/V repeated to the query heads, heads over the Ulysses pair, K/V around the ring)."""
+    Qwen2 (K/V repeated to the query heads, heads over the Ulysses pair, K/V around the ring); and Mistral with a
+    sliding window shorter than a ring chunk on every path (dropped before: the loss without the window)."""
     torch.manual_seed(0)
-    ref_model = hf_models.build(family)
+    ref_model = _hf(family)
     params = [p for p in ref_model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=LR, momentum=0.9, weight_decay=0.01)
     ref_losses = []
@@ -370,15 +382,21 @@ def test_predicted_activations_under_context_parallelism_are_what_autograd_saves
         assert 0.98 / context * whole < real < 1.02 / context * whole, (real, whole)
 
 
-def _ring_vs_whole(block_rows: int | None) -> tuple[float, float, float, float]:
+def _band(length: int, window: int | None) -> torch.Tensor:
+    """Transformers' causal (and sliding-window) mask: query i sees key j when j <= i and i - j < window."""
+    i, j = torch.arange(length).unsqueeze(-1), torch.arange(length)
+    return (j <= i) & (i - j < window) if window is not None else j <= i
+
+
+def _ring_vs_whole(block_rows: int | None, window: int | None = None) -> tuple[float, float, float, float]:
     group = DataParallelGroup(None)
     g = torch.Generator().manual_seed(3)
     q, k, v, dout = (torch.randn(2, 3, 8 * group.size, 8, generator=g) for _ in range(4))
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = torch.nn.functional.scaled_dot_product_attention(*whole, is_causal=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(*whole, attn_mask=_band(8 * group.size, window))
     ref.backward(dout)
     mine = [zigzag_slice(t, group, dim=2).clone().requires_grad_() for t in (q, k, v)]
-    out = ring_attention(*mine, group, block_rows=block_rows)
+    out = ring_attention(*mine, group, block_rows=block_rows, window=window)
     out.backward(zigzag_slice(dout, group, dim=2))
 
     def err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -386,13 +404,30 @@ def _ring_vs_whole(block_rows: int | None) -> tuple[float, float, float, float]:
     return (err(out.detach(), ref.detach()),) + tuple(err(m.grad, w.grad) for m, w in zip(mine, whole))
 
 
-@pytest.mark.parametrize("world,block_rows", [(2, None), (2, 3), (4, 1)])
-def test_ring_attention_equals_whole_causal_attention(world, block_rows):
+@pytest.mark.parametrize("world,block_rows,window", [(2, None, None), (2, 3, None), (4, 1, None), (2, None, 5),
+                                                     (4, 3, 5), (4, None, 11), (2, 3, 2)])
+def test_ring_attention_equals_whole_causal_attention(world, block_rows, window):
     """Zigzag-split queries, keys and values on C ranks; the output and the gradients of Q, K and V equal
     torch's causal attention over the whole sequence, each within 1e-5 of its largest value; also with
-    each chunk pair cut into blocks of 3 query rows (the last block short) or 1 row."""
-    for errors in run_distributed(_ring_vs_whole, world, block_rows):
+    each chunk pair cut into blocks of 3 query rows (the last block short) or 1 row; and with a sliding window
+    (2, 5 and 11 positions over chunks of 4 tokens), where key chunks wholly outside the
+    window are skipped and rows with no key in a block add nothing."""
+    for errors in run_distributed(_ring_vs_whole, world, block_rows, window):
         assert max(errors) < 1e-5, errors
+
+
+def test_windowed_attention_on_one_rank_equals_the_masked_whole():
+    """Ulysses' path for a sliding window: the whole sequence of its heads on one rank, by the ring's blocks."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v, dout = (torch.randn(2, 3, 24, 8, generator=g) for _ in range(4))
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = torch.nn.functional.scaled_dot_product_attention(*whole, attn_mask=_band(24, 7))
+    ref.backward(dout)
+    mine = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = windowed_attention(*mine, None, 7)
+    out.backward(dout)
+    for a, b in [(out, ref)] + [(m.grad, w.grad) for m, w in zip(mine, whole)]:
+        assert float((a - b).abs().max() / b.abs().max()) < 1e-5
 
 
 def _ring_backward_peak() -> float:
@@ -520,3 +555,36 @@ def test_groups_made_for_one_context_layout_refuse_another():
     for same, message in run_distributed(_second_layout, 2):
         assert same
         assert "context_mode 'ring'" in message and "asks for 'ulysses'" in message, message
+
+
+def _refusals(mode: str) -> list[str]:
+    import transformers as tf
+    torch.manual_seed(0)
+    out = []
+    gemma = tf.Gemma2ForCausalLM(tf.Gemma2Config(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                 head_dim=16, attn_logit_softcapping=50.0, sliding_window=8))
+    ids = torch.randint(0, 256, (1, SEQ))
+    packed = torch.cat([torch.arange(SEQ // 2), torch.arange(SEQ // 2)]).unsqueeze(0)  # two sequences in one row
+    for model, kwargs in ((gemma, {}), (hf_models.build("llama"), {"position_ids": packed})):
+        engine = zeroplus.initialize(model, {
+            "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 1},
+            "zeroplus": {"log_level": "warning", "memory_estimate": False,
+                         "parallel": {"context": 2, "context_mode": mode}}})
+        try:
+            engine(input_ids=ids, labels=ids, **kwargs)
+            out.append("ran")
+        except ValueError as err:
+            out.append(str(err))
+        engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "ring"])
+def test_attention_arguments_a_path_does_not_honour_are_refused_at_the_first_forward(mode):
+    """Gemma 2's logit softcapping and packed sequences (position ids restarting inside a row) would compute other
+    attention than one process: each is refused at the first forward on every rank, naming it."""
+    for rank, (softcap, packed) in enumerate(run_distributed(_refusals, 2, mode)):
+        assert "softcap" in softcap and "Gemma2Attention" in softcap, f"rank {rank}: {softcap}"
+        assert "packed sequences" in packed, f"rank {rank}: {packed}"

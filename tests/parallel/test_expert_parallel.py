@@ -226,6 +226,7 @@ def test_estimate_command_builds_each_ranks_slice(tmp_path):
                                  world_size=WORLD, rank=1, seq_len=SEQ)
     assert json.loads(printed) == json.loads(json.dumps(expected.to_dict()))
     assert expected.topology == "4 ranks = data 4 x tensor 1 x pipeline 1 x expert 2 (expert-data 2)"
-    dense = zeroplus.estimate(lambda: GPT(gpt_config("tiny")), config, world_size=WORLD, rank=1, seq_len=SEQ)
+    dense = zeroplus.estimate(lambda: GPT(gpt_config("tiny")), _config(2, expert=1), world_size=WORLD, rank=1,
+                              seq_len=SEQ)  # (a model without experts at expert size 2 is refused)
     assert expected.model_states["optim_state"] > dense.model_states["optim_state"]  # + 2 of 4 experts, sharded by 2
     assert "rank 1 of 4 (4 ranks = data 4 x tensor 1 x pipeline 1 x expert 2" in expected.table()

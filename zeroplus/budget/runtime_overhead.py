@@ -63,9 +63,10 @@ LAZY_IMPORTS = ("torch._dynamo",)  # what torch imports lazily for an engine: im
 GLOO_PEER_BYTES = 1 << 20
 DTYPES = ("fp32", "bf16", "fp16")  # compute dtypes, each probed apart
 # what the probe measures changed (2: the step's norm scratch no longer counted whole in the tensors
-# subtracted; measured on the engine report's basis; 3: torch's code resident recorded): a kept result
-# from an earlier meaning is probed again, whatever the package version
-PROBE_VERSION = "3"
+# subtracted; measured on the engine report's basis; 3: torch's code resident recorded; 4: initialize no longer
+# runs a meta forward of its own, so construction holds less): a kept result from an earlier meaning is probed
+# again, whatever the package version
+PROBE_VERSION = "4"
 # a launcher's variables would make the probe's engine join the caller's job
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")

@@ -48,7 +48,7 @@ from ..parallel.registry import carry_marks
 from ..parallel.topology import KINDS
 from ..zero.init_shards import partition_tree
 from ..zero.quantized import mark_packed_copy, packed_storage
-from .meta_values import SimulationError, give_values, shadow_of
+from .meta_values import give_values, shadow_of
 from .tracker import MemoryTracker
 from .virtual_group import VirtualGroup
 from .virtual_parallel import SimulatedLinks, boundary_shapes, build_in, virtual_groups
@@ -290,24 +290,6 @@ def _meta(value: Any, memo: dict[int, torch.Tensor] | None = None) -> Any:
     if isinstance(value, dict):
         return {k: _meta(v, memo) for k, v in value.items()}
     return value
-
-
-def simulation_problem(meta_model: torch.nn.Module, seq_len: int = 8) -> str | None:
-    """Before any batch exists (``initialize``): the meta model's forward run once on one short row of token
-    ids, as a language model takes them, with the simulation's known values (``meta_values.py``). The
-    message of the ``SimulationError`` an operation raises when it needs values nobody can know (then no
-    estimate can be made for this model), else None; None too when the forward fails otherwise (a model
-    that does not take token ids): the first forward's prediction, with the real batch, is the test then."""
-    tokens = torch.zeros(1, seq_len, dtype=torch.long)
-    inputs = _meta(tuple(tokens for _ in token_inputs(meta_model, 1, seq_len)))
-    try:
-        with _quiet(), MemoryTracker(Ledger()), torch.no_grad():
-            meta_model(*inputs)
-    except SimulationError as err:
-        return str(err)
-    except Exception:  # noqa: BLE001 - not a token model, or one this probe cannot feed: not a verdict
-        return None
-    return None
 
 
 def token_inputs(model: torch.nn.Module, micro_batch_size: int, seq_len: int) -> tuple[Any, ...]:

@@ -18,8 +18,11 @@ of the counted tokens of the whole sequences (or of the trainer's ``num_items_in
 the mean over the context ranks, which the engine's gradient average forms, is the mean over every
 token: exact also when ignored labels (-100) fall unevenly.
 
-Padding is refused (an attention mask with zeros: the causal attention over the gathered sequence
-has no mask); so is a head count not divisible by C. Memory and communication: ``context.py``.
+A sliding window (``sliding_window``, as the layer passes it) is applied on every path: the ring's blocks skip
+and mask by it, and Ulysses with a window runs them on one rank over its heads (``windowed_attention``). Padding
+is refused (an attention mask with zeros: the causal attention over the gathered sequence has no mask), and so
+are a custom mask, packed sequences' position ids, and the attention arguments no path applies
+(``check_attention_call``); so is a head count not divisible by C. Memory and communication: ``context.py``.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from torch import nn
 from ..activations.tiled_loss import IGNORE_INDEX, shifted
 from ..comm import DataParallelGroup
 from ..parallel.context import check_heads, local_slice, seq_to_heads
-from ..parallel.ring_attention import ring_attention, zigzag_slice
+from ..parallel.ring_attention import ring_attention, windowed_attention, zigzag_slice
 from ..parallel.ulysses_output import output_exchanged
 
 transformers: Any
@@ -44,18 +47,55 @@ except ImportError:  # transformers is optional: only its models need this
 NAME = "zeroplus_context"
 
 
+# The arguments Transformers' attention functions (eager, sdpa, flash, flex) read that change what attention
+# computes and that no path here applies: logit softcapping (Gemma 2), attention sinks (GPT-OSS), packed sequences'
+# boundaries, paged caches, flex's score modifiers, head masks, returned attention weights. The scale, dropout
+# (Ulysses: the model's own attention applies it; the ring refuses a rate above 0), the sliding window and
+# causality are honoured; what else the layers pass along (positions already applied, the loss's arguments, cache
+# flags) does not change the attention.
+_NOT_HONOURED = frozenset({"softcap", "s_aux", "sinks", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                           "max_length_k", "block_table", "k_cache", "v_cache", "cache", "kernel_options",
+                           "score_mod", "block_mask", "head_mask", "output_attentions", "attention_chunk_size"})
+
+
+def check_attention_call(module: nn.Module, kwargs: dict[str, Any], path: str, dropout_ok: bool) -> int | None:
+    """Refuse, at the forward that meets it, an attention argument the ``path`` ("Ulysses", "ring", "hybrid") does
+    not honour (``_NOT_HONOURED`` with a value set, a non-causal layer, dropout on the ring). Returns the sliding
+    window (None: none), which every path honours."""
+    name = type(module).__name__
+    if getattr(module, "is_causal", True) is False or kwargs.get("is_causal") is False:
+        raise ValueError(f"context parallelism ({path}): {name} is not causal; only causal attention is split")
+    if not dropout_ok and float(kwargs.get("dropout") or 0.0) > 0.0:
+        raise ValueError(f"context parallelism ({path}): {name} asks for attention dropout {kwargs['dropout']}, which "
+                         f"ring attention does not apply; set the model's attention dropout to 0 or use Ulysses")
+    unknown = sorted(k for k, v in kwargs.items() if k in _NOT_HONOURED and v is not None and v is not False)
+    if unknown:
+        raise ValueError(f"context parallelism ({path}): {name} passes attention arguments {unknown} "
+                         f"({', '.join(f'{k}={kwargs[k]!r}' for k in unknown)[:200]}), which the split attention does "
+                         f"not honour (softcap: logit softcapping; s_aux, sinks: attention sinks; cu_seq_lens_*: "
+                         f"packed sequences); it would compute other attention than one process, so it is refused")
+    window = kwargs.get("sliding_window")
+    return None if window is None else int(window)
+
+
 def ulysses_attention(inner: Callable[..., Any], group: DataParallelGroup) -> Callable[..., Any]:
     """An attention function (Transformers' signature) running ``inner`` over the whole sequence for
-    this rank's heads."""
+    this rank's heads (with a sliding window: the ring's blocks on one rank, ``windowed_attention``)."""
     def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        window = check_attention_call(module, kwargs, "Ulysses", dropout_ok=True)
+        if window is not None and float(kwargs.get("dropout") or 0.0) > 0.0:
+            raise ValueError(f"context parallelism (Ulysses): {type(module).__name__} asks for attention dropout "
+                             f"{kwargs['dropout']} with a sliding window, which the windowed blocks do not apply")
         repeated = key.shape[1] % group.size != 0  # fewer key/value heads than C splits: one per query head
-        if repeated:
+        if repeated or window is not None:
             key, value = (t.repeat_interleave(query.shape[1] // key.shape[1], dim=1) for t in (key, value))
         q, k, v = (seq_to_heads(t.transpose(1, 2), group).transpose(1, 2) for t in (query, key, value))
         kwargs.pop("is_causal", None)
 
         def attend() -> tuple[torch.Tensor, Any]:  # out: (b, s, H/C, hd)
+            if window is not None:  # the whole sequence of H/C heads here: causal, in the window, by blocks
+                return windowed_attention(q, k, v, kwargs.get("scaling"), window).transpose(1, 2), None
             if repeated:  # (the model's own attention would repeat them again by its num_key_value_groups)
                 out = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=kwargs.get("dropout", 0.0),
                                                                  is_causal=True, scale=kwargs.get("scaling"))
@@ -69,10 +109,11 @@ def ring_hf_attention(group: DataParallelGroup) -> Callable[..., Any]:
     """An attention function (Transformers' signature) running ring attention on this rank's zigzag tokens."""
     def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: Any, scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        window = check_attention_call(module, kwargs, "ring", dropout_ok=False)
         repeat = query.shape[1] // key.shape[1]  # grouped-query attention: query head i reads key head i // repeat
         if repeat > 1:
             key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
-        return ring_attention(query, key, value, group, scaling).transpose(1, 2), None
+        return ring_attention(query, key, value, group, scaling, window=window).transpose(1, 2), None
     return attention
 
 
@@ -82,13 +123,14 @@ def hybrid_hf_attention(ulysses: DataParallelGroup, ring: DataParallelGroup) -> 
     and back. Grouped-query K and V are repeated to one per query head first (the ring needs them so)."""
     def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: Any, scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        window = check_attention_call(module, kwargs, "hybrid", dropout_ok=False)
         repeat = query.shape[1] // key.shape[1]
         if repeat > 1:
             key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
         q, k, v = (seq_to_heads(t.transpose(1, 2), ulysses).transpose(1, 2) for t in (query, key, value))
 
         def attend() -> tuple[torch.Tensor, None]:
-            return ring_attention(q, k, v, ring, scaling).transpose(1, 2), None
+            return ring_attention(q, k, v, ring, scaling, window=window).transpose(1, 2), None
         return output_exchanged(ulysses, attend)  # (the ring's saved output formed again from the home copy)
     return attention
 
@@ -128,11 +170,18 @@ def context_parallel_hf(model: nn.Module, group: DataParallelGroup, mode: str = 
                 **kwargs: Any) -> Any:
         if input_ids is None:
             raise ValueError("context parallelism: give input_ids (whole sequences; each rank keeps its slice)")
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError(f"context parallelism: a custom attention mask of shape {tuple(attention_mask.shape)} is "
+                             f"not supported (the split attention is causal over the whole sequence)")
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("context parallelism: padded sequences (attention_mask with zeros) are not supported")
         b, s = input_ids.shape
-        if position_ids is None:
-            position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
+        plain = torch.arange(s, device=input_ids.device).expand(b, s)
+        if position_ids is not None and not torch.equal(position_ids.expand(b, s), plain):
+            raise ValueError("context parallelism: position_ids other than 0 .. s-1 in every row (packed sequences, "
+                             "whose positions restart) are not supported: the split attention would let a sequence "
+                             "attend to the one packed before it")
+        position_ids = plain
         if labels is not None:
             shift = kwargs.pop("shift_labels", None)
             whole = shifted(labels) if shift is None else shift

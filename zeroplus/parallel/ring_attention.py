@@ -18,7 +18,10 @@ is in flight. After C moves every rank holds its own keys' whole gradient.
 Masks between query chunk i and key chunk j (chunk indices in the whole sequence): j < i everything,
 j == i causal, j > i nothing (skipped). A chunk pair is computed in blocks of query rows
 (``query_rows``: about ``SCORE_BLOCK_ELEMENTS`` scores each); under the causal mask a block of rows
-``a .. e`` reads keys ``0 .. e`` only.
+``a .. e`` reads keys ``0 .. e`` only. With a sliding window ``w`` (a query sees the keys fewer than ``w``
+positions before it, Transformers' rule) a key chunk whose last key is ``w`` or more positions before the query
+chunk's first query is skipped, and a block of rows reads only the keys from ``w - 1`` before its first row; a
+row that sees no key of a block adds nothing to its partial output (``kernels/attention_blocks.py``).
 
 Memory per rank, for ``b`` sequences, ``h`` heads of ``d``, ``L = s / C`` local tokens: the output
 (accumulated in fp32 in the ``(b, L, h, d)`` layout, returned in the inputs' dtype) and its log-sum-exp
@@ -83,15 +86,21 @@ def _chunks(rank: int, size: int) -> tuple[int, int]:
     return rank, 2 * size - 1 - rank
 
 
-def _pairs(q_chunks: tuple[int, int], k_chunks: tuple[int, int]) -> list[tuple[int, int, bool]]:
-    """(query half, key half, causal) for every chunk pair with something to attend to."""
+Pair = tuple[int, int, bool, int]  # (query half, key half, causal, query chunk's start - key chunk's start)
+
+
+def _pairs(q_chunks: tuple[int, int], k_chunks: tuple[int, int], n: int, window: int | None) -> list[Pair]:
+    """Every chunk pair (chunks of ``n`` tokens) with something to attend to: a key chunk before the query chunk
+    (skipped whole when even its last key is ``window`` or more positions before the chunk's first query), or the
+    same chunk (causal)."""
     out = []
     for qi, qc in enumerate(q_chunks):
         for ki, kc in enumerate(k_chunks):
-            if kc < qc:
-                out.append((qi, ki, False))
+            offset = (qc - kc) * n
+            if kc < qc and (window is None or offset - (n - 1) < window):
+                out.append((qi, ki, False, offset))
             elif kc == qc:
-                out.append((qi, ki, True))
+                out.append((qi, ki, True, 0))
     return out
 
 
@@ -106,42 +115,51 @@ def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return t[..., :n, :], t[..., n:, :]
 
 
-def _row_blocks(n: int, rows: int, causal: bool) -> list[tuple[int, int, int]]:
-    """``(first row, end row, keys seen)`` of each block of query rows of an ``n x n`` chunk pair: under the
-    causal mask rows ``a .. e`` see keys ``0 .. e`` only, so later keys are not computed at all."""
-    return [(a, min(a + rows, n), min(a + rows, n) if causal else n) for a in range(0, n, rows)]
+def _row_blocks(n: int, rows: int, offset: int, window: int | None) -> list[tuple[int, int, int, int]]:
+    """``(first row, end row, first key, end key)`` of each block of query rows of an ``n x n`` chunk pair whose
+    query chunk starts ``offset`` positions after its key chunk: rows ``a .. e`` see keys up to their own position
+    (``offset + e``) and, under a sliding ``window``, none ``window`` or more before their first
+    (``offset + a - window``), so keys outside that range are not computed at all, nor blocks with none left."""
+    out = []
+    for a in range(0, n, rows):
+        e = min(a + rows, n)
+        lo, hi = (0 if window is None else max(0, offset + a - window + 1)), min(n, offset + e)
+        if lo < hi:
+            out.append((a, e, lo, hi))
+    return out
 
 
 def _merge_block(qh: tuple[torch.Tensor, ...], kv: list[torch.Tensor], oh: tuple[torch.Tensor, ...],
-                 lh: tuple[torch.Tensor, ...], pairs: list[tuple[int, int, bool]], rows: int, scale: float) -> None:
+                 lh: tuple[torch.Tensor, ...], pairs: list[Pair], rows: int, scale: float,
+                 window: int | None) -> None:
     """Merge one K/V block's attention into the partial outputs ``oh`` and log-sum-exps ``lh`` (online
     softmax), one block of query rows at a time (``kernels/attention_blocks.py``)."""
     kh, vh = _halves(kv[0].transpose(1, 2)), _halves(kv[1].transpose(1, 2))
-    for qi, ki, causal in pairs:
-        for a, e, seen in _row_blocks(qh[qi].shape[-2], rows, causal):
-            merge_block_(qh[qi][..., a:e, :], kh[ki][..., :seen, :], vh[ki][..., :seen, :], oh[qi][..., a:e, :],
-                         lh[qi][..., a:e, :], scale, causal, a)
+    for qi, ki, causal, offset in pairs:
+        for a, e, lo, hi in _row_blocks(qh[qi].shape[-2], rows, offset, window):
+            merge_block_(qh[qi][..., a:e, :], kh[ki][..., lo:hi, :], vh[ki][..., lo:hi, :], oh[qi][..., a:e, :],
+                         lh[qi][..., a:e, :], scale, causal, offset + a - lo, window)
 
 
 def _chunk_backward(qh: tuple[torch.Tensor, ...], doh: tuple[torch.Tensor, ...], lh: tuple[torch.Tensor, ...],
                     dh: tuple[torch.Tensor, ...], dqh: tuple[torch.Tensor, ...], kv: list[torch.Tensor], ki: int,
-                    pairs: list[tuple[int, int, bool]], acc: list[torch.Tensor], rows: int, scale: float) -> None:
+                    pairs: list[Pair], acc: list[torch.Tensor], rows: int, scale: float, window: int | None) -> None:
     """Add key chunk ``ki`` of one K/V block's share of dQ into ``dqh`` and of its dK, dV into ``acc``
     (``(b, L / 2, h, d)`` fp32), recomputing the probabilities from the final log-sum-exp, one block of query
     rows at a time (``kernels/attention_blocks.py``)."""
     kb_all, vb_all = _halves(kv[0].transpose(1, 2))[ki], _halves(kv[1].transpose(1, 2))[ki]
     dk, dv = acc[0].transpose(1, 2), acc[1].transpose(1, 2)  # (b, h, L / 2, d) views
-    for qi, _, causal in pairs:
-        for a, e, seen in _row_blocks(qh[qi].shape[-2], rows, causal):
-            block_backward_(qh[qi][..., a:e, :], kb_all[..., :seen, :], vb_all[..., :seen, :], doh[qi][..., a:e, :],
-                            lh[qi][..., a:e, :], dh[qi][..., a:e, :], dqh[qi][..., a:e, :], dk[..., :seen, :],
-                            dv[..., :seen, :], scale, causal, a)
+    for qi, _, causal, offset in pairs:
+        for a, e, lo, hi in _row_blocks(qh[qi].shape[-2], rows, offset, window):
+            block_backward_(qh[qi][..., a:e, :], kb_all[..., lo:hi, :], vb_all[..., lo:hi, :], doh[qi][..., a:e, :],
+                            lh[qi][..., a:e, :], dh[qi][..., a:e, :], dqh[qi][..., a:e, :], dk[..., lo:hi, :],
+                            dv[..., lo:hi, :], scale, causal, offset + a - lo, window)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: DataParallelGroup,
-                scale: float, rows: int) -> torch.Tensor:
+                scale: float, rows: int, window: int | None) -> torch.Tensor:
         size, rank = group.size, group.rank
         qh = _halves(q)
         b, h, n, d = q.shape  # o in the (b, L, h, d) layout: the caller's transpose back is then a view of it
@@ -154,19 +172,20 @@ class _RingAttention(torch.autograd.Function):
         for step in range(size):
             if step < size - 1:
                 incoming, moving = group.shift_ring(kv)  # the next block travels while this one is computed
-            _merge_block(qh, kv, oh, lh, _pairs(_chunks(rank, size), _chunks((rank - step) % size, size)), rows, scale)
+            pairs = _pairs(_chunks(rank, size), _chunks((rank - step) % size, size), n // 2, window)
+            _merge_block(qh, kv, oh, lh, pairs, rows, scale, window)
             if moving is not None:  # (none after the last step)
                 moving.wait()
                 kv, moving = incoming, None  # the block computed on is freed here (the handle held the one sent)
         out = o.to(q.dtype)  # (o itself in fp32)
         ctx.save_for_backward(q, k, v, out, lse)  # the output as returned: the storage the next layer saves
-        ctx.group, ctx.scale, ctx.rows = group, scale, rows
+        ctx.group, ctx.scale, ctx.rows, ctx.window = group, scale, rows, window
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, o, lse = ctx.saved_tensors
-        group, scale, rows = ctx.group, ctx.scale, ctx.rows
+        group, scale, rows, window = ctx.group, ctx.scale, ctx.rows, ctx.window
         size, rank = group.size, group.rank
         do = grad.float()
         delta = (do * o).sum(-1, keepdim=True)  # rowsum(dO * O)
@@ -181,7 +200,7 @@ class _RingAttention(torch.autograd.Function):
         sums: list[list[torch.Tensor]] = [[], []]
         moving: list[Any] = [None, None]
         for step in range(size):
-            pairs = _pairs(_chunks(rank, size), _chunks((rank - step) % size, size))
+            pairs = _pairs(_chunks(rank, size), _chunks((rank - step) % size, size), n // 2, window)
             for ki in (0, 1):
                 if moving[ki] is None:  # the first rank to see this block
                     acc = [torch.zeros((b, n // 2, h, d), dtype=torch.float32, device=k.device) for _ in range(2)]
@@ -191,7 +210,7 @@ class _RingAttention(torch.autograd.Function):
                 if ki == 0 and step < size - 1:  # K and V are only read here: they travel during the compute
                     kv_in, kv_moving = group.shift_ring(kv)
                 _chunk_backward(qh, doh, lh, dh, dqh, kv, ki, [pair for pair in pairs if pair[1] == ki], acc, rows,
-                                scale)
+                                scale, window)
                 if moving[1 - ki] is not None:  # one chunk's transfer at a time: the other's sum is home first
                     moving[1 - ki].wait()
                 # on to the rank that computes this block next (after C moves, home); the next block's sum comes in
@@ -204,7 +223,7 @@ class _RingAttention(torch.autograd.Function):
         for handle in moving:
             handle.wait()
         dk, dv = (torch.cat([sums[0][i], sums[1][i]], dim=1).transpose(1, 2) for i in range(2))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def query_rows(batch_heads: int, keys: int) -> int:
@@ -212,18 +231,45 @@ def query_rows(batch_heads: int, keys: int) -> int:
     return max(16, SCORE_BLOCK_ELEMENTS // max(1, batch_heads * keys))
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: DataParallelGroup,
-                   scale: float | None = None, block_rows: int | None = None) -> torch.Tensor:
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: DataParallelGroup | _Alone,
+                   scale: float | None = None, block_rows: int | None = None,
+                   window: int | None = None) -> torch.Tensor:
     """Causal attention of this rank's zigzag queries ``(b, h, L, d)`` over the whole sequence, whose keys
     and values ``(b, h, L, d)`` are spread over ``group`` in the same zigzag split (``L`` even).
-    ``block_rows``: query rows per score block (default ``query_rows``: about ``SCORE_BLOCK_ELEMENTS``)."""
+    ``block_rows``: query rows per score block (default ``query_rows``: about ``SCORE_BLOCK_ELEMENTS``).
+    ``window``: a sliding window (Transformers' ``sliding_window``): a query sees only the keys fewer than
+    ``window`` positions before it; key chunks wholly outside it are skipped, partly outside masked."""
+    if window is not None and window < 1:
+        raise ValueError(f"ring attention: sliding window {window} must be a positive number of positions")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if q.shape[-2] % 2:
         raise ValueError(f"ring attention: {q.shape[-2]} local tokens are not two equal zigzag chunks")
     rows = query_rows(q.shape[0] * q.shape[1], q.shape[-2] // 2) if block_rows is None else int(block_rows)
     if rows < 1:
         raise ValueError(f"ring attention: block_rows must be a positive number of query rows, got {block_rows}")
-    return _RingAttention.apply(q, k, v, group, scale, rows)
+    return _RingAttention.apply(q, k, v, group, scale, rows, window)
 
 
-__all__ = ["SCORE_BLOCK_ELEMENTS", "query_rows", "ring_attention", "zigzag_positions", "zigzag_slice"]
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+class _Alone:
+    """A group of one rank: ``ring_attention`` over it is blocked causal attention of a whole sequence on one rank
+    (what ``windowed_attention`` runs); what it passes around its ring of one comes straight back."""
+    size, rank = 1, 0
+
+    def shift_ring(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], _Done]:
+        return list(tensors), _Done()
+
+
+def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
+                       window: int) -> torch.Tensor:
+    """Causal attention with a sliding ``window`` of a whole sequence ``(b, h, s, d)`` held on this rank (Ulysses'
+    heads), by the ring's blocks: memory one block of scores, not an ``s x s`` mask; ``s`` must be even."""
+    return ring_attention(q, k, v, _Alone(), scale, window=window)
+
+
+__all__ = ["SCORE_BLOCK_ELEMENTS", "query_rows", "ring_attention", "windowed_attention", "zigzag_positions",
+           "zigzag_slice"]
