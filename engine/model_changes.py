@@ -5,7 +5,8 @@ set on one of the model's modules later (``model.head = nn.Linear(...)``, ``resi
 added by hand) would run in the forward without ever being averaged over the ranks or stepped: each rank would
 train its own copy, or none at all, without a word. torch's global registration hooks (every ``register_parameter``
 and ``setattr`` of a parameter or module) record such a change on any module of the model, and the next forward
-raises on every rank that made it, naming it. Re-setting a parameter or module the model already held is no change.
+raises on every rank that made it, naming it. Setting a parameter the model already held, or a module holding only
+such parameters (a wrapper around its own modules), is no change.
 The hooks are listed here and removed by ``destroy()`` (or the engine's finalizer).
 Held by ``tests/engine/test_misuse.py``.
 """
@@ -39,8 +40,12 @@ class ModelChanges:
 
     def _module(self, module: torch.nn.Module, name: str, sub: Any) -> None:
         where = self._names.get(module)
-        if where is not None and sub is not None and sub not in self._names:
-            self.changes.append(f"module {where}.{name} ({type(sub).__name__})")
+        if where is None or sub is None:
+            return
+        new = [n for n, p in sub.named_parameters() if id(p) not in self._known]
+        if new:  # (a wrapper around modules the model held, the engine's tiled loss among them, adds nothing)
+            self.changes.append(f"module {where}.{name} ({type(sub).__name__}: {', '.join(new[:3])}"
+                                f"{', ...' if len(new) > 3 else ''})")
 
     def refuse_if_changed(self, rank: int) -> None:
         if self.changes:

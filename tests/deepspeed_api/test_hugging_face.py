@@ -70,6 +70,8 @@ def test_trainer_runs_unchanged_resumes_and_matches_deepspeed(tmp_path, template
     assert "predicted" in line and "baseline before initialize" in line, line
     print(line)
     assert ours["checkpoints"] == ["checkpoint-2", "checkpoint-4"]
+    if stage == 3:  # the Trainer's count of the partitioned model (ds_numel): the whole model's, not the shard's
+        assert ours["param_counts"] == [ours["whole_count"]] * 2, (ours["param_counts"], ours["whole_count"])
     assert _resumed_steps(ours) == ours["first"]["loss"][2:], "resumed from checkpoint-2, steps 3-4 must not change"
     pytest.importorskip("deepspeed")
     assert ours["loaded"] == ours["expected"], "from_pretrained under ZeRO-3 must load the saved weights exactly"

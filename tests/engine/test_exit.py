@@ -23,11 +23,12 @@ from zeroplus.models import GPT, gpt_config
 def _in_flight_after_destroy() -> tuple[int, int]:
     torch.manual_seed(0)
     cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "zero_optimization": {"stage": 2}, "zeroplus": {"log_level": "warning", "memory_estimate": False}}
+           "zero_optimization": {"stage": 2},
+           "zeroplus": {"log_level": "warning", "memory_estimate": False, "overlap_param_gather": True}}
     engine = zeroplus.initialize(GPT(gpt_config("tiny")), cfg)
     x = torch.randint(0, 256, (1, 16))
     engine.backward(engine(x, x))
-    engine.step()  # issues the post-step all-gathers; the next forward would wait for them
+    engine.step()  # issues the post-step all-gathers; with overlap_param_gather the next forward would wait
     dist.destroy_process_group()  # as many scripts end; the engine still holds the group
     before = sum(len(g.pending) for g in engine.partition.groups)
     wait_at_exit(weakref.ref(engine))  # what the interpreter runs at exit

@@ -241,7 +241,14 @@ def test_checkpoint_resumes_bit_exactly_under_context_parallelism(tmp_path, mode
 
 def _hf(family: str) -> torch.nn.Module:
     """``mistral-window``: Mistral with a sliding window of 6 positions, shorter than the sequence (32) and than a
-    ring chunk (8), so every path must apply it."""
+    ring chunk (8), so every path must apply it. ``qwen2-window``: Qwen2 with the window on its second layer only
+    (``max_window_layers`` 1: a window per layer)."""
+    if family == "qwen2-window":
+        import transformers as tf
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, use_sliding_window=True, sliding_window=6, max_window_layers=1,
+            attn_implementation="sdpa"))
     if family != "mistral-window":
         return hf_models.build(family)
     model = hf_models.build("mistral")
@@ -281,7 +288,7 @@ def _llama(mode: str = "ulysses", data_ranks: int = 1, tile: int | None = None, 
     ("ulysses", 2, 1, None, "llama"), ("ring", 2, 1, None, "llama"), ("ulysses", 4, 1, None, "llama"),
     ("ring", 4, 2, None, "llama"), ("ring", 2, 1, 16, "llama"), ("hybrid", 4, 1, None, "llama"),
     ("hybrid", 4, 1, None, "qwen2"), ("ulysses", 2, 1, None, "mistral-window"), ("ring", 2, 1, None, "mistral-window"),
-    ("hybrid", 4, 1, None, "mistral-window")])
+    ("hybrid", 4, 1, None, "mistral-window"), ("ring", 2, 1, None, "qwen2-window")])
 def test_hugging_face_llama_with_gqa_rope_and_ignored_labels(mode, world, data_ranks, tile, family):
     """Llama (grouped-query attention, rotary positions: the positions must be the global ones), ZeRO-3,
     context 2 (and Ulysses at 4, where the 2 key/value heads are repeated to the 4 query heads before
@@ -290,7 +297,8 @@ def test_hugging_face_llama_with_gqa_rope_and_ignored_labels(mode, world, data_r
     the single-process model's within fp32 tolerance; and so with ring and ``zeroplus.tiled`` (MLPs and loss
     over tiles of 16 tokens of the sequence, 8 per rank); and ``context_mode: "hybrid"`` at 2 x 2 for Llama and
     Qwen2 (K/V repeated to the query heads, heads over the Ulysses pair, K/V around the ring); and Mistral with a
-    sliding window shorter than a ring chunk on every path (dropped before: the loss without the window)."""
+    sliding window shorter than a ring chunk on every path (dropped before: the loss without the window), and Qwen2
+    with a window on one of its two layers."""
     torch.manual_seed(0)
     ref_model = _hf(family)
     params = [p for p in ref_model.parameters() if p.requires_grad]

@@ -22,6 +22,7 @@ import os
 import deepspeed
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainingArguments
+from transformers.trainer_pt_utils import get_model_param_count
 
 SEQ, VOCAB, STEPS = 16, 128, 4
 
@@ -93,10 +94,11 @@ def main() -> None:
     parser.add_argument("--lora", action="store_true", help="train a PEFT LoRA adapter on the frozen model")
     parser.add_argument("--qlora", action="store_true", help="--lora over a 4-bit base (needs --pretrained)")
     args = parser.parse_args()
-    expected, loaded = {}, {}
+    expected, loaded, whole_count = {}, {}, None
     if args.pretrained:  # saved from a model built whole, before the TrainingArguments turn ZeRO-3 on
         reference = model()
         expected = {n: p.detach().double().sum().item() for n, p in reference.named_parameters()}
+        whole_count = sum(p.numel() for p in reference.parameters())
         if int(os.environ.get("RANK", "0")) == 0:
             reference.save_pretrained(args.pretrained)
     training_args = arguments(args)  # before the model: under ZeRO-3 it is built under zero.Init
@@ -116,7 +118,10 @@ def main() -> None:
         engine = trainer.model_wrapped
         facts = {"engine": type(engine).__module__, "stage": engine.zero_optimization_stage(),
                  "checkpoints": sorted(os.listdir(args.output_dir)),
-                 "compiled": bool(getattr(engine, "is_compiled", False))}
+                 "compiled": bool(getattr(engine, "is_compiled", False)),
+                 # what the Trainer logs as the model's size (through ds_numel under ZeRO-3), and the whole model's
+                 "param_counts": [get_model_param_count(first_model), get_model_param_count(first_model, True)],
+                 "whole_count": whole_count}
     if not args.no_resume:
         training_args = arguments(args)
         again = model(args.pretrained, args.qlora)
