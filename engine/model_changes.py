@@ -8,7 +8,7 @@ and ``setattr`` of a parameter or module) record such a change on any module of 
 raises on every rank that made it, naming it. Setting a parameter the model already held, or a module holding only
 such parameters (a wrapper around its own modules), is no change.
 The hooks are listed here and removed by ``destroy()`` (or the engine's finalizer).
-Held by ``tests/engine/test_misuse.py``.
+See note: model changes (docs/design-notes.md). Held by ``tests/engine/test_misuse.py``.
 """
 from __future__ import annotations
 

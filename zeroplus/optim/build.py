@@ -8,7 +8,7 @@ an unknown parameter is an error naming it. Where torch has a fused kernel for t
 (Adam, AdamW, SGD, Adagrad on CPU and CUDA), it is used unless ``zeroplus.fused_optimizer`` is
 false: DESIGN.md measured it adding no shard-sized temporary, against one or two for the
 foreach and loop paths.
-See note: host optimizer (docs/design-notes.md).
+See note: host optimizer; see note: element-wise optimizers (docs/design-notes.md).
 """
 from __future__ import annotations
 

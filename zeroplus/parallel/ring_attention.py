@@ -45,7 +45,8 @@ their reference twin), and a block's share is added into the sum with a batched 
 its size.
 Communication: K and V (``2 b h L d`` elements) C - 1 times forward, and C - 1 times in
 backward with dK and dV C times.
-See note: ring blocks; see note: ring row blocks; see note: ring gradient sums (docs/design-notes.md).
+See note: ring blocks; see note: ring windows; see note: ring row blocks; see note: ring gradient sums
+(docs/design-notes.md).
 """
 from __future__ import annotations
 
