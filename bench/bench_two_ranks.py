@@ -1,16 +1,18 @@
 """Benchmark: zeroplus at two (or more) ranks against DDP, in one launch, steps interleaved (issue 41 item 2).
 
-``bench_scaling.py`` launches every row on its own, and launches of one configuration differ here by up to 40%
-(a shared host): more than the differences it looks for. This script builds DDP (the plain module under
-``DistributedDataParallel`` with torch's fused AdamW and clipping) and one zeroplus engine per ``--stages``
-entry in the same processes, from the same weights, and runs them in rounds: each row ``--block`` steps in a
-row, only the last timed (the first takes whatever the previous row left running: zeroplus's post-step
-all-gathers overlap its own next forward, as in training, and are not charged to another row). The row order
-rotates every round. A stage written with an ``r`` (``1r``) is that stage with the gradient reduction two gloo
-ranks used before the row exchange (per-rank reduces; see note: gloo exchange), for comparison; with a ``g``
-(``3g``), that stage with every collective on gloo, no shared-memory pair (``zeroplus/shm_pair.py``); with a ``p``
-(``3p``), without the buffer pool (``zero/buffer_pool.py``: every freed unit and gradient buffer freed); the rows share
-one process's heap, so ``--no-pool`` (every row without it) in launches alternated with plain ones compares cleaner.
+``bench_scaling.py`` launches every row on its own, and launches of one configuration differ here by up to 40% (a
+shared host): more than the differences it looks for. This script builds DDP (the plain module under
+``DistributedDataParallel`` with torch's fused AdamW and clipping) and one zeroplus engine per ``--stages`` entry in
+the same processes, from the same weights, and runs them in rounds: each row ``--block`` steps in a row, only the last
+timed (the first takes whatever the previous row left running: under ``overlap_param_gather`` zeroplus's post-step
+all-gathers overlap its own next forward, as in training, and are not charged to another row). The row order rotates
+every round. A stage written with an ``r`` (``1r``) is that stage with the gradient reduction two gloo ranks used
+before the row exchange (per-rank reduces; see note: gloo exchange), for comparison; with a ``g`` (``3g``), that stage
+with every collective on gloo, no shared-memory pair (``zeroplus/shm_pair.py``); with a ``p`` (``3p``), without the
+buffer pool (``zero/buffer_pool.py``: every freed unit and gradient buffer freed); with an ``o`` (``1o``), with
+``zeroplus.overlap_param_gather`` (stages 1-2's post-step gathers waited by the next forward, the model object mixed
+until then; the default waits before step() returns); the rows share one process's heap, so ``--no-pool`` (every row
+without it) in launches alternated with plain ones compares cleaner.
 Printed: rank 0's median milliseconds of forward, backward and optimizer step (to the
 loss's value, the gradients reduced, the step returned) and the total against DDP's.
 
@@ -21,6 +23,7 @@ scaling is at least DDP's when its two-rank step is no longer than DDP's: the ``
     python bench/bench_two_ranks.py --stages 1,1r,2,2r --rounds 12   # exchange against reduces
     python bench/bench_two_ranks.py --stages 1,1g,3,3g                # shared-memory pair against gloo
     python bench/bench_two_ranks.py --stages 3,3p                     # buffer pool against none
+    python bench/bench_two_ranks.py --stages 1,1o,2,2o                # post-step gathers waited in step() or not
     python bench/bench_two_ranks.py --stages 3 --no-pool              # ... in launches of their own
 """
 from __future__ import annotations
@@ -91,13 +94,14 @@ def _rows(base: torch.nn.Module, stages: list[str], no_pool: bool = False) -> li
         opt.zero_grad(set_to_none=True)
     rows = [Row("DDP + fused AdamW", lambda x: ddp_model(x, x), lambda loss: loss.backward(), ddp_step)]
     for spec in stages:
-        stage = int(spec.rstrip("rgp"))
+        stage = int(spec.rstrip("rgpo"))
+        overlap = spec.endswith("o")
         cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
                "zero_optimization": {"stage": stage}, "steps_per_print": 10**6,
-               "zeroplus": {"log_level": "warning"}}
+               "zeroplus": {"log_level": "warning", "overlap_param_gather": overlap}}
         engine = zeroplus.initialize(copy.deepcopy(base), cfg)
-        name = f"zeroplus stage {stage}"
+        name = f"zeroplus stage {stage}" + (", overlap gather" if overlap else "")
         if spec.endswith("r"):
             engine, name = _with_reduces(engine), name + ", reduces"
         paired = not spec.endswith("g") and engine.dp.pair is not None
