@@ -137,10 +137,11 @@ def worker(args: argparse.Namespace) -> None:
               f"ranks, one thread each, micro-batch 1 x {args.seq}; {args.rounds} rounds of {args.block} steps per "
               f"row, the last timed; rank 0's median ms")
         ref = rows[0].total()
-        print(f"{'row':<34}{'forward':>9}{'backward':>10}{'step':>8}{'total':>9}{'x DDP':>8}")
+        width = max(34, *(len(row.name) + 2 for row in rows))
+        print(f"{'row':<{width}}{'forward':>9}{'backward':>10}{'step':>8}{'total':>9}{'x DDP':>8}")
         for row in rows:
-            print(f"{row.name:<34}{1e3 * row.median(0):>9.1f}{1e3 * row.median(1):>10.1f}{1e3 * row.median(2):>8.1f}"
-                  f"{1e3 * row.total():>9.1f}{ref / row.total():>8.2f}")
+            print(f"{row.name:<{width}}{1e3 * row.median(0):>9.1f}{1e3 * row.median(1):>10.1f}"
+                  f"{1e3 * row.median(2):>8.1f}{1e3 * row.total():>9.1f}{ref / row.total():>8.2f}")
     dist.destroy_process_group()
 
 
