@@ -78,12 +78,18 @@ def check_attention_call(module: nn.Module, kwargs: dict[str, Any], path: str, d
     return None if window is None else int(window)
 
 
+def binding(window: int | None, length: int) -> int | None:
+    """The window if it masks anything in a sequence of ``length`` tokens (else None: plain causal attention, its
+    faster path; Mistral-7B's window of 4096 on shorter sequences)."""
+    return window if window is not None and window < length else None
+
+
 def ulysses_attention(inner: Callable[..., Any], group: DataParallelGroup) -> Callable[..., Any]:
     """An attention function (Transformers' signature) running ``inner`` over the whole sequence for
     this rank's heads (with a sliding window: the ring's blocks on one rank, ``windowed_attention``)."""
     def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
-        window = check_attention_call(module, kwargs, "Ulysses", dropout_ok=True)
+        window = binding(check_attention_call(module, kwargs, "Ulysses", dropout_ok=True), query.shape[2] * group.size)
         if window is not None and float(kwargs.get("dropout") or 0.0) > 0.0:
             raise ValueError(f"context parallelism (Ulysses): {type(module).__name__} asks for attention dropout "
                              f"{kwargs['dropout']} with a sliding window, which the windowed blocks do not apply")
@@ -109,7 +115,7 @@ def ring_hf_attention(group: DataParallelGroup) -> Callable[..., Any]:
     """An attention function (Transformers' signature) running ring attention on this rank's zigzag tokens."""
     def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: Any, scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-        window = check_attention_call(module, kwargs, "ring", dropout_ok=False)
+        window = binding(check_attention_call(module, kwargs, "ring", dropout_ok=False), query.shape[2] * group.size)
         repeat = query.shape[1] // key.shape[1]  # grouped-query attention: query head i reads key head i // repeat
         if repeat > 1:
             key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
@@ -123,7 +129,8 @@ def hybrid_hf_attention(ulysses: DataParallelGroup, ring: DataParallelGroup) -> 
     and back. Grouped-query K and V are repeated to one per query head first (the ring needs them so)."""
     def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: Any, scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-        window = check_attention_call(module, kwargs, "hybrid", dropout_ok=False)
+        window = binding(check_attention_call(module, kwargs, "hybrid", dropout_ok=False),
+                         query.shape[2] * ulysses.size * ring.size)
         repeat = query.shape[1] // key.shape[1]
         if repeat > 1:
             key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
