@@ -28,6 +28,7 @@ the median step time of those launches (under the trimming allocator: for memory
     python bench/bench_harness.py                                 # fp32 and bf16, 3 rounds (~15 minutes)
     python bench/bench_harness.py --dtypes fp32 --rows zeroplus,fsdp2 --rounds 1
     python bench/bench_harness.py --micro-batch 4 --seq 256        # the activation regime, same model
+    python bench/bench_harness.py --classes own --dtypes fp32 --rows zeroplus,fsdp2   # the GPT with its own classes
     python bench/bench_harness.py --timing --dtypes bf16 --rows zeroplus,zeroplus-no-recompute   # step times
 """
 from __future__ import annotations
@@ -64,8 +65,11 @@ def config(dtype: str, ds_defaults: bool) -> dict:
             "zero_optimization": zero, "steps_per_print": 10**6}
 
 
-def worker(row: str, dtype: str, steps: int, out: str, micro: int = 1, seq: int = 64) -> None:
-    """One rank of one row: imports, the measured start, the user's model, ``steps`` steps."""
+def worker(row: str, dtype: str, steps: int, out: str, micro: int = 1, seq: int = 64, classes: str = "nn") -> None:
+    """One rank of one row: imports, the measured start, the user's model, ``steps`` steps. ``classes``: "nn" builds
+    it from ``torch.nn``'s layers, "own" from the script's own ``Linear``, ``LayerNorm`` and ``Embedding`` classes
+    (each reads its ``self.weight`` in its forward: ``x @ w.t() + b``, the normalisation written out,
+    ``self.weight[idx]``), as many model codebases do."""
     import torch
     import torch.distributed as dist
     import torch.nn as nn
@@ -82,13 +86,44 @@ def worker(row: str, dtype: str, steps: int, out: str, micro: int = 1, seq: int 
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
+    class OwnLinear(nn.Module):
+        def __init__(self, d_in: int, d_out: int, bias: bool = True) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(d_out, d_in) / d_in ** 0.5)
+            self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = x @ self.weight.t()
+            return y + self.bias if self.bias is not None else y
+
+    class OwnLayerNorm(nn.Module):
+        def __init__(self, d: int) -> None:
+            super().__init__()
+            self.weight, self.bias = nn.Parameter(torch.ones(d)), nn.Parameter(torch.zeros(d))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            mean = x.mean(-1, keepdim=True)
+            var = ((x - mean) ** 2).mean(-1, keepdim=True)
+            return (x - mean) / torch.sqrt(var + 1e-5) * self.weight + self.bias
+
+    class OwnEmbedding(nn.Module):
+        def __init__(self, n: int, d: int) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(n, d) * 0.02)
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            return self.weight[idx]
+
+    Linear, LayerNorm, Embedding = ((OwnLinear, OwnLayerNorm, OwnEmbedding) if classes == "own"
+                                    else (nn.Linear, nn.LayerNorm, nn.Embedding))
+
     class Block(nn.Module):
         def __init__(self, d: int, heads: int) -> None:
             super().__init__()
             self.heads = heads
-            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-            self.fc, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+            self.ln1, self.ln2 = LayerNorm(d), LayerNorm(d)
+            self.qkv, self.proj = Linear(d, 3 * d), Linear(d, d)
+            self.fc, self.fc2 = Linear(d, 4 * d), Linear(4 * d, d)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             b, t, c = x.shape
@@ -101,9 +136,9 @@ def worker(row: str, dtype: str, steps: int, out: str, micro: int = 1, seq: int 
     class UserGPT(nn.Module):
         def __init__(self, vocab: int = 16384, d: int = 768, layers: int = 12, heads: int = 12, seq: int = 64):
             super().__init__()
-            self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+            self.wte, self.wpe = Embedding(vocab, d), Embedding(seq, d)
             self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-            self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+            self.ln_f, self.head = LayerNorm(d), Linear(d, vocab, bias=False)
 
         def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
@@ -161,7 +196,8 @@ def worker(row: str, dtype: str, steps: int, out: str, micro: int = 1, seq: int 
     os._exit(0)  # (DeepSpeed aborts in interpreter teardown on CPU)
 
 
-def launch(row: str, dtype: str, steps: int, micro: int = 1, seq: int = 64, trim: bool = True) -> dict:
+def launch(row: str, dtype: str, steps: int, micro: int = 1, seq: int = 64, trim: bool = True,
+           classes: str = "nn") -> dict:
     """One launch of ``row``; ``trim`` False: glibc keeps freed memory (for step times, not peaks)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r")
@@ -169,7 +205,7 @@ def launch(row: str, dtype: str, steps: int, micro: int = 1, seq: int = 64, trim
         env.update(MALLOC_ENV if trim else {}, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", ZEROPLUS_ACCELERATOR="cpu")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                os.path.abspath(__file__), "--worker", row, "--dtypes", dtype, "--steps", str(steps), "--out", out,
-               "--micro-batch", str(micro), "--seq", str(seq)]
+               "--micro-batch", str(micro), "--seq", str(seq), "--classes", classes]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         ranks = []
         for rank in range(2):
@@ -192,11 +228,13 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--timing", action="store_true", help="launch without the trimming allocator: step times "
                    "to compare (the peaks then include what glibc keeps)")
+    p.add_argument("--classes", choices=("nn", "own"), default="nn", help="the GPT from torch.nn's layers, or from "
+                   "the script's own Linear, LayerNorm and Embedding classes")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        worker(args.worker, args.dtypes, args.steps, args.out, args.micro_batch, args.seq)
+        worker(args.worker, args.dtypes, args.steps, args.out, args.micro_batch, args.seq, args.classes)
         return
     rows, dtypes = args.rows.split(","), args.dtypes.split(",")
     unknown = set(rows) - set(ROWS)
@@ -207,8 +245,10 @@ def main() -> None:
         for dtype in dtypes:
             for row in rows:
                 results.setdefault((row, dtype), []).append(launch(row, dtype, args.steps, args.micro_batch,
-                                                                   args.seq, trim=not args.timing))
-    print(f"ZeRO-3, user GPT 111M, 2 gloo ranks, {args.micro_batch} x {args.seq}, {args.steps} steps, "
+                                                                   args.seq, not args.timing, args.classes))
+    layers = "its own" if args.classes == "own" else "torch.nn"
+    print(f"ZeRO-3, user GPT 111M ({layers} layer classes), 2 gloo ranks, {args.micro_batch} x {args.seq}, "
+          f"{args.steps} steps, "
           f"median of {args.rounds} launches{', glibc keeping freed memory' if args.timing else ''}")
     trimming = "" if args.timing else " (trimming allocator)"
     print(f"| row | dtype | peak MiB/rank (launches) | / FSDP2 | step s{trimming} | last loss |")

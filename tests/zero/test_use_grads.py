@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import zeroplus
-from tests.models import SmallHeadNet
+from tests.models import PlainGPT, SmallHeadNet
 from tests.new_storage import NewStorageBytes
 from zeroplus.ledger import Category
 from zeroplus.models import GPT, gpt_config
@@ -139,9 +139,20 @@ def test_an_untied_embedding_never_allocates_a_flat_gradient(stage):
     assert seen and max(seen) < table // 4, (seen, table)
 
 
+class PlainLM(PlainGPT):
+    """The GPT written with its own module classes (``self.weight[ids]`` embeddings, ``x @ self.weight.t()``
+    linears), with its loss: its embeddings are recognised by what they compute, not their class."""
+
+    def __init__(self) -> None:
+        super().__init__(vocab=VOCAB, d=32, layers=2, heads=4, seq=16)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return nn.functional.cross_entropy(super().forward(ids).flatten(0, 1), targets.flatten())
+
+
 @pytest.mark.parametrize("stage", [0, 3])
-@pytest.mark.parametrize("make", [_gpt, SmallHeadNet, DirectHeadNet],
-                         ids=["tied-gpt", "embedding-padding", "use-outside-holder"])
+@pytest.mark.parametrize("make", [_gpt, SmallHeadNet, DirectHeadNet, PlainLM],
+                         ids=["tied-gpt", "embedding-padding", "use-outside-holder", "own-classes"])
 def test_gradients_equal_autograds_bit_for_bit(stage, make, flat_gradients):
     """The engine's gradients (in the flat buffer at stage 0 and the reduced gradient at stage 3, as at world size
     > 1, where an untied embedding sends rows) equal the plain module's ``.grad`` exactly from the same parameters;

@@ -9,7 +9,9 @@ Two cases where autograd's own accumulation holds more than one parameter-sized 
   Every module holding a tied parameter gets, for the length of its forward,
   ``AddIntoFlatGrad(param)`` in the parameter's place: an identity whose backward adds the
   gradient it receives into the parameter's slice of the flat buffer and passes nothing on.
-- **Embeddings** (a plain ``nn.Embedding`` holding a tied parameter or one of the root unit's).
+- **Embeddings** (a module looking up rows of a tied parameter or one of the root unit's: a plain
+  ``nn.Embedding``, or any module whose forward is one embedding or indexing operation on its weight,
+  recognised by what it computes: ``lookup``).
   Its backward writes a dense gradient of the whole table (zeros except the rows the batch used)
   that is then added into the flat buffer. Here the embedding runs on the detached weight and
   ``EmbeddingRowsIntoFlat`` hands, in backward, the summed gradient of each distinct token to the
@@ -45,9 +47,11 @@ See note: per-use gradients (docs/design-notes.md).
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any, Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..eager import eager, in_backward
 
@@ -146,12 +150,81 @@ def tied(model: torch.nn.Module) -> set[int]:
     return {pid for pid, where in holders(model, trainable).items() if len(where) > 1}
 
 
+@dataclasses.dataclass(frozen=True)
+class Lookup:
+    """A module whose forward, given token ids, returns its parameter's rows for them and nothing else."""
+    padding_idx: int | None  # the rows that get no gradient (an embedding's padding index)
+
+
+_LOOKUPS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, Lookup | None]] = weakref.WeakKeyDictionary()
+
+
 def plain_embedding(module: torch.nn.Module, name: str) -> bool:
-    """An ``nn.Embedding`` whose forward is torch's, without max_norm, sparse gradients or
-    frequency scaling."""
-    return (isinstance(module, torch.nn.Embedding) and type(module).forward is torch.nn.Embedding.forward
-            and name == "weight" and module.max_norm is None and not module.sparse
-            and not module.scale_grad_by_freq)
+    """``module`` looks up rows of its parameter ``name`` (``lookup``)."""
+    return lookup(module, name) is not None
+
+
+def lookup(module: torch.nn.Module, name: str) -> Lookup | None:
+    """Whether ``module`` is an embedding lookup of its parameter ``name``, by what it computes rather than its
+    class: an ``nn.Embedding`` whose forward is torch's, without max_norm, sparse gradients or frequency scaling;
+    or any module whose forward, called with a row of token ids, runs exactly one operation, torch's embedding
+    (same conditions) or an indexing of the parameter by the ids (``self.weight[ids]``), and returns its result (a
+    GPT written with its own module classes). Found once per module, on the meta device (no values read, nothing
+    allocated), and kept: the answer must not change once the parameter is partitioned."""
+    known = _LOOKUPS.setdefault(module, {})
+    if name not in known:
+        known[name] = _lookup(module, name)
+    return known[name]
+
+
+def _lookup(module: torch.nn.Module, name: str) -> Lookup | None:
+    if isinstance(module, torch.nn.Embedding) and type(module).forward is torch.nn.Embedding.forward:
+        plain = name == "weight" and module.max_norm is None and not module.sparse and not module.scale_grad_by_freq
+        return Lookup(module.padding_idx) if plain else None
+    param = module._parameters.get(name)
+    if param is None or param.dim() != 2 or param.numel() == 0 or len(module._parameters) != 1:
+        return None
+    return _probe(module, name, param)
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[Any, tuple, dict, Any]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.calls.append((func, args, kwargs or {}, out))
+        return out
+
+
+def _probe(module: torch.nn.Module, name: str, param: torch.nn.Parameter) -> Lookup | None:
+    """Run ``module``'s own forward (no hooks) once on the meta device with two token ids, the parameter swapped for
+    a meta tensor of its shape; a lookup runs one embedding or indexing operation on them and returns its result."""
+    stand_in = torch.empty(param.shape, dtype=param.dtype, device="meta")
+    ids = torch.zeros(1, 2, dtype=torch.long, device="meta")
+    module._parameters[name] = stand_in  # type: ignore[assignment]
+    try:
+        with torch.no_grad(), _Ops() as ops:
+            out = type(module).forward(module, ids)
+    except Exception:  # noqa: BLE001 - a module that does not take ids alone is no lookup
+        return None
+    finally:
+        module._parameters[name] = param
+    aten = torch.ops.aten
+    if len(ops.calls) != 1 or not isinstance(out, torch.Tensor) or out.shape != (1, 2, param.shape[1]):
+        return None
+    func, args, kwargs, result = ops.calls[0]
+    if result is not out or not args or args[0] is not stand_in:
+        return None
+    if func is aten.embedding.default and args[1] is ids:
+        padding, by_freq, sparse = (list(args[2:]) + [-1, False, False][len(args) - 2:])[:3]
+        if kwargs or by_freq or sparse:
+            return None
+        return Lookup(None if padding < 0 else int(padding))
+    if func is aten.index.Tensor and len(args[1]) == 1 and args[1][0] is ids:
+        return Lookup(None)
+    return None
 
 
 def routed(model: torch.nn.Module, flat: set[int], root: set[int]) -> set[int]:
@@ -180,7 +253,8 @@ class UseGrads:
                 by_module.setdefault(id(module), (module, []))[1].append(name)
         self.row_receivers: set[int] = set()  # parameters some plain embedding sends rows for
         for module, names in by_module.values():
-            embedding = len(names) == 1 and plain_embedding(module, names[0])
+            found = lookup(module, names[0]) if len(names) == 1 else None
+            embedding = found is not None
             if not embedding:  # (the parameters whose dense uses are left to autograd: not swapped)
                 names = [n for n in names if sinks[id(module._parameters[n])].dense is not None]
                 if not names:
@@ -188,7 +262,7 @@ class UseGrads:
             if embedding:
                 self.row_receivers.add(id(module._parameters[names[0]]))
             swap_in = eager(self._swap_in(names, sinks, embedding, on_replay))
-            swap_out = eager(self._swap_out(sinks, embedding))
+            swap_out = eager(self._swap_out(sinks, found))
             self._handles.append(module.register_forward_pre_hook(swap_in))
             self._handles.append(module.register_forward_hook(swap_out, always_call=True))
 
@@ -217,7 +291,7 @@ class UseGrads:
         return hook
 
     @staticmethod
-    def _swap_out(sinks: dict[int, UseSinks], embedding: bool):
+    def _swap_out(sinks: dict[int, UseSinks], found: Lookup | None):
         def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
             stack = module.__dict__.get("_zeroplus_use_saved")
             if not stack:  # the forward ran without gradients: nothing was swapped
@@ -225,11 +299,11 @@ class UseGrads:
             saved, ids = stack.pop()
             for name, param in saved.items():
                 module._parameters[name] = param
-            if embedding and saved and isinstance(output, torch.Tensor):
-                param = saved["weight"]
+            if found is not None and saved and isinstance(output, torch.Tensor):
+                (param,) = saved.values()
                 sink = sinks[id(param)]
                 anchor = param if sink.dense is not None else output.new_empty(0).requires_grad_()
-                return EmbeddingRowsIntoFlat.apply(output, anchor, ids, module.padding_idx, sink.rows)
+                return EmbeddingRowsIntoFlat.apply(output, anchor, ids, found.padding_idx, sink.rows)
             return None
         return hook
 
