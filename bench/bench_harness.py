@@ -67,9 +67,9 @@ def config(dtype: str, ds_defaults: bool) -> dict:
 
 def worker(row: str, dtype: str, steps: int, out: str, micro: int = 1, seq: int = 64, classes: str = "nn") -> None:
     """One rank of one row: imports, the measured start, the user's model, ``steps`` steps. ``classes``: "nn" builds
-    it from ``torch.nn``'s layers, "own" from the script's own ``Linear``, ``LayerNorm`` and ``Embedding`` classes
-    (each reads its ``self.weight`` in its forward: ``x @ w.t() + b``, the normalisation written out,
-    ``self.weight[idx]``), as many model codebases do."""
+    it from ``torch.nn``'s layers, "own" from its own ``Linear``, ``LayerNorm`` and ``Embedding`` classes
+    (``tests/models.py``'s ``Plain*``: each reads its ``self.weight`` in its forward, ``x @ w.t() + b``, the
+    normalisation written out, ``self.weight[idx]``), as many model codebases do."""
     import torch
     import torch.distributed as dist
     import torch.nn as nn
@@ -86,33 +86,10 @@ def worker(row: str, dtype: str, steps: int, out: str, micro: int = 1, seq: int 
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
-    class OwnLinear(nn.Module):
-        def __init__(self, d_in: int, d_out: int, bias: bool = True) -> None:
-            super().__init__()
-            self.weight = nn.Parameter(torch.randn(d_out, d_in) / d_in ** 0.5)
-            self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            y = x @ self.weight.t()
-            return y + self.bias if self.bias is not None else y
-
-    class OwnLayerNorm(nn.Module):
-        def __init__(self, d: int) -> None:
-            super().__init__()
-            self.weight, self.bias = nn.Parameter(torch.ones(d)), nn.Parameter(torch.zeros(d))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            mean = x.mean(-1, keepdim=True)
-            var = ((x - mean) ** 2).mean(-1, keepdim=True)
-            return (x - mean) / torch.sqrt(var + 1e-5) * self.weight + self.bias
-
-    class OwnEmbedding(nn.Module):
-        def __init__(self, n: int, d: int) -> None:
-            super().__init__()
-            self.weight = nn.Parameter(torch.randn(n, d) * 0.02)
-
-        def forward(self, idx: torch.Tensor) -> torch.Tensor:
-            return self.weight[idx]
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests.models import PlainEmbedding as OwnEmbedding  # (torch only: the measured start is still ahead)
+    from tests.models import PlainLayerNorm as OwnLayerNorm
+    from tests.models import PlainLinear as OwnLinear
 
     Linear, LayerNorm, Embedding = ((OwnLinear, OwnLayerNorm, OwnEmbedding) if classes == "own"
                                     else (nn.Linear, nn.LayerNorm, nn.Embedding))
