@@ -145,11 +145,12 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
     given its values first (``zero/meta_init.py``, with ``init_fn``), at the memory of its shards."""
     model_parallel = parallel is not None and parallel.model.size > 1
     split = model_parallel or (parallel is not None and parallel.expert.size > 1)  # beyond data parallelism
-    _check_request(model, cfg, parallel, optimizer, lr_scheduler, parallel.global_rank if parallel else dp.rank)
+    rank = parallel.global_rank if parallel is not None else dp.rank
+    _check_request(model, cfg, parallel, optimizer, lr_scheduler, rank)
     check_tables(model, cfg, dp, parallel)
     _check_lending(model, cfg)
     if simulated is None:
-        check_packages(cfg, parallel.global_rank if parallel is not None else dp.rank)
+        check_packages(cfg, rank)
     _warn_inert_options(cfg)
     _warn_mixed_dtypes(model, compute_dtype(cfg))
     model_bytes = _device_bytes(model, accel)  # already there: they count as the engine's, as in the estimate
@@ -303,7 +304,8 @@ def make_partition(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Collectives,
                          cfg.zeroplus.unit_modules, accumulation,
                          MasterPolicy(bool(cfg.zeroplus.shared_master_weights),
                                       cfg.zeroplus.master_rounding == "like_shared", param_offload),
-                         experts=experts, placement=placement)
+                         experts=experts, placement=placement,
+                         defer_param_gather=cfg.zeroplus.overlap_param_gather)
 
 
 def _check_split(model: torch.nn.Module, parallel: ParallelGroups) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import os
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -36,10 +35,9 @@ from zeroplus.parallel.moe import set_aux_grad_scale
 from zeroplus.parallel.pipeline import PipelineModule
 from zeroplus.parallel.pipeline_schedule import eval_batch, train_batch
 from zeroplus.zero import ShardedStep, ZeroPartition
-from zeroplus.zero.frozen_values import read_frozen
 
 from .checkpoints.async_save import AsyncSaves
-from .checkpoints.export import write_state_dict
+from .checkpoints.export import save_16bit_model
 from .checkpoints.hf_export import save_pretrained
 from .checkpoints.load import load_checkpoint
 from .checkpoints.pretrained_load import PretrainedLoad, load_pretrained
@@ -426,8 +424,6 @@ class Engine:
                 self.skipped_steps += 1
                 self._log_skip()
             self._partition.after_step()
-            if not self.config.zeroplus.overlap_param_gather:  # every parameter current when step() returns
-                self._partition.wait_all()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         self._watch.step_end(self)
@@ -522,35 +518,7 @@ class Engine:
         """Gather the whole model in the compute dtype into one file on rank 0 (every rank calls
         it: at stages 1-3 the masters are all-gathered). Returns the path on rank 0.
         ``exclude_frozen_parameters``: the trained parameters and the buffers only (an adapter)."""
-        par = self.parallel
-        if par is not None and (par.model.size > 1 or par.expert.size > 1):
-            raise ValueError(f"save_16bit_model() writes one whole model, and this run splits it ("
-                             f"{par.topology.describe()}; rank {par.global_rank} holds a slice): consolidating "
-                             f"slices is not built; use save_checkpoint()")
-        state = self._partition.consolidated_fp32_state()
-        frozen: dict[str, torch.Tensor] = {}  # stage 3's frozen groups (every rank gathers them)
-        if not exclude_frozen_parameters:
-            frozen = read_frozen(self._partition.frozen, self.accelerator.host_copy if self.dp.rank == 0 else None)
-        if self.dp.rank != 0:
-            self.dp.barrier()
-            return None
-        dtype = self._partition.groups[0].compute_dtype if self._partition.groups else torch.float32
-        out = {n: t.to(dtype) for n, t in state.items()}
-        trainable = {id(p) for g in self._partition.groups for p in g.params}
-        canonical = {id(p): n for n, p in self.module.named_parameters()}
-        for name, p in self.module.named_parameters(remove_duplicate=False):
-            if id(p) not in trainable:
-                if not exclude_frozen_parameters:
-                    own = frozen.get(canonical[id(p)])
-                    out[name] = own if own is not None else self.accelerator.host_copy(p)
-            elif canonical[id(p)] != name:
-                out[name] = out[canonical[id(p)]].clone()  # tied weight, under each of its names
-        out.update({n: self.accelerator.host_copy(b) for n, b in self.module.named_buffers()})
-        os.makedirs(save_dir, exist_ok=True)
-        path = os.path.join(save_dir, save_filename)
-        write_state_dict(out, path)
-        self.dp.barrier()
-        return path
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def save_pretrained(self, save_dir: str, dtype: str | None = None, max_shard_size: str | int = "5GB"
                         ) -> list[str] | None:

@@ -54,18 +54,17 @@ def merge_block_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Ten
     block (its log-sum-exp ``-inf``): it then adds nothing, and a row that has seen nothing yet stays empty."""
     s = scores(q, k, scale, causal, first_row, window)
     l_b = torch.logsumexp(s, dim=-1, keepdim=True)
-    if window is None:  # (every row sees a key: the diagonal, or a whole earlier block)
-        o_b = torch.matmul(s.sub_(l_b).exp_(), v.float())
-        merged = torch.logaddexp(lse, l_b)
-        o.mul_(torch.exp(lse - merged)).add_(o_b.mul_(torch.exp(l_b - merged)))
-        lse.copy_(merged)
-        return
-    empty = float("-inf")
-    o_b = torch.matmul(s.sub_(l_b.masked_fill(l_b == empty, 0.0)).exp_(), v.float())  # (an empty row: zeros)
     merged = torch.logaddexp(lse, l_b)
-    finite = merged.masked_fill(merged == empty, 0.0)
-    o.mul_(torch.exp(lse - finite)).add_(o_b.mul_(torch.exp(l_b - finite)))
+    # without a window every row sees a key (the diagonal, or a whole earlier block); with one, an empty row's -inf
+    # is shifted by 0 instead, so its probabilities and weights are 0, not NaN
+    shift, base = (l_b, merged) if window is None else (_finite(l_b), _finite(merged))
+    o_b = torch.matmul(s.sub_(shift).exp_(), v.float())
+    o.mul_(torch.exp(lse - base)).add_(o_b.mul_(torch.exp(l_b - base)))
     lse.copy_(merged)
+
+
+def _finite(t: torch.Tensor) -> torch.Tensor:
+    return t.masked_fill(t == float("-inf"), 0.0)
 
 
 def add_product_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:

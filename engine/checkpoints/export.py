@@ -1,4 +1,5 @@
-"""Consolidated exports of a checkpoint: a plain fp32 state dict, without launching any rank.
+"""Consolidated exports: a checkpoint's plain fp32 state dict, without launching any rank; the live engine's
+whole model in its compute dtype in one file (``save_16bit_model``).
 
 ``load_fp32_state_dict(dir, tag)`` reassembles every trainable parameter from the ranges the
 rank files hold (checksums verified), adds rank 0's frozen parameters and buffers, and repeats
@@ -10,10 +11,16 @@ from __future__ import annotations
 
 import math
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
+from zeroplus.zero.frozen_values import read_frozen
+
 from . import files as io
+
+if TYPE_CHECKING:
+    from ..engine import Engine
 
 
 def load_fp32_state_dict(ckpt_dir: str, tag: str | None = None) -> dict[str, torch.Tensor]:
@@ -65,3 +72,40 @@ def write_state_dict(state: dict[str, torch.Tensor], out_path: str) -> None:
     else:
         raise ValueError(f"output {out_path!r} must end in .safetensors, .pt, .pth or .bin")
     os.replace(tmp, out_path)
+
+
+def save_16bit_model(engine: Engine, save_dir: str, save_filename: str = "pytorch_model.bin",
+                     exclude_frozen_parameters: bool = False) -> str | None:
+    """``Engine.save_16bit_model``: the whole model in the compute dtype in one file written by rank 0 (every rank
+    calls it: at stages 1-3 the masters are all-gathered, one model's worth in fp32 on each rank). Returns the path
+    on rank 0, None elsewhere. ``exclude_frozen_parameters``: the trained parameters and the buffers only."""
+    par = engine.parallel
+    if par is not None and (par.model.size > 1 or par.expert.size > 1):
+        raise ValueError(f"save_16bit_model() writes one whole model, and this run splits it ("
+                         f"{par.topology.describe()}; rank {par.global_rank} holds a slice): consolidating "
+                         f"slices is not built; use save_checkpoint()")
+    state = engine.partition.consolidated_fp32_state()
+    frozen: dict[str, torch.Tensor] = {}  # stage 3's frozen groups (every rank gathers them)
+    if not exclude_frozen_parameters:
+        frozen = read_frozen(engine.partition.frozen, engine.accelerator.host_copy if engine.dp.rank == 0 else None)
+    if engine.dp.rank != 0:
+        engine.dp.barrier()
+        return None
+    dtype = engine.partition.groups[0].compute_dtype if engine.partition.groups else torch.float32
+    out = {n: t.to(dtype) for n, t in state.items()}
+    trainable = {id(p) for g in engine.partition.groups for p in g.params}
+    canonical = {id(p): n for n, p in engine.module.named_parameters()}
+    for name, p in engine.module.named_parameters(remove_duplicate=False):
+        if id(p) not in trainable:
+            if not exclude_frozen_parameters:
+                own = frozen.get(canonical[id(p)])
+                out[name] = own if own is not None else engine.accelerator.host_copy(p)
+        elif canonical[id(p)] != name:
+            out[name] = out[canonical[id(p)]].clone()  # tied weight, under each of its names
+    out.update({n: engine.accelerator.host_copy(b) for n, b in engine.module.named_buffers()})
+    os.makedirs(save_dir, exist_ok=True)
+    path = os.path.join(save_dir, save_filename)
+    write_state_dict(out, path)
+    engine.dp.barrier()
+    return path
+

@@ -31,10 +31,10 @@ def mark(params: list[torch.nn.Parameter], status: ParamStatus) -> None:
         setattr(p, STATUS_ATTR, status)
 
 
-def label_whole(params: list[torch.nn.Parameter], shapes: list[torch.Size]) -> None:
-    """Stage 3: give each parameter its whole ``ds_numel`` and ``ds_shape``, and ``ds_id`` its index in ``params``
-    (see the module docstring)."""
-    for index, (p, shape) in enumerate(zip(params, shapes)):
+def label_whole(params: list[tuple[torch.nn.Parameter, torch.Size]]) -> None:
+    """Stage 3: give each parameter its whole ``ds_numel`` and ``ds_shape`` (``params``: each with its shape), and
+    ``ds_id`` its index in ``params`` (see the module docstring)."""
+    for index, (p, shape) in enumerate(params):
         p.ds_numel = shape.numel()  # type: ignore[attr-defined]
         p.ds_shape = torch.Size(shape)  # type: ignore[attr-defined]
         p.ds_id = index  # type: ignore[attr-defined]

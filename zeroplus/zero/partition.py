@@ -113,13 +113,16 @@ class ZeroPartition:
                  compute_dtype: torch.dtype, param_group_of: dict[int, int],
                  unit_class_names: list[str] | None = None, gradient_accumulation_steps: int = 1,
                  master: MasterPolicy = MasterPolicy(), experts: ExpertSplit | None = None,
-                 placement: UnitPlacement | None = None) -> None:
+                 placement: UnitPlacement | None = None, defer_param_gather: bool = False) -> None:
         """``master``: how flat groups keep their fp32 master shards; ``experts``: the expert-data group and
         expert rank when experts are split over ranks, else None. ``placement``: moves each unit's other
         tensors to the device just before its flat groups are built (``placement.py``: one unit at a
         time); None leaves every tensor where it is. At stages 2-3, per-use groups are reduced
-        early and embeddings' rows sparsely (``early_per_use``)."""
+        early and embeddings' rows sparsely (``early_per_use``). ``defer_param_gather``
+        (``zeroplus.overlap_param_gather``): stages 1-2's post-step all-gathers are waited by each unit's next
+        forward instead of before ``after_step`` returns."""
         _refuse_partitioned(model, dp.rank)
+        self.defer_param_gather = defer_param_gather
         self.stage = ZeroStage(zero.stage)
         self.dp = dp
         self.ledger = ledger
@@ -180,8 +183,7 @@ class ZeroPartition:
         flat = {id(p) for g in self.groups + self.frozen for p in g.params}
         mark([p for p in model.parameters() if id(p) not in flat], ParamStatus.AVAILABLE)  # never partitioned
         if self.stage.shards_parameters:  # what Transformers and PEFT read of a released parameter (param_status.py)
-            label_whole([p for g in self.groups + self.frozen for p in g.params],
-                        [s for g in self.groups + self.frozen for s in g.shapes])
+            label_whole([(p, s) for g in self.groups + self.frozen for p, s in zip(g.params, g.shapes)])
         overlap = True if zero.overlap_comm is None else zero.overlap_comm
         accumulate_fp32 = self.stage.shards_gradients and gradient_accumulation_steps > 1
         self.reducer = GradReducer(self.stage, dp, zero.reduce_bucket_size, zero.reduce_scatter, overlap, ledger,
@@ -498,6 +500,8 @@ class ZeroPartition:
 
     def after_step(self) -> None:
         self._push_masters()
+        if not self.defer_param_gather:  # every parameter of the model object current when step() returns
+            self.wait_all()
         for g in self.groups:
             g.free_grads()
         if self.stage3 is not None:

@@ -159,11 +159,6 @@ class Lookup:
 _LOOKUPS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, Lookup | None]] = weakref.WeakKeyDictionary()
 
 
-def plain_embedding(module: torch.nn.Module, name: str) -> bool:
-    """``module`` looks up rows of its parameter ``name`` (``lookup``)."""
-    return lookup(module, name) is not None
-
-
 def lookup(module: torch.nn.Module, name: str) -> Lookup | None:
     """Whether ``module`` is an embedding lookup of its parameter ``name``, by what it computes rather than its
     class: an ``nn.Embedding`` whose forward is torch's, without max_norm, sparse gradients or frequency scaling;
@@ -232,7 +227,7 @@ def routed(model: torch.nn.Module, flat: set[int], root: set[int]) -> set[int]:
     plain embeddings' weights among ``root`` (the root unit's: reduced at the end of backward anyway)."""
     out = tied(model) & flat
     for pid, where in holders(model, root).items():
-        if all(plain_embedding(m, n) for m, n in where):
+        if all(lookup(m, n) is not None for m, n in where):
             out.add(pid)
     return out
 
