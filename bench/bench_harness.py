@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
 DS_DEFAULTS = {"stage3_prefetch_bucket_size": 5e7, "stage3_param_persistence_threshold": 1e5,
@@ -65,26 +66,18 @@ def config(dtype: str, ds_defaults: bool) -> dict:
             "zero_optimization": zero, "steps_per_print": 10**6}
 
 
-def worker(row: str, dtype: str, steps: int, out: str, micro: int = 1, seq: int = 64, classes: str = "nn") -> None:
-    """One rank of one row: imports, the measured start, the user's model, ``steps`` steps. ``classes``: "nn" builds
+SIZES = {"111m": (16384, 768, 12, 12), "test": (8192, 512, 4, 8)}  # vocabulary, width, layers, heads
+
+
+def user_gpt(classes: str = "nn", seq: int = 64, size: str = "111m") -> Any:
+    """The user's GPT (``size`` 111m: 12 layers, d 768, vocabulary 16384, head untied: 111M parameters; ``test``:
+    21M, for the suite). ``classes``: "nn" builds
     it from ``torch.nn``'s layers, "own" from its own ``Linear``, ``LayerNorm`` and ``Embedding`` classes
     (``tests/models.py``'s ``Plain*``: each reads its ``self.weight`` in its forward, ``x @ w.t() + b``, the
     normalisation written out, ``self.weight[idx]``), as many model codebases do."""
     import torch
-    import torch.distributed as dist
     import torch.nn as nn
     import torch.nn.functional as F
-
-    if row == "deepspeed":
-        import deepspeed
-    elif row.startswith("zeroplus"):
-        import zeroplus
-    else:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    def resident(field: str) -> int:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from tests.models import PlainEmbedding as OwnEmbedding  # (torch only: the measured start is still ahead)
@@ -124,30 +117,63 @@ def worker(row: str, dtype: str, steps: int, out: str, micro: int = 1, seq: int 
             logits = self.head(self.ln_f(x))
             return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
+    vocab, d, layers, heads = SIZES[size]
+    return UserGPT(vocab, d, layers, heads, seq)
+
+
+def fsdp2_step(model: Any, blocks: Any, bf16: bool, loss: Any) -> Any:
+    """FSDP2 in its best honest configuration for these rows: ``fully_shard`` per block and root,
+    ``reshard_after_forward`` default, bf16 as ``MixedPrecisionPolicy(bf16, reduce_dtype=fp32)``,
+    ``torch.optim.AdamW``, ``clip_grad_norm_``, ``zero_grad(set_to_none=True)``; returns one step of
+    ``loss(model, x)`` as a function of the batch."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else MixedPrecisionPolicy()
+    for block in blocks:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(x: torch.Tensor) -> float:
+        value = loss(model, x)
+        value.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return value.item()
+    return step
+
+
+def worker(row: str, dtype: str, steps: int, out: str, micro: int = 1, seq: int = 64, classes: str = "nn") -> None:
+    """One rank of one row: imports, the measured start, the user's model (``user_gpt(classes)``), ``steps``
+    steps."""
+    import torch
+    import torch.distributed as dist
+
+    if row == "deepspeed":
+        import deepspeed
+    elif row.startswith("zeroplus"):
+        import zeroplus
+    else:
+        import torch.distributed.fsdp  # noqa: F401 - before the measured start, as the other rows import theirs
+
+    def resident(field: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     start = resident("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM from here
-    model = UserGPT(seq=seq)
+    model = user_gpt(classes, seq)
     cfg = config(dtype, row == "zeroplus-ds-defaults")
     cfg["train_micro_batch_size_per_gpu"] = micro
     if row == "fsdp2":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bf16" \
-            else MixedPrecisionPolicy()
-        for block in model.blocks:
-            fully_shard(block, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-        def step(x: torch.Tensor) -> float:
-            loss = model(x, x)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.item()
+        step = fsdp2_step(model, model.blocks, dtype == "bf16", lambda m, x: m(x, x))
     else:
         if row == "deepspeed":
             engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from . import host_allocator
+
 
 class _NullStream:
     """Stands in for a stream on CPU: work runs in program order."""
@@ -97,6 +99,16 @@ class Accelerator:
     def memory_allocated(self) -> int:
         return _current_rss_bytes()
 
+    def settle_host_allocator(self, mode: str) -> str:
+        """The budget here is resident memory: freed memory goes back to the system as it predicts
+        (``host_allocator.py``; ``mode`` is ``zeroplus.host_allocator``). Returns what holds."""
+        return host_allocator.settle(mode)
+
+    def release_host_memory(self) -> None:
+        """What the engine's assembly freed goes back to the system, as the budget predicts (a returning
+        ``host_allocator`` only)."""
+        host_allocator.release()
+
     def reset_peak_memory_stats(self) -> None:
         """Reset VmHWM so a phase's peak can be read on its own (Linux ``clear_refs``)."""
         with contextlib.suppress(OSError):
@@ -148,6 +160,13 @@ class _StreamAccelerator(Accelerator):
 
     def memory_allocated(self) -> int:
         return int(self.module.memory_allocated())
+
+    def settle_host_allocator(self, mode: str) -> str:
+        """The budget here is the device allocator's: host memory is left as the process has it."""
+        return "device"
+
+    def release_host_memory(self) -> None:
+        return None
 
     def reset_peak_memory_stats(self) -> None:
         self.module.reset_peak_memory_stats()

@@ -69,9 +69,10 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     if compiled_wrapper(model):
         wrapper, model = model, model.get_submodule("_orig_mod")
     accel = get_accelerator()
+    cfg, unimplemented = parse_config(config)
+    accel.release_host_memory()  # what the process freed before is not in the start (see note: host allocator)
     accel.reset_peak_memory_stats()  # the engine's peak is measured from here
     rss_at_start = accel.memory_allocated()
-    cfg, unimplemented = parse_config(config)
     predicts = (cfg.zeroplus.memory_estimate or cfg.zeroplus.memory_budget is not None) \
         and cfg.zeroplus.parallel.pipeline == 1  # (a pipeline stage is not estimated: _estimate_source)
     # torch's code this process holds already (budget/first_use.py): read only where a budget is made
@@ -118,6 +119,7 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     source = _estimate_source(model, cfg, parallel, optimizer) if not pipelined else None
     engine = build_engine(model, cfg, dp, accel, rss_at_start, optimizer=optimizer, lr_scheduler=lr_scheduler,
                           model_parameters=model_parameters, parallel=parallel, init_fn=init_fn, compiled=compiled)
+    accel.release_host_memory()  # the whole parameters ZeRO freed (see note: host allocator)
     if source is not None:
         engine.before_first_forward(_predictor(*source, code))
     if wrapper is not None:

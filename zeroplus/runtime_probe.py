@@ -15,8 +15,8 @@ process and prints, as JSON:
   holds some of it is predicted without it.
 
 The memory budget (``budget/runtime_overhead.py``) runs this once per machine and keeps the result.
-It is run under the allocator the budget assumes (glibc returning freed memory: the variables in
-``ALLOCATOR_ENV``) and with ``ZEROPLUS_RUNTIME_BYTES=0,0``, so the engine's own prediction inside it
+It is run with glibc as zeroplus sets it by default (returning freed memory: ``host_allocator.py``) and
+with ``ZEROPLUS_RUNTIME_BYTES=0,0``, so the engine's own prediction inside it
 counts tensors only. Memory: the probe's own, in a child process; the caller holds nothing.
 """
 from __future__ import annotations

@@ -40,6 +40,7 @@ from ..accelerator import get_accelerator
 from ..activations.resize_recompute import TECHNIQUE as RECOMPUTE
 from ..config import ZeroplusConfig, load_config
 from ..engine.build import compute_dtype
+from ..host_allocator import caveat as host_allocator_caveat
 from ..memory_view import CATEGORIES, LABELS, budget_chart
 from ..parallel.groups import current_groups, parallel_groups
 from .model_states import model_state_bytes
@@ -284,12 +285,15 @@ def caveats(kind: str, dtype: str, routed: int) -> list[str]:
     simulation made up) changes the experts' batch sizes every step; on CPU in bf16 each new shape makes oneDNN
     build and keep a matrix-product kernel, so resident memory grows from step to step by an amount no
     shape-free simulation knows (Hugging Face Mixtral ``small``, 2 ranks: 45-50 MiB a step, with or without
-    zeroplus; ``ONEDNN_PRIMITIVE_CACHE_CAPACITY=0`` halves it). fp32 and accelerators: none measured."""
+    zeroplus; ``ONEDNN_PRIMITIVE_CACHE_CAPACITY=0`` halves it). fp32 and accelerators: none measured. On CPU,
+    ``ZEROPLUS_HOST_ALLOCATOR=keep`` leaves what glibc keeps out (``host_allocator.caveat``)."""
+    found = []
     if routed and kind == "cpu" and dtype == "bf16":
-        return ["experts' batch sizes change with the routing every step, and in bf16 on CPU oneDNN keeps a kernel "
-                "per shape: resident memory grows step by step above this prediction (Mixtral small: 45-50 MiB a "
-                "step; ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 halves it)"]
-    return []
+        found.append("experts' batch sizes change with the routing every step, and in bf16 on CPU oneDNN keeps a "
+                     "kernel per shape: resident memory grows step by step above this prediction (Mixtral small: "
+                     "45-50 MiB a step; ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 halves it)")
+    kept = host_allocator_caveat() if kind == "cpu" else None
+    return found + ([kept] if kept else [])
 
 
 def _compute_dtype_name(config: dict[str, Any] | str | ZeroplusConfig) -> str:

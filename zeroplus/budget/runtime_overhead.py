@@ -5,7 +5,8 @@ is torch's own code, paged in the first time a process trains (``first_use.py``)
 engine's (its process group, hooks, generated kernels, the first-forward estimate). It differs between
 machines, libraries and versions, so it is not a constant: ``runtime_bytes("cpu")`` runs
 ``python -m zeroplus.runtime_probe`` in a child process (a two-step run of a 0.3 MiB model, about 8 s
-here), under the allocator the budget assumes (``ALLOCATOR_ENV``), and keeps its numbers (from
+here), with glibc as zeroplus sets it by default (``host_allocator.py``: no ``MALLOC_*`` variables of the
+caller's, as a user's process starts), and keeps its numbers (from
 construction on, from the first backward on, and how much of torch's code was resident after its model
 was built, after ``initialize`` and after training) in a file keyed by host, Python, torch and zeroplus
 versions and the probe's own version, so later processes on the machine read them. Ranks that start
@@ -49,10 +50,14 @@ import torch._dynamo  # noqa: F401 - LAZY_IMPORTS: into the process's baseline (
 
 from ..cache_dir import cache_file, read_record, write_record
 from ..config import parse_bytes
+from ..host_allocator import ALLOCATOR_VARIABLES
+from ..host_allocator import ENV as HOST_ALLOCATOR_ENV
 
 logger = logging.getLogger("zeroplus")
 
 ENV = "ZEROPLUS_RUNTIME_BYTES"
+# what zeroplus's default sets (host_allocator.py), as variables: for launching a process returning freed memory from
+# its start
 ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
 RECORD = ("construction", "training", "code_built", "code_constructed", "code_trained")  # the probe's numbers
 FALLBACK_BYTES = (12 * 2**20, 24 * 2**20, 40 * 2**20, 45 * 2**20, 62 * 2**20)  # GPT-tiny, 1 gloo rank, fp32, here
@@ -64,9 +69,10 @@ GLOO_PEER_BYTES = 1 << 20
 DTYPES = ("fp32", "bf16", "fp16")  # compute dtypes, each probed apart
 # what the probe measures changed (2: the step's norm scratch no longer counted whole in the tensors
 # subtracted; measured on the engine report's basis; 3: torch's code resident recorded; 4: initialize no longer
-# runs a meta forward of its own, so construction holds less): a kept result from an earlier meaning is probed
+# runs a meta forward of its own, so construction holds less; 5: glibc returns freed memory from import on and
+# initialize starts from a trimmed heap): a kept result from an earlier meaning is probed
 # again, whatever the package version
-PROBE_VERSION = "4"
+PROBE_VERSION = "5"
 # a launcher's variables would make the probe's engine join the caller's job
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
@@ -123,8 +129,9 @@ def _measured(dtype: str) -> tuple[int, int, int, int, int]:
 def probe(dtype: str = "fp32") -> tuple[int, int, int, int, int]:
     """Run ``zeroplus.runtime_probe`` in a child process and return its numbers (``RECORD`` order); on
     failure, warn and return ``FALLBACK_BYTES``."""
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
-    env.update(ALLOCATOR_ENV, ZEROPLUS_ACCELERATOR="cpu", **{ENV: "0,0"})
+    env = {k: v for k, v in os.environ.items()
+           if k not in _LAUNCH_ENV and k not in ALLOCATOR_VARIABLES and k != HOST_ALLOCATOR_ENV}
+    env.update(ZEROPLUS_ACCELERATOR="cpu", **{ENV: "0,0"})
     cmd = [sys.executable, "-m", "zeroplus.runtime_probe", "--dtype", dtype]
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
