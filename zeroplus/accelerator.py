@@ -101,12 +101,12 @@ class Accelerator:
 
     def settle_host_allocator(self, mode: str) -> str:
         """The budget here is resident memory: freed memory goes back to the system as it predicts
-        (``host_allocator.py``; ``mode`` is ``zeroplus.host_allocator``). Returns what holds."""
+        (``host_allocator.py``; ``mode`` from ``ZEROPLUS_HOST_ALLOCATOR``). Returns what holds."""
         return host_allocator.settle(mode)
 
     def release_host_memory(self) -> None:
-        """What the engine's assembly freed goes back to the system, as the budget predicts (a returning
-        ``host_allocator`` only)."""
+        """The free memory glibc holds goes back to the system, as the budget predicts (unless the process
+        keeps it: ``host_allocator.release``)."""
         host_allocator.release()
 
     def reset_peak_memory_stats(self) -> None:

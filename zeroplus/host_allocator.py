@@ -33,19 +33,20 @@ Memory: none; time: once per process (later calls return the first outcome). See
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import platform
 
 logger = logging.getLogger("zeroplus.engine")
 
-THRESHOLD = 128 * 1024  # bytes: glibc's own starting mmap threshold, fixed (runtime_overhead.ALLOCATOR_ENV)
+THRESHOLD = 128 * 1024  # bytes: glibc's own starting mmap threshold, fixed
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 MODES = ("return", "keep")
 ENV = "ZEROPLUS_HOST_ALLOCATOR"
 # variables glibc reads at a process's start that decide what it keeps: a process started with one is the user's
 ALLOCATOR_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
-_settled: list[str] = []  # what the process's first settle() set: the first engine decides for the process
+_settled: list[str] = []  # what the process's first settle() set (at import): later calls return it
 
 
 def settle(mode: str) -> str:
@@ -91,6 +92,7 @@ def release() -> None:
         libc.malloc_trim(0)
 
 
+@functools.lru_cache(maxsize=1)
 def _glibc() -> ctypes.CDLL | None:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None

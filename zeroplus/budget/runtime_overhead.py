@@ -50,7 +50,7 @@ import torch._dynamo  # noqa: F401 - LAZY_IMPORTS: into the process's baseline (
 
 from ..cache_dir import cache_file, read_record, write_record
 from ..config import parse_bytes
-from ..host_allocator import ALLOCATOR_VARIABLES
+from ..host_allocator import ALLOCATOR_VARIABLES, THRESHOLD
 from ..host_allocator import ENV as HOST_ALLOCATOR_ENV
 
 logger = logging.getLogger("zeroplus")
@@ -58,7 +58,7 @@ logger = logging.getLogger("zeroplus")
 ENV = "ZEROPLUS_RUNTIME_BYTES"
 # what zeroplus's default sets (host_allocator.py), as variables: for launching a process returning freed memory from
 # its start
-ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(THRESHOLD)}
 RECORD = ("construction", "training", "code_built", "code_constructed", "code_trained")  # the probe's numbers
 FALLBACK_BYTES = (12 * 2**20, 24 * 2**20, 40 * 2**20, 45 * 2**20, 62 * 2**20)  # GPT-tiny, 1 gloo rank, fp32, here
 LAZY_IMPORTS = ("torch._dynamo",)  # what torch imports lazily for an engine: imported above, with zeroplus
