@@ -16,8 +16,10 @@ process and prints, as JSON:
 
 The memory budget (``budget/runtime_overhead.py``) runs this once per machine and keeps the result.
 It is run with glibc as zeroplus sets it by default (returning freed memory: ``host_allocator.py``) and
-with ``ZEROPLUS_RUNTIME_BYTES=0,0``, so the engine's own prediction inside it
-counts tensors only. Memory: the probe's own, in a child process; the caller holds nothing.
+with ``ZEROPLUS_RUNTIME_BYTES`` set to the fallback figures, so the engine inside it makes the choices a user's
+engine makes (resize recompute left unset stands down on this model, as it does where the overhead is in the
+peak); what it prints is each measure minus the tensors predicted (``_tensor_bytes``), whatever that figure.
+Memory: the probe's own, in a child process; the caller holds nothing.
 """
 from __future__ import annotations
 

@@ -81,9 +81,6 @@ class MemoryBudget:
     # techniques on by default that this run turns off, with what each would have taken off the training peak
     # (too little: ``recompute_pays``); the engine's first forward reads it and the technique stands down
     stood_down: dict[str, int] = dataclasses.field(default_factory=dict)
-    # a lower bound of the steps' peak with resize recompute off, from this run: the most alive at a moment plus what
-    # it had dropped then (``MemoryTracker.undropped_peak``; the steps' peak where it dropped nothing)
-    undropped_peak_bytes: int = 0
 
     def resolve_effects(self) -> dict[str, int]:
         """``technique_effects``, computing them now if they were left pending."""
@@ -185,9 +182,9 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     ``"meta"`` (built on the meta device): the init phase's peak differs (``simulate.py``).
     ``code``: how much of torch's code the process that will train already holds
     (``first_use.code_resident``, read by ``initialize``); None for a fresh process (``runtime_overhead.py``).
-    Resize recompute left unset (on by default) is simulated without it too, unless this run shows it takes at
-    least 1% off the steps' peak (``steps_peak_bytes``); where it takes less, the budget returned is the run
-    without it (``stood_down`` names it), which is how the engine then runs (see note: recompute where it pays).
+    Resize recompute left unset (on by default) is simulated without it too; where it takes under 1% off the
+    steps' peak (``steps_peak_bytes``), the budget returned is the run without it (``stood_down`` names it),
+    which is how the engine then runs (see note: recompute where it pays).
     """
     common: dict[str, Any] = dict(world_size=world_size, rank=rank, micro_batch_size=micro_batch_size, seq_len=seq_len,
                                   loss_fn=loss_fn, accelerator=accelerator, code=code)
@@ -211,8 +208,11 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
         return runs_without[technique]
 
     peak = budget.steps_peak_bytes
-    if _recompute_by_default(config, resolved_cfg) and not recompute_pays(budget.undropped_peak_bytes - peak, peak):
-        off = without(RECOMPUTE)  # (not known to pay from this run alone: see note: recompute where it pays)
+    if _recompute_by_default(config, resolved_cfg):
+        # simulated without it whatever this run shows (see note: recompute where it pays): the second simulation's
+        # first use stays resident (1.4 MiB here), so every such engine pays it at its first forward, as the
+        # runtime probe's does, and not at a later report's effects, over its peak
+        off = without(RECOMPUTE)
         effect = off.steps_peak_bytes - peak
         if not recompute_pays(effect, peak):
             off.stood_down = {**off.stood_down, RECOMPUTE: effect}
@@ -276,8 +276,7 @@ def _estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: di
     return MemoryBudget(rank, world_size, cfg.train_micro_batch_size_per_gpu,
                         cfg.gradient_accumulation_steps, cfg.zero_optimization.stage, phases, states, kind,
                         category_peaks, tracker.saved_for_backward, tracker.checkpoint_copies, _split(cfg, world_size),
-                        caveats=caveats(kind, dtype, tracker.run_op.routed),
-                        undropped_peak_bytes=tracker.undropped_peak), cfg
+                        caveats=caveats(kind, dtype, tracker.run_op.routed)), cfg
 
 
 def caveats(kind: str, dtype: str, routed: int) -> list[str]:

@@ -70,9 +70,10 @@ DTYPES = ("fp32", "bf16", "fp16")  # compute dtypes, each probed apart
 # what the probe measures changed (2: the step's norm scratch no longer counted whole in the tensors
 # subtracted; measured on the engine report's basis; 3: torch's code resident recorded; 4: initialize no longer
 # runs a meta forward of its own, so construction holds less; 5: glibc returns freed memory from import on and
-# initialize starts from a trimmed heap): a kept result from an earlier meaning is probed
+# initialize starts from a trimmed heap; 6: its engine predicts with an overhead, so it decides resize recompute as a
+# user's process does): a kept result from an earlier meaning is probed
 # again, whatever the package version
-PROBE_VERSION = "5"
+PROBE_VERSION = "6"
 # a launcher's variables would make the probe's engine join the caller's job
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
@@ -131,7 +132,10 @@ def probe(dtype: str = "fp32") -> tuple[int, int, int, int, int]:
     failure, warn and return ``FALLBACK_BYTES``."""
     env = {k: v for k, v in os.environ.items()
            if k not in _LAUNCH_ENV and k not in ALLOCATOR_VARIABLES and k != HOST_ALLOCATOR_ENV}
-    env.update(ZEROPLUS_ACCELERATOR="cpu", **{ENV: "0,0"})
+    # the fallback, not 0: the engine inside decides what a user's decides (a budget of tensors alone finds resize
+    # recompute pays on the probe's model, one simulation; with the overhead it stands down after a second, which
+    # leaves 1.4 MiB resident); what the probe reports is its measure minus the tensors, whatever this adds
+    env.update(ZEROPLUS_ACCELERATOR="cpu", **{ENV: f"{FALLBACK_BYTES[0]},{FALLBACK_BYTES[1]}"})
     cmd = [sys.executable, "-m", "zeroplus.runtime_probe", "--dtype", dtype]
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)

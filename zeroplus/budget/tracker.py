@@ -33,7 +33,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..activations.resize_recompute import TECHNIQUE as RECOMPUTE
 from ..cpu_precision import native_bf16
 from ..eager import EagerWhileActive
 from ..ledger import Category, Ledger
@@ -41,7 +40,6 @@ from .meta_values import MetaValues
 
 PHASES = ("init", "forward", "backward", "step", "save")
 TRAINING_PHASES = PHASES[:4]
-STEP_PHASES = PHASES[1:4]  # the steps' own: forward, backward, optimizer step
 
 _MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_addmm_activation"}
 
@@ -91,9 +89,6 @@ class MemoryTracker(EagerWhileActive, TorchDispatchMode):
         self.runtime = 0                  # bytes the process holds beyond tensors (set by the estimator)
         self.checkpoint_copies = 0        # bytes a checkpoint save copies (set by the estimator)
         self.category_peaks: dict[str, int] = {}  # each ledger category's peak while training (set by the estimator)
-        # the most alive at an observed moment of the steps plus what resize recompute had dropped then: a lower
-        # bound of the steps' peak with it off (see note: recompute where it pays)
-        self.undropped_peak = 0
 
     # -- storages -------------------------------------------------------------------------------
     def _register(self, storage: torch.UntypedStorage) -> None:
@@ -161,9 +156,6 @@ class MemoryTracker(EagerWhileActive, TorchDispatchMode):
         if self._paused:
             return
         total = self.live + workspace + self.runtime
-        if self.phase in STEP_PHASES:
-            self.undropped_peak = max(self.undropped_peak,
-                                      total + self.ledger.saved_bytes(RECOMPUTE, Category.ACTIVATION))
         peak = self.peaks[self.phase]
         if total <= peak.total:
             return
