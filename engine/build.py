@@ -95,6 +95,31 @@ def _param_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     return [{"params": items}]
 
 
+def _choose_transport(cfg: ResolvedConfig, dp: Collectives, parallel: ParallelGroups | None,
+                      experts: ExpertSplit | None, ledger: Ledger) -> str:
+    """``zeroplus.transport`` on every group this engine moves bytes over (``comm.py``, ``use_transport``): the
+    data group, the only one that may map the shared pair, then the expert, tensor and context groups
+    (``pair`` is ``gloo`` there). Decided here, once; the layers above read ``per_rank``, never the backend.
+    Returns the data group's transport."""
+    wanted = cfg.zeroplus.transport
+    others = [] if parallel is None else [parallel.data, parallel.zero, parallel.tensor, parallel.context,
+                                          parallel.context_ulysses, parallel.context_ring, parallel.expert,
+                                          parallel.expert_data]
+    if experts is not None:
+        others.append(experts.group)
+    try:
+        chosen = dp.use_transport(wanted, ledger, cfg.zeroplus.shared_memory_pair)
+        done = {id(dp)}
+        for group in others:
+            if id(group) in done or getattr(group, "size", 1) == 1:
+                continue
+            done.add(id(group))
+            group.use_transport("gloo" if wanted == "pair" else wanted, ledger, shared_pair=False)
+    except ValueError as err:
+        raise ConfigError(f"config key 'zeroplus.transport' is {wanted!r}: {err}") from None
+    return chosen
+
+
 def _broadcast_group(dp: Collectives, experts: ExpertSplit | None) -> Callable[[torch.Tensor], Any]:
     """Whose first rank's values a tensor takes: its expert-data group's for an expert's tensors
     (they differ between expert ranks), else the data group's."""
@@ -179,7 +204,7 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
         log_rank0("parameters that require grad but are in no optimizer group stay fixed: %s", untrained[:8],
                   level=logging.WARNING)
     ledger = Ledger() if ledger is None else ledger
-    dp.open_shared_pair(ledger, cfg.zeroplus.shared_memory_pair)  # two gloo ranks of one host (shm_pair.py)
+    _choose_transport(cfg, dp, parallel, experts, ledger)
     param_offload = _param_offload(cfg, model, group_of, dp.size, accel, ledger)
     stage = ZeroStage(cfg.zero_optimization.stage)
     flattened = {id(p) for p in model.parameters() if (p.requires_grad and id(p) in group_of)

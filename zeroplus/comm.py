@@ -13,9 +13,16 @@ reduces, one per rank, which gloo runs faster and without temporaries. Measured 
 in-place broadcasts 0.035 s, nothing held; gloo's reduce-scatter 0.13 s, holding a copy of its whole
 input; two in-place reduces 0.065 s and 4 MiB held; an in-place all-reduce 0.056 s (it sends twice
 the bytes of either). Both send the bytes of the native collective: the communication volume stays
-the textbook one (all-gather: its output; reduce-scatter: its input). ``gloo`` tells the gradient
+the textbook one (all-gather: its output; reduce-scatter: its input). ``per_rank`` tells the gradient
 reducer to take the in-place reduce path (``grad_reducer.py``). NCCL and HCCL keep the native
 collectives, which work in place.
+
+Which of these a group runs is its transport, chosen once when an engine is assembled
+(``use_transport``, from ``zeroplus.transport``): ``native`` (the tensor collectives, one launch each, as
+NCCL and HCCL run them: ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``; gloo runs
+them too, so the suite runs a GPU job's collectives with values), ``gloo`` (the per-rank broadcasts and
+reduces, the row exchange of two ranks), ``pair`` (``gloo`` with the shared-memory pair below) or
+``auto`` (native on a device backend; on gloo the pair where two ranks share an x86-64 host, else gloo).
 
 Gloo's worker threads hand each finished work's tensors back after the caller's ``wait()`` has
 returned. If the caller's Python tensor is gone by then, the worker must take the GIL to free it; at
@@ -27,7 +34,8 @@ microseconds), so the last reference to every tensor is this thread's.
 Two ranks reduce gradients by one point-to-point exchange instead (``exchange_rows``), and two ranks of one host
 (``open_shared_pair``) swap large all-gathers, exchanges and sums through shared memory instead of TCP
 (``shm_pair.py``).
-See note: gloo in place; see note: gloo broadcasts and reduces; see note: gloo exchange (docs/design-notes.md).
+See note: gloo in place; see note: gloo broadcasts and reduces; see note: gloo exchange; see note: transport
+(docs/design-notes.md).
 """
 from __future__ import annotations
 
@@ -49,6 +57,7 @@ from .ledger import Category, Ledger
 from .shm_pair import MAPPING_BYTES, MIN_BYTES, SharedPair, open_pair
 
 DEFAULT_TIMEOUT_SECONDS = 600.0
+TRANSPORTS = ("auto", "native", "gloo", "pair")  # zeroplus.transport (use_transport)
 # One tag for every exchange: gloo matches a pair's sends and receives of one tag in the order they were posted, and
 # every rank posts a group's exchanges in the same order (a new tag per exchange would add keys to gloo's per-tag
 # tables all run long); apart from the default tag 0 of other point-to-point messages (``shift_ring``).
@@ -160,12 +169,12 @@ class ScalarSum(Protocol):
 class Collectives(Protocol):
     """What the layers above ask of a data-parallel group: ``DataParallelGroup`` (a process group) and the
     estimator's ``VirtualGroup`` (one rank of any size simulated in one process, nothing moved:
-    ``budget/virtual_group.py``) provide it. ``gloo``: reductions take gloo's in-place path; ``initialized``:
-    a real process group stands behind it."""
+    ``budget/virtual_group.py``) provide it. ``per_rank``: reductions take the transport's in-place per-rank
+    path (``use_transport``); ``initialized``: a real process group stands behind it."""
 
     rank: int
     size: int
-    gloo: bool
+    per_rank: bool
     initialized: bool
     group: Any
 
@@ -185,7 +194,7 @@ class Collectives(Protocol):
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Handle: ...
 
-    def open_shared_pair(self, ledger: Ledger, wanted: bool = True) -> None: ...
+    def use_transport(self, transport: str, ledger: Ledger, shared_pair: bool = True) -> str: ...
 
     def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor, output_sizes: list[int],
                      input_sizes: list[int]) -> None: ...
@@ -216,21 +225,49 @@ class DataParallelGroup:
         self.bytes_sent: collections.Counter[str] = collections.Counter()
         self.issued = 0  # collectives issued in this group, for messages
         backend = str(dist.get_backend(group)) if self.initialized and self.size > 1 else ""
-        self.gloo = backend == "gloo"  # all-gathers and gradient reductions by in-place broadcasts and reduces
+        self.gloo = backend == "gloo"  # the backend's worker holds aliases of a collective's tensors (_run)
+        # the transport (use_transport; until an engine chooses one, auto without the pair)
+        self.transport = "gloo" if self.gloo else "native"
+        self.per_rank = self.gloo  # all-gathers and gradient reductions by in-place broadcasts and reduces
         self.pair: SharedPair | None = None  # two gloo ranks of one host: large swaps through shared memory
-        self.pair_on = False  # ... while this is true (open_shared_pair)
+        self.pair_on = False  # ... while the transport is "pair"
 
-    def open_shared_pair(self, ledger: Ledger, wanted: bool = True) -> None:
-        """Collective: a two-rank gloo group whose ranks share a host swaps its large all-gathers and gradient
-        exchanges through a shared mapping from now on (``shm_pair.py``, 4 MiB in ``ledger``); others keep gloo.
-        Engines share a process's groups: the last one built decides (``wanted``); a mapping made stays."""
-        self.pair_on = wanted
-        if not wanted:
-            return
-        if self.pair is None and self.gloo and self.size == 2:
-            self.pair = open_pair(self, ledger, _timeout_seconds)
-        elif self.pair is not None:  # a later engine over the same group counts it too
-            ledger.track(self.pair.tensor.detach(), Category.COMM_BUFFER)
+    def use_transport(self, transport: str, ledger: Ledger, shared_pair: bool = True) -> str:
+        """Collective: how this group's all-gathers and reductions move bytes from now on (the module docstring);
+        returns the transport chosen (``auto`` resolved). ``shared_pair``: whether ``pair`` (or ``auto``) may map
+        the shared pair (``shm_pair.py``, 4 MiB in ``ledger``). A group of one rank moves nothing: ``native``.
+        ValueError, the same on every rank, for ``gloo`` or ``pair`` on another backend, and for ``pair`` where
+        the group is not two ranks of one x86-64 host that can share a mapping. Engines share a process's groups:
+        the last one built decides; a mapping made stays."""
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport {transport!r} is not one of {TRANSPORTS}")
+        if transport in ("gloo", "pair") and self.size > 1 and not self.gloo:
+            raise ValueError(f"transport {transport!r} builds collectives from gloo's per-rank broadcasts and reduces, "
+                             f"but the {self.label} group (rank {self.rank} of {self.size}) runs "
+                             f"{dist.get_backend(self.group)}: use 'native' or 'auto'")
+        if transport == "pair" and not shared_pair:
+            raise ValueError("transport 'pair' with zeroplus.shared_memory_pair false: set one or the other")
+        if self.size == 1 or not self.gloo:
+            chosen = "native" if transport == "auto" else transport
+        elif transport == "auto":
+            chosen = "pair" if shared_pair and self.size == 2 else "gloo"
+        else:
+            chosen = transport
+        if chosen == "pair":
+            if self.pair is None and self.size == 2:
+                self.pair = open_pair(self, ledger, _timeout_seconds)
+            elif self.pair is not None:  # a later engine over the same group counts it too
+                ledger.track(self.pair.tensor.detach(), Category.COMM_BUFFER)
+            if self.pair is None:
+                if transport == "pair":
+                    raise ValueError(f"transport 'pair' needs the {self.label} group to be two ranks of one x86-64 "
+                                     f"host that can share a /dev/shm mapping (and ZEROPLUS_SHM_PAIR not 0); "
+                                     f"this one has {self.size} ranks or could not map it (see the warning)")
+                chosen = "gloo"
+        self.transport = chosen
+        self.per_rank = chosen in ("gloo", "pair") and self.size > 1
+        self.pair_on = chosen == "pair"
+        return chosen
 
     @property
     def pair_bytes(self) -> int:
@@ -305,7 +342,7 @@ class DataParallelGroup:
                 output.copy_(input)
             return Handle(None, on_done)
         nbytes = self._count("all_gather", output)
-        if self._gloo_cpu(output) and output.is_contiguous() and input.is_contiguous():
+        if self.per_rank and output.device.type == "cpu" and output.is_contiguous() and input.is_contiguous():
             flat = output.view(-1)
             n = input.numel()
             own = flat[self.rank * n:(self.rank + 1) * n]
@@ -358,9 +395,6 @@ class DataParallelGroup:
                 dist.irecv(ts[n + k], self._global(i), group=self.group, tag=EXCHANGE_TAG))])
         return self._run("reduce_scatter", issue, tuple(rows[i] for i in others) + tuple(into[i] for i in others),
                          on_done, nbytes)
-
-    def _gloo_cpu(self, tensor: torch.Tensor) -> bool:
-        return self.gloo and tensor.device.type == "cpu"
 
     def _broadcast_each(self, *chunks: torch.Tensor) -> Any:
         """All-gather on gloo: one in-place broadcast of each rank's chunk (this rank's already in place)."""

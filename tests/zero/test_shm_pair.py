@@ -31,7 +31,7 @@ def _swapped(shared: bool) -> dict:
     without the pair."""
     dp, ledger = DataParallelGroup(), Ledger()
     if shared:
-        dp.open_shared_pair(ledger)
+        dp.use_transport("pair", ledger)
     r = dp.rank
     sizes = [(3 * shm_pair.SLOT_BYTES // 4 + 12345, torch.float32), (shm_pair.SLOT_BYTES + 7, torch.bfloat16),
              (1000, torch.float32)]
@@ -114,7 +114,7 @@ def test_training_through_the_pair_is_bit_for_bit_gloos(stage, accumulation):
 
 def _faulty(what: str) -> dict:
     dp = DataParallelGroup()
-    dp.open_shared_pair(Ledger())
+    dp.use_transport("pair", Ledger())
     set_timeout_seconds(2.0)
     r = dp.rank
     n = shm_pair.SLOT_BYTES if what != "sizes" or r == 0 else shm_pair.SLOT_BYTES * 2

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from ..comm import Collectives, Handle
+from ..comm import TRANSPORTS, Collectives, Handle
 from ..ledger import Category, Ledger
 from ..shm_pair import MAPPING_BYTES, possible_here
 
@@ -25,7 +25,9 @@ class VirtualGroup:
     and reduces, but for a few MiB), as a tensor on the input's device, so the estimator sees it:
     one at a time (gloo's worker runs collectives in order), from the moment the collective is
     issued until it is waited on or the next one is issued. NCCL and HCCL work in place: off.
-    ``gloo`` (the same flag) makes the gradient reducer take gloo's path, as on a real gloo group."""
+    The transport is chosen as a real group chooses it (``use_transport``): with ``gloo_buffers`` (a
+    simulated gloo group) ``auto`` is ``pair`` or ``gloo``, whose per-rank path (``per_rank``) the gradient
+    reducer takes; ``native`` runs gloo's own all-gather and reduce-scatter, which hold the copies above."""
 
     initialized = False
     group = None
@@ -34,18 +36,38 @@ class VirtualGroup:
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is not in a world of {size} ranks")
         self.rank, self.size, self.gloo_buffers = rank, size, gloo_buffers
-        self.gloo = gloo_buffers and size > 1
+        self.per_rank = gloo_buffers and size > 1  # until use_transport: auto without the pair
+        self.transport = "gloo" if self.per_rank else "native"
         self.bytes_sent: collections.Counter[str] = collections.Counter()
         self.running: Handle | None = None
         self.temporary: torch.Tensor | None = None
         self.pair: torch.Tensor | None = None
 
-    def open_shared_pair(self, ledger: Ledger, wanted: bool = True) -> None:
-        """Two gloo ranks map a shared pair (``shm_pair.py``) where this process could: its bytes in the ledger, as
-        ``DataParallelGroup.open_shared_pair`` counts them (a two-rank gloo job over two hosts would not map it)."""
-        if wanted and self.gloo and self.size == 2 and self.pair is None and possible_here():
+    def use_transport(self, transport: str, ledger: Ledger, shared_pair: bool = True) -> str:
+        """``DataParallelGroup.use_transport`` for the simulated group: the pair's bytes in the ledger where this
+        process could map one (a two-rank gloo job over two hosts would not); the same errors."""
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport {transport!r} is not one of {TRANSPORTS}")
+        gloo = self.gloo_buffers and self.size > 1
+        if transport in ("gloo", "pair") and self.size > 1 and not gloo:
+            raise ValueError(f"transport {transport!r} builds collectives from gloo's per-rank broadcasts and reduces, "
+                             f"but the simulated group runs on a device backend: use 'native' or 'auto'")
+        if transport == "pair" and not shared_pair:
+            raise ValueError("transport 'pair' with zeroplus.shared_memory_pair false: set one or the other")
+        chosen = ("pair" if shared_pair and self.size == 2 else "gloo") if transport == "auto" and gloo else transport
+        if chosen == "auto":
+            chosen = "native"
+        if chosen == "pair" and not (self.size == 2 and possible_here()):
+            if transport == "pair":
+                raise ValueError(f"transport 'pair' needs two ranks of one x86-64 host that can share a /dev/shm "
+                                 f"mapping (and ZEROPLUS_SHM_PAIR not 0); the simulated group has {self.size}")
+            chosen = "gloo"
+        if chosen == "pair" and self.pair is None:
             self.pair = ledger.track(torch.empty(MAPPING_BYTES, dtype=torch.uint8, device="meta"),
                                      Category.COMM_BUFFER)
+        self.transport = chosen
+        self.per_rank = chosen in ("gloo", "pair") and self.size > 1
+        return chosen
 
     def _held(self, like: torch.Tensor, on_done: Callable[[], None] | None) -> Handle:
         if not (self.gloo_buffers and self.size > 1):
@@ -57,7 +79,9 @@ class VirtualGroup:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, on_done: Callable[[], None] | None = None
                    ) -> Handle:
-        return Handle(None, on_done)
+        if self.per_rank:
+            return Handle(None, on_done)  # broadcasts in place
+        return self._held(output, on_done)  # gloo's own all-gather holds a copy of its output (native)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
                        on_done: Callable[[], None] | None = None) -> Handle:

@@ -413,6 +413,13 @@ class ZeroplusBlock(Block):
         600.0, description="Seconds any collective may wait for the other ranks before every waiting rank raises, "
                            "naming the collective and the rank that did not arrive; applied to the process groups "
                            "zeroplus creates (torch's own default is 30 minutes).")
+    transport: Literal["auto", "native", "gloo", "pair"] = Field(
+        "auto", description="How the data-parallel group's all-gathers and gradient reductions move bytes, chosen "
+                            "when the engine is assembled: native (the tensor collectives, one launch each, as NCCL "
+                            "and HCCL run them; on gloo too), gloo (per-rank in-place broadcasts and reduces, two "
+                            "ranks exchanging rows), pair (gloo with two ranks of one x86-64 host swapping through "
+                            "shared memory), auto (native on a GPU or NPU; pair or gloo on CPU ranks, as "
+                            "shared_memory_pair allows).")
     shared_memory_pair: bool = Field(
         True, description="Two data-parallel gloo ranks on one x86-64 host swap their large all-gathers, gradient "
                           "exchanges and reductions through a 4 MiB shared-memory mapping instead of TCP loopback "

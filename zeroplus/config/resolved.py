@@ -74,12 +74,15 @@ class ResolvedConfig(ZeroplusConfig):
 
 
 _BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+# keys whose "auto" is a value: what it means is decided when the engine is assembled, from the groups it runs on
+# (zeroplus.transport: comm.DataParallelGroup.use_transport), not by resolution
+_ASSEMBLY_CHOICES = ("zeroplus.transport",)
 
 
 def _unresolved(data: Any, path: str) -> list[str]:
     if isinstance(data, dict):
         return [k for key, value in data.items() if key != "params" for k in _unresolved(value, f"{path}{key}.")]
-    return [path[:-1]] if data == "auto" else []
+    return [path[:-1]] if data == "auto" and path[:-1] not in _ASSEMBLY_CHOICES else []
 
 
 def resolved_zero(zero: ZeroConfig) -> ResolvedZeroConfig:

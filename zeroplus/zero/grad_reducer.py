@@ -13,8 +13,9 @@ divided by D in place, and there is no fp32 accumulator. With ``reduce_scatter: 
 bucket is all-reduced and the owned part kept. N is the group's own partition size and D the
 data-parallel size: they differ for experts' groups (N = D / E, ``partition.py``).
 
-On gloo (CPU) stages 1-3 reduce each bucket of columns in place onto its owner, one ``reduce`` per
-rank (``comm.reduce_to_each``), and keep the owned row: gloo's reduce-scatter copies its whole input
+On the per-rank transports (``gloo`` and ``pair``, the default on CPU: ``comm.py``) stages 1-3 reduce each
+bucket of columns in place onto its owner, one ``reduce`` per rank (``comm.reduce_to_each``), and keep the
+owned row: gloo's reduce-scatter copies its whole input
 and runs twice as long (``comm.py``), so this path has no comm buffer and no backend temporary
 beyond a few MiB, and sends the bytes of a reduce-scatter. With two ranks and one reduction per step
 the ranks instead exchange rows point to point, each receiving the other's row straight into its new
@@ -64,7 +65,7 @@ class GradReducer:
                 group.pending.append(group.dp.all_reduce(grad[a:a + self.bucket_numel]))
         elif not self.use_reduce_scatter:
             self._all_reduce_keep_shard(group, grad)
-        elif group.dp.gloo:
+        elif group.dp.per_rank:
             self._reduce_in_place(group, grad)
         else:
             self._reduce_scatter(group, grad)

@@ -1,0 +1,157 @@
+"""The collectives a GPU job runs, run with values on gloo (``zeroplus.transport``, ``comm.py``).
+
+``native`` is the transport NCCL and HCCL take: the gradient reducer's reduce-scatter branches and the all-gather
+into one tensor, one launch per collective. gloo runs those collectives too, so here they run with values:
+
+- the parity grid of ``test_parity.py`` (stages 0-3, reduce buckets smaller than a weight up to one bucket per
+  group, gradient accumulation 2 and binding clipping, AdamW and SGD, ``reduce_scatter`` false, ``overlap_comm``
+  false, stage 3 with and without prefetch and persistence) on the native transport at 2 and 4 ranks, against the
+  plain module at the parity tolerance;
+- every transport against every other at 2 ranks, bitwise (the sum of two numbers does not depend on its order),
+  in fp32 and bf16, with the optimizer offloaded: any difference between transports is a failure;
+- which collectives ran: a counting wrapper around ``comm``'s tensor collectives and per-rank paths shows the
+  native transport launching ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` and none of the per-rank
+  broadcasts, reduces or row exchanges, and the ``gloo`` transport the reverse (so a native run that fell back
+  to the per-rank path fails here, where its values alone would agree);
+- what cannot be asked for is refused on every rank, naming the key and the value.
+"""
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+import zeroplus
+from tests.dist_helper import rank_and_world, run_distributed
+from tests.models import ParityNet, make_batches
+from tests.reference import engine_train
+from tests.zero.test_parity import GAS, GRID, MICRO, STEPS, _check_all, _config
+from zeroplus import comm
+from zeroplus.config import ConfigError
+
+PER_RANK = ("_broadcast_each", "reduce_to_each", "exchange_rows")  # the gloo transport's paths (comm.py)
+NATIVE = ("_reduce_scatter", "_all_gather")  # the tensor collectives NCCL and HCCL run
+
+
+def _counting() -> collections.Counter[str]:
+    """Count calls of the native collectives and of the per-rank paths in this rank's process."""
+    counts: collections.Counter[str] = collections.Counter()
+    for name in NATIVE:
+        inner = getattr(comm, name)
+
+        def native(*args, _inner=inner, _name=name, **kwargs):
+            counts[_name] += 1
+            return _inner(*args, **kwargs)
+        setattr(comm, name, native)
+    for name in PER_RANK:
+        inner = getattr(comm.DataParallelGroup, name)
+
+        def per_rank(self, *args, _inner=inner, _name=name, **kwargs):
+            counts[_name] += 1
+            return _inner(self, *args, **kwargs)
+        setattr(comm.DataParallelGroup, name, per_rank)
+    return counts
+
+
+def _train(cases: list[dict]) -> list[dict]:
+    """Each case trained from the same start; its losses, consolidated fp32 masters, the transport the engine's
+    data group took and the collectives it called."""
+    rank, world = rank_and_world()
+    counts = _counting()
+    out = []
+    for case in cases:
+        cfg = _config(case)
+        cfg["zeroplus"]["transport"] = case["transport"]
+        if case.get("bf16"):
+            cfg["bf16"] = {"enabled": True}
+        if case.get("offload"):
+            cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        torch.manual_seed(0)
+        engine = zeroplus.initialize(ParityNet(), cfg)
+        counts.clear()
+        losses = engine_train(engine, make_batches(STEPS * GAS * world, MICRO), STEPS, rank, world, GAS)
+        out.append({"losses": losses, "state": engine.consolidated_fp32_state(), "transport": engine.dp.transport,
+                    "calls": dict(counts)})
+        engine.destroy()
+    return out
+
+
+def _assert_took(case: dict, result: dict) -> None:
+    calls = result["calls"]
+    native = sum(calls.get(n, 0) for n in NATIVE)
+    per_rank = sum(calls.get(n, 0) for n in PER_RANK)
+    assert result["transport"] == case["transport"], (case, result["transport"])
+    if case["stage"] == 0:
+        return  # all-reduces on every transport
+    if case["transport"] == "native":
+        assert native > 0 and per_rank == 0, (case, calls)
+        if case["stage"] == 3:  # the units' gathers
+            assert calls.get("_all_gather", 0) > 0, (case, calls)
+        if case["stage"] > 0 and case.get("reduce_scatter", True):
+            assert calls.get("_reduce_scatter", 0) > 0, (case, calls)
+    else:
+        assert per_rank > 0 and native == 0, (case, calls)
+
+
+@pytest.mark.fast
+def test_the_parity_grid_on_the_native_transport_at_two_ranks():
+    extra = [dict(stage=2, bucket=100, reduce_scatter=False), dict(stage=3, bucket=100, overlap=False),
+             dict(stage=3, bucket=100, persist=10**6), dict(stage=3, bucket=100, prefetch=0)]
+    cases = [dict(case, transport="native") for case in GRID + extra]
+    results = run_distributed(_train, 2, cases)
+    _check_all(2, cases, results[0])
+    for rank_results in results:
+        for case, result in zip(cases, rank_results):
+            _assert_took(case, result)
+
+
+def test_the_native_transport_at_four_ranks():
+    cases = [dict(stage=s, bucket=200, transport="native") for s in (1, 2, 3)] \
+        + [dict(stage=s, bucket=200, opt="SGD", clip=0.0, transport="native") for s in (0, 3)]
+    results = run_distributed(_train, 4, cases)
+    _check_all(4, cases, results[0])
+    for case, result in zip(cases, results[0]):
+        _assert_took(case, result)
+    for r in range(1, 4):  # every rank holds the same consolidated master
+        for case, a, b in zip(cases, results[0], results[r]):
+            for name in a["state"]:
+                assert torch.equal(a["state"][name], b["state"][name]), f"{case}: rank {r} {name}"
+
+
+def test_every_transport_gives_the_same_bits_at_two_ranks():
+    setups = [dict(stage=s, bucket=b) for s in (1, 2, 3) for b in (100, 10**8)] \
+        + [dict(stage=s, bucket=100, bf16=True) for s in (1, 2, 3)] \
+        + [dict(stage=2, bucket=100, offload=True), dict(stage=0, bucket=100)]
+    cases = [dict(setup, transport=t) for setup in setups for t in ("native", "gloo", "pair")]
+    results = run_distributed(_train, 2, cases)
+    for rank_results in results:
+        by_setup: dict[int, list[tuple[dict, dict]]] = collections.defaultdict(list)
+        for i, (case, result) in enumerate(zip(cases, rank_results)):
+            _assert_took(case, result)
+            by_setup[i // 3].append((case, result))
+        for runs in by_setup.values():
+            (first_case, first), *others = runs
+            for case, result in others:
+                assert result["losses"] == first["losses"], (first_case, case)
+                for name, value in first["state"].items():
+                    assert torch.equal(result["state"][name], value), f"{first_case} vs {case}: {name}"
+
+
+def _refused(transport: str, shared: bool) -> str:
+    cfg = _config(dict(stage=2, bucket=100))
+    cfg["zeroplus"].update(transport=transport, shared_memory_pair=shared)
+    try:
+        zeroplus.initialize(ParityNet(), cfg)
+    except ConfigError as err:
+        return str(err)
+    return ""
+
+
+def test_what_cannot_run_is_refused_on_every_rank():
+    for said in run_distributed(_refused, 4, "pair", True):  # four ranks share no pair
+        assert "'zeroplus.transport' is 'pair'" in said and "4 ranks" in said, said
+    for said in run_distributed(_refused, 2, "pair", False):
+        assert "'zeroplus.transport' is 'pair'" in said and "shared_memory_pair false" in said, said
+    with pytest.raises(ConfigError, match="zeroplus.transport"):
+        zeroplus.initialize(ParityNet(), {**_config(dict(stage=1, bucket=100)), "zeroplus": {"transport": "nccl"}})
