@@ -8,7 +8,9 @@ timed (the first takes whatever the previous row left running: under ``overlap_p
 all-gathers overlap its own next forward, as in training, and are not charged to another row). The row order rotates
 every round. A stage written with an ``r`` (``1r``) is that stage with the gradient reduction two gloo ranks used
 before the row exchange (per-rank reduces; see note: gloo exchange), for comparison; with a ``g`` (``3g``), that stage
-with every collective on gloo, no shared-memory pair (``zeroplus/shm_pair.py``); with a ``p`` (``3p``), without the
+with every collective on gloo, no shared-memory pair (``zeroplus/shm_pair.py``); with an ``n`` (``3n``), on the native
+transport (``zeroplus.transport``: gloo's own reduce-scatter and all-gather into one tensor, as NCCL runs them); with a
+``p`` (``3p``), without the
 buffer pool (``zero/buffer_pool.py``: every freed unit and gradient buffer freed); with an ``o`` (``1o``), with
 ``zeroplus.overlap_param_gather`` (stages 1-2's post-step gathers waited by the next forward, the model object mixed
 until then; the default waits before step() returns); the rows share one process's heap, so ``--no-pool`` (every row
@@ -22,6 +24,7 @@ scaling is at least DDP's when its two-rank step is no longer than DDP's: the ``
     python bench/bench_two_ranks.py                      # GPT 111m, fp32, stages 0-3, 2 ranks
     python bench/bench_two_ranks.py --stages 1,1r,2,2r --rounds 12   # exchange against reduces
     python bench/bench_two_ranks.py --stages 1,1g,3,3g                # shared-memory pair against gloo
+    python bench/bench_two_ranks.py --stages 1,1g,1n,3,3g,3n          # ... and against the native transport
     python bench/bench_two_ranks.py --stages 3,3p                     # buffer pool against none
     python bench/bench_two_ranks.py --stages 1,1o,2,2o                # post-step gathers waited in step() or not
     python bench/bench_two_ranks.py --stages 3 --no-pool              # ... in launches of their own
@@ -94,23 +97,26 @@ def _rows(base: torch.nn.Module, stages: list[str], no_pool: bool = False) -> li
         opt.zero_grad(set_to_none=True)
     rows = [Row("DDP + fused AdamW", lambda x: ddp_model(x, x), lambda loss: loss.backward(), ddp_step)]
     for spec in stages:
-        stage = int(spec.rstrip("rgpo"))
+        stage = int(spec.rstrip("rgpon"))
+        native = spec.endswith("n")
         overlap = spec.endswith("o")
         cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
                "zero_optimization": {"stage": stage}, "steps_per_print": 10**6,
-               "zeroplus": {"log_level": "warning", "overlap_param_gather": overlap}}
+               "zeroplus": {"log_level": "warning", "overlap_param_gather": overlap,
+                            "transport": "native" if native else "auto"}}
         engine = zeroplus.initialize(copy.deepcopy(base), cfg)
         name = f"zeroplus stage {stage}" + (", overlap gather" if overlap else "")
         if spec.endswith("r"):
             engine, name = _with_reduces(engine), name + ", reduces"
-        paired = not spec.endswith("g") and engine.dp.pair is not None
-        name += ", shm pair" if paired else (", gloo" if engine.dp.pair is not None else "")
+        paired = not spec.endswith("g") and not native and engine.dp.pair is not None
+        name += ", native" if native else ", shm pair" if paired else (", gloo" if engine.dp.pair is not None else "")
         if spec.endswith("p") or no_pool:
             engine.partition.pool.enabled, name = False, name + ", no pool"
 
-        def before(dp: zeroplus.comm.DataParallelGroup = engine.dp, on: bool = paired) -> None:
-            dp.pair_on = on  # (the engines share the group: each row sets it for its own steps)
+        def before(dp: zeroplus.comm.DataParallelGroup = engine.dp, on: bool = paired, per_rank: bool = not native
+                   ) -> None:
+            dp.pair_on, dp.per_rank = on, per_rank  # (the engines share the group: each row sets its transport)
         rows.append(Row(name, lambda x, e=engine: e(x, x), engine.backward, engine.step, before))
     return rows
 

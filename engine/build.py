@@ -22,6 +22,7 @@ import torch.distributed as dist
 from zeroplus import fused_ops
 from zeroplus.accelerator import Accelerator
 from zeroplus.activations import ResizeRecompute, SavedTensorRouter, SwapAttention, checkpointing
+from zeroplus.activations.choices import TechniqueChoice, technique_choices
 from zeroplus.activations.lean_loss import LeanCrossEntropy
 from zeroplus.activations.resize_recompute import DEFAULT_CLASSES
 from zeroplus.activations.tiled import per_rank_tile, tile_mlps
@@ -239,9 +240,11 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
                           "shapes; zeroplus estimate with a model factory predicts it); the report shows what is "
                           "measured")
         as_built = remember(model)  # the forwards and settings the techniques below change, given back by destroy
+        choices = technique_choices(cfg)  # what runs, the engine's to change (see note: frozen config)
         parts = TrainingParts(partition, step, opt, scheduler, LossScaler(cfg.fp16),
                               _activation_techniques(model, cfg, ledger, accel, context,
-                                                     [u.module for u in partition.units if not u.is_root], compiled))
+                                                     [u.module for u in partition.units if not u.is_root], compiled,
+                                                     choices), choices)
         parts.activations.undo.append(as_built)
         if context > 1 and parallel is not None:
             _split_sequences(model, parallel)
@@ -482,7 +485,7 @@ def _optimizer_offload(cfg: ResolvedConfig, accel: Accelerator, ledger: Ledger, 
 
 def _activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: Ledger,
                            accel: Accelerator, context: int, scope: list[torch.nn.Module],
-                           compiled: bool) -> SavedTensorRouter:
+                           compiled: bool, choices: dict[str, TechniqueChoice]) -> SavedTensorRouter:
     """Resize recompute and swap attention (through one saved-tensor router), the tiles of
     ``zeroplus.tiled`` (``context``: ranks sharing each sequence), and the settings of
     ``zeroplus.checkpointing`` from the ``activation_checkpointing`` block. ``compiled``: the model runs compiled
@@ -499,8 +502,7 @@ def _activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: 
     if recompute.enabled:
         classes = list(DEFAULT_CLASSES if recompute.modules is None else recompute.modules)
         technique = ResizeRecompute(model, classes, recompute.names, ledger, norms=recompute.norms,
-                                    functional=recompute.functional, by_default=recompute.by_default,
-                                    settings=recompute)
+                                    functional=recompute.functional, choice=choices["resize_recompute"])
         _check_targets("resize_recompute", technique.targets, model,
                        classes + (["norms (*LayerNorm, *RMSNorm, *GroupNorm)"] if recompute.norms else []),
                        recompute.names, [f.__name__ for f in technique.functions])

@@ -22,6 +22,7 @@ import torch
 from zeroplus import fault_dumps
 from zeroplus.accelerator import Accelerator
 from zeroplus.activations import SavedTensorRouter
+from zeroplus.activations.choices import TechniqueChoice
 from zeroplus.activations.forward_census import ForwardCensus, storage_keys_of
 from zeroplus.comm import Collectives
 from zeroplus.comms_log import CommsLog
@@ -69,6 +70,7 @@ class TrainingParts:
     lr_scheduler: Any
     loss_scaler: LossScaler
     activations: SavedTensorRouter
+    choices: dict[str, TechniqueChoice]  # which techniques run, and why (zeroplus/activations/choices.py)
 
 _COUNTERS = ("global_steps", "micro_steps", "global_samples", "skipped_steps")  # Engine.counters()
 
@@ -114,6 +116,7 @@ class Engine:
         self._checkpoint_saved = False  # the report compares with the predicted peak that includes a save
         self._saves = AsyncSaves()  # an asynchronous save in flight (checkpoints/async_save.py)
         self._activations = parts.activations
+        self.choices = parts.choices  # the engine's decisions; self.config stays as resolved (frozen)
         self._activation_bytes: int | None = None  # what the first training forward left alive (_census)
         self._no_sync = False
         self._life = Life.LIVE  # micro_step.py

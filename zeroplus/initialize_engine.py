@@ -13,10 +13,9 @@ See note: first forward (docs/design-notes.md).
 """
 from __future__ import annotations
 
-import copy
 import logging
 import os
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, cast
 
 import torch
 
@@ -34,6 +33,7 @@ from .config import (
     ZeroplusConfig,
     auto_keys,
     check_fillable,
+    load_config,
     parse_config,
     resolve_auto,
     resolve_batch,
@@ -106,8 +106,7 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
                           f"estimate and planner cover data and context parallelism only so far; remove the "
                           f"budget and 'auto'")
     pipelined = parallel.topology.pipeline > 1
-    cfg = resolved(_plan(model, cfg, dp, code))
-    cfg.zeroplus.resize_recompute.by_default = recompute_unset and cfg.zeroplus.resize_recompute.enabled
+    cfg = resolved(_plan(model, cfg, dp, code), recompute_unset=recompute_unset)  # frozen from here
     if wrapper is not None and cfg.zeroplus.resize_recompute.enabled:  # see note: compilation
         raise ConfigError("config key 'zeroplus.resize_recompute': resize_recompute does not work with compiled "
                           "modules (<model>: torch.compile(model) was given to initialize): a compiled graph's "
@@ -161,7 +160,7 @@ def _estimate_source(model: torch.nn.Module, cfg: ResolvedConfig, parallel: Para
     it (``describe_client_optimizer``); one the budget cannot size is named in a warning."""
     if not cfg.zeroplus.memory_estimate:
         return None
-    estimated = copy.deepcopy(cfg)
+    estimated = cast(ResolvedConfig, load_config(cfg))  # the run to simulate: a copy of the config, thawed
     if optimizer is not None:
         try:
             kind, params = describe_client_optimizer(optimizer)
@@ -218,11 +217,11 @@ def _stand_recompute_down(engine: Engine, budget: Any) -> None:
         if budget is not None:
             budget.stood_down.pop(RECOMPUTE, None)  # (kept: its phases, without it, over-predict by under 1%)
         return
-    engine.config.zeroplus.resize_recompute.enabled = False  # (it stands down at this forward's start)
-    log_rank0("resize_recompute (on by default) is off: it would take %.1f MiB off this rank's predicted training "
-              "peak of %.1f MiB, under %g%% (set zeroplus.resize_recompute.enabled true to keep it)",
-              budget.stood_down[RECOMPUTE] / 2**20, (budget.steps_peak_bytes - budget.stood_down[RECOMPUTE]) / 2**20,
-              100 * RECOMPUTE_PAYS_FROM)
+    why = (f"off: it would take {budget.stood_down[RECOMPUTE] / 2**20:.1f} MiB off this rank's predicted training "
+           f"peak of {(budget.steps_peak_bytes - budget.stood_down[RECOMPUTE]) / 2**20:.1f} MiB, under "
+           f"{100 * RECOMPUTE_PAYS_FROM:g}%")
+    engine.choices[RECOMPUTE].stand_down(why)  # (it stands down at this forward's start)
+    log_rank0("resize_recompute (on by default) is %s (set zeroplus.resize_recompute.enabled true to keep it)", why)
 
 
 __all__ = ["initialize"]

@@ -63,7 +63,7 @@ def _outcome(engine: Any) -> dict:
     """What the planner chose and how the run measured against its prediction."""
     report = engine.memory_report()
     return {"stage": engine.zero_optimization_stage(), "shared": engine.config.zeroplus.shared_master_weights,
-            "recompute": engine.config.zeroplus.resize_recompute.enabled,
+            "recompute": engine.choices["resize_recompute"].on,
             "measured": report.process_peak_above_start_bytes, "predicted": report.predicted_peak_bytes}
 
 

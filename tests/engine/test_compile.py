@@ -75,7 +75,7 @@ def _train(build: Any, cfg: dict[str, Any], way: str, backend: str, rank: int,
         losses.append(loss.item())
     torch._dynamo.config.error_on_recompile = False
     stats = {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values()),
-             "dropped": dropped, "recompute": engine.config.zeroplus.resize_recompute.enabled}
+             "dropped": dropped, "recompute": engine.choices["resize_recompute"].on}
     if cfg.get("zeroplus", {}).get("memory_estimate", True):
         assert engine.budget is not None and engine.budget.compiled == (way != "eager"), (way, engine.budget)
         assert ("compiled: activations" in str(engine.budget)) == (way != "eager")

@@ -5,8 +5,9 @@ The estimate: with the key unset, the budget is the one with the technique off (
 takes nothing off the peak (GPT tiny at 2 x 16: the peak is the model states), and the one with it on where it
 takes enough (4 x 64 and more: activations). The engine, one rank: its first forward reads that choice, so the
 technique stands down before it records anything (no bytes dropped, no saved-tensor hooks, no hook left on the
-blocks, its config block says off), or stays on and drops its outputs; either way the losses equal the run with the
-key written out to match, bit for bit, and the run is measured against the budget it runs.
+blocks, the engine's choice says off and why while its config stays as resolved: frozen), or stays on and drops its
+outputs; either way the losses equal the run with the key written out to match, bit for bit, and the run is measured
+against the budget it runs.
 """
 from __future__ import annotations
 
@@ -63,10 +64,13 @@ def _train(micro: int, seq: int, recompute: dict) -> dict:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    block = engine.config.zeroplus.resize_recompute
+    block, choice = engine.config.zeroplus.resize_recompute, engine.choices[RECOMPUTE]
     budget = engine.budget
     hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in engine.module.modules())
-    return {"losses": losses, "dropped": dropped, "enabled": block.enabled, "hooks": hooks,
+    with pytest.raises(AttributeError, match="frozen"):
+        block.enabled = not block.enabled
+    return {"losses": losses, "dropped": dropped, "enabled": choice.on, "why": choice.why,
+            "as_resolved": (block.enabled, block.by_default), "hooks": hooks,
             "claimers": len(engine._activations.claimers),
             "stood_down": budget.stood_down if budget else None, "phases": budget.phases if budget else None}
 
@@ -78,8 +82,10 @@ def test_the_engine_runs_an_unset_recompute_as_its_budget_chose(shape):
     assert unset["losses"] == written["losses"]  # bitwise: the same run
     assert unset["phases"] == written["phases"]  # measured against the budget it runs
     assert unset["hooks"] == written["hooks"]  # stood down: its scope hooks on the blocks went with it
+    assert unset["as_resolved"] == (True, True)  # the config as resolved: on by default, whatever ran
     if shape == SMALL:  # stood down at the first forward: nothing recorded, no hooks left
         assert (unset["enabled"], unset["stood_down"], unset["claimers"]) == (False, {RECOMPUTE: 0}, 0)
+        assert "under 1%" in unset["why"], unset["why"]
         assert unset["dropped"] == [0, 0, 0]
     else:
         assert (unset["enabled"], unset["stood_down"], unset["claimers"]) == (True, {}, 1)

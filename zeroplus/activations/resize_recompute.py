@@ -49,6 +49,7 @@ from torch.utils._pytree import tree_flatten
 from ..eager import compiled_modules, eager
 from ..ledger import Category, Ledger
 from ..logs import log_rank0
+from .choices import TechniqueChoice
 from .saved_tensors import storage_key
 
 TECHNIQUE = "resize_recompute"
@@ -135,18 +136,18 @@ class ResizeRecompute:
     lets_inner_hooks = True  # an output saved under inner hooks is not packed here, so not dropped: safe
 
     def __init__(self, model: torch.nn.Module, class_names: list[str], name_patterns: list[str],
-                 ledger: Ledger, norms: bool = False, functional: bool = False, by_default: bool = False,
-                 settings: Any = None) -> None:
+                 ledger: Ledger, norms: bool = False, functional: bool = False,
+                 choice: TechniqueChoice | None = None) -> None:
         """Recompute the outputs of modules whose class is in ``class_names``, whose name matches one of
         ``name_patterns``, and with ``norms`` every normalisation layer (``is_norm``); with ``functional``
         also the outputs of ``ACTIVATION_FUNCTIONS`` (with ``norms``, ``NORM_FUNCTIONS`` too) called by the
-        model's forward code outside those modules. ``by_default``: on because the config left it unset, so
-        a model found compiled at a forward turns it off (``stood_down``, and ``settings.enabled``, the engine's
-        config block, says so) rather than refusing, and so does ``settings.enabled`` found false at a forward
-        (the memory budget's choice: see note: recompute where it pays)."""
+        model's forward code outside those modules. ``choice``: the engine's (``choices.py``); on by default
+        (``choice.by_default``), a model found compiled at a forward turns it off (``stood_down``, and the choice
+        says so) rather than refusing, and so does the choice found off at a forward (the memory budget's: see
+        note: recompute where it pays)."""
         classes, patterns = set(class_names), list(name_patterns)
-        self.by_default = by_default
-        self.settings = settings
+        self.choice = choice
+        self.by_default = choice is not None and choice.by_default
         self.stood_down = False
         self.model = model
         self.ledger = ledger
@@ -186,14 +187,14 @@ class ResizeRecompute:
     def begin_forward(self) -> None:
         if self.stood_down:
             return
-        if self.by_default and self.settings is not None and not self.settings.enabled:
+        if self.choice is not None and not self.choice.on:
             self._stand_down()  # the budget found it keeps nothing off the peak (see note: recompute where it pays)
             return
         compiled = compiled_modules(self.model)
         if compiled and self.by_default:  # see note: recompute by default
-            log_rank0("resize_recompute (on by default) is off from here: %s runs compiled",
-                      ", ".join(compiled[:4]) + (" ..." if len(compiled) > 4 else ""))
-            self._stand_down()
+            names = ", ".join(compiled[:4]) + (" ..." if len(compiled) > 4 else "")
+            log_rank0("resize_recompute (on by default) is off from here: %s runs compiled", names)
+            self._stand_down(f"off: {names} runs compiled")
             return
         if compiled:  # see note: compilation
             raise NotImplementedError(
@@ -208,12 +209,13 @@ class ResizeRecompute:
             self._global_hooks = [torch.nn.modules.module.register_module_forward_pre_hook(eager(self._enter)),
                                   torch.nn.modules.module.register_module_forward_hook(eager(self._leave))]
 
-    def _stand_down(self) -> None:
-        """Off for good, on by default: hooks removed, and the engine's config block says so."""
+    def _stand_down(self, why: str | None = None) -> None:
+        """Off for good, on by default: hooks removed, and the engine's choice says so (``why``, where it had not
+        said so already)."""
         self.remove()
         self.stood_down = True
-        if self.settings is not None:
-            self.settings.enabled = False
+        if self.choice is not None and self.choice.on:
+            self.choice.stand_down(why or "off")
 
     def end_forward(self) -> None:
         if self.stood_down:

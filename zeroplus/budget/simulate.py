@@ -217,7 +217,7 @@ def _pipeline_plan(model: Any, cfg: ZeroplusConfig, groups: Any, seq_len: int | 
     if isinstance(model, torch.nn.Module):
         raise ValueError("a pipeline-parallel estimate needs a function that builds the model (every stage is "
                          "built to learn the shapes passed between stages), not one stage's module")
-    probe = copy.deepcopy(cfg)
+    probe = load_config(cfg)
     resolve_batch(probe, groups.data.size)
     batch = probe.train_micro_batch_size_per_gpu
     if example_inputs:

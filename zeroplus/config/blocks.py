@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 Auto = Literal["auto"]
 PositiveInt = Annotated[int, Field(ge=1)]
@@ -20,6 +20,26 @@ NonNegativeFloat = Annotated[float, Field(ge=0.0)]
 class Block(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True)
     ds_unimplemented: ClassVar[frozenset[str]] = frozenset()
+    _frozen: bool = PrivateAttr(default=False)  # set by ``freeze``: a resolved config is read, never written
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not name.startswith("_") and (getattr(self, "__pydantic_private__", None) or {}).get("_frozen"):
+            raise AttributeError(f"config block {type(self).__name__}: key {name!r} of a resolved config is frozen "
+                                 f"(the engine's choices live in its own objects; a config to change is a copy: "
+                                 f"zeroplus.config.load_config)")
+        super().__setattr__(name, value)
+
+
+def freeze(block: BaseModel, frozen: bool = True) -> BaseModel:
+    """``block`` and every block inside it (fields, lists and dicts of blocks) frozen (or thawed); returns it."""
+    if isinstance(block, Block):
+        object.__setattr__(block, "__pydantic_private__", {**(block.__pydantic_private__ or {}), "_frozen": frozen})
+    for name in type(block).model_fields:
+        value = getattr(block, name)
+        for item in (value.values() if isinstance(value, dict) else value if isinstance(value, list) else (value,)):
+            if isinstance(item, BaseModel):
+                freeze(item, frozen)
+    return block
 
 
 class OptimizerConfig(Block):

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
+from .blocks import freeze
 from .keys import ConfigError, check_keys, expand_dotted
 from .model import ZeroplusConfig
 
@@ -62,8 +63,11 @@ def parse_config(config: dict[str, Any] | str | os.PathLike) -> tuple[ZeroplusCo
 
 
 def load_config(config: ZeroplusConfig | dict[str, Any] | str | os.PathLike) -> ZeroplusConfig:
-    """A config of one's own to resolve: a copy of a parsed one, or a dict or JSON path parsed."""
-    return copy.deepcopy(config) if isinstance(config, ZeroplusConfig) else parse_config(config)[0]
+    """A config of one's own to resolve or change: a copy of a parsed one (a resolved one's copy thawed: see note:
+    frozen config), or a dict or JSON path parsed."""
+    if isinstance(config, ZeroplusConfig):
+        return freeze(copy.deepcopy(config), False)  # type: ignore[return-value]
+    return parse_config(config)[0]
 
 
 def _merge_tensor_size(cfg: ZeroplusConfig) -> None:

@@ -24,6 +24,7 @@ from .blocks import (
     ResizeRecomputeConfig,
     ZeroConfig,
     ZeroplusBlock,
+    freeze,
 )
 from .keys import ConfigError
 from .model import ZeroplusConfig
@@ -96,17 +97,22 @@ def resolved_zero(zero: ZeroConfig) -> ResolvedZeroConfig:
     return ResolvedZeroConfig.model_validate(zero.model_dump())
 
 
-def resolved(cfg: ZeroplusConfig) -> ResolvedConfig:
-    """``cfg`` as a ``ResolvedConfig`` (a copy; ``cfg`` itself when it already is one)."""
+def resolved(cfg: ZeroplusConfig, recompute_unset: bool = False) -> ResolvedConfig:
+    """``cfg`` as a ``ResolvedConfig``, frozen (a copy; ``cfg`` itself when it already is one): from here the
+    engine reads it and never writes it; what it decides at run time lives in its own objects (see note: frozen
+    config). ``recompute_unset``: the caller's config left ``resize_recompute.enabled`` unset, so resize recompute,
+    if on, is on by default (``by_default``: a compiled model or the budget may stand it down)."""
     if isinstance(cfg, ResolvedConfig):
-        return cfg
+        return freeze(cfg)  # type: ignore[return-value]
     data = cfg.model_dump()
     recompute = data["zeroplus"]["resize_recompute"]
     if recompute["enabled"] is None:  # unset and not resolved by ``resolve_auto``: its default, on
         recompute.update(enabled=True, by_default=True)
+    elif recompute_unset and recompute["enabled"] is True:
+        recompute["by_default"] = True
     left = _unresolved(data, "") + [key for key in _BATCH if data[key] is None]
     if left:
         raise ConfigError(f"config keys {left} are still 'auto' or unset after resolution: give them values "
                           f"(the batch triple needs two of its three keys; 'auto' keys of the ZeRO block, "
                           f"offload and memory techniques are chosen within 'zeroplus.memory_budget')")
-    return ResolvedConfig.model_validate(data)
+    return freeze(ResolvedConfig.model_validate(data))  # type: ignore[return-value]

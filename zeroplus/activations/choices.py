@@ -1,0 +1,48 @@
+"""Which activation techniques an engine runs, and why: the engine's decisions, kept apart from its config.
+
+The resolved config is frozen (see note: frozen config): it says what the user asked for, resolved, and is
+never written afterwards. What the engine decides at run time lives here: resize recompute left unset is on
+by default, and stands down at a forward when the model turns out compiled or the memory budget finds it
+keeps nothing off the peak (see note: recompute where it pays). ``engine.choices`` holds one
+``TechniqueChoice`` per technique; each says whether it runs and why, and the technique reads it at each
+forward. Memory: a few strings.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class TechniqueChoice:
+    """Whether ``technique`` runs in this engine, and why. ``by_default``: on because the config left it
+    unset, so the engine may stand it down (``stand_down``); a technique the config turned on stays on."""
+
+    technique: str
+    on: bool
+    by_default: bool
+    why: str
+
+    def stand_down(self, why: str) -> None:
+        """Off from the next forward on, for ``why``."""
+        self.on, self.why = False, why
+
+    def describe(self) -> str:
+        return f"{self.technique} {'on' if self.on else 'off'}: {self.why}"
+
+
+def technique_choices(cfg: Any) -> dict[str, TechniqueChoice]:
+    """The choices a resolved config starts an engine with."""
+    recompute = cfg.zeroplus.resize_recompute
+    if recompute.by_default:
+        why = "on by default (zeroplus.resize_recompute.enabled unset)"
+    else:
+        why = f"zeroplus.resize_recompute.enabled is {str(bool(recompute.enabled)).lower()}"
+    swap = cfg.zeroplus.swap_attention
+    return {"resize_recompute": TechniqueChoice("resize_recompute", bool(recompute.enabled), bool(recompute.by_default),
+                                                why),
+            "swap_attention": TechniqueChoice("swap_attention", bool(swap.enabled), False,
+                                              f"zeroplus.swap_attention.enabled is {str(bool(swap.enabled)).lower()}")}
+
+
+__all__ = ["TechniqueChoice", "technique_choices"]
