@@ -16,6 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def rss_bytes(field: str) -> int:
@@ -147,15 +148,48 @@ def adamw(model: torch.nn.Module, kind: str = "fused") -> torch.optim.Optimizer:
 
 
 def plain_step(wrapped: torch.nn.Module, model: torch.nn.Module, opt: torch.optim.Optimizer, hf: bool = False):
-    """One step of a torch-native wrapper (DDP, FSDP2): forward, backward, clipping to 1.0, AdamW."""
-    def train_step(x: torch.Tensor) -> float:
+    """One step of a torch-native wrapper (DDP, FSDP2): forward, backward, clipping to 1.0, AdamW; the loss."""
+    def train_step(x: torch.Tensor) -> torch.Tensor:
         loss = lm_loss(wrapped, x, hf)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss.item()
+        return loss
     return train_step
+
+
+ALLOCATIONS = ("empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided")
+SYNCS = ("_local_scalar_dense", "is_nonzero", "item")  # a value read on the host: a device sync on a GPU
+
+
+class StepCensus(TorchDispatchMode):
+    """What one step asks of the device, counted at torch's dispatcher: the aten kernels it runs (views and
+    allocations left out: no kernel on a GPU), the host syncs (a tensor's value read on the host: ``item()``,
+    ``bool()``; on CPU ``tolist()`` and ``.cpu()`` read memory without an op and are not seen), and the
+    collective launches (the ``c10d`` ops; the shared-memory pair's swaps are not ops: count on the native
+    transport). A GPU stand-in: on a GPU each kernel is a launch and each sync a stall."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels = self.syncs = self.collectives = 0
+        self.by_collective: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = func.__name__.split(".")[0]
+        namespace = func.namespace
+        if namespace == "c10d":
+            self.collectives += 1
+            self.by_collective[name] = self.by_collective.get(name, 0) + 1
+        elif name in SYNCS:
+            self.syncs += 1
+        elif not func.is_view and name not in ALLOCATIONS and namespace != "profiler":
+            self.kernels += 1
+        return func(*args, **(kwargs or {}))
+
+    def counts(self) -> dict:
+        return {"kernels": self.kernels, "syncs": self.syncs, "collectives": self.collectives,
+                "by_collective": self.by_collective}
 
 
 HF_LLAMA = {"hf-llama": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
@@ -214,6 +248,8 @@ def main() -> None:
                    help="activation checkpointing of every block (zeroplus's or DeepSpeed's checkpoint)")
     p.add_argument("--device", choices=["cpu", "cuda", "npu"], default="cpu")
     p.add_argument("--lora", action="store_true", help="a Hugging Face model (--model hf-*) under PEFT LoRA")
+    p.add_argument("--count-ops", action="store_true",
+                   help="the last step under StepCensus: its kernels, host syncs and collective launches in the JSON")
     p.add_argument("--compile", action="store_true",
                    help="compile: engine.compile() (zeroplus, DeepSpeed); each block's compile() before fully_shard "
                         "(FSDP2, torchtitan's way); the first step's time includes the compilation")
@@ -244,11 +280,11 @@ def main() -> None:
         if args.compile:
             engine.compile()
 
-        def train_step(x: torch.Tensor) -> float:
+        def train_step(x: torch.Tensor) -> torch.Tensor:
             loss = lm_loss(engine, x, hf)
             engine.backward(loss)
             engine.step()
-            return loss.item()
+            return loss
     elif args.framework == "deepspeed":
         cfg.pop("zeroplus")
         engine, *_ = deepspeed.initialize(model=model, config=cfg,
@@ -256,11 +292,11 @@ def main() -> None:
         if args.compile:
             engine.compile()
 
-        def train_step(x: torch.Tensor) -> float:
+        def train_step(x: torch.Tensor) -> torch.Tensor:
             loss = lm_loss(engine, x, hf)
             engine.backward(loss)
             engine.step()
-            return loss.item()
+            return loss
     elif args.framework in ("ddp", "plain"):  # the references: whole model, plain AdamW (DDP: gradients all-reduced)
         if args.dtype != "fp32":
             raise SystemExit(f"the {args.framework} row runs in fp32 only")
@@ -282,12 +318,18 @@ def main() -> None:
 
     g = torch.Generator().manual_seed(rank)
     times, losses, volumes = [], [], []
+    census = StepCensus()
     volume.take()  # (set-up's broadcasts)
     for _ in range(args.steps):
         x = torch.randint(0, vocab, (args.micro_batch, args.seq), generator=g).to(meter.device)
         meter.synchronize()
         t0 = time.perf_counter()
-        losses.append(train_step(x))  # (.item() waits for the loss; the optimizer step may still run)
+        if args.count_ops and len(times) == args.steps - 1:
+            with census:
+                loss = train_step(x)
+        else:
+            loss = train_step(x)
+        losses.append(loss.item())  # (waits for the loss; the optimizer step may still run)
         meter.synchronize()
         times.append(time.perf_counter() - t0)
         volumes.append(volume.take())
@@ -300,7 +342,8 @@ def main() -> None:
     with open(f"{args.out_prefix}.{rank}.json", "w") as f:
         json.dump({"rank": rank, "peak_above_start_bytes": peak, "step_seconds": times, "losses": losses,
                    "params": n_params, "ledger_live_peak": ledger,
-                   "collective_volume": volumes, "device": str(meter.device)}, f)
+                   "collective_volume": volumes, "device": str(meter.device),
+                   **({"ops": census.counts()} if args.count_ops else {})}, f)
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)  # skip interpreter teardown (DeepSpeed aborts in it on CPU)

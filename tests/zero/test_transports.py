@@ -13,6 +13,8 @@ into one tensor, one launch per collective. gloo runs those collectives too, so 
   native transport launching ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` and none of the per-rank
   broadcasts, reduces or row exchanges, and the ``gloo`` transport the reverse (so a native run that fell back
   to the per-rank path fails here, where its values alone would agree);
+- tensor, context and expert parallel jobs at 2 ranks take the transport on every group they move bytes over:
+  native and gloo give the same bits, and the native run calls none of the per-rank paths;
 - what cannot be asked for is refused on every rank, naming the key and the value.
 """
 from __future__ import annotations
@@ -29,6 +31,9 @@ from tests.reference import engine_train
 from tests.zero.test_parity import GAS, GRID, MICRO, STEPS, _check_all, _config
 from zeroplus import comm
 from zeroplus.config import ConfigError
+from zeroplus.models import GPT, gpt_config
+from zeroplus.models.split import split_gpt
+from zeroplus.parallel import parallel_groups, reset_parallel
 
 PER_RANK = ("_broadcast_each", "reduce_to_each", "exchange_rows")  # the gloo transport's paths (comm.py)
 NATIVE = ("_reduce_scatter", "_all_gather")  # the tensor collectives NCCL and HCCL run
@@ -136,6 +141,56 @@ def test_every_transport_gives_the_same_bits_at_two_ranks():
                 assert result["losses"] == first["losses"], (first_case, case)
                 for name, value in first["state"].items():
                     assert torch.equal(result["state"][name], value), f"{first_case} vs {case}: {name}"
+
+
+SPLITS = {"tensor": {"tensor": 2, "sequence_parallel": True}, "context": {"context": 2},
+          "expert": {"expert": 2}}
+
+
+def _split_job(split: str, transport: str) -> dict:
+    """The built-in GPT split over 2 ranks (``SPLITS``), ZeRO-3, 3 steps on the transport; losses, this rank's
+    fp32 masters and the collectives called."""
+    counts = _counting()
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.5,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+           "zero_optimization": {"stage": 3, "reduce_bucket_size": 2000, "stage3_param_persistence_threshold": 0},
+           "zeroplus": {"log_level": "warning", "memory_estimate": False, "transport": transport,
+                        "parallel": SPLITS[split]}}
+    reset_parallel()
+    zeroplus.init_parallel(cfg)
+    torch.manual_seed(0)
+    moe = {"moe_experts": 2, "moe_k": 2} if split == "expert" else {}
+    engine = zeroplus.initialize(split_gpt(GPT(gpt_config("tiny", block_size=16, **moe)),
+                                           sequence_parallel=split == "tensor"), cfg)
+    data = parallel_groups().coordinates.data
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    counts.clear()
+    for _ in range(3):
+        batch = [torch.randint(0, 256, (2, 16), generator=g) for _ in range(2)]
+        x = batch[data]
+        loss = engine(x, x)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    masters = {i: group.gather_master().clone() for i, group in enumerate(engine.partition.groups)}
+    out = {"losses": losses, "masters": masters, "calls": dict(counts), "transport": engine.dp.transport}
+    engine.destroy()
+    reset_parallel()
+    return out
+
+
+@pytest.mark.parametrize("split", sorted(SPLITS))
+def test_model_parallel_jobs_take_the_transport_on_every_group(split):
+    native = run_distributed(_split_job, 2, split, "native")
+    gloo = run_distributed(_split_job, 2, split, "gloo")
+    for rank, (a, b) in enumerate(zip(native, gloo)):
+        assert (a["transport"], b["transport"]) == ("native", "gloo"), rank
+        assert sum(a["calls"].get(n, 0) for n in PER_RANK) == 0, (split, rank, a["calls"])
+        assert sum(a["calls"].get(n, 0) for n in NATIVE) > 0, (split, rank, a["calls"])
+        assert a["losses"] == b["losses"], (split, rank)
+        for key, value in a["masters"].items():
+            assert torch.equal(value, b["masters"][key]), f"{split}: rank {rank} group {key}"
 
 
 def _refused(transport: str, shared: bool) -> str:

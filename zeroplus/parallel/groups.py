@@ -30,6 +30,8 @@ class _SingleRank(DataParallelGroup):
     def __init__(self) -> None:
         super().__init__(None)
         self.rank, self.size = 0, 1
+        # nothing moves: no backend, the native transport (its collectives complete at once)
+        self.gloo, self.per_rank, self.transport = False, False, "native"
 
 
 class ParallelGroups:
