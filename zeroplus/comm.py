@@ -32,7 +32,7 @@ collective gets fresh aliases of its tensors (``detach()``: same storage, its ow
 and ``Handle.wait()`` returns only once the backend has let go of them (``_until_released``: a few
 microseconds), so the last reference to every tensor is this thread's.
 Two ranks reduce gradients by one point-to-point exchange instead (``exchange_rows``), and two ranks of one host
-(``open_shared_pair``) swap large all-gathers, exchanges and sums through shared memory instead of TCP
+(the ``pair`` transport) swap large all-gathers, exchanges and sums through shared memory instead of TCP
 (``shm_pair.py``).
 See note: gloo in place; see note: gloo broadcasts and reduces; see note: gloo exchange; see note: transport
 (docs/design-notes.md).
@@ -65,6 +65,33 @@ EXCHANGE_TAG = 83
 RELEASE_WAIT_SECONDS = 5.0  # how long a wait spins for gloo's worker to let go of a finished work's tensors
 
 logger = logging.getLogger(__name__)
+
+
+def requested_transport(transport: str, gloo: bool, size: int, shared_pair: bool, where: str, backend: str) -> str:
+    """What ``transport`` (``zeroplus.transport``) asks of a group of ``size`` ranks (``gloo``: its backend is gloo,
+    else it runs ``backend``; ``where`` names it in errors), before the pair is known to map: ``native``, ``gloo``
+    or ``pair``. ValueError for what cannot run: gloo's paths on another backend, ``pair`` against
+    ``shared_pair`` false. ``DataParallelGroup`` and the estimate's ``VirtualGroup`` both choose by it."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport {transport!r} is not one of {TRANSPORTS}")
+    if transport in ("gloo", "pair") and size > 1 and not gloo:
+        raise ValueError(f"transport {transport!r} builds collectives from gloo's per-rank broadcasts and reduces, "
+                         f"but {where} runs {backend}: use 'native' or 'auto'")
+    if transport == "pair" and not shared_pair:
+        raise ValueError("transport 'pair' with zeroplus.shared_memory_pair false: set one or the other")
+    if size == 1 or not gloo:
+        return "native" if transport == "auto" else transport
+    if transport == "auto":
+        return "pair" if shared_pair and size == 2 else "gloo"
+    return transport
+
+
+def without_pair(transport: str, where: str, size: int) -> str:
+    """The transport where the pair was asked for and cannot map: ``gloo`` for ``auto``; ValueError for ``pair``."""
+    if transport == "pair":
+        raise ValueError(f"transport 'pair' needs {where} to be two ranks of one x86-64 host that can share a /dev/shm "
+                         f"mapping (and ZEROPLUS_SHM_PAIR not 0); this one has {size} ranks or could not map it")
+    return "gloo"
 
 
 def init_distributed_if_launched(timeout_seconds: float | None = None) -> None:
@@ -239,31 +266,16 @@ class DataParallelGroup:
         ValueError, the same on every rank, for ``gloo`` or ``pair`` on another backend, and for ``pair`` where
         the group is not two ranks of one x86-64 host that can share a mapping. Engines share a process's groups:
         the last one built decides; a mapping made stays."""
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport {transport!r} is not one of {TRANSPORTS}")
-        if transport in ("gloo", "pair") and self.size > 1 and not self.gloo:
-            raise ValueError(f"transport {transport!r} builds collectives from gloo's per-rank broadcasts and reduces, "
-                             f"but the {self.label} group (rank {self.rank} of {self.size}) runs "
-                             f"{dist.get_backend(self.group)}: use 'native' or 'auto'")
-        if transport == "pair" and not shared_pair:
-            raise ValueError("transport 'pair' with zeroplus.shared_memory_pair false: set one or the other")
-        if self.size == 1 or not self.gloo:
-            chosen = "native" if transport == "auto" else transport
-        elif transport == "auto":
-            chosen = "pair" if shared_pair and self.size == 2 else "gloo"
-        else:
-            chosen = transport
+        where = f"the {self.label} group (rank {self.rank} of {self.size})"
+        backend = str(dist.get_backend(self.group)) if self.initialized and self.size > 1 else ""
+        chosen = requested_transport(transport, self.gloo, self.size, shared_pair, where, backend)
         if chosen == "pair":
             if self.pair is None and self.size == 2:
                 self.pair = open_pair(self, ledger, _timeout_seconds)
             elif self.pair is not None:  # a later engine over the same group counts it too
                 ledger.track(self.pair.tensor.detach(), Category.COMM_BUFFER)
             if self.pair is None:
-                if transport == "pair":
-                    raise ValueError(f"transport 'pair' needs the {self.label} group to be two ranks of one x86-64 "
-                                     f"host that can share a /dev/shm mapping (and ZEROPLUS_SHM_PAIR not 0); "
-                                     f"this one has {self.size} ranks or could not map it (see the warning)")
-                chosen = "gloo"
+                chosen = without_pair(transport, where, self.size)
         self.transport = chosen
         self.per_rank = chosen in ("gloo", "pair") and self.size > 1
         self.pair_on = chosen == "pair"

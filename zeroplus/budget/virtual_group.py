@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from ..comm import TRANSPORTS, Collectives, Handle
+from ..comm import Collectives, Handle, requested_transport, without_pair
 from ..ledger import Category, Ledger
 from ..shm_pair import MAPPING_BYTES, possible_here
 
@@ -46,22 +46,11 @@ class VirtualGroup:
     def use_transport(self, transport: str, ledger: Ledger, shared_pair: bool = True) -> str:
         """``DataParallelGroup.use_transport`` for the simulated group: the pair's bytes in the ledger where this
         process could map one (a two-rank gloo job over two hosts would not); the same errors."""
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport {transport!r} is not one of {TRANSPORTS}")
-        gloo = self.gloo_buffers and self.size > 1
-        if transport in ("gloo", "pair") and self.size > 1 and not gloo:
-            raise ValueError(f"transport {transport!r} builds collectives from gloo's per-rank broadcasts and reduces, "
-                             f"but the simulated group runs on a device backend: use 'native' or 'auto'")
-        if transport == "pair" and not shared_pair:
-            raise ValueError("transport 'pair' with zeroplus.shared_memory_pair false: set one or the other")
-        chosen = ("pair" if shared_pair and self.size == 2 else "gloo") if transport == "auto" and gloo else transport
-        if chosen == "auto":
-            chosen = "native"
+        where = f"the simulated group (rank {self.rank} of {self.size})"
+        chosen = requested_transport(transport, self.gloo_buffers and self.size > 1, self.size, shared_pair, where,
+                                     "a device backend")
         if chosen == "pair" and not (self.size == 2 and possible_here()):
-            if transport == "pair":
-                raise ValueError(f"transport 'pair' needs two ranks of one x86-64 host that can share a /dev/shm "
-                                 f"mapping (and ZEROPLUS_SHM_PAIR not 0); the simulated group has {self.size}")
-            chosen = "gloo"
+            chosen = without_pair(transport, where, self.size)
         if chosen == "pair" and self.pair is None:
             self.pair = ledger.track(torch.empty(MAPPING_BYTES, dtype=torch.uint8, device="meta"),
                                      Category.COMM_BUFFER)
