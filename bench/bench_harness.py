@@ -14,10 +14,10 @@ Rows: ``zeroplus`` (the JSON below, zeroplus's defaults for what it leaves out);
 ``stage3_param_persistence_threshold`` 1e5, ``reduce_bucket_size`` 5e8, ...; zeroplus honours them);
 ``zeroplus-no-recompute`` (plus ``"resize_recompute": {"enabled": false}``: the defaults before session
 34; on by default since, the GELU and LayerNorm outputs are recomputed in backward, bitwise the same
-gradients: see note: recompute by default; since session 39 only where it takes at least 1% off the predicted
+gradients: see note: recompute by default; since 2026-11-27 only where it takes at least 1% off the predicted
 peak, so at 1 x 64 this row and ``zeroplus`` run alike: see note: recompute where it pays);
 ``zeroplus-torch-loss`` (plus ``"lean_cross_entropy": false``: torch's own cross-entropy, the defaults before
-session 35, see note: lean loss); ``zeroplus-units`` (plus ``"unit_modules": ["Block", "Embedding"]``: the
+2026-11-27, see note: lean loss); ``zeroplus-units`` (plus ``"unit_modules": ["Block", "Embedding"]``: the
 embeddings leave the root unit);
 ``fsdp2`` (``fully_shard`` per block and root, default ``reshard_after_forward``, bf16:
 ``MixedPrecisionPolicy(bf16, reduce_dtype=fp32)``, ``torch.optim.AdamW`` with default arguments,
@@ -49,7 +49,7 @@ DS_DEFAULTS = {"stage3_prefetch_bucket_size": 5e7, "stage3_param_persistence_thr
                "stage3_max_reuse_distance": 1e9, "sub_group_size": 1e9}
 ROWS = ("zeroplus", "zeroplus-ds-defaults", "zeroplus-no-recompute", "zeroplus-torch-loss", "zeroplus-units", "fsdp2",
         "deepspeed")
-# the zeroplus rows' own keys: resize recompute off (the defaults before session 34), and the input embeddings as
+# the zeroplus rows' own keys: resize recompute off (the defaults before 2026-11-27), and the input embeddings as
 # units of their own (gathered for their forward and backward only, not the whole step)
 ZEROPLUS_KEYS = {"zeroplus": {}, "zeroplus-ds-defaults": {},
                  "zeroplus-no-recompute": {"resize_recompute": {"enabled": False}},

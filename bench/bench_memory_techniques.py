@@ -24,7 +24,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_zero import measure, print_ratio_table, row_parser  # noqa: E402
 
-OFF = {"resize_recompute": {"enabled": False}}  # (on by default since session 34: each row names what it has)
+OFF = {"resize_recompute": {"enabled": False}}  # (on by default since 2026-11-27: each row names what it has)
 ROWS = {
     "baseline": ("zeroplus", OFF, False),
     "shared": ("zeroplus", {**OFF, "shared_master_weights": True}, False),

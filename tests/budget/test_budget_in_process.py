@@ -6,12 +6,12 @@ Each row: the engine's own first-forward prediction against the peak its report 
 process when ``initialize`` started, the model's tensors counted). Importing the model's Transformers
 classes before the measured start or not gives the same error, to 4 points (one configuration's measured peak
 moves by up to 3 points between runs: 32.6-33.8 MiB at ZeRO-3, 4 x 256, since two gloo ranks reduce gradients by
-exchanging rows, against 33.4-33.9 before, session 37; the gap between the two was 2 points at most); a process
+exchanging rows, against 33.4-33.9 before, 2026-11-27; the gap between the two was 2 points at most); a process
 that trained something before ``initialize`` is predicted without the first use it paid. The issue's table had
 these +13% to +46% (the runtime overhead of another process added to one that had paid it).
 
-Tolerance: the issue's 5% for its rows (measured -3.3% to +2.8% over three runs of this file in session 37).
-Session 41 measured the ZeRO-3 4 x 256 launch at +0.7% to +5.4% over 24 launches (at 8f454ab as well): the
+Tolerance: the issue's 5% for its rows (measured -3.3% to +2.8% over three runs of this file on 2026-11-27).
+On 2026-11-28 the ZeRO-3 4 x 256 launch measured +0.7% to +5.4% over 24 launches (at 8f454ab as well): the
 tiny model's peak is 32 MiB, 22 MiB of it the process's runtime (torch's code paged in), and that moves by about
 1 MiB (3 points) between launches of one configuration, so about one launch in ten ended just over 5%. A launch
 outside the tolerance is launched once more, and the second launch decides: noise does not fail the test, a

@@ -105,7 +105,7 @@ def test_trainer_torch_compile_compiles_the_engine_and_trains_as_eager(tmp_path,
         assert compiled["first"][key] == pytest.approx(eager["first"][key], rel=1e-4), key
 
 
-# ZeRO-3 only, where the frozen base is partitioned too (ZeRO-2, 23 s, was dropped from the suite in session 26 to
+# ZeRO-3 only, where the frozen base is partitioned too (ZeRO-2, 23 s, was dropped from the suite on 2026-11-25/26 to
 # keep it under 15 minutes; the Trainer at ZeRO-2 is the test above).
 @pytest.mark.parametrize("template", ["hf_zero3_template"])
 def test_trainer_trains_a_lora_adapter_saves_resumes_and_matches_deepspeed(tmp_path, template):

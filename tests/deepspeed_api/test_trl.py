@@ -36,7 +36,7 @@ def _run(launch, tmp_path: pathlib.Path, name: str, trainer: str, config: dict) 
 
 
 # ZeRO-3 only: there TRL partitions DPO's reference model too (at ZeRO-2 it stays a plain module; that case, 21 s,
-# was dropped from the suite in session 26 to keep it under 15 minutes).
+# was dropped from the suite on 2026-11-25/26 to keep it under 15 minutes).
 @pytest.mark.parametrize("trainer,stage", [("dpo", 3), ("sft", 3), ("grpo", 3)])
 def test_trl_trainer_runs_unchanged_and_matches_deepspeed(tmp_path, trainer, stage):
     ours = _run(on_zeroplus, tmp_path, "zeroplus", trainer, hf_template(f"hf_zero{stage}_template", False))

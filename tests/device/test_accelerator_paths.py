@@ -242,7 +242,7 @@ def test_fused_kernels_train_within_fp32_rounding_of_eager_on_the_device(choice:
         assert fused_ops.install(LossOf(build("llama")), "cuda", "fastest")[1] == "Liger kernels"
     # the loss tolerance of tests/kernels/test_fused_ops.py's CPU case; weights to 1e-4 absolute, a hundredth of a
     # step at lr 1e-2: Adam turns a rounding-sized gradient difference near zero into a visible update difference
-    # (one H100, session 36: Liger's SwiGLU left 1 of 8192 gate weights 4.0e-5 from eager's after the steps, the
+    # (one H100, 2026-11-27: Liger's SwiGLU left 1 of 8192 gate weights 4.0e-5 from eager's after the steps, the
     # losses within 1e-5; a wrong kernel moves the losses and most weights by whole steps)
     plain, fused = _llama(False), _llama(choice)
     torch.testing.assert_close(torch.tensor(fused["losses"]), torch.tensor(plain["losses"]), rtol=1e-5, atol=0)

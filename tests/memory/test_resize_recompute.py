@@ -67,7 +67,7 @@ class _StashingBlock(_InlineBlock):
 class _StashingNet(_InlineNet):
     """Each block after the first reads the previous block's kept activation: held on the block when that block
     ends, so not dropped (its read saw a storage of 0 bytes, a segmentation fault, before reads in the forward
-    recomputed first; since session 33 such outputs are not dropped at all)."""
+    recomputed first; since 2026-11-26/27 such outputs are not dropped at all)."""
 
     def __init__(self) -> None:
         super().__init__(layers=3, block=_StashingBlock)

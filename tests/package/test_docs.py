@@ -80,3 +80,23 @@ def test_every_note_cited_names_a_design_note():
     unknown = {name: where for name, where in cited.items() if name not in names}
     assert unknown == {}
     assert sorted(names - set(cited)) == []
+
+
+WORK_ROUND = re.compile(r"\bsessions? [0-9]", re.IGNORECASE)
+
+
+def test_no_text_names_a_work_round():
+    """The project speaks of itself by dates and commits: no code, test, benchmark or document names the work
+    round that produced it (the word session and its number)."""
+    found = []
+    for top in ("zeroplus", "engine", "offload", "kernels", "tests", "tools", "bench", "docs", "configs"):
+        for folder, _, files in os.walk(os.path.join(ROOT, top)):
+            for name in files:
+                if name.endswith((".py", ".md", ".json", ".sh")):
+                    path = os.path.join(folder, name)
+                    with open(path, encoding="utf-8") as f:
+                        found += [f"{os.path.relpath(path, ROOT)}:{i}" for i, line in enumerate(f, 1)
+                                  if WORK_ROUND.search(line)]
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        found += [f"README.md:{i}" for i, line in enumerate(f, 1) if WORK_ROUND.search(line)]
+    assert found == [], found

@@ -63,7 +63,7 @@ RECORD = ("construction", "training", "code_built", "code_constructed", "code_tr
 FALLBACK_BYTES = (12 * 2**20, 24 * 2**20, 40 * 2**20, 45 * 2**20, 62 * 2**20)  # GPT-tiny, 1 gloo rank, fp32, here
 LAZY_IMPORTS = ("torch._dynamo",)  # what torch imports lazily for an engine: imported above, with zeroplus
 # gloo with a peer holds native buffers a one-rank probe never makes: the HF worker's tiny Llama (ZeRO-2, 1 x 512)
-# measured 1.0-1.4 MiB more runtime at two ranks than at one after two steps (session 46; a bare loop of gloo
+# measured 1.0-1.4 MiB more runtime at two ranks than at one after two steps (2026-11-29; a bare loop of gloo
 # collectives up to 1.2 MB: 2.4 MiB); it creeps up by 1-4 MiB more over tens of steps (the estimate's caveat)
 GLOO_PEER_BYTES = 1 << 20
 DTYPES = ("fp32", "bf16", "fp16")  # compute dtypes, each probed apart
