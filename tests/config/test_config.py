@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
 
 import pytest
 import torch
@@ -272,3 +274,18 @@ def test_resize_recompute_left_unset_is_on_where_it_can_run():
     assert recompute_candidates({}) == {False, True}
     assert recompute_candidates({"parallel": {"pipeline": 2}}) == {False}
     assert recompute_candidates({"resize_recompute": {"enabled": False}}) == {False}
+
+
+@pytest.mark.parametrize("classes", ["nn", "own"])
+def test_auto_bucket_sizes_read_the_width_whatever_the_layer_classes(classes):
+    """A model without a config (the user's GPT, width 512) gives its width to the 'auto' bucket sizes from what its
+    parameters are, written with torch.nn's layers or with its own: not from a layer class (the old rule read
+    nn.LayerNorm, then the largest nn.Linear input: 4 x 512 for a model of linears alone)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "bench"))
+    from bench_harness import user_gpt
+    with torch.device("meta"):
+        model = user_gpt(classes, 64, "test")
+    raw = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+        "stage": 3, "reduce_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"}}
+    zero = _resolved(raw, 1, model)[0].zero_optimization
+    assert (zero.reduce_bucket_size, zero.stage3_param_persistence_threshold) == (512 * 512, 5120)

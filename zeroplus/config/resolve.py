@@ -7,6 +7,7 @@ derived is a ``ConfigError``.
 """
 from __future__ import annotations
 
+import collections
 import copy
 import json
 import logging
@@ -113,7 +114,11 @@ def resolve_batch(cfg: ZeroplusConfig, dp_size: int) -> None:
 
 
 def model_hidden_size(model: torch.nn.Module) -> int:
-    """The model's largest hidden size, as Hugging Face's integration reads it for bucket sizes."""
+    """The model's hidden size, as Hugging Face's integration reads it for bucket sizes: its config's
+    (``hidden_size``, ``d_model``, ``n_embd``, ``dim``, the largest of ``hidden_sizes``), else read from what the
+    parameters are, whatever their modules' classes: the size their shapes share most (every dimension of every
+    parameter counted once: a transformer's linears, norms and embeddings all carry its width), the larger on a
+    tie."""
     conf = getattr(model, "config", None)
     for attr in ("hidden_size", "d_model", "n_embd", "dim"):
         value = getattr(conf, attr, None)
@@ -122,14 +127,11 @@ def model_hidden_size(model: torch.nn.Module) -> int:
     sizes = getattr(conf, "hidden_sizes", None)
     if sizes:
         return max(sizes)
-    norms = [m.normalized_shape[-1] for m in model.modules()
-             if isinstance(m, torch.nn.LayerNorm) and m.normalized_shape]
-    if norms:
-        return max(norms)
-    linears = [m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    if linears:
-        return max(linears)
-    raise ConfigError("cannot resolve 'auto' bucket sizes: the model has no config.hidden_size, norm or linear layer")
+    counts = collections.Counter(n for p in model.parameters() for n in p.shape)
+    if not counts:
+        raise ConfigError("cannot resolve 'auto' bucket sizes: the model has no config.hidden_size and no "
+                          "parameter to read a width from")
+    return max(counts, key=lambda n: (counts[n], n))
 
 
 def resolve_auto(cfg: ZeroplusConfig, model: torch.nn.Module, has_client_optimizer: bool,
