@@ -221,13 +221,15 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
                           f"({block.nvme_path if block else None!r}) on rank {dp.rank}: {err}") from None
     with _given_back_on_failure(partition):
         opt, scheduler = _optimizer_and_schedule(cfg, partition, groups, optimizer, lr_scheduler, simulated)
+        loss_scaler = LossScaler(cfg.fp16)
         step = ShardedStep(partition, opt, dp, ledger, StepPolicy(
             gradient_clipping=cfg.gradient_clipping, master_chunk_numel=cfg.zeroplus.master_step_chunk,
             offload=_optimizer_offload(cfg, accel, ledger, opt, sum(g.owned_numel for g in partition.groups)),
             virtual_kernels=_virtual_states(cfg, accel, opt),
             model_parallel=ModelParallelNorm(parallel.model, parallel.tensor.size, _norm_split(experts, stage))
             if parallel is not None and model_parallel else None,
-            expert_group=parallel.expert if parallel is not None and experts is not None else None))
+            expert_group=parallel.expert if parallel is not None and experts is not None else None,
+            scalars_on_device=not loss_scaler.dynamic))
         context = parallel.topology.context if parallel is not None else 1
         log_rank0("%s; compute dtype %s; optimizer %s; micro-batch %s x accumulation %s x data %d = batch %s%s",
                   partition.describe().splitlines()[0], str(dtype).replace("torch.", ""), type(opt).__name__,
@@ -241,7 +243,7 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
                           "measured")
         as_built = remember(model)  # the forwards and settings the techniques below change, given back by destroy
         choices = technique_choices(cfg)  # what runs, the engine's to change (see note: frozen config)
-        parts = TrainingParts(partition, step, opt, scheduler, LossScaler(cfg.fp16),
+        parts = TrainingParts(partition, step, opt, scheduler, loss_scaler,
                               _activation_techniques(model, cfg, ledger, accel, context,
                                                      [u.module for u in partition.units if not u.is_root], compiled,
                                                      choices), choices)

@@ -24,6 +24,7 @@ from zeroplus.config import ConfigError, ResolvedConfig
 from zeroplus.embeddings import EmbeddingBagCollection
 from zeroplus.ledger import Category, Ledger
 from zeroplus.parallel.groups import ParallelGroups
+from zeroplus.zero import StepOutcome
 
 
 def collections(model: torch.nn.Module) -> dict[str, EmbeddingBagCollection]:
@@ -73,11 +74,11 @@ class EmbeddingTables:
             for cache in ebc.caches.values():  # the row -> slot map, 8 bytes per shard row
                 ledger.track(cache.slot_of, Category.PARAM)
 
-    def step(self, applied: bool) -> None:
-        """The accumulation boundary: the pending row gradients applied (``applied``: the dense step ran),
-        or dropped with the skipped step."""
+    def step(self, outcome: StepOutcome) -> None:
+        """The accumulation boundary: the pending row gradients applied (the dense step ran), or dropped with
+        the skipped step (read from the outcome only where there are tables)."""
         for ebc in self.collections:
-            if applied:
+            if outcome.applied():
                 ebc.step()
             else:
                 ebc.drop_pending()

@@ -35,7 +35,7 @@ from zeroplus.optim.forward_only import ForwardOnly
 from zeroplus.parallel.moe import set_aux_grad_scale
 from zeroplus.parallel.pipeline import PipelineModule
 from zeroplus.parallel.pipeline_schedule import eval_batch, train_batch
-from zeroplus.zero import ShardedStep, ZeroPartition
+from zeroplus.zero import ShardedStep, StepOutcome, ZeroPartition
 
 from .checkpoints.async_save import AsyncSaves
 from .checkpoints.export import save_16bit_model
@@ -123,13 +123,15 @@ class Engine:
         # One backward() per micro-step, then step(); backwards inside no_sync() accumulate freely.
         self._micro = MicroStep.IDLE  # what the backwards since the last step() did (micro_step.py)
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary()
-        self._last_step_applied = False
+        self._last_step = StepOutcome(False)  # was_step_applied(); a device flag until read (see note: no host sync)
         self._compiled: CompiledUnits | None = None  # compile()
         self._forward_module = module  # what a forward calls: the model, or its torch.compile wrapper
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
-        self.skipped_steps = 0
+        self._skipped = 0  # skipped steps read so far; the unread ones are device flags summed in _unread_skips
+        self._unread_skips: torch.Tensor | None = None
+        self._unread_since = 0  # the first global step whose flag _unread_skips holds
         # wall_clock_breakdown, comms_logger, flops_profiler and the monitors, those the config enables (watch.py)
         self._watch = Watch(config, accelerator, ledger, module, parts.partition,
                             parallel.global_rank if parallel is not None else dp.rank, observed)
@@ -165,7 +167,23 @@ class Engine:
 
     def was_step_applied(self) -> bool:
         """Whether the last boundary's optimizer step changed the weights (False when it was skipped)."""
-        return self._last_step_applied
+        return self._last_step.applied()
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for gradients that were not finite. A step whose overflow flag stayed on the
+        device is counted (and warned about) when this is read: at each ``steps_per_print`` report, a checkpoint
+        save, or by the caller."""
+        if self._unread_skips is not None:
+            skipped, self._unread_skips = int(self._unread_skips.item()), None
+            if skipped:
+                self._skipped += skipped
+                self._log_skip(f"{skipped} step(s) between steps {self._unread_since} and {self.global_steps}", None)
+        return self._skipped
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped, self._unread_skips = value, None
 
     def get_global_grad_norm(self) -> float | None:
         """The global gradient norm (unscaled, before clipping) of the last step; inf on overflow."""
@@ -416,21 +434,31 @@ class Engine:
             return
         with self._watch.step():
             self._saves.wait_staged()  # an asynchronous save has its copy of what this step changes
-            stepped = self._step.step(self.loss_scaler.scale)
-            self._tables.step(stepped)  # sharded embedding tables: their row updates (embedding_tables.py)
-            self._last_step_applied = stepped
-            self.loss_scaler.update(overflow=not stepped)
-            if stepped:
+            outcome = self._step.step(self.loss_scaler.scale)
+            self._tables.step(outcome)  # sharded embedding tables: their row updates (embedding_tables.py)
+            self._last_step = outcome
+            flag = outcome.found_inf
+            if flag is not None and not self._tables.collections:  # an overflow skipped in the kernel: read later
+                if self._unread_skips is None:
+                    self._unread_skips, self._unread_since = flag.clone(), self.global_steps + 1
+                else:
+                    self._unread_skips.add_(flag)
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
+            elif outcome.applied():
+                self.loss_scaler.update(overflow=False)
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step()
             else:
-                self.skipped_steps += 1
-                self._log_skip()
+                self.loss_scaler.update(overflow=True)
+                self._skipped += 1
+                self._log_skip(f"step {self.global_steps}", self._step.last_grad_norm)
             self._partition.after_step()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         self._watch.step_end(self)
         if self.global_steps % self.config.steps_per_print == 0:
+            _ = self.skipped_steps  # the overflow flags since the last report read: a skipped step is warned about
             self._watch.report(self)
             if self.dp.rank == 0:
                 logger.info("step %d: lr %s, grad norm %.4g, loss scale %g; %s", self.global_steps, self.get_lr(),
@@ -460,18 +488,17 @@ class Engine:
             return "comms_logger is not enabled in this engine's config"
         return self.comms_log.summary()
 
-    def _log_skip(self) -> None:
+    def _log_skip(self, which: str, norm: float | None) -> None:
         """A skipped step: expected now and then with a dynamic fp16 loss scale, a warning otherwise."""
         if self.loss_scaler.dynamic:
-            logger.info("step %d skipped: fp16 gradient overflow; loss scale lowered to %g", self.global_steps,
-                        self.loss_scaler.scale)
+            logger.info("%s skipped: fp16 gradient overflow; loss scale lowered to %g", which, self.loss_scaler.scale)
             return
         dtype = str(self._partition.groups[0].compute_dtype if self._partition.groups else torch.float32)
-        logger.warning("step %d skipped on rank %d: the gradients are not finite (global norm %s) in %s training, so "
-                       "the weights and optimizer states were left as they were. There is no loss scale to lower "
-                       "here: a loss or activation was inf/NaN (check the batch, the learning rate, the model's "
-                       "numerics); %d step(s) skipped so far", self.global_steps, self.dp.rank,
-                       self._step.last_grad_norm, dtype.replace("torch.", ""), self.skipped_steps)
+        logger.warning("%s skipped on rank %d: the gradients were not finite%s in %s training, so the weights and "
+                       "optimizer states were left as they were. There is no loss scale to lower here: a loss or "
+                       "activation was inf/NaN (check the batch, the learning rate, the model's numerics); %d step(s) "
+                       "skipped so far", which, self.dp.rank, "" if norm is None else f" (global norm {norm})",
+                       dtype.replace("torch.", ""), self._skipped)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None,

@@ -39,3 +39,31 @@ def divided_in_kernel(optimizer: torch.optim.Optimizer, coef: float, device: tor
         yield
     finally:
         del optimizer.grad_scale  # type: ignore[attr-defined]
+
+
+def takes_device_scalars(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` can take the step's coefficient and overflow flag as device tensors: torch's
+    Adam or AdamW, fused in every param group (its ``grad_scale`` divides each gradient in the kernel, its
+    ``found_inf`` makes the kernel leave the parameter, its states and its step count as they were)."""
+    return (type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+            and all(pg.get("fused") for pg in optimizer.param_groups))
+
+
+def free_for_scalars(optimizer: torch.optim.Optimizer) -> bool:
+    """Nobody else (a ``GradScaler``) has set the optimizer's ``grad_scale`` or ``found_inf``."""
+    return getattr(optimizer, "grad_scale", None) is None and getattr(optimizer, "found_inf", None) is None
+
+
+@contextlib.contextmanager
+def scalars_in_kernel(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor,
+                      found_inf: torch.Tensor) -> Iterator[None]:
+    """Around the ``step()`` calls of a step whose scalars stay on the device (``takes_device_scalars``): the
+    kernel divides every gradient by ``grad_scale`` (``1 / coef``, fp32) and, where ``found_inf`` is 1, changes
+    nothing (torch's fused step then takes its step count back)."""
+    optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+    optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        del optimizer.grad_scale  # type: ignore[attr-defined]
+        del optimizer.found_inf  # type: ignore[attr-defined]

@@ -37,7 +37,7 @@ from ..offload.virtual_host import VirtualStates
 from .chunked_step import ChunkedStep
 from .direct_step import DirectStep, squared_norm
 from .flat_group import FlatParamGroup
-from .kernel_scale import divided_in_kernel, scales_in_kernel
+from .kernel_scale import divided_in_kernel, free_for_scalars, scalars_in_kernel, scales_in_kernel, takes_device_scalars
 from .master_store import FullMaster
 from .partition import ZeroPartition
 
@@ -106,7 +106,10 @@ class StepPolicy:
     (``offload/virtual_host.py``) keeping the states in mapped host memory, or None.
     ``model_parallel``: how the norm counts parameters split over (or replicated on) the tensor and
     pipeline ranks; None without model parallelism. ``expert_group``: the expert-parallel group when
-    experts are split over ranks (the stage-0 norm sums over it)."""
+    experts are split over ranks (the stage-0 norm sums over it). ``scalars_on_device``: the loss scale never
+    changes with an overflow (bf16, fp32, a static fp16 scale), so nothing on the host needs the step's
+    overflow at once: where the optimizer's kernel takes them, the clip coefficient and the overflow flag stay
+    device tensors (see note: no host sync)."""
 
     gradient_clipping: float = 0.0
     master_chunk_numel: int = 1 << 20
@@ -114,6 +117,25 @@ class StepPolicy:
     virtual_kernels: Any = None
     model_parallel: ModelParallelNorm | None = None
     expert_group: Collectives | None = None
+    scalars_on_device: bool = False
+
+
+class StepOutcome:
+    """Whether a step changed the weights: known on the host (``applied``), or the kernel's overflow flag left on
+    the device (``found_inf``: 1.0 where the kernel skipped the update), read only when someone asks."""
+
+    def __init__(self, applied: bool | None, found_inf: torch.Tensor | None = None) -> None:
+        self._applied, self.found_inf = applied, found_inf
+
+    @property
+    def on_host(self) -> bool:
+        return self.found_inf is None
+
+    def applied(self) -> bool:
+        if self._applied is None:
+            assert self.found_inf is not None
+            self._applied = not bool(self.found_inf.item())  # (a read from the device: asked for)
+        return self._applied
 
 
 class ShardedStep:
@@ -126,7 +148,7 @@ class ShardedStep:
         self.ledger = ledger
         self.model_parallel = policy.model_parallel
         self.expert_group = policy.expert_group
-        self.last_grad_norm: float | None = None
+        self._norm: float | torch.Tensor | None = None  # the last step's norm; a device tensor until read
         self.chunked = ChunkedStep(optimizer, ledger, policy.master_chunk_numel)
         offload, virtual_kernels = policy.offload, policy.virtual_kernels
         if offload is not None:
@@ -145,6 +167,17 @@ class ShardedStep:
             for g in partition.groups:
                 optimizer.set_segments(g.master_param, g.param_segments(), len(g.params),
                                        g.dp if partition.stage.partitions else _LocalGroup())
+        # decided once: every group steps through a kernel that takes the scalars (virtual host memory's does not)
+        self.on_device = policy.scalars_on_device and takes_device_scalars(optimizer) and not self.virtual
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The last step's global gradient norm (unscaled, before clipping; inf on overflow), read from the device
+        the first time it is asked for."""
+        if isinstance(self._norm, torch.Tensor):
+            value = self._norm.item()
+            self._norm = value if math.isfinite(value) else float("inf")
+        return self._norm
 
     def _direct_grads(self) -> dict[int, list[torch.Tensor]]:
         """The groups stepped over their kept gradients (``direct_step.py``), by id; every other group's kept
@@ -160,7 +193,8 @@ class ShardedStep:
                 out[id(g)] = grads
         return out
 
-    def _grad_norm(self, loss_scale: float, direct: dict[int, list[torch.Tensor]]) -> float:
+    def _squares(self, direct: dict[int, list[torch.Tensor]]) -> torch.Tensor:
+        """The sum of the squares of every gradient element, over every rank (a 0-d device tensor)."""
         stage0 = not self.partition.stage.partitions
         device = self.partition.groups[0].device if self.partition.groups else torch.device("cpu")
         dtype = _norm_dtype(device)
@@ -187,11 +221,14 @@ class ShardedStep:
             self.dp.sum_scalar(total)
         if mp is not None:
             mp.group.sum_scalar(total)
+        return total
+
+    def _host_norm(self, total: torch.Tensor, loss_scale: float) -> float:
         if total.device.type == "meta":  # the estimator's simulated step: no values, clipping is free
             return 0.0
         squares = total.item()  # (one read from the device: a synchronisation)
         norm = math.sqrt(squares) if math.isfinite(squares) else float("inf")
-        if stage0:
+        if not self.partition.stage.partitions:
             norm /= self.dp.size
         return norm / loss_scale
 
@@ -201,16 +238,21 @@ class ShardedStep:
             grad = self.ledger.empty(grad.numel(), torch.float32, Category.GRAD, grad.device).copy_(grad)
         return grad.mul_(coef) if coef != 1.0 else grad
 
-    def step(self, loss_scale: float) -> bool:
-        """Step every flat group; return False (and change nothing) if the gradients overflowed."""
+    def step(self, loss_scale: float) -> StepOutcome:
+        """Step every flat group. Where the scalars stay on the device (``on_device``) the kernel skips the update
+        on an overflow and the outcome holds its flag; else the norm is read here and an overflow changes
+        nothing (``applied()`` False)."""
         if self.chunked.tiered:  # offloaded states: the first reads overlap the norm's all-reduce
             first = self.chunked.tiered[id(self.partition.groups[0])]
             first.window.ahead(first, -1, first.window.size)
         direct = self._direct_grads()
-        norm = self._grad_norm(loss_scale, direct)
-        self.last_grad_norm = norm
+        total = self._squares(direct)
+        if self.on_device and total.device.type != "meta" and free_for_scalars(self.optimizer):
+            return self._step_on_device(total, loss_scale, direct)
+        norm = self._host_norm(total, loss_scale)
+        self._norm = norm
         if not math.isfinite(norm):
-            return False
+            return StepOutcome(False)
         coef = 1.0 / loss_scale
         if not self.partition.stage.partitions:
             coef /= self.dp.size
@@ -222,7 +264,35 @@ class ShardedStep:
         with divided_in_kernel(self.optimizer, coef, rest[0].device) if in_kernel else nullcontext():
             for g in rest:
                 self._step_group(g, coef, 1.0 if in_kernel else coef)
-        return True
+        return StepOutcome(True)
+
+    def _step_on_device(self, total: torch.Tensor, loss_scale: float,
+                        direct: dict[int, list[torch.Tensor]]) -> StepOutcome:
+        """The step with its scalars as device tensors: the host path's arithmetic, in the norm's dtype (float64
+        but on NPUs), so ``grad_scale`` is the host path's ``1 / coef`` to the bit; ``found_inf`` is 1.0 where the
+        squares are not finite. No value is read on the host (see note: no host sync)."""
+        stage0 = not self.partition.stage.partitions
+        base = 1.0 / loss_scale
+        if stage0:
+            base /= self.dp.size
+        norm = total.sqrt()
+        if stage0:
+            norm = norm / self.dp.size
+        if loss_scale != 1.0:
+            norm = norm / loss_scale
+        self._norm = norm
+        if self.clip > 0:
+            coef = torch.clamp(self.clip / (norm + 1e-6), max=1.0) * base
+            grad_scale = coef.reciprocal().to(torch.float32)
+        else:
+            grad_scale = torch.full((), 1.0 / base, dtype=torch.float32, device=total.device)
+        found_inf = torch.isfinite(total).logical_not().to(torch.float32)
+        with scalars_in_kernel(self.optimizer, grad_scale, found_inf):
+            self.direct.step([(g, direct[id(g)]) for g in self.partition.groups if id(g) in direct], None)
+            for g in self.partition.groups:
+                if id(g) not in direct:
+                    self._step_group(g, 1.0, 1.0)
+        return StepOutcome(None, found_inf)
 
     def _step_group(self, g: FlatParamGroup, coef: float, multiply: float) -> None:
         """One flat group's step: its gradient multiplied by ``multiply`` first (1 where the optimizer's fused kernel
