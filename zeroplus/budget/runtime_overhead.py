@@ -71,9 +71,10 @@ DTYPES = ("fp32", "bf16", "fp16")  # compute dtypes, each probed apart
 # subtracted; measured on the engine report's basis; 3: torch's code resident recorded; 4: initialize no longer
 # runs a meta forward of its own, so construction holds less; 5: glibc returns freed memory from import on and
 # initialize starts from a trimmed heap; 6: its engine predicts with an overhead, so it decides resize recompute as a
-# user's process does): a kept result from an earlier meaning is probed
+# user's process does; 7: its step keeps the clip coefficient and overflow flag on the device, whose kernels'
+# code it pages in): a kept result from an earlier meaning is probed
 # again, whatever the package version
-PROBE_VERSION = "6"
+PROBE_VERSION = "7"
 # a launcher's variables would make the probe's engine join the caller's job
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
