@@ -148,7 +148,8 @@ class ShardedStep:
         self.ledger = ledger
         self.model_parallel = policy.model_parallel
         self.expert_group = policy.expert_group
-        self._norm: float | torch.Tensor | None = None  # the last step's norm; a device tensor until read
+        # the last step's norm; until read, (the device's sum of squares, what its root is divided by)
+        self._norm: float | tuple[torch.Tensor, float] | None = None
         self.chunked = ChunkedStep(optimizer, ledger, policy.master_chunk_numel)
         offload, virtual_kernels = policy.offload, policy.virtual_kernels
         if offload is not None:
@@ -174,9 +175,10 @@ class ShardedStep:
     def last_grad_norm(self) -> float | None:
         """The last step's global gradient norm (unscaled, before clipping; inf on overflow), read from the device
         the first time it is asked for."""
-        if isinstance(self._norm, torch.Tensor):
-            value = self._norm.item()
-            self._norm = value if math.isfinite(value) else float("inf")
+        if isinstance(self._norm, tuple):
+            total, divisor = self._norm
+            squares = total.item()  # (a read from the device: asked for)
+            self._norm = math.sqrt(squares) / divisor if math.isfinite(squares) else float("inf")
         return self._norm
 
     def _direct_grads(self) -> dict[int, list[torch.Tensor]]:
@@ -268,25 +270,20 @@ class ShardedStep:
 
     def _step_on_device(self, total: torch.Tensor, loss_scale: float,
                         direct: dict[int, list[torch.Tensor]]) -> StepOutcome:
-        """The step with its scalars as device tensors: the host path's arithmetic, in the norm's dtype (float64
-        but on NPUs), so ``grad_scale`` is the host path's ``1 / coef`` to the bit; ``found_inf`` is 1.0 where the
-        squares are not finite. No value is read on the host (see note: no host sync)."""
-        stage0 = not self.partition.stage.partitions
-        base = 1.0 / loss_scale
-        if stage0:
-            base /= self.dp.size
-        norm = total.sqrt()
-        if stage0:
-            norm = norm / self.dp.size
-        if loss_scale != 1.0:
-            norm = norm / loss_scale
-        self._norm = norm
+        """The step with its scalars as device tensors, in as few kernels as the arithmetic allows (each is a launch
+        on a GPU): ``grad_scale = max(1, (norm + 1e-6) / clip) / base``, the host path's ``1 / coef`` where the clip
+        does not bind and within an fp32 ulp where it does; ``found_inf`` 1.0 where the squares are not finite (a sum
+        of squares is finite exactly when it is below inf). The norm itself is worked out when it is read. No value
+        is read on the host (see note: no host sync)."""
+        divisor = loss_scale * (1 if self.partition.stage.partitions else self.dp.size)  # norm = sqrt(total) / it
+        self._norm = (total, divisor)
         if self.clip > 0:
-            coef = torch.clamp(self.clip / (norm + 1e-6), max=1.0) * base
-            grad_scale = coef.reciprocal().to(torch.float32)
+            root = total.sqrt()
+            ratio = (root if divisor == 1 else root / divisor).add_(1e-6).div_(self.clip).clamp_(min=1.0)
+            grad_scale = (ratio if divisor == 1 else ratio.mul_(divisor)).to(torch.float32)
         else:
-            grad_scale = torch.full((), 1.0 / base, dtype=torch.float32, device=total.device)
-        found_inf = torch.isfinite(total).logical_not().to(torch.float32)
+            grad_scale = torch.full((), divisor, dtype=torch.float32, device=total.device)
+        found_inf = torch.where(total < math.inf, 0.0, 1.0).to(torch.float32)
         with scalars_in_kernel(self.optimizer, grad_scale, found_inf):
             self.direct.step([(g, direct[id(g)]) for g in self.partition.groups if id(g) in direct], None)
             for g in self.partition.groups:
