@@ -12,8 +12,8 @@ up front, see note: runtime baseline) is in its peak.
 Rows: ``zeroplus`` (the JSON below, zeroplus's defaults for what it leaves out); ``zeroplus-ds-defaults``
 (the same JSON with DeepSpeed's documented defaults written out: ``stage3_prefetch_bucket_size`` 5e7,
 ``stage3_param_persistence_threshold`` 1e5, ``reduce_bucket_size`` 5e8, ...; zeroplus honours them);
-``zeroplus-no-recompute`` (plus ``"resize_recompute": {"enabled": false}``: the defaults before session
-34; on by default since, the GELU and LayerNorm outputs are recomputed in backward, bitwise the same
+``zeroplus-no-recompute`` (plus ``"resize_recompute": {"enabled": false}``: the defaults before
+2026-11-27; on by default since, the GELU and LayerNorm outputs are recomputed in backward, bitwise the same
 gradients: see note: recompute by default; since 2026-11-27 only where it takes at least 1% off the predicted
 peak, so at 1 x 64 this row and ``zeroplus`` run alike: see note: recompute where it pays);
 ``zeroplus-torch-loss`` (plus ``"lean_cross_entropy": false``: torch's own cross-entropy, the defaults before
