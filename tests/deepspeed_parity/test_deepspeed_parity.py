@@ -30,7 +30,7 @@ def _config(stage: int, dtype: str) -> dict:
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 200, "allgather_bucket_size": 200,
                                   "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 200},
-            "steps_per_print": 1000, "zeroplus": {"log_level": "warning"}}
+            "steps_per_print": 1000, "zeroplus": {"log_level": "warning", "memory_estimate": False}}
 
 
 def _train(engine, rank: int, world: int) -> list[float]:

@@ -260,7 +260,8 @@ def _engine_losses(family: str, stage: int, tiled: bool, accumulation: int = 1) 
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "gradient_accumulation_steps": accumulation,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-           "zeroplus": {"log_level": "warning", **({"tiled": {"mlp_tokens": 8, "loss_tokens": 8}} if tiled else {})}}
+           "zeroplus": {"log_level": "warning", "memory_estimate": False,
+                        **({"tiled": {"mlp_tokens": 8, "loss_tokens": 8}} if tiled else {})}}
     engine = zeroplus.initialize(model, cfg)
     mlps = [m for m in model.modules() if type(m).__name__ in ("MLP", "LlamaMLP")]
     assert mlps and all(("_zeroplus_tiled" in vars(m)) == tiled for m in mlps)
@@ -320,7 +321,7 @@ def _head_gradient_shapes(family: str, stage: int) -> list[tuple[int, ...]]:
             num_key_value_heads=2, attn_implementation="sdpa"))
     cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-           "zeroplus": {"log_level": "warning", "tiled": {"loss_tokens": 8}}}
+           "zeroplus": {"log_level": "warning", "memory_estimate": False, "tiled": {"loss_tokens": 8}}}
     engine = zeroplus.initialize(model, cfg)
     shapes = []
     for step in range(2):

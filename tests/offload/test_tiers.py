@@ -90,7 +90,8 @@ def test_unusable_path_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="a-file"):
         FileTier(str(blocker / "swap"), Ledger())
     cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {}},
-           "zeroplus": {"log_level": "warning", "swap_attention": {"enabled": True, "modules": ["ParityBlock"]},
+           "zeroplus": {"log_level": "warning", "memory_estimate": False,
+                        "swap_attention": {"enabled": True, "modules": ["ParityBlock"]},
                         "activation_tier": {"device": "file", "path": str(blocker / "swap")}}}
     with pytest.raises(zeroplus.ConfigError, match="zeroplus.activation_tier"):
         zeroplus.initialize(ParityNet(), cfg)

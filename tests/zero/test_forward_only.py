@@ -17,7 +17,7 @@ from tests.models import VOCAB, ParityNet
 from zeroplus.ledger import Category
 from zeroplus.zero.param_status import ParamStatus
 
-CONFIG = {"train_micro_batch_size_per_gpu": 2, "zeroplus": {"log_level": "warning"}}
+CONFIG = {"train_micro_batch_size_per_gpu": 2, "zeroplus": {"log_level": "warning", "memory_estimate": False}}
 
 
 def _forward_only(stage: int) -> dict:
