@@ -24,6 +24,7 @@ from zeroplus.accelerator import Accelerator
 from zeroplus.activations import ResizeRecompute, SavedTensorRouter, SwapAttention, checkpointing
 from zeroplus.activations.choices import TechniqueChoice, technique_choices
 from zeroplus.activations.lean_loss import LeanCrossEntropy
+from zeroplus.activations.norm_probe import remember_norms
 from zeroplus.activations.resize_recompute import DEFAULT_CLASSES
 from zeroplus.activations.tiled import per_rank_tile, tile_mlps
 from zeroplus.activations.tiled_loss import is_hf_causal_lm, tile_loss
@@ -208,6 +209,7 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
     _choose_transport(cfg, dp, parallel, experts, ledger)
     param_offload = _param_offload(cfg, model, group_of, dp.size, accel, ledger)
     stage = ZeroStage(cfg.zero_optimization.stage)
+    remember_norms(model)  # (resize recompute's norms, found by what they compute while the parameters are whole)
     flattened = {id(p) for p in model.parameters() if (p.requires_grad and id(p) in group_of)
                  or frozen_dtype(p, stage, experts, dtype) is not None}  # (units.py)
     try:
@@ -506,7 +508,7 @@ def _activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: 
         technique = ResizeRecompute(model, classes, recompute.names, ledger, norms=recompute.norms,
                                     functional=recompute.functional, choice=choices["resize_recompute"])
         _check_targets("resize_recompute", technique.targets, model,
-                       classes + (["norms (*LayerNorm, *RMSNorm, *GroupNorm)"] if recompute.norms else []),
+                       classes + (["norms (modules normalising over the last dimension)"] if recompute.norms else []),
                        recompute.names, [f.__name__ for f in technique.functions])
         claimers.append(technique)
     swap = zp.swap_attention

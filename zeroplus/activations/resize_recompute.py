@@ -1,13 +1,13 @@
 """Resize-based recompute: drop a cheap module's output after forward, recompute it in backward.
 
 For each chosen module (by class name, default the activation functions ``GELU``, ``SiLU``,
-``Mish`` and Hugging Face's activation modules; norms such as ``LayerNorm``/``RMSNorm`` as an
-option; or by qualified-name pattern), and for each call of their functional forms in the model's own
-forward code (``F.gelu``, ``F.silu``, ``F.mish``; with norms ``F.layer_norm``, ``F.rms_norm``,
-``F.group_norm``; seen through a ``TorchFunctionMode`` while the engine's forward runs, the module running
-the call known from global forward hooks installed for that time): its output ``y`` is remembered with
-the inputs it was computed from (a functional call's "parent" is the module whose forward made the
-call). When the module's parent finishes its forward, if autograd saved ``y`` for some consumer (e.g.
+``Mish`` and Hugging Face's activation modules; with ``norms``, every module that normalises over the last
+dimension, found by what it computes, ``norm_probe.py``; or by qualified-name pattern), and for each call of
+their functional forms in the model's own forward code (``F.gelu``, ``F.silu``, ``F.mish``; with norms
+``F.layer_norm``, ``F.rms_norm``, ``F.group_norm``; seen through a ``TorchFunctionMode`` while the engine's
+forward runs, the module running the call known from global forward hooks installed for that time): its output
+``y`` is remembered with the inputs it was computed from (a functional call's "parent" is the module whose
+forward made the call). When the module's parent finishes its forward, if autograd saved ``y`` for some consumer (e.g.
 the next Linear), the parent does not return it and nothing else holds it (``_held_elsewhere``: a hook or
 the model keeping ``y`` or a view of it, which could read it later), ``y``'s storage is resized to 0: the tensor object,
 and every view autograd saved, stay, but hold no memory. When backward unpacks ``y`` for that consumer, the
@@ -50,6 +50,7 @@ from ..eager import compiled_modules, eager
 from ..ledger import Category, Ledger
 from ..logs import log_rank0
 from .choices import TechniqueChoice
+from .norm_probe import normalises
 from .saved_tensors import storage_key
 
 TECHNIQUE = "resize_recompute"
@@ -57,19 +58,16 @@ TECHNIQUE = "resize_recompute"
 DEFAULT_CLASSES = ("GELU", "SiLU", "Mish", "GELUActivation", "NewGELUActivation", "FastGELUActivation",
                    "QuickGELUActivation", "PytorchGELUTanh", "GELUTanh", "SiLUActivation", "MishActivation",
                    "AccurateGELUActivation")
-NORM_CLASSES = ("LayerNorm", "RMSNorm", "GroupNorm")
-_NORM_TYPES = (torch.nn.LayerNorm, torch.nn.RMSNorm, torch.nn.GroupNorm)
 # the functional forms of the default classes and of the norms (``functional``)
 ACTIVATION_FUNCTIONS: tuple[Callable, ...] = (F.gelu, F.silu, F.mish)
 NORM_FUNCTIONS: tuple[Callable, ...] = (F.layer_norm, F.rms_norm, F.group_norm)
 
 
 def is_norm(module: torch.nn.Module) -> bool:
-    """A normalisation layer, by what it is rather than its exact class: torch's ``LayerNorm``, ``RMSNorm``
-    or ``GroupNorm`` or a subclass, or a class named like one (``*LayerNorm``, ``*RMSNorm``, ``*GroupNorm``:
-    ``LlamaRMSNorm``, ``Qwen2RMSNorm``, ``MistralRMSNorm``, ``MixtralRMSNorm``, ``T5LayerNorm``...)."""
-    name = type(module).__name__
-    return isinstance(module, _NORM_TYPES) or name.endswith(NORM_CLASSES)
+    """A normalisation layer, by what it computes rather than its class (``norm_probe.normalises``: torch's norms,
+    and any module whose forward normalises over the last dimension: Hugging Face's ``LlamaRMSNorm``, a
+    ``LayerNorm`` a user writes out)."""
+    return normalises(module)
 
 
 class _Record:

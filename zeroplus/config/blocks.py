@@ -169,7 +169,8 @@ class ResizeRecomputeConfig(Block):
     modules: list[str] | None = Field(None, description="Module class names whose outputs are dropped after "
                                                         "forward and recomputed (default: activation functions).")
     norms: bool = Field(True, description="Also every normalisation layer: torch's LayerNorm, RMSNorm and "
-                        "GroupNorm, their subclasses, and classes named *LayerNorm, *RMSNorm or *GroupNorm.")
+                        "GroupNorm, their subclasses, and any module whose forward normalises over the last "
+                        "dimension (found by what it computes, whatever its class is called).")
     names: list[str] = Field(default_factory=list, description="Qualified-name patterns (fnmatch), e.g. "
                                                                "'blocks.*.mlp.act'.")
     functional: bool = Field(True, description="Also the functional forms the model's forward calls itself: "
