@@ -102,7 +102,8 @@ def save_16bit_model(engine: Engine, save_dir: str, save_filename: str = "pytorc
                 out[name] = own if own is not None else engine.accelerator.host_copy(p)
         elif canonical[id(p)] != name:
             out[name] = out[canonical[id(p)]].clone()  # tied weight, under each of its names
-    out.update({n: engine.accelerator.host_copy(b) for n, b in engine.module.named_buffers()})
+    skip = set(io.non_persistent_buffers(engine.module))  # the model's own state_dict() keys, as DeepSpeed writes
+    out.update({n: engine.accelerator.host_copy(b) for n, b in engine.module.named_buffers() if n not in skip})
     os.makedirs(save_dir, exist_ok=True)
     path = os.path.join(save_dir, save_filename)
     write_state_dict(out, path)
