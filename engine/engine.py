@@ -51,6 +51,7 @@ from .lifecycle import collected, wait_at_exit
 from .loss_scaler import LossScaler
 from .micro_step import Life, MicroStep
 from .model_changes import ModelChanges
+from .skipped_steps import SkippedSteps
 from .state_offload import StateOffload
 from .step_timers import StepTimers
 from .watch import Watch
@@ -129,9 +130,8 @@ class Engine:
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
-        self._skipped = 0  # skipped steps read so far; the unread ones are device flags summed in _unread_skips
-        self._unread_skips: torch.Tensor | None = None
-        self._unread_since = 0  # the first global step whose flag _unread_skips holds
+        dtype = parts.partition.groups[0].compute_dtype if parts.partition.groups else torch.float32
+        self._skips = SkippedSteps(parts.loss_scaler.dynamic, dp.rank, str(dtype).replace("torch.", ""))
         # wall_clock_breakdown, comms_logger, flops_profiler and the monitors, those the config enables (watch.py)
         self._watch = Watch(config, accelerator, ledger, module, parts.partition,
                             parallel.global_rank if parallel is not None else dp.rank, observed)
@@ -174,16 +174,11 @@ class Engine:
         """Optimizer steps skipped for gradients that were not finite. A step whose overflow flag stayed on the
         device is counted (and warned about) when this is read: at each ``steps_per_print`` report, a checkpoint
         save, or by the caller."""
-        if self._unread_skips is not None:
-            skipped, self._unread_skips = int(self._unread_skips.item()), None
-            if skipped:
-                self._skipped += skipped
-                self._log_skip(f"{skipped} step(s) between steps {self._unread_since} and {self.global_steps}", None)
-        return self._skipped
+        return self._skips.count(self.global_steps, self.loss_scaler.scale)
 
     @skipped_steps.setter
     def skipped_steps(self, value: int) -> None:
-        self._skipped, self._unread_skips = value, None
+        self._skips.set(value)
 
     def get_global_grad_norm(self) -> float | None:
         """The global gradient norm (unscaled, before clipping) of the last step; inf on overflow."""
@@ -439,10 +434,7 @@ class Engine:
             self._last_step = outcome
             flag = outcome.found_inf
             if flag is not None and not self._tables.collections:  # an overflow skipped in the kernel: read later
-                if self._unread_skips is None:
-                    self._unread_skips, self._unread_since = flag.clone(), self.global_steps + 1
-                else:
-                    self._unread_skips.add_(flag)
+                self._skips.flagged(flag, self.global_steps + 1)
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step()
             elif outcome.applied():
@@ -451,8 +443,7 @@ class Engine:
                     self.lr_scheduler.step()
             else:
                 self.loss_scaler.update(overflow=True)
-                self._skipped += 1
-                self._log_skip(f"step {self.global_steps}", self._step.last_grad_norm)
+                self._skips.skipped(self.global_steps, self._step.last_grad_norm, self.loss_scaler.scale)
             self._partition.after_step()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
@@ -487,18 +478,6 @@ class Engine:
         if self.comms_log is None:
             return "comms_logger is not enabled in this engine's config"
         return self.comms_log.summary()
-
-    def _log_skip(self, which: str, norm: float | None) -> None:
-        """A skipped step: expected now and then with a dynamic fp16 loss scale, a warning otherwise."""
-        if self.loss_scaler.dynamic:
-            logger.info("%s skipped: fp16 gradient overflow; loss scale lowered to %g", which, self.loss_scaler.scale)
-            return
-        dtype = str(self._partition.groups[0].compute_dtype if self._partition.groups else torch.float32)
-        logger.warning("%s skipped on rank %d: the gradients were not finite%s in %s training, so the weights and "
-                       "optimizer states were left as they were. There is no loss scale to lower here: a loss or "
-                       "activation was inf/NaN (check the batch, the learning rate, the model's numerics); %d step(s) "
-                       "skipped so far", which, self.dp.rank, "" if norm is None else f" (global norm {norm})",
-                       dtype.replace("torch.", ""), self._skipped)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None,

@@ -25,9 +25,7 @@ import torch
 def scales_in_kernel(optimizer: torch.optim.Optimizer, coef: float) -> bool:
     """Whether ``optimizer.step()`` can apply ``coef`` (not 1) inside its kernel: torch's Adam or AdamW, fused in
     every param group, with no ``grad_scale`` or ``found_inf`` of anyone else's."""
-    return (coef != 1.0 and type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
-            and all(pg.get("fused") for pg in optimizer.param_groups)
-            and getattr(optimizer, "grad_scale", None) is None and getattr(optimizer, "found_inf", None) is None)
+    return coef != 1.0 and takes_device_scalars(optimizer) and free_for_scalars(optimizer)
 
 
 @contextlib.contextmanager
