@@ -19,19 +19,11 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from zeroplus import fused_ops
 from zeroplus.accelerator import Accelerator
-from zeroplus.activations import ResizeRecompute, SavedTensorRouter, SwapAttention, checkpointing
-from zeroplus.activations.choices import TechniqueChoice, technique_choices
-from zeroplus.activations.lean_loss import LeanCrossEntropy
-from zeroplus.activations.norm_probe import remember_norms
-from zeroplus.activations.resize_recompute import DEFAULT_CLASSES
-from zeroplus.activations.tiled import per_rank_tile, tile_mlps
-from zeroplus.activations.tiled_loss import is_hf_causal_lm, tile_loss
-from zeroplus.activations.training_cache import drop_training_cache
+from zeroplus.activations.choices import technique_choices
+from zeroplus.activations.tiled_loss import is_hf_causal_lm
 from zeroplus.comm import Collectives
 from zeroplus.config import ConfigError, ResolvedConfig, ZeroplusConfig, ZeroStage, resolved_zero
-from zeroplus.config.blocks import TiledConfig
 from zeroplus.ledger import Ledger
 from zeroplus.logs import log_rank0
 from zeroplus.models.context_hf import context_parallel_hf
@@ -62,6 +54,7 @@ from zeroplus.zero.quantized import packed_storage
 from zeroplus.zero.sharded_step import ModelParallelNorm, StepPolicy
 from zeroplus.zero.units import frozen_dtype
 
+from .activation_setup import activation_techniques, remember_roles
 from .embedding_tables import check_tables
 from .engine import Engine, TrainingParts
 from .loss_scaler import LossScaler
@@ -209,7 +202,7 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
     _choose_transport(cfg, dp, parallel, experts, ledger)
     param_offload = _param_offload(cfg, model, group_of, dp.size, accel, ledger)
     stage = ZeroStage(cfg.zero_optimization.stage)
-    remember_norms(model)  # (resize recompute's norms, found by what they compute while the parameters are whole)
+    remember_roles(model, cfg)
     flattened = {id(p) for p in model.parameters() if (p.requires_grad and id(p) in group_of)
                  or frozen_dtype(p, stage, experts, dtype) is not None}  # (units.py)
     try:
@@ -246,7 +239,7 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
         as_built = remember(model)  # the forwards and settings the techniques below change, given back by destroy
         choices = technique_choices(cfg)  # what runs, the engine's to change (see note: frozen config)
         parts = TrainingParts(partition, step, opt, scheduler, loss_scaler,
-                              _activation_techniques(model, cfg, ledger, accel, context,
+                              activation_techniques(model, cfg, ledger, accel, context,
                                                      [u.module for u in partition.units if not u.is_root], compiled,
                                                      choices), choices)
         parts.activations.undo.append(as_built)
@@ -487,83 +480,6 @@ def _optimizer_offload(cfg: ResolvedConfig, accel: Accelerator, ledger: Ledger, 
     return OptimizerStateOffload(tier, zero.sub_group_size, block.ratio, block.buffer_count)
 
 
-def _activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: Ledger,
-                           accel: Accelerator, context: int, scope: list[torch.nn.Module],
-                           compiled: bool, choices: dict[str, TechniqueChoice]) -> SavedTensorRouter:
-    """Resize recompute and swap attention (through one saved-tensor router), the tiles of
-    ``zeroplus.tiled`` (``context``: ranks sharing each sequence), and the settings of
-    ``zeroplus.checkpointing`` from the ``activation_checkpointing`` block. ``compiled``: the model runs compiled
-    from the start (no late mode: its hook on the last block would break a whole-model graph)."""
-    zp, ac = cfg.zeroplus, cfg.activation_checkpointing
-    tier = None
-    if zp.swap_attention.enabled or ac.cpu_checkpointing:
-        try:
-            tier = make_tier(zp.activation_tier.device, zp.activation_tier.path, accel, ledger, direct=zp.direct_io)
-        except ValueError as err:
-            raise ConfigError(f"config key 'zeroplus.activation_tier': {err}") from None
-    claimers: list[Any] = []
-    recompute = zp.resize_recompute
-    if recompute.enabled:
-        classes = list(DEFAULT_CLASSES if recompute.modules is None else recompute.modules)
-        technique = ResizeRecompute(model, classes, recompute.names, ledger, norms=recompute.norms,
-                                    functional=recompute.functional, choice=choices["resize_recompute"])
-        _check_targets("resize_recompute", technique.targets, model,
-                       classes + (["norms (modules normalising over the last dimension)"] if recompute.norms else []),
-                       recompute.names, [f.__name__ for f in technique.functions])
-        claimers.append(technique)
-    swap = zp.swap_attention
-    if swap.enabled:
-        assert tier is not None
-        swapper = SwapAttention(model, swap.modules, swap.names, tier, ledger, swap.min_bytes)
-        _check_targets("swap_attention", swapper.targets, model, swap.modules or ["*Attention"], swap.names)
-        if not tier.saves_memory:
-            log_rank0("swap_attention: the host tier is this machine's only memory (no accelerator), so swapping "
-                      "to it saves nothing; zeroplus.activation_tier {'device': 'file', 'path': DIR} swaps to files",
-                      level=logging.WARNING)
-        claimers.append(swapper)
-    if is_hf_causal_lm(model):
-        drop_training_cache(model)
-    if zp.fused_ops:
-        fused, what = fused_ops.install(model, accel.name, zp.fused_ops)
-        if not fused:
-            raise ConfigError(f"config key 'zeroplus.fused_ops' is {zp.fused_ops!r} but {type(model).__name__} has "
-                              f"no RMSNorm (a '*RMSNorm' class with weight and variance_epsilon) or gated MLP "
-                              f"(gate_proj, up_proj, down_proj, a SiLU act_fn) to fuse")
-        log_rank0("fused_ops: %d RMSNorms and gated MLPs run %s's %s", len(fused), accel.name, what)
-    _tile(model, zp.tiled, context)
-    sequence_split = cfg.zeroplus.parallel.sequence_parallel
-    if ac.partition_activations and sequence_split:
-        log_rank0("activation_checkpointing.partition_activations: no effect with zeroplus.parallel."
-                  "sequence_parallel (checkpointed inputs are already split along the sequence)",
-                  level=logging.WARNING)
-    checkpointing.configure(partition_activations=ac.partition_activations and not sequence_split,
-                            contiguous_checkpointing=ac.contiguous_memory_optimization,
-                            num_checkpoints=ac.number_checkpoints, checkpoint_in_cpu=ac.cpu_checkpointing,
-                            synchronize=ac.synchronize_checkpoint_boundary, profile=ac.profile, tier=tier,
-                            ledger=ledger)
-    return SavedTensorRouter(claimers, scope=scope, around=[LeanCrossEntropy()] if zp.lean_cross_entropy else [],
-                             late=not compiled)
-
-
-def _tile(model: torch.nn.Module, tiles: TiledConfig, context: int) -> None:
-    """``zeroplus.tiled``: the MLPs and the loss run over tiles of tokens (``activations/tiled.py``). A
-    tile counts tokens of the whole sequence: with the sequence split over ``context`` ranks each rank
-    runs ``ceil(tokens / context)`` of its part at a time, so a tile's intermediates divide by the
-    context ranks as every other activation does (a fixed per-rank tile would not)."""
-    if tiles.mlp_tokens is not None:
-        done = tile_mlps(model, per_rank_tile(tiles.mlp_tokens, context), tiles.mlp_modules)
-        _check_targets("tiled.mlp_tokens", done, model, tiles.mlp_modules or ["*MLP"], [])
-    if tiles.loss_tokens is not None:
-        loss_tile = per_rank_tile(tiles.loss_tokens, context)
-        try:
-            tile_loss(model, loss_tile)
-        except ValueError as err:
-            raise ConfigError(f"config key 'zeroplus.tiled.loss_tokens': {err}") from None
-        log_rank0("tiled.loss_tokens: the LM head and cross-entropy of %s run over %d tokens at a time%s",
-                  type(model).__name__, tiles.loss_tokens,
-                  f" ({loss_tile} on each of the {context} context ranks)" if context > 1 else "")
-
-
 def _split_sequences(model: torch.nn.Module, parallel: ParallelGroups) -> None:
     """Context parallelism: zeroplus's GPT splits its sequences itself; a Hugging Face causal LM gets
     Ulysses or ring attention and a forward that keeps this rank's part (``models/context_hf.py``)."""
@@ -579,14 +495,3 @@ def _split_sequences(model: torch.nn.Module, parallel: ParallelGroups) -> None:
                             (parallel.context_ulysses, parallel.context_ring))
     except ValueError as err:
         raise ConfigError(f"config key 'zeroplus.parallel.context': {err}") from None
-
-
-def _check_targets(key: str, targets: list[str], model: torch.nn.Module, classes: list[str], names: list[str],
-                   functions: list[str] | None = None) -> None:
-    """Refuse a technique that matches nothing; with ``functions`` (their calls are seen only as the forward
-    runs) no module needs to match."""
-    if not targets and not functions:
-        raise ConfigError(f"config key 'zeroplus.{key}' matches no module of {type(model).__name__} "
-                          f"(classes {classes}, names {names})")
-    log_rank0("%s: %d modules (%s%s)%s", key, len(targets), ", ".join(targets[:3]), ", ..." if len(targets) > 3 else "",
-              f", and calls of {', '.join(functions)}" if functions else "")

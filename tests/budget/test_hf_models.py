@@ -34,9 +34,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import zeroplus
 from tests.hf_models import FAMILIES, build
 from tests.saved_bytes import saved_in_real_step
-from zeroplus.budget.meta_values import SimulationError
 from zeroplus.budget.simulate import CpuAttention
 from zeroplus.ledger import Category
+from zeroplus.meta_values import SimulationError
 
 
 def _config(stage: int = 3, **zp) -> dict:

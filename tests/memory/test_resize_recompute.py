@@ -128,7 +128,7 @@ class _AutocastNet(_InlineNet):
 
 class Standardise(nn.Module):
     """A LayerNorm written out under a name that says nothing of it: chosen by what it computes
-    (``norm_probe.py``), not by its class name."""
+    (``module_roles.py``), not by its class name."""
 
     def __init__(self, d: int) -> None:
         super().__init__()

@@ -1,9 +1,9 @@
 """Resize-based recompute: drop a cheap module's output after forward, recompute it in backward.
 
-For each chosen module (by class name, default the activation functions ``GELU``, ``SiLU``,
-``Mish`` and Hugging Face's activation modules; with ``norms``, every module that normalises over the last
-dimension, found by what it computes, ``norm_probe.py``; or by qualified-name pattern), and for each call of
-their functional forms in the model's own forward code (``F.gelu``, ``F.silu``, ``F.mish``; with norms
+For each chosen module (by class name, default every activation function whose backward keeps its input: GELU,
+SiLU, Mish, Hugging Face's activation modules, one written out; with ``norms``, every module that normalises over
+the last dimension; both found by what they compute, ``module_roles.py``; or by qualified-name pattern), and for
+each call of their functional forms in the model's own forward code (``F.gelu``, ``F.silu``, ``F.mish``; with norms
 ``F.layer_norm``, ``F.rms_norm``, ``F.group_norm``; seen through a ``TorchFunctionMode`` while the engine's
 forward runs, the module running the call known from global forward hooks installed for that time): its output
 ``y`` is remembered with the inputs it was computed from (a functional call's "parent" is the module whose
@@ -50,21 +50,17 @@ from ..eager import compiled_modules, eager
 from ..ledger import Category, Ledger
 from ..logs import log_rank0
 from .choices import TechniqueChoice
-from .norm_probe import normalises
+from .module_roles import activates, normalises
 from .saved_tensors import storage_key
 
 TECHNIQUE = "resize_recompute"
-# torch's activation modules that save their input, and Hugging Face's wrappers of the functional forms
-DEFAULT_CLASSES = ("GELU", "SiLU", "Mish", "GELUActivation", "NewGELUActivation", "FastGELUActivation",
-                   "QuickGELUActivation", "PytorchGELUTanh", "GELUTanh", "SiLUActivation", "MishActivation",
-                   "AccurateGELUActivation")
-# the functional forms of the default classes and of the norms (``functional``)
+# the functional forms of the activation functions and of the norms (``functional``)
 ACTIVATION_FUNCTIONS: tuple[Callable, ...] = (F.gelu, F.silu, F.mish)
 NORM_FUNCTIONS: tuple[Callable, ...] = (F.layer_norm, F.rms_norm, F.group_norm)
 
 
 def is_norm(module: torch.nn.Module) -> bool:
-    """A normalisation layer, by what it computes rather than its class (``norm_probe.normalises``: torch's norms,
+    """A normalisation layer, by what it computes rather than its class (``module_roles.normalises``: torch's norms,
     and any module whose forward normalises over the last dimension: Hugging Face's ``LlamaRMSNorm``, a
     ``LayerNorm`` a user writes out)."""
     return normalises(module)
@@ -133,17 +129,18 @@ class _FunctionalCalls(TorchFunctionMode):
 class ResizeRecompute:
     lets_inner_hooks = True  # an output saved under inner hooks is not packed here, so not dropped: safe
 
-    def __init__(self, model: torch.nn.Module, class_names: list[str], name_patterns: list[str],
+    def __init__(self, model: torch.nn.Module, class_names: list[str] | None, name_patterns: list[str],
                  ledger: Ledger, norms: bool = False, functional: bool = False,
                  choice: TechniqueChoice | None = None) -> None:
-        """Recompute the outputs of modules whose class is in ``class_names``, whose name matches one of
+        """Recompute the outputs of modules whose class is in ``class_names`` (None: every activation function whose
+        backward keeps its input, ``module_roles.activates``), whose name matches one of
         ``name_patterns``, and with ``norms`` every normalisation layer (``is_norm``); with ``functional``
         also the outputs of ``ACTIVATION_FUNCTIONS`` (with ``norms``, ``NORM_FUNCTIONS`` too) called by the
         model's forward code outside those modules. ``choice``: the engine's (``choices.py``); on by default
         (``choice.by_default``), a model found compiled at a forward turns it off (``stood_down``, and the choice
         says so) rather than refusing, and so does the choice found off at a forward (the memory budget's: see
         note: recompute where it pays)."""
-        classes, patterns = set(class_names), list(name_patterns)
+        patterns = list(name_patterns)
         self.choice = choice
         self.by_default = choice is not None and choice.by_default
         self.stood_down = False
@@ -164,7 +161,8 @@ class ResizeRecompute:
         self._handles = []
         parents: dict[int, torch.nn.Module] = {}
         for name, module in model.named_modules():
-            chosen = (type(module).__name__ in classes or (norms and is_norm(module))
+            chosen = ((activates(module) if class_names is None else type(module).__name__ in class_names)
+                      or (norms and is_norm(module))
                       or any(fnmatch.fnmatchcase(name, p) for p in patterns))
             if not name or not chosen:
                 continue

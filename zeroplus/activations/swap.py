@@ -1,10 +1,10 @@
 """Swap attention: the tensors autograd saves inside chosen modules go to a lower tier after
 forward and come back one layer ahead in backward.
 
-Chosen modules: by class name (default: any class whose name ends in ``Attention``, such as
-the built-in GPT's ``CausalSelfAttention`` or Hugging Face's ``LlamaAttention``) or by
-qualified-name pattern. While one of them runs its forward (in the engine's forward), every
-tensor autograd saves of at least ``min_bytes`` is handed to the tier (``offload/tiers.py``),
+Chosen modules: by class name (default: the modules that attend, found by what they compute,
+``module_roles.attends``: the built-in GPT's ``CausalSelfAttention``, Hugging Face's ``LlamaAttention``, a
+block that writes its attention out) or by qualified-name pattern. While one of them runs its forward (in the
+engine's forward), every tensor autograd saves of at least ``min_bytes`` is handed to the tier (``offload/tiers.py``),
 except parameters (at stage 3 they are gathered again for backward anyway). In backward, the
 first time a layer's tensor is needed, the previous layer's tensors are prefetched, so their
 transfer overlaps this layer's backward; the last layer's are prefetched when forward ends.
@@ -24,6 +24,7 @@ import torch
 from ..eager import eager
 from ..ledger import Category, Ledger
 from ..offload.tiers import Tier
+from .module_roles import attends
 from .saved_tensors import storage_key
 
 TECHNIQUE = "swap_attention"
@@ -55,8 +56,7 @@ class SwapAttention:
         self._active = False
         self._handles = []
         for name, module in model.named_modules():
-            by_class = type(module).__name__.endswith("Attention") if class_names is None \
-                else type(module).__name__ in class_names
+            by_class = attends(module) if class_names is None else type(module).__name__ in class_names
             if name and (by_class or any(fnmatch.fnmatchcase(name, p) for p in name_patterns)):
                 if any(name.startswith(t + ".") for t in self.targets):
                     continue  # inside a chosen module already

@@ -27,7 +27,7 @@ loss add the tiles' partial sums in tile order instead of one sum over all rows:
 rounding of the sum (tests: relative 1e-5).
 
 Not for functions that mix rows: attention, and mixture-of-experts layers (a token's expert
-capacity depends on the whole batch) are left out where this is applied by name (``tile_mlps``).
+capacity depends on the whole batch) are left out where ``tile_mlps`` finds the MLPs itself.
 See note: tiled mlp; see note: tile tokens (docs/design-notes.md).
 """
 from __future__ import annotations
@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from .linear_cross_entropy import linear_cross_entropy_sum
+from .module_roles import position_wise_mlps
 
 
 def _as_rows(x: torch.Tensor, extras: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -139,17 +140,13 @@ def tile_module(module: nn.Module, tile_tokens: int) -> nn.Module:
 
 
 def tile_mlps(model: nn.Module, tile_tokens: int, classes: Sequence[str] | None = None) -> list[str]:
-    """Tile every module of ``model`` whose class is named in ``classes`` (default: names ending in
-    ``MLP``, leaving out mixtures of experts, whose routing needs every token at once); the qualified
-    names tiled."""
-    done = []
-    for name, module in model.named_modules():
-        cls = type(module).__name__
-        wanted = cls in classes if classes is not None else (
-            cls.endswith("MLP") and not any(w in cls.lower() for w in ("moe", "expert", "sparse")))
-        if wanted:
-            tile_module(module, tile_tokens)
-            done.append(name)
+    """Tile every module of ``model`` whose class is named in ``classes`` (default: the outermost position-wise
+    MLPs, found by what they compute, ``module_roles.position_wise_mlps``: a mixture of experts, whose routing
+    needs every token at once, and its experts are left out); the qualified names tiled."""
+    done = position_wise_mlps(model) if classes is None else [
+        name for name, module in model.named_modules() if type(module).__name__ in classes]
+    for name in done:
+        tile_module(model.get_submodule(name), tile_tokens)
     return done
 
 

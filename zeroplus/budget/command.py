@@ -29,10 +29,10 @@ import sys
 from typing import Any, Callable
 
 from ..config import ConfigError, auto_keys, parse_bytes, parse_config
+from ..meta_values import SimulationError
 from ..models import GPT, gpt_config
 from ..models.split import split_gpt
 from .estimate import estimate
-from .meta_values import SimulationError
 from .model_states import model_state_bytes
 from .planner import Settings, apply_settings, plan
 from .simulate import CONSTRUCTIONS

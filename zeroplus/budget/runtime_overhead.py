@@ -74,7 +74,7 @@ DTYPES = ("fp32", "bf16", "fp16")  # compute dtypes, each probed apart
 # user's process does; 7: its step keeps the clip coefficient and overflow flag on the device, whose kernels'
 # code it pages in): a kept result from an earlier meaning is probed
 # again, whatever the package version
-PROBE_VERSION = "7"
+PROBE_VERSION = "8"
 # a launcher's variables would make the probe's engine join the caller's job
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")

@@ -41,6 +41,7 @@ from ..engine.build import build_engine, compute_dtype
 from ..engine.checkpoints.async_save import stage
 from ..engine.checkpoints.save import rank_state
 from ..ledger import Category, Ledger
+from ..meta_values import give_values, shadow_of
 from ..offload import meta_tier
 from ..parallel.groups import current_groups, using
 from ..parallel.pipeline_schedule import train_batch
@@ -48,7 +49,6 @@ from ..parallel.registry import carry_marks
 from ..parallel.topology import KINDS
 from ..zero.init_shards import partition_tree
 from ..zero.quantized import mark_packed_copy, packed_storage
-from .meta_values import give_values, shadow_of
 from .tracker import MemoryTracker
 from .virtual_group import VirtualGroup
 from .virtual_parallel import SimulatedLinks, boundary_shapes, build_in, virtual_groups

@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten
 from ..cpu_precision import native_bf16
 from ..eager import EagerWhileActive
 from ..ledger import Category, Ledger
-from .meta_values import MetaValues
+from ..meta_values import MetaValues
 
 PHASES = ("init", "forward", "backward", "step", "save")
 TRAINING_PHASES = PHASES[:4]

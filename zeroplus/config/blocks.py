@@ -167,7 +167,9 @@ class ResizeRecomputeConfig(Block):
                           "recompute by default), and with a memory_budget the planner's choice; 'auto': the "
                           "planner's choice within memory_budget.")
     modules: list[str] | None = Field(None, description="Module class names whose outputs are dropped after "
-                                                        "forward and recomputed (default: activation functions).")
+                                                        "forward and recomputed (default: every activation "
+                                                        "function whose backward keeps its input, found by what it "
+                                                        "computes).")
     norms: bool = Field(True, description="Also every normalisation layer: torch's LayerNorm, RMSNorm and "
                         "GroupNorm, their subclasses, and any module whose forward normalises over the last "
                         "dimension (found by what it computes, whatever its class is called).")
@@ -180,7 +182,8 @@ class ResizeRecomputeConfig(Block):
 class SwapAttentionConfig(Block):
     enabled: bool = False
     modules: list[str] | None = Field(None, description="Module class names whose saved activations are swapped "
-                                                        "(default: classes whose name ends in 'Attention').")
+                                                        "(default: the modules that attend, found by what "
+                                                        "they compute on one meta-device forward).")
     names: list[str] = Field(default_factory=list, description="Qualified-name patterns (fnmatch).")
     min_bytes: NonNegativeInt = Field(65536, description="Smaller saved tensors stay on the device.")
 
@@ -309,8 +312,8 @@ class TiledConfig(Block):
                           "tile at a time, in forward and backward. Tokens of the whole sequence: under "
                           "zeroplus.parallel.context C each rank's tile is ceil(mlp_tokens / C).")
     mlp_modules: list[str] | None = Field(
-        None, description="MLP class names to tile (default: classes whose name ends in 'MLP', mixtures of "
-                          "experts left out).")
+        None, description="MLP class names to tile (default: the outermost position-wise MLPs, found by "
+                          "what they compute; mixtures of experts and their experts left out).")
     loss_tokens: PositiveInt | None = Field(
         None, description="Tokens per tile of the LM head and cross-entropy (zeroplus's GPT or a Hugging Face "
                           "causal LM): the vocabulary-sized logits exist for one tile at a time. Tokens of the "
