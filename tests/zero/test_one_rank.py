@@ -94,7 +94,7 @@ def test_one_rank_holds_autograds_gradients_and_no_flat_buffer(stage: int) -> No
     groups = engine.partition.groups
     assert engine.partition.use_grads.row_receivers == {id(net.embed.weight)}  # (the embedding's rows, only)
     hooked = [n for g in groups for n, p in zip(g.names, g.params) if p._post_accumulate_grad_hooks]
-    assert not any(g.per_use for g in groups) and not hooked, hooked
+    assert not any(g.arrival.per_use for g in groups) and not hooked, hooked
     for x, y in make_batches(2, 2):
         engine.backward(engine(x, y))
         assert all(g.grad_full is None and g.master_grad is None and g.kept_grads() is not None for g in groups), \
@@ -172,7 +172,7 @@ def test_one_rank_takes_gradients_without_hooks_and_keeps_an_untied_embeddings_o
     engine = zeroplus.initialize(net, _config(stage, "AdamW", 1))
     part = engine.partition
     hooked = [n for g in part.groups for n, p in zip(g.names, g.params) if p._post_accumulate_grad_hooks]
-    assert not hooked and not any(g.per_use for g in part.groups), hooked
+    assert not hooked and not any(g.arrival.per_use for g in part.groups), hooked
     assert part.stage3 is None or not part.stage3._handles
     opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=0.01, fused=True)
     g = torch.Generator().manual_seed(3)

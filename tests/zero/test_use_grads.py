@@ -164,7 +164,7 @@ def test_gradients_equal_autograds_bit_for_bit(stage, make, flat_gradients):
     reference = make()
     reference.load_state_dict(model.state_dict())
     engine = zeroplus.initialize(model, _config(stage))
-    assert any(g.per_use for g in engine.partition.groups)
+    assert any(g.arrival.per_use for g in engine.partition.groups)
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1)
     ref_params = dict(reference.named_parameters())
     g = torch.Generator().manual_seed(2)

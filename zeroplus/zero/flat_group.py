@@ -55,6 +55,7 @@ from ..ledger import Category, Ledger
 from ..offload.policies import MasterPolicy
 from . import init_shards
 from .buffer_pool import BufferPool
+from .grad_arrival import GradArrival
 from .kept_grads import KeptGrads
 from .master_store import FullMaster, MasterStore, SharedMaster
 from .param_status import ParamStatus, mark
@@ -199,12 +200,7 @@ class FlatParamGroup:
         self._read_by_pending: list[torch.Tensor] = []  # dropped flat gradients the pending reductions read
         self.residency = Residency.GATHERED  # built whole; stage 3 releases it just below
         # Gradient arrival in one backward, written only by the methods under "arrival" below:
-        self._grads_seen = 0  # counted parameters whose gradient hook ran
-        self.per_use: set[int] = set()  # parameters whose uses send their gradients (``use_grads.py``): not counted
-        self.row_params: set[int] = set()  # of those, the ones an embedding sends rows for
-        self._dense_pending = 0  # dense uses of per-use parameters made in the forward, not yet back
-        self._by_rows: set[int] = set()  # parameters whose gradient came by rows, their gradient hook not yet run
-        self.rows: dict[int, list[tuple[torch.Tensor, torch.Tensor, int]]] = {}  # stages 2-3: (ids, sums, tokens)
+        self.arrival = GradArrival(len(self.params))  # which gradients of one backward are in, by which route
         if stage.shards_parameters:
             self.release()
 
@@ -273,24 +269,13 @@ class FlatParamGroup:
             if getattr(p, FLAT_ATTR, None) is self:
                 delattr(p, FLAT_ATTR)
 
-    # -- arrival: which gradients of one backward are in (``partition.py`` asks and tells) ----------
-    def route_per_use(self, index: int, by_rows: bool) -> None:
-        """Parameter ``index``'s uses send its gradient (``use_grads.py``), by rows if ``by_rows`` (an
-        embedding): its gradient hook no longer counts it."""
-        self.per_use.add(index)
-        if by_rows:
-            self.row_params.add(index)
-
-    def dense_use_made(self) -> None:
-        """Forward: a holder of one of the per-use parameters ran; one more dense gradient to wait for."""
-        self._dense_pending += 1
-
+    # -- arrival (``grad_arrival.py``: the partition asks and tells it directly) -------------------------
     def dense_use_arrived(self, index: int, grad: torch.Tensor) -> None:
         """A holder's use of parameter ``index`` delivered ``grad``: added in (kept as it is at one rank in fp32:
         ``_keeps_uses``), one fewer to wait for."""
         if not (self._keeps_uses() and self.kept.keep(index, grad)):
             self.accumulate_grad(index, grad)
-        self._dense_pending -= 1
+        self.arrival.dense_use_back()
 
     def _keeps_uses(self) -> bool:
         """One rank, uses not reduced early (``ZeroPartition.early_per_use``), no flat gradient yet: a per-use
@@ -298,41 +283,6 @@ class FlatParamGroup:
         the flat buffer, which nothing else needs then (see note: one-rank tied uses)."""
         early = self.owner.early_per_use if self.owner is not None else self.stage.shards_gradients
         return self.keeps_grads and not early and self.grad_full is None and self.master_grad is None
-
-    def keep_rows(self, index: int, ids: torch.Tensor, sums: torch.Tensor, tokens: int) -> None:
-        """Stages 2-3: an embedding's per-token sums for parameter ``index``, kept for the sparse reduction."""
-        self.rows.setdefault(index, []).append((ids, sums, tokens))
-
-    def take_rows(self) -> dict[int, list[tuple[torch.Tensor, torch.Tensor, int]]]:
-        """The rows kept in this backward, handed over for their reduction (``row_reduce.py``)."""
-        rows, self.rows = self.rows, {}
-        return rows
-
-    def came_by_rows(self, index: int, clear: bool = True) -> bool:
-        """Whether parameter ``index``'s gradient went into the flat buffer by rows since its hook last ran
-        (asked once, by the hook, which clears it; ``clear=False`` only asks)."""
-        by_rows = index in self._by_rows
-        if clear:
-            self._by_rows.discard(index)
-        return by_rows
-
-    def all_counted(self) -> bool:
-        """Every counted parameter's gradient hook ran (per-use parameters are not counted)."""
-        return self._grads_seen == len(self.params) - len(self.per_use)
-
-    def dense_uses_back(self) -> bool:
-        """Every dense use made in the forward has delivered its gradient."""
-        return self._dense_pending <= 0
-
-    def restart_count(self) -> None:
-        """Reduced (or left for the boundary): count the next backward's gradients from zero."""
-        self._grads_seen = 0
-
-    def end_backward(self) -> None:
-        """The backward is over: nothing is counted, awaited or unclaimed any more."""
-        self._grads_seen = 0
-        self._dense_pending = 0
-        self._by_rows.clear()
 
     # -- stage-3 gather / release -----------------------------------------------------------
     @property
@@ -399,27 +349,23 @@ class FlatParamGroup:
             else:
                 view.copy_(grad)
                 self._written[index] = True
-        if index not in self.per_use:
-            self._grads_seen += 1
+        self.arrival.seen(index)
 
     def keep_grad(self, index: int, grad: torch.Tensor) -> bool:
         """One rank (``keeps_grads``): hold autograd's gradient of parameter ``index`` as it is (``kept_grads.py``), or
         add a later one into it; False (nothing done) when it must go into the flat buffer instead: a flat buffer exists
         already, its uses send it (``per_use``), or it does not own its storage whole (a view would keep all of it)."""
         if (not self.keeps_grads or self.grad_full is not None or self.master_grad is not None
-                or index in self.per_use or not self.kept.keep(index, grad)):
+                or self.arrival.routed(index) or not self.kept.keep(index, grad)):
             return False
-        self._grads_seen += 1
+        self.arrival.seen(index)
         return True
 
     def may_keep_all(self) -> bool:
         """``keep_grad`` may take every ``.grad`` at once (``KeptGrads.keep_all``; ``kept_all`` then): one rank, no
         flat buffer, no use routed, nothing sent by rows."""
-        return (self.keeps_grads and self.grad_full is None and self.master_grad is None and not self.per_use
-                and not self._by_rows)
-
-    def kept_all(self) -> None:
-        self._grads_seen += len(self.params)
+        return (self.keeps_grads and self.grad_full is None and self.master_grad is None
+                and not self.arrival.per_use and not self.arrival.any_by_rows())
 
     def kept_grads(self) -> list[torch.Tensor] | None:
         """Every parameter's kept gradient, when each parameter has one and they are all there is (no flat
@@ -465,7 +411,7 @@ class FlatParamGroup:
             view.copy_(values)
         if last:
             self._written[index] = True
-            self._by_rows.add(index)
+            self.arrival.arrived_by_rows(index)
 
     def add_rows(self, index: int, rows: torch.Tensor, values: torch.Tensor) -> None:
         """Add ``values[k]`` into row ``rows[k]`` of a 2-D parameter's gradient (distinct rows: an
@@ -547,7 +493,7 @@ class FlatParamGroup:
         self.kept.drop()
         self.master_grad = None
         self.master_param.grad = None
-        self._grads_seen = 0
+        self.arrival.restart_count()
 
     def _own_copy(self, values: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A ledger-charged (``master``) copy of ``values`` in ``dtype``."""

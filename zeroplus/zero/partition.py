@@ -231,7 +231,7 @@ class ZeroPartition:
         for g in self.groups:
             for i, p in enumerate(g.params):
                 if id(p) in per_use:
-                    g.route_per_use(i, by_rows=id(p) in self.use_grads.row_receivers)
+                    g.arrival.route_per_use(i, by_rows=id(p) in self.use_grads.row_receivers)
         if self.stage.gathers_after_step:  # every unit, the root included, waits for its post-step all-gather before
             for unit in self.units if self.dp.size > 1 else []:  # its forward (one rank: nothing to wait for)
                 self._hooks.append(unit.module.register_forward_pre_hook(eager(self._make_wait_hook(unit))))
@@ -280,7 +280,7 @@ class ZeroPartition:
         freed at the forward's end rather than held through backward (see note: embeddings released). Not in a
         persistent root (under ``stage3_param_persistence_threshold``): its post-step gather refills the buffer."""
         every = set(range(len(group.params)))
-        return group.per_use == every and group.row_params == every and group.dense_uses_back()
+        return group.arrival.per_use == every and group.arrival.row_params == every and group.arrival.dense_uses_back()
 
     # -- backward -----------------------------------------------------------------------------
     # -- per-use gradients (use_grads.py) -----------------------------------------------------------
@@ -322,7 +322,7 @@ class ZeroPartition:
         self.release_root_early = False
     def _dense_use_made(self, group: FlatParamGroup) -> None:
         """Forward: a holder of one of ``group``'s per-use parameters ran; one more gradient to wait for."""
-        group.dense_use_made()
+        group.arrival.dense_use_made()
 
     def _dense_use_arrived(self, group: FlatParamGroup, index: int, grad: torch.Tensor) -> None:
         """A holder's use delivered ``grad`` (added into the flat buffer). The early reduction this may allow
@@ -342,7 +342,7 @@ class ZeroPartition:
         """An embedding's per-token sums: kept for the sparse reduction at stages 2-3 (``row_reduce.py``),
         else added into the flat buffer, which lives until the boundary anyway."""
         if self.early_per_use:
-            group.keep_rows(index, ids, sums, tokens)
+            group.arrival.keep_rows(index, ids, sums, tokens)
         else:
             group.add_rows(index, ids, sums)
 
@@ -350,8 +350,8 @@ class ZeroPartition:
         """Stages 2-3: reduce a per-use group's flat gradient as soon as every counted parameter and every
         dense use made in the forward has delivered (the tied head's gradient, at the start of backward),
         instead of holding it to the end. Anything arriving later is reduced again at the end and added."""
-        if (self.early_per_use and id(group) not in self._ready and group.dense_uses_back()
-                and group.grad_full is not None and group.all_counted()):
+        if (self.early_per_use and id(group) not in self._ready and group.arrival.dense_uses_back()
+                and group.grad_full is not None and group.arrival.all_counted()):
             self._group_ready(group)
 
     def _maybe_release_root(self) -> None:
@@ -360,7 +360,7 @@ class ZeroPartition:
         freed then instead of at the end of backward. Only after a first backward showed no use outside
         the holders and no holder replayed inside backward (either could read the values later)."""
         if (self.stage3 is not None and self._root_trusted()
-                and any(g.per_use for g in self.root.groups)  # (its holders' hooks are what tell a use outside)
+                and any(g.arrival.per_use for g in self.root.groups)  # (its holders' hooks are what tell a use outside)
                 and all(id(g) in self._ready or self._only_rows_to_come(g) for g in self.root.groups)):
             self.root.release()  # (frozen weights: read to the end)
 
@@ -368,7 +368,8 @@ class ZeroPartition:
     def _only_rows_to_come(group: FlatParamGroup) -> bool:
         """A per-use group holding no dense gradient and waiting for none: only embedding rows are left to
         come, and an embedding runs on its detached weight (``use_grads.py``), so the values are not read."""
-        return bool(group.per_use) and group.grad_full is None and group.dense_uses_back() and group.all_counted()
+        arrival = group.arrival
+        return bool(arrival.per_use) and group.grad_full is None and arrival.dense_uses_back() and arrival.all_counted()
 
     def begin_backward(self, reduce: bool) -> None:
         """``reduce``: reduce gradients in this backward (always at stages 2-3, at the boundary at 0-1)."""
@@ -398,11 +399,11 @@ class ZeroPartition:
                                                                               [g.params for g in groups])
         for g in groups:
             if at_once or (g.may_keep_all() and g.kept.keep_all(g.params)):
-                g.kept_all()
+                g.arrival.seen()
                 self._group_ready(g, reduce=False)  # (one rank: nothing to reduce)
                 continue
             for i, p in enumerate(g.params):
-                if p.grad is not None or g.came_by_rows(i, clear=False):
+                if p.grad is not None or g.arrival.came_by_rows(i, clear=False):
                     self._arrived(g, i, p)
 
     def _make_grad_hook(self, group: FlatParamGroup, index: int):
@@ -415,10 +416,10 @@ class ZeroPartition:
         it into the flat buffer, and reduce the group once every gradient is in."""
         self._reduce_deferred()
         grad = param.grad
-        by_rows = group.came_by_rows(index)  # its gradient went into the flat buffer by rows
-        if grad is None and not by_rows and index in group.per_use:  # its uses' gradients went there
+        by_rows = group.arrival.came_by_rows(index)  # its gradient went into the flat buffer by rows
+        if grad is None and not by_rows and group.arrival.routed(index):  # its uses' gradients went there
             return
-        if index in group.per_use:  # a use outside its holders: its saved tensors may need the values late
+        if group.arrival.routed(index):  # a use outside its holders: its saved tensors may need the values late
             self.release_root_early = False
         if grad is None and not by_rows:  # torch calls this hook only after accumulating a gradient
             raise RuntimeError(f"{group.name}: parameter {index} reached its gradient hook without a gradient")
@@ -426,9 +427,9 @@ class ZeroPartition:
         # one rank: kept as autograd made it (see note: one-rank gradients); None: counted only
         if grad is None or not group.keep_grad(index, grad):
             group.accumulate_grad(index, grad)
-        if group.per_use:
+        if group.arrival.per_use:
             self._maybe_reduce_early(group)
-        elif group.all_counted():
+        elif group.arrival.all_counted():
             self._group_ready(group)
 
     def _group_ready(self, group: FlatParamGroup, reduce: bool = True) -> None:
@@ -442,7 +443,7 @@ class ZeroPartition:
             self._in_flight.append(group)
             while len(self._in_flight) > MAX_GROUPS_IN_FLIGHT:
                 self._in_flight.popleft().wait_pending()
-        group.restart_count()
+        group.arrival.restart_count()
         unit = self._unit_of_group[id(group)]
         if unit.group_done() and self.stage3 is not None:
             self.stage3.on_unit_grads_done(unit)
@@ -458,14 +459,14 @@ class ZeroPartition:
         with_rows = []
         for g in self.groups:  # fixed order: every rank issues the same collectives
             untouched_until_boundary = (self.stage is ZeroStage.GRADIENTS and g.grad_full is None
-                                        and not self.at_boundary and not g.rows)
-            if g.per_use and self.early_per_use and not untouched_until_boundary:
+                                        and not self.at_boundary and not g.arrival.rows)
+            if g.arrival.per_use and self.early_per_use and not untouched_until_boundary:
                 self._finish_per_use(g)
-                with_rows += [g] if g.row_params else []
+                with_rows += [g] if g.arrival.row_params else []
             elif id(g) not in self._ready and (g.grad_full is not None or self.reduce_this_backward) \
                     and not untouched_until_boundary:
                 self._group_ready(g)
-            g.end_backward()
+            g.arrival.end_backward()
         self.pool.close()  # every unit of this backward is gathered
         for g in self.groups:
             g.wait_pending()
@@ -473,7 +474,7 @@ class ZeroPartition:
         self._backwards_seen += 1
         shard_dtype = torch.float32 if self.reducer.accumulate_fp32 else None
         for g in with_rows:  # after the dense reductions landed: their first one writes the shard
-            reduce_rows(g, g.take_rows(), 1.0 / self.dp.size, shard_dtype or g.compute_dtype)
+            reduce_rows(g, g.arrival.take_rows(), 1.0 / self.dp.size, shard_dtype or g.compute_dtype)
         if self.stage3 is not None:
             self.stage3.end_backward()
 
@@ -483,7 +484,7 @@ class ZeroPartition:
         collectives; a group whose only gradients are embedding rows reduces nothing dense."""
         anything = group.dp.max_flag(group.grad_full is not None)
         if id(group) not in self._ready:  # without dense gradients anywhere the rows alone make the shard
-            self._group_ready(group, reduce=anything or not group.row_params)
+            self._group_ready(group, reduce=anything or not group.arrival.row_params)
         elif anything:  # arrived after the early reduction (a use outside its holders): added to it
             self.reducer.reduce(group)
 

@@ -31,7 +31,7 @@ def reduce_rows(group: FlatParamGroup, rows: dict[int, list[tuple[torch.Tensor, 
     (created as zeros in ``shard_dtype`` if this backward reduced nothing dense into it). A
     collective: every rank of the group calls it for the same group, even with no rows."""
     dp, ledger, device = group.dp, group.ledger, group.device
-    params = sorted(group.row_params)
+    params = sorted(group.arrival.row_params)
     local = [sum(tokens for _, _, tokens in rows.get(i, [])) for i in params]  # room for every token
     simulated = device.type == "meta"  # the memory estimate: no values; every rank taken to have as many tokens
     if simulated:
