@@ -92,7 +92,7 @@ def remember_roles(model: torch.nn.Module, cfg: ResolvedConfig) -> None:
     if not zp.swap_attention.enabled or zp.swap_attention.modules is not None:
         return
     try:
-        module_roles.remember(model, attention=True)
+        module_roles.remember_attention(model)
     except Exception as err:  # noqa: BLE001 - the model's forward on meta token ids raised
         raise ConfigError(f"config key 'zeroplus.swap_attention': its modules are found by running "
                           f"{type(model).__name__}'s forward once on token ids on the meta device, which raised "

@@ -46,9 +46,11 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from ..meta_values import MetaValues, give_values
 
 _TORCH_NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
-# aten ops a norm does not run (a part of the op's name: "addmm", "native_dropout", "bernoulli_")
-_NOT_A_NORM = ("mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "conv", "bernoulli", "rand", "dropout",
-               "embedding", "index", "gather", "scatter", "topk", "sort", "multinomial", "normal")
+# aten ops that draw, index, route or convolve (a part of the op's name: "native_dropout", "bernoulli_")
+_DRAWS_OR_ROUTES = ("conv", "bernoulli", "rand", "dropout", "embedding", "index", "gather", "scatter", "topk", "sort",
+                    "multinomial", "normal")
+# aten ops a norm does not run: these and matrix products ("addmm")
+_NOT_A_NORM = ("mm", "bmm", "addmm", "baddbmm", "matmul", "linear") + _DRAWS_OR_ROUTES
 # reductions over given dimensions (their second argument)
 _REDUCTIONS = ("mean", "sum", "var", "std", "var_mean", "std_mean", "linalg_vector_norm", "norm", "amax", "amin",
                "logsumexp", "prod")
@@ -61,8 +63,7 @@ _NON_LINEAR = ("tanh", "erf", "erfc", "sigmoid", "exp", "expm1", "log", "log1p",
                "where", "abs", "sign", "logit")
 # ops an MLP's matrix products dispatch to, and the ops that mix or route tokens
 _MATMULS = ("mm", "addmm", "matmul", "linear")
-_MIXES_TOKENS = ("bmm", "baddbmm", "conv", "bernoulli", "rand", "dropout", "embedding", "index", "gather", "scatter",
-                 "topk", "sort", "multinomial", "normal", "softmax", "cumsum", "cumprod", "one_hot", "nonzero")
+_MIXES_TOKENS = ("bmm", "baddbmm", "softmax", "cumsum", "cumprod", "one_hot", "nonzero") + _DRAWS_OR_ROUTES
 _SOFTMAX = ("_softmax", "softmax", "_safe_softmax")
 # attention kernels (a part of the op's name)
 _ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
@@ -71,34 +72,37 @@ _ROLES: weakref.WeakKeyDictionary[nn.Module, dict[str, bool]] = weakref.WeakKeyD
 
 
 class _Ops(TorchDispatchMode):
-    """Records each aten op's name and arguments (and, with ``frames``, the innermost module running)."""
+    """Records each aten op's name, arguments, overload and (with ``frames``) the innermost module running."""
 
     def __init__(self, frames: list[nn.Module] | None = None) -> None:
         super().__init__()
-        self.calls: list[tuple[str, tuple, Any]] = []
+        self.calls: list[tuple[str, tuple, Any, nn.Module | None]] = []
         self.frames = frames
         self.run = MetaValues() if frames is not None else None  # a whole model: masks and routing read values
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = self.run(func, args, kwargs or {}) if self.run is not None else func(*args, **(kwargs or {}))
         frame = self.frames[-1] if self.frames else None
-        self.calls.append((func.overloadpacket.__name__, args, (func, frame, out)))
+        self.calls.append((func.overloadpacket.__name__, args, func, frame))
         return out
 
 
-def remember(model: nn.Module, mlps: bool = False, attention: bool = False) -> None:
-    """Find the norms and activation functions of ``model`` (with ``mlps`` its position-wise MLPs, with ``attention``
-    the modules that attend) now, while its parameters are whole, and keep the answers. Raises what the model's
-    forward on token ids raised (``attention_modules``)."""
+def remember(model: nn.Module, mlps: bool = False) -> None:
+    """Find the norms and activation functions of ``model`` (with ``mlps`` its position-wise MLPs too) now, while its
+    parameters are whole, and keep the answers."""
     for module in model.modules():
         normalises(module)
         activates(module)
     if mlps:
         position_wise_mlps(model)
-    if attention:
-        chosen = set(attention_modules(model))
-        for name, module in model.named_modules():
-            _ROLES.setdefault(module, {})["attention"] = name in chosen
+
+
+def remember_attention(model: nn.Module) -> None:
+    """Find the modules of ``model`` that attend (``attention_modules``) and keep the answer for each module. Raises
+    what the model's forward on token ids raised."""
+    chosen = set(attention_modules(model))
+    for name, module in model.named_modules():
+        _ROLES.setdefault(module, {})["attention"] = name in chosen
 
 
 def _answer(module: nn.Module, role: str, find: Any) -> bool:
@@ -125,7 +129,7 @@ def position_wise(module: nn.Module) -> bool:
 
 
 def attends(module: nn.Module) -> bool:
-    """Whether ``module`` was found to attend when its model was remembered with ``attention`` (else False)."""
+    """Whether ``module`` was found to attend by ``remember_attention`` (else False)."""
     return _ROLES.get(module, {}).get("attention", False)
 
 
@@ -201,7 +205,7 @@ def _probe_norm(module: nn.Module) -> bool:
     if ran is None or not isinstance(ran[0], torch.Tensor) or ran[0].shape != x.shape:
         return False
     reduced = False
-    for name, args, _ in ran[1].calls:
+    for name, args, _, _ in ran[1].calls:
         if any(bad in name for bad in _NOT_A_NORM):
             return False
         reduced |= name in _FUSED_NORMS or (name in _REDUCTIONS and len(args) > 1 and _last_dim(args[1], x.dim()))
@@ -228,8 +232,8 @@ def _probe_activation(module: nn.Module) -> bool:
     if ran is None or not isinstance(ran[0], torch.Tensor) or ran[0].shape != x.shape or not any(kept):
         return False
     calls = ran[1].calls
-    return bool(calls) and all(_pointwise(func) for _, _, (func, _, _) in calls) and any(
-        name in _NON_LINEAR for name, _, _ in calls)
+    return bool(calls) and all(_pointwise(func) for _, _, func, _ in calls) and any(
+        name in _NON_LINEAR for name, _, _, _ in calls)
 
 
 def _pointwise(func: Any) -> bool:
@@ -244,12 +248,13 @@ def _probe_mlp(module: nn.Module) -> bool:
         ran = _run(module, torch.empty(2, 3, d, dtype=weights[0].dtype, device="meta"))
         if ran is None or not isinstance(ran[0], torch.Tensor) or ran[0].shape != (2, 3, d):
             continue
-        products, bent = 0, False
-        for name, _, _ in ran[1].calls:
+        products, bent = 0, False  # products counted: the first, and each after a non-linear op
+        for name, _, _, _ in ran[1].calls:
             if name in _REDUCTIONS or any(bad in name for bad in _MIXES_TOKENS):
                 return False
             if name in _MATMULS:
-                products += 1 if products == 0 or bent else 0
+                if products == 0 or bent:
+                    products += 1
                 bent = False
             elif name in _NON_LINEAR:
                 bent = True
@@ -287,7 +292,7 @@ def _attending(model: nn.Module) -> list[str]:
     parents = {id(c): m for m in twin.modules() for c in m.children()}
     found: list[str] = []
     after_bmm: set[int] = set()  # modules that ran a batched matrix product (scores)
-    for name, _, (_, frame, _) in ops.calls:
+    for name, _, _, frame in ops.calls:
         if frame is None:
             continue
         if name in ("bmm", "baddbmm"):

@@ -35,6 +35,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..accelerator import Accelerator, get_accelerator
 from ..activations import checkpointing
+from ..activations.module_roles import token_inputs as token_inputs_for
 from ..config import ConfigError, ZeroplusConfig, auto_keys, load_config, resolve_auto, resolve_batch, resolved
 from ..embeddings import EmbeddingBagCollection
 from ..engine.build import build_engine, compute_dtype
@@ -295,9 +296,7 @@ def _meta(value: Any, memo: dict[int, torch.Tensor] | None = None) -> Any:
 def token_inputs(model: torch.nn.Module, micro_batch_size: int, seq_len: int) -> tuple[Any, ...]:
     """Inputs for a language model: token ids ``(batch, seq)``, and targets too when the model's
     forward takes them (the built-in GPT returns its loss then)."""
-    tokens = torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device="meta")
-    params = list(inspect.signature(model.forward).parameters)
-    return (tokens, tokens) if len(params) >= 2 and params[1] in ("targets", "labels") else (tokens,)
+    return token_inputs_for(model, torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device="meta"))
 
 
 CONSTRUCTIONS = ("whole", "init", "meta")
