@@ -199,7 +199,6 @@ class FlatParamGroup:
         self.pending: list[Handle] = []
         self._read_by_pending: list[torch.Tensor] = []  # dropped flat gradients the pending reductions read
         self.residency = Residency.GATHERED  # built whole; stage 3 releases it just below
-        # Gradient arrival in one backward, written only by the methods under "arrival" below:
         self.arrival = GradArrival(len(self.params))  # which gradients of one backward are in, by which route
         if stage.shards_parameters:
             self.release()
@@ -362,8 +361,8 @@ class FlatParamGroup:
         return True
 
     def may_keep_all(self) -> bool:
-        """``keep_grad`` may take every ``.grad`` at once (``KeptGrads.keep_all``; ``kept_all`` then): one rank, no
-        flat buffer, no use routed, nothing sent by rows."""
+        """``keep_grad`` may take every ``.grad`` at once (``KeptGrads.keep_all``; ``arrival.seen()`` then): one rank,
+        no flat buffer, no use routed, nothing sent by rows."""
         return (self.keeps_grads and self.grad_full is None and self.master_grad is None
                 and not self.arrival.per_use and not self.arrival.any_by_rows())
 
