@@ -13,6 +13,7 @@ See note: first forward (docs/design-notes.md).
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from typing import Any, Callable, Iterable, cast
@@ -143,6 +144,7 @@ def _plan(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, code: int | None
             outcome = (chosen.settings, chosen.reason)
         except ConfigError as err:
             outcome = str(err)
+        gc.collect()  # the simulations' reference cycles (see note: runtime overhead)
     outcome = dp.broadcast_object(outcome)
     if isinstance(outcome, str):
         raise ConfigError(outcome)
@@ -195,6 +197,7 @@ def _predictor(model: torch.nn.Module, cfg: ResolvedConfig, code: int | None):
             logger.warning("memory estimate unavailable (%s: %s); zeroplus.memory_estimate false skips it",
                            type(err).__name__, err)
             budget = None
+        gc.collect()  # the simulation's reference cycles, freed before the real forward (see note: runtime overhead)
         if deciding:  # see note: recompute where it pays
             _stand_recompute_down(engine, budget)
         if budget is None:

@@ -1,8 +1,9 @@
 """Measure this machine's runtime overhead: what a training process holds beyond its tensors.
 
-``python -m zeroplus.runtime_probe [--dtype fp32|bf16|fp16]`` trains the built-in GPT ``tiny`` (about
-0.3 MiB of parameters), in that compute dtype, for two steps with zeroplus on one gloo rank in a fresh
-process and prints, as JSON:
+``python -m zeroplus.runtime_probe [--dtype fp32|bf16|fp16] [--world-size N --rank R --store FILE]`` trains
+the built-in GPT ``tiny`` (about 0.3 MiB of parameters), in that compute dtype, for two steps with zeroplus on
+one gloo rank in a fresh process (or as rank R of N processes meeting at a file store: what gloo holds for its
+peers is measured so) and prints, as JSON:
 
 - ``construction``: the peak the engine's own report measures at the end of ``initialize`` (resident
   memory above the process when ``initialize`` started, the model's tensors counted as the engine's:
@@ -41,10 +42,16 @@ def _tensor_bytes(phase: dict[str, int]) -> int:
     return phase["total"] - phase.get("runtime", 0)
 
 
+def _arg(name: str, default: str) -> str:
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
+
+
 def main() -> None:
-    dtype = sys.argv[sys.argv.index("--dtype") + 1] if "--dtype" in sys.argv else "fp32"  # (runtime_overhead.DTYPES)
+    dtype = _arg("--dtype", "fp32")  # (runtime_overhead.DTYPES)
+    world_size, rank = int(_arg("--world-size", "1")), int(_arg("--rank", "0"))
     logging.disable(logging.WARNING)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    store = dist.HashStore() if world_size == 1 else dist.FileStore(_arg("--store", ""), world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny"))
     code_built = code_resident() or 0

@@ -20,6 +20,7 @@
 """
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -221,6 +222,32 @@ def test_engine_reports_predicted_beside_measured(caplog, tmp_path):
     off.backward(off(x, x))
     off.step()
     assert off.budget is None and off.memory_report().predicted is None and "predicted" not in str(off.memory_report())
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_first_forwards_prediction_leaves_nothing_for_the_collector(stage):
+    """The prediction at the first forward simulates the run on meta copies, and torch's tree utilities leave a
+    reference cycle per call: about 50,000 objects and 1 MiB of the real model's tensors that only a collection
+    of the oldest generation freed. A script with a large heap (Transformers imported) collects that generation
+    rarely, so they stayed through the training peak: 2.0-2.6 MiB above the prediction on a tiny model. The
+    prediction collects them before the forward goes on; the steps after make no cycles either."""
+    x = torch.randint(0, 256, (2, 16))
+    engine = zeroplus.initialize(GPT(gpt_config("tiny")), _config(stage, "fp32"))
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(2):
+            engine.backward(engine(x, x))
+            engine.step()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        found = gc.collect()
+        left = [o for o in gc.garbage if isinstance(o, torch.Tensor)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+        gc.collect()
+    assert found < 1000 and not left, (found, len(left))
 
 
 def test_charts_for_people_who_would_rather_look(tmp_path):

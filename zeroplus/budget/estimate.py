@@ -44,7 +44,7 @@ from ..host_allocator import caveat as host_allocator_caveat
 from ..memory_view import CATEGORIES, LABELS, budget_chart
 from ..parallel.groups import current_groups, parallel_groups
 from .model_states import model_state_bytes
-from .runtime_overhead import GLOO_PEER_BYTES, runtime_bytes
+from .runtime_overhead import runtime_bytes
 from .simulate import _meta, _quiet, default_loss, group_stand_ins, meta_copy, simulate
 from .tracker import PHASES, TRAINING_PHASES, cpu_workspace_bytes
 from .virtual_parallel import topology_of
@@ -146,8 +146,8 @@ class MemoryBudget:
                   f"under {100 * RECOMPUTE_PAYS_FROM:g}%" for technique, effect in self.stood_down.items()]
         lines += [f"  not predicted: {caveat}" for caveat in self.caveats]
         if self.accelerator == "cpu" and self.world_size > 1:  # (docs/benchmark.md: the main job on 2 ranks)
-            lines.append(f"  not predicted: gloo's own native memory beyond the {GLOO_PEER_BYTES / 2**20:g} MiB in "
-                         "runtime, which creeps up by 1-4 MiB over the first tens of steps on CPU ranks and levels off")
+            lines.append("  not predicted: gloo's own native memory beyond what the runtime probe's two ranks held "
+                         "after two steps, which creeps up by 1-4 MiB over the first tens of steps and levels off")
         tiers = {k: v for k, v in self.model_states.items() if k.endswith("_offloaded") and v}
         for key, value in tiers.items():
             lines.append(f"  on the offload tier, not in the device: {key} {value / 2**20:.1f} MiB")

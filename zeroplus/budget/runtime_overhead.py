@@ -1,20 +1,19 @@
 """What a training process holds beyond its tensors, measured on this machine once and kept.
 
-The budget adds ``runtime`` to every phase: on CPU, resident memory that is not a tensor. Most of it
-is torch's own code, paged in the first time a process trains (``first_use.py``); the rest is the
-engine's (its process group, hooks, generated kernels, the first-forward estimate). It differs between
-machines, libraries and versions, so it is not a constant: ``runtime_bytes("cpu")`` runs
-``python -m zeroplus.runtime_probe`` in a child process (a two-step run of a 0.3 MiB model, about 8 s
-here), with glibc as zeroplus sets it by default (``host_allocator.py``: no ``MALLOC_*`` variables of the
-caller's, as a user's process starts), and keeps its numbers (from
-construction on, from the first backward on, and how much of torch's code was resident after its model
-was built, after ``initialize`` and after training) in a file keyed by host, Python, torch and zeroplus
-versions and the probe's own version, so later processes on the machine read them. Ranks that start
-together wait on one lock and probe once. ``initialize`` reads how much of torch's code its own process
-already holds, and the prediction takes off what that process has paid already (a test session, a
-script that evaluated first, the Trainer): no figure from a fresh process is added to one that has
-paid it. ``zeroplus estimate`` and the planner before a launch assume a fresh process. On CUDA and NPU
-the budget predicts the caching allocator's peak, which holds tensors only: 0.
+The budget adds ``runtime`` to every phase: on CPU, resident memory that is not a tensor. Most of it is torch's own
+code, paged in the first time a process trains (``first_use.py``); the rest is the engine's (its process group,
+hooks, generated kernels, the first-forward estimate). It differs between machines, libraries and versions, so it is
+not a constant: ``runtime_bytes("cpu")`` runs ``python -m zeroplus.runtime_probe`` in a child process (a two-step
+run of a 0.3 MiB model), then in two that train as two ranks (what a rank holds for its peer; about 25 s in all
+here), with glibc as zeroplus sets it by default (``host_allocator.py``: no ``MALLOC_*`` variables of the caller's,
+as a user's process starts), and keeps its numbers (from construction on, from the first backward on, how much of
+torch's code was resident after its model was built, after ``initialize`` and after training, and what a rank of two
+held more) in a file keyed by host, Python, torch and zeroplus versions and the probe's own version, so later
+processes on the machine read them. Ranks that start together wait on one lock and probe once. ``initialize`` reads
+how much of torch's code its own process already holds, and the prediction takes off what that process has paid
+already (a test session, a script that evaluated first, the Trainer): no figure from a fresh process is added to one
+that has paid it. ``zeroplus estimate`` and the planner before a launch assume a fresh process. On CUDA and NPU the
+budget predicts the caching allocator's peak, which holds tensors only: 0.
 
 Modules torch imports lazily are paid before the model exists, not predicted (see note: runtime
 baseline). torch imports ``torch._dynamo`` (71 MiB resident here) when the first optimizer is built, so
@@ -27,7 +26,7 @@ probe's too, and never in the prediction.
 ``ZEROPLUS_RUNTIME_BYTES="construction,training"`` (bytes, or sizes such as ``80MiB``) sets the two
 numbers instead (whatever the process holds); ``ZEROPLUS_CACHE_DIR`` moves the file (default
 ``$XDG_CACHE_HOME/zeroplus`` or ``~/.cache/zeroplus``). If the probe cannot run, the budget warns with
-its error and uses ``FALLBACK_BYTES``, measured on the machine that wrote this. Memory: five integers;
+its error and uses ``FALLBACK_BYTES``, measured on the machine that wrote this. Memory: six integers;
 the probe's memory is the child's.
 See note: runtime overhead (docs/design-notes.md).
 """
@@ -43,6 +42,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 from typing import Any
 
 import torch
@@ -59,22 +59,23 @@ ENV = "ZEROPLUS_RUNTIME_BYTES"
 # what zeroplus's default sets (host_allocator.py), as variables: for launching a process returning freed memory from
 # its start
 ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(THRESHOLD)}
-RECORD = ("construction", "training", "code_built", "code_constructed", "code_trained")  # the probe's numbers
-FALLBACK_BYTES = (12 * 2**20, 24 * 2**20, 40 * 2**20, 45 * 2**20, 62 * 2**20)  # GPT-tiny, 1 gloo rank, fp32, here
+# the probe's numbers; "peers": what a rank of two held beyond a rank alone from the first backward on (gloo's
+# buffers for its peer, the collectives' code)
+RECORD = ("construction", "training", "code_built", "code_constructed", "code_trained", "peers")
+# GPT-tiny, fp32, a 2-core machine: one gloo rank; peers from two
+FALLBACK_BYTES = (12 * 2**20, 24 * 2**20, 40 * 2**20, 45 * 2**20, 62 * 2**20, 2 * 2**20)
 LAZY_IMPORTS = ("torch._dynamo",)  # what torch imports lazily for an engine: imported above, with zeroplus
-# gloo with a peer holds native buffers a one-rank probe never makes: the HF worker's tiny Llama (ZeRO-2, 1 x 512)
-# measured 1.0-1.4 MiB more runtime at two ranks than at one after two steps (2026-11-29; a bare loop of gloo
-# collectives up to 1.2 MB: 2.4 MiB); it creeps up by 1-4 MiB more over tens of steps (the estimate's caveat)
-GLOO_PEER_BYTES = 1 << 20
 DTYPES = ("fp32", "bf16", "fp16")  # compute dtypes, each probed apart
 # what the probe measures changed (2: the step's norm scratch no longer counted whole in the tensors
 # subtracted; measured on the engine report's basis; 3: torch's code resident recorded; 4: initialize no longer
 # runs a meta forward of its own, so construction holds less; 5: glibc returns freed memory from import on and
 # initialize starts from a trimmed heap; 6: its engine predicts with an overhead, so it decides resize recompute as a
 # user's process does; 7: its step keeps the clip coefficient and overflow flag on the device, whose kernels'
-# code it pages in): a kept result from an earlier meaning is probed
-# again, whatever the package version
-PROBE_VERSION = "8"
+# code it pages in; 8: resize recompute's default found by what modules compute; 9: the first forward's prediction
+# frees the reference cycles its simulation left, which the probe's peak held until the collector ran; 10: a
+# two-rank run measures what a rank holds for its peer, where a constant stood): a kept result from an earlier
+# meaning is probed again, whatever the package version
+PROBE_VERSION = "10"
 # a launcher's variables would make the probe's engine join the caller's job
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
@@ -87,7 +88,7 @@ def runtime_bytes(kind: str, dtype: str = "fp32", code: int | None = None, world
     ``code``: ``first_use.code_resident()`` of the process the prediction is for, read when it starts
     ``initialize``; what it holds beyond the probe's after-build figure is taken off, up to what the
     probe's run paged in by then. None: a fresh process (nothing taken off). ``world_size`` above 1 on CPU:
-    ``GLOO_PEER_BYTES`` more from the first backward on (the probe runs one rank)."""
+    the probe's ``peers`` more from the first backward on (what a rank of two held beyond a rank alone)."""
     if dtype not in DTYPES:
         raise ValueError(f"runtime_bytes: dtype {dtype!r} is not one of {DTYPES}")
     if kind != "cpu":
@@ -95,8 +96,8 @@ def runtime_bytes(kind: str, dtype: str = "fp32", code: int | None = None, world
     override = os.environ.get(ENV)
     if override is not None:
         return _parse_override(override)
-    construction, training, built, constructed, trained = _measured(dtype)
-    peers = GLOO_PEER_BYTES if world_size > 1 else 0
+    construction, training, built, constructed, trained, peers = _measured(dtype)
+    peers = peers if world_size > 1 else 0
     if code is None:
         return (construction, training + peers)
     ahead = max(0, code - built)
@@ -105,9 +106,8 @@ def runtime_bytes(kind: str, dtype: str = "fp32", code: int | None = None, world
 
 
 @functools.lru_cache(maxsize=None)
-def _measured(dtype: str) -> tuple[int, int, int, int, int]:
-    """The probe's (construction, training, code after build, after initialize, after training), from the
-    kept file or probed now."""
+def _measured(dtype: str) -> tuple[int, int, int, int, int, int]:
+    """The probe's numbers (``RECORD`` order), from the kept file or probed now."""
     path = _cache_file(dtype)
     cached = _read(path)
     if cached is not None:
@@ -128,9 +128,9 @@ def _measured(dtype: str) -> tuple[int, int, int, int, int]:
         return measured
 
 
-def probe(dtype: str = "fp32") -> tuple[int, int, int, int, int]:
-    """Run ``zeroplus.runtime_probe`` in a child process and return its numbers (``RECORD`` order); on
-    failure, warn and return ``FALLBACK_BYTES``."""
+def probe(dtype: str = "fp32") -> tuple[int, int, int, int, int, int]:
+    """Run ``zeroplus.runtime_probe`` in a child process, then as two ranks of two processes, and return
+    the one rank's numbers with ``peers`` (``RECORD`` order); on failure, warn and return ``FALLBACK_BYTES``."""
     env = {k: v for k, v in os.environ.items()
            if k not in _LAUNCH_ENV and k not in ALLOCATOR_VARIABLES and k != HOST_ALLOCATOR_ENV}
     # the fallback, not 0: the engine inside decides what a user's decides (a budget of tensors alone finds resize
@@ -139,17 +139,38 @@ def probe(dtype: str = "fp32") -> tuple[int, int, int, int, int]:
     env.update(ZEROPLUS_ACCELERATOR="cpu", **{ENV: f"{FALLBACK_BYTES[0]},{FALLBACK_BYTES[1]}"})
     cmd = [sys.executable, "-m", "zeroplus.runtime_probe", "--dtype", dtype]
     try:
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
-        if done.returncode != 0:
-            raise RuntimeError(f"exit code {done.returncode}: {done.stderr.strip()[-500:]}")
-        result = json.loads(done.stdout.strip().splitlines()[-1])
-        measured = _record(result)
+        (alone,) = _run_probe(cmd, env, 1)
+        pair = _run_probe(cmd, env, 2)
+        alone["peers"] = max(0, max(int(r["training"]) for r in pair) - int(alone["training"]))
+        measured = _record(alone)
     except (OSError, ValueError, KeyError, IndexError, RuntimeError, subprocess.TimeoutExpired) as err:
         logger.warning("the runtime overhead probe (%s) failed (%s: %s); the memory budget uses %s instead "
                        "(set %s to give it)", " ".join(cmd), type(err).__name__, err, _describe(FALLBACK_BYTES), ENV)
         return FALLBACK_BYTES
     logger.info("runtime overhead measured on this machine: %s", _describe(measured))
     return measured
+
+
+def _run_probe(cmd: list[str], env: dict[str, str], world_size: int) -> list[dict[str, Any]]:
+    """The probe's JSON from each of ``world_size`` processes run together (they meet at a file store in a
+    temporary directory); RuntimeError naming the rank and its error if one fails."""
+    with tempfile.TemporaryDirectory(prefix="zeroplus-probe-") as tmp:
+        ranks = [] if world_size == 1 else ["--world-size", str(world_size), "--store", os.path.join(tmp, "store")]
+        procs = [subprocess.Popen([*cmd, *ranks, *(["--rank", str(r)] if ranks else [])], env=env, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(world_size)]
+        try:
+            outputs = [p.communicate(timeout=600) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    results = []
+    for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
+        if p.returncode != 0:
+            raise RuntimeError(f"rank {rank} of {world_size}: exit code {p.returncode}: {err.strip()[-500:]}")
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
 
 
 def _parse_override(value: str) -> tuple[int, int]:
@@ -163,7 +184,8 @@ def _parse_override(value: str) -> tuple[int, int]:
 
 def _describe(measured: tuple[int, ...]) -> str:
     return (f"{measured[0] / 2**20:.1f} MiB from construction, {measured[1] / 2**20:.1f} MiB from the first "
-            f"backward, {(measured[4] - measured[2]) / 2**20:.1f} MiB of it torch's code paged in")
+            f"backward, {(measured[4] - measured[2]) / 2**20:.1f} MiB of it torch's code paged in, "
+            f"{measured[5] / 2**20:.1f} MiB more with a peer")
 
 
 def _cache_key(dtype: str) -> dict[str, str]:
@@ -183,14 +205,14 @@ def _cache_file(dtype: str) -> str:
     return cache_file("runtime-overhead", _cache_key(dtype))
 
 
-def _record(values: dict[str, Any]) -> tuple[int, int, int, int, int]:
+def _record(values: dict[str, Any]) -> tuple[int, int, int, int, int, int]:
     """The probe's numbers from its JSON or the kept file, in ``RECORD`` order (KeyError, TypeError or
     ValueError when one is missing or not a number)."""
-    construction, training, built, constructed, trained = (int(values[key]) for key in RECORD)
-    return construction, training, built, constructed, trained
+    construction, training, built, constructed, trained, peers = (int(values[key]) for key in RECORD)
+    return construction, training, built, constructed, trained, peers
 
 
-def _read(path: str) -> tuple[int, int, int, int, int] | None:
+def _read(path: str) -> tuple[int, int, int, int, int, int] | None:
     record = read_record(path)
     with contextlib.suppress(KeyError, TypeError, ValueError):
         return _record(record) if record is not None else None
