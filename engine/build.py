@@ -22,7 +22,7 @@ import torch.distributed as dist
 from zeroplus.accelerator import Accelerator
 from zeroplus.activations.choices import technique_choices
 from zeroplus.activations.tiled_loss import is_hf_causal_lm
-from zeroplus.comm import Collectives
+from zeroplus.collectives import Collectives
 from zeroplus.config import ConfigError, ResolvedConfig, ZeroplusConfig, ZeroStage, resolved_zero
 from zeroplus.ledger import Ledger
 from zeroplus.logs import log_rank0

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from zeroplus.comm import Collectives
+from zeroplus.collectives import Collectives
 from zeroplus.config import ConfigError, ResolvedConfig
 from zeroplus.embeddings import EmbeddingBagCollection
 from zeroplus.ledger import Category, Ledger

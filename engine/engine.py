@@ -24,7 +24,7 @@ from zeroplus.accelerator import Accelerator
 from zeroplus.activations import SavedTensorRouter
 from zeroplus.activations.choices import TechniqueChoice
 from zeroplus.activations.forward_census import ForwardCensus, storage_keys_of
-from zeroplus.comm import Collectives
+from zeroplus.collectives import Collectives
 from zeroplus.comms_log import CommsLog
 from zeroplus.config import ResolvedConfig, ZeroStage
 from zeroplus.eager import compiled_modules

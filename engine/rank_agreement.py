@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from zeroplus.comm import Collectives
+from zeroplus.collectives import Collectives
 from zeroplus.config import ConfigError, ZeroplusConfig
 
 from .embedding_tables import table_buffer_names

@@ -1,4 +1,4 @@
-"""Communication: the data-parallel group and async collectives that return handles.
+"""Communication: the data-parallel group and async collectives that return handles (``collectives.py``).
 
 Every collective is issued with ``async_op=True`` and returns a ``Handle`` whose ``wait()`` runs
 at the last moment the result is needed. With world size 1 the collectives complete at once
@@ -17,19 +17,15 @@ the textbook one (all-gather: its output; reduce-scatter: its input). ``per_rank
 reducer to take the in-place reduce path (``grad_reducer.py``). NCCL and HCCL keep the native
 collectives, which work in place.
 
-Which of these a group runs is its transport, chosen once when an engine is assembled
-(``use_transport``, from ``zeroplus.transport``): ``native`` (the tensor collectives, one launch each, as
-NCCL and HCCL run them: ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``; gloo runs
-them too, so the suite runs a GPU job's collectives with values), ``gloo`` (the per-rank broadcasts and
-reduces, the row exchange of two ranks), ``pair`` (``gloo`` with the shared-memory pair below) or
-``auto`` (native on a device backend; on gloo the pair where two ranks share an x86-64 host, else gloo).
+Which of these a group runs is its transport, chosen once when an engine is assembled (``use_transport``;
+the names and the choice: ``transports.py``).
 
 Gloo's worker threads hand each finished work's tensors back after the caller's ``wait()`` has
 returned. If the caller's Python tensor is gone by then, the worker must take the GIL to free it; at
 interpreter exit that GIL request ends the worker thread mid-destructor and the process aborts
 ("terminate called without an active exception", seen in about one run in 200). So every gloo
 collective gets fresh aliases of its tensors (``detach()``: same storage, its own tensor object),
-and ``Handle.wait()`` returns only once the backend has let go of them (``_until_released``: a few
+and ``Handle.wait()`` returns only once the backend has let go of them (``collectives.until_released``: a few
 microseconds), so the last reference to every tensor is this thread's.
 Two ranks reduce gradients by one point-to-point exchange instead (``exchange_rows``), and two ranks of one host
 (the ``pair`` transport) swap large all-gathers, exchanges and sums through shared memory instead of TCP
@@ -44,7 +40,7 @@ import datetime
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -52,46 +48,18 @@ import torch.distributed as dist
 from . import comm_observers
 from .accelerator import get_accelerator
 from .collective_faults import collective_failed, current_timeout_seconds, set_timeout_seconds
-from .comm_observers import Completed
+from .collectives import Collectives, Handle
 from .ledger import Category, Ledger
 from .shm_pair import MAPPING_BYTES, MIN_BYTES, SharedPair, open_pair
+from .transports import requested_transport, without_pair
 
 DEFAULT_TIMEOUT_SECONDS = 600.0
-TRANSPORTS = ("auto", "native", "gloo", "pair")  # zeroplus.transport (use_transport)
 # One tag for every exchange: gloo matches a pair's sends and receives of one tag in the order they were posted, and
 # every rank posts a group's exchanges in the same order (a new tag per exchange would add keys to gloo's per-tag
 # tables all run long); apart from the default tag 0 of other point-to-point messages (``shift_ring``).
 EXCHANGE_TAG = 83
-RELEASE_WAIT_SECONDS = 5.0  # how long a wait spins for gloo's worker to let go of a finished work's tensors
 
 logger = logging.getLogger(__name__)
-
-
-def requested_transport(transport: str, gloo: bool, size: int, shared_pair: bool, where: str, backend: str) -> str:
-    """What ``transport`` (``zeroplus.transport``) asks of a group of ``size`` ranks (``gloo``: its backend is gloo,
-    else it runs ``backend``; ``where`` names it in errors), before the pair is known to map: ``native``, ``gloo``
-    or ``pair``. ValueError for what cannot run: gloo's paths on another backend, ``pair`` against
-    ``shared_pair`` false. ``DataParallelGroup`` and the estimate's ``VirtualGroup`` both choose by it."""
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport {transport!r} is not one of {TRANSPORTS}")
-    if transport in ("gloo", "pair") and size > 1 and not gloo:
-        raise ValueError(f"transport {transport!r} builds collectives from gloo's per-rank broadcasts and reduces, "
-                         f"but {where} runs {backend}: use 'native' or 'auto'")
-    if transport == "pair" and not shared_pair:
-        raise ValueError("transport 'pair' with zeroplus.shared_memory_pair false: set one or the other")
-    if size == 1 or not gloo:
-        return "native" if transport == "auto" else transport
-    if transport == "auto":
-        return "pair" if shared_pair and size == 2 else "gloo"
-    return transport
-
-
-def without_pair(transport: str, where: str, size: int) -> str:
-    """The transport where the pair was asked for and cannot map: ``gloo`` for ``auto``; ValueError for ``pair``."""
-    if transport == "pair":
-        raise ValueError(f"transport 'pair' needs {where} to be two ranks of one x86-64 host that can share a /dev/shm "
-                         f"mapping (and ZEROPLUS_SHM_PAIR not 0); this one has {size} ranks or could not map it")
-    return "gloo"
 
 
 def init_distributed_if_launched(timeout_seconds: float | None = None) -> None:
@@ -108,60 +76,8 @@ def init_distributed_if_launched(timeout_seconds: float | None = None) -> None:
         set_timeout_seconds(seconds)
 
 
-class Handle:
-    """An in-flight collective; ``wait()`` blocks, then runs the completion callback once.
-    ``failed(err)`` turns a backend error into the error raised (``CollectiveError``). ``held``: fresh
-    aliases the backend's worker holds (gloo); ``wait()`` returns once it has released them. ``seen``: what the
-    observers are told when it completes (``comm_observers.py``; None when none was attached at issue)."""
-
-    def __init__(self, work: Any | None, on_done: Callable[[], None] | None = None,
-                 failed: Callable[[BaseException], BaseException] | None = None,
-                 held: tuple[torch.Tensor, ...] = (), seen: tuple[str, str, int, int, float] | None = None) -> None:
-        self._work = work
-        self._on_done = on_done
-        self._failed = failed
-        self._held = held
-        self._seen = seen
-        self.done = False
-
-    def wait(self) -> None:
-        if self.done:
-            return
-        waited = time.perf_counter() if self._seen is not None else 0.0
-        if self._work is not None:
-            try:
-                self._work.wait()
-            except RuntimeError as err:
-                raise (self._failed(err) if self._failed is not None else err) from err
-            self._work = None  # the work object references its tensors: drop them with it
-        _until_released(self._held)
-        self._held = ()
-        self.done = True
-        if self._seen is not None:
-            kind, group, size, nbytes, issued = self._seen
-            event = Completed(kind, group, size, nbytes, issued, waited, time.perf_counter())
-            for observer in list(comm_observers.OBSERVERS):
-                observer.completed(event)
-        if self._on_done is not None:
-            self._on_done()
-            self._on_done = None
-
-
 def _timeout_seconds() -> float:
     return current_timeout_seconds() or DEFAULT_TIMEOUT_SECONDS
-
-
-def _until_released(held: tuple[torch.Tensor, ...]) -> None:
-    """Spin (yielding the GIL) until this thread's alias is the only owner of each tensor in ``held``."""
-    deadline = None
-    for t in held:
-        while t._use_count() > 1:  # type: ignore[attr-defined]  # the C++ tensor's owners
-            now = time.monotonic()
-            deadline = deadline or now + RELEASE_WAIT_SECONDS
-            if now > deadline:
-                logger.debug("a finished collective's tensor is still held after %.0f s", RELEASE_WAIT_SECONDS)
-                return
-            time.sleep(0)
 
 
 def _alias(tensor: torch.Tensor) -> torch.Tensor:
@@ -182,61 +98,6 @@ class _Works:
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-class ScalarSum(Protocol):
-    """The one collective a per-parameter statistic needs (Lamb's trust ratios): a scalar summed over ranks.
-    ``Collectives`` provides it, and so does a stand-in for one rank."""
-
-    size: int
-
-    def sum_scalar(self, value: torch.Tensor) -> torch.Tensor: ...
-
-
-class Collectives(Protocol):
-    """What the layers above ask of a data-parallel group: ``DataParallelGroup`` (a process group) and the
-    estimator's ``VirtualGroup`` (one rank of any size simulated in one process, nothing moved:
-    ``budget/virtual_group.py``) provide it. ``per_rank``: reductions take the transport's in-place per-rank
-    path (``use_transport``); ``initialized``: a real process group stands behind it."""
-
-    rank: int
-    size: int
-    per_rank: bool
-    initialized: bool
-    group: Any
-
-    def all_reduce(self, tensor: torch.Tensor, op: Any = None, on_done: Callable[[], None] | None = None
-                   ) -> Handle: ...
-
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
-                       on_done: Callable[[], None] | None = None) -> Handle: ...
-
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor,
-                   on_done: Callable[[], None] | None = None) -> Handle: ...
-
-    def reduce_to_each(self, pieces: list[torch.Tensor], on_done: Callable[[], None] | None = None) -> Handle: ...
-
-    def exchange_rows(self, rows: list[torch.Tensor], into: list[torch.Tensor],
-                      on_done: Callable[[], None] | None = None) -> Handle: ...
-
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Handle: ...
-
-    def use_transport(self, transport: str, ledger: Ledger, shared_pair: bool = True) -> str: ...
-
-    def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor, output_sizes: list[int],
-                     input_sizes: list[int]) -> None: ...
-
-    def shift_ring(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Handle]: ...
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None: ...
-
-    def max_flag(self, flag: bool) -> bool: ...
-
-    def sum_scalar(self, value: torch.Tensor) -> torch.Tensor: ...
-
-    def barrier(self) -> None: ...
-
-    def all_gather_objects(self, obj: Any) -> list[Any]: ...
 
 
 class DataParallelGroup:

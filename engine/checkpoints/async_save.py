@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from zeroplus.accelerator import Accelerator
-from zeroplus.comm import Collectives, DataParallelGroup
+from zeroplus.collectives import Collectives
+from zeroplus.comm import DataParallelGroup
 from zeroplus.ledger import Category, Ledger
 
 from . import files as io

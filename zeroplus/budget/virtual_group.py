@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from ..comm import Collectives, Handle, requested_transport, without_pair
+from ..collectives import Collectives, Handle
 from ..ledger import Category, Ledger
 from ..shm_pair import MAPPING_BYTES, possible_here
+from ..transports import requested_transport, without_pair
 
 
 class VirtualGroup:

@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm import Collectives, DataParallelGroup
+from ..collectives import Collectives
+from ..comm import DataParallelGroup
 from ..parallel.groups import current_groups
 from .planner import plan_tables
 from .routed import LookupState, Routed

@@ -17,7 +17,7 @@ from typing import Any, Callable, overload
 
 import torch
 
-from ..comm import ScalarSum
+from ..collectives import ScalarSum
 
 
 class Lamb(torch.optim.Optimizer):

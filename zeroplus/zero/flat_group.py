@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from ..comm import Collectives, Handle
+from ..collectives import Collectives, Handle
 from ..config import ZeroStage
 from ..ledger import Category, Ledger
 from ..offload.policies import MasterPolicy

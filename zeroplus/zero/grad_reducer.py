@@ -34,7 +34,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..comm import Collectives
+from ..collectives import Collectives
 from ..config import ZeroStage
 from ..ledger import Category, Ledger
 from .flat_group import FlatParamGroup

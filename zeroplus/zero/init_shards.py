@@ -18,7 +18,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..comm import Collectives
+from ..collectives import Collectives
 
 SHARD_ATTR = "_zeroplus_init_shard"
 

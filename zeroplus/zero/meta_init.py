@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from ..comm import Collectives
+from ..collectives import Collectives
 from . import init_shards
 from .construction import Init, _GatherOnTouch
 

@@ -43,7 +43,7 @@ from typing import Any, Callable
 import torch
 
 from ..activations.grad_rows import RowsSink, offer_rows
-from ..comm import Collectives
+from ..collectives import Collectives
 from ..config import ResolvedZeroConfig, ZeroStage
 from ..eager import eager
 from ..ledger import Ledger

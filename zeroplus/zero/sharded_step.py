@@ -29,7 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ..comm import Collectives, ScalarSum
+from ..collectives import Collectives, ScalarSum
 from ..ledger import Category, Ledger
 from ..offload.optimizer_states import TieredStates, Window, plan_sub_groups
 from ..offload.policies import OptimizerStateOffload

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..comm import Handle
+from ..collectives import Handle
 from ..config import ZeroStage
 from .flat_group import FlatParamGroup
 from .quantized import packed_storage
