@@ -82,7 +82,7 @@ class Row:
 def _with_reduces(engine: zeroplus.Engine) -> zeroplus.Engine:
     """The engine with gloo's gradient reduction as before 2026-11-27: per-rank in-place reduces where two
     ranks now exchange rows (``grad_reducer._exchange``; see note: gloo exchange). For comparison only."""
-    reducer = engine.partition.reducer
+    reducer = engine.partition.backward.reducer
     reducer._exchange = reducer._reduce_each  # type: ignore[method-assign]
     return engine
 

@@ -185,7 +185,7 @@ def test_gradients_equal_autograds_bit_for_bit(stage, make, flat_gradients):
         opt.step()
         opt.zero_grad()
     # a use outside the holders keeps the root gathered to the end of backward (its saved tensors read it)
-    assert engine.partition.release_root_early is (make is not DirectHeadNet)
+    assert engine.partition.backward.release_root_early is (make is not DirectHeadNet)
 
 
 def test_stage3_root_is_released_once_its_gradients_are_in():

@@ -5,19 +5,7 @@ every trainable parameter's gradient accumulation (at one rank only where a use 
 autograd's gradients take them when the backward ends), reduces gradients (``grad_reducer.py``) and,
 at stage 3, gathers and releases parameters (``stage3.py``).
 
-When gradients are reduced: stages 0 and 1 at the accumulation boundary only (gradients
-accumulate in the flat compute-dtype buffer between micro-batches); stages 2 and 3 after every
-micro-batch, into the fp32 gradient shard, freeing the flat buffer. Each flat group's reduction
-starts as soon as its last gradient has arrived, so communication overlaps the rest of the
-backward; the handles are waited on when the backward is over, or earlier once more than
-``MAX_GROUPS_IN_FLIGHT`` groups are in flight. A tied parameter's uses, and the root unit's
-embeddings, add their gradients into the flat buffer as they are computed (``use_grads.py``). At
-stages 2-3 such a group is reduced as soon as its dense gradients are in (the tied head's, at the
-start of backward), so its flat buffer does not live through the backward; the embedding's rows
-are kept as per-token sums and reduced sparsely into the shard when the backward ends
-(``row_reduce.py``). At stages 0-1 the rows go into the flat buffer. At stages 2-3 the root unit's
-per-use parameters form groups of their own (label ``-uses``): an untied embedding's group then never
-allocates a flat gradient (vocabulary x hidden in the compute dtype saved for the whole backward).
+When gradients are reduced, group by group as a backward delivers them: ``grad_schedule.py``.
 
 Experts (``zeroplus.parallel.MoE``, expert-parallel size E > 1): a unit's expert parameters form
 flat groups of their own, partitioned over the expert-data group (the D / E ranks holding the same
@@ -34,7 +22,6 @@ see note: root per-use groups; see note: one-rank hooks (docs/design-notes.md).
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import logging
@@ -51,11 +38,10 @@ from ..offload.policies import MasterPolicy
 from .buffer_pool import BufferPool
 from .flat_group import FLAT_ATTR, FlatParamGroup
 from .grad_reducer import GradReducer
-from .kept_grads import keep_all_at_once
+from .grad_schedule import BackwardSchedule
 from .param_status import ParamStatus, label_whole, mark
 from .placement import UnitPlacement
 from .quantized import packed_storage, prepare_packed
-from .row_reduce import reduce_rows
 from .stage3 import Stage3Scheduler
 from .stage3_state_dict import install_state_dict_hooks
 from .units import Named, Unit, assign_parameters, bucketed, find_unit_modules, frozen_dtype
@@ -83,11 +69,6 @@ class ExpertSplit:
         """The data-parallel ranks of this expert-data group, in its rank order (d = e + E * x; the expert-data
         mode: ``t + T d = e + E x``, and with E a multiple of T every member has tensor rank ``e mod T``)."""
         return [(self.expert_rank + self.expert_size * x) // self.tensor_span for x in range(self.group.size)]
-
-# Reductions still in flight when the next one starts; older ones are waited on, which bounds
-# the flat gradients and comm buffers alive during backward to about this many groups.
-MAX_GROUPS_IN_FLIGHT = 1  # see note: one reduction in flight
-
 
 def _nothing() -> None:
     """``UseSinks.made`` of a parameter whose dense uses are not routed: nothing to count."""
@@ -178,7 +159,6 @@ class ZeroPartition:
             for g in u.all_groups:
                 g.attach(u, self, self.pool)
         self.groups: list[FlatParamGroup] = [g for u in self.units for g in u.groups]
-        self._all_keep = bool(self.groups) and all(g.keeps_grads for g in self.groups)  # one rank (early_per_use)
         self.frozen: list[FlatParamGroup] = [g for u in self.units for g in u.frozen]  # stage 3 (units.py)
         flat = {id(p) for g in self.groups + self.frozen for p in g.params}
         mark([p for p in model.parameters() if id(p) not in flat], ParamStatus.AVAILABLE)  # never partitioned
@@ -186,15 +166,10 @@ class ZeroPartition:
             label_whole([(p, s) for g in self.groups + self.frozen for p, s in zip(g.params, g.shapes)])
         overlap = True if zero.overlap_comm is None else zero.overlap_comm
         accumulate_fp32 = self.stage.shards_gradients and gradient_accumulation_steps > 1
-        self.reducer = GradReducer(self.stage, dp, zero.reduce_bucket_size, zero.reduce_scatter, overlap, ledger,
-                                   accumulate_fp32)
-        self._in_flight: collections.deque[FlatParamGroup] = collections.deque()
-        self.at_boundary = True  # this backward ends an accumulation (begin_backward)
-        self._ready: set[int] = set()
-        self._unit_of_group = {id(g): u for u in self.units for g in u.groups}
-        self._deferred: list[FlatParamGroup] = []  # per-use groups whose dense use just arrived (_dense_use_arrived)
-        self.release_root_early = True  # cleared for good by a use outside the holders or a replay
-        self._backwards_seen = 0
+        reducer = GradReducer(self.stage, dp, zero.reduce_bucket_size, zero.reduce_scatter, overlap, ledger,
+                              accumulate_fp32)
+        self.stage3: Stage3Scheduler | None = None  # (stage 3: made as the model is hooked, after the per-use swaps)
+        self.backward = BackwardSchedule(self.stage, dp, self.units, reducer, self.pool)
         self._hooks: list[Any] = []
         self.hooks_dropped = False  # drop_hooks()
         per_use -= self._embeddings_kept_whole(model)
@@ -210,8 +185,8 @@ class ZeroPartition:
         into_grad = {id(p) for g in self.groups if self._hookless(g) for p in g.params if id(p) in per_use}
         per_use = per_use - into_grad
         # one rank: groups that keep autograd's gradients and route no use take them when the backward ends
-        self._taken_at_end = [g for g in self.groups if self._takes_at_end(g, per_use)]
-        at_end = {id(p) for g in self._taken_at_end for p in g.params}
+        self.backward.taken_at_end = [g for g in self.groups if self._takes_at_end(g, per_use)]
+        at_end = {id(p) for g in self.backward.taken_at_end for p in g.params}
         for g in self.groups:
             for i, p in enumerate(g.params):
                 hooked = id(p) not in at_end  # (taken at the end: a gradient made whole is the one kept, no rows)
@@ -222,12 +197,12 @@ class ZeroPartition:
                     self._row_sinks.append(functools.partial(g.add_grad_rows, i))
                     offer_rows(p, self._row_sinks[-1])
                 if id(p) in per_use:
-                    sinks[id(p)] = UseSinks(functools.partial(self._dense_use_arrived, g, i),
-                                            functools.partial(self._rows_arrived, g, i),
-                                            functools.partial(self._dense_use_made, g))
+                    sinks[id(p)] = UseSinks(functools.partial(self.backward.dense_use_arrived, g, i),
+                                            functools.partial(self.backward.rows_arrived, g, i),
+                                            functools.partial(self.backward.dense_use_made, g))
                 elif id(p) in into_grad:
                     sinks[id(p)] = UseSinks(None, rows_into_grad(p), _nothing)
-        self.use_grads = UseGrads(model, sinks, on_replay=self._holder_replayed)
+        self.use_grads = UseGrads(model, sinks, on_replay=self.backward.holder_replayed)
         for g in self.groups:
             for i, p in enumerate(g.params):
                 if id(p) in per_use:
@@ -238,9 +213,9 @@ class ZeroPartition:
             # and any state_dict() for all of them, even called on the model
             self._hooks.append(model.register_state_dict_pre_hook(lambda *args: self.wait_all()))
         resident = all(g.resident for g in self.groups + self.frozen)  # one rank in fp32: nothing moves
-        self.stage3 = (Stage3Scheduler(self.units[:-1], self.root, prefetch, self.pool, hooked=not resident)
-                       if self.stage.shards_parameters else None)
         if self.stage.shards_parameters:
+            self.stage3 = Stage3Scheduler(self.units[:-1], self.root, prefetch, self.pool, hooked=not resident)
+            self.backward.stage3 = self.stage3
             self._hooks += install_state_dict_hooks(model, self.units)
 
     # -- forward ------------------------------------------------------------------------------
@@ -261,16 +236,10 @@ class ZeroPartition:
     def after_forward(self) -> None:
         if self.stage3 is not None:
             self.stage3.end_forward()
-            if torch.is_grad_enabled() and self._root_trusted() and not self.root.persistent:
+            if torch.is_grad_enabled() and self.backward.root_trusted() and not self.root.persistent:
                 for g in self.root.groups:
                     if self._rows_only(g):
                         g.release()
-
-    def _root_trusted(self) -> bool:
-        """Stage 3: a first backward showed no use of a root parameter outside its holders and no holder
-        replayed inside backward, so nothing in backward reads a root value its holders do not (the early
-        root release's condition, ``_maybe_release_root``)."""
-        return self.release_root_early and self._backwards_seen > 0 and not self.root.frozen
 
     @staticmethod
     def _rows_only(group: FlatParamGroup) -> bool:
@@ -282,7 +251,18 @@ class ZeroPartition:
         every = set(range(len(group.params)))
         return group.arrival.per_use == every and group.arrival.row_params == every and group.arrival.dense_uses_back()
 
-    # -- backward -----------------------------------------------------------------------------
+    # -- backward: when gradients are reduced (grad_schedule.py) --------------------------------------
+    def begin_backward(self, reduce: bool) -> None:
+        """``reduce``: reduce gradients in this backward (always at stages 2-3, at the boundary at 0-1)."""
+        self.backward.begin(reduce)
+
+    def end_backward(self) -> None:
+        self.backward.end()
+
+    @property
+    def early_per_use(self) -> bool:
+        return self.backward.early_per_use
+
     # -- per-use gradients (use_grads.py) -----------------------------------------------------------
     def _per_use(self, model: torch.nn.Module, assigned: list[tuple[str, torch.nn.Module, Named]],
                  param_group_of: dict[int, int]) -> tuple[set[int], set[int]]:
@@ -306,81 +286,6 @@ class ZeroPartition:
         shared = tied(model)
         return {id(p) for g in self.groups if g.keeps_grads for p in g.params if id(p) not in shared}
 
-    @property
-    def early_per_use(self) -> bool:
-        """Stages 2-3: per-use groups are reduced early and embeddings' rows sparsely. Not at one rank where every group
-        keeps autograd's gradients: nothing is reduced, and a per-use parameter's uses go into its kept gradient as
-        at stages 0-1 (``FlatParamGroup._keeps_uses``; see note: one-rank tied uses)."""
-        return self.stage.shards_gradients and not self._all_keep
-
-    @property
-    def reduce_this_backward(self) -> bool:
-        """Gradients are reduced in this backward: at every one at stages 2-3, at the boundary at 0-1."""
-        return self.at_boundary or self.stage.shards_gradients
-
-    def _holder_replayed(self) -> None:
-        self.release_root_early = False
-    def _dense_use_made(self, group: FlatParamGroup) -> None:
-        """Forward: a holder of one of ``group``'s per-use parameters ran; one more gradient to wait for."""
-        group.arrival.dense_use_made()
-
-    def _dense_use_arrived(self, group: FlatParamGroup, index: int, grad: torch.Tensor) -> None:
-        """A holder's use delivered ``grad`` (added into the flat buffer). The early reduction this may allow
-        starts at the next gradient hook or at the end of backward, not here: ``grad`` (a table-sized tied
-        head's gradient) is alive until this returns, and the reduction's landing shard beside it would raise
-        the peak by the shard."""
-        group.dense_use_arrived(index, grad)
-        self._deferred.append(group)
-
-    def _reduce_deferred(self) -> None:
-        """Start the early reductions ``_dense_use_arrived`` left (every rank at the same hook: one graph)."""
-        while self._deferred:
-            self._maybe_reduce_early(self._deferred.pop(0))
-
-    def _rows_arrived(self, group: FlatParamGroup, index: int, ids: torch.Tensor, sums: torch.Tensor,
-                      tokens: int) -> None:
-        """An embedding's per-token sums: kept for the sparse reduction at stages 2-3 (``row_reduce.py``),
-        else added into the flat buffer, which lives until the boundary anyway."""
-        if self.early_per_use:
-            group.arrival.keep_rows(index, ids, sums, tokens)
-        else:
-            group.add_rows(index, ids, sums)
-
-    def _maybe_reduce_early(self, group: FlatParamGroup) -> None:
-        """Stages 2-3: reduce a per-use group's flat gradient as soon as every counted parameter and every
-        dense use made in the forward has delivered (the tied head's gradient, at the start of backward),
-        instead of holding it to the end. Anything arriving later is reduced again at the end and added."""
-        if (self.early_per_use and id(group) not in self._ready and group.arrival.dense_uses_back()
-                and group.grad_full is not None and group.arrival.all_counted()):
-            self._group_ready(group)
-
-    def _maybe_release_root(self) -> None:
-        """Stage 3: once every root group's gradients are in, nothing left in this backward reads the root's
-        values (its holders' uses have run, embeddings run on detached weights), so its gathered buffer is
-        freed then instead of at the end of backward. Only after a first backward showed no use outside
-        the holders and no holder replayed inside backward (either could read the values later)."""
-        if (self.stage3 is not None and self._root_trusted()
-                and any(g.arrival.per_use for g in self.root.groups)  # (its holders' hooks are what tell a use outside)
-                and all(id(g) in self._ready or self._only_rows_to_come(g) for g in self.root.groups)):
-            self.root.release()  # (frozen weights: read to the end)
-
-    @staticmethod
-    def _only_rows_to_come(group: FlatParamGroup) -> bool:
-        """A per-use group holding no dense gradient and waiting for none: only embedding rows are left to
-        come, and an embedding runs on its detached weight (``use_grads.py``), so the values are not read."""
-        arrival = group.arrival
-        return bool(arrival.per_use) and group.grad_full is None and arrival.dense_uses_back() and arrival.all_counted()
-
-    def begin_backward(self, reduce: bool) -> None:
-        """``reduce``: reduce gradients in this backward (always at stages 2-3, at the boundary at 0-1)."""
-        self.at_boundary = reduce
-        self._ready.clear()
-        self.pool.open("backward" if reduce else "backward, accumulating")  # to end_backward (note: buffer pool)
-        for u in self.units:
-            u.begin_backward()
-        for g in self._taken_at_end:  # (accumulating: this backward's gradients are fresh in .grad, added to the kept)
-            g.kept.out_of_grad()
-
     def _hookless(self, group: FlatParamGroup) -> bool:
         """One rank (see note: one-rank hooks): ``group`` keeps autograd's gradients and, at stage 3, stays gathered,
         so nothing is reduced or released when one of its gradients arrives."""
@@ -388,105 +293,13 @@ class ZeroPartition:
 
     def _takes_at_end(self, group: FlatParamGroup, per_use: set[int]) -> bool:
         """``_hookless`` and none of ``group``'s parameters routes its uses: its gradients are taken from ``.grad``
-        when the backward ends (``_take_at_end``), not by a hook each."""
+        when the backward ends (``BackwardSchedule._take_at_end``), not by a hook each."""
         return self._hookless(group) and not any(id(p) in per_use for p in group.params)
-
-    def _take_at_end(self) -> None:
-        """The gradients of the groups ``_takes_at_end`` chose, each as its hook would have taken it: in the usual
-        case (every gradient in .grad, none held yet) all groups' at once (see note: one-rank take at once)."""
-        groups = self._taken_at_end
-        at_once = all([g.may_keep_all() for g in groups]) and keep_all_at_once([g.kept for g in groups],
-                                                                              [g.params for g in groups])
-        for g in groups:
-            if at_once or (g.may_keep_all() and g.kept.keep_all(g.params)):
-                g.arrival.seen()
-                self._group_ready(g, reduce=False)  # (one rank: nothing to reduce)
-                continue
-            for i, p in enumerate(g.params):
-                if p.grad is not None or g.arrival.came_by_rows(i, clear=False):
-                    self._arrived(g, i, p)
 
     def _make_grad_hook(self, group: FlatParamGroup, index: int):
         def hook(param: torch.nn.Parameter) -> None:
-            self._arrived(group, index, param)
+            self.backward.arrived(group, index, param)
         return hook
-
-    def _arrived(self, group: FlatParamGroup, index: int, param: torch.nn.Parameter) -> None:
-        """Parameter ``index`` of ``group`` has its gradient in ``.grad`` (or sent it by rows): keep it, or add
-        it into the flat buffer, and reduce the group once every gradient is in."""
-        self._reduce_deferred()
-        grad = param.grad
-        by_rows = group.arrival.came_by_rows(index)  # its gradient went into the flat buffer by rows
-        if grad is None and not by_rows and group.arrival.routed(index):  # its uses' gradients went there
-            return
-        if group.arrival.routed(index):  # a use outside its holders: its saved tensors may need the values late
-            self.release_root_early = False
-        if grad is None and not by_rows:  # torch calls this hook only after accumulating a gradient
-            raise RuntimeError(f"{group.name}: parameter {index} reached its gradient hook without a gradient")
-        param.grad = None
-        # one rank: kept as autograd made it (see note: one-rank gradients); None: counted only
-        if grad is None or not group.keep_grad(index, grad):
-            group.accumulate_grad(index, grad)
-        if group.arrival.per_use:
-            self._maybe_reduce_early(group)
-        elif group.arrival.all_counted():
-            self._group_ready(group)
-
-    def _group_ready(self, group: FlatParamGroup, reduce: bool = True) -> None:
-        """``group``'s gradients are all in: reduce them (unless ``reduce`` is false: a per-use group whose
-        only gradients are embedding rows, or one rank's group kept whole) and do the unit's bookkeeping."""
-        if id(group) in self._ready:
-            return
-        self._ready.add(id(group))
-        if reduce and self.reduce_this_backward:
-            self.reducer.reduce(group)
-            self._in_flight.append(group)
-            while len(self._in_flight) > MAX_GROUPS_IN_FLIGHT:
-                self._in_flight.popleft().wait_pending()
-        group.arrival.restart_count()
-        unit = self._unit_of_group[id(group)]
-        if unit.group_done() and self.stage3 is not None:
-            self.stage3.on_unit_grads_done(unit)
-        if unit.is_root:
-            self._maybe_release_root()
-
-    def end_backward(self) -> None:
-        """Reduce groups some of whose parameters got no gradient, then wait for every reduction. A
-        group with no gradient at all waits for the boundary at stage 2 (a pipeline chunk's backward
-        touches only its own groups; the others are reduced in their own backwards)."""
-        self._take_at_end()
-        self._reduce_deferred()
-        with_rows = []
-        for g in self.groups:  # fixed order: every rank issues the same collectives
-            untouched_until_boundary = (self.stage is ZeroStage.GRADIENTS and g.grad_full is None
-                                        and not self.at_boundary and not g.arrival.rows)
-            if g.arrival.per_use and self.early_per_use and not untouched_until_boundary:
-                self._finish_per_use(g)
-                with_rows += [g] if g.arrival.row_params else []
-            elif id(g) not in self._ready and (g.grad_full is not None or self.reduce_this_backward) \
-                    and not untouched_until_boundary:
-                self._group_ready(g)
-            g.arrival.end_backward()
-        self.pool.close()  # every unit of this backward is gathered
-        for g in self.groups:
-            g.wait_pending()
-        self._in_flight.clear()
-        self._backwards_seen += 1
-        shard_dtype = torch.float32 if self.reducer.accumulate_fp32 else None
-        for g in with_rows:  # after the dense reductions landed: their first one writes the shard
-            reduce_rows(g, g.arrival.take_rows(), 1.0 / self.dp.size, shard_dtype or g.compute_dtype)
-        if self.stage3 is not None:
-            self.stage3.end_backward()
-
-    def _finish_per_use(self, group: FlatParamGroup) -> None:
-        """End of backward, stages 2-3: reduce what a per-use group still holds densely. Whether any rank
-        holds something is agreed first (a one-element all-reduce), so every rank issues the same
-        collectives; a group whose only gradients are embedding rows reduces nothing dense."""
-        anything = group.dp.max_flag(group.grad_full is not None)
-        if id(group) not in self._ready:  # without dense gradients anywhere the rows alone make the shard
-            self._group_ready(group, reduce=anything or not group.arrival.row_params)
-        elif anything:  # arrived after the early reduction (a use outside its holders): added to it
-            self.reducer.reduce(group)
 
     # -- after the optimizer step ------------------------------------------------------------
     def _push_masters(self) -> None:
@@ -549,7 +362,7 @@ class ZeroPartition:
         their group, so a later ``initialize`` refuses them (``ZeroPartition`` below) instead of training on
         no values."""
         self.hooks_dropped = True
-        self._taken_at_end = []
+        self.backward.taken_at_end = []
         if self.stage3 is not None:
             self.stage3.remove()
         for handle in self._hooks:
