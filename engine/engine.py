@@ -199,6 +199,13 @@ class Engine:
         return self._partition
 
     @property
+    def activations(self) -> SavedTensorRouter:
+        """The activation techniques' saved-tensor router, for tests and tools that inspect it: ``claimers``,
+        ``around`` (the forward modes: each one's ``taken`` and ``idle``), ``waits_on_tail``. Reading is safe;
+        changing it is not supported."""
+        return self._activations
+
+    @property
     def sharded_step(self) -> ShardedStep:
         """The optimizer step over this rank's shards (checkpoints read and write its states through it)."""
         return self._step

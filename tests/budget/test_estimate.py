@@ -133,7 +133,7 @@ def test_activations_are_what_autograd_saves():
     for _ in range(2):
         recompute.backward(recompute(x, x))
         recompute.step()
-    dropped = recompute.ledger._saved[("resize_recompute", Category.ACTIVATION)].peak_bytes
+    dropped = recompute.memory_report().saved["resize_recompute/activation"]["peak_bytes"]
     assert dropped > 0
     assert recompute.budget.saved_for_backward == plain - dropped
     # the report's measured row is what the forward left holding memory: a dropped output holds none

@@ -138,7 +138,7 @@ def _train(family: str, zp: dict, steps: int = 2) -> tuple[list[float], dict, li
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    targets = {type(t).__name__: t.targets for t in engine._activations.claimers}
+    targets = {type(t).__name__: t.targets for t in engine.activations.claimers}
     state = engine.consolidated_fp32_state()
     report = engine.memory_report()
     engine.destroy()

@@ -100,9 +100,9 @@ def _train(functional: bool, loss: str, **keys: object) -> tuple[list[float], _N
 def test_modes_enter_only_where_they_act(functional: bool, loss: str, depths: list, taken: int):
     losses, net, engine = _train(functional, loss)
     assert net.depths == depths
-    lean = engine._activations.around[0]
+    lean = engine.activations.around[0]
     assert lean.taken == taken and lean.idle == (taken == 0)
-    assert (engine._activations._tail == []) == (taken == 0)  # idle: the hook on the last block went too
+    assert engine.activations.waits_on_tail == (taken != 0)  # idle: the hook on the last block went too
     off, _, plain = _train(functional, loss, lean_cross_entropy=False, resize_recompute={"enabled": False})
     assert losses == off
     engine.destroy()
@@ -118,11 +118,11 @@ def test_a_compiled_model_keeps_its_modes_as_in_the_first_forward():
     cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
            "zero_optimization": {"stage": 1}, "zeroplus": {"log_level": "warning", "memory_estimate": False}}
     engine = zeroplus.initialize(net, cfg)
-    router = engine._activations
-    assert router._tail == []
+    router = engine.activations
+    assert not router.waits_on_tail
     for _ in range(2):
         x, y = torch.randint(0, VOCAB, (2, 8)), torch.randint(0, VOCAB, (2, 8))
         engine.backward(F.cross_entropy(engine(x, y).view(-1, VOCAB), y.view(-1)))
         engine.step()
-    assert router._decided and not router.around[0].idle and not router._late_safe
+    assert router.decided and not router.around[0].idle and not router.late_safe
     engine.destroy()

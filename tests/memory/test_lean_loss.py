@@ -72,8 +72,8 @@ def _train(kind: str, stage: int, dtype: str, lean: bool, block_elements: int = 
             groups = engine.partition.groups
             out["grads"].append([(g.grad_full if stage == 0 else g.master_grad).clone() for g in groups])
         engine.step()
-    out["taken"] = sum(m.taken for m in engine._activations.around)
-    out["idle"] = [m.idle for m in engine._activations.around]
+    out["taken"] = sum(m.taken for m in engine.activations.around)
+    out["idle"] = [m.idle for m in engine.activations.around]
     engine.destroy()
     return out
 

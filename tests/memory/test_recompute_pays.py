@@ -71,7 +71,7 @@ def _train(micro: int, seq: int, recompute: dict) -> dict:
         block.enabled = not block.enabled
     return {"losses": losses, "dropped": dropped, "enabled": choice.on, "why": choice.why,
             "as_resolved": (block.enabled, block.by_default), "hooks": hooks,
-            "claimers": len(engine._activations.claimers),
+            "claimers": len(engine.activations.claimers),
             "stood_down": budget.stood_down if budget else None, "phases": budget.phases if budget else None}
 
 

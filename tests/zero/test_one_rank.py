@@ -173,7 +173,7 @@ def test_one_rank_takes_gradients_without_hooks_and_keeps_an_untied_embeddings_o
     part = engine.partition
     hooked = [n for g in part.groups for n, p in zip(g.names, g.params) if p._post_accumulate_grad_hooks]
     assert not hooked and not any(g.arrival.per_use for g in part.groups), hooked
-    assert part.stage3 is None or not part.stage3._handles
+    assert part.stage3 is None or not part.stage3.hooked
     opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=0.01, fused=True)
     g = torch.Generator().manual_seed(3)
     for _ in range(3):

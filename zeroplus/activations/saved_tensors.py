@@ -77,11 +77,17 @@ class SavedTensorRouter:
         # the late modes: entered at the end of the last scope module's forward, once a forward showed that is safe
         self._tail = ([scope[-1].register_forward_hook(eager(self._tail_ended))]
                       if late and scope and any(m.late for m in self.around) else [])
-        self._late_safe = False  # the first forward took every call after the tail ended (see note: idle modes)
-        self._decided = False  # whether the first training forward has ended (and the modes' use was read off it)
+        self.late_safe = False  # the first forward took every call after the tail ended (see note: idle modes)
+        self.decided = False  # whether the first training forward has ended (and the modes' use was read off it)
         self._waiting: list[ForwardMode] = []  # late modes to enter at the tail's end (this forward)
         self._entered: list[ForwardMode] = []  # late modes entered (this forward)
         self._taken_at_tail: int | None = None  # (an early forward) calls taken when the tail ended
+
+    @property
+    def waits_on_tail(self) -> bool:
+        """Whether a hook on the last scope module still waits to enter the late modes (it comes off once the
+        first forward showed they take nothing there: see note: idle modes)."""
+        return bool(self._tail)
 
     @property
     def lets_inner_hooks(self) -> bool:
@@ -113,13 +119,13 @@ class SavedTensorRouter:
             yield
             return
         active = [m for m in self.around if not m.idle]
-        if self._decided and not active and not self.claimers:  # (every technique idle or stood down: nothing to do)
+        if self.decided and not active and not self.claimers:  # (every technique idle or stood down: nothing to do)
             yield
             return
-        late = self._late_safe and not any(c.watches_calls for c in self.claimers)
+        late = self.late_safe and not any(c.watches_calls for c in self.claimers)
         self._waiting = [m for m in active if late and m.late]
         self._taken_at_tail = None
-        taken = None if self._decided else sum(m.taken for m in active)  # (the first forward's observation)
+        taken = None if self.decided else sum(m.taken for m in active)  # (the first forward's observation)
         exc: tuple[Any, Any, Any] = (None, None, None)
         with contextlib.ExitStack() as stack:
             for context in active:
@@ -135,12 +141,12 @@ class SavedTensorRouter:
                 while self._entered:
                     self._entered.pop().__exit__(*exc)
                 self._waiting = []
-        if not self._decided:  # see note: idle modes
-            self._decided = True
+        if not self.decided:  # see note: idle modes
+            self.decided = True
             if compiled is None or not compiled():
                 for m in self.around:
                     m.idle = not m.taken
-                self._late_safe = self._taken_at_tail == taken  # (None: no tail, or it never ran)
+                self.late_safe = self._taken_at_tail == taken  # (None: no tail, or it never ran)
                 if all(m.idle for m in self.around):  # no late mode to enter: the tail's hook goes
                     for h in self._tail:
                         h.remove()
@@ -153,7 +159,7 @@ class SavedTensorRouter:
                 m.__enter__()
                 self._entered.append(m)
             self._waiting = []
-        elif not self._decided and self._taken_at_tail is None:
+        elif not self.decided and self._taken_at_tail is None:
             self._taken_at_tail = sum(m.taken for m in self.around if not m.idle)
 
     @contextlib.contextmanager

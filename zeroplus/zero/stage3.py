@@ -64,6 +64,12 @@ class Stage3Scheduler:
             self._handles.append(unit.module.register_forward_pre_hook(eager(self._make_pre_forward(unit))))
             self._handles.append(unit.module.register_forward_hook(eager(self._make_post_forward(unit))))
 
+    @property
+    def hooked(self) -> bool:
+        """Whether the units' modules carry this scheduler's gather and release hooks (not at one rank in fp32,
+        where nothing moves, nor after ``remove``)."""
+        return bool(self._handles)
+
     def pause(self, paused: bool) -> None:
         """``True``: the module hooks do nothing until ``pause(False)`` (DeepSpeed's hook removal and
         re-registration around TRL's generation: ``deepspeed_api/parameter_offload.py``)."""
