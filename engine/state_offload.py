@@ -59,7 +59,7 @@ def _tensors(engine: Engine, kinds: set[str]) -> list[torch.Tensor]:
         if "lp_params" in kinds:
             out += [g.shard, None if g.stage.shards_parameters else g.full]
         if kinds & {"lp_grads", "contiguous_grad_buffer"}:
-            out += [g.grad_full, g.master_grad, *g.kept]
+            out += [g.gradient.flat, g.gradient.reduced, *g.gradient.kept]
     if "lp_params" in kinds:
         out += [g.shard for g in part.frozen]
     return [t for t in out if t is not None and t.device == device and t.untyped_storage().nbytes() > 0]
@@ -126,7 +126,7 @@ class StateOffload:
 
     def _kept_resized(self) -> None:  # one rank's kept gradients: one ledger entry per group, no mark on each
         for g in self.engine.partition.groups:
-            g.kept.resized()
+            g.gradient.kept.resized()
 
     def refuse_if_offloaded(self, call: str) -> None:
         if self.held:

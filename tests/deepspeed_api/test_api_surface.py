@@ -74,7 +74,7 @@ def test_boundary_set_from_outside_equals_the_counted_one():
 
 def _gradient(group) -> list[torch.Tensor]:
     """Each parameter's gradient as the group holds it (kept at one rank, else in its flat or reduced buffer)."""
-    return [group.grad_of(i) for i in range(len(group.params))]
+    return [group.gradient.of(i) for i in range(len(group.params))]
 
 
 def test_backward_without_accumulation_scaling_and_the_16bit_state_dict():

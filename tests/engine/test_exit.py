@@ -30,9 +30,9 @@ def _in_flight_after_destroy() -> tuple[int, int]:
     engine.backward(engine(x, x))
     engine.step()  # issues the post-step all-gathers; with overlap_param_gather the next forward would wait
     dist.destroy_process_group()  # as many scripts end; the engine still holds the group
-    before = sum(len(g.pending) for g in engine.partition.groups)
+    before = sum(len(g.gathers) + len(g.gradient.pending) for g in engine.partition.groups)
     wait_at_exit(weakref.ref(engine))  # what the interpreter runs at exit
-    return before, sum(len(g.pending) for g in engine.partition.groups)
+    return before, sum(len(g.gathers) + len(g.gradient.pending) for g in engine.partition.groups)
 
 
 def test_exit_waits_for_collectives_in_flight_after_destroy_process_group():

@@ -70,7 +70,7 @@ def _train(kind: str, stage: int, dtype: str, lean: bool, block_elements: int = 
         out["losses"].append(loss.item())
         if i % 2:  # the boundary: the reduced gradients, before the step
             groups = engine.partition.groups
-            out["grads"].append([(g.grad_full if stage == 0 else g.master_grad).clone() for g in groups])
+            out["grads"].append([(g.gradient.flat if stage == 0 else g.gradient.reduced).clone() for g in groups])
         engine.step()
     out["taken"] = sum(m.taken for m in engine.activations.around)
     out["idle"] = [m.idle for m in engine.activations.around]

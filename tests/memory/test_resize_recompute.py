@@ -184,7 +184,7 @@ def _gradients(kind: str, stage: int, dtype: str, recompute: bool) -> dict:
             engine.backward(loss)
             out["losses"].append(loss.item())
             if engine.is_gradient_accumulation_boundary():
-                out["grads"].append([(g.grad_full if stage == 0 else g.master_grad).clone()
+                out["grads"].append([(g.gradient.flat if stage == 0 else g.gradient.reduced).clone()
                                      for g in engine.partition.groups])
             engine.step()
     assert engine.ledger.saved_bytes("resize_recompute", Category.ACTIVATION) == 0  # all restored in backward

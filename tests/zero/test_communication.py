@@ -15,7 +15,7 @@ from tests.dist_helper import run_distributed
 from zeroplus.comm import DataParallelGroup
 from zeroplus.ledger import Category
 from zeroplus.models import GPT, gpt_config
-from zeroplus.zero.flat_group import FlatParamGroup
+from zeroplus.zero.group_grad import GroupGrad
 
 
 def _config(stage: int, **zero: object) -> dict:
@@ -182,19 +182,19 @@ def _grad_bytes_with_late_owners(stage: int) -> tuple[int, int]:
     which can drop a finished reduction's tensors a moment after ``wait`` returns) still holds every flat
     gradient a reduction read; and the reduced shards' bytes."""
     late: list[torch.Tensor] = []
-    drop = FlatParamGroup.drop_grad_full
+    drop = GroupGrad.drop_flat
 
-    def drop_and_keep(group: FlatParamGroup) -> None:
-        if group.grad_full is not None:
-            late.append(group.grad_full)
-        drop(group)
-    FlatParamGroup.drop_grad_full = drop_and_keep  # type: ignore[method-assign]
+    def drop_and_keep(gradient: GroupGrad) -> None:
+        if gradient.flat is not None:
+            late.append(gradient.flat)
+        drop(gradient)
+    GroupGrad.drop_flat = drop_and_keep  # type: ignore[method-assign]
     engine = _engine(stage, reduce_bucket_size=20_000)
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     engine.backward(engine(ids, ids))
     assert late, "no reduction dropped a flat gradient"
-    shards = sum(g.master_grad.numel() * g.master_grad.element_size() for g in engine.partition.groups
-                 if g.master_grad is not None)
+    shards = sum(g.gradient.reduced.numel() * g.gradient.reduced.element_size() for g in engine.partition.groups
+                 if g.gradient.reduced is not None)
     return engine.ledger.live_bytes(Category.GRAD), shards
 
 

@@ -22,6 +22,7 @@ import zeroplus
 from tests.models import ParityNet, SmallHeadNet, make_batches
 from zeroplus.activations.forward_census import ForwardCensus
 from zeroplus.ledger import Category
+from zeroplus.zero.group_grad import GradState
 
 pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
 
@@ -94,15 +95,15 @@ def test_one_rank_holds_autograds_gradients_and_no_flat_buffer(stage: int) -> No
     groups = engine.partition.groups
     assert engine.partition.use_grads.row_receivers == {id(net.embed.weight)}  # (the embedding's rows, only)
     hooked = [n for g in groups for n, p in zip(g.names, g.params) if p._post_accumulate_grad_hooks]
-    assert not any(g.arrival.per_use for g in groups) and not hooked, hooked
+    assert not any(g.gradient.arrival.per_use for g in groups) and not hooked, hooked
     for x, y in make_batches(2, 2):
         engine.backward(engine(x, y))
-        assert all(g.grad_full is None and g.master_grad is None and g.kept_grads() is not None for g in groups), \
-            [(g.name, g.grad_full is None, g.master_grad is None) for g in groups]
-        held = sum(t.numel() * 4 for g in groups for t in g.kept if t is not None)
+        assert all(g.gradient.state is GradState.KEPT and g.gradient.kept_whole() is not None for g in groups), \
+            [(g.name, g.gradient.state) for g in groups]
+        held = sum(t.numel() * 4 for g in groups for t in g.gradient.kept if t is not None)
         assert held == 4 * sum(p.numel() for g in groups for p in g.params) == ledger.live_bytes(Category.GRAD)
         # each kept gradient is its parameter's .grad until the step (see note: one-rank grads in place)
-        assert all(p.grad is t for g in groups for p, t in zip(g.params, g.kept))
+        assert all(p.grad is t for g in groups for p, t in zip(g.params, g.gradient.kept))
         engine.step()
         assert ledger.live_bytes(Category.GRAD) == 0
         assert all(p.grad is None for g in groups for p in g.params)
@@ -172,15 +173,15 @@ def test_one_rank_takes_gradients_without_hooks_and_keeps_an_untied_embeddings_o
     engine = zeroplus.initialize(net, _config(stage, "AdamW", 1))
     part = engine.partition
     hooked = [n for g in part.groups for n, p in zip(g.names, g.params) if p._post_accumulate_grad_hooks]
-    assert not hooked and not any(g.arrival.per_use for g in part.groups), hooked
+    assert not hooked and not any(g.gradient.arrival.per_use for g in part.groups), hooked
     assert part.stage3 is None or not part.stage3.hooked
     opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=0.01, fused=True)
     g = torch.Generator().manual_seed(3)
     for _ in range(3):
         ids, targets = torch.randint(0, 61, (2, 9), generator=g), torch.randint(0, 8, (2, 9), generator=g)
         engine.backward(engine(ids, targets))
-        assert all(g.grad_full is None and g.kept_grads() is not None for g in part.groups)
-        kept = sum(t.numel() * 4 for g in part.groups for t in g.kept if t is not None)
+        assert all(g.gradient.flat is None and g.gradient.kept_whole() is not None for g in part.groups)
+        kept = sum(t.numel() * 4 for g in part.groups for t in g.gradient.kept if t is not None)
         assert engine.ledger.live_bytes(Category.GRAD) == kept == 4 * sum(p.numel() for p in plain.parameters())
         engine.step()
         assert engine.ledger.live_bytes(Category.GRAD) == 0
@@ -265,14 +266,14 @@ def test_one_rank_kept_gradients_offloaded_leave_the_ledger_and_come_back_bitwis
     x, y = make_batches(1, 2)[0]
     engine.backward(engine(x, y))
     held = engine.ledger.live_bytes(Category.GRAD)
-    before = [t.clone() for g in engine.partition.groups for t in g.kept if t is not None]
+    before = [t.clone() for g in engine.partition.groups for t in g.gradient.kept if t is not None]
     assert held == 4 * sum(t.numel() for t in before) > 0
     engine.offload_states(include=["lp_grads"])
     assert engine.ledger.live_bytes(Category.GRAD) == 0
     assert all(p.grad is None for p in engine.module.parameters())  # (no .grad shows an emptied storage)
     engine.reload_states()
     assert engine.ledger.live_bytes(Category.GRAD) == held
-    after = [t for g in engine.partition.groups for t in g.kept if t is not None]
+    after = [t for g in engine.partition.groups for t in g.gradient.kept if t is not None]
     assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))
     engine.step()
     assert engine.ledger.live_bytes(Category.GRAD) == 0
@@ -339,7 +340,7 @@ def test_flat_step_takes_the_clip_inside_the_fused_kernel(fused: bool) -> None:
     config = _config(1, "AdamW", 1) | {"gradient_clipping": 0.01, "bf16": {"enabled": True}}
     config["zeroplus"] |= {"fused_optimizer": fused}
     engine = zeroplus.initialize(ParityNet(), config)
-    assert not any(g.keeps_grads for g in engine.partition.groups)  # (the flat step, not the direct one)
+    assert not any(g.gradient.keeps for g in engine.partition.groups)  # (the flat step, not the direct one)
     for x, y in make_batches(2, 2):
         engine.backward(engine(x, y))
         with _Ops() as ops:

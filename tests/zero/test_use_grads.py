@@ -22,7 +22,7 @@ from tests.new_storage import NewStorageBytes
 from zeroplus.ledger import Category
 from zeroplus.models import GPT, gpt_config
 from zeroplus.zero import partition as partition_module
-from zeroplus.zero.flat_group import FlatParamGroup
+from zeroplus.zero.group_grad import GroupGrad
 
 pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
 
@@ -84,11 +84,11 @@ def flat_gradients(monkeypatch):
     """Every gradient goes into the flat buffer, as at world size > 1 (one rank keeps autograd's gradients of the
     groups with no per-use parameter instead, ``direct_step.py``): the memory bounds below are those of the flat
     buffer's path, and their counterfactual (routing off) is autograd's accumulation copied into it."""
-    monkeypatch.setattr(FlatParamGroup, "keeps_grads", _NeverKeeps(), raising=False)
+    monkeypatch.setattr(GroupGrad, "keeps", _NeverKeeps(), raising=False)
 
 
 class _NeverKeeps:
-    """``FlatParamGroup.keeps_grads`` read as False whatever the group set it to (the flat_gradients fixture)."""
+    """``GroupGrad.keeps`` read as False whatever the group set it to (the flat_gradients fixture)."""
 
     def __get__(self, group: object, owner: type) -> bool:
         return False
@@ -134,7 +134,7 @@ def test_an_untied_embedding_never_allocates_a_flat_gradient(stage):
     for _ in range(2):
         ids = torch.randint(0, VOCAB, (2, 16))
         engine.backward(engine(ids, ids))
-        assert apart[0].grad_full is None
+        assert apart[0].gradient.flat is None
         engine.step()
     assert seen and max(seen) < table // 4, (seen, table)
 
@@ -164,7 +164,7 @@ def test_gradients_equal_autograds_bit_for_bit(stage, make, flat_gradients):
     reference = make()
     reference.load_state_dict(model.state_dict())
     engine = zeroplus.initialize(model, _config(stage))
-    assert any(g.arrival.per_use for g in engine.partition.groups)
+    assert any(g.gradient.arrival.per_use for g in engine.partition.groups)
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1)
     ref_params = dict(reference.named_parameters())
     g = torch.Generator().manual_seed(2)
@@ -176,7 +176,7 @@ def test_gradients_equal_autograds_bit_for_bit(stage, make, flat_gradients):
         ref_loss.backward()
         for group in engine.partition.groups:
             for index, name in enumerate(group.names):
-                mine, theirs = group.grad_of(index).reshape(-1), ref_params[name].grad.reshape(-1)
+                mine, theirs = group.gradient.of(index).reshape(-1), ref_params[name].grad.reshape(-1)
                 if step == 0:  # same parameters: the same sums
                     assert torch.equal(mine, theirs), name
                 else:  # the parameters differ by the steps' last bits

@@ -1,9 +1,9 @@
 """One rank: the step over each parameter's own gradient, as the plain module's optimizer runs it.
 
-At world size 1 in fp32 (``FlatParamGroup.keeps_grads``) nothing is reduced, so the flat gradient
+At world size 1 in fp32 (``GroupGrad.keeps``) nothing is reduced, so the flat gradient
 buffer is only a copy: each gradient written once more (read 4 * P, write 4 * P bytes per step) for
 a step that could read it where it is. Here the gradients stay where autograd put them
-(``FlatParamGroup.keep_grad``, counted in the ledger as ``grad``: 4 * P, as the flat buffer was), and
+(``GroupGrad.keep``, counted in the ledger as ``grad``: 4 * P, as the flat buffer was), and
 the optimizer steps them against views: each parameter's slice of the flat fp32 master (the
 parameters' own storage: the model's parameters themselves are stepped, their kept gradients still in
 their ``.grad``, see note: one-rank grads in place) and of every flat optimizer state, so the states stay
@@ -69,14 +69,14 @@ class DirectStep:
         """``g``'s gradients, one tensor per parameter, when this step takes the group: the kept ones, or views
         of the flat (stages 1-3: reduced) gradient they went into. None: the flat step takes it, with any kept
         gradient moved into the flat buffer first (``settle_kept``)."""
-        if not (self.enabled and g.keeps_grads and self._states_ready(g)):
-            g.settle_kept()
+        if not (self.enabled and g.gradient.keeps and self._states_ready(g)):
+            g.gradient.settle_kept()
             return None
-        kept = g.kept_grads()
+        kept = g.gradient.kept_whole()
         if kept is not None:
             return kept
-        g.settle_kept()
-        flat = g.ensure_master_grad() if g.stage.partitions else g.ensure_grad_full()
+        g.gradient.settle_kept()
+        flat = g.gradient.ensure_reduced() if g.stage.partitions else g.gradient.ensure_flat()
         return [flat[off:off + n].view(shape) for off, n, shape in zip(g.offsets, g.numels, g.shapes)]
 
     def _states_ready(self, g: FlatParamGroup) -> bool:

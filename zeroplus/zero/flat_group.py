@@ -55,8 +55,7 @@ from ..ledger import Category, Ledger
 from ..offload.policies import MasterPolicy
 from . import init_shards
 from .buffer_pool import BufferPool
-from .grad_arrival import GradArrival
-from .kept_grads import KeptGrads
+from .group_grad import GroupGrad
 from .master_store import FullMaster, MasterStore, SharedMaster
 from .param_status import ParamStatus, mark
 from .tiered_master import TieredMaster
@@ -108,7 +107,7 @@ class MasterLayout(enum.Enum):
 
 
 class FlatParamGroup:
-    """Flat storage, shard bookkeeping and gradient accumulation for one list of parameters."""
+    """Flat storage and shard bookkeeping for one list of parameters; its gradient is ``gradient`` (group_grad.py)."""
 
     def __init__(self, name: str, named_params: list[tuple[str, torch.nn.Parameter]], group_index: int,
                  stage: ZeroStage, dp: Collectives, compute_dtype: torch.dtype, ledger: Ledger,
@@ -188,18 +187,13 @@ class FlatParamGroup:
                 owned_view = init_shards.redistribute(self.params, self.offsets, self.numels, self.padded_numel,
                                                       dp, compute_dtype)
         self._lay_out_values(owned_view, master, trainable)
-        self.grad_full: torch.Tensor | None = None    # compute dtype, padded_numel
         # One rank in fp32 (see note: one-rank gradients): autograd's own gradients are kept, uncopied, until
-        # something needs the flat buffer (``_grad_buffer`` moves them in) or the step takes them as they are
-        self.keeps_grads = (trainable and dp.size == 1 and expert_ranks is None
-                            and self.layout is MasterLayout.FP32_ALIAS)
-        self.kept = KeptGrads(len(self.params), compute_dtype, ledger)
-        self._written: list[bool] = []  # which parameters' views of ``grad_full`` hold values (``_grad_view``)
-        self.master_grad: torch.Tensor | None = None  # reduced gradient of the owned range (stages 1-3)
-        self.pending: list[Handle] = []
-        self._read_by_pending: list[torch.Tensor] = []  # dropped flat gradients the pending reductions read
+        # something needs the flat buffer or the step takes them as they are
+        keeps = trainable and dp.size == 1 and expert_ranks is None and self.layout is MasterLayout.FP32_ALIAS
+        self.gradient = GroupGrad(name, self.shapes, self.offsets, self.padded_numel, self.owned_numel, compute_dtype,
+                                  self.device, ledger, keeps, stage.partitions)
+        self.gathers: list[Handle] = []  # the parameters' all-gathers in flight after a step (stages 1-2, persistent)
         self.residency = Residency.GATHERED  # built whole; stage 3 releases it just below
-        self.arrival = GradArrival(len(self.params))  # which gradients of one backward are in, by which route
         if stage.shards_parameters:
             self.release()
 
@@ -268,21 +262,6 @@ class FlatParamGroup:
             if getattr(p, FLAT_ATTR, None) is self:
                 delattr(p, FLAT_ATTR)
 
-    # -- arrival (``grad_arrival.py``: the partition asks and tells it directly) -------------------------
-    def dense_use_arrived(self, index: int, grad: torch.Tensor) -> None:
-        """A holder's use of parameter ``index`` delivered ``grad``: added in (kept as it is at one rank in fp32:
-        ``_keeps_uses``), one fewer to wait for."""
-        if not (self._keeps_uses() and self.kept.keep(index, grad)):
-            self.accumulate_grad(index, grad)
-        self.arrival.dense_use_back()
-
-    def _keeps_uses(self) -> bool:
-        """One rank, uses not reduced early (``ZeroPartition.early_per_use``), no flat gradient yet: a per-use
-        parameter's dense uses and rows go into its kept gradient (``kept_grads.py``), as they would into its view of
-        the flat buffer, which nothing else needs then (see note: one-rank tied uses)."""
-        early = self.owner.early_per_use if self.owner is not None else self.stage.shards_gradients
-        return self.keeps_grads and not early and self.grad_full is None and self.master_grad is None
-
     # -- stage-3 gather / release -----------------------------------------------------------
     @property
     def gathered(self) -> bool:
@@ -336,163 +315,18 @@ class FlatParamGroup:
                 p.data = self._released
             mark(self.params, ParamStatus.NOT_AVAILABLE)
 
-    # -- gradients ----------------------------------------------------------------------------
-    def accumulate_grad(self, index: int, grad: torch.Tensor | None) -> None:
-        """Add one parameter's gradient into the flat gradient buffer (allocated on first use): the
-        first gradient since the buffer was allocated is copied in, later ones added. ``None``: it came
-        by rows (``add_grad_rows``) and is only counted."""
-        if grad is not None:
-            view = self._grad_view(index)
-            if self._written[index]:
-                view.add_(grad)  # no flattening copy of a strided grad
-            else:
-                view.copy_(grad)
-                self._written[index] = True
-        self.arrival.seen(index)
-
-    def keep_grad(self, index: int, grad: torch.Tensor) -> bool:
-        """One rank (``keeps_grads``): hold autograd's gradient of parameter ``index`` as it is (``kept_grads.py``), or
-        add a later one into it; False (nothing done) when it must go into the flat buffer instead: a flat buffer exists
-        already, its uses send it (``per_use``), or it does not own its storage whole (a view would keep all of it)."""
-        if (not self.keeps_grads or self.grad_full is not None or self.master_grad is not None
-                or self.arrival.routed(index) or not self.kept.keep(index, grad)):
-            return False
-        self.arrival.seen(index)
-        return True
-
-    def may_keep_all(self) -> bool:
-        """``keep_grad`` may take every ``.grad`` at once (``KeptGrads.keep_all``; ``arrival.seen()`` then): one rank,
-        no flat buffer, no use routed, nothing sent by rows."""
-        return (self.keeps_grads and self.grad_full is None and self.master_grad is None
-                and not self.arrival.per_use and not self.arrival.any_by_rows())
-
-    def kept_grads(self) -> list[torch.Tensor] | None:
-        """Every parameter's kept gradient, when each parameter has one and they are all there is (no flat
-        buffer, no reduced gradient); else None."""
-        if self.grad_full is not None or self.master_grad is not None:
-            return None
-        return self.kept.whole()
-
-    def grad_of(self, index: int) -> torch.Tensor | None:
-        """Parameter ``index``'s gradient as this rank holds it now, in its shape: kept (one rank), its view of the
-        flat buffer, or of the reduced gradient when this rank owns the whole group; None if none of these."""
-        if self.kept[index] is not None:
-            return self.kept[index]
-        off, n = self.offsets[index], self.numels[index]
-        flat = self.grad_full if self.grad_full is not None else (
-            self.master_grad if self.owned_numel == self.padded_numel else None)
-        return None if flat is None else flat[off:off + n].view(self.shapes[index])
-
-    def holds_kept(self) -> bool:
-        return self.kept.holds()
-
-    def settle_kept(self) -> None:
-        """The kept gradients go into the flat buffer (zeros where a parameter has none), and at stages 1-3 into
-        the reduced gradient, as the one-rank reduction (``grad_reducer._keep_whole``) would have put them."""
-        if not self.holds_kept():
-            return
-        grad = self.ensure_grad_full()
-        if self.stage.partitions:
-            if self.master_grad is None:
-                self.adopt_master_grad(grad)
-            else:
-                self.master_grad.add_(grad)
-            self.drop_grad_full()
-
-    def add_grad_rows(self, index: int, start: int, values: torch.Tensor, last: bool) -> None:
-        """Rows ``start..start+len(values)`` of parameter ``index``'s gradient (``activations/grad_rows.py``),
-        copied in or added as ``accumulate_grad`` would the whole gradient: the slices of one gradient are
-        disjoint, so the parameter counts as written only once its ``last`` slice is in."""
-        view = self._grad_view(index)[start:start + values.shape[0]]
-        if self._written[index]:
-            view.add_(values)
-        else:
-            view.copy_(values)
-        if last:
-            self._written[index] = True
-            self.arrival.arrived_by_rows(index)
-
-    def add_rows(self, index: int, rows: torch.Tensor, values: torch.Tensor) -> None:
-        """Add ``values[k]`` into row ``rows[k]`` of a 2-D parameter's gradient (distinct rows: an
-        embedding's tokens, ``use_grads.py``): into its kept gradient if it has one (``_keeps_uses``)."""
-        kept = self.kept[index] if self._keeps_uses() else None
-        if kept is not None:
-            kept.index_add_(0, rows, values)
-            return
-        view = self._grad_view(index)
-        if not self._written[index]:
-            view.zero_()
-            self._written[index] = True
-        view.index_add_(0, rows, values)
-
-    def _grad_view(self, index: int) -> torch.Tensor:
-        """Parameter ``index``'s view of the flat gradient (allocated if none exists)."""
-        off, n = self.offsets[index], self.numels[index]
-        return self._grad_buffer()[off:off + n].view(self.shapes[index])
-
-    def _grad_buffer(self) -> torch.Tensor:
-        """The flat gradient as it is. A new buffer is left uninitialised but for its padding (zeroing
-        it and adding the first gradients would write every byte twice and read it once more):
-        ``_written`` says which parameters' views hold values, and ``ensure_grad_full`` zeroes the rest."""
-        if self.grad_full is None:
-            self.grad_full = self.ledger.empty(self.padded_numel, self.compute_dtype, Category.GRAD, self.device)
-            self.grad_full[self.numel:].zero_()
-            self._written = [False] * len(self.params)
-            for index in self.kept.move_into(self._grad_view):  # gradients kept so far (one rank) move in
-                self._written[index] = True
-        return self.grad_full
-
-    def ensure_grad_full(self) -> torch.Tensor:
-        """The whole flat gradient, with zeros where no parameter's gradient arrived (unused parameters
-        still reduce); allocated if none did."""
-        grad = self._grad_buffer()
-        for index, written in enumerate(self._written):
-            if not written:
-                self._grad_view(index).zero_()
-                self._written[index] = True
-        return grad
-
-    def drop_grad_full(self) -> None:
-        """A reduction was issued (stages 1-3): the flat gradient is dropped; the handles keep alive what they
-        still read, and the ledger stops counting it when they are waited on (``wait_pending``), not when its
-        storage dies: gloo's worker thread may drop the last reference a moment later, and counting until
-        then made the gradient peak depend on thread timing (one group more, seen in CI)."""
-        if self.pending and self.grad_full is not None and self.grad_full is not self.master_grad:
-            self._read_by_pending.append(self.grad_full)
-        self.grad_full = None
-
-    def adopt_master_grad(self, grad: torch.Tensor) -> None:
-        """One rank owns everything: the flat gradient ``grad`` becomes the reduced one, no copy."""
-        self.master_grad = grad
-
-    def new_master_grad(self, dtype: torch.dtype) -> torch.Tensor:
-        """A reduced gradient of the owned range in ``dtype``, left for a reduction to write (ledger:
-        ``grad``); refused if one exists (two reductions in one step would lose the first)."""
-        if self.master_grad is not None:
-            raise RuntimeError(f"{self.name}: reduced twice in one step without accumulation")
-        self.master_grad = self.ledger.empty(self.owned_numel, dtype, Category.GRAD, self.device)
-        return self.master_grad
-
-    def ensure_master_grad(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The reduced gradient of the owned range, zeros in ``dtype`` if none exists yet."""
-        if self.master_grad is None:
-            self.master_grad = self.ledger.zeros(self.owned_numel, dtype, Category.GRAD, self.device)
-        return self.master_grad
-
+    # -- the gradient's reductions and the parameters' gathers in flight -------------------------------
     def wait_pending(self) -> None:
-        for handle in self.pending:
+        """Land everything in flight on this group: its gradient's reductions, then its parameters' gathers."""
+        self.gradient.wait()
+        for handle in self.gathers:
             handle.wait()
-        self.pending.clear()
-        for grad in self._read_by_pending:
-            self.ledger.release(grad)
-        self._read_by_pending.clear()
+        self.gathers.clear()
 
     def free_grads(self) -> None:
-        self.grad_full = None
-        self.kept.drop()
-        self.master_grad = None
+        """After the step: the gradient's stores let go (``GroupGrad.free``), the master's ``.grad`` too."""
+        self.gradient.free()
         self.master_param.grad = None
-        self.arrival.restart_count()
 
     def _own_copy(self, values: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A ledger-charged (``master``) copy of ``values`` in ``dtype``."""

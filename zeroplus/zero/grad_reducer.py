@@ -54,15 +54,15 @@ class GradReducer:
         self.ledger = ledger
 
     def reduce(self, group: FlatParamGroup) -> None:
-        """Start reducing ``group``'s flat gradient; results land when ``group.wait_pending()`` runs."""
-        if self.dp.size == 1 and group.kept_grads() is not None:
+        """Start reducing ``group``'s flat gradient; results land when ``group.gradient.wait()`` runs."""
+        if self.dp.size == 1 and group.gradient.kept_whole() is not None:
             return  # one rank: the kept gradients stay where autograd put them (see note: one-rank gradients)
-        grad = group.ensure_grad_full()
+        grad = group.gradient.ensure_flat()
         if self.stage.partitions and group.dp.size == self.dp.size == 1:
             self._keep_whole(group, grad)
         elif not self.stage.partitions:
             for a in range(0, group.padded_numel, self.bucket_numel):
-                group.pending.append(group.dp.all_reduce(grad[a:a + self.bucket_numel]))
+                group.gradient.issued(group.dp.all_reduce(grad[a:a + self.bucket_numel]))
         elif not self.use_reduce_scatter:
             self._all_reduce_keep_shard(group, grad)
         elif group.dp.per_rank:
@@ -70,17 +70,17 @@ class GradReducer:
         else:
             self._reduce_scatter(group, grad)
         if self.stage.partitions:
-            group.drop_grad_full()
+            group.gradient.drop_flat()
         if not self.overlap:
-            group.wait_pending()
+            group.gradient.wait()
 
     def _keep_whole(self, group: FlatParamGroup, grad: torch.Tensor) -> None:
         """One rank in all (data and partition groups of size 1) owns everything: the flat gradient becomes
         the reduced one, no copy and no division (or is added into it when accumulating)."""
         if self._adds_into_shard(group):
-            group.ensure_master_grad().add_(grad)
+            group.gradient.ensure_reduced().add_(grad)
         else:
-            group.adopt_master_grad(grad)
+            group.gradient.adopt_reduced(grad)
 
     def _column_buckets(self, grad: torch.Tensor, s: int, cols: int) -> Iterator[tuple[int, int, torch.Tensor]]:
         """``(c0, c1, input)`` per bucket: columns ``[c0, c1)`` of the ``(N, S)`` gradient, made
@@ -104,21 +104,21 @@ class GradReducer:
         if not self._adds_into_shard(group):
             self._reduce_scatter_direct(group, grad, cols)
             return
-        master_grad = group.ensure_master_grad()
+        master_grad = group.gradient.ensure_reduced()
         for c0, c1, inp in self._column_buckets(grad, s, cols):
             out = self.ledger.empty(c1 - c0, grad.dtype, Category.COMM_BUFFER, grad.device)
             target = master_grad[c0:c1]
-            group.pending.append(group.dp.reduce_scatter(out, inp, on_done=_adder(target, out, scale)))
+            group.gradient.issued(group.dp.reduce_scatter(out, inp, on_done=_adder(target, out, scale)))
 
     def _reduce_scatter_direct(self, group: FlatParamGroup, grad: torch.Tensor, cols: int) -> None:
         """One reduction per step: the collective writes straight into the gradient shard
         (compute dtype), which is then divided by N; no comm buffer for the output."""
         s = group.shard_numel
-        shard = group.new_master_grad(grad.dtype)
+        shard = group.gradient.new_reduced(grad.dtype)
         scale = 1.0 / self.dp.size
         for c0, c1, inp in self._column_buckets(grad, s, cols):
             part = shard[c0:c1]
-            group.pending.append(group.dp.reduce_scatter(part, inp, on_done=_scaler(part, scale)))
+            group.gradient.issued(group.dp.reduce_scatter(part, inp, on_done=_scaler(part, scale)))
 
     def _all_reduce_keep_shard(self, group: FlatParamGroup, grad: torch.Tensor) -> None:
         """All-reduce contiguous buckets of the flat gradient in place and keep the owned range
@@ -129,7 +129,7 @@ class GradReducer:
             b = min(group.padded_numel, a + self.bucket_numel)
             s, e = max(a, lo), min(b, lo + group.owned_numel)
             keep = land(target[s - lo:e - lo], grad[s:e], scale) if s < e else None
-            group.pending.append(group.dp.all_reduce(grad[a:b], on_done=keep))
+            group.gradient.issued(group.dp.all_reduce(grad[a:b], on_done=keep))
 
     def _reduce_in_place(self, group: FlatParamGroup, grad: torch.Tensor) -> None:
         """Gloo: each bucket of columns reduced in place onto its owner, one ``reduce`` per rank
@@ -148,7 +148,7 @@ class GradReducer:
         cols = max(1, self.bucket_numel // n)
         for c0, c1 in _spans(s, cols):
             keep = land(target[c0:c1], rows[r, c0:c1], 1.0 / self.dp.size)
-            group.pending.append(group.dp.reduce_to_each([rows[i, c0:c1] for i in range(n)], on_done=keep))
+            group.gradient.issued(group.dp.reduce_to_each([rows[i, c0:c1] for i in range(n)], on_done=keep))
 
     def _exchange(self, group: FlatParamGroup, grad: torch.Tensor) -> None:
         """Gloo, two ranks, one reduction per step: each rank sends the other its row of each bucket of
@@ -157,26 +157,26 @@ class GradReducer:
         buffer at all, and half the time of two reduces (see note: gloo exchange)."""
         s, r = group.shard_numel, group.dp.rank
         rows = grad.view(2, s)
-        shard = group.new_master_grad(grad.dtype)
+        shard = group.gradient.new_reduced(grad.dtype)
         cols = max(1, self.bucket_numel // 2)
         for c0, c1 in _spans(s, cols):
             part = shard[c0:c1]
             pieces = [rows[i, c0:c1] for i in range(2)]
             into = [part, part]  # (this rank's entry is neither sent nor written)
-            group.pending.append(group.dp.exchange_rows(pieces, into, on_done=_summer(part, rows[r, c0:c1],
+            group.gradient.issued(group.dp.exchange_rows(pieces, into, on_done=_summer(part, rows[r, c0:c1],
                                                                                        1.0 / self.dp.size)))
 
     def _adds_into_shard(self, group: FlatParamGroup) -> bool:
         """Whether this reduction adds into a reduced shard (the fp32 accumulator, or the shard an earlier
         reduction of this backward wrote) rather than writing a new one."""
-        return self.accumulate_fp32 or group.master_grad is not None
+        return self.accumulate_fp32 or group.gradient.reduced is not None
 
     def _landing(self, group: FlatParamGroup, dtype: torch.dtype) -> tuple[torch.Tensor, _Landing]:
         """Where one reduction's owned elements land and how: added, divided by D, into the existing shard
         (``_adds_into_shard``), else copied, divided, into a new compute-dtype shard."""
         if self._adds_into_shard(group):
-            return group.ensure_master_grad(), _adder
-        return group.new_master_grad(dtype), _copier
+            return group.gradient.ensure_reduced(), _adder
+        return group.gradient.new_reduced(dtype), _copier
 
 
 def _adder(target: torch.Tensor, source: torch.Tensor, scale: float) -> Callable[[], None]:

@@ -60,7 +60,7 @@ class BackwardSchedule:
         self.pool = pool
         self.stage3: Stage3Scheduler | None = None
         self.taken_at_end: list[FlatParamGroup] = []
-        self._all_keep = bool(self.groups) and all(g.keeps_grads for g in self.groups)  # one rank (early_per_use)
+        self._all_keep = bool(self.groups) and all(g.gradient.keeps for g in self.groups)  # one rank (early_per_use)
         self._in_flight: collections.deque[FlatParamGroup] = collections.deque()
         self.at_boundary = True  # this backward ends an accumulation (begin)
         self._ready: set[int] = set()
@@ -79,7 +79,7 @@ class BackwardSchedule:
     def early_per_use(self) -> bool:
         """Stages 2-3: per-use groups are reduced early and embeddings' rows sparsely. Not at one rank where every group
         keeps autograd's gradients: nothing is reduced, and a per-use parameter's uses go into its kept gradient as
-        at stages 0-1 (``FlatParamGroup._keeps_uses``; see note: one-rank tied uses)."""
+        at stages 0-1 (``GroupGrad._keeps_uses``; see note: one-rank tied uses)."""
         return self.stage.shards_gradients and not self._all_keep
 
     @property
@@ -91,14 +91,14 @@ class BackwardSchedule:
         self.release_root_early = False
     def dense_use_made(self, group: FlatParamGroup) -> None:
         """Forward: a holder of one of ``group``'s per-use parameters ran; one more gradient to wait for."""
-        group.arrival.dense_use_made()
+        group.gradient.arrival.dense_use_made()
 
     def dense_use_arrived(self, group: FlatParamGroup, index: int, grad: torch.Tensor) -> None:
         """A holder's use delivered ``grad`` (added into the flat buffer). The early reduction this may allow
         starts at the next gradient hook or at the end of backward, not here: ``grad`` (a table-sized tied
         head's gradient) is alive until this returns, and the reduction's landing shard beside it would raise
         the peak by the shard."""
-        group.dense_use_arrived(index, grad)
+        group.gradient.dense_use_arrived(index, grad, self.early_per_use)
         self._deferred.append(group)
 
     def _reduce_deferred(self) -> None:
@@ -111,16 +111,17 @@ class BackwardSchedule:
         """An embedding's per-token sums: kept for the sparse reduction at stages 2-3 (``row_reduce.py``),
         else added into the flat buffer, which lives until the boundary anyway."""
         if self.early_per_use:
-            group.arrival.keep_rows(index, ids, sums, tokens)
+            group.gradient.arrival.keep_rows(index, ids, sums, tokens)
         else:
-            group.add_rows(index, ids, sums)
+            group.gradient.add_rows(index, ids, sums, self.early_per_use)
 
     def _maybe_reduce_early(self, group: FlatParamGroup) -> None:
         """Stages 2-3: reduce a per-use group's flat gradient as soon as every counted parameter and every
         dense use made in the forward has delivered (the tied head's gradient, at the start of backward),
         instead of holding it to the end. Anything arriving later is reduced again at the end and added."""
-        if (self.early_per_use and id(group) not in self._ready and group.arrival.dense_uses_back()
-                and group.grad_full is not None and group.arrival.all_counted()):
+        gradient = group.gradient
+        if (self.early_per_use and id(group) not in self._ready and gradient.arrival.dense_uses_back()
+                and gradient.flat is not None and gradient.arrival.all_counted()):
             self._group_ready(group)
 
     def _maybe_release_root(self) -> None:
@@ -129,7 +130,7 @@ class BackwardSchedule:
         freed then instead of at the end of backward. Only after a first backward showed no use outside
         the holders and no holder replayed inside backward (either could read the values later)."""
         if (self.stage3 is not None and self.root_trusted()
-                and any(g.arrival.per_use for g in self.root.groups)  # (its holders' hooks are what tell a use outside)
+                and any(g.gradient.arrival.per_use for g in self.root.groups)  # (its holders' hooks tell a use outside)
                 and all(id(g) in self._ready or self._only_rows_to_come(g) for g in self.root.groups)):
             self.root.release()  # (frozen weights: read to the end)
 
@@ -137,8 +138,8 @@ class BackwardSchedule:
     def _only_rows_to_come(group: FlatParamGroup) -> bool:
         """A per-use group holding no dense gradient and waiting for none: only embedding rows are left to
         come, and an embedding runs on its detached weight (``use_grads.py``), so the values are not read."""
-        arrival = group.arrival
-        return bool(arrival.per_use) and group.grad_full is None and arrival.dense_uses_back() and arrival.all_counted()
+        gradient, arrival = group.gradient, group.gradient.arrival
+        return bool(arrival.per_use) and gradient.flat is None and arrival.dense_uses_back() and arrival.all_counted()
 
     def begin(self, reduce: bool) -> None:
         """``reduce``: reduce gradients in this backward (always at stages 2-3, at the boundary at 0-1)."""
@@ -148,42 +149,42 @@ class BackwardSchedule:
         for u in self.units:
             u.begin_backward()
         for g in self.taken_at_end:  # (accumulating: this backward's gradients are fresh in .grad, added to the kept)
-            g.kept.out_of_grad()
+            g.gradient.kept.out_of_grad()
 
     def _take_at_end(self) -> None:
         """The gradients of the groups ``_takes_at_end`` chose, each as its hook would have taken it: in the usual
         case (every gradient in .grad, none held yet) all groups' at once (see note: one-rank take at once)."""
         groups = self.taken_at_end
-        at_once = all([g.may_keep_all() for g in groups]) and keep_all_at_once([g.kept for g in groups],
-                                                                              [g.params for g in groups])
+        at_once = all([g.gradient.may_keep_all() for g in groups]) and keep_all_at_once(
+            [g.gradient.kept for g in groups], [g.params for g in groups])
         for g in groups:
-            if at_once or (g.may_keep_all() and g.kept.keep_all(g.params)):
-                g.arrival.seen()
+            if at_once or (g.gradient.may_keep_all() and g.gradient.kept.keep_all(g.params)):
+                g.gradient.arrival.seen()
                 self._group_ready(g, reduce=False)  # (one rank: nothing to reduce)
                 continue
             for i, p in enumerate(g.params):
-                if p.grad is not None or g.arrival.came_by_rows(i, clear=False):
+                if p.grad is not None or g.gradient.arrival.came_by_rows(i, clear=False):
                     self.arrived(g, i, p)
 
     def arrived(self, group: FlatParamGroup, index: int, param: torch.nn.Parameter) -> None:
         """Parameter ``index`` of ``group`` has its gradient in ``.grad`` (or sent it by rows): keep it, or add
         it into the flat buffer, and reduce the group once every gradient is in."""
         self._reduce_deferred()
-        grad = param.grad
-        by_rows = group.arrival.came_by_rows(index)  # its gradient went into the flat buffer by rows
-        if grad is None and not by_rows and group.arrival.routed(index):  # its uses' gradients went there
+        grad, gradient = param.grad, group.gradient
+        by_rows = gradient.arrival.came_by_rows(index)  # its gradient went into the flat buffer by rows
+        if grad is None and not by_rows and gradient.arrival.routed(index):  # its uses' gradients went there
             return
-        if group.arrival.routed(index):  # a use outside its holders: its saved tensors may need the values late
+        if gradient.arrival.routed(index):  # a use outside its holders: its saved tensors may need the values late
             self.release_root_early = False
         if grad is None and not by_rows:  # torch calls this hook only after accumulating a gradient
             raise RuntimeError(f"{group.name}: parameter {index} reached its gradient hook without a gradient")
         param.grad = None
         # one rank: kept as autograd made it (see note: one-rank gradients); None: counted only
-        if grad is None or not group.keep_grad(index, grad):
-            group.accumulate_grad(index, grad)
-        if group.arrival.per_use:
+        if grad is None or not gradient.keep(index, grad):
+            gradient.accumulate(index, grad)
+        if gradient.arrival.per_use:
             self._maybe_reduce_early(group)
-        elif group.arrival.all_counted():
+        elif gradient.arrival.all_counted():
             self._group_ready(group)
 
     def _group_ready(self, group: FlatParamGroup, reduce: bool = True) -> None:
@@ -196,8 +197,8 @@ class BackwardSchedule:
             self.reducer.reduce(group)
             self._in_flight.append(group)
             while len(self._in_flight) > MAX_GROUPS_IN_FLIGHT:
-                self._in_flight.popleft().wait_pending()
-        group.arrival.restart_count()
+                self._in_flight.popleft().gradient.wait()
+        group.gradient.arrival.restart_count()
         unit = self._unit_of_group[id(group)]
         if unit.group_done() and self.stage3 is not None:
             self.stage3.on_unit_grads_done(unit)
@@ -212,15 +213,15 @@ class BackwardSchedule:
         self._reduce_deferred()
         with_rows = []
         for g in self.groups:  # fixed order: every rank issues the same collectives
-            untouched_until_boundary = (self.stage is ZeroStage.GRADIENTS and g.grad_full is None
-                                        and not self.at_boundary and not g.arrival.rows)
-            if g.arrival.per_use and self.early_per_use and not untouched_until_boundary:
+            untouched_until_boundary = (self.stage is ZeroStage.GRADIENTS and g.gradient.flat is None
+                                        and not self.at_boundary and not g.gradient.arrival.rows)
+            if g.gradient.arrival.per_use and self.early_per_use and not untouched_until_boundary:
                 self._finish_per_use(g)
-                with_rows += [g] if g.arrival.row_params else []
-            elif id(g) not in self._ready and (g.grad_full is not None or self.reduce_this_backward) \
+                with_rows += [g] if g.gradient.arrival.row_params else []
+            elif id(g) not in self._ready and (g.gradient.flat is not None or self.reduce_this_backward) \
                     and not untouched_until_boundary:
                 self._group_ready(g)
-            g.arrival.end_backward()
+            g.gradient.arrival.end_backward()
         self.pool.close()  # every unit of this backward is gathered
         for g in self.groups:
             g.wait_pending()
@@ -228,7 +229,7 @@ class BackwardSchedule:
         self._backwards_seen += 1
         shard_dtype = torch.float32 if self.reducer.accumulate_fp32 else None
         for g in with_rows:  # after the dense reductions landed: their first one writes the shard
-            reduce_rows(g, g.arrival.take_rows(), 1.0 / self.dp.size, shard_dtype or g.compute_dtype)
+            reduce_rows(g, g.gradient.arrival.take_rows(), 1.0 / self.dp.size, shard_dtype or g.compute_dtype)
         if self.stage3 is not None:
             self.stage3.end_backward()
 
@@ -236,8 +237,8 @@ class BackwardSchedule:
         """End of backward, stages 2-3: reduce what a per-use group still holds densely. Whether any rank
         holds something is agreed first (a one-element all-reduce), so every rank issues the same
         collectives; a group whose only gradients are embedding rows reduces nothing dense."""
-        anything = group.dp.max_flag(group.grad_full is not None)
+        anything = group.dp.max_flag(group.gradient.flat is not None)
         if id(group) not in self._ready:  # without dense gradients anywhere the rows alone make the shard
-            self._group_ready(group, reduce=anything or not group.arrival.row_params)
+            self._group_ready(group, reduce=anything or not group.gradient.arrival.row_params)
         elif anything:  # arrived after the early reduction (a use outside its holders): added to it
             self.reducer.reduce(group)

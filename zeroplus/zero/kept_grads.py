@@ -1,6 +1,6 @@
 """One rank's kept gradients: autograd's own gradient tensors, held as they are for a flat group.
 
-At world size 1 in fp32 nothing is reduced (``FlatParamGroup.keeps_grads``), so a group's flat gradient buffer
+At world size 1 in fp32 nothing is reduced (``GroupGrad.keeps``), so a group's flat gradient buffer
 would only be a copy. ``KeptGrads`` holds each parameter's gradient tensor as autograd made it, adds a later
 micro-batch's into it in place, and counts them in the ledger as ``grad``: the c * P bytes the flat buffer would
 hold, with no copy. A gradient is kept only if it owns its storage whole (the compute dtype, contiguous, the

@@ -194,7 +194,7 @@ class ZeroPartition:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(g, i)))
                 if hooked and len(g.shapes[i]) == 2:  # slices straight into the flat buffer; the hook (run after,
                     # no gradient) counts. (The recorded shape: a released stage-3 parameter is empty.)
-                    self._row_sinks.append(functools.partial(g.add_grad_rows, i))
+                    self._row_sinks.append(functools.partial(g.gradient.add_slice, i))
                     offer_rows(p, self._row_sinks[-1])
                 if id(p) in per_use:
                     sinks[id(p)] = UseSinks(functools.partial(self.backward.dense_use_arrived, g, i),
@@ -206,7 +206,7 @@ class ZeroPartition:
         for g in self.groups:
             for i, p in enumerate(g.params):
                 if id(p) in per_use:
-                    g.arrival.route_per_use(i, by_rows=id(p) in self.use_grads.row_receivers)
+                    g.gradient.arrival.route_per_use(i, by_rows=id(p) in self.use_grads.row_receivers)
         if self.stage.gathers_after_step:  # every unit, the root included, waits for its post-step all-gather before
             for unit in self.units if self.dp.size > 1 else []:  # its forward (one rank: nothing to wait for)
                 self._hooks.append(unit.module.register_forward_pre_hook(eager(self._make_wait_hook(unit))))
@@ -249,7 +249,8 @@ class ZeroPartition:
         freed at the forward's end rather than held through backward (see note: embeddings released). Not in a
         persistent root (under ``stage3_param_persistence_threshold``): its post-step gather refills the buffer."""
         every = set(range(len(group.params)))
-        return group.arrival.per_use == every and group.arrival.row_params == every and group.arrival.dense_uses_back()
+        arrival = group.gradient.arrival
+        return arrival.per_use == every and arrival.row_params == every and arrival.dense_uses_back()
 
     # -- backward: when gradients are reduced (grad_schedule.py) --------------------------------------
     def begin_backward(self, reduce: bool) -> None:
@@ -284,12 +285,12 @@ class ZeroPartition:
         a flat buffer: rows would buy no memory and cost that buffer, a copy of the group's other gradients and a
         sort of the tokens. (A tied weight keeps the path: it spares a table-sized gradient, note 42.)"""
         shared = tied(model)
-        return {id(p) for g in self.groups if g.keeps_grads for p in g.params if id(p) not in shared}
+        return {id(p) for g in self.groups if g.gradient.keeps for p in g.params if id(p) not in shared}
 
     def _hookless(self, group: FlatParamGroup) -> bool:
         """One rank (see note: one-rank hooks): ``group`` keeps autograd's gradients and, at stage 3, stays gathered,
         so nothing is reduced or released when one of its gradients arrives."""
-        return group.keeps_grads and (group.resident or not self.stage.shards_parameters)
+        return group.gradient.keeps and (group.resident or not self.stage.shards_parameters)
 
     def _takes_at_end(self, group: FlatParamGroup, per_use: set[int]) -> bool:
         """``_hookless`` and none of ``group``'s parameters routes its uses: its gradients are taken from ``.grad``
@@ -310,7 +311,7 @@ class ZeroPartition:
             if handle is not None and g.dp.size == 1:  # (complete: no forward hook waits at one rank)
                 handle.wait()
             elif handle is not None:
-                g.pending.append(handle)
+                g.gathers.append(handle)
 
     def after_step(self) -> None:
         self._push_masters()

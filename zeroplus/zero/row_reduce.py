@@ -31,7 +31,7 @@ def reduce_rows(group: FlatParamGroup, rows: dict[int, list[tuple[torch.Tensor, 
     (created as zeros in ``shard_dtype`` if this backward reduced nothing dense into it). A
     collective: every rank of the group calls it for the same group, even with no rows."""
     dp, ledger, device = group.dp, group.ledger, group.device
-    params = sorted(group.arrival.row_params)
+    params = sorted(group.gradient.arrival.row_params)
     local = [sum(tokens for _, _, tokens in rows.get(i, [])) for i in params]  # room for every token
     simulated = device.type == "meta"  # the memory estimate: no values; every rank taken to have as many tokens
     if simulated:
@@ -40,7 +40,7 @@ def reduce_rows(group: FlatParamGroup, rows: dict[int, list[tuple[torch.Tensor, 
         every = torch.empty(dp.size * len(params), dtype=torch.int64)
         dp.all_gather(every, torch.tensor(local, dtype=torch.int64)).wait()
         widest = every.view(dp.size, len(params)).max(dim=0).values.tolist()
-    shard = group.ensure_master_grad(shard_dtype)
+    shard = group.gradient.ensure_reduced(shard_dtype)
     lo, hi = group.owned_start, group.owned_start + group.owned_numel
     for i, width in zip(params, widest):
         if width == 0:

@@ -188,7 +188,7 @@ class ShardedStep:
         mp = self.model_parallel
         for g in self.partition.groups:
             if mp is not None and mp.has_replicated(g):  # the norm weighs its parameters: the flat path's segments
-                g.settle_kept()
+                g.gradient.settle_kept()
                 continue
             grads = self.direct.grads(g)
             if grads is not None:
@@ -208,7 +208,7 @@ class ShardedStep:
         experts = torch.zeros_like(total)  # stage 0: the experts' part, summed over the expert group
         mp = self.model_parallel
         for g in flat:
-            source = g.ensure_grad_full() if stage0 else g.ensure_master_grad()
+            source = g.gradient.ensure_flat() if stage0 else g.gradient.ensure_reduced()
             into = experts if stage0 and g.expert else total
             if mp is None or not mp.has_replicated(g):
                 into += _sum_of_squares(source, scratch)
@@ -235,7 +235,7 @@ class ShardedStep:
         return norm / loss_scale
 
     def _master_grad(self, g: FlatParamGroup, coef: float) -> torch.Tensor:
-        grad = g.ensure_master_grad() if self.partition.stage.partitions else g.ensure_grad_full()
+        grad = g.gradient.ensure_reduced() if self.partition.stage.partitions else g.gradient.ensure_flat()
         if grad.dtype != torch.float32:  # low precision: this group's fp32 gradient only, for its step
             grad = self.ledger.empty(grad.numel(), torch.float32, Category.GRAD, grad.device).copy_(grad)
         return grad.mul_(coef) if coef != 1.0 else grad

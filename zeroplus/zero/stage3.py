@@ -174,7 +174,7 @@ class Stage3Scheduler:
         for unit in self.units + [self.root]:
             if unit.persistent:
                 for g in unit.groups:
-                    g.pending.append(g.all_gather_into_full())
+                    g.gathers.append(g.all_gather_into_full())
 
     def remove(self) -> None:
         for h in self._handles:
