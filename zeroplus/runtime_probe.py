@@ -1,7 +1,7 @@
 """Measure this machine's runtime overhead: what a training process holds beyond its tensors.
 
 ``python -m zeroplus.runtime_probe [--dtype fp32|bf16|fp16] [--world-size N --rank R --store FILE]`` trains
-the built-in GPT ``tiny`` (about 0.3 MiB of parameters), in that compute dtype, for two steps with zeroplus on
+the built-in GPT ``tiny`` (about 0.3 MiB of parameters), in that compute dtype, for three steps with zeroplus on
 one gloo rank in a fresh process (or as rank R of N processes meeting at a file store: what gloo holds for its
 peers is measured so) and prints, as JSON:
 
@@ -11,6 +11,8 @@ peers is measured so) and prints, as JSON:
   tensors the simulation predicts for the ``init`` phase. ``torch._dynamo``, which the first optimizer
   would import, came with ``import zeroplus`` and is in the baseline: ``budget/runtime_overhead.py``.
 - ``training``: the same over two training steps, minus the predicted training peak's tensors.
+- ``profiled``: what a third step, run under the FLOPs profiler (DeepSpeed's ``flops_profiler``, which the main
+  job turns on: every op of the step passes through Python dispatch), put on the peak beyond ``training``.
 - ``code_built``, ``code_constructed``, ``code_trained``: torch's code resident after the model was
   built, after ``initialize`` and after training (``budget/first_use.py``), so a process that already
   holds some of it is predicted without it.
@@ -36,6 +38,7 @@ from .initialize_engine import initialize
 from .models import GPT, gpt_config
 
 SEQ = 32
+PROFILED_STEP = 3  # the steps before it are what an unprofiled run holds
 
 
 def _tensor_bytes(phase: dict[str, int]) -> int:
@@ -58,22 +61,26 @@ def main() -> None:
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
               "zero_optimization": {"stage": 3}, "zeroplus": {"log_level": "error"},
+              "flops_profiler": {"enabled": True, "profile_step": PROFILED_STEP},
               "bf16": {"enabled": dtype == "bf16"}, "fp16": {"enabled": dtype == "fp16"}}
     engine = initialize(model, config)
     constructed = engine.memory_report().process_peak_above_start_bytes  # the basis every report measures on
     code_constructed = code_resident() or 0
     tokens = torch.randint(0, gpt_config("tiny").vocab_size, (2, SEQ))
-    for _ in range(2):
+    for step in range(1, PROFILED_STEP + 1):
         engine.backward(engine(tokens, tokens))
         engine.step()
-    trained = engine.memory_report().process_peak_above_start_bytes
-    code_trained = code_resident() or 0
+        if step == PROFILED_STEP - 1:
+            trained = engine.memory_report().process_peak_above_start_bytes
+            code_trained = code_resident() or 0
+    profiled = engine.memory_report().process_peak_above_start_bytes - trained
     budget = engine.budget
     if budget is None:
         raise RuntimeError("the runtime probe's engine made no memory prediction")
     result = {"code_built": code_built, "code_constructed": code_constructed, "code_trained": code_trained,
               "construction": max(0, constructed - _tensor_bytes(budget.phases["init"])),
-              "training": max(0, trained - _tensor_bytes(budget.phases[budget.training_peak_phase]))}
+              "training": max(0, trained - _tensor_bytes(budget.phases[budget.training_peak_phase])),
+              "profiled": max(0, profiled)}
     print(json.dumps(result))
     dist.destroy_process_group()
 

@@ -50,6 +50,12 @@ def test_measured_once_kept_and_read_back(fresh, monkeypatch):
     assert 0 < record["peers"] < 16 * 2**20
     assert runtime_bytes("cpu", world_size=2) == runtime_bytes("cpu", world_size=4) == (
         construction, training + record["peers"])
+    # a step under the FLOPs profiler (the main job profiles one): what it put on the probe's peak, more in a rank of
+    # two (Python dispatch around the collectives; 0.2 MiB alone and 1.2 MiB with a peer here on 2026-12-03)
+    assert 0 <= record["profiled"] <= record["profiled_with_peer"] < 16 * 2**20, record
+    assert runtime_bytes("cpu", profiled=True) == (construction, training + record["profiled"])
+    assert runtime_bytes("cpu", world_size=2, profiled=True) == (
+        construction, training + record["peers"] + record["profiled_with_peer"])
     assert runtime_bytes("cuda") == runtime_bytes("npu") == runtime_bytes("cuda", world_size=8) == (0, 0)
 
 
@@ -92,3 +98,24 @@ def test_a_process_that_trained_holds_torchs_code_and_reading_it_costs_nothing()
     before, after, again = json.loads(done.stdout.strip().splitlines()[-1])
     assert after - before > 5 * 2**20, (before, after)  # a first training step pages torch's code in
     assert abs(again - after) < 2**20, "reading it pages nothing in"
+
+
+def test_a_config_that_profiles_a_step_is_predicted_with_what_the_profiled_step_held(monkeypatch):
+    """``flops_profiler`` on (the main job turns it on): the estimate's training phases carry the probe's profiled
+    figure, in a rank of two its ``profiled_with_peer``; construction does not."""
+    import zeroplus
+    from zeroplus.models import GPT, gpt_config
+    monkeypatch.delenv(ENV, raising=False)
+    mib = 2**20
+    monkeypatch.setattr(runtime_overhead, "_measured", lambda dtype: (mib, 8 * mib, 0, 0, 0, 2 * mib, 3 * mib, 5 * mib))
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3}}
+    runtimes = {}
+    for world in (1, 2):
+        for profiled in (False, True):
+            budget = zeroplus.estimate(lambda: GPT(gpt_config("tiny")), {**config, "flops_profiler": {
+                "enabled": profiled}}, world_size=world, seq_len=16, accelerator="cpu")
+            runtimes[world, profiled] = (budget.phases["init"]["runtime"],
+                                         budget.phases[budget.training_peak_phase]["runtime"])
+    assert runtimes[1, False] == (mib, 8 * mib) and runtimes[1, True] == (mib, 11 * mib), runtimes
+    assert runtimes[2, False] == (mib, 10 * mib) and runtimes[2, True] == (mib, 15 * mib), runtimes

@@ -261,7 +261,8 @@ def _estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: di
     tracker, cfg = simulate(model, config, world_size, rank, micro_batch_size=micro_batch_size, seq_len=seq_len,
                             example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
                             workspace=cpu_workspace_bytes if kind == "cpu" else None,
-                            runtime=runtime_bytes(kind, dtype, code, world_size),
+                            runtime=runtime_bytes(kind, dtype, code, world_size,
+                                                  load_config(config).flops_profiler.enabled),
                             construction=construction)
     phases = {}
     for phase in PHASES:

@@ -3,17 +3,18 @@
 The budget adds ``runtime`` to every phase: on CPU, resident memory that is not a tensor. Most of it is torch's own
 code, paged in the first time a process trains (``first_use.py``); the rest is the engine's (its process group,
 hooks, generated kernels, the first-forward estimate). It differs between machines, libraries and versions, so it is
-not a constant: ``runtime_bytes("cpu")`` runs ``python -m zeroplus.runtime_probe`` in a child process (a two-step
+not a constant: ``runtime_bytes("cpu")`` runs ``python -m zeroplus.runtime_probe`` in a child process (a three-step
 run of a 0.3 MiB model), then in two that train as two ranks (what a rank holds for its peer; about 25 s in all
 here), with glibc as zeroplus sets it by default (``host_allocator.py``: no ``MALLOC_*`` variables of the caller's,
 as a user's process starts), and keeps its numbers (from construction on, from the first backward on, how much of
 torch's code was resident after its model was built, after ``initialize`` and after training, and what a rank of two
-held more) in a file keyed by host, Python, torch and zeroplus versions and the probe's own version, so later
-processes on the machine read them. Ranks that start together wait on one lock and probe once. ``initialize`` reads
-how much of torch's code its own process already holds, and the prediction takes off what that process has paid
-already (a test session, a script that evaluated first, the Trainer): no figure from a fresh process is added to one
-that has paid it. ``zeroplus estimate`` and the planner before a launch assume a fresh process. On CUDA and NPU the
-budget predicts the caching allocator's peak, which holds tensors only: 0.
+held more, and what a step under the FLOPs profiler added) in a file keyed by host, Python, torch and zeroplus
+versions and the probe's own version, so later processes on the machine read them. Ranks that start together wait on
+one lock and probe once. ``initialize`` reads how much of torch's code its own process already holds, and the
+prediction takes off what that process has paid already (a test session, a script that evaluated first, the
+Trainer): no figure from a fresh process is added to one that has paid it. ``zeroplus estimate`` and the planner
+before a launch assume a fresh process. On CUDA and NPU the budget predicts the caching allocator's peak, which
+holds tensors only: 0.
 
 Modules torch imports lazily are paid before the model exists, not predicted (see note: runtime
 baseline). torch imports ``torch._dynamo`` (71 MiB resident here) when the first optimizer is built, so
@@ -26,7 +27,7 @@ probe's too, and never in the prediction.
 ``ZEROPLUS_RUNTIME_BYTES="construction,training"`` (bytes, or sizes such as ``80MiB``) sets the two
 numbers instead (whatever the process holds); ``ZEROPLUS_CACHE_DIR`` moves the file (default
 ``$XDG_CACHE_HOME/zeroplus`` or ``~/.cache/zeroplus``). If the probe cannot run, the budget warns with
-its error and uses ``FALLBACK_BYTES``, measured on the machine that wrote this. Memory: six integers;
+its error and uses ``FALLBACK_BYTES``, measured on the machine that wrote this. Memory: eight integers;
 the probe's memory is the child's.
 See note: runtime overhead (docs/design-notes.md).
 """
@@ -60,10 +61,12 @@ ENV = "ZEROPLUS_RUNTIME_BYTES"
 # its start
 ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(THRESHOLD)}
 # the probe's numbers; "peers": what a rank of two held beyond a rank alone from the first backward on (gloo's
-# buffers for its peer, the collectives' code)
-RECORD = ("construction", "training", "code_built", "code_constructed", "code_trained", "peers")
+# buffers for its peer, the collectives' code); "profiled", "profiled_with_peer": what a step under the FLOPs profiler
+# put on the peak beyond that, in a rank alone and in a rank of two (Python dispatch around the collectives)
+RECORD = ("construction", "training", "code_built", "code_constructed", "code_trained", "peers", "profiled",
+          "profiled_with_peer")
 # GPT-tiny, fp32, a 2-core machine: one gloo rank; peers from two
-FALLBACK_BYTES = (12 * 2**20, 24 * 2**20, 40 * 2**20, 45 * 2**20, 62 * 2**20, 2 * 2**20)
+FALLBACK_BYTES = (12 * 2**20, 24 * 2**20, 40 * 2**20, 45 * 2**20, 62 * 2**20, 2 * 2**20, 2**19, 3 * 2**19)
 LAZY_IMPORTS = ("torch._dynamo",)  # what torch imports lazily for an engine: imported above, with zeroplus
 DTYPES = ("fp32", "bf16", "fp16")  # compute dtypes, each probed apart
 # what the probe measures changed (2: the step's norm scratch no longer counted whole in the tensors
@@ -73,22 +76,25 @@ DTYPES = ("fp32", "bf16", "fp16")  # compute dtypes, each probed apart
 # user's process does; 7: its step keeps the clip coefficient and overflow flag on the device, whose kernels'
 # code it pages in; 8: resize recompute's default found by what modules compute; 9: the first forward's prediction
 # frees the reference cycles its simulation left, which the probe's peak held until the collector ran; 10: a
-# two-rank run measures what a rank holds for its peer, where a constant stood): a kept result from an earlier
-# meaning is probed again, whatever the package version
-PROBE_VERSION = "10"
+# two-rank run measures what a rank holds for its peer, where a constant stood; 11: a third step under the FLOPs
+# profiler): a kept result from an earlier meaning is probed again, whatever the package version
+PROBE_VERSION = "11"
 # a launcher's variables would make the probe's engine join the caller's job
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
 
-def runtime_bytes(kind: str, dtype: str = "fp32", code: int | None = None, world_size: int = 1) -> tuple[int, int]:
+def runtime_bytes(kind: str, dtype: str = "fp32", code: int | None = None, world_size: int = 1,
+                  profiled: bool = False) -> tuple[int, int]:
     """(bytes from the engine's construction on, bytes from the end of the first backward on) for a
     process training on accelerator ``kind`` in compute dtype ``dtype`` (``fp32``, ``bf16``, ``fp16``:
     a 16-bit run loads its own kernels, 11 MiB more for bf16 here; each is probed once).
     ``code``: ``first_use.code_resident()`` of the process the prediction is for, read when it starts
     ``initialize``; what it holds beyond the probe's after-build figure is taken off, up to what the
     probe's run paged in by then. None: a fresh process (nothing taken off). ``world_size`` above 1 on CPU:
-    the probe's ``peers`` more from the first backward on (what a rank of two held beyond a rank alone)."""
+    the probe's ``peers`` more from the first backward on (what a rank of two held beyond a rank alone).
+    ``profiled``: the run profiles a step (``flops_profiler``): what the probe's profiled step added, in a rank
+    of ``world_size`` (alone or with a peer), more from the first backward on."""
     if dtype not in DTYPES:
         raise ValueError(f"runtime_bytes: dtype {dtype!r} is not one of {DTYPES}")
     if kind != "cpu":
@@ -96,8 +102,8 @@ def runtime_bytes(kind: str, dtype: str = "fp32", code: int | None = None, world
     override = os.environ.get(ENV)
     if override is not None:
         return _parse_override(override)
-    construction, training, built, constructed, trained, peers = _measured(dtype)
-    peers = peers if world_size > 1 else 0
+    construction, training, built, constructed, trained, peers, alone, paired = _measured(dtype)
+    peers = (peers + (paired if profiled else 0)) if world_size > 1 else (alone if profiled else 0)
     if code is None:
         return (construction, training + peers)
     ahead = max(0, code - built)
@@ -106,7 +112,7 @@ def runtime_bytes(kind: str, dtype: str = "fp32", code: int | None = None, world
 
 
 @functools.lru_cache(maxsize=None)
-def _measured(dtype: str) -> tuple[int, int, int, int, int, int]:
+def _measured(dtype: str) -> tuple[int, int, int, int, int, int, int, int]:
     """The probe's numbers (``RECORD`` order), from the kept file or probed now."""
     path = _cache_file(dtype)
     cached = _read(path)
@@ -128,7 +134,7 @@ def _measured(dtype: str) -> tuple[int, int, int, int, int, int]:
         return measured
 
 
-def probe(dtype: str = "fp32") -> tuple[int, int, int, int, int, int]:
+def probe(dtype: str = "fp32") -> tuple[int, int, int, int, int, int, int, int]:
     """Run ``zeroplus.runtime_probe`` in a child process, then as two ranks of two processes, and return
     the one rank's numbers with ``peers`` (``RECORD`` order); on failure, warn and return ``FALLBACK_BYTES``."""
     env = {k: v for k, v in os.environ.items()
@@ -141,7 +147,9 @@ def probe(dtype: str = "fp32") -> tuple[int, int, int, int, int, int]:
     try:
         (alone,) = _run_probe(cmd, env, 1)
         pair = _run_probe(cmd, env, 2)
-        alone["peers"] = max(0, max(int(r["training"]) for r in pair) - int(alone["training"]))
+        paired = max(int(r["training"]) for r in pair)
+        alone["peers"] = max(0, paired - int(alone["training"]))
+        alone["profiled_with_peer"] = max(0, max(int(r["training"]) + int(r["profiled"]) for r in pair) - paired)
         measured = _record(alone)
     except (OSError, ValueError, KeyError, IndexError, RuntimeError, subprocess.TimeoutExpired) as err:
         logger.warning("the runtime overhead probe (%s) failed (%s: %s); the memory budget uses %s instead "
@@ -185,7 +193,8 @@ def _parse_override(value: str) -> tuple[int, int]:
 def _describe(measured: tuple[int, ...]) -> str:
     return (f"{measured[0] / 2**20:.1f} MiB from construction, {measured[1] / 2**20:.1f} MiB from the first "
             f"backward, {(measured[4] - measured[2]) / 2**20:.1f} MiB of it torch's code paged in, "
-            f"{measured[5] / 2**20:.1f} MiB more with a peer")
+            f"{measured[5] / 2**20:.1f} MiB more with a peer; a step under the FLOPs profiler "
+            f"{measured[6] / 2**20:.1f} MiB more, {measured[7] / 2**20:.1f} with a peer")
 
 
 def _cache_key(dtype: str) -> dict[str, str]:
@@ -205,14 +214,14 @@ def _cache_file(dtype: str) -> str:
     return cache_file("runtime-overhead", _cache_key(dtype))
 
 
-def _record(values: dict[str, Any]) -> tuple[int, int, int, int, int, int]:
+def _record(values: dict[str, Any]) -> tuple[int, int, int, int, int, int, int, int]:
     """The probe's numbers from its JSON or the kept file, in ``RECORD`` order (KeyError, TypeError or
     ValueError when one is missing or not a number)."""
-    construction, training, built, constructed, trained, peers = (int(values[key]) for key in RECORD)
-    return construction, training, built, constructed, trained, peers
+    construction, training, built, constructed, trained, peers, alone, paired = (int(values[key]) for key in RECORD)
+    return construction, training, built, constructed, trained, peers, alone, paired
 
 
-def _read(path: str) -> tuple[int, int, int, int, int, int] | None:
+def _read(path: str) -> tuple[int, int, int, int, int, int, int, int] | None:
     record = read_record(path)
     with contextlib.suppress(KeyError, TypeError, ValueError):
         return _record(record) if record is not None else None
