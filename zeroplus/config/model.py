@@ -13,20 +13,22 @@ from .blocks import (
     BF16Config,
     Block,
     CheckpointConfig,
-    CometConfig,
-    CommsLoggerConfig,
-    CsvMonitorConfig,
-    FlopsProfilerConfig,
     FP16Config,
     NonNegativeFloat,
     OptimizerConfig,
     PositiveInt,
     SchedulerConfig,
-    TensorBoardConfig,
     TensorParallelConfig,
-    WandbConfig,
     ZeroConfig,
     ZeroplusBlock,
+)
+from .observe_blocks import (
+    CometConfig,
+    CommsLoggerConfig,
+    CsvMonitorConfig,
+    FlopsProfilerConfig,
+    TensorBoardConfig,
+    WandbConfig,
 )
 
 
