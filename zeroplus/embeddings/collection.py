@@ -46,6 +46,7 @@ from .routed import LookupState, Routed
 from .row_tier import attach, cached_tables
 from .simulated import simulated_route, unique_rows
 from .sparse_optim import SparseOptimConfig, SparseOptimizer
+from .table_values import TableValues
 from .tables import Shard, TableConfig, TableTier, shard
 
 Bag = tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
@@ -69,7 +70,7 @@ def table_owners(tables: Sequence[TableConfig], world: int) -> dict[str, int]:
     return owners
 
 
-class EmbeddingBagCollection(nn.Module):
+class EmbeddingBagCollection(TableValues, nn.Module):
     def __init__(self, tables: Sequence[TableConfig], optimizer: SparseOptimConfig | None = None,
                  group: Collectives | None = None, seed: int = 0, tier: TableTier | None = None) -> None:
         super().__init__()
@@ -412,48 +413,6 @@ class EmbeddingBagCollection(nn.Module):
             pending.clear()
         for cache in self.caches.values():
             cache.step_done()
-
-    def full_table(self, name: str, state: str | None = None) -> torch.Tensor:
-        """The whole table (or its optimizer state ``state``: ``"sum"``, ``"exp_avg"``, ...) assembled from every
-        rank's shard (a collective; for tests and export: it holds a whole table)."""
-        t = next(t for t in self.tables if t.name == name)
-        cache, key = self.caches.get(name), "weight" if state is None else state
-        if cache is not None:  # only the component asked for read from the tier
-            mine = cache.whole(key)
-        else:
-            mine = self.weight(name) if state is None else self.optimizers[name].state[state]
-        pieces = self.group.all_gather_objects(mine.detach().cpu().clone())
-        per_row = pieces[self.rank].dim() == 1  # row-wise Adagrad's state: one value per row
-        full = torch.zeros(t.num_embeddings) if per_row else torch.zeros(t.num_embeddings, t.dim)
-        for s, piece in zip(self.shards[name], pieces):
-            if s.empty:
-                continue
-            if per_row:
-                full[s.row0:s.row1] = piece
-            else:
-                full[s.row0:s.row1, s.col0:s.col1] = piece
-        return full
-
-    @torch.no_grad()
-    def load_table(self, name: str, full: torch.Tensor) -> None:
-        """This rank's shard of ``full`` (the whole table, on every rank) copied in."""
-        s = self.mine(name)
-        weight, states = self.shard_values(name)
-        weight.copy_(full[s.row0:s.row1, s.col0:s.col1])
-        self.replace_shard(name, weight, states)
-
-    def shard_values(self, name: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """This rank's whole shard of table ``name`` and its optimizer states: the live tensors, or for a cached
-        table copies read from its tier (written back by ``replace_shard``)."""
-        cache = self.caches.get(name)
-        if cache is None:
-            return self.weight(name), self.optimizers[name].state
-        return cache.whole("weight"), {k: cache.whole(k) for k in self.optimizers[name].state}
-
-    def replace_shard(self, name: str, weight: torch.Tensor, states: dict[str, torch.Tensor]) -> None:
-        """After ``shard_values``' tensors were changed: a cached table's tier rewritten (else nothing to do)."""
-        if name in self.caches:
-            self.caches[name].replace({"weight": weight, **states})
 
 
 class _Lookup(torch.autograd.Function):
