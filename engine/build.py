@@ -162,17 +162,8 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
     given its values first (``zero/meta_init.py``, with ``init_fn``), at the memory of its shards."""
     model_parallel = parallel is not None and parallel.model.size > 1
     split = model_parallel or (parallel is not None and parallel.expert.size > 1)  # beyond data parallelism
-    rank = parallel.global_rank if parallel is not None else dp.rank
-    _check_request(model, cfg, parallel, optimizer, lr_scheduler, rank)
-    check_tables(model, cfg, dp, parallel)
-    _check_lending(model, cfg)
-    if simulated is None:
-        check_packages(cfg, rank)
-    _warn_inert_options(cfg)
-    _warn_mixed_dtypes(model, compute_dtype(cfg))
+    _check_and_warn(model, cfg, dp, parallel, optimizer, lr_scheduler, simulated)
     model_bytes = _device_bytes(model, accel)  # already there: they count as the engine's, as in the estimate
-    pipelined = parallel is not None and parallel.topology.pipeline > 1
-
     dtype = compute_dtype(cfg)
     experts = expert_split(parallel)
     if simulated is None and has_meta_tensors(model):  # (the estimator's models are meta by design)
@@ -181,20 +172,8 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
                               "in the config rather than optimizer=/model_parameters=, and build models split by "
                               "tensor, pipeline or expert parallelism normally (not supported on meta yet)")
         materialize_meta(model, dp, accel.device(), init_fn)
-    forward_only = optimizer is None and cfg.optimizer is None  # (zeroplus/optim/forward_only.py)
-    if forward_only and lr_scheduler is not None:
-        raise ConfigError("an lr_scheduler was passed to initialize() without an optimizer (no 'optimizer' block, "
-                          "no optimizer=): give the optimizer too")
-    groups = [] if forward_only else _param_groups(model, optimizer, model_parameters)
+    groups = _trained_groups(model, cfg, optimizer, lr_scheduler, model_parameters)
     group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
-    untrained = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in group_of]
-    if forward_only:
-        log_rank0("no optimizer (no 'optimizer' block, no optimizer=): a forward-only engine; its %d parameters are "
-                  "kept as frozen parameters are, with no gradient, master or optimizer state",
-                  len(list(model.parameters())))
-    elif untrained:
-        log_rank0("parameters that require grad but are in no optimizer group stay fixed: %s", untrained[:8],
-                  level=logging.WARNING)
     ledger = Ledger() if ledger is None else ledger
     _choose_transport(cfg, dp, parallel, experts, ledger)
     param_offload = param_offload_of(cfg, model, group_of, dp.size, accel, ledger)
@@ -214,25 +193,9 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
     with _given_back_on_failure(partition):
         opt, scheduler = _optimizer_and_schedule(cfg, partition, groups, optimizer, lr_scheduler, simulated)
         loss_scaler = LossScaler(cfg.fp16)
-        step = ShardedStep(partition, opt, dp, ledger, StepPolicy(
-            gradient_clipping=cfg.gradient_clipping, master_chunk_numel=cfg.zeroplus.master_step_chunk,
-            offload=optimizer_offload(cfg, accel, ledger, opt, sum(g.owned_numel for g in partition.groups)),
-            virtual_kernels=virtual_states(cfg, accel, opt),
-            model_parallel=ModelParallelNorm(parallel.model, parallel.tensor.size, _norm_split(experts, stage))
-            if parallel is not None and model_parallel else None,
-            expert_group=parallel.expert if parallel is not None and experts is not None else None,
-            scalars_on_device=not loss_scaler.dynamic))
+        step = _sharded_step(cfg, partition, opt, dp, ledger, accel, parallel, experts, not loss_scaler.dynamic)
         context = parallel.topology.context if parallel is not None else 1
-        log_rank0("%s; compute dtype %s; optimizer %s; micro-batch %s x accumulation %s x data %d = batch %s%s",
-                  partition.describe().splitlines()[0], str(dtype).replace("torch.", ""), type(opt).__name__,
-                  cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, dp.size // context,
-                  cfg.train_batch_size, f" (each sequence over {context} context ranks)" if context > 1 else "")
-        if split and parallel is not None:
-            log_rank0("%s", parallel.describe())
-            if cfg.zeroplus.memory_estimate and pipelined:
-                log_rank0("memory estimate: not made for a pipeline stage at initialize (it needs every stage's "
-                          "shapes; zeroplus estimate with a model factory predicts it); the report shows what is "
-                          "measured")
+        _log_assembly(cfg, partition, opt, dp, dtype, context, parallel if split else None)
         as_built = remember(model)  # the forwards and settings the techniques below change, given back by destroy
         choices = technique_choices(cfg)  # what runs, the engine's to change (see note: frozen config)
         parts = TrainingParts(partition, step, opt, scheduler, loss_scaler,
@@ -244,6 +207,73 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
             _split_sequences(model, parallel)
         return Engine(model, cfg, parts, dp, ledger, accel, rss_at_start - model_bytes, parallel,
                       observed=simulated is None)
+
+
+def _check_and_warn(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, parallel: ParallelGroups | None,
+                    optimizer: torch.optim.Optimizer | None, lr_scheduler: Any, simulated: Any) -> None:
+    """Everything refused before the model is touched (each naming its key and rank), then what is warned."""
+    rank = parallel.global_rank if parallel is not None else dp.rank
+    _check_request(model, cfg, parallel, optimizer, lr_scheduler, rank)
+    check_tables(model, cfg, dp, parallel)
+    _check_lending(model, cfg)
+    if simulated is None:
+        check_packages(cfg, rank)
+    _warn_inert_options(cfg)
+    _warn_mixed_dtypes(model, compute_dtype(cfg))
+
+
+def _trained_groups(model: torch.nn.Module, cfg: ResolvedConfig, optimizer: torch.optim.Optimizer | None,
+                    lr_scheduler: Any, model_parameters: Iterable[Any] | None) -> list[dict[str, Any]]:
+    """The optimizer's param groups (none: a forward-only engine, ``optim/forward_only.py``), and what a user is told
+    about the parameters outside them."""
+    forward_only = optimizer is None and cfg.optimizer is None
+    if forward_only and lr_scheduler is not None:
+        raise ConfigError("an lr_scheduler was passed to initialize() without an optimizer (no 'optimizer' block, "
+                          "no optimizer=): give the optimizer too")
+    groups = [] if forward_only else _param_groups(model, optimizer, model_parameters)
+    trained = {id(p) for g in groups for p in g["params"]}
+    untrained = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in trained]
+    if forward_only:
+        log_rank0("no optimizer (no 'optimizer' block, no optimizer=): a forward-only engine; its %d parameters are "
+                  "kept as frozen parameters are, with no gradient, master or optimizer state",
+                  len(list(model.parameters())))
+    elif untrained:
+        log_rank0("parameters that require grad but are in no optimizer group stay fixed: %s", untrained[:8],
+                  level=logging.WARNING)
+    return groups
+
+
+def _sharded_step(cfg: ResolvedConfig, partition: ZeroPartition, opt: torch.optim.Optimizer, dp: Collectives,
+                  ledger: Ledger, accel: Accelerator, parallel: ParallelGroups | None, experts: ExpertSplit | None,
+                  scalars_on_device: bool) -> ShardedStep:
+    """The optimizer step over the partition's shards, with the offload, clipping and model-parallel norm the config
+    and the groups ask for."""
+    model_parallel = parallel is not None and parallel.model.size > 1
+    return ShardedStep(partition, opt, dp, ledger, StepPolicy(
+        gradient_clipping=cfg.gradient_clipping, master_chunk_numel=cfg.zeroplus.master_step_chunk,
+        offload=optimizer_offload(cfg, accel, ledger, opt, sum(g.owned_numel for g in partition.groups)),
+        virtual_kernels=virtual_states(cfg, accel, opt),
+        model_parallel=ModelParallelNorm(parallel.model, parallel.tensor.size,
+                                         _norm_split(experts, ZeroStage(cfg.zero_optimization.stage)))
+        if parallel is not None and model_parallel else None,
+        expert_group=parallel.expert if parallel is not None and experts is not None else None,
+        scalars_on_device=scalars_on_device))
+
+
+def _log_assembly(cfg: ResolvedConfig, partition: ZeroPartition, opt: torch.optim.Optimizer, dp: Collectives,
+                  dtype: torch.dtype, context: int, split: ParallelGroups | None) -> None:
+    """Rank 0's line of what was assembled (``context``: ranks per sequence); ``split``: the groups when the model is
+    split beyond data parallelism."""
+    log_rank0("%s; compute dtype %s; optimizer %s; micro-batch %s x accumulation %s x data %d = batch %s%s",
+              partition.describe().splitlines()[0], str(dtype).replace("torch.", ""), type(opt).__name__,
+              cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, dp.size // context,
+              cfg.train_batch_size, f" (each sequence over {context} context ranks)" if context > 1 else "")
+    if split is not None:
+        log_rank0("%s", split.describe())
+        if cfg.zeroplus.memory_estimate and split.topology.pipeline > 1:
+            log_rank0("memory estimate: not made for a pipeline stage at initialize (it needs every stage's "
+                      "shapes; zeroplus estimate with a model factory predicts it); the report shows what is "
+                      "measured")
 
 
 @contextlib.contextmanager
