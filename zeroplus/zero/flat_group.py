@@ -136,18 +136,8 @@ class FlatParamGroup:
         self.ledger = ledger
         self.compute_dtype = compute_dtype
         self.device = self.params[0].device if device is None else torch.device(device)
-        self.shapes = [p.shape for p in self.params]
-        self.dtypes = [p.dtype for p in self.params]  # as built (a pretrained load casts to them first)
-        self.numels = [p.numel() for p in self.params]
-        self.offsets = [0]
-        for n in self.numels[:-1]:
-            self.offsets.append(self.offsets[-1] + n)
-        self.numel = sum(self.numels)
-        self.padded_numel = math.ceil(self.numel / dp.size) * dp.size
-        self.shard_numel = self.padded_numel // dp.size
-        start = dp.rank * self.shard_numel if stage.partitions else 0
-        self.owned_start = start
-        self.owned_numel = self.shard_numel if stage.partitions else self.padded_numel
+        self._lay_out(dp, stage)
+        start = self.owned_start
 
         # The full low-precision buffer; the parameters become views into it.
         full_category = Category.PARAM_GATHERED if stage.shards_parameters else Category.PARAM
@@ -156,24 +146,8 @@ class FlatParamGroup:
         # buffer is never filled (it holds memory only for the views made below)
         from_chunks = stage.shards_parameters and init_shards.chunked_over(self.params, dp)
         if not from_chunks:
-            with torch.no_grad():
-                for p, off, n in zip(self.params, self.offsets, self.numels):  # one parameter whole at a time
-                    source = init_shards.adopt(p) if init_shards.shard_of(p) is not None else p.detach()
-                    self.full[off:off + n].copy_(source.reshape(-1))
-                self.full[self.numel:].zero_()
-            dp.broadcast(self.full)  # every rank starts from the first rank's values
-        # ``.data`` has its own version counter: writing through it (gathers, post-step copies)
-        # does not invalidate the parameter views autograd saved for backward.
-        self._full_data = self.full.data
-        self._views = [self.full[off:off + n].view(shape)
-                       for off, n, shape in zip(self.offsets, self.numels, self.shapes)]
-        # what a released parameter holds (see note: released parameters): no elements, over the buffer's
-        # storage, so the parameter's storage stays the same object whether gathered or not
-        self._released = self.full[:0]
-        for p, view in zip(self.params, self._views):
-            p.data = view
-            setattr(p, FLAT_ATTR, self)  # GatheredParameters finds the group of an engine's parameter
-        mark(self.params, ParamStatus.AVAILABLE)
+            self._copy_in()
+        self._point_params_at_views()
 
         # Stage 3 on one rank in fp32: the master is the whole buffer, so the parameters stay gathered on
         # it (4 * P in all instead of 4 * P plus the units gathered, and no copy per gather)
@@ -196,6 +170,46 @@ class FlatParamGroup:
         self.residency = Residency.GATHERED  # built whole; stage 3 releases it just below
         if stage.shards_parameters:
             self.release()
+
+    def _lay_out(self, dp: Collectives, stage: ZeroStage) -> None:
+        """The parameters end to end, padded to a multiple of the ranks, and the range this rank owns (the module's
+        docstring)."""
+        self.shapes = [p.shape for p in self.params]
+        self.dtypes = [p.dtype for p in self.params]  # as built (a pretrained load casts to them first)
+        self.numels = [p.numel() for p in self.params]
+        self.offsets = [0]
+        for n in self.numels[:-1]:
+            self.offsets.append(self.offsets[-1] + n)
+        self.numel = sum(self.numels)
+        self.padded_numel = math.ceil(self.numel / dp.size) * dp.size
+        self.shard_numel = self.padded_numel // dp.size
+        self.owned_start = dp.rank * self.shard_numel if stage.partitions else 0
+        self.owned_numel = self.shard_numel if stage.partitions else self.padded_numel
+
+    @torch.no_grad()
+    def _copy_in(self) -> None:
+        """The parameters' values into ``full``, one parameter whole at a time, the padding zeroed; then every rank
+        takes the first rank's values."""
+        for p, off, n in zip(self.params, self.offsets, self.numels):
+            source = init_shards.adopt(p) if init_shards.shard_of(p) is not None else p.detach()
+            self.full[off:off + n].copy_(source.reshape(-1))
+        self.full[self.numel:].zero_()
+        self.dp.broadcast(self.full)
+
+    def _point_params_at_views(self) -> None:
+        """Every parameter becomes its view of ``full`` (and names this group, for ``GatheredParameters``)."""
+        # ``.data`` has its own version counter: writing through it (gathers, post-step copies)
+        # does not invalidate the parameter views autograd saved for backward.
+        self._full_data = self.full.data
+        self._views = [self.full[off:off + n].view(shape)
+                       for off, n, shape in zip(self.offsets, self.numels, self.shapes)]
+        # what a released parameter holds (see note: released parameters): no elements, over the buffer's
+        # storage, so the parameter's storage stays the same object whether gathered or not
+        self._released = self.full[:0]
+        for p, view in zip(self.params, self._views):
+            p.data = view
+            setattr(p, FLAT_ATTR, self)
+        mark(self.params, ParamStatus.AVAILABLE)
 
     def _lay_out_values(self, owned_view: torch.Tensor, master: MasterPolicy, trainable: bool) -> None:
         """Set ``shard``, ``master``, the master store and ``layout`` (``MasterLayout``: which of the six, with its

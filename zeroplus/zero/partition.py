@@ -89,6 +89,48 @@ def _refuse_partitioned(model: torch.nn.Module, rank: int) -> None:
                              f"(every rank) before initializing the same model again")
 
 
+@dataclasses.dataclass(frozen=True)
+class _GroupMaker:
+    """How a partition makes one unit's flat groups: its trained parameters by (param group, expert, per-use) and
+    its frozen ones by dtype, each run cut at ``bucket`` elements (``bucketed``)."""
+
+    stage: ZeroStage
+    dp: Collectives
+    ledger: Ledger
+    master: MasterPolicy
+    device: torch.device | None
+    bucket: int
+    compute_dtype: torch.dtype
+
+    def trained(self, name: str, by_group: dict[tuple[int, bool, bool], list[tuple[str, torch.nn.Parameter]]],
+                experts: ExpertSplit | None) -> list[FlatParamGroup]:
+        groups = []
+        for gi, expert, apart in sorted(by_group):
+            runs = bucketed(by_group[(gi, expert, apart)], self.bucket)
+            for k, named in enumerate(runs):
+                label = f"{name}#{gi}" + ("-uses" if apart else "") + (f".{k}" if len(runs) > 1 else "")
+                group_dp = self.dp
+                split = experts if expert else None
+                if split is not None:
+                    named = [(f"{n}{split.suffix}", p) for n, p in named]
+                    group_dp, label = split.group, label + split.suffix
+                groups.append(FlatParamGroup(label, named, gi, self.stage, group_dp, self.compute_dtype, self.ledger,
+                                             self.master, self.device,
+                                             expert_ranks=None if split is None else split.data_ranks()))
+        return groups
+
+    def frozen(self, name: str, by_dtype: dict[torch.dtype, list[tuple[str, torch.nn.Parameter]]]
+               ) -> list[FlatParamGroup]:
+        frozen = []
+        for dtype, named_of_dtype in by_dtype.items():  # (the compute dtype; packed quantized storage)
+            runs = bucketed(named_of_dtype, self.bucket)
+            label = f"{name}#frozen" + ("" if dtype == self.compute_dtype else f"-{str(dtype).split('.')[-1]}")
+            frozen += [FlatParamGroup(label + (f".{k}" if len(runs) > 1 else ""), named, -1, self.stage, self.dp,
+                                      dtype, self.ledger, self.master, self.device, trainable=False)
+                       for k, named in enumerate(runs)]
+        return frozen
+
+
 class ZeroPartition:
     def __init__(self, model: torch.nn.Module, zero: ResolvedZeroConfig, dp: Collectives, ledger: Ledger,
                  compute_dtype: torch.dtype, param_group_of: dict[int, int],
@@ -113,10 +155,10 @@ class ZeroPartition:
         device = placement.device if placement is not None else None
         assigned = assign_parameters(model, unit_modules, frozen_too)
         per_use, alone = self._per_use(model, assigned, param_group_of)
+        maker = _GroupMaker(self.stage, dp, ledger, master, device, zero.reduce_bucket_size, compute_dtype)
         for index, (name, module, params) in enumerate(assigned):
             if placement is not None:
                 placement.prepare(module, [m for _, m in unit_modules])
-            groups = []
             by_group: dict[tuple[int, bool, bool], list[tuple[str, torch.nn.Parameter]]] = {}
             frozen_named: dict[torch.dtype, list[tuple[str, torch.nn.Parameter]]] = {}  # by the group's dtype
             for pname, p in params:
@@ -127,43 +169,14 @@ class ZeroPartition:
                     if packed_storage(p):
                         prepare_packed(pname, p, module, device, dp.rank)
                     frozen_named.setdefault(dtype, []).append((pname, p))
-            for gi, expert, apart in sorted(by_group):
-                runs = bucketed(by_group[(gi, expert, apart)], zero.reduce_bucket_size)
-                for k, named in enumerate(runs):
-                    label = f"{name}#{gi}" + ("-uses" if apart else "") + (f".{k}" if len(runs) > 1 else "")
-                    group_dp = dp
-                    split = experts if expert else None
-                    if split is not None:
-                        named = [(f"{n}{split.suffix}", p) for n, p in named]
-                        group_dp, label = split.group, label + split.suffix
-                    groups.append(FlatParamGroup(label, named, gi, self.stage, group_dp, compute_dtype, ledger,
-                                                 master, device,
-                                                 expert_ranks=None if split is None else split.data_ranks()))
-            frozen = []
-            for dtype, named_of_dtype in frozen_named.items():  # (the compute dtype; packed quantized storage)
-                runs = bucketed(named_of_dtype, zero.reduce_bucket_size)
-                label = f"{name}#frozen" + ("" if dtype == compute_dtype else f"-{str(dtype).split('.')[-1]}")
-                frozen += [FlatParamGroup(label + (f".{k}" if len(runs) > 1 else ""), named, -1, self.stage, dp,
-                                          dtype, ledger, master, device, trainable=False)
-                           for k, named in enumerate(runs)]
+            groups, frozen = maker.trained(name, by_group, experts), maker.frozen(name, frozen_named)
             unit = Unit(index=index, name=name, module=module, groups=groups, is_root=(module is model),
                         frozen=frozen)
             if self.stage.shards_parameters and unit.numel <= zero.stage3_param_persistence_threshold:
                 unit.keep_gathered()
             self.units.append(unit)
         self.root = self.units[-1]
-        # stage 3: freed gathered units reused within a pass (CPU buffers); a parked buffer's request may be two
-        # units' gathers ahead
-        self.pool = BufferPool(ledger, lookahead=2 * max(len(u.all_groups) for u in self.units))
-        for u in self.units:
-            for g in u.all_groups:
-                g.attach(u, self, self.pool)
-        self.groups: list[FlatParamGroup] = [g for u in self.units for g in u.groups]
-        self.frozen: list[FlatParamGroup] = [g for u in self.units for g in u.frozen]  # stage 3 (units.py)
-        flat = {id(p) for g in self.groups + self.frozen for p in g.params}
-        mark([p for p in model.parameters() if id(p) not in flat], ParamStatus.AVAILABLE)  # never partitioned
-        if self.stage.shards_parameters:  # what Transformers and PEFT read of a released parameter (param_status.py)
-            label_whole([(p, s) for g in self.groups + self.frozen for p, s in zip(g.params, g.shapes)])
+        self._adopt_units(model)
         overlap = True if zero.overlap_comm is None else zero.overlap_comm
         accumulate_fp32 = self.stage.shards_gradients and gradient_accumulation_steps > 1
         reducer = GradReducer(self.stage, dp, zero.reduce_bucket_size, zero.reduce_scatter, overlap, ledger,
@@ -174,6 +187,21 @@ class ZeroPartition:
         self.hooks_dropped = False  # drop_hooks()
         per_use -= self._embeddings_kept_whole(model)
         self._install_hooks(model, per_use, zero.stage3_prefetch_bucket_size)
+
+    def _adopt_units(self, model: torch.nn.Module) -> None:
+        """The units' groups attached to this partition and its buffer pool, listed, and the parameters' status set."""
+        # stage 3: freed gathered units reused within a pass (CPU buffers); a parked buffer's request may be two
+        # units' gathers ahead
+        self.pool = BufferPool(self.ledger, lookahead=2 * max(len(u.all_groups) for u in self.units))
+        for u in self.units:
+            for g in u.all_groups:
+                g.attach(u, self, self.pool)
+        self.groups: list[FlatParamGroup] = [g for u in self.units for g in u.groups]
+        self.frozen: list[FlatParamGroup] = [g for u in self.units for g in u.frozen]  # stage 3 (units.py)
+        flat = {id(p) for g in self.groups + self.frozen for p in g.params}
+        mark([p for p in model.parameters() if id(p) not in flat], ParamStatus.AVAILABLE)  # never partitioned
+        if self.stage.shards_parameters:  # what Transformers and PEFT read of a released parameter (param_status.py)
+            label_whole([(p, s) for g in self.groups + self.frozen for p, s in zip(g.params, g.shapes)])
 
     def _install_hooks(self, model: torch.nn.Module, per_use: set[int], prefetch: int | None) -> None:
         """Every hook this partition puts on the model (``drop_hooks`` removes them all): each trained parameter's
