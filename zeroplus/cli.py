@@ -17,6 +17,29 @@ from .train_job import main as train_main
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    parser, train = _parser()
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "run":
+        try:
+            return run(rest)
+        except ValueError as err:
+            print(f"zeroplus run: {err}", file=sys.stderr)
+            return 2
+    if command == "estimate":
+        return estimate_main(rest)
+    if command == "convert":
+        return _convert(parser.parse_args(argv))
+    if command == "train":
+        return _train(train, rest)
+    parser.error(f"unknown command {command!r}; use run, train, convert or estimate")
+    return 2
+
+
+def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The command line's parser, and its ``train`` subcommand's (which passes what it does not know on)."""
     parser = argparse.ArgumentParser(prog="zeroplus", description="memory-first ZeRO training for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("run", help="launch N local ranks of a script through torchrun: zeroplus run -n N script.py",
@@ -39,69 +62,62 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("estimate", help="each rank's predicted memory for a model, config and world size (no launch)",
                    add_help=False)
     train.add_argument("-n", "--nproc", type=int, default=2)
-    if not argv or argv[0] in ("-h", "--help"):
-        parser.print_help()
-        return 0
-    command, rest = argv[0], argv[1:]
-    if command == "run":
+    return parser, train
+
+
+def _convert(args: argparse.Namespace) -> int:
+    """``zeroplus convert``: a checkpoint into one state dict, a Hugging Face directory, a DCP checkpoint, or a
+    DeepSpeed checkpoint into a zeroplus one; 2 with the error on stderr when it cannot."""
+    if args.from_deepspeed:
         try:
-            return run(rest)
-        except ValueError as err:
-            print(f"zeroplus run: {err}", file=sys.stderr)
+            path = convert_deepspeed(args.checkpoint_dir, args.out, args.tag)
+        except (FileNotFoundError, ValueError, NotImplementedError) as err:
+            print(f"zeroplus convert: {err}", file=sys.stderr)
             return 2
-    if command == "estimate":
-        return estimate_main(rest)
-    if command == "convert":
-        args = parser.parse_args(argv)
-        if args.from_deepspeed:
-            try:
-                path = convert_deepspeed(args.checkpoint_dir, args.out, args.tag)
-            except (FileNotFoundError, ValueError, NotImplementedError) as err:
-                print(f"zeroplus convert: {err}", file=sys.stderr)
-                return 2
-            print(f"wrote zeroplus checkpoint {path}")
-            return 0
-        if args.format == "dcp":
-            try:
-                count = export_dcp(args.checkpoint_dir, args.out, args.tag)
-            except (FileNotFoundError, ValueError) as err:
-                print(f"zeroplus convert: {err}", file=sys.stderr)
-                return 2
-            print(f"wrote {args.out}: a torch.distributed.checkpoint of {count} model tensors and their optimizer "
-                  f"states")
-            return 0
-        if args.format == "hf":
-            try:
-                names, peak = export_checkpoint(args.checkpoint_dir, args.out, args.tag, args.dtype,
-                                                args.max_shard_size)
-            except (FileNotFoundError, ValueError) as err:
-                print(f"zeroplus convert: {err}", file=sys.stderr)
-                return 2
-            print(f"wrote {args.out}: {len(names)} file(s) ({args.dtype}), at most {peak:,} tensor bytes held")
-            return 0
+        print(f"wrote zeroplus checkpoint {path}")
+        return 0
+    if args.format == "dcp":
         try:
-            state = load_fp32_state_dict(args.checkpoint_dir, args.tag)
-            write_state_dict(state, args.out)
+            count = export_dcp(args.checkpoint_dir, args.out, args.tag)
         except (FileNotFoundError, ValueError) as err:
             print(f"zeroplus convert: {err}", file=sys.stderr)
             return 2
-        total = sum(t.numel() for t in state.values())
-        print(f"wrote {args.out}: {len(state)} tensors, {total:,} elements (fp32)")
+        print(f"wrote {args.out}: a torch.distributed.checkpoint of {count} model tensors and their optimizer "
+              f"states")
         return 0
-    if command == "train":
-        known, passthrough = train.parse_known_args(rest)
-        if "RANK" in os.environ:  # already under a launcher
-            train_main(passthrough)
-            return 0
-        cmd = torchrun_command(known.nproc, [], ["-m", "zeroplus.train_job", *passthrough])
-        # torchrun's -m runs a module; it must come before the module name, not as a flag value.
-        cmd = cmd[:cmd.index("-m", 3)] + ["--module", "zeroplus.train_job"] + passthrough
-        env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // known.nproc)))
-        import subprocess
-        return subprocess.call(cmd, env=env)
-    parser.error(f"unknown command {command!r}; use run, train, convert or estimate")
-    return 2
+    if args.format == "hf":
+        try:
+            names, peak = export_checkpoint(args.checkpoint_dir, args.out, args.tag, args.dtype,
+                                            args.max_shard_size)
+        except (FileNotFoundError, ValueError) as err:
+            print(f"zeroplus convert: {err}", file=sys.stderr)
+            return 2
+        print(f"wrote {args.out}: {len(names)} file(s) ({args.dtype}), at most {peak:,} tensor bytes held")
+        return 0
+    try:
+        state = load_fp32_state_dict(args.checkpoint_dir, args.tag)
+        write_state_dict(state, args.out)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"zeroplus convert: {err}", file=sys.stderr)
+        return 2
+    total = sum(t.numel() for t in state.values())
+    print(f"wrote {args.out}: {len(state)} tensors, {total:,} elements (fp32)")
+    return 0
+
+
+def _train(train: argparse.ArgumentParser, rest: list[str]) -> int:
+    """``zeroplus train``: the main job, on every rank of a torchrun it starts (or here, under a launcher)."""
+    known, passthrough = train.parse_known_args(rest)
+    if "RANK" in os.environ:  # already under a launcher
+        train_main(passthrough)
+        return 0
+    cmd = torchrun_command(known.nproc, [], ["-m", "zeroplus.train_job", *passthrough])
+    # torchrun's -m runs a module; it must come before the module name, not as a flag value.
+    cmd = cmd[:cmd.index("-m", 3)] + ["--module", "zeroplus.train_job"] + passthrough
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // known.nproc)))
+    import subprocess
+    return subprocess.call(cmd, env=env)
 
 
 if __name__ == "__main__":
