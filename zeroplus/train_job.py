@@ -161,15 +161,36 @@ def main(argv: list[str] | None = None) -> None:
     if args.resume:
         resume(engine, args.save_dir, main_rank)
     gas = engine.gradient_accumulation_steps()
+    start = time.perf_counter()
+    loss_value = _train_steps(engine, data, args, parallel.pipeline > 1, main_rank)
+    engine.eval()
+    with torch.no_grad():
+        held = [engine.eval_batch(iter([data.eval_batch(i)] * gas)).item() if parallel.pipeline > 1
+                else engine(*data.eval_batch(i)).item() for i in range(4)]
+    split = time_split(engine, fresh=True)  # (every rank: a device's timers synchronize)
+    saved = engine.save_checkpoint(args.save_dir) if args.save_dir else None
+    reports = gather_reports(engine)  # after the save: it counts
+    if main_rank:
+        _print_summary(engine, args, time.perf_counter() - start, loss_value, sum(held) / len(held), split, saved,
+                       reports)
+    engine.destroy()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _train_steps(engine: Any, data: ByteBatches, args: argparse.Namespace, pipelined: bool, main_rank: bool) -> float:
+    """``args.steps`` optimizer steps (through ``train_batch`` on a pipeline), rank 0's progress bar beside them, and
+    ``--profile``'s trace; the last loss."""
+    gas = engine.gradient_accumulation_steps()
     tokens_per_step = engine.train_batch_size() * args.seq_len
     bar = tqdm(total=args.steps, disable=not main_rank, unit="step", dynamic_ncols=True)
     profiler = trace(args.profile, engine)
     start, loss_value = time.perf_counter(), float("nan")
     first_step = engine.global_steps
     for step in range(first_step, first_step + args.steps):
-        if parallel.pipeline > 1:
+        if pipelined:
             loss_value = engine.train_batch(iter([data.batch(step, micro) for micro in range(gas)])).item()
-        for micro in range(gas if parallel.pipeline == 1 else 0):
+        for micro in range(0 if pipelined else gas):
             x, y = data.batch(step, micro)
             loss = engine(x, y)
             engine.backward(loss)
@@ -190,33 +211,28 @@ def main(argv: list[str] | None = None) -> None:
         profiler.stop()
         if main_rank:
             print(f"profile: torch.profiler traces of steps 3-5 in {args.profile}", flush=True)
-    engine.eval()
-    with torch.no_grad():
-        held = [engine.eval_batch(iter([data.eval_batch(i)] * gas)).item() if parallel.pipeline > 1
-                else engine(*data.eval_batch(i)).item() for i in range(4)]
-    split = time_split(engine, fresh=True)  # (every rank: a device's timers synchronize)
-    saved = engine.save_checkpoint(args.save_dir) if args.save_dir else None
-    reports = gather_reports(engine)  # after the save: it counts
-    if main_rank:
-        elapsed = time.perf_counter() - start
-        print(f"\nfinished {args.steps} steps in {elapsed:.1f}s ({tokens_per_step * args.steps / elapsed:,.0f} "
-              f"tokens/s); final train loss {loss_value:.4f}, held-out loss {sum(held) / len(held):.4f} "
-              f"(uniform bytes: {math.log(256):.2f})")
-        if split:
-            profiler = engine.flops
-            against = f" of {profiler.peak:.4g} TFLOP/s ({profiler.peak_source})" \
-                if profiler is not None and profiler.last else ""
-            print(f"time per step (ms, mean of the last steps): {split}{against}")
-        print_memory(reports)
-        for key, b in reports[0]["saved"].items():  # memory techniques: bytes kept from being held
-            print(f"  not held by {key}: peak " + ", ".join(f"rank {r['rank']} "
-                  f"{r['saved'].get(key, {}).get('peak_bytes', 0) / 2**20:.1f} MiB" for r in reports))
-        print(f"checkpoint: {saved}" if saved else "checkpoint: not saved (--save-dir '')")
-        print(json.dumps({"final_loss": loss_value, "held_out_loss": sum(held) / len(held),
-                          "steps": args.steps}))
-    engine.destroy()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    return loss_value
+
+
+def _print_summary(engine: Any, args: argparse.Namespace, elapsed: float, loss_value: float, held_out: float,
+                   split: str | None, saved: str | None, reports: list[dict[str, Any]]) -> None:
+    """Rank 0's summary: the losses and throughput, the time split with the MFU, each rank's memory by ledger
+    category and what the memory techniques kept from being held, the checkpoint, and a JSON line."""
+    tokens_per_step = engine.train_batch_size() * args.seq_len
+    print(f"\nfinished {args.steps} steps in {elapsed:.1f}s ({tokens_per_step * args.steps / elapsed:,.0f} "
+          f"tokens/s); final train loss {loss_value:.4f}, held-out loss {held_out:.4f} "
+          f"(uniform bytes: {math.log(256):.2f})")
+    if split:
+        profiler = engine.flops
+        against = f" of {profiler.peak:.4g} TFLOP/s ({profiler.peak_source})" \
+            if profiler is not None and profiler.last else ""
+        print(f"time per step (ms, mean of the last steps): {split}{against}")
+    print_memory(reports)
+    for key in reports[0]["saved"]:  # memory techniques: bytes kept from being held
+        print(f"  not held by {key}: peak " + ", ".join(f"rank {r['rank']} "
+              f"{r['saved'].get(key, {}).get('peak_bytes', 0) / 2**20:.1f} MiB" for r in reports))
+    print(f"checkpoint: {saved}" if saved else "checkpoint: not saved (--save-dir '')")
+    print(json.dumps({"final_loss": loss_value, "held_out_loss": held_out, "steps": args.steps}))
 
 
 def end_process() -> None:
