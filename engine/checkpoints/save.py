@@ -78,6 +78,67 @@ def _for_file(t: torch.Tensor) -> torch.Tensor:
     return t if t.untyped_storage().nbytes() - own <= own // 16 else t.clone()
 
 
+def _start_async(engine: Engine, world: Any, client_state: dict[str, Any] | None, exclude_frozen_parameters: bool,
+                 save_dir: str, tmp_dir: str, part: str, final_dir: str, tag: str, save_latest: bool,
+                 keep_k: int | None) -> str:
+    """An asynchronous save: this rank's state staged in host memory, the file and the commit left to the
+    background (``async_save.py``); refused for a model split by tensor or pipeline parallelism."""
+    if part:
+        if world.rank == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise ValueError(f"save_checkpoint(async_save=True) on rank {_global_rank(engine)}: asynchronous saves "
+                         f"of a model split by tensor or pipeline parallelism are not built; save synchronously")
+    state, pairs, copies = allocate(rank_state(engine, client_state, exclude_frozen_parameters),
+                                    engine.accelerator, engine.ledger)
+    pending = PendingSave(final_dir, engine.async_saves.group(world), _global_rank(engine))
+    engine.async_saves.start(pending, {
+        "tmp_dir": tmp_dir, "dp_rank": engine.dp.rank, "state": state, "pairs": pairs, "copies": copies,
+        "ledger": engine.ledger,
+        "metadata": _metadata(engine, tag, [], exclude_frozen_parameters), "save_latest": save_latest,
+        "save_dir": save_dir, "tag": tag, "keep_k": keep_k})
+    return final_dir
+
+
+def _write_rank_file(engine: Engine, world: Any, client_state: dict[str, Any] | None,
+                     exclude_frozen_parameters: bool, tmp_dir: str, part: str, final_dir: str,
+                     tag: str) -> dict[str, Any]:
+    """This rank's file in the temporary directory (its model part's, with tensor or pipeline parallelism), every
+    rank agreeing it was written; the metadata to commit (a split model's part metadata written by its data rank 0,
+    the tag's listing the parts)."""
+    dp = engine.dp
+    part_dir = os.path.join(tmp_dir, part) if part else tmp_dir
+    digest, error = None, None
+    try:
+        os.makedirs(part_dir, exist_ok=True)
+        digest = io.save_rank_state(part_dir, dp.rank, rank_state(engine, client_state, exclude_frozen_parameters),
+                                    _global_rank(engine))
+    except OSError as err:
+        error = err
+    io.fault_point(f"after_rank_file_{dp.rank}")
+    _agree_written(engine, world, tmp_dir, final_dir, error)
+    digests = dp.all_gather_objects(digest)
+    metadata = _metadata(engine, tag, digests, exclude_frozen_parameters)
+    if part:
+        if dp.rank == 0:
+            io.write_metadata(part_dir, metadata)
+        parts = world.all_gather_objects(part)
+        metadata = {"format": io.FORMAT_VERSION, "tag": tag, "topology": metadata["topology"],
+                    "global_steps": engine.global_steps, "parts": sorted(set(parts))}
+    return metadata
+
+
+def _commit(tmp_dir: str, final_dir: str, metadata: dict[str, Any] | None, save_dir: str, tag: str,
+            save_latest: bool, keep_k: int | None) -> None:
+    """Rank 0: the temporary directory becomes the checkpoint at once, ``latest`` follows, older ones are pruned."""
+    io.commit(tmp_dir, final_dir, metadata)
+    if save_latest:
+        io.write_latest(save_dir, tag)
+    if keep_k is not None:
+        removed = io.keep_latest(save_dir, keep_k, tag)
+        if removed:
+            logger.info("keep_latest_k %d: removed checkpoints %s from %s", keep_k, removed, save_dir)
+
+
 def rank_state(engine: Engine, client_state: dict[str, Any] | None,
                exclude_frozen_parameters: bool = False) -> dict[str, Any]:
     """What this rank's file holds (the memory estimate runs it on the meta device for the save phase).
@@ -250,7 +311,7 @@ def save_checkpoint(engine: Engine, save_dir: str, tag: str | None = None,
     With tensor or pipeline parallelism each slice of the model is a checkpoint of its own in
     ``tag/tpTT_ppPP/`` (its data group's files and metadata), and ``tag/metadata.json`` lists the
     topology and the slices; the whole tag still appears at once, after every rank has written."""
-    dp, world = engine.dp, _world(engine)
+    world = _world(engine)
     engine.async_saves.wait()  # one save at a time: the one before is committed (or raises) first
     keep_k = engine.config.zeroplus.keep_latest_k if keep_latest_k is None else keep_latest_k
     background = engine.config.zeroplus.async_save if async_save is None else async_save
@@ -271,22 +332,9 @@ def save_checkpoint(engine: Engine, save_dir: str, tag: str | None = None,
     if refusal is not None:
         raise ValueError(f"checkpoint {final_dir} not saved (rank {_global_rank(engine)}): {refusal}")
     part = _model_part(engine)
-    part_dir = os.path.join(tmp_dir, part) if part else tmp_dir
     if background:
-        if part:
-            if world.rank == 0:
-                shutil.rmtree(tmp_dir, ignore_errors=True)
-            raise ValueError(f"save_checkpoint(async_save=True) on rank {_global_rank(engine)}: asynchronous saves "
-                             f"of a model split by tensor or pipeline parallelism are not built; save synchronously")
-        state, pairs, copies = allocate(rank_state(engine, client_state, exclude_frozen_parameters),
-                                        engine.accelerator, engine.ledger)
-        pending = PendingSave(final_dir, engine.async_saves.group(world), _global_rank(engine))
-        engine.async_saves.start(pending, {
-            "tmp_dir": part_dir, "dp_rank": dp.rank, "state": state, "pairs": pairs, "copies": copies,
-            "ledger": engine.ledger,
-            "metadata": _metadata(engine, tag, [], exclude_frozen_parameters), "save_latest": save_latest,
-            "save_dir": save_dir, "tag": tag, "keep_k": keep_k})
-        return final_dir
+        return _start_async(engine, world, client_state, exclude_frozen_parameters, save_dir, tmp_dir, part,
+                            final_dir, tag, save_latest, keep_k)
     if fmt == "dcp":
         error = None
         try:
@@ -296,31 +344,9 @@ def save_checkpoint(engine: Engine, save_dir: str, tag: str | None = None,
         _agree_written(engine, world, tmp_dir, final_dir, error)
         metadata = None  # DCP's own .metadata, written last, marks the directory whole
     else:
-        digest, error = None, None
-        try:
-            os.makedirs(part_dir, exist_ok=True)
-            digest = io.save_rank_state(part_dir, dp.rank,
-                                        rank_state(engine, client_state, exclude_frozen_parameters),
-                                        _global_rank(engine))
-        except OSError as err:
-            error = err
-        io.fault_point(f"after_rank_file_{dp.rank}")
-        _agree_written(engine, world, tmp_dir, final_dir, error)
-        digests = dp.all_gather_objects(digest)
-        metadata = _metadata(engine, tag, digests, exclude_frozen_parameters)
-        if part:
-            if dp.rank == 0:
-                io.write_metadata(part_dir, metadata)
-            parts = world.all_gather_objects(part)
-            metadata = {"format": io.FORMAT_VERSION, "tag": tag, "topology": metadata["topology"],
-                        "global_steps": engine.global_steps, "parts": sorted(set(parts))}
+        metadata = _write_rank_file(engine, world, client_state, exclude_frozen_parameters, tmp_dir, part,
+                                    final_dir, tag)
     if world.rank == 0:
-        io.commit(tmp_dir, final_dir, metadata)
-        if save_latest:
-            io.write_latest(save_dir, tag)
-        if keep_k is not None:
-            removed = io.keep_latest(save_dir, keep_k, tag)
-            if removed:
-                logger.info("keep_latest_k %d: removed checkpoints %s from %s", keep_k, removed, save_dir)
+        _commit(tmp_dir, final_dir, metadata, save_dir, tag, save_latest, keep_k)
     world.barrier()
     return final_dir
