@@ -78,7 +78,33 @@ def main(argv: list[str] | None = None) -> None:
               f"{args.sparse_optimizer} on the tables, config {args.config}", flush=True)
     if args.resume:
         resume(engine, args.save_dir, main_rank)
-    gas = engine.gradient_accumulation_steps()
+    start = time.perf_counter()
+    loss_value = _train_steps(engine, cfg, args, rank, main_rank)
+    elapsed = time.perf_counter() - start
+    rate = engine.train_batch_size() * args.steps / elapsed
+    engine.eval()
+    with torch.no_grad():
+        held = [engine(*synthetic_batch(cfg, batch, torch.Generator().manual_seed(10**9 + 100 * i + rank))).item()
+                for i in range(4)]
+    saved = engine.save_checkpoint(args.save_dir) if args.save_dir else None
+    reports = gather_reports(engine)
+    rates = model.embeddings.cache_hit_rates()
+    hit_rates: list[Any] = [None] * world
+    if dist.is_initialized():
+        dist.all_gather_object(hit_rates, rates)
+    else:
+        hit_rates = [rates]
+    if main_rank:
+        _print_summary(args, elapsed, rate, loss_value, sum(held) / len(held), reports, hit_rates, saved)
+    engine.destroy()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _train_steps(engine: Any, cfg: Any, args: argparse.Namespace, rank: int, main_rank: bool) -> float:
+    """``args.steps`` optimizer steps on synthetic batches (each rank its own), rank 0's progress bar beside them;
+    the last loss."""
+    gas, batch = engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu()
     bar = tqdm(total=args.steps, disable=not main_rank, unit="step", dynamic_ncols=True)
     start, loss_value = time.perf_counter(), float("nan")
     first_step = engine.global_steps
@@ -97,33 +123,21 @@ def main(argv: list[str] | None = None) -> None:
                             mem=f"{peak / 2**20:,.0f}MiB")
             bar.update(1)
     bar.close()
-    elapsed = time.perf_counter() - start
-    rate = engine.train_batch_size() * args.steps / elapsed
-    engine.eval()
-    with torch.no_grad():
-        held = [engine(*synthetic_batch(cfg, batch, torch.Generator().manual_seed(10**9 + 100 * i + rank))).item()
-                for i in range(4)]
-    saved = engine.save_checkpoint(args.save_dir) if args.save_dir else None
-    reports = gather_reports(engine)
-    rates = model.embeddings.cache_hit_rates()
-    hit_rates: list[Any] = [None] * world
-    if dist.is_initialized():
-        dist.all_gather_object(hit_rates, rates)
-    else:
-        hit_rates = [rates]
-    if main_rank:
-        print(f"\nfinished {args.steps} steps in {elapsed:.1f}s ({rate:,.0f} samples/s); final train loss "
-              f"{loss_value:.4f}, held-out loss {sum(held) / len(held):.4f} "
-              f"(a coin flip: {math.log(2):.4f})")
-        print_memory(reports)
-        for r, rates in enumerate(hit_rates):
-            if rates:
-                print(f"  rank {r}: row caches of {len(rates)} tables on {args.tier_path}, hit rate "
-                      f"{100 * sum(rates.values()) / len(rates):.1f}% (mean over the tables; lowest "
-                      f"{min(rates, key=rates.__getitem__)} {100 * min(rates.values()):.1f}%)")
-        print(f"checkpoint: {saved}" if saved else "checkpoint: not saved (--save-dir '')")
-        print(json.dumps({"final_loss": loss_value, "held_out_loss": sum(held) / len(held), "steps": args.steps,
-                          "samples_per_s": rate}))
-    engine.destroy()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    return loss_value
+
+
+def _print_summary(args: argparse.Namespace, elapsed: float, rate: float, loss_value: float, held_out: float,
+                   reports: list[dict[str, Any]], hit_rates: list[Any], saved: str | None) -> None:
+    """Rank 0's summary: losses and throughput, each rank's memory by ledger category, the row caches' hit rates,
+    the checkpoint, and a JSON line."""
+    print(f"\nfinished {args.steps} steps in {elapsed:.1f}s ({rate:,.0f} samples/s); final train loss "
+          f"{loss_value:.4f}, held-out loss {held_out:.4f} (a coin flip: {math.log(2):.4f})")
+    print_memory(reports)
+    for r, rates in enumerate(hit_rates):
+        if rates:
+            print(f"  rank {r}: row caches of {len(rates)} tables on {args.tier_path}, hit rate "
+                  f"{100 * sum(rates.values()) / len(rates):.1f}% (mean over the tables; lowest "
+                  f"{min(rates, key=rates.__getitem__)} {100 * min(rates.values()):.1f}%)")
+    print(f"checkpoint: {saved}" if saved else "checkpoint: not saved (--save-dir '')")
+    print(json.dumps({"final_loss": loss_value, "held_out_loss": held_out, "steps": args.steps,
+                      "samples_per_s": rate}))
