@@ -257,12 +257,12 @@ def _estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: di
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     kind = accelerator or get_accelerator().name
-    dtype = _compute_dtype_name(config)
+    parsed = load_config(config)  # (parsed once: the dtype and the profiler both read it)
+    dtype = _compute_dtype_name(parsed)
     tracker, cfg = simulate(model, config, world_size, rank, micro_batch_size=micro_batch_size, seq_len=seq_len,
                             example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
                             workspace=cpu_workspace_bytes if kind == "cpu" else None,
-                            runtime=runtime_bytes(kind, dtype, code, world_size,
-                                                  load_config(config).flops_profiler.enabled),
+                            runtime=runtime_bytes(kind, dtype, code, world_size, parsed.flops_profiler.enabled),
                             construction=construction)
     phases = {}
     for phase in PHASES:
@@ -296,10 +296,10 @@ def caveats(kind: str, dtype: str, routed: int) -> list[str]:
     return found + ([kept] if kept else [])
 
 
-def _compute_dtype_name(config: dict[str, Any] | str | ZeroplusConfig) -> str:
+def _compute_dtype_name(config: ZeroplusConfig) -> str:
     """``fp32``, ``bf16`` or ``fp16``: whose runtime overhead the run has (``runtime_overhead.py``), by the
     engine's own choice of compute dtype."""
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(compute_dtype(load_config(config)), "fp32")
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(compute_dtype(config), "fp32")
 
 
 def _split(cfg: Any, world_size: int) -> str:
