@@ -10,10 +10,11 @@ Rows, through ``zeroplus.comm.DataParallelGroup`` where zeroplus has a path:
 
 - ``all_reduce``: in place (stage 0; DDP's gradient all-reduce);
 - ``reduce_scatter (gloo)``: gloo's own, which holds a copy of its input;
-- ``reduces (reduce_to_each)``: one in-place reduce per rank onto its owner (zeroplus, stages 1-3);
-- ``exchange (exchange_rows)``: each rank's rows sent point to point, received into a shard
-  (zeroplus at two ranks), and the owner's own row added;
-- ``all_gather (gloo)`` and ``broadcasts (all_gather)``: gloo's own, and zeroplus's in-place broadcasts.
+- ``reduces (gloo transport)``: one in-place reduce per rank onto its owner (``transports.PerRank.reduce_each``,
+  zeroplus's reduce-scatter of rows on gloo, stages 1-3), the owned row landed in a shard;
+- ``exchange (gloo transport)``: two ranks' rows sent point to point, received into a shard
+  (``transports.PerRank.exchange``: zeroplus at two ranks writing a fresh shard), and the owner's own row added;
+- ``all_gather (gloo)`` and ``broadcasts (gloo transport)``: gloo's own, and zeroplus's in-place broadcasts.
 
     torchrun --nproc-per-node 2 bench/bench_gloo_collectives.py
     python bench/bench_gloo_collectives.py --numel 25000000 --rounds 5   # launches torchrun itself
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from zeroplus.comm import DataParallelGroup
+from zeroplus.transports import PerRank
 
 
 def _rows(dp: DataParallelGroup, numel: int) -> dict:
@@ -41,18 +43,17 @@ def _rows(dp: DataParallelGroup, numel: int) -> dict:
     shard = torch.empty(s)
     rows = buf.view(n, s)
 
-    def exchange() -> None:
-        dp.exchange_rows(list(rows), [shard] * n).wait()
-        shard.add_(rows[r])
-
-    return {
+    gloo = PerRank()
+    out = {
         "all_reduce": lambda: dp.all_reduce(buf).wait(),
         "reduce_scatter (gloo)": lambda: dist.reduce_scatter_tensor(shard, buf),
-        "reduces (reduce_to_each)": lambda: dp.reduce_to_each(list(rows)).wait(),
-        "exchange (exchange_rows)": exchange,
+        "reduces (gloo transport)": lambda: gloo.reduce_each(dp, rows, shard, 1.0, False, 0).wait(),
         "all_gather (gloo)": lambda: dist.all_gather_into_tensor(buf, rows[r].clone()),
-        "broadcasts (all_gather)": lambda: dp.all_gather(buf, rows[r]).wait(),
+        "broadcasts (gloo transport)": lambda: gloo.all_gather(dp, buf, rows[r], None, 0).wait(),
     }
+    if n == 2:
+        out["exchange (gloo transport)"] = lambda: gloo.exchange(dp, rows, shard, 1.0, 0).wait()
+    return out
 
 
 _TEXTBOOK = {"all_reduce": 2.0}  # times the buffer's bytes; every other row sends the buffer's bytes once

@@ -6,8 +6,7 @@ shared host): more than the differences it looks for. This script builds DDP (th
 the same processes, from the same weights, and runs them in rounds: each row ``--block`` steps in a row, only the last
 timed (the first takes whatever the previous row left running: under ``overlap_param_gather`` zeroplus's post-step
 all-gathers overlap its own next forward, as in training, and are not charged to another row). The row order rotates
-every round. A stage written with an ``r`` (``1r``) is that stage with the gradient reduction two gloo ranks used
-before the row exchange (per-rank reduces; see note: gloo exchange), for comparison; with a ``g`` (``3g``), that stage
+every round. A stage written with a ``g`` (``3g``) is that stage
 with every collective on gloo, no shared-memory pair (``zeroplus/shm_pair.py``); with an ``n`` (``3n``), on the native
 transport (``zeroplus.transport``: gloo's own reduce-scatter and all-gather into one tensor, as NCCL runs them); with a
 ``p`` (``3p``), without the
@@ -22,7 +21,6 @@ With zeroplus at one rank stepping as the plain module does (``bench_one_rank.py
 scaling is at least DDP's when its two-rank step is no longer than DDP's: the ``x DDP`` column >= 1.
 
     python bench/bench_two_ranks.py                      # GPT 111m, fp32, stages 0-3, 2 ranks
-    python bench/bench_two_ranks.py --stages 1,1r,2,2r --rounds 12   # exchange against reduces
     python bench/bench_two_ranks.py --stages 1,1g,3,3g                # shared-memory pair against gloo
     python bench/bench_two_ranks.py --stages 1,1g,1n,3,3g,3n          # ... and against the native transport
     python bench/bench_two_ranks.py --stages 3,3p                     # buffer pool against none
@@ -46,6 +44,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zeroplus  # noqa: E402
 from zeroplus.models import GPT, gpt_config  # noqa: E402
+from zeroplus.transports import Native  # noqa: E402
 
 
 class Row:
@@ -79,14 +78,6 @@ class Row:
         return statistics.median(sum(t) for t in self.times)
 
 
-def _with_reduces(engine: zeroplus.Engine) -> zeroplus.Engine:
-    """The engine with gloo's gradient reduction as before 2026-11-27: per-rank in-place reduces where two
-    ranks now exchange rows (``grad_reducer._exchange``; see note: gloo exchange). For comparison only."""
-    reducer = engine.partition.backward.reducer
-    reducer._exchange = reducer._reduce_each  # type: ignore[method-assign]
-    return engine
-
-
 def _rows(base: torch.nn.Module, stages: list[str], no_pool: bool = False) -> list[Row]:
     ddp_model = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     opt = torch.optim.AdamW(ddp_model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
@@ -97,26 +88,22 @@ def _rows(base: torch.nn.Module, stages: list[str], no_pool: bool = False) -> li
         opt.zero_grad(set_to_none=True)
     rows = [Row("DDP + fused AdamW", lambda x: ddp_model(x, x), lambda loss: loss.backward(), ddp_step)]
     for spec in stages:
-        stage = int(spec.rstrip("rgpon"))
+        stage = int(spec.rstrip("gpon"))
         native = spec.endswith("n")
         overlap = spec.endswith("o")
         cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
                "zero_optimization": {"stage": stage}, "steps_per_print": 10**6,
                "zeroplus": {"log_level": "warning", "overlap_param_gather": overlap,
-                            "transport": "native" if native else "auto"}}
+                            "transport": "native" if native else "gloo" if spec.endswith("g") else "auto"}}
         engine = zeroplus.initialize(copy.deepcopy(base), cfg)
         name = f"zeroplus stage {stage}" + (", overlap gather" if overlap else "")
-        if spec.endswith("r"):
-            engine, name = _with_reduces(engine), name + ", reduces"
-        paired = not spec.endswith("g") and not native and engine.dp.pair is not None
-        name += ", native" if native else ", shm pair" if paired else (", gloo" if engine.dp.pair is not None else "")
+        name += {"pair": ", shm pair", "gloo": ", gloo", "native": ", native"}[engine.dp.transport]
         if spec.endswith("p") or no_pool:
             engine.partition.pool.enabled, name = False, name + ", no pool"
 
-        def before(dp: zeroplus.comm.DataParallelGroup = engine.dp, on: bool = paired, per_rank: bool = not native
-                   ) -> None:
-            dp.pair_on, dp.per_rank = on, per_rank  # (the engines share the group: each row sets its transport)
+        def before(dp: zeroplus.comm.DataParallelGroup = engine.dp, carrier: Native = engine.dp.carrier) -> None:
+            dp.carrier = carrier  # (the engines share the group: each row sets the transport it was built with)
         rows.append(Row(name, lambda x, e=engine: e(x, x), engine.backward, engine.step, before))
     return rows
 
@@ -157,9 +144,8 @@ def main() -> None:
     p.add_argument("--n-embd", type=int, default=0, help="the GPT's width (0: its own)")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--stages", default="0,1,2,3",
-                   help="zeroplus rows; a stage followed by r (1r): with gloo's per-rank reduces, the way before "
-                        "two ranks exchanged rows; followed by g (3g): every collective on gloo, no shared-memory "
-                        "pair; followed by p (3p): without the buffer pool")
+                   help="zeroplus rows; a stage followed by g (3g): every collective on gloo, no shared-memory "
+                        "pair; followed by n (3n): the native transport; followed by p (3p): without the buffer pool")
     p.add_argument("--no-pool", action="store_true", help="every zeroplus row without the buffer pool")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--block", type=int, default=2, help="steps per row per round, the last timed")

@@ -82,7 +82,8 @@ _VOLUME = {
     "reduce_scatter_single": ("input", 1), "reduce_scatter": ("input_list", 1), "broadcast": ("tensor", 1),
     "reduce": ("tensor", 1),
     "all_to_all_single": ("input", 1),
-    "isend": ("tensor", None),  # None: N / (N - 1), a send's share of the reduce-scatter it serves (comm.exchange_rows)
+    # None: N / (N - 1), a send's share of the reduce-scatter it serves (transports.PerRank.exchange)
+    "isend": ("tensor", None),
 }
 
 

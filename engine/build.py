@@ -91,7 +91,8 @@ def _choose_transport(cfg: ResolvedConfig, dp: Collectives, parallel: ParallelGr
                       experts: ExpertSplit | None, ledger: Ledger) -> str:
     """``zeroplus.transport`` on every group this engine moves bytes over (``comm.py``, ``use_transport``): the
     data group, the only one that may map the shared pair, then the expert, tensor and context groups
-    (``pair`` is ``gloo`` there). Decided here, once; the layers above read ``per_rank``, never the backend.
+    (``pair`` is ``gloo`` there). Decided here, once; the layers above ask the group for semantic
+    operations and never see the transport or the backend.
     Returns the data group's transport."""
     wanted = cfg.zeroplus.transport
     others = [] if parallel is None else [parallel.data, parallel.zero, parallel.tensor, parallel.context,

@@ -90,12 +90,11 @@ class ScalarSum(Protocol):
 class Collectives(Protocol):
     """What the layers above ask of a data-parallel group: ``DataParallelGroup`` (a process group) and the
     estimator's ``VirtualGroup`` (one rank of any size simulated in one process, nothing moved:
-    ``budget/virtual_group.py``) provide it. ``per_rank``: reductions take the transport's in-place per-rank
-    path (``use_transport``); ``initialized``: a real process group stands behind it."""
+    ``budget/virtual_group.py``) provide it. Semantic operations only: how bytes move is the group's transport
+    (``transports.py``), chosen once by ``use_transport``; ``initialized``: a real process group stands behind it."""
 
     rank: int
     size: int
-    per_rank: bool
     initialized: bool
     group: Any
 
@@ -108,10 +107,8 @@ class Collectives(Protocol):
     def all_gather(self, output: torch.Tensor, input: torch.Tensor,
                    on_done: Callable[[], None] | None = None) -> Handle: ...
 
-    def reduce_to_each(self, pieces: list[torch.Tensor], on_done: Callable[[], None] | None = None) -> Handle: ...
-
-    def exchange_rows(self, rows: list[torch.Tensor], into: list[torch.Tensor],
-                      on_done: Callable[[], None] | None = None) -> Handle: ...
+    def reduce_scatter_rows(self, rows: torch.Tensor, target: torch.Tensor, scale: float, accumulate: bool,
+                            buffers: Ledger) -> Handle: ...
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Handle: ...
 

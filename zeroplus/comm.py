@@ -7,18 +7,12 @@ collective kind are counted for reports and benchmarks. A collective that fails 
 ``CollectiveError`` naming itself, its group and the rank that did not arrive
 (``collective_faults.py``); the process group zeroplus creates gets ``zeroplus.collective_timeout``.
 
-On gloo (CPU tensors) the all-gather and the reduce-scatter are built from in-place broadcasts and
-reduces, one per rank, which gloo runs faster and without temporaries. Measured on 2 ranks, 95 MiB
-(medians of 5): gloo's all-gather 0.16 s, holding a copy of its whole output while it runs; two
-in-place broadcasts 0.035 s, nothing held; gloo's reduce-scatter 0.13 s, holding a copy of its whole
-input; two in-place reduces 0.065 s and 4 MiB held; an in-place all-reduce 0.056 s (it sends twice
-the bytes of either). Both send the bytes of the native collective: the communication volume stays
-the textbook one (all-gather: its output; reduce-scatter: its input). ``per_rank`` tells the gradient
-reducer to take the in-place reduce path (``grad_reducer.py``). NCCL and HCCL keep the native
-collectives, which work in place.
-
-Which of these a group runs is its transport, chosen once when an engine is assembled (``use_transport``;
-the names and the choice: ``transports.py``).
+The group offers semantic operations (all-gather into, reduce-scatter into, the rows of a matrix
+reduce-scattered into a shard, all-reduce, all-to-all, broadcast, scalars); which backend works carry the
+all-gathers and reductions is its transport (``transports.py``: native tensor collectives, gloo's per-rank
+broadcasts and reduces, or the shared-memory pair), chosen once when an engine is assembled (``use_transport``)
+and never seen by the layers above. Every transport sends the textbook bytes (all-gather: its output;
+reduce-scatter: its input), which ``bytes_sent`` counts by kind.
 
 Gloo's worker threads hand each finished work's tensors back after the caller's ``wait()`` has
 returned. If the caller's Python tensor is gone by then, the worker must take the GIL to free it; at
@@ -27,9 +21,6 @@ interpreter exit that GIL request ends the worker thread mid-destructor and the 
 collective gets fresh aliases of its tensors (``detach()``: same storage, its own tensor object),
 and ``Handle.wait()`` returns only once the backend has let go of them (``collectives.until_released``: a few
 microseconds), so the last reference to every tensor is this thread's.
-Two ranks reduce gradients by one point-to-point exchange instead (``exchange_rows``), and two ranks of one host
-(the ``pair`` transport) swap large all-gathers, exchanges and sums through shared memory instead of TCP
-(``shm_pair.py``).
 See note: gloo in place; see note: gloo broadcasts and reduces; see note: gloo exchange; see note: transport
 (docs/design-notes.md).
 """
@@ -51,13 +42,9 @@ from .collective_faults import collective_failed, current_timeout_seconds, set_t
 from .collectives import Collectives, Handle
 from .ledger import Category, Ledger
 from .shm_pair import MAPPING_BYTES, MIN_BYTES, SharedPair, open_pair
-from .transports import requested_transport, without_pair
+from .transports import NATIVE, Native, Pair, PerRank, Works, requested_transport, scaled_into, without_pair
 
 DEFAULT_TIMEOUT_SECONDS = 600.0
-# One tag for every exchange: gloo matches a pair's sends and receives of one tag in the order they were posted, and
-# every rank posts a group's exchanges in the same order (a new tag per exchange would add keys to gloo's per-tag
-# tables all run long); apart from the default tag 0 of other point-to-point messages (``shift_ring``).
-EXCHANGE_TAG = 83
 
 logger = logging.getLogger(__name__)
 
@@ -85,23 +72,8 @@ def _alias(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach()
 
 
-class _Works:
-    """Several backend works waited on as one, in the order issued."""
-
-    def __init__(self, works: list[Any]) -> None:
-        self.works = works
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-
-
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
 class DataParallelGroup:
-    """A process group with rank, size and counted async collectives (sum reductions)."""
+    """A process group with rank, size and counted async collectives (sum reductions), carried by its transport."""
 
     def __init__(self, group: Any | None = None, label: str = "data") -> None:
         """``label``: the group's kind in messages (data, tensor, pipeline, expert, ...)."""
@@ -113,15 +85,18 @@ class DataParallelGroup:
         self.bytes_sent: collections.Counter[str] = collections.Counter()
         self.issued = 0  # collectives issued in this group, for messages
         backend = str(dist.get_backend(group)) if self.initialized and self.size > 1 else ""
-        self.gloo = backend == "gloo"  # the backend's worker holds aliases of a collective's tensors (_run)
+        self.gloo = backend == "gloo"  # the backend's worker holds aliases of a collective's tensors (launch)
         # the transport (use_transport; until an engine chooses one, auto without the pair)
-        self.transport = "gloo" if self.gloo else "native"
-        self.per_rank = self.gloo  # all-gathers and gradient reductions by in-place broadcasts and reduces
+        self.carrier: Native = PerRank() if self.gloo else NATIVE
         self.pair: SharedPair | None = None  # two gloo ranks of one host: large swaps through shared memory
-        self.pair_on = False  # ... while the transport is "pair"
+
+    @property
+    def transport(self) -> str:
+        """The transport's name: ``native``, ``gloo`` or ``pair`` (``transports.py``)."""
+        return self.carrier.name
 
     def use_transport(self, transport: str, ledger: Ledger, shared_pair: bool = True) -> str:
-        """Collective: how this group's all-gathers and reductions move bytes from now on (the module docstring);
+        """Collective: how this group's all-gathers and reductions move bytes from now on (``transports.py``);
         returns the transport chosen (``auto`` resolved). ``shared_pair``: whether ``pair`` (or ``auto``) may map
         the shared pair (``shm_pair.py``, 4 MiB in ``ledger``). A group of one rank moves nothing: ``native``.
         ValueError, the same on every rank, for ``gloo`` or ``pair`` on another backend, and for ``pair`` where
@@ -137,22 +112,18 @@ class DataParallelGroup:
                 ledger.track(self.pair.tensor.detach(), Category.COMM_BUFFER)
             if self.pair is None:
                 chosen = without_pair(transport, where, self.size)
-        self.transport = chosen
-        self.per_rank = chosen in ("gloo", "pair") and self.size > 1
-        self.pair_on = chosen == "pair"
+        if chosen == "native":
+            self.carrier = NATIVE
+        elif chosen == "pair" and self.pair is not None:
+            self.carrier = Pair(self.pair, MIN_BYTES)
+        else:
+            self.carrier = PerRank()
         return chosen
 
     @property
     def pair_bytes(self) -> int:
         """What the shared pair maps while this group uses it (the ledger's comm buffers count it throughout)."""
-        return MAPPING_BYTES if self.pair is not None and self.pair_on else 0
-
-    def _pair_for(self, send: torch.Tensor, recv: torch.Tensor) -> SharedPair | None:
-        """The shared pair if this swap goes through it (CPU, contiguous, as many bytes each way, large), else None."""
-        nbytes = send.numel() * send.element_size()
-        paired = (self.pair_on and send.device.type == "cpu" and recv.device.type == "cpu" and send.is_contiguous()
-                  and recv.is_contiguous() and nbytes >= MIN_BYTES and recv.numel() * recv.element_size() == nbytes)
-        return self.pair if paired else None
+        return MAPPING_BYTES if isinstance(self.carrier, Pair) else 0
 
     def _count(self, kind: str, *tensors: torch.Tensor) -> int:
         """Count the message's bytes (the textbook message of ``kind``); return them."""
@@ -160,11 +131,11 @@ class DataParallelGroup:
         self.bytes_sent[kind] += nbytes
         return nbytes
 
-    def _run(self, kind: str, call: Callable[..., Any], tensors: tuple[torch.Tensor, ...] = (),
-             on_done: Callable[[], None] | None = None, nbytes: int = 0) -> Handle:
-        """Issue one async collective, ``call(*tensors)`` (fresh aliases of them on gloo, see the module
+    def launch(self, kind: str, call: Callable[..., Any], tensors: tuple[torch.Tensor, ...] = (),
+               on_done: Callable[[], None] | None = None, nbytes: int = 0) -> Handle:
+        """Issue one async backend work, ``call(*tensors)`` (fresh aliases of them on gloo, see the module
         docstring) of ``nbytes`` (the message, for the observers); its ``Handle``. A backend error becomes a
-        ``CollectiveError`` that names the collective (now or at ``wait()``)."""
+        ``CollectiveError`` that names the collective (now or at ``wait()``). The transports launch through it."""
         seen = (kind, self.label, self.size, nbytes, time.perf_counter()) if comm_observers.OBSERVERS else None
         self.issued += 1
         seq = self.issued
@@ -189,13 +160,7 @@ class DataParallelGroup:
     def all_reduce(self, tensor: torch.Tensor, op: Any = None, on_done: Callable[[], None] | None = None) -> Handle:
         if self.size == 1:
             return Handle(None, on_done)
-        nbytes = self._count("all_reduce", tensor)
-        pair = self._pair_for(tensor, tensor) if op is None or op == dist.ReduceOp.SUM else None
-        if pair is not None:
-            return self._run("all_reduce", lambda t: pair.swap(t, t, add=True), (tensor,), on_done, nbytes)
-        op = dist.ReduceOp.SUM if op is None else op
-        return self._run("all_reduce", lambda t: dist.all_reduce(t, op=op, group=self.group, async_op=True),
-                         (tensor,), on_done, nbytes)
+        return self.carrier.all_reduce(self, tensor, op, on_done, self._count("all_reduce", tensor))
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
                        on_done: Callable[[], None] | None = None) -> Handle:
@@ -203,9 +168,17 @@ class DataParallelGroup:
         if self.size == 1:
             output.copy_(input)
             return Handle(None, on_done)
-        nbytes = self._count("reduce_scatter", input)
-        return self._run("reduce_scatter", lambda o, i: _reduce_scatter(o, i, group=self.group, async_op=True),
-                         (output, input), on_done, nbytes)
+        return self.carrier.reduce_scatter(self, output, input, on_done, self._count("reduce_scatter", input))
+
+    def reduce_scatter_rows(self, rows: torch.Tensor, target: torch.Tensor, scale: float, accumulate: bool,
+                            buffers: Ledger) -> Handle:
+        """A reduce-scatter of the ``(size, c)`` matrix ``rows`` (any strides; scratch afterwards): when the handle
+        is waited on, the sum over ranks of row ``rank``, times ``scale``, is in ``target`` (``c`` elements), or
+        added into it (``accumulate``). Comm buffers the transport needs come from ``buffers``."""
+        if self.size == 1:
+            return Handle(None, scaled_into(target, rows[0], scale, accumulate))
+        nbytes = self._count("reduce_scatter", rows)
+        return self.carrier.reduce_scatter_rows(self, rows, target, scale, accumulate, buffers, nbytes)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor,
                    on_done: Callable[[], None] | None = None) -> Handle:
@@ -214,67 +187,9 @@ class DataParallelGroup:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return Handle(None, on_done)
-        nbytes = self._count("all_gather", output)
-        if self.per_rank and output.device.type == "cpu" and output.is_contiguous() and input.is_contiguous():
-            flat = output.view(-1)
-            n = input.numel()
-            own = flat[self.rank * n:(self.rank + 1) * n]
-            if input.data_ptr() != own.data_ptr():
-                with torch.no_grad():
-                    own.copy_(input.view(-1))
-            chunks = tuple(flat[i * n:(i + 1) * n] for i in range(self.size))
-            pair = self._pair_for(own, chunks[1 - self.rank])
-            if pair is not None:
-                return self._run("all_gather", pair.swap, (own, chunks[1 - self.rank]), on_done, nbytes)
-            return self._run("all_gather", self._broadcast_each, chunks, on_done, nbytes)
-        return self._run("all_gather", lambda o, i: _all_gather(o, i, group=self.group, async_op=True),
-                         (output, input), on_done, nbytes)
+        return self.carrier.all_gather(self, output, input, on_done, self._count("all_gather", output))
 
-    def reduce_to_each(self, pieces: list[torch.Tensor], on_done: Callable[[], None] | None = None) -> Handle:
-        """A reduce-scatter in place: ``pieces[i]`` (the same shape on every rank) summed over ranks
-        lands in rank i's ``pieces[i]``; the other pieces are scratch afterwards. One in-place
-        ``reduce`` per rank: on gloo this holds no copy of its input and runs about as fast as an
-        all-reduce of all the pieces, which sends twice the bytes (``grad_reducer.py``)."""
-        if self.size == 1:
-            return Handle(None, on_done)
-        nbytes = self._count("reduce_scatter", *pieces)
-        pair = self._pair_for(pieces[1 - self.rank], pieces[self.rank]) if self.size == 2 else None
-        if pair is not None:  # the peer's piece goes to it, its piece for this rank is added into this rank's
-            return self._run("reduce_scatter", lambda s, r: pair.swap(s, r, add=True),
-                             (pieces[1 - self.rank], pieces[self.rank]), on_done, nbytes)
-        return self._run("reduce_scatter", lambda *ps: _Works([
-            dist.reduce(piece, dst=self._global(i), group=self.group, async_op=True) for i, piece in enumerate(ps)]),
-            tuple(pieces), on_done, nbytes)
-
-    def exchange_rows(self, rows: list[torch.Tensor], into: list[torch.Tensor],
-                      on_done: Callable[[], None] | None = None) -> Handle:
-        """Every pair of ranks at once, point to point: ``rows[i]`` (the same shape on every rank) goes to
-        group rank i and ``into[i]`` receives rank i's row for this rank; this rank's own entries are neither
-        sent nor written. Counted as the reduce-scatter it serves (the bytes of all ``rows``). With two
-        ranks on gloo it is one exchange of halves, about twice as fast as the per-rank reduces.
-        See note: gloo exchange."""
-        if self.size == 1:
-            return Handle(None, on_done)
-        nbytes = self._count("reduce_scatter", *rows)
-        others = [i for i in range(self.size) if i != self.rank]
-        n = len(others)
-        pair = self._pair_for(rows[others[0]], into[others[0]]) if n == 1 else None
-        if pair is not None:
-            return self._run("reduce_scatter", pair.swap, (rows[others[0]], into[others[0]]), on_done, nbytes)
-
-        def issue(*ts: torch.Tensor) -> Any:
-            return _Works([w for k, i in enumerate(others) for w in (
-                dist.isend(ts[k], self._global(i), group=self.group, tag=EXCHANGE_TAG),
-                dist.irecv(ts[n + k], self._global(i), group=self.group, tag=EXCHANGE_TAG))])
-        return self._run("reduce_scatter", issue, tuple(rows[i] for i in others) + tuple(into[i] for i in others),
-                         on_done, nbytes)
-
-    def _broadcast_each(self, *chunks: torch.Tensor) -> Any:
-        """All-gather on gloo: one in-place broadcast of each rank's chunk (this rank's already in place)."""
-        return _Works([dist.broadcast(chunk, src=self._global(i), group=self.group, async_op=True)
-                       for i, chunk in enumerate(chunks)])
-
-    def _global(self, group_rank: int) -> int:
+    def global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
@@ -284,7 +199,7 @@ class DataParallelGroup:
                 output.copy_(input)
             return Handle(None)
         nbytes = self._count("all_to_all", input)
-        return self._run("all_to_all", lambda o, i: dist.all_to_all_single(o, i, group=self.group, async_op=True),
+        return self.launch("all_to_all", lambda o, i: dist.all_to_all_single(o, i, group=self.group, async_op=True),
                          (output, input), None, nbytes)
 
     def shift_ring(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Handle]:
@@ -295,14 +210,14 @@ class DataParallelGroup:
             for inc, t in zip(incoming, tensors):
                 inc.copy_(t)
             return incoming, Handle(None)
-        after, before = self._global((self.rank + 1) % self.size), self._global((self.rank - 1) % self.size)
+        after, before = self.global_rank((self.rank + 1) % self.size), self.global_rank((self.rank - 1) % self.size)
         nbytes = self._count("ring", *tensors)
         n = len(tensors)
 
         def issue(*ts: torch.Tensor) -> Any:
-            return _Works([w for out, inc in zip(ts[:n], ts[n:]) for w in (
+            return Works([w for out, inc in zip(ts[:n], ts[n:]) for w in (
                 dist.isend(out, after, group=self.group), dist.irecv(inc, before, group=self.group))])
-        return incoming, self._run("ring", issue, tuple(t.contiguous() for t in tensors) + tuple(incoming), None,
+        return incoming, self.launch("ring", issue, tuple(t.contiguous() for t in tensors) + tuple(incoming), None,
                                    nbytes)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
@@ -310,8 +225,8 @@ class DataParallelGroup:
         if self.size == 1:
             return
         nbytes = self._count("broadcast", tensor)
-        src = self._global(src)
-        self._run("broadcast", lambda t: dist.broadcast(t, src=src, group=self.group, async_op=True), (tensor,), None,
+        src = self.global_rank(src)
+        self.launch("broadcast", lambda t: dist.broadcast(t, src=src, group=self.group, async_op=True), (tensor,), None,
                   nbytes).wait()
 
     def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor, output_sizes: list[int],
@@ -321,7 +236,7 @@ class DataParallelGroup:
             output.copy_(input)
             return
         nbytes = self._count("all_to_all", input)
-        handle = self._run("all_to_all", lambda o, i: dist.all_to_all_single(
+        handle = self.launch("all_to_all", lambda o, i: dist.all_to_all_single(
             o, i, output_sizes, input_sizes, group=self.group, async_op=True), (output, input), None, nbytes)
         handle.wait()
 
@@ -330,13 +245,13 @@ class DataParallelGroup:
         if self.size == 1:
             return flag
         t = torch.tensor([1.0 if flag else 0.0], device=get_accelerator().device())
-        self._run("all_reduce", lambda x: dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group, async_op=True),
+        self.launch("all_reduce", lambda x: dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group, async_op=True),
                   (t,), None, 4).wait()
         return bool(t.item() > 0)
 
     def sum_scalar(self, value: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            self._run("all_reduce", lambda x: dist.all_reduce(x, group=self.group, async_op=True), (value,), None,
+            self.launch("all_reduce", lambda x: dist.all_reduce(x, group=self.group, async_op=True), (value,), None,
                       value.numel() * value.element_size()).wait()
         return value
 

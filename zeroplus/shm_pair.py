@@ -1,12 +1,12 @@
 """Two ranks on one host swap large buffers through a shared-memory mapping instead of gloo's TCP loopback.
 
 At two gloo ranks, the data-parallel group's all-gather (each rank sends its chunk and receives the other's) and the
-gradient exchange (``exchange_rows``: each sends the other its row and receives its own) are both a swap of equal
-byte counts, and a sum all-reduce or a reduce of two onto each rank is a swap whose received chunks are added in
-place (``swap(add=True)``). Through loopback
-TCP each byte is copied into the kernel and out again by gloo's threads, on the cores the ranks compute on; here it
-is written once into a slot of a mapping both processes share and read once out of it. Measured on this 2-core CPU,
-an all-gather of 111 MB per rank: gloo's two broadcasts 70-107 ms, the swap 30-41 ms (design note below).
+gradient exchange (``transports.PerRank.exchange``: each sends the other its row and receives its own) are both a
+swap of equal byte counts, and a sum all-reduce or a reduce of two onto each rank is a swap whose received chunks
+are added in place (``swap(add=True)``). Through loopback TCP each byte is copied into the kernel and out again by
+gloo's threads, on the cores the ranks compute on; here it is written once into a slot of a mapping both processes
+share and read once out of it. Measured on this 2-core CPU, an all-gather of 111 MB per rank: gloo's two broadcasts
+70-107 ms, the swap 30-41 ms (design note below).
 
 How: one file under /dev/shm (and two FIFOs beside it), made by rank 0, opened by both ranks and unlinked as soon as
 both have them (nothing outlives the processes). It holds a header of counters and, per rank, ``SLOTS`` slots of

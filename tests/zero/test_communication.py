@@ -5,15 +5,13 @@ not make (gradients written once into the flat buffer, no reduced copy, stage 3 
 the master)."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 import zeroplus
 from tests.dist_helper import run_distributed
 from zeroplus.comm import DataParallelGroup
-from zeroplus.ledger import Category
+from zeroplus.ledger import Category, Ledger
 from zeroplus.models import GPT, gpt_config
 from zeroplus.zero.group_grad import GroupGrad
 
@@ -69,33 +67,37 @@ def test_gloo_sends_the_textbook_volume(stage):
         assert sent.get("all_reduce", 0) <= 64, sent  # the norm's scalar and one-element flags only
 
 
-def _exchanged() -> dict:
-    """Two exchanges in flight at once on a 3-rank gloo group: rank r's row i holds ``100 r + 10 k + i`` for
-    exchange k; every ``into`` entry starts as NaN."""
-    dp = DataParallelGroup()
+def _rows_reduced(transport: str) -> dict:
+    """Two reduce-scatters of rows in flight at once on ``transport``: rank r's row i holds ``100 r + 10 k + i``
+    for reduction k, the first written into a NaN shard scaled by 0.5, the second added into a shard of ones."""
+    dp, ledger = DataParallelGroup(), Ledger()
+    dp.use_transport(transport, ledger)
     r, n = dp.rank, dp.size
-    rows = [[torch.full((5,), 100.0 * r + 10 * k + i) for i in range(n)] for k in range(2)]
-    into = [[torch.full((5,), float("nan")) for _ in range(n)] for _ in range(2)]
-    handles = [dp.exchange_rows(rows[k], into[k]) for k in range(2)]
+    rows = [torch.stack([torch.full((5,), 100.0 * r + 10 * k + i) for i in range(n)]) for k in range(2)]
+    fresh, added = torch.full((5,), float("nan")), torch.ones(5)
+    handles = [dp.reduce_scatter_rows(rows[0], fresh, 0.5, False, ledger),
+               dp.reduce_scatter_rows(rows[1], added, 1.0, True, ledger)]
     for h in reversed(handles):
         h.wait()
-    return {"rank": r, "into": [[t.tolist() for t in got] for got in into], "sent": dict(dp.bytes_sent)}
+    return {"rank": r, "fresh": fresh.tolist(), "added": added.tolist(), "sent": dict(dp.bytes_sent),
+            "comm_peak": ledger.peak_bytes(Category.COMM_BUFFER)}
 
 
-def test_exchange_rows_gives_each_rank_its_row_from_every_other():
-    """``exchange_rows`` (two gloo ranks' gradient reduction, ``grad_reducer._exchange``): ``into[j]`` on rank r
-    holds rank j's row r, this rank's own entry is left alone, two exchanges in flight do not cross, and the
-    bytes are counted as the reduce-scatter's input."""
-    world = 3
-    for got in run_distributed(_exchanged, world):
-        r = got["rank"]
-        for k in range(2):
-            for j in range(world):
-                if j == r:
-                    assert all(math.isnan(v) for v in got["into"][k][j]), got
-                else:
-                    assert got["into"][k][j] == [100.0 * j + 10 * k + r] * 5, (r, k, j, got["into"][k][j])
-        assert got["sent"] == {"reduce_scatter": 2 * world * 5 * 4}, got["sent"]
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_transport_reduce_scatters_rows_alike(world):
+    """``reduce_scatter_rows`` (the gradient reducer's one collective at stages 1-3): on rank r the sum over ranks
+    of row r, scaled, written into a fresh shard or added into one, with two in flight waited in reverse; the same
+    values on the native and gloo transports (at two ranks gloo writes a fresh shard by the row exchange, three
+    ranks reduce onto each owner), the bytes counted as the reduce-scatter's input, and comm buffers only on
+    native's added reduction (the sum it adds)."""
+    for transport in ("native", "gloo"):
+        for got in run_distributed(_rows_reduced, world, transport):
+            r = got["rank"]
+            total = [sum(100.0 * j + 10 * k + r for j in range(world)) for k in range(2)]
+            assert got["fresh"] == [0.5 * total[0]] * 5, (transport, got)
+            assert got["added"] == [1.0 + total[1]] * 5, (transport, got)
+            assert got["sent"] == {"reduce_scatter": 2 * world * 5 * 4}, got["sent"]
+            assert got["comm_peak"] == (5 * 4 if transport == "native" else 0), (transport, got)
 
 
 def test_one_rank_keeps_no_copy_of_gradients_or_parameters():

@@ -40,19 +40,21 @@ def _swapped(shared: bool) -> dict:
         out = torch.full((2 * n,), float("nan"), dtype=dtype)
         outs.append(out)
         handles.append(dp.all_gather(out, _pieces(r, n, dtype, k)))
-    n = shm_pair.SLOT_BYTES // 2 + 3
-    rows = [_pieces(r, n, torch.float32, 10 + i) for i in range(2)]
-    into = [torch.full((n,), float("nan")) for _ in range(2)]
-    handles.append(dp.exchange_rows(rows, into))
+    n = shm_pair.SLOT_BYTES // 2 + 3  # a fresh shard at two ranks: the row exchange
+    rows = torch.stack([_pieces(r, n, torch.float32, 10 + i) for i in range(2)])
+    into = torch.full((n,), float("nan"))
+    handles.append(dp.reduce_scatter_rows(rows, into, 1.0, False, ledger))
     summed = [_pieces(r, 2 * shm_pair.SLOT_BYTES // 4 + 99, dtype, 20) for dtype in (torch.float32, torch.bfloat16)]
     handles += [dp.all_reduce(t) for t in summed]
     n = shm_pair.SLOT_BYTES // 4 + 5
-    reduced = [[_pieces(r, n, dtype, 30 + i) for i in range(2)] for dtype in (torch.float32, torch.bfloat16)]
-    handles += [dp.reduce_to_each(pieces) for pieces in reduced]
+    reduced = [torch.stack([_pieces(r, n, dtype, 30 + i) for i in range(2)])
+               for dtype in (torch.float32, torch.bfloat16)]
+    shards = [torch.zeros(n, dtype=pieces.dtype) for pieces in reduced]  # added into: a reduce of two onto each
+    handles += [dp.reduce_scatter_rows(pieces, shard, 1.0, True, ledger) for pieces, shard in zip(reduced, shards)]
     for h in reversed(handles):
         h.wait()
     return {"paired": dp.pair is not None, "comm_bytes": ledger.live_bytes(Category.COMM_BUFFER),
-            "outs": outs, "into": into[1 - r], "summed": summed, "reduced": [p[r] for p in reduced],
+            "outs": outs, "into": into, "summed": summed, "reduced": shards,
             "sent": dict(dp.bytes_sent)}
 
 
@@ -67,7 +69,9 @@ def test_the_pair_moves_the_bytes_gloo_moves():
         for a, b in zip(shared[r]["outs"], plain[r]["outs"]):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))  # (bits: NaN would differ from itself)
         assert torch.equal(shared[r]["into"], plain[r]["into"])
-        assert torch.equal(shared[r]["into"], _pieces(1 - r, shm_pair.SLOT_BYTES // 2 + 3, torch.float32, 10 + r))
+        n = shm_pair.SLOT_BYTES // 2 + 3
+        expected = _pieces(0, n, torch.float32, 10 + r) + _pieces(1, n, torch.float32, 10 + r)
+        assert torch.equal(shared[r]["into"], expected)
         for i, dtype in enumerate((torch.float32, torch.bfloat16)):  # gloo's sum, on both ranks
             n = 2 * shm_pair.SLOT_BYTES // 4 + 99
             expected = _pieces(0, n, dtype, 20) + _pieces(1, n, dtype, 20)
@@ -149,7 +153,7 @@ def _pair_made(key: bool, env: bool) -> bool:
         os.environ[shm_pair.ENV_OFF] = "0"
     torch.manual_seed(0)
     engine = zeroplus.initialize(GPT(gpt_config("tiny")), _config(1, key))
-    return engine.dp.pair is not None and engine.dp.pair_on
+    return engine.dp.pair is not None and engine.dp.transport == "pair"
 
 
 def test_the_key_or_the_variable_keeps_gloo():

@@ -1,4 +1,4 @@
-"""The collectives a GPU job runs, run with values on gloo (``zeroplus.transport``, ``comm.py``).
+"""The collectives a GPU job runs, run with values on gloo (``zeroplus.transport``, ``transports.py``).
 
 ``native`` is the transport NCCL and HCCL take: the gradient reducer's reduce-scatter branches and the all-gather
 into one tensor, one launch per collective. gloo runs those collectives too, so here they run with values:
@@ -9,7 +9,7 @@ into one tensor, one launch per collective. gloo runs those collectives too, so 
   plain module at the parity tolerance;
 - every transport against every other at 2 ranks, bitwise (the sum of two numbers does not depend on its order),
   in fp32 and bf16, with the optimizer offloaded: any difference between transports is a failure;
-- which collectives ran: a counting wrapper around ``comm``'s tensor collectives and per-rank paths shows the
+- which collectives ran: a counting wrapper around the transports' tensor collectives and per-rank paths shows the
   native transport launching ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` and none of the per-rank
   broadcasts, reduces or row exchanges, and the ``gloo`` transport the reverse (so a native run that fell back
   to the per-rank path fails here, where its values alone would agree);
@@ -29,13 +29,13 @@ from tests.dist_helper import rank_and_world, run_distributed
 from tests.models import ParityNet, make_batches
 from tests.reference import engine_train
 from tests.zero.test_parity import GAS, GRID, MICRO, STEPS, _check_all, _config
-from zeroplus import comm
+from zeroplus import transports
 from zeroplus.config import ConfigError
 from zeroplus.models import GPT, gpt_config
 from zeroplus.models.split import split_gpt
 from zeroplus.parallel import parallel_groups, reset_parallel
 
-PER_RANK = ("_broadcast_each", "reduce_to_each", "exchange_rows")  # the gloo transport's paths (comm.py)
+PER_RANK = ("gather_chunks", "reduce_each", "exchange")  # the gloo and pair transports' paths (transports.py)
 NATIVE = ("_reduce_scatter", "_all_gather")  # the tensor collectives NCCL and HCCL run
 
 
@@ -43,19 +43,22 @@ def _counting() -> collections.Counter[str]:
     """Count calls of the native collectives and of the per-rank paths in this rank's process."""
     counts: collections.Counter[str] = collections.Counter()
     for name in NATIVE:
-        inner = getattr(comm, name)
+        inner = getattr(transports, name)
 
         def native(*args, _inner=inner, _name=name, **kwargs):
             counts[_name] += 1
             return _inner(*args, **kwargs)
-        setattr(comm, name, native)
-    for name in PER_RANK:
-        inner = getattr(comm.DataParallelGroup, name)
+        setattr(transports, name, native)
+    for cls in (transports.PerRank, transports.Pair):
+        for name in PER_RANK:
+            if name not in vars(cls):
+                continue
+            inner = vars(cls)[name]
 
-        def per_rank(self, *args, _inner=inner, _name=name, **kwargs):
-            counts[_name] += 1
-            return _inner(self, *args, **kwargs)
-        setattr(comm.DataParallelGroup, name, per_rank)
+            def per_rank(self, *args, _inner=inner, _name=name, **kwargs):
+                counts[_name] += 1
+                return _inner(self, *args, **kwargs)
+            setattr(cls, name, per_rank)
     return counts
 
 

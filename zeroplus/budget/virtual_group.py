@@ -14,7 +14,7 @@ import torch
 from ..collectives import Collectives, Handle
 from ..ledger import Category, Ledger
 from ..shm_pair import MAPPING_BYTES, possible_here
-from ..transports import requested_transport, without_pair
+from ..transports import requested_transport, scaled_into, scatter_rows, without_pair
 
 
 class VirtualGroup:
@@ -27,8 +27,9 @@ class VirtualGroup:
     one at a time (gloo's worker runs collectives in order), from the moment the collective is
     issued until it is waited on or the next one is issued. NCCL and HCCL work in place: off.
     The transport is chosen as a real group chooses it (``use_transport``): with ``gloo_buffers`` (a
-    simulated gloo group) ``auto`` is ``pair`` or ``gloo``, whose per-rank path (``per_rank``) the gradient
-    reducer takes; ``native`` runs gloo's own all-gather and reduce-scatter, which hold the copies above."""
+    simulated gloo group) ``auto`` is ``pair`` or ``gloo``, whose per-rank paths hold nothing; ``native`` runs
+    gloo's own all-gather and reduce-scatter, which hold the copies above, and the rows' comm buffers
+    (``transports.scatter_rows``, the same function the real native transport runs)."""
 
     initialized = False
     group = None
@@ -38,7 +39,7 @@ class VirtualGroup:
             raise ValueError(f"rank {rank} is not in a world of {size} ranks")
         self.rank, self.size, self.gloo_buffers = rank, size, gloo_buffers
         self.per_rank = gloo_buffers and size > 1  # until use_transport: auto without the pair
-        self.transport = "gloo" if self.per_rank else "native"
+        self.transport = "gloo" if self.per_rank else "native"  # the per-rank paths: broadcasts, reduces, exchange
         self.bytes_sent: collections.Counter[str] = collections.Counter()
         self.running: Handle | None = None
         self.temporary: torch.Tensor | None = None
@@ -80,12 +81,11 @@ class VirtualGroup:
     def all_reduce(self, tensor: torch.Tensor, op: Any = None, on_done: Callable[[], None] | None = None) -> Handle:
         return Handle(None, on_done)
 
-    def reduce_to_each(self, pieces: list[torch.Tensor], on_done: Callable[[], None] | None = None) -> Handle:
-        return Handle(None, on_done)
-
-    def exchange_rows(self, rows: list[torch.Tensor], into: list[torch.Tensor],
-                      on_done: Callable[[], None] | None = None) -> Handle:
-        return Handle(None, on_done)  # point to point into the caller's tensors: gloo holds nothing
+    def reduce_scatter_rows(self, rows: torch.Tensor, target: torch.Tensor, scale: float, accumulate: bool,
+                            buffers: Ledger) -> Handle:
+        if self.per_rank or self.size == 1:  # in place: reduces, an exchange into ``target``; gloo holds nothing
+            return Handle(None, scaled_into(target, rows[self.rank], scale, accumulate))
+        return scatter_rows(self.reduce_scatter, rows, target, scale, accumulate, buffers)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
         return Handle(None)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ..comm import DataParallelGroup, init_distributed_if_launched
 from ..config import parse_config
+from ..transports import NATIVE
 from .topology import KINDS, Coordinates, Topology
 
 _CURRENT: ParallelGroups | None = None
@@ -31,7 +32,7 @@ class _SingleRank(DataParallelGroup):
         super().__init__(None)
         self.rank, self.size = 0, 1
         # nothing moves: no backend, the native transport (its collectives complete at once)
-        self.gloo, self.per_rank, self.transport = False, False, "native"
+        self.gloo, self.carrier = False, NATIVE
 
 
 class ParallelGroups:
