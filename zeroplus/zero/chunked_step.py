@@ -47,11 +47,10 @@ class ChunkedStep:
         self.ledger = ledger
         self.chunk_numel = int(chunk_numel)
         self.elementwise = isinstance(optimizer, ELEMENTWISE)
-        self.tiered: dict[int, TieredStates] = {}  # id(group) -> its offloaded states
 
-    def step_tiered(self, g: FlatParamGroup, grad: torch.Tensor) -> None:
-        """One step of group ``g`` whose states live in ``self.tiered``, sub-group by sub-group."""
-        states, param, opt, store = self.tiered[id(g)], g.master_param, self.optimizer, g.master_store
+    def step_tiered(self, g: FlatParamGroup, states: TieredStates, grad: torch.Tensor) -> None:
+        """One step of group ``g`` whose optimizer states are ``states`` (offloaded), sub-group by sub-group."""
+        param, opt, store = g.master_param, self.optimizer, g.master_store
         copied = store.shared or store.tiered  # the master is read into a work buffer and written back
         work: torch.Tensor | None = None
         scratch: torch.Tensor | None = None

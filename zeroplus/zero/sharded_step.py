@@ -15,9 +15,10 @@
    stage 0 (built from the low-precision flat gradient), and the optimizer's temporaries are
    bounded by one group (none with torch's fused kernels).
 Optimizer states that torch creates lazily are registered with the ledger (``optim_state``)
-right after the step that creates them. A group whose master is split (shared-storage master
-weights), on a tier (parameter offload) or whose optimizer states are offloaded steps chunk by
-chunk through ``chunked_step.py``.
+right after the step that creates them. How each group steps is an object chosen at assembly
+(``group_steps.py``): a group whose master is split (shared-storage master weights), on a tier
+(parameter offload) or whose optimizer states are offloaded steps chunk by chunk through
+``chunked_step.py``; virtual host memory through its own kernel.
 See note: gradient norm (docs/design-notes.md).
 """
 from __future__ import annotations
@@ -37,8 +38,8 @@ from ..offload.virtual_host import VirtualStates
 from .chunked_step import ChunkedStep
 from .direct_step import DirectStep, squared_norm
 from .flat_group import FlatParamGroup
+from .group_steps import ChunkedMasterStep, GroupStep, TieredStatesStep, VirtualStep, WholeStep
 from .kernel_scale import divided_in_kernel, free_for_scalars, scalars_in_kernel, scales_in_kernel, takes_device_scalars
-from .master_store import FullMaster
 from .partition import ZeroPartition
 
 _NORM_CHUNK = 1 << 20  # elements per float64 temporary (8 MiB at most; the longest owned gradient if shorter)
@@ -150,18 +151,28 @@ class ShardedStep:
         self.expert_group = policy.expert_group
         # the last step's norm; until read, (the device's sum of squares, what its root is divided by)
         self._norm: float | tuple[torch.Tensor, float] | None = None
-        self.chunked = ChunkedStep(optimizer, ledger, policy.master_chunk_numel)
         offload, virtual_kernels = policy.offload, policy.virtual_kernels
-        if offload is not None:
+        self._options = {id(p): pg for pg in optimizer.param_groups for p in pg["params"]}
+        # how each group steps, decided once (group_steps.py): by where its master and optimizer states live
+        self.steps: dict[int, GroupStep] = {}
+        chunked = ChunkedStep(optimizer, ledger, policy.master_chunk_numel)
+        tiered: list[TieredStates] = []
+        if virtual_kernels is not None:
+            for g in partition.groups:
+                self.steps[id(g)] = VirtualStep(VirtualStates(g.owned_numel, g.device, ledger, virtual_kernels),
+                                                self._options[id(g.master_param)])
+        elif offload is not None:
             plan = plan_sub_groups([g.owned_numel for g in partition.groups], offload.sub_group_size, offload.ratio)
             window = Window(offload.buffer_count)
             for g, (chunks, resident) in zip(partition.groups, plan):
-                self.chunked.tiered[id(g)] = TieredStates(offload.tier, chunks, resident, window, ledger)
-        self.virtual: dict[int, VirtualStates] = {}  # id(group) -> its states in swapped host memory
-        if virtual_kernels is not None:
-            for g in partition.groups:
-                self.virtual[id(g)] = VirtualStates(g.owned_numel, g.device, ledger, virtual_kernels)
-        self._options = {id(p): pg for pg in optimizer.param_groups for p in pg["params"]}
+                tiered.append(TieredStates(offload.tier, chunks, resident, window, ledger))
+                self.steps[id(g)] = TieredStatesStep(chunked, tiered[-1])
+        for g in partition.groups:
+            if id(g) not in self.steps:
+                store = g.master_store
+                self.steps[id(g)] = (ChunkedMasterStep(optimizer, ledger, chunked) if store.shared or store.tiered
+                                     else WholeStep(optimizer, ledger))
+        self.first_tiered = tiered[0] if tiered else None  # its first reads overlap the norm's all-reduce
         self.direct = DirectStep(optimizer, self._options, ledger)  # one rank: autograd's gradients as they are
         self.direct.enabled &= offload is None and virtual_kernels is None
         if isinstance(optimizer, SegmentedOptimizer):  # a capability (Lamb's per-parameter trust ratio), not a class
@@ -169,7 +180,8 @@ class ShardedStep:
                 optimizer.set_segments(g.master_param, g.param_segments(), len(g.params),
                                        g.dp if partition.stage.partitions else _LocalGroup())
         # decided once: every group steps through a kernel that takes the scalars (virtual host memory's does not)
-        self.on_device = policy.scalars_on_device and takes_device_scalars(optimizer) and not self.virtual
+        self.on_device = (policy.scalars_on_device and takes_device_scalars(optimizer)
+                          and not any(step.own_kernel for step in self.steps.values()))
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -244,8 +256,8 @@ class ShardedStep:
         """Step every flat group. Where the scalars stay on the device (``on_device``) the kernel skips the update
         on an overflow and the outcome holds its flag; else the norm is read here and an overflow changes
         nothing (``applied()`` False)."""
-        if self.chunked.tiered:  # offloaded states: the first reads overlap the norm's all-reduce
-            first = self.chunked.tiered[id(self.partition.groups[0])]
+        first = self.first_tiered
+        if first is not None:  # offloaded states: the first reads overlap the norm's all-reduce
             first.window.ahead(first, -1, first.window.size)
         direct = self._direct_grads()
         total = self._squares(direct)
@@ -293,41 +305,15 @@ class ShardedStep:
 
     def _step_group(self, g: FlatParamGroup, coef: float, multiply: float) -> None:
         """One flat group's step: its gradient multiplied by ``multiply`` first (1 where the optimizer's fused kernel
-        divides by ``1 / coef`` itself), except on virtual host memory, whose kernel is not torch's (``coef``)."""
-        if id(g) in self.virtual:
-            self.virtual[id(g)].step(_whole_master(g), self._master_grad(g, coef), self._options[id(g.master_param)])
-        elif id(g) in self.chunked.tiered:
-            self.chunked.step_tiered(g, self._master_grad(g, multiply))
-        elif g.master_store.shared or g.master_store.tiered:
-            self.chunked.step(g, self._master_grad(g, multiply))
-        else:
-            g.master_param.grad = self._master_grad(g, multiply)
-            self.optimizer.step()
-            g.master_param.grad = None
-            self.ledger.track_new_states(self.optimizer.state.get(g.master_param, {}), Category.OPTIM_STATE)
+        divides by ``1 / coef`` itself), or by ``coef`` where the group's kernel is not torch's (virtual host
+        memory)."""
+        step = self.steps[id(g)]
+        step.step(g, self._master_grad(g, coef if step.own_kernel else multiply))
 
     def state_of(self, g: FlatParamGroup) -> dict[str, Any]:
         """The optimizer state of ``g``'s owned range, full size (read from the tier if offloaded)."""
-        if id(g) in self.virtual:
-            return self.virtual[id(g)].state()
-        tiered = self.chunked.tiered.get(id(g))
-        return tiered.full(g.owned_numel) if tiered is not None else self.optimizer.state.get(g.master_param, {})
+        return self.steps[id(g)].state(g)
 
     def load_state(self, g: FlatParamGroup, state: dict[str, Any]) -> None:
         self.direct.forget(g)  # (its views would hold the replaced states until the next step)
-        if id(g) in self.virtual:
-            self.virtual[id(g)].load(state)
-            return
-        tiered = self.chunked.tiered.get(id(g))
-        if tiered is not None:
-            tiered.load_full(state, g.owned_numel)
-        else:
-            self.optimizer.state[g.master_param] = state
-
-
-def _whole_master(g: FlatParamGroup) -> torch.Tensor:
-    """The resident fp32 master of ``g`` (virtual host memory steps it in place)."""
-    store = g.master_store
-    if not isinstance(store, FullMaster):
-        raise TypeError(f"{g.name}: virtual host memory steps a resident fp32 master, not {type(store).__name__}")
-    return store.tensor
+        self.steps[id(g)].load(g, state)
