@@ -11,8 +11,9 @@ one flat tensor per group for checkpoints, offload and the memory report. A grou
 into the flat buffer after all (an embedding's rows, a tied weight's uses, a parameter with no gradient) steps the
 same way over views of that buffer. Extra memory: none (views), and one small step count per parameter; extra
 time: the views are made once and kept (``_Views``) while the master and the flat states are the same tensors
-at the same addresses, and the group's step count is copied into them (one call) only when something other than
-this step wrote it (its version counter moved: a checkpoint, a user's reset).
+at the same addresses; after each step the group's step count is the first view's own tensor (no copy), and it
+is copied into the views (one call) only when something other than this step wrote it (its version counter
+moved: a checkpoint, a user's reset).
 
 The gradient norm sums one fp32 norm per gradient (``torch._foreach_norm``, as ``clip_grad_norm_``)
 squared in float64: at one rank no sharding exists whose sum it would have to agree with.
@@ -138,13 +139,10 @@ class DirectStep:
             for g, views in firsts:
                 state, first = self.optimizer.state[g.master_param], self.optimizer.state[views[0]]
                 made = self._made[id(g)]
-                for k in made.scalars:  # the rest (the step count): every view advanced its own copy alike
-                    v = state[k]
-                    if isinstance(v, torch.Tensor):
-                        v.copy_(first[k])
-                        made.versions[k] = v._version  # (as the views hold it: ``sync`` has nothing to copy)
-                    else:
-                        state[k] = first[k]
+                for k in made.scalars:  # the rest (the step count): every view advanced its own copy alike, so the
+                    state[k] = first[k]  # group's is the first view's own tensor from now on (no copy kernel)
+                    if isinstance(first[k], torch.Tensor):
+                        made.versions[k] = first[k]._version  # (as the views hold it: ``sync`` has nothing to copy)
                 for view in views:
                     del self.optimizer.state[view]
             for view in self._gave_grad:  # (a kept gradient still in its parameter's .grad goes when it is dropped)
@@ -221,9 +219,12 @@ def _same(p: torch.Tensor, piece: torch.Tensor) -> bool:
 
 
 def _identity(master: torch.Tensor, state: dict[str, Any]) -> tuple:
-    """What the views depend on: the master's and each state tensor's object, address and size."""
+    """What the views depend on: the master's and each flat state tensor's object, address and size, and the
+    other states' keys (a step count is copied into the views by value: ``_Views.sync``; the group's own becomes
+    the first view's after each step)."""
+    flat = _flat_states(state, master.numel())
     return (id(master), master.data_ptr(), master.numel(),
-            tuple((k, id(v), v.data_ptr(), v.numel(), v.dtype, v.device) if isinstance(v, torch.Tensor) else (k,)
+            tuple((k, id(v), v.data_ptr(), v.numel(), v.dtype, v.device) if k in flat else (k,)
                   for k, v in state.items()))
 
 

@@ -11,7 +11,7 @@ Where a group's master and optimizer states live decides how it steps, and none 
   (``offload/virtual_host.py``), which takes the step's coefficient as a multiplier, not torch's fused divide.
 
 Each holds how its states are read and replaced for a checkpoint (``state``, ``load``). Memory: none of its own;
-what each path allocates is in the module it calls.
+what each path allocates is in the module it calls. See note: group steps (docs/design-notes.md).
 """
 from __future__ import annotations
 

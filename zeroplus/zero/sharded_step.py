@@ -217,7 +217,8 @@ class ShardedStep:
         flat = [g for g in self.partition.groups if id(g) not in direct]
         longest = max((g.owned_numel for g in flat), default=1)
         scratch = torch.empty(min(_NORM_CHUNK, longest) if flat else 0, dtype=dtype, device=device)  # <= a source
-        experts = torch.zeros_like(total)  # stage 0: the experts' part, summed over the expert group
+        # stage 0: the experts' part, summed over the expert group (no kernel where no group holds experts)
+        experts = torch.zeros_like(total) if stage0 and any(g.expert for g in flat) else total
         mp = self.model_parallel
         for g in flat:
             source = g.gradient.ensure_flat() if stage0 else g.gradient.ensure_reduced()
@@ -229,7 +230,7 @@ class ShardedStep:
                         else g.param_segments())
             for i, a, b in segments:  # a parameter whole on every tensor rank counts 1/T on each
                 into += _sum_of_squares(source[a:b], scratch) * mp.weight(g.params[i])
-        if stage0 and self.expert_group is not None:
+        if experts is not total and self.expert_group is not None:
             total += self.expert_group.sum_scalar(experts)
         if not stage0:
             self.dp.sum_scalar(total)
@@ -284,9 +285,9 @@ class ShardedStep:
                         direct: dict[int, list[torch.Tensor]]) -> StepOutcome:
         """The step with its scalars as device tensors, in as few kernels as the arithmetic allows (each is a launch
         on a GPU): ``grad_scale = max(1, (norm + 1e-6) / clip) / base``, the host path's ``1 / coef`` where the clip
-        does not bind and within an fp32 ulp where it does; ``found_inf`` 1.0 where the squares are not finite (a sum
-        of squares is finite exactly when it is below inf). The norm itself is worked out when it is read. No value
-        is read on the host (see note: no host sync)."""
+        does not bind and within an fp32 ulp where it does; ``found_inf`` 1.0 where the squares are not finite (a
+        sum of squares is finite exactly when zero times it is zero). The norm itself is worked out when it is read.
+        No value is read on the host (see note: no host sync)."""
         divisor = loss_scale * (1 if self.partition.stage.partitions else self.dp.size)  # norm = sqrt(total) / it
         self._norm = (total, divisor)
         if self.clip > 0:
@@ -295,7 +296,8 @@ class ShardedStep:
             grad_scale = (ratio if divisor == 1 else ratio.mul_(divisor)).to(torch.float32)
         else:
             grad_scale = torch.full((), divisor, dtype=torch.float32, device=total.device)
-        found_inf = torch.where(total < math.inf, 0.0, 1.0).to(torch.float32)
+        # 0 * squares is 0 where they are finite and NaN where they are inf or NaN: two kernels, written as fp32
+        found_inf = torch.ne(total * 0, 0, out=torch.empty((), dtype=torch.float32, device=total.device))
         with scalars_in_kernel(self.optimizer, grad_scale, found_inf):
             self.direct.step([(g, direct[id(g)]) for g in self.partition.groups if id(g) in direct], None)
             for g in self.partition.groups:
