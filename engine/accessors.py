@@ -5,8 +5,10 @@ DeepSpeed's engine answers ``train_batch_size()``, ``gradient_accumulation_steps
 the gradient norm, the learning rates and the loss scale; the Trainer, Accelerate and the DeepSpeed API read them.
 Beside them, what tests and tools inspect (``partition``, ``activations``, ``sharded_step``), the step counters a
 checkpoint saves (``counters``/``set_counters``), the observers' readings (``timers``, ``comms_log``, ``flops``) and
-the memory report beside the predicted budget (``memory_report``). ``Engine`` (``engine.py``) takes them as a base
-class: every method here reads or sets state the engine owns and changes nothing else. Memory: none.
+the memory report beside the predicted budget (``memory_report``), the model (``module``) and an asynchronous save
+in flight (``async_saves``). The checkpoint mechanisms (``engine/checkpoints/``) read the engine through this class.
+``Engine`` (``engine.py``) takes them as a base class: every method here reads or sets state the engine owns and
+changes nothing else. Memory: none.
 """
 from __future__ import annotations
 
@@ -21,8 +23,10 @@ from zeroplus.comms_log import CommsLog
 from zeroplus.config import ResolvedConfig, ZeroStage
 from zeroplus.ledger import Ledger
 from zeroplus.memory_report import MemoryReport
+from zeroplus.parallel import ParallelGroups
 from zeroplus.zero import ShardedStep, StepOutcome, ZeroPartition
 
+from .checkpoints.async_save import AsyncSaves
 from .flops_profiler import FlopsProfiler
 from .loss_scaler import LossScaler
 from .skipped_steps import SkippedSteps
@@ -55,6 +59,25 @@ class EngineAccessors:
     _baseline: int
     _checkpoint_saved: bool
     _activation_bytes: int | None
+    _module: torch.nn.Module
+    _saves: AsyncSaves
+    lr_scheduler: Any
+    parallel: ParallelGroups | None
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The wrapped model, its parameters current. ``step()`` returns with the post-step all-gathers
+        (stages 1-2) complete unless ``zeroplus.overlap_param_gather`` defers them to the next forward; then
+        this property, the model's own ``state_dict()`` and its forward wait for them, while its parameter
+        tensors read directly hold the values before the step until then. At stage 3 ``state_dict()``
+        gathers: ``zeroplus/zero/stage3_state_dict.py``."""
+        self._partition.wait_all()
+        return self._module
+
+    @property
+    def async_saves(self) -> AsyncSaves:
+        """The asynchronous save in flight, if any (``engine/checkpoints/async_save.py``)."""
+        return self._saves
 
     def train_batch_size(self) -> int:
         return self.config.train_batch_size

@@ -19,7 +19,7 @@ from .checkpoints.pretrained_load import PretrainedLoad, load_pretrained
 from .checkpoints.save import save_checkpoint
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .accessors import EngineAccessors as Engine  # the readings of an engine it uses
 
 
 class CheckpointMethods:
@@ -46,11 +46,6 @@ class CheckpointMethods:
         fault_dumps.set_phase("checkpoint save")
         return save_checkpoint(self._engine(), save_dir, tag, client_state, save_latest, exclude_frozen_parameters,
                                keep_latest_k, async_save, format)
-
-    @property
-    def async_saves(self) -> AsyncSaves:
-        """The asynchronous save in flight, if any (``engine/checkpoints/async_save.py``)."""
-        return self._saves
 
     def wait_for_checkpoint(self) -> None:
         """Every rank calls it: wait until an asynchronous save is committed; raise if it failed."""

@@ -128,16 +128,6 @@ class Engine(CheckpointMethods, EngineAccessors):
                             parallel.global_rank if parallel is not None else dp.rank, observed)
         self._observers.extend(self._watch.observers)
 
-    @property
-    def module(self) -> torch.nn.Module:
-        """The wrapped model, its parameters current. ``step()`` returns with the post-step all-gathers
-        (stages 1-2) complete unless ``zeroplus.overlap_param_gather`` defers them to the next forward; then
-        this property, the model's own ``state_dict()`` and its forward wait for them, while its parameter
-        tensors read directly hold the values before the step until then. At stage 3 ``state_dict()``
-        gathers: ``zeroplus/zero/stage3_state_dict.py``."""
-        self._partition.wait_all()
-        return self._module
-
     def train(self, mode: bool = True) -> Engine:
         self._module.train(mode)
         return self

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .accessors import EngineAccessors as Engine  # the readings of an engine it uses
 
 KINDS = ("optim_states", "hp_params", "lp_params", "lp_grads", "contiguous_grad_buffer")
 

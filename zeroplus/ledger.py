@@ -41,7 +41,7 @@ class CategoryBytes:
 
 
 class _Section:
-    """One entry into the ledger's lock (``Ledger._locked``): this thread's depth counted, and the removals
+    """One entry into the ledger's lock (``Ledger.locked``): this thread's depth counted, and the removals
     deferred while it held the lock done once the outermost section ends."""
 
     __slots__ = ("_ledger",)
@@ -83,7 +83,7 @@ class Ledger:
 
     def waited(self, seconds: float) -> None:
         """An offload tier blocked its caller ``seconds`` for a read or a write."""
-        with self._locked():
+        with self.locked():
             self.wait_seconds += seconds
 
     # -- allocation -------------------------------------------------------------------------
@@ -100,7 +100,7 @@ class Ledger:
         """Count ``tensor``'s storage under ``category`` until the storage dies or is released."""
         storage = tensor.untyped_storage()
         nbytes = storage.nbytes()
-        with self._locked():
+        with self.locked():
             self._next_id += 1
             key = self._next_id
             self._add_held(key, category, nbytes)
@@ -118,7 +118,7 @@ class Ledger:
 
     def count_all(self, tensors: list[torch.Tensor], category: Category) -> None:
         """``count`` each of ``tensors``, in one section."""
-        with self._locked():
+        with self.locked():
             for tensor in tensors:
                 storage = tensor.untyped_storage()
                 self._next_id += 1
@@ -133,7 +133,7 @@ class Ledger:
         and the entry holds the storages until then (``zero/kept_grads.py``: one rank's gradients of a whole group,
         which the group holds as long)."""
         keys = []
-        with self._locked():
+        with self.locked():
             for storages, nbytes in entries:
                 self._next_id += 1
                 keys.append(self._next_id)
@@ -147,7 +147,7 @@ class Ledger:
 
     def recount(self, key: int) -> None:
         """Count ``count_each``'s entry ``key`` at its storages' sizes now (``resized`` for such an entry)."""
-        with self._locked():
+        with self.locked():
             entry, storages = self._entries.get(key), self._storage_of.get(key)
             if entry is None or not isinstance(storages, tuple):
                 raise AssertionError(f"recount() of ledger entry {key}: not a live count_each entry")
@@ -170,7 +170,7 @@ class Ledger:
 
     def release_all(self, tensors: list[torch.Tensor | None]) -> None:
         """``release`` each of ``tensors`` (None skipped), in one section."""
-        with self._locked():
+        with self.locked():
             for t in tensors:
                 key = getattr(t, "_zeroplus_ledger_key", None)
                 if key is not None:
@@ -181,7 +181,7 @@ class Ledger:
         key = getattr(tensor, "_zeroplus_ledger_key", None)
         if key is None:
             raise AssertionError("resized() on a tensor the ledger does not track")
-        with self._locked():
+        with self.locked():
             category, _ = self._entries.get(key, (None, 0))
         if category is None:
             raise AssertionError("resized() on a released tensor")
@@ -191,7 +191,7 @@ class Ledger:
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _add(self, key: int, category: Category, nbytes: int) -> None:
-        with self._locked():
+        with self.locked():
             self._add_held(key, category, nbytes)
 
     def _add_held(self, key: int, category: Category, nbytes: int) -> None:
@@ -206,8 +206,9 @@ class Ledger:
             self.total.peak_bytes = self.total.live_bytes
             self.at_peak = {c: b.live_bytes for c, b in self._bytes.items() if b.live_bytes}
 
-    def _locked(self) -> _Section:
-        """The lock. A storage can die while its thread holds it: the garbage collector runs the storage's
+    def locked(self) -> _Section:
+        """The ledger's lock, for a section that reads or changes several counts as one (re-entrant on a thread).
+        A storage can die while its thread holds it: the garbage collector runs the storage's
         finalizer (``_remove``) inside whatever allocation triggered it, ``_add``'s dict insert included, on
         the same thread. A plain lock deadlocked there (seen in the suite); that removal is deferred until
         the outermost section ends. (A class, not a generator context manager: entered about a thousand times
@@ -218,7 +219,7 @@ class Ledger:
         if getattr(self._held, "depth", 0):  # a finalizer run inside this thread's locked section
             self._deferred.append(key)
             return
-        with self._locked():
+        with self.locked():
             self._remove_held(key)
 
     def _remove_held(self, key: int) -> None:
@@ -233,7 +234,7 @@ class Ledger:
 
     def save(self, technique: str, category: Category, nbytes: int) -> None:
         """``technique`` now keeps ``nbytes`` of ``category`` from being held."""
-        with self._locked():
+        with self.locked():
             b = self._saved.setdefault((technique, Category(category)), CategoryBytes())
             b.live_bytes += nbytes
             b.peak_bytes = max(b.peak_bytes, b.live_bytes)
@@ -247,7 +248,7 @@ class Ledger:
 
     def storage_keys(self) -> set[int]:
         """The identities (``_cdata``) of the storages counted now (the estimator's tracker asks)."""
-        with self._locked():
+        with self.locked():
             out: set[int] = set()
             for k in self._entries:
                 ident = self._storage_of.get(k)
@@ -264,14 +265,14 @@ class Ledger:
         return self.total.peak_bytes if category is None else self._bytes[Category(category)].peak_bytes
 
     def reset_peaks(self) -> None:
-        with self._locked():
+        with self.locked():
             for cat in list(self._bytes.values()) + list(self._saved.values()):
                 cat.peak_bytes = cat.live_bytes
             self.total.peak_bytes = self.total.live_bytes
             self.at_peak = {c: b.live_bytes for c, b in self._bytes.items() if b.live_bytes}
 
     def snapshot(self) -> dict[str, Any]:
-        with self._locked():
+        with self.locked():
             out = {c.value: dataclasses.asdict(b) for c, b in self._bytes.items()}
             out["total"] = dataclasses.asdict(self.total)
             out["saved"] = {f"{t}/{c.value}": dataclasses.asdict(b) for (t, c), b in sorted(self._saved.items())}

@@ -42,15 +42,12 @@ import socket
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
 
 from .ledger import Category, Ledger
-
-if TYPE_CHECKING:
-    from .comm import DataParallelGroup
 
 SLOT_BYTES = 1 << 20
 SLOTS = 2
@@ -128,6 +125,11 @@ class SharedPair:
         self._broken: str | None = None
         self._worker = threading.Thread(target=self._run, name="zeroplus-shm-pair", daemon=True)
         self._worker.start()
+
+    @property
+    def chunks_sent(self) -> int:
+        """How many slot-sized chunks this rank has written for the peer so far (what the pair has carried)."""
+        return self._written
 
     def swap(self, send: torch.Tensor, recv: torch.Tensor, add: bool = False) -> _Swap:
         """Queue: ``send`` (contiguous) to the peer, the peer's bytes into ``recv`` (contiguous, as many bytes), or
@@ -220,7 +222,17 @@ def possible_here() -> bool:
             and os.environ.get(ENV_OFF, "1") != "0")
 
 
-def open_pair(dp: DataParallelGroup, ledger: Ledger, timeout: Callable[[], float]) -> SharedPair | None:
+class _Agreeing(Protocol):
+    """What opening a pair asks of its group (``comm.DataParallelGroup``): its rank and two object collectives."""
+
+    rank: int
+
+    def all_gather_objects(self, obj: Any) -> list[Any]: ...
+
+    def broadcast_object(self, obj: Any) -> Any: ...
+
+
+def open_pair(dp: _Agreeing, ledger: Ledger, timeout: Callable[[], float]) -> SharedPair | None:
     """Collective over ``dp``: the two ranks' ``SharedPair`` when the group is two gloo ranks of one x86-64 host
     that can share a /dev/shm file, else None on both (and the group keeps gloo). The mapping goes into ``ledger``."""
     seen = dp.all_gather_objects((possible_here(), socket.gethostname(), _boot_id(), os.getpid()))

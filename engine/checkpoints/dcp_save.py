@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from .hf_export import tied_aliases
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from ..accessors import EngineAccessors as Engine  # the readings of an engine it uses
 
 Box = tuple[tuple[int, ...], tuple[int, ...], int, int]  # offsets, sizes, first and end flat index
 _GROUP_INDEX = re.compile(r"#(\d+)")

@@ -20,7 +20,7 @@ from zeroplus.zero.frozen_values import read_frozen
 from . import files as io
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from ..accessors import EngineAccessors as Engine  # the readings of an engine it uses
 
 
 def load_fp32_state_dict(ckpt_dir: str, tag: str | None = None) -> dict[str, torch.Tensor]:

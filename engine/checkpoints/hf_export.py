@@ -34,7 +34,7 @@ from zeroplus.zero.frozen_values import read_frozen
 from . import files as io
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from ..accessors import EngineAccessors as Engine  # the readings of an engine it uses
 
 INDEX = "model.safetensors.index.json"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

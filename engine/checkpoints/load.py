@@ -43,7 +43,7 @@ from .save import _global_rank, _model_part, _set_rng_state, _topology, _world
 from .table_shards import plan_tables, shard_names
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from ..accessors import EngineAccessors as Engine  # the readings of an engine it uses
 
 logger = logging.getLogger("zeroplus.checkpoint")
 

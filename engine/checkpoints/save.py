@@ -46,7 +46,7 @@ from .table_shards import shard_names, table_layout, table_state
 logger = logging.getLogger("zeroplus.checkpoint")
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from ..accessors import EngineAccessors as Engine  # the readings of an engine it uses
 
 
 def _nominal_range(g: FlatParamGroup, rank: int) -> tuple[int, int]:

@@ -25,7 +25,7 @@ import torch
 from ..embedding_tables import collections
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from ..accessors import EngineAccessors as Engine  # the readings of an engine it uses
 
 
 def _tables(engine: Engine) -> dict[str, Any]:

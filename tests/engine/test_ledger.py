@@ -36,7 +36,7 @@ def test_a_storage_dying_while_the_ledger_is_locked_is_counted_off_without_deadl
     held = [ledger.zeros(1000, torch.float32, Category.PARAM)]
 
     def inside() -> None:
-        with ledger._locked():
+        with ledger.locked():
             held.clear()  # the storage dies here, its finalizer runs now
     worker = threading.Thread(target=inside, daemon=True)
     worker.start()

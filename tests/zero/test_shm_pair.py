@@ -98,7 +98,7 @@ def _trained(stage: int, accumulation: int, shared: bool) -> dict:
     engine = zeroplus.initialize(GPT(gpt_config("tiny", n_embd=128, vocab_size=4096)),
                                  _config(stage, shared, accumulation))
     losses = train_losses(engine, hugging_face=False, vocab=4096, seq=32, seed=engine.dp.rank, steps=3 * accumulation)
-    swapped = engine.dp.pair._written if engine.dp.pair is not None else 0  # chunks this rank sent through it
+    swapped = engine.dp.pair.chunks_sent if engine.dp.pair is not None else 0
     return {"losses": losses, "state": engine.consolidated_fp32_state(), "swapped": swapped}
 
 

@@ -42,14 +42,12 @@ from ..collectives import Collectives
 from ..comm import DataParallelGroup
 from ..parallel.groups import current_groups
 from .planner import plan_tables
-from .routed import LookupState, Routed
+from .routed import Bag, LookupState, Routed
 from .row_tier import attach, cached_tables
 from .simulated import simulated_route, unique_rows
 from .sparse_optim import SparseOptimConfig, SparseOptimizer
 from .table_values import TableValues
 from .tables import Shard, TableConfig, TableTier, shard
-
-Bag = tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
 def table_owners(tables: Sequence[TableConfig], world: int) -> dict[str, int]:

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+# one feature's input: (ids, offsets) or (ids, offsets, per-id weights or None)
+Bag = tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
 
 @dataclass
 class Routed:

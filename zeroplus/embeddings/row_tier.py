@@ -11,19 +11,15 @@ the holders' rows by order, which separate caches do not keep).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..accelerator import get_accelerator
 from ..ledger import Ledger
 from ..offload.tiers import make_tier
 from .row_cache import RowCache
+from .table_values import TableValues
 from .tables import TableTier
 
-if TYPE_CHECKING:
-    from .collection import EmbeddingBagCollection
 
-
-def cached_tables(ebc: EmbeddingBagCollection, tier: TableTier | None) -> dict[str, RowCache]:
+def cached_tables(ebc: TableValues, tier: TableTier | None) -> dict[str, RowCache]:
     wanted = [t for t in ebc.tables if t.cache_rows is not None]
     if not wanted:
         return {}
@@ -50,7 +46,7 @@ def cached_tables(ebc: EmbeddingBagCollection, tier: TableTier | None) -> dict[s
     return caches
 
 
-def attach(ebc: EmbeddingBagCollection, name: str, cache: RowCache) -> None:
+def attach(ebc: TableValues, name: str, cache: RowCache) -> None:
     """Table ``name``'s buffer and optimizer pointed at ``cache``'s slots."""
     setattr(ebc, f"weight__{name}", cache.slots["weight"])
     optimizer = ebc.optimizers[name]

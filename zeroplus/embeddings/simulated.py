@@ -17,17 +17,15 @@ until the step). With power-law ids the real pending rows are fewer, and row-wis
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
 import torch
 
-from .routed import LookupState, Routed
-
-if TYPE_CHECKING:
-    from .collection import Bag, EmbeddingBagCollection
+from .routed import Bag, LookupState, Routed
+from .table_values import TableValues
 
 
-def received_ids(ebc: EmbeddingBagCollection, name: str, sent_by_each: int) -> int:
+def received_ids(ebc: TableValues, name: str, sent_by_each: int) -> int:
     """Ids of table ``name`` this rank receives when every rank sends ``sent_by_each`` of them."""
     t, s = next(t for t in ebc.tables if t.name == name), ebc.mine(name)
     if t.sharding == "row":
@@ -35,7 +33,7 @@ def received_ids(ebc: EmbeddingBagCollection, name: str, sent_by_each: int) -> i
     return ebc.world * sent_by_each if not s.empty else 0
 
 
-def sent_ids(ebc: EmbeddingBagCollection, name: str, looked_up: int) -> int:
+def sent_ids(ebc: TableValues, name: str, looked_up: int) -> int:
     """Ids of table ``name`` this rank sends for its ``looked_up`` ones (column-wise: one per holder)."""
     t = next(t for t in ebc.tables if t.name == name)
     if t.sharding == "column":
@@ -43,7 +41,7 @@ def sent_ids(ebc: EmbeddingBagCollection, name: str, looked_up: int) -> int:
     return looked_up
 
 
-def simulated_route(ebc: EmbeddingBagCollection, features: Mapping[str, Bag]) -> LookupState:
+def simulated_route(ebc: TableValues, features: Mapping[str, Bag]) -> LookupState:
     """The route's buffers and what it keeps, by shape (module docstring); no collective runs."""
     meta = torch.device("meta")
     batch = next(iter(features.values()))[1].numel()

@@ -26,6 +26,11 @@ class TableValues:
     caches: dict[str, Any]
     group: Any
     rank: int
+    world: int
+
+    @property
+    def device(self) -> torch.device:
+        raise NotImplementedError
 
     def mine(self, name: str) -> Shard:
         raise NotImplementedError
