@@ -6,7 +6,8 @@ from the token table, in the reference too) is cut into 2 stages; each data repl
 micro-batches per batch with ZeRO-1 or ZeRO-2 inside each stage's data group, and the interleaved
 schedule (2 virtual stages per rank: 4 chunks of the 6 layers) with ZeRO-1 and ZeRO-2, and with one extra
 warm-up forward per stage (ZeRO-2), which must give the interleaved run's losses, norms and parameters bit for
-bit. The reference
+bit. The 1F1B runs take the native transport (``zeroplus.transport``: the reduce-scatters and all-gathers NCCL runs),
+the interleaved ones gloo's per-rank paths; the losses agree bit for bit across them. The reference
 is the plain model with ``torch.optim.AdamW`` accumulating the same 8 micro-batches per step,
 clipped by the global norm. Checked: each batch's mean loss on every stage, the global gradient norm
 (summed over the stages), every parameter after 3 steps and the trained model's ``eval_batch`` loss,
@@ -59,6 +60,7 @@ def _pipeline_job() -> list:
     out = []
     for stage, virtual, extra in CASES:
         cfg = _config(stage)
+        cfg["zeroplus"]["transport"] = "native" if virtual == 1 else "auto"  # 1F1B on the collectives a GPU runs
         parallel = zeroplus.init_parallel(cfg)
         model = PipelineModule(gpt_pipeline_layers(_gpt()), gpt_pipeline_loss, virtual_stages=virtual,
                                extra_warmup=extra)
@@ -76,7 +78,7 @@ def _pipeline_job() -> list:
                 params[model.global_layer(name)] = full[offset:offset + shape.numel()].view(shape).clone()
         held_out = engine.eval_batch(iter([batches[0]] * GAS)).item()  # forward only, after training
         out.append({"losses": losses, "norms": norms, "params": params, "data_rank": d, "held_out": held_out,
-                    "pipeline_stage": model.stage,
+                    "pipeline_stage": model.stage, "transport": engine.dp.transport,
                     "ledger": ledger_peaks(engine)})
         engine.destroy()
     zeroplus.parallel.reset_parallel()
@@ -135,6 +137,7 @@ def test_data_x_pipeline_1f1b_and_interleaved_match_the_single_process_model(pip
             assert got["norms"] == pytest.approx(ref_norms, rel=2e-5), f"{where}: grad norms"
             assert got["held_out"] == pytest.approx(ref_held_out, rel=2e-5), f"{where}: eval_batch loss"
             assert got["params"], f"{where}: holds no parameters"
+            assert (got["transport"] == "native") == (virtual == 1), f"{where}: {got['transport']}"
             for name, value in got["params"].items():  # Adam: rounding noise decides near-zero gradients' updates
                 torch.testing.assert_close(value, ref_params[name], rtol=1e-4, atol=LR / 10,
                                            msg=lambda m, n=name: f"{where}, {n}: {m}")

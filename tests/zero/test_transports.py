@@ -5,8 +5,9 @@ into one tensor, one launch per collective. gloo runs those collectives too, so 
 
 - the parity grid of ``test_parity.py`` (stages 0-3, reduce buckets smaller than a weight up to one bucket per
   group, gradient accumulation 2 and binding clipping, AdamW and SGD, ``reduce_scatter`` false, ``overlap_comm``
-  false, stage 3 with and without prefetch and persistence) on the native transport at 2 and 4 ranks, against the
-  plain module at the parity tolerance;
+  false, stage 3 with and without prefetch and persistence) on the native transport at 2 and 4 ranks (at 4 also
+  with the optimizer offloaded), against the plain module at the parity tolerance (the pipeline's 1F1B jobs at
+  data x pipeline 2 x 2 take it too: ``tests/parallel/test_pipeline.py``);
 - every transport against every other at 2 ranks, bitwise (the sum of two numbers does not depend on its order),
   in fp32 and bf16, with the optimizer offloaded: any difference between transports is a failure;
 - which collectives ran: a counting wrapper around the transports' tensor collectives and per-rank paths shows the
@@ -116,7 +117,8 @@ def test_the_parity_grid_on_the_native_transport_at_two_ranks():
 
 def test_the_native_transport_at_four_ranks():
     cases = [dict(stage=s, bucket=200, transport="native") for s in (1, 2, 3)] \
-        + [dict(stage=s, bucket=200, opt="SGD", clip=0.0, transport="native") for s in (0, 3)]
+        + [dict(stage=s, bucket=200, opt="SGD", clip=0.0, transport="native") for s in (0, 3)] \
+        + [dict(stage=3, bucket=200, offload=True, transport="native")]  # the optimizer's states on the host
     results = run_distributed(_train, 4, cases)
     _check_all(4, cases, results[0])
     for case, result in zip(cases, results[0]):
