@@ -161,7 +161,7 @@ def main() -> None:
             rows.append(measure(whole, whole, 0, args, nproc=args.nproc))
     for stage in (int(s) for s in args.stages.split(",")):
         for framework in frameworks:
-            if framework in ("plain", "ddp") or (framework == "fsdp2" and stage == 1):
+            if framework in ("plain", "ddp") or (framework == "fsdp2" and stage < 2):  # (FSDP2: no stage 0 or 1)
                 continue
             extra = (["--adamw", args.fsdp2_adamw] + (["--reduce-fp32"] if args.fsdp2_reduce == "fp32" else [])
                      if framework == "fsdp2" else []) + (
