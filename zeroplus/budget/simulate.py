@@ -326,15 +326,9 @@ def simulate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     """
     if construction not in CONSTRUCTIONS:
         raise ValueError(f"construction must be one of {CONSTRUCTIONS}, got {construction!r}")
-    cfg = load_config(config)
-    if auto_keys(cfg):
-        raise ConfigError(f"config keys {auto_keys(cfg)} are 'auto': zeroplus.budget.planner.plan() resolves them "
-                          f"within a memory budget; estimate() predicts one config")
     if seq_len is None and example_inputs is None and not example_kwargs:
         raise ValueError("give seq_len or example_inputs: activations depend on the input shape")
-    if micro_batch_size is not None:
-        cfg.train_micro_batch_size_per_gpu = micro_batch_size
-        cfg.train_batch_size = None
+    cfg = _config_to_simulate(config, micro_batch_size)
     ledger = Ledger()
     tracker = MemoryTracker(ledger, workspace)
     attention = CpuAttention() if workspace is not None else contextlib.nullcontext()
@@ -372,26 +366,54 @@ def simulate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
             inputs = token_inputs(meta_model, mbs, seq_len)
         if pipeline is not None:
             _simulate_pipeline(engine, tracker, pipeline, steps, runtime[1])
-        for _ in range(steps if pipeline is None else 0):
-            for _ in range(engine.gradient_accumulation_steps()):
-                tracker.enter("forward")
-                loss = loss_fn(engine(*inputs, **kwargs))
-                tracker.end_forward()
-                tracker.enter("backward")
-                engine.backward(loss)
-                del loss
-                tracker.runtime = runtime[1]
-                tracker.enter("step")
-                engine.step()
-                meta_tier.writes_landed()
+        else:
+            _train(engine, tracker, lambda: loss_fn(engine(*inputs, **kwargs)), steps, runtime[1])
         tracker.category_peaks = {c.value: ledger.peak_bytes(c) for c in Category}  # training's, before the save
-        tracker.enter("save")  # what a checkpoint save holds besides the training state (its file streams)
-        before = tracker.live + tracker.runtime
-        held_for_the_file: Any = rank_state(engine, None)
-        if engine.config.zeroplus.async_save:  # the whole state staged for the background writer (async_save.py)
-            held_for_the_file = stage(held_for_the_file, engine.accelerator, engine.ledger)
-        tracker.observe()
-        tracker.checkpoint_copies = tracker.peaks["save"].total - before
-        del held_for_the_file
+        _save(engine, tracker)
         engine.destroy()
     return tracker, engine.config
+
+
+def _config_to_simulate(config: dict[str, Any] | str | ZeroplusConfig, micro_batch_size: int | None
+                        ) -> ZeroplusConfig:
+    """The config parsed (a copy the simulation may change), its micro-batch set when given; refused with
+    'auto' keys, which the planner resolves."""
+    cfg = load_config(config)
+    if auto_keys(cfg):
+        raise ConfigError(f"config keys {auto_keys(cfg)} are 'auto': zeroplus.budget.planner.plan() resolves them "
+                          f"within a memory budget; estimate() predicts one config")
+    if micro_batch_size is not None:
+        cfg.train_micro_batch_size_per_gpu = micro_batch_size
+        cfg.train_batch_size = None
+    return cfg
+
+
+def _train(engine: Any, tracker: MemoryTracker, loss: Callable[[], torch.Tensor], steps: int,
+           runtime_after_backward: int) -> None:
+    """``steps`` optimizer steps of ``gradient_accumulation_steps`` micro-batches, each phase entered in
+    ``tracker``; the runtime bytes held from the end of the first backward on."""
+    for _ in range(steps):
+        for _ in range(engine.gradient_accumulation_steps()):
+            tracker.enter("forward")
+            value = loss()
+            tracker.end_forward()
+            tracker.enter("backward")
+            engine.backward(value)
+            del value
+            tracker.runtime = runtime_after_backward
+            tracker.enter("step")
+            engine.step()
+            meta_tier.writes_landed()
+
+
+def _save(engine: Any, tracker: MemoryTracker) -> None:
+    """The ``save`` phase: what a checkpoint save holds besides the training state (its file streams; the whole
+    state staged for the background writer with ``async_save``: ``async_save.py``)."""
+    tracker.enter("save")
+    before = tracker.live + tracker.runtime
+    held_for_the_file: Any = rank_state(engine, None)
+    if engine.config.zeroplus.async_save:
+        held_for_the_file = stage(held_for_the_file, engine.accelerator, engine.ledger)
+    tracker.observe()
+    tracker.checkpoint_copies = tracker.peaks["save"].total - before
+    del held_for_the_file
