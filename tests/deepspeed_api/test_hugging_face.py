@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 
 import pytest
 import torch
@@ -69,6 +70,10 @@ def test_trainer_runs_unchanged_resumes_and_matches_deepspeed(tmp_path, template
     line = next(x for x in log.splitlines() if "zeroplus after the first step: memory peak" in x)
     assert "predicted" in line and "baseline before initialize" in line, line
     print(line)
+    # the Trainer's own process (glibc as left, its imports in the baseline): the budget within 5% after a step
+    # (+1.7% at ZeRO-2, -2.4% at ZeRO-3 on 2026-12-03)
+    error = float(re.search(r"\(([+-][0-9.]+)%\)", line).group(1))
+    assert abs(error) <= 5.0, line
     assert ours["checkpoints"] == ["checkpoint-2", "checkpoint-4"]
     if stage == 3:  # the Trainer's count of the partitioned model (ds_numel): the whole model's, not the shard's
         assert ours["param_counts"] == [ours["whole_count"]] * 2, (ours["param_counts"], ours["whole_count"])
