@@ -78,14 +78,7 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
         and cfg.zeroplus.parallel.pipeline == 1  # (a pipeline stage is not estimated: _estimate_source)
     # torch's code this process holds already (budget/first_use.py): read only where a budget is made
     code = code_resident() if predicts and accel.name == "cpu" else None
-    init_distributed_if_launched(cfg.zeroplus.collective_timeout)
-    setup_logging(cfg.zeroplus.log_level)
-    fault_dumps.set_dump_dir(cfg.zeroplus.dump_dir)
-    if cfg.zeroplus.memory_history:
-        fault_dumps.record_memory_history(accel)
-    if unimplemented:
-        log_rank0("config keys DeepSpeed knows but zeroplus does not implement yet (ignored): %s",
-                  ", ".join(unimplemented), level=logging.WARNING)
+    _set_up_process(cfg, accel, unimplemented)
     try:
         parallel = init_parallel(cfg)
     except ValueError as err:
@@ -101,20 +94,10 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
                  planned=cfg.zeroplus.memory_budget is not None)
     if dp.size > 1:
         check_ranks_agree(model, cfg, dp, parallel.topology.to_dict())
-    split = parallel.model.size > 1 or parallel.expert.size > 1
-    if split and (auto_keys(cfg) or cfg.zeroplus.memory_budget is not None):
-        raise ConfigError(f"config key 'zeroplus.memory_budget' with {parallel.topology.describe()}: the memory "
-                          f"estimate and planner cover data and context parallelism only so far; remove the "
-                          f"budget and 'auto'")
+    _check_budget_covers(cfg, parallel)
     pipelined = parallel.topology.pipeline > 1
     cfg = resolved(_plan(model, cfg, dp, code), recompute_unset=recompute_unset)  # frozen from here
-    if wrapper is not None and cfg.zeroplus.resize_recompute.enabled:  # see note: compilation
-        raise ConfigError("config key 'zeroplus.resize_recompute': resize_recompute does not work with compiled "
-                          "modules (<model>: torch.compile(model) was given to initialize): a compiled graph's "
-                          "backward reads the dropped outputs before they are recomputed. Turn it off, or do not "
-                          "compile")
-    if accel.name == "cpu" and cfg.bf16.enabled:
-        warn_if_bf16_is_emulated()
+    _check_resolved(cfg, wrapper is not None, accel)
     # predicted at the first forward, from the shapes and dtypes of its real batch (whatever the model takes)
     source = _estimate_source(model, cfg, parallel, optimizer) if not pipelined else None
     engine = build_engine(model, cfg, dp, accel, rss_at_start, optimizer=optimizer, lr_scheduler=lr_scheduler,
@@ -125,6 +108,40 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     if wrapper is not None:
         engine.forward_through(wrapper)
     return engine
+
+
+def _set_up_process(cfg: ZeroplusConfig, accel: Any, unimplemented: list[str]) -> None:
+    """What the process needs before any group exists: torch.distributed (when launched), logging, the fault
+    dumps' directory and memory history, and the warning naming DeepSpeed keys accepted but not honoured."""
+    init_distributed_if_launched(cfg.zeroplus.collective_timeout)
+    setup_logging(cfg.zeroplus.log_level)
+    fault_dumps.set_dump_dir(cfg.zeroplus.dump_dir)
+    if cfg.zeroplus.memory_history:
+        fault_dumps.record_memory_history(accel)
+    if unimplemented:
+        log_rank0("config keys DeepSpeed knows but zeroplus does not implement yet (ignored): %s",
+                  ", ".join(unimplemented), level=logging.WARNING)
+
+
+def _check_budget_covers(cfg: ZeroplusConfig, parallel: ParallelGroups) -> None:
+    """A memory budget or 'auto' keys only where the estimate and planner cover the split (data x context)."""
+    split = parallel.model.size > 1 or parallel.expert.size > 1
+    if split and (auto_keys(cfg) or cfg.zeroplus.memory_budget is not None):
+        raise ConfigError(f"config key 'zeroplus.memory_budget' with {parallel.topology.describe()}: the memory "
+                          f"estimate and planner cover data and context parallelism only so far; remove the "
+                          f"budget and 'auto'")
+
+
+def _check_resolved(cfg: ResolvedConfig, compiled_wrapper_given: bool, accel: Any) -> None:
+    """Refused: resize recompute under a ``torch.compile`` wrapper (see note: compilation); warned: bf16 on a CPU
+    that emulates it."""
+    if compiled_wrapper_given and cfg.zeroplus.resize_recompute.enabled:
+        raise ConfigError("config key 'zeroplus.resize_recompute': resize_recompute does not work with compiled "
+                          "modules (<model>: torch.compile(model) was given to initialize): a compiled graph's "
+                          "backward reads the dropped outputs before they are recomputed. Turn it off, or do not "
+                          "compile")
+    if accel.name == "cpu" and cfg.bf16.enabled:
+        warn_if_bf16_is_emulated()
 
 
 def _plan(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, code: int | None) -> ZeroplusConfig:

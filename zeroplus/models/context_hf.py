@@ -142,6 +142,24 @@ def hybrid_hf_attention(ulysses: DataParallelGroup, ring: DataParallelGroup) -> 
     return attention
 
 
+def _whole_positions(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                     position_ids: torch.Tensor | None) -> torch.Tensor:
+    """The positions 0 .. s-1 of every whole sequence, after refusing what the split attention cannot honour: a
+    custom or padding attention mask, and position ids that restart (packed sequences)."""
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(f"context parallelism: a custom attention mask of shape {tuple(attention_mask.shape)} is "
+                         f"not supported (the split attention is causal over the whole sequence)")
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError("context parallelism: padded sequences (attention_mask with zeros) are not supported")
+    b, s = input_ids.shape
+    plain = torch.arange(s, device=input_ids.device).expand(b, s)
+    if position_ids is not None and not torch.equal(position_ids.expand(b, s), plain):
+        raise ValueError("context parallelism: position_ids other than 0 .. s-1 in every row (packed sequences, "
+                         "whose positions restart) are not supported: the split attention would let a sequence "
+                         "attend to the one packed before it")
+    return plain
+
+
 def context_parallel_hf(model: nn.Module, group: DataParallelGroup, mode: str = "ulysses",
                         parts: tuple[DataParallelGroup, DataParallelGroup] | None = None) -> None:
     """Give a Hugging Face causal LM instance context parallelism over ``group`` (module docstring);
@@ -177,18 +195,7 @@ def context_parallel_hf(model: nn.Module, group: DataParallelGroup, mode: str = 
                 **kwargs: Any) -> Any:
         if input_ids is None:
             raise ValueError("context parallelism: give input_ids (whole sequences; each rank keeps its slice)")
-        if attention_mask is not None and attention_mask.dim() != 2:
-            raise ValueError(f"context parallelism: a custom attention mask of shape {tuple(attention_mask.shape)} is "
-                             f"not supported (the split attention is causal over the whole sequence)")
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError("context parallelism: padded sequences (attention_mask with zeros) are not supported")
-        b, s = input_ids.shape
-        plain = torch.arange(s, device=input_ids.device).expand(b, s)
-        if position_ids is not None and not torch.equal(position_ids.expand(b, s), plain):
-            raise ValueError("context parallelism: position_ids other than 0 .. s-1 in every row (packed sequences, "
-                             "whose positions restart) are not supported: the split attention would let a sequence "
-                             "attend to the one packed before it")
-        position_ids = plain
+        position_ids = _whole_positions(input_ids, attention_mask, position_ids)
         if labels is not None:
             shift = kwargs.pop("shift_labels", None)
             whole = shifted(labels) if shift is None else shift

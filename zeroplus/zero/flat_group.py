@@ -138,16 +138,7 @@ class FlatParamGroup:
         self.device = self.params[0].device if device is None else torch.device(device)
         self._lay_out(dp, stage)
         start = self.owned_start
-
-        # The full low-precision buffer; the parameters become views into it.
-        full_category = Category.PARAM_GATHERED if stage.shards_parameters else Category.PARAM
-        self.full = ledger.empty(self.padded_numel, compute_dtype, full_category, self.device)
-        # ZeRO-3 over zeroplus.Init's chunks: this rank's part comes from them in one all-to-all, and the
-        # buffer is never filled (it holds memory only for the views made below)
-        from_chunks = stage.shards_parameters and init_shards.chunked_over(self.params, dp)
-        if not from_chunks:
-            self._copy_in()
-        self._point_params_at_views()
+        from_chunks = self._make_full(stage, dp)
 
         # Stage 3 on one rank in fp32: the master is the whole buffer, so the parameters stay gathered on
         # it (4 * P in all instead of 4 * P plus the units gathered, and no copy per gather)
@@ -170,6 +161,18 @@ class FlatParamGroup:
         self.residency = Residency.GATHERED  # built whole; stage 3 releases it just below
         if stage.shards_parameters:
             self.release()
+
+    def _make_full(self, stage: ZeroStage, dp: Collectives) -> bool:
+        """The full low-precision buffer, the parameters made views into it. True where ZeRO-3 builds it over
+        ``zeroplus.Init``'s chunks: this rank's part then comes from them in one all-to-all, and the buffer is never
+        filled (it holds memory only for the views)."""
+        full_category = Category.PARAM_GATHERED if stage.shards_parameters else Category.PARAM
+        self.full = self.ledger.empty(self.padded_numel, self.compute_dtype, full_category, self.device)
+        from_chunks = stage.shards_parameters and init_shards.chunked_over(self.params, dp)
+        if not from_chunks:
+            self._copy_in()
+        self._point_params_at_views()
+        return from_chunks
 
     def _lay_out(self, dp: Collectives, stage: ZeroStage) -> None:
         """The parameters end to end, padded to a multiple of the ranks, and the range this rank owns (the module's
