@@ -38,8 +38,7 @@ class VirtualGroup:
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is not in a world of {size} ranks")
         self.rank, self.size, self.gloo_buffers = rank, size, gloo_buffers
-        self.per_rank = gloo_buffers and size > 1  # until use_transport: auto without the pair
-        self.transport = "gloo" if self.per_rank else "native"  # the per-rank paths: broadcasts, reduces, exchange
+        self.transport = "gloo" if gloo_buffers and size > 1 else "native"  # until use_transport: auto without the pair
         self.bytes_sent: collections.Counter[str] = collections.Counter()
         self.running: Handle | None = None
         self.temporary: torch.Tensor | None = None
@@ -57,8 +56,12 @@ class VirtualGroup:
             self.pair = ledger.track(torch.empty(MAPPING_BYTES, dtype=torch.uint8, device="meta"),
                                      Category.COMM_BUFFER)
         self.transport = chosen
-        self.per_rank = chosen in ("gloo", "pair") and self.size > 1
         return chosen
+
+    @property
+    def per_rank(self) -> bool:
+        """Whether the transport takes gloo's per-rank paths (broadcasts, reduces, the exchange): nothing held."""
+        return self.transport in ("gloo", "pair") and self.size > 1
 
     def _held(self, like: torch.Tensor, on_done: Callable[[], None] | None) -> Handle:
         if not (self.gloo_buffers and self.size > 1):

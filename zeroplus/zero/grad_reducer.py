@@ -61,11 +61,8 @@ class GradReducer:
     def _all_reduce(self, group: FlatParamGroup, grad: torch.Tensor) -> None:
         """All-reduce contiguous buckets of the flat gradient in place; at stages 1-3 keep the owned range, divided
         by D (``reduce_scatter: false``)."""
-        keep = self.stage.partitions
         accumulate = self._adds_into_shard(group)
-        target = None
-        if keep:
-            target = group.gradient.ensure_reduced() if accumulate else group.gradient.new_reduced(grad.dtype)
+        target = self._shard(group, grad.dtype, accumulate) if self.stage.partitions else None
         lo, scale = group.owned_start, 1.0 / self.dp.size
         for a in range(0, group.padded_numel, self.bucket_numel):
             b = min(group.padded_numel, a + self.bucket_numel)
@@ -80,7 +77,7 @@ class GradReducer:
         gradient shard or added into the existing one (``_adds_into_shard``)."""
         accumulate = self._adds_into_shard(group)
         n, s = group.dp.size, group.shard_numel
-        target = group.gradient.ensure_reduced() if accumulate else group.gradient.new_reduced(grad.dtype)
+        target = self._shard(group, grad.dtype, accumulate)
         matrix, scale = grad.view(n, s), 1.0 / self.dp.size
         for c0, c1 in _spans(s, max(1, self.bucket_numel // n)):
             group.gradient.issued(group.dp.reduce_scatter_rows(matrix[:, c0:c1], target[c0:c1], scale, accumulate,
@@ -93,6 +90,11 @@ class GradReducer:
             group.gradient.ensure_reduced().add_(grad)
         else:
             group.gradient.adopt_reduced(grad)
+
+    @staticmethod
+    def _shard(group: FlatParamGroup, dtype: torch.dtype, accumulate: bool) -> torch.Tensor:
+        """Where the owned elements land: the existing reduced shard (``accumulate``), else a new one in ``dtype``."""
+        return group.gradient.ensure_reduced() if accumulate else group.gradient.new_reduced(dtype)
 
     def _adds_into_shard(self, group: FlatParamGroup) -> bool:
         """Whether this reduction adds into a reduced shard (the fp32 accumulator, or the shard an earlier
