@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 
 def rss_bytes(field: str) -> int:
@@ -162,14 +163,17 @@ def plain_step(wrapped: torch.nn.Module, model: torch.nn.Module, opt: torch.opti
 
 ALLOCATIONS = ("empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided")
 SYNCS = ("_local_scalar_dense", "is_nonzero", "item")  # a value read on the host: a device sync on a GPU
+FUNCTIONAL_BOOKKEEPING = ("wait_tensor", "_wrap_tensor_autograd")  # functional collectives' own ops: no launch
 
 
 class StepCensus(TorchDispatchMode):
     """What one step asks of the device, counted at torch's dispatcher: the aten kernels it runs (views and
     allocations left out: no kernel on a GPU), the host syncs (a tensor's value read on the host: ``item()``,
     ``bool()``; on CPU ``tolist()`` and ``.cpu()`` read memory without an op and are not seen), and the
-    collective launches (the ``c10d`` ops; the shared-memory pair's swaps are not ops: count on the native
-    transport). A GPU stand-in: on a GPU each kernel is a launch and each sync a stall."""
+    collective launches (the ``c10d`` ops and the functional collectives; the shared-memory pair's swaps are
+    not ops: count on the native transport). A tensor subclass's op (FSDP2's DTensor) is counted as the ops it
+    runs on its local tensors, collectives of its redistributions included (the clip norm's all-reduce).
+    A GPU stand-in: on a GPU each kernel is a launch and each sync a stall."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -177,9 +181,14 @@ class StepCensus(TorchDispatchMode):
         self.by_collective: dict[str, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if any(type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter) for t in tensors):
+            return NotImplemented  # a subclass (FSDP2's DTensor): count the ops it runs on its local tensors
+        if tensors and all(t.is_meta for t in tensors):
+            return func(*args, **(kwargs or {}))  # a subclass's sharding propagation: no kernel
         name = func.__name__.split(".")[0]
         namespace = func.namespace
-        if namespace == "c10d":
+        if namespace in ("c10d", "_c10d_functional") and name not in FUNCTIONAL_BOOKKEEPING:
             self.collectives += 1
             self.by_collective[name] = self.by_collective.get(name, 0) + 1
         elif name in SYNCS:

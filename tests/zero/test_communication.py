@@ -44,8 +44,9 @@ def _bytes_per_step(stage: int) -> dict:
     root = {id(g) for g in engine.partition.root.groups}
     padded = sum(g.padded_numel * 4 for g in groups)
     rows_only = sum(g.padded_numel * 4 for g in groups if g.names == ["wpe.weight"])  # no dense gradient at all
+    tied = sum(g.padded_numel * 4 for g in groups if g.names == ["wte.weight"])
     return {"sent": sent, "padded": padded, "root": sum(g.padded_numel * 4 for g in groups if id(g) in root),
-            "rows_only": rows_only}
+            "rows_only": rows_only, "tied": tied}
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -53,16 +54,20 @@ def test_gloo_sends_the_textbook_volume(stage):
     """Per step, gradients are reduce-scattered once (their full padded size) and parameters all-gathered
     once at stages 1-2 (after the step) or twice at stage 3 (forward, backward; the root unit, gathered
     from forward to the end of its backward, once). On gloo both are built from per-rank broadcasts
-    and reduces: an all-reduce standing in for either would send twice the bytes. At stages 2-3 the
-    embeddings' rows are all-gathered besides (``row_reduce.py``): per rank, at most its 32 tokens and
-    16 positions, each an int64 id and 64 fp32 sums, and the counts; the position embedding, in a group
-    of its own under this bucket and with no dense gradient, is not reduce-scattered at all."""
-    world, rows_bound = 2, 2 * (32 + 16) * (8 + 64 * 4) + 2 * 2 * 8
+    and reduces: an all-reduce standing in for either would send twice the bytes. At stages 2-3 an
+    embedding's rows are all-gathered besides (``row_reduce.py``) while they are fewer bytes than its group's
+    gradient: the 256 positions' rows (per rank at most its 16 positions, each an int64 id and 64 fp32 sums,
+    and the count), whose group of its own under this bucket, with no dense gradient, is not reduce-scattered
+    at all. The tied table's 64 rows (its gathered rows, 2 x 32 x (8 + 256) bytes, beyond its 16 KiB
+    gradient) are added into its flat gradient from the second step on, which is reduce-scattered once more
+    at the end of backward (the head's gradient went early)."""
+    world, rows_bound = 2, 2 * 16 * (8 + 64 * 4) + 2 * 8
     for got in run_distributed(_bytes_per_step, world, stage):
         sent, padded, root = got["sent"], got["padded"], got["root"]
         gathered = padded if stage < 3 else 2 * padded - root
         rows = sent.get("all_gather", 0) - gathered
-        assert sent.get("reduce_scatter") == padded - (got["rows_only"] if stage >= 2 else 0), sent
+        late = got["tied"] - got["rows_only"] if stage >= 2 else 0
+        assert sent.get("reduce_scatter") == padded + late, sent
         assert (rows == 0) if stage == 1 else (0 < rows <= rows_bound), (sent, gathered, rows_bound)
         assert sent.get("all_reduce", 0) <= 64, sent  # the norm's scalar and one-element flags only
 

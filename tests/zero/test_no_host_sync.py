@@ -77,9 +77,10 @@ def _reads_in_steady_steps() -> dict:
     return out
 
 
-# The one path that still reads: at stages 2-3 on several ranks an embedding's rows are reduced sparsely
-# (row_reduce.py), whose sizes depend on the tokens (how many rows each rank sends, which touch this shard), after
-# the ranks agree whether any holds a dense gradient for the group (grad_schedule.BackwardSchedule._finish_per_use).
+# The one path that still reads: at stages 2-3 on several ranks an embedding whose rows are fewer bytes than its
+# gradient (ParityNet's tied table) has them reduced sparsely (row_reduce.py), whose sizes depend on the tokens (how
+# many rows each rank sends, which touch this shard), after the ranks agree whether any holds a dense gradient for
+# the group (grad_schedule.BackwardSchedule._finish_per_use).
 ROW_PATH = {"row_reduce.py:reduce_rows", "comm.py:max_flag"}
 
 

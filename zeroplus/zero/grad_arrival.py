@@ -27,6 +27,7 @@ class GradArrival:
         self.per_use: set[int] = set()  # parameters whose uses send their gradients: not counted
         self.row_params: set[int] = set()  # of those, the ones an embedding sends rows for
         self.rows: dict[int, Rows] = {}  # stages 2-3: each row parameter's kept per-token sums
+        self.rows_dense = False  # stages 2-3: rows go into the flat buffer instead (``row_reduce.choose_dense``)
         self._seen = 0  # counted parameters whose gradient hook ran
         self._dense_pending = 0  # dense uses of per-use parameters made in the forward, not yet back
         self._by_rows: set[int] = set()  # parameters whose gradient came by rows, their hook not yet run

@@ -109,8 +109,9 @@ class BackwardSchedule:
     def rows_arrived(self, group: FlatParamGroup, index: int, ids: torch.Tensor, sums: torch.Tensor,
                       tokens: int) -> None:
         """An embedding's per-token sums: kept for the sparse reduction at stages 2-3 (``row_reduce.py``),
-        else added into the flat buffer, which lives until the boundary anyway."""
-        if self.early_per_use:
+        else (or once the group's rows were found to cost more than its dense gradient, ``row_reduce.choose_dense``)
+        added into the flat buffer, which lives until the boundary anyway or is reduced when the backward ends."""
+        if self.early_per_use and not group.gradient.arrival.rows_dense:
             group.gradient.arrival.keep_rows(index, ids, sums, tokens)
         else:
             group.gradient.add_rows(index, ids, sums, self.early_per_use)
@@ -217,7 +218,7 @@ class BackwardSchedule:
                                         and not self.at_boundary and not g.gradient.arrival.rows)
             if g.gradient.arrival.per_use and self.early_per_use and not untouched_until_boundary:
                 self._finish_per_use(g)
-                with_rows += [g] if g.gradient.arrival.row_params else []
+                with_rows += [g] if g.gradient.arrival.row_params and not g.gradient.arrival.rows_dense else []
             elif id(g) not in self._ready and (g.gradient.flat is not None or self.reduce_this_backward) \
                     and not untouched_until_boundary:
                 self._group_ready(g)
@@ -236,8 +237,11 @@ class BackwardSchedule:
     def _finish_per_use(self, group: FlatParamGroup) -> None:
         """End of backward, stages 2-3: reduce what a per-use group still holds densely. Whether any rank
         holds something is agreed first (a one-element all-reduce), so every rank issues the same
-        collectives; a group whose only gradients are embedding rows reduces nothing dense."""
-        anything = group.dp.max_flag(group.gradient.flat is not None)
+        collectives; a group whose only gradients are embedding rows reduces nothing dense. A group whose rows
+        go dense (``row_reduce.choose_dense``, the same on every rank) holds them now: reduced on every rank
+        without asking (zeros where a rank holds nothing)."""
+        gradient = group.gradient
+        anything = gradient.arrival.rows_dense or group.dp.max_flag(gradient.flat is not None)
         if id(group) not in self._ready:  # without dense gradients anywhere the rows alone make the shard
             self._group_ready(group, reduce=anything or not group.gradient.arrival.row_params)
         elif anything:  # arrived after the early reduction (a use outside its holders): added to it

@@ -16,6 +16,13 @@ range, 8 bytes per element. Communication: one all-gather of N counts per group,
 N * T_max * (d * c + 8) bytes per parameter, instead of V * d * c. Sums
 over ranks are formed in rank order, so values equal the dense reduction's within fp32
 rounding (the dense path adds in the backend's order).
+
+Rows pay only while few: where the gathered rows take at least the bytes of the group's dense gradient
+(N * sum(T_max * (d * c + 8)) >= P * c; a small vocabulary, a position table), the first reduction also
+decides that the group's later rows go into its flat gradient, reduced with one collective when the backward
+ends (``choose_dense``): no count exchange, no gathers per table, no value read on the host. The widths are
+every rank's, so every rank decides the same; the memory estimate runs the same rule.
+See note: sparse embedding rows.
 """
 from __future__ import annotations
 
@@ -40,6 +47,7 @@ def reduce_rows(group: FlatParamGroup, rows: dict[int, list[tuple[torch.Tensor, 
         every = torch.empty(dp.size * len(params), dtype=torch.int64)
         dp.all_gather(every, torch.tensor(local, dtype=torch.int64)).wait()
         widest = every.view(dp.size, len(params)).max(dim=0).values.tolist()
+    choose_dense(group, params, widest)
     shard = group.gradient.ensure_reduced(shard_dtype)
     lo, hi = group.owned_start, group.owned_start + group.owned_numel
     for i, width in zip(params, widest):
@@ -69,3 +77,12 @@ def reduce_rows(group: FlatParamGroup, rows: dict[int, list[tuple[torch.Tensor, 
         values = all_sums.view(-1, d)[touching]
         inside = (positions >= 0) & (positions < hi - lo)
         shard.index_add_(0, positions[inside], values[inside].to(shard.dtype).mul_(scale))
+
+
+def choose_dense(group: FlatParamGroup, params: list[int], widest: list[int]) -> None:
+    """From the next backward on, ``group``'s rows go into its flat gradient when gathering them (``widest``
+    tokens per parameter on every one of N ranks, ids and values) takes at least the flat gradient's bytes."""
+    c = group.compute_dtype.itemsize
+    rows = group.dp.size * sum(w * (group.shapes[i][1] * c + 8) for i, w in zip(params, widest))
+    if rows >= group.padded_numel * c:
+        group.gradient.arrival.rows_dense = True
