@@ -163,13 +163,16 @@ def plain_step(wrapped: torch.nn.Module, model: torch.nn.Module, opt: torch.opti
 
 ALLOCATIONS = ("empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided")
 SYNCS = ("_local_scalar_dense", "is_nonzero", "item")  # a value read on the host: a device sync on a GPU
+# An op whose output size depends on values reads a count back on an accelerator: a sync too.
+SIZED = ("_unique", "_unique2", "unique_dim", "unique_consecutive", "nonzero", "masked_select")
 FUNCTIONAL_BOOKKEEPING = ("wait_tensor", "_wrap_tensor_autograd")  # functional collectives' own ops: no launch
 
 
 class StepCensus(TorchDispatchMode):
     """What one step asks of the device, counted at torch's dispatcher: the aten kernels it runs (views and
     allocations left out: no kernel on a GPU), the host syncs (a tensor's value read on the host: ``item()``,
-    ``bool()``; on CPU ``tolist()`` and ``.cpu()`` read memory without an op and are not seen), and the
+    ``bool()``, and ops sized by values: ``unique``, ``nonzero``, boolean indexing; on CPU ``tolist()`` and
+    ``.cpu()`` read memory without an op and are not seen), and the
     collective launches (the ``c10d`` ops and the functional collectives; the shared-memory pair's swaps are
     not ops: count on the native transport). A tensor subclass's op (FSDP2's DTensor) is counted as the ops it
     runs on its local tensors, collectives of its redistributions included (the clip norm's all-reduce).
@@ -191,7 +194,8 @@ class StepCensus(TorchDispatchMode):
         if namespace in ("c10d", "_c10d_functional") and name not in FUNCTIONAL_BOOKKEEPING:
             self.collectives += 1
             self.by_collective[name] = self.by_collective.get(name, 0) + 1
-        elif name in SYNCS:
+        elif name in SYNCS or name in SIZED or name == "index" and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]):
             self.syncs += 1
         elif not func.is_view and name not in ALLOCATIONS and namespace != "profiler":
             self.kernels += 1

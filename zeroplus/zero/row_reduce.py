@@ -1,7 +1,7 @@
 """Sparse reduction of embedding rows into gradient shards (stages 2-3).
 
 An embedding's gradient is zero except in the rows of the tokens a micro-batch used, so reducing
-it as a dense table sends and holds V * d elements for U * d of content. At stages 2-3 the per-token
+it as a dense table sends and holds V * d elements for at most T * d of content (T tokens). At stages 2-3 the per-token
 sums an embedding's backward produces (``use_grads.py``) are kept as ``(ids, sums)`` until the
 backward ends; then, per parameter, every rank's token count is exchanged, each rank's rows are
 padded to the largest (room for every token, so the buffers' size does not depend on how many

@@ -20,7 +20,8 @@ Two cases where autograd's own accumulation holds more than one parameter-sized 
 
 Memory (a parameter of ``n`` elements, ``c`` bytes): a tied parameter holds at most one use's
 gradient (c * n) beside the flat buffer, instead of up to three (the held use, the arriving one
-and their sum); an embedding's backward holds ``U * d`` (U distinct tokens of the micro-batch)
+and their sum); an embedding's backward holds ``(T + 1) * d`` fp32 sums (T token positions of the
+micro-batch: one row per position, so no size is read back from the device, ``per_token_sums``)
 instead of c * n. Values: the flat buffer receives the uses in autograd's order,
 ``0 + g_head + g_emb``, the same sum autograd forms, and an fp32 embedding's per-token sums are
 formed in the order the dense backward adds the rows (checked bitwise on CPU). In bf16/fp16 the
@@ -103,22 +104,29 @@ class EmbeddingRowsIntoFlat(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None, None]:
         (ids,) = ctx.saved_tensors
-        flat_ids, rows = ids.reshape(-1), grad.reshape(-1, grad.shape[-1])
-        tokens = flat_ids.numel()
-        if flat_ids.device.type == "meta" or rows.device.type == "meta":  # the memory simulation: no values
-            ctx.sink(flat_ids, rows.clone(), flat_ids.numel())  # every token taken as distinct
-            return None, None, None, None, None
-        if ctx.padding_idx is not None:
-            keep = flat_ids != ctx.padding_idx
-            flat_ids, rows = flat_ids[keep], rows[keep]
-        distinct, inverse = flat_ids.unique(return_inverse=True)
-        if grad.dtype == torch.float32:  # the dense backward's own order and precision: bitwise equal
-            sums = torch.zeros(distinct.numel(), rows.shape[-1], dtype=grad.dtype, device=grad.device)
-            ctx.sink(distinct, sums.index_add_(0, inverse, rows), tokens)
-        else:  # 16-bit: summed in fp32, rounded once (the dense backward rounds differently; within its rounding)
-            sums = torch.zeros(distinct.numel(), rows.shape[-1], dtype=torch.float32, device=grad.device)
-            ctx.sink(distinct, sums.index_add_(0, inverse, rows.float()).to(grad.dtype), tokens)
+        # (the memory simulation's ids may be real while the gradient is on the meta device)
+        flat_ids, rows = ids.reshape(-1).to(grad.device), grad.reshape(-1, grad.shape[-1])
+        # fp32: the dense backward's own order and precision (bitwise equal); 16-bit: summed in fp32, rounded once
+        # (the dense backward rounds differently; within its rounding). The same sizes on the meta device.
+        distinct, sums = per_token_sums(flat_ids, rows, ctx.padding_idx)
+        ctx.sink(distinct, sums if grad.dtype == torch.float32 else sums.to(grad.dtype), flat_ids.numel())
         return None, None, None, None, None  # the output came from the detached weight: nothing flows on
+
+
+def per_token_sums(ids: torch.Tensor, rows: torch.Tensor, padding_idx: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, sums)``, one row per token position (T = ``ids.numel()``): each distinct id at the row of its first
+    place in sorted order, with the fp32 sum of its ``rows`` added in position order (the order the dense backward
+    adds them); the other rows id 0 and zero sums (``padding_idx``'s rows are dropped: its tokens get no gradient).
+    Fixed sizes, so nothing is read on the host (``unique`` and boolean indexing read a count back on an
+    accelerator: a sync); adding a zero row into row 0 changes nothing."""
+    t = ids.numel()
+    at = torch.searchsorted(ids.sort().values, ids)  # each position's row: its id's first place in sorted order
+    if padding_idx is not None:
+        at.masked_fill_(ids == padding_idx, t)  # into a last row, cut off below
+    distinct = torch.zeros(t + 1, dtype=ids.dtype, device=ids.device).scatter_(0, at, ids)
+    sums = torch.zeros(t + 1, rows.shape[-1], dtype=torch.float32, device=rows.device)
+    sums.index_add_(0, at, rows if rows.dtype == torch.float32 else rows.float())
+    return distinct[:t], sums[:t]
 
 
 def rows_into_grad(param: torch.Tensor) -> RowSink:
