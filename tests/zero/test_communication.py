@@ -59,8 +59,8 @@ def test_gloo_sends_the_textbook_volume(stage):
     gradient: the 256 positions' rows (per rank at most its 16 positions, each an int64 id and 64 fp32 sums,
     and the count), whose group of its own under this bucket, with no dense gradient, is not reduce-scattered
     at all. The tied table's 64 rows (its gathered rows, 2 x 32 x (8 + 256) bytes, beyond its 16 KiB
-    gradient) are added into its flat gradient from the second step on, which is reduce-scattered once more
-    at the end of backward (the head's gradient went early)."""
+    gradient) are added into its flat gradient (decided at the first backward, whose count exchange is not
+    measured), which is reduce-scattered once more at the end of backward (the head's gradient went early)."""
     world, rows_bound = 2, 2 * 16 * (8 + 64 * 4) + 2 * 8
     for got in run_distributed(_bytes_per_step, world, stage):
         sent, padded, root = got["sent"], got["padded"], got["root"]

@@ -34,7 +34,7 @@ from .buffer_pool import BufferPool
 from .flat_group import FlatParamGroup
 from .grad_reducer import GradReducer
 from .kept_grads import keep_all_at_once
-from .row_reduce import reduce_rows
+from .row_reduce import choose_dense, reduce_rows, row_widths
 from .stage3 import Stage3Scheduler
 from .units import Unit
 
@@ -230,7 +230,16 @@ class BackwardSchedule:
         self._backwards_seen += 1
         shard_dtype = torch.float32 if self.reducer.accumulate_fp32 else None
         for g in with_rows:  # after the dense reductions landed: their first one writes the shard
-            reduce_rows(g, g.gradient.arrival.take_rows(), 1.0 / self.dp.size, shard_dtype or g.compute_dtype)
+            rows = g.gradient.arrival.take_rows()
+            widest = row_widths(g, rows)
+            if choose_dense(g, widest):  # as every later backward will: into the flat gradient, reduced
+                for i, parts in sorted(rows.items()):
+                    for ids, sums, _ in parts:
+                        g.gradient.add_rows(i, ids, sums, True)
+                self.reducer.reduce(g)
+                g.gradient.wait()
+            else:
+                reduce_rows(g, rows, widest, 1.0 / self.dp.size, shard_dtype or g.compute_dtype)
         if self.stage3 is not None:
             self.stage3.end_backward()
 

@@ -18,10 +18,11 @@ over ranks are formed in rank order, so values equal the dense reduction's withi
 rounding (the dense path adds in the backend's order).
 
 Rows pay only while few: where the gathered rows take at least the bytes of the group's dense gradient
-(N * sum(T_max * (d * c + 8)) >= P * c; a small vocabulary, a position table), the first reduction also
-decides that the group's later rows go into its flat gradient, reduced with one collective when the backward
-ends (``choose_dense``): no count exchange, no gathers per table, no value read on the host. The widths are
-every rank's, so every rank decides the same; the memory estimate runs the same rule.
+(N * sum(T_max * (d * c + 8)) >= P * c; a small vocabulary, a position table), the first backward's count
+exchange decides that the group's rows go into its flat gradient, reduced with one collective when the backward
+ends (``choose_dense``), that backward's rows included: from then on no count exchange, no gathers per table, no
+value read on the host. The widths are every rank's, so every rank decides the same; every backward of a run
+(a resumed one too) then reduces the same way; the memory estimate runs the same rule.
 See note: sparse embedding rows.
 """
 from __future__ import annotations
@@ -30,24 +31,28 @@ import torch
 
 from ..ledger import Category
 from .flat_group import FlatParamGroup
+from .grad_arrival import Rows
 
 
-def reduce_rows(group: FlatParamGroup, rows: dict[int, list[tuple[torch.Tensor, torch.Tensor, int]]], scale: float,
+def row_widths(group: FlatParamGroup, rows: dict[int, Rows]) -> list[int]:
+    """The most tokens any rank of the group gave each row parameter (sorted indices) in this backward: every
+    rank's counts all-gathered (a collective: every rank calls it for the same group, even with no rows)."""
+    dp = group.dp
+    local = [sum(tokens for _, _, tokens in rows.get(i, [])) for i in sorted(group.gradient.arrival.row_params)]
+    if group.device.type == "meta":  # the memory estimate: no values; every rank taken to have as many tokens
+        return local
+    every = torch.empty(dp.size * len(local), dtype=torch.int64)
+    dp.all_gather(every, torch.tensor(local, dtype=torch.int64)).wait()
+    return every.view(dp.size, len(local)).max(dim=0).values.tolist()
+
+
+def reduce_rows(group: FlatParamGroup, rows: dict[int, Rows], widest: list[int], scale: float,
                 shard_dtype: torch.dtype) -> None:
-    """Add every rank's ``rows[param index] = [(ids, sums, tokens), ...]`` into ``group``'s gradient shard
-    (created as zeros in ``shard_dtype`` if this backward reduced nothing dense into it). A
-    collective: every rank of the group calls it for the same group, even with no rows."""
+    """Add every rank's ``rows`` (``widest``: ``row_widths``) into ``group``'s gradient shard (created as zeros in
+    ``shard_dtype`` if this backward reduced nothing dense into it). A collective, as ``row_widths``."""
     dp, ledger, device = group.dp, group.ledger, group.device
     params = sorted(group.gradient.arrival.row_params)
-    local = [sum(tokens for _, _, tokens in rows.get(i, [])) for i in params]  # room for every token
-    simulated = device.type == "meta"  # the memory estimate: no values; every rank taken to have as many tokens
-    if simulated:
-        widest = local
-    else:
-        every = torch.empty(dp.size * len(params), dtype=torch.int64)
-        dp.all_gather(every, torch.tensor(local, dtype=torch.int64)).wait()
-        widest = every.view(dp.size, len(params)).max(dim=0).values.tolist()
-    choose_dense(group, params, widest)
+    simulated = device.type == "meta"
     shard = group.gradient.ensure_reduced(shard_dtype)
     lo, hi = group.owned_start, group.owned_start + group.owned_numel
     for i, width in zip(params, widest):
@@ -79,10 +84,12 @@ def reduce_rows(group: FlatParamGroup, rows: dict[int, list[tuple[torch.Tensor, 
         shard.index_add_(0, positions[inside], values[inside].to(shard.dtype).mul_(scale))
 
 
-def choose_dense(group: FlatParamGroup, params: list[int], widest: list[int]) -> None:
-    """From the next backward on, ``group``'s rows go into its flat gradient when gathering them (``widest``
-    tokens per parameter on every one of N ranks, ids and values) takes at least the flat gradient's bytes."""
+def choose_dense(group: FlatParamGroup, widest: list[int]) -> bool:
+    """Whether ``group``'s rows go into its flat gradient, from this backward on: once gathering them (``widest``
+    tokens per row parameter on every one of N ranks, ids and values) takes at least the flat gradient's bytes."""
     c = group.compute_dtype.itemsize
+    params = sorted(group.gradient.arrival.row_params)
     rows = group.dp.size * sum(w * (group.shapes[i][1] * c + 8) for i, w in zip(params, widest))
     if rows >= group.padded_numel * c:
         group.gradient.arrival.rows_dense = True
+    return group.gradient.arrival.rows_dense
