@@ -165,6 +165,17 @@ ALLOCATIONS = ("empty", "empty_strided", "empty_like", "new_empty", "new_empty_s
 SYNCS = ("_local_scalar_dense", "is_nonzero", "item")  # a value read on the host: a device sync on a GPU
 # An op whose output size depends on values reads a count back on an accelerator: a sync too.
 SIZED = ("_unique", "_unique2", "unique_dim", "unique_consecutive", "nonzero", "masked_select")
+
+
+def reads_on_host(func, args) -> bool:  # type: ignore[no-untyped-def]
+    """Whether the aten op ``func`` called with ``args`` reads a value back on the host on an accelerator (a sync):
+    a value read (``SYNCS``), an op sized by values (``SIZED``) or boolean indexing (``nonzero`` inside)."""
+    name = func.__name__.split(".")[0]
+    if name in SYNCS or name in SIZED:
+        return True
+    return name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+
+
 FUNCTIONAL_BOOKKEEPING = ("wait_tensor", "_wrap_tensor_autograd")  # functional collectives' own ops: no launch
 
 
@@ -194,8 +205,7 @@ class StepCensus(TorchDispatchMode):
         if namespace in ("c10d", "_c10d_functional") and name not in FUNCTIONAL_BOOKKEEPING:
             self.collectives += 1
             self.by_collective[name] = self.by_collective.get(name, 0) + 1
-        elif name in SYNCS or name in SIZED or name == "index" and any(
-                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]):
+        elif reads_on_host(func, args):
             self.syncs += 1
         elif not func.is_view and name not in ALLOCATIONS and namespace != "profiler":
             self.kernels += 1

@@ -14,6 +14,7 @@ bit (the parity tests run this path). See note: no host sync.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import traceback
 
@@ -25,16 +26,17 @@ import zeroplus
 from tests.dist_helper import run_distributed
 from tests.models import ParityNet, make_batches
 
-READS = ("_local_scalar_dense", "is_nonzero", "item")
-# Ops whose output size depends on values: on an accelerator they read a count back to size it (a sync).
-SIZED = ("_unique", "_unique2", "unique_dim", "unique_consecutive", "nonzero", "masked_select")
+
+def _bench_worker():  # type: ignore[no-untyped-def]
+    """The step census's module (``bench/bench_worker.py``): its ``reads_on_host`` says what counts as a read."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location("bench_worker", os.path.join(root, "bench", "bench_worker.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def _reads(func, args) -> bool:  # type: ignore[no-untyped-def]
-    name = func.__name__.split(".")[0]
-    if name in READS or name in SIZED:
-        return True
-    return name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+reads_on_host = _bench_worker().reads_on_host
 
 
 def _reader() -> str:
@@ -51,7 +53,7 @@ class HostReads(TorchDispatchMode):
         self.reads: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if _reads(func, args):
+        if reads_on_host(func, args):
             self.reads.append(_reader())
         return func(*args, **(kwargs or {}))
 
