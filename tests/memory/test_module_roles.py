@@ -24,7 +24,13 @@ from torch import nn
 import zeroplus
 from tests.memory.test_resize_recompute import Standardise
 from tests.models import GELUActivation, LlamaStyleNet, PlainEmbedding, PlainGPT, PlainLayerNorm, PlainLinear
-from zeroplus.activations.module_roles import activates, attention_modules, normalises, position_wise_mlps
+from zeroplus.activations.module_roles import (
+    activates,
+    attention_modules,
+    keeps_intermediates,
+    normalises,
+    position_wise_mlps,
+)
 from zeroplus.ledger import Category
 from zeroplus.models.gpt import GPT, gpt_config
 
@@ -63,6 +69,15 @@ def test_norms_are_found_by_what_they_compute(build, expected):
     assert normalises(module) is expected
     if expected and not isinstance(module, (nn.LayerNorm, nn.RMSNorm)):  # the probe left the module as it was
         assert all(p.device.type == "cpu" for p in module.parameters())
+
+
+@pytest.mark.parametrize("build,expected", [
+    (lambda: nn.LayerNorm(8), False), (lambda: Standardise(8), True), (lambda: PlainLayerNorm(8), True),
+    (_llama_rms_norm, True), (lambda: Root(8), True), (lambda: Scale(8), False), (lambda: nn.GELU(), False)])
+def test_norms_written_out_are_found_to_keep_what_they_computed(build, expected):
+    """A fused norm keeps its input and two numbers a row; one written in ops keeps a computed activation or more (x -
+    mean, the normalised input): only those have their intermediates recomputed (see note: norms written out)."""
+    assert keeps_intermediates(build()) is expected
 
 
 class WrittenGELU(nn.Module):

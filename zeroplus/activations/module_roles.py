@@ -13,6 +13,8 @@ that call (no values read, nothing allocated; put back after), under a dispatch 
   one-dimensional of one size ``d`` (a scale, a shift; no child modules) and whose output has the input's shape
   after a reduction over the last dimension, with no matrix product, random draw, indexing or convolution
   (``x * rsqrt(x.pow(2).mean(-1) + eps) * w``, Hugging Face's ``LlamaRMSNorm``; not a scale alone, not a dropout);
+  A norm **keeps intermediates** when, run with gradients, autograd keeps tensors it computed (not its input or
+  parameters) worth at least its input: one written out in several ops, not a fused kernel;
 - an **activation function** whose backward keeps its input: no parameters or children, the output of the input's
   shape, every op pointwise (torch's ``pointwise`` tag), one of them non-linear, and autograd saving the input itself
   (GELU, SiLU, a GELU written out with ``tanh``; not ReLU or Tanh, which save their output: dropping that output
@@ -91,7 +93,7 @@ def remember(model: nn.Module, mlps: bool = False) -> None:
     """Find the norms and activation functions of ``model`` (with ``mlps`` its position-wise MLPs too) now, while its
     parameters are whole, and keep the answers."""
     for module in model.modules():
-        normalises(module)
+        keeps_intermediates(module)
         activates(module)
     if mlps:
         position_wise_mlps(model)
@@ -116,6 +118,14 @@ def _answer(module: nn.Module, role: str, find: Any) -> bool:
 def normalises(module: nn.Module) -> bool:
     """Whether ``module`` is a norm over its input's last dimension (see the module's docstring)."""
     return _answer(module, "norm", lambda m: isinstance(m, _TORCH_NORMS) or _probe_norm(m))
+
+
+def keeps_intermediates(module: nn.Module) -> bool:
+    """Whether ``module``, a norm, has autograd keep tensors it computed (not its input or parameters) worth at least
+    its input: a norm written out in several ops (``(x - m) / sqrt(v + eps) * w + b`` keeps ``x - m`` twice and the
+    quotient; Hugging Face's ``LlamaRMSNorm`` the normalised input, and in bf16 an fp32 copy of it) rather than one
+    fused kernel, which keeps its input and a mean and a scale per row."""
+    return _answer(module, "intermediates", lambda m: normalises(m) and _probe_intermediates(m))
 
 
 def activates(module: nn.Module) -> bool:
@@ -212,6 +222,22 @@ def _probe_norm(module: nn.Module) -> bool:
     return reduced
 
 
+def _probe_intermediates(module: nn.Module) -> bool:
+    params = [p for p in module._parameters.values() if p is not None]
+    x = torch.empty(2, 3, params[0].shape[0], dtype=params[0].dtype, device="meta", requires_grad=True)
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        own = [x] + [p for p in module._parameters.values() if p is not None]  # (the meta ones, while it runs)
+        if not any(t is o or (t._base is not None and t._base is o) for o in own):
+            kept[id(t)] = t.numel()
+        return t.detach()  # (a saved output kept as itself would hold its own grad_fn: a cycle)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ran = _run(module, x, grad=True)
+    return ran is not None and sum(kept.values()) >= x.numel()
+
+
 def _last_dim(dims: Any, ndim: int) -> bool:
     dims = [dims] if isinstance(dims, int) else list(dims) if isinstance(dims, (list, tuple)) else []
     return any(isinstance(d, int) and d % ndim == ndim - 1 for d in dims)
@@ -225,7 +251,7 @@ def _probe_activation(module: nn.Module) -> bool:
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         kept.append(t is x)
-        return t
+        return t.detach()  # (a saved output kept as itself would hold its own grad_fn: a cycle)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         ran = _run(module, x, grad=True)

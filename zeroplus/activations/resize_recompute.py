@@ -28,6 +28,8 @@ read a dropped output, and their unpack recomputes it first. Outputs of a recomp
 activation-checkpointing replay are not touched (only the engine's own forward is watched). The functional
 watch (a mode over every torch call, and global module hooks) ends after the first backward if it recorded
 nothing: the model calls the chosen modules, which their own hooks see (see note: idle modes).
+A chosen norm written in several ops also keeps only its inputs: what its forward computed and autograd would keep
+is claimed and recomputed in backward (``norm_internals.py``; see note: norms written out).
 See note: resize recompute; see note: functional recompute; see note: held outputs; see note: modified in place
 (docs/design-notes.md).
 """
@@ -50,7 +52,8 @@ from ..eager import compiled_modules, eager
 from ..ledger import Category, Ledger
 from ..logs import log_rank0
 from .choices import TechniqueChoice
-from .module_roles import activates, normalises
+from .module_roles import activates, keeps_intermediates, normalises
+from .norm_internals import NormInternals, _Token
 from .saved_tensors import storage_key
 
 TECHNIQUE = "resize_recompute"
@@ -159,6 +162,7 @@ class ResizeRecompute:
         self._functional_seen = 0  # functional outputs recorded before the first backward ended
         self._decided = False  # whether the functional calls were looked for (see note: idle modes)
         self._handles = []
+        self.internals = NormInternals(ledger, TECHNIQUE, self._restore_inputs, _autocast_state)
         parents: dict[int, torch.nn.Module] = {}
         for name, module in model.named_modules():
             chosen = ((activates(module) if class_names is None else type(module).__name__ in class_names)
@@ -171,6 +175,9 @@ class ResizeRecompute:
             self._target_ids.add(id(module))
             self._handles.append(module.register_forward_hook(eager(self._make_output_hook(parent))))
             parents[id(parent)] = parent
+            if norms and keeps_intermediates(module):  # see note: norms written out
+                self._handles += [module.register_forward_pre_hook(eager(self._norm_begins)),
+                                  module.register_forward_hook(eager(self._norm_ends), always_call=True)]
         for parent in parents.values():
             self._handles.append(parent.register_forward_hook(eager(self._parent_done)))
 
@@ -257,6 +264,19 @@ class ResizeRecompute:
         self._records[key] = record
         self._pending.setdefault(parent, []).append(record)
 
+    def _norm_begins(self, module: torch.nn.Module, args: tuple) -> None:
+        if self._active and not self._recomputing:
+            self.internals.begin(module, args, _tensors(args))
+
+    def _norm_ends(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        self.internals.end()
+
+    def _restore_inputs(self, inputs: list[torch.Tensor]) -> None:
+        for arg in inputs:
+            source = self._records.get(storage_key(arg))
+            if source is not None:
+                self._restore(source)
+
     def _enter(self, module: torch.nn.Module, args: Any) -> None:
         self._stack.append(module)
 
@@ -309,6 +329,10 @@ class ResizeRecompute:
 
     # -- saved tensors -------------------------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> Any | None:
+        if self.internals.current is not None:
+            token = self.internals.claim(tensor)
+            if token is not None:
+                return token
         if not self._records:
             return None
         record = self._records.get(storage_key(tensor))
@@ -317,7 +341,9 @@ class ResizeRecompute:
         record.packed += 1
         return record, tensor.detach(), tensor._version
 
-    def unpack(self, token: tuple[_Record, torch.Tensor, int]) -> torch.Tensor:
+    def unpack(self, token: tuple[_Record, torch.Tensor, int] | _Token) -> torch.Tensor:
+        if isinstance(token, _Token):
+            return self.internals.unpack(token)
         record, alias, version = token
         if not record.released and alias._version != version:  # kept, then written (see note: modified in place)
             raise RuntimeError(f"a tensor of shape {tuple(alias.shape)} saved for backward was modified in place "
@@ -341,10 +367,7 @@ class ResizeRecompute:
                 f"(input versions {list(record.versions[1:])}, now {list(now[1:])}), so its dropped output cannot be "
                 f"recomputed as it was computed; turn resize_recompute off for it (modules, names, functional) or "
                 f"do not write its inputs in place")
-        for arg in record.inputs:  # a chosen module fed by another (norm -> act), or a view of its output
-            source = self._records.get(storage_key(arg))
-            if source is not None:
-                self._restore(source)
+        self._restore_inputs(record.inputs)  # a chosen module fed by another (norm -> act), or a view of its output
         self._recomputing = True
         try:
             with torch.no_grad(), contextlib.ExitStack() as stack:
@@ -372,6 +395,7 @@ class ResizeRecompute:
                 log_rank0("resize_recompute: the first step's forward called no %s outside the chosen modules; "
                           "not looked for from here (the call-watching mode costs per call)",
                           ", ".join(f.__name__ for f in ACTIVATION_FUNCTIONS + NORM_FUNCTIONS), level=logging.DEBUG)
+        self.internals.end_backward()
         for record in self._records.values():
             if record.released:  # backward never needed it (e.g. a branch without gradient)
                 self.ledger.unsave(TECHNIQUE, Category.ACTIVATION, record.nbytes)
