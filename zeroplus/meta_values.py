@@ -130,12 +130,73 @@ def _topk_stand_in(args: tuple, kwargs: dict, out: Any) -> None:
         give_values(indices, _round_robin(values, int(k), int(dim)))
 
 
+_FRESH: dict[Any, bool] = {}  # func -> whether it returns only new tensors and writes nothing (no alias in its schema)
+
+
+def _fresh(func: Any) -> bool:
+    if func not in _FRESH:
+        schema = getattr(func, "_schema", None)
+        _FRESH[func] = schema is not None and not schema.is_mutable and bool(schema.returns) and all(
+            r.alias_info is None and str(r.type) == "Tensor" for r in schema.returns) and not any(
+            a.alias_info is not None for a in schema.arguments)
+    return _FRESH[func]
+
+
+_POINTWISE_INPLACE: dict[Any, bool] = {}  # func -> whether it is a pointwise op writing its first argument only
+
+
+def _pointwise_inplace(func: Any) -> bool:
+    """``add_``, ``mul_``, ``lerp_``: returns its first argument, whose shape it does not change (pointwise)."""
+    if func not in _POINTWISE_INPLACE:
+        schema = getattr(func, "_schema", None)
+        writes = [a for a in (schema.arguments if schema is not None else ()) if a.alias_info is not None]
+        _POINTWISE_INPLACE[func] = (
+            schema is not None and torch.Tag.pointwise in func.tags and len(schema.returns) == 1
+            and len(writes) == 1 and writes[0] is schema.arguments[0] and writes[0].alias_info.is_write
+            and schema.returns[0].alias_info is not None
+            and set(schema.returns[0].alias_info.before_set) == set(writes[0].alias_info.before_set))
+    return _POINTWISE_INPLACE[func]
+
+
+def _key(value: Any) -> Any:
+    """What a meta kernel's result depends on, hashable: a tensor's shape, strides, dtype and offset; plain values
+    as they are (None where the value is not plain: such calls are not remembered)."""
+    if isinstance(value, torch.Tensor):
+        return ("t", tuple(value.shape), value.stride(), value.dtype, value.storage_offset(), value.device.type)
+    if isinstance(value, dict):
+        return _key(tuple(sorted(value.items())))
+    if isinstance(value, (list, tuple)):
+        parts = tuple(_key(v) for v in value)
+        return None if any(p is None for p in parts) else (type(value).__name__, parts)
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device, torch.layout,
+                                           torch.memory_format)):
+        return (type(value).__name__, value)
+    return None
+
+
+def _plain(results: tuple) -> bool:
+    """Whether each result has a storage of its own that ``empty_strided`` of its shape would make (the tracker
+    counts storages): none shared, none larger, none offset."""
+    storages = {t.untyped_storage()._cdata for t in results}
+    return len(storages) == len(results) and all(
+        t.storage_offset() == 0 and t.untyped_storage().nbytes()
+        == torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta").untyped_storage().nbytes()
+        for t in results)
+
+
 class MetaValues:
     """Runs one aten operation for the tracker on meta tensors, keeping and using known values. ``routed``:
-    how many ``topk`` results it made up (a router's choice, routed round-robin)."""
+    how many ``topk`` results it made up (a router's choice, routed round-robin).
+
+    A meta kernel's result depends only on its arguments' shapes, strides, dtypes and plain values, and most run
+    as Python (torch's reference implementations): the shapes of an operation that returns only new tensors and
+    writes none (no alias in its schema) are remembered by those, and a later call with the same gets new empty
+    meta tensors of them without running the kernel (the simulation's steps and a model's layers repeat the same
+    calls; half the simulation's time was those kernels)."""
 
     def __init__(self) -> None:
         self.routed = 0
+        self._shapes: dict[Any, list[tuple[tuple[int, ...], tuple[int, ...], torch.dtype]]] = {}
 
     def __call__(self, func: Any, args: tuple, kwargs: dict) -> Any:
         tensors = _tensor_args(args, kwargs)
@@ -143,10 +204,27 @@ class MetaValues:
         if not metas and not _makes_meta(kwargs):
             return func(*args, **kwargs)  # nothing simulated (a real CPU tensor, e.g. the estimate's own)
         if metas and func not in _SPECIAL and not any(hasattr(t, SHADOW) for t in metas):
+            inplace = _pointwise_inplace(func)
+            key = (func, _key(args), _key(kwargs)) if inplace or _fresh(func) else None  # (None in it: not kept)
+            if key is not None and None not in key:
+                shapes = self._shapes.get(key)
+                if shapes is not None and inplace:  # (checked once for these shapes: the write is its own result)
+                    return args[0]
+                if shapes is not None:
+                    made = [torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+                            for shape, stride, dtype in shapes]
+                    return made[0] if len(made) == 1 else tuple(made)
             try:  # the common case: values unknown, and none to keep or drop
-                return func(*args, **kwargs)
+                out = func(*args, **kwargs)
             except (NotImplementedError, RuntimeError) as err:
                 raise _cannot_run(func, err) from None
+            if key is not None and None not in key and inplace:
+                self._shapes[key] = []
+            elif key is not None and None not in key:
+                results = out if isinstance(out, tuple) else (out,)
+                if all(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in results) and _plain(results):
+                    self._shapes[key] = [(tuple(t.shape), t.stride(), t.dtype) for t in results]
+            return out
         known = (all(_known(t) for t in tensors) or func in _VALUE_FREE) and _deterministic(func)
         try:
             out = self._run_meta(func, args, kwargs)

@@ -51,11 +51,13 @@ def _batches() -> list:
             for _ in range(STEPS * GAS * WORLD)]
 
 
-def _config(stage: int, expert: int = 2) -> dict:
+def _config(stage: int, expert: int = 2, predict: bool = True) -> dict:
+    """``predict``: the engine's memory estimate at its first forward (off where the test reads no prediction: it
+    simulates the run twice, 2-3 s an engine here, most of this test's time)."""
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
             "gradient_clipping": CLIP, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000},
-            "zeroplus": {"log_level": "warning", "parallel": {"expert": expert}}}
+            "zeroplus": {"log_level": "warning", "memory_estimate": predict, "parallel": {"expert": expert}}}
 
 
 def _global_name(name: str, local: int) -> str:
@@ -97,7 +99,7 @@ def _save_at_two_ranks(ckpt_dir: str) -> dict[str, torch.Tensor]:
     """Data 2 x expert 2 (one rank per expert-data group): one step, a checkpoint, the weights saved."""
     parallel = zeroplus.init_parallel(_config(2))
     model = _engine_model(parallel.expert.rank)
-    engine = zeroplus.initialize(model, _config(2))
+    engine = zeroplus.initialize(model, _config(2, predict=False))
     _train(engine, _batches(), parallel.data.rank, range(1))
     engine.save_checkpoint(ckpt_dir)
     return _params(engine, model.blocks[0].mlp.moe.local)
@@ -122,24 +124,25 @@ def _expert_job(ckpt_dir: str, two_rank_ckpt: str) -> dict:
         engine.destroy()
     # checkpoint: save after step 2 at ZeRO 2, resume at ZeRO 3 for step 3
     parallel = zeroplus.init_parallel(_config(2))
-    engine = zeroplus.initialize(_engine_model(parallel.expert.rank), _config(2))
+    engine = zeroplus.initialize(_engine_model(parallel.expert.rank), _config(2, predict=False))
     _train(engine, batches, parallel.data.rank, range(STEPS - 1))
     engine.save_checkpoint(ckpt_dir)
     engine.destroy()
-    engine = zeroplus.initialize(_engine_model(parallel.expert.rank), _config(3))
+    engine = zeroplus.initialize(_engine_model(parallel.expert.rank), _config(3, predict=False))
     engine.load_checkpoint(ckpt_dir)
     losses, norms = _train(engine, batches, parallel.data.rank, range(STEPS - 1, STEPS))
     results["resumed"] = {"losses": losses, "norms": norms, "params": _params(engine, local)}
     with pytest.raises(ValueError, match=r"save_16bit_model\(\) writes one whole model"):
         engine.save_16bit_model(ckpt_dir + "-16bit")  # each rank holds half the experts: refused, not half-written
     engine.destroy()
-    engine = zeroplus.initialize(_engine_model(parallel.expert.rank), _config(1))  # saved by 2 ranks, loaded by 4
+    # saved by 2 ranks, loaded by 4
+    engine = zeroplus.initialize(_engine_model(parallel.expert.rank), _config(1, predict=False))
     engine.load_checkpoint(two_rank_ckpt)
     results["elastic"] = {"params": _params(engine, local)}
     engine.destroy()
     zeroplus.parallel.reset_parallel()  # the same checkpoint with every expert on every rank: refused
     zeroplus.init_parallel(_config(1, expert=1))
-    engine = zeroplus.initialize(GPT(_gpt_config()), _config(1, expert=1))
+    engine = zeroplus.initialize(GPT(_gpt_config()), _config(1, expert=1, predict=False))
     with pytest.raises(ValueError) as refused:
         engine.load_checkpoint(ckpt_dir)
     return {"data_rank": parallel.data.rank, "cases": results, "refusal": str(refused.value)}
