@@ -72,7 +72,8 @@ def test_norms_are_found_by_what_they_compute(build, expected):
 
 
 @pytest.mark.parametrize("build,expected", [
-    (lambda: nn.LayerNorm(8), False), (lambda: Standardise(8), True), (lambda: PlainLayerNorm(8), True),
+    (lambda: nn.LayerNorm(8), False), (lambda: nn.LayerNorm(8, elementwise_affine=False), False),
+    (lambda: Standardise(8), True), (lambda: PlainLayerNorm(8), True),
     (_llama_rms_norm, True), (lambda: Root(8), True), (lambda: Scale(8), False), (lambda: nn.GELU(), False)])
 def test_norms_written_out_are_found_to_keep_what_they_computed(build, expected):
     """A fused norm keeps its input and two numbers a row; one written in ops keeps a computed activation or more (x -

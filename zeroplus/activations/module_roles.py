@@ -224,6 +224,8 @@ def _probe_norm(module: nn.Module) -> bool:
 
 def _probe_intermediates(module: nn.Module) -> bool:
     params = [p for p in module._parameters.values() if p is not None]
+    if not params:  # (a norm without a scale or shift: torch's, whose one kernel keeps its input)
+        return False
     x = torch.empty(2, 3, params[0].shape[0], dtype=params[0].dtype, device="meta", requires_grad=True)
     kept: dict[int, int] = {}
 
