@@ -282,16 +282,21 @@ def _estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: di
 
 def caveats(kind: str, dtype: str, routed: int) -> list[str]:
     """What the prediction is known to leave out. A router's choice (``routed``: ``topk`` results the
-    simulation made up) changes the experts' batch sizes every step; on CPU in bf16 each new shape makes oneDNN
-    build and keep a matrix-product kernel, so resident memory grows from step to step by an amount no
-    shape-free simulation knows (Hugging Face Mixtral ``small``, 2 ranks: 45-50 MiB a step, with or without
-    zeroplus; ``ONEDNN_PRIMITIVE_CACHE_CAPACITY=0`` halves it). fp32 and accelerators: none measured. On CPU,
+    simulation made up) changes the experts' batch sizes every step; on CPU in bf16 each new shape makes two
+    caches keep a matrix-product kernel, oneDNN's primitive cache (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, 1024
+    entries by default) and ideep's (``LRU_CACHE_CAPACITY``, 1024), so resident memory grows from step to step
+    until they are full, by an amount no shape-free simulation knows: about 0.6 MiB a new shape (0.3 + 0.3,
+    the plain Hugging Face Mixtral ``small`` in one process: 722 -> 912 MiB over 24 steps at 1 x 64, with or
+    without zeroplus; both capacities at their least, 0 and 1, keep it flat at twice the step time; 256 each
+    stops it about 110 MiB up at 1.35 times; 2026-12-03). fp32 and accelerators: none measured. On CPU,
     ``ZEROPLUS_HOST_ALLOCATOR=keep`` leaves what glibc keeps out (``host_allocator.caveat``)."""
     found = []
     if routed and kind == "cpu" and dtype == "bf16":
-        found.append("experts' batch sizes change with the routing every step, and in bf16 on CPU oneDNN keeps a "
-                     "kernel per shape: resident memory grows step by step above this prediction (Mixtral small: "
-                     "45-50 MiB a step; ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 halves it)")
+        found.append("experts' batch sizes change with the routing every step, and in bf16 on CPU oneDNN and "
+                     "ideep each keep a kernel per shape: resident memory grows step by step above this "
+                     "prediction, about 0.6 MiB a new shape, until their caches are full (1024 entries each; "
+                     "ONEDNN_PRIMITIVE_CACHE_CAPACITY and LRU_CACHE_CAPACITY, set before the first bf16 matrix "
+                     "product, bound it at a cost in step time)")
     kept = host_allocator_caveat() if kind == "cpu" else None
     return found + ([kept] if kept else [])
 
