@@ -51,6 +51,10 @@ _CPU_FLOAT_ONLY = {aten.histc.default}
 # Meta kernels that refuse dtypes the CPU kernel takes: their shapes are asked in bf16.
 _BF16_META = {getattr(aten, "_grouped_mm").default} if hasattr(aten, "_grouped_mm") else set()
 _SPECIAL = _VALUE_FREE | _BF16_META | {aten.topk.default}  # handled even when no input has values
+# Results whose values are undefined (allocations): they carry none, so what is computed from them (a flat buffer's
+# views, copies and updates) runs on the meta device only, not again on CPU shadows.
+_UNDEFINED = {aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default,
+              aten.new_empty.default, aten.new_empty_strided.default, aten.empty_permuted.default}
 
 
 class SimulationError(RuntimeError):
@@ -225,6 +229,8 @@ class MetaValues:
                 if all(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in results) and _plain(results):
                     self._shapes[key] = [(tuple(t.shape), t.stride(), t.dtype) for t in results]
             return out
+        if func in _UNDEFINED:
+            return func(*args, **kwargs)
         known = (all(_known(t) for t in tensors) or func in _VALUE_FREE) and _deterministic(func)
         try:
             out = self._run_meta(func, args, kwargs)

@@ -37,6 +37,7 @@ from tests.saved_bytes import saved_in_real_step
 from zeroplus.budget.command import _builder, ranks_needed
 from zeroplus.budget.planner import plan
 from zeroplus.ledger import Category
+from zeroplus.meta_values import MetaValues, shadow_of
 from zeroplus.models import GPT, gpt_config
 from zeroplus.models.gpt_tp import TensorParallelGPT
 
@@ -185,6 +186,20 @@ def test_a_thousand_ranks_in_seconds_and_one_over_n():
         assert at_1024.category_peaks[key] * 512 == pytest.approx(at_2.category_peaks[key], rel=1e-3), key
     assert at_1024.peak_bytes < at_2.peak_bytes
     assert at_2.peak_phase in ("forward", "backward", "step", "init", "save")
+
+
+def test_only_defined_values_are_replayed_on_shadows():
+    """An allocation's values are undefined: its result carries none, so what is computed from it runs on the meta
+    device only; a result of known values (zeros, ids) carries them. Held here because a small model's flat buffers
+    replayed on CPU shadows cost the estimate twice its time, without a wrong byte."""
+    values, meta = MetaValues(), torch.device("meta")
+    made = {"device": meta, "dtype": torch.float32}
+    empty = values(torch.ops.aten.empty.memory_format, ([4],), made)
+    zeros = values(torch.ops.aten.zeros.default, ([4],), made)
+    assert shadow_of(empty) is None and shadow_of(zeros) is not None
+    assert shadow_of(values(torch.ops.aten.empty_like.default, (zeros,), {})) is None
+    assert shadow_of(values(torch.ops.aten.add.Tensor, (empty, zeros), {})) is None
+    assert torch.equal(shadow_of(values(torch.ops.aten.add.Tensor, (zeros, zeros), {})), torch.zeros(4))
 
 
 def test_command_line_prints_the_full_budget(tmp_path):
