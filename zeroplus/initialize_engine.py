@@ -237,8 +237,8 @@ def _stand_recompute_down(engine: Engine, budget: Any) -> None:
         if budget is not None:
             budget.stood_down.pop(RECOMPUTE, None)  # (kept: its phases, without it, over-predict by under 1%)
         return
-    why = (f"off: it would take {budget.stood_down[RECOMPUTE] / 2**20:.1f} MiB off this rank's predicted training "
-           f"peak of {(budget.steps_peak_bytes - budget.stood_down[RECOMPUTE]) / 2**20:.1f} MiB, under "
+    why = (f"off: it would take at most {budget.stood_down[RECOMPUTE] / 2**20:.1f} MiB off this rank's predicted "
+           f"training peak of {(budget.steps_peak_bytes - budget.stood_down[RECOMPUTE]) / 2**20:.1f} MiB, under "
            f"{100 * RECOMPUTE_PAYS_FROM:g}%")
     engine.choices[RECOMPUTE].stand_down(why)  # (it stands down at this forward's start)
     log_rank0("resize_recompute (on by default) is %s (set zeroplus.resize_recompute.enabled true to keep it)", why)

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from zeroplus.budget import runtime_overhead
-from zeroplus.budget.runtime_overhead import ENV, runtime_bytes
+from zeroplus.budget.runtime_overhead import ENV, runtime_bytes, second_simulation_bytes
 from zeroplus.config import ConfigError
 
 
@@ -57,6 +57,10 @@ def test_measured_once_kept_and_read_back(fresh, monkeypatch):
     assert runtime_bytes("cpu", world_size=2, profiled=True) == (
         construction, training + record["peers"] + record["profiled_with_peer"])
     assert runtime_bytes("cuda") == runtime_bytes("npu") == runtime_bytes("cuda", world_size=8) == (0, 0)
+    # one more simulation of the first forward's estimate (an engine that simulates twice holds it): 1-2 MiB here
+    assert 0 < record["second_simulation"] < 8 * 2**20, record
+    assert second_simulation_bytes("cpu") == record["second_simulation"]
+    assert second_simulation_bytes("cuda") == second_simulation_bytes("npu") == 0
 
 
 def test_each_compute_dtype_is_probed_apart(fresh):
@@ -107,7 +111,8 @@ def test_a_config_that_profiles_a_step_is_predicted_with_what_the_profiled_step_
     from zeroplus.models import GPT, gpt_config
     monkeypatch.delenv(ENV, raising=False)
     mib = 2**20
-    monkeypatch.setattr(runtime_overhead, "_measured", lambda dtype: (mib, 8 * mib, 0, 0, 0, 2 * mib, 3 * mib, 5 * mib))
+    measured = (mib, 8 * mib, 0, 0, 0, 2 * mib, 3 * mib, 5 * mib, 0)
+    monkeypatch.setattr(runtime_overhead, "_measured", lambda dtype: measured)
     config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               "zero_optimization": {"stage": 3}}
     runtimes = {}

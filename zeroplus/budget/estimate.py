@@ -44,7 +44,7 @@ from ..host_allocator import caveat as host_allocator_caveat
 from ..memory_view import CATEGORIES, LABELS, budget_chart
 from ..parallel.groups import current_groups, parallel_groups
 from .model_states import model_state_bytes
-from .runtime_overhead import runtime_bytes
+from .runtime_overhead import runtime_bytes, second_simulation_bytes
 from .simulate import _meta, _quiet, default_loss, group_stand_ins, meta_copy, simulate
 from .tracker import PHASES, TRAINING_PHASES, cpu_workspace_bytes
 from .virtual_parallel import topology_of
@@ -142,8 +142,8 @@ class MemoryBudget:
         if self.compiled:
             lines.append("  compiled: activations and temporaries are predicted as eager's (a compiled graph may save "
                          "other tensors); the compiler's own memory (about 50 MiB resident on CPU) is not included")
-        lines += [f"  {technique} (on by default) is off: it would take {effect / 2**20:.1f} MiB off the steps' peak, "
-                  f"under {100 * RECOMPUTE_PAYS_FROM:g}%" for technique, effect in self.stood_down.items()]
+        lines += [f"  {technique} (on by default) is off: it would take at most {effect / 2**20:.1f} MiB off the "
+                  f"steps' peak, under {100 * RECOMPUTE_PAYS_FROM:g}%" for technique, effect in self.stood_down.items()]
         lines += [f"  not predicted: {caveat}" for caveat in self.caveats]
         if self.accelerator == "cpu" and self.world_size > 1:  # (docs/benchmark.md: the main job on 2 ranks)
             lines.append("  not predicted: gloo's own native memory beyond what the runtime probe's two ranks held "
@@ -188,11 +188,8 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     """
     common: dict[str, Any] = dict(world_size=world_size, rank=rank, micro_batch_size=micro_batch_size, seq_len=seq_len,
                                   loss_fn=loss_fn, accelerator=accelerator, code=code)
-    budget, resolved_cfg = _estimate(model, config, example_inputs=example_inputs, example_kwargs=example_kwargs,
-                                     construction=construction, **common)
     examples = _meta(example_inputs) if example_inputs is not None else None  # shapes only: no batch kept
     kw_examples = _meta(example_kwargs) if example_kwargs is not None else None
-
     runs_without: dict[str, MemoryBudget] = {}  # (the default's decision and the effects share them)
 
     def without(technique: str) -> MemoryBudget:
@@ -207,14 +204,25 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
                                                construction=construction, effects=effects, **common)
         return runs_without[technique]
 
-    peak = budget.steps_peak_bytes
-    if _recompute_by_default(config, resolved_cfg):
-        # simulated without it whatever this run shows (see note: recompute where it pays): the second simulation's
-        # first use stays resident (1.4 MiB here), so every such engine pays it at its first forward, as the
-        # runtime probe's does, and not at a later report's effects, over its peak
+    deciding = _recompute_left_unset(config)
+    if deciding:  # see note: recompute where it pays
         off = without(RECOMPUTE)
+        bound = droppable_at_peak(off)
+        if not recompute_pays(bound, off.steps_peak_bytes - bound):  # it cannot pay: the run with it not simulated
+            off.stood_down = {**off.stood_down, RECOMPUTE: bound}
+            return off
+    budget, resolved_cfg = _estimate(model, config, example_inputs=example_inputs, example_kwargs=example_kwargs,
+                                     construction=construction, **common)
+    if deciding:  # two simulations at the first forward: the second's residue from there on
+        kept = second_simulation_bytes(accelerator or get_accelerator().name, _compute_dtype_name(load_config(config)))
+        peak = budget.steps_peak_bytes
         effect = off.steps_peak_bytes - peak
-        if not recompute_pays(effect, peak):
+        chosen = off if _recompute_by_default(config, resolved_cfg) and not recompute_pays(effect, peak) else budget
+        for run in (off, budget):  # (both: the effects compare them)
+            for phase in PHASES[1:]:
+                run.phases[phase]["runtime"] = run.phases[phase].get("runtime", 0) + kept
+                run.phases[phase]["total"] += kept
+        if chosen is off:
             off.stood_down = {**off.stood_down, RECOMPUTE: effect}
             return off
     if effects:
@@ -226,6 +234,15 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     return budget
 
 
+def droppable_at_peak(off: MemoryBudget) -> int:
+    """At most what resize recompute takes off the steps' peak of ``off`` (the run without it): what that run holds
+    for backward at its peak (its activation row there). The run with it holds at each moment what ``off`` holds
+    then, less what it dropped (saved for backward) and plus what it recomputes, so its peak is at least ``off``'s
+    less this, and what it takes off at most this."""
+    phase = max((p for p in TRAINING_PHASES if p != "init"), key=lambda p: off.phases[p]["total"])
+    return off.phases[phase].get("activation", 0)
+
+
 # resize recompute left unset runs where it lowers the steps' predicted peak by at least this fraction
 RECOMPUTE_PAYS_FROM = 0.01
 
@@ -235,6 +252,13 @@ def recompute_pays(effect: int, peak: int) -> bool:
     steps of ``peak`` bytes, at least ``RECOMPUTE_PAYS_FROM`` of it. Where it does not, it would cost its records and
     recomputes every step and keep no byte off the peak (the peak is elsewhere: model states, the step)."""
     return effect >= RECOMPUTE_PAYS_FROM * peak
+
+
+def _recompute_left_unset(config: dict[str, Any] | str | ZeroplusConfig) -> bool:
+    """Whether the config leaves resize recompute for the estimate to decide (``enabled`` unset, or an engine's
+    resolved config marking it on ``by_default``)."""
+    block = load_config(config).zeroplus.resize_recompute
+    return block.enabled is None or (bool(getattr(block, "by_default", False)) and block.enabled is True)
 
 
 def _recompute_by_default(config: dict[str, Any] | str | ZeroplusConfig, resolved_cfg: Any) -> bool:

@@ -4,11 +4,12 @@ The budget adds ``runtime`` to every phase: on CPU, resident memory that is not 
 code, paged in the first time a process trains (``first_use.py``); the rest is the engine's (its process group,
 hooks, generated kernels, the first-forward estimate). It differs between machines, libraries and versions, so it is
 not a constant: ``runtime_bytes("cpu")`` runs ``python -m zeroplus.runtime_probe`` in a child process (a three-step
-run of a 0.3 MiB model), then in two that train as two ranks (what a rank holds for its peer; about 25 s in all
-here), with glibc as zeroplus sets it by default (``host_allocator.py``: no ``MALLOC_*`` variables of the caller's,
-as a user's process starts), and keeps its numbers (from construction on, from the first backward on, how much of
-torch's code was resident after its model was built, after ``initialize`` and after training, and what a rank of two
-held more, and what a step under the FLOPs profiler added) in a file keyed by host, Python, torch and zeroplus
+run of a 0.3 MiB model), again with its first forward simulating twice, then in two that train as two ranks
+(what a rank holds for its peer; about 35 s in all here), with glibc as zeroplus sets it by default
+(``host_allocator.py``: no ``MALLOC_*`` variables of the caller's, as a user's process starts), and keeps its
+numbers (from construction on, from the first backward on, how much of torch's code was resident after its model was
+built, after ``initialize`` and after training, what a rank of two held more, what a step under the FLOPs profiler
+added, and what a second simulation at the first forward left) in a file keyed by host, Python, torch and zeroplus
 versions and the probe's own version, so later processes on the machine read them. Ranks that start together wait on
 one lock and probe once. ``initialize`` reads how much of torch's code its own process already holds, and the
 prediction takes off what that process has paid already (a test session, a script that evaluated first, the
@@ -27,7 +28,7 @@ probe's too, and never in the prediction.
 ``ZEROPLUS_RUNTIME_BYTES="construction,training"`` (bytes, or sizes such as ``80MiB``) sets the two
 numbers instead (whatever the process holds); ``ZEROPLUS_CACHE_DIR`` moves the file (default
 ``$XDG_CACHE_HOME/zeroplus`` or ``~/.cache/zeroplus``). If the probe cannot run, the budget warns with
-its error and uses ``FALLBACK_BYTES``, measured on the machine that wrote this. Memory: eight integers;
+its error and uses ``FALLBACK_BYTES``, measured on the machine that wrote this. Memory: nine integers;
 the probe's memory is the child's.
 See note: runtime overhead (docs/design-notes.md).
 """
@@ -62,11 +63,13 @@ ENV = "ZEROPLUS_RUNTIME_BYTES"
 ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(THRESHOLD)}
 # the probe's numbers; "peers": what a rank of two held beyond a rank alone from the first backward on (gloo's
 # buffers for its peer, the collectives' code); "profiled", "profiled_with_peer": what a step under the FLOPs profiler
-# put on the peak beyond that, in a rank alone and in a rank of two (Python dispatch around the collectives)
+# put on the peak beyond that, in a rank alone and in a rank of two (Python dispatch around the collectives);
+# "second_simulation": what one more simulation of the first forward's estimate left resident (an engine whose resize
+# recompute was left unset simulates the run twice where it may pay; the probe's own engine, once)
 RECORD = ("construction", "training", "code_built", "code_constructed", "code_trained", "peers", "profiled",
-          "profiled_with_peer")
+          "profiled_with_peer", "second_simulation")
 # GPT-tiny, fp32, a 2-core machine: one gloo rank; peers from two
-FALLBACK_BYTES = (12 * 2**20, 24 * 2**20, 40 * 2**20, 45 * 2**20, 62 * 2**20, 2 * 2**20, 2**19, 3 * 2**19)
+FALLBACK_BYTES = (12 * 2**20, 24 * 2**20, 40 * 2**20, 45 * 2**20, 62 * 2**20, 2 * 2**20, 2**19, 3 * 2**19, 3 * 2**19)
 LAZY_IMPORTS = ("torch._dynamo",)  # what torch imports lazily for an engine: imported above, with zeroplus
 DTYPES = ("fp32", "bf16", "fp16")  # compute dtypes, each probed apart
 # what the probe measures changed (2: the step's norm scratch no longer counted whole in the tensors
@@ -77,8 +80,9 @@ DTYPES = ("fp32", "bf16", "fp16")  # compute dtypes, each probed apart
 # code it pages in; 8: resize recompute's default found by what modules compute; 9: the first forward's prediction
 # frees the reference cycles its simulation left, which the probe's peak held until the collector ran; 10: a
 # two-rank run measures what a rank holds for its peer, where a constant stood; 11: a third step under the FLOPs
-# profiler): a kept result from an earlier meaning is probed again, whatever the package version
-PROBE_VERSION = "11"
+# profiler; 12: its engine simulates once where resize recompute cannot pay, and one more simulation's residue is
+# measured): a kept result from an earlier meaning is probed again, whatever the package version
+PROBE_VERSION = "12"
 # a launcher's variables would make the probe's engine join the caller's job
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
@@ -102,7 +106,7 @@ def runtime_bytes(kind: str, dtype: str = "fp32", code: int | None = None, world
     override = os.environ.get(ENV)
     if override is not None:
         return _parse_override(override)
-    construction, training, built, constructed, trained, peers, alone, paired = _measured(dtype)
+    construction, training, built, constructed, trained, peers, alone, paired = _measured(dtype)[:8]
     peers = (peers + (paired if profiled else 0)) if world_size > 1 else (alone if profiled else 0)
     if code is None:
         return (construction, training + peers)
@@ -111,8 +115,16 @@ def runtime_bytes(kind: str, dtype: str = "fp32", code: int | None = None, world
             max(0, training - min(ahead, trained - built)) + peers)
 
 
+def second_simulation_bytes(kind: str, dtype: str = "fp32") -> int:
+    """What a second simulation at the first forward leaves resident on accelerator ``kind`` (the probe's
+    ``second_simulation``; 0 on CUDA and NPU, and where ``ZEROPLUS_RUNTIME_BYTES`` gives the overhead by hand)."""
+    if kind != "cpu" or os.environ.get(ENV) is not None:
+        return 0
+    return _measured(dtype)[8]
+
+
 @functools.lru_cache(maxsize=None)
-def _measured(dtype: str) -> tuple[int, int, int, int, int, int, int, int]:
+def _measured(dtype: str) -> tuple[int, ...]:
     """The probe's numbers (``RECORD`` order), from the kept file or probed now."""
     path = _cache_file(dtype)
     cached = _read(path)
@@ -134,7 +146,7 @@ def _measured(dtype: str) -> tuple[int, int, int, int, int, int, int, int]:
         return measured
 
 
-def probe(dtype: str = "fp32") -> tuple[int, int, int, int, int, int, int, int]:
+def probe(dtype: str = "fp32") -> tuple[int, ...]:
     """Run ``zeroplus.runtime_probe`` in a child process, then as two ranks of two processes, and return
     the one rank's numbers with ``peers`` (``RECORD`` order); on failure, warn and return ``FALLBACK_BYTES``."""
     env = {k: v for k, v in os.environ.items()
@@ -146,6 +158,8 @@ def probe(dtype: str = "fp32") -> tuple[int, int, int, int, int, int, int, int]:
     cmd = [sys.executable, "-m", "zeroplus.runtime_probe", "--dtype", dtype]
     try:
         (alone,) = _run_probe(cmd, env, 1)
+        (twice,) = _run_probe([*cmd, "--simulations", "2"], env, 1)
+        alone["second_simulation"] = max(0, int(twice["training"]) - int(alone["training"]))
         pair = _run_probe(cmd, env, 2)
         paired = max(int(r["training"]) for r in pair)
         alone["peers"] = max(0, paired - int(alone["training"]))
@@ -194,7 +208,8 @@ def _describe(measured: tuple[int, ...]) -> str:
     return (f"{measured[0] / 2**20:.1f} MiB from construction, {measured[1] / 2**20:.1f} MiB from the first "
             f"backward, {(measured[4] - measured[2]) / 2**20:.1f} MiB of it torch's code paged in, "
             f"{measured[5] / 2**20:.1f} MiB more with a peer; a step under the FLOPs profiler "
-            f"{measured[6] / 2**20:.1f} MiB more, {measured[7] / 2**20:.1f} with a peer")
+            f"{measured[6] / 2**20:.1f} MiB more, {measured[7] / 2**20:.1f} with a peer; a second simulation "
+            f"{measured[8] / 2**20:.1f} MiB")
 
 
 def _cache_key(dtype: str) -> dict[str, str]:
@@ -214,14 +229,13 @@ def _cache_file(dtype: str) -> str:
     return cache_file("runtime-overhead", _cache_key(dtype))
 
 
-def _record(values: dict[str, Any]) -> tuple[int, int, int, int, int, int, int, int]:
+def _record(values: dict[str, Any]) -> tuple[int, ...]:
     """The probe's numbers from its JSON or the kept file, in ``RECORD`` order (KeyError, TypeError or
     ValueError when one is missing or not a number)."""
-    construction, training, built, constructed, trained, peers, alone, paired = (int(values[key]) for key in RECORD)
-    return construction, training, built, constructed, trained, peers, alone, paired
+    return tuple(int(values[key]) for key in RECORD)
 
 
-def _read(path: str) -> tuple[int, int, int, int, int, int, int, int] | None:
+def _read(path: str) -> tuple[int, ...] | None:
     record = read_record(path)
     with contextlib.suppress(KeyError, TypeError, ValueError):
         return _record(record) if record is not None else None
