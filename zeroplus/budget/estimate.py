@@ -182,9 +182,10 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     ``"meta"`` (built on the meta device): the init phase's peak differs (``simulate.py``).
     ``code``: how much of torch's code the process that will train already holds
     (``first_use.code_resident``, read by ``initialize``); None for a fresh process (``runtime_overhead.py``).
-    Resize recompute left unset (on by default) is simulated without it too; where it takes under 1% off the
-    steps' peak (``steps_peak_bytes``), the budget returned is the run without it (``stood_down`` names it),
-    which is how the engine then runs (see note: recompute where it pays).
+    Resize recompute left unset (on by default) is simulated without it first, and with it only where what that run
+    holds for backward at its peak could make 1% of the steps' peak (``steps_peak_bytes``); where it takes under 1%
+    off, the budget returned is the run without it (``stood_down`` names at most what it would take off), which is
+    how the engine then runs (see note: recompute where it pays).
     """
     common: dict[str, Any] = dict(world_size=world_size, rank=rank, micro_batch_size=micro_batch_size, seq_len=seq_len,
                                   loss_fn=loss_fn, accelerator=accelerator, code=code)
