@@ -108,10 +108,14 @@ class MemoryBudget:
         return self.phases[self.training_peak_phase]["total"]
 
     @property
-    def steps_peak_bytes(self) -> int:
-        """The peak of the steps themselves (forward, backward, optimizer step): the training peak less
+    def steps_peak_phase(self) -> str:
+        """The phase of the steps' peak (forward, backward, optimizer step): the training peak less
         ``initialize``'s, which a model built whole on each rank may set and no activation technique changes."""
-        return max(self.phases[p]["total"] for p in TRAINING_PHASES if p != "init")
+        return max((p for p in TRAINING_PHASES if p != "init"), key=lambda p: self.phases[p]["total"])
+
+    @property
+    def steps_peak_bytes(self) -> int:
+        return self.phases[self.steps_peak_phase]["total"]
 
     def at_peak(self) -> dict[str, int]:
         """Bytes per category at the moment of the predicted peak."""
@@ -218,7 +222,8 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
         kept = second_simulation_bytes(accelerator or get_accelerator().name, _compute_dtype_name(load_config(config)))
         peak = budget.steps_peak_bytes
         effect = off.steps_peak_bytes - peak
-        chosen = off if _recompute_by_default(config, resolved_cfg) and not recompute_pays(effect, peak) else budget
+        recompute_ran = resolved_cfg.zeroplus.resize_recompute.enabled is True  # (left unset: resolved on)
+        chosen = off if recompute_ran and not recompute_pays(effect, peak) else budget
         for run in (off, budget):  # (both: the effects compare them)
             for phase in PHASES[1:]:
                 run.phases[phase]["runtime"] = run.phases[phase].get("runtime", 0) + kept
@@ -240,8 +245,7 @@ def droppable_at_peak(off: MemoryBudget) -> int:
     for backward at its peak (its activation row there). The run with it holds at each moment what ``off`` holds
     then, less what it dropped (saved for backward) and plus what it recomputes, so its peak is at least ``off``'s
     less this, and what it takes off at most this."""
-    phase = max((p for p in TRAINING_PHASES if p != "init"), key=lambda p: off.phases[p]["total"])
-    return off.phases[phase].get("activation", 0)
+    return off.phases[off.steps_peak_phase].get("activation", 0)
 
 
 # resize recompute left unset runs where it lowers the steps' predicted peak by at least this fraction
@@ -260,14 +264,6 @@ def _recompute_left_unset(config: dict[str, Any] | str | ZeroplusConfig) -> bool
     resolved config marking it on ``by_default``)."""
     block = load_config(config).zeroplus.resize_recompute
     return block.enabled is None or (bool(getattr(block, "by_default", False)) and block.enabled is True)
-
-
-def _recompute_by_default(config: dict[str, Any] | str | ZeroplusConfig, resolved_cfg: Any) -> bool:
-    """Whether resize recompute is on in the simulated run only because the config left it unset (a user's
-    ``enabled`` unset, or an engine's resolved config marked ``by_default``)."""
-    block = load_config(config).zeroplus.resize_recompute
-    unset = block.enabled is None or bool(getattr(block, "by_default", False))
-    return unset and resolved_cfg.zeroplus.resize_recompute.enabled is True
 
 
 ACTIVATION_TECHNIQUES = ("swap_attention", "resize_recompute")
