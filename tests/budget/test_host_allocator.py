@@ -5,11 +5,10 @@ allocator). Without it, a process that freed one 8 MiB block has its threshold r
 blocks come from the heap and stay resident once freed (glibc trims the heap only from its top, and one block
 is still held there); with it they are mapped and unmapped. The corners of ``bench/bench_matrix.py`` run in the
 suite at its ``test`` scale, launched as a user launches them (torchrun, no ``MALLOC_*`` variables, ZeRO-3, 2
-gloo ranks, the GPT at 21M): written with ``torch.nn`` classes and the optimizer from the config, every rank's
-budget error within the issue's 5% (measured 2026-12-02: -2.8%; -1.3% at the matrix's 111M scale); written with
-its own module classes and a client optimizer, within 6% (measured -4.6%; -1.9% at 111M): every ledger category
-is predicted exactly there, and about 10 MiB outside the ledger in backward is not (the written-out layer norm's
-and matrix products' kernels; unexplained so far). One launch more where a rank is outside, as
+gloo ranks, the GPT at 21M): written with ``torch.nn`` classes and the optimizer from the config, and with its own
+module classes and a client optimizer, every rank's budget error within the issue's 5% (measured 2026-12-03 with
+glibc's thresholds at 32 KiB: -1.2% to -1.4% and -2.5% to -2.7%; at 128 KiB they were -2.8% and -4.6%, the
+difference freed blocks below live ones in the heap). One launch more where a rank is outside, as
 ``test_budget_in_process.py`` does: a small model's runtime moves by about a point between launches.
 """
 from __future__ import annotations
@@ -22,7 +21,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TOLERANCE = {"nn": 5.0, "own": 6.0}  # percent of the measured peak, every rank (see the module's docstring)
+TOLERANCE = 5.0  # percent of the measured peak, every rank (see the module's docstring)
 
 # frees an 8 MiB block (glibc as left raises its threshold to it), then holds 100 x 1 MiB, frees all but the last
 # (the heap's top stays in use) and prints the resident MiB kept
@@ -43,10 +42,10 @@ print(rss() - before)
 """
 
 
-def _kept_mib(imports: str, **env: str) -> float:
+def _kept_mib(imports: str, program: str = _KEPT, **env: str) -> float:
     environment = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     environment.update(env, ZEROPLUS_ACCELERATOR="cpu")
-    done = subprocess.run([sys.executable, "-c", _KEPT.format(imports=imports)], env=environment, cwd=ROOT,
+    done = subprocess.run([sys.executable, "-c", program.format(imports=imports)], env=environment, cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     return float(done.stdout.strip().splitlines()[-1])
@@ -57,6 +56,35 @@ def test_import_zeroplus_makes_glibc_return_what_is_freed():
     kept_keep = _kept_mib("import zeroplus", ZEROPLUS_HOST_ALLOCATOR="keep")
     kept_zeroplus = _kept_mib("import zeroplus")
     assert kept_plain > 90 and kept_keep > 90, (kept_plain, kept_keep)  # glibc as left keeps the 99 freed MiB
+    assert kept_zeroplus < 10, kept_zeroplus
+
+
+# 1000 blocks of 96 KiB (a bf16 activation of 64 tokens at width 768), each followed by a small block that stays
+# (what a step leaves alive: an autograd node, a scalar); frees the large ones and prints the resident MiB kept
+_HOLES = """
+import os
+import torch
+{imports}
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
+before = rss()
+blocks, kept = [], []
+for _ in range(1000):
+    blocks.append(torch.ones(24576))  # 96 KiB, touched
+    kept.append(torch.ones(8))
+del blocks
+print(rss() - before)
+"""
+
+
+def test_blocks_freed_below_live_ones_go_back():
+    """A freed block glibc took from the heap stays resident while a live block sits above it; blocks of 32 KiB and
+    more are mapped apart (``THRESHOLD``), so only smaller ones can leave such holes. At 128 KiB this kept 94 MiB
+    (a bf16 rank's activations at 64 tokens of width 768 are 96 KiB)."""
+    kept_plain = _kept_mib("", _HOLES)
+    kept_zeroplus = _kept_mib("import zeroplus", _HOLES)
+    assert kept_plain > 80, kept_plain  # glibc as left keeps the holes
     assert kept_zeroplus < 10, kept_zeroplus
 
 
@@ -87,6 +115,6 @@ def test_the_matrix_corners_are_predicted_within_the_tolerance_with_glibc_as_lef
     for _ in range(2):
         result = matrix.launch("zeroplus", cell)
         assert "failed" not in result, result["failed"]
-        if all(abs(e) <= TOLERANCE[model] for e in result["errors"]):
+        if all(abs(e) <= TOLERANCE for e in result["errors"]):
             break
-    assert all(abs(e) <= TOLERANCE[model] for e in result["errors"]), result
+    assert all(abs(e) <= TOLERANCE for e in result["errors"]), result
