@@ -24,13 +24,21 @@ def fresh(monkeypatch, tmp_path):
     runtime_overhead._measured.cache_clear()
 
 
-def test_measured_once_kept_and_read_back(fresh, monkeypatch):
+def test_measured_once_per_compute_dtype_kept_and_read_back(fresh, monkeypatch):
+    """Probed once per compute dtype: a bf16 run loads kernels an fp32 run does not (12 MiB more here), so it is
+    probed and kept on its own; a later process reads what was kept."""
     construction, training = runtime_bytes("cpu")
+    bf16 = runtime_bytes("cpu", "bf16")
+    assert (construction, training) != bf16 and 0 < bf16[1] < 2**30
+    kept = sorted(json.loads(p.read_text())["dtype"] for p in fresh.glob("runtime-overhead-*.json"))
+    assert kept == ["bf16", "fp32"]
+    with pytest.raises(ValueError, match="dtype 'float32' is not one of"):
+        runtime_bytes("cpu", "float32")
     # kernel libraries and autograd's thread; not torch._dynamo (tens of MiB), which came with zeroplus (construction
     # read 1.8 MiB on this 2-core machine on 2026-12-02, training more)
     assert 2**20 < construction <= training < 60 * 2**20
-    (kept,) = fresh.glob("runtime-overhead-*.json")
-    record = json.loads(kept.read_text())
+    (record,) = [r for r in (json.loads(p.read_text()) for p in fresh.glob("runtime-overhead-*.json"))
+                 if r["dtype"] == "fp32"]
     assert (record["construction"], record["training"]) == (construction, training)
     assert {"host", "python", "torch", "zeroplus", "probe"} <= set(record)
     paged_in = record["code_trained"] - record["code_built"]
@@ -45,7 +53,7 @@ def test_measured_once_kept_and_read_back(fresh, monkeypatch):
         raise AssertionError("the kept measurement was not read")
     monkeypatch.setattr(runtime_overhead, "probe", no_second_probe)
     runtime_overhead._measured.cache_clear()
-    assert runtime_bytes("cpu") == (construction, training)
+    assert runtime_bytes("cpu") == (construction, training) and runtime_bytes("cpu", "bf16") == bf16
     # a rank with a peer: what the probe's two ranks held beyond its one (gloo's buffers; 1.9-2.0 MiB here)
     assert 0 < record["peers"] < 16 * 2**20
     assert runtime_bytes("cpu", world_size=2) == runtime_bytes("cpu", world_size=4) == (
@@ -57,20 +65,11 @@ def test_measured_once_kept_and_read_back(fresh, monkeypatch):
     assert runtime_bytes("cpu", world_size=2, profiled=True) == (
         construction, training + record["peers"] + record["profiled_with_peer"])
     assert runtime_bytes("cuda") == runtime_bytes("npu") == runtime_bytes("cuda", world_size=8) == (0, 0)
-    # one more simulation of the first forward's estimate (an engine that simulates twice holds it): 1-2 MiB here
-    assert 0 < record["second_simulation"] < 8 * 2**20, record
+    # one more simulation of the first forward's estimate (an engine that simulates twice holds it): 0.06 MiB here on
+    # 2026-12-03, inside the spread of training between runs (about 0.3 MiB), so it may read 0
+    assert 0 <= record["second_simulation"] < 8 * 2**20, record
     assert second_simulation_bytes("cpu") == record["second_simulation"]
     assert second_simulation_bytes("cuda") == second_simulation_bytes("npu") == 0
-
-
-def test_each_compute_dtype_is_probed_apart(fresh):
-    """A bf16 run loads kernels an fp32 run does not (12 MiB more here): probed and kept on its own."""
-    fp32, bf16 = runtime_bytes("cpu", "fp32"), runtime_bytes("cpu", "bf16")
-    assert fp32 != bf16 and 0 < bf16[1] < 2**30
-    kept = sorted(json.loads(p.read_text())["dtype"] for p in fresh.glob("runtime-overhead-*.json"))
-    assert kept == ["bf16", "fp32"]
-    with pytest.raises(ValueError, match="dtype 'float32' is not one of"):
-        runtime_bytes("cpu", "float32")
 
 
 def test_set_by_hand(fresh, monkeypatch):
