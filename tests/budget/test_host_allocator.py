@@ -80,7 +80,7 @@ print(rss() - before)
 
 def test_blocks_freed_below_live_ones_go_back():
     """A freed block glibc took from the heap stays resident while a live block sits above it; blocks of 32 KiB and
-    more are mapped apart (``THRESHOLD``), so only smaller ones can leave such holes. At 128 KiB this kept 94 MiB
+    more are mapped apart (``THRESHOLD``), so only smaller ones can leave such holes. At 128 KiB this kept 96 MiB
     (a bf16 rank's activations at 64 tokens of width 768 are 96 KiB)."""
     kept_plain = _kept_mib("", _HOLES)
     kept_zeroplus = _kept_mib("import zeroplus", _HOLES)
