@@ -40,13 +40,8 @@ import platform
 
 logger = logging.getLogger("zeroplus.engine")
 
-# bytes: the mmap and trim thresholds, fixed. Below glibc's own start (128 KiB): blocks under the threshold come from
-# the heap, and a freed one there stays resident while a later, longer-lived block sits above it. At 128 KiB a bf16
-# rank's 96 KiB activations (64 tokens at width 768) left 37 MiB of such holes by its fourth step; at 32 KiB none.
-# The 111M GPT in bf16 at 1 x 64 (2026-12-03): its own classes at one rank -2.8% against its prediction at 128 KiB,
-# -0.7% at 32; `torch.nn` classes at 4 ranks with a client optimizer -5.2% and -2.5%, its step 4.1-4.4 s either way.
-# What it costs is small models' steps on CPU (more blocks mapped fresh): GPT small in bf16, 66-78 ms of CPU a step
-# at 128 KiB, 88-102 at 32 KiB.
+# bytes: the mmap and trim thresholds, fixed, below glibc's own start (128 KiB): a block under the threshold comes from
+# the heap, where it stays resident once freed while a live block sits above it (see note: host allocator)
 THRESHOLD = 32 * 1024
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 MODES = ("return", "keep")

@@ -23,15 +23,19 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOLERANCE = 5.0  # percent of the measured peak, every rank (see the module's docstring)
 
-# frees an 8 MiB block (glibc as left raises its threshold to it), then holds 100 x 1 MiB, frees all but the last
-# (the heap's top stays in use) and prints the resident MiB kept
-_KEPT = """
+# each program's start: the imports under test, and the resident MiB of the process
+_PROGRAM = """
 import os
 import torch
 {imports}
 def rss():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
+"""
+
+# frees an 8 MiB block (glibc as left raises its threshold to it), then holds 100 x 1 MiB, frees all but the last
+# (the heap's top stays in use) and prints the resident MiB kept
+_KEPT = _PROGRAM + """
 big = torch.ones(2 * 2**20)  # 8 MiB, freed
 del big
 before = rss()
@@ -61,13 +65,7 @@ def test_import_zeroplus_makes_glibc_return_what_is_freed():
 
 # 1000 blocks of 96 KiB (a bf16 activation of 64 tokens at width 768), each followed by a small block that stays
 # (what a step leaves alive: an autograd node, a scalar); frees the large ones and prints the resident MiB kept
-_HOLES = """
-import os
-import torch
-{imports}
-def rss():
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
+_HOLES = _PROGRAM + """
 before = rss()
 blocks, kept = [], []
 for _ in range(1000):
