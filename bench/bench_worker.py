@@ -8,6 +8,7 @@ group set-up, before the model exists; the peak is VmHWM (reset at that point).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import os
@@ -149,10 +150,15 @@ def adamw(model: torch.nn.Module, kind: str = "fused") -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1)
 
 
-def plain_step(wrapped: torch.nn.Module, model: torch.nn.Module, opt: torch.optim.Optimizer, hf: bool = False):
-    """One step of a torch-native wrapper (DDP, FSDP2): forward, backward, clipping to 1.0, AdamW; the loss."""
+def plain_step(wrapped: torch.nn.Module, model: torch.nn.Module, opt: torch.optim.Optimizer, hf: bool = False,
+               autocast: torch.dtype | None = None):
+    """One step of a torch-native wrapper (DDP, FSDP2): forward (under ``torch.autocast`` to ``autocast`` where
+    given), backward, clipping to 1.0, AdamW; the loss."""
+    device = next(model.parameters()).device.type
+
     def train_step(x: torch.Tensor) -> torch.Tensor:
-        loss = lm_loss(wrapped, x, hf)
+        with torch.autocast(device, dtype=autocast) if autocast else contextlib.nullcontext():
+            loss = lm_loss(wrapped, x, hf)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -322,12 +328,12 @@ def main() -> None:
             engine.step()
             return loss
     elif args.framework in ("ddp", "plain"):  # the references: whole model, plain AdamW (DDP: gradients all-reduced)
-        if args.dtype != "fp32":
-            raise SystemExit(f"the {args.framework} row runs in fp32 only")
+        # bf16: fp32 weights and optimizer under torch.autocast, as AMP and Hugging Face's Trainer (bf16=True) run it
         wrapped = torch.nn.parallel.DistributedDataParallel(model) if args.framework == "ddp" else model
         if args.framework == "ddp":  # torch's own all-reduce hook, in Python: its all_reduce is counted
             wrapped.register_comm_hook(None, default_hooks.allreduce_hook)
-        train_step = plain_step(wrapped, model, adamw(model), hf)
+        train_step = plain_step(wrapped, model, adamw(model), hf,
+                                autocast=torch.bfloat16 if args.dtype == "bf16" else None)
     else:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         low = torch.bfloat16 if args.dtype == "bf16" else None

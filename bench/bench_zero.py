@@ -133,7 +133,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", default="1,2,3")
     p.add_argument("--frameworks", default="zeroplus,deepspeed,fsdp2",
-                   help="any of zeroplus, deepspeed, fsdp2, ddp (ddp: one row, fp32 only)")
+                   help="any of zeroplus, deepspeed, fsdp2, ddp, plain (ddp, plain: one row each; in bf16 "
+                        "under torch.autocast)")
     p.add_argument("--model", default="111m")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--steps", type=int, default=8)
@@ -142,6 +143,7 @@ def main() -> None:
     p.add_argument("--memory-only", action="store_true", help="one launch per row (times then include trimming)")
     p.add_argument("--ledger", action="store_true", help="print zeroplus's per-category ledger peaks")
     p.add_argument("--json", action="store_true", help="print the rows as JSON too")
+    p.add_argument("--json-file", default="", help="write the rows measured so far as JSON to this file after each row")
     p.add_argument("--device", choices=["cpu", "cuda", "npu"], default="cpu",
                    help="cuda/npu: NCCL/HCCL, one device per rank, peaks from the device allocator")
     p.add_argument("--nproc", type=int, default=2, help="ranks (one per device)")
@@ -155,10 +157,16 @@ def main() -> None:
                    help="FSDP2's AdamW: fused (the fastest) or torch's defaults (no fused/foreach temporaries)")
     args = p.parse_args()
     frameworks = args.frameworks.split(",")
-    rows = []
+    rows: list[dict] = []
+
+    def keep(row: dict) -> None:  # (a run stopped at a time limit keeps the rows it finished)
+        rows.append(row)
+        if args.json_file:
+            with open(args.json_file, "w") as f:
+                json.dump(rows, f)
     for whole in ("plain", "ddp"):  # the references, one row each: the plain module (one rank), DDP
         if whole in frameworks:
-            rows.append(measure(whole, whole, 0, args, nproc=args.nproc))
+            keep(measure(whole, whole, 0, args, nproc=args.nproc))
     for stage in (int(s) for s in args.stages.split(",")):
         for framework in frameworks:
             if framework in ("plain", "ddp") or (framework == "fsdp2" and stage < 2):  # (FSDP2: no stage 0 or 1)
@@ -167,7 +175,7 @@ def main() -> None:
                      if framework == "fsdp2" else []) + (
                 ["--zeroplus", args.zeroplus] if framework == "zeroplus" and args.zeroplus else []) + (
                 ["--vocab", str(args.vocab)] if args.vocab else []) + (["--untied"] if args.untied else [])
-            rows.append(measure(f"{framework} stage {stage}", framework, stage, args, extra=extra, nproc=args.nproc))
+            keep(measure(f"{framework} stage {stage}", framework, stage, args, extra=extra, nproc=args.nproc))
     ds = {r["stage"]: r for r in rows if r["framework"] == "deepspeed"}
     fsdp = {r["stage"]: r for r in rows if r["framework"] == "fsdp2"}
     fsdp[1] = fsdp.get(2)  # FSDP2 has no stage 1: compare with its stage-2 equivalent

@@ -1,6 +1,6 @@
 """The one-GPU table of ``docs/benchmark.md`` ("One GPU") from the device run's figures.
 
-``tests/device/run_on_device.sh`` writes ``one_gpu_<dtype>.json`` (the rows ``bench_zero.py --json`` prints: plain
+``tests/device/run_on_device.sh`` writes ``one_gpu_<dtype>.json`` (the rows ``bench_zero.py --json-file`` writes: plain
 module, DDP, FSDP2 stages 2-3, zeroplus stages 0-3; GPT 111M x 512, peak = the device allocator's above the model)
 under its ``$OUT``; this prints them as the markdown table the section holds, with the issue's two ratios per row:
 the step's speed against the plain module with fused AdamW (target >= 0.95 for zeroplus at one rank) and the peak

@@ -37,11 +37,20 @@ def activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: L
             tier = make_tier(zp.activation_tier.device, zp.activation_tier.path, accel, ledger, direct=zp.direct_io)
         except ValueError as err:
             raise ConfigError(f"config key 'zeroplus.activation_tier': {err}") from None
+    fused: list[str] = []
+    if zp.fused_ops:
+        fused, what = fused_ops.install(model, accel.name, zp.fused_ops)
+        if not fused:
+            raise ConfigError(f"config key 'zeroplus.fused_ops' is {zp.fused_ops!r} but {type(model).__name__} has "
+                              f"no RMSNorm (a '*RMSNorm' class with weight and variance_epsilon) or gated MLP "
+                              f"(gate_proj, up_proj, down_proj, a SiLU act_fn) to fuse")
+        log_rank0("fused_ops: %d RMSNorms and gated MLPs run %s's %s", len(fused), accel.name, what)
     claimers: list[Any] = []
     recompute = zp.resize_recompute
     if recompute.enabled:
         technique = ResizeRecompute(model, recompute.modules, recompute.names, ledger, norms=recompute.norms,
-                                    functional=recompute.functional, choice=choices["resize_recompute"])
+                                    functional=recompute.functional, choice=choices["resize_recompute"],
+                                    fused={id(model.get_submodule(name)) for name in fused})
         kinds = ["activation functions (pointwise, keeping their input)"] if recompute.modules is None \
             else list(recompute.modules)
         _check_targets("resize_recompute", technique.targets, model,
@@ -61,13 +70,6 @@ def activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: L
         claimers.append(swapper)
     if is_hf_causal_lm(model):
         drop_training_cache(model)
-    if zp.fused_ops:
-        fused, what = fused_ops.install(model, accel.name, zp.fused_ops)
-        if not fused:
-            raise ConfigError(f"config key 'zeroplus.fused_ops' is {zp.fused_ops!r} but {type(model).__name__} has "
-                              f"no RMSNorm (a '*RMSNorm' class with weight and variance_epsilon) or gated MLP "
-                              f"(gate_proj, up_proj, down_proj, a SiLU act_fn) to fuse")
-        log_rank0("fused_ops: %d RMSNorms and gated MLPs run %s's %s", len(fused), accel.name, what)
     _tile(model, zp.tiled, context)
     sequence_split = cfg.zeroplus.parallel.sequence_parallel
     if ac.partition_activations and sequence_split:

@@ -3,12 +3,14 @@
 # rows (one device, so --nproc 1; no DeepSpeed rows where the image lacks it). Logs go to $OUT (default
 # ./device-out), each step under its own time limit, so a hang costs one step, not the rest. Wheels in .whl/
 # (pydantic and its needs, where the image lacks them; liger_kernel for the fused operators' Liger rows) are
-# installed to /tmp/site first. BENCH picks the benchmarks (default: one_gpu fused; also fused_large compile);
-# the default run is sized for 8 minutes on an H100 (its steps' limits add up to 9). one_gpu: the one-GPU table (plain module, DDP, FSDP2
-# stages 2-3, zeroplus stages 0-3; GPT 111M x 512; fp32 and bf16; step time and peak), its figures written to
-# $OUT/one_gpu_<dtype>.json and as docs/benchmark.md's table to $OUT/one_gpu.md (bench/device_table.py). With two
+# installed to /tmp/site first. BENCH picks the steps (default: tests one_gpu fused; also fused_large compile);
+# the default run took about 9 minutes on one H200 (2026-12-04: the tests 58 s, each one-GPU row 21-27 s, mostly its
+# fresh torchrun launch, 16 rows; its steps' limits add up to 11). one_gpu: the one-GPU table (plain module and
+# DDP, under torch.autocast in bf16; FSDP2 stages 2-3; zeroplus stages 0-3; GPT 111M x 512; fp32 and bf16; step time
+# and peak), its rows written to $OUT/one_gpu_<dtype>.json as each finishes (a step stopped at its limit keeps them)
+# and as docs/benchmark.md's table to $OUT/one_gpu.md (bench/device_table.py). With two
 # GPUs, tests/device also runs the native-transport parity at every stage on NCCL. Run from the repository root:
-#   bash tests/device/run_on_device.sh          BENCH="one_gpu" bash tests/device/run_on_device.sh
+#   bash tests/device/run_on_device.sh          BENCH="one_gpu" bash tests/device/run_on_device.sh   (the table alone)
 set -u
 OUT=${OUT:-device-out}
 mkdir -p "$OUT"
@@ -31,13 +33,13 @@ step() {  # step NAME SECONDS COMMAND...: run under a limit, log to $OUT/NAME.lo
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, pydantic; print('torch', torch.__version__, torch.cuda.get_device_name(), 'pydantic', pydantic.VERSION)"
-step device_tests "${TESTS_LIMIT:-150}" python3 -m pytest -q -rA tests/device
-BENCH=" ${BENCH:-one_gpu fused} "
+BENCH=" ${BENCH:-tests one_gpu fused} "
+[[ $BENCH == *" tests "* ]] && step device_tests "${TESTS_LIMIT:-150}" python3 -m pytest -q -rA tests/device
 for dtype in fp32 bf16; do  # plain, DDP, FSDP2 and zeroplus on one device (the device allocator's peak)
   [[ $BENCH == *" one_gpu "* ]] || continue
-  step "one_gpu_$dtype" "${ONE_GPU_LIMIT:-150}" python3 bench/bench_zero.py --device cuda --nproc 1 --memory-only \
-    --ledger --json --frameworks plain,ddp,fsdp2,zeroplus --stages 0,1,2,3 --dtype "$dtype" --steps 12 --seq 512
-  tail -n 1 "$OUT/one_gpu_$dtype.log" | grep '^\[' >"$OUT/one_gpu_$dtype.json" || rm -f "$OUT/one_gpu_$dtype.json"
+  step "one_gpu_$dtype" "${ONE_GPU_LIMIT:-240}" python3 bench/bench_zero.py --device cuda --nproc 1 --memory-only \
+    --ledger --json-file "$OUT/one_gpu_$dtype.json" --frameworks plain,ddp,fsdp2,zeroplus --stages 0,1,2,3 \
+    --dtype "$dtype" --steps 12 --seq 512
 done
 if ls "$OUT"/one_gpu_*.json >/dev/null 2>&1; then
   python3 bench/device_table.py "$OUT"/one_gpu_*.json | tee "$OUT/one_gpu.md"

@@ -136,6 +136,26 @@ def test_compiled_fused_ops_train_within_fp32_rounding_of_eager():
         torch.testing.assert_close(compiled[1][name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("fused", [False, True, "compiled"])
+def test_a_norm_running_a_fused_kernel_keeps_what_the_kernel_keeps(fused):
+    """Resize recompute claims the intermediates of a norm written out (Llama's RMSNorm, eager) but not of one whose
+    forward ``fused_ops`` replaced: a compiled kernel saves what its compilation chose, which differed between the
+    forward and the recompute in backward on one H200 (6 tensors against 3, 2026-12-04), and the recompute raised."""
+    from zeroplus.activations import ResizeRecompute
+    torch.manual_seed(0)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zeroplus": {"log_level": "warning", "memory_estimate": False, "fused_ops": fused,
+                        "resize_recompute": {"enabled": True, "norms": True}}}
+    engine = zeroplus.initialize(LossOf(build("llama")), cfg)
+    recompute = next(c for c in engine.activations.claimers if isinstance(c, ResizeRecompute))
+    norms = [n for n in recompute.targets if n.endswith("norm")]
+    assert len(norms) == 2 * 2 + 1 and recompute.written_norms == ([] if fused else norms), recompute.written_norms
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    engine.backward(engine(ids, ids))
+    engine.step()
+    engine.destroy()
+
+
 def test_fused_ops_refused_where_nothing_would_change():
     with pytest.raises(ConfigError, match="zeroplus.fused_ops"):
         zeroplus.initialize(ParityNet(), {"train_micro_batch_size_per_gpu": 1, "zeroplus": {"fused_ops": True},

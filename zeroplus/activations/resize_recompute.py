@@ -134,7 +134,7 @@ class ResizeRecompute:
 
     def __init__(self, model: torch.nn.Module, class_names: list[str] | None, name_patterns: list[str],
                  ledger: Ledger, norms: bool = False, functional: bool = False,
-                 choice: TechniqueChoice | None = None) -> None:
+                 choice: TechniqueChoice | None = None, fused: set[int] | None = None) -> None:
         """Recompute the outputs of modules whose class is in ``class_names`` (None: every activation function whose
         backward keeps its input, ``module_roles.activates``), whose name matches one of
         ``name_patterns``, and with ``norms`` every normalisation layer (``is_norm``); with ``functional``
@@ -142,7 +142,9 @@ class ResizeRecompute:
         model's forward code outside those modules. ``choice``: the engine's (``choices.py``); on by default
         (``choice.by_default``), a model found compiled at a forward turns it off (``stood_down``, and the choice
         says so) rather than refusing, and so does the choice found off at a forward (the memory budget's: see
-        note: recompute where it pays)."""
+        note: recompute where it pays). ``fused``: the ids of the modules whose forward ``fused_ops`` replaced with
+        a kernel; a norm among them keeps what its kernel keeps (``written_norms`` leaves it out: see note: norms
+        written out)."""
         patterns = list(name_patterns)
         self.choice = choice
         self.by_default = choice is not None and choice.by_default
@@ -150,6 +152,7 @@ class ResizeRecompute:
         self.model = model
         self.ledger = ledger
         self.targets: list[str] = []
+        self.written_norms: list[str] = []  # the norms whose intermediates are claimed (``norm_internals.py``)
         self.functions = (ACTIVATION_FUNCTIONS + (NORM_FUNCTIONS if norms else ())) if functional else ()
         self._target_ids: set[int] = set()
         self._stack: list[torch.nn.Module] = []  # the modules whose forward is running, innermost last
@@ -175,7 +178,8 @@ class ResizeRecompute:
             self._target_ids.add(id(module))
             self._handles.append(module.register_forward_hook(eager(self._make_output_hook(parent))))
             parents[id(parent)] = parent
-            if norms and keeps_intermediates(module):  # see note: norms written out
+            if norms and id(module) not in (fused or ()) and keeps_intermediates(module):  # see note: norms written out
+                self.written_norms.append(name)
                 self._handles += [module.register_forward_pre_hook(eager(self._norm_begins)),
                                   module.register_forward_hook(eager(self._norm_ends), always_call=True)]
         for parent in parents.values():
