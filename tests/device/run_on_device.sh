@@ -3,7 +3,7 @@
 # rows (one device, so --nproc 1; no DeepSpeed rows where the image lacks it). Logs go to $OUT (default
 # ./device-out), each step under its own time limit, so a hang costs one step, not the rest. Wheels in .whl/
 # (pydantic and its needs, where the image lacks them; liger_kernel for the fused operators' Liger rows) are
-# installed to /tmp/site first. BENCH picks the steps (default: tests one_gpu fused; also fused_large compile);
+# installed to /tmp/site first. BENCH picks the steps (default: tests one_gpu fused; also fused_large compile one_rank profile);
 # the default run took about 9 minutes on one H200 (2026-12-04: the tests 58 s, each one-GPU row 21-27 s, mostly its
 # fresh torchrun launch, 16 rows; its steps' limits add up to 11). one_gpu: the one-GPU table (plain module and
 # DDP, under torch.autocast in bf16; FSDP2 stages 2-3; zeroplus stages 0-3; GPT 111M x 512; fp32 and bf16; step time
@@ -51,4 +51,9 @@ cd bench
   --device cuda --tokens 16384 --hidden 4096 --ffn 11008 --heads 32 --vocab 128256 --repeats 5 --no-compile
 [[ $BENCH == *" compile "* ]] && step bench_compile "${COMPILE_LIMIT:-100}" python3 bench_compile.py --device cuda --frameworks zeroplus,fsdp2 \
   --stages 3 --steps 8 --time-only --nproc 1
+# the one-rank step's host work: each technique left out in turn against the plain module, then the operators' host
+# and device time under torch.profiler (docs/benchmark.md, "One GPU")
+[[ $BENCH == *" one_rank "* ]] && step bench_one_rank "${ONE_RANK_LIMIT:-150}" python3 bench_one_rank.py --device cuda \
+  --n-embd 0 --seq 512 --stage 1
+[[ $BENCH == *" profile "* ]] && step bench_step_profile "${PROFILE_LIMIT:-60}" python3 bench_step_profile.py --device cuda
 true  # the steps' own codes are in the log; a benchmark left out is not a failure
