@@ -29,7 +29,20 @@ def activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: L
     """Resize recompute and swap attention (through one saved-tensor router), the tiles of
     ``zeroplus.tiled`` (``context``: ranks sharing each sequence), and the settings of
     ``zeroplus.checkpointing`` from the ``activation_checkpointing`` block. ``compiled``: the model runs compiled
-    from the start (no late mode: its hook on the last block would break a whole-model graph)."""
+    from the start (no late mode: its hook on the last block would break a whole-model graph). A refusal takes the
+    hooks of the techniques made before it off the model (the caller gives the replaced forwards back)."""
+    claimers: list[Any] = []
+    try:
+        return _techniques(model, cfg, ledger, accel, context, scope, compiled, choices, claimers)
+    except BaseException:
+        for claimer in claimers:
+            claimer.remove()
+        raise
+
+
+def _techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: Ledger, accel: Accelerator, context: int,
+                scope: list[torch.nn.Module], compiled: bool, choices: dict[str, TechniqueChoice],
+                claimers: list[Any]) -> SavedTensorRouter:
     zp, ac = cfg.zeroplus, cfg.activation_checkpointing
     tier = None
     if zp.swap_attention.enabled or ac.cpu_checkpointing:
@@ -45,29 +58,28 @@ def activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: L
                               f"no RMSNorm (a '*RMSNorm' class with weight and variance_epsilon) or gated MLP "
                               f"(gate_proj, up_proj, down_proj, a SiLU act_fn) to fuse")
         log_rank0("fused_ops: %d RMSNorms and gated MLPs run %s's %s", len(fused), accel.name, what)
-    claimers: list[Any] = []
     recompute = zp.resize_recompute
     if recompute.enabled:
         technique = ResizeRecompute(model, recompute.modules, recompute.names, ledger, norms=recompute.norms,
                                     functional=recompute.functional, choice=choices["resize_recompute"],
                                     fused={id(model.get_submodule(name)) for name in fused})
+        claimers.append(technique)  # (its hooks come off if anything below refuses)
         kinds = ["activation functions (pointwise, keeping their input)"] if recompute.modules is None \
             else list(recompute.modules)
         _check_targets("resize_recompute", technique.targets, model,
                        kinds + (["norms (modules normalising over the last dimension)"] if recompute.norms else []),
                        recompute.names, [f.__name__ for f in technique.functions])
-        claimers.append(technique)
     swap = zp.swap_attention
     if swap.enabled:
         assert tier is not None
         swapper = SwapAttention(model, swap.modules, swap.names, tier, ledger, swap.min_bytes)
+        claimers.append(swapper)
         _check_targets("swap_attention", swapper.targets, model,
                        swap.modules or ["modules that attend (a softmax over scores, an attention kernel)"], swap.names)
         if not tier.saves_memory:
             log_rank0("swap_attention: the host tier is this machine's only memory (no accelerator), so swapping "
                       "to it saves nothing; zeroplus.activation_tier {'device': 'file', 'path': DIR} swaps to files",
                       level=logging.WARNING)
-        claimers.append(swapper)
     if is_hf_causal_lm(model):
         drop_training_cache(model)
     _tile(model, zp.tiled, context)

@@ -199,10 +199,14 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
         _log_assembly(cfg, partition, opt, dp, dtype, context, parallel if split else None)
         as_built = remember(model)  # the forwards and settings the techniques below change, given back by destroy
         choices = technique_choices(cfg)  # what runs, the engine's to change (see note: frozen config)
-        parts = TrainingParts(partition, step, opt, scheduler, loss_scaler,
-                              activation_techniques(model, cfg, ledger, accel, context,
-                                                     [u.module for u in partition.units if not u.is_root], compiled,
-                                                     choices), choices)
+        try:
+            activations = activation_techniques(model, cfg, ledger, accel, context,
+                                                [u.module for u in partition.units if not u.is_root], compiled,
+                                                choices)
+        except BaseException:  # (a technique refused after another replaced forwards: the model runs as built)
+            as_built()
+            raise
+        parts = TrainingParts(partition, step, opt, scheduler, loss_scaler, activations, choices)
         parts.activations.undo.append(as_built)
         if context > 1 and parallel is not None:
             _split_sequences(model, parallel)

@@ -102,6 +102,26 @@ def test_destroy_removes_every_hook_at_each_stage_and_with_the_memory_techniques
     _check(_build_destroy_build(stage, block))
 
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_technique_refused_after_others_were_installed_leaves_the_model_as_built(stage):
+    """fused_ops replaces forwards and resize recompute hooks the model before swap attention is refused (it names
+    a class the model lacks): the refusal leaves no hook and no replaced forward, and the model trains again as a
+    fresh build does (at stage 3 a failed initialize leaves the released parameters without values, refused by a
+    later initialize: ``_given_back_on_failure``)."""
+    from zeroplus.config import ConfigError
+    torch.manual_seed(0)
+    model = build("llama", "tiny")
+    before = _hooks(model), _patched(model)
+    refused = {"fused_ops": True, "resize_recompute": {"enabled": True, "norms": True},
+               "swap_attention": {"enabled": True, "modules": ["NoSuchAttention"]}}
+    with pytest.raises(ConfigError, match="zeroplus.swap_attention"):
+        zeroplus.initialize(model, _config(stage, **refused))
+    assert (_hooks(model), _patched(model)) == before
+    again = _train(zeroplus.initialize(model, _config(stage)), 2)
+    torch.manual_seed(0)
+    assert again == _train(zeroplus.initialize(build("llama", "tiny"), _config(stage)), 2)
+
+
 def test_destroy_gives_back_a_context_parallel_hugging_face_models_forward_and_attention():
     """Context parallelism (2 ranks, Ulysses) replaces the model's forward (each rank keeps its slice) and its
     attention implementation; destroy() puts both back, and the model trains again as a fresh build does."""
