@@ -11,7 +11,7 @@ import torch
 from zeroplus import fused_ops
 from zeroplus.accelerator import Accelerator
 from zeroplus.activations import ResizeRecompute, SavedTensorRouter, SwapAttention, checkpointing, module_roles
-from zeroplus.activations.choices import TechniqueChoice
+from zeroplus.activations.choices import TechniqueChoice, technique_choices
 from zeroplus.activations.lean_loss import LeanCrossEntropy
 from zeroplus.activations.tiled import per_rank_tile, tile_mlps
 from zeroplus.activations.tiled_loss import is_hf_causal_lm, tile_loss
@@ -21,6 +21,25 @@ from zeroplus.config.blocks import TiledConfig
 from zeroplus.ledger import Ledger
 from zeroplus.logs import log_rank0
 from zeroplus.offload.tiers import make_tier
+
+from .model_patches import remember
+
+
+def assemble_activations(model: torch.nn.Module, cfg: ResolvedConfig, ledger: Ledger, accel: Accelerator, context: int,
+                         scope: list[torch.nn.Module], compiled: bool
+                         ) -> tuple[SavedTensorRouter, dict[str, TechniqueChoice]]:
+    """The activation techniques (``activation_techniques``) and the engine's choices (what runs, the engine's to
+    change: see note: frozen config). The forwards and settings the techniques change are given back by ``destroy``,
+    or at once where one of them is refused after another changed them."""
+    as_built = remember(model)
+    choices = technique_choices(cfg)
+    try:
+        router = activation_techniques(model, cfg, ledger, accel, context, scope, compiled, choices)
+    except BaseException:
+        as_built()
+        raise
+    router.undo.append(as_built)
+    return router, choices
 
 
 def activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: Ledger,

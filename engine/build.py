@@ -19,7 +19,6 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from zeroplus.accelerator import Accelerator
-from zeroplus.activations.choices import technique_choices
 from zeroplus.activations.tiled_loss import is_hf_causal_lm
 from zeroplus.collectives import Collectives
 from zeroplus.config import ConfigError, ResolvedConfig, ZeroplusConfig, ZeroStage, resolved_zero
@@ -50,11 +49,10 @@ from zeroplus.zero.quantized import packed_storage
 from zeroplus.zero.sharded_step import ModelParallelNorm, StepPolicy
 from zeroplus.zero.units import frozen_dtype
 
-from .activation_setup import activation_techniques, remember_roles
+from .activation_setup import assemble_activations, remember_roles
 from .embedding_tables import check_tables
 from .engine import Engine, TrainingParts
 from .loss_scaler import LossScaler
-from .model_patches import remember
 from .monitors import check_packages
 from .offload_setup import optimizer_offload, param_offload_of, virtual_states
 
@@ -197,17 +195,9 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
         step = _sharded_step(cfg, partition, opt, dp, ledger, accel, parallel, experts, not loss_scaler.dynamic)
         context = parallel.topology.context if parallel is not None else 1
         _log_assembly(cfg, partition, opt, dp, dtype, context, parallel if split else None)
-        as_built = remember(model)  # the forwards and settings the techniques below change, given back by destroy
-        choices = technique_choices(cfg)  # what runs, the engine's to change (see note: frozen config)
-        try:
-            activations = activation_techniques(model, cfg, ledger, accel, context,
-                                                [u.module for u in partition.units if not u.is_root], compiled,
-                                                choices)
-        except BaseException:  # (a technique refused after another replaced forwards: the model runs as built)
-            as_built()
-            raise
+        activations, choices = assemble_activations(model, cfg, ledger, accel, context,
+                                                    [u.module for u in partition.units if not u.is_root], compiled)
         parts = TrainingParts(partition, step, opt, scheduler, loss_scaler, activations, choices)
-        parts.activations.undo.append(as_built)
         if context > 1 and parallel is not None:
             _split_sequences(model, parallel)
         return Engine(model, cfg, parts, dp, ledger, accel, rss_at_start - model_bytes, parallel,
