@@ -38,7 +38,7 @@ import torch
 
 from ..accelerator import get_accelerator
 from ..activations.resize_recompute import TECHNIQUE as RECOMPUTE
-from ..config import ZeroplusConfig, load_config
+from ..config import ResolvedConfig, ZeroplusConfig, load_config
 from ..engine.build import compute_dtype
 from ..host_allocator import caveat as host_allocator_caveat
 from ..memory_view import CATEGORIES, LABELS, budget_chart
@@ -164,6 +164,25 @@ class MemoryBudget:
         return budget_chart(self, path)
 
 
+def _recompute_chosen(off: MemoryBudget, budget: MemoryBudget, resolved_cfg: ResolvedConfig, accelerator: str | None,
+                      config: dict[str, Any] | str | ZeroplusConfig) -> MemoryBudget:
+    """Of the runs without and with resize recompute left unset (both simulated at the first forward, so each carries
+    the second simulation's residue from there on: the effects compare them), the one the engine runs: without it
+    where it ran and takes under 1% off the steps' peak (``stood_down`` names what it takes off)."""
+    kept = second_simulation_bytes(accelerator or get_accelerator().name, _compute_dtype_name(load_config(config)))
+    peak = budget.steps_peak_bytes
+    effect = off.steps_peak_bytes - peak
+    recompute_ran = resolved_cfg.zeroplus.resize_recompute.enabled is True  # (left unset: resolved on)
+    for run in (off, budget):
+        for phase in PHASES[1:]:
+            run.phases[phase]["runtime"] = run.phases[phase].get("runtime", 0) + kept
+            run.phases[phase]["total"] += kept
+    if recompute_ran and not recompute_pays(effect, peak):
+        off.stood_down = {**off.stood_down, RECOMPUTE: effect}
+        return off
+    return budget
+
+
 def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dict[str, Any] | str | ZeroplusConfig, *,
              world_size: int, rank: int = 0, micro_batch_size: int | None = None, seq_len: int | None = None,
              example_inputs: tuple[Any, ...] | None = None, example_kwargs: dict[str, Any] | None = None,
@@ -218,19 +237,8 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
             return off
     budget, resolved_cfg = _estimate(model, config, example_inputs=example_inputs, example_kwargs=example_kwargs,
                                      construction=construction, **common)
-    if deciding:  # two simulations at the first forward: the second's residue from there on
-        kept = second_simulation_bytes(accelerator or get_accelerator().name, _compute_dtype_name(load_config(config)))
-        peak = budget.steps_peak_bytes
-        effect = off.steps_peak_bytes - peak
-        recompute_ran = resolved_cfg.zeroplus.resize_recompute.enabled is True  # (left unset: resolved on)
-        chosen = off if recompute_ran and not recompute_pays(effect, peak) else budget
-        for run in (off, budget):  # (both: the effects compare them)
-            for phase in PHASES[1:]:
-                run.phases[phase]["runtime"] = run.phases[phase].get("runtime", 0) + kept
-                run.phases[phase]["total"] += kept
-        if chosen is off:
-            off.stood_down = {**off.stood_down, RECOMPUTE: effect}
-            return off
+    if deciding and _recompute_chosen(off, budget, resolved_cfg, accelerator, config) is off:
+        return off
     if effects:
         def measure() -> dict[str, int]:
             return {technique: without(technique).training_peak_bytes - budget.training_peak_bytes

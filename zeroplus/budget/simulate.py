@@ -324,10 +324,7 @@ def simulate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     ``initialize``: each rank holds its chunk of every parameter, which ``initialize`` gathers into the
     flat buffers one parameter at a time).
     """
-    if construction not in CONSTRUCTIONS:
-        raise ValueError(f"construction must be one of {CONSTRUCTIONS}, got {construction!r}")
-    if seq_len is None and example_inputs is None and not example_kwargs:
-        raise ValueError("give seq_len or example_inputs: activations depend on the input shape")
+    _check_request(construction, seq_len, example_inputs, example_kwargs)
     cfg = _config_to_simulate(config, micro_batch_size)
     ledger = Ledger()
     tracker = MemoryTracker(ledger, workspace)
@@ -359,11 +356,10 @@ def simulate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
         engine = build_engine(meta_model, resolved(cfg), groups.zero, MetaAccelerator(), 0,
                               ledger=ledger, simulated=tracker, parallel=groups)
         tracker.runtime = runtime[0]
-        mbs = int(engine.train_micro_batch_size_per_gpu())
         if example_inputs is not None or kwargs or seq_len is None:  # (seq_len None: refused without them)
             inputs = _meta(tuple(example_inputs or ()), memo)
         else:
-            inputs = token_inputs(meta_model, mbs, seq_len)
+            inputs = token_inputs(meta_model, int(engine.train_micro_batch_size_per_gpu()), seq_len)
         if pipeline is not None:
             _simulate_pipeline(engine, tracker, pipeline, steps, runtime[1])
         else:
@@ -372,6 +368,14 @@ def simulate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
         _save(engine, tracker)
         engine.destroy()
     return tracker, engine.config
+
+
+def _check_request(construction: str, seq_len: int | None, example_inputs: tuple[Any, ...] | None,
+                   example_kwargs: dict[str, Any] | None) -> None:
+    if construction not in CONSTRUCTIONS:
+        raise ValueError(f"construction must be one of {CONSTRUCTIONS}, got {construction!r}")
+    if seq_len is None and example_inputs is None and not example_kwargs:
+        raise ValueError("give seq_len or example_inputs: activations depend on the input shape")
 
 
 def _config_to_simulate(config: dict[str, Any] | str | ZeroplusConfig, micro_batch_size: int | None
