@@ -1,4 +1,4 @@
-"""Benchmark: training time blocked per checkpoint save, synchronous against asynchronous (issue 39 item 3).
+"""Benchmark: training time blocked per checkpoint save, synchronous against asynchronous.
 
 GPT 111M, ``--nproc`` ranks of one thread each (default 2; torchrun, gloo, CPU), fp32 AdamW at the given ZeRO
 stage: a few steps, then ``--saves`` rounds of (one synchronous save, a step, one asynchronous save, a step),
@@ -6,7 +6,7 @@ each save into a directory of its own on local disk. Per round: the seconds ``sa
 over ranks); for the asynchronous one the call plus what the next step took beyond the step after the
 synchronous save (the state is copied while that step's forward and backward run, and its optimizer step waits
 for the copy), and the seconds until it was committed (``wait_for_checkpoint`` after the step). Prints the
-medians and the ratio async / sync of the blocked time (issue 39's target: <= 0.10).
+medians and the ratio async / sync of the blocked time (the target: <= 0.10).
 
     python bench/bench_checkpoint.py                 # ZeRO-2, 3 rounds
     python bench/bench_checkpoint.py --stage 3 --saves 5

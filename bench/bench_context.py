@@ -16,8 +16,8 @@ micro-batch above its resident memory just before it, with glibc returning freed
 (``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_``), the largest over the ranks: the model states,
 gradient buffers included (made by the first micro-batch, accumulated into by the second), are
 resident then, so the peak is what the activations and the compute's temporaries add. The first
-micro-batch's peak, which also makes the gradient buffers, is printed apart. Target (issue
-21): at C ranks at most 1.15 / C of the single-process peak at the same total sequence; the tiled
+micro-batch's peak, which also makes the gradient buffers, is printed apart. Target:
+at C ranks at most 1.15 / C of the single-process peak at the same total sequence; the tiled
 loss removes the vocabulary-sized logits (``4 * s * V`` bytes and their gradient) from the peak.
 Also printed: the part of the peak that grows with the sequence (MiB per 1024 tokens between the two
 longest lengths run), whose ratio to the single process's leaves out what every rank holds whatever

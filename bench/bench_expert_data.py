@@ -1,4 +1,4 @@
-"""Benchmark: the expert-data mode against experts replicated over tensor ranks (issue 43 item 4), 4 CPU ranks.
+"""Benchmark: the expert-data mode against experts replicated over tensor ranks, 4 CPU ranks.
 
 A ``TensorParallelGPT`` with mixture-of-experts MLPs (d 256, 8 heads, 4 layers, vocabulary 4096, 8 experts
 top-2, capacity factor 1.25; micro-batch 4 x 128), ZeRO-2, fp32, on 4 gloo ranks in three layouts:

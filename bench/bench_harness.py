@@ -1,6 +1,6 @@
 """Benchmark: ZeRO-3 memory as a user's own script measures it, zeroplus against FSDP2 and DeepSpeed.
 
-Issue 41's harness, rebuilt from its description: a GPT a user writes (``nn.Linear``, ``LayerNorm``,
+A user's harness, rebuilt from their description: a GPT a user writes (``nn.Linear``, ``LayerNorm``,
 PyTorch's SDPA, ``F.cross_entropy``; 12 layers, d 768, vocabulary 16384, head untied: 111M parameters),
 2 gloo ranks, micro-batch 1, sequence 64, glibc returning freed memory, the per-rank peak resident
 memory above the process just before the model is built. Unlike ``bench_zero.py`` (zeroplus's own GPT;

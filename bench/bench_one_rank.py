@@ -1,4 +1,4 @@
-"""Benchmark: the engine's own time at one rank, in one process, against the plain module (issue 41 item 2).
+"""Benchmark: the engine's own time at one rank, in one process, against the plain module.
 
 One process, world size 1 (gloo on the CPU, NCCL on ``--device cuda``): the plain module with torch's fused
 AdamW and one zeroplus engine per ``--variants`` entry (each a JSON object merged into the config's zeroplus

@@ -1,4 +1,4 @@
-"""Benchmark: what one steady training step asks of a GPU, counted without one (issue 75 item 5).
+"""Benchmark: what one steady training step asks of a GPU, counted without one.
 
 Each row is a torchrun launch of ``bench_worker.py --count-ops``: a few steps of the GPT (default ``small``: 4
 layers, width 128, fp32, micro-batch 1 x 64), the last under ``bench_worker.StepCensus``, which counts at torch's

@@ -1,4 +1,4 @@
-"""Benchmark: zeroplus at two (or more) ranks against DDP, in one launch, steps interleaved (issue 41 item 2).
+"""Benchmark: zeroplus at two (or more) ranks against DDP, in one launch, steps interleaved.
 
 ``bench_scaling.py`` launches every row on its own, and launches of one configuration differ here by up to 40% (a
 shared host): more than the differences it looks for. This script builds DDP (the plain module under

@@ -1,4 +1,4 @@
-"""The budget in a user's process (issue 37): the Hugging Face runs the issue measured, in fresh processes
+"""The budget in a user's process: the Hugging Face runs a user measured, in fresh processes
 launched as a user launches them (torchrun, 2 gloo ranks, no ``MALLOC_*`` variables: glibc returns freed memory
 because ``import zeroplus`` sets it so, see note: host allocator), a tiny Llama in place of the small one.
 

@@ -1,4 +1,4 @@
-"""A budget for every shape of config (issue 37): a client optimizer (what the Trainer hands over with a
+"""A budget for every shape of config: a client optimizer (what the Trainer hands over with a
 config that has no ``optimizer`` block) is predicted as the config block that builds one like it, with its
 hyper-parameters (SGD's momentum decides whether it keeps a state); one the budget cannot size is named in
 a warning, and training goes on.

@@ -94,7 +94,7 @@ def test_trainer_runs_unchanged_resumes_and_matches_deepspeed(tmp_path, template
     for key in ("loss", "grad_norm"):
         assert ours["first"][key] == pytest.approx(theirs["first"][key], rel=1e-5), key
     assert _resumed_steps(ours) == pytest.approx(_resumed_steps(theirs), rel=1e-5)
-    if stage == 2:  # DeepSpeed's own checkpoint-2 resumed under zeroplus, the launch line changed (issue 39 item 5)
+    if stage == 2:  # DeepSpeed's own checkpoint-2 resumed under zeroplus, the launch line changed
         carried, _ = _trainer(on_zeroplus, tmp_path, "carried", hf_template(template, True), stage == 3,
                               ("--resume-only", str(tmp_path / "deepspeed" / "checkpoint-2")))
         assert _resumed_steps(carried) == pytest.approx(_resumed_steps(theirs), rel=1e-5)
@@ -123,7 +123,7 @@ def test_trainer_torch_compile_compiles_the_engine_and_trains_as_eager(tmp_path,
 # keep it under 15 minutes; the Trainer at ZeRO-2 is the test above).
 @pytest.mark.parametrize("template", ["hf_zero3_template"])
 def test_trainer_trains_a_lora_adapter_saves_resumes_and_matches_deepspeed(tmp_path, template):
-    """PEFT LoRA under the Trainer (issue 36): the Trainer saves adapter checkpoints with
+    """PEFT LoRA under the Trainer: the Trainer saves adapter checkpoints with
     ``save_checkpoint(exclude_frozen_parameters=True)`` (refused before) and resumes with
     ``load_checkpoint(load_module_strict=False)``; the resumed steps equal the uninterrupted ones bit for
     bit, the checkpoint holds no frozen parameter, the losses and the saved adapter equal DeepSpeed's
@@ -158,7 +158,7 @@ def test_trainer_trains_a_lora_adapter_saves_resumes_and_matches_deepspeed(tmp_p
 
 
 def test_trainer_trains_a_qlora_adapter_over_a_partitioned_4bit_base_as_deepspeed_does(tmp_path):
-    """QLoRA under the Trainer at ZeRO-3 (issue 36): a base loaded in 4 bits (bitsandbytes' NF4 on its CPU
+    """QLoRA under the Trainer at ZeRO-3: a base loaded in 4 bits (bitsandbytes' NF4 on its CPU
     backend) with a LoRA adapter; zeroplus partitions the packed weights (``zeroplus/zero/quantized.py``),
     DeepSpeed keeps them whole. Adapter checkpoints, a bit-exact resume, losses and gradient norms equal
     DeepSpeed's within 1e-5 relative, and the saved adapter within 1e-5 absolute (measured 3e-6 on one

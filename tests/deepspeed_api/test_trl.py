@@ -1,4 +1,4 @@
-"""TRL's trainers, unchanged, on zeroplus's DeepSpeed API and on DeepSpeed (issue 36).
+"""TRL's trainers, unchanged, on zeroplus's DeepSpeed API and on DeepSpeed.
 
 ``scripts/trl_train.py`` trains a tiny Qwen2 4 steps on 2 gloo ranks with the Hugging Face ZeRO-3
 template (DeepSpeed's without optimizer offload and with ``torch_adam``, which it needs on a

@@ -202,7 +202,7 @@ def test_two_devices_run_the_native_collectives_at_every_stage(tmp_path):
 
 
 def test_the_breakdown_times_with_device_events_and_the_profiler_finds_the_peak():
-    """Issue 40 on a device: ``wall_clock_breakdown`` reads device events (every timer positive, ``bwd_inner`` the
+    """On a device: ``wall_clock_breakdown`` reads device events (every timer positive, ``bwd_inner`` the
     rest of ``bwd``), and the FLOPs profiler counts the step and takes the device's peak from its table (a known
     GPU) or, for an unknown one, says to set ``zeroplus.peak_tflops``."""
     cfg = _config(3, zp={"memory_estimate": False})
@@ -251,7 +251,7 @@ def _llama(fused: bool | str, dtype: str = "fp32") -> dict:
 
 
 def test_fused_operators_train_a_llama_as_eager_does_on_the_device():
-    """Issue 41 item 4 on a device: ``zeroplus.fused_ops`` (the lean RMSNorm and SwiGLU, which make eager's graph
+    """On a device: ``zeroplus.fused_ops`` (the lean RMSNorm and SwiGLU, which make eager's graph
     again in backward) trains a tiny Hugging Face Llama in bf16 to the same losses and weights as without it,
     bit for bit (the same kernels run; only what is kept for backward differs)."""
     _same(_llama(False, "bf16"), _llama(True, "bf16"), "fused operators against eager")
@@ -279,7 +279,7 @@ def test_fused_kernels_train_within_fp32_rounding_of_eager_on_the_device(choice:
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_one_rank_steps_as_the_plain_module_with_fused_adamw_on_the_device(stage: int):
-    """Issue 41 item 2 on a device: one rank in fp32 keeps autograd's gradients and steps torch's fused AdamW over
+    """On a device: one rank in fp32 keeps autograd's gradients and steps torch's fused AdamW over
     per-parameter views (``zero/direct_step.py``), so it trains as the plain module with
     ``torch.optim.AdamW(fused=True)`` on the device, bit for bit (no clipping)."""
     import copy

@@ -1,4 +1,4 @@
-"""Asynchronous saves (issue 39 item 3): ``save_checkpoint(..., async_save=True)``.
+"""Asynchronous saves: ``save_checkpoint(..., async_save=True)``.
 
 Covers, on 2 gloo ranks at ZeRO-2 and 3: the save returns, training goes on, and the committed checkpoint holds
 exactly what a synchronous save at the same point holds (every tensor of every rank file bitwise), although

@@ -61,7 +61,7 @@ def test_zeroplus_train_main_job_learns(tmp_path):
     summary = json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
     assert summary["steps"] == 40 and summary["final_loss"] < 4.6  # uniform over bytes: 5.55; measured 4.2
     assert "per-rank peak memory" in out.stdout
-    split = [line for line in out.stdout.splitlines() if line.startswith("time per step (ms")]  # issue 40 item 6
+    split = [line for line in out.stdout.splitlines() if line.startswith("time per step (ms")]
     assert split and "fwd " in split[0] and "reduce wait" in split[0] and "MFU " in split[0], out.stdout[-2000:]
     assert out.stdout.count("\n  0 ") + out.stdout.count("\n  1 ") >= 2  # both ranks' rows
     assert (save / "latest").read_text() == "global_step40"
@@ -99,6 +99,6 @@ def test_zeroplus_train_with_context_parallelism(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "2 ranks = data 1 x context 2" in out.stdout
     written = sorted(f.name.split(".")[0] for f in traces.iterdir() if f.name.endswith(".pt.trace.json"))
-    assert written == ["rank0", "rank1"], written  # --profile: each rank's torch.profiler trace (issue 40)
+    assert written == ["rank0", "rank1"], written  # --profile: each rank's torch.profiler trace
     summary = json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
     assert summary["steps"] == 20 and summary["final_loss"] < 5.2  # uniform over bytes: 5.55; measured 4.9

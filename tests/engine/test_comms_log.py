@@ -1,4 +1,4 @@
-"""Where the time and the bytes go (issue 40 items 1-2): ``comms_logger`` and ``wall_clock_breakdown``.
+"""Where the time and the bytes go: ``comms_logger`` and ``wall_clock_breakdown``.
 
 A stack of ``ParityBlock`` s (no embedding, no frozen layer: every byte is the dense theory's) trains on 2
 gloo ranks with both on. The communication log's bytes per optimizer step in the data group equal the theory

@@ -1,4 +1,4 @@
-"""torch.distributed.checkpoint both ways against a real FSDP2 run (issue 39 item 2).
+"""torch.distributed.checkpoint both ways against a real FSDP2 run.
 
 FSDP2 (``fully_shard`` per block and root, torch's AdamW) trains a tiny GPT-2 two steps on 2 gloo ranks and
 saves the way FSDP2 resumes (``get_state_dict``, ``dcp.save``); zeroplus at ZeRO-3 trains the same two

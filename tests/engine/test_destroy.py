@@ -1,4 +1,4 @@
-"""``engine.destroy()`` gives the model back (issue 38, item 2).
+"""``engine.destroy()`` gives the model back.
 
 The issue's case, a tiny Hugging Face Llama at ZeRO-3 on 2 gloo ranks, then the memory techniques on one
 rank: after ``destroy()`` no hook the engine added is left on the model (forward, forward-pre,

@@ -1,4 +1,4 @@
-"""When it goes wrong (issue 40 item 5): an out-of-memory error leaves the rank's memory state in a file.
+"""When it goes wrong: an out-of-memory error leaves the rank's memory state in a file.
 
 In one process, at ZeRO-3, a model whose second block asks the CPU allocator for 128 TiB in its forward (a
 real allocation failure, not a raised stand-in) trains under the engine: the ``RuntimeError`` keeps its type

@@ -1,4 +1,4 @@
-"""FLOPs and MFU (issue 40 item 3): ``"flops_profiler"``.
+"""FLOPs and MFU: ``"flops_profiler"``.
 
 In one process, a stack of three bias-free ``Linear`` layers trains with the profiler on. The FLOPs torch's
 counter saw on the real step equal the textbook count of its matrix products (each layer's forward ``2 T i o``

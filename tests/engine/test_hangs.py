@@ -113,7 +113,7 @@ def test_a_stalled_rank_ends_the_others_in_time(what, tmp_path):
     assert rank0["error"] is not None and rank0["error"].startswith("CollectiveError"), rank0
     assert "rank 1 did not arrive" in rank0["error"] and "collective timeout 3 s" in rank0["error"], rank0
     assert rank0["seconds"] < TIMEOUT_S + ROLL_CALL_SECONDS + 3, rank0
-    # what rank 0 was doing, in the file the error names: its phase, the collective, its stacks (issue 40)
+    # what rank 0 was doing, in the file the error names: its phase, the collective, its stacks
     dump = rank0["dump"]
     phase = {"backward": "backward", "save": "checkpoint save", "load": "checkpoint load"}[what]
     assert dump and f"engine phase: {phase}" in dump and "collective: " in dump and "Python stacks" in dump, dump

@@ -1,4 +1,4 @@
-"""Exports people carry (issue 39): Hugging Face (``zeroplus convert CKPT OUT --format hf``, ``engine.save_pretrained``)
+"""Exports people carry: Hugging Face (``zeroplus convert CKPT OUT --format hf``, ``engine.save_pretrained``)
 and ``torch.distributed.checkpoint`` (``--format dcp``).
 
 A tiny GPT-2 (tied head) trained 2 steps at ZeRO-3 on 2 gloo ranks, then exported with a small
@@ -126,7 +126,7 @@ def test_a_sharded_hugging_face_export_loads_with_from_pretrained_and_equals_the
     half = _loaded(os.path.join(root, "live-bf16"), torch.bfloat16)
     for key, value in masters.items():
         assert half[key].dtype == torch.bfloat16 and torch.equal(half[key], value.to(torch.bfloat16)), key
-    # torch.distributed.checkpoint: what 2 zeroplus ranks saved, FSDP2 on one rank loads (issue 39 item 2, out)
+    # torch.distributed.checkpoint: what 2 zeroplus ranks saved, FSDP2 on one rank loads (leaving zeroplus)
     done = subprocess.run([sys.executable, "-m", "zeroplus.cli", "convert", os.path.join(root, "ckpt"),
                            os.path.join(root, "dcp"), "--format", "dcp"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

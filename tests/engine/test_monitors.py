@@ -1,4 +1,4 @@
-"""Monitors (issue 40 item 4): ``"tensorboard"``, ``"csv_monitor"``, ``"wandb"`` (offline), and a missing package.
+"""Monitors: ``"tensorboard"``, ``"csv_monitor"``, ``"wandb"`` (offline), and a missing package.
 
 Two gloo ranks train 4 steps at ZeRO-2 with TensorBoard, CSV and Weights & Biases (offline) on, and the
 breakdown and the FLOPs profiler too, ``steps_per_print`` 2. Read back with TensorBoard's own reader: rank 0's

@@ -1,4 +1,4 @@
-"""``engine.offload_states()`` / ``reload_states()`` (issue 36; RL frameworks free the device between
+"""``engine.offload_states()`` / ``reload_states()`` (RL frameworks free the device between
 steps this way), on 2 gloo ranks at stages 1 and 3, fp32 and bf16.
 
 After two steps the optimizer states, masters and parameters leave the device: the ledger shows their

@@ -1,4 +1,4 @@
-"""The docs a newcomer walks (issue 38, item 6): a short README that links to pages by topic, every link
+"""The docs a newcomer walks: a short README that links to pages by topic, every link
 landing on a file and heading that exist, and every module named in the architecture map."""
 from __future__ import annotations
 
@@ -82,12 +82,12 @@ def test_every_note_cited_names_a_design_note():
     assert sorted(names - set(cited)) == []
 
 
-WORK_ROUND = re.compile(r"\bsessions?(?:\s|#)+[0-9]", re.IGNORECASE)  # across a line break and a comment's #
+WORK_ROUND = re.compile(r"\b(?:sessions?|issues?)(?:\s|#)+[0-9]", re.IGNORECASE)  # across a line break and a #
 
 
 def test_no_text_names_a_work_round():
     """The project speaks of itself by dates and commits: no code, test, benchmark or document names the work
-    round that produced it (the word session and its number)."""
+    round that produced it (the word session or issue and its number)."""
     found = []
     for top in ("zeroplus", "engine", "offload", "kernels", "tests", "tools", "bench", "docs", "configs"):
         for folder, _, files in os.walk(os.path.join(ROOT, top)):

@@ -1,5 +1,5 @@
 """An engine without an optimizer (TRL's reference model: ``deepspeed.initialize(model, config)`` with no
-optimizer anywhere) and each parameter's ``ds_status`` (issue 36), on 2 gloo ranks.
+optimizer anywhere) and each parameter's ``ds_status``, on 2 gloo ranks.
 
 Forward-only: the outputs equal the plain model's, no byte of gradient, master or optimizer state is
 allocated, and ``backward()``/``step()`` are errors on every rank naming why. ``ds_status``: what TRL's

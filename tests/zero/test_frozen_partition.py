@@ -1,4 +1,4 @@
-"""Frozen parameters at ZeRO-3 (issue 36): a LoRA model's base is partitioned in the compute dtype, with
+"""Frozen parameters at ZeRO-3: a LoRA model's base is partitioned in the compute dtype, with
 no gradient, master or optimizer state, and trains as the plain PEFT model does.
 
 PEFT LoRA (rank 4 on every projection) over a tiny Hugging Face Llama, 2 gloo ranks, fp32, AdamW,

@@ -1,4 +1,4 @@
-"""Hugging Face mixture-of-experts models at ZeRO-3, each rank's tokens routed to other experts (issue 36).
+"""Hugging Face mixture-of-experts models at ZeRO-3, each rank's tokens routed to other experts.
 
 Under DeepSpeed's ZeRO-3 a rank whose tokens skip an expert never gathers that expert's parameters,
 and the other rank waits for it: users mark each MoE block class with ``set_z3_leaf_modules`` by

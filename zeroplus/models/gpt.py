@@ -56,7 +56,7 @@ _SIZES = {
     "tiny": dict(n_layer=2, n_head=2, n_embd=64),
     "small": dict(n_layer=4, n_head=4, n_embd=128),
     "medium": dict(n_layer=6, n_head=6, n_embd=384),
-    "28m": dict(n_layer=12, n_head=6, n_embd=384, vocab_size=16384, block_size=1024),  # issue 41's activation regime
+    "28m": dict(n_layer=12, n_head=6, n_embd=384, vocab_size=16384, block_size=1024),  # activations dominate
     "111m": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=32000, block_size=1024),
 }
 
