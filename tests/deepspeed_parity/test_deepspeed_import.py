@@ -2,7 +2,8 @@
 
 DeepSpeed trains 2 steps, saves, and trains 2 more; zeroplus (same JSON config) loads the checkpoint and
 trains the same 2 steps: the stage-2 one after ``zeroplus convert --from-deepspeed``, the stage-3 one straight
-from DeepSpeed's directory (``load_checkpoint`` imports it beside itself and removes the import after), with ``latest`` and, from a copy without it, by its only tag.
+from DeepSpeed's directory (``load_checkpoint`` imports it beside itself and removes the import after),
+with ``latest`` and, from a copy without it, by its only tag.
 The fp32 masters after loading equal DeepSpeed's own consolidation (``zero_to_fp32``) bitwise,
 the step counter is kept, and the continued losses match DeepSpeed's: 1e-6 relative in fp32 (stage
 3), 1e-2 in bf16 (stage 2). (Stage 1 writes the same file format as stage 2; stage 3 in bf16 was
