@@ -1,8 +1,9 @@
 """What ``initialize`` changes on the model besides hooks, recorded before and given back by ``destroy``.
 
 The memory techniques and the parallel layouts replace forwards on module instances (fused operators,
-tiled MLPs and losses, a Hugging Face model's context-parallel forward) and set attributes (the tile sizes,
-zeroplus's GPT's ``config.loss_tile_tokens``, a Hugging Face config's attention implementation).
+tiled MLPs and losses, a Hugging Face model's context-parallel forward and its training forward without the KV
+cache) and set attributes (the tile sizes, the training cache's flag, zeroplus's GPT's ``config.loss_tile_tokens``,
+a Hugging Face config's attention implementation).
 ``remember(model)`` notes each of these as it is (or its absence) on every module; the callable it returns
 puts them back, so a model initialized again with other settings runs as built. Memory: a few references per
 module.
@@ -13,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-_INSTANCE = ("forward", "_zeroplus_tiled", "_zeroplus_loss_tiles")  # set on the module instances
+_INSTANCE = ("forward", "_zeroplus_tiled", "_zeroplus_loss_tiles", "_zeroplus_no_training_cache")  # on the instances
 _CONFIG = ("loss_tile_tokens", "_attn_implementation")  # set on a model's config
 _ABSENT = object()
 

@@ -51,7 +51,8 @@ def _train(engine, steps: int) -> list[float]:
 def _patched(model: torch.nn.Module) -> list[str]:
     """Modules with an instance forward or a tile size set on them, and the config's settings the engine changes."""
     names = [n for n, m in model.named_modules()
-             if any(k in vars(m) for k in ("forward", "_zeroplus_tiled", "_zeroplus_loss_tiles"))]
+             if any(k in vars(m) for k in ("forward", "_zeroplus_tiled", "_zeroplus_loss_tiles",
+                                           "_zeroplus_no_training_cache"))]
     return names + [f"attn {model.config._attn_implementation}"]
 
 
