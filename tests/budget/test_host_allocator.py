@@ -98,6 +98,25 @@ def test_keep_is_said_beside_the_prediction_and_a_bad_value_is_named():
     assert done.returncode != 0 and "ZEROPLUS_HOST_ALLOCATOR='sometimes'" in done.stderr
 
 
+def test_a_users_threshold_above_zeroplus_is_said_beside_the_prediction():
+    """A process started with ``MALLOC_*`` variables keeps them; where they leave an mmap threshold above zeroplus's
+    32 KiB (set, or glibc's own 128 KiB where only the trim threshold is set) the prediction says so; at or under
+    32 KiB it says nothing."""
+    program = "import zeroplus.host_allocator as h; print(h.settle(h.mode_from_env()), h.caveat())"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    said = {}
+    for name, env in {"above": {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"},
+                      "trim only": {"MALLOC_TRIM_THRESHOLD_": "32768"},
+                      "at ours": {"MALLOC_MMAP_THRESHOLD_": "32768", "MALLOC_TRIM_THRESHOLD_": "32768"}}.items():
+        done = subprocess.run([sys.executable, "-c", program], env={**base, **env, "ZEROPLUS_ACCELERATOR": "cpu"},
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        said[name] = done.stdout.strip()
+    assert said["above"].startswith("user ") and "MALLOC_MMAP_THRESHOLD_=131072" in said["above"], said
+    assert "under 128 KiB" in said["above"] and "glibc's own mmap threshold" in said["trim only"], said
+    assert said["at ours"] == "user None", said
+
+
 def _matrix():
     spec = importlib.util.spec_from_file_location("bench_matrix", os.path.join(ROOT, "bench", "bench_matrix.py"))
     module = importlib.util.module_from_spec(spec)

@@ -318,7 +318,8 @@ def caveats(kind: str, dtype: str, routed: int) -> list[str]:
     the plain Hugging Face Mixtral ``small`` in one process: 722 -> 912 MiB over 24 steps at 1 x 64, with or
     without zeroplus; both capacities at their least, 0 and 1, keep it flat at twice the step time; 256 each
     stops it about 110 MiB up at 1.35 times; 2026-12-03). fp32 and accelerators: none measured. On CPU,
-    ``ZEROPLUS_HOST_ALLOCATOR=keep`` leaves what glibc keeps out (``host_allocator.caveat``)."""
+    ``ZEROPLUS_HOST_ALLOCATOR=keep``, and a process's own ``MALLOC_*`` variables with an mmap threshold above
+    zeroplus's, leave what glibc keeps out (``host_allocator.caveat``)."""
     found = []
     if routed and kind == "cpu" and dtype == "bf16":
         found.append("experts' batch sizes change with the routing every step, and in bf16 on CPU oneDNN and "
