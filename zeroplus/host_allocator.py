@@ -125,11 +125,12 @@ def caveat() -> str | None:
         except ValueError:
             threshold = GLIBC_MMAP_THRESHOLD
         if threshold > THRESHOLD:
-            said = f"MALLOC_MMAP_THRESHOLD_={given}" if given is not None else "glibc's own mmap threshold"
-            return (f"the process's {said} puts freed blocks under {threshold // 1024} KiB in the heap, where they "
-                    f"stay resident while a live block sits above them, beyond the prediction (the 111M GPT with its "
-                    f"own classes, bf16, 2 ranks, at 128 KiB: -5.2%); without MALLOC_* variables zeroplus sets "
-                    f"{THRESHOLD // 1024} KiB (see note: host allocator)")
+            said = (f"MALLOC_MMAP_THRESHOLD_={given}" if given is not None
+                    else "glibc's own mmap threshold (rising with freed blocks up to 32 MiB)")
+            return (f"the process's {said} serves blocks under {threshold // 1024} KiB from the heap, where a freed "
+                    f"one stays resident while a live one sits above it: the measured peak can exceed this "
+                    f"prediction by them (the 111M GPT with its own classes, bf16, 2 ranks, at 128 KiB: -5.2%); "
+                    f"without MALLOC_* variables zeroplus sets {THRESHOLD // 1024} KiB (see note: host allocator)")
     return None
 
 
