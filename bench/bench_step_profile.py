@@ -13,7 +13,6 @@ model's step is host work; the two tables say which calls the engine adds (docs/
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
@@ -24,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_worker import adamw, ds_config  # noqa: E402
+from bench_worker import adamw, ds_config, plain_step  # noqa: E402
 
 import zeroplus  # noqa: E402
 from zeroplus.accelerator import get_accelerator  # noqa: E402
@@ -76,21 +75,10 @@ def main() -> None:
         torch.manual_seed(0)
         return GPT(gpt_config(args.model, block_size=max(64, args.seq))).to(device)
 
-    def plain_row() -> None:  # (its model and optimizer freed on return)
-        plain = model()
-        opt = adamw(plain)
-
-        def plain_step(x: torch.Tensor) -> None:
-            autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else None
-            with autocast or contextlib.nullcontext():
-                loss = plain(x, x)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        profile("plain + fused AdamW", plain_step, args, device)
-
-    plain_row()
+    plain = model()  # bench_worker's plain row: clipping to 1.0, fused AdamW, autocast in bf16
+    profile("plain + fused AdamW", plain_step(plain, plain, adamw(plain),
+                                              autocast=torch.bfloat16 if args.dtype == "bf16" else None), args, device)
+    del plain
     for stage in (int(s) for s in args.stages.split(",")):
         cfg = ds_config(stage, 1, args.dtype)
         cfg["zeroplus"]["memory_estimate"] = False

@@ -29,13 +29,16 @@ def assemble_activations(model: torch.nn.Module, cfg: ResolvedConfig, ledger: Le
                          scope: list[torch.nn.Module], compiled: bool
                          ) -> tuple[SavedTensorRouter, dict[str, TechniqueChoice]]:
     """The activation techniques (``activation_techniques``) and the engine's choices (what runs, the engine's to
-    change: see note: frozen config). The forwards and settings the techniques change are given back by ``destroy``,
-    or at once where one of them is refused after another changed them."""
+    change: see note: frozen config). The forwards and settings the techniques change are given back by ``destroy``;
+    where one of them is refused after others were made, at once, with the hooks of those made before it."""
     as_built = remember(model)
     choices = technique_choices(cfg)
+    claimers: list[Any] = []
     try:
-        router = activation_techniques(model, cfg, ledger, accel, context, scope, compiled, choices)
+        router = activation_techniques(model, cfg, ledger, accel, context, scope, compiled, choices, claimers)
     except BaseException:
+        for claimer in claimers:
+            claimer.remove()
         as_built()
         raise
     router.undo.append(as_built)
@@ -44,24 +47,13 @@ def assemble_activations(model: torch.nn.Module, cfg: ResolvedConfig, ledger: Le
 
 def activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: Ledger,
                            accel: Accelerator, context: int, scope: list[torch.nn.Module],
-                           compiled: bool, choices: dict[str, TechniqueChoice]) -> SavedTensorRouter:
+                           compiled: bool, choices: dict[str, TechniqueChoice],
+                           claimers: list[Any]) -> SavedTensorRouter:
     """Resize recompute and swap attention (through one saved-tensor router), the tiles of
     ``zeroplus.tiled`` (``context``: ranks sharing each sequence), and the settings of
     ``zeroplus.checkpointing`` from the ``activation_checkpointing`` block. ``compiled``: the model runs compiled
-    from the start (no late mode: its hook on the last block would break a whole-model graph). A refusal takes the
-    hooks of the techniques made before it off the model (the caller gives the replaced forwards back)."""
-    claimers: list[Any] = []
-    try:
-        return _techniques(model, cfg, ledger, accel, context, scope, compiled, choices, claimers)
-    except BaseException:
-        for claimer in claimers:
-            claimer.remove()
-        raise
-
-
-def _techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: Ledger, accel: Accelerator, context: int,
-                scope: list[torch.nn.Module], compiled: bool, choices: dict[str, TechniqueChoice],
-                claimers: list[Any]) -> SavedTensorRouter:
+    from the start (no late mode: its hook on the last block would break a whole-model graph). Each claimer is
+    added to ``claimers`` as it is made (the caller takes its hooks off if a later technique is refused)."""
     zp, ac = cfg.zeroplus, cfg.activation_checkpointing
     tier = None
     if zp.swap_attention.enabled or ac.cpu_checkpointing:
