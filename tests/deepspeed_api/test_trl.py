@@ -10,7 +10,7 @@ engine's stage-3 hooks through ``optimizer.parameter_offload`` as it does DeepSp
 AttributeError before). The logged losses, gradient norms and DPO's and GRPO's rewards must equal
 DeepSpeed's: losses and norms within 1e-5 relative, rewards (beta times a difference of two
 log-probabilities near -25) within 1e-6 absolute. Measured: gradient norms to 1e-8 relative,
-rewards to 5e-8.
+rewards to 5e-8. The three trainers run in turn in one launch per engine (``--jobs``).
 """
 from __future__ import annotations
 
@@ -22,30 +22,44 @@ import pytest
 from tests.deepspeed_api.launch import hf_template, on_deepspeed, on_zeroplus
 
 pytest.importorskip("trl")
+pytestmark = pytest.mark.xdist_group("trl")  # one worker: the two launches are shared
 
 
+TRAINERS = ("dpo", "sft", "grpo")
 
 
-def _run(launch, tmp_path: pathlib.Path, name: str, trainer: str, config: dict) -> dict:
-    path = tmp_path / f"{name}.json"
+def _runs(launch, root: pathlib.Path, name: str, config: dict) -> dict[str, dict]:
+    """Every trainer in one launch of ``trl_train.py --jobs`` (one launch's imports for all): each one's result."""
+    path = root / f"{name}.json"
     path.write_text(json.dumps(config))
-    out = tmp_path / f"{name}-result.json"
-    launch("trl_train.py", ["--trainer", trainer, "--deepspeed", str(path), "--output_dir", str(tmp_path / name),
-                            "--out", str(out)])
-    return json.loads(out.read_text())
+    jobs = [["--trainer", trainer, "--deepspeed", str(path), "--output_dir", str(root / f"{name}-{trainer}"),
+             "--out", str(root / f"{name}-{trainer}-result.json")] for trainer in TRAINERS]
+    (root / f"{name}-jobs.json").write_text(json.dumps(jobs))
+    launch("trl_train.py", ["--jobs", str(root / f"{name}-jobs.json")])
+    return {trainer: json.loads((root / f"{name}-{trainer}-result.json").read_text()) for trainer in TRAINERS}
+
+
+@pytest.fixture(scope="module")
+def zeroplus_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    return _runs(on_zeroplus, tmp_path_factory.mktemp("trl"), "zeroplus", hf_template("hf_zero3_template", False))
+
+
+@pytest.fixture(scope="module")
+def deepspeed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    pytest.importorskip("deepspeed")
+    return _runs(on_deepspeed, tmp_path_factory.mktemp("trl"), "deepspeed", hf_template("hf_zero3_template", True))
 
 
 # ZeRO-3 only: there TRL partitions DPO's reference model too (at ZeRO-2 it stays a plain module; that case, 21 s,
 # was dropped from the suite on 2026-11-25/26 to keep it under 15 minutes).
-@pytest.mark.parametrize("trainer,stage", [("dpo", 3), ("sft", 3), ("grpo", 3)])
-def test_trl_trainer_runs_unchanged_and_matches_deepspeed(tmp_path, trainer, stage):
-    ours = _run(on_zeroplus, tmp_path, "zeroplus", trainer, hf_template(f"hf_zero{stage}_template", False))
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_trl_trainer_runs_unchanged_and_matches_deepspeed(trainer, zeroplus_runs, request):
+    ours = zeroplus_runs[trainer]
     assert ours["engine"] == "zeroplus.deepspeed_api.engine" and len(ours["loss"]) == 4
     if trainer == "dpo":
         assert ours["ref_engine"] == "zeroplus.deepspeed_api.engine.DeepSpeedEngine"
-        assert ours["ref_stage"] == (3 if stage == 3 else 0), "TRL keeps ZeRO-3 for the reference, else stage 0"
-    pytest.importorskip("deepspeed")
-    theirs = _run(on_deepspeed, tmp_path, "deepspeed", trainer, hf_template(f"hf_zero{stage}_template", True))
+        assert ours["ref_stage"] == 3, "TRL keeps ZeRO-3 for the reference"
+    theirs = request.getfixturevalue("deepspeed_runs")[trainer]
     for key in ("loss", "grad_norm"):
         assert ours[key] == pytest.approx(theirs[key], rel=1e-5), key
     assert ours["reward"] == theirs["reward"], "GRPO: the same completions sampled, the same rewards"

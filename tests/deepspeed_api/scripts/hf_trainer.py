@@ -9,6 +9,7 @@ every 2 steps; then a second Trainer on a fresh model resumes from ``checkpoint-
 into shards) and each parameter's sum, read through ``deepspeed.zero.GatheredParameters``, is kept.
 Rank 0 writes each run's logged losses and gradient norms as JSON. ``--torch_compile``: the Trainer's
 own flag (Accelerate then calls ``engine.compile()``); ``--no-resume`` skips the second Trainer.
+``hf_trainer.py --jobs jobs.json``: several such runs in one launch (``script_jobs.py``).
 ``--lora``: the model is a PEFT LoRA model (rank 4 on every attention and MLP projection, the base
 frozen): the Trainer then saves adapter checkpoints (``save_checkpoint(exclude_frozen_parameters=True)``,
 ``adapter_model.safetensors``) and resumes with ``load_checkpoint(load_module_strict=False)``.
@@ -21,7 +22,9 @@ import os
 
 import deepspeed
 import torch
+from script_jobs import run_jobs
 from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainingArguments
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 from transformers.trainer_pt_utils import get_model_param_count
 
 SEQ, VOCAB, STEPS = 16, 128, 4
@@ -80,7 +83,7 @@ def logged(trainer: Trainer) -> dict:
             "grad_norm": [float(r["grad_norm"]) for r in rows]}
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("--deepspeed", required=True)
     parser.add_argument("--output_dir", required=True)
@@ -93,7 +96,11 @@ def main() -> None:
                                                             "run's, DeepSpeed's too)")
     parser.add_argument("--lora", action="store_true", help="train a PEFT LoRA adapter on the frozen model")
     parser.add_argument("--qlora", action="store_true", help="--lora over a 4-bit base (needs --pretrained)")
-    args = parser.parse_args()
+    return parser
+
+
+def job(args: argparse.Namespace) -> None:
+    unset_hf_deepspeed_config()  # an earlier job's ZeRO-3 left on would build the reference below partitioned
     expected, loaded, whole_count = {}, {}, None
     if args.pretrained:  # saved from a model built whole, before the TrainingArguments turn ZeRO-3 on
         reference = model()
@@ -132,6 +139,10 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({"first": first, "resumed": logged(trainer), "expected": expected, "loaded": loaded,
                        **facts}, f)
+
+
+def main() -> None:
+    run_jobs(parser(), job)
     torch.distributed.destroy_process_group()  # a gloo group left to the interpreter's exit may abort it
 
 

@@ -8,7 +8,8 @@ way, which TRL prepares as an engine without an optimizer: ``deepspeed.initializ
 with its own bucket sizes as dotted keys at ZeRO-3), GRPO on prompts, 4 sampled completions each of
 at most 6 words, rewarded by how many of the first ten words they use (no reference model: beta 0).
 4 optimizer steps (micro-batch 2, accumulation 2); rank 0 writes the logged losses (and DPO's and
-GRPO's rewards) as JSON, and what the reference model became.
+GRPO's rewards) as JSON, and what the reference model became. ``trl_train.py --jobs jobs.json``: several
+such runs in one launch (``script_jobs.py``).
 """
 import argparse
 import json
@@ -16,6 +17,7 @@ import json
 import deepspeed
 import torch
 from datasets import Dataset
+from script_jobs import run_jobs
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
 
@@ -59,14 +61,17 @@ def model(vocab: int) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("--trainer", choices=["sft", "dpo", "grpo"], required=True)
     parser.add_argument("--deepspeed", required=True)
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--local_rank", type=int, default=-1)
-    args = parser.parse_args()
+    return parser
+
+
+def job(args: argparse.Namespace) -> None:
     common = dict(output_dir=args.output_dir, deepspeed=args.deepspeed, per_device_train_batch_size=2,
                   gradient_accumulation_steps=2, max_steps=STEPS, learning_rate=1e-3, logging_steps=1,
                   save_strategy="no", report_to=[], seed=0, data_seed=0, disable_tqdm=True,
@@ -102,6 +107,10 @@ def main() -> None:
     if torch.distributed.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump({**result, **facts, "engine": type(trainer.model_wrapped).__module__}, f)
+
+
+def main() -> None:
+    run_jobs(parser(), job)
     torch.distributed.destroy_process_group()
 
 
