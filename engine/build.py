@@ -26,15 +26,6 @@ from zeroplus.ledger import Ledger
 from zeroplus.logs import log_rank0
 from zeroplus.models.context_hf import context_parallel_hf
 from zeroplus.offload.policies import MasterPolicy, ParamOffload
-from zeroplus.optim.build import (
-    adopt_client_optimizer,
-    build_optimizer,
-    check_elementwise,
-    resolve_optimizer_class,
-    would_fuse,
-)
-from zeroplus.optim.forward_only import ForwardOnly
-from zeroplus.optim.schedulers import build_scheduler
 from zeroplus.parallel.dropless_moe import DroplessMoE
 from zeroplus.parallel.groups import ParallelGroups
 from zeroplus.parallel.moe import is_expert
@@ -55,6 +46,7 @@ from .engine import Engine, TrainingParts
 from .loss_scaler import LossScaler
 from .monitors import check_packages
 from .offload_setup import optimizer_offload, param_offload_of, virtual_states
+from .optimizer_setup import check_optimizer_request, optimizer_and_schedule
 
 logger = logging.getLogger("zeroplus.engine")
 
@@ -190,7 +182,7 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
         raise ConfigError(f"config key 'zero_optimization.offload_param.nvme_path' "
                           f"({block.nvme_path if block else None!r}) on rank {dp.rank}: {err}") from None
     with _given_back_on_failure(partition):
-        opt, scheduler = _optimizer_and_schedule(cfg, partition, groups, optimizer, lr_scheduler, simulated)
+        opt, scheduler = optimizer_and_schedule(cfg, partition, groups, optimizer, lr_scheduler, simulated)
         loss_scaler = LossScaler(cfg.fp16)
         step = _sharded_step(cfg, partition, opt, dp, ledger, accel, parallel, experts, not loss_scaler.dynamic)
         context = parallel.topology.context if parallel is not None else 1
@@ -294,50 +286,7 @@ def _check_request(model: torch.nn.Module, cfg: ResolvedConfig, parallel: Parall
         if parallel.topology.pipeline > 1:
             _check_pipeline(model, cfg, parallel)
         _check_split(model, parallel)
-    if optimizer is not None and cfg.optimizer is not None:
-        raise ConfigError("an optimizer was passed to initialize() and the config has an 'optimizer' block; "
-                          "give one or the other")
-    try:  # (before anything moves: the model is left as it was)
-        if optimizer is not None:
-            check_elementwise(type(optimizer), cfg.zeroplus.elementwise_optimizer, "the client optimizer")
-        elif cfg.optimizer is not None:
-            given = f"config key 'optimizer.type' ({cfg.optimizer.type!r}):"
-            check_elementwise(resolve_optimizer_class(cfg.optimizer.type, dict(cfg.optimizer.params)),
-                              cfg.zeroplus.elementwise_optimizer, given)
-    except ValueError as err:
-        raise ConfigError(f"rank {rank}: {err}") from None
-    if lr_scheduler is not None and cfg.scheduler is not None:
-        raise ConfigError("an lr_scheduler was passed to initialize() and the config has a 'scheduler' block; "
-                          "give one or the other")
-
-
-def _optimizer_and_schedule(cfg: ResolvedConfig, partition: ZeroPartition, groups: list[dict[str, Any]],
-                            optimizer: torch.optim.Optimizer | None, lr_scheduler: Any,
-                            simulated: Any) -> tuple[torch.optim.Optimizer, Any]:
-    """The optimizer over the master shards (the client's, re-pointed, or the config's) and its schedule."""
-    masters = [[g.master_param for g in partition.groups if g.group_index == gi] for gi in range(len(groups))]
-    if not groups:
-        return ForwardOnly(), lr_scheduler
-    if optimizer is not None:
-        opt = adopt_client_optimizer(optimizer, masters)
-    else:
-        assert cfg.optimizer is not None
-        opt_groups = [dict({k: v for k, v in g.items() if k != "params"}, params=m) for g, m in zip(groups, masters)]
-        opt = build_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params), opt_groups,
-                              cfg.zeroplus.fused_optimizer and simulated is None)  # meta has no fused kernels
-        if simulated is not None and would_fuse(cfg.optimizer.type, dict(cfg.optimizer.params),
-                                                cfg.zeroplus.fused_optimizer):
-            opt.step = simulated.fused(opt)  # type: ignore[method-assign]
-    if cfg.scheduler is not None:
-        scheduler = build_scheduler(cfg.scheduler.type, dict(cfg.scheduler.params), opt)
-    elif lr_scheduler is not None and callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-        scheduler = lr_scheduler(opt)
-    else:
-        scheduler = lr_scheduler
-    if cfg.zeroplus.shared_master_weights and any(opt.state.get(m) for ms in masters for m in ms):
-        raise ConfigError(f"config key 'zeroplus.shared_master_weights' is true, but {type(opt).__name__} creates "
-                          f"its states when constructed; use an optimizer that creates them in its first step")
-    return opt, scheduler
+    check_optimizer_request(cfg, optimizer, lr_scheduler, rank)
 
 
 def make_partition(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Collectives, ledger: Ledger, dtype: torch.dtype,

@@ -55,6 +55,17 @@ def clip_global_norm(params: list[torch.Tensor], clip: float) -> float:
     return total
 
 
+def train_steps(engine, batches: list) -> list[float]:
+    """One engine step (forward, backward, step) per ``(x, y)`` of ``batches``: the losses."""
+    losses = []
+    for x, y in batches:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
 def engine_train(engine, batches: list, steps: int, rank: int, world_size: int, gas: int,
                  on_step: Callable[[], None] | None = None, start: int = 0) -> list[float]:
     """Steps ``start .. start + steps - 1``; rank r's micro-batch k of step s is batch (s*GA + k)*N + r."""

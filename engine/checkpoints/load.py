@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from zeroplus.ledger import Category
+from zeroplus.optim.stored_states import state_dtype
 from zeroplus.zero.flat_group import FlatParamGroup
 
 from . import files as io
@@ -178,7 +179,8 @@ def _plan_group(engine: Engine, g: FlatParamGroup, sources: dict[str, tuple[dict
     if load_optim:  # the state's keys and scalars come from any file: padding-only ranks need them too
         entry, _ = sources[g.names[0]]
         first = pieces[0].saved if pieces else files.get(entry["ranges"][0][0])["groups"][entry["name"]]
-        opt_state = {key: engine.ledger.zeros(g.owned_numel, value.dtype, Category.OPTIM_STATE, g.device)
+        opt_state = {key: engine.ledger.zeros(g.owned_numel, state_dtype(engine.optimizer, key, value.dtype),
+                                              Category.OPTIM_STATE, g.device)  # (saved in another dtype: converted)
                      for key, value in first["sliced"].items()}
         opt_state.update({key: value.clone() if isinstance(value, torch.Tensor) else value
                           for key, value in first["whole"].items()})

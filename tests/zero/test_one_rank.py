@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import zeroplus
 from tests.models import ParityNet, SmallHeadNet, make_batches
+from tests.reference import train_steps
 from zeroplus.activations.forward_census import ForwardCensus
 from zeroplus.ledger import Category
 from zeroplus.zero.group_grad import GradState
@@ -117,15 +119,7 @@ def test_one_rank_resumes_from_a_checkpoint_bitwise_and_lets_the_replaced_states
     torch.manual_seed(0)
     engine = zeroplus.initialize(ParityNet(), _config(1, "AdamW", 1))
     batches = make_batches(6, 2)
-
-    def train(steps: list) -> list[float]:
-        losses = []
-        for x, y in steps:
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        return losses
+    train = functools.partial(train_steps, engine)
     train(batches[:2])
     engine.save_checkpoint(str(tmp_path), tag="two")
     straight = train(batches[2:6])

@@ -191,8 +191,8 @@ class MemoryTracker(EagerWhileActive, TorchDispatchMode):
 
     def fused(self, optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
         """``optimizer.step`` with its temporaries uncounted (it stands in for a fused kernel the meta
-        device lacks); the states it creates are labelled ``optim_state`` at the step's end, before
-        the engine registers them."""
+        device lacks) but for an optimizer's declared ``workspace_bytes`` (stored states' chunks); the states it
+        creates are labelled ``optim_state`` at the step's end, before the engine registers them."""
         step = optimizer.step
 
         @functools.wraps(step)
@@ -205,6 +205,6 @@ class MemoryTracker(EagerWhileActive, TorchDispatchMode):
                 self._new_states = sum(t.untyped_storage().nbytes() for state in optimizer.state.values()
                                        for t in state.values() if isinstance(t, torch.Tensor) and t.numel() > 1
                                        and not hasattr(t, "_zeroplus_ledger_key"))
-                self.observe()
+                self.observe(getattr(optimizer, "workspace_bytes", 0))  # (stored states' chunk temporaries)
                 self._new_states = 0
         return run

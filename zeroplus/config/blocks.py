@@ -64,9 +64,24 @@ class FP16Config(Block):
 
 
 class BF16Config(Block):
-    ds_unimplemented = frozenset({"immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
-                                  "bf16_optimizer_states"})
+    ds_unimplemented = frozenset({"immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads"})
     enabled: bool | Auto = False
+    bf16_optimizer_states: bool = Field(
+        False, description="Adam's and AdamW's two moments stored in bf16, rounded to nearest (as "
+                           "zeroplus.optimizer_states with both bf16). DeepSpeed asks for "
+                           "bf16_master_weights_and_grads beside it; zeroplus keeps fp32 masters either way.")
+
+
+class OptimizerStatesConfig(Block):
+    """The dtypes Adam's and AdamW's moments are stored in (``zeroplus/optim/stored_states.py``)."""
+
+    exp_avg: Literal["fp32", "bf16", "fp16"] | None = Field(
+        None, description="The first moment's dtype (unset: bf16 where bf16.bf16_optimizer_states is true, else fp32).")
+    exp_avg_sq: Literal["fp32", "bf16", "fp16"] | None = Field(
+        None, description="The second moment's dtype (unset: as exp_avg's rule).")
+    rounding: Literal["nearest", "stochastic"] = Field(
+        "nearest", description="How a moment computed in fp32 is stored: to nearest, or (bf16) stochastically, "
+                               "by a hash of the value and the step, the same on any layout.")
 
 
 class OffloadOptimizerConfig(Block):
@@ -333,6 +348,7 @@ class ZeroplusBlock(Block):
     master_rounding: Literal["nearest_even", "like_shared"] = Field(
         "nearest_even", description="How a separate bf16 copy rounds the fp32 master: torch's cast, or ties away "
                                     "from zero as shared master weights do (to compare runs bit for bit).")
+    optimizer_states: OptimizerStatesConfig = Field(default_factory=OptimizerStatesConfig)
     resize_recompute: ResizeRecomputeConfig = Field(default_factory=ResizeRecomputeConfig)
     swap_attention: SwapAttentionConfig = Field(default_factory=SwapAttentionConfig)
     tiled: TiledConfig = Field(default_factory=TiledConfig)

@@ -22,6 +22,7 @@ import torch
 from zeroplus.logs import log_rank0
 
 from .lamb import Lamb
+from .stored_states import StoredStates, stored_states_class
 
 logger = logging.getLogger("zeroplus.optim")
 
@@ -46,7 +47,8 @@ def check_elementwise(cls: type[torch.optim.Optimizer], declared: bool, what: st
     unless the config declares it (``zeroplus.elementwise_optimizer``). ``what``: how the user gave it."""
     # (torch wraps a class's step in a profiling hook once an instance exists: unwrapped, it is the function defined)
     step = inspect.unwrap(cls.step)
-    known = {inspect.unwrap(getattr(torch.optim, name).step) for name in ELEMENTWISE} | {inspect.unwrap(Lamb.step)}
+    known = {inspect.unwrap(getattr(torch.optim, name).step) for name in ELEMENTWISE} | {inspect.unwrap(Lamb.step),
+                                                                                        inspect.unwrap(StoredStates.step)}
     if step in known or declared:
         return
     raise ValueError(
@@ -99,9 +101,18 @@ def optimizer_kwargs(cls: type[torch.optim.Optimizer], type_name: str, params: d
 
 
 def build_optimizer(type_name: str, params: dict[str, Any], param_groups: list[dict[str, Any]],
-                    fused: bool) -> torch.optim.Optimizer:
+                    fused: bool, states: dict[str, Any] | None = None) -> torch.optim.Optimizer:
+    """The optimizer the config names over ``param_groups``; ``states``: its moments stored in other dtypes
+    (``stored_states.requested``; Adam and AdamW only, else a ValueError naming the config key)."""
     cls = resolve_optimizer_class(type_name, params)
     kwargs = optimizer_kwargs(cls, type_name, params, fused)
+    if states is not None:
+        try:
+            cls = stored_states_class(cls)
+        except ValueError as err:
+            raise ValueError(f"config key 'zeroplus.optimizer_states' (or 'bf16.bf16_optimizer_states'): {err}, and "
+                             f"optimizer.type is {type_name!r}") from None
+        kwargs.update(states)
     try:
         return cls(param_groups, **kwargs)
     except (RuntimeError, ValueError, TypeError) as err:

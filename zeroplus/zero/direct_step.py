@@ -27,7 +27,8 @@ and in fp32 by ``clip_grad_norm_`` (1e-7 relative).
 A binding clip (or a loss scale) is applied inside the fused Adam kernel where it can be (``kernel_scale.py``):
 no pass of its own over the gradients.
 
-When it applies (``DirectStep.grads``): torch's elementwise optimizers only (``ELEMENTWISE``: one element's
+When it applies (``DirectStep.grads``): torch's elementwise optimizers and Adam/AdamW with stored states
+(``optim/stored_states.py``, its moments made here in their dtypes) only (``ELEMENTWISE``: one element's
 update reads only that element, so a slice steps as the flat tensor would); the group's states exist before the
 step (Adam and AdamW's are made here as torch makes them, zeros and a step count; SGD with momentum makes
 its buffer from the first gradient, so its first step is flat); no model-parallel weighting of the norm, no
@@ -41,6 +42,7 @@ from typing import Any
 import torch
 
 from ..ledger import Category, Ledger
+from ..optim.stored_states import StoredStates
 from .flat_group import FlatParamGroup
 from .kernel_scale import divided_in_kernel, scales_in_kernel
 
@@ -62,7 +64,7 @@ class DirectStep:
         self.optimizer = optimizer
         self.options = options
         self.ledger = ledger
-        self.enabled = type(optimizer) in ELEMENTWISE
+        self.enabled = type(optimizer) in ELEMENTWISE or isinstance(optimizer, StoredStates)
         self._made: dict[int, _Views] = {}  # id(group) -> its views, while their tensors stand
         self._gave_grad: list[torch.Tensor] = []  # views whose .grad this step set (cleared after it)
 
@@ -90,13 +92,14 @@ class DirectStep:
         options = self.options[id(p)]
         if type(self.optimizer) is torch.optim.SGD:
             return not options.get("momentum")
-        if type(self.optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        stored = self.optimizer.state_dtypes if isinstance(self.optimizer, StoredStates) else {}
+        if type(self.optimizer) not in (torch.optim.Adam, torch.optim.AdamW) and not stored:
             return False
         on_device = options.get("fused") or options.get("capturable")
         scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
         state: dict[str, Any] = {"step": torch.zeros((), dtype=scalar, device=p.device if on_device else "cpu")}
         for key in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if options.get("amsgrad") else ()):
-            state[key] = self.ledger.zeros(p.numel(), p.dtype, Category.OPTIM_STATE, p.device)
+            state[key] = self.ledger.zeros(p.numel(), stored.get(key, p.dtype), Category.OPTIM_STATE, p.device)
         self.optimizer.state[p] = state
         return True
 

@@ -21,6 +21,8 @@ from typing import Iterator
 
 import torch
 
+from ..optim.stored_states import StoredStates
+
 
 def scales_in_kernel(optimizer: torch.optim.Optimizer, coef: float) -> bool:
     """Whether ``optimizer.step()`` can apply ``coef`` (not 1) inside its kernel: torch's Adam or AdamW, fused in
@@ -42,8 +44,9 @@ def divided_in_kernel(optimizer: torch.optim.Optimizer, coef: float, device: tor
 def takes_device_scalars(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step()`` can take the step's coefficient and overflow flag as device tensors: torch's
     Adam or AdamW, fused in every param group (its ``grad_scale`` divides each gradient in the kernel, its
-    ``found_inf`` makes the kernel leave the parameter, its states and its step count as they were)."""
-    return (type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+    ``found_inf`` makes the kernel leave the parameter, its states and its step count as they were), or their
+    stored-states counterparts, which run that kernel (``optim/stored_states.py``)."""
+    return ((type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) or isinstance(optimizer, StoredStates))
             and all(pg.get("fused") for pg in optimizer.param_groups))
 
 

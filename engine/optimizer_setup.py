@@ -1,0 +1,104 @@
+"""The optimizer over the master shards and its schedule, as the engine assembles them (``engine/build.py``).
+
+The config's optimizer block builds one (``optim/build.py``), its moments stored in the dtypes
+``zeroplus.optimizer_states`` or ``bf16.bf16_optimizer_states`` ask for (``optim/stored_states.py``); a client's is
+re-pointed at the shards. What cannot be assembled is refused on every rank before anything moves: both an optimizer
+and an optimizer block, an optimizer zeroplus does not know to update element by element, stored state dtypes with
+a client optimizer (its states are its own) or with the optimizer states on an offload tier or in virtual host
+memory (whose kernels step fp32 states only).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zeroplus.config import ConfigError, ResolvedConfig, ZeroplusConfig, resolved_zero
+from zeroplus.optim.build import (
+    adopt_client_optimizer,
+    build_optimizer,
+    check_elementwise,
+    resolve_optimizer_class,
+    would_fuse,
+)
+from zeroplus.optim.forward_only import ForwardOnly
+from zeroplus.optim.schedulers import build_scheduler
+from zeroplus.optim.stored_states import requested
+from zeroplus.zero import ZeroPartition
+
+
+def stored_states(cfg: ZeroplusConfig) -> dict[str, Any] | None:
+    """The stored-states arguments the config asks for (None: fp32 moments, torch's own optimizer)."""
+    block = cfg.zeroplus.optimizer_states
+    try:
+        return requested(block.exp_avg, block.exp_avg_sq, block.rounding, cfg.bf16.bf16_optimizer_states)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def check_optimizer_request(cfg: ResolvedConfig, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any,
+                            rank: int) -> None:
+    """Refuse an optimizer request that cannot be assembled, naming the key and the rank."""
+    if optimizer is not None and cfg.optimizer is not None:
+        raise ConfigError("an optimizer was passed to initialize() and the config has an 'optimizer' block; "
+                          "give one or the other")
+    try:  # (before anything moves: the model is left as it was)
+        if optimizer is not None:
+            check_elementwise(type(optimizer), cfg.zeroplus.elementwise_optimizer, "the client optimizer")
+        elif cfg.optimizer is not None:
+            given = f"config key 'optimizer.type' ({cfg.optimizer.type!r}):"
+            check_elementwise(resolve_optimizer_class(cfg.optimizer.type, dict(cfg.optimizer.params)),
+                              cfg.zeroplus.elementwise_optimizer, given)
+    except ValueError as err:
+        raise ConfigError(f"rank {rank}: {err}") from None
+    if lr_scheduler is not None and cfg.scheduler is not None:
+        raise ConfigError("an lr_scheduler was passed to initialize() and the config has a 'scheduler' block; "
+                          "give one or the other")
+    states = stored_states(cfg)
+    if states is None or (optimizer is None and cfg.optimizer is None):
+        return
+    what = (f"rank {rank}: config key 'zeroplus.optimizer_states' (or 'bf16.bf16_optimizer_states') asks for "
+            f"moments in {states['exp_avg_dtype']} and {states['exp_avg_sq_dtype']}")
+    if optimizer is not None:
+        raise ConfigError(f"{what}, which zeroplus serves for the config's optimizer block; the client optimizer "
+                          f"{type(optimizer).__name__} keeps its own states (give the config an 'optimizer' block)")
+    zero = resolved_zero(cfg.zero_optimization)
+    if zero.offloads_optimizer or cfg.zeroplus.virtual_optimizer_states:
+        raise ConfigError(f"{what}, and the optimizer states are offloaded (zero_optimization.offload_optimizer or "
+                          f"zeroplus.virtual_optimizer_states), whose kernels step fp32 states only: not served yet")
+    assert cfg.optimizer is not None
+    try:
+        build_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params), [{"params": [torch.zeros(1)]}], False,
+                        states)
+    except ValueError as err:
+        raise ConfigError(f"rank {rank}: {err}") from None
+
+
+def optimizer_and_schedule(cfg: ResolvedConfig, partition: ZeroPartition, groups: list[dict[str, Any]],
+                            optimizer: torch.optim.Optimizer | None, lr_scheduler: Any,
+                            simulated: Any) -> tuple[torch.optim.Optimizer, Any]:
+    """The optimizer over the master shards (the client's, re-pointed, or the config's) and its schedule."""
+    masters = [[g.master_param for g in partition.groups if g.group_index == gi] for gi in range(len(groups))]
+    if not groups:
+        return ForwardOnly(), lr_scheduler
+    if optimizer is not None:
+        opt = adopt_client_optimizer(optimizer, masters)
+    else:
+        assert cfg.optimizer is not None
+        opt_groups = [dict({k: v for k, v in g.items() if k != "params"}, params=m) for g, m in zip(groups, masters)]
+        opt = build_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params), opt_groups,
+                              cfg.zeroplus.fused_optimizer and simulated is None,  # meta has no fused kernels
+                              stored_states(cfg))
+        if simulated is not None and would_fuse(cfg.optimizer.type, dict(cfg.optimizer.params),
+                                                cfg.zeroplus.fused_optimizer):
+            opt.step = simulated.fused(opt)  # type: ignore[method-assign]
+    if cfg.scheduler is not None:
+        scheduler = build_scheduler(cfg.scheduler.type, dict(cfg.scheduler.params), opt)
+    elif lr_scheduler is not None and callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+        scheduler = lr_scheduler(opt)
+    else:
+        scheduler = lr_scheduler
+    if cfg.zeroplus.shared_master_weights and any(opt.state.get(m) for ms in masters for m in ms):
+        raise ConfigError(f"config key 'zeroplus.shared_master_weights' is true, but {type(opt).__name__} creates "
+                          f"its states when constructed; use an optimizer that creates them in its first step")
+    return opt, scheduler

@@ -1,0 +1,189 @@
+"""Adam and AdamW whose moments are stored in fewer bits than they are computed in.
+
+``exp_avg`` and ``exp_avg_sq`` are each kept in fp32, bf16 or fp16 (``zeroplus.optimizer_states``, or DeepSpeed's
+``bf16.bf16_optimizer_states``: both bf16). The step computes in fp32 exactly as torch's Adam/AdamW does: a run of
+``CHUNK`` elements at a time, each stored moment is read into an fp32 temporary, the same kernel torch's optimizer
+runs (the fused one where the group is fused, which takes the engine's ``grad_scale`` and ``found_inf`` as torch's
+does: ``zero/kernel_scale.py``) updates the parameter and the temporaries, and the moments are stored back rounded.
+Every element's update reads only that element, so a flat shard cut across parameters steps as each parameter
+would whole: zeroplus at any stage equals the plain module with this optimizer bit for bit.
+
+Rounding: ``nearest`` (torch's cast, ties to even) or, for bf16, ``stochastic``: the fp32 value's low 16 bits plus
+16 random bits, then truncated, so a moment rounds up with probability equal to its distance from the value below
+(unbiased). The random bits are a hash of the value's own bits and the step count, not of a position: the same
+value at the same step rounds the same way whatever shard, rank or layout holds it, so stochastic rounding is as
+reproducible and as layout-independent as rounding to nearest. Non-finite values round to nearest.
+
+Memory: ``state_bytes`` per element for the moments (4 with both bf16, against 8 in fp32) and, while a step runs, two
+fp32 temporaries of ``CHUNK`` elements (8 MiB; stochastic rounding's hash 24 MiB more: ``workspace_bytes``), which
+the memory budget adds to the step.
+Loading a state dict keeps the configured dtypes: moments saved in another dtype are converted (rounded to
+nearest), where torch's ``load_state_dict`` would cast them to the parameter's dtype.
+See note: stored optimizer states (docs/design-notes.md).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.optim.adam import adam as _adam_functional
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MOMENTS = ("exp_avg", "exp_avg_sq")
+CHUNK = 1 << 20  # elements per fp32 temporary
+# odd 64-bit constants (splitmix64's), as signed int64
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def random_bits(value: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """16 pseudo-random bits (int32, 0..65535) per element of fp32 ``value``, a hash of its bits and the step count
+    ``step`` (a 0-d tensor: nothing is read on the host)."""
+    h = value.view(torch.int32).to(torch.int64) ^ (step.to(device=value.device, dtype=torch.int64) * _GOLDEN)
+    h = (h ^ (h >> 30)) * _MIX1
+    h = (h ^ (h >> 27)) * _MIX2
+    return ((h >> 40) & 0xFFFF).to(torch.int32)
+
+
+def store(dst: torch.Tensor, value: torch.Tensor, rounding: str, step: torch.Tensor) -> None:
+    """Write fp32 ``value`` into ``dst`` (its dtype), rounded as ``rounding`` says (``step``: the step count)."""
+    if rounding == "nearest" or dst.dtype != torch.bfloat16:
+        dst.copy_(value)
+        return
+    bits = value.view(torch.int32)
+    up = (bits + random_bits(value, step)) >> 16  # arithmetic shift: the sign stays, the magnitude rounds
+    nearest = value.to(torch.bfloat16).view(torch.int16).to(torch.int32)
+    dst.view(torch.int16).copy_(torch.where(torch.isfinite(value), up, nearest))  # (the low 16 bits of each)
+
+
+class StoredStates(torch.optim.Optimizer):
+    """The step of Adam/AdamW over moments kept in ``exp_avg_dtype`` and ``exp_avg_sq_dtype``; mixed into
+    ``StoredStatesAdam`` and ``StoredStatesAdamW``."""
+
+    decoupled: bool
+
+    def __init__(self, params: Any, *, exp_avg_dtype: torch.dtype = torch.float32,
+                 exp_avg_sq_dtype: torch.dtype = torch.float32, rounding: str = "nearest", **kwargs: Any) -> None:
+        if rounding not in ("nearest", "stochastic"):
+            raise ValueError(f"rounding {rounding!r}: 'nearest' or 'stochastic'")
+        if kwargs.get("amsgrad") or kwargs.get("differentiable") or kwargs.get("capturable"):
+            raise ValueError("stored optimizer states: amsgrad, differentiable and capturable are not supported")
+        kwargs["foreach"] = False
+        super().__init__(params, **kwargs)  # type: ignore[call-arg]
+        self.state_dtypes = {"exp_avg": exp_avg_dtype, "exp_avg_sq": exp_avg_sq_dtype}
+        self.rounding = rounding
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes per element of the stored moments."""
+        return sum(dtype.itemsize for dtype in self.state_dtypes.values())
+
+    @property
+    def workspace_bytes(self) -> int:
+        """The temporaries a step holds at once: one fp32 chunk of each moment, and stochastic rounding's hash (three
+        int64 chunks at most)."""
+        return 2 * CHUNK * 4 + (3 * CHUNK * 8 if self.rounding == "stochastic" else 0)
+
+    def _state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        state = self.state[p]
+        if not state:  # as torch makes them (fused: the count on the parameter's device), in the stored dtypes
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if group["fused"] else "cpu")
+            for key in MOMENTS:
+                state[key] = torch.zeros(p.shape, dtype=self.state_dtypes[key], device=p.device)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._step_one(p, group, grad_scale, found_inf)
+        return loss
+
+    def _step_one(self, p: torch.Tensor, group: dict[str, Any], grad_scale: torch.Tensor | None,
+                  found_inf: torch.Tensor | None) -> None:
+        grad = p.grad
+        assert grad is not None
+        if grad.is_sparse:
+            raise RuntimeError("stored optimizer states: sparse gradients are not supported")
+        state = self._state(p, group)
+        count = state["step"]
+        count += 1
+        flat_p, flat_g = p.view(-1), grad.view(-1)
+        beta1, beta2 = group["betas"]
+        for a in range(0, p.numel(), CHUNK):
+            b = min(a + CHUNK, p.numel())
+            m = state["exp_avg"].view(-1)[a:b].to(torch.float32, copy=True)
+            v = state["exp_avg_sq"].view(-1)[a:b].to(torch.float32, copy=True)
+            if group["fused"]:
+                kernel = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
+                kernel([flat_p[a:b]], [flat_g[a:b]], [m], [v], [], [count], amsgrad=False, lr=group["lr"],
+                       beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+                       maximize=group["maximize"], grad_scale=grad_scale, found_inf=found_inf)
+            else:  # torch's own single-tensor step, which advances the count it is given: a copy per chunk
+                if grad_scale is not None or found_inf is not None:
+                    raise RuntimeError("stored optimizer states: grad_scale and found_inf need the fused kernel")
+                _adam_functional([flat_p[a:b]], [flat_g[a:b]], [m], [v], [], [count - 1], foreach=False,
+                                 capturable=False, differentiable=False, fused=False, grad_scale=None,
+                                 found_inf=None, has_complex=False, amsgrad=False, beta1=beta1, beta2=beta2,
+                                 lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                                 maximize=group["maximize"], decoupled_weight_decay=self.decoupled)
+            store(state["exp_avg"].view(-1)[a:b], m, self.rounding, count)
+            store(state["exp_avg_sq"].view(-1)[a:b], v, self.rounding, count)
+        if found_inf is not None:  # as torch's fused step: an overflow takes the count back
+            count -= found_inf
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        for state in self.state.values():  # torch cast the moments to the parameter's dtype: back to the stored ones
+            for key in MOMENTS:
+                if key in state and state[key].dtype != self.state_dtypes[key]:
+                    state[key] = state[key].to(self.state_dtypes[key])
+
+
+class StoredStatesAdam(StoredStates, torch.optim.Adam):
+    decoupled = False
+
+
+class StoredStatesAdamW(StoredStates, torch.optim.AdamW):
+    decoupled = True
+
+
+def state_dtype(optimizer: torch.optim.Optimizer, key: str, saved: torch.dtype) -> torch.dtype:
+    """The dtype a per-element state saved in ``saved`` is loaded into: a stored moment's configured dtype, any other
+    floating state fp32 (the masters', as torch's ``load_state_dict`` casts to the parameter's), else as saved."""
+    if isinstance(optimizer, StoredStates) and key in optimizer.state_dtypes:
+        return optimizer.state_dtypes[key]
+    return torch.float32 if saved.is_floating_point else saved
+
+
+def requested(exp_avg: str | None, exp_avg_sq: str | None, rounding: str,
+              bf16_optimizer_states: bool) -> dict[str, Any] | None:
+    """The stored-states keyword arguments a config asks for (``zeroplus.optimizer_states``; an unset dtype is bf16
+    where DeepSpeed's ``bf16.bf16_optimizer_states`` is true, else fp32), or None where both moments stay fp32."""
+    default = "bf16" if bf16_optimizer_states else "fp32"
+    names = {"exp_avg": exp_avg or default, "exp_avg_sq": exp_avg_sq or default}
+    if names == {"exp_avg": "fp32", "exp_avg_sq": "fp32"}:
+        return None
+    if rounding == "stochastic" and "fp16" in names.values():
+        raise ValueError(f"config key 'zeroplus.optimizer_states.rounding' is 'stochastic', which is served for bf16 "
+                         f"moments only, and the moments are {names}")
+    return {"exp_avg_dtype": DTYPES[names["exp_avg"]], "exp_avg_sq_dtype": DTYPES[names["exp_avg_sq"]],
+            "rounding": rounding}
+
+
+def stored_states_class(cls: type[torch.optim.Optimizer]) -> type[StoredStates]:
+    """The stored-states counterpart of torch's ``Adam`` or ``AdamW``; ValueError for any other class."""
+    if cls is torch.optim.AdamW:
+        return StoredStatesAdamW
+    if cls is torch.optim.Adam:
+        return StoredStatesAdam
+    raise ValueError(f"{cls.__name__} keeps its states in fp32 only: stored optimizer state dtypes are served for "
+                     f"Adam and AdamW")
