@@ -274,6 +274,7 @@ def main() -> None:
     p.add_argument("--reduce-fp32", action="store_true", help="FSDP2 in bf16: reduce gradients in fp32")
     p.add_argument("--zeroplus", default="{}", help="JSON merged into the config's zeroplus block")
     p.add_argument("--zero", default="{}", help="JSON merged into the config's zero_optimization block")
+    p.add_argument("--bf16", default="{}", help="JSON merged into the config's bf16 block (bf16 runs)")
     p.add_argument("--checkpoint-blocks", action="store_true",
                    help="activation checkpointing of every block (zeroplus's or DeepSpeed's checkpoint)")
     p.add_argument("--device", choices=["cpu", "cuda", "npu"], default="cpu")
@@ -300,6 +301,8 @@ def main() -> None:
     cfg = ds_config(args.stage, args.micro_batch, args.dtype)
     cfg["zeroplus"].update(json.loads(args.zeroplus))
     cfg["zero_optimization"].update(json.loads(args.zero))
+    if "bf16" in cfg:
+        cfg["bf16"].update(json.loads(args.bf16))
     if args.framework == "deepspeed" and cfg["zero_optimization"].get("offload_optimizer", {}).get("device") == "cpu":
         cfg["optimizer"]["params"].pop("torch_adam")  # DeepSpeed's CPU offload steps with its DeepSpeedCPUAdam
     if args.checkpoint_blocks and args.framework == "deepspeed":

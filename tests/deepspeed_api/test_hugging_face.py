@@ -11,11 +11,10 @@ the engine (its module, its "serves DeepSpeed's API" line and its memory budget 
 resumed steps must equal the uninterrupted ones bit for bit, and the logged losses, gradient norms and
 the weights the Trainer saves (``model.safetensors``, gathered in 16 bits at ZeRO-3) must equal
 DeepSpeed's within 1e-5 relative (fp32, summed in another order; measured: equal to 1e-7).
-The runs share launches (``hf_trainer.py --jobs``): DeepSpeed's four in one, zeroplus's ZeRO-3 runs (the
-template, LoRA, QLoRA) in a second and its ZeRO-2 runs (the template, DeepSpeed's checkpoint resumed, the
-compiled ZeRO-3 run) in a third; each launch's first job is the one whose budget line is checked, so it is a
-fresh process's, as a user's is.
-Accelerate
+The runs share launches (``hf_trainer.py --jobs``, each once per session: ``tests/worker_shared.py``):
+DeepSpeed's four in one, zeroplus's ZeRO-3 runs (the template, LoRA, QLoRA) in a second and its ZeRO-2 runs (the
+template, DeepSpeed's checkpoint resumed, the compiled ZeRO-3 run) in a third; each launch's first job is the one
+whose budget line is checked, so it is a fresh process's, as a user's is. Accelerate
 (``scripts/accelerate_train.py``): ``DeepSpeedPlugin`` with ``"auto"`` batch size and learning rate,
 ``accumulate``/``backward``/``step`` for 4 steps of 2 micro-batches, the same comparison.
 """
@@ -33,10 +32,10 @@ from safetensors.torch import load_file
 
 from tests.deepspeed_api.launch import hf_template, on_deepspeed, on_zeroplus
 from tests.deepspeed_api.scripts.script_jobs import split_log
+from tests.worker_shared import shared, shared_folder
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
-pytestmark = pytest.mark.xdist_group("hugging_face")  # one worker: the launches below are shared
 
 
 def _job(root: pathlib.Path, name: str, config: dict, pretrained: bool, more: tuple[str, ...] = ()) -> list[str]:
@@ -47,14 +46,14 @@ def _job(root: pathlib.Path, name: str, config: dict, pretrained: bool, more: tu
             *more]
 
 
-def _jobs(launch, root: pathlib.Path, label: str, jobs: dict[str, list[str]]) -> dict[str, tuple[dict, str]]:
+def _jobs(launch, root: pathlib.Path, label: str, jobs: dict[str, list[str]]) -> dict[str, list]:
     """Every job in one launch of ``hf_trainer.py --jobs`` (one launch's imports for all): each job's result and
     its part of the log (rank 0's lines from its start to the next job's)."""
     path = root / f"{label}-jobs.json"
     path.write_text(json.dumps(list(jobs.values())))
     log = launch("hf_trainer.py", ["--jobs", str(path)]).stderr
     logs = split_log(log)
-    return {name: (json.loads((root / f"{name}-result.json").read_text()), logs[str(root / f"{name}-result.json")])
+    return {name: [json.loads((root / f"{name}-result.json").read_text()), logs[str(root / f"{name}-result.json")]]
             for name in jobs}
 
 
@@ -71,27 +70,31 @@ def _zero3_jobs(root: pathlib.Path, engine: str) -> dict[str, list[str]]:
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    return tmp_path_factory.mktemp("trainer")
+    """The folder every worker's runs share: each launch below runs once for the session, in whichever worker
+    asks first (``tests/worker_shared.py``)."""
+    return shared_folder(tmp_path_factory, "hugging_face")
 
 
 @pytest.fixture(scope="module")
-def deepspeed_runs(root: pathlib.Path) -> dict[str, tuple[dict, str]]:
+def deepspeed_runs(root: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
     """DeepSpeed's runs, one launch: the ZeRO-3 runs and the ZeRO-2 template."""
     pytest.importorskip("deepspeed")
     jobs = {**_zero3_jobs(root, "deepspeed"),
             "deepspeed-zero2": _job(root, "deepspeed-zero2", hf_template("hf_zero2_template", True), False)}
-    return _jobs(on_deepspeed, root, "deepspeed", jobs)
+    return shared(tmp_path_factory, "hf-deepspeed", lambda _: _jobs(on_deepspeed, root, "deepspeed", jobs))
 
 
 @pytest.fixture(scope="module")
-def zero3_runs(root: pathlib.Path) -> dict[str, tuple[dict, str]]:
+def zero3_runs(root: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
     """zeroplus's ZeRO-3 runs, one launch; the template first, so its budget line is a fresh process's, as a user's
     is."""
-    return _jobs(on_zeroplus, root, "zeroplus-zero3", _zero3_jobs(root, "zeroplus"))
+    return shared(tmp_path_factory, "hf-zero3",
+                  lambda _: _jobs(on_zeroplus, root, "zeroplus-zero3", _zero3_jobs(root, "zeroplus")))
 
 
 @pytest.fixture(scope="module")
-def zero2_runs(root: pathlib.Path, request: pytest.FixtureRequest) -> dict[str, tuple[dict, str]]:
+def zero2_runs(root: pathlib.Path, tmp_path_factory: pytest.TempPathFactory,
+               request: pytest.FixtureRequest) -> dict[str, list]:
     """zeroplus's ZeRO-2 runs, one launch: the template (first in the process, for its budget line), DeepSpeed's
     own checkpoint-2 resumed with the launch line changed, and the ZeRO-3 template compiled (``--torch_compile``,
     from a saved model, no resume) for the eager ZeRO-3 run to be compared with."""
@@ -103,7 +106,7 @@ def zero2_runs(root: pathlib.Path, request: pytest.FixtureRequest) -> dict[str, 
                                ("--resume-only", str(root / "deepspeed-zero2" / "checkpoint-2")))
     jobs["compiled"] = _job(root, "compiled", hf_template("hf_zero3_template", False), True,
                             ("--no-resume", "--torch_compile"))
-    return _jobs(on_zeroplus, root, "zeroplus-zero2", jobs)
+    return shared(tmp_path_factory, "hf-zero2", lambda _: _jobs(on_zeroplus, root, "zeroplus-zero2", jobs))
 
 
 def _resumed_steps(result: dict) -> list[float]:

@@ -20,9 +20,9 @@ import pathlib
 import pytest
 
 from tests.deepspeed_api.launch import hf_template, on_deepspeed, on_zeroplus
+from tests.worker_shared import shared
 
 pytest.importorskip("trl")
-pytestmark = pytest.mark.xdist_group("trl")  # one worker: the two launches are shared
 
 
 TRAINERS = ("dpo", "sft", "grpo")
@@ -41,13 +41,16 @@ def _runs(launch, root: pathlib.Path, name: str, config: dict) -> dict[str, dict
 
 @pytest.fixture(scope="module")
 def zeroplus_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    return _runs(on_zeroplus, tmp_path_factory.mktemp("trl"), "zeroplus", hf_template("hf_zero3_template", False))
+    """One launch for the session, whichever worker asks first (``tests/worker_shared.py``)."""
+    return shared(tmp_path_factory, "trl-zeroplus",
+                  lambda root: _runs(on_zeroplus, root, "zeroplus", hf_template("hf_zero3_template", False)))
 
 
 @pytest.fixture(scope="module")
 def deepspeed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     pytest.importorskip("deepspeed")
-    return _runs(on_deepspeed, tmp_path_factory.mktemp("trl"), "deepspeed", hf_template("hf_zero3_template", True))
+    return shared(tmp_path_factory, "trl-deepspeed",
+                  lambda root: _runs(on_deepspeed, root, "deepspeed", hf_template("hf_zero3_template", True)))
 
 
 # ZeRO-3 only: there TRL partitions DPO's reference model too (at ZeRO-2 it stays a plain module; that case, 21 s,

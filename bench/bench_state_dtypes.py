@@ -1,0 +1,69 @@
+"""Benchmark: optimizer states stored in bf16 (``zeroplus.optimizer_states``) against fp32, and DeepSpeed's
+``bf16_optimizer_states``, GPT 111M bf16 on 2 ranks.
+
+Per row and ZeRO stage: the ledger's ``optim_state`` peak on rank 0 in bytes per parameter of the model (what a
+rank holds of Adam's two moments, over the world: 8 / world in fp32), the same against the formula (the
+moments' bytes per element times the elements a rank owns, ``P / world`` to within padding), the rank's whole
+ledger (model states, gradients, buffers) and its step time against the fp32 row. DeepSpeed runs the same JSON
+with ``bf16: {"bf16_optimizer_states": true, "bf16_master_weights_and_grads": true}`` (it needs both), memory only.
+
+    python bench/bench_state_dtypes.py                          # stages 1 and 3 (about 12 minutes)
+    python bench/bench_state_dtypes.py --stages 1,2,3 --rows fp32,bf16
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_zero import measure, row_parser  # noqa: E402
+
+ROWS = {  # name: (framework, zeroplus block, bf16 block, bytes per element of the two moments)
+    "fp32": ("zeroplus", {}, {}, 8),
+    "bf16": ("zeroplus", {"optimizer_states": {"exp_avg": "bf16", "exp_avg_sq": "bf16"}}, {}, 4),
+    "bf16-stochastic": ("zeroplus", {"optimizer_states": {"exp_avg": "bf16", "exp_avg_sq": "bf16",
+                                                          "rounding": "stochastic"}}, {}, 4),
+    "bf16-first": ("zeroplus", {"optimizer_states": {"exp_avg": "bf16"}}, {}, 6),
+    "deepspeed": ("deepspeed", {}, {}, 8),
+    "deepspeed-bf16": ("deepspeed", {}, {"bf16_optimizer_states": True, "bf16_master_weights_and_grads": True}, 4),
+}
+WORLD = 2
+
+
+def main() -> None:
+    p = row_parser(__doc__, ROWS)
+    p.set_defaults(rows="fp32,bf16,bf16-stochastic,deepspeed,deepspeed-bf16")
+    p.add_argument("--stages", default="1,3")
+    args = p.parse_args()
+    table = []
+    for stage in [int(s) for s in args.stages.split(",")]:
+        for name in args.rows.split(","):
+            framework, zp, bf16, per_element = ROWS[name]
+            args.memory_only = framework == "deepspeed"
+            extra = ["--zeroplus", json.dumps({**zp, "log_level": "warning"}), "--bf16", json.dumps(bf16)]
+            try:
+                row = measure(name, framework, stage, args, extra)
+            except RuntimeError as err:
+                print(f"  {name} stage {stage} did not run: {str(err).splitlines()[-1][:200]}", file=sys.stderr)
+                continue
+            table.append(dict(row, stage=stage, per_element=per_element))
+    print(f"GPT {args.model}, {args.dtype}, {WORLD} ranks (gloo, CPU), micro-batch {args.micro_batch} x {args.seq}, "
+          f"{args.steps} steps (step: median after {args.warmup}); optim_state and ledger: rank 0's peaks")
+    print(f"{'stage':>5} {'row':<16}{'optim B/param':>14}{'formula':>9}{'x formula':>10}{'ledger MiB':>11}"
+          f"{'peak GiB':>9}{'step s':>8}{'x fp32':>7}{'loss':>8}")
+    for r in table:
+        base = next((b for b in table if b["stage"] == r["stage"] and b["row"] == "fp32"), None)
+        states = r["ledger"].get("optim_state", 0)
+        per_param = states / r["params"]
+        formula = r["per_element"] / WORLD
+        step_ratio = f"{r['step_s'] / base['step_s']:.3f}" if base and r["framework"] == "zeroplus" else "-"
+        ledger = sum(v for k, v in r["ledger"].items() if not k.endswith("_offloaded")) / 2**20
+        shown = (f"{per_param:>14.3f}{formula:>9.2f}{per_param / formula:>10.3f}{ledger:>11.0f}"
+                 if r["framework"] == "zeroplus" else f"{'-':>14}{formula:>9.2f}{'-':>10}{'-':>11}")
+        step = f"{r['step_s']:>8.2f}" if r["framework"] == "zeroplus" else f"{'-':>8}"
+        print(f"{r['stage']:>5} {r['row']:<16}{shown}{r['peak_gib']:>9.3f}{step}{step_ratio:>7}{r['loss']:>8.4f}")
+
+
+if __name__ == "__main__":
+    main()
