@@ -35,7 +35,14 @@ def main() -> None:
     p = row_parser(__doc__, ROWS)
     p.set_defaults(rows="fp32,bf16,bf16-stochastic,deepspeed,deepspeed-bf16")
     p.add_argument("--stages", default="1,3")
+    p.add_argument("--json", help="also write the measured rows here")
+    p.add_argument("--table", help="print the table of rows a --json file holds, and exit")
     args = p.parse_args()
+    if args.table:
+        with open(args.table) as f:
+            saved = json.load(f)
+        print_table(saved["rows"], saved["args"])
+        return
     table = []
     for stage in [int(s) for s in args.stages.split(",")]:
         for name in args.rows.split(","):
@@ -48,17 +55,28 @@ def main() -> None:
                 print(f"  {name} stage {stage} did not run: {str(err).splitlines()[-1][:200]}", file=sys.stderr)
                 continue
             table.append(dict(row, stage=stage, per_element=per_element))
-    print(f"GPT {args.model}, {args.dtype}, {WORLD} ranks (gloo, CPU), micro-batch {args.micro_batch} x {args.seq}, "
-          f"{args.steps} steps (step: median after {args.warmup}); optim_state and ledger: rank 0's peaks")
+    shape = {k: getattr(args, k) for k in ("model", "dtype", "micro_batch", "seq", "steps", "warmup")}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": table, "args": shape}, f)
+    print_table(table, shape)
+
+
+def print_table(table: list[dict], args: dict) -> None:
+    """Each row as bytes per parameter of the moments against the formula, the ledger and the step."""
+    print(f"GPT {args['model']}, {args['dtype']}, {WORLD} ranks (gloo, CPU), micro-batch {args['micro_batch']} x "
+          f"{args['seq']}, "
+          f"{args['steps']} steps (step: median after {args['warmup']}); optim_state: rank 0's peak; ledger: rank 0's "
+          f"categories at its peak")
     print(f"{'stage':>5} {'row':<16}{'optim B/param':>14}{'formula':>9}{'x formula':>10}{'ledger MiB':>11}"
           f"{'peak GiB':>9}{'step s':>8}{'x fp32':>7}{'loss':>8}")
     for r in table:
         base = next((b for b in table if b["stage"] == r["stage"] and b["row"] == "fp32"), None)
-        states = r["ledger"].get("optim_state", 0)
+        states = r["ledger"].get("optim_state", [0, 0, 0])[1]  # (live, peak, at the ledger's peak)
         per_param = states / r["params"]
         formula = r["per_element"] / WORLD
         step_ratio = f"{r['step_s'] / base['step_s']:.3f}" if base and r["framework"] == "zeroplus" else "-"
-        ledger = sum(v for k, v in r["ledger"].items() if not k.endswith("_offloaded")) / 2**20
+        ledger = sum(v[2] for k, v in r["ledger"].items() if not k.endswith("_offloaded")) / 2**20
         shown = (f"{per_param:>14.3f}{formula:>9.2f}{per_param / formula:>10.3f}{ledger:>11.0f}"
                  if r["framework"] == "zeroplus" else f"{'-':>14}{formula:>9.2f}{'-':>10}{'-':>11}")
         step = f"{r['step_s']:>8.2f}" if r["framework"] == "zeroplus" else f"{'-':>8}"

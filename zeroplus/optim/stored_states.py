@@ -12,10 +12,12 @@ Rounding: ``nearest`` (torch's cast, ties to even) or, for bf16, ``stochastic``:
 16 random bits, then truncated, so a moment rounds up with probability equal to its distance from the value below
 (unbiased). The random bits are a hash of the value's own bits and the step count, not of a position: the same
 value at the same step rounds the same way whatever shard, rank or layout holds it, so stochastic rounding is as
-reproducible and as layout-independent as rounding to nearest. Non-finite values round to nearest.
+reproducible and as layout-independent as rounding to nearest. Infinities and NaNs stay what they are (a NaN whose
+payload lies only in its low 16 bits, which arithmetic does not make, would become an infinity); a value within
+half a bf16 step of bf16's largest rounds up to infinity as often as stochastic rounding says.
 
 Memory: ``state_bytes`` per element for the moments (4 with both bf16, against 8 in fp32) and, while a step runs, two
-fp32 temporaries of ``CHUNK`` elements (8 MiB; stochastic rounding's hash 24 MiB more: ``workspace_bytes``), which
+fp32 temporaries of ``CHUNK`` elements (8 MiB; stochastic rounding's hash 8 MiB more: ``workspace_bytes``), which
 the memory budget adds to the step.
 Loading a state dict keeps the configured dtypes: moments saved in another dtype are converted (rounded to
 nearest), where torch's ``load_state_dict`` would cast them to the parameter's dtype.
@@ -31,30 +33,38 @@ from torch.optim.adam import adam as _adam_functional
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MOMENTS = ("exp_avg", "exp_avg_sq")
 CHUNK = 1 << 20  # elements per fp32 temporary
-# odd 64-bit constants (splitmix64's), as signed int64
-_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
-_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
-_MIX2 = 0x94D049BB133111EB - (1 << 64)
+# odd 32-bit constants (MurmurHash3's finaliser and the golden ratio's), as signed int32; int32 products wrap
+_GOLDEN = 0x9E3779B1 - (1 << 32)
+_MIX1 = 0x85EBCA6B - (1 << 32)
+_MIX2 = 0xC2B2AE35 - (1 << 32)
 
 
-def random_bits(value: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+def random_bits(value: torch.Tensor, step: torch.Tensor, out: torch.Tensor | None = None,
+                tmp: torch.Tensor | None = None) -> torch.Tensor:
     """16 pseudo-random bits (int32, 0..65535) per element of fp32 ``value``, a hash of its bits and the step count
-    ``step`` (a 0-d tensor: nothing is read on the host)."""
-    h = value.view(torch.int32).to(torch.int64) ^ (step.to(device=value.device, dtype=torch.int64) * _GOLDEN)
-    h = (h ^ (h >> 30)) * _MIX1
-    h = (h ^ (h >> 27)) * _MIX2
-    return ((h >> 40) & 0xFFFF).to(torch.int32)
+    ``step`` (a 0-d tensor: nothing is read on the host); into ``out`` with ``tmp`` (int32, ``value``'s length)
+    where given: every operation in place, since a fresh buffer per operation cost 4x (page faults)."""
+    bits = value.view(torch.int32)
+    out = torch.empty_like(bits) if out is None else out
+    tmp = torch.empty_like(bits) if tmp is None else tmp
+    torch.bitwise_xor(bits, step.to(device=value.device, dtype=torch.int32) * _GOLDEN, out=out)
+    out.mul_(_MIX1)
+    torch.bitwise_right_shift(out, 13, out=tmp)
+    out.bitwise_xor_(tmp).mul_(_MIX2)
+    return out.bitwise_right_shift_(16).bitwise_and_(0xFFFF)
 
 
-def store(dst: torch.Tensor, value: torch.Tensor, rounding: str, step: torch.Tensor) -> None:
-    """Write fp32 ``value`` into ``dst`` (its dtype), rounded as ``rounding`` says (``step``: the step count)."""
+def store(dst: torch.Tensor, value: torch.Tensor, rounding: str, step: torch.Tensor,
+          work: torch.Tensor | None = None) -> None:
+    """Write fp32 ``value`` into ``dst`` (its dtype), rounded as ``rounding`` says (``step``: the step count;
+    ``work``: two int32 rows of at least ``value``'s length for stochastic rounding, else made here)."""
     if rounding == "nearest" or dst.dtype != torch.bfloat16:
         dst.copy_(value)
         return
-    bits = value.view(torch.int32)
-    up = (bits + random_bits(value, step)) >> 16  # arithmetic shift: the sign stays, the magnitude rounds
-    nearest = value.to(torch.bfloat16).view(torch.int16).to(torch.int32)
-    dst.view(torch.int16).copy_(torch.where(torch.isfinite(value), up, nearest))  # (the low 16 bits of each)
+    n = value.numel()
+    out, tmp = (None, None) if work is None else (work[0, :n], work[1, :n])
+    up = random_bits(value, step, out, tmp).add_(value.view(torch.int32))  # the magnitude's low bits plus the draw
+    dst.view(torch.int16).copy_(up.bitwise_right_shift_(16))  # arithmetic shift: the sign stays; the low 16 bits
 
 
 class StoredStates(torch.optim.Optimizer):
@@ -81,9 +91,9 @@ class StoredStates(torch.optim.Optimizer):
 
     @property
     def workspace_bytes(self) -> int:
-        """The temporaries a step holds at once: one fp32 chunk of each moment, and stochastic rounding's hash (three
-        int64 chunks at most)."""
-        return 2 * CHUNK * 4 + (3 * CHUNK * 8 if self.rounding == "stochastic" else 0)
+        """The temporaries a step holds at once: one fp32 chunk of each moment, and stochastic rounding's two int32
+        chunks."""
+        return (4 if self.rounding == "stochastic" else 2) * CHUNK * 4
 
     def _state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]
@@ -101,14 +111,21 @@ class StoredStates(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
+        scratch: dict[tuple[torch.device, int], torch.Tensor] = {}  # one pair of fp32 chunks per device, reused
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    self._step_one(p, group, grad_scale, found_inf)
+                    size = min(CHUNK, p.numel())
+                    key = (p.device, size)
+                    if key not in scratch:
+                        scratch.clear()  # (never two sets at once)
+                        rows = 4 if self.rounding == "stochastic" else 2  # (+ the hash's two int32 rows)
+                        scratch[key] = torch.empty(rows, size, dtype=torch.float32, device=p.device)
+                    self._step_one(p, group, grad_scale, found_inf, scratch[key])
         return loss
 
     def _step_one(self, p: torch.Tensor, group: dict[str, Any], grad_scale: torch.Tensor | None,
-                  found_inf: torch.Tensor | None) -> None:
+                  found_inf: torch.Tensor | None, scratch: torch.Tensor) -> None:
         grad = p.grad
         assert grad is not None
         if grad.is_sparse:
@@ -120,8 +137,8 @@ class StoredStates(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         for a in range(0, p.numel(), CHUNK):
             b = min(a + CHUNK, p.numel())
-            m = state["exp_avg"].view(-1)[a:b].to(torch.float32, copy=True)
-            v = state["exp_avg_sq"].view(-1)[a:b].to(torch.float32, copy=True)
+            m = scratch[0, :b - a].copy_(state["exp_avg"].view(-1)[a:b])
+            v = scratch[1, :b - a].copy_(state["exp_avg_sq"].view(-1)[a:b])
             if group["fused"]:
                 kernel = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
                 kernel([flat_p[a:b]], [flat_g[a:b]], [m], [v], [], [count], amsgrad=False, lr=group["lr"],
@@ -135,8 +152,9 @@ class StoredStates(torch.optim.Optimizer):
                                  found_inf=None, has_complex=False, amsgrad=False, beta1=beta1, beta2=beta2,
                                  lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
                                  maximize=group["maximize"], decoupled_weight_decay=self.decoupled)
-            store(state["exp_avg"].view(-1)[a:b], m, self.rounding, count)
-            store(state["exp_avg_sq"].view(-1)[a:b], v, self.rounding, count)
+            work = scratch[2:].view(torch.int32) if self.rounding == "stochastic" else None
+            store(state["exp_avg"].view(-1)[a:b], m, self.rounding, count, work)
+            store(state["exp_avg_sq"].view(-1)[a:b], v, self.rounding, count, work)
         if found_inf is not None:  # as torch's fused step: an overflow takes the count back
             count -= found_inf
 
