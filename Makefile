@@ -18,15 +18,10 @@ venv: $(STAMP)
 train: $(STAMP)
 	$(VENV)/bin/zeroplus train $(ARGS)
 
-# the type check (one core, about a minute without its cache) runs beside the suite's two workers, its messages
-# printed when the suite ends; either failing fails the target
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	mkdir -p build
-	$(PY) tools/typecheck.py > build/typecheck.log 2>&1 & typecheck=$$!; \
-	DS_ACCELERATOR=cpu $(PY) -m pytest -q -n 2 tests $(ARGS); suite=$$?; \
-	wait $$typecheck; typed=$$?; echo "--- type check"; cat build/typecheck.log; \
-	test $$suite -eq 0 && test $$typed -eq 0
+	$(PY) tools/typecheck.py
+	DS_ACCELERATOR=cpu $(PY) -m pytest -q -n 2 tests $(ARGS)
 
 # the fast tier (pytest marker `fast`): a broken core in under 3 minutes; CI runs the whole suite (`make test`)
 test-fast: $(STAMP)
