@@ -21,7 +21,7 @@ train: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) tools/typecheck.py
-	DS_ACCELERATOR=cpu $(PY) -m pytest -q -n 2 tests $(ARGS)
+	DS_ACCELERATOR=cpu $(PY) -m pytest -q -n 2 --dist worksteal tests $(ARGS)
 
 # the fast tier (pytest marker `fast`): a broken core in under 3 minutes; CI runs the whole suite (`make test`)
 test-fast: $(STAMP)
