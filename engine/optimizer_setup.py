@@ -54,7 +54,10 @@ def check_optimizer_request(cfg: ResolvedConfig, optimizer: torch.optim.Optimize
     if lr_scheduler is not None and cfg.scheduler is not None:
         raise ConfigError("an lr_scheduler was passed to initialize() and the config has a 'scheduler' block; "
                           "give one or the other")
-    states = stored_states(cfg)
+    try:
+        states = stored_states(cfg)
+    except ConfigError as err:
+        raise ConfigError(f"rank {rank}: {err}") from None
     if states is None or (optimizer is None and cfg.optimizer is None):
         return
     what = (f"rank {rank}: config key 'zeroplus.optimizer_states' (or 'bf16.bf16_optimizer_states') asks for "

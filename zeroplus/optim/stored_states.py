@@ -111,17 +111,15 @@ class StoredStates(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        scratch: dict[tuple[torch.device, int], torch.Tensor] = {}  # one pair of fp32 chunks per device, reused
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    size = min(CHUNK, p.numel())
-                    key = (p.device, size)
-                    if key not in scratch:
-                        scratch.clear()  # (never two sets at once)
-                        rows = 4 if self.rounding == "stochastic" else 2  # (+ the hash's two int32 rows)
-                        scratch[key] = torch.empty(rows, size, dtype=torch.float32, device=p.device)
-                    self._step_one(p, group, grad_scale, found_inf, scratch[key])
+        stepped = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        sizes: dict[torch.device, int] = {}  # one set of chunk buffers per device, as long as its longest chunk
+        for p, _ in stepped:
+            sizes[p.device] = max(sizes.get(p.device, 0), min(CHUNK, p.numel()))
+        rows = 4 if self.rounding == "stochastic" else 2  # two fp32 moments (+ the hash's two int32 rows)
+        scratch = {device: torch.empty(rows, size, dtype=torch.float32, device=device)
+                   for device, size in sizes.items()}
+        for p, group in stepped:
+            self._step_one(p, group, grad_scale, found_inf, scratch[p.device])
         return loss
 
     def _step_one(self, p: torch.Tensor, group: dict[str, Any], grad_scale: torch.Tensor | None,
