@@ -18,7 +18,7 @@ from zeroplus.config import ConfigError, ResolvedConfig
 from zeroplus.ledger import Ledger
 from zeroplus.logs import log_rank0
 from zeroplus.offload import virtual_host
-from zeroplus.offload.disk_space import check_free_space, states_per_element
+from zeroplus.offload.disk_space import check_free_space, state_bytes_per_element
 from zeroplus.offload.policies import OptimizerStateOffload, ParamOffload
 from zeroplus.offload.tiers import make_tier
 
@@ -90,7 +90,7 @@ def optimizer_offload(cfg: ResolvedConfig, accel: Accelerator, ledger: Ledger, o
     if not zero.stage.partitions:
         raise ConfigError("config key 'zero_optimization.offload_optimizer' needs ZeRO stage 1, 2 or 3 (stage is 0)")
     tier = offload_tier("offload_optimizer", block, accel, ledger,
-                         int(4 * states_per_element(opt) * owned * block.ratio), cfg.zeroplus.direct_io)
+                         int(state_bytes_per_element(opt) * owned * block.ratio), cfg.zeroplus.direct_io)
     log_rank0("optimizer states offloaded to %s: sub-groups of %d elements, ratio %.2f, window %d",
               block.device, zero.sub_group_size, block.ratio, block.buffer_count)
     return OptimizerStateOffload(tier, zero.sub_group_size, block.ratio, block.buffer_count)

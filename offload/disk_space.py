@@ -1,8 +1,9 @@
 """Will the offloaded bytes fit? Checked at initialisation, so a full disk is an error before step 0.
 
 Optimizer states are fp32, ``states_per_element(optimizer)`` tensors of the owned length (Adam:
-2, exp_avg and exp_avg_sq; SGD with momentum: 1; ...). Parameter shards are reserved file by file
-when they are written (``tier_tensor.py``); their total is checked here first.
+2, exp_avg and exp_avg_sq; SGD with momentum: 1; ...), ``state_bytes_per_element`` bytes an owned element (an
+optimizer that stores them in other dtypes says its own: ``optim/stored_states.py``). Parameter shards are
+reserved file by file when they are written (``tier_tensor.py``); their total is checked here first.
 """
 from __future__ import annotations
 
@@ -26,6 +27,13 @@ def states_per_element(optimizer: torch.optim.Optimizer) -> int:
     if isinstance(optimizer, _TWO):
         return 2 + bool(d.get("amsgrad", False))
     return 2
+
+
+def state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of per-element state per owned element: the optimizer's own ``state_bytes`` where it has one (moments
+    stored in other dtypes), else 4 per fp32 state tensor."""
+    own = getattr(optimizer, "state_bytes", None)
+    return int(own) if own is not None else 4 * states_per_element(optimizer)
 
 
 def check_free_space(directory: str, needed: int) -> None:

@@ -6,9 +6,9 @@ of ``world_size`` ranks seen from ``rank``, with no process group behind it (its
 nothing; the partition only needs sizes). The ledger then holds what that rank would allocate at
 initialisation: ``param`` (low-precision parameters, stages 0-2), ``param_gathered`` (stage-3
 units that stay gathered), ``master`` (fp32 masters, or bf16 shard plus residual when shared).
-Optimizer states are added the way torch creates them in the first step: ``states_per_element``
-fp32 tensors of each group's owned length (``offload/disk_space.py``; moments stored in other dtypes:
-``optim/stored_states.py``'s bytes), under ``optim_state``.
+Optimizer states are added the way torch creates them in the first step: ``state_bytes_per_element``
+of each group's owned length (``offload/disk_space.py``: 4 per fp32 state tensor, or what an optimizer storing its
+moments in other dtypes says), under ``optim_state``.
 With offload, what lives on a tier is reported apart: ``master_offloaded`` (``offload_param``,
 stage 3) and ``optim_state_offloaded`` (``offload_optimizer``, by the engine's own sub-group plan
 for ``ratio``); ``master`` and ``optim_state`` are then what stays on the device.
@@ -26,10 +26,9 @@ from ..config import ZeroplusConfig, load_config, resolved_zero
 from ..engine.build import compute_dtype, expert_split, make_partition
 from ..engine.optimizer_setup import stored_states
 from ..ledger import Category, Ledger
-from ..offload.disk_space import states_per_element
+from ..offload.disk_space import state_bytes_per_element
 from ..offload.optimizer_states import plan_sub_groups
 from ..optim.build import build_optimizer
-from ..optim.stored_states import StoredStates
 from .virtual_parallel import build_in, virtual_groups
 
 
@@ -59,7 +58,7 @@ def model_state_bytes(build_model: Callable[[], torch.nn.Module], config: dict[s
         masters = [g.master_param for g in partition.groups]
         opt = build_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params), [{"params": masters}], False,
                               stored_states(cfg))
-        per_element = opt.state_bytes if isinstance(opt, StoredStates) else 4 * states_per_element(opt)
+        per_element = state_bytes_per_element(opt)
         owned = [g.owned_numel for g in partition.groups]
         resident = sum(owned)
         offload = zero.offload_optimizer
