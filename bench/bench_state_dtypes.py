@@ -5,7 +5,8 @@ Per row and ZeRO stage: the ledger's ``optim_state`` peak on rank 0 in bytes per
 rank holds of Adam's two moments, over the world: 8 / world in fp32), the same against the formula (the
 moments' bytes per element times the elements a rank owns, ``P / world`` to within padding), the rank's whole
 ledger (model states, gradients, buffers) and its step time against the fp32 row. DeepSpeed runs the same JSON
-with ``bf16: {"bf16_optimizer_states": true, "bf16_master_weights_and_grads": true}`` (it needs both), memory only.
+with ``bf16: {"bf16_optimizer_states": true, "bf16_master_weights_and_grads": true}`` (it needs both), memory only;
+the ``ds-keys`` row runs zeroplus under that same block (bf16 moments and bf16 master weights).
 
     python bench/bench_state_dtypes.py                          # stages 1 and 3 (about 12 minutes)
     python bench/bench_state_dtypes.py --stages 1,2,3 --rows fp32,bf16
@@ -27,6 +28,8 @@ ROWS = {  # name: (framework, zeroplus block, bf16 block, bytes per element of t
     "bf16-first": ("zeroplus", {"optimizer_states": {"exp_avg": "bf16"}}, {}, 6),
     "deepspeed": ("deepspeed", {}, {}, 8),
     "deepspeed-bf16": ("deepspeed", {}, {"bf16_optimizer_states": True, "bf16_master_weights_and_grads": True}, 4),
+    # zeroplus under DeepSpeed's own keys: bf16 moments and bf16 masters (rounded stochastically, the default)
+    "ds-keys": ("zeroplus", {}, {"bf16_optimizer_states": True, "bf16_master_weights_and_grads": True}, 4),
 }
 WORLD = 2
 

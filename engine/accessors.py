@@ -162,6 +162,8 @@ class EngineAccessors:
                              f"got {values}")
         for k, v in values.items():
             setattr(self, k, v)
+        for g in self._partition.groups:  # bf16 masters' stochastic rounding draws by the step count
+            g.master_store.set_step_count(self.global_steps)
 
     def consolidated_fp32_state(self) -> dict[str, torch.Tensor]:
         """Every trainable parameter's full fp32 master value by name, on every rank (a collective at

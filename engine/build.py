@@ -46,7 +46,7 @@ from .engine import Engine, TrainingParts
 from .loss_scaler import LossScaler
 from .monitors import check_packages
 from .offload_setup import optimizer_offload, param_offload_of, virtual_states
-from .optimizer_setup import check_optimizer_request, optimizer_and_schedule
+from .optimizer_setup import check_optimizer_request, masters_in_bf16, optimizer_and_schedule
 
 logger = logging.getLogger("zeroplus.engine")
 
@@ -62,6 +62,28 @@ def compute_dtype(cfg: ZeroplusConfig) -> torch.dtype:
     if cfg.bf16.enabled is True:
         return torch.bfloat16
     return torch.float32
+
+
+def bf16_masters(cfg: ZeroplusConfig, rank: int | None = None) -> str | None:
+    """The rounding of bf16 master weights where the config asks for them (``zeroplus.master_weights.dtype``, unset:
+    DeepSpeed's ``bf16.bf16_master_weights_and_grads``), else None; ConfigError where they cannot be served."""
+    block = cfg.zeroplus.master_weights
+    key = ("zeroplus.master_weights.dtype" if block.dtype is not None else "bf16.bf16_master_weights_and_grads")
+    key += "'" if rank is None else f"' on rank {rank}"
+    if not masters_in_bf16(cfg):
+        return None
+    if cfg.bf16.enabled is not True:
+        raise ConfigError(f"config key '{key} asks for bf16 master weights, which need bf16 training "
+                          f"('bf16': {{'enabled': true}}; fp16 is {cfg.fp16.enabled}, bf16 {cfg.bf16.enabled})")
+    zero = cfg.zero_optimization
+    clashes = [name for name, on in [
+        ("zeroplus.shared_master_weights", cfg.zeroplus.shared_master_weights is True),
+        ("zero_optimization.offload_param", zero.offloads_params),
+        ("zeroplus.virtual_optimizer_states", cfg.zeroplus.virtual_optimizer_states)] if on]
+    if clashes:
+        raise ConfigError(f"config key '{key} asks for bf16 master weights, which do not combine with {clashes} "
+                          f"(an exact master in 2 more bytes: zeroplus.shared_master_weights alone)")
+    return block.rounding
 
 
 def _param_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -287,6 +309,7 @@ def _check_request(model: torch.nn.Module, cfg: ResolvedConfig, parallel: Parall
             _check_pipeline(model, cfg, parallel)
         _check_split(model, parallel)
     check_optimizer_request(cfg, optimizer, lr_scheduler, rank)
+    bf16_masters(cfg, rank)
 
 
 def make_partition(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Collectives, ledger: Ledger, dtype: torch.dtype,
@@ -299,7 +322,8 @@ def make_partition(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Collectives,
     return ZeroPartition(model, resolved_zero(cfg.zero_optimization), dp, ledger, dtype, group_of,
                          cfg.zeroplus.unit_modules, accumulation,
                          MasterPolicy(bool(cfg.zeroplus.shared_master_weights),
-                                      cfg.zeroplus.master_rounding == "like_shared", param_offload),
+                                      cfg.zeroplus.master_rounding == "like_shared", param_offload,
+                                      bf16_masters(cfg)),
                          experts=experts, placement=placement,
                          defer_param_gather=cfg.zeroplus.overlap_param_gather)
 

@@ -36,6 +36,13 @@ def stored_states(cfg: ZeroplusConfig) -> dict[str, Any] | None:
         raise ConfigError(str(err)) from None
 
 
+def masters_in_bf16(cfg: ZeroplusConfig) -> bool:
+    """Whether the config asks for bf16 master weights: ``zeroplus.master_weights.dtype``, unset: DeepSpeed's
+    ``bf16.bf16_master_weights_and_grads``."""
+    dtype = cfg.zeroplus.master_weights.dtype
+    return (dtype or ("bf16" if cfg.bf16.bf16_master_weights_and_grads else "fp32")) == "bf16"
+
+
 def check_optimizer_request(cfg: ResolvedConfig, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any,
                             rank: int) -> None:
     """Refuse an optimizer request that cannot be assembled, naming the key and the rank."""
@@ -101,7 +108,10 @@ def optimizer_and_schedule(cfg: ResolvedConfig, partition: ZeroPartition, groups
         scheduler = lr_scheduler(opt)
     else:
         scheduler = lr_scheduler
-    if cfg.zeroplus.shared_master_weights and any(opt.state.get(m) for ms in masters for m in ms):
-        raise ConfigError(f"config key 'zeroplus.shared_master_weights' is true, but {type(opt).__name__} creates "
-                          f"its states when constructed; use an optimizer that creates them in its first step")
+    stepped_by_chunks = [key for key, on in [("zeroplus.shared_master_weights", cfg.zeroplus.shared_master_weights),
+                                             ("zeroplus.master_weights", masters_in_bf16(cfg))] if on]
+    if stepped_by_chunks and any(opt.state.get(m) for ms in masters for m in ms):
+        raise ConfigError(f"config key '{stepped_by_chunks[0]}' keeps masters the optimizer steps chunk by chunk, but "
+                          f"{type(opt).__name__} creates its states when constructed; use an optimizer that creates "
+                          f"them in its first step")
     return opt, scheduler

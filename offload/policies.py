@@ -39,3 +39,4 @@ class MasterPolicy:
     shared: bool = False                 # bf16 halves plus 16-bit residuals (zeroplus.shared_master_weights)
     round_like_shared: bool = False      # a separate bf16 copy rounds ties away from zero, as shared storage does
     offload: ParamOffload | None = None  # stage 3: the shard kept on a tier (zero_optimization.offload_param)
+    bf16_rounding: str | None = None     # bf16 masters (zeroplus.master_weights): their rounding; None: not bf16

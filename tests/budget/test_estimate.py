@@ -1,7 +1,7 @@
 """``zeroplus.estimate``: the engine's own run on the meta device predicts what the real run holds.
 
-- On 2 real ranks, stages 0-3 x {fp32, bf16, bf16 with shared master weights} plus offloaded
-  optimizer states (ratio 0.5) and parameter shards, gradient accumulation 2, buckets smaller
+- On 2 real ranks, stages 0-3 x {fp32, bf16, bf16 with shared master weights}, bf16 masters at stages 1 and 3,
+  plus offloaded optimizer states (ratio 0.5) and parameter shards, gradient accumulation 2, buckets smaller
   than a unit: every ledger category's predicted peak (parameters, gathered parameters,
   gradients, masters, optimizer states) equals the peak the engine's ledger measured over four
   steps, byte for byte; comm buckets too, or one buffer less (gloo frees a finished collective's
@@ -42,7 +42,10 @@ from zeroplus.models import GPT, gpt_config
 from zeroplus.models.gpt_tp import TensorParallelGPT
 
 
-def _config(stage: int, dtype: str, shared: bool = False, offload_dir: str | None = None, **zp) -> dict:
+def _config(stage: int, dtype: str, shared: bool | str = False, offload_dir: str | None = None, **zp) -> dict:
+    """``shared``: True for shared master weights, ``"bf16 masters"`` for bf16 masters rounded stochastically."""
+    if shared == "bf16 masters":
+        zp = {"master_weights": {"dtype": "bf16", "rounding": "stochastic"}, **zp}
     zero: dict = {"stage": stage, "stage3_param_persistence_threshold": 500, "reduce_bucket_size": 3000}
     if offload_dir is not None:
         zero.update(sub_group_size=3000, offload_optimizer={"device": "nvme", "nvme_path": offload_dir, "ratio": 0.5})
@@ -50,12 +53,13 @@ def _config(stage: int, dtype: str, shared: bool = False, offload_dir: str | Non
             zero["offload_param"] = {"device": "nvme", "nvme_path": offload_dir}
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "bf16": {"enabled": dtype == "bf16"},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zero,
-            "zeroplus": {"log_level": "warning", "shared_master_weights": shared, **zp}}
+            "zeroplus": {"log_level": "warning", "shared_master_weights": shared is True, **zp}}
 
 
 CASES = [(stage, dtype, shared, False) for stage in range(4)
          for dtype, shared in [("fp32", False), ("bf16", False), ("bf16", True)]]
-CASES += [(2, "bf16", False, True), (3, "bf16", False, True)]
+CASES += [(2, "bf16", False, True), (3, "bf16", False, True), (1, "bf16", "bf16 masters", False),
+          (3, "bf16", "bf16 masters", False)]
 
 
 def _ledger_job(root: str) -> list:

@@ -7,11 +7,13 @@
 - An impossible budget is refused by ``initialize`` on every rank before the model is touched
   (still fp32, same storage), naming the smallest budget that fits and its settings; the
   command line's ``--budget`` gives the same choice and refusal.
+- bf16 moments and bf16 masters (lossy) are chosen only where no exact choice fits, and named.
 - Byte sizes parse with SI and IEC units; ``"auto"`` without a budget, or a budget without a
   sequence length, is a config error naming the keys.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import subprocess
@@ -167,9 +169,37 @@ def test_an_impossible_budget_is_refused_before_anything_is_allocated(tmp_path):
     assert chosen.returncode == 0, chosen.stderr
     printed = json.loads(chosen.stdout)
     expected = plan(lambda: GPT(gpt_config("medium")), _config(), world_size=2, budget=budget, seq_len=SEQ)
-    assert printed["plan"] == {"stage": expected.settings.stage, "ratio": expected.settings.ratio,
-                               "shared": expected.settings.shared, "recompute": expected.settings.recompute}
+    assert printed["plan"] == dataclasses.asdict(expected.settings)
     assert printed["peak_bytes"] == expected.budget.peak_bytes <= int(budget)
+
+
+def _lossy_config(budget: int | None = None) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": "auto"},
+            "zeroplus": {"log_level": "warning", "resize_recompute": {"enabled": False}, "memory_budget": budget,
+                         "seq_len": SEQ, "optimizer_states": {"exp_avg": "auto", "exp_avg_sq": "auto"},
+                         "master_weights": {"dtype": "auto"}}}
+
+
+def test_lossy_techniques_are_chosen_only_where_nothing_exact_fits_and_named():
+    """bf16 moments and bf16 masters left "auto" beside the stage: a budget that ZeRO-3 exact fits takes it, though
+    ZeRO-1 with bf16 moments fits too and moves fewer bytes; a budget only the lossy ones fit takes them, and the
+    plan's reason names each with its accuracy cost."""
+    def peak(stage: int, states: bool, masters: bool) -> int:
+        cfg = apply_settings(parse_config(_lossy_config())[0], Settings(stage, None, False, False, states, masters))
+        return zeroplus.estimate(_model, cfg, world_size=2, seq_len=SEQ).peak_bytes
+
+    exact, both = peak(3, False, False), peak(3, True, True)
+    assert peak(1, True, False) < exact < peak(1, False, False)  # (GPT medium, bf16: 126 < 133 < 147 MiB)
+    roomy = plan(_model, _lossy_config(exact + 2**20), world_size=2)
+    assert roomy.settings == Settings(3, None, False, False, False, False), roomy.reason
+    assert "lossy" not in roomy.reason
+    tight = plan(_model, _lossy_config(both + 2**20), world_size=2)
+    assert tight.settings.lossy and tight.budget.peak_bytes <= both + 2**20, tight.reason
+    assert "lossy" in tight.reason and "no exact choice fits" in tight.reason, tight.reason
+    applied = tight.apply(parse_config(_lossy_config())[0]).zeroplus
+    assert (applied.optimizer_states.exp_avg == "bf16") == tight.settings.states
+    assert (applied.master_weights.dtype == "bf16") == tight.settings.masters
 
 
 def test_sizes_and_config_errors():

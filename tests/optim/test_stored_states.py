@@ -29,8 +29,9 @@ from tests.dist_helper import run_distributed
 from tests.models import ParityNet, make_batches
 from tests.reference import train_steps
 from zeroplus.config import ConfigError
+from zeroplus.kernels.stochastic_round import store
 from zeroplus.ledger import Category
-from zeroplus.optim.stored_states import StoredStatesAdamW, store
+from zeroplus.optim.stored_states import StoredStatesAdamW
 
 LR = 1e-2
 

@@ -2,20 +2,24 @@
 
 Asked for by ``"zeroplus": {"memory_budget": "16GB"}`` with ``"auto"`` in any of
 ``zero_optimization.stage``, ``zero_optimization.offload_optimizer.ratio``,
-``zeroplus.shared_master_weights`` and ``zeroplus.resize_recompute.enabled`` (a budget without
-``"auto"`` is a check of the config as written). ``zeroplus.seq_len`` gives the token length the
-activations are predicted for (``initialize`` sees no input yet); ``plan()`` also takes
+``zeroplus.shared_master_weights``, ``zeroplus.resize_recompute.enabled`` and the lossy ones,
+``zeroplus.optimizer_states.exp_avg``/``exp_avg_sq`` (bf16 moments) and ``zeroplus.master_weights.dtype``
+(bf16 masters) (a budget without ``"auto"`` is a check of the config as written). ``zeroplus.seq_len`` gives
+the token length the activations are predicted for (``initialize`` sees no input yet); ``plan()`` also takes
 ``example_inputs``.
 
 1. Candidates: every combination of the ``"auto"`` keys (stages 0-3; ratio none, 0.25, 0.5,
    0.75, 1 when an offload device is set; shared master weights off/on in bf16; resize
-   recompute off/on).
+   recompute off/on; bf16 moments off/on for the config's Adam or AdamW, not with offloaded states; bf16 masters
+   off/on in bf16, not beside shared masters or offloaded parameters).
 2. Each gets a cost before anything is simulated, in seconds per optimizer step on a nominal
    machine (``BANDWIDTH``): its collectives' bytes per rank (ring all-reduce 2 c P (N-1)/N;
    reduce-scatter and all-gather c P (N-1)/N each; stages 2-3 reduce every micro-batch, stage 3
    gathers twice per micro-batch), its offloaded optimizer states read and written once per step
    over the tier's bandwidth, and shared master weights' split and merge (8 bytes per owned
-   element) over memory bandwidth. Ties go to the candidate with fewer techniques on.
+   element) over memory bandwidth. Ties go to the candidate with fewer techniques on. A lossy technique (bf16
+   moments, bf16 masters) comes after every exact candidate: chosen only where nothing exact fits, and named in
+   the plan's reason with its stated accuracy cost (``LOSSY``).
 3. The most frugal candidate (highest stage and offload ratio, every technique on) is simulated
    first (``estimate.py``): if even it exceeds the budget, nothing fits, and the error names its
    predicted peak, the smallest budget that would fit, with its settings.
@@ -36,11 +40,18 @@ from typing import Any, Callable
 import torch
 
 from ..config import ConfigError, ZeroplusConfig, ZeroStage, load_config, parse_bytes
+from ..optim.build import resolve_optimizer_class
+from ..optim.stored_states import stored_states_class
 from .estimate import MemoryBudget, estimate
 
 # Nominal bandwidths (bytes/s) the costs are computed with: only their ratios order candidates.
 BANDWIDTH = {"comm": 10e9, "nvme": 2e9, "cpu": 10e9, "memory": 50e9}
 RATIOS = (0.25, 0.5, 0.75, 1.0)
+# what each lossy technique costs in accuracy, as measured (docs/benchmark.md; the main job: GPT small, ZeRO-3 bf16,
+# 2 ranks, 300 steps, 2026-12-04)
+LOSSY = {"states": "bf16 optimizer states (lossy: the main job's loss within 0.05% of fp32 moments')",
+         "masters": "bf16 master weights (lossy: rounded stochastically, the main job's loss within 0.03% of fp32 "
+                    "masters'; to nearest +1.6%)"}
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
@@ -50,6 +61,8 @@ class Settings:
     ratio: float | None      # offloaded share of the optimizer states; None: not offloaded
     shared: bool
     recompute: bool
+    states: bool = False     # the 'auto' moments in bf16 (lossy)
+    masters: bool = False    # bf16 master weights (lossy)
 
     def describe(self) -> str:
         parts = [f"ZeRO stage {self.stage}"]
@@ -59,11 +72,19 @@ class Settings:
             parts.append("shared master weights")
         if self.recompute:
             parts.append("resize recompute")
+        if self.states:
+            parts.append(LOSSY["states"])
+        if self.masters:
+            parts.append(LOSSY["masters"])
         return " + ".join(parts)
 
     @property
     def techniques(self) -> int:
-        return (self.ratio is not None) + self.shared + self.recompute
+        return (self.ratio is not None) + self.shared + self.recompute + self.lossy
+
+    @property
+    def lossy(self) -> int:
+        return self.states + self.masters
 
 
 @dataclasses.dataclass
@@ -96,12 +117,28 @@ def _candidates(cfg: ZeroplusConfig) -> list[Settings]:
     recompute = [bool(zp.resize_recompute.enabled)]
     if zp.resize_recompute.enabled in ("auto", None):  # (unset: see note: recompute by default)
         recompute = [False] if zp.parallel.pipeline > 1 else [False, True]  # (pipeline stages refuse it)
+    states = [False, True] if "auto" in (zp.optimizer_states.exp_avg, zp.optimizer_states.exp_avg_sq) and \
+        _adam(cfg) else [False]
+    masters = [False, True] if zp.master_weights.dtype == "auto" and bf16 and not zero.offloads_params else [False]
     out = []
-    for stage, ratio, sh, rc in itertools.product(stages, ratios, shared, recompute):
+    for stage, ratio, sh, rc, st, ms in itertools.product(stages, ratios, shared, recompute, states, masters):
         if ratio is not None and stage == 0:
             continue  # offload needs a partitioned optimizer
-        out.append(Settings(stage, ratio, sh, rc))
+        if (st and ratio is not None) or (ms and sh):
+            continue  # offloaded states step fp32 moments; bf16 and shared masters exclude each other
+        out.append(Settings(stage, ratio, sh, rc, st, ms))
     return out
+
+
+def _adam(cfg: ZeroplusConfig) -> bool:
+    """The config's optimizer is one stored states serve (Adam, AdamW)."""
+    if cfg.optimizer is None:
+        return False
+    try:
+        stored_states_class(resolve_optimizer_class(cfg.optimizer.type, dict(cfg.optimizer.params)))
+    except ValueError:
+        return False
+    return True
 
 
 def apply_settings(cfg: ZeroplusConfig, s: Settings) -> ZeroplusConfig:
@@ -116,6 +153,12 @@ def apply_settings(cfg: ZeroplusConfig, s: Settings) -> ZeroplusConfig:
             block.ratio = s.ratio
     out.zeroplus.shared_master_weights = s.shared
     out.zeroplus.resize_recompute.enabled = s.recompute
+    moments = out.zeroplus.optimizer_states
+    for key in ("exp_avg", "exp_avg_sq"):
+        if getattr(moments, key) == "auto":
+            setattr(moments, key, "bf16" if s.states else "fp32")
+    if out.zeroplus.master_weights.dtype == "auto":
+        out.zeroplus.master_weights.dtype = "bf16" if s.masters else "fp32"
     return out
 
 
@@ -132,6 +175,10 @@ def cost(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int) -> floa
         seconds += 2 * s.ratio * owned * 8 / BANDWIDTH[block.device]  # AdamW's two states, read and written
     if s.shared:
         seconds += 8 * owned / BANDWIDTH["memory"]
+    if s.states:  # the moments copied into fp32 and back
+        seconds += 2 * 12 * owned / BANDWIDTH["memory"]
+    if s.masters:  # the master widened and stored back
+        seconds += 6 * owned / BANDWIDTH["memory"]
     return seconds
 
 
@@ -153,7 +200,7 @@ def plan(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dict[st
             raise ConfigError("planning to config key 'zeroplus.memory_budget' needs the input's length: set "
                               "'zeroplus.seq_len' (activations are predicted for micro-batches of that many tokens)")
     params = _count_params(model)
-    ordered = sorted(_candidates(cfg), key=lambda s: (cost(cfg, s, params, world_size), s.techniques))
+    ordered = sorted(_candidates(cfg), key=lambda s: (s.lossy, cost(cfg, s, params, world_size), s.techniques))
     if not ordered:
         raise ConfigError("config key 'zero_optimization.offload_optimizer' needs ZeRO stage 1, 2 or 3 (stage is 0), "
                           "so no choice is left to plan")
@@ -163,8 +210,13 @@ def plan(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dict[st
                         micro_batch_size=micro_batch_size, seq_len=seq_len, example_inputs=example_inputs,
                         code=code)
 
-    frugal = max(ordered, key=lambda s: (s.stage, s.ratio or 0.0, s.recompute, s.shared))
+    frugal = max(ordered, key=lambda s: (s.stage, s.ratio or 0.0, s.recompute, s.masters, s.shared))
     least = predict(frugal)
+    lossiest = max(ordered, key=lambda s: (s.lossy, s.stage, s.recompute, s.masters, s.shared, s.ratio or 0.0))
+    if lossiest.lossy and lossiest != frugal:  # bf16 moments exclude offloaded ones: the other most frugal choice
+        other = predict(lossiest)
+        if other.peak_bytes < least.peak_bytes:
+            frugal, least = lossiest, other
     if log is not None:
         log(f"planner: the most frugal choice, {frugal.describe()}: predicted peak {_gib(least.peak_bytes)}")
     if least.peak_bytes > limit:
@@ -184,6 +236,7 @@ def plan(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dict[st
             reason = (f"{s.describe()} fits the budget of {_gib(limit)} with a predicted peak of "
                       f"{_gib(predicted.peak_bytes)} in {predicted.peak_phase}; of {len(ordered)} choices it is the "
                       f"one that fits and moves the fewest bytes per step"
+                      + (", and no exact choice fits" if s.lossy else "")
                       + (f" (cheaper ones do not fit: {misses})" if misses else ""))
             return Plan(s, predicted, limit, reason, tried)
     raise AssertionError("the most frugal choice fitted, so some choice must")

@@ -4,8 +4,6 @@ Imports nothing else of zeroplus, so every layer may read its own part.
 """
 from .blocks import (
                      ActivationCheckpointingConfig,
-                     BF16Config,
-                     FP16Config,
                      OffloadOptimizerConfig,
                      OffloadParamConfig,
                      OptimizerConfig,
@@ -15,6 +13,7 @@ from .blocks import (
 )
 from .keys import ConfigError
 from .model import ZeroplusConfig
+from .precision_blocks import BF16Config, FP16Config
 from .resolve import auto_keys, load_config, model_hidden_size, parse_config, resolve_auto, resolve_batch
 from .resolved import ResolvedConfig, ResolvedZeroConfig, resolved, resolved_zero
 from .sizes import parse_bytes

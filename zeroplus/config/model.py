@@ -10,10 +10,8 @@ from pydantic import Field, field_validator
 from .blocks import (
     ActivationCheckpointingConfig,
     Auto,
-    BF16Config,
     Block,
     CheckpointConfig,
-    FP16Config,
     NonNegativeFloat,
     OptimizerConfig,
     PositiveInt,
@@ -30,6 +28,7 @@ from .observe_blocks import (
     TensorBoardConfig,
     WandbConfig,
 )
+from .precision_blocks import BF16Config, FP16Config
 
 
 class ZeroplusConfig(Block):

@@ -203,4 +203,8 @@ def auto_keys(cfg: ZeroplusConfig) -> list[str]:
         keys.append("zeroplus.shared_master_weights")
     if zp.resize_recompute.enabled == "auto":
         keys.append("zeroplus.resize_recompute.enabled")
+    keys += [f"zeroplus.optimizer_states.{k}" for k in ("exp_avg", "exp_avg_sq")
+             if getattr(zp.optimizer_states, k) == "auto"]
+    if zp.master_weights.dtype == "auto":
+        keys.append("zeroplus.master_weights.dtype")
     return keys

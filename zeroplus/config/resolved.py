@@ -15,8 +15,6 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from .blocks import (
-    BF16Config,
-    FP16Config,
     NonNegativeFloat,
     NonNegativeInt,
     OffloadOptimizerConfig,
@@ -28,6 +26,7 @@ from .blocks import (
 )
 from .keys import ConfigError
 from .model import ZeroplusConfig
+from .precision_blocks import BF16Config, FP16Config
 from .zero_stage import ZeroStage
 
 

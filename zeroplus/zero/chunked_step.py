@@ -1,4 +1,4 @@
-"""The optimizer step chunk by chunk: for a split (shared-storage) master, a master on a tier
+"""The optimizer step chunk by chunk: for a split (shared-storage) master, a bf16 master, a master on a tier
 (``tiered_master.py``, read and rewritten chunk by chunk the same way, the next chunk's read
 started before the current chunk steps), and optimizer states offloaded to a lower tier
 (``offload/optimizer_states.py``).
@@ -48,17 +48,23 @@ class ChunkedStep:
         self.chunk_numel = int(chunk_numel)
         self.elementwise = isinstance(optimizer, ELEMENTWISE)
 
+    def _scratch(self, store: Any, chunk: int, device: torch.device) -> torch.Tensor:
+        """The int32 scratch the store's reads and writes take: ``store.scratch_rows`` rows of up to
+        ``bf16_split.CHUNK`` elements, flat."""
+        return self.ledger.empty(store.scratch_rows * min(chunk, bf16_split.CHUNK), torch.int32, Category.MASTER,
+                                 device)
+
     def step_tiered(self, g: FlatParamGroup, states: TieredStates, grad: torch.Tensor) -> None:
         """One step of group ``g`` whose optimizer states are ``states`` (offloaded), sub-group by sub-group."""
         param, opt, store = g.master_param, self.optimizer, g.master_store
-        copied = store.shared or store.tiered  # the master is read into a work buffer and written back
+        copied = store.copied  # the master is read into a work buffer and written back
         work: torch.Tensor | None = None
         scratch: torch.Tensor | None = None
+        store.begin_step()
         if copied:
             work = self.ledger.empty(max(b - a for a, b in states.chunks), torch.float32, Category.MASTER,
                                      grad.device)
-            scratch = self.ledger.empty(min(work.numel(), bf16_split.CHUNK), torch.int32, Category.MASTER,
-                                        grad.device)
+            scratch = self._scratch(store, work.numel(), grad.device)
         placeholder = param.data
         try:
             states.prefetch(0)  # normally already in flight: the previous group's steps read ahead
@@ -83,7 +89,8 @@ class ChunkedStep:
         owned = store.numel
         chunk = min(self.chunk_numel, owned) if self.elementwise else owned
         work = self.ledger.empty(chunk, torch.float32, Category.MASTER, grad.device)
-        scratch = self.ledger.empty(min(chunk, bf16_split.CHUNK), torch.int32, Category.MASTER, grad.device)
+        scratch = self._scratch(store, chunk, grad.device)
+        store.begin_step()
         state = opt.state.pop(param, {})
         first = not state  # every chunk then starts from the optimizer's own initial state
         sliced = {k for k, v in state.items() if per_element(v, owned)}

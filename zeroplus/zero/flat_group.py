@@ -38,7 +38,8 @@ not offloaded with ``offload_param`` (their shard stays on the device).
 With shared-storage master weights (``master_store.SharedMaster``, bf16 only) the fp32 master
 column becomes a 2-byte residual per owned element at stages 0-2 (the bf16 high halves are the
 owned range of ``full``), and at stage 3 a bf16 shard plus a residual (2 + 2 bytes), with no
-cast buffer for the gathers.
+cast buffer for the gathers. With bf16 master weights (``master_store.Bf16Master``) there is no master column: 0
+bytes at stages 0-2, the 2-byte bf16 shard at stage 3 (see note: bf16 master weights).
 See note: stage-3 shard; see note: one rank (docs/design-notes.md).
 """
 from __future__ import annotations
@@ -56,7 +57,7 @@ from ..offload.policies import MasterPolicy
 from . import init_shards
 from .buffer_pool import BufferPool
 from .group_grad import GroupGrad
-from .master_store import FullMaster, MasterStore, SharedMaster
+from .master_store import Bf16Master, FullMaster, MasterStore, SharedMaster
 from .param_status import ParamStatus, mark
 from .tiered_master import TieredMaster
 
@@ -95,6 +96,8 @@ class MasterLayout(enum.Enum):
       0-2, none at stage 3 (each gather casts the master into a c * S buffer).
     - ``SHARED``: bf16 with shared-storage masters: ``shard`` the bf16 high halves (``full``'s range at stages
       0-2, a 2 * S copy at stage 3) plus a 2 * O residual; no ``master``.
+    - ``BF16``: bf16 masters: ``shard`` is the master (``full``'s range at stages 0-2: 0 bytes beyond ``full``; a
+      2 * S copy at stage 3); no ``master``.
     - ``TIERED``: stage 3 with ``offload_param``: the master on a host or NVMe tier (``tiered_master.py``), no
       ``shard`` and no ``master`` on the device."""
 
@@ -103,6 +106,7 @@ class MasterLayout(enum.Enum):
     FP32_OWN = "fp32 own"
     LOW_PRECISION = "low precision"
     SHARED = "shared"
+    BF16 = "bf16"
     TIERED = "tiered"
 
 
@@ -215,7 +219,7 @@ class FlatParamGroup:
         mark(self.params, ParamStatus.AVAILABLE)
 
     def _lay_out_values(self, owned_view: torch.Tensor, master: MasterPolicy, trainable: bool) -> None:
-        """Set ``shard``, ``master``, the master store and ``layout`` (``MasterLayout``: which of the six, with its
+        """Set ``shard``, ``master``, the master store and ``layout`` (``MasterLayout``: which of the seven, with its
         bytes) from this rank's owned values ``owned_view``."""
         sharded = self.stage.shards_parameters  # stage 3: parameters gathered around each use
         # ``shard``: this rank's low-precision values (what an all-gather sends). Stage 3 in low
@@ -244,6 +248,16 @@ class FlatParamGroup:
                 self.ledger.save("shared_master_weights", Category.MASTER, 2 * self.owned_numel)
             self.master_store = SharedMaster(high, low)
             self.layout = MasterLayout.SHARED
+            placeholder = torch.empty(0, dtype=torch.float32, device=self.device)
+            self.master_param = torch.nn.Parameter(placeholder, requires_grad=False)  # data swapped in by the step
+        elif master.bf16_rounding is not None:
+            if self.compute_dtype != torch.bfloat16:
+                raise ValueError(f"bf16 master weights need bf16 training, not {self.compute_dtype}")
+            self.shard = self._own_copy(owned_view, self.shard_numel, self.compute_dtype) if sharded else owned_view
+            # the fp32 master there would be 4 bytes per owned element; at stage 3 the bf16 shard is 2 of them
+            self.ledger.save("bf16_master_weights", Category.MASTER, (2 if sharded else 4) * self.owned_numel)
+            self.master_store = Bf16Master(self.shard, master.bf16_rounding)
+            self.layout = MasterLayout.BF16
             placeholder = torch.empty(0, dtype=torch.float32, device=self.device)
             self.master_param = torch.nn.Parameter(placeholder, requires_grad=False)  # data swapped in by the step
         else:

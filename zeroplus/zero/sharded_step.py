@@ -170,7 +170,7 @@ class ShardedStep:
         for g in partition.groups:
             if id(g) not in self.steps:
                 store = g.master_store
-                self.steps[id(g)] = (ChunkedMasterStep(optimizer, ledger, chunked) if store.shared or store.tiered
+                self.steps[id(g)] = (ChunkedMasterStep(optimizer, ledger, chunked) if store.copied
                                      else WholeStep(optimizer, ledger))
         self.first_tiered = tiered[0] if tiered else None  # its first reads overlap the norm's all-reduce
         self.direct = DirectStep(optimizer, self._options, ledger)  # one rank: autograd's gradients as they are

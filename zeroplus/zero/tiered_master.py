@@ -38,6 +38,8 @@ TECHNIQUE = "offload_param"
 
 class TieredMaster:
     tiered = True
+    copied = True
+    scratch_rows = 1
 
     def __init__(self, store: MasterStore, tier: Tier, ledger: Ledger, max_writes: int = 4) -> None:
         self.shared, self.numel, self.ledger = store.shared, store.numel, ledger
@@ -57,6 +59,12 @@ class TieredMaster:
         ledger.save(TECHNIQUE, Category.MASTER, self.saved)
         self._gather_read: Any = None
         self._range_reads: dict[tuple[int, int], Any] = {}
+
+    def begin_step(self) -> None:
+        return None
+
+    def set_step_count(self, count: int) -> None:
+        return None
 
     # -- gathers --------------------------------------------------------------------------------
     def _source(self) -> Any:
