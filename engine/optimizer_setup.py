@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from zeroplus.config import ConfigError, ResolvedConfig, ZeroplusConfig, resolved_zero
+from zeroplus.config import ConfigError, ResolvedConfig, ZeroplusConfig
 from zeroplus.optim.build import (
     adopt_client_optimizer,
     build_optimizer,
@@ -72,10 +72,9 @@ def check_optimizer_request(cfg: ResolvedConfig, optimizer: torch.optim.Optimize
     if optimizer is not None:
         raise ConfigError(f"{what}, which zeroplus serves for the config's optimizer block; the client optimizer "
                           f"{type(optimizer).__name__} keeps its own states (give the config an 'optimizer' block)")
-    zero = resolved_zero(cfg.zero_optimization)
-    if zero.offloads_optimizer or cfg.zeroplus.virtual_optimizer_states:
-        raise ConfigError(f"{what}, and the optimizer states are offloaded (zero_optimization.offload_optimizer or "
-                          f"zeroplus.virtual_optimizer_states), whose kernels step fp32 states only: not served yet")
+    if cfg.zeroplus.virtual_optimizer_states:
+        raise ConfigError(f"{what}, and the optimizer states are in virtual host memory "
+                          f"(zeroplus.virtual_optimizer_states), whose NPU kernel steps fp32 states only")
     assert cfg.optimizer is not None
     try:
         build_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params), [{"params": [torch.zeros(1)]}], False,

@@ -1,9 +1,9 @@
 """``zeroplus.estimate``: the engine's own run on the meta device predicts what the real run holds.
 
 - On 2 real ranks, stages 0-3 x {fp32, bf16, bf16 with shared master weights}, bf16 masters at stages 1 and 3,
-  plus offloaded optimizer states (ratio 0.5) and parameter shards, gradient accumulation 2, buckets smaller
-  than a unit: every ledger category's predicted peak (parameters, gathered parameters,
-  gradients, masters, optimizer states) equals the peak the engine's ledger measured over four
+  bf16 moments offloaded at stage 3, plus offloaded optimizer states (ratio 0.5) and parameter shards, gradient
+  accumulation 2, buckets smaller than a unit: every ledger category's predicted peak (parameters, gathered
+  parameters, gradients, masters, optimizer states) equals the peak the engine's ledger measured over four
   steps, byte for byte; comm buckets too, or one buffer less (gloo frees a finished collective's
   buffer a moment late under load); the offload window's peak, which depends on when the
   tier's threads finish, between the prediction (writes land at once; reads to within one
@@ -43,9 +43,12 @@ from zeroplus.models.gpt_tp import TensorParallelGPT
 
 
 def _config(stage: int, dtype: str, shared: bool | str = False, offload_dir: str | None = None, **zp) -> dict:
-    """``shared``: True for shared master weights, ``"bf16 masters"`` for bf16 masters rounded stochastically."""
+    """``shared``: True for shared master weights, ``"bf16 masters"`` for bf16 masters rounded stochastically,
+    ``"bf16 states"`` for Adam's moments stored in bf16."""
     if shared == "bf16 masters":
         zp = {"master_weights": {"dtype": "bf16", "rounding": "stochastic"}, **zp}
+    if shared == "bf16 states":
+        zp = {"optimizer_states": {"exp_avg": "bf16", "exp_avg_sq": "bf16"}, **zp}
     zero: dict = {"stage": stage, "stage3_param_persistence_threshold": 500, "reduce_bucket_size": 3000}
     if offload_dir is not None:
         zero.update(sub_group_size=3000, offload_optimizer={"device": "nvme", "nvme_path": offload_dir, "ratio": 0.5})
@@ -59,7 +62,7 @@ def _config(stage: int, dtype: str, shared: bool | str = False, offload_dir: str
 CASES = [(stage, dtype, shared, False) for stage in range(4)
          for dtype, shared in [("fp32", False), ("bf16", False), ("bf16", True)]]
 CASES += [(2, "bf16", False, True), (3, "bf16", False, True), (1, "bf16", "bf16 masters", False),
-          (3, "bf16", "bf16 masters", False)]
+          (3, "bf16", "bf16 masters", False), (3, "bf16", "bf16 states", True)]
 
 
 def _ledger_job(root: str) -> list:

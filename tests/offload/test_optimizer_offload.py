@@ -2,7 +2,8 @@
 
 On 2 ranks at stages 1-3, with the states in files (``device: nvme``) streamed in sub-groups of
 40 elements through a window of 3: losses and fp32 masters bitwise equal to the run without
-offload, in fp32, bf16 and fp16 (dynamic loss scaling), at ratio 1 and 0.5, and with shared-storage master weights. The
+offload, in fp32, bf16 and fp16 (dynamic loss scaling), at ratio 1 and 0.5, with shared-storage master weights, and with
+Adam's moments stored in bf16 (``zeroplus.optimizer_states``: half the bytes on the tier and through the window). The
 ledger keeps no ``optim_state`` bytes resident at ratio 1 (part at 0.5) and at most the
 window's worth in ``offload_buffer`` (3 sub-groups read or stepping and 3 being written, over all
 groups together), not the shard's. A checkpoint saved with offloaded states resumes
@@ -25,7 +26,9 @@ from zeroplus.offload.optimizer_states import TieredStates, Window
 SUB = 40
 
 
-def _config(stage: int, dtype: str, path: str | None, ratio: float = 1.0, shared: bool = False) -> dict:
+def _config(stage: int, dtype: str, path: str | None, ratio: float = 1.0, shared: bool = False,
+            states: bool = False) -> dict:
+    """``states``: Adam's moments stored in bf16 (``zeroplus.optimizer_states``)."""
     zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
     if path is not None:
         os.makedirs(path, exist_ok=True)  # zeroplus does not create offload directories
@@ -34,7 +37,8 @@ def _config(stage: int, dtype: str, path: str | None, ratio: float = 1.0, shared
     return {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "bf16": {"enabled": dtype == "bf16"},
             "fp16": {"enabled": dtype == "fp16", "initial_scale_power": 8},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}, "zero_optimization": zero,
-            "zeroplus": {"log_level": "warning", "memory_estimate": False, "shared_master_weights": shared}}
+            "zeroplus": {"log_level": "warning", "memory_estimate": False, "shared_master_weights": shared,
+                         "optimizer_states": {"exp_avg": "bf16", "exp_avg_sq": "bf16"} if states else {}}}
 
 
 def _run(cfg: dict, steps: int = 4) -> dict:
@@ -48,35 +52,38 @@ def _run(cfg: dict, steps: int = 4) -> dict:
             "owned": sum(g.owned_numel for g in engine.partition.groups)}
 
 
-CASES = [(1, "fp32", 1.0, False), (2, "fp32", 0.5, False), (3, "fp32", 1.0, False), (2, "bf16", 1.0, False),
-         (3, "bf16", 0.5, True), (1, "fp16", 1.0, False), (3, "fp16", 1.0, False)]
+CASES = [(1, "fp32", 1.0, False, False), (2, "fp32", 0.5, False, False), (3, "fp32", 1.0, False, False),
+         (2, "bf16", 1.0, False, False), (3, "bf16", 0.5, True, False), (1, "fp16", 1.0, False, False),
+         (3, "fp16", 1.0, False, False), (1, "bf16", 1.0, False, True), (3, "bf16", 0.5, False, True),
+         (2, "fp32", 1.0, False, True)]
 
 
 def _job(root: str) -> list:
     rank, _ = rank_and_world()
     out = []
-    for stage, dtype, ratio, shared in CASES:
-        path = os.path.join(root, f"nvme-{stage}-{dtype}-{rank}")
-        out.append((_run(_config(stage, dtype, None, shared=shared)),
-                    _run(_config(stage, dtype, path, ratio, shared))))
+    for stage, dtype, ratio, shared, states in CASES:
+        path = os.path.join(root, f"nvme-{stage}-{dtype}-{states}-{rank}")
+        out.append((_run(_config(stage, dtype, None, shared=shared, states=states)),
+                    _run(_config(stage, dtype, path, ratio, shared, states))))
     return out
 
 
 def test_offloaded_states_train_identically(tmp_path):
     results = run_distributed(_job, 2, str(tmp_path))[0]
-    for (stage, dtype, ratio, shared), (plain, offloaded) in zip(CASES, results):
-        where = f"stage {stage} {dtype} ratio {ratio} shared {shared}"
+    for (stage, dtype, ratio, shared, states), (plain, offloaded) in zip(CASES, results):
+        where = f"stage {stage} {dtype} ratio {ratio} shared {shared} bf16 states {states}"
         assert plain["losses"] == offloaded["losses"], where
         for name, value in plain["masters"].items():
             assert torch.equal(value, offloaded["masters"][name]), f"{where}: {name}"
-        assert plain["resident"] == 8 * plain["owned"], where  # AdamW: exp_avg + exp_avg_sq in fp32
+        per_element = 4 if states else 8  # AdamW: exp_avg + exp_avg_sq in bf16, or fp32
+        assert plain["resident"] == per_element * plain["owned"], where
         if ratio == 1.0:
             assert offloaded["resident"] == 0, where
         else:
             assert 0 < offloaded["resident"] < plain["resident"], where
         # at most buffer_count (3) sub-groups read or stepping plus 3 being written, over all groups (a
-        # write drops its buffer before its future completes: tier_tensor._pwrite)
-        assert 0 < offloaded["window_peak"] <= 2 * 3 * 8 * SUB, where
+        # write drops its buffer before its future completes: tier_tensor._pwrite); bf16 moments move half the bytes
+        assert 0 < offloaded["window_peak"] <= 2 * 3 * per_element * SUB, where
 
 
 def _resume(root: str, offload_first: bool, offload_second: bool) -> dict:

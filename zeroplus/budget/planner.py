@@ -10,8 +10,8 @@ the token length the activations are predicted for (``initialize`` sees no input
 
 1. Candidates: every combination of the ``"auto"`` keys (stages 0-3; ratio none, 0.25, 0.5,
    0.75, 1 when an offload device is set; shared master weights off/on in bf16; resize
-   recompute off/on; bf16 moments off/on for the config's Adam or AdamW, not with offloaded states; bf16 masters
-   off/on in bf16, not beside shared masters or offloaded parameters).
+   recompute off/on; bf16 moments off/on for the config's Adam or AdamW; bf16 masters off/on in bf16, not beside
+   shared masters or offloaded parameters).
 2. Each gets a cost before anything is simulated, in seconds per optimizer step on a nominal
    machine (``BANDWIDTH``): its collectives' bytes per rank (ring all-reduce 2 c P (N-1)/N;
    reduce-scatter and all-gather c P (N-1)/N each; stages 2-3 reduce every micro-batch, stage 3
@@ -124,8 +124,8 @@ def _candidates(cfg: ZeroplusConfig) -> list[Settings]:
     for stage, ratio, sh, rc, st, ms in itertools.product(stages, ratios, shared, recompute, states, masters):
         if ratio is not None and stage == 0:
             continue  # offload needs a partitioned optimizer
-        if (st and ratio is not None) or (ms and sh):
-            continue  # offloaded states step fp32 moments; bf16 and shared masters exclude each other
+        if ms and sh:
+            continue  # bf16 and shared masters exclude each other
         out.append(Settings(stage, ratio, sh, rc, st, ms))
     return out
 
@@ -210,13 +210,8 @@ def plan(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dict[st
                         micro_batch_size=micro_batch_size, seq_len=seq_len, example_inputs=example_inputs,
                         code=code)
 
-    frugal = max(ordered, key=lambda s: (s.stage, s.ratio or 0.0, s.recompute, s.masters, s.shared))
+    frugal = max(ordered, key=lambda s: (s.stage, s.ratio or 0.0, s.recompute, s.masters, s.shared, s.states))
     least = predict(frugal)
-    lossiest = max(ordered, key=lambda s: (s.lossy, s.stage, s.recompute, s.masters, s.shared, s.ratio or 0.0))
-    if lossiest.lossy and lossiest != frugal:  # bf16 moments exclude offloaded ones: the other most frugal choice
-        other = predict(lossiest)
-        if other.peak_bytes < least.peak_bytes:
-            frugal, least = lossiest, other
     if log is not None:
         log(f"planner: the most frugal choice, {frugal.describe()}: predicted peak {_gib(least.peak_bytes)}")
     if least.peak_bytes > limit:
