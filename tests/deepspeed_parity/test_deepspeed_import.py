@@ -6,8 +6,9 @@ from DeepSpeed's directory (``load_checkpoint`` imports it beside itself and rem
 with ``latest`` and, from a copy without it, by its only tag.
 The fp32 masters after loading equal DeepSpeed's own consolidation (``zero_to_fp32``) bitwise,
 the step counter is kept, and the continued losses match DeepSpeed's: 1e-6 relative in fp32 (stage
-3), 1e-2 in bf16 (stage 2). (Stage 1 writes the same file format as stage 2; stage 3 in bf16 was
-checked when the importer landed and is left out to keep the suite short.) ParityNet has a frozen
+3), 1e-2 in bf16 (stage 2, and stage 3 with DeepSpeed's ``bf16_optimizer_states`` and
+``bf16_master_weights_and_grads``: the moments load as bf16 and the masters as bf16 weights). (Stage 1 writes the
+same file format as stage 2.) ParityNet has a frozen
 layer, a tied weight and root parameters, so the frozen fragments and aliases of the stage-3 files are exercised too.
 """
 from __future__ import annotations
@@ -27,11 +28,16 @@ from tests.reference import engine_train
 
 pytest.importorskip("deepspeed")
 
-CASES = [(2, "bf16"), (3, "fp32")]  # DeepSpeed's stage-1/2 format (flat partitions) and its stage-3 format
+# DeepSpeed's stage-1/2 format (flat partitions) and its stage-3 format; "bf16-low": bf16 with DeepSpeed's
+# bf16_optimizer_states and bf16_master_weights_and_grads, which zeroplus serves (bf16 moments, bf16 masters)
+CASES = [(2, "bf16"), (3, "fp32"), (3, "bf16-low")]
 
 
 def _config(stage: int, dtype: str) -> dict:
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "bf16": {"enabled": dtype == "bf16"},
+    bf16: dict = {"enabled": dtype != "fp32"}
+    if dtype == "bf16-low":
+        bf16.update(bf16_optimizer_states=True, bf16_master_weights_and_grads=True)
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "bf16": bf16,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
             "zero_optimization": {"stage": stage}, "steps_per_print": 1000}
 
@@ -73,7 +79,9 @@ def _zeroplus(root: str) -> list[dict]:
         source = os.path.join(root, f"ds-{stage}-{dtype}" if stage == 3 else f"zp-{stage}-{dtype}")
         path, client = engine.load_checkpoint(source)
         masters = engine.consolidated_fp32_state()
+        moments = {str(v.dtype) for state in engine.optimizer.state.values() for k, v in state.items() if k != "step"}
         out.append({"steps": engine.global_steps, "masters": masters, "losses": _steps(engine, 2, 4), "path": path,
+                    "moments": moments,
                     "client": client,
                     "left": sorted(f for f in os.listdir(source) if f.startswith(".zeroplus-import"))})
     engine = zeroplus.initialize(ParityNet(), dict(_config(3, "fp32"), zeroplus={"log_level": "error"}))
@@ -111,8 +119,10 @@ def test_deepspeed_checkpoint_resumes_in_zeroplus(tmp_path):
             assert zp["client"] == want, f"rank {rank} stage {stage}: client state {zp['client']}"
     for (stage, dtype), ds, zp in zip(CASES, ds_losses, results):
         assert zp["steps"] == 2, (stage, dtype)
+        assert zp["moments"] == {"torch.bfloat16" if dtype == "bf16-low" else "torch.float32"}, (dtype, zp["moments"])
         if stage == 3:  # loaded straight from DeepSpeed's directory, the import removed
-            assert zp["path"] == os.path.join(root, "ds-3-fp32", "global_step2") and zp["left"] == [], zp["path"]
+            assert zp["path"] == os.path.join(root, f"ds-3-{dtype}", "global_step2") and zp["left"] == [], zp["path"]
+        if stage == 3 and dtype == "fp32":
             for name, value in results[-2]["masters"].items():
                 assert torch.equal(value, zp["masters"][name]), f"without latest: {name}"
         reference = get_fp32_state_dict_from_zero_checkpoint(os.path.join(root, f"ds-{stage}-{dtype}"))
