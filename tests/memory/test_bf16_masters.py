@@ -81,9 +81,13 @@ def _reference(rounding: str, world: int) -> tuple[list[float], dict[str, torch.
 
 
 def _train(stage: int, rounding: str, deepspeed_key: bool = False) -> dict:
+    return _train_config(_config(stage, rounding, deepspeed_key))
+
+
+def _train_config(cfg: dict) -> dict:
     rank, world = rank_and_world()
     torch.manual_seed(0)
-    engine = zeroplus.initialize(ParityNet(), _config(stage, rounding, deepspeed_key))
+    engine = zeroplus.initialize(ParityNet(), cfg)
     master_bytes = engine.ledger.live_bytes(Category.MASTER)
     batches = make_batches(STEPS * world, MICRO)
     losses = []
@@ -239,6 +243,20 @@ def test_a_resumed_run_rounds_as_the_uninterrupted_one(tmp_path):
     for whole, resumed in run_distributed(_resume, 2, str(tmp_path)):
         for name, value in whole.items():
             assert torch.equal(resumed[name], value), name
+
+
+def test_with_offloaded_optimizer_states_it_trains_as_with_resident_ones(tmp_path):
+    """One rank, stage 1, the states in files streamed in sub-groups (``chunked_step.step_tiered``): bit for bit."""
+    runs = []
+    for offload in (False, True):
+        cfg = _config(1, "stochastic")
+        if offload:
+            cfg["zero_optimization"].update(sub_group_size=40, offload_optimizer={
+                "device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 2})
+        runs.append(_train(1, "stochastic") if not offload else _train_config(cfg))
+    assert runs[0]["losses"] == runs[1]["losses"]
+    for name, value in runs[0]["state"].items():
+        assert torch.equal(runs[1]["state"][name], value), name
 
 
 def _refused(cfg: dict) -> str:
