@@ -8,7 +8,8 @@ each parameter widened to fp32, torch's fused AdamW over it with the gradient wi
 stage's weights stay within bf16 rounding of the one-process reference over the same batches. The ledger's ``master``
 bytes: none at stages 0-2 (the bf16 weights are the masters), 2 per owned element at stage 3 (the shard the
 all-gathers send). Stochastic rounding keeps updates below half a bf16 step in expectation, where rounding to nearest
-loses every one of them; a resumed run draws as the uninterrupted one.
+loses every one of them; a resumed run draws as the uninterrupted one; zeroplus's and DCP checkpoints keep the bf16
+masters and moments and load into fp32 ones exactly.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 import zeroplus
 from tests.dist_helper import rank_and_world, run_distributed
 from tests.models import ParityNet, make_batches
+from tests.reference import engine_train
 from zeroplus.config import ConfigError
 from zeroplus.kernels.stochastic_round import store
 from zeroplus.ledger import Category
@@ -257,6 +259,48 @@ def test_with_offloaded_optimizer_states_it_trains_as_with_resident_ones(tmp_pat
     assert runs[0]["losses"] == runs[1]["losses"]
     for name, value in runs[0]["state"].items():
         assert torch.equal(runs[1]["state"][name], value), name
+
+
+def _low(fmt: str, low: bool = True) -> zeroplus.Engine:
+    cfg = _config(2, "stochastic")
+    cfg["zeroplus"]["checkpoint_format"] = fmt
+    if low:
+        cfg["zeroplus"]["optimizer_states"] = {"exp_avg": "bf16", "exp_avg_sq": "bf16"}
+    else:
+        del cfg["zeroplus"]["master_weights"]
+    torch.manual_seed(0)
+    return zeroplus.initialize(ParityNet(), cfg)
+
+
+@pytest.mark.parametrize("fmt", ["zeroplus", "dcp"])
+def test_checkpoints_keep_bf16_masters_and_moments_and_load_into_fp32_ones(tmp_path, fmt):
+    """One rank, stage 2, bf16 masters and bf16 moments, in zeroplus's format and DCP: a fresh engine loads them
+    bitwise (the moments stay bf16) and continues as the saving one does; an engine with fp32 masters and moments
+    loads the same checkpoint as those values widened (exact)."""
+    batches = make_batches(4, MICRO)
+    engine = _low(fmt)
+    engine_train(engine, batches, 2, 0, 1, 1)
+    engine.save_checkpoint(str(tmp_path))
+    saved = engine.consolidated_fp32_state()
+    states = {g.name: {k: torch.as_tensor(v).clone() for k, v in engine.optimizer_state(g).items()}
+              for g in engine.partition.groups}
+    assert {v.dtype for st in states.values() for k, v in st.items() if k != "step"} == {torch.bfloat16}
+    engine_train(engine, batches, 2, 0, 1, 1, start=2)
+    after = engine.consolidated_fp32_state()
+    for low in (True, False):
+        again = _low(fmt, low)
+        again.load_checkpoint(str(tmp_path))
+        for name, value in saved.items():
+            assert torch.equal(again.consolidated_fp32_state()[name], value), (fmt, low, name)
+        for g in again.partition.groups:
+            for k, v in again.optimizer_state(g).items():
+                want = states[g.name][k]
+                assert torch.equal(torch.as_tensor(v), want.to(torch.as_tensor(v).dtype)), (fmt, low, g.name, k)
+                assert k == "step" or torch.as_tensor(v).dtype == (torch.bfloat16 if low else torch.float32)
+        if low:
+            engine_train(again, batches, 2, 0, 1, 1, start=2)
+            for name, value in after.items():
+                assert torch.equal(again.consolidated_fp32_state()[name], value), (fmt, "continued", name)
 
 
 def _refused(cfg: dict) -> str:
