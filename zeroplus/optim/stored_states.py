@@ -20,6 +20,8 @@ See note: stored optimizer states (docs/design-notes.md).
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -48,6 +50,18 @@ class StoredStates(torch.optim.Optimizer):
         super().__init__(params, **kwargs)  # type: ignore[call-arg]
         self.state_dtypes = {"exp_avg": exp_avg_dtype, "exp_avg_sq": exp_avg_sq_dtype}
         self.rounding = rounding
+        self._held: dict[torch.device, torch.Tensor] | None = None  # chunk buffers kept across calls: holding()
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Keep the chunk buffers from one ``step()`` call to the next while inside: a caller that steps a shard
+        chunk by chunk (``zero/chunked_step.py``) would otherwise have them made, faulted in and freed once per
+        chunk. The bytes held are ``workspace_bytes``, as inside a single step."""
+        self._held = {}
+        try:
+            yield
+        finally:
+            self._held = None
 
     @property
     def state_bytes(self) -> int:
@@ -81,8 +95,11 @@ class StoredStates(torch.optim.Optimizer):
         for p, _ in stepped:
             sizes[p.device] = max(sizes.get(p.device, 0), min(CHUNK, p.numel()))
         rows = 4 if self.rounding == "stochastic" else 2  # two fp32 moments (+ the hash's two int32 rows)
-        scratch = {device: torch.empty(rows, size, dtype=torch.float32, device=device)
-                   for device, size in sizes.items()}
+        held = self._held if self._held is not None else {}
+        for device, size in sizes.items():
+            if device not in held or held[device].shape[1] < size:
+                held[device] = torch.empty(rows, size, dtype=torch.float32, device=device)
+        scratch = held
         for p, group in stepped:
             self._step_one(p, group, grad_scale, found_inf, scratch[p.device])
         return loss

@@ -24,6 +24,7 @@ chunk. Per-element states are created full-size on the first step, in the ledger
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ import torch
 from ..kernels import bf16_split
 from ..ledger import Category, Ledger
 from ..offload.optimizer_states import TieredStates, per_element
+from ..optim.stored_states import StoredStates
 from .flat_group import FlatParamGroup
 
 ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adamax,
@@ -54,8 +56,17 @@ class ChunkedStep:
         return self.ledger.empty(store.scratch_rows * min(chunk, bf16_split.CHUNK), torch.int32, Category.MASTER,
                                  device)
 
+    def _holding(self) -> contextlib.AbstractContextManager[None]:
+        """An optimizer that makes chunk buffers in each ``step()`` (stored states) keeps them over this step's
+        chunks."""
+        return self.optimizer.holding() if isinstance(self.optimizer, StoredStates) else contextlib.nullcontext()
+
     def step_tiered(self, g: FlatParamGroup, states: TieredStates, grad: torch.Tensor) -> None:
         """One step of group ``g`` whose optimizer states are ``states`` (offloaded), sub-group by sub-group."""
+        with self._holding():
+            self._step_tiered(g, states, grad)
+
+    def _step_tiered(self, g: FlatParamGroup, states: TieredStates, grad: torch.Tensor) -> None:
         param, opt, store = g.master_param, self.optimizer, g.master_store
         copied = store.copied  # the master is read into a work buffer and written back
         work: torch.Tensor | None = None
@@ -85,6 +96,10 @@ class ChunkedStep:
 
     def step(self, g: FlatParamGroup, grad: torch.Tensor) -> None:
         """One optimizer step of group ``g`` with its fp32 gradient ``grad`` (owned length)."""
+        with self._holding():
+            self._step(g, grad)
+
+    def _step(self, g: FlatParamGroup, grad: torch.Tensor) -> None:
         store, param, opt = g.master_store, g.master_param, self.optimizer
         owned = store.numel
         chunk = min(self.chunk_numel, owned) if self.elementwise else owned
