@@ -31,6 +31,7 @@ import pytest
 import torch
 
 import zeroplus
+from tests.cli_run import run_cli
 from tests.dist_helper import rank_and_world, run_distributed
 from tests.new_storage import NewStorageBytes
 from tests.saved_bytes import saved_in_real_step
@@ -209,7 +210,8 @@ def test_only_defined_values_are_replayed_on_shadows():
     assert torch.equal(shadow_of(values(torch.ops.aten.add.Tensor, (zeros, zeros), {})), torch.zeros(4))
 
 
-def test_command_line_prints_the_full_budget(tmp_path):
+def test_command_line_prints_the_full_budget(tmp_path, capsys):
+    """The console script itself (a new process) for --json; the table from ``zeroplus.cli.main`` in-process."""
     cfg = _config(3, "bf16", True)
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(cfg))
@@ -221,10 +223,9 @@ def test_command_line_prints_the_full_budget(tmp_path):
     expected = zeroplus.estimate(lambda: GPT(gpt_config("tiny")), cfg, world_size=8, rank=7, micro_batch_size=3,
                                  seq_len=32)
     assert printed == json.loads(json.dumps(expected.to_dict()))
-    table = subprocess.run(cmd, capture_output=True, text=True)
-    assert table.returncode == 0 and f"peak: {expected.peak_bytes / 2**30:.3f} GiB in {expected.peak_phase}" \
-        in table.stdout
-    assert "micro-batch 3 x accumulation 2" in table.stdout
+    status, table, err = run_cli(cmd[3:], capsys)
+    assert status == 0 and f"peak: {expected.peak_bytes / 2**30:.3f} GiB in {expected.peak_phase}" in table, err
+    assert "micro-batch 3 x accumulation 2" in table
 
 
 @pytest.mark.fast
@@ -275,7 +276,7 @@ def test_the_first_forwards_prediction_leaves_nothing_for_the_collector(stage):
     assert found < 1000 and not left, (found, len(left))
 
 
-def test_charts_for_people_who_would_rather_look(tmp_path):
+def test_charts_for_people_who_would_rather_look(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     x = torch.randint(0, 256, (2, 16))
     engine = zeroplus.initialize(GPT(gpt_config("tiny")), _config(2, "bf16"))
@@ -285,10 +286,9 @@ def test_charts_for_people_who_would_rather_look(tmp_path):
                  engine.memory_report().save_chart(str(tmp_path / "report.png"))):
         with open(path, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    proc = subprocess.run([sys.executable, "-m", "zeroplus.cli", "estimate", "--model", "tiny", "--config",
-                           "configs/zero2_bf16.json", "--world-size", "4", "--seq-len", "16", "--chart",
-                           str(tmp_path / "cli.png")], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+    status, _, err = run_cli(["estimate", "--model", "tiny", "--config", "configs/zero2_bf16.json", "--world-size",
+                              "4", "--seq-len", "16", "--chart", str(tmp_path / "cli.png")], capsys)
+    assert status == 0, err
     assert (tmp_path / "cli.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -32,6 +30,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import zeroplus
+from tests.cli_run import run_cli
 from tests.hf_models import FAMILIES, build
 from tests.saved_bytes import saved_in_real_step
 from zeroplus.budget.simulate import CpuAttention
@@ -186,7 +185,7 @@ def data_dependent_model() -> torch.nn.Module:
     return _DataDependent()
 
 
-def test_values_the_simulation_lacks_are_named(tmp_path, caplog):
+def test_values_the_simulation_lacks_are_named(tmp_path, caplog, capsys):
     cfg = _config(0)
     log = logging.getLogger("zeroplus")  # (it does not propagate: its own handler prints the rank)
     log.addHandler(caplog.handler)
@@ -202,11 +201,10 @@ def test_values_the_simulation_lacks_are_named(tmp_path, caplog):
         zeroplus.estimate(_DataDependent(), cfg, world_size=1, example_inputs=(torch.randint(0, 256, (2, 8)),))
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(cfg))
-    proc = subprocess.run([sys.executable, "-m", "zeroplus.cli", "estimate", "--model",
-                           "tests.budget.test_hf_models:data_dependent_model", "--config", str(path),
-                           "--world-size", "1", "--seq-len", "8"], capture_output=True, text=True)
-    assert proc.returncode == 2, proc.stderr
-    assert "the memory simulation cannot run aten." in proc.stderr, proc.stderr
+    status, _, err = run_cli(["estimate", "--model", "tests.budget.test_hf_models:data_dependent_model", "--config",
+                              str(path), "--world-size", "1", "--seq-len", "8"], capsys)
+    assert status == 2, err
+    assert "the memory simulation cannot run aten." in err, err
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

@@ -12,8 +12,6 @@ estimate --json`` prints the same numbers; an unknown model size is an error nam
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -21,6 +19,7 @@ import pytest
 import torch
 
 import zeroplus
+from tests.cli_run import run_cli
 from tests.dist_helper import rank_and_world, run_distributed
 from tests.models import ParityNet, make_batches
 from tests.reference import engine_train
@@ -102,16 +101,15 @@ def test_a_thousand_ranks_in_seconds_and_one_over_n():
     assert at_2["optim_state"] == pytest.approx(8 * total / 2, rel=1e-5)
 
 
-def test_command_line_prints_the_same_prediction(tmp_path):
+def test_command_line_prints_the_same_prediction(tmp_path, capsys):
     cfg = _config(3, "bf16", True, "AdamW")
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(cfg))
-    cmd = [sys.executable, "-m", "zeroplus.cli", "estimate", "--model", "tiny", "--config", str(path),
-           "--world-size", "8", "--rank", "7", "--json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    printed = json.loads(proc.stdout)["model_state_bytes"]
+    cmd = ["estimate", "--model", "tiny", "--config", str(path), "--world-size", "8", "--rank", "7", "--json"]
+    status, out, err = run_cli(cmd, capsys)
+    assert status == 0, err
+    printed = json.loads(out)["model_state_bytes"]
     expected = model_state_bytes(_tiny_gpt, cfg, 8, 7)
     assert printed == dict(expected, total_on_device=sum(expected.values()))
-    bad = subprocess.run(cmd[:5] + ["huge"] + cmd[6:], capture_output=True, text=True)
-    assert bad.returncode == 2 and "unknown GPT size 'huge'" in bad.stderr
+    status, _, err = run_cli(cmd[:2] + ["huge"] + cmd[3:], capsys)
+    assert status == 2 and "unknown GPT size 'huge'" in err

@@ -16,8 +16,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
-import subprocess
-import sys
 from typing import Any, Callable
 
 import pytest
@@ -25,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import zeroplus
+from tests.cli_run import run_cli
 from tests.dist_helper import rank_and_world, run_distributed
 from zeroplus.budget.planner import Settings, apply_settings, plan
 from zeroplus.budget.runtime_overhead import ALLOCATOR_ENV
@@ -153,21 +152,20 @@ def _refused_job() -> tuple[str, bool]:
     return "", False
 
 
-def test_an_impossible_budget_is_refused_before_anything_is_allocated(tmp_path):
+def test_an_impossible_budget_is_refused_before_anything_is_allocated(tmp_path, capsys):
     for message, untouched in run_distributed(_refused_job, 2):
         assert untouched
         assert "config key 'zeroplus.memory_budget' is '1MiB' (0.00 GiB)" in message
         assert "smallest predicted peak is" in message and "ZeRO stage 3" in message and "would fit" in message
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(_config()))
-    cmd = [sys.executable, "-m", "zeroplus.cli", "estimate", "--model", "medium", "--config", str(path),
-           "--world-size", "2", "--seq-len", str(SEQ)]
-    refused = subprocess.run(cmd + ["--budget", "1MiB"], capture_output=True, text=True)
-    assert refused.returncode == 2 and "smallest predicted peak is" in refused.stderr
+    cmd = ["estimate", "--model", "medium", "--config", str(path), "--world-size", "2", "--seq-len", str(SEQ)]
+    status, _, err = run_cli(cmd + ["--budget", "1MiB"], capsys)
+    assert status == 2 and "smallest predicted peak is" in err
     budget = str(_peak(Settings(1, None, False, False), 2) + 2**20)
-    chosen = subprocess.run(cmd + ["--budget", budget, "--json"], capture_output=True, text=True)
-    assert chosen.returncode == 0, chosen.stderr
-    printed = json.loads(chosen.stdout)
+    status, out, err = run_cli(cmd + ["--budget", budget, "--json"], capsys)
+    assert status == 0, err
+    printed = json.loads(out)
     expected = plan(lambda: GPT(gpt_config("medium")), _config(), world_size=2, budget=budget, seq_len=SEQ)
     assert printed["plan"] == dataclasses.asdict(expected.settings)
     assert printed["peak_bytes"] == expected.budget.peak_bytes <= int(budget)

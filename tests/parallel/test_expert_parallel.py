@@ -18,13 +18,12 @@ parameters, gradients, masters, optimizer states) the engine's ledger measured, 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import zeroplus
+from tests.cli_run import run_cli
 from tests.dist_helper import run_distributed
 from tests.parallel.model_states import assert_model_states_predicted, ledger_peaks
 from tests.reference import clip_global_norm, engine_train
@@ -216,14 +215,15 @@ def _check_estimate(measured: dict[str, int], engine_predicted: dict[str, int], 
     assert_model_states_predicted(measured, where, estimate=budget.category_peaks, engine=engine_predicted)
 
 
-def test_estimate_command_builds_each_ranks_slice(tmp_path):
+def test_estimate_command_builds_each_ranks_slice(tmp_path, capsys):
     """``zeroplus estimate`` with the config's expert size builds the rank's GPT with its experts (as
     ``zeroplus.estimate`` with the same rank's builder) and names the split."""
     path = tmp_path / "ep.json"
     path.write_text(json.dumps(_config(2)))
-    cmd = [sys.executable, "-m", "zeroplus.cli", "estimate", "--model", "tiny", "--experts", str(EXPERTS),
-           "--config", str(path), "--world-size", str(WORLD), "--rank", "1", "--seq-len", str(SEQ)]
-    printed = subprocess.run(cmd + ["--json"], capture_output=True, text=True, check=True).stdout
+    cmd = ["estimate", "--model", "tiny", "--experts", str(EXPERTS), "--config", str(path), "--world-size", str(WORLD),
+           "--rank", "1", "--seq-len", str(SEQ)]
+    status, printed, err = run_cli(cmd + ["--json"], capsys)
+    assert status == 0, err
     config = _config(2)
     expected = zeroplus.estimate(lambda: GPT(gpt_config("tiny", moe_experts=EXPERTS, moe_k=2)), config,
                                  world_size=WORLD, rank=1, seq_len=SEQ)
