@@ -56,9 +56,27 @@ class MasterStore(Protocol):
     def to_compute(self, dst: torch.Tensor) -> torch.Tensor: ...
 
 
-class FullMaster:
+class _Resident:
+    """What a store on the device does where a tiered one works: nothing to bring back, no step count kept (a
+    ``Bf16Master`` keeps one)."""
+
+    tiered = False  # ``tiered_master.TieredMaster`` keeps a resident store on a tier (offload_param)
+
+    def begin_step(self) -> None:
+        return None
+
+    def set_step_count(self, count: int) -> None:
+        return None
+
+    def prefetch(self) -> None:
+        return None
+
+    def prefetch_range(self, a: int, b: int) -> None:
+        return None
+
+
+class FullMaster(_Resident):
     shared = False
-    tiered = False  # ``tiered_master.TieredMaster`` keeps either kind on a tier (offload_param)
     copied = False
     scratch_rows = 1
 
@@ -66,18 +84,6 @@ class FullMaster:
         self.tensor = tensor
         self.numel = tensor.numel()
         self.round_like_shared = round_like_shared
-
-    def begin_step(self) -> None:
-        return None
-
-    def set_step_count(self, count: int) -> None:  # (nothing depends on it)
-        return None
-
-    def prefetch(self) -> None:  # resident: nothing to bring back
-        return None
-
-    def prefetch_range(self, a: int, b: int) -> None:
-        return None
 
     def read(self, a: int, b: int) -> torch.Tensor:
         return self.tensor[a:b]
@@ -97,9 +103,8 @@ class FullMaster:
         return dst.copy_(self.tensor)
 
 
-class SharedMaster:
+class SharedMaster(_Resident):
     shared = True
-    tiered = False
     copied = True
     scratch_rows = 1
 
@@ -109,18 +114,6 @@ class SharedMaster:
                              f"{high.dtype}[{high.numel()}] and {low.dtype}[{low.numel()}]")
         self.high, self.low = high, low
         self.numel = high.numel()
-
-    def begin_step(self) -> None:
-        return None
-
-    def set_step_count(self, count: int) -> None:  # (nothing depends on it)
-        return None
-
-    def prefetch(self) -> None:  # resident: nothing to bring back
-        return None
-
-    def prefetch_range(self, a: int, b: int) -> None:
-        return None
 
     def read(self, a: int, b: int) -> torch.Tensor:
         return self.read_into(a, b, torch.empty(b - a, dtype=torch.float32, device=self.high.device))
@@ -138,9 +131,8 @@ class SharedMaster:
         return dst.copy_(self.high)
 
 
-class Bf16Master:
+class Bf16Master(_Resident):
     shared = False
-    tiered = False
     copied = True
 
     def __init__(self, high: torch.Tensor, rounding: str) -> None:
@@ -158,12 +150,6 @@ class Bf16Master:
     def set_step_count(self, count: int) -> None:
         """The steps taken before (a checkpoint load): the next draw is the one the uninterrupted run makes."""
         self.count.fill_(count)
-
-    def prefetch(self) -> None:  # resident: nothing to bring back
-        return None
-
-    def prefetch_range(self, a: int, b: int) -> None:
-        return None
 
     def read(self, a: int, b: int) -> torch.Tensor:
         return self.high[a:b].float()
