@@ -26,6 +26,7 @@ from zeroplus.ledger import Ledger
 from zeroplus.logs import log_rank0
 from zeroplus.models.context_hf import context_parallel_hf
 from zeroplus.offload.policies import MasterPolicy, ParamOffload
+from zeroplus.optim.muon import split_groups
 from zeroplus.parallel.dropless_moe import DroplessMoE
 from zeroplus.parallel.groups import ParallelGroups
 from zeroplus.parallel.moe import is_expert
@@ -46,7 +47,7 @@ from .engine import Engine, TrainingParts
 from .loss_scaler import LossScaler
 from .monitors import check_packages
 from .offload_setup import optimizer_offload, param_offload_of, virtual_states
-from .optimizer_setup import check_optimizer_request, masters_in_bf16, optimizer_and_schedule
+from .optimizer_setup import check_optimizer_request, masters_in_bf16, muon_params, optimizer_and_schedule
 
 logger = logging.getLogger("zeroplus.engine")
 
@@ -240,6 +241,8 @@ def _trained_groups(model: torch.nn.Module, cfg: ResolvedConfig, optimizer: torc
         raise ConfigError("an lr_scheduler was passed to initialize() without an optimizer (no 'optimizer' block, "
                           "no optimizer=): give the optimizer too")
     groups = [] if forward_only else _param_groups(model, optimizer, model_parameters)
+    if optimizer is None and cfg.optimizer is not None and cfg.optimizer.type.lower() == "muon":
+        groups = split_groups(groups, muon_params(model), dict(cfg.optimizer.params))
     trained = {id(p) for g in groups for p in g["params"]}
     untrained = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in trained]
     if forward_only:

@@ -22,9 +22,11 @@ from zeroplus.optim.build import (
     would_fuse,
 )
 from zeroplus.optim.forward_only import ForwardOnly
+from zeroplus.optim.muon import muon_kwargs, takes_muon
 from zeroplus.optim.schedulers import build_scheduler
 from zeroplus.optim.stored_states import requested
 from zeroplus.zero import ZeroPartition
+from zeroplus.zero.use_grads import lookup
 
 
 def stored_states(cfg: ZeroplusConfig) -> dict[str, Any] | None:
@@ -43,6 +45,23 @@ def masters_in_bf16(cfg: ZeroplusConfig) -> bool:
     return (dtype or ("bf16" if cfg.bf16.bf16_master_weights_and_grads else "fp32")) == "bf16"
 
 
+def muon_params(model: torch.nn.Module) -> set[int]:
+    """The ids of the parameters the config's Muon steps (the rest: AdamW). A parameter's own ``use_muon`` attribute
+    decides where set (DeepSpeed's tag, set by the user); else DeepSpeed's rule (matrices, not named ``embed`` or
+    ``lm_head``: ``optim/muon.takes_muon``), and not a table the model looks rows up in, by what its module computes
+    (``zero/use_grads.lookup``: a GPT's ``wte`` and ``wpe`` are embeddings whatever their names)."""
+    chosen: dict[int, bool] = {}
+    for module_name, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in chosen and not chosen[id(p)]:
+                continue  # (a tied parameter: an embedding wherever one of its modules looks rows up)
+            full = f"{module_name}.{name}" if module_name else name
+            tagged = getattr(p, "use_muon", None)
+            chosen[id(p)] = (bool(tagged) if tagged is not None
+                             else takes_muon(full, p) and lookup(module, name) is None)
+    return {pid for pid, on in chosen.items() if on}
+
+
 def check_optimizer_request(cfg: ResolvedConfig, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any,
                             rank: int) -> None:
     """Refuse an optimizer request that cannot be assembled, naming the key and the rank."""
@@ -58,6 +77,8 @@ def check_optimizer_request(cfg: ResolvedConfig, optimizer: torch.optim.Optimize
                               cfg.zeroplus.elementwise_optimizer, given)
     except ValueError as err:
         raise ConfigError(f"rank {rank}: {err}") from None
+    if optimizer is None and cfg.optimizer is not None and cfg.optimizer.type.lower() == "muon":
+        _check_muon(cfg, rank)
     if lr_scheduler is not None and cfg.scheduler is not None:
         raise ConfigError("an lr_scheduler was passed to initialize() and the config has a 'scheduler' block; "
                           "give one or the other")
@@ -79,6 +100,27 @@ def check_optimizer_request(cfg: ResolvedConfig, optimizer: torch.optim.Optimize
     try:
         build_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params), [{"params": [torch.zeros(1)]}], False,
                         states)
+    except ValueError as err:
+        raise ConfigError(f"rank {rank}: {err}") from None
+
+
+def _check_muon(cfg: ResolvedConfig, rank: int) -> None:
+    """Muon orthogonalizes whole matrices from a resident fp32 master stepped whole (``optim/muon.py``): refused where
+    the master or its states live elsewhere, or where a matrix is split over tensor ranks."""
+    zero = cfg.zero_optimization
+    refused = [("zero_optimization.offload_optimizer", zero.offloads_optimizer),
+               ("zero_optimization.offload_param", zero.offloads_params),
+               ("zeroplus.virtual_optimizer_states", cfg.zeroplus.virtual_optimizer_states),
+               ("zeroplus.shared_master_weights", cfg.zeroplus.shared_master_weights is True),
+               ("zeroplus.master_weights (bf16)", masters_in_bf16(cfg)),
+               ("zeroplus.parallel.tensor", cfg.zeroplus.parallel.tensor > 1)]
+    for key, on in refused:
+        if on:
+            raise ConfigError(f"rank {rank}: config key 'optimizer.type' is 'Muon' and '{key}' is set: Muon "
+                              f"orthogonalizes each whole matrix from a resident fp32 master stepped whole, which "
+                              f"that setting splits or moves; not supported with Muon yet")
+    try:
+        muon_kwargs(dict(cfg.optimizer.params) if cfg.optimizer is not None else {}, False)
     except ValueError as err:
         raise ConfigError(f"rank {rank}: {err}") from None
 

@@ -19,12 +19,14 @@ def reference_train(model: torch.nn.Module, batches: list, steps: int, world_siz
     """Losses of rank 0's micro-batches (as the engine reports them) and the final parameters.
 
     ``optimizer``: "AdamW", or "SGD" (momentum 0.9), which unlike Adam is not invariant to the
-    gradient's scale, so it catches a wrong averaging factor."""
+    gradient's scale, so it catches a wrong averaging factor; "Lamb"; "Muon" (``MuonAndAdamW``)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if optimizer == "SGD":
         opt = torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
     elif optimizer == "Lamb":
         opt = PlainLamb(params, lr=lr, weight_decay=weight_decay)
+    elif optimizer == "Muon":
+        opt = MuonAndAdamW(model, lr=lr, weight_decay=weight_decay)
     else:
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     losses = []
@@ -80,6 +82,32 @@ def engine_train(engine, batches: list, steps: int, rank: int, world_size: int, 
         if on_step is not None:
             on_step()
     return losses
+
+
+MUON_LR, MUON_MOMENTUM = 0.02, 0.9
+
+
+class MuonAndAdamW:
+    """``torch.optim.Muon`` over the matrices the config's Muon takes (``muon_params``: DeepSpeed's rule, embeddings
+    left out) at ``MUON_LR`` and ``MUON_MOMENTUM``, ``torch.optim.AdamW`` over the rest at ``lr``: the reference for
+    ``"optimizer": {"type": "Muon", "params": {"lr": lr, "muon_lr": MUON_LR, "momentum": MUON_MOMENTUM, ...}}``."""
+
+    def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float) -> None:
+        from zeroplus.engine.optimizer_setup import muon_params
+        chosen = muon_params(model)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        self.optimizers = [
+            torch.optim.Muon([p for p in trained if id(p) in chosen], lr=MUON_LR, momentum=MUON_MOMENTUM,
+                             weight_decay=weight_decay),
+            torch.optim.AdamW([p for p in trained if id(p) not in chosen], lr=lr, weight_decay=weight_decay)]
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
 
 
 class PlainLamb(torch.optim.Optimizer):

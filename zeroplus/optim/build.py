@@ -22,6 +22,7 @@ import torch
 from zeroplus.logs import log_rank0
 
 from .lamb import Lamb
+from .muon import ShardedMuon, muon_kwargs
 from .stored_states import StoredStates, stored_states_class
 
 logger = logging.getLogger("zeroplus.optim")
@@ -47,8 +48,8 @@ def check_elementwise(cls: type[torch.optim.Optimizer], declared: bool, what: st
     unless the config declares it (``zeroplus.elementwise_optimizer``). ``what``: how the user gave it."""
     # (torch wraps a class's step in a profiling hook once an instance exists: unwrapped, it is the function defined)
     step = inspect.unwrap(cls.step)
-    known = {inspect.unwrap(getattr(torch.optim, name).step) for name in ELEMENTWISE} | {inspect.unwrap(Lamb.step),
-                                                                                        inspect.unwrap(StoredStates.step)}
+    known = {inspect.unwrap(getattr(torch.optim, name).step) for name in ELEMENTWISE} | {
+        inspect.unwrap(Lamb.step), inspect.unwrap(StoredStates.step), inspect.unwrap(ShardedMuon.step)}
     if step in known or declared:
         return
     raise ValueError(
@@ -56,8 +57,9 @@ def check_elementwise(cls: type[torch.optim.Optimizer], declared: bool, what: st
         f"(its step() is {step.__module__}.{step.__qualname__}), and zeroplus steps flat shards cut across "
         f"parameters at every stage: an optimizer whose math depends on a parameter's shape (Adafactor's factored "
         f"moments, Muon's whole matrices, LBFGS, bitsandbytes' block-wise 8-bit states) would train a different "
-        f"model. Use one of torch.optim's {', '.join(sorted(ELEMENTWISE))}, or zeroplus's Lamb; or, if its update "
-        f"is element-wise, say so with config key 'zeroplus.elementwise_optimizer': true")
+        f"model. Use one of torch.optim's {', '.join(sorted(ELEMENTWISE))}, or zeroplus's Lamb (for Muon: an "
+        f"'optimizer' block of type 'Muon' in the config, which makes each matrix whole for its step); or, if its "
+        f"update is element-wise, say so with config key 'zeroplus.elementwise_optimizer': true")
 
 
 def resolve_optimizer_class(type_name: str, params: dict[str, Any]) -> type[torch.optim.Optimizer]:
@@ -66,6 +68,8 @@ def resolve_optimizer_class(type_name: str, params: dict[str, Any]) -> type[torc
         return torch.optim.AdamW if params.get("adam_w_mode", True) else torch.optim.Adam
     if name == "lamb":
         return Lamb
+    if name == "muon":  # (before torch.optim.Muon: zeroplus's steps flat shards, torch's whole matrices)
+        return ShardedMuon
     for attr in dir(torch.optim):
         cls = getattr(torch.optim, attr)
         if attr.lower() == name and isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer):
@@ -105,7 +109,7 @@ def build_optimizer(type_name: str, params: dict[str, Any], param_groups: list[d
     """The optimizer the config names over ``param_groups``; ``states``: its moments stored in other dtypes
     (``stored_states.requested``; Adam and AdamW only, else a ValueError naming the config key)."""
     cls = resolve_optimizer_class(type_name, params)
-    kwargs = optimizer_kwargs(cls, type_name, params, fused)
+    kwargs = muon_kwargs(params, fused) if cls is ShardedMuon else optimizer_kwargs(cls, type_name, params, fused)
     if states is not None:
         try:
             cls = stored_states_class(cls)
@@ -125,7 +129,7 @@ def build_optimizer(type_name: str, params: dict[str, Any], param_groups: list[d
 def would_fuse(type_name: str, params: dict[str, Any], fused: bool) -> bool:
     """Whether ``build_optimizer`` asks torch for its fused kernel (CPU and CUDA have one)."""
     cls = resolve_optimizer_class(type_name, params)
-    return bool(optimizer_kwargs(cls, type_name, params, fused).get("fused"))
+    return cls is not ShardedMuon and bool(optimizer_kwargs(cls, type_name, params, fused).get("fused"))
 
 
 def describe_client_optimizer(optimizer: torch.optim.Optimizer) -> tuple[str, dict[str, Any]]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -35,6 +35,7 @@ from ..ledger import Category, Ledger
 from ..offload.optimizer_states import TieredStates, Window, plan_sub_groups
 from ..offload.policies import OptimizerStateOffload
 from ..offload.virtual_host import VirtualStates
+from ..optim.muon import MatrixLayout, MatrixOptimizer, balance
 from .chunked_step import ChunkedStep
 from .direct_step import DirectStep, squared_norm
 from .flat_group import FlatParamGroup
@@ -52,6 +53,13 @@ class SegmentedOptimizer(Protocol):
 
     def set_segments(self, param: torch.Tensor, segments: list[tuple[int, int, int]], num_params: int,
                      dp: ScalarSum) -> None: ...
+
+
+def _buffers(ledger: Ledger, device: torch.device) -> Callable[[int], torch.Tensor]:
+    """fp32 buffers of a given size on ``device``, counted as ``comm_buffer`` (Muon's gathered matrices)."""
+    def make(numel: int) -> torch.Tensor:
+        return ledger.empty(numel, torch.float32, Category.COMM_BUFFER, device)
+    return make
 
 
 class _LocalGroup:
@@ -179,9 +187,28 @@ class ShardedStep:
             for g in partition.groups:
                 optimizer.set_segments(g.master_param, g.param_segments(), len(g.params),
                                        g.dp if partition.stage.partitions else _LocalGroup())
+        if isinstance(optimizer, MatrixOptimizer):  # Muon: each shard's matrices, made whole at its step
+            self._declare_matrices(optimizer, partition, ledger)
         # decided once: every group steps through a kernel that takes the scalars (virtual host memory's does not)
         self.on_device = (policy.scalars_on_device and takes_device_scalars(optimizer)
                           and not any(step.own_kernel for step in self.steps.values()))
+
+    def _declare_matrices(self, optimizer: MatrixOptimizer, partition: ZeroPartition, ledger: Ledger) -> None:
+        """Where each Muon group's matrices lie and which rank orthogonalizes each (``muon.balance``); refused where
+        a Muon group's master is not stepped whole."""
+        layouts = []
+        for g in partition.groups:
+            if not optimizer.takes_matrices(g.master_param):
+                continue
+            if type(self.steps[id(g)]) is not WholeStep:
+                raise ValueError(f"{g.name}: Muon steps a resident fp32 master whole, and this group's is stepped "
+                                 f"{type(self.steps[id(g)]).__name__} (offloaded, split or virtual)")
+            layouts.append((g, MatrixLayout(
+                list(g.shapes), list(g.offsets), g.padded_numel, g.owned_start, g.owned_numel,
+                g.dp if partition.stage.partitions and g.dp.size > 1 else None, _buffers(ledger, g.device))))
+        balance([layout for _, layout in layouts])
+        for g, layout in layouts:
+            optimizer.set_matrices(g.master_param, layout)
 
     @property
     def last_grad_norm(self) -> float | None:
