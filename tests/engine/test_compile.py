@@ -102,27 +102,37 @@ def _assert_equal_to_eager(results: dict[str, Any], label: str, rtol: float = 1e
                                        msg=lambda m, n=name: f"{label}, {way}, {n}: {m}")
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_compiled_training_equals_eager_for_every_way_of_compiling(stage):
-    """With the defaults: eager drops its activations' outputs (resize recompute, on by default), and every
-    compiled way has it off (the wrapper at ``initialize``; ``block.compile()`` and ``engine.compile()`` after
+def _compare_ways_at_each(cases: list[tuple[int, dict[str, Any] | None]], backend: str) -> list[dict[str, Any]]:
+    """``_compare_ways`` for each ``(stage, extra)`` in one world (one fork and one inductor start-up per rank for
+    them all)."""
+    return [_compare_ways(stage, WAYS, extra, backend) for stage, extra in cases]
+
+
+def test_compiled_training_equals_eager_for_every_way_of_compiling():
+    """At every stage, with the defaults: eager drops its activations' outputs (resize recompute, on by default), and
+    every compiled way has it off (the wrapper at ``initialize``; ``block.compile()`` and ``engine.compile()`` after
     it, where it stands down at the first forward) and trains as eager does. (Without the memory prediction,
     which at this size would find it keeps nothing off the peak and turn it off in eager too: see note:
-    recompute where it pays.)"""
-    for rank_results in run_distributed(_compare_ways, 2, stage, WAYS, {"memory_estimate": False}, "inductor"):
-        said = {way: (stats["dropped"], stats["recompute"]) for way, (_, _, stats) in rank_results.items()}
-        assert said["eager"][0] > 0 and said["eager"][1] is True, said
-        assert all(said[way] == (0, False) for way in ("whole", "block", "engine")), said
-        _assert_equal_to_eager(rank_results, f"ZeRO-{stage}", rtol=1e-4, atol=1e-5)
+    recompute where it pays.) The four stages in one world, each checked and named as it was alone."""
+    cases: list[tuple[int, dict[str, Any] | None]] = [(stage, {"memory_estimate": False}) for stage in range(4)]
+    for rank_results in run_distributed(_compare_ways_at_each, 2, cases, "inductor"):
+        for (stage, _), results in zip(cases, rank_results):
+            said = {way: (stats["dropped"], stats["recompute"]) for way, (_, _, stats) in results.items()}
+            assert said["eager"][0] > 0 and said["eager"][1] is True, (stage, said)
+            assert all(said[way] == (0, False) for way in ("whole", "block", "engine")), (stage, said)
+            _assert_equal_to_eager(results, f"ZeRO-{stage}", rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("extra", [
-    {"offload_param": {"device": "cpu"}},
-    {"swap_attention": {"enabled": True, "names": ["blocks.*"], "min_bytes": 0}},
-], ids=["offload_param", "swap_attention"])
-def test_compiled_training_equals_eager_with_memory_techniques_at_stage_3(extra):
-    for rank_results in run_distributed(_compare_ways, 2, 3, WAYS, extra, "inductor"):
-        _assert_equal_to_eager(rank_results, f"ZeRO-3 with {sorted(extra)}", rtol=1e-4, atol=1e-5)
+TECHNIQUES = [{"offload_param": {"device": "cpu"}},
+              {"swap_attention": {"enabled": True, "names": ["blocks.*"], "min_bytes": 0}}]
+
+
+def test_compiled_training_equals_eager_with_memory_techniques_at_stage_3():
+    """Parameter offload and swap attention, each in turn in one world, every way of compiling."""
+    cases: list[tuple[int, dict[str, Any] | None]] = [(3, extra) for extra in TECHNIQUES]
+    for rank_results in run_distributed(_compare_ways_at_each, 2, cases, "inductor"):
+        for extra, results in zip(TECHNIQUES, rank_results):
+            _assert_equal_to_eager(results, f"ZeRO-3 with {sorted(extra)}", rtol=1e-4, atol=1e-5)
 
 
 def _resize_recompute_compiled(way: str) -> str:
@@ -134,13 +144,18 @@ def _resize_recompute_compiled(way: str) -> str:
     return "trained"
 
 
-@pytest.mark.parametrize("way", WAYS)
-def test_resize_recompute_refuses_compiled_modules(way):
+def _resize_recompute_every_way() -> list[str]:
+    return [_resize_recompute_compiled(way) for way in WAYS]
+
+
+def test_resize_recompute_refuses_compiled_modules():
     """Compiled, its backward read dropped outputs before their recompute (one third of a block's qkv
-    bias gradient wrong, losses close): refused at the first forward, naming the compiled modules."""
-    for said in run_distributed(_resize_recompute_compiled, 2, way):
-        assert "resize_recompute does not work with compiled modules" in said, said
-        assert ("<model>" if way == "whole" else "blocks.0") in said, said
+    bias gradient wrong, losses close): refused at the first forward, naming the compiled modules, every way (in
+    one world)."""
+    for rank_said in run_distributed(_resize_recompute_every_way, 2):
+        for way, said in zip(WAYS, rank_said):
+            assert "resize_recompute does not work with compiled modules" in said, (way, said)
+            assert ("<model>" if way == "whole" else "blocks.0") in said, (way, said)
 
 
 def _inductor_and_checkpointing() -> dict[str, Any]:
@@ -183,17 +198,26 @@ def _gpt_with(extra: dict[str, Any], backend: str) -> dict[str, Any]:
     return results
 
 
-@pytest.mark.parametrize("extra,backend", [
-    ({"tiled": {"mlp_tokens": 8, "loss_tokens": 8}}, "inductor"),
-    ({"parallel": {"context": 2, "context_mode": "ulysses"}}, "aot_eager"),
-    ({"parallel": {"context": 2, "context_mode": "ring"}}, "aot_eager"),
-], ids=["tiled", "ulysses", "ring"])
-def test_compiled_gpt_with_tiling_or_context_parallelism_equals_eager(extra, backend):
-    """Context parallelism under ``aot_eager``: what it tests is the capture (its collectives and attention
-    functions traced, forward and backward) equal to eager; inductor's rounding is the other cases' (12 s of
-    inductor compiles saved per layout)."""
-    for rank_results in run_distributed(_gpt_with, 2, extra, backend):
-        _assert_equal_to_eager(rank_results, f"GPT with {extra}", rtol=1e-4, atol=1e-5)
+LAYOUTS = [("tiled", {"tiled": {"mlp_tokens": 8, "loss_tokens": 8}}, "inductor"),
+           ("ulysses", {"parallel": {"context": 2, "context_mode": "ulysses"}}, "aot_eager"),
+           ("ring", {"parallel": {"context": 2, "context_mode": "ring"}}, "aot_eager")]
+
+
+def _gpt_with_each() -> list[dict[str, Any]]:
+    out = []
+    for _, extra, backend in LAYOUTS:
+        zeroplus.parallel.reset_parallel()  # (each layout its own groups)
+        out.append(_gpt_with(extra, backend))
+    return out
+
+
+def test_compiled_gpt_with_tiling_or_context_parallelism_equals_eager():
+    """Tiling under inductor; context parallelism under ``aot_eager``: what it tests is the capture (its collectives
+    and attention functions traced, forward and backward) equal to eager; inductor's rounding is the other cases'
+    (12 s of inductor compiles saved per layout). The three layouts in turn in one world."""
+    for rank_results in run_distributed(_gpt_with_each, 2):
+        for (name, extra, _), results in zip(LAYOUTS, rank_results):
+            _assert_equal_to_eager(results, f"GPT {name} with {extra}", rtol=1e-4, atol=1e-5)
 
 
 def _hugging_face(family: str) -> dict[str, Any]:
@@ -205,12 +229,20 @@ def _hugging_face(family: str) -> dict[str, Any]:
     return {way: _train(lambda: build(family), cfg, way, "aot_eager", rank, loss_of) for way in ("eager", *WAYS)}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_hugging_face_models_compiled_every_way_equal_eager_with_no_graph_break_in_a_layer(family):
-    for rank_results in run_distributed(_hugging_face, 2, family):
-        _, _, stats = rank_results["engine"]
-        assert stats["breaks"] == 0, f"{family}: graph breaks inside the decoder layers: {stats}"
-        _assert_equal_to_eager(rank_results, f"{family}, ZeRO-3")
+FAMILIES = ("llama", "qwen2")
+
+
+def _hugging_face_each() -> list[dict[str, Any]]:
+    return [_hugging_face(family) for family in FAMILIES]
+
+
+def test_hugging_face_models_compiled_every_way_equal_eager_with_no_graph_break_in_a_layer():
+    """A tiny Llama and Qwen2 in turn in one world, every way of compiling."""
+    for rank_results in run_distributed(_hugging_face_each, 2):
+        for family, results in zip(FAMILIES, rank_results):
+            _, _, stats = results["engine"]
+            assert stats["breaks"] == 0, f"{family}: graph breaks inside the decoder layers: {stats}"
+            _assert_equal_to_eager(results, f"{family}, ZeRO-3")
 
 
 def _refusals() -> list[str]:
