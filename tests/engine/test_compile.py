@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
 import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import fully_shard
 
 import zeroplus
+from tests.cli_run import run_cli
 from tests.dist_helper import rank_and_world, run_distributed
 from tests.hf_models import FAMILIES, build
 
@@ -173,3 +174,36 @@ def test_every_family_exports_exactly_its_state_dict_keys(tmp_path):
         assert keys["hf"] <= keys["own"] and not {k for k in keys["own"] - keys["hf"] if "lm_head" not in k}, \
             f"{family}: {keys['hf'] ^ keys['own']}"
         _loaded(os.path.join(str(tmp_path), family, "hf"), torch.float32)
+
+
+def _bf16_masters_job(root: str) -> dict:
+    """bf16 training with bf16 master weights (``zeroplus.master_weights``): saved, exported live."""
+    rank, _ = rank_and_world()
+    torch.manual_seed(0)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+           "zeroplus": {"log_level": "warning", "memory_estimate": False, "master_weights": {"dtype": "bf16"}}}
+    engine = zeroplus.initialize(build("gpt2", "tiny"), cfg)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        ids = torch.randint(0, 256, (2, 16), generator=g)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    engine.save_checkpoint(os.path.join(root, "ckpt"))
+    engine.save_pretrained(os.path.join(root, "live"))
+    return {"masters": engine.consolidated_fp32_state()}
+
+
+def test_bf16_master_weights_export_to_hugging_face_as_they_are(tmp_path, capsys):
+    """With bf16 masters the master is the bf16 weight: the live export and the offline conversion hold it widened
+    to fp32 exactly (every value a bf16 value), and ``from_pretrained`` loads both with no key missing."""
+    root = str(tmp_path)
+    masters = run_distributed(_bf16_masters_job, 2, root)[0]["masters"]
+    status, _, err = run_cli(["convert", os.path.join(root, "ckpt"), os.path.join(root, "converted"), "--format",
+                              "hf"], capsys)
+    assert status == 0, err[-3000:]
+    for name in ("live", "converted"):
+        loaded = _loaded(os.path.join(root, name), torch.float32)
+        for key, value in masters.items():
+            assert torch.equal(value, value.to(torch.bfloat16).float()), f"{key}: a master that is not bf16"
+            assert torch.equal(loaded[key], value), f"{name}: {key}"
