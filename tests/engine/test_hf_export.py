@@ -38,12 +38,14 @@ from tests.hf_models import FAMILIES, build
 SHARD = 60_000  # bytes: the tiny GPT-2 (about 0.4 MB in fp32) in several files
 
 
-def _job(root: str) -> dict:
+def _trained(root: str, **more: dict) -> zeroplus.Engine:
+    """A tiny GPT-2 at ZeRO-3 (``more``: config blocks beside), trained 2 steps on this rank's batches and saved
+    under ``root/ckpt``."""
     rank, _ = rank_and_world()
     torch.manual_seed(0)
     cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-           "zeroplus": {"log_level": "warning", "memory_estimate": False}}
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, **more}
+    cfg["zeroplus"] = {"log_level": "warning", "memory_estimate": False, **more.get("zeroplus", {})}
     engine = zeroplus.initialize(build("gpt2", "tiny"), cfg)
     g = torch.Generator().manual_seed(rank)
     for _ in range(2):
@@ -51,6 +53,11 @@ def _job(root: str) -> dict:
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
     engine.save_checkpoint(os.path.join(root, "ckpt"))
+    return engine
+
+
+def _job(root: str) -> dict:
+    engine = _trained(root)
     names = engine.save_pretrained(os.path.join(root, "live"), max_shard_size=SHARD)
     engine.save_pretrained(os.path.join(root, "live-bf16"), dtype="bf16", max_shard_size=SHARD)
     states = {}  # each parameter's whole Adam states (every rank gathers)
@@ -178,18 +185,7 @@ def test_every_family_exports_exactly_its_state_dict_keys(tmp_path):
 
 def _bf16_masters_job(root: str) -> dict:
     """bf16 training with bf16 master weights (``zeroplus.master_weights``): saved, exported live."""
-    rank, _ = rank_and_world()
-    torch.manual_seed(0)
-    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-           "zeroplus": {"log_level": "warning", "memory_estimate": False, "master_weights": {"dtype": "bf16"}}}
-    engine = zeroplus.initialize(build("gpt2", "tiny"), cfg)
-    g = torch.Generator().manual_seed(rank)
-    for _ in range(2):
-        ids = torch.randint(0, 256, (2, 16), generator=g)
-        engine.backward(engine(input_ids=ids, labels=ids).loss)
-        engine.step()
-    engine.save_checkpoint(os.path.join(root, "ckpt"))
+    engine = _trained(root, bf16={"enabled": True}, zeroplus={"master_weights": {"dtype": "bf16"}})
     engine.save_pretrained(os.path.join(root, "live"))
     return {"masters": engine.consolidated_fp32_state()}
 
