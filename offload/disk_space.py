@@ -29,11 +29,11 @@ def states_per_element(optimizer: torch.optim.Optimizer) -> int:
     return 2
 
 
-def state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
+def state_bytes_per_element(optimizer: torch.optim.Optimizer) -> float:
     """Bytes of per-element state per owned element: the optimizer's own ``state_bytes`` where it has one (moments
-    stored in other dtypes), else 4 per fp32 state tensor."""
+    stored in other dtypes; fp8 moments' block scales as a fraction of a byte), else 4 per fp32 state tensor."""
     own = getattr(optimizer, "state_bytes", None)
-    return int(own) if own is not None else 4 * states_per_element(optimizer)
+    return float(own) if own is not None else 4 * states_per_element(optimizer)
 
 
 def check_free_space(directory: str, needed: int) -> None:

@@ -18,6 +18,7 @@ do. Gradients, activations, buckets and windows are not model states and are not
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -65,6 +66,6 @@ def model_state_bytes(build_model: Callable[[], torch.nn.Module], config: dict[s
         if offload is not None and zero.offloads_optimizer and zero.stage.partitions:  # the engine's own sub-group plan
             plan = plan_sub_groups(owned, zero.sub_group_size, offload.ratio)
             resident = sum(chunks[k][1] - chunks[k][0] for chunks, kept in plan for k in range(kept))
-            out["optim_state_offloaded"] = per_element * (sum(owned) - resident)
-        out[Category.OPTIM_STATE.value] = per_element * resident
+            out["optim_state_offloaded"] = math.ceil(per_element * (sum(owned) - resident))
+        out[Category.OPTIM_STATE.value] = math.ceil(per_element * resident)
     return out

@@ -71,12 +71,15 @@ class MasterWeightsConfig(Block):
 class OptimizerStatesConfig(Block):
     """The dtypes Adam's and AdamW's moments are stored in (``zeroplus/optim/stored_states.py``)."""
 
-    exp_avg: Literal["fp32", "bf16", "fp16"] | Auto | None = Field(
+    exp_avg: Literal["fp32", "bf16", "fp16", "fp8"] | Auto | None = Field(
         None, description="The first moment's dtype (unset: bf16 where bf16.bf16_optimizer_states is true, else fp32; "
                           "'auto', with exp_avg_sq 'auto': the planner stores both in bf16 only where the memory "
                           "budget needs it, and says so).")
-    exp_avg_sq: Literal["fp32", "bf16", "fp16"] | Auto | None = Field(
-        None, description="The second moment's dtype (unset: as exp_avg's rule; 'auto': as exp_avg's).")
+    exp_avg_sq: Literal["fp32", "bf16", "fp16", "fp8"] | Auto | None = Field(
+        None, description="The second moment's dtype (unset: as exp_avg's rule; 'auto': as exp_avg's; fp8: its "
+                          "square root is stored).")
+    block: Literal[128, 256] = Field(
+        128, description="fp8 moments (e4m3): elements per power-of-two scale (zeroplus/kernels/block_fp8.py).")
     rounding: Literal["nearest", "stochastic"] = Field(
         "nearest", description="How a moment computed in fp32 is stored: to nearest, or (bf16) stochastically, "
                                "by a hash of the value and the step, the same on any layout.")

@@ -27,9 +27,11 @@ from typing import Any
 import torch
 from torch.optim.adam import adam as _adam_functional
 
+from ..kernels.block_fp8 import E4M3, blocks, dequantize_into, quantize
 from ..kernels.stochastic_round import store
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": E4M3}
+BLOCKS = (128, 256)
 MOMENTS = ("exp_avg", "exp_avg_sq")
 CHUNK = 1 << 20  # elements per fp32 temporary
 
@@ -41,15 +43,19 @@ class StoredStates(torch.optim.Optimizer):
     decoupled: bool
 
     def __init__(self, params: Any, *, exp_avg_dtype: torch.dtype = torch.float32,
-                 exp_avg_sq_dtype: torch.dtype = torch.float32, rounding: str = "nearest", **kwargs: Any) -> None:
+                 exp_avg_sq_dtype: torch.dtype = torch.float32, rounding: str = "nearest", block: int = 128,
+                 **kwargs: Any) -> None:
         if rounding not in ("nearest", "stochastic"):
             raise ValueError(f"rounding {rounding!r}: 'nearest' or 'stochastic'")
+        if block not in BLOCKS:
+            raise ValueError(f"block {block!r}: one of {BLOCKS}")
         if kwargs.get("amsgrad") or kwargs.get("differentiable") or kwargs.get("capturable"):
             raise ValueError("stored optimizer states: amsgrad, differentiable and capturable are not supported")
         kwargs["foreach"] = False
         super().__init__(params, **kwargs)  # type: ignore[call-arg]
         self.state_dtypes = {"exp_avg": exp_avg_dtype, "exp_avg_sq": exp_avg_sq_dtype}
         self.rounding = rounding
+        self.block = block  # fp8 moments: elements per scale
         self._held: dict[torch.device, torch.Tensor] | None = None  # chunk buffers kept across calls: holding()
 
     @contextlib.contextmanager
@@ -64,9 +70,15 @@ class StoredStates(torch.optim.Optimizer):
             self._held = None
 
     @property
-    def state_bytes(self) -> int:
-        """Bytes per element of the stored moments."""
-        return sum(dtype.itemsize for dtype in self.state_dtypes.values())
+    def state_bytes(self) -> float:
+        """Bytes per element of the stored moments (an fp8 moment's scales included: 4 bytes a block)."""
+        return sum(dtype.itemsize + (4 / self.block if dtype == E4M3 else 0) for dtype in self.state_dtypes.values())
+
+    @property
+    def block_scaled(self) -> bool:
+        """Whether a moment is fp8 with a scale per block: its state is not one value per element (the one-rank
+        per-parameter views, ``direct_step.py``, and the chunked and tiered steps cannot slice it)."""
+        return E4M3 in self.state_dtypes.values()
 
     @property
     def workspace_bytes(self) -> int:
@@ -80,6 +92,8 @@ class StoredStates(torch.optim.Optimizer):
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if group["fused"] else "cpu")
             for key in MOMENTS:
                 state[key] = torch.zeros(p.shape, dtype=self.state_dtypes[key], device=p.device)
+                if self.state_dtypes[key] == E4M3:
+                    state[f"{key}_scale"] = torch.ones(blocks(p.numel(), self.block), device=p.device)
         return state
 
     @torch.no_grad()
@@ -115,10 +129,10 @@ class StoredStates(torch.optim.Optimizer):
         count += 1
         flat_p, flat_g = p.view(-1), grad.view(-1)
         beta1, beta2 = group["betas"]
-        for a in range(0, p.numel(), CHUNK):
+        for a in range(0, p.numel(), CHUNK):  # (CHUNK is a multiple of every block: an fp8 block is in one chunk)
             b = min(a + CHUNK, p.numel())
-            m = scratch[0, :b - a].copy_(state["exp_avg"].view(-1)[a:b])
-            v = scratch[1, :b - a].copy_(state["exp_avg_sq"].view(-1)[a:b])
+            m = self._read(state, "exp_avg", a, b, scratch[0, :b - a])
+            v = self._read(state, "exp_avg_sq", a, b, scratch[1, :b - a])
             if group["fused"]:
                 kernel = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
                 kernel([flat_p[a:b]], [flat_g[a:b]], [m], [v], [], [count], amsgrad=False, lr=group["lr"],
@@ -133,17 +147,71 @@ class StoredStates(torch.optim.Optimizer):
                                  lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
                                  maximize=group["maximize"], decoupled_weight_decay=self.decoupled)
             work = scratch[2:].view(torch.int32) if self.rounding == "stochastic" else None
-            store(state["exp_avg"].view(-1)[a:b], m, self.rounding, count, work)
-            store(state["exp_avg_sq"].view(-1)[a:b], v, self.rounding, count, work)
+            self._write(state, "exp_avg", a, b, m, count, work)
+            self._write(state, "exp_avg_sq", a, b, v, count, work)
         if found_inf is not None:  # as torch's fused step: an overflow takes the count back
             count -= found_inf
 
+    def _read(self, state: dict[str, Any], key: str, a: int, b: int, out: torch.Tensor) -> torch.Tensor:
+        """Elements ``[a, b)`` of a stored moment in fp32 (``out``); an fp8 second moment is kept as its square root
+        (so it underflows where the first moment does, not at the square of that: ``block_fp8.py``)."""
+        stored = state[key].view(-1)[a:b]
+        if stored.dtype != E4M3:
+            return out.copy_(stored)
+        dequantize_into(out, stored, state[f"{key}_scale"][a // self.block:blocks(b, self.block)], self.block)
+        return out.square_() if key == "exp_avg_sq" else out
+
+    def _write(self, state: dict[str, Any], key: str, a: int, b: int, value: torch.Tensor, count: torch.Tensor,
+               work: torch.Tensor | None) -> None:
+        """``value`` (fp32, scratch afterwards) stored as elements ``[a, b)`` of a moment."""
+        stored = state[key].view(-1)[a:b]
+        if stored.dtype != E4M3:
+            store(stored, value, self.rounding, count, work)
+            return
+        quantize(value.sqrt_() if key == "exp_avg_sq" else value, stored,
+                 state[f"{key}_scale"][a // self.block:blocks(b, self.block)], self.block)
+
+    def per_element(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` with each fp8 moment as one bf16 value per element, its scales gone: what a checkpoint saves
+        and slices (exact: ``block_fp8.py``; the second moment squared, at most 8 significant bits)."""
+        if not self.block_scaled or not state:
+            return state
+        out = {k: v for k, v in state.items() if not k.endswith("_scale")}
+        for key in MOMENTS:
+            if self.state_dtypes[key] == E4M3:
+                whole = self._read(state, key, 0, state[key].numel(), torch.empty(state[key].numel(),
+                                                                                  device=state[key].device))
+                out[key] = whole.to(torch.bfloat16)
+        return out
+
+    def from_per_element(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The stored form of ``state`` whose fp8 moments are one value per element (``per_element``'s, or any
+        dtype): quantized with this rank's blocks (the same values where the blocks are those it was saved with)."""
+        if not self.block_scaled:
+            return state
+        out = dict(state)
+        for key in MOMENTS:
+            given = state.get(key)
+            if self.state_dtypes[key] != E4M3 or given is None or given.dtype == E4M3:
+                continue
+            n = given.numel()
+            out[key] = torch.empty(n, dtype=E4M3, device=given.device)
+            out[f"{key}_scale"] = torch.empty(blocks(n, self.block), device=given.device)
+            self._write(out, key, 0, n, given.reshape(-1).float(), torch.zeros(()), None)
+        return out
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        for state in self.state.values():  # torch cast the moments to the parameter's dtype: back to the stored ones
+        for p, state in list(self.state.items()):  # torch cast the moments to the parameter's dtype: back to ours
             for key in MOMENTS:
-                if key in state and state[key].dtype != self.state_dtypes[key]:
-                    state[key] = state[key].to(self.state_dtypes[key])
+                wanted = self.state_dtypes[key]
+                if key not in state or state[key].dtype == wanted:
+                    continue
+                if wanted == E4M3 and f"{key}_scale" in state:  # stored form: e4m3 values cast exactly to fp32
+                    state[key] = state[key].to(E4M3)
+                elif wanted != E4M3:
+                    state[key] = state[key].to(wanted)
+            self.state[p] = self.from_per_element(state)
 
 
 class StoredStatesAdam(StoredStates, torch.optim.Adam):
@@ -157,24 +225,24 @@ class StoredStatesAdamW(StoredStates, torch.optim.AdamW):
 def state_dtype(optimizer: torch.optim.Optimizer, key: str, saved: torch.dtype) -> torch.dtype:
     """The dtype a per-element state saved in ``saved`` is loaded into: a stored moment's configured dtype, any other
     floating state fp32 (the masters', as torch's ``load_state_dict`` casts to the parameter's), else as saved."""
-    if isinstance(optimizer, StoredStates) and key in optimizer.state_dtypes:
-        return optimizer.state_dtypes[key]
+    if isinstance(optimizer, StoredStates) and key in optimizer.state_dtypes:  # fp8: as ``per_element`` gives it
+        return torch.bfloat16 if optimizer.state_dtypes[key] == E4M3 else optimizer.state_dtypes[key]
     return torch.float32 if saved.is_floating_point else saved
 
 
 def requested(exp_avg: str | None, exp_avg_sq: str | None, rounding: str,
-              bf16_optimizer_states: bool) -> dict[str, Any] | None:
+              bf16_optimizer_states: bool, block: int = 128) -> dict[str, Any] | None:
     """The stored-states keyword arguments a config asks for (``zeroplus.optimizer_states``; an unset dtype is bf16
     where DeepSpeed's ``bf16.bf16_optimizer_states`` is true, else fp32), or None where both moments stay fp32."""
     default = "bf16" if bf16_optimizer_states else "fp32"
     names = {"exp_avg": exp_avg or default, "exp_avg_sq": exp_avg_sq or default}
     if names == {"exp_avg": "fp32", "exp_avg_sq": "fp32"}:
         return None
-    if rounding == "stochastic" and "fp16" in names.values():
+    if rounding == "stochastic" and ({"fp16", "fp8"} & set(names.values())):
         raise ValueError(f"config key 'zeroplus.optimizer_states.rounding' is 'stochastic', which is served for bf16 "
                          f"moments only, and the moments are {names}")
     return {"exp_avg_dtype": DTYPES[names["exp_avg"]], "exp_avg_sq_dtype": DTYPES[names["exp_avg_sq"]],
-            "rounding": rounding}
+            "rounding": rounding, "block": block}
 
 
 def stored_states_class(cls: type[torch.optim.Optimizer]) -> type[StoredStates]:

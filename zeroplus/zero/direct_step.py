@@ -64,7 +64,8 @@ class DirectStep:
         self.optimizer = optimizer
         self.options = options
         self.ledger = ledger
-        self.enabled = type(optimizer) in ELEMENTWISE or isinstance(optimizer, StoredStates)
+        self.enabled = type(optimizer) in ELEMENTWISE or (isinstance(optimizer, StoredStates)
+                                                          and not optimizer.block_scaled)  # (fp8: blocks, not views)
         self._made: dict[int, _Views] = {}  # id(group) -> its views, while their tensors stand
         self._gave_grad: list[torch.Tensor] = []  # views whose .grad this step set (cleared after it)
 

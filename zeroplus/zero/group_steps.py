@@ -22,6 +22,7 @@ import torch
 from ..ledger import Category, Ledger
 from ..offload.optimizer_states import TieredStates
 from ..offload.virtual_host import VirtualStates
+from ..optim.stored_states import StoredStates
 from .chunked_step import ChunkedStep
 from .flat_group import FlatParamGroup
 from .master_store import FullMaster
@@ -56,9 +57,14 @@ class WholeStep:
         self.ledger.track_new_states(self.optimizer.state.get(g.master_param, {}), Category.OPTIM_STATE)
 
     def state(self, g: FlatParamGroup) -> dict[str, Any]:
-        return self.optimizer.state.get(g.master_param, {})
+        """One value per element for every per-element state (fp8 moments dequantized: ``per_element``)."""
+        state = self.optimizer.state.get(g.master_param, {})
+        return self.optimizer.per_element(state) if isinstance(self.optimizer, StoredStates) else state
 
     def load(self, g: FlatParamGroup, state: dict[str, Any]) -> None:
+        if isinstance(self.optimizer, StoredStates):
+            state = self.optimizer.from_per_element(state)
+            self.ledger.track_new_states(state, Category.OPTIM_STATE)
         self.optimizer.state[g.master_param] = state
 
 
