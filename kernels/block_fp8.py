@@ -9,12 +9,16 @@ block quantized again with its own blocks gives the same real values (the scale 
 two, the values then larger by as much), and every dequantized value is exactly a bf16 value (four significant
 bits, fp32's exponents). A state saved dequantized and loaded by as many ranks is the state it was; loaded by
 another number of ranks its blocks group other elements, and requantizing rounds again (documented there).
+Rounding to nearest, or stochastically (unbiased, as bf16's: ``stochastic``), which an exponential average needs
+in 3 mantissa bits: an update smaller than half a step (6% of the value) would otherwise be lost every time.
 Memory: 1 byte an element, 4 bytes a block for its scale (128 elements: 1.03 bytes an element). The step
 works through fp32 temporaries of the chunk it is given. Held by ``tests/optim/test_fp8_states.py``.
 """
 from __future__ import annotations
 
 import torch
+
+from .stochastic_round import random_bits
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -25,25 +29,42 @@ def blocks(numel: int, block: int) -> int:
     return -(-numel // block)
 
 
-def quantize(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, block: int) -> None:
+def quantize(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, block: int,
+             step: torch.Tensor | None = None, work: torch.Tensor | None = None) -> None:
     """``x`` (fp32, any length; scratch afterwards) into ``values`` (e4m3, as long) and ``scales`` (fp32, one per
-    block of ``block`` elements from ``x``'s start)."""
+    block of ``block`` elements from ``x``'s start). ``step`` given: stochastic rounding (``stochastic``), with
+    ``work`` two int32 rows as long as ``x`` where given."""
     n = x.numel()
     full = n // block * block
     if full:
-        _quantize_blocks(x[:full].view(-1, block), values[:full].view(-1, block), scales[:full // block])
+        _scale_blocks(x[:full].view(-1, block), scales[:full // block])
     if full < n:
-        _quantize_blocks(x[full:].view(1, -1), values[full:].view(1, -1), scales[full // block:])
+        _scale_blocks(x[full:].view(1, -1), scales[full // block:])
+    if step is not None:
+        stochastic(x, step, work)
+    values.copy_(x)
 
 
-def _quantize_blocks(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> None:
+def _scale_blocks(x: torch.Tensor, scales: torch.Tensor) -> None:
+    """Each row's power-of-two scale into ``scales``; the row divided by it, in place."""
     amax = x.abs().amax(dim=1)
     mantissa, exponent = torch.frexp(amax / E4M3_MAX)  # amax / 448 = m * 2^e, m in [0.5, 1)
     exponent -= (mantissa == 0.5).to(exponent.dtype)  # an exact power of two is its own scale
     scale = torch.ldexp(torch.ones_like(amax), exponent)
     scale[amax == 0] = 1.0
     scales.copy_(scale)
-    values.copy_(x.div_(scale.unsqueeze(1)))
+    x.div_(scale.unsqueeze(1))
+
+
+def stochastic(y: torch.Tensor, step: torch.Tensor, work: torch.Tensor | None = None) -> None:
+    """``y`` (fp32, within e4m3's range) rounded in place to an e4m3 value, up with probability equal to its distance
+    from the one below (unbiased), by a hash of its bits and ``step`` (``stochastic_round.random_bits``: the same on
+    any layout): 16 random bits added to the 20 fp32 mantissa bits e4m3 drops, then truncated. Below e4m3's smallest
+    normal (2^-6 of the block's scale, 1/28672 of its largest) the cast that follows rounds to nearest."""
+    n = y.numel()
+    out, tmp = (None, None) if work is None else (work[0, :n], work[1, :n])
+    bits = random_bits(y, step, out, tmp).bitwise_left_shift_(4).add_(y.view(torch.int32))
+    y.copy_(bits.bitwise_and_(~0xFFFFF).view(torch.float32)).clamp_(-E4M3_MAX, E4M3_MAX)
 
 
 def dequantize_into(out: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:

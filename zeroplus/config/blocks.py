@@ -80,9 +80,10 @@ class OptimizerStatesConfig(Block):
                           "square root is stored).")
     block: Literal[128, 256] = Field(
         128, description="fp8 moments (e4m3): elements per power-of-two scale (zeroplus/kernels/block_fp8.py).")
-    rounding: Literal["nearest", "stochastic"] = Field(
-        "nearest", description="How a moment computed in fp32 is stored: to nearest, or (bf16) stochastically, "
-                               "by a hash of the value and the step, the same on any layout.")
+    rounding: Literal["nearest", "stochastic"] | None = Field(
+        None, description="How a moment computed in fp32 is stored: to nearest, or (bf16, fp8) stochastically, by a "
+                          "hash of the value and the step, the same on any layout (unset: stochastic where a moment "
+                          "is fp8, whose 3 mantissa bits lose an average's small updates to nearest, else nearest).")
 
 
 class OffloadOptimizerConfig(Block):

@@ -8,8 +8,10 @@ does: ``zero/kernel_scale.py``) updates the parameter and the temporaries, and t
 Every element's update reads only that element, so a flat shard cut across parameters steps as each parameter
 would whole: zeroplus at any stage equals the plain module with this optimizer bit for bit.
 
-Rounding: ``nearest`` (torch's cast, ties to even) or, for bf16, ``stochastic`` (``kernels/stochastic_round.py``: by
-a hash of the value and the step count, the same on any layout).
+Rounding: ``nearest`` (torch's cast, ties to even) or, for bf16 and fp8, ``stochastic``
+(``kernels/stochastic_round.py``, ``kernels/block_fp8.py``: by a hash of the value and the step count, the same on any
+layout); unset, stochastic where a moment is fp8 (to nearest, its 3 mantissa bits lose an average's small updates:
+the main job's loss +3%).
 
 Memory: ``state_bytes`` per element for the moments (4 with both bf16, against 8 in fp32) and, while a step runs, two
 fp32 temporaries of ``CHUNK`` elements (8 MiB; stochastic rounding's hash 8 MiB more: ``workspace_bytes``), which
@@ -169,7 +171,8 @@ class StoredStates(torch.optim.Optimizer):
             store(stored, value, self.rounding, count, work)
             return
         quantize(value.sqrt_() if key == "exp_avg_sq" else value, stored,
-                 state[f"{key}_scale"][a // self.block:blocks(b, self.block)], self.block)
+                 state[f"{key}_scale"][a // self.block:blocks(b, self.block)], self.block,
+                 count if self.rounding == "stochastic" else None, work)
 
     def per_element(self, state: dict[str, Any]) -> dict[str, Any]:
         """``state`` with each fp8 moment as one bf16 value per element, its scales gone: what a checkpoint saves
@@ -230,7 +233,7 @@ def state_dtype(optimizer: torch.optim.Optimizer, key: str, saved: torch.dtype) 
     return torch.float32 if saved.is_floating_point else saved
 
 
-def requested(exp_avg: str | None, exp_avg_sq: str | None, rounding: str,
+def requested(exp_avg: str | None, exp_avg_sq: str | None, rounding: str | None,
               bf16_optimizer_states: bool, block: int = 128) -> dict[str, Any] | None:
     """The stored-states keyword arguments a config asks for (``zeroplus.optimizer_states``; an unset dtype is bf16
     where DeepSpeed's ``bf16.bf16_optimizer_states`` is true, else fp32), or None where both moments stay fp32."""
@@ -238,9 +241,10 @@ def requested(exp_avg: str | None, exp_avg_sq: str | None, rounding: str,
     names = {"exp_avg": exp_avg or default, "exp_avg_sq": exp_avg_sq or default}
     if names == {"exp_avg": "fp32", "exp_avg_sq": "fp32"}:
         return None
-    if rounding == "stochastic" and ({"fp16", "fp8"} & set(names.values())):
+    rounding = rounding or ("stochastic" if "fp8" in names.values() else "nearest")
+    if rounding == "stochastic" and "fp16" in names.values():
         raise ValueError(f"config key 'zeroplus.optimizer_states.rounding' is 'stochastic', which is served for bf16 "
-                         f"moments only, and the moments are {names}")
+                         f"and fp8 moments only, and the moments are {names}")
     return {"exp_avg_dtype": DTYPES[names["exp_avg"]], "exp_avg_sq_dtype": DTYPES[names["exp_avg_sq"]],
             "rounding": rounding, "block": block}
 
