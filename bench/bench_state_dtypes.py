@@ -1,4 +1,4 @@
-"""Benchmark: optimizer states stored in bf16 (``zeroplus.optimizer_states``) against fp32, and DeepSpeed's
+"""Benchmark: optimizer states stored in bf16 or fp8 (``zeroplus.optimizer_states``) against fp32, and DeepSpeed's
 ``bf16_optimizer_states``, GPT 111M bf16 on 2 ranks.
 
 Per row and ZeRO stage: the ledger's ``optim_state`` peak on rank 0 in bytes per parameter of the model (what a
@@ -26,6 +26,8 @@ ROWS = {  # name: (framework, zeroplus block, bf16 block, bytes per element of t
     "bf16-stochastic": ("zeroplus", {"optimizer_states": {"exp_avg": "bf16", "exp_avg_sq": "bf16",
                                                           "rounding": "stochastic"}}, {}, 4),
     "bf16-first": ("zeroplus", {"optimizer_states": {"exp_avg": "bf16"}}, {}, 6),
+    # fp8 (e4m3) with a power-of-two scale per 128 elements (4 bytes a block), stochastic: the default for fp8
+    "fp8": ("zeroplus", {"optimizer_states": {"exp_avg": "fp8", "exp_avg_sq": "fp8"}}, {}, 2 * (1 + 4 / 128)),
     "deepspeed": ("deepspeed", {}, {}, 8),
     "deepspeed-bf16": ("deepspeed", {}, {"bf16_optimizer_states": True, "bf16_master_weights_and_grads": True}, 4),
     # zeroplus under DeepSpeed's own keys: bf16 moments and bf16 masters (rounded stochastically, the default)
@@ -36,7 +38,7 @@ WORLD = 2
 
 def main() -> None:
     p = row_parser(__doc__, ROWS)
-    p.set_defaults(rows="fp32,bf16,bf16-stochastic,deepspeed,deepspeed-bf16")
+    p.set_defaults(rows="fp32,bf16,bf16-stochastic,fp8,deepspeed,deepspeed-bf16")
     p.add_argument("--stages", default="1,3")
     p.add_argument("--json", help="also write the measured rows here")
     p.add_argument("--table", help="print the table of rows a --json file holds, and exit")
