@@ -335,8 +335,9 @@ def _check_split(model: torch.nn.Module, parallel: ParallelGroups) -> None:
     """A tensor or expert size above 1 needs a model zeroplus splits that way: otherwise every rank of the group would
     compute the whole model while the config names a layout it does not get (and data parallelism would lose those
     ranks). Tensor: zeroplus's tensor-parallel layers (``zeroplus.parallel``'s ``ColumnParallelLinear``,
-    ``RowParallelLinear``, ``VocabParallelEmbedding``; ``TensorParallelGPT.from_dense``); experts: its ``MoE`` or
-    ``DroplessMoE`` layers. Refused on every rank, before anything moves."""
+    ``RowParallelLinear``, ``VocabParallelEmbedding``; ``TensorParallelGPT.from_dense``; a Hugging Face model split by
+    its config's plan at ``initialize``, ``parallel/autotp.py``); experts: its ``MoE`` or ``DroplessMoE`` layers.
+    Refused on every rank, before anything moves."""
     params = list(model.parameters())
     top, kind = parallel.topology, type(model).__name__
     if top.tensor > 1 and not any(is_tensor_parallel(p) for p in params):
@@ -344,8 +345,9 @@ def _check_split(model: torch.nn.Module, parallel: ParallelGroups) -> None:
             f"config key 'tensor_parallel.autotp_size' / 'zeroplus.parallel.tensor' is {top.tensor} (rank "
             f"{parallel.global_rank}), and the model, a {kind}, has no tensor-parallel layer: zeroplus splits only "
             f"models built from zeroplus.parallel's ColumnParallelLinear, RowParallelLinear and "
-            f"VocabParallelEmbedding (zeroplus.models.gpt_tp.TensorParallelGPT.from_dense); Hugging Face models "
-            f"are not split yet. Use tensor size 1: every rank then trains as a data-parallel rank")
+            f"VocabParallelEmbedding (zeroplus.models.gpt_tp.TensorParallelGPT.from_dense), and Hugging Face "
+            f"models by the tensor-parallel plan of their config, which this one lacks (no base_model_tp_plan). "
+            f"Use tensor size 1: every rank then trains as a data-parallel rank")
     if top.expert > 1 and not any(is_expert(p) for p in params):
         raise ConfigError(
             f"config key 'zeroplus.parallel.expert' is {top.expert} (rank {parallel.global_rank}), and the model, a "

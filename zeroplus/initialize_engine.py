@@ -47,6 +47,7 @@ from .engine.engine import Engine
 from .engine.rank_agreement import check_ranks_agree
 from .logs import log_rank0, setup_logging
 from .optim.build import describe_client_optimizer
+from .parallel.autotp import split_by_plan
 from .parallel.groups import ParallelGroups, init_parallel
 
 logger = logging.getLogger("zeroplus.engine")
@@ -83,6 +84,13 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
         parallel = init_parallel(cfg)
     except ValueError as err:
         raise ConfigError(f"config key 'zeroplus.parallel': {err}") from None
+    if parallel.topology.tensor > 1:  # a Hugging Face model split by its own plan (AutoTP), before anything reads it
+        where = (f"config key 'tensor_parallel.autotp_size' / 'zeroplus.parallel.tensor' is "
+                 f"{parallel.topology.tensor} (rank {parallel.global_rank})")
+        try:
+            split_by_plan(model, parallel.tensor, where)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     context = parallel.topology.context
     # ZeRO partitions and averages over data x context; a batch is split over the data ranks only
     dp = DataParallelGroup(process_group) if process_group is not None else parallel.zero

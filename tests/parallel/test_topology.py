@@ -84,13 +84,14 @@ def _refused_model(family: str | None, config: dict) -> str:
 
 
 def test_a_tensor_or_expert_size_the_model_cannot_take_is_refused_on_every_rank():
-    """DeepSpeed's AutoTP key on a Hugging Face Llama, and expert parallelism on a model without experts: every rank
+    """DeepSpeed's AutoTP key on a Hugging Face GPT-2 (no tensor-parallel plan in its config: Llama-family models are
+    split by theirs, tests/parallel/test_autotp.py), and expert parallelism on a model without experts: every rank
     refuses at initialize, naming the key, its size, the model class and what would work (rather than training the
     whole model on every rank of a tensor group, with a data-parallel size of 1)."""
-    messages = run_distributed(_refused_model, 2, "llama", {"tensor_parallel": {"autotp_size": 2}})
+    messages = run_distributed(_refused_model, 2, "gpt2", {"tensor_parallel": {"autotp_size": 2}})
     for rank, m in enumerate(messages):
-        assert "'tensor_parallel.autotp_size'" in m and "is 2 (rank" in m and "LlamaForCausalLM" in m \
-            and "Use tensor size 1" in m, f"rank {rank}: {m}"
+        assert "'tensor_parallel.autotp_size'" in m and "is 2 (rank" in m and "GPT2LMHeadModel" in m \
+            and "no base_model_tp_plan" in m and "Use tensor size 1" in m, f"rank {rank}: {m}"
     messages = run_distributed(_refused_model, 2, None, {"zeroplus": {"parallel": {"expert": 2},
                                                                       "memory_estimate": False}})
     for rank, m in enumerate(messages):
