@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from zeroplus.config import parse_bytes
+from zeroplus.parallel.autotp import split_dim, whole
+from zeroplus.parallel.tensor_layers import is_tensor_parallel
 from zeroplus.zero.frozen_values import read_frozen
 
 from . import files as io
@@ -172,25 +174,51 @@ def hf_config(module: torch.nn.Module) -> dict[str, Any] | None:
     return json.loads(to_json()) if callable(to_json) else None
 
 
+def _tensor_group(engine: Engine) -> Any:
+    """The tensor group whose slices ``save_pretrained`` puts back together (AutoTP's: ``autotp.split_dim``), None
+    where the model is not split; a ValueError where it is split some other way (slices it cannot join)."""
+    par = engine.parallel
+    if par is None or (par.model.size == 1 and par.expert.size == 1):
+        return None
+    split = [p for p in engine.module.parameters() if is_tensor_parallel(p)]
+    if par.pipeline.size > 1 or par.expert.size > 1 or any(split_dim(p) is None for p in split):
+        raise ValueError(f"save_pretrained() writes one whole model, and this run splits it "
+                         f"({par.topology.describe()}) in a way it does not join back (only a Hugging Face model "
+                         f"split by its plan, AutoTP, at tensor sizes above 1); use save_checkpoint()")
+    return par.tensor
+
+
+def _barrier(engine: Engine, tensor: Any) -> None:
+    """Every rank that took part waits for rank 0's files."""
+    engine.dp.barrier()
+    if tensor is not None:
+        tensor.barrier()
+
+
 def save_pretrained(engine: Engine, out_dir: str, dtype: str | None = None,
                     max_shard_size: str | int = "5GB") -> list[str] | None:
     """Every rank calls it; rank 0 writes ``out_dir`` and returns the file names (None elsewhere). ``dtype``:
     ``fp32``, ``bf16`` or ``fp16`` (default: the compute dtype)."""
-    par = engine.parallel
-    if par is not None and (par.model.size > 1 or par.expert.size > 1):
-        raise ValueError(f"save_pretrained() writes one whole model, and this run splits it "
-                         f"({par.topology.describe()}): exporting slices is not built; use save_checkpoint()")
+    tensor = _tensor_group(engine)
     part = engine.partition
     compute = part.groups[0].compute_dtype if part.groups else torch.float32
     chosen = {v: k for k, v in DTYPES.items()}.get(compute, "fp32") if dtype is None else dtype
-    writer = ShardWriter(out_dir, shard_bytes(max_shard_size), export_dtype(chosen)) if engine.dp.rank == 0 else None
+    first = engine.dp.rank == 0 and (tensor is None or tensor.rank == 0)
+    writer = ShardWriter(out_dir, shard_bytes(max_shard_size), export_dtype(chosen)) if first else None
     try:
         module = engine.module
         for g in part.groups:  # one group's fp32 masters at a time, on every rank (a collective)
             flat = g.gather_master()
-            if writer is not None:
-                for name, offset, numel, shape in zip(g.names, g.offsets, g.numels, g.shapes):
-                    writer.add(name, flat[offset:offset + numel].view(shape))
+            for p, name, offset, numel, shape in zip(g.params, g.names, g.offsets, g.numels, g.shapes):
+                value = flat[offset:offset + numel].view(shape)
+                dim = split_dim(p) if tensor is not None else None
+                if dim is not None:  # an AutoTP slice: every tensor rank's, put back together (a collective)
+                    assert tensor is not None
+                    slices = torch.empty(tensor.size * numel, dtype=value.dtype, device=value.device)
+                    tensor.all_gather(slices, value.reshape(-1)).wait()
+                    value = whole(slices, shape, dim)
+                if writer is not None:
+                    writer.add(name, value)
             del flat
         for g in part.frozen:  # stage 3's frozen groups, one at a time
             for name, value in read_frozen([g], engine.accelerator.host_copy if writer else None).items():
@@ -204,9 +232,9 @@ def save_pretrained(engine: Engine, out_dir: str, dtype: str | None = None,
             for name, b in _persistent_buffers(module):
                 writer.add(name, engine.accelerator.host_copy(b))
             names = writer.finish(hf_config(module))
-            engine.dp.barrier()
+            _barrier(engine, tensor)
             return names
-        engine.dp.barrier()
+        _barrier(engine, tensor)
         return None
     finally:
         if writer is not None:

@@ -8,13 +8,16 @@ both data ranks' batches, SGD with momentum (Adam would turn a gradient's last-b
 into a full step) and a clip the gradients exceed (a norm that counted the replicated embeddings and norms twice
 would change every update). Checked: the losses each rank reports, the global gradient norm, and every parameter
 slice after training, within 1e-5 relative (absolute floor 1e-6); at ZeRO-3 the first forward's estimate predicts
-every model-state category of the split Llama as the ledger measures it. Refused, naming the key, the rank and the
+every model-state category of the split Llama as the ledger measures it; ``save_pretrained`` writes the whole
+trained model (its slices all-gathered over the tensor group and joined), which ``from_pretrained`` loads equal to
+the reference. Refused, naming the key, the rank and the
 reason, with the model left whole: key/value heads T does not divide, a plan style not split yet (Mixtral's experts).
 """
 from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 import zeroplus
 from tests.dist_helper import run_distributed
@@ -48,7 +51,7 @@ def _model(family: str) -> torch.nn.Module:
     return build(family, "tiny")
 
 
-def _job() -> list[dict]:
+def _job(root: str) -> list[dict]:
     out = []
     for family in FAMILIES:
         for stage in (1, 3):
@@ -71,6 +74,8 @@ def _job() -> list[dict]:
                 full = g.gather_master()
                 for name, offset, shape in zip(g.names, g.offsets, g.shapes):
                     params[name] = full[offset:offset + shape.numel()].view(shape).clone()
+            if stage == 3:  # the whole model, its slices put back together, in Hugging Face's files
+                engine.save_pretrained(f"{root}/{family}", dtype="fp32")
             out.append({"family": family, "stage": stage, "losses": losses, "norms": norms, "params": params,
                         "split": split, "tensor_rank": parallel.tensor.rank, "data_rank": parallel.data.rank,
                         "ledger": ledger_peaks(engine),
@@ -105,8 +110,8 @@ def _slice(name: str, value: torch.Tensor, tensor_rank: int) -> torch.Tensor:
     return value
 
 
-def test_hugging_face_models_split_by_their_plan_train_as_one_process():
-    ranks = run_distributed(_job, 4)
+def test_hugging_face_models_split_by_their_plan_train_as_one_process(tmp_path):
+    ranks = run_distributed(_job, 4, str(tmp_path))
     for family in FAMILIES:
         ref_losses, ref_norms, dense = _reference(family)
         assert ref_norms[0] > CLIP, "the clip must act, or the norm is not tested"
@@ -126,6 +131,10 @@ def test_hugging_face_models_split_by_their_plan_train_as_one_process():
                     expected = _slice(name, value, got["tensor_rank"])
                     torch.testing.assert_close(got["params"][name], expected, rtol=1e-5, atol=1e-6,
                                                msg=lambda m, n=name: f"{label}, {n}: {m}")
+        exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / family, dtype=torch.float32)
+        for name, value in exported.named_parameters():  # the ZeRO-3 run's, whole (its slices: checked above)
+            torch.testing.assert_close(value.detach(), dense[name], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, n=name: f"{family}, exported {n}: {m}")
 
 
 def _refused(family: str, kv_heads: int | None) -> str:

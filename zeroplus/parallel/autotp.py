@@ -14,20 +14,41 @@ Refused before anything changes, naming the key, the rank and what does not spli
 (``packed_colwise``, ``moe_tp_experts``, ``replicated_with_grad_allreduce``: Mixtral's experts, Qwen3's head norms),
 a named module that is not an ``nn.Linear``, and query or key/value heads (or widths) that T does not divide.
 Memory per rank: 1/T of each split weight, its gradient, master and states; activations inside the attention and
-the MLP 1/T. Equal to one process (``tests/parallel/test_autotp.py``). See note: autotp (docs/design-notes.md).
+the MLP 1/T. Equal to one process (``tests/parallel/test_autotp.py``). The slices it cuts are recorded
+(``split_dim``), so an export can put the whole model back together (``whole``: ``save_pretrained``).
+See note: autotp (docs/design-notes.md).
 """
 from __future__ import annotations
 
 import re
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..comm import DataParallelGroup
+from .registry import ParameterSet
 from .tensor_layers import ColumnParallelLinear, RowParallelLinear, is_tensor_parallel
 
 STYLES: dict[str, type[ColumnParallelLinear] | type[RowParallelLinear]] = {"colwise": ColumnParallelLinear,
                                                                         "rowwise": RowParallelLinear}
+_ROWS, _COLUMNS = ParameterSet(), ParameterSet()  # the slices split_by_plan made: by rows, by columns
+
+
+def split_dim(param: object) -> int | None:
+    """The dimension ``split_by_plan`` cut ``param`` along over the tensor group (0: rows, 1: columns), None where it
+    did not cut it (whole on every tensor rank, or split by another layer of zeroplus's, such as
+    ``TensorParallelGPT``'s interleaved q, k and v)."""
+    return 0 if param in _ROWS else 1 if param in _COLUMNS else None
+
+
+def whole(slices: torch.Tensor, shape: torch.Size, dim: int) -> torch.Tensor:
+    """The whole tensor from every tensor rank's slice of shape ``shape``, in rank order, laid end to end in
+    ``slices`` (what an all-gather of the flattened slices gives), cut along ``dim``."""
+    size = slices.numel() // shape.numel()
+    pieces = slices.view(size, *shape)
+    return pieces.reshape(size * shape[0], *shape[1:]) if dim == 0 else \
+        pieces.permute(1, 0, *range(2, pieces.dim())).reshape(shape[0], size * shape[1], *shape[2:])
 
 
 def tp_plan(model: nn.Module) -> dict[str, str] | None:
@@ -64,6 +85,9 @@ def split_by_plan(model: nn.Module, tp: DataParallelGroup, where: str) -> list[s
         split.to(device=linear.weight.device, dtype=linear.weight.dtype)
         split.load_dense(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
         split.weight.requires_grad_(linear.weight.requires_grad)
+        (_ROWS if style == "colwise" else _COLUMNS).add(split.weight)
+        if style == "colwise" and split.bias is not None:
+            _ROWS.add(split.bias)
         setattr(parent, attr, split)
     return [name for name, _, _ in targets]
 
