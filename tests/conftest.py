@@ -14,14 +14,27 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
 import pytest  # noqa: E402
 
+# One cache folder for the whole run, shared by its workers, the ranks they fork and every subprocess a test starts
+# (set here, when pytest loads this file, so an environment copied at a test module's import has it too): the runtime
+# probe runs once per dtype in a run (tests/budget/test_runtime_overhead.py checks what it kept), and the suite reads
+# nothing an earlier run or another checkout measured. Made by the process that runs pytest (xdist's workers inherit
+# it) and removed when it ends; ``ZEROPLUS_CACHE_DIR`` set outside the run is kept as it is.
+_MADE_CACHE = None
+if "ZEROPLUS_CACHE_DIR" not in os.environ:
+    _MADE_CACHE = os.environ["ZEROPLUS_CACHE_DIR"] = tempfile.mkdtemp(prefix="zeroplus-suite-cache-")
 
-@pytest.fixture(scope="session", autouse=True)
-def suite_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """One cache folder for the whole run, shared by its workers and the ranks they start: the runtime probe runs
-    once per dtype in a run (tests/budget/test_runtime_overhead.py checks what it kept) and the suite reads nothing
-    measured by an earlier run or another checkout. ``ZEROPLUS_CACHE_DIR`` set outside the run is kept."""
-    from tests.worker_shared import shared_folder
-    os.environ.setdefault("ZEROPLUS_CACHE_DIR", str(shared_folder(tmp_path_factory, "zeroplus-cache")))
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _MADE_CACHE is not None:
+        shutil.rmtree(_MADE_CACHE, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def suite_cache_dir() -> str:
+    """The run's cache folder (above)."""
     return os.environ["ZEROPLUS_CACHE_DIR"]
