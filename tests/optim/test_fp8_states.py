@@ -144,7 +144,15 @@ def _job(root: str) -> list[dict]:
 
 
 def test_fp8_moments_at_every_stage_on_two_ranks(tmp_path):
-    for rank_rows in run_distributed(_job, 2, str(tmp_path)):
+    """Also: the stage-1 checkpoint loads into one rank, which cuts other blocks: the moments saved one value per
+    element (bf16) are quantized again with its blocks (a documented rounding), and it goes on from the saved step
+    with the saved weights (its next forward's loss is the two ranks' straight run's)."""
+    runs = run_distributed(_job, 2, str(tmp_path))
+    loaded = run_distributed(_load_at_one_rank, 1, str(tmp_path))[0]
+    assert loaded["exp_avg"] == torch.bfloat16 and loaded["steps"] == STEPS
+    first = runs[0][0]["straight"][0]
+    assert abs(loaded["loss"] - first) <= 1e-6 * abs(first), (loaded, first)
+    for rank_rows in runs:
         for row in rank_rows:
             label = f"ZeRO-{row['stage']}"
             assert row["states"] == row["formula"], (label, row["states"], row["formula"])
@@ -164,3 +172,15 @@ def test_what_fp8_moments_cannot_do_is_refused_naming_the_key(zero, says):
     cfg["zero_optimization"].update(zero)
     with pytest.raises(ConfigError, match=says):
         zeroplus.initialize(ParityNet(), cfg)
+
+
+def _load_at_one_rank(root: str) -> dict:
+    """The stage-1 checkpoint two ranks saved, loaded by one: its fp8 moments requantized with one rank's blocks."""
+    torch.manual_seed(1)
+    engine = zeroplus.initialize(ParityNet(), _config(1, FP8))
+    engine.load_checkpoint(f"{root}/1")
+    state = engine.optimizer_state(engine.partition.groups[0])
+    batches = make_batches(2 * STEPS * 2, MICRO)
+    losses = [engine(*batches[(STEPS + s) * 2]) for s in range(1)]  # (the forward of the next step's batch)
+    return {"exp_avg": state["exp_avg"].dtype, "loss": float(losses[0]), "steps": engine.global_steps}
+

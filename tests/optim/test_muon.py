@@ -205,3 +205,23 @@ def test_a_checkpoint_resumes_muon_bit_for_bit(tmp_path):
     """The momentum buffers are saved with the shards and read back: the resumed run's losses are the straight
     run's, bit for bit, at stages 1 and 3."""
     assert run_distributed(_resume_job, 2, str(tmp_path)) == [[True, True]] * 2
+
+
+def test_deepspeeds_api_builds_muon_from_the_same_config():
+    """``deepspeed.initialize`` (zeroplus's DeepSpeed API, one rank) with the Muon block: the same optimizer, the
+    same first steps as ``zeroplus.initialize``."""
+    import zeroplus.deepspeed_api as deepspeed
+    losses = []
+    for make in (lambda m, c: zeroplus.initialize(m, c),
+                 lambda m, c: deepspeed.initialize(model=m, model_parameters=m.parameters(), config=c)[0]):
+        torch.manual_seed(0)
+        engine = make(ParityNet(), dict(_config(1), gradient_accumulation_steps=1))
+        assert sorted(g["use_muon"] for g in engine.optimizer.param_groups) == [False, True]  # (DeepSpeed's facade)
+        losses.append([])
+        for x, y in make_batches(3, MICRO):
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses[-1].append(loss.item())
+        engine.destroy()
+    assert losses[0] == losses[1], losses
