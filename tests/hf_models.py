@@ -24,6 +24,8 @@ def build(family: str, size: str = "tiny", attn: str = "sdpa", max_positions: in
         return tf.LlamaForCausalLM(tf.LlamaConfig(**common))
     if family == "qwen2":
         return tf.Qwen2ForCausalLM(tf.Qwen2Config(**common))
+    if family == "qwen3":  # (not in FAMILIES: the AutoTP test's; its head_dim is the hidden size's share)
+        return tf.Qwen3ForCausalLM(tf.Qwen3Config(head_dim=d // heads, **common))
     if family == "mistral":
         return tf.MistralForCausalLM(tf.MistralConfig(sliding_window=max_positions // 4, **common))
     if family == "mixtral":

@@ -1,8 +1,9 @@
 """AutoTP (``zeroplus/parallel/autotp.py``): a Hugging Face causal LM split by its own tensor-parallel plan when the
 config says ``"tensor_parallel": {"autotp_size": 2}``, against the model in one process.
 
-4 gloo ranks, tensor 2 x data 2, ZeRO stages 1 and 3 in one world: each rank builds the same tiny Llama and Qwen2
-(hidden 64, 4 query heads, 2 key/value heads: one per tensor rank; Qwen2's q/k/v biases split with them), and
+4 gloo ranks, tensor 2 x data 2, ZeRO stages 1 and 3 in one world: each rank builds the same tiny Llama, Qwen2,
+Mistral and Qwen3 (hidden 64, 4 query heads, 2 key/value heads: one per tensor rank; Qwen2's q/k/v biases split with
+them; Qwen3's per-head q/k norms whole, their gradients summed over the tensor group), and
 ``initialize`` splits ``q/k/v/gate/up_proj`` by rows and ``o/down_proj`` by columns. The reference: the plain model on
 both data ranks' batches, SGD with momentum (Adam would turn a gradient's last-bit difference where it is near zero
 into a full step) and a clip the gradients exceed (a norm that counted the replicated embeddings and norms twice
@@ -28,7 +29,7 @@ from zeroplus.config import ConfigError
 from zeroplus.parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear
 
 STEPS, MICRO, SEQ, CLIP, LR = 3, 2, 16, 0.5, 0.05
-FAMILIES = ("llama", "qwen2")
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3")
 COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROWWISE = ("o_proj", "down_proj")
 

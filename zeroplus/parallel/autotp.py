@@ -10,8 +10,10 @@ the weights the model holds (``load_dense``). Nothing else changes: Transformers
 whole model's would. The embeddings, the head and the norms stay whole on every rank (the gradient norm counts
 them once: ``tensor_layers.is_tensor_parallel``). ZeRO shards over the data group beside it.
 
+``replicated_with_grad_allreduce`` (Qwen3's per-head ``q_norm``/``k_norm``): whole on every rank, each rank's
+gradient (from its own heads) summed over the tensor group by a hook on the parameter.
 Refused before anything changes, naming the key, the rank and what does not split: a plan entry of another style
-(``packed_colwise``, ``moe_tp_experts``, ``replicated_with_grad_allreduce``: Mixtral's experts, Qwen3's head norms),
+(``packed_colwise``, ``moe_tp_experts``: Mixtral's experts),
 a named module that is not an ``nn.Linear``, and query or key/value heads (or widths) that T does not divide.
 Memory per rank: 1/T of each split weight, its gradient, master and states; activations inside the attention and
 the MLP 1/T. Equal to one process (``tests/parallel/test_autotp.py``). The slices it cuts are recorded
@@ -20,6 +22,7 @@ See note: autotp (docs/design-notes.md).
 """
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -32,6 +35,7 @@ from .tensor_layers import ColumnParallelLinear, RowParallelLinear, is_tensor_pa
 
 STYLES: dict[str, type[ColumnParallelLinear] | type[RowParallelLinear]] = {"colwise": ColumnParallelLinear,
                                                                         "rowwise": RowParallelLinear}
+REPLICATED_SUMMED = "replicated_with_grad_allreduce"  # Qwen3's per-head norms
 _ROWS, _COLUMNS = ParameterSet(), ParameterSet()  # the slices split_by_plan made: by rows, by columns
 
 
@@ -77,6 +81,10 @@ def split_by_plan(model: nn.Module, tp: DataParallelGroup, where: str) -> list[s
                 targets.append((name, module, style))
     _check(model, targets, tp.size, where)
     for name, module, style in targets:
+        if style == REPLICATED_SUMMED:  # whole on every rank, each seeing its own heads: gradients summed over T
+            for p in module.parameters(recurse=False):
+                p.register_hook(functools.partial(_summed_over, tp))
+            continue
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         assert isinstance(module, nn.Linear)  # (checked)
@@ -92,13 +100,22 @@ def split_by_plan(model: nn.Module, tp: DataParallelGroup, where: str) -> list[s
     return [name for name, _, _ in targets]
 
 
+def _summed_over(tp: DataParallelGroup, grad: torch.Tensor) -> torch.Tensor:
+    """A replicated parameter's gradient from this rank's heads, summed over the tensor group (a collective every
+    tensor rank's backward reaches in the same order)."""
+    out = grad.contiguous().clone()
+    tp.all_reduce(out).wait()
+    return out
+
+
 def _check(model: nn.Module, targets: list[tuple[str, nn.Module, str]], size: int, where: str) -> None:
     kind = type(model).__name__
-    other = sorted({f"{name}: {style}" for name, _, style in targets if style not in STYLES})
+    other = sorted({f"{name}: {style}" for name, _, style in targets if style not in (*STYLES, REPLICATED_SUMMED)})
     if other:
         raise ValueError(f"{where}: {kind}'s tensor-parallel plan names styles zeroplus does not split yet "
                          f"({', '.join(other[:4])}{' ...' if len(other) > 4 else ''}); splits 'colwise' and "
-                         f"'rowwise' only")
+                         f"'rowwise', and sums '{REPLICATED_SUMMED}' gradients, only")
+    targets = [t for t in targets if t[2] in STYLES]  # (the summed ones stay as they are)
     wrong = [f"{name} ({type(m).__name__})" for name, m, _ in targets if not isinstance(m, nn.Linear)]
     if wrong:
         raise ValueError(f"{where}: {kind}'s plan names modules that are not nn.Linear: {wrong[:4]}")
