@@ -225,3 +225,19 @@ def test_deepspeeds_api_builds_muon_from_the_same_config():
             losses[-1].append(loss.item())
         engine.destroy()
     assert losses[0] == losses[1], losses
+
+
+def test_a_parameter_of_more_than_two_dimensions_steps_as_its_first_dimension_against_the_rest():
+    """A convolution's filters (out, in, k, k), as DeepSpeed's Muon views them: the (out, in * k * k) matrix stepped
+    as torch.optim.Muon steps it, reshaped back."""
+    torch.manual_seed(0)
+    conv = torch.nn.Parameter(torch.randn(8, 3, 3, 3))
+    flat = torch.nn.Parameter(conv.detach().reshape(8, 27).clone())
+    ours = ShardedMuon([{"params": [conv], "use_muon": True}], lr=0.02)
+    theirs = torch.optim.Muon([flat], lr=0.02, weight_decay=0.0)
+    for _ in range(3):
+        grad = torch.randn(8, 3, 3, 3)
+        conv.grad, flat.grad = grad.clone(), grad.reshape(8, 27).clone()
+        ours.step()
+        theirs.step()
+    assert torch.equal(conv.detach().reshape(8, 27), flat.detach())

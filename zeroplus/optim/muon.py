@@ -99,8 +99,9 @@ _CONSTRUCTOR = ("lr", "momentum", "weight_decay", "nesterov", "ns_coefficients",
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
-    """The rate a matrix of ``shape`` steps at (``torch.optim.Muon``'s adjustment)."""
-    rows, cols = shape[0], shape[1]
+    """The rate a matrix of ``shape`` steps at (``torch.optim.Muon``'s adjustment; more than two dimensions: the
+    first against the rest, as DeepSpeed views a convolution's filters)."""
+    rows, cols = shape[0], shape.numel() // shape[0]
     if adjust_lr_fn == "match_rms_adamw":
         return lr * 0.2 * math.sqrt(max(rows, cols))
     return lr * math.sqrt(max(1, rows / cols))
@@ -149,7 +150,8 @@ class MatrixLayout:
 
 
 def _cost(shape: torch.Size) -> int:
-    return shape[0] * shape[1] * min(shape[0], shape[1])
+    rows, cols = shape[0], shape.numel() // shape[0]
+    return rows * cols * min(rows, cols)
 
 
 def balance(layouts: list[MatrixLayout]) -> None:
@@ -237,7 +239,7 @@ class ShardedMuon(torch.optim.Optimizer):
         update = grad.lerp(buf, momentum) if group["nesterov"] else buf.clone()
         layout = self._layouts.get(id(p))
         if layout is None:  # a whole parameter (no engine around it): as torch.optim.Muon steps it
-            if p.dim() != 2:
+            if p.dim() < 2:
                 raise ValueError(f"Muon steps whole matrices; a parameter of shape {tuple(p.shape)} came with no "
                                  f"layout of the matrices it is a flat shard of (set_matrices)")
             layout = MatrixLayout([p.shape], [0], p.numel(), 0, p.numel(), None, torch.empty)
@@ -255,7 +257,7 @@ class ShardedMuon(torch.optim.Optimizer):
         if layout.group is None:
             for off, shape in zip(layout.offsets, layout.shapes):
                 piece = update[off:off + shape.numel()]
-                piece.copy_(orthogonalize(piece.view(shape), *settings).reshape(-1))
+                piece.copy_(orthogonalize(piece.view(shape[0], -1), *settings).reshape(-1))
             return
         whole = layout.buffer(layout.padded_numel)
         layout.group.all_gather(whole, update).wait()
@@ -264,7 +266,7 @@ class ShardedMuon(torch.optim.Optimizer):
             piece = whole[off:off + shape.numel()]
             whole[end:off].zero_()  # (gaps: none between a group's parameters; the padding after the last)
             if layout.owners[i] == rank:
-                piece.copy_(orthogonalize(piece.view(shape), *settings).reshape(-1))
+                piece.copy_(orthogonalize(piece.view(shape[0], -1), *settings).reshape(-1))
             else:
                 piece.zero_()
             end = off + shape.numel()
