@@ -84,13 +84,7 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
         parallel = init_parallel(cfg)
     except ValueError as err:
         raise ConfigError(f"config key 'zeroplus.parallel': {err}") from None
-    if parallel.topology.tensor > 1:  # a Hugging Face model split by its own plan (AutoTP), before anything reads it
-        where = (f"config key 'tensor_parallel.autotp_size' / 'zeroplus.parallel.tensor' is "
-                 f"{parallel.topology.tensor} (rank {parallel.global_rank})")
-        try:
-            split_by_plan(model, parallel.tensor, where)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
+    _split_by_plan(model, parallel)
     context = parallel.topology.context
     # ZeRO partitions and averages over data x context; a batch is split over the data ranks only
     dp = DataParallelGroup(process_group) if process_group is not None else parallel.zero
@@ -176,6 +170,19 @@ def _plan(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, code: int | None
     settings, reason = outcome
     log_rank0("planner: %s", reason)
     return apply_settings(cfg, settings)
+
+
+def _split_by_plan(model: torch.nn.Module, parallel: ParallelGroups) -> None:
+    """A tensor size above 1: a Hugging Face model split by its own plan (AutoTP, ``parallel/autotp.py``), before
+    anything reads the model; a plan it cannot split is a ConfigError naming the key and the rank."""
+    if parallel.topology.tensor == 1:
+        return
+    where = (f"config key 'tensor_parallel.autotp_size' / 'zeroplus.parallel.tensor' is {parallel.topology.tensor} "
+             f"(rank {parallel.global_rank})")
+    try:
+        split_by_plan(model, parallel.tensor, where)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _estimate_source(model: torch.nn.Module, cfg: ResolvedConfig, parallel: ParallelGroups,
