@@ -41,7 +41,7 @@ def _train_every_stage() -> list[dict]:
         losses = engine_train(engine, make_batches(STEPS * GAS * world, MICRO), STEPS, rank, world, GAS)
         opt = engine.optimizer
         assert isinstance(opt, ShardedMuon)
-        owners = sorted({o for layout in opt._layouts.values() for o in layout.owners})
+        owners = opt.owners()
         momentum = sum(s["momentum_buffer"].numel() for s in opt.state.values() if "momentum_buffer" in s)
         out.append({"losses": losses, "state": engine.consolidated_fp32_state(), "owners": owners,
                     "momentum": momentum, "comm_peak": engine.ledger.peak_bytes(Category.COMM_BUFFER)})

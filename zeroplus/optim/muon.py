@@ -215,6 +215,10 @@ class ShardedMuon(torch.optim.Optimizer):
         """Declare that ``param`` is a flat shard of the matrices in ``layout``."""
         self._layouts[id(param)] = layout
 
+    def owners(self) -> list[int]:
+        """The ranks that orthogonalize some matrix of a sharded group (inspection: how the work was spread)."""
+        return sorted({rank for layout in self._layouts.values() if layout.group is not None for rank in layout.owners})
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """One step of every parameter with a gradient: the matrices' (whole, or this rank's shards of them), then
