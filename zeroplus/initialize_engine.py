@@ -47,7 +47,7 @@ from .engine.engine import Engine
 from .engine.rank_agreement import check_ranks_agree
 from .logs import log_rank0, setup_logging
 from .optim.build import describe_client_optimizer
-from .parallel.autotp import split_by_plan
+from .parallel.autotp import Undo, split_by_plan
 from .parallel.groups import ParallelGroups, init_parallel
 
 logger = logging.getLogger("zeroplus.engine")
@@ -84,7 +84,20 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
         parallel = init_parallel(cfg)
     except ValueError as err:
         raise ConfigError(f"config key 'zeroplus.parallel': {err}") from None
-    _split_by_plan(model, parallel)
+    split = _split_by_plan(model, parallel)
+    try:
+        return _assemble(model, cfg, parallel, accel, rss_at_start, code, wrapper, optimizer, lr_scheduler,
+                         model_parameters, process_group, init_fn)
+    except ConfigError:  # refused before anything moved: the model as it was given, whole
+        split.undo()
+        raise
+
+
+def _assemble(model: torch.nn.Module, cfg: Any, parallel: ParallelGroups, accel: Any, rss_at_start: int,
+              code: int | None, wrapper: Any, optimizer: Any, lr_scheduler: Any, model_parameters: Any,
+              process_group: Any, init_fn: Any) -> Engine:
+    """``initialize`` from the parallel groups on: the batch and the planner's choices resolved, the engine built
+    and its first-forward prediction attached."""
     context = parallel.topology.context
     # ZeRO partitions and averages over data x context; a batch is split over the data ranks only
     dp = DataParallelGroup(process_group) if process_group is not None else parallel.zero
@@ -172,15 +185,15 @@ def _plan(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, code: int | None
     return apply_settings(cfg, settings)
 
 
-def _split_by_plan(model: torch.nn.Module, parallel: ParallelGroups) -> None:
+def _split_by_plan(model: torch.nn.Module, parallel: ParallelGroups) -> Undo:
     """A tensor size above 1: a Hugging Face model split by its own plan (AutoTP, ``parallel/autotp.py``), before
     anything reads the model; a plan it cannot split is a ConfigError naming the key and the rank."""
     if parallel.topology.tensor == 1:
-        return
+        return Undo()
     where = (f"config key 'tensor_parallel.autotp_size' / 'zeroplus.parallel.tensor' is {parallel.topology.tensor} "
              f"(rank {parallel.global_rank})")
     try:
-        split_by_plan(model, parallel.tensor, where)
+        return split_by_plan(model, parallel.tensor, where)
     except ValueError as err:
         raise ConfigError(str(err)) from None
 

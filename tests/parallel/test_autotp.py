@@ -12,7 +12,8 @@ slice after training, within 1e-5 relative (absolute floor 1e-6); at ZeRO-3 the 
 every model-state category of the split Llama as the ledger measures it; ``save_pretrained`` writes the whole
 trained model (its slices all-gathered over the tensor group and joined), which ``from_pretrained`` loads equal to
 the reference. Refused, naming the key, the rank and the
-reason, with the model left whole: key/value heads T does not divide, a plan style not split yet (Mixtral's experts).
+reason, with the model left whole: key/value heads T does not divide, a plan style not split yet (Mixtral's experts),
+and a refusal after the split (Muon under tensor parallelism), which puts the model's own linears back.
 """
 from __future__ import annotations
 
@@ -152,12 +153,27 @@ def _refused(family: str, kv_heads: int | None) -> str:
     return "initialized"
 
 
+def _refused_after_the_split() -> str:
+    """A Llama AutoTP splits, then a later check refuses (Muon under tensor parallelism): the model comes back whole,
+    its linears the model's own."""
+    model = _model("llama")
+    before = {n: (type(m), tuple(getattr(m, "weight", torch.empty(0)).shape)) for n, m in model.named_modules()}
+    try:
+        zeroplus.initialize(model, dict(_config(1), optimizer={"type": "Muon", "params": {"lr": 1e-3}}))
+    except ConfigError as err:
+        after = {n: (type(m), tuple(getattr(m, "weight", torch.empty(0)).shape)) for n, m in model.named_modules()}
+        assert after == before, "the model was left split"
+        return str(err)
+    return "initialized"
+
+
 def _refusals() -> list[str]:
-    return [_refused("llama", 1), _refused("mixtral", None)]
+    return [_refused("llama", 1), _refused("mixtral", None), _refused_after_the_split()]
 
 
 def test_what_autotp_cannot_split_is_refused_on_every_rank_naming_it():
-    for rank, (heads, experts) in enumerate(run_distributed(_refusals, 2)):
+    for rank, (heads, experts, later) in enumerate(run_distributed(_refusals, 2)):
+        assert "'optimizer.type' is 'Muon' and 'zeroplus.parallel.tensor' is set" in later, later
         assert f"'tensor_parallel.autotp_size' / 'zeroplus.parallel.tensor' is 2 (rank {rank})" in heads, heads
         assert "num_key_value_heads = 1" in heads and "not divisible by 2" in heads, heads
         assert "MixtralForCausalLM's tensor-parallel plan names styles" in experts, experts

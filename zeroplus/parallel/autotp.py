@@ -66,13 +66,30 @@ def tp_plan(model: nn.Module) -> dict[str, str] | None:
     return {f"{prefix}.{pattern}" if inside else pattern: style for pattern, style in plan.items()}
 
 
-def split_by_plan(model: nn.Module, tp: DataParallelGroup, where: str) -> list[str]:
-    """Split ``model`` over ``tp`` by its plan, in place; the names of the modules replaced. None replaced: a model
-    without a plan, or one already split (zeroplus's own tensor-parallel layers). ``where``: the key and rank for an
-    error (a ``ValueError``; the model is then as it was)."""
+class Undo:
+    """What ``split_by_plan`` changed, to put back (``undo()``) when ``initialize`` refuses the run afterwards: the
+    modules it replaced and the gradient hooks it added."""
+
+    def __init__(self) -> None:
+        self.modules: list[tuple[nn.Module, str, nn.Module]] = []  # (parent, attribute, the module it held)
+        self.hooks: list[Any] = []
+
+    def undo(self) -> None:
+        for parent, attr, module in reversed(self.modules):
+            setattr(parent, attr, module)
+        for hook in self.hooks:
+            hook.remove()
+        self.modules, self.hooks = [], []
+
+
+def split_by_plan(model: nn.Module, tp: DataParallelGroup, where: str) -> Undo:
+    """Split ``model`` over ``tp`` by its plan, in place; what it changed (nothing: a model without a plan, or one
+    already split by zeroplus's own tensor-parallel layers). ``where``: the key and rank for an error (a
+    ``ValueError``; the model is then as it was)."""
+    done = Undo()
     plan = tp_plan(model)
     if plan is None or any(is_tensor_parallel(p) for p in model.parameters()):
-        return []
+        return done
     patterns = [(re.compile(re.escape(p).replace(r"\*", r"\d+")), p, style) for p, style in plan.items()]
     targets: list[tuple[str, nn.Module, str]] = []
     for name, module in model.named_modules():
@@ -82,8 +99,8 @@ def split_by_plan(model: nn.Module, tp: DataParallelGroup, where: str) -> list[s
     _check(model, targets, tp.size, where)
     for name, module, style in targets:
         if style == REPLICATED_SUMMED:  # whole on every rank, each seeing its own heads: gradients summed over T
-            for p in module.parameters(recurse=False):
-                p.register_hook(functools.partial(_summed_over, tp))
+            done.hooks += [p.register_hook(functools.partial(_summed_over, tp))
+                           for p in module.parameters(recurse=False)]
             continue
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -96,8 +113,9 @@ def split_by_plan(model: nn.Module, tp: DataParallelGroup, where: str) -> list[s
         (_ROWS if style == "colwise" else _COLUMNS).add(split.weight)
         if style == "colwise" and split.bias is not None:
             _ROWS.add(split.bias)
+        done.modules.append((parent, attr, module))
         setattr(parent, attr, split)
-    return [name for name, _, _ in targets]
+    return done
 
 
 def _summed_over(tp: DataParallelGroup, grad: torch.Tensor) -> torch.Tensor:
