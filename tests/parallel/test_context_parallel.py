@@ -284,21 +284,24 @@ def _llama(mode: str = "ulysses", data_ranks: int = 1, tile: int | None = None, 
     return losses, engine.consolidated_fp32_state()
 
 
-@pytest.mark.parametrize("mode,world,data_ranks,tile,family", [
-    ("ulysses", 2, 1, None, "llama"), ("ring", 2, 1, None, "llama"), ("ulysses", 4, 1, None, "llama"),
-    ("ring", 4, 2, None, "llama"), ("ring", 2, 1, 16, "llama"), ("hybrid", 4, 1, None, "llama"),
-    ("hybrid", 4, 1, None, "qwen2"), ("ulysses", 2, 1, None, "mistral-window"), ("ring", 2, 1, None, "mistral-window"),
-    ("hybrid", 4, 1, None, "mistral-window"), ("ring", 2, 1, None, "qwen2-window")])
-def test_hugging_face_llama_with_gqa_rope_and_ignored_labels(mode, world, data_ranks, tile, family):
-    """Llama (grouped-query attention, rotary positions: the positions must be the global ones), ZeRO-3,
-    context 2 (and Ulysses at 4, where the 2 key/value heads are repeated to the 4 query heads before
-    the exchange; and ring with data x context 2 x 2, the reference taking both data ranks' batches at
-    once), labels with 5 ignored tokens per row all in one rank's part: losses and parameters equal
-    the single-process model's within fp32 tolerance; and so with ring and ``zeroplus.tiled`` (MLPs and loss
-    over tiles of 16 tokens of the sequence, 8 per rank); and ``context_mode: "hybrid"`` at 2 x 2 for Llama and
-    Qwen2 (K/V repeated to the query heads, heads over the Ulysses pair, K/V around the ring); and Mistral with a
-    sliding window shorter than a ring chunk on every path (dropped before: the loss without the window), and Qwen2
-    with a window on one of its two layers."""
+HF_CASES = [("ulysses", 2, 1, None, "llama"), ("ring", 2, 1, None, "llama"), ("ulysses", 4, 1, None, "llama"),
+            ("ring", 4, 2, None, "llama"), ("ring", 2, 1, 16, "llama"), ("hybrid", 4, 1, None, "llama"),
+            ("hybrid", 4, 1, None, "qwen2"), ("ulysses", 2, 1, None, "mistral-window"),
+            ("ring", 2, 1, None, "mistral-window"), ("hybrid", 4, 1, None, "mistral-window"),
+            ("ring", 2, 1, None, "qwen2-window")]
+
+
+def _llama_each(cases: list[tuple]) -> list[tuple[list[float], dict[str, torch.Tensor]]]:
+    """``_llama`` for each case in turn in one world (its groups reset between cases)."""
+    out = []
+    for mode, _, data_ranks, tile, family in cases:
+        zeroplus.parallel.reset_parallel()
+        out.append(_llama(mode, data_ranks, tile, family))
+    return out
+
+
+def _hf_reference(data_ranks: int, family: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The plain model on the data ranks' batches at once (the same whatever the context layout)."""
     torch.manual_seed(0)
     ref_model = _hf(family)
     params = [p for p in ref_model.parameters() if p.requires_grad]
@@ -316,11 +319,36 @@ def test_hugging_face_llama_with_gqa_rope_and_ignored_labels(mode, world, data_r
         opt.step()
         opt.zero_grad(set_to_none=True)
     ref_state = {n: p.detach() for n, p in ref_model.named_parameters()}
-    for losses, state in run_distributed(_llama, world, mode, data_ranks, tile, family):
-        assert torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0), (losses, ref_losses)
-        for name, value in state.items():
-            floor = 1e-5 * ref_state[name].abs().max().item()
-            torch.testing.assert_close(value, ref_state[name], rtol=1e-5, atol=floor, msg=name)
+    return ref_losses, ref_state
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_hugging_face_llama_with_gqa_rope_and_ignored_labels(world):
+    """Llama (grouped-query attention, rotary positions: the positions must be the global ones), ZeRO-3,
+    context 2 (and Ulysses at 4, where the 2 key/value heads are repeated to the 4 query heads before
+    the exchange; and ring with data x context 2 x 2, the reference taking both data ranks' batches at
+    once), labels with 5 ignored tokens per row all in one rank's part: losses and parameters equal
+    the single-process model's within fp32 tolerance; and so with ring and ``zeroplus.tiled`` (MLPs and loss
+    over tiles of 16 tokens of the sequence, 8 per rank); and ``context_mode: "hybrid"`` at 2 x 2 for Llama and
+    Qwen2 (K/V repeated to the query heads, heads over the Ulysses pair, K/V around the ring); and Mistral with a
+    sliding window shorter than a ring chunk on every path (dropped before: the loss without the window), and Qwen2
+    with a window on one of its two layers. The cases of one world size in turn in one world, each named."""
+    cases = [c for c in HF_CASES if c[1] == world]
+    results = run_distributed(_llama_each, world, cases)
+    references: dict[tuple[int, str], tuple[list[float], dict[str, torch.Tensor]]] = {}
+    for i, (mode, _, data_ranks, tile, family) in enumerate(cases):
+        label = f"{family} {mode} at {world} ranks, data {data_ranks}, tile {tile}"
+        if (data_ranks, family) not in references:
+            references[data_ranks, family] = _hf_reference(data_ranks, family)
+        ref_losses, ref_state = references[data_ranks, family]
+        for rank_results in results:
+            losses, state = rank_results[i]
+            assert torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0), \
+                (label, losses, ref_losses)
+            for name, value in state.items():
+                floor = 1e-5 * ref_state[name].abs().max().item()
+                torch.testing.assert_close(value, ref_state[name], rtol=1e-5, atol=floor,
+                                           msg=lambda m, n=name: f"{label}, {n}: {m}")
 
 
 def _predicted_and_measured(stage: int, context: int, mode: str) -> tuple[dict, dict, dict]:
