@@ -30,7 +30,6 @@ def suite_probe(monkeypatch, suite_cache_dir):
     """The run's own cache (tests/conftest.py): the probe runs here once per dtype, in this test or in whichever test
     of the run first needed the budget, never measured by an earlier run."""
     monkeypatch.delenv(ENV, raising=False)
-    monkeypatch.setenv("ZEROPLUS_CACHE_DIR", suite_cache_dir)
     runtime_overhead._measured.cache_clear()
     yield Path(suite_cache_dir)
     runtime_overhead._measured.cache_clear()

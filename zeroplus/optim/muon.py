@@ -125,28 +125,18 @@ def orthogonalize(update: torch.Tensor, coefficients: tuple[float, float, float]
 
 @dataclass
 class MatrixLayout:
-    """Where a flat group's matrices lie and who orthogonalizes each: shapes and offsets in the group, this rank's
-    owned range, the group to gather over (None: this rank holds every element, stage 0 or one rank), and the
-    buffer maker (the ledger's)."""
+    """Where a flat group's matrices lie and who orthogonalizes each: shapes and offsets in the group, the pieces of
+    them this rank owns (``(matrix index, start, end)`` relative to its owned range: the group's
+    ``param_segments()``), the group to gather over (None: this rank holds every element, stage 0 or one rank), and
+    the buffer maker (the ledger's)."""
 
     shapes: list[torch.Size]
     offsets: list[int]
     padded_numel: int
-    owned_start: int
-    owned_numel: int
+    segments: list[tuple[int, int, int]]
     group: Collectives | None
     buffer: Callable[[int], torch.Tensor]
     owners: list[int] = field(default_factory=list)
-
-    def segments(self) -> list[tuple[int, int, int]]:
-        """``(matrix index, start, end)`` of each matrix inside the owned range, relative to it."""
-        lo, hi = self.owned_start, self.owned_start + self.owned_numel
-        out = []
-        for i, (off, shape) in enumerate(zip(self.offsets, self.shapes)):
-            s, e = max(off, lo), min(off + shape.numel(), hi)
-            if s < e:
-                out.append((i, s - lo, e - lo))
-        return out
 
 
 def _cost(shape: torch.Size) -> int:
@@ -246,13 +236,13 @@ class ShardedMuon(torch.optim.Optimizer):
             if p.dim() < 2:
                 raise ValueError(f"Muon steps whole matrices; a parameter of shape {tuple(p.shape)} came with no "
                                  f"layout of the matrices it is a flat shard of (set_matrices)")
-            layout = MatrixLayout([p.shape], [0], p.numel(), 0, p.numel(), None, torch.empty)
+            layout = MatrixLayout([p.shape], [0], p.numel(), [(0, 0, p.numel())], None, torch.empty)
             p_flat, update = p.view(-1), update.view(-1)
         else:
             p_flat = p
         self._orthogonalize(update, layout, group)
         p_flat.mul_(1 - group["lr"] * group["weight_decay"])
-        for i, a, b in layout.segments():
+        for i, a, b in layout.segments:
             p_flat[a:b].add_(update[a:b], alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], layout.shapes[i]))
 
     def _orthogonalize(self, update: torch.Tensor, layout: MatrixLayout, group: dict[str, Any]) -> None:

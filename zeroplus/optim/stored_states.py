@@ -111,11 +111,10 @@ class StoredStates(torch.optim.Optimizer):
         for p, _ in stepped:
             sizes[p.device] = max(sizes.get(p.device, 0), min(CHUNK, p.numel()))
         rows = 4 if self.rounding == "stochastic" else 2  # two fp32 moments (+ the hash's two int32 rows)
-        held = self._held if self._held is not None else {}
+        scratch = self._held if self._held is not None else {}
         for device, size in sizes.items():
-            if device not in held or held[device].shape[1] < size:
-                held[device] = torch.empty(rows, size, dtype=torch.float32, device=device)
-        scratch = held
+            if device not in scratch or scratch[device].shape[1] < size:
+                scratch[device] = torch.empty(rows, size, dtype=torch.float32, device=device)
         for p, group in stepped:
             self._step_one(p, group, grad_scale, found_inf, scratch[p.device])
         return loss
@@ -200,7 +199,8 @@ class StoredStates(torch.optim.Optimizer):
             n = given.numel()
             out[key] = torch.empty(n, dtype=E4M3, device=given.device)
             out[f"{key}_scale"] = torch.empty(blocks(n, self.block), device=given.device)
-            self._write(out, key, 0, n, given.reshape(-1).float(), torch.zeros(()), None)
+            value = given.reshape(-1).to(torch.float32, copy=True)  # (scratch of _write: the given state stays)
+            self._write(out, key, 0, n, value, torch.zeros(()), None)
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

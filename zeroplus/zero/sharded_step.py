@@ -204,7 +204,7 @@ class ShardedStep:
                 raise ValueError(f"{g.name}: Muon steps a resident fp32 master whole, and this group's is stepped "
                                  f"{type(self.steps[id(g)]).__name__} (offloaded, split or virtual)")
             layouts.append((g, MatrixLayout(
-                list(g.shapes), list(g.offsets), g.padded_numel, g.owned_start, g.owned_numel,
+                list(g.shapes), list(g.offsets), g.padded_numel, g.param_segments(),
                 g.dp if partition.stage.partitions and g.dp.size > 1 else None, _buffers(ledger, g.device))))
         balance([layout for _, layout in layouts])
         for g, layout in layouts:
