@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..comm import DataParallelGroup
+from .mappings import all_reduce
 from .registry import ParameterSet
 from .tensor_layers import ColumnParallelLinear, RowParallelLinear, is_tensor_parallel
 
@@ -104,8 +105,8 @@ def split_by_plan(model: nn.Module, tp: DataParallelGroup, where: str) -> Undo:
             continue
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        assert isinstance(module, nn.Linear)  # (checked)
         linear = module
+        assert isinstance(linear, nn.Linear)  # (checked)
         split = STYLES[style](linear.in_features, linear.out_features, bias=linear.bias is not None, tp=tp)
         split.to(device=linear.weight.device, dtype=linear.weight.dtype)
         split.load_dense(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
@@ -121,9 +122,7 @@ def split_by_plan(model: nn.Module, tp: DataParallelGroup, where: str) -> Undo:
 def _summed_over(tp: DataParallelGroup, grad: torch.Tensor) -> torch.Tensor:
     """A replicated parameter's gradient from this rank's heads, summed over the tensor group (a collective every
     tensor rank's backward reaches in the same order)."""
-    out = grad.contiguous().clone()
-    tp.all_reduce(out).wait()
-    return out
+    return all_reduce(grad.clone(memory_format=torch.contiguous_format), tp)
 
 
 def _check(model: nn.Module, targets: list[tuple[str, nn.Module, str]], size: int, where: str) -> None:
