@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from zeroplus.config import parse_bytes
-from zeroplus.parallel.autotp import split_dim, whole
+from zeroplus.parallel.autotp import cut_of, whole
 from zeroplus.parallel.tensor_layers import is_tensor_parallel
 from zeroplus.zero.frozen_values import read_frozen
 
@@ -175,13 +175,13 @@ def hf_config(module: torch.nn.Module) -> dict[str, Any] | None:
 
 
 def _tensor_group(engine: Engine) -> Any:
-    """The tensor group whose slices ``save_pretrained`` puts back together (AutoTP's: ``autotp.split_dim``), None
+    """The tensor group whose slices ``save_pretrained`` puts back together (AutoTP's: ``autotp.cut_of``), None
     where the model is not split; a ValueError where it is split some other way (slices it cannot join)."""
     par = engine.parallel
     if par is None or (par.model.size == 1 and par.expert.size == 1):
         return None
     split = [p for p in engine.module.parameters() if is_tensor_parallel(p)]
-    if par.pipeline.size > 1 or par.expert.size > 1 or any(split_dim(p) is None for p in split):
+    if par.pipeline.size > 1 or par.expert.size > 1 or any(cut_of(p) is None for p in split):
         raise ValueError(f"save_pretrained() writes one whole model, and this run splits it "
                          f"({par.topology.describe()}) in a way it does not join back (only a Hugging Face model "
                          f"split by its plan, AutoTP, at tensor sizes above 1); use save_checkpoint()")
@@ -211,12 +211,12 @@ def save_pretrained(engine: Engine, out_dir: str, dtype: str | None = None,
             flat = g.gather_master()
             for p, name, offset, numel, shape in zip(g.params, g.names, g.offsets, g.numels, g.shapes):
                 value = flat[offset:offset + numel].view(shape)
-                dim = split_dim(p) if tensor is not None else None
-                if dim is not None:  # an AutoTP slice: every tensor rank's, put back together (a collective)
+                cut = cut_of(p) if tensor is not None else None
+                if cut is not None:  # an AutoTP slice: every tensor rank's, put back together (a collective)
                     assert tensor is not None
                     slices = torch.empty(tensor.size * numel, dtype=value.dtype, device=value.device)
                     tensor.all_gather(slices, value.reshape(-1)).wait()
-                    value = whole(slices, shape, dim)
+                    value = whole(slices, shape, cut)
                 if writer is not None:
                     writer.add(name, value)
             del flat

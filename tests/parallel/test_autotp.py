@@ -2,18 +2,22 @@
 config says ``"tensor_parallel": {"autotp_size": 2}``, against the model in one process.
 
 4 gloo ranks, tensor 2 x data 2, ZeRO stages 1 and 3 in one world: each rank builds the same tiny Llama, Qwen2,
-Mistral and Qwen3 (hidden 64, 4 query heads, 2 key/value heads: one per tensor rank; Qwen2's q/k/v biases split with
-them; Qwen3's per-head q/k norms whole, their gradients summed over the tensor group), and
-``initialize`` splits ``q/k/v/gate/up_proj`` by rows and ``o/down_proj`` by columns. The reference: the plain model on
-both data ranks' batches, SGD with momentum (Adam would turn a gradient's last-bit difference where it is near zero
-into a full step) and a clip the gradients exceed (a norm that counted the replicated embeddings and norms twice
-would change every update). Checked: the losses each rank reports, the global gradient norm, and every parameter
-slice after training, within 1e-5 relative (absolute floor 1e-6); at ZeRO-3 the first forward's estimate predicts
-every model-state category of the split Llama as the ledger measures it; ``save_pretrained`` writes the whole
-trained model (its slices all-gathered over the tensor group and joined), which ``from_pretrained`` loads equal to
-the reference. Refused, naming the key, the rank and the
-reason, with the model left whole: key/value heads T does not divide, a plan style not split yet (Mixtral's experts),
-and a refusal after the split (Muon under tensor parallelism), which puts the model's own linears back.
+Mistral, Qwen3, Mixtral and a Llama with one key/value head and a tied head (hidden 64, 4 query heads, 2 key/value
+heads: one per tensor rank; Qwen2's q/k/v biases split with them; Qwen3's per-head q/k norms whole, their gradients
+summed over the tensor group), and ``initialize`` splits ``q/k/v/gate/up_proj`` by rows, ``o/down_proj`` by columns,
+the input embeddings and the head by vocabulary rows (the tied head sharing the embeddings' slice), Mixtral's
+experts' ``gate_up_proj`` by the rows of its gate and of its up projection each and ``down_proj`` by columns (the
+router whole), and keeps the one key/value head whole on both ranks, each computing it. The reference: the plain
+model on both data ranks' batches, SGD with momentum (Adam would turn a gradient's last-bit difference where it is
+near zero into a full step) and a clip the gradients exceed (a norm that counted the replicated norms twice would
+change every update). Checked: which modules are split, the losses each rank reports, the global gradient norm, and
+every parameter slice after training, within 1e-5 relative (absolute floor 1e-6); at ZeRO-3 the first forward's
+estimate predicts every model-state category of the split Llama as the ledger measures it; ``save_pretrained``
+writes the whole trained model (its slices all-gathered over the tensor group and joined), which ``from_pretrained``
+loads equal to the reference. Refused, naming the key, the rank and the reason, with the model left as it was:
+key/value heads T neither divides nor is a multiple of, a plan style not split yet (DeepSeek-V2's latent key/value
+projection), a head tied to embeddings the plan leaves whole, and a refusal after the split (Muon under tensor
+parallelism), which puts the model's own modules back.
 """
 from __future__ import annotations
 
@@ -27,12 +31,18 @@ from tests.hf_models import build
 from tests.parallel.model_states import assert_model_states_predicted, ledger_peaks
 from tests.reference import clip_global_norm
 from zeroplus.config import ConfigError
-from zeroplus.parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear
+from zeroplus.parallel.tensor_layers import (
+    ColumnParallelLinear,
+    ReplicatedRowsLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 
 STEPS, MICRO, SEQ, CLIP, LR = 3, 2, 16, 0.5, 0.05
-FAMILIES = ("llama", "qwen2", "mistral", "qwen3")
-COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "mixtral", "llama-kv1")
+COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
 ROWWISE = ("o_proj", "down_proj")
+SPLIT = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ReplicatedRowsLinear)
 
 
 def _config(stage: int, estimate: bool = False) -> dict:
@@ -50,7 +60,16 @@ def _batches() -> list[torch.Tensor]:
 
 def _model(family: str) -> torch.nn.Module:
     torch.manual_seed(0)
+    if family == "llama-kv1":  # one key/value head for two tensor ranks, the head tied to the embeddings
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=1, tie_word_embeddings=True))
     return build(family, "tiny")
+
+
+def _expected_split(family: str) -> list[str]:
+    mlp = [] if family == "mixtral" else ["gate_proj", "up_proj", "down_proj"]  # (Mixtral's experts: weights)
+    return sorted(["q_proj", "k_proj", "v_proj", "o_proj", *mlp] * 2 + ["embed_tokens", "lm_head"])
 
 
 def _job(root: str) -> list[dict]:
@@ -60,8 +79,7 @@ def _job(root: str) -> list[dict]:
             cfg = _config(stage, estimate=(family, stage) == ("llama", 3))
             parallel = zeroplus.init_parallel(cfg)
             engine = zeroplus.initialize(_model(family), cfg)
-            split = {n: type(m).__name__ for n, m in engine.module.named_modules()
-                     if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+            split = {n: type(m).__name__ for n, m in engine.module.named_modules() if isinstance(m, SPLIT)}
             losses, norms = [], []
             batches = _batches()
             for s in range(STEPS):
@@ -103,8 +121,14 @@ def _reference(family: str) -> tuple[list[list[float]], list[float], dict[str, t
     return losses, norms, {n: p.detach() for n, p in model.named_parameters()}
 
 
-def _slice(name: str, value: torch.Tensor, tensor_rank: int) -> torch.Tensor:
+def _slice(family: str, name: str, value: torch.Tensor, tensor_rank: int) -> torch.Tensor:
     module = name.rsplit(".", 2)[-2]
+    if name.endswith("experts.gate_up_proj"):  # (experts, [gate; up], hidden): this rank's rows of each
+        return torch.cat([part.chunk(2, 1)[tensor_rank] for part in value.chunk(2, 1)], 1)
+    if name.endswith("experts.down_proj"):  # (experts, hidden, intermediate)
+        return value.chunk(2, 2)[tensor_rank]
+    if family == "llama-kv1" and module in ("k_proj", "v_proj"):
+        return value  # whole on every rank: one head, read by both
     if module in COLWISE:
         return value.chunk(2, 0)[tensor_rank]
     if module in ROWWISE and name.endswith(".weight"):
@@ -120,8 +144,10 @@ def test_hugging_face_models_split_by_their_plan_train_as_one_process(tmp_path):
         for rank, results in enumerate(ranks):
             for got in (r for r in results if r["family"] == family):
                 label = f"{family}, ZeRO-{got['stage']}, rank {rank}"
-                assert sorted(n.rsplit(".", 1)[-1] for n in got["split"]) == sorted(
-                    [*COLWISE, *ROWWISE] * 2), f"{label}: {got['split']}"
+                assert sorted(n.rsplit(".", 1)[-1] for n in got["split"]) == _expected_split(family), \
+                    f"{label}: {got['split']}"
+                kv = {n: t for n, t in got["split"].items() if t == "ReplicatedRowsLinear"}
+                assert len(kv) == (4 if family == "llama-kv1" else 0), f"{label}: {kv}"
                 assert got["losses"] == pytest.approx(ref_losses[got["data_rank"]], rel=1e-5), label
                 assert got["norms"] == pytest.approx(ref_norms, rel=1e-5), f"{label}: gradient norms"
                 assert (got["predicted"] is not None) == ((family, got["stage"]) == ("llama", 3)), label
@@ -130,7 +156,7 @@ def test_hugging_face_models_split_by_their_plan_train_as_one_process(tmp_path):
                 for name, value in dense.items():
                     if name == "lm_head.weight" and name not in got["params"]:
                         continue  # (tied to the embedding)
-                    expected = _slice(name, value, got["tensor_rank"])
+                    expected = _slice(family, name, value, got["tensor_rank"])
                     torch.testing.assert_close(got["params"][name], expected, rtol=1e-5, atol=1e-6,
                                                msg=lambda m, n=name: f"{label}, {n}: {m}")
         exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / family, dtype=torch.float32)
@@ -139,16 +165,36 @@ def test_hugging_face_models_split_by_their_plan_train_as_one_process(tmp_path):
                                        msg=lambda m, n=name: f"{family}, exported {n}: {m}")
 
 
-def _refused(family: str, kv_heads: int | None) -> str:
-    model = _model(family)
-    if kv_heads is not None:
-        model = build(family, "tiny")
-        model.config.num_key_value_heads = kv_heads
-    before = {n: p.shape for n, p in model.named_parameters()}
+def _uneven_key_value_heads() -> torch.nn.Module:
+    """Six query heads, three key/value heads: two tensor ranks neither split nor share them."""
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=96, intermediate_size=128, num_hidden_layers=1, num_attention_heads=6,
+        num_key_value_heads=3))
+
+
+def _multi_head_latent_attention() -> torch.nn.Module:
+    """DeepSeek-V2's plan names its latent key/value projection 'mla_kv_a_proj', a style not split yet."""
+    return transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16,
+        q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, first_k_dense_replace=1))
+
+
+def _tied_head_of_a_whole_embedding() -> torch.nn.Module:
+    """The head tied to the embeddings, and the plan (edited as a user may) leaving the embeddings whole: splitting
+    the head alone would break the tie."""
+    model = _model("llama-kv1")
+    del model.tp_plan["model.embed_tokens"]
+    return model
+
+
+def _refused(model: torch.nn.Module) -> str:
+    before = {n: (type(m), tuple(getattr(m, "weight", torch.empty(0)).shape)) for n, m in model.named_modules()}
     try:
         zeroplus.initialize(model, _config(1))
     except ConfigError as err:
-        assert {n: p.shape for n, p in model.named_parameters()} == before, "the model was changed"
+        after = {n: (type(m), tuple(getattr(m, "weight", torch.empty(0)).shape)) for n, m in model.named_modules()}
+        assert after == before, "the model was changed"
         return str(err)
     return "initialized"
 
@@ -168,13 +214,15 @@ def _refused_after_the_split() -> str:
 
 
 def _refusals() -> list[str]:
-    return [_refused("llama", 1), _refused("mixtral", None), _refused_after_the_split()]
+    return [_refused(_uneven_key_value_heads()), _refused(_multi_head_latent_attention()),
+            _refused(_tied_head_of_a_whole_embedding()), _refused_after_the_split()]
 
 
 def test_what_autotp_cannot_split_is_refused_on_every_rank_naming_it():
-    for rank, (heads, experts, later) in enumerate(run_distributed(_refusals, 2)):
+    for rank, (heads, latent, tied, later) in enumerate(run_distributed(_refusals, 2)):
+        assert "lm_head.weight is tied to model.embed_tokens's, which the plan does not split" in tied, tied
         assert "'optimizer.type' is 'Muon' and 'zeroplus.parallel.tensor' is set" in later, later
         assert f"'tensor_parallel.autotp_size' / 'zeroplus.parallel.tensor' is 2 (rank {rank})" in heads, heads
-        assert "num_key_value_heads = 1" in heads and "not divisible by 2" in heads, heads
-        assert "MixtralForCausalLM's tensor-parallel plan names styles" in experts, experts
-        assert "packed_colwise" in experts or "moe_tp_experts" in experts, experts
+        assert "num_key_value_heads = 3 (neither a multiple nor a divisor of 2)" in heads, heads
+        assert "DeepseekV2ForCausalLM's tensor-parallel plan names styles" in latent, latent
+        assert "kv_a_proj_with_mqa: mla_kv_a_proj" in latent, latent

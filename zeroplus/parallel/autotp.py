@@ -1,63 +1,107 @@
 """AutoTP: a Hugging Face causal LM split over the tensor group by its own tensor-parallel plan.
 
 ``"tensor_parallel": {"autotp_size": T}`` (DeepSpeed's key; or ``zeroplus.parallel.tensor``) on a model that has
-no tensor-parallel layer of zeroplus's and whose config carries Transformers' ``base_model_tp_plan``: each
-``nn.Linear`` the plan names becomes a ``ColumnParallelLinear`` (``colwise``: this rank's rows of the weight and
-bias, so its heads of ``q_proj``/``k_proj``/``v_proj`` and its slice of ``gate_proj``/``up_proj``) or a
-``RowParallelLinear`` (``rowwise``: its columns of ``o_proj``/``down_proj``, the partial outputs all-reduced), with
-the weights the model holds (``load_dense``). Nothing else changes: Transformers' attention reshapes by
-``head_dim`` and repeats key/value heads by their ratio, so this rank's query and key/value heads attend as the
-whole model's would. The embeddings, the head and the norms stay whole on every rank (the gradient norm counts
-them once: ``tensor_layers.is_tensor_parallel``). ZeRO shards over the data group beside it.
+no tensor-parallel layer of zeroplus's and that has a plan (Transformers' ``model.tp_plan``: the config's
+``base_model_tp_plan`` with the head and input embeddings added; or the config's plan alone): each entry, from
+the weights the model holds, becomes
 
-``replicated_with_grad_allreduce`` (Qwen3's per-head ``q_norm``/``k_norm``): whole on every rank, each rank's
-gradient (from its own heads) summed over the tensor group by a hook on the parameter.
-Refused before anything changes, naming the key, the rank and what does not split: a plan entry of another style
-(``packed_colwise``, ``moe_tp_experts``: Mixtral's experts),
-a named module that is not an ``nn.Linear``, and query or key/value heads (or widths) that T does not divide.
-Memory per rank: 1/T of each split weight, its gradient, master and states; activations inside the attention and
-the MLP 1/T. Equal to one process (``tests/parallel/test_autotp.py``). The slices it cuts are recorded
-(``split_dim``), so an export can put the whole model back together (``whole``: ``save_pretrained``).
+- ``colwise``: a ``ColumnParallelLinear`` (this rank's rows of the weight and bias: its heads of
+  ``q_proj``/``k_proj``/``v_proj``, its slice of ``gate_proj``/``up_proj``). Key/value heads fewer than T (T a
+  multiple of their count): ``ReplicatedRowsLinear``, the whole projection on every rank, each computing the head
+  its query heads read, and the attention's ``num_key_value_groups`` set to this rank's query heads per key/value
+  head. Transformers' attention reshapes by ``head_dim``, so this rank's heads attend as the whole model's would;
+- ``rowwise``: a ``RowParallelLinear`` (its columns of ``o_proj``/``down_proj``, the partial outputs all-reduced);
+- ``colwise_gather_output`` (the head): this rank's vocabulary rows, the logits all-gathered for the model's loss;
+- ``embedding_rowwise``: a ``VocabParallelEmbedding`` (this rank's vocabulary rows, the lookups all-reduced); a head
+  tied to it shares its slice, so the tie holds;
+- ``moe_tp_experts`` (Mixtral's, Qwen3-MoE's experts, their 3-D weights named by parameter): every expert's
+  ``gate_up_proj`` cut by rows (``packed_colwise``: the gate's rows and the up projection's rows each, so the
+  experts' own ``chunk(2)`` still parts them) and ``down_proj`` by columns (``rowwise``); the experts' inputs'
+  gradients and their output summed over the tensor group; the router whole;
+- ``replicated_with_grad_allreduce`` (Qwen3's per-head ``q_norm``/``k_norm``): whole, each rank's gradient (from its
+  own heads) summed over the tensor group by a hook on the parameter.
+
+Everything else (norms, the router) stays whole on every rank; the gradient norm counts it once
+(``tensor_layers.is_tensor_parallel``). ZeRO shards over the data group beside it. Refused before anything changes,
+naming the key, the rank and what does not split: a style not listed, a module of another kind than the style
+splits, widths, vocabularies or query heads T does not divide, key/value heads neither divisible by T nor dividing
+it. Memory per rank: 1/T of each split weight, its gradient, master and states; activations inside the attention
+and the MLP 1/T. Equal to one process (``tests/parallel/test_autotp.py``). How each slice was cut is recorded
+(``cut_of``), so an export can put the whole model back together (``whole``: ``save_pretrained``).
 See note: autotp (docs/design-notes.md).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
 
 from ..comm import DataParallelGroup
-from .mappings import all_reduce
+from .mappings import all_reduce, copy_to_tensor, reduce_from_tensor
 from .registry import ParameterSet
-from .tensor_layers import ColumnParallelLinear, RowParallelLinear, is_tensor_parallel
+from .tensor_layers import (
+    ColumnParallelLinear,
+    ReplicatedRowsLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    is_tensor_parallel,
+    mark_tensor_parallel,
+)
 
-STYLES: dict[str, type[ColumnParallelLinear] | type[RowParallelLinear]] = {"colwise": ColumnParallelLinear,
-                                                                        "rowwise": RowParallelLinear}
+LINEAR = ("colwise", "rowwise", "colwise_gather_output")
+EMBEDDING, EXPERTS, PACKED = "embedding_rowwise", "moe_tp_experts", "packed_colwise"
 REPLICATED_SUMMED = "replicated_with_grad_allreduce"  # Qwen3's per-head norms
-_ROWS, _COLUMNS = ParameterSet(), ParameterSet()  # the slices split_by_plan made: by rows, by columns
+MODULE_STYLES = (*LINEAR, EMBEDDING, EXPERTS, REPLICATED_SUMMED)
+PARAMETER_STYLES = ("colwise", "rowwise", PACKED)  # an experts module's own 3-D weights
 
 
-def split_dim(param: object) -> int | None:
-    """The dimension ``split_by_plan`` cut ``param`` along over the tensor group (0: rows, 1: columns), None where it
-    did not cut it (whole on every tensor rank, or split by another layer of zeroplus's, such as
-    ``TensorParallelGPT``'s interleaved q, k and v)."""
-    return 0 if param in _ROWS else 1 if param in _COLUMNS else None
+@dataclasses.dataclass(frozen=True)
+class Cut:
+    """How ``split_by_plan`` cut a parameter over the tensor group: along ``dim``, each of its ``packed`` equal parts
+    on its own (``[gate; up]``: 2), every rank taking its ``1/T`` of each part, in rank order."""
+    dim: int
+    packed: int = 1
 
 
-def whole(slices: torch.Tensor, shape: torch.Size, dim: int) -> torch.Tensor:
+_CUTS: dict[Cut, ParameterSet] = {}
+_P = TypeVar("_P", bound=torch.Tensor)
+
+
+def cut_of(param: object) -> Cut | None:
+    """How ``split_by_plan`` cut ``param``; None where it did not (whole on every tensor rank, or split by another
+    layer of zeroplus's, such as ``TensorParallelGPT``'s interleaved q, k and v)."""
+    return next((cut for cut, params in _CUTS.items() if param in params), None)
+
+
+def _record(param: _P, cut: Cut) -> _P:
+    mark_tensor_parallel(param)
+    _CUTS.setdefault(cut, ParameterSet()).add(param)
+    return param
+
+
+def whole(slices: torch.Tensor, shape: torch.Size, cut: Cut) -> torch.Tensor:
     """The whole tensor from every tensor rank's slice of shape ``shape``, in rank order, laid end to end in
-    ``slices`` (what an all-gather of the flattened slices gives), cut along ``dim``."""
-    size = slices.numel() // shape.numel()
-    pieces = slices.view(size, *shape)
-    return pieces.reshape(size * shape[0], *shape[1:]) if dim == 0 else \
-        pieces.permute(1, 0, *range(2, pieces.dim())).reshape(shape[0], size * shape[1], *shape[2:])
+    ``slices`` (what an all-gather of the flattened slices gives)."""
+    pieces = slices.view(-1, *shape).unbind(0)
+    return torch.cat([torch.cat([p.chunk(cut.packed, cut.dim)[k] for p in pieces], cut.dim)
+                      for k in range(cut.packed)], cut.dim)
+
+
+def _mine(value: torch.Tensor, cut: Cut, tp: DataParallelGroup) -> torch.Tensor:
+    """This rank's slice of a whole ``value`` (``whole``'s inverse), a copy."""
+    return torch.cat([part.chunk(tp.size, cut.dim)[tp.rank] for part in value.chunk(cut.packed, cut.dim)],
+                     cut.dim).clone()
 
 
 def tp_plan(model: nn.Module) -> dict[str, str] | None:
-    """The model's plan by its module names (Transformers writes it relative to the base model), or None."""
+    """The model's plan by its module (or parameter) names from the top, or None."""
+    whole_plan = getattr(model, "tp_plan", None)  # Transformers': head and input embeddings included
+    if isinstance(whole_plan, dict) and whole_plan:
+        return dict(whole_plan)
     config = getattr(model, "config", None)
     plan = getattr(config, "base_model_tp_plan", None)
     if not plan:
@@ -69,18 +113,43 @@ def tp_plan(model: nn.Module) -> dict[str, str] | None:
 
 class Undo:
     """What ``split_by_plan`` changed, to put back (``undo()``) when ``initialize`` refuses the run afterwards: the
-    modules it replaced and the gradient hooks it added."""
+    attributes it replaced (modules, parameters, the attention's key/value grouping) and the hooks it added."""
 
     def __init__(self) -> None:
-        self.modules: list[tuple[nn.Module, str, nn.Module]] = []  # (parent, attribute, the module it held)
+        self.replaced: list[tuple[Any, str, Any]] = []  # (owner, attribute, what it held)
         self.hooks: list[Any] = []
 
+    def replace(self, owner: Any, attr: str, new: Any) -> None:
+        self.replaced.append((owner, attr, getattr(owner, attr)))
+        setattr(owner, attr, new)
+
     def undo(self) -> None:
-        for parent, attr, module in reversed(self.modules):
-            setattr(parent, attr, module)
+        for owner, attr, old in reversed(self.replaced):
+            setattr(owner, attr, old)
         for hook in self.hooks:
             hook.remove()
-        self.modules, self.hooks = [], []
+        self.replaced, self.hooks = [], []
+
+
+@dataclasses.dataclass
+class _Target:
+    name: str
+    obj: nn.Module | nn.Parameter
+    style: str
+    owner: nn.Module  # the module holding it (the model for the top)
+    attr: str
+
+
+def _targets(model: nn.Module, plan: dict[str, str]) -> list[_Target]:
+    patterns = [(re.compile(re.escape(p).replace(r"\*", r"\d+")), style) for p, style in plan.items()]
+    found = []
+    named: list[tuple[str, Any]] = [*model.named_modules(), *model.named_parameters(remove_duplicate=False)]
+    for name, obj in named:
+        for regex, style in patterns:
+            if name and regex.fullmatch(name):
+                owner_name, _, attr = name.rpartition(".")
+                found.append(_Target(name, obj, style, model.get_submodule(owner_name), attr))
+    return found
 
 
 def split_by_plan(model: nn.Module, tp: DataParallelGroup, where: str) -> Undo:
@@ -91,32 +160,113 @@ def split_by_plan(model: nn.Module, tp: DataParallelGroup, where: str) -> Undo:
     plan = tp_plan(model)
     if plan is None or any(is_tensor_parallel(p) for p in model.parameters()):
         return done
-    patterns = [(re.compile(re.escape(p).replace(r"\*", r"\d+")), p, style) for p, style in plan.items()]
-    targets: list[tuple[str, nn.Module, str]] = []
-    for name, module in model.named_modules():
-        for regex, pattern, style in patterns:
-            if regex.fullmatch(name):
-                targets.append((name, module, style))
-    _check(model, targets, tp.size, where)
-    for name, module, style in targets:
-        if style == REPLICATED_SUMMED:  # whole on every rank, each seeing its own heads: gradients summed over T
-            done.hooks += [p.register_hook(functools.partial(_summed_over, tp))
-                           for p in module.parameters(recurse=False)]
-            continue
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        linear = module
-        assert isinstance(linear, nn.Linear)  # (checked)
-        split = STYLES[style](linear.in_features, linear.out_features, bias=linear.bias is not None, tp=tp)
-        split.to(device=linear.weight.device, dtype=linear.weight.dtype)
-        split.load_dense(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
-        split.weight.requires_grad_(linear.weight.requires_grad)
-        (_ROWS if style == "colwise" else _COLUMNS).add(split.weight)
-        if style == "colwise" and split.bias is not None:
-            _ROWS.add(split.bias)
-        done.modules.append((parent, attr, module))
-        setattr(parent, attr, split)
+    targets = _targets(model, plan)
+    heads = _Heads.of(model, tp.size)
+    _check(model, targets, heads, tp.size, where)
+    slices: dict[int, nn.Parameter] = {}  # a replaced weight -> its slice (a head tied to the embedding shares it)
+    try:
+        for t in targets:
+            _split(t, tp, heads, slices, done)
+    except BaseException:
+        done.undo()
+        raise
     return done
+
+
+@dataclasses.dataclass(frozen=True)
+class _Heads:
+    """The attention's head counts from the model's config (None where it does not say)."""
+    query: int | None
+    key_value: int | None
+    head_dim: int | None
+    tensor: int
+
+    @classmethod
+    def of(cls, model: nn.Module, tensor: int) -> _Heads:
+        config: Any = getattr(model, "config", None)
+        query = getattr(config, "num_attention_heads", None)
+        key_value = getattr(config, "num_key_value_heads", None) or query
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // query if query and getattr(config, "hidden_size", None) else None)
+        return cls(query, key_value, head_dim, tensor)
+
+    @property
+    def replicated(self) -> bool:
+        """Fewer key/value heads than tensor ranks, T a multiple of them: each rank computes the one it reads."""
+        kv = self.key_value
+        return kv is not None and kv % self.tensor != 0 and self.tensor % kv == 0
+
+    def is_key_value(self, linear: nn.Linear) -> bool:
+        return self.replicated and self.head_dim is not None and self.key_value is not None and \
+            linear.out_features == self.key_value * self.head_dim
+
+
+def _split(t: _Target, tp: DataParallelGroup, heads: _Heads, slices: dict[int, nn.Parameter], done: Undo) -> None:
+    if t.style == REPLICATED_SUMMED:  # whole on every rank, each seeing its own heads: gradients summed over T
+        params = [t.obj] if isinstance(t.obj, nn.Parameter) else list(t.obj.parameters(recurse=False))
+        done.hooks += [p.register_hook(functools.partial(_summed_over, tp)) for p in params]
+    elif t.style == EXPERTS:
+        experts = t.obj
+        assert isinstance(experts, nn.Module)  # (a module style)
+        done.hooks.append(experts.register_forward_pre_hook(functools.partial(_experts_in, tp), with_kwargs=True))
+        done.hooks.append(experts.register_forward_hook(functools.partial(_experts_out, tp)))
+    elif isinstance(t.obj, nn.Parameter):
+        cut = _parameter_cut(t)
+        new = nn.Parameter(_mine(t.obj.detach(), cut, tp), requires_grad=t.obj.requires_grad)
+        done.replace(t.owner, t.attr, _record(new, cut))
+    elif isinstance(t.obj, nn.Embedding):
+        table = VocabParallelEmbedding(t.obj.num_embeddings, t.obj.embedding_dim, padding_idx=t.obj.padding_idx,
+                                       tp=tp).to(device=t.obj.weight.device, dtype=t.obj.weight.dtype)
+        table.load_dense(t.obj.weight.detach())
+        table.weight.requires_grad_(t.obj.weight.requires_grad)
+        slices[id(t.obj.weight)] = cast(nn.Parameter, _record(table.weight, Cut(0)))
+        done.replace(t.owner, t.attr, table)
+    else:
+        assert isinstance(t.obj, nn.Linear)  # (checked)
+        done.replace(t.owner, t.attr, _split_linear(t, tp, heads, slices, done))
+
+
+def _split_linear(t: _Target, tp: DataParallelGroup, heads: _Heads, slices: dict[int, nn.Parameter],
+                  done: Undo) -> nn.Module:
+    linear = t.obj
+    assert isinstance(linear, nn.Linear)
+    if t.style == "colwise" and heads.is_key_value(linear):  # the key/value head this rank's query heads read
+        assert heads.query is not None and heads.key_value is not None and heads.head_dim is not None
+        head = tp.rank * heads.key_value // tp.size
+        if t.owner.num_key_value_groups == heads.query // heads.key_value:  # (the model's: once per attention)
+            done.replace(t.owner, "num_key_value_groups", heads.query // tp.size)
+        return ReplicatedRowsLinear(linear, head * heads.head_dim, (head + 1) * heads.head_dim, tp)
+    bias = linear.bias is not None
+    if t.style == "rowwise":
+        split: nn.Module = RowParallelLinear(linear.in_features, linear.out_features, bias=bias, tp=tp)
+    else:
+        split = ColumnParallelLinear(linear.in_features, linear.out_features, bias=bias, tp=tp,
+                                     gather_output=t.style == "colwise_gather_output")
+    split.to(device=linear.weight.device, dtype=linear.weight.dtype)
+    assert isinstance(split, (RowParallelLinear, ColumnParallelLinear))
+    split.load_dense(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
+    split.weight.requires_grad_(linear.weight.requires_grad)
+    cut = Cut(1 if t.style == "rowwise" else 0)
+    if id(linear.weight) in slices:  # tied to the embedding already split: its slice, shared
+        split.weight = slices[id(linear.weight)]
+    else:
+        slices[id(linear.weight)] = cast(nn.Parameter, _record(split.weight, cut))
+    if cut.dim == 0 and split.bias is not None:
+        _record(split.bias, cut)
+    return split
+
+
+def _parameter_cut(t: _Target) -> Cut:
+    """An experts module's 3-D weight ``(experts, out, in)`` (``(experts, in, out)`` where the module says
+    ``is_transposed``): ``colwise``/``packed_colwise`` along ``out``, ``rowwise`` along ``in``."""
+    assert isinstance(t.obj, nn.Parameter)
+    ndim = t.obj.dim()
+    transposed = bool(getattr(t.owner, "is_transposed", False))
+    out_dim, in_dim = (ndim - 1, ndim - 2) if transposed else (ndim - 2, ndim - 1)
+    if t.style == "rowwise":
+        return Cut(in_dim)
+    packed = 2 if t.style == PACKED and getattr(t.owner, "is_concatenated", True) else 1  # interleaved: pairs stay
+    return Cut(out_dim, packed)
 
 
 def _summed_over(tp: DataParallelGroup, grad: torch.Tensor) -> torch.Tensor:
@@ -125,29 +275,95 @@ def _summed_over(tp: DataParallelGroup, grad: torch.Tensor) -> torch.Tensor:
     return all_reduce(grad.clone(memory_format=torch.contiguous_format), tp)
 
 
-def _check(model: nn.Module, targets: list[tuple[str, nn.Module, str]], size: int, where: str) -> None:
+def _experts_in(tp: DataParallelGroup, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The experts' floating inputs (the hidden states, the routing weights): whole on every rank, their gradients
+    (from this rank's part of every expert) summed over the tensor group."""
+    def whole_in(v: Any) -> Any:
+        return copy_to_tensor(v, tp) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+    return tuple(whole_in(a) for a in args), {k: whole_in(v) for k, v in kwargs.items()}
+
+
+def _experts_out(tp: DataParallelGroup, module: nn.Module, args: tuple, output: Any) -> torch.Tensor:
+    """Every expert's output from this rank's part of it, summed over the tensor group."""
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(f"AutoTP: {type(module).__name__} ('moe_tp_experts') returned {type(output).__name__}, "
+                        f"not the one tensor of partial outputs it sums over the tensor group")
+    return reduce_from_tensor(output, tp)
+
+
+def _check(model: nn.Module, targets: list[_Target], heads: _Heads, size: int, where: str) -> None:
     kind = type(model).__name__
-    other = sorted({f"{name}: {style}" for name, _, style in targets if style not in (*STYLES, REPLICATED_SUMMED)})
+    other = sorted({f"{t.name}: {t.style}" for t in targets if t.style not in (
+        PARAMETER_STYLES if isinstance(t.obj, nn.Parameter) else MODULE_STYLES)})
     if other:
         raise ValueError(f"{where}: {kind}'s tensor-parallel plan names styles zeroplus does not split yet "
-                         f"({', '.join(other[:4])}{' ...' if len(other) > 4 else ''}); splits 'colwise' and "
-                         f"'rowwise', and sums '{REPLICATED_SUMMED}' gradients, only")
-    targets = [t for t in targets if t[2] in STYLES]  # (the summed ones stay as they are)
-    wrong = [f"{name} ({type(m).__name__})" for name, m, _ in targets if not isinstance(m, nn.Linear)]
+                         f"({', '.join(other[:4])}{' ...' if len(other) > 4 else ''}); splits modules "
+                         f"{', '.join(MODULE_STYLES)} and an experts module's weights {', '.join(PARAMETER_STYLES)}")
+    experts = {id(t.obj) for t in targets if t.style == EXPERTS}
+    wrong = [f"{t.name} ({type(t.obj).__name__}, {t.style})" for t in targets if not _kind_fits(t, experts)]
     if wrong:
-        raise ValueError(f"{where}: {kind}'s plan names modules that are not nn.Linear: {wrong[:4]}")
-    if not targets:
+        raise ValueError(f"{where}: {kind}'s plan names what its style does not split: {wrong[:4]} (linear styles "
+                         f"split an nn.Linear, '{EMBEDDING}' an nn.Embedding without max_norm, sparse or frequency "
+                         f"scaling, weight styles the 2-D or wider weights of a '{EXPERTS}' module)")
+    if not any(t.style in (*LINEAR, EMBEDDING) for t in targets):
         raise ValueError(f"{where}: {kind}'s tensor-parallel plan matches none of its modules")
-    config: Any = getattr(model, "config", None)
-    heads = {"num_attention_heads": getattr(config, "num_attention_heads", None),
-             "num_key_value_heads": getattr(config, "num_key_value_heads", None)}
-    uneven = [f"{k} = {v}" for k, v in heads.items() if v is not None and v % size]
-    for name, m, style in targets:
-        assert isinstance(m, nn.Linear)  # (checked above)
-        width = m.out_features if style == "colwise" else m.in_features
-        if width % size:
-            uneven.append(f"{name} {'out' if style == 'colwise' else 'in'}_features = {width}")
+    _check_ties(model, targets, f"{where}: {kind}")
+    grouping = [t.name for t in targets if isinstance(t.obj, nn.Linear) and t.style == "colwise"
+                and heads.is_key_value(t.obj) and not isinstance(getattr(t.owner, "num_key_value_groups", None), int)]
+    if grouping:
+        raise ValueError(f"{where}: {kind} has {heads.key_value} key/value heads, fewer than {size} tensor ranks, "
+                         f"and the attention holding {grouping[0]} has no num_key_value_groups to regroup them by")
+    uneven = [f"num_attention_heads = {heads.query}"] if heads.query is not None and heads.query % size else []
+    if heads.key_value is not None and heads.key_value % size and size % heads.key_value:
+        uneven.append(f"num_key_value_heads = {heads.key_value} (neither a multiple nor a divisor of {size})")
+    uneven += [f"{t.name} {what} = {width}" for t in targets for what, width in _widths(t, heads) if width % size]
     if uneven:
         raise ValueError(f"{where}: {kind} does not split over {size} tensor ranks: {', '.join(uneven[:4])} "
-                         f"{'is' if len(uneven) == 1 else 'are'} not divisible by {size} (key/value heads are not "
-                         f"replicated yet)")
+                         f"{'is' if len(uneven) == 1 else 'are'} not divisible by {size}")
+
+
+def _check_ties(model: nn.Module, targets: list[_Target], where: str) -> None:
+    """A weight held by more than one module (a head tied to the input embeddings) is split only where every holder
+    is split the same way, by vocabulary rows; otherwise the tie would silently break."""
+    split = {id(t.obj): t for t in targets if t.style in (*LINEAR, EMBEDDING) and isinstance(t.obj, nn.Module)}
+    holders: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for p in module.parameters(recurse=False):
+            holders.setdefault(id(p), []).append(name)
+    for t in split.values():
+        weight = getattr(t.obj, "weight", None)
+        for name in holders.get(id(weight), []):
+            if model.get_submodule(name) is t.obj:
+                continue
+            other = split.get(id(model.get_submodule(name)))
+            if other is None or {other.style, t.style} - {"colwise", "colwise_gather_output", EMBEDDING}:
+                raise ValueError(f"{where}: {t.name}.weight is tied to {name}'s, which the plan "
+                                 f"{'does not split' if other is None else f'splits {other.style!r}'}; "
+                                 f"a tied weight splits only by vocabulary rows on every holder")
+
+
+def _kind_fits(t: _Target, experts: set[int]) -> bool:
+    if isinstance(t.obj, nn.Parameter):
+        return id(t.owner) in experts and t.obj.dim() >= 2
+    if t.style in LINEAR:
+        return isinstance(t.obj, nn.Linear)
+    if t.style == EMBEDDING:
+        e = t.obj
+        return isinstance(e, nn.Embedding) and e.max_norm is None and not e.sparse and not e.scale_grad_by_freq
+    return True
+
+
+def _widths(t: _Target, heads: _Heads) -> list[tuple[str, int]]:
+    """What ``t``'s style cuts into T parts (a key/value projection T outnumbers is kept whole)."""
+    obj = t.obj
+    if isinstance(obj, nn.Parameter):
+        cut = _parameter_cut(t)
+        return [(f"dim {cut.dim}" + (f" / {cut.packed} packed" if cut.packed > 1 else ""),
+                 obj.shape[cut.dim] // cut.packed)]
+    if isinstance(obj, nn.Embedding):
+        return [("num_embeddings", obj.num_embeddings)]
+    if isinstance(obj, nn.Linear) and t.style == "rowwise":
+        return [("in_features", obj.in_features)]
+    if isinstance(obj, nn.Linear) and not heads.is_key_value(obj):
+        return [("out_features", obj.out_features)]
+    return []

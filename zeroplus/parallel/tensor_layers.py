@@ -3,12 +3,13 @@
 - ``ColumnParallelLinear(in, out)``: this rank holds rows ``[t * out/T, (t+1) * out/T)`` of the weight
   (and that slice of the bias); output ``(..., out/T)``. Input: whole (``copy_to_tensor``: its gradient
   is all-reduced) or, with sequence parallelism, split along the sequence (gathered, overlapped with the
-  matmul, ``overlap.py``).
+  matmul, ``overlap.py``). ``gather_output``: the slices all-gathered into the whole ``(..., out)`` on every
+  rank (a head whose logits the model's own loss reads).
 - ``RowParallelLinear(in, out)``: this rank holds columns ``[t * in/T, ...)``; input ``(..., in/T)``;
   the partial outputs are all-reduced, or reduce-scattered along the sequence with sequence parallelism.
   The bias is whole on every rank and added once, after the reduction.
 - ``VocabParallelEmbedding(vocab, dim)``: rows ``[t * vocab/T, ...)`` of the table; ids outside them
-  look up zeros and the all-reduce fills them in.
+  look up zeros and the all-reduce fills them in; ``padding_idx``'s row gets no gradient, as in ``nn.Embedding``.
 - ``vocab_parallel_cross_entropy(logits_l, targets)``: cross entropy over logits split along the vocab
   (max, sum of exponentials and the target's logit are all-reduced: three scalars per token), without
   gathering the ``(tokens, vocab)`` logits.
@@ -31,7 +32,14 @@ from torch import nn
 
 from ..comm import DataParallelGroup
 from .groups import parallel_groups
-from .mappings import all_reduce, copy_to_tensor, reduce_from_tensor, reduce_scatter_sequence, sum_grad_over_tensor
+from .mappings import (
+    all_reduce,
+    copy_to_tensor,
+    gather_last_dim,
+    reduce_from_tensor,
+    reduce_scatter_sequence,
+    sum_grad_over_tensor,
+)
 from .overlap import all_gather_matmul, matmul_reduce_scatter
 from .registry import ParameterSet
 
@@ -55,10 +63,10 @@ def _divide(total: int, parts: int, what: str) -> int:
 
 class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, sequence_parallel: bool = False,
-                 overlap_chunks: int = 1, tp: DataParallelGroup | None = None) -> None:
+                 overlap_chunks: int = 1, gather_output: bool = False, tp: DataParallelGroup | None = None) -> None:
         super().__init__()
         self.tp = tp if tp is not None else parallel_groups().tensor
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features, self.out_features, self.gather_output = in_features, out_features, gather_output
         self.out_per_rank = _divide(out_features, self.tp.size, "ColumnParallelLinear out_features")
         self.sequence_parallel, self.overlap_chunks = sequence_parallel, overlap_chunks
         self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(self.out_per_rank, in_features)))  # (o/T, i)
@@ -67,8 +75,10 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:  # x: (s/T, b, i) -> (s, b, o/T)
-            return all_gather_matmul(x, self.weight, self.bias, self.tp, self.overlap_chunks)
-        return F.linear(copy_to_tensor(x, self.tp), self.weight, self.bias)
+            y = all_gather_matmul(x, self.weight, self.bias, self.tp, self.overlap_chunks)
+        else:
+            y = F.linear(copy_to_tensor(x, self.tp), self.weight, self.bias)
+        return gather_last_dim(y, self.tp) if self.gather_output else y
 
     def load_dense(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """Take this rank's rows of a whole ``(out, in)`` weight (and bias)."""
@@ -79,7 +89,7 @@ class ColumnParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features} (this rank {self.out_per_rank}), "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"sequence_parallel={self.sequence_parallel}, gather_output={self.gather_output}")
 
 
 class RowParallelLinear(nn.Module):
@@ -113,9 +123,31 @@ class RowParallelLinear(nn.Module):
                 f"sequence_parallel={self.sequence_parallel}")
 
 
+class ReplicatedRowsLinear(nn.Module):
+    """A linear whose whole ``(out, in)`` weight (and bias) every tensor rank holds, of which this rank computes rows
+    ``[start, stop)``: grouped-query attention's key/value heads where the tensor group outnumbers them, so the ranks
+    whose query heads share a key/value head each compute it. The weight is the model's own parameter; its gradient
+    (this rank's rows) and the input's are summed over the tensor group, so every rank holds the whole gradient, as
+    a replicated parameter should (counted once in the norm: not ``is_tensor_parallel``)."""
+
+    def __init__(self, linear: nn.Linear, start: int, stop: int, tp: DataParallelGroup) -> None:
+        super().__init__()
+        self.tp, self.start, self.stop = tp, start, stop
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = sum_grad_over_tensor(self.weight, self.tp)[self.start:self.stop]
+        bias = None if self.bias is None else sum_grad_over_tensor(self.bias, self.tp)[self.start:self.stop]
+        return F.linear(copy_to_tensor(x, self.tp), weight, bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features} (this rank rows {self.start}:{self.stop}, whole held)"
+
+
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, *, sequence_parallel: bool = False,
-                 tp: DataParallelGroup | None = None) -> None:
+                 padding_idx: int | None = None, tp: DataParallelGroup | None = None) -> None:
         """``sequence_parallel``: ids are ``(seq, ...)`` and each rank gets its slice of the sequence, by one
         reduce-scatter (half the bytes of the all-reduce that would give every rank the whole)."""
         super().__init__()
@@ -124,16 +156,19 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.per_rank = _divide(num_embeddings, self.tp.size, "VocabParallelEmbedding num_embeddings")
         self.start = self.tp.rank * self.per_rank
+        self.padding_idx = padding_idx
+        local_pad = None if padding_idx is None else padding_idx % num_embeddings - self.start
+        self._local_pad = local_pad if local_pad is not None and 0 <= local_pad < self.per_rank else None
         self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(self.per_rank, embedding_dim)))  # (V/T, d)
         nn.init.normal_(self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids`` of any shape -> ``ids.shape + (dim,)``, whole on every rank (or this rank's sequence slice)."""
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return F.embedding(ids, self.weight, self._local_pad)
         local = ids - self.start
         outside = (local < 0) | (local >= self.per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight, self._local_pad)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_sequence(out, self.tp)
@@ -194,5 +229,6 @@ class SequenceParallelLayerNorm(nn.LayerNorm):
         return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
 
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "SequenceParallelLayerNorm", "VocabParallelEmbedding",
-           "is_tensor_parallel", "mark_tensor_parallel", "reduce_scatter_sequence", "vocab_parallel_cross_entropy"]
+__all__ = ["ColumnParallelLinear", "ReplicatedRowsLinear", "RowParallelLinear", "SequenceParallelLayerNorm",
+           "VocabParallelEmbedding", "is_tensor_parallel", "mark_tensor_parallel", "reduce_scatter_sequence",
+           "vocab_parallel_cross_entropy"]
