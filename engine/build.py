@@ -27,6 +27,7 @@ from zeroplus.logs import log_rank0
 from zeroplus.models.context_hf import context_parallel_hf
 from zeroplus.offload.policies import MasterPolicy, ParamOffload
 from zeroplus.optim.muon import split_groups
+from zeroplus.parallel.autotp import autotp_group, slicer
 from zeroplus.parallel.dropless_moe import DroplessMoE
 from zeroplus.parallel.groups import ParallelGroups
 from zeroplus.parallel.moe import is_expert
@@ -181,11 +182,13 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
     dtype = compute_dtype(cfg)
     experts = expert_split(parallel)
     if simulated is None and has_meta_tensors(model):  # (the estimator's models are meta by design)
-        if optimizer is not None or model_parameters is not None or split:
+        tensor = _split_by_plan_alone(model, parallel) if split else None
+        if optimizer is not None or model_parameters is not None or (split and tensor is None):
             raise ConfigError("a model on the meta device gets new parameters from initialize(): give the optimizer "
                               "in the config rather than optimizer=/model_parameters=, and build models split by "
-                              "tensor, pipeline or expert parallelism normally (not supported on meta yet)")
-        materialize_meta(model, dp, accel.device(), init_fn)
+                              "tensor, pipeline or expert parallelism normally (not supported on meta yet, but for "
+                              "a Hugging Face model split by its plan, AutoTP)")
+        materialize_meta(model, dp, accel.device(), init_fn, slice_of=None if tensor is None else slicer(tensor))
     groups = _trained_groups(model, cfg, optimizer, lr_scheduler, model_parameters)
     group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
     ledger = Ledger() if ledger is None else ledger
@@ -217,6 +220,14 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
             _split_sequences(model, parallel)
         return Engine(model, cfg, parts, dp, ledger, accel, rss_at_start - model_bytes, parallel,
                       observed=simulated is None)
+
+
+def _split_by_plan_alone(model: torch.nn.Module, parallel: Any) -> Any:
+    """The tensor group of a model split by its Hugging Face plan alone (AutoTP), else None."""
+    try:
+        return autotp_group(model, parallel, "a meta-device model")
+    except ValueError:
+        return None
 
 
 def _check_and_warn(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, parallel: ParallelGroups | None,

@@ -29,8 +29,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from zeroplus.config import parse_bytes
-from zeroplus.parallel.autotp import cut_of, whole
-from zeroplus.parallel.tensor_layers import is_tensor_parallel
+from zeroplus.parallel.autotp import autotp_group, cut_of, whole
 from zeroplus.zero.frozen_values import read_frozen
 
 from . import files as io
@@ -177,15 +176,10 @@ def hf_config(module: torch.nn.Module) -> dict[str, Any] | None:
 def _tensor_group(engine: Engine) -> Any:
     """The tensor group whose slices ``save_pretrained`` puts back together (AutoTP's: ``autotp.cut_of``), None
     where the model is not split; a ValueError where it is split some other way (slices it cannot join)."""
-    par = engine.parallel
-    if par is None or (par.model.size == 1 and par.expert.size == 1):
-        return None
-    split = [p for p in engine.module.parameters() if is_tensor_parallel(p)]
-    if par.pipeline.size > 1 or par.expert.size > 1 or any(cut_of(p) is None for p in split):
-        raise ValueError(f"save_pretrained() writes one whole model, and this run splits it "
-                         f"({par.topology.describe()}) in a way it does not join back (only a Hugging Face model "
-                         f"split by its plan, AutoTP, at tensor sizes above 1); use save_checkpoint()")
-    return par.tensor
+    try:
+        return autotp_group(engine.module, engine.parallel, "save_pretrained() writes one whole model")
+    except ValueError as err:
+        raise ValueError(f"{err}; use save_checkpoint()") from None
 
 
 def _barrier(engine: Engine, tensor: Any) -> None:

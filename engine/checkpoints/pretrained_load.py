@@ -13,6 +13,9 @@ follow the masters as after a checkpoint load (stages 1-2 all-gather them; stage
 computes). Frozen parameters at stage 3 are read into their shards the same way; at stages 0-2 they
 and persistent buffers, which every rank keeps whole, are read whole.
 The result equals ``model.load_state_dict(state)`` before ``initialize``, bit for bit.
+A Hugging Face model split by its plan (AutoTP, ``zeroplus/parallel/autotp.py``; built normally or on the meta
+device) reads the files' whole tensors: each rank takes its slice's runs of each (``autotp.SlicePart``), in
+windows of at most ``WINDOW`` elements where they lie close, so a column cut reads little more than its columns.
 
 Names are strict: a parameter or persistent buffer the files lack, and a name in the files that is no
 tensor of the model, are one error listing both (a tied parameter is found under any of its names, so
@@ -36,11 +39,14 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
+from zeroplus.parallel.autotp import SlicePart, autotp_group, cut_of
+
 from .safetensors_ranges import SafetensorsFile
 
 if TYPE_CHECKING:
     from ..accessors import EngineAccessors as Engine  # the readings of an engine it uses
 
+WINDOW = 1 << 22  # elements: an AutoTP slice's runs read together when the window spanning them is this or less
 WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
                 "pytorch_model.bin")
 
@@ -108,26 +114,35 @@ def _open(file: str) -> Any:
 @dataclasses.dataclass
 class _Target:
     names: list[str]          # every name the model knows this tensor by (ties)
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]    # in the files: the whole tensor's (an AutoTP slice's whole)
     dtype: torch.dtype        # as built: values are cast to it first, as load_state_dict would
     group: Any = None         # the flat group holding it (trained, or stage 3's frozen), else None
     index: int = -1           # its index in that group
     tensor: torch.Tensor | None = None  # a frozen parameter or a buffer, kept whole on every rank
+    part: SlicePart | None = None  # an AutoTP slice: which elements of the whole are this rank's
 
 
-def _targets(engine: Engine) -> list[_Target]:
+def _targets(engine: Engine, tensor: Any) -> list[_Target]:
     aliases: dict[int, list[str]] = {}
     for name, p in engine.module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
+
+    def part(p: torch.Tensor, shape: tuple[int, ...]) -> SlicePart | None:
+        cut = cut_of(p) if tensor is not None else None
+        return None if cut is None else SlicePart(shape, cut, tensor.rank, tensor.size)
     out: list[_Target] = []
     flat: set[int] = set()
     for g in engine.partition.groups + engine.partition.frozen:  # (stage 3's frozen groups: into their shards)
         for i, p in enumerate(g.params):
             flat.add(id(p))
-            out.append(_Target(aliases[id(p)], tuple(g.shapes[i]), g.dtypes[i], g, i))
+            mine = part(p, tuple(g.shapes[i]))
+            out.append(_Target(aliases[id(p)], mine.whole_shape if mine else tuple(g.shapes[i]), g.dtypes[i], g, i,
+                               part=mine))
     for p in dict(engine.module.named_parameters()).values():
         if id(p) not in flat:
-            out.append(_Target(aliases[id(p)], tuple(p.shape), p.dtype, tensor=p))
+            mine = part(p, tuple(p.shape))
+            out.append(_Target(aliases[id(p)], mine.whole_shape if mine else tuple(p.shape), p.dtype, tensor=p,
+                               part=mine))
     for module_name, m in engine.module.named_modules():  # (not state_dict(): at stage 3 it gathers)
         for name, b in m._buffers.items():
             if b is not None and name not in m._non_persistent_buffers_set:
@@ -137,7 +152,7 @@ def _targets(engine: Engine) -> list[_Target]:
 
 
 def _plan(engine: Engine, files: _Files, prefixes: dict[str, str], allow_missing: list[str],
-          strict: bool) -> tuple[list[tuple[_Target, str]], PretrainedLoad]:
+          strict: bool, tensor: Any) -> tuple[list[tuple[_Target, str]], PretrainedLoad]:
     renamed: dict[str, str] = {}
     for name in files.file_of:
         new = name
@@ -147,7 +162,7 @@ def _plan(engine: Engine, files: _Files, prefixes: dict[str, str], allow_missing
                 break
         renamed[new] = name
     plan, missing, used, problems = [], [], set(), []
-    for target in _targets(engine):
+    for target in _targets(engine, tensor):
         found = next((n for n in target.names if n in renamed), None)
         if found is None:
             if any(fnmatch.fnmatchcase(n, pattern) for n in target.names for pattern in allow_missing):
@@ -175,6 +190,18 @@ def _plan(engine: Engine, files: _Files, prefixes: dict[str, str], allow_missing
     return plan, PretrainedLoad(files.path, [t.names[0] for t, _ in plan], missing, unexpected)
 
 
+def _read(files: _Files, name: str, target: _Target, start: int, end: int) -> torch.Tensor:
+    """Elements ``[start, end)`` of what this rank holds of ``name``: of the whole tensor, or of its AutoTP slice
+    (the runs of the whole that make it up, read in windows of at most ``WINDOW`` elements where they are close)."""
+    if target.part is None or end <= start:
+        return files.read(name, start, max(start, end))
+    pieces = []
+    for first, last, picks in target.part.windows(start, end, WINDOW):
+        window = files.read(name, first, last)
+        pieces += [window[a - first:b - first] for a, b in picks]
+    return torch.cat(pieces) if len(pieces) != 1 else pieces[0]
+
+
 def _experts_hint(engine: Engine, unexpected: list[str]) -> str:
     """A model with packed 3-D experts and files with one tensor per expert (the layout Transformers 5's
     ``save_pretrained`` still writes and its ``from_pretrained`` converts): say so."""
@@ -189,15 +216,12 @@ def _experts_hint(engine: Engine, unexpected: list[str]) -> str:
 def load_pretrained(engine: Engine, path: str, *, prefixes: dict[str, str] | None = None,
                     allow_missing: Iterable[str] = (), strict: bool = True) -> PretrainedLoad:
     """Every rank calls it (see the module docstring)."""
-    par = engine.parallel
-    if par is not None and (par.model.size > 1 or par.expert.size > 1):
-        raise ValueError(f"load_pretrained() reads whole-model names, and this run splits the model "
-                         f"({par.topology.describe()}): not supported yet")
+    tensor = autotp_group(engine.module, engine.parallel, "load_pretrained() reads whole-model names")
     engine.partition.wait_all()
     outcome: Any = None
     try:
         files = _Files(path)
-        plan, result = _plan(engine, files, dict(prefixes or {}), list(allow_missing), strict)
+        plan, result = _plan(engine, files, dict(prefixes or {}), list(allow_missing), strict, tensor)
     except (OSError, ValueError, KeyError, RuntimeError) as err:
         outcome = f"{type(err).__name__}: {err}"
     failures = [o for o in engine.dp.all_gather_objects(outcome) if o is not None]
@@ -206,14 +230,15 @@ def load_pretrained(engine: Engine, path: str, *, prefixes: dict[str, str] | Non
     with torch.no_grad():
         for target, name in plan:
             if target.tensor is not None:
-                target.tensor.copy_(files.read(name, 0, target.tensor.numel()).view(target.shape))
+                numel = target.tensor.numel()
+                target.tensor.copy_(_read(files, name, target, 0, numel).view(target.tensor.shape))
                 continue
             g = target.group
             for i, at, end in g.param_segments():
                 if i != target.index:
                     continue
                 local = g.owned_start + at - g.offsets[i]
-                values = files.read(name, local, local + end - at).to(target.dtype).to(torch.float32)
+                values = _read(files, name, target, local, local + end - at).to(target.dtype).to(torch.float32)
                 g.master_store.write(at, values)
     engine.partition.params_from_masters()
     return result

@@ -1,4 +1,4 @@
-"""The check the parallel tests share: predicted model-state peaks equal the ledger's, byte for byte.
+"""What the parallel tests share: predicted model-state peaks equal the ledger's, byte for byte; each rank's slices.
 
 One allowance: on gloo the gradient reductions are in-place all-reduces of the flat gradient
 (``grad_reducer.py``), and gloo's worker thread drops its reference to a finished one's buffer a
@@ -8,9 +8,21 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from zeroplus.ledger import Category
 
 MODEL_STATES = ("param", "param_gathered", "master", "optim_state", "grad")
+
+
+def local_params(engine: Any) -> dict[str, torch.Tensor]:
+    """This rank's parameter slices by name (its fp32 masters), whole over the data group (a collective)."""
+    out = {}
+    for g in engine.partition.groups:
+        full = g.gather_master()
+        for name, offset, shape in zip(g.names, g.offsets, g.shapes):
+            out[name] = full[offset:offset + shape.numel()].view(shape).clone()
+    return out
 
 
 def ledger_peaks(engine: Any) -> dict[str, int]:

@@ -14,7 +14,9 @@ change every update). Checked: which modules are split, the losses each rank rep
 every parameter slice after training, within 1e-5 relative (absolute floor 1e-6); at ZeRO-3 the first forward's
 estimate predicts every model-state category of the split Llama as the ledger measures it; ``save_pretrained``
 writes the whole trained model (its slices all-gathered over the tensor group and joined), which ``from_pretrained``
-loads equal to the reference. Refused, naming the key, the rank and the reason, with the model left as it was:
+loads equal to the reference; the same model built on the meta device and split gets, at ``initialize``, the
+normally built model's slices, and ``load_pretrained`` of the exported files reads the trained slices, bit for bit.
+Refused, naming the key, the rank and the reason, with the model left as it was:
 key/value heads T neither divides nor is a multiple of, a plan style not split yet (DeepSeek-V2's latent key/value
 projection), a head tied to embeddings the plan leaves whole, and a refusal after the split (Muon under tensor
 parallelism), which puts the model's own modules back.
@@ -28,7 +30,7 @@ import transformers
 import zeroplus
 from tests.dist_helper import run_distributed
 from tests.hf_models import build
-from tests.parallel.model_states import assert_model_states_predicted, ledger_peaks
+from tests.parallel.model_states import assert_model_states_predicted, ledger_peaks, local_params
 from tests.reference import clip_global_norm
 from zeroplus.config import ConfigError
 from zeroplus.parallel.tensor_layers import (
@@ -89,11 +91,7 @@ def _job(root: str) -> list[dict]:
                 engine.step()
                 losses.append(loss.item())
                 norms.append(engine.get_global_grad_norm())
-            params = {}
-            for g in engine.partition.groups:
-                full = g.gather_master()
-                for name, offset, shape in zip(g.names, g.offsets, g.shapes):
-                    params[name] = full[offset:offset + shape.numel()].view(shape).clone()
+            params = local_params(engine)
             if stage == 3:  # the whole model, its slices put back together, in Hugging Face's files
                 engine.save_pretrained(f"{root}/{family}", dtype="fp32")
             out.append({"family": family, "stage": stage, "losses": losses, "norms": norms, "params": params,
@@ -101,7 +99,22 @@ def _job(root: str) -> list[dict]:
                         "ledger": ledger_peaks(engine),
                         "predicted": engine.budget.category_peaks if engine.budget is not None else None})
             engine.destroy()
+            if stage == 3:
+                out[-1]["built"], out[-1]["loaded"] = _on_meta_then_loaded(family, f"{root}/{family}")
     return out
+
+
+def _on_meta_then_loaded(family: str, path: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The model built on the meta device and split: its slices as initialize builds them (from its config, cut),
+    then as load_pretrained reads them from the exported files (each rank its slice's runs of each tensor)."""
+    with torch.device("meta"):
+        model = _model(family)
+    engine = zeroplus.initialize(model, _config(3))
+    built = local_params(engine)
+    engine.load_pretrained(path)
+    loaded = local_params(engine)
+    engine.destroy()
+    return built, loaded
 
 
 def _reference(family: str) -> tuple[list[list[float]], list[float], dict[str, torch.Tensor]]:
@@ -159,6 +172,13 @@ def test_hugging_face_models_split_by_their_plan_train_as_one_process(tmp_path):
                     expected = _slice(family, name, value, got["tensor_rank"])
                     torch.testing.assert_close(got["params"][name], expected, rtol=1e-5, atol=1e-6,
                                                msg=lambda m, n=name: f"{label}, {n}: {m}")
+                if "loaded" in got:  # a meta-device model: built as the normal one, then the trained one loaded
+                    initial = {n: p.detach() for n, p in _model(family).named_parameters()}
+                    for name, value in got["built"].items():
+                        assert torch.equal(value, _slice(family, name, initial[name], got["tensor_rank"])), \
+                            f"{label}: {name} built on meta"
+                    for name, value in got["loaded"].items():
+                        assert torch.equal(value, got["params"][name]), f"{label}: {name} loaded"
         exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / family, dtype=torch.float32)
         for name, value in exported.named_parameters():  # the ZeRO-3 run's, whole (its slices: checked above)
             torch.testing.assert_close(value.detach(), dense[name], rtol=1e-5, atol=1e-6,

@@ -20,7 +20,7 @@ import torch
 
 import zeroplus
 from tests.dist_helper import run_distributed
-from tests.parallel.model_states import assert_model_states_predicted, ledger_peaks
+from tests.parallel.model_states import assert_model_states_predicted, ledger_peaks, local_params
 from tests.reference import clip_global_norm, engine_train
 from zeroplus.models import GPT, gpt_config
 from zeroplus.models.gpt_tp import TensorParallelGPT
@@ -49,16 +49,6 @@ def _config(stage: int, sp: bool, chunks: int, estimate: bool = False) -> dict:
                          "parallel": {"tensor": 2, "sequence_parallel": sp, "overlap_chunks": chunks}}}
 
 
-def _local_params(engine) -> dict[str, torch.Tensor]:
-    """This rank's parameter slices by name, whole over the data group (a collective)."""
-    out = {}
-    for g in engine.partition.groups:
-        full = g.gather_master()
-        for name, offset, shape in zip(g.names, g.offsets, g.shapes):
-            out[name] = full[offset:offset + shape.numel()].view(shape).clone()
-    return out
-
-
 def _tp_job() -> list:
     results = []
     for stage, sp, chunks in CASES:
@@ -69,7 +59,7 @@ def _tp_job() -> list:
         norms = []
         losses = engine_train(engine, _batches(2 * STEPS), STEPS, parallel.data.rank, 2, 1,
                               on_step=lambda: norms.append(engine.get_global_grad_norm()))
-        results.append({"losses": losses, "norms": norms, "params": _local_params(engine),
+        results.append({"losses": losses, "norms": norms, "params": local_params(engine),
                         "tensor_rank": parallel.tensor.rank,
                         "ledger": ledger_peaks(engine),
                         "engine_predicted": engine.budget.category_peaks})
@@ -187,7 +177,7 @@ def _partitioned(partition: bool) -> dict:
     engine = zeroplus.initialize(TensorParallelGPT.from_dense(dense), cfg)
     losses = engine_train(engine, _batches(STEPS), STEPS, 0, 1, 1)
     kept = engine.memory_report().saved.get("partition_activations/activation", {}).get("peak_bytes", 0)
-    out = {"losses": losses, "params": _local_params(engine), "not_held": kept}
+    out = {"losses": losses, "params": local_params(engine), "not_held": kept}
     engine.destroy()
     return out
 

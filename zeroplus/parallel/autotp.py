@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
-from typing import Any, TypeVar, cast
+from typing import Any, Callable, TypeVar, cast
 
 import torch
 from torch import nn
@@ -69,6 +70,7 @@ class Cut:
 
 _CUTS: dict[Cut, ParameterSet] = {}
 _P = TypeVar("_P", bound=torch.Tensor)
+_M = TypeVar("_M", bound=nn.Module)
 
 
 def cut_of(param: object) -> Cut | None:
@@ -91,10 +93,68 @@ def whole(slices: torch.Tensor, shape: torch.Size, cut: Cut) -> torch.Tensor:
                       for k in range(cut.packed)], cut.dim)
 
 
+@dataclasses.dataclass(frozen=True)
+class SlicePart:
+    """Which elements of the whole tensor a tensor rank's slice (of ``shape``, cut by ``cut``) holds: runs of the
+    whole's flat elements, one per index of the dimensions before the cut and per packed part, ascending, laid end
+    to end in the slice's own flat order. Lets a reader take a slice from a file of the whole without reading the
+    rest (``load_pretrained``)."""
+    shape: tuple[int, ...]
+    cut: Cut
+    rank: int
+    size: int
+
+    @property
+    def whole_shape(self) -> tuple[int, ...]:
+        return tuple(n * self.size if d == self.cut.dim else n for d, n in enumerate(self.shape))
+
+    def windows(self, start: int, end: int, limit: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
+        """Elements ``[start, end)`` of the slice as ranges of the whole, ``(first, last, [(a, b), ...])``: each
+        window ``[first, last)`` spans at most ``limit`` elements (or one run's part) and holds its ranges."""
+        whole = self.whole_shape
+        dim, packed = self.cut.dim, self.cut.packed
+        inner = math.prod(whole[dim + 1:])
+        part = whole[dim] // packed * inner  # one packed part's elements per outer index
+        run = part // self.size
+        out: list[tuple[int, int, list[tuple[int, int]]]] = []
+        for j in range(start // run, (end - 1) // run + 1 if end > start else start // run):
+            outer, k = divmod(j, packed)
+            at = outer * packed * part + k * part + self.rank * run - j * run  # whole index of slice index 0 of run j
+            a, b = max(start, j * run) + at, min(end, (j + 1) * run) + at
+            if out and b - out[-1][0] <= limit:
+                out[-1] = (out[-1][0], b, [*out[-1][2], (a, b)])
+            else:
+                out.append((a, b, [(a, b)]))
+        return out
+
+
+def autotp_group(model: nn.Module, parallel: Any, what: str) -> DataParallelGroup | None:
+    """The tensor group of a model split by its plan alone (AutoTP), None where the model is not split; a
+    ``ValueError`` starting with ``what`` where it is split some other way (pipeline stages, experts, zeroplus's own
+    tensor-parallel layers), whose slices whole-model names cannot address."""
+    if parallel is None or (parallel.model.size == 1 and parallel.expert.size == 1):
+        return None
+    split = [p for p in model.parameters() if is_tensor_parallel(p)]
+    if parallel.pipeline.size > 1 or parallel.expert.size > 1 or any(cut_of(p) is None for p in split):
+        raise ValueError(f"{what}, and this run splits the model ({parallel.topology.describe()}) in a way they "
+                         f"do not address (only a Hugging Face model split by its plan, AutoTP, at tensor sizes "
+                         f"above 1)")
+    return parallel.tensor
+
+
 def _mine(value: torch.Tensor, cut: Cut, tp: DataParallelGroup) -> torch.Tensor:
     """This rank's slice of a whole ``value`` (``whole``'s inverse), a copy."""
     return torch.cat([part.chunk(tp.size, cut.dim)[tp.rank] for part in value.chunk(cut.packed, cut.dim)],
                      cut.dim).clone()
+
+
+def slicer(tp: DataParallelGroup) -> Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor] | None]:
+    """For a meta-device model built again from its config (``zero/meta_init.py``): for each parameter that is an
+    AutoTP slice, what cuts this rank's slice from the whole one; None for the others."""
+    def of(param: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        cut = cut_of(param)
+        return None if cut is None else functools.partial(_mine, cut=cut, tp=tp)
+    return of
 
 
 def tp_plan(model: nn.Module) -> dict[str, str] | None:
@@ -215,8 +275,10 @@ def _split(t: _Target, tp: DataParallelGroup, heads: _Heads, slices: dict[int, n
         new = nn.Parameter(_mine(t.obj.detach(), cut, tp), requires_grad=t.obj.requires_grad)
         done.replace(t.owner, t.attr, _record(new, cut))
     elif isinstance(t.obj, nn.Embedding):
-        table = VocabParallelEmbedding(t.obj.num_embeddings, t.obj.embedding_dim, padding_idx=t.obj.padding_idx,
-                                       tp=tp).to(device=t.obj.weight.device, dtype=t.obj.weight.dtype)
+        with torch.device("meta"):
+            table = VocabParallelEmbedding(t.obj.num_embeddings, t.obj.embedding_dim, padding_idx=t.obj.padding_idx,
+                                           tp=tp)
+        table = _placed(table, t.obj.weight)
         table.load_dense(t.obj.weight.detach())
         table.weight.requires_grad_(t.obj.weight.requires_grad)
         slices[id(t.obj.weight)] = cast(nn.Parameter, _record(table.weight, Cut(0)))
@@ -237,12 +299,13 @@ def _split_linear(t: _Target, tp: DataParallelGroup, heads: _Heads, slices: dict
             done.replace(t.owner, "num_key_value_groups", heads.query // tp.size)
         return ReplicatedRowsLinear(linear, head * heads.head_dim, (head + 1) * heads.head_dim, tp)
     bias = linear.bias is not None
-    if t.style == "rowwise":
-        split: nn.Module = RowParallelLinear(linear.in_features, linear.out_features, bias=bias, tp=tp)
-    else:
-        split = ColumnParallelLinear(linear.in_features, linear.out_features, bias=bias, tp=tp,
-                                     gather_output=t.style == "colwise_gather_output")
-    split.to(device=linear.weight.device, dtype=linear.weight.dtype)
+    with torch.device("meta"):
+        if t.style == "rowwise":
+            split: nn.Module = RowParallelLinear(linear.in_features, linear.out_features, bias=bias, tp=tp)
+        else:
+            split = ColumnParallelLinear(linear.in_features, linear.out_features, bias=bias, tp=tp,
+                                         gather_output=t.style == "colwise_gather_output")
+    split = _placed(split, linear.weight)
     assert isinstance(split, (RowParallelLinear, ColumnParallelLinear))
     split.load_dense(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
     split.weight.requires_grad_(linear.weight.requires_grad)
@@ -254,6 +317,12 @@ def _split_linear(t: _Target, tp: DataParallelGroup, heads: _Heads, slices: dict
     if cut.dim == 0 and split.bias is not None:
         _record(split.bias, cut)
     return split
+
+
+def _placed(module: _M, like: torch.Tensor) -> _M:
+    """A layer built on the meta device (no memory, no random draws: the model's own values go in next), given
+    uninitialised storage on ``like``'s device and dtype (meta stays meta)."""
+    return module.to_empty(device=like.device).to(dtype=like.dtype)
 
 
 def _parameter_cut(t: _Target) -> Cut:

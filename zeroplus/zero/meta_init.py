@@ -10,7 +10,8 @@ normal build would have started it, since a meta build draws nothing):
   ``__init__`` included (GPT-2's ``Conv1D`` draws there), and its ``post_init``; the rebuilt model must
   have the meta model's names, shapes and dtypes (a model changed after construction, e.g. embeddings
   resized, cannot be rebuilt: an error lists the differences), and its tensors take the meta ones'
-  places, ties kept;
+  places, ties kept; a parameter that holds a tensor rank's slice of the built one (a model split by its plan,
+  AutoTP) gets that slice, cut from the built parameter gathered whole, one at a time;
 - any other model is replayed: each module's ``reset_parameters()`` in module order (what torch's
   layers run in their ``__init__``), then ``init_fn`` over the modules as ``Module.apply`` visits them,
   when given. Every parameter starts partitioned and empty (``init_shards.blank``); an initialisation
@@ -32,6 +33,7 @@ from typing import Callable
 import torch
 
 from ..collectives import Collectives
+from ..parallel.registry import carry_marks
 from . import init_shards
 from .construction import Init, _GatherOnTouch
 
@@ -48,12 +50,20 @@ def is_hugging_face(model: torch.nn.Module) -> bool:
     return hasattr(model, "config") and callable(getattr(model, "post_init", None))
 
 
+Cutter = Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor] | None]
+
+
 def materialize_meta(model: torch.nn.Module, group: Collectives, device: torch.device,
                      init_fn: Callable[[torch.nn.Module], None] | None = None,
-                     max_gathered_bytes: int = MAX_GATHERED_BYTES) -> None:
-    """Give a meta-device ``model`` its values (see the module docstring), partitioned over ``group``."""
+                     max_gathered_bytes: int = MAX_GATHERED_BYTES, slice_of: Cutter | None = None) -> None:
+    """Give a meta-device ``model`` its values (see the module docstring), partitioned over ``group``.
+    ``slice_of(param)``: for a parameter that holds a slice of the one its config builds (a Hugging Face model
+    split by its plan, ``parallel/autotp.py``), what cuts the slice from the whole; None for the others."""
     if is_hugging_face(model) and init_fn is None:
-        _rebuild(model, group, device, max_gathered_bytes)
+        _rebuild(model, group, device, max_gathered_bytes, slice_of or (lambda p: None))
+    elif slice_of is not None and any(slice_of(p) is not None for p in model.parameters()):
+        raise ValueError("a meta-device model split by its plan is built again from its config (a Hugging Face "
+                         "model, without init_fn=): the replay of init_fn cannot cut its slices")
     else:
         _replay(model, group, device, init_fn, max_gathered_bytes)
 
@@ -69,7 +79,8 @@ def _swap(model: torch.nn.Module, params: dict[int, torch.nn.Parameter], buffers
                 m._buffers[name] = buffers[id(b)]
 
 
-def _rebuild(model: torch.nn.Module, group: Collectives, device: torch.device, max_gathered_bytes: int) -> None:
+def _rebuild(model: torch.nn.Module, group: Collectives, device: torch.device, max_gathered_bytes: int,
+             slice_of: Cutter) -> None:
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     default = torch.get_default_dtype()
     if len(dtypes) == 1:
@@ -83,15 +94,28 @@ def _rebuild(model: torch.nn.Module, group: Collectives, device: torch.device, m
     theirs = dict(built.named_parameters(remove_duplicate=False))
     mine_b = dict(model.named_buffers(remove_duplicate=False))
     theirs_b = dict(built.named_buffers(remove_duplicate=False))
+    def shape_as_built(n: str) -> torch.Size:  # (a slice's: cut from a meta stand-in of the whole)
+        cut = slice_of(mine[n])
+        return theirs[n].shape if cut is None else cut(torch.empty(theirs[n].shape, device="meta")).shape
     differ = sorted({n for n in mine.keys() ^ theirs.keys()} | {n for n in mine_b.keys() ^ theirs_b.keys()}
                     | {n for n in mine.keys() & theirs.keys()
-                       if (mine[n].shape, mine[n].dtype) != (theirs[n].shape, theirs[n].dtype)})
+                       if (mine[n].shape, mine[n].dtype) != (shape_as_built(n), theirs[n].dtype)})
     if differ:
         raise ValueError(f"the meta-device {type(model).__name__} differs from one built from its config in "
                          f"{differ[:8]}{' ...' if len(differ) > 8 else ''}: zeroplus builds a Hugging Face model "
                          f"again from its config to initialise it exactly; build it under zeroplus.Init instead, "
                          f"or pass init_fn= to replay an initialisation on the meta model as it is")
-    _swap(model, {id(mine[n]): theirs[n] for n in mine}, {id(mine_b[n]): theirs_b[n].to(device) for n in mine_b})
+    params: dict[int, torch.nn.Parameter] = {}
+    for n, p in mine.items():  # (the same order on every rank: the cuts gather over the group)
+        cut = slice_of(p)
+        if id(p) in params or cut is None:
+            params.setdefault(id(p), theirs[n])
+            continue
+        piece = torch.nn.Parameter(cut(init_shards.gather(theirs[n])), requires_grad=p.requires_grad)
+        init_shards.partition(piece, group, device)  # (every rank cut the same values: its chunk of them)
+        carry_marks(p, piece)
+        params[id(p)] = piece
+    _swap(model, params, {id(mine_b[n]): theirs_b[n].to(device) for n in mine_b})
 
 
 def _replay(model: torch.nn.Module, group: Collectives, device: torch.device,
