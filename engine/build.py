@@ -347,7 +347,8 @@ def _check_split(model: torch.nn.Module, parallel: ParallelGroups) -> None:
     compute the whole model while the config names a layout it does not get (and data parallelism would lose those
     ranks). Tensor: zeroplus's tensor-parallel layers (``zeroplus.parallel``'s ``ColumnParallelLinear``,
     ``RowParallelLinear``, ``VocabParallelEmbedding``; ``TensorParallelGPT.from_dense``; a Hugging Face model split by
-    its config's plan at ``initialize``, ``parallel/autotp.py``); experts: its ``MoE`` or ``DroplessMoE`` layers.
+    its config's plan at ``initialize``, ``parallel/autotp.py``); experts: its ``MoE`` or ``DroplessMoE`` layers, or a
+    Hugging Face mixture of experts split by its plan (``parallel/autoep.py``).
     Refused on every rank, before anything moves."""
     params = list(model.parameters())
     top, kind = parallel.topology, type(model).__name__
@@ -361,9 +362,10 @@ def _check_split(model: torch.nn.Module, parallel: ParallelGroups) -> None:
             f"Use tensor size 1: every rank then trains as a data-parallel rank")
     if top.expert > 1 and not any(is_expert(p) for p in params):
         raise ConfigError(
-            f"config key 'zeroplus.parallel.expert' is {top.expert} (rank {parallel.global_rank}), and the model, a "
-            f"{kind}, has no expert layer zeroplus splits: expert parallelism needs zeroplus.parallel's MoE or "
-            f"DroplessMoE layers (a Hugging Face mixture of experts is not split yet). Use expert size 1")
+            f"config key 'expert_parallel.autoep_size' / 'zeroplus.parallel.expert' is {top.expert} (rank "
+            f"{parallel.global_rank}), and the model, a {kind}, has no expert layer zeroplus splits: expert "
+            f"parallelism needs zeroplus.parallel's MoE or DroplessMoE layers, or a Hugging Face mixture of experts "
+            f"with an expert-parallel plan (split at initialize). Use expert size 1")
 
 
 def _check_pipeline(model: torch.nn.Module, cfg: ResolvedConfig, parallel: ParallelGroups) -> None:

@@ -47,6 +47,7 @@ from .engine.engine import Engine
 from .engine.rank_agreement import check_ranks_agree
 from .logs import log_rank0, setup_logging
 from .optim.build import describe_client_optimizer
+from .parallel.autoep import experts_modules, split_experts
 from .parallel.autotp import Undo, split_by_plan
 from .parallel.groups import ParallelGroups, init_parallel
 
@@ -186,16 +187,27 @@ def _plan(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, code: int | None
 
 
 def _split_by_plan(model: torch.nn.Module, parallel: ParallelGroups) -> Undo:
-    """A tensor size above 1: a Hugging Face model split by its own plan (AutoTP, ``parallel/autotp.py``), before
-    anything reads the model; a plan it cannot split is a ConfigError naming the key and the rank."""
-    if parallel.topology.tensor == 1:
-        return Undo()
-    where = (f"config key 'tensor_parallel.autotp_size' / 'zeroplus.parallel.tensor' is {parallel.topology.tensor} "
-             f"(rank {parallel.global_rank})")
+    """A tensor or expert size above 1: a Hugging Face model split by its own plans (AutoTP, ``parallel/autotp.py``;
+    AutoEP, ``parallel/autoep.py``), before anything reads the model; a plan it cannot split is a ConfigError naming
+    the key and the rank, the model as it was."""
+    top = parallel.topology
+    tensor = (f"config key 'tensor_parallel.autotp_size' / 'zeroplus.parallel.tensor' is {top.tensor} "
+              f"(rank {parallel.global_rank})")
+    expert = (f"config key 'expert_parallel.autoep_size' / 'zeroplus.parallel.expert' is {top.expert} "
+              f"(rank {parallel.global_rank})")
+    if top.tensor > 1 and top.expert > 1 and experts_modules(model):
+        raise ConfigError(f"{tensor} and {expert}: a Hugging Face mixture of experts split both ways is not "
+                          f"supported yet; use one")
+    done = Undo()
     try:
-        return split_by_plan(model, parallel.tensor, where)
+        if top.tensor > 1:
+            done = split_by_plan(model, parallel.tensor, tensor)
+        if top.expert > 1:
+            split_experts(model, parallel.expert, expert, done)
     except ValueError as err:
+        done.undo()
         raise ConfigError(str(err)) from None
+    return done
 
 
 def _estimate_source(model: torch.nn.Module, cfg: ResolvedConfig, parallel: ParallelGroups,

@@ -284,9 +284,26 @@ class TensorParallelConfig(Block):
 
     ds_unimplemented = frozenset({"tp", "dtype", "keep_module_on_host", "tp_overlap_comm", "tp_grain_size",
                                   "injection_policy_tuple", "partition_config"})
-    autotp_size: PositiveInt = Field(1, description="Tensor-parallel size (the same as zeroplus.parallel.tensor; "
-                                                    "zeroplus does not split modules automatically: build them "
-                                                    "with zeroplus.parallel's layers).")
+    autotp_size: PositiveInt = Field(1, description="Tensor-parallel size (the same as zeroplus.parallel.tensor): a "
+                                                    "Hugging Face model is split by its own tensor-parallel plan "
+                                                    "(zeroplus/parallel/autotp.py); other models are built with "
+                                                    "zeroplus.parallel's layers.")
+
+
+class ExpertParallelConfig(Block):
+    """DeepSpeed's ``expert_parallel`` block (AutoEP training): ``enabled`` with ``autoep_size`` is zeroplus's expert
+    size, and a Hugging Face mixture of experts is split by its own expert-parallel plan
+    (``zeroplus/parallel/autoep.py``). The model's own router and expert math run unchanged, so the keys that
+    replace DeepSpeed's router or its expert kernels are not accepted; those that choose only how DeepSpeed moves
+    tokens are accepted with a warning."""
+
+    ds_unimplemented = frozenset({"use_grouped_mm", "disable_triton_grouped_mm", "comm_backend", "comm_num_sm",
+                                  "comm_qp_margin", "comm_max_tokens_per_rank", "async_split_plan",
+                                  "validate_folding_routing"})
+    enabled: bool = Field(False, description="Expert parallelism for a Hugging Face mixture of experts.")
+    autoep_size: PositiveInt = Field(1, description="Expert-parallel size (the same as zeroplus.parallel.expert), "
+                                                    "read when enabled.")
+    expert_tensor_parallel_size: Literal[1] = Field(1, description="Experts split over tensor ranks too: 1 only.")
 
 
 class ParallelConfig(Block):

@@ -12,6 +12,7 @@ from .blocks import (
     Auto,
     Block,
     CheckpointConfig,
+    ExpertParallelConfig,
     NonNegativeFloat,
     OptimizerConfig,
     PositiveInt,
@@ -78,6 +79,7 @@ class ZeroplusConfig(Block):
     memory_breakdown: bool = False
     zeroplus: ZeroplusBlock = Field(default_factory=ZeroplusBlock)
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
 
     @field_validator("steps_per_print", mode="before")
     @classmethod

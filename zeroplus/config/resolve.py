@@ -60,6 +60,7 @@ def parse_config(config: dict[str, Any] | str | os.PathLike) -> tuple[ZeroplusCo
         lines = [f"config key '{where}': {' or '.join(msgs)} (got {got})" for (where, got), msgs in problems.items()]
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
     _merge_tensor_size(cfg)
+    _merge_expert_size(cfg)
     return cfg, unimplemented
 
 
@@ -78,6 +79,21 @@ def _merge_tensor_size(cfg: ZeroplusConfig) -> None:
         raise ConfigError(f"config keys 'tensor_parallel.autotp_size' ({ds}) and 'zeroplus.parallel.tensor' ({ours}) "
                           f"disagree; give one tensor-parallel size")
     cfg.zeroplus.parallel.tensor = cfg.tensor_parallel.autotp_size = max(ds, ours)
+
+
+def _merge_expert_size(cfg: ZeroplusConfig) -> None:
+    """DeepSpeed's ``expert_parallel.autoep_size`` (when ``enabled``) and ``zeroplus.parallel.expert`` name one
+    size; a size DeepSpeed would not read (not enabled) is refused rather than ignored."""
+    block, ours = cfg.expert_parallel, cfg.zeroplus.parallel.expert
+    if block.autoep_size > 1 and not block.enabled:
+        raise ConfigError(f"config key 'expert_parallel.autoep_size' is {block.autoep_size} and "
+                          f"'expert_parallel.enabled' is false: set enabled to true for expert parallelism, or "
+                          f"remove autoep_size")
+    ds = block.autoep_size if block.enabled else 1
+    if ds > 1 and ours > 1 and ds != ours:
+        raise ConfigError(f"config keys 'expert_parallel.autoep_size' ({ds}) and 'zeroplus.parallel.expert' ({ours}) "
+                          f"disagree; give one expert-parallel size")
+    cfg.zeroplus.parallel.expert = max(ds, ours)
 
 
 def resolve_batch(cfg: ZeroplusConfig, dp_size: int) -> None:

@@ -58,6 +58,13 @@ class _AllToAllV(torch.autograd.Function):
         return _exchange(grad, ctx.ep, ctx.recv, ctx.send), None, None, None
 
 
+def exchange_rows(x: torch.Tensor, ep: DataParallelGroup, send: list[int], recv: list[int]) -> torch.Tensor:
+    """Rows ``send[r]`` of ``x`` (in rank order) to rank r, ``recv[r]`` rows from it (one ``all_to_all_v``); its
+    backward sends the gradients back the same way."""
+    out: torch.Tensor = _AllToAllV.apply(x, ep, send, recv)
+    return out
+
+
 def _exchange(x: torch.Tensor, ep: DataParallelGroup, send: list[int], recv: list[int]) -> torch.Tensor:
     x = x.contiguous()
     if ep.size == 1:
@@ -159,7 +166,7 @@ class DroplessMoE(nn.Module):
         send = counts.view(P, L).sum(1).tolist()
         per_source = got.view(P, L).tolist()  # [source][local expert]
         recv = [sum(row) for row in per_source]
-        received = _AllToAllV.apply(tokens[token], self.ep, send, recv)
+        received = exchange_rows(tokens[token], self.ep, send, recv)
         starts, at = [], 0
         for row in per_source:  # where each (source, expert) block starts in what arrived
             starts.append([at + sum(row[:i]) for i in range(L)])
@@ -174,7 +181,7 @@ class DroplessMoE(nn.Module):
             pieces.append(self.experts[i](received[index]))
             places.append(index)
         ran = received.new_zeros(received.shape).index_copy(0, torch.cat(places), torch.cat(pieces))
-        back = _AllToAllV.apply(ran, self.ep, recv, send)
+        back = exchange_rows(ran, self.ep, recv, send)
         return y.index_add(0, token, back * weight.unsqueeze(1))
 
     def _lent(self, e: int, rows: torch.Tensor) -> torch.Tensor:
@@ -187,4 +194,4 @@ class DroplessMoE(nn.Module):
         return out
 
 
-__all__ = ["DroplessMoE"]
+__all__ = ["DroplessMoE", "exchange_rows"]

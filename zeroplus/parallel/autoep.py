@@ -1,0 +1,147 @@
+"""AutoEP: a Hugging Face mixture of experts split over the expert group by its own expert-parallel plan.
+
+``"expert_parallel": {"enabled": true, "autoep_size": E}`` (DeepSpeed's keys; or ``zeroplus.parallel.expert``) on
+a model whose plan (Transformers' ``model.ep_plan``: Mixtral's, Qwen3-MoE's) names its experts modules
+``ep_dispatch_experts``: each such module keeps experts ``[e * N/E, (e+1) * N/E)`` of its ``N`` (every parameter
+whose first dimension is the expert count, cut along it: ``gate_up_proj``, ``down_proj``, their biases) and its
+``num_experts`` becomes ``N/E``. The router stays whole on every rank and routes this rank's tokens as the model
+does; then, around the experts module's own forward (hooks, so the model's expert math runs unchanged):
+
+- before it, each (token, choice) pair is sorted by expert, the counts per expert are exchanged (one all-to-all),
+  and each row goes to its expert's owner (one ``all_to_all_v``); the module then runs on the rows it received,
+  each routed to its local expert with weight 1 (an exact product), top-1;
+- after it, the rows go back (the reverse ``all_to_all_v``) and each token's output is the sum of its choices',
+  weighted by the router's weights, added in expert order as the model adds them.
+
+Dropless: every pair reaches its expert (no capacity). The gradients come back the same ways (the exchanges'
+backward), so the router's and the hidden states' gradients are this rank's tokens', and each expert's is every
+rank's tokens' for it. The expert parameters are marked (``moe.mark_expert``): ZeRO partitions them over the
+expert-data group, as it does zeroplus's own ``MoE`` layers'. Refused before anything changes, naming the key, the
+rank and the reason: no experts module in the plan, an expert count E does not divide, an experts module without
+``num_experts`` or with a parameter that is not per expert, tensor parallelism beside it (not yet). Equal to one
+process (``tests/parallel/test_autoep.py``). Memory per rank: 1/E of the experts' weights, gradients, masters and
+states; the rows sent and received (``k x tokens x hidden`` each way at most).
+See note: autoep (docs/design-notes.md).
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..comm import DataParallelGroup
+from .autotp import Undo
+from .dropless_moe import exchange_rows
+from .moe import is_expert, mark_expert
+
+DISPATCH = "ep_dispatch_experts"
+_ARGUMENTS = ("hidden_states", "top_k_index", "top_k_weights")
+
+
+def ep_plan(model: nn.Module) -> dict[str, str] | None:
+    plan = getattr(model, "ep_plan", None)
+    return dict(plan) if isinstance(plan, dict) and plan else None
+
+
+def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules the model's plan routes tokens to (``ep_dispatch_experts``), by name."""
+    plan = ep_plan(model) or {}
+    patterns = [re.compile(re.escape(p).replace(r"\*", r"\d+")) for p, style in plan.items() if style == DISPATCH]
+    return [(name, m) for name, m in model.named_modules() if any(r.fullmatch(name) for r in patterns)]
+
+
+def split_experts(model: nn.Module, ep: DataParallelGroup, where: str, done: Undo) -> None:
+    """Split ``model``'s experts over ``ep`` by its plan, in place, recording what changed in ``done``; a model whose
+    experts zeroplus already splits (its own ``MoE`` layers), or that has no plan, is left as it is. ``where``: the
+    key and rank for an error (a ``ValueError``; the model is then as it was)."""
+    if any(is_expert(p) for p in model.parameters()) or ep_plan(model) is None:
+        return  # (zeroplus's own layers; or a model with no plan: initialize refuses it, naming what would split)
+    found = experts_modules(model)
+    _check(model, found, ep.size, where)
+    for _, module in found:
+        total: int = module.num_experts  # type: ignore[assignment]  # (checked)
+        local = total // ep.size
+        first = ep.rank * local
+        for name, p in list(module.named_parameters(recurse=False)):
+            mine = nn.Parameter(p.detach()[first:first + local].clone(), requires_grad=p.requires_grad)
+            done.replace(module, name, mark_expert(mine))
+        done.replace(module, "num_experts", local)
+        dispatch = _Dispatch(ep, total)
+        done.hooks.append(module.register_forward_pre_hook(dispatch.send, with_kwargs=True))
+        done.hooks.append(module.register_forward_hook(dispatch.combine))
+
+
+class _Dispatch:
+    """One experts module's exchanges: ``send`` (its pre-hook) routes the rows, ``combine`` (its hook) brings the
+    outputs back; what ``combine`` needs is kept between them (a stack: a recomputed forward runs both again)."""
+
+    def __init__(self, ep: DataParallelGroup, num_experts: int) -> None:
+        self.ep, self.num_experts = ep, num_experts
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, list[int], list[int], int]] = []
+
+    def send(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        hidden, index, weights = _routing(module, args, kwargs)
+        P, N = self.ep.size, self.num_experts
+        L = N // P
+        pair_expert = index.reshape(-1)
+        order = torch.argsort(pair_expert, stable=True)  # by expert, then token, then choice
+        token = torch.arange(index.shape[0], device=index.device).repeat_interleave(index.shape[1])[order]
+        weight = weights.reshape(-1)[order]
+        counts = torch.bincount(pair_expert, minlength=N)
+        got = torch.empty_like(counts)
+        self.ep.all_to_all(got, counts).wait()  # chunk r: rank r's counts for my experts
+        send = counts.view(P, L).sum(1).tolist()
+        per_source = got.view(P, L)
+        recv = per_source.sum(1).tolist()
+        received = exchange_rows(hidden[token], self.ep, send, recv)
+        local = torch.arange(L, device=index.device).repeat(P).repeat_interleave(per_source.reshape(-1))
+        self.pending.append((token, weight, send, recv, hidden.shape[0]))
+        ones = torch.ones(received.shape[0], 1, dtype=weights.dtype, device=weights.device)
+        return (received, local.unsqueeze(1), ones), {}
+
+    def combine(self, module: nn.Module, args: tuple, output: Any) -> torch.Tensor:
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"AutoEP: {type(module).__name__} ('{DISPATCH}') returned {type(output).__name__}, "
+                            f"not the one tensor of its rows' outputs")
+        token, weight, send, recv, tokens = self.pending.pop()
+        back = exchange_rows(output, self.ep, recv, send)
+        out = back.new_zeros(tokens, back.shape[1])
+        return out.index_add(0, token, back * weight.unsqueeze(1).to(back.dtype))
+
+
+def _routing(module: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The experts module's ``(hidden_states, top_k_index, top_k_weights)``, given by position or by name."""
+    values = dict(zip(_ARGUMENTS, args)) | {k: v for k, v in kwargs.items() if k in _ARGUMENTS}
+    other = [k for k in kwargs if k not in _ARGUMENTS] + [f"argument {i}" for i in range(len(_ARGUMENTS), len(args))]
+    if len(values) != len(_ARGUMENTS) or other:
+        raise TypeError(f"AutoEP: {type(module).__name__} ('{DISPATCH}') was called with {sorted(values)} and "
+                        f"{other}; it routes only (hidden_states, top_k_index, top_k_weights)")
+    return values["hidden_states"], values["top_k_index"], values["top_k_weights"]
+
+
+def _check(model: nn.Module, found: list[tuple[str, nn.Module]], size: int, where: str) -> None:
+    kind = type(model).__name__
+    if not found:
+        raise ValueError(f"{where}: {kind} has no experts module zeroplus splits (its expert-parallel plan, "
+                         f"Transformers' model.ep_plan, names none '{DISPATCH}'); expert parallelism needs a Hugging "
+                         f"Face mixture of experts with one (Mixtral, Qwen3-MoE) or zeroplus.parallel's MoE or "
+                         f"DroplessMoE layers")
+    problems = []
+    for name, m in found:
+        total = getattr(m, "num_experts", None)
+        if not isinstance(total, int):
+            problems.append(f"{name} ({type(m).__name__}) has no num_experts")
+            continue
+        if total % size:
+            problems.append(f"{name} has num_experts = {total}, not divisible by {size}")
+        other = [n for n, p in m.named_parameters() if "." in n or p.dim() == 0 or p.shape[0] != total]
+        if other:
+            problems.append(f"{name} holds parameters not per expert ({other[:4]})")
+    if problems:
+        raise ValueError(f"{where}: {kind}'s experts do not split over {size} expert ranks: "
+                         f"{'; '.join(problems[:4])}")
+
+
+__all__ = ["DISPATCH", "ep_plan", "experts_modules", "split_experts"]
