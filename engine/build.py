@@ -27,11 +27,11 @@ from zeroplus.logs import log_rank0
 from zeroplus.models.context_hf import context_parallel_hf
 from zeroplus.offload.policies import MasterPolicy, ParamOffload
 from zeroplus.optim.muon import split_groups
-from zeroplus.parallel.autotp import autotp_group, slicer
 from zeroplus.parallel.dropless_moe import DroplessMoE
 from zeroplus.parallel.groups import ParallelGroups
 from zeroplus.parallel.moe import is_expert
 from zeroplus.parallel.pipeline import PipelineModule
+from zeroplus.parallel.plan_slices import slicer, slicing
 from zeroplus.parallel.tensor_layers import is_tensor_parallel
 from zeroplus.parallel.topology import check_supported
 from zeroplus.zero import ShardedStep, ZeroPartition
@@ -182,13 +182,13 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
     dtype = compute_dtype(cfg)
     experts = expert_split(parallel)
     if simulated is None and has_meta_tensors(model):  # (the estimator's models are meta by design)
-        tensor = _split_by_plan_alone(model, parallel) if split else None
-        if optimizer is not None or model_parameters is not None or (split and tensor is None):
+        of = _split_by_plan_alone(model, parallel) if split else None
+        if optimizer is not None or model_parameters is not None or (split and of is None):
             raise ConfigError("a model on the meta device gets new parameters from initialize(): give the optimizer "
                               "in the config rather than optimizer=/model_parameters=, and build models split by "
                               "tensor, pipeline or expert parallelism normally (not supported on meta yet, but for "
-                              "a Hugging Face model split by its plan, AutoTP)")
-        materialize_meta(model, dp, accel.device(), init_fn, slice_of=None if tensor is None else slicer(tensor))
+                              "a Hugging Face model split by its plans, AutoTP and AutoEP)")
+        materialize_meta(model, dp, accel.device(), init_fn, slice_of=None if of is None else slicer(of))
     groups = _trained_groups(model, cfg, optimizer, lr_scheduler, model_parameters)
     group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
     ledger = Ledger() if ledger is None else ledger
@@ -223,9 +223,9 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
 
 
 def _split_by_plan_alone(model: torch.nn.Module, parallel: Any) -> Any:
-    """The tensor group of a model split by its Hugging Face plan alone (AutoTP), else None."""
+    """Each parameter's slicing for a model split by its Hugging Face plans alone (AutoTP, AutoEP), else None."""
     try:
-        return autotp_group(model, parallel, "a meta-device model")
+        return slicing(model, parallel, "a meta-device model")
     except ValueError:
         return None
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from zeroplus.config import parse_bytes
-from zeroplus.parallel.autotp import autotp_group, cut_of, whole
+from zeroplus.parallel.plan_slices import slicing, whole
 from zeroplus.zero.frozen_values import read_frozen
 
 from . import files as io
@@ -173,11 +173,12 @@ def hf_config(module: torch.nn.Module) -> dict[str, Any] | None:
     return json.loads(to_json()) if callable(to_json) else None
 
 
-def _tensor_group(engine: Engine) -> Any:
-    """The tensor group whose slices ``save_pretrained`` puts back together (AutoTP's: ``autotp.cut_of``), None
-    where the model is not split; a ValueError where it is split some other way (slices it cannot join)."""
+def _slicing(engine: Engine) -> Any:
+    """Each parameter's slicing (the slices ``save_pretrained`` puts back together: a Hugging Face model split by its
+    plans, ``parallel/plan_slices.py``), None where the model is not split; a ValueError where it is split some other
+    way (slices it cannot join)."""
     try:
-        return autotp_group(engine.module, engine.parallel, "save_pretrained() writes one whole model")
+        return slicing(engine.module, engine.parallel, "save_pretrained() writes one whole model")
     except ValueError as err:
         raise ValueError(f"{err}; use save_checkpoint()") from None
 
@@ -193,7 +194,9 @@ def save_pretrained(engine: Engine, out_dir: str, dtype: str | None = None,
                     max_shard_size: str | int = "5GB") -> list[str] | None:
     """Every rank calls it; rank 0 writes ``out_dir`` and returns the file names (None elsewhere). ``dtype``:
     ``fp32``, ``bf16`` or ``fp16`` (default: the compute dtype)."""
-    tensor = _tensor_group(engine)
+    of = _slicing(engine)
+    par = engine.parallel
+    tensor = par.tensor if of is not None and par is not None and par.tensor.size > 1 else None
     part = engine.partition
     compute = part.groups[0].compute_dtype if part.groups else torch.float32
     chosen = {v: k for k, v in DTYPES.items()}.get(compute, "fp32") if dtype is None else dtype
@@ -201,18 +204,18 @@ def save_pretrained(engine: Engine, out_dir: str, dtype: str | None = None,
     writer = ShardWriter(out_dir, shard_bytes(max_shard_size), export_dtype(chosen)) if first else None
     try:
         module = engine.module
+        named = {id(p): n for n, p in module.named_parameters()}  # (an expert group's names carry @epN)
         for g in part.groups:  # one group's fp32 masters at a time, on every rank (a collective)
             flat = g.gather_master()
-            for p, name, offset, numel, shape in zip(g.params, g.names, g.offsets, g.numels, g.shapes):
+            for p, offset, numel, shape in zip(g.params, g.offsets, g.numels, g.shapes):
                 value = flat[offset:offset + numel].view(shape)
-                cut = cut_of(p) if tensor is not None else None
-                if cut is not None:  # an AutoTP slice: every tensor rank's, put back together (a collective)
-                    assert tensor is not None
-                    slices = torch.empty(tensor.size * numel, dtype=value.dtype, device=value.device)
-                    tensor.all_gather(slices, value.reshape(-1)).wait()
-                    value = whole(slices, shape, cut)
+                cut = of(p) if of is not None else None
+                if cut is not None:  # a slice: every rank's of its group, put back together (a collective)
+                    slices = torch.empty(cut.group.size * numel, dtype=value.dtype, device=value.device)
+                    cut.group.all_gather(slices, value.reshape(-1)).wait()
+                    value = whole(slices, shape, cut.cut)
                 if writer is not None:
-                    writer.add(name, value)
+                    writer.add(named[id(p)], value)
             del flat
         for g in part.frozen:  # stage 3's frozen groups, one at a time
             for name, value in read_frozen([g], engine.accelerator.host_copy if writer else None).items():

@@ -13,9 +13,10 @@ follow the masters as after a checkpoint load (stages 1-2 all-gather them; stage
 computes). Frozen parameters at stage 3 are read into their shards the same way; at stages 0-2 they
 and persistent buffers, which every rank keeps whole, are read whole.
 The result equals ``model.load_state_dict(state)`` before ``initialize``, bit for bit.
-A Hugging Face model split by its plan (AutoTP, ``zeroplus/parallel/autotp.py``; built normally or on the meta
-device) reads the files' whole tensors: each rank takes its slice's runs of each (``autotp.SlicePart``), in
-windows of at most ``WINDOW`` elements where they lie close, so a column cut reads little more than its columns.
+A Hugging Face model split by its plans (AutoTP, AutoEP: ``zeroplus/parallel/plan_slices.py``; built normally or on
+the meta device) reads the files' whole tensors: each rank takes its slice's runs of each
+(``plan_slices.SlicePart``), in windows of at most ``WINDOW`` elements where they lie close, so a column cut reads
+little more than its columns.
 
 Names are strict: a parameter or persistent buffer the files lack, and a name in the files that is no
 tensor of the model, are one error listing both (a tied parameter is found under any of its names, so
@@ -39,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
-from zeroplus.parallel.autotp import SlicePart, autotp_group, cut_of
+from zeroplus.parallel.plan_slices import SlicePart, slicing
 
 from .safetensors_ranges import SafetensorsFile
 
@@ -122,14 +123,14 @@ class _Target:
     part: SlicePart | None = None  # an AutoTP slice: which elements of the whole are this rank's
 
 
-def _targets(engine: Engine, tensor: Any) -> list[_Target]:
+def _targets(engine: Engine, of: Any) -> list[_Target]:
     aliases: dict[int, list[str]] = {}
     for name, p in engine.module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
 
     def part(p: torch.Tensor, shape: tuple[int, ...]) -> SlicePart | None:
-        cut = cut_of(p) if tensor is not None else None
-        return None if cut is None else SlicePart(shape, cut, tensor.rank, tensor.size)
+        cut = of(p) if of is not None else None
+        return None if cut is None else SlicePart(shape, cut.cut, cut.group.rank, cut.group.size)
     out: list[_Target] = []
     flat: set[int] = set()
     for g in engine.partition.groups + engine.partition.frozen:  # (stage 3's frozen groups: into their shards)
@@ -152,7 +153,7 @@ def _targets(engine: Engine, tensor: Any) -> list[_Target]:
 
 
 def _plan(engine: Engine, files: _Files, prefixes: dict[str, str], allow_missing: list[str],
-          strict: bool, tensor: Any) -> tuple[list[tuple[_Target, str]], PretrainedLoad]:
+          strict: bool, of: Any) -> tuple[list[tuple[_Target, str]], PretrainedLoad]:
     renamed: dict[str, str] = {}
     for name in files.file_of:
         new = name
@@ -162,7 +163,7 @@ def _plan(engine: Engine, files: _Files, prefixes: dict[str, str], allow_missing
                 break
         renamed[new] = name
     plan, missing, used, problems = [], [], set(), []
-    for target in _targets(engine, tensor):
+    for target in _targets(engine, of):
         found = next((n for n in target.names if n in renamed), None)
         if found is None:
             if any(fnmatch.fnmatchcase(n, pattern) for n in target.names for pattern in allow_missing):
@@ -216,12 +217,12 @@ def _experts_hint(engine: Engine, unexpected: list[str]) -> str:
 def load_pretrained(engine: Engine, path: str, *, prefixes: dict[str, str] | None = None,
                     allow_missing: Iterable[str] = (), strict: bool = True) -> PretrainedLoad:
     """Every rank calls it (see the module docstring)."""
-    tensor = autotp_group(engine.module, engine.parallel, "load_pretrained() reads whole-model names")
+    of = slicing(engine.module, engine.parallel, "load_pretrained() reads whole-model names")
     engine.partition.wait_all()
     outcome: Any = None
     try:
         files = _Files(path)
-        plan, result = _plan(engine, files, dict(prefixes or {}), list(allow_missing), strict, tensor)
+        plan, result = _plan(engine, files, dict(prefixes or {}), list(allow_missing), strict, of)
     except (OSError, ValueError, KeyError, RuntimeError) as err:
         outcome = f"{type(err).__name__}: {err}"
     failures = [o for o in engine.dp.all_gather_objects(outcome) if o is not None]

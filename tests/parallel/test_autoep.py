@@ -8,7 +8,10 @@ expert per rank), between them ZeRO-1, 2 and 3. The reference: the plain model o
 with momentum and a clip the gradients exceed (a norm that missed other ranks' experts, or counted the router
 twice, would change every update). Checked: each rank holds its experts only, the losses each rank reports, the
 global gradient norm, and every parameter after training (this rank's experts of each expert weight), within 1e-5
-relative (absolute floor 1e-6). Broken once (the combine's routing weights left out): fails. Refused, naming the
+relative (absolute floor 1e-6). At ZeRO-3: ``save_pretrained`` writes the whole trained model (each expert group's
+experts all-gathered), which ``from_pretrained`` loads equal to the reference; the same model built on the meta
+device gets the normally built model's experts, and ``load_pretrained`` reads the trained ones, bit for bit.
+Broken once (the combine's routing weights left out): fails. Refused, naming the
 key, the rank and the reason, with the model left whole: an expert count E does not divide, a model without
 experts (Llama), expert and tensor parallelism together, and an ``autoep_size`` without ``enabled``.
 """
@@ -53,7 +56,7 @@ def _batches() -> list[torch.Tensor]:
     return [torch.randint(0, 256, (MICRO, SEQ), generator=g) for _ in range(WORLD * STEPS)]
 
 
-def _job() -> list[dict]:
+def _job(root: str) -> list[dict]:
     out = []
     for family, expert, stage in CASES:
         zeroplus.parallel.reset_parallel()
@@ -69,13 +72,34 @@ def _job() -> list[dict]:
             engine.step()
             losses.append(loss.item())
             norms.append(engine.get_global_grad_norm())
-        params = {n.split("@")[0]: v for n, v in local_params(engine).items()}  # (an expert group's: name@epN)
+        params = _named(engine)
         held = {n: tuple(v.shape) for n, v in params.items() if ".experts." in n}
         out.append({"case": (family, expert, stage), "losses": losses, "norms": norms, "params": params,
                     "held": held, "expert_rank": parallel.expert.rank, "data_rank": parallel.data.rank})
+        if stage == 3:  # the whole model, each expert group's experts put back together, in Hugging Face's files
+            engine.save_pretrained(f"{root}/{family}-{expert}", dtype="fp32")
         engine.destroy()
+        if stage == 3:
+            out[-1]["built"], out[-1]["loaded"] = _on_meta_then_loaded(family, cfg, f"{root}/{family}-{expert}")
     zeroplus.parallel.reset_parallel()
     return out
+
+
+def _named(engine) -> dict[str, torch.Tensor]:
+    return {n.split("@")[0]: v for n, v in local_params(engine).items()}  # (an expert group's: name@epN)
+
+
+def _on_meta_then_loaded(family: str, cfg: dict, path: str) -> tuple[dict, dict]:
+    """The model built on the meta device and split: its experts as initialize builds them (from its config, cut),
+    then as load_pretrained reads them from the exported files (each rank its experts' bytes)."""
+    with torch.device("meta"):
+        model = _model(family)
+    engine = zeroplus.initialize(model, cfg)
+    built = _named(engine)
+    engine.load_pretrained(path)
+    loaded = _named(engine)
+    engine.destroy()
+    return built, loaded
 
 
 def _reference(family: str) -> tuple[list[list[float]], list[float], dict[str, torch.Tensor]]:
@@ -95,8 +119,8 @@ def _reference(family: str) -> tuple[list[list[float]], list[float], dict[str, t
     return losses, norms, {n: p.detach() for n, p in model.named_parameters()}
 
 
-def test_hugging_face_experts_split_by_their_plan_train_as_one_process():
-    ranks = run_distributed(_job, WORLD)
+def test_hugging_face_experts_split_by_their_plan_train_as_one_process(tmp_path):
+    ranks = run_distributed(_job, WORLD, str(tmp_path))
     references = {family: _reference(family) for family in FAMILIES}
     for rank, results in enumerate(ranks):
         for got in results:
@@ -114,6 +138,21 @@ def test_hugging_face_experts_split_by_their_plan_train_as_one_process():
                 expected = value[first:first + local] if name in got["held"] else value
                 torch.testing.assert_close(got["params"][name], expected, rtol=1e-5, atol=1e-6,
                                            msg=lambda m, n=name: f"{label}, {n}: {m}")
+            if "loaded" in got:  # a meta-device model: built as the normal one, then the trained one loaded
+                initial = {n: p.detach() for n, p in _model(family).named_parameters()}
+                for name, value in got["built"].items():
+                    expected = initial[name][first:first + local] if name in got["held"] else initial[name]
+                    assert torch.equal(value, expected), f"{label}: {name} built on meta"
+                for name, value in got["loaded"].items():
+                    assert torch.equal(value, got["params"][name]), f"{label}: {name} loaded"
+    for family, expert, stage in CASES:
+        if stage == 3:
+            exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"{family}-{expert}",
+                                                                         dtype=torch.float32)
+            dense = references[family][2]
+            for name, value in exported.named_parameters():  # every expert, whole (the slices: checked above)
+                torch.testing.assert_close(value.detach(), dense[name], rtol=1e-5, atol=1e-6,
+                                           msg=lambda m, n=name: f"{family}, expert {expert}, exported {n}: {m}")
 
 
 def _refused(model: torch.nn.Module, cfg: dict) -> str:

@@ -35,6 +35,7 @@ from ..comm import DataParallelGroup
 from .autotp import Undo
 from .dropless_moe import exchange_rows
 from .moe import is_expert, mark_expert
+from .plan_slices import Cut, record
 
 DISPATCH = "ep_dispatch_experts"
 _ARGUMENTS = ("hidden_states", "top_k_index", "top_k_weights")
@@ -66,7 +67,7 @@ def split_experts(model: nn.Module, ep: DataParallelGroup, where: str, done: Und
         first = ep.rank * local
         for name, p in list(module.named_parameters(recurse=False)):
             mine = nn.Parameter(p.detach()[first:first + local].clone(), requires_grad=p.requires_grad)
-            done.replace(module, name, mark_expert(mine))
+            done.replace(module, name, record(mark_expert(mine), Cut(0), "expert"))
         done.replace(module, "num_experts", local)
         dispatch = _Dispatch(ep, total)
         done.hooks.append(module.register_forward_pre_hook(dispatch.send, with_kwargs=True))

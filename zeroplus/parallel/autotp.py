@@ -27,23 +27,22 @@ naming the key, the rank and what does not split: a style not listed, a module o
 splits, widths, vocabularies or query heads T does not divide, key/value heads neither divisible by T nor dividing
 it. Memory per rank: 1/T of each split weight, its gradient, master and states; activations inside the attention
 and the MLP 1/T. Equal to one process (``tests/parallel/test_autotp.py``). How each slice was cut is recorded
-(``cut_of``), so an export can put the whole model back together (``whole``: ``save_pretrained``).
+(``plan_slices``), so an export can put the whole model back together and a load read each rank's slice.
 See note: autotp (docs/design-notes.md).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import re
-from typing import Any, Callable, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
 
 from ..comm import DataParallelGroup
 from .mappings import all_reduce, copy_to_tensor, reduce_from_tensor
-from .registry import ParameterSet
+from .plan_slices import Cut, cut_from, record
 from .tensor_layers import (
     ColumnParallelLinear,
     ReplicatedRowsLinear,
@@ -60,101 +59,13 @@ MODULE_STYLES = (*LINEAR, EMBEDDING, EXPERTS, REPLICATED_SUMMED)
 PARAMETER_STYLES = ("colwise", "rowwise", PACKED)  # an experts module's own 3-D weights
 
 
-@dataclasses.dataclass(frozen=True)
-class Cut:
-    """How ``split_by_plan`` cut a parameter over the tensor group: along ``dim``, each of its ``packed`` equal parts
-    on its own (``[gate; up]``: 2), every rank taking its ``1/T`` of each part, in rank order."""
-    dim: int
-    packed: int = 1
-
-
-_CUTS: dict[Cut, ParameterSet] = {}
 _P = TypeVar("_P", bound=torch.Tensor)
 _M = TypeVar("_M", bound=nn.Module)
 
 
-def cut_of(param: object) -> Cut | None:
-    """How ``split_by_plan`` cut ``param``; None where it did not (whole on every tensor rank, or split by another
-    layer of zeroplus's, such as ``TensorParallelGPT``'s interleaved q, k and v)."""
-    return next((cut for cut, params in _CUTS.items() if param in params), None)
-
-
 def _record(param: _P, cut: Cut) -> _P:
     mark_tensor_parallel(param)
-    _CUTS.setdefault(cut, ParameterSet()).add(param)
-    return param
-
-
-def whole(slices: torch.Tensor, shape: torch.Size, cut: Cut) -> torch.Tensor:
-    """The whole tensor from every tensor rank's slice of shape ``shape``, in rank order, laid end to end in
-    ``slices`` (what an all-gather of the flattened slices gives)."""
-    pieces = slices.view(-1, *shape).unbind(0)
-    return torch.cat([torch.cat([p.chunk(cut.packed, cut.dim)[k] for p in pieces], cut.dim)
-                      for k in range(cut.packed)], cut.dim)
-
-
-@dataclasses.dataclass(frozen=True)
-class SlicePart:
-    """Which elements of the whole tensor a tensor rank's slice (of ``shape``, cut by ``cut``) holds: runs of the
-    whole's flat elements, one per index of the dimensions before the cut and per packed part, ascending, laid end
-    to end in the slice's own flat order. Lets a reader take a slice from a file of the whole without reading the
-    rest (``load_pretrained``)."""
-    shape: tuple[int, ...]
-    cut: Cut
-    rank: int
-    size: int
-
-    @property
-    def whole_shape(self) -> tuple[int, ...]:
-        return tuple(n * self.size if d == self.cut.dim else n for d, n in enumerate(self.shape))
-
-    def windows(self, start: int, end: int, limit: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
-        """Elements ``[start, end)`` of the slice as ranges of the whole, ``(first, last, [(a, b), ...])``: each
-        window ``[first, last)`` spans at most ``limit`` elements (or one run's part) and holds its ranges."""
-        whole = self.whole_shape
-        dim, packed = self.cut.dim, self.cut.packed
-        inner = math.prod(whole[dim + 1:])
-        part = whole[dim] // packed * inner  # one packed part's elements per outer index
-        run = part // self.size
-        out: list[tuple[int, int, list[tuple[int, int]]]] = []
-        for j in range(start // run, (end - 1) // run + 1 if end > start else start // run):
-            outer, k = divmod(j, packed)
-            at = outer * packed * part + k * part + self.rank * run - j * run  # whole index of slice index 0 of run j
-            a, b = max(start, j * run) + at, min(end, (j + 1) * run) + at
-            if out and b - out[-1][0] <= limit:
-                out[-1] = (out[-1][0], b, [*out[-1][2], (a, b)])
-            else:
-                out.append((a, b, [(a, b)]))
-        return out
-
-
-def autotp_group(model: nn.Module, parallel: Any, what: str) -> DataParallelGroup | None:
-    """The tensor group of a model split by its plan alone (AutoTP), None where the model is not split; a
-    ``ValueError`` starting with ``what`` where it is split some other way (pipeline stages, experts, zeroplus's own
-    tensor-parallel layers), whose slices whole-model names cannot address."""
-    if parallel is None or (parallel.model.size == 1 and parallel.expert.size == 1):
-        return None
-    split = [p for p in model.parameters() if is_tensor_parallel(p)]
-    if parallel.pipeline.size > 1 or parallel.expert.size > 1 or any(cut_of(p) is None for p in split):
-        raise ValueError(f"{what}, and this run splits the model ({parallel.topology.describe()}) in a way they "
-                         f"do not address (only a Hugging Face model split by its plan, AutoTP, at tensor sizes "
-                         f"above 1)")
-    return parallel.tensor
-
-
-def _mine(value: torch.Tensor, cut: Cut, tp: DataParallelGroup) -> torch.Tensor:
-    """This rank's slice of a whole ``value`` (``whole``'s inverse), a copy."""
-    return torch.cat([part.chunk(tp.size, cut.dim)[tp.rank] for part in value.chunk(cut.packed, cut.dim)],
-                     cut.dim).clone()
-
-
-def slicer(tp: DataParallelGroup) -> Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor] | None]:
-    """For a meta-device model built again from its config (``zero/meta_init.py``): for each parameter that is an
-    AutoTP slice, what cuts this rank's slice from the whole one; None for the others."""
-    def of(param: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        cut = cut_of(param)
-        return None if cut is None else functools.partial(_mine, cut=cut, tp=tp)
-    return of
+    return record(param, cut, "tensor")
 
 
 def tp_plan(model: nn.Module) -> dict[str, str] | None:
@@ -272,7 +183,7 @@ def _split(t: _Target, tp: DataParallelGroup, heads: _Heads, slices: dict[int, n
         done.hooks.append(experts.register_forward_hook(functools.partial(_experts_out, tp)))
     elif isinstance(t.obj, nn.Parameter):
         cut = _parameter_cut(t)
-        new = nn.Parameter(_mine(t.obj.detach(), cut, tp), requires_grad=t.obj.requires_grad)
+        new = nn.Parameter(cut_from(t.obj.detach(), cut, tp), requires_grad=t.obj.requires_grad)
         done.replace(t.owner, t.attr, _record(new, cut))
     elif isinstance(t.obj, nn.Embedding):
         with torch.device("meta"):

@@ -50,7 +50,7 @@ def is_hugging_face(model: torch.nn.Module) -> bool:
     return hasattr(model, "config") and callable(getattr(model, "post_init", None))
 
 
-Cutter = Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor] | None]
+Cutter = Callable[[torch.Tensor], tuple[Callable[[torch.Tensor], torch.Tensor], Collectives] | None]
 
 
 def materialize_meta(model: torch.nn.Module, group: Collectives, device: torch.device,
@@ -58,7 +58,8 @@ def materialize_meta(model: torch.nn.Module, group: Collectives, device: torch.d
                      max_gathered_bytes: int = MAX_GATHERED_BYTES, slice_of: Cutter | None = None) -> None:
     """Give a meta-device ``model`` its values (see the module docstring), partitioned over ``group``.
     ``slice_of(param)``: for a parameter that holds a slice of the one its config builds (a Hugging Face model
-    split by its plan, ``parallel/autotp.py``), what cuts the slice from the whole; None for the others."""
+    split by its plans, ``parallel/plan_slices.py``), what cuts the slice from the whole and the group of ranks that
+    hold the same slice (it is partitioned over them); None for the others."""
     if is_hugging_face(model) and init_fn is None:
         _rebuild(model, group, device, max_gathered_bytes, slice_of or (lambda p: None))
     elif slice_of is not None and any(slice_of(p) is not None for p in model.parameters()):
@@ -96,7 +97,7 @@ def _rebuild(model: torch.nn.Module, group: Collectives, device: torch.device, m
     theirs_b = dict(built.named_buffers(remove_duplicate=False))
     def shape_as_built(n: str) -> torch.Size:  # (a slice's: cut from a meta stand-in of the whole)
         cut = slice_of(mine[n])
-        return theirs[n].shape if cut is None else cut(torch.empty(theirs[n].shape, device="meta")).shape
+        return theirs[n].shape if cut is None else cut[0](torch.empty(theirs[n].shape, device="meta")).shape
     differ = sorted({n for n in mine.keys() ^ theirs.keys()} | {n for n in mine_b.keys() ^ theirs_b.keys()}
                     | {n for n in mine.keys() & theirs.keys()
                        if (mine[n].shape, mine[n].dtype) != (shape_as_built(n), theirs[n].dtype)})
@@ -111,8 +112,8 @@ def _rebuild(model: torch.nn.Module, group: Collectives, device: torch.device, m
         if id(p) in params or cut is None:
             params.setdefault(id(p), theirs[n])
             continue
-        piece = torch.nn.Parameter(cut(init_shards.gather(theirs[n])), requires_grad=p.requires_grad)
-        init_shards.partition(piece, group, device)  # (every rank cut the same values: its chunk of them)
+        piece = torch.nn.Parameter(cut[0](init_shards.gather(theirs[n])), requires_grad=p.requires_grad)
+        init_shards.partition(piece, cut[1], device)  # (over the ranks that cut the same slice)
         carry_marks(p, piece)
         params[id(p)] = piece
     _swap(model, params, {id(mine_b[n]): theirs_b[n].to(device) for n in mine_b})
