@@ -85,7 +85,7 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
         parallel = init_parallel(cfg)
     except ValueError as err:
         raise ConfigError(f"config key 'zeroplus.parallel': {err}") from None
-    split = _split_by_plan(model, parallel)
+    split = split_by_plans(model, parallel)
     try:
         return _assemble(model, cfg, parallel, accel, rss_at_start, code, wrapper, optimizer, lr_scheduler,
                          model_parameters, process_group, init_fn)
@@ -103,7 +103,7 @@ def _assemble(model: torch.nn.Module, cfg: Any, parallel: ParallelGroups, accel:
     # ZeRO partitions and averages over data x context; a batch is split over the data ranks only
     dp = DataParallelGroup(process_group) if process_group is not None else parallel.zero
     check_fillable(cfg)
-    resolve_batch(cfg, dp.size // context)
+    resolve_batch(cfg, dp.size // context, parallel.topology.tensor)
     compiled = wrapper is not None or bool(compiled_modules(model))
     recompute_unset = cfg.zeroplus.resize_recompute.enabled is None
     resolve_auto(cfg, model, optimizer is not None, compiled=compiled,
@@ -186,7 +186,7 @@ def _plan(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, code: int | None
     return apply_settings(cfg, settings)
 
 
-def _split_by_plan(model: torch.nn.Module, parallel: ParallelGroups) -> Undo:
+def split_by_plans(model: torch.nn.Module, parallel: ParallelGroups) -> Undo:
     """A tensor or expert size above 1: a Hugging Face model split by its own plans (AutoTP, ``parallel/autotp.py``;
     AutoEP, ``parallel/autoep.py``), before anything reads the model; a plan it cannot split is a ConfigError naming
     the key and the rank, the model as it was."""

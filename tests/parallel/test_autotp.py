@@ -28,6 +28,7 @@ import torch
 import transformers
 
 import zeroplus
+import zeroplus.deepspeed_api as deepspeed
 from tests.dist_helper import run_distributed
 from tests.hf_models import build
 from tests.parallel.model_states import assert_model_states_predicted, ledger_peaks, local_params
@@ -246,3 +247,47 @@ def test_what_autotp_cannot_split_is_refused_on_every_rank_naming_it():
         assert "num_key_value_heads = 3 (neither a multiple nor a divisor of 2)" in heads, heads
         assert "DeepseekV2ForCausalLM's tensor-parallel plan names styles" in latent, latent
         assert "kv_a_proj_with_mqa: mla_kv_a_proj" in latent, latent
+
+
+def _made_before_initialize() -> list[dict]:
+    """What a user makes from the model before ``initialize`` still trains it: a client optimizer built on its
+    parameters, and ``model_parameters`` listed from them (DeepSpeed's API), 2 steps each on tensor 2 x data 1."""
+    out = []
+    for how in ("optimizer", "model_parameters"):
+        model = _model("llama")
+        cfg = {k: v for k, v in _config(1).items() if not (how == "optimizer" and k == "optimizer")}
+        if how == "optimizer":
+            engine = zeroplus.initialize(model, cfg, optimizer=torch.optim.SGD(model.parameters(), lr=LR,
+                                                                              momentum=0.9))
+        else:
+            served, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=cfg)
+            engine = served.engine  # (zeroplus's engine inside DeepSpeed's)
+        losses = []
+        for ids in _batches()[:2]:
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        out.append({"how": how, "losses": losses, "params": local_params(engine)})
+        engine.destroy()
+    return out
+
+
+def test_an_optimizer_or_parameter_list_made_before_initialize_trains_the_slices():
+    model, losses = _model("llama"), []
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    for ids in _batches()[:2]:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        clip_global_norm(list(model.parameters()), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    dense = {n: p.detach() for n, p in model.named_parameters()}
+    for rank, results in enumerate(run_distributed(_made_before_initialize, 2)):
+        for got in results:
+            label = f"{got['how']} made before initialize, rank {rank}"
+            assert got["losses"] == pytest.approx(losses, rel=1e-5), label
+            for name, value in got["params"].items():
+                torch.testing.assert_close(value, _slice("llama", name, dense[name], rank), rtol=1e-5, atol=1e-6,
+                                           msg=lambda m, n=name: f"{label}, {n}: {m}")

@@ -96,11 +96,20 @@ def _merge_expert_size(cfg: ZeroplusConfig) -> None:
     cfg.zeroplus.parallel.expert = max(ds, ours)
 
 
-def resolve_batch(cfg: ZeroplusConfig, dp_size: int) -> None:
-    """Apply DeepSpeed's rule ``train_batch_size == micro * accumulation * dp_size``; derive the missing one."""
+def resolve_batch(cfg: ZeroplusConfig, dp_size: int, tensor: int = 1) -> None:
+    """Apply DeepSpeed's rule ``train_batch_size == micro * accumulation * dp_size``; derive the missing one.
+    ``tensor``: the tensor size; all three given with ``train_batch_size`` counting the tensor ranks as data ranks
+    (DeepSpeed's count under AutoTP without an mpu, and so the Trainer's fill of ``"auto"``) is read as the batch
+    the data ranks see, and logged."""
     tbs, mbs, gas = cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
     # "auto" is treated as "not given": DeepSpeed's rule derives it from the others.
     tbs, mbs, gas = (None if v == "auto" else v for v in (tbs, mbs, gas))
+    if tensor > 1 and tbs is not None and mbs and gas and tbs != mbs * gas * dp_size \
+            and tbs == mbs * gas * dp_size * tensor:
+        logger.info("config: train_batch_size %s counts the %s tensor ranks as data ranks, as DeepSpeed's AutoTP "
+                    "does; each step trains on %s samples (micro-batch x accumulation x data size %s)",
+                    tbs, tensor, mbs * gas * dp_size, dp_size)
+        tbs = mbs * gas * dp_size
     derived = []
     if tbs is not None and mbs is not None and gas is None:
         gas = tbs // (mbs * dp_size)

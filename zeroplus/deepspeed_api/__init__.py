@@ -6,7 +6,7 @@ The surface is what Hugging Face's Trainer, Accelerate's DeepSpeed plugin and sc
 tutorial shape call: ``initialize`` (``initialize.py``), ``DeepSpeedEngine`` (``engine.py``) and the
 optimizer it returns (``optimizer.py``), ``zero.Init``/``zero.GatheredParameters``, ``comm``,
 ``ops`` (DeepSpeed's optimizer classes), ``utils``, ``accelerator``, ``checkpointing``,
-``runtime.lr_schedules``, ``add_config_arguments`` and ``init_distributed``. A public name outside it
+``runtime.lr_schedules``, ``add_config_arguments``, ``init_distributed`` and ``tp_model_init``. A public name outside it
 raises ``NotSupportedError`` (a ``NotImplementedError``) naming it (``unsupported.py``).
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import argparse
 from . import accelerator, checkpoint_utils, checkpointing, comm, lr_schedules, ops, runtime, utils, zero
 from .comm import init_distributed
 from .engine import DeepSpeedEngine
-from .initialize import initialize
+from .initialize import initialize, tp_model_init
 from .optimizer import DeepSpeedZeroOptimizer
 from .shim import DIST_VERSION
 from .unsupported import NotSupportedError, module_getattr
@@ -41,4 +41,4 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 __all__ = ["DeepSpeedEngine", "DeepSpeedZeroOptimizer", "NotSupportedError", "accelerator", "add_config_arguments",
            "checkpoint", "checkpointing", "comm", "init_distributed", "initialize", "log_dist", "logger",
-           "lr_schedules", "ops", "runtime", "utils", "version", "zero"]
+           "lr_schedules", "ops", "runtime", "tp_model_init", "utils", "version", "zero"]

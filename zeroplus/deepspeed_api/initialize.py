@@ -9,6 +9,11 @@ schedule an object, a callable taking the optimizer, or absent. ``training_data`
 ``DataLoader`` of micro-batches over a ``DistributedSampler`` of the data-parallel group, shuffled with
 its default seed as DeepSpeed's training loader is (so the same script sees the same batches).
 Returns ``(engine, optimizer, dataloader, lr_scheduler)``.
+
+``tp_model_init(model, tp_size, dtype, config)`` (what the Trainer calls before building its optimizer when the
+config has ``tensor_parallel.autotp_size``) splits the model by its Hugging Face plan at once (AutoTP,
+``zeroplus/parallel/autotp.py``), so the parameters the caller reads next are the slices ``initialize`` trains;
+``initialize`` then finds the model split.
 """
 from __future__ import annotations
 
@@ -22,6 +27,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from zeroplus.config import ConfigError
 from zeroplus.initialize_engine import initialize as zeroplus_initialize
+from zeroplus.initialize_engine import split_by_plans
+from zeroplus.parallel.groups import ParallelGroups, init_parallel
 
 from .engine import DeepSpeedEngine
 from .unsupported import refuse
@@ -88,8 +95,40 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         params = model_parameters if model_parameters is not None else model.parameters()
         optimizer = optimizer(params)
+    _groups(raw)
     inner = zeroplus_initialize(model, raw, optimizer=optimizer, lr_scheduler=lr_scheduler,
                                 model_parameters=model_parameters)
     engine = DeepSpeedEngine(inner, raw)
     loader = _dataloader(training_data, engine, collate_fn) if training_data is not None else None
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def tp_model_init(model: torch.nn.Module, tp_size: int, dtype: torch.dtype | None = None, config: Any = None,
+                  **kwargs: Any) -> torch.nn.Module:
+    """DeepSpeed's ``tp_model_init``: ``model`` split over ``tp_size`` tensor ranks by its Hugging Face plan, in
+    place and now (the process groups made from ``config`` with that tensor size); the model is returned. The
+    config's ``tensor_parallel.autotp_size``, where it gives one, must be ``tp_size``. ``dtype`` is the config's
+    compute dtype (the engine casts at ``initialize``, as the config says)."""
+    if kwargs:
+        refuse(f"deepspeed.tp_model_init({', '.join(sorted(kwargs))}=...)",
+               "zeroplus makes the tensor group from the config's sizes")
+    raw: dict[str, Any] = copy.deepcopy(_raw_dict(_config_of(None, config, None))) if config is not None else {}
+    given = raw.get("tensor_parallel", {}).get("autotp_size")
+    if given is not None and given != tp_size:
+        raise ConfigError(f"deepspeed.tp_model_init(tp_size={tp_size}) and the config's 'tensor_parallel.autotp_size' "
+                          f"({given}) disagree; give one tensor-parallel size")
+    raw.setdefault("tensor_parallel", {})["autotp_size"] = tp_size
+    raw.setdefault("train_micro_batch_size_per_gpu", 1)  # (the groups need only the sizes)
+    split_by_plans(model, _groups(raw))
+    return model
+
+
+def _groups(raw: dict[str, Any]) -> ParallelGroups:
+    """The config's process groups, made anew where groups of another layout exist (as DeepSpeed makes each
+    ``initialize``'s; an engine made before keeps its own)."""
+    try:
+        return init_parallel(raw, replace=True)
+    except ConfigError:
+        raise
+    except ValueError as err:
+        raise ConfigError(f"config key 'zeroplus.parallel': {err}") from None

@@ -34,8 +34,8 @@ from torch import nn
 from ..comm import DataParallelGroup
 from .autotp import Undo
 from .dropless_moe import exchange_rows
-from .moe import is_expert, mark_expert
-from .plan_slices import Cut, record
+from .moe import expert_marks, is_expert
+from .plan_slices import Cut, cut_marks
 
 DISPATCH = "ep_dispatch_experts"
 _ARGUMENTS = ("hidden_states", "top_k_index", "top_k_weights")
@@ -65,9 +65,10 @@ def split_experts(model: nn.Module, ep: DataParallelGroup, where: str, done: Und
         total: int = module.num_experts  # type: ignore[assignment]  # (checked)
         local = total // ep.size
         first = ep.rank * local
-        for name, p in list(module.named_parameters(recurse=False)):
-            mine = nn.Parameter(p.detach()[first:first + local].clone(), requires_grad=p.requires_grad)
-            done.replace(module, name, record(mark_expert(mine), Cut(0), "expert"))
+        for p in module.parameters(recurse=False):  # (the same Parameter objects: this rank's experts' values)
+            done.cut_to(p, p.detach()[first:first + local].clone())
+            done.mark(expert_marks(), p)
+            done.mark(cut_marks(Cut(0), "expert"), p)
         done.replace(module, "num_experts", local)
         dispatch = _Dispatch(ep, total)
         done.hooks.append(module.register_forward_pre_hook(dispatch.send, with_kwargs=True))

@@ -28,6 +28,8 @@ splits, widths, vocabularies or query heads T does not divide, key/value heads n
 it. Memory per rank: 1/T of each split weight, its gradient, master and states; activations inside the attention
 and the MLP 1/T. Equal to one process (``tests/parallel/test_autotp.py``). How each slice was cut is recorded
 (``plan_slices``), so an export can put the whole model back together and a load read each rank's slice.
+The model's own ``Parameter`` objects are kept, each cut to this rank's slice in place, so an optimizer or a list
+of parameters made from the model before ``initialize`` holds what trains.
 See note: autotp (docs/design-notes.md).
 """
 from __future__ import annotations
@@ -35,21 +37,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from ..comm import DataParallelGroup
 from .mappings import all_reduce, copy_to_tensor, reduce_from_tensor
-from .plan_slices import Cut, cut_from, record
+from .plan_slices import Cut, cut_from, cut_marks
+from .registry import ParameterSet
 from .tensor_layers import (
     ColumnParallelLinear,
     ReplicatedRowsLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     is_tensor_parallel,
-    mark_tensor_parallel,
+    tensor_parallel_marks,
 )
 
 LINEAR = ("colwise", "rowwise", "colwise_gather_output")
@@ -60,12 +63,6 @@ PARAMETER_STYLES = ("colwise", "rowwise", PACKED)  # an experts module's own 3-D
 
 
 _P = TypeVar("_P", bound=torch.Tensor)
-_M = TypeVar("_M", bound=nn.Module)
-
-
-def _record(param: _P, cut: Cut) -> _P:
-    mark_tensor_parallel(param)
-    return record(param, cut, "tensor")
 
 
 def tp_plan(model: nn.Module) -> dict[str, str] | None:
@@ -83,23 +80,41 @@ def tp_plan(model: nn.Module) -> dict[str, str] | None:
 
 
 class Undo:
-    """What ``split_by_plan`` changed, to put back (``undo()``) when ``initialize`` refuses the run afterwards: the
-    attributes it replaced (modules, parameters, the attention's key/value grouping) and the hooks it added."""
+    """What a split by a plan changed, to put back (``undo()``) when ``initialize`` refuses the run afterwards: the
+    attributes it replaced (modules, the attention's key/value grouping), the parameters whose values it cut to
+    this rank's slice (the same ``Parameter`` objects: a list of them or an optimizer made before ``initialize``
+    still holds what trains), the marks it gave them, and the hooks it added."""
 
     def __init__(self) -> None:
         self.replaced: list[tuple[Any, str, Any]] = []  # (owner, attribute, what it held)
+        self.cut: list[tuple[nn.Parameter, torch.Tensor]] = []  # (parameter, its whole values)
+        self.marked: list[tuple[ParameterSet, torch.Tensor]] = []
         self.hooks: list[Any] = []
 
     def replace(self, owner: Any, attr: str, new: Any) -> None:
         self.replaced.append((owner, attr, getattr(owner, attr)))
         setattr(owner, attr, new)
 
+    def cut_to(self, param: nn.Parameter, values: torch.Tensor) -> nn.Parameter:
+        """``param`` holding ``values`` (its slice) from now on; its whole values kept until the run starts."""
+        self.cut.append((param, param.data))
+        param.data = values
+        return param
+
+    def mark(self, marks: ParameterSet, param: _P) -> _P:
+        self.marked.append((marks, param))
+        return marks.add(param)
+
     def undo(self) -> None:
         for owner, attr, old in reversed(self.replaced):
             setattr(owner, attr, old)
+        for param, values in reversed(self.cut):
+            param.data = values
+        for marks, marked in self.marked:
+            marks.discard(marked)
         for hook in self.hooks:
             hook.remove()
-        self.replaced, self.hooks = [], []
+        self.replaced, self.cut, self.marked, self.hooks = [], [], [], []
 
 
 @dataclasses.dataclass
@@ -134,10 +149,10 @@ def split_by_plan(model: nn.Module, tp: DataParallelGroup, where: str) -> Undo:
     targets = _targets(model, plan)
     heads = _Heads.of(model, tp.size)
     _check(model, targets, heads, tp.size, where)
-    slices: dict[int, nn.Parameter] = {}  # a replaced weight -> its slice (a head tied to the embedding shares it)
+    sliced: set[int] = set()  # the parameters cut so far (a head tied to the embeddings shares their slice)
     try:
         for t in targets:
-            _split(t, tp, heads, slices, done)
+            _split(t, tp, heads, sliced, done)
     except BaseException:
         done.undo()
         raise
@@ -172,7 +187,7 @@ class _Heads:
             linear.out_features == self.key_value * self.head_dim
 
 
-def _split(t: _Target, tp: DataParallelGroup, heads: _Heads, slices: dict[int, nn.Parameter], done: Undo) -> None:
+def _split(t: _Target, tp: DataParallelGroup, heads: _Heads, sliced: set[int], done: Undo) -> None:
     if t.style == REPLICATED_SUMMED:  # whole on every rank, each seeing its own heads: gradients summed over T
         params = [t.obj] if isinstance(t.obj, nn.Parameter) else list(t.obj.parameters(recurse=False))
         done.hooks += [p.register_hook(functools.partial(_summed_over, tp)) for p in params]
@@ -182,25 +197,31 @@ def _split(t: _Target, tp: DataParallelGroup, heads: _Heads, slices: dict[int, n
         done.hooks.append(experts.register_forward_pre_hook(functools.partial(_experts_in, tp), with_kwargs=True))
         done.hooks.append(experts.register_forward_hook(functools.partial(_experts_out, tp)))
     elif isinstance(t.obj, nn.Parameter):
-        cut = _parameter_cut(t)
-        new = nn.Parameter(cut_from(t.obj.detach(), cut, tp), requires_grad=t.obj.requires_grad)
-        done.replace(t.owner, t.attr, _record(new, cut))
+        _cut(t.obj, _parameter_cut(t), tp, sliced, done)
     elif isinstance(t.obj, nn.Embedding):
         with torch.device("meta"):
             table = VocabParallelEmbedding(t.obj.num_embeddings, t.obj.embedding_dim, padding_idx=t.obj.padding_idx,
                                            tp=tp)
-        table = _placed(table, t.obj.weight)
-        table.load_dense(t.obj.weight.detach())
-        table.weight.requires_grad_(t.obj.weight.requires_grad)
-        slices[id(t.obj.weight)] = cast(nn.Parameter, _record(table.weight, Cut(0)))
+        table.weight = _cut(t.obj.weight, Cut(0), tp, sliced, done)
         done.replace(t.owner, t.attr, table)
     else:
         assert isinstance(t.obj, nn.Linear)  # (checked)
-        done.replace(t.owner, t.attr, _split_linear(t, tp, heads, slices, done))
+        done.replace(t.owner, t.attr, _split_linear(t, tp, heads, sliced, done))
 
 
-def _split_linear(t: _Target, tp: DataParallelGroup, heads: _Heads, slices: dict[int, nn.Parameter],
-                  done: Undo) -> nn.Module:
+def _cut(param: torch.Tensor, cut: Cut, tp: DataParallelGroup, sliced: set[int], done: Undo) -> nn.Parameter:
+    """``param`` cut to this rank's slice in place (once: a weight tied to another already cut is as it is), marked
+    as split over the tensor group and recorded as cut."""
+    assert isinstance(param, nn.Parameter)
+    if id(param) not in sliced:
+        sliced.add(id(param))
+        done.cut_to(param, cut_from(param.detach(), cut, tp))
+        done.mark(tensor_parallel_marks(), param)
+        done.mark(cut_marks(cut, "tensor"), param)
+    return param
+
+
+def _split_linear(t: _Target, tp: DataParallelGroup, heads: _Heads, sliced: set[int], done: Undo) -> nn.Module:
     linear = t.obj
     assert isinstance(linear, nn.Linear)
     if t.style == "colwise" and heads.is_key_value(linear):  # the key/value head this rank's query heads read
@@ -216,24 +237,12 @@ def _split_linear(t: _Target, tp: DataParallelGroup, heads: _Heads, slices: dict
         else:
             split = ColumnParallelLinear(linear.in_features, linear.out_features, bias=bias, tp=tp,
                                          gather_output=t.style == "colwise_gather_output")
-    split = _placed(split, linear.weight)
-    assert isinstance(split, (RowParallelLinear, ColumnParallelLinear))
-    split.load_dense(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
-    split.weight.requires_grad_(linear.weight.requires_grad)
-    cut = Cut(1 if t.style == "rowwise" else 0)
-    if id(linear.weight) in slices:  # tied to the embedding already split: its slice, shared
-        split.weight = slices[id(linear.weight)]
-    else:
-        slices[id(linear.weight)] = cast(nn.Parameter, _record(split.weight, cut))
-    if cut.dim == 0 and split.bias is not None:
-        _record(split.bias, cut)
+    assert isinstance(split, (RowParallelLinear, ColumnParallelLinear))  # (built on the meta device: no memory,
+    cut = Cut(1 if t.style == "rowwise" else 0)                          # no random draws; the model's own go in)
+    split.weight = _cut(linear.weight, cut, tp, sliced, done)
+    if linear.bias is not None:  # a row-parallel bias is whole: added once, after the sum
+        split.bias = _cut(linear.bias, cut, tp, sliced, done) if cut.dim == 0 else linear.bias
     return split
-
-
-def _placed(module: _M, like: torch.Tensor) -> _M:
-    """A layer built on the meta device (no memory, no random draws: the model's own values go in next), given
-    uninitialised storage on ``like``'s device and dtype (meta stays meta)."""
-    return module.to_empty(device=like.device).to(dtype=like.dtype)
 
 
 def _parameter_cut(t: _Target) -> Cut:

@@ -146,9 +146,11 @@ def _span(spec: Any) -> bool:
     return spec.zeroplus.parallel.experts_span_tensor if hasattr(spec, "zeroplus") else False
 
 
-def init_parallel(spec: Any = None) -> ParallelGroups:
+def init_parallel(spec: Any = None, replace: bool = False) -> ParallelGroups:
     """Create (or return the existing) process groups for a parsed config, a config dict or path, or a
-    ``Topology``. With no process group launched: one rank, every size 1 (anything else is an error)."""
+    ``Topology``. With no process group launched: one rank, every size 1 (anything else is an error). Groups of
+    another layout exist: an error, or with ``replace`` new groups for this one (DeepSpeed's API: each
+    ``deepspeed.initialize`` makes its config's groups; an engine made before keeps its own)."""
     global _CURRENT
     if spec is not None and not isinstance(spec, Topology) and not hasattr(spec, "zeroplus"):
         spec = parse_config(spec)[0]
@@ -167,8 +169,9 @@ def init_parallel(spec: Any = None) -> ParallelGroups:
                                  f"{made[0]!r} (ulysses_size {made[1]}), and the config asks for {asked[0]!r} "
                                  f"(ulysses_size {asked[1]}); call zeroplus.parallel.reset_parallel() first")
             return _CURRENT
-        raise ValueError(f"rank {rank}: process groups exist for {_CURRENT.topology.describe()}, and the config "
-                         f"asks for {topology.describe()}; call zeroplus.parallel.reset_parallel() first")
+        if not replace:
+            raise ValueError(f"rank {rank}: process groups exist for {_CURRENT.topology.describe()}, and the config "
+                             f"asks for {topology.describe()}; call zeroplus.parallel.reset_parallel() first")
     _CURRENT = ParallelGroups(topology, rank, timeout_seconds=_timeout(spec), context_mode=_context_mode(spec),
                               ulysses_size=_ulysses_size(spec))
     return _CURRENT

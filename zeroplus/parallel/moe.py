@@ -46,6 +46,11 @@ def mark_expert(param: torch.Tensor) -> torch.Tensor:
     return _EXPERT.add(param)
 
 
+def expert_marks() -> ParameterSet:
+    """The set ``mark_expert`` adds to (for a split that may be undone)."""
+    return _EXPERT
+
+
 def is_expert(param: torch.Tensor) -> bool:
     return param in _EXPERT
 

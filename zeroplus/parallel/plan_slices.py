@@ -46,9 +46,13 @@ class Slicing:
 _CUTS: dict[tuple[Kind, Cut], ParameterSet] = {}
 
 
+def cut_marks(cut: Cut, kind: Kind) -> ParameterSet:
+    """The parameters recorded as cut by ``cut`` over the ``kind`` group."""
+    return _CUTS.setdefault((kind, cut), ParameterSet())
+
+
 def record(param: _P, cut: Cut, kind: Kind) -> _P:
-    _CUTS.setdefault((kind, cut), ParameterSet()).add(param)
-    return param
+    return cut_marks(cut, kind).add(param)
 
 
 def cut_of(param: object) -> tuple[Kind, Cut] | None:
@@ -135,4 +139,4 @@ class SlicePart:
         return out
 
 
-__all__ = ["Cut", "SlicePart", "Slicing", "cut_from", "cut_of", "record", "slicer", "slicing", "whole"]
+__all__ = ["Cut", "SlicePart", "Slicing", "cut_from", "cut_marks", "cut_of", "record", "slicer", "slicing", "whole"]

@@ -4,10 +4,12 @@ weak reference and identity (tensors compare by value, so a ``WeakSet`` would co
 from __future__ import annotations
 
 import weakref
+from typing import TypeVar
 
 import torch
 
 _ALL: list[ParameterSet] = []
+_T = TypeVar("_T", bound=torch.Tensor)
 
 
 class ParameterSet:
@@ -15,10 +17,14 @@ class ParameterSet:
         self._refs: dict[int, weakref.ref] = {}
         _ALL.append(self)
 
-    def add(self, param: torch.Tensor) -> torch.Tensor:
+    def add(self, param: _T) -> _T:
         key = id(param)
         self._refs[key] = weakref.ref(param, lambda _: self._refs.pop(key, None))
         return param
+
+    def discard(self, param: torch.Tensor) -> None:
+        if param in self:
+            del self._refs[id(param)]
 
     def __contains__(self, param: object) -> bool:
         ref = self._refs.get(id(param))

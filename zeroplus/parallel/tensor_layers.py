@@ -51,6 +51,11 @@ def mark_tensor_parallel(param: torch.Tensor) -> torch.Tensor:
     return _SPLIT.add(param)
 
 
+def tensor_parallel_marks() -> ParameterSet:
+    """The set ``mark_tensor_parallel`` adds to (for a split that may be undone)."""
+    return _SPLIT
+
+
 def is_tensor_parallel(param: torch.Tensor) -> bool:
     return param in _SPLIT
 
