@@ -11,7 +11,9 @@ global gradient norm, and every parameter after training (this rank's experts of
 relative (absolute floor 1e-6). At ZeRO-3: ``save_pretrained`` writes the whole trained model (each expert group's
 experts all-gathered), which ``from_pretrained`` loads equal to the reference; the same model built on the meta
 device gets the normally built model's experts, and ``load_pretrained`` reads the trained ones, bit for bit.
-Broken once (the combine's routing weights left out): fails. Refused, naming the
+The first forward's memory estimate (routing assumed balanced on the meta device) predicts every model-state
+category of Mixtral at expert 2, ZeRO-3, as the ledger measures it. Broken once (the combine's routing weights left
+out): fails. Refused, naming the
 key, the rank and the reason, with the model left whole: an expert count E does not divide, a model without
 experts (Llama), expert and tensor parallelism together, and an ``autoep_size`` without ``enabled``.
 """
@@ -24,7 +26,7 @@ import transformers
 import zeroplus
 from tests.dist_helper import run_distributed
 from tests.hf_models import build
-from tests.parallel.model_states import local_params
+from tests.parallel.model_states import assert_model_states_predicted, ledger_peaks, local_params
 from tests.reference import clip_global_norm
 from zeroplus.config import ConfigError
 
@@ -32,14 +34,15 @@ STEPS, MICRO, SEQ, CLIP, LR, WORLD = 3, 2, 16, 0.5, 0.05, 4
 FAMILIES = ("mixtral", "qwen3_moe")
 CASES = (("mixtral", 2, 1), ("mixtral", 2, 3), ("mixtral", 4, 2), ("qwen3_moe", 2, 2), ("qwen3_moe", 4, 3))
 EXPERTS = 4
+ESTIMATED = ("mixtral", 2, 3)  # the case whose first forward's memory estimate is checked
 
 
-def _config(expert: int, stage: int) -> dict:
+def _config(expert: int, stage: int, estimate: bool = False) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": CLIP,
             "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
             "expert_parallel": {"enabled": True, "autoep_size": expert},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "stage3_param_persistence_threshold": 0},
-            "zeroplus": {"log_level": "warning", "memory_estimate": False}}
+            "zeroplus": {"log_level": "warning", "memory_estimate": estimate}}
 
 
 def _model(family: str) -> torch.nn.Module:
@@ -60,7 +63,7 @@ def _job(root: str) -> list[dict]:
     out = []
     for family, expert, stage in CASES:
         zeroplus.parallel.reset_parallel()
-        cfg = _config(expert, stage)
+        cfg = _config(expert, stage, estimate=(family, expert, stage) == ESTIMATED)
         parallel = zeroplus.init_parallel(cfg)
         engine = zeroplus.initialize(_model(family), cfg)
         losses, norms = [], []
@@ -75,7 +78,9 @@ def _job(root: str) -> list[dict]:
         params = _named(engine)
         held = {n: tuple(v.shape) for n, v in params.items() if ".experts." in n}
         out.append({"case": (family, expert, stage), "losses": losses, "norms": norms, "params": params,
-                    "held": held, "expert_rank": parallel.expert.rank, "data_rank": parallel.data.rank})
+                    "held": held, "expert_rank": parallel.expert.rank, "data_rank": parallel.data.rank,
+                    "ledger": ledger_peaks(engine),
+                    "predicted": engine.budget.category_peaks if engine.budget is not None else None})
         if stage == 3:  # the whole model, each expert group's experts put back together, in Hugging Face's files
             engine.save_pretrained(f"{root}/{family}-{expert}", dtype="fp32")
         engine.destroy()
@@ -132,6 +137,9 @@ def test_hugging_face_experts_split_by_their_plan_train_as_one_process(tmp_path)
             assert got["held"] and all(shape[0] == local for shape in got["held"].values()), f"{label}: {got['held']}"
             assert got["losses"] == pytest.approx(ref_losses[got["data_rank"]], rel=1e-5), label
             assert got["norms"] == pytest.approx(ref_norms, rel=1e-5), f"{label}: gradient norms"
+            assert (got["predicted"] is not None) == (got["case"] == ESTIMATED), label
+            if got["predicted"] is not None:  # this rank's experts and the rest, as the ledger measures them
+                assert_model_states_predicted(got["ledger"], label, engine=got["predicted"])
             for name, value in dense.items():
                 if name == "lm_head.weight" and name not in got["params"]:
                     continue  # (tied to the embedding)

@@ -20,7 +20,9 @@ expert-data group, as it does zeroplus's own ``MoE`` layers'. Refused before any
 rank and the reason: no experts module in the plan, an expert count E does not divide, an experts module without
 ``num_experts`` or with a parameter that is not per expert, tensor parallelism beside it (not yet). Equal to one
 process (``tests/parallel/test_autoep.py``). Memory per rank: 1/E of the experts' weights, gradients, masters and
-states; the rows sent and received (``k x tokens x hidden`` each way at most).
+states; the rows sent and received (``k x tokens x hidden`` each way at most). The memory estimate runs the
+layout on the meta device with every expert given an equal share of the pairs (the routing is data): its
+model-state categories are exact, its activations those of balanced routing.
 See note: autoep (docs/design-notes.md).
 """
 from __future__ import annotations
@@ -91,14 +93,19 @@ class _Dispatch:
         order = torch.argsort(pair_expert, stable=True)  # by expert, then token, then choice
         token = torch.arange(index.shape[0], device=index.device).repeat_interleave(index.shape[1])[order]
         weight = weights.reshape(-1)[order]
-        counts = torch.bincount(pair_expert, minlength=N)
-        got = torch.empty_like(counts)
-        self.ep.all_to_all(got, counts).wait()  # chunk r: rank r's counts for my experts
-        send = counts.view(P, L).sum(1).tolist()
-        per_source = got.view(P, L)
-        recv = per_source.sum(1).tolist()
-        received = exchange_rows(hidden[token], self.ep, send, recv)
-        local = torch.arange(L, device=index.device).repeat(P).repeat_interleave(per_source.reshape(-1))
+        if index.is_meta:  # the memory estimate: no routing to read; every expert gets an equal share of the pairs
+            send = recv = [len(part) for part in torch.arange(pair_expert.numel()).tensor_split(P)]
+            received = exchange_rows(hidden[token], self.ep, send, recv)
+            local = torch.zeros(sum(recv), dtype=torch.long, device=index.device)
+        else:
+            counts = torch.bincount(pair_expert, minlength=N)
+            got = torch.empty_like(counts)
+            self.ep.all_to_all(got, counts).wait()  # chunk r: rank r's counts for my experts
+            send = counts.view(P, L).sum(1).tolist()
+            per_source = got.view(P, L)
+            recv = per_source.sum(1).tolist()
+            received = exchange_rows(hidden[token], self.ep, send, recv)
+            local = torch.arange(L, device=index.device).repeat(P).repeat_interleave(per_source.reshape(-1))
         self.pending.append((token, weight, send, recv, hidden.shape[0]))
         ones = torch.ones(received.shape[0], 1, dtype=weights.dtype, device=weights.device)
         return (received, local.unsqueeze(1), ones), {}
