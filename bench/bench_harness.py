@@ -43,6 +43,8 @@ import tempfile
 import time
 from typing import Any
 
+from bench_worker import rank_results
+
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
 DS_DEFAULTS = {"stage3_prefetch_bucket_size": 5e7, "stage3_param_persistence_threshold": 1e5,
                "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8, "stage3_max_live_parameters": 1e9,
@@ -209,14 +211,7 @@ def launch(row: str, dtype: str, steps: int, micro: int = 1, seq: int = 64, trim
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                os.path.abspath(__file__), "--worker", row, "--dtypes", dtype, "--steps", str(steps), "--out", out,
                "--micro-batch", str(micro), "--seq", str(seq), "--classes", classes]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        ranks = []
-        for rank in range(2):
-            try:
-                with open(f"{out}.{rank}.json") as f:
-                    ranks.append(json.load(f))
-            except FileNotFoundError:
-                raise RuntimeError(f"{row} {dtype} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}") from None
+        ranks = rank_results(out, 2, f"{row} {dtype}", subprocess.run(cmd, env=env, capture_output=True, text=True))
     warm = ranks[0]["times"][2:] or ranks[0]["times"]
     return {"peak": max(r["peak"] for r in ranks), "step": statistics.median(warm), "loss": ranks[0]["losses"][-1]}
 

@@ -13,7 +13,6 @@ construction overhead, ``budget/runtime_overhead.py``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -27,6 +26,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 from bench_init_worker import make  # noqa: E402
+from bench_worker import rank_results  # noqa: E402
 from bench_zero import MALLOC_ENV  # noqa: E402
 
 from zeroplus.budget.runtime_overhead import runtime_bytes  # noqa: E402
@@ -55,15 +55,8 @@ def run(framework: str, path: str, model: str, ranks: int, pretrained: str) -> l
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
                os.path.join(HERE, "bench_init_worker.py"), "--framework", framework, "--path", path,
                "--model", model, "--pretrained", pretrained, "--out-prefix", prefix]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        out = []
-        for rank in range(ranks):
-            try:
-                with open(f"{prefix}.{rank}.json") as f:
-                    out.append(json.load(f))
-            except OSError:
-                raise RuntimeError(f"{framework} {path} {model} x{ranks} failed:\n{proc.stderr[-3000:]}") from None
-        return out
+        return rank_results(prefix, ranks, f"{framework} {path} {model} x{ranks}",
+                            subprocess.run(cmd, env=env, capture_output=True, text=True))
 
 
 def main() -> None:

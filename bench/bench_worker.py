@@ -12,6 +12,7 @@ import contextlib
 import inspect
 import json
 import os
+import subprocess
 import time
 
 import torch
@@ -27,6 +28,19 @@ def rss_bytes(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(field)
+
+
+def rank_results(out: str, ranks: int, what: str, proc: subprocess.CompletedProcess) -> list[dict]:
+    """Each rank's ``{out}.{rank}.json`` after a launch (``proc``: its completed process); a rank that wrote none
+    is an error with the launch's output tail."""
+    results = []
+    for rank in range(ranks):
+        try:
+            with open(f"{out}.{rank}.json") as f:
+                results.append(json.load(f))
+        except FileNotFoundError:
+            raise RuntimeError(f"{what} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}") from None
+    return results
 
 
 def start_measuring() -> tuple[int, int]:
