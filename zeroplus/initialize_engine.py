@@ -47,9 +47,9 @@ from .engine.engine import Engine
 from .engine.rank_agreement import check_ranks_agree
 from .logs import log_rank0, setup_logging
 from .optim.build import describe_client_optimizer
-from .parallel.autoep import experts_modules, split_experts
-from .parallel.autotp import Undo, split_by_plan
+from .parallel.autotp import Undo
 from .parallel.groups import ParallelGroups, init_parallel
+from .parallel.plans import split_by_own_plans
 
 logger = logging.getLogger("zeroplus.engine")
 
@@ -187,27 +187,13 @@ def _plan(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, code: int | None
 
 
 def split_by_plans(model: torch.nn.Module, parallel: ParallelGroups) -> Undo:
-    """A tensor or expert size above 1: a Hugging Face model split by its own plans (AutoTP, ``parallel/autotp.py``;
-    AutoEP, ``parallel/autoep.py``), before anything reads the model; a plan it cannot split is a ConfigError naming
-    the key and the rank, the model as it was."""
-    top = parallel.topology
-    tensor = (f"config key 'tensor_parallel.autotp_size' / 'zeroplus.parallel.tensor' is {top.tensor} "
-              f"(rank {parallel.global_rank})")
-    expert = (f"config key 'expert_parallel.autoep_size' / 'zeroplus.parallel.expert' is {top.expert} "
-              f"(rank {parallel.global_rank})")
-    if top.tensor > 1 and top.expert > 1 and experts_modules(model):
-        raise ConfigError(f"{tensor} and {expert}: a Hugging Face mixture of experts split both ways is not "
-                          f"supported yet; use one")
-    done = Undo()
+    """A tensor or expert size above 1: a Hugging Face model split by its own plans (``parallel/plans.py``), before
+    anything reads the model; a plan it cannot split is a ConfigError naming the key and the rank, the model as it
+    was."""
     try:
-        if top.tensor > 1:
-            done = split_by_plan(model, parallel.tensor, tensor)
-        if top.expert > 1:
-            split_experts(model, parallel.expert, expert, done)
+        return split_by_own_plans(model, parallel)
     except ValueError as err:
-        done.undo()
         raise ConfigError(str(err)) from None
-    return done
 
 
 def _estimate_source(model: torch.nn.Module, cfg: ResolvedConfig, parallel: ParallelGroups,

@@ -12,7 +12,8 @@ model on both data ranks' batches, SGD with momentum (Adam would turn a gradient
 near zero into a full step) and a clip the gradients exceed (a norm that counted the replicated norms twice would
 change every update). Checked: which modules are split, the losses each rank reports, the global gradient norm, and
 every parameter slice after training, within 1e-5 relative (absolute floor 1e-6); at ZeRO-3 the first forward's
-estimate predicts every model-state category of the split Llama as the ledger measures it; ``save_pretrained``
+estimate predicts every model-state category of the split Llama as the ledger measures it, and so does
+``zeroplus.estimate`` of the Llama as built, unsplit (it splits its meta copy by the plan); ``save_pretrained``
 writes the whole trained model (its slices all-gathered over the tensor group and joined), which ``from_pretrained``
 loads equal to the reference; the same model built on the meta device and split gets, at ``initialize``, the
 normally built model's slices, and ``load_pretrained`` of the exported files reads the trained slices, bit for bit.
@@ -102,6 +103,9 @@ def _job(root: str) -> list[dict]:
             engine.destroy()
             if stage == 3:
                 out[-1]["built"], out[-1]["loaded"] = _on_meta_then_loaded(family, f"{root}/{family}")
+            if out[-1]["predicted"] is not None:  # zeroplus.estimate of the model as the user has it, unsplit
+                out[-1]["estimated"] = zeroplus.estimate(_model(family), cfg, world_size=4, rank=parallel.global_rank,
+                                                         seq_len=SEQ).category_peaks
     return out
 
 
@@ -166,7 +170,8 @@ def test_hugging_face_models_split_by_their_plan_train_as_one_process(tmp_path):
                 assert got["norms"] == pytest.approx(ref_norms, rel=1e-5), f"{label}: gradient norms"
                 assert (got["predicted"] is not None) == ((family, got["stage"]) == ("llama", 3)), label
                 if got["predicted"] is not None:  # the first forward's estimate, of this rank's slices
-                    assert_model_states_predicted(got["ledger"], label, engine=got["predicted"])
+                    assert_model_states_predicted(got["ledger"], label, engine=got["predicted"],
+                                                  estimate=got["estimated"])
                 for name, value in dense.items():
                     if name == "lm_head.weight" and name not in got["params"]:
                         continue  # (tied to the embedding)

@@ -46,6 +46,7 @@ from ..meta_values import give_values, shadow_of
 from ..offload import meta_tier
 from ..parallel.groups import current_groups, using
 from ..parallel.pipeline_schedule import train_batch
+from ..parallel.plans import split_by_own_plans
 from ..parallel.registry import carry_marks
 from ..parallel.topology import KINDS
 from ..zero.init_shards import partition_tree
@@ -342,11 +343,14 @@ def simulate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     with _quiet(), _own_checkpointing_settings(), contextlib.ExitStack() as stack:
         stack.enter_context(using(groups))  # a model that asks for its groups at run time (context) gets these
         built = make() if construction != "whole" else None  # never whole in memory: built outside the count
+        if built is not None:
+            split_by_own_plans(built, groups)  # (a Hugging Face model not split yet: split before its chunks)
         stack.enter_context(tracker)
         stack.enter_context(attention)
         stack.enter_context(meta_autocast_queries(get_accelerator().name))
         if built is None:
             meta_model = make()  # the model as built, whole on the rank: the init phase counts it
+            split_by_own_plans(meta_model, groups)  # a Hugging Face model not split yet: as initialize splits it
         else:
             meta_model = built
             partition_tree(meta_model, groups.zero, torch.device("meta"))  # Init's chunks, counted

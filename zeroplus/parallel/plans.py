@@ -1,0 +1,36 @@
+"""A Hugging Face model split by its own plans for the layout the groups name: AutoTP over the tensor group
+(``autotp.py``), AutoEP over the expert group (``autoep.py``); the one entry ``initialize``, DeepSpeed's
+``tp_model_init`` and the memory estimate (on its meta copy, with the simulated rank's groups) split a model by.
+A ``ValueError`` names the key and the rank and leaves the model as it was; what it changed is returned (``Undo``).
+"""
+from __future__ import annotations
+
+import torch
+
+from .autoep import experts_modules, split_experts
+from .autotp import Undo, split_by_plan
+from .groups import ParallelGroups
+
+
+def split_by_own_plans(model: torch.nn.Module, parallel: ParallelGroups) -> Undo:
+    top = parallel.topology
+    tensor = (f"config key 'tensor_parallel.autotp_size' / 'zeroplus.parallel.tensor' is {top.tensor} "
+              f"(rank {parallel.global_rank})")
+    expert = (f"config key 'expert_parallel.autoep_size' / 'zeroplus.parallel.expert' is {top.expert} "
+              f"(rank {parallel.global_rank})")
+    if top.tensor > 1 and top.expert > 1 and experts_modules(model):
+        raise ValueError(f"{tensor} and {expert}: a Hugging Face mixture of experts split both ways is not "
+                         f"supported yet; use one")
+    done = Undo()
+    try:
+        if top.tensor > 1:
+            done = split_by_plan(model, parallel.tensor, tensor)
+        if top.expert > 1:
+            split_experts(model, parallel.expert, expert, done)
+    except ValueError:
+        done.undo()
+        raise
+    return done
+
+
+__all__ = ["split_by_own_plans"]
