@@ -49,7 +49,8 @@ from .logs import log_rank0, setup_logging
 from .optim.build import describe_client_optimizer
 from .parallel.autotp import Undo
 from .parallel.groups import ParallelGroups, init_parallel
-from .parallel.plans import split_by_own_plans
+from .parallel.plans import split_by_own_plans, splits
+from .zero.init_shards import shard_of
 
 logger = logging.getLogger("zeroplus.engine")
 
@@ -190,6 +191,12 @@ def split_by_plans(model: torch.nn.Module, parallel: ParallelGroups) -> Undo:
     """A tensor or expert size above 1: a Hugging Face model split by its own plans (``parallel/plans.py``), before
     anything reads the model; a plan it cannot split is a ConfigError naming the key and the rank, the model as it
     was."""
+    top = parallel.topology
+    if splits(model, parallel) and any(shard_of(p) is not None for p in model.parameters()):
+        raise ConfigError(f"the model was built under zeroplus.Init (its parameters partitioned), and the config asks "
+                          f"for tensor size {top.tensor} / expert size {top.expert} (rank {parallel.global_rank}), "
+                          f"which splits a Hugging Face model by its plans: not supported on partitioned parameters "
+                          f"yet; build the model normally or on the meta device")
     try:
         return split_by_own_plans(model, parallel)
     except ValueError as err:

@@ -19,8 +19,8 @@ loads equal to the reference; the same model built on the meta device and split 
 normally built model's slices, and ``load_pretrained`` of the exported files reads the trained slices, bit for bit.
 Refused, naming the key, the rank and the reason, with the model left as it was:
 key/value heads T neither divides nor is a multiple of, a plan style not split yet (DeepSeek-V2's latent key/value
-projection), a head tied to embeddings the plan leaves whole, and a refusal after the split (Muon under tensor
-parallelism), which puts the model's own modules back.
+projection), a head tied to embeddings the plan leaves whole, a model built under ``zeroplus.Init`` (partitioned
+parameters), and a refusal after the split (Muon under tensor parallelism), which puts the model's own modules back.
 """
 from __future__ import annotations
 
@@ -240,12 +240,15 @@ def _refused_after_the_split() -> str:
 
 
 def _refusals() -> list[str]:
+    with zeroplus.Init():  # (no config: partitioned over the world, as a script may build it)
+        partitioned = _model("llama")
     return [_refused(_uneven_key_value_heads()), _refused(_multi_head_latent_attention()),
-            _refused(_tied_head_of_a_whole_embedding()), _refused_after_the_split()]
+            _refused(_tied_head_of_a_whole_embedding()), _refused_after_the_split(), _refused(partitioned)]
 
 
 def test_what_autotp_cannot_split_is_refused_on_every_rank_naming_it():
-    for rank, (heads, latent, tied, later) in enumerate(run_distributed(_refusals, 2)):
+    for rank, (heads, latent, tied, later, partitioned) in enumerate(run_distributed(_refusals, 2)):
+        assert "built under zeroplus.Init" in partitioned and f"(rank {rank})" in partitioned, partitioned
         assert "lm_head.weight is tied to model.embed_tokens's, which the plan does not split" in tied, tied
         assert "'optimizer.type' is 'Muon' and 'zeroplus.parallel.tensor' is set" in later, later
         assert f"'tensor_parallel.autotp_size' / 'zeroplus.parallel.tensor' is 2 (rank {rank})" in heads, heads

@@ -7,9 +7,19 @@ from __future__ import annotations
 
 import torch
 
-from .autoep import experts_modules, split_experts
-from .autotp import Undo, split_by_plan
+from .autoep import ep_plan, experts_modules, split_experts
+from .autotp import Undo, split_by_plan, tp_plan
 from .groups import ParallelGroups
+from .moe import is_expert
+from .tensor_layers import is_tensor_parallel
+
+
+def splits(model: torch.nn.Module, parallel: ParallelGroups) -> bool:
+    """Whether ``split_by_own_plans`` would split ``model`` (it has a plan for a size above 1, and is not split by
+    zeroplus's own layers already)."""
+    top, params = parallel.topology, list(model.parameters())
+    tensor = top.tensor > 1 and tp_plan(model) is not None and not any(is_tensor_parallel(p) for p in params)
+    return tensor or (top.expert > 1 and ep_plan(model) is not None and not any(is_expert(p) for p in params))
 
 
 def split_by_own_plans(model: torch.nn.Module, parallel: ParallelGroups) -> Undo:
@@ -33,4 +43,4 @@ def split_by_own_plans(model: torch.nn.Module, parallel: ParallelGroups) -> Undo
     return done
 
 
-__all__ = ["split_by_own_plans"]
+__all__ = ["split_by_own_plans", "splits"]
