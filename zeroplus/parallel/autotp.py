@@ -231,14 +231,14 @@ def _split_linear(t: _Target, tp: DataParallelGroup, heads: _Heads, sliced: set[
             done.replace(t.owner, "num_key_value_groups", heads.query // tp.size)
         return ReplicatedRowsLinear(linear, head * heads.head_dim, (head + 1) * heads.head_dim, tp)
     bias = linear.bias is not None
-    with torch.device("meta"):
+    with torch.device("meta"):  # (no memory, no random draws: the model's own parameters go in below)
         if t.style == "rowwise":
             split: nn.Module = RowParallelLinear(linear.in_features, linear.out_features, bias=bias, tp=tp)
         else:
             split = ColumnParallelLinear(linear.in_features, linear.out_features, bias=bias, tp=tp,
                                          gather_output=t.style == "colwise_gather_output")
-    assert isinstance(split, (RowParallelLinear, ColumnParallelLinear))  # (built on the meta device: no memory,
-    cut = Cut(1 if t.style == "rowwise" else 0)                          # no random draws; the model's own go in)
+    assert isinstance(split, (RowParallelLinear, ColumnParallelLinear))
+    cut = Cut(1 if t.style == "rowwise" else 0)
     split.weight = _cut(linear.weight, cut, tp, sliced, done)
     if linear.bias is not None:  # a row-parallel bias is whole: added once, after the sum
         split.bias = _cut(linear.bias, cut, tp, sliced, done) if cut.dim == 0 else linear.bias
