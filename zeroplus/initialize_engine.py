@@ -86,7 +86,7 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
         parallel = init_parallel(cfg)
     except ValueError as err:
         raise ConfigError(f"config key 'zeroplus.parallel': {err}") from None
-    split = split_by_plans(model, parallel)
+    split = split_by_plans(model, parallel, cfg.zeroplus.parallel.expert_capacity_factor)
     try:
         return _assemble(model, cfg, parallel, accel, rss_at_start, code, wrapper, optimizer, lr_scheduler,
                          model_parameters, process_group, init_fn)
@@ -187,18 +187,24 @@ def _plan(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, code: int | None
     return apply_settings(cfg, settings)
 
 
-def split_by_plans(model: torch.nn.Module, parallel: ParallelGroups) -> Undo:
+def split_by_plans(model: torch.nn.Module, parallel: ParallelGroups, capacity_factor: float | None = None) -> Undo:
     """A tensor or expert size above 1: a Hugging Face model split by its own plans (``parallel/plans.py``), before
     anything reads the model; a plan it cannot split is a ConfigError naming the key and the rank, the model as it
-    was."""
+    was. ``capacity_factor``: AutoEP's (``zeroplus.parallel.expert_capacity_factor``), refused where no experts are
+    split by a plan (zeroplus's own MoE layers take theirs when built)."""
     top = parallel.topology
+    if capacity_factor is not None and not (top.expert > 1 and splits(model, parallel)):
+        raise ConfigError(f"config key 'zeroplus.parallel.expert_capacity_factor' is {capacity_factor} (rank "
+                          f"{parallel.global_rank}), and no experts are split by a plan here (expert size "
+                          f"{top.expert}, a {type(model).__name__}): it applies to a Hugging Face mixture of experts "
+                          f"split by AutoEP; zeroplus's MoE layers take capacity_factor= when built")
     if splits(model, parallel) and any(shard_of(p) is not None for p in model.parameters()):
         raise ConfigError(f"the model was built under zeroplus.Init (its parameters partitioned), and the config asks "
                           f"for tensor size {top.tensor} / expert size {top.expert} (rank {parallel.global_rank}), "
                           f"which splits a Hugging Face model by its plans: not supported on partitioned parameters "
                           f"yet; build the model normally or on the meta device")
     try:
-        return split_by_own_plans(model, parallel)
+        return split_by_own_plans(model, parallel, capacity_factor)
     except ValueError as err:
         raise ConfigError(str(err)) from None
 

@@ -15,9 +15,14 @@ The first forward's memory estimate (routing assumed balanced on the meta device
 category of Mixtral at expert 2, ZeRO-3, as the ledger measures it. Broken once (the combine's routing weights left
 out): fails. Refused, naming the
 key, the rank and the reason, with the model left whole: an expert count E does not divide, a model without
-experts (Llama), expert and tensor parallelism together, and an ``autoep_size`` without ``enabled``.
+experts (Llama), expert and tensor parallelism together, an ``autoep_size`` without ``enabled``, and a capacity
+factor with no experts split. With ``zeroplus.parallel.expert_capacity_factor`` 1.0 (Mixtral, expert 2, ZeRO-2)
+each rank drops the pairs over its experts' capacity as the reference (the same rule, applied in one process to
+each rank's batch) does, and equals it (without the drop in the dispatch: fails).
 """
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -33,6 +38,7 @@ from zeroplus.config import ConfigError
 STEPS, MICRO, SEQ, CLIP, LR, WORLD = 3, 2, 16, 0.5, 0.05, 4
 FAMILIES = ("mixtral", "qwen3_moe")
 CASES = (("mixtral", 2, 1), ("mixtral", 2, 3), ("mixtral", 4, 2), ("qwen3_moe", 2, 2), ("qwen3_moe", 4, 3))
+CAPACITY = ("mixtral", 2, 2, 1.0)  # (family, expert, stage, zeroplus.parallel.expert_capacity_factor)
 EXPERTS = 4
 ESTIMATED = ("mixtral", 2, 3)  # the case whose first forward's memory estimate is checked
 
@@ -61,9 +67,11 @@ def _batches() -> list[torch.Tensor]:
 
 def _job(root: str) -> list[dict]:
     out = []
-    for family, expert, stage in CASES:
+    for family, expert, stage, *capacity in (*CASES, CAPACITY):
         zeroplus.parallel.reset_parallel()
         cfg = _config(expert, stage, estimate=(family, expert, stage) == ESTIMATED)
+        if capacity:
+            cfg["zeroplus"]["parallel"] = {"expert_capacity_factor": capacity[0]}
         parallel = zeroplus.init_parallel(cfg)
         engine = zeroplus.initialize(_model(family), cfg)
         losses, norms = [], []
@@ -77,7 +85,7 @@ def _job(root: str) -> list[dict]:
             norms.append(engine.get_global_grad_norm())
         params = _named(engine)
         held = {n: tuple(v.shape) for n, v in params.items() if ".experts." in n}
-        out.append({"case": (family, expert, stage), "losses": losses, "norms": norms, "params": params,
+        out.append({"case": (family, expert, stage, *capacity), "losses": losses, "norms": norms, "params": params,
                     "held": held, "expert_rank": parallel.expert.rank, "data_rank": parallel.data.rank,
                     "ledger": ledger_peaks(engine),
                     "predicted": engine.budget.category_peaks if engine.budget is not None else None})
@@ -107,8 +115,32 @@ def _on_meta_then_loaded(family: str, cfg: dict, path: str) -> tuple[dict, dict]
     return built, loaded
 
 
-def _reference(family: str) -> tuple[list[list[float]], list[float], dict[str, torch.Tensor]]:
+def _dropping(model: torch.nn.Module, factor: float, dropped: list[int]) -> None:
+    """The reference's own capacity: each experts call keeps at most ceil(k x tokens / experts x factor) pairs per
+    expert, earlier choices then earlier tokens first; a dropped pair's routing weight is multiplied by 0 (no share
+    of the output, no gradient). ``dropped`` counts the pairs dropped."""
+    def hook(module: torch.nn.Module, args: tuple) -> tuple:
+        hidden, index, weights = args
+        tokens, k = index.shape
+        cap, used = math.ceil(k * tokens / EXPERTS * factor), torch.zeros(EXPERTS, dtype=torch.long)
+        kept = torch.zeros_like(weights)
+        for j in range(k):
+            onehot = torch.nn.functional.one_hot(index[:, j], EXPERTS)
+            kept[:, j] = ((onehot.cumsum(0) - 1 + used).gather(1, index[:, j:j + 1]).squeeze(1) < cap).float()
+            used += onehot.sum(0)
+        dropped.append(int((kept == 0).sum()))
+        return hidden, index, weights * kept
+    for name, m in model.named_modules():
+        if name.endswith("mlp.experts"):
+            m.register_forward_pre_hook(hook)
+
+
+def _reference(family: str, capacity: float | None = None) -> tuple[list[list[float]], list[float],
+                                                                      dict[str, torch.Tensor]]:
     model, batches = _model(family), _batches()
+    dropped: list[int] = []
+    if capacity is not None:
+        _dropping(model, capacity, dropped)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     losses: list[list[float]] = [[] for _ in range(WORLD)]
     norms = []
@@ -121,18 +153,20 @@ def _reference(family: str) -> tuple[list[list[float]], list[float], dict[str, t
         norms.append(clip_global_norm(list(model.parameters()), CLIP))
         opt.step()
         opt.zero_grad(set_to_none=True)
+    assert capacity is None or sum(dropped) > 0, "the capacity must drop pairs, or it is not tested"
     return losses, norms, {n: p.detach() for n, p in model.named_parameters()}
 
 
 def test_hugging_face_experts_split_by_their_plan_train_as_one_process(tmp_path):
     ranks = run_distributed(_job, WORLD, str(tmp_path))
-    references = {family: _reference(family) for family in FAMILIES}
+    references = {(family,): _reference(family) for family in FAMILIES}
+    references[(CAPACITY[0], CAPACITY[3])] = _reference(CAPACITY[0], CAPACITY[3])
     for rank, results in enumerate(ranks):
         for got in results:
-            family, expert, stage = got["case"]
-            ref_losses, ref_norms, dense = references[family]
+            family, expert, stage, *capacity = got["case"]
+            ref_losses, ref_norms, dense = references[(family, *capacity)]
             assert ref_norms[0] > CLIP, "the clip must act, or the norm is not tested"
-            label = f"{family}, expert {expert}, ZeRO-{stage}, rank {rank}"
+            label = f"{family}, expert {expert}, ZeRO-{stage}, {capacity or 'dropless'}, rank {rank}"
             local, first = EXPERTS // expert, got["expert_rank"] * (EXPERTS // expert)
             assert got["held"] and all(shape[0] == local for shape in got["held"].values()), f"{label}: {got['held']}"
             assert got["losses"] == pytest.approx(ref_losses[got["data_rank"]], rel=1e-5), label
@@ -157,7 +191,7 @@ def test_hugging_face_experts_split_by_their_plan_train_as_one_process(tmp_path)
         if stage == 3:
             exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"{family}-{expert}",
                                                                          dtype=torch.float32)
-            dense = references[family][2]
+            dense = references[(family,)][2]
             for name, value in exported.named_parameters():  # every expert, whole (the slices: checked above)
                 torch.testing.assert_close(value.detach(), dense[name], rtol=1e-5, atol=1e-6,
                                            msg=lambda m, n=name: f"{family}, expert {expert}, exported {n}: {m}")
@@ -184,11 +218,19 @@ def _refusals() -> list[str]:
     both = dict(_config(2, 1), tensor_parallel={"autotp_size": 2})
     return [_refused(three, _config(2, 1)), _refused(build("llama", "tiny"), _config(2, 1)),
             _refused(_model("mixtral"), both), _refused(_model("mixtral"), dict(
-                _config(2, 1), expert_parallel={"autoep_size": 2}))]
+                _config(2, 1), expert_parallel={"autoep_size": 2})), _refused(_model("mixtral"), _capacity_alone())]
+
+
+def _capacity_alone() -> dict:
+    """A capacity factor with no experts split (expert size 1): a key that would change nothing."""
+    cfg = _config(1, 1)
+    cfg["zeroplus"]["parallel"] = {"expert_capacity_factor": 1.0}
+    return cfg
 
 
 def test_what_autoep_cannot_split_is_refused_on_every_rank_naming_it():
-    for rank, (uneven, dense, both, disabled) in enumerate(run_distributed(_refusals, 4)):
+    for rank, (uneven, dense, both, disabled, alone) in enumerate(run_distributed(_refusals, 4)):
+        assert "'zeroplus.parallel.expert_capacity_factor' is 1.0" in alone and "no experts are split" in alone, alone
         key = f"'expert_parallel.autoep_size' / 'zeroplus.parallel.expert' is 2 (rank {rank})"
         assert key in uneven and "num_experts = 3, not divisible by 2" in uneven, uneven
         assert key in dense and "a LlamaForCausalLM, has no expert layer zeroplus splits" in dense, dense

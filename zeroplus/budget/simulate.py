@@ -344,13 +344,13 @@ def simulate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
         stack.enter_context(using(groups))  # a model that asks for its groups at run time (context) gets these
         built = make() if construction != "whole" else None  # never whole in memory: built outside the count
         if built is not None:
-            split_by_own_plans(built, groups)  # (a Hugging Face model not split yet: split before its chunks)
+            split_by_own_plans(built, groups, cfg.zeroplus.parallel.expert_capacity_factor)  # (before its chunks)
         stack.enter_context(tracker)
         stack.enter_context(attention)
         stack.enter_context(meta_autocast_queries(get_accelerator().name))
         if built is None:
             meta_model = make()  # the model as built, whole on the rank: the init phase counts it
-            split_by_own_plans(meta_model, groups)  # a Hugging Face model not split yet: as initialize splits it
+            split_by_own_plans(meta_model, groups, cfg.zeroplus.parallel.expert_capacity_factor)  # as initialize
         else:
             meta_model = built
             partition_tree(meta_model, groups.zero, torch.device("meta"))  # Init's chunks, counted

@@ -313,6 +313,11 @@ class ParallelConfig(Block):
     pipeline: PositiveInt = Field(1, description="Pipeline-parallel size: ranks that each run a slice of the layers.")
     expert: PositiveInt = Field(1, description="Expert-parallel size, carved out of the data-parallel ranks (it "
                                                "divides data size): ranks that split a mixture-of-experts layer.")
+    expert_capacity_factor: PositiveFloat | None = Field(
+        None, description="A Hugging Face mixture of experts split by its plan (AutoEP): at most "
+                          "ceil(k x tokens / experts x factor) of each rank's (token, choice) pairs per expert, "
+                          "earlier choices and earlier tokens first, the rest dropped (their weight's share of the "
+                          "output is lost); unset: dropless.")
     experts_span_tensor: bool = Field(
         False, description="The expert-data mode: expert groups drawn from data x tensor ranks rather than data "
                            "ranks alone (expert a multiple of tensor, dividing data x tensor), so tensor parallelism "

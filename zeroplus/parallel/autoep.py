@@ -13,12 +13,15 @@ does; then, around the experts module's own forward (hooks, so the model's exper
 - after it, the rows go back (the reverse ``all_to_all_v``) and each token's output is the sum of its choices',
   weighted by the router's weights, added in expert order as the model adds them.
 
-Dropless: every pair reaches its expert (no capacity). The gradients come back the same ways (the exchanges'
-backward), so the router's and the hidden states' gradients are this rank's tokens', and each expert's is every
-rank's tokens' for it. The expert parameters are marked (``moe.mark_expert``): ZeRO partitions them over the
-expert-data group, as it does zeroplus's own ``MoE`` layers'. Refused before anything changes, naming the key, the
-rank and the reason: no experts module in the plan, an expert count E does not divide, an experts module without
-``num_experts`` or with a parameter that is not per expert, tensor parallelism beside it (not yet). Equal to one
+Dropless by default: every pair reaches its expert. With ``zeroplus.parallel.expert_capacity_factor`` f, each
+rank keeps at most ``ceil(k x tokens / N x f)`` of its pairs per expert, earlier choices and earlier tokens first
+(``moe.TopKGate``'s rule); a dropped pair adds nothing to its token's output and takes no gradient. The gradients
+come back the same ways (the exchanges' backward), so the router's and the hidden states' gradients are this
+rank's tokens', and each expert's is every rank's tokens' for it. The expert parameters are marked
+(``moe.mark_expert``): ZeRO partitions them over the expert-data group, as it does zeroplus's own ``MoE``
+layers'. Refused before anything changes, naming the key, the rank and the reason: no experts module in the plan,
+an expert count E does not divide, an experts module without ``num_experts`` or with a parameter that is not per
+expert, tensor parallelism beside it (not yet). Equal to one
 process (``tests/parallel/test_autoep.py``). Memory per rank: 1/E of the experts' weights, gradients, masters and
 states; the rows sent and received (``k x tokens x hidden`` each way at most). The memory estimate runs the
 layout on the meta device with every expert given an equal share of the pairs (the routing is data): its
@@ -27,6 +30,7 @@ See note: autoep (docs/design-notes.md).
 """
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -55,7 +59,8 @@ def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if any(r.fullmatch(name) for r in patterns)]
 
 
-def split_experts(model: nn.Module, ep: DataParallelGroup, where: str, done: Undo) -> None:
+def split_experts(model: nn.Module, ep: DataParallelGroup, where: str, done: Undo,
+                  capacity_factor: float | None = None) -> None:
     """Split ``model``'s experts over ``ep`` by its plan, in place, recording what changed in ``done``; a model whose
     experts zeroplus already splits (its own ``MoE`` layers), or that has no plan, is left as it is. ``where``: the
     key and rank for an error (a ``ValueError``; the model is then as it was)."""
@@ -72,7 +77,7 @@ def split_experts(model: nn.Module, ep: DataParallelGroup, where: str, done: Und
             done.mark(expert_marks(), p)
             done.mark(cut_marks(Cut(0), "expert"), p)
         done.replace(module, "num_experts", local)
-        dispatch = _Dispatch(ep, total)
+        dispatch = _Dispatch(ep, total, capacity_factor)
         done.hooks.append(module.register_forward_pre_hook(dispatch.send, with_kwargs=True))
         done.hooks.append(module.register_forward_hook(dispatch.combine))
 
@@ -81,8 +86,8 @@ class _Dispatch:
     """One experts module's exchanges: ``send`` (its pre-hook) routes the rows, ``combine`` (its hook) brings the
     outputs back; what ``combine`` needs is kept between them (a stack: a recomputed forward runs both again)."""
 
-    def __init__(self, ep: DataParallelGroup, num_experts: int) -> None:
-        self.ep, self.num_experts = ep, num_experts
+    def __init__(self, ep: DataParallelGroup, num_experts: int, capacity_factor: float | None) -> None:
+        self.ep, self.num_experts, self.capacity_factor = ep, num_experts, capacity_factor
         self.pending: list[tuple[torch.Tensor, torch.Tensor, list[int], list[int], int]] = []
 
     def send(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -90,11 +95,18 @@ class _Dispatch:
         P, N = self.ep.size, self.num_experts
         L = N // P
         pair_expert = index.reshape(-1)
+        token = torch.arange(index.shape[0], device=index.device).repeat_interleave(index.shape[1])
+        weight = weights.reshape(-1)
+        if self.capacity_factor is not None and not index.is_meta:  # the pairs over capacity are dropped
+            kept = self.kept(index).reshape(-1)
+            pair_expert, token, weight = pair_expert[kept], token[kept], weight[kept]
         order = torch.argsort(pair_expert, stable=True)  # by expert, then token, then choice
-        token = torch.arange(index.shape[0], device=index.device).repeat_interleave(index.shape[1])[order]
-        weight = weights.reshape(-1)[order]
+        token, weight, pair_expert = token[order], weight[order], pair_expert[order]
         if index.is_meta:  # the memory estimate: no routing to read; every expert gets an equal share of the pairs
-            send = recv = [len(part) for part in torch.arange(pair_expert.numel()).tensor_split(P)]
+            pairs = pair_expert.numel() if self.capacity_factor is None else min(
+                pair_expert.numel(), self.capacity(index.shape[0], index.shape[1]) * N)
+            send = recv = [len(part) for part in torch.arange(pairs).tensor_split(P)]
+            token, weight = token[:pairs], weight[:pairs]
             received = exchange_rows(hidden[token], self.ep, send, recv)
             local = torch.zeros(sum(recv), dtype=torch.long, device=index.device)
         else:
@@ -109,6 +121,24 @@ class _Dispatch:
         self.pending.append((token, weight, send, recv, hidden.shape[0]))
         ones = torch.ones(received.shape[0], 1, dtype=weights.dtype, device=weights.device)
         return (received, local.unsqueeze(1), ones), {}
+
+    def capacity(self, tokens: int, k: int) -> int:
+        assert self.capacity_factor is not None
+        return max(1, math.ceil(k * tokens / self.num_experts * self.capacity_factor))
+
+    def kept(self, index: torch.Tensor) -> torch.Tensor:
+        """``(tokens, k)``: whether each pair is within its expert's capacity on this rank, earlier choices first,
+        then earlier tokens (as ``moe.TopKGate`` keeps them)."""
+        tokens, k = index.shape
+        cap, N = self.capacity(tokens, k), self.num_experts
+        kept = torch.empty_like(index, dtype=torch.bool)
+        used = torch.zeros(N, dtype=torch.long, device=index.device)
+        for j in range(k):
+            onehot = torch.nn.functional.one_hot(index[:, j], N)
+            position = (onehot.cumsum(0) - 1 + used).gather(1, index[:, j:j + 1]).squeeze(1)
+            kept[:, j] = position < cap
+            used += onehot.sum(0)
+        return kept
 
     def combine(self, module: nn.Module, args: tuple, output: Any) -> torch.Tensor:
         if not isinstance(output, torch.Tensor):

@@ -22,7 +22,8 @@ def splits(model: torch.nn.Module, parallel: ParallelGroups) -> bool:
     return tensor or (top.expert > 1 and ep_plan(model) is not None and not any(is_expert(p) for p in params))
 
 
-def split_by_own_plans(model: torch.nn.Module, parallel: ParallelGroups) -> Undo:
+def split_by_own_plans(model: torch.nn.Module, parallel: ParallelGroups,
+                       capacity_factor: float | None = None) -> Undo:
     top = parallel.topology
     tensor = (f"config key 'tensor_parallel.autotp_size' / 'zeroplus.parallel.tensor' is {top.tensor} "
               f"(rank {parallel.global_rank})")
@@ -36,7 +37,7 @@ def split_by_own_plans(model: torch.nn.Module, parallel: ParallelGroups) -> Undo
         if top.tensor > 1:
             done = split_by_plan(model, parallel.tensor, tensor)
         if top.expert > 1:
-            split_experts(model, parallel.expert, expert, done)
+            split_experts(model, parallel.expert, expert, done, capacity_factor)
     except ValueError:
         done.undo()
         raise
