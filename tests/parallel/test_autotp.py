@@ -259,7 +259,9 @@ def test_what_autotp_cannot_split_is_refused_on_every_rank_naming_it():
 
 def _made_before_initialize() -> list[dict]:
     """What a user makes from the model before ``initialize`` still trains it: a client optimizer built on its
-    parameters, and ``model_parameters`` listed from them (DeepSpeed's API), 2 steps each on tensor 2 x data 1."""
+    parameters, and ``model_parameters`` listed from them (DeepSpeed's API), 2 steps each on tensor 2 x data 1;
+    then DeepSpeed's ``initialize`` with a config without tensor parallelism, in the same processes, gets plain data
+    parallelism (not the groups left by the run before)."""
     out = []
     for how in ("optimizer", "model_parameters"):
         model = _model("llama")
@@ -278,6 +280,11 @@ def _made_before_initialize() -> list[dict]:
             losses.append(loss.item())
         out.append({"how": how, "losses": losses, "params": local_params(engine)})
         engine.destroy()
+    plain = {k: v for k, v in _config(1).items() if k != "tensor_parallel"}  # next, in the same processes
+    served, *_ = deepspeed.initialize(model=_model("llama"), config=plain)
+    out.append({"how": "a config without tensor parallelism next", "layout": served.engine.parallel.topology.describe(),
+                "split": any(isinstance(m, SPLIT) for m in served.module.modules())})
+    served.destroy()
     return out
 
 
@@ -293,6 +300,8 @@ def test_an_optimizer_or_parameter_list_made_before_initialize_trains_the_slices
         losses.append(loss.item())
     dense = {n: p.detach() for n, p in model.named_parameters()}
     for rank, results in enumerate(run_distributed(_made_before_initialize, 2)):
+        *results, plain = results  # (DeepSpeed's API: each initialize makes its config's groups)
+        assert plain["layout"].startswith("2 ranks = data 2 x tensor 1") and not plain["split"], plain
         for got in results:
             label = f"{got['how']} made before initialize, rank {rank}"
             assert got["losses"] == pytest.approx(losses, rel=1e-5), label

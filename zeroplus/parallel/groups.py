@@ -150,7 +150,8 @@ def init_parallel(spec: Any = None, replace: bool = False) -> ParallelGroups:
     """Create (or return the existing) process groups for a parsed config, a config dict or path, or a
     ``Topology``. With no process group launched: one rank, every size 1 (anything else is an error). Groups of
     another layout exist: an error, or with ``replace`` new groups for this one (DeepSpeed's API: each
-    ``deepspeed.initialize`` makes its config's groups; an engine made before keeps its own)."""
+    ``deepspeed.initialize`` makes its config's groups, a config without parallel sizes plain data parallelism;
+    an engine made before keeps its own)."""
     global _CURRENT
     if spec is not None and not isinstance(spec, Topology) and not hasattr(spec, "zeroplus"):
         spec = parse_config(spec)[0]
@@ -160,15 +161,16 @@ def init_parallel(spec: Any = None, replace: bool = False) -> ParallelGroups:
     sizes = _sizes(spec) if spec is not None else (1, 1, 1, 1)
     topology = Topology(world, *sizes, experts_span_tensor=spec is not None and _span(spec))
     if _CURRENT is not None and _CURRENT.world_group is _world_group():
-        if sizes == (1, 1, 1, 1):
+        if sizes == (1, 1, 1, 1) and not replace:
             return _CURRENT  # a config without parallel sizes runs in the groups already made
         if _CURRENT.topology == topology:
             made, asked = _CURRENT.context_layout, _context_layout(spec, topology)
-            if asked is not None and made != asked:  # the same sizes, another attention layout: not the old one
+            if asked is not None and made != asked and not replace:  # the same sizes, another attention layout
                 raise ValueError(f"rank {rank}: process groups exist for {topology.describe()} with context_mode "
                                  f"{made[0]!r} (ulysses_size {made[1]}), and the config asks for {asked[0]!r} "
                                  f"(ulysses_size {asked[1]}); call zeroplus.parallel.reset_parallel() first")
-            return _CURRENT
+            if asked is None or made == asked:
+                return _CURRENT
         if not replace:
             raise ValueError(f"rank {rank}: process groups exist for {_CURRENT.topology.describe()}, and the config "
                              f"asks for {topology.describe()}; call zeroplus.parallel.reset_parallel() first")
