@@ -10,8 +10,9 @@ normal build would have started it, since a meta build draws nothing):
   ``__init__`` included (GPT-2's ``Conv1D`` draws there), and its ``post_init``; the rebuilt model must
   have the meta model's names, shapes and dtypes (a model changed after construction, e.g. embeddings
   resized, cannot be rebuilt: an error lists the differences), and its tensors take the meta ones'
-  places, ties kept; a parameter that holds a tensor rank's slice of the built one (a model split by its plan,
-  AutoTP) gets that slice, cut from the built parameter gathered whole, one at a time;
+  places, ties kept; a parameter that holds a rank's slice of the built one (a model split by its plans, AutoTP
+  or AutoEP) gets that slice, cut from the built parameter gathered whole, one at a time, and partitioned over
+  the ranks that hold the same slice;
 - any other model is replayed: each module's ``reset_parameters()`` in module order (what torch's
   layers run in their ``__init__``), then ``init_fn`` over the modules as ``Module.apply`` visits them,
   when given. Every parameter starts partitioned and empty (``init_shards.blank``); an initialisation
