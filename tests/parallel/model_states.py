@@ -1,4 +1,5 @@
-"""What the parallel tests share: predicted model-state peaks equal the ledger's, byte for byte; each rank's slices.
+"""What the parallel tests share: predicted model-state peaks equal the ledger's, byte for byte; each rank's slices;
+a Hugging Face causal LM's training steps on an engine.
 
 One allowance: on gloo the gradient reductions are in-place all-reduces of the flat gradient
 (``grad_reducer.py``), and gloo's worker thread drops its reference to a finished one's buffer a
@@ -13,6 +14,19 @@ import torch
 from zeroplus.ledger import Category
 
 MODEL_STATES = ("param", "param_gathered", "master", "optim_state", "grad")
+
+
+def hf_steps(engine: Any, batches: list[torch.Tensor]) -> tuple[list[float], list[float]]:
+    """One optimizer step per batch of token ids (the model's own loss on ``labels=ids``): the losses and the
+    global gradient norms."""
+    losses, norms = [], []
+    for ids in batches:
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        norms.append(engine.get_global_grad_norm())
+    return losses, norms
 
 
 def local_params(engine: Any) -> dict[str, torch.Tensor]:

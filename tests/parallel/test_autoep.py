@@ -31,7 +31,7 @@ import transformers
 import zeroplus
 from tests.dist_helper import run_distributed
 from tests.hf_models import build
-from tests.parallel.model_states import assert_model_states_predicted, ledger_peaks, local_params
+from tests.parallel.model_states import assert_model_states_predicted, hf_steps, ledger_peaks, local_params
 from tests.reference import clip_global_norm
 from zeroplus.config import ConfigError
 
@@ -74,15 +74,7 @@ def _job(root: str) -> list[dict]:
             cfg["zeroplus"]["parallel"] = {"expert_capacity_factor": capacity[0]}
         parallel = zeroplus.init_parallel(cfg)
         engine = zeroplus.initialize(_model(family), cfg)
-        losses, norms = [], []
-        batches = _batches()
-        for s in range(STEPS):
-            ids = batches[WORLD * s + parallel.data.rank]
-            loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-            norms.append(engine.get_global_grad_norm())
+        losses, norms = hf_steps(engine, _batches()[parallel.data.rank::WORLD])
         params = _named(engine)
         held = {n: tuple(v.shape) for n, v in params.items() if ".experts." in n}
         out.append({"case": (family, expert, stage, *capacity), "losses": losses, "norms": norms, "params": params,

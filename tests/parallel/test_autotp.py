@@ -32,7 +32,7 @@ import zeroplus
 import zeroplus.deepspeed_api as deepspeed
 from tests.dist_helper import run_distributed
 from tests.hf_models import build
-from tests.parallel.model_states import assert_model_states_predicted, ledger_peaks, local_params
+from tests.parallel.model_states import assert_model_states_predicted, hf_steps, ledger_peaks, local_params
 from tests.reference import clip_global_norm
 from zeroplus.config import ConfigError
 from zeroplus.parallel.tensor_layers import (
@@ -84,15 +84,7 @@ def _job(root: str) -> list[dict]:
             parallel = zeroplus.init_parallel(cfg)
             engine = zeroplus.initialize(_model(family), cfg)
             split = {n: type(m).__name__ for n, m in engine.module.named_modules() if isinstance(m, SPLIT)}
-            losses, norms = [], []
-            batches = _batches()
-            for s in range(STEPS):
-                ids = batches[2 * s + parallel.data.rank]
-                loss = engine(input_ids=ids, labels=ids).loss
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
-                norms.append(engine.get_global_grad_norm())
+            losses, norms = hf_steps(engine, _batches()[parallel.data.rank::2])
             params = local_params(engine)
             if stage == 3:  # the whole model, its slices put back together, in Hugging Face's files
                 engine.save_pretrained(f"{root}/{family}", dtype="fp32")
@@ -272,12 +264,7 @@ def _made_before_initialize() -> list[dict]:
         else:
             served, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=cfg)
             engine = served.engine  # (zeroplus's engine inside DeepSpeed's)
-        losses = []
-        for ids in _batches()[:2]:
-            loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses, _ = hf_steps(engine, _batches()[:2])
         out.append({"how": how, "losses": losses, "params": local_params(engine)})
         engine.destroy()
     plain = {k: v for k, v in _config(1).items() if k != "tensor_parallel"}  # next, in the same processes
