@@ -16,6 +16,10 @@ peers is measured so) and prints, as JSON:
 - ``--simulations 2``: its engine's first forward simulates the run with resize recompute as well as the one
   without, as an engine whose recompute may pay does (this model's cannot: one simulation); what that adds to
   ``training`` is the record's ``second_simulation``.
+- ``--kernel-cache``: then ``kernel_cache``: what the matrix-product kernel caches hold once full
+  (``host_kernel_cache.py``), beyond the engine's own entries: the forward and both backward products of a
+  ``KERNEL_SHAPE`` weight at ``CAPACITY`` batch sizes, in the compute dtype, resident memory after against before
+  (59 MiB here in bf16, 2026-12-05; in fp32 torch's products are MKL's, which keeps no such cache).
 - ``code_built``, ``code_constructed``, ``code_trained``: torch's code resident after the model was
   built, after ``initialize`` and after training (``budget/first_use.py``), so a process that already
   holds some of it is predicted without it.
@@ -35,18 +39,43 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
+from .accelerator import get_accelerator
 from .budget import estimate as estimate_module
 from .budget.first_use import code_resident
+from .host_kernel_cache import CAPACITY
 from .initialize_engine import initialize
 from .models import GPT, gpt_config
 
 SEQ = 32
 PROFILED_STEP = 3  # the steps before it are what an unprofiled run holds
+# K x N of the products that fill the kernel caches: an entry 0.46 MiB here in bf16 (0.31 to 0.86 over the shapes
+# host_kernel_cache lists)
+KERNEL_SHAPE = (512, 1024)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _tensor_bytes(phase: dict[str, int]) -> int:
     return phase["total"] - phase.get("runtime", 0)
+
+
+def _kernel_cache_bytes(dtype: torch.dtype) -> int:
+    """Resident bytes the kernel caches hold once full, beyond what they held (``--kernel-cache``)."""
+    k, n = KERNEL_SHAPE
+    weight = torch.zeros(n, k, dtype=dtype, requires_grad=True)
+
+    def product(rows: int) -> None:
+        F.linear(torch.zeros(rows, k, dtype=dtype, requires_grad=True), weight).sum().backward()
+    product(1)  # (what the first product pages in is not the cache's)
+    accelerator = get_accelerator()
+    accelerator.release_host_memory()
+    before = accelerator.memory_allocated()
+    for rows in range(2, 2 + CAPACITY):  # three kernels each: the cache ends full of these
+        product(rows)
+    weight.grad = None
+    accelerator.release_host_memory()
+    return max(0, accelerator.memory_allocated() - before)
 
 
 def _arg(name: str, default: str) -> str:
@@ -87,6 +116,8 @@ def main() -> None:
               "construction": max(0, constructed - _tensor_bytes(budget.phases["init"])),
               "training": max(0, trained - _tensor_bytes(budget.phases[budget.training_peak_phase])),
               "profiled": max(0, profiled)}
+    if "--kernel-cache" in sys.argv:
+        result["kernel_cache"] = _kernel_cache_bytes(DTYPES[dtype])
     print(json.dumps(result))
     dist.destroy_process_group()
 

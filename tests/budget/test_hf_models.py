@@ -16,8 +16,7 @@ window), Mixtral (routed experts).
   attention modules; training with them is bitwise the training without.
 - A model that needs values the simulation does not have is named, by ``estimate`` and by the
   command line (exit 2).
-- A routed model (Mixtral) in bf16 on CPU is said to grow beyond its budget (oneDNN's and ideep's kernels per expert
-  batch shape), in the budget's table and as a warning; fp32 and unrouted models are not.
+- A routed model (Mixtral) in bf16 on CPU is budgeted with full kernel caches: ``test_host_kernel_cache.py``.
 """
 from __future__ import annotations
 
@@ -224,31 +223,6 @@ def test_budget_under_non_reentrant_gradient_checkpointing_matches_the_real_run(
         assert engine.budget.category_peaks[c.value] == engine.ledger.peak_bytes(c), (family, c)
     real = saved_in_real_step(engine, lambda: engine(**batch).loss)
     assert engine.budget.saved_for_backward == pytest.approx(real, rel=0.01), family
-    engine.destroy()
-
-
-def test_a_routed_model_in_bf16_on_cpu_is_said_to_grow_beyond_its_budget(caplog):
-    """Mixtral in bf16 on CPU grows step by step below zeroplus (oneDNN and ideep keep a kernel per expert batch shape):
-    the budget says so, in its table and as a warning at the first forward; fp32, and a model without a router,
-    get no such line."""
-    batch = _batch()
-
-    def said(family: str, bf16: bool) -> list[str]:
-        cfg = {**_config(3), "bf16": {"enabled": bf16}}
-        return zeroplus.estimate(build(family, "tiny"), cfg, world_size=1, example_kwargs=batch,
-                                 accelerator="cpu").caveats
-
-    assert any("keep a kernel per shape" in c for c in said("mixtral", True))
-    assert said("mixtral", False) == [] and said("llama", True) == []
-    log = logging.getLogger("zeroplus")
-    log.addHandler(caplog.handler)
-    try:
-        engine = zeroplus.initialize(build("mixtral", "tiny"), {**_config(3), "bf16": {"enabled": True}})
-        engine.backward(engine(**batch).loss)
-    finally:
-        log.removeHandler(caplog.handler)
-    assert "not predicted: experts' batch sizes" in str(engine.budget)
-    assert any("memory budget, not predicted: experts' batch sizes" in r.getMessage() for r in caplog.records)
     engine.destroy()
 
 

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from zeroplus.budget import runtime_overhead
-from zeroplus.budget.runtime_overhead import ENV, runtime_bytes, second_simulation_bytes
+from zeroplus.budget.runtime_overhead import ENV, kernel_cache_bytes, runtime_bytes, second_simulation_bytes
 from zeroplus.config import ConfigError
+from zeroplus.cpu_precision import native_bf16
 
 
 @pytest.fixture
@@ -82,6 +83,16 @@ def test_measured_once_per_compute_dtype_kept_and_read_back(suite_probe, monkeyp
     assert 0 <= record["second_simulation"] < 8 * 2**20, record
     assert second_simulation_bytes("cpu") == record["second_simulation"]
     assert second_simulation_bytes("cuda") == second_simulation_bytes("npu") == 0
+    # full kernel caches (host_kernel_cache.py): fp32's products are MKL's and keep none (0.1 MiB here on 2026-12-05);
+    # bf16's oneDNN kernels, 128 of them, 49 MiB here
+    (bf16_record,) = [r for r in (json.loads(p.read_text()) for p in suite_probe.glob("runtime-overhead-*.json"))
+                      if r["dtype"] == "bf16"]
+    assert 0 <= record["kernel_cache"] < 4 * 2**20, record
+    assert kernel_cache_bytes("cpu") == record["kernel_cache"]
+    assert kernel_cache_bytes("cpu", "bf16") == bf16_record["kernel_cache"]
+    if native_bf16():
+        assert 16 * 2**20 < bf16_record["kernel_cache"] < 160 * 2**20, bf16_record
+    assert kernel_cache_bytes("cuda", "bf16") == kernel_cache_bytes("npu", "bf16") == 0
 
 
 def test_set_by_hand(fresh, monkeypatch):
@@ -122,7 +133,7 @@ def test_a_config_that_profiles_a_step_is_predicted_with_what_the_profiled_step_
     from zeroplus.models import GPT, gpt_config
     monkeypatch.delenv(ENV, raising=False)
     mib = 2**20
-    measured = (mib, 8 * mib, 0, 0, 0, 2 * mib, 3 * mib, 5 * mib, 0)
+    measured = (mib, 8 * mib, 0, 0, 0, 2 * mib, 3 * mib, 5 * mib, 0, 0)
     monkeypatch.setattr(runtime_overhead, "_measured", lambda dtype: measured)
     config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               "zero_optimization": {"stage": 3}}

@@ -41,10 +41,11 @@ from ..activations.resize_recompute import TECHNIQUE as RECOMPUTE
 from ..config import ResolvedConfig, ZeroplusConfig, load_config
 from ..engine.build import compute_dtype
 from ..host_allocator import caveat as host_allocator_caveat
+from ..host_kernel_cache import caveat as kernel_cache_caveat
 from ..memory_view import CATEGORIES, LABELS, budget_chart
 from ..parallel.groups import current_groups, parallel_groups
 from .model_states import model_state_bytes
-from .runtime_overhead import runtime_bytes, second_simulation_bytes
+from .runtime_overhead import kernel_cache_bytes, runtime_bytes, second_simulation_bytes
 from .simulate import _meta, _quiet, default_loss, group_stand_ins, meta_copy, simulate
 from .tracker import PHASES, TRAINING_PHASES, cpu_workspace_bytes
 from .virtual_parallel import topology_of
@@ -292,7 +293,7 @@ def _estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: di
                             example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
                             workspace=cpu_workspace_bytes if kind == "cpu" else None,
                             runtime=runtime_bytes(kind, dtype, code, world_size, parsed.flops_profiler.enabled),
-                            construction=construction)
+                            routed_kernels=kernel_cache_bytes(kind, dtype), construction=construction)
     phases = {}
     for phase in PHASES:
         peak = tracker.peaks[phase]
@@ -311,22 +312,17 @@ def _estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: di
 
 def caveats(kind: str, dtype: str, routed: int) -> list[str]:
     """What the prediction is known to leave out. A router's choice (``routed``: ``topk`` results the
-    simulation made up) changes the experts' batch sizes every step; on CPU in bf16 each new shape makes two
-    caches keep a matrix-product kernel, oneDNN's primitive cache (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, 1024
-    entries by default) and ideep's (``LRU_CACHE_CAPACITY``, 1024), so resident memory grows from step to step
-    until they are full, by an amount no shape-free simulation knows: about 0.6 MiB a new shape (0.3 + 0.3,
-    the plain Hugging Face Mixtral ``small`` in one process: 722 -> 912 MiB over 24 steps at 1 x 64, with or
-    without zeroplus; both capacities at their least, 0 and 1, keep it flat at twice the step time; 256 each
-    stops it about 110 MiB up at 1.35 times; 2026-12-03). fp32 and accelerators: none measured. On CPU,
-    ``ZEROPLUS_HOST_ALLOCATOR=keep``, and a process's own ``MALLOC_*`` variables with an mmap threshold above
+    simulation made up) changes the experts' batch sizes every step; on CPU in 16 bits each new shape makes the
+    matrix-product kernel caches keep a kernel, up to their capacities: the prediction counts them full from the
+    first routing on where zeroplus bounds them (``host_kernel_cache.py``; the Hugging Face Mixtral ``small`` in
+    bf16: -19.0% to -43.1% before, with the default 1024 entries), and says they grow beyond it where the process
+    keeps larger ones (``host_kernel_cache.caveat``). fp32 (MKL's products) and accelerators: no such cache. On
+    CPU, ``ZEROPLUS_HOST_ALLOCATOR=keep``, and a process's own ``MALLOC_*`` variables with an mmap threshold above
     zeroplus's, leave what glibc keeps out (``host_allocator.caveat``)."""
     found = []
-    if routed and kind == "cpu" and dtype == "bf16":
-        found.append("experts' batch sizes change with the routing every step, and in bf16 on CPU oneDNN and "
-                     "ideep each keep a kernel per shape: resident memory grows step by step above this "
-                     "prediction, about 0.6 MiB a new shape, until their caches are full (1024 entries each; "
-                     "ONEDNN_PRIMITIVE_CACHE_CAPACITY and LRU_CACHE_CAPACITY, set before the first bf16 matrix "
-                     "product, bound it at a cost in step time)")
+    if routed and kind == "cpu" and dtype != "fp32":
+        grows = kernel_cache_caveat()
+        found += [grows] if grows else []
     kept = host_allocator_caveat() if kind == "cpu" else None
     return found + ([kept] if kept else [])
 

@@ -9,7 +9,8 @@ run of a 0.3 MiB model), again with its first forward simulating twice, then in 
 (``host_allocator.py``: no ``MALLOC_*`` variables of the caller's, as a user's process starts), and keeps its
 numbers (from construction on, from the first backward on, how much of torch's code was resident after its model was
 built, after ``initialize`` and after training, what a rank of two held more, what a step under the FLOPs profiler
-added, and what a second simulation at the first forward left) in a file keyed by host, Python, torch and zeroplus
+added, what a second simulation at the first forward left, and what full kernel caches hold: ``kernel_cache_bytes``)
+in a file keyed by host, Python, torch and zeroplus
 versions and the probe's own version, so later processes on the machine read them. Ranks that start together wait on
 one lock and probe once. ``initialize`` reads how much of torch's code its own process already holds, and the
 prediction takes off what that process has paid already (a test session, a script that evaluated first, the
@@ -54,6 +55,7 @@ from ..cache_dir import cache_file, read_record, write_record
 from ..config import parse_bytes
 from ..host_allocator import ALLOCATOR_VARIABLES, THRESHOLD
 from ..host_allocator import ENV as HOST_ALLOCATOR_ENV
+from ..host_kernel_cache import IDEEP_ENV, ONEDNN_ENV, held_bytes
 
 logger = logging.getLogger("zeroplus")
 
@@ -67,9 +69,9 @@ ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(THRESHOLD), "MALLOC_TRIM_THRESHOL
 # "second_simulation": what one more simulation of the first forward's estimate left resident (an engine whose resize
 # recompute was left unset simulates the run twice where it may pay; the probe's own engine, once)
 RECORD = ("construction", "training", "code_built", "code_constructed", "code_trained", "peers", "profiled",
-          "profiled_with_peer", "second_simulation")
-# GPT-tiny, fp32, a 2-core machine: one gloo rank; peers from two
-FALLBACK_BYTES = (12 * 2**20, 24 * 2**20, 40 * 2**20, 45 * 2**20, 62 * 2**20, 2 * 2**20, 2**19, 3 * 2**19, 2**16)
+          "profiled_with_peer", "second_simulation", "kernel_cache")
+# GPT-tiny, fp32, a 2-core machine: one gloo rank; peers from two; no kernel cache (fp32's products keep none)
+FALLBACK_BYTES = (12 * 2**20, 24 * 2**20, 40 * 2**20, 45 * 2**20, 62 * 2**20, 2 * 2**20, 2**19, 3 * 2**19, 2**16, 0)
 LAZY_IMPORTS = ("torch._dynamo",)  # what torch imports lazily for an engine: imported above, with zeroplus
 DTYPES = ("fp32", "bf16", "fp16")  # compute dtypes, each probed apart
 # what the probe measures changed (2: the step's norm scratch no longer counted whole in the tensors
@@ -81,9 +83,9 @@ DTYPES = ("fp32", "bf16", "fp16")  # compute dtypes, each probed apart
 # frees the reference cycles its simulation left, which the probe's peak held until the collector ran; 10: a
 # two-rank run measures what a rank holds for its peer, where a constant stood; 11: a third step under the FLOPs
 # profiler; 12: its engine simulates once where resize recompute cannot pay, and one more simulation's residue is
-# measured; 13: glibc's thresholds at 32 KiB, not 128): a kept result from an earlier meaning is probed again,
-# whatever the package version
-PROBE_VERSION = "13"
+# measured; 13: glibc's thresholds at 32 KiB, not 128; 14: what full kernel caches hold, measured): a kept result
+# from an earlier meaning is probed again, whatever the package version
+PROBE_VERSION = "14"
 # a launcher's variables would make the probe's engine join the caller's job
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
@@ -124,6 +126,16 @@ def second_simulation_bytes(kind: str, dtype: str = "fp32") -> int:
     return _measured(dtype)[8]
 
 
+def kernel_cache_bytes(kind: str, dtype: str = "fp32") -> int:
+    """What the matrix-product kernel caches hold once a model whose product shapes change every step (routed
+    experts) has filled them, on accelerator ``kind`` in compute dtype ``dtype``: the probe's ``kernel_cache``
+    at the capacity in force (``host_kernel_cache.held_bytes``); 0 on CUDA and NPU, and where
+    ``ZEROPLUS_RUNTIME_BYTES`` gives the overhead by hand."""
+    if kind != "cpu" or os.environ.get(ENV) is not None:
+        return 0
+    return held_bytes(_measured(dtype)[9])
+
+
 @functools.lru_cache(maxsize=None)
 def _measured(dtype: str) -> tuple[int, ...]:
     """The probe's numbers (``RECORD`` order), from the kept file or probed now."""
@@ -152,15 +164,16 @@ def probe(dtype: str = "fp32") -> tuple[int, ...]:
     that adds is ``second_simulation``: 0.06 MiB here on 2026-12-03, inside the spread of ``training`` from one run
     to the next, about 0.3 MiB), then as two ranks of two processes, and return the one rank's numbers with ``peers``
     (``RECORD`` order); on failure, warn and return ``FALLBACK_BYTES``."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in _LAUNCH_ENV and k not in ALLOCATOR_VARIABLES and k != HOST_ALLOCATOR_ENV}
+    # (the kernel caches as zeroplus bounds them: what kernel_cache is of)
+    own = {HOST_ALLOCATOR_ENV, ONEDNN_ENV, IDEEP_ENV, *ALLOCATOR_VARIABLES, *_LAUNCH_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in own}
     # the fallback, not 0: the engine inside decides what a user's decides (a budget of tensors alone finds resize
     # recompute pays on the probe's model, one simulation; with the overhead it stands down after a second, which
     # leaves 1.4 MiB resident); what the probe reports is its measure minus the tensors, whatever this adds
     env.update(ZEROPLUS_ACCELERATOR="cpu", **{ENV: f"{FALLBACK_BYTES[0]},{FALLBACK_BYTES[1]}"})
     cmd = [sys.executable, "-m", "zeroplus.runtime_probe", "--dtype", dtype]
     try:
-        (alone,) = _run_probe(cmd, env, 1)
+        (alone,) = _run_probe([*cmd, "--kernel-cache"], env, 1)
         (twice,) = _run_probe([*cmd, "--simulations", "2"], env, 1)
         alone["second_simulation"] = max(0, int(twice["training"]) - int(alone["training"]))
         pair = _run_probe(cmd, env, 2)
@@ -212,7 +225,7 @@ def _describe(measured: tuple[int, ...]) -> str:
             f"backward, {(measured[4] - measured[2]) / 2**20:.1f} MiB of it torch's code paged in, "
             f"{measured[5] / 2**20:.1f} MiB more with a peer; a step under the FLOPs profiler "
             f"{measured[6] / 2**20:.1f} MiB more, {measured[7] / 2**20:.1f} with a peer; a second simulation "
-            f"{measured[8] / 2**20:.1f} MiB")
+            f"{measured[8] / 2**20:.1f} MiB; full kernel caches {measured[9] / 2**20:.1f} MiB")
 
 
 def _cache_key(dtype: str) -> dict[str, str]:

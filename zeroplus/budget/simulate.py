@@ -308,7 +308,8 @@ def simulate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
              example_inputs: tuple[Any, ...] | None = None, example_kwargs: dict[str, Any] | None = None,
              loss_fn: Callable[[Any], torch.Tensor] = default_loss, steps: int = 2,
              workspace: Callable[[Any, Any], int] | None = None,
-             runtime: tuple[int, int] = (0, 0), construction: str = "whole") -> tuple[MemoryTracker, Any]:
+             runtime: tuple[int, int] = (0, 0), routed_kernels: int = 0,
+             construction: str = "whole") -> tuple[MemoryTracker, Any]:
     """Run ``steps`` optimizer steps of rank ``rank`` of ``world_size`` on the meta device;
     return the tracker (peaks per phase) and the parsed config as resolved.
 
@@ -319,7 +320,9 @@ def simulate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     choice is then followed too (``CpuAttention``), and so are gloo's collective temporaries
     (``VirtualGroup``); None for accelerators. ``runtime``: bytes the
     process holds beyond tensors from the engine's construction on (torch imports its compiler
-    stack when the first optimizer is built), and from the end of the first backward on.
+    stack when the first optimizer is built), and from the end of the first backward on. ``routed_kernels``: bytes
+    more from the first routing on (a ``topk`` of unknown values): what the kernel caches hold once a model whose
+    product shapes change every step has filled them (``runtime_overhead.kernel_cache_bytes``).
     ``construction``: how the model reaches ``initialize``: ``"whole"`` (built normally: the init phase
     holds it whole), ``"init"`` or ``"meta"`` (``zeroplus.Init``, or the meta device given values by
     ``initialize``: each rank holds its chunk of every parameter, which ``initialize`` gathers into the
@@ -329,6 +332,7 @@ def simulate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     cfg = _config_to_simulate(config, micro_batch_size)
     ledger = Ledger()
     tracker = MemoryTracker(ledger, workspace)
+    tracker.routed_kernels = routed_kernels
     attention = CpuAttention() if workspace is not None else contextlib.nullcontext()
     memo: dict[int, torch.Tensor] = {}
     kwargs = _meta(dict(example_kwargs or {}), memo)

@@ -87,6 +87,7 @@ class MemoryTracker(EagerWhileActive, TorchDispatchMode):
         self._paused = 0
         self._resize: Any = None
         self.runtime = 0                  # bytes the process holds beyond tensors (set by the estimator)
+        self.routed_kernels = 0           # what full kernel caches hold, from the first routing on (set likewise)
         self.checkpoint_copies = 0        # bytes a checkpoint save copies (set by the estimator)
         self.category_peaks: dict[str, int] = {}  # each ledger category's peak while training (set by the estimator)
 
@@ -155,7 +156,8 @@ class MemoryTracker(EagerWhileActive, TorchDispatchMode):
         """Compare what is alive now (plus a kernel's ``workspace``) with this phase's peak."""
         if self._paused:
             return
-        total = self.live + workspace + self.runtime
+        runtime = self.runtime + (self.routed_kernels if self.run_op.routed else 0)
+        total = self.live + workspace + runtime
         peak = self.peaks[self.phase]
         if total <= peak.total:
             return
@@ -166,7 +168,7 @@ class MemoryTracker(EagerWhileActive, TorchDispatchMode):
         saved = min(self._saved_live, outside) if self.phase != "forward" else 0
         by["activation"] += saved
         by["temporaries"] = outside - saved + workspace
-        by["runtime"] = self.runtime
+        by["runtime"] = runtime
         if self.phase == "forward":  # split at the end of forward, when it is known what stays
             self._forward_outside = outside + workspace
 
