@@ -8,9 +8,11 @@ factorial):
   same GPT from its own ``Linear``/``LayerNorm``/``Embedding`` classes), ``llama`` and ``mixtral`` (Hugging
   Face, ``tests/hf_models.py`` size ``small``: 44M and 53M, the MoE with 4 experts, top 2);
 - ``--dtypes``: ``fp32``, ``bf16`` (bf16 is skipped where the CPU emulates it, and the table says so);
-- ``--allocs``: ``left`` (the process started as a user starts it: glibc as it is; zeroplus's default
-  ``host_allocator`` then returns freed memory itself, FSDP2 has glibc keep it) and ``return``
-  (``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_`` 131072 for both);
+- ``--allocs``: ``left`` (the process started as a user starts it: glibc and oneDNN's kernel caches as they are;
+  zeroplus's default then returns freed memory and bounds the caches itself, ``host_allocator``,
+  ``host_kernel_cache``; FSDP2 has glibc keep it and the caches grow) and ``return`` (the process tuned:
+  ``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_`` 131072 and the caches bounded as zeroplus bounds them,
+  for both);
 - ``--optimizers``: ``config`` (DeepSpeed's JSON names AdamW) and ``client`` (``torch.optim.AdamW`` passed to
   ``initialize``, no optimizer block); FSDP2 always has its client AdamW;
 - ``--overlap``: DeepSpeed's ``overlap_comm`` ``true``/``false`` (FSDP2 has no such key: one FSDP2 cell
@@ -48,7 +50,11 @@ import time
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+# allocs "return": a process tuned by its user (glibc returning freed memory, oneDNN's kernel caches bounded)
+TUNED_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072",
+             "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "128", "LRU_CACHE_CAPACITY": "16"}
+# what a user's process does not start with: this process's own settings (import zeroplus sets the caches' variables)
+_NOT_INHERITED = ("ZEROPLUS_HOST_ALLOCATOR", "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 AXES = {"models": ("nn", "own", "llama", "mixtral"), "dtypes": ("fp32", "bf16"), "allocs": ("left", "return"),
         "optimizers": ("config", "client"), "overlap": ("true", "false"), "ranks": ("1", "2", "4"),
         "batches": ("1x64", "4x256")}
@@ -134,8 +140,8 @@ def launch(engine: str, cell: dict[str, str]) -> dict[str, Any]:
     ranks = int(cell["ranks"])
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "ZEROPLUS_HOST_ALLOCATOR"}
-        env.update(MALLOC_ENV if cell["allocs"] == "return" else {}, OMP_NUM_THREADS="1",
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in _NOT_INHERITED}
+        env.update(TUNED_ENV if cell["allocs"] == "return" else {}, OMP_NUM_THREADS="1",
                    ZEROPLUS_ACCELERATOR="cpu")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
                os.path.abspath(__file__), "--worker", engine, "--cell", json.dumps(cell), "--out", out]
