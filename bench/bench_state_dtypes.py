@@ -28,6 +28,8 @@ ROWS = {  # name: (framework, zeroplus block, bf16 block, bytes per element of t
     "bf16-first": ("zeroplus", {"optimizer_states": {"exp_avg": "bf16"}}, {}, 6),
     # fp8 (e4m3) with a power-of-two scale per 128 elements (4 bytes a block), stochastic: the default for fp8
     "fp8": ("zeroplus", {"optimizer_states": {"exp_avg": "fp8", "exp_avg_sq": "fp8"}}, {}, 2 * (1 + 4 / 128)),
+    # mxfp8: e4m3 with an e8m0 scale per 32 elements (1 byte a block), stochastic
+    "mxfp8": ("zeroplus", {"optimizer_states": {"exp_avg": "mxfp8", "exp_avg_sq": "mxfp8"}}, {}, 2 * (1 + 1 / 32)),
     "deepspeed": ("deepspeed", {}, {}, 8),
     "deepspeed-bf16": ("deepspeed", {}, {"bf16_optimizer_states": True, "bf16_master_weights_and_grads": True}, 4),
     # zeroplus under DeepSpeed's own keys: bf16 moments and bf16 masters (rounded stochastically, the default)

@@ -11,7 +11,12 @@ bits, fp32's exponents). A state saved dequantized and loaded by as many ranks i
 another number of ranks its blocks group other elements, and requantizing rounds again (documented there).
 Rounding to nearest, or stochastically (unbiased, as bf16's: ``stochastic``), which an exponential average needs
 in 3 mantissa bits: an update smaller than half a step (6% of the value) would otherwise be lost every time.
-Memory: 1 byte an element, 4 bytes a block for its scale (128 elements: 1.03 bytes an element). The step
+The scales are fp32 (``fp8``: blocks of 128 or 256) or e8m0 (``mxfp8``: the OCP MX format's shared scale, one byte,
+blocks of 32), the same powers of two either way (an e8m0 scale no smaller than 2^-127). The MX specification's own
+conversion picks the scale from the block's largest exponent and clips what exceeds 448; this one picks the smallest
+scale that clips nothing, so each value is rounded once and never clipped.
+Memory: 1 byte an element, 4 bytes a block for an fp32 scale (128 elements: 1.03 bytes an element), 1 for an e8m0
+one (32 elements: 1.03). The step
 works through fp32 temporaries of the chunk it is given. Held by ``tests/optim/test_fp8_states.py``.
 """
 from __future__ import annotations
@@ -22,6 +27,8 @@ from .stochastic_round import random_bits
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
+E8M0 = torch.float8_e8m0fnu  # the MX formats' shared scale: a power of two, 2^-127 to 2^127, one byte
+MX_BLOCK = 32  # elements per scale in the MX formats (mxfp8: e4m3 values, an e8m0 scale per 32)
 
 
 def blocks(numel: int, block: int) -> int:
@@ -46,10 +53,13 @@ def quantize(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, block:
 
 
 def _scale_blocks(x: torch.Tensor, scales: torch.Tensor) -> None:
-    """Each row's power-of-two scale into ``scales``; the row divided by it, in place."""
+    """Each row's power-of-two scale into ``scales`` (fp32, or e8m0: no smaller than 2^-127, where a smaller block's
+    values round as e4m3 subnormals); the row divided by it, in place."""
     amax = x.abs().amax(dim=1)
     mantissa, exponent = torch.frexp(amax / E4M3_MAX)  # amax / 448 = m * 2^e, m in [0.5, 1)
     exponent -= (mantissa == 0.5).to(exponent.dtype)  # an exact power of two is its own scale
+    if scales.dtype == E8M0:
+        exponent.clamp_(min=-127)
     scale = torch.ldexp(torch.ones_like(amax), exponent)
     scale[amax == 0] = 1.0
     scales.copy_(scale)
@@ -72,6 +82,7 @@ def dequantize_into(out: torch.Tensor, values: torch.Tensor, scales: torch.Tenso
     n = values.numel()
     full = n // block * block
     out.copy_(values)
+    scales = scales if scales.dtype == torch.float32 else scales.float()  # (e8m0: exact, a byte a block read)
     if full:
         out[:full].view(-1, block).mul_(scales[:full // block].unsqueeze(1))
     if full < n:

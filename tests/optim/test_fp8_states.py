@@ -1,5 +1,5 @@
 """Adam/AdamW moments in fp8 (e4m3) with a power-of-two scale per block (``zeroplus/kernels/block_fp8.py``,
-``zeroplus.optimizer_states`` ``"fp8"``, ``block`` 128 or 256).
+``zeroplus.optimizer_states`` ``"fp8"``, ``block`` 128 or 256: fp32 scales; ``"mxfp8"``: an e8m0 scale per 32).
 
 - The codec: a block's values within one e4m3 rounding (2^-4 relative, for values above 2^-6 of the block's
   largest) of the input; dequantized values exactly bf16 values; quantizing the dequantized block again gives the same
@@ -12,9 +12,14 @@
   exactly and the losses stay within 2% of fp32 moments' (the main job's 300 steps: note 107).
 - Stochastic rounding (the default for fp8): unbiased, on the two neighbours; the step with it bit for bit the
   reference drawing the same bits.
-- Refused, naming the key: offloaded states or parameters.
+- mxfp8: the codec with e8m0 scales equals the fp32-scaled one at 32 elements a block, bit for bit (its scales no
+  smaller than 2^-127); the step bit for bit the reference; at 2 ranks and stage 3, 1 byte an element and 1 a block,
+  predicted exactly, and a bit-exact resume.
+- Refused, naming the key: offloaded states or parameters; fp8 beside mxfp8; mxfp8 with another block.
 """
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -24,27 +29,30 @@ from tests.dist_helper import rank_and_world, run_distributed
 from tests.models import ParityNet, make_batches
 from tests.reference import engine_train
 from zeroplus.config import ConfigError
-from zeroplus.kernels.block_fp8 import E4M3, blocks, dequantize_into, quantize
+from zeroplus.kernels.block_fp8 import E4M3, E8M0, MX_BLOCK, blocks, dequantize_into, quantize
 from zeroplus.ledger import Category
 from zeroplus.optim import stored_states
 from zeroplus.optim.stored_states import StoredStatesAdamW
 
 FP8 = {"exp_avg": "fp8", "exp_avg_sq": "fp8"}
+MXFP8 = {"exp_avg": "mxfp8", "exp_avg_sq": "mxfp8"}
 
 
-def _codec(x: torch.Tensor, block: int, step: torch.Tensor | None = None
+def _codec(x: torch.Tensor, block: int, step: torch.Tensor | None = None, scale_dtype: torch.dtype = torch.float32
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    values, scales = torch.empty(x.numel(), dtype=E4M3), torch.empty(blocks(x.numel(), block))
+    values = torch.empty(x.numel(), dtype=E4M3)
+    scales = torch.empty(blocks(x.numel(), block), dtype=scale_dtype)
     quantize(x.clone(), values, scales, block, step)
-    return values, scales, dequantize_into(torch.empty(x.numel()), values, scales, block)
+    return values, scales.float(), dequantize_into(torch.empty(x.numel()), values, scales, block)
 
 
-@pytest.mark.parametrize("block", [128, 256])
-def test_blocks_round_once_exactly_to_bf16_values_and_again_to_the_same(block):
+@pytest.mark.parametrize("block,scale_dtype", [(128, torch.float32), (256, torch.float32), (MX_BLOCK, E8M0)])
+def test_blocks_round_once_exactly_to_bf16_values_and_again_to_the_same(block, scale_dtype):
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(5 * block + 37, generator=g) * torch.logspace(-3, 3, 5 * block + 37)
+    n = 5 * block + 37 % block  # (a short last block)
+    x = torch.randn(n, generator=g) * torch.logspace(-3, 3, n)
     x[block:2 * block] = 0  # a block of zeros
-    values, scales, back = _codec(x, block)
+    values, scales, back = _codec(x, block, scale_dtype=scale_dtype)
     assert scales.numel() == 6 and scales[1] == 1 and torch.all(back[block:2 * block] == 0)
     assert torch.equal(back, back.bfloat16().float()), "every dequantized value is a bf16 value"
     assert torch.all(torch.log2(scales) == torch.log2(scales).round()), "power-of-two scales"
@@ -53,8 +61,23 @@ def test_blocks_round_once_exactly_to_bf16_values_and_again_to_the_same(block):
         big = piece.abs() >= piece.abs().max() / 64  # e4m3's normal range below the block's largest
         assert torch.all((got - piece)[big].abs() <= piece[big].abs() / 16), k
         assert got.abs().max() <= piece.abs().max() * (1 + 1 / 16)
-    _, _, again = _codec(back, block)
+    _, _, again = _codec(back, block, scale_dtype=scale_dtype)
     assert torch.equal(again, back), "quantizing a dequantized block gives the same values"
+
+
+def test_mxfp8s_e8m0_scales_are_the_fp32_scales_of_32_elements_down_to_2_to_the_minus_127():
+    """The same values and real scales as fp32 scales at 32 elements a block, over 60 orders of magnitude; a block
+    too small for a scale of 2^-127 (e8m0's least) keeps that scale and rounds its values as e4m3 subnormals, where an
+    fp32 scale would go lower."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(32 * 40 + 5, generator=g) * torch.logspace(-30, 30, 32 * 40 + 5)
+    ours, theirs = _codec(x, MX_BLOCK, scale_dtype=E8M0), _codec(x, MX_BLOCK)
+    assert torch.equal(ours[0].view(torch.uint8), theirs[0].view(torch.uint8)) and torch.equal(ours[1], theirs[1])
+    assert torch.equal(ours[2], theirs[2])
+    tiny = torch.full((MX_BLOCK,), 1e-40)  # (an fp32 subnormal: its fp32 scale would be 2^-141)
+    values, scales, back = _codec(tiny, MX_BLOCK, scale_dtype=E8M0)
+    assert scales.item() == 2.0 ** -127 and _codec(tiny, MX_BLOCK)[1].item() == 2.0 ** -141
+    assert torch.all((back - tiny).abs() <= 2.0 ** -137), "within half an e4m3 subnormal step (2^-9) of 2^-127"
 
 
 def test_stochastic_rounding_is_unbiased_and_lands_on_the_neighbours():
@@ -71,17 +94,18 @@ def test_stochastic_rounding_is_unbiased_and_lands_on_the_neighbours():
     assert (nearest - x).abs().max() > 0.3 * spacing.max()
 
 
+@pytest.mark.parametrize("block,scale_dtype", [(128, torch.float32), (MX_BLOCK, E8M0)])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-def test_the_step_is_fused_adamw_with_moments_rounded_by_the_codec(monkeypatch, rounding):
+def test_the_step_is_fused_adamw_with_moments_rounded_by_the_codec(monkeypatch, rounding, block, scale_dtype):
     """Over 2.5 step chunks (monkeypatched small) and a short last block, 4 steps: bit for bit the reference (fused
-    AdamW, its moments passed through the codec with the step's draw)."""
+    AdamW, its moments passed through the codec with the step's draw); fp8 and mxfp8."""
     monkeypatch.setattr(stored_states, "CHUNK", 512)
     g = torch.Generator().manual_seed(1)
-    n, block = 1280 + 77, 128
+    n = 1280 + 77
     start = torch.randn(n, generator=g)
     p, ref = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
     opt = StoredStatesAdamW([p], lr=1e-2, weight_decay=0.01, fused=True, exp_avg_dtype=E4M3, exp_avg_sq_dtype=E4M3,
-                            block=block, rounding=rounding)
+                            block=block, rounding=rounding, scale_dtype=scale_dtype)
     plain = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.01, fused=True)
     for k in range(1, 5):
         grad = torch.randn(n, generator=g) * torch.logspace(-4, 0, n)
@@ -96,7 +120,35 @@ def test_the_step_is_fused_adamw_with_moments_rounded_by_the_codec(monkeypatch, 
             v.copy_(_codec(v.sqrt(), block, step)[2].square())
         assert torch.equal(p, ref), k
     assert opt.state[p]["exp_avg"].dtype == E4M3 and opt.state[p]["exp_avg_sq_scale"].numel() == blocks(n, block)
-    assert opt.state_bytes == 2 * (1 + 4 / block)
+    assert opt.state[p]["exp_avg_sq_scale"].dtype == scale_dtype
+    assert opt.state_bytes == 2 * (1 + scale_dtype.itemsize / block)
+
+
+@pytest.mark.parametrize("block,scale_dtype", [(128, torch.float32), (MX_BLOCK, E8M0)])
+def test_a_state_dict_loads_back_in_the_stored_form_and_steps_on_bit_for_bit(block, scale_dtype):
+    """torch's ``load_state_dict`` casts every floating state to the parameter's dtype; the stored moments and their
+    scales go back to theirs (exactly: e4m3 and power-of-two values), and the next steps equal the uninterrupted
+    optimizer's."""
+    g = torch.Generator().manual_seed(3)
+    n = 3 * block + 5
+    kwargs = dict(lr=1e-2, fused=True, exp_avg_dtype=E4M3, exp_avg_sq_dtype=E4M3, block=block, rounding="stochastic",
+                  scale_dtype=scale_dtype)
+    p = torch.nn.Parameter(torch.randn(n, generator=g))
+    opt = StoredStatesAdamW([p], **kwargs)
+    grads = [torch.randn(n, generator=g) for _ in range(4)]
+    for grad in grads[:2]:
+        p.grad = grad.clone()
+        opt.step()
+    q = torch.nn.Parameter(p.detach().clone())
+    other = StoredStatesAdamW([q], **kwargs)
+    other.load_state_dict(copy.deepcopy(opt.state_dict()))  # (as from a file: torch's keeps a tensor of its dtype)
+    assert other.state[q]["exp_avg_scale"].dtype == other.state[q]["exp_avg_sq_scale"].dtype == scale_dtype
+    assert other.state[q]["exp_avg"].dtype == E4M3
+    for grad in grads[2:]:
+        p.grad, q.grad = grad.clone(), grad.clone()
+        opt.step()
+        other.step()
+    assert torch.equal(p, q)
 
 
 STEPS, MICRO = 4, 2
@@ -116,29 +168,37 @@ def _job(root: str) -> list[dict]:
     out = []
     for stage in (1, 2, 3):
         row: dict = {"stage": stage}
-        for name, states in ((("fp32", None),) if stage == 3 else ()) + (("fp8", FP8),):
+        if stage == 3:  # (the reference the losses are held to)
             torch.manual_seed(0)
-            engine = zeroplus.initialize(ParityNet(), _config(stage, states, estimate=name == "fp8" and stage == 3))
-            row[name] = engine_train(engine, batches, STEPS, rank, world, 1)
-            if name == "fp8":
-                owned = [g.owned_numel for g in engine.partition.groups]
-                row["states"] = engine.ledger.live_bytes(Category.OPTIM_STATE)
-                # 1 byte an element and 4 a block, each moment (the ledger counts no one-element tensor: a step count,
-                # the scale of a shard of one block)
-                row["formula"] = sum(2 * (n + (4 * blocks(n, 128) if blocks(n, 128) > 1 else 0)) for n in owned)
-                if engine.budget is not None:
-                    row["predicted"] = engine.budget.category_peaks[Category.OPTIM_STATE.value]
-                    row["peak"] = engine.ledger.peak_bytes(Category.OPTIM_STATE)
-                engine.save_checkpoint(f"{root}/{stage}")
-                row["straight"] = engine_train(engine, batches, STEPS, rank, world, 1, start=STEPS)
-                engine.destroy()
-                torch.manual_seed(1)
-                resumed = zeroplus.initialize(ParityNet(), _config(stage, FP8))
-                resumed.load_checkpoint(f"{root}/{stage}")
-                row["resumed"] = engine_train(resumed, batches, STEPS, rank, world, 1, start=STEPS)
-                resumed.destroy()
-            else:
-                engine.destroy()
+            engine = zeroplus.initialize(ParityNet(), _config(stage, None))
+            row["fp32"] = engine_train(engine, batches, STEPS, rank, world, 1)
+            engine.destroy()
+        # fp8 at every stage (4 bytes a block of 128 for its scale), mxfp8 at stage 3 (1 byte a block of 32)
+        formats = [("fp8", FP8, 128, 4)] + ([("mxfp8", MXFP8, MX_BLOCK, 1)] if stage == 3 else [])
+        for name, states, block, scale_bytes in formats:
+            torch.manual_seed(0)
+            engine = zeroplus.initialize(ParityNet(), _config(stage, states, estimate=stage == 3))
+            got: dict = {"losses": engine_train(engine, batches, STEPS, rank, world, 1)}
+            owned = [g.owned_numel for g in engine.partition.groups]
+            got["states"] = engine.ledger.live_bytes(Category.OPTIM_STATE)
+            # 1 byte an element and the scales a block, each moment (the ledger counts no one-element tensor: a step
+            # count, the scale of a shard of one block)
+            got["formula"] = sum(2 * (n + (scale_bytes * blocks(n, block) if blocks(n, block) > 1 else 0))
+                                 for n in owned)
+            if engine.budget is not None:
+                got["predicted"] = engine.budget.category_peaks[Category.OPTIM_STATE.value]
+                got["peak"] = engine.ledger.peak_bytes(Category.OPTIM_STATE)
+            saved = f"{root}/{stage}" if name == "fp8" else f"{root}/{name}{stage}"
+            engine.save_checkpoint(saved)
+            got["straight"] = engine_train(engine, batches, STEPS, rank, world, 1, start=STEPS)
+            engine.destroy()
+            torch.manual_seed(1)
+            resumed = zeroplus.initialize(ParityNet(), _config(stage, states))
+            resumed.load_checkpoint(saved)
+            got["resumed"] = engine_train(resumed, batches, STEPS, rank, world, 1, start=STEPS)
+            got["resumed_states"] = resumed.ledger.live_bytes(Category.OPTIM_STATE)  # (loaded in the stored form)
+            resumed.destroy()
+            row[name] = got
         out.append(row)
     return out
 
@@ -146,21 +206,25 @@ def _job(root: str) -> list[dict]:
 def test_fp8_moments_at_every_stage_on_two_ranks(tmp_path):
     """Also: the stage-1 checkpoint loads into one rank, which cuts other blocks: the moments saved one value per
     element (bf16) are quantized again with its blocks (a documented rounding), and it goes on from the saved step
-    with the saved weights (its next forward's loss is the two ranks' straight run's)."""
+    with the saved weights (its next forward's loss is the two ranks' straight run's). mxfp8 at stage 3 alike."""
     runs = run_distributed(_job, 2, str(tmp_path))
     loaded = run_distributed(_load_at_one_rank, 1, str(tmp_path))[0]
     assert loaded["exp_avg"] == torch.bfloat16 and loaded["steps"] == STEPS
-    first = runs[0][0]["straight"][0]
+    first = runs[0][0]["fp8"]["straight"][0]
     assert abs(loaded["loss"] - first) <= 1e-6 * abs(first), (loaded, first)
     for rank_rows in runs:
         for row in rank_rows:
-            label = f"ZeRO-{row['stage']}"
-            assert row["states"] == row["formula"], (label, row["states"], row["formula"])
-            if "predicted" in row:
-                assert row["predicted"] == row["peak"], (label, row["predicted"], row["peak"])
-            for ours, fp32 in zip(row["fp8"], row.get("fp32", row["fp8"])):  # (stage 3 against fp32 moments)
-                assert abs(ours - fp32) <= 0.02 * fp32, (label, row["fp8"], row.get("fp32"))
-            assert row["resumed"] == row["straight"], f"{label}: the resumed run's losses"
+            for name in ("fp8", "mxfp8"):
+                if name not in row:
+                    continue
+                got, label = row[name], f"ZeRO-{row['stage']} {name}"
+                assert got["states"] == got["resumed_states"] == got["formula"], (label, got)
+                if "predicted" in got:
+                    assert got["predicted"] == got["peak"], (label, got["predicted"], got["peak"])
+                for ours, fp32 in zip(got["losses"], row.get("fp32", got["losses"])):  # (stage 3: fp32 moments)
+                    assert abs(ours - fp32) <= 0.02 * fp32, (label, got["losses"], row.get("fp32"))
+                assert got["resumed"] == got["straight"], f"{label}: the resumed run's losses"
+            assert row["stage"] != 3 or "predicted" in row["mxfp8"]
 
 
 @pytest.mark.parametrize("zero,says", [
@@ -172,6 +236,15 @@ def test_what_fp8_moments_cannot_do_is_refused_naming_the_key(zero, says):
     cfg["zero_optimization"].update(zero)
     with pytest.raises(ConfigError, match=says):
         zeroplus.initialize(ParityNet(), cfg)
+
+
+@pytest.mark.parametrize("states,says", [
+    ({"exp_avg": "fp8", "exp_avg_sq": "mxfp8"}, "one moment in fp8 and the other in mxfp8"),
+    ({**MXFP8, "block": 256}, "'zeroplus.optimizer_states.block' is 256, and mxfp8 moments have a scale per 32"),
+])
+def test_mixed_or_reblocked_mxfp8_is_refused_naming_the_key(states, says):
+    with pytest.raises(ConfigError, match=says):
+        zeroplus.initialize(ParityNet(), _config(2, states))
 
 
 def _load_at_one_rank(root: str) -> dict:

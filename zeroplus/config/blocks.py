@@ -71,19 +71,22 @@ class MasterWeightsConfig(Block):
 class OptimizerStatesConfig(Block):
     """The dtypes Adam's and AdamW's moments are stored in (``zeroplus/optim/stored_states.py``)."""
 
-    exp_avg: Literal["fp32", "bf16", "fp16", "fp8"] | Auto | None = Field(
+    exp_avg: Literal["fp32", "bf16", "fp16", "fp8", "mxfp8"] | Auto | None = Field(
         None, description="The first moment's dtype (unset: bf16 where bf16.bf16_optimizer_states is true, else fp32; "
                           "'auto', with exp_avg_sq 'auto': the planner stores both in bf16 only where the memory "
                           "budget needs it, and says so).")
-    exp_avg_sq: Literal["fp32", "bf16", "fp16", "fp8"] | Auto | None = Field(
-        None, description="The second moment's dtype (unset: as exp_avg's rule; 'auto': as exp_avg's; fp8: its "
-                          "square root is stored).")
-    block: Literal[128, 256] = Field(
-        128, description="fp8 moments (e4m3): elements per power-of-two scale (zeroplus/kernels/block_fp8.py).")
+    exp_avg_sq: Literal["fp32", "bf16", "fp16", "fp8", "mxfp8"] | Auto | None = Field(
+        None, description="The second moment's dtype (unset: as exp_avg's rule; 'auto': as exp_avg's; fp8 and mxfp8: "
+                          "its square root is stored).")
+    block: Literal[128, 256] | None = Field(
+        None, description="fp8 moments (e4m3): elements per power-of-two fp32 scale (unset: 128; "
+                          "zeroplus/kernels/block_fp8.py). mxfp8 moments: e4m3 with an e8m0 scale per 32 elements, "
+                          "the MX format's (a block set with mxfp8 is refused).")
     rounding: Literal["nearest", "stochastic"] | None = Field(
-        None, description="How a moment computed in fp32 is stored: to nearest, or (bf16, fp8) stochastically, by a "
-                          "hash of the value and the step, the same on any layout (unset: stochastic where a moment "
-                          "is fp8, whose 3 mantissa bits lose an average's small updates to nearest, else nearest).")
+        None, description="How a moment computed in fp32 is stored: to nearest, or (bf16, fp8, mxfp8) "
+                          "stochastically, by a hash of the value and the step, the same on any layout (unset: "
+                          "stochastic where a moment is fp8 or mxfp8, whose 3 mantissa bits lose an average's small "
+                          "updates to nearest, else nearest).")
 
 
 class OffloadOptimizerConfig(Block):

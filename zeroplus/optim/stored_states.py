@@ -29,11 +29,11 @@ from typing import Any
 import torch
 from torch.optim.adam import adam as _adam_functional
 
-from ..kernels.block_fp8 import E4M3, blocks, dequantize_into, quantize
+from ..kernels.block_fp8 import E4M3, E8M0, MX_BLOCK, blocks, dequantize_into, quantize
 from ..kernels.stochastic_round import store
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": E4M3}
-BLOCKS = (128, 256)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": E4M3, "mxfp8": E4M3}
+BLOCKS = (128, 256)  # fp8's (fp32 scales); mxfp8's is MX_BLOCK (e8m0 scales)
 MOMENTS = ("exp_avg", "exp_avg_sq")
 CHUNK = 1 << 20  # elements per fp32 temporary
 
@@ -46,11 +46,12 @@ class StoredStates(torch.optim.Optimizer):
 
     def __init__(self, params: Any, *, exp_avg_dtype: torch.dtype = torch.float32,
                  exp_avg_sq_dtype: torch.dtype = torch.float32, rounding: str = "nearest", block: int = 128,
-                 **kwargs: Any) -> None:
+                 scale_dtype: torch.dtype = torch.float32, **kwargs: Any) -> None:
         if rounding not in ("nearest", "stochastic"):
             raise ValueError(f"rounding {rounding!r}: 'nearest' or 'stochastic'")
-        if block not in BLOCKS:
-            raise ValueError(f"block {block!r}: one of {BLOCKS}")
+        if (scale_dtype, block) != (E8M0, MX_BLOCK) and (scale_dtype != torch.float32 or block not in BLOCKS):
+            raise ValueError(f"block {block!r} of {scale_dtype} scales: fp32 scales per {BLOCKS} elements, or e8m0 "
+                             f"scales per {MX_BLOCK} (mxfp8)")
         if kwargs.get("amsgrad") or kwargs.get("differentiable") or kwargs.get("capturable"):
             raise ValueError("stored optimizer states: amsgrad, differentiable and capturable are not supported")
         kwargs["foreach"] = False
@@ -58,6 +59,7 @@ class StoredStates(torch.optim.Optimizer):
         self.state_dtypes = {"exp_avg": exp_avg_dtype, "exp_avg_sq": exp_avg_sq_dtype}
         self.rounding = rounding
         self.block = block  # fp8 moments: elements per scale
+        self.scale_dtype = scale_dtype  # fp8 moments: their scales' (fp32, or mxfp8's e8m0)
         self._held: dict[torch.device, torch.Tensor] | None = None  # chunk buffers kept across calls: holding()
 
     @contextlib.contextmanager
@@ -73,8 +75,9 @@ class StoredStates(torch.optim.Optimizer):
 
     @property
     def state_bytes(self) -> float:
-        """Bytes per element of the stored moments (an fp8 moment's scales included: 4 bytes a block)."""
-        return sum(dtype.itemsize + (4 / self.block if dtype == E4M3 else 0) for dtype in self.state_dtypes.values())
+        """Bytes per element of the stored moments (an fp8 moment's scales included: 4 bytes a block, 1 for mxfp8's)."""
+        scale = self.scale_dtype.itemsize / self.block
+        return sum(dtype.itemsize + (scale if dtype == E4M3 else 0) for dtype in self.state_dtypes.values())
 
     @property
     def block_scaled(self) -> bool:
@@ -95,7 +98,8 @@ class StoredStates(torch.optim.Optimizer):
             for key in MOMENTS:
                 state[key] = torch.zeros(p.shape, dtype=self.state_dtypes[key], device=p.device)
                 if self.state_dtypes[key] == E4M3:
-                    state[f"{key}_scale"] = torch.ones(blocks(p.numel(), self.block), device=p.device)
+                    state[f"{key}_scale"] = torch.ones(blocks(p.numel(), self.block), dtype=self.scale_dtype,
+                                                       device=p.device)
         return state
 
     @torch.no_grad()
@@ -198,7 +202,7 @@ class StoredStates(torch.optim.Optimizer):
                 continue
             n = given.numel()
             out[key] = torch.empty(n, dtype=E4M3, device=given.device)
-            out[f"{key}_scale"] = torch.empty(blocks(n, self.block), device=given.device)
+            out[f"{key}_scale"] = torch.empty(blocks(n, self.block), dtype=self.scale_dtype, device=given.device)
             value = given.reshape(-1).to(torch.float32, copy=True)  # (scratch of _write: the given state stays)
             self._write(out, key, 0, n, value, torch.zeros(()), None)
         return out
@@ -210,8 +214,9 @@ class StoredStates(torch.optim.Optimizer):
                 wanted = self.state_dtypes[key]
                 if key not in state or state[key].dtype == wanted:
                     continue
-                if wanted == E4M3 and f"{key}_scale" in state:  # stored form: e4m3 values cast exactly to fp32
+                if wanted == E4M3 and f"{key}_scale" in state:  # stored form: values and scales cast exactly to fp32
                     state[key] = state[key].to(E4M3)
+                    state[f"{key}_scale"] = state[f"{key}_scale"].to(self.scale_dtype)
                 elif wanted != E4M3:
                     state[key] = state[key].to(wanted)
             self.state[p] = self.from_per_element(state)
@@ -234,19 +239,28 @@ def state_dtype(optimizer: torch.optim.Optimizer, key: str, saved: torch.dtype) 
 
 
 def requested(exp_avg: str | None, exp_avg_sq: str | None, rounding: str | None,
-              bf16_optimizer_states: bool, block: int = 128) -> dict[str, Any] | None:
+              bf16_optimizer_states: bool, block: int | None = None) -> dict[str, Any] | None:
     """The stored-states keyword arguments a config asks for (``zeroplus.optimizer_states``; an unset dtype is bf16
-    where DeepSpeed's ``bf16.bf16_optimizer_states`` is true, else fp32), or None where both moments stay fp32."""
+    where DeepSpeed's ``bf16.bf16_optimizer_states`` is true, else fp32), or None where both moments stay fp32.
+    ``block``: the config's ``block`` where it sets one (fp8: 128 unset; mxfp8's is 32, and another is refused)."""
     default = "bf16" if bf16_optimizer_states else "fp32"
     names = {"exp_avg": exp_avg or default, "exp_avg_sq": exp_avg_sq or default}
     if names == {"exp_avg": "fp32", "exp_avg_sq": "fp32"}:
         return None
-    rounding = rounding or ("stochastic" if "fp8" in names.values() else "nearest")
+    scaled = {name for name in names.values() if name in ("fp8", "mxfp8")}
+    rounding = rounding or ("stochastic" if scaled else "nearest")
     if rounding == "stochastic" and "fp16" in names.values():
         raise ValueError(f"config key 'zeroplus.optimizer_states.rounding' is 'stochastic', which is served for bf16 "
                          f"and fp8 moments only, and the moments are {names}")
+    if scaled == {"fp8", "mxfp8"}:
+        raise ValueError(f"config key 'zeroplus.optimizer_states' stores one moment in fp8 and the other in mxfp8 "
+                         f"({names}): one block format serves both; give both fp8 or both mxfp8")
+    if "mxfp8" in scaled and block is not None:
+        raise ValueError(f"config key 'zeroplus.optimizer_states.block' is {block}, and mxfp8 moments have a scale "
+                         f"per {MX_BLOCK} elements (the MX format's); leave 'block' unset or use fp8")
     return {"exp_avg_dtype": DTYPES[names["exp_avg"]], "exp_avg_sq_dtype": DTYPES[names["exp_avg_sq"]],
-            "rounding": rounding, "block": block}
+            "rounding": rounding, "block": MX_BLOCK if "mxfp8" in scaled else (block or 128),
+            "scale_dtype": E8M0 if "mxfp8" in scaled else torch.float32}
 
 
 def stored_states_class(cls: type[torch.optim.Optimizer]) -> type[StoredStates]:
