@@ -99,8 +99,7 @@ def check_optimizer_request(cfg: ResolvedConfig, optimizer: torch.optim.Optimize
         raise ConfigError(f"{what}, and the optimizer states are in virtual host memory "
                           f"(zeroplus.virtual_optimizer_states), whose NPU kernel steps fp32 states only")
     if E4M3 in (states["exp_avg_dtype"], states["exp_avg_sq_dtype"]):
-        split = [key for key, on in (("zero_optimization.offload_optimizer", cfg.zero_optimization.offloads_optimizer),
-                                     ("zero_optimization.offload_param", cfg.zero_optimization.offloads_params),
+        split = [key for key, on in (("zero_optimization.offload_param", cfg.zero_optimization.offloads_params),
                                      ("zeroplus.shared_master_weights", cfg.zeroplus.shared_master_weights is True),
                                      ("zeroplus.master_weights (bf16)", masters_in_bf16(cfg))) if on]
         if split:

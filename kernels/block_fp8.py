@@ -55,7 +55,7 @@ def quantize(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, block:
 def _scale_blocks(x: torch.Tensor, scales: torch.Tensor) -> None:
     """Each row's power-of-two scale into ``scales`` (fp32, or e8m0: no smaller than 2^-127, where a smaller block's
     values round as e4m3 subnormals); the row divided by it, in place."""
-    amax = x.abs().amax(dim=1)
+    amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=1)  # (max |x|, no |x| the size of the chunk made)
     mantissa, exponent = torch.frexp(amax / E4M3_MAX)  # amax / 448 = m * 2^e, m in [0.5, 1)
     exponent -= (mantissa == 0.5).to(exponent.dtype)  # an exact power of two is its own scale
     if scales.dtype == E8M0:

@@ -25,11 +25,15 @@ from zeroplus.ledger import Category, Ledger
 from .tiers import Stored, Tier
 
 
-def plan_sub_groups(owned: list[int], sub_group_size: int, ratio: float) -> list[tuple[list[tuple[int, int]], int]]:
+def plan_sub_groups(owned: list[int], sub_group_size: int, ratio: float,
+                    block: int = 1) -> list[tuple[list[tuple[int, int]], int]]:
     """Each group's sub-groups ``[(a, b), ...]`` and how many of its first ones stay resident:
     whole sub-groups, in group order, while the resident elements stay within ``1 - ratio`` of all
-    owned elements (``ratio`` counts elements over every group, not sub-groups per group)."""
+    owned elements (``ratio`` counts elements over every group, not sub-groups per group). ``block``
+    (``scale_block``): every sub-group starts at a multiple of it, so one whose states keep a scale per
+    block of elements holds the blocks the whole shard would."""
     budget = (1.0 - ratio) * sum(owned)
+    sub_group_size = max(block, int(sub_group_size) // block * block)
     plan = []
     for n in owned:
         chunks = [(a, min(a + sub_group_size, n)) for a in range(0, n, sub_group_size)]
@@ -39,6 +43,11 @@ def plan_sub_groups(owned: list[int], sub_group_size: int, ratio: float) -> list
             resident += 1
         plan.append((chunks, resident))
     return plan
+
+
+def scale_block(optimizer: Any) -> int:
+    """Elements per scale of an optimizer whose states keep one per block (fp8 moments: ``block_scaled``), else 1."""
+    return int(optimizer.block) if getattr(optimizer, "block_scaled", False) else 1
 
 
 class Window:
@@ -115,15 +124,18 @@ class TieredStates:
                            for key, v in states.items()}
         self.window.written(self.tier, [v for v in self._stored[k].values() if isinstance(v, Stored)])
 
-    def full(self, owned: int) -> dict[str, Any]:
+    def full(self, owned: int, per_element_form: Any = None) -> dict[str, Any]:
         """Every chunk's states concatenated (a checkpoint save): per-element tensors of ``owned``
         elements, scalars from the last chunk. Per-element: a tensor with dimensions as long as its chunk; a
         scalar (Adam's ``step``) has none, so a last chunk of one element is concatenated too (taking its
-        one-element states for scalars put them in place of the whole tensors)."""
+        one-element states for scalars put them in place of the whole tensors). ``per_element_form``: a
+        chunk's states as one value per element (fp8 moments dequantized, their scales gone), applied to
+        each chunk before it is concatenated."""
         out: dict[str, Any] = {}
         for k, (a, b) in enumerate(self.chunks):
             states = self.get(k)
-            for key, value in states.items():
+            given = states if per_element_form is None else per_element_form(states)
+            for key, value in given.items():
                 if per_element(value, b - a):
                     if key not in out:
                         out[key] = torch.zeros(owned, dtype=value.dtype, device=value.device)
@@ -133,13 +145,15 @@ class TieredStates:
             self.put(k, states)
         return out
 
-    def load_full(self, states: dict[str, Any], owned: int) -> None:
-        """Replace every chunk's states from full-size ones (a checkpoint load)."""
+    def load_full(self, states: dict[str, Any], owned: int, stored_form: Any = None) -> None:
+        """Replace every chunk's states from full-size ones (a checkpoint load); ``stored_form``: a chunk's
+        per-element states as the optimizer keeps them (fp8 moments quantized with the chunk's blocks)."""
         self._resident.clear()
         self._stored.clear()
         for k, (a, b) in enumerate(self.chunks):
-            self.put(k, {key: (v[a:b].clone() if per_element(v, owned) else
-                               (v.clone() if isinstance(v, torch.Tensor) else v)) for key, v in states.items()})
+            chunk = {key: (v[a:b].clone() if per_element(v, owned) else (v.clone() if isinstance(v, torch.Tensor)
+                                                                           else v)) for key, v in states.items()}
+            self.put(k, chunk if stored_form is None else stored_form(chunk))
 
 
 def per_element(value: Any, size: int) -> bool:

@@ -36,22 +36,28 @@ def _tiny_gpt() -> GPT:
 
 def _config(stage: int, dtype: str, shared: bool, optimizer: str, root: str | None = None) -> dict:
     """``optimizer`` "AdamW+offload": states in files at ratio 0.5 (sub-groups of 100 elements) and,
-    at stage 3, the parameter shards too."""
+    at stage 3, the parameter shards too; "AdamW+offload+fp8": fp8 moments so (sub-groups of 256: two blocks)."""
     params = {"lr": 1e-3, "momentum": 0.9} if optimizer == "SGD" else {"lr": 1e-3}
     zero: dict = {"stage": stage, "stage3_param_persistence_threshold": 500}
-    if optimizer.endswith("+offload"):
+    states = {}
+    if "+offload" in optimizer:
+        fp8 = optimizer.endswith("+fp8")
         optimizer, path = "AdamW", tempfile.mkdtemp(prefix="offload-", dir=root)
-        zero.update(sub_group_size=100, offload_optimizer={"device": "nvme", "nvme_path": path, "ratio": 0.5})
+        zero.update(sub_group_size=300 if fp8 else 100,
+                    offload_optimizer={"device": "nvme", "nvme_path": path, "ratio": 0.5})
+        states = {"exp_avg": "fp8", "exp_avg_sq": "fp8"} if fp8 else {}
         if stage == 3:
             zero["offload_param"] = {"device": "nvme", "nvme_path": path}
     return {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": dtype == "bf16"},
             "optimizer": {"type": optimizer, "params": params}, "zero_optimization": zero,
-            "zeroplus": {"log_level": "warning", "shared_master_weights": shared, "memory_estimate": False}}
+            "zeroplus": {"log_level": "warning", "shared_master_weights": shared, "memory_estimate": False,
+                         "optimizer_states": states}}
 
 
 CASES = [(stage, dtype, shared, opt) for stage in range(4)
          for dtype, shared, opt in [("fp32", False, "AdamW"), ("bf16", False, "SGD"), ("bf16", True, "AdamW")]]
-CASES += [(3, "bf16", False, "AdamW+offload"), (2, "bf16", False, "AdamW+offload")]
+CASES += [(3, "bf16", False, "AdamW+offload"), (2, "bf16", False, "AdamW+offload"),
+          (2, "bf16", False, "AdamW+offload+fp8")]
 
 
 def _job(model_name: str, root: str) -> list:
@@ -80,7 +86,7 @@ def test_prediction_equals_the_ledger(model_name, tmp_path):
     for rank_result in run_distributed(_job, 2, model_name, str(tmp_path)):
         for (stage, dtype, shared, opt), (predicted, measured) in zip(CASES, rank_result):
             assert {k: predicted[k] for k in measured} == measured, f"stage {stage} {dtype} shared {shared} {opt}"
-            if opt.endswith("+offload"):  # half the states (whole sub-groups) and, at stage 3, every master off
+            if "+offload" in opt:  # half the states (whole sub-groups) and, at stage 3, every master off
                 assert 0 < predicted["optim_state"] < predicted["optim_state_offloaded"] + predicted["optim_state"]
                 assert (predicted["master"] == 0) == (stage == 3)
 

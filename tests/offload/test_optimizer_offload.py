@@ -3,11 +3,13 @@
 On 2 ranks at stages 1-3, with the states in files (``device: nvme``) streamed in sub-groups of
 40 elements through a window of 3: losses and fp32 masters bitwise equal to the run without
 offload, in fp32, bf16 and fp16 (dynamic loss scaling), at ratio 1 and 0.5, with shared-storage master weights, and with
-Adam's moments stored in bf16 (``zeroplus.optimizer_states``: half the bytes on the tier and through the window). The
+Adam's moments stored in bf16 (``zeroplus.optimizer_states``: half the bytes on the tier and through the window) or fp8
+(a quarter and the scales; the sub-groups start at multiples of 128, the block, so each keeps the shard's blocks). The
 ledger keeps no ``optim_state`` bytes resident at ratio 1 (part at 0.5) and at most the
 window's worth in ``offload_buffer`` (3 sub-groups read or stepping and 3 being written, over all
 groups together), not the shard's. A checkpoint saved with offloaded states resumes
-bit for bit, with or without offload; bad settings are errors naming the key.
+bit for bit, with or without offload (fp8 moments saved one value per element and quantized again per sub-group);
+bad settings are errors naming the key.
 """
 from __future__ import annotations
 
@@ -27,8 +29,8 @@ SUB = 40
 
 
 def _config(stage: int, dtype: str, path: str | None, ratio: float = 1.0, shared: bool = False,
-            states: bool = False) -> dict:
-    """``states``: Adam's moments stored in bf16 (``zeroplus.optimizer_states``)."""
+            states: str | None = None) -> dict:
+    """``states``: the dtype Adam's moments are stored in (``zeroplus.optimizer_states``), unset: fp32."""
     zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
     if path is not None:
         os.makedirs(path, exist_ok=True)  # zeroplus does not create offload directories
@@ -38,7 +40,7 @@ def _config(stage: int, dtype: str, path: str | None, ratio: float = 1.0, shared
             "fp16": {"enabled": dtype == "fp16", "initial_scale_power": 8},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}, "zero_optimization": zero,
             "zeroplus": {"log_level": "warning", "memory_estimate": False, "shared_master_weights": shared,
-                         "optimizer_states": {"exp_avg": "bf16", "exp_avg_sq": "bf16"} if states else {}}}
+                         "optimizer_states": {"exp_avg": states, "exp_avg_sq": states} if states else {}}}
 
 
 def _run(cfg: dict, steps: int = 4) -> dict:
@@ -52,10 +54,13 @@ def _run(cfg: dict, steps: int = 4) -> dict:
             "owned": sum(g.owned_numel for g in engine.partition.groups)}
 
 
-CASES = [(1, "fp32", 1.0, False, False), (2, "fp32", 0.5, False, False), (3, "fp32", 1.0, False, False),
-         (2, "bf16", 1.0, False, False), (3, "bf16", 0.5, True, False), (1, "fp16", 1.0, False, False),
-         (3, "fp16", 1.0, False, False), (1, "bf16", 1.0, False, True), (3, "bf16", 0.5, False, True),
-         (2, "fp32", 1.0, False, True)]
+CASES = [(1, "fp32", 1.0, False, None), (2, "fp32", 0.5, False, None), (3, "fp32", 1.0, False, None),
+         (2, "bf16", 1.0, False, None), (3, "bf16", 0.5, True, None), (1, "fp16", 1.0, False, None),
+         (3, "fp16", 1.0, False, None), (1, "bf16", 1.0, False, "bf16"), (3, "bf16", 0.5, False, "bf16"),
+         (2, "fp32", 1.0, False, "bf16"), (2, "fp32", 1.0, False, "fp8"), (3, "bf16", 0.5, False, "fp8")]
+# AdamW's two moments: bytes an element (fp8: and 4 a block of 128), and the elements a sub-group holds
+MOMENT_BYTES = {None: 8, "bf16": 4, "fp8": 2}
+SUB_ELEMENTS = {None: SUB, "bf16": SUB, "fp8": 128}
 
 
 def _job(root: str) -> list:
@@ -71,41 +76,45 @@ def _job(root: str) -> list:
 def test_offloaded_states_train_identically(tmp_path):
     results = run_distributed(_job, 2, str(tmp_path))[0]
     for (stage, dtype, ratio, shared, states), (plain, offloaded) in zip(CASES, results):
-        where = f"stage {stage} {dtype} ratio {ratio} shared {shared} bf16 states {states}"
+        where = f"stage {stage} {dtype} ratio {ratio} shared {shared} states {states}"
         assert plain["losses"] == offloaded["losses"], where
         for name, value in plain["masters"].items():
             assert torch.equal(value, offloaded["masters"][name]), f"{where}: {name}"
-        per_element = 4 if states else 8  # AdamW: exp_avg + exp_avg_sq in bf16, or fp32
-        assert plain["resident"] == per_element * plain["owned"], where
+        per_element, sub = MOMENT_BYTES[states], SUB_ELEMENTS[states]
+        sub_bytes = per_element * sub + (2 * 4 if states == "fp8" else 0)  # (fp8: a scale a moment)
+        if states != "fp8":  # (fp8's scales a block of each group: tests/optim/test_fp8_states.py)
+            assert plain["resident"] == per_element * plain["owned"], where
         if ratio == 1.0:
             assert offloaded["resident"] == 0, where
         else:
             assert 0 < offloaded["resident"] < plain["resident"], where
         # at most buffer_count (3) sub-groups read or stepping plus 3 being written, over all groups (a
         # write drops its buffer before its future completes: tier_tensor._pwrite); bf16 moments move half the bytes
-        assert 0 < offloaded["window_peak"] <= 2 * 3 * per_element * SUB, where
+        assert 0 < offloaded["window_peak"] <= 2 * 3 * sub_bytes, where
 
 
-def _resume(root: str, offload_first: bool, offload_second: bool) -> dict:
+def _resume(root: str, offload_first: bool, offload_second: bool, states: str | None) -> dict:
     rank, world = rank_and_world()
     path = lambda tag: os.path.join(root, f"{tag}-{rank}")  # noqa: E731
-    straight = _run(_config(2, "fp32", path("a") if offload_first else None), steps=6)
+    straight = _run(_config(2, "fp32", path("a") if offload_first else None, states=states), steps=6)
     torch.manual_seed(0)
-    engine = zeroplus.initialize(ParityNet(), _config(2, "fp32", path("b") if offload_first else None))
+    engine = zeroplus.initialize(ParityNet(), _config(2, "fp32", path("b") if offload_first else None, states=states))
     batches = make_batches(6 * world, 2)
     first = engine_train(engine, batches, 3, rank, world, 1)
     engine.save_checkpoint(os.path.join(root, "ckpt"))
     torch.manual_seed(5)
-    engine = zeroplus.initialize(ParityNet(), _config(2, "fp32", path("c") if offload_second else None))
+    engine = zeroplus.initialize(ParityNet(), _config(2, "fp32", path("c") if offload_second else None,
+                                                      states=states))
     engine.load_checkpoint(os.path.join(root, "ckpt"))
     second = engine_train(engine, batches, 3, rank, world, 1, start=3)
     return {"straight": straight["losses"], "resumed": first + second,
             "masters": engine.consolidated_fp32_state(), "reference": straight["masters"]}
 
 
-@pytest.mark.parametrize("offload_first,offload_second", [(True, True), (True, False)])
-def test_checkpoints_keep_offloaded_states(tmp_path, offload_first, offload_second):
-    result = run_distributed(_resume, 2, str(tmp_path), offload_first, offload_second)[0]
+@pytest.mark.parametrize("offload_first,offload_second,states", [(True, True, None), (True, False, None),
+                                                                 (True, True, "fp8")])
+def test_checkpoints_keep_offloaded_states(tmp_path, offload_first, offload_second, states):
+    result = run_distributed(_resume, 2, str(tmp_path), offload_first, offload_second, states)[0]
     assert result["straight"] == result["resumed"]
     for name, value in result["reference"].items():
         assert torch.equal(value, result["masters"][name]), name

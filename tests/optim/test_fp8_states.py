@@ -15,7 +15,7 @@
 - mxfp8: the codec with e8m0 scales equals the fp32-scaled one at 32 elements a block, bit for bit (its scales no
   smaller than 2^-127); the step bit for bit the reference; at 2 ranks and stage 3, 1 byte an element and 1 a block,
   predicted exactly, and a bit-exact resume.
-- Refused, naming the key: offloaded states or parameters; fp8 beside mxfp8; mxfp8 with another block.
+- Refused, naming the key: offloaded parameters; fp8 beside mxfp8; mxfp8 with another block.
 """
 from __future__ import annotations
 
@@ -144,6 +144,8 @@ def test_a_state_dict_loads_back_in_the_stored_form_and_steps_on_bit_for_bit(blo
     other.load_state_dict(copy.deepcopy(opt.state_dict()))  # (as from a file: torch's keeps a tensor of its dtype)
     assert other.state[q]["exp_avg_scale"].dtype == other.state[q]["exp_avg_sq_scale"].dtype == scale_dtype
     assert other.state[q]["exp_avg"].dtype == E4M3
+    # what a step holds: two fp32 moments and the hash's two int32 rows, as long as the parameter (shorter than a chunk)
+    assert opt.workspace_bytes == 4 * n * 4
     for grad in grads[2:]:
         p.grad, q.grad = grad.clone(), grad.clone()
         opt.step()
@@ -228,10 +230,10 @@ def test_fp8_moments_at_every_stage_on_two_ranks(tmp_path):
 
 
 @pytest.mark.parametrize("zero,says", [
-    ({"offload_optimizer": {"device": "cpu"}}, "'zero_optimization.offload_optimizer' steps or moves the states"),
     ({"offload_param": {"device": "cpu"}, "stage": 3}, "'zero_optimization.offload_param' steps or moves the states"),
 ])
 def test_what_fp8_moments_cannot_do_is_refused_naming_the_key(zero, says):
+    """(Offloaded states are served: ``tests/offload/test_optimizer_offload.py``.)"""
     cfg = _config(2, FP8)
     cfg["zero_optimization"].update(zero)
     with pytest.raises(ConfigError, match=says):

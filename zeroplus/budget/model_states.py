@@ -28,7 +28,7 @@ from ..engine.build import compute_dtype, expert_split, make_partition
 from ..engine.optimizer_setup import stored_states
 from ..ledger import Category, Ledger
 from ..offload.disk_space import state_bytes_per_element
-from ..offload.optimizer_states import plan_sub_groups
+from ..offload.optimizer_states import plan_sub_groups, scale_block
 from ..optim.build import build_optimizer
 from .virtual_parallel import build_in, virtual_groups
 
@@ -60,12 +60,16 @@ def model_state_bytes(build_model: Callable[[], torch.nn.Module], config: dict[s
         opt = build_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params), [{"params": masters}], False,
                               stored_states(cfg))
         per_element = state_bytes_per_element(opt)
+        exact = getattr(opt, "state_nbytes", None)  # stored states: bytes by tensor (fp8's scales by block)
+
+        def nbytes(sizes: list[int]) -> int:
+            return sum(exact(n) for n in sizes) if exact is not None else math.ceil(per_element * sum(sizes))
         owned = [g.owned_numel for g in partition.groups]
-        resident = sum(owned)
+        kept = owned
         offload = zero.offload_optimizer
         if offload is not None and zero.offloads_optimizer and zero.stage.partitions:  # the engine's own sub-group plan
-            plan = plan_sub_groups(owned, zero.sub_group_size, offload.ratio)
-            resident = sum(chunks[k][1] - chunks[k][0] for chunks, kept in plan for k in range(kept))
-            out["optim_state_offloaded"] = math.ceil(per_element * (sum(owned) - resident))
-        out[Category.OPTIM_STATE.value] = math.ceil(per_element * resident)
+            plan = plan_sub_groups(owned, zero.sub_group_size, offload.ratio, scale_block(opt))
+            kept = [b - a for chunks, resident in plan for a, b in chunks[:resident]]
+            out["optim_state_offloaded"] = nbytes([b - a for chunks, resident in plan for a, b in chunks[resident:]])
+        out[Category.OPTIM_STATE.value] = nbytes(kept)
     return out

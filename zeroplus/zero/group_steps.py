@@ -91,10 +91,17 @@ class TieredStatesStep:
         self.chunked.step_tiered(g, self.states, grad)
 
     def state(self, g: FlatParamGroup) -> dict[str, Any]:
-        return self.states.full(g.owned_numel)
+        """One value per element for every per-element state, each sub-group's fp8 moments dequantized."""
+        optimizer = self.chunked.optimizer
+        form = optimizer.per_element if isinstance(optimizer, StoredStates) else None
+        return self.states.full(g.owned_numel, form)
 
     def load(self, g: FlatParamGroup, state: dict[str, Any]) -> None:
-        self.states.load_full(state, g.owned_numel)
+        """Each sub-group's slice of ``state``, its fp8 moments quantized with the sub-group's blocks (the shard's:
+        sub-groups start at multiples of the block)."""
+        optimizer = self.chunked.optimizer
+        form = optimizer.from_per_element if isinstance(optimizer, StoredStates) else None
+        self.states.load_full(state, g.owned_numel, form)
 
 
 class VirtualStep:

@@ -32,7 +32,7 @@ import torch
 
 from ..collectives import Collectives, ScalarSum
 from ..ledger import Category, Ledger
-from ..offload.optimizer_states import TieredStates, Window, plan_sub_groups
+from ..offload.optimizer_states import TieredStates, Window, plan_sub_groups, scale_block
 from ..offload.policies import OptimizerStateOffload
 from ..offload.virtual_host import VirtualStates
 from ..optim.muon import MatrixLayout, MatrixOptimizer, balance
@@ -170,7 +170,8 @@ class ShardedStep:
                 self.steps[id(g)] = VirtualStep(VirtualStates(g.owned_numel, g.device, ledger, virtual_kernels),
                                                 self._options[id(g.master_param)])
         elif offload is not None:
-            plan = plan_sub_groups([g.owned_numel for g in partition.groups], offload.sub_group_size, offload.ratio)
+            plan = plan_sub_groups([g.owned_numel for g in partition.groups], offload.sub_group_size, offload.ratio,
+                                   scale_block(optimizer))
             window = Window(offload.buffer_count)
             for g, (chunks, resident) in zip(partition.groups, plan):
                 tiered.append(TieredStates(offload.tier, chunks, resident, window, ledger))
