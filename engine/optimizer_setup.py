@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from zeroplus.config import ConfigError, ResolvedConfig, ZeroplusConfig
-from zeroplus.kernels.block_fp8 import E4M3
 from zeroplus.optim.build import (
     adopt_client_optimizer,
     build_optimizer,
@@ -98,13 +97,6 @@ def check_optimizer_request(cfg: ResolvedConfig, optimizer: torch.optim.Optimize
     if cfg.zeroplus.virtual_optimizer_states:
         raise ConfigError(f"{what}, and the optimizer states are in virtual host memory "
                           f"(zeroplus.virtual_optimizer_states), whose NPU kernel steps fp32 states only")
-    if E4M3 in (states["exp_avg_dtype"], states["exp_avg_sq_dtype"]):
-        split = [key for key, on in (("zero_optimization.offload_param", cfg.zero_optimization.offloads_params),
-                                     ("zeroplus.shared_master_weights", cfg.zeroplus.shared_master_weights is True),
-                                     ("zeroplus.master_weights (bf16)", masters_in_bf16(cfg))) if on]
-        if split:
-            raise ConfigError(f"{what} (fp8, a scale per block), and '{split[0]}' steps or moves the states in "
-                              f"pieces that cut the blocks; not supported with fp8 moments yet")
     assert cfg.optimizer is not None
     try:
         build_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params), [{"params": [torch.zeros(1)]}], False,

@@ -15,7 +15,8 @@
 - mxfp8: the codec with e8m0 scales equals the fp32-scaled one at 32 elements a block, bit for bit (its scales no
   smaller than 2^-127); the step bit for bit the reference; at 2 ranks and stage 3, 1 byte an element and 1 a block,
   predicted exactly, and a bit-exact resume.
-- Refused, naming the key: offloaded parameters; fp8 beside mxfp8; mxfp8 with another block.
+- Masters stepped in chunks (split, on a tier, bf16): the chunks start at multiples of the block.
+- Refused, naming the key: fp8 beside mxfp8; mxfp8 with another block.
 """
 from __future__ import annotations
 
@@ -229,15 +230,45 @@ def test_fp8_moments_at_every_stage_on_two_ranks(tmp_path):
             assert row["stage"] != 3 or "predicted" in row["mxfp8"]
 
 
-@pytest.mark.parametrize("zero,says", [
-    ({"offload_param": {"device": "cpu"}, "stage": 3}, "'zero_optimization.offload_param' steps or moves the states"),
-])
-def test_what_fp8_moments_cannot_do_is_refused_naming_the_key(zero, says):
-    """(Offloaded states are served: ``tests/offload/test_optimizer_offload.py``.)"""
-    cfg = _config(2, FP8)
-    cfg["zero_optimization"].update(zero)
-    with pytest.raises(ConfigError, match=says):
-        zeroplus.initialize(ParityNet(), cfg)
+def _chunked_run(stage: int, states: dict, like_shared: bool = False, shared: bool = False,
+                 offload: str | None = None, masters: str | None = None) -> tuple:
+    """One rank in bf16, 4 steps of ParityNet, masters stepped in chunks of 100 elements where they are stepped in
+    chunks (rounded down to the block): losses, the masters, the moments one value per element, optim_state bytes."""
+    torch.manual_seed(0)
+    cfg = _config(stage, states)
+    cfg["bf16"] = {"enabled": True}
+    cfg["zeroplus"].update(master_step_chunk=100, shared_master_weights=shared,
+                           master_rounding="like_shared" if like_shared else "nearest_even")
+    if masters is not None:
+        cfg["zeroplus"]["master_weights"] = {"dtype": masters}
+    if offload is not None:
+        cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": offload}
+    engine = zeroplus.initialize(ParityNet(), cfg)
+    losses = engine_train(engine, make_batches(STEPS, MICRO), STEPS, 0, 1, 1)
+    moments = [engine.optimizer_state(g)[key].float() for g in engine.partition.groups
+               for key in ("exp_avg", "exp_avg_sq")]
+    out = (losses, engine.consolidated_fp32_state(), moments, engine.ledger.live_bytes(Category.OPTIM_STATE))
+    engine.destroy()
+    return out
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return (a[0] == b[0] and a[3] == b[3] and all(torch.equal(a[1][n], b[1][n]) for n in a[1])
+            and all(torch.equal(x, y) for x, y in zip(a[2], b[2])))
+
+
+@pytest.mark.parametrize("states", [FP8, MXFP8])
+def test_split_tiered_and_bf16_masters_step_fp8_moments_in_chunks_of_whole_blocks(tmp_path, states):
+    """Masters read and written chunk by chunk (``chunked_step.py``) give each chunk its blocks' slice of the scales,
+    the chunks starting at multiples of the block: a master on a tier (stage 3) and a shared (split) master each train
+    bit for bit as a resident fp32 master rounded the same way (losses, masters, moments, bytes); bf16 masters train
+    within 2% of it."""
+    assert _same(_chunked_run(3, states, offload=str(tmp_path)), _chunked_run(3, states)), "master on a tier"
+    separate = _chunked_run(1, states, like_shared=True)
+    assert _same(_chunked_run(1, states, like_shared=True, shared=True), separate), "shared master"
+    bf16_masters = _chunked_run(1, states, masters="bf16")[0]
+    assert all(abs(ours - theirs) <= 0.02 * abs(theirs) for ours, theirs in zip(bf16_masters, separate[0])), (
+        bf16_masters, separate[0])
 
 
 @pytest.mark.parametrize("states,says", [

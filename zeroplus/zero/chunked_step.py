@@ -17,7 +17,9 @@ No full-size fp32 temporary exists: the extra memory is one chunk of fp32 (``chu
 elements, 4 MiB at the default 2^20) and the kernels' int32 scratch (at most 4 MiB).
 
 This is exact for element-wise optimizers (Adam, AdamW, SGD, RMSprop, Adamax, NAdam, RAdam,
-Adadelta): each element's update depends only on that element and the scalars. Any other
+Adadelta): each element's update depends only on that element and the scalars. fp8 moments keep a scale per block
+of elements: the chunks then start at multiples of the block (``chunk_numel`` rounded down to one) and each chunk
+gets its blocks' slice of the scales, so it quantizes the blocks the whole shard has. Any other
 optimizer (LAMB needs per-parameter norms over the whole shard) steps the owned range as one
 chunk. Per-element states are created full-size on the first step, in the ledger
 (``optim_state``), from what the optimizer creates for each chunk.
@@ -30,13 +32,19 @@ from typing import Any
 import torch
 
 from ..kernels import bf16_split
+from ..kernels.block_fp8 import blocks
 from ..ledger import Category, Ledger
-from ..offload.optimizer_states import TieredStates, per_element
+from ..offload.optimizer_states import TieredStates, per_element, scale_block
 from ..optim.stored_states import StoredStates
 from .flat_group import FlatParamGroup
 
 ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adamax,
                torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta)
+
+
+def _per_block(key: str, block: int) -> bool:
+    """Whether state ``key`` has one value per block of elements (an fp8 moment's scales) rather than per element."""
+    return block > 1 and key.endswith("_scale")
 
 
 def _copy_scalar(value: Any) -> Any:
@@ -102,13 +110,20 @@ class ChunkedStep:
     def _step(self, g: FlatParamGroup, grad: torch.Tensor) -> None:
         store, param, opt = g.master_store, g.master_param, self.optimizer
         owned = store.numel
-        chunk = min(self.chunk_numel, owned) if self.elementwise else owned
+        block = scale_block(opt)  # fp8 moments: a scale per block, so chunks start at multiples of it
+        chunk = max(1, min(self.chunk_numel, owned) // block * block) if self.elementwise else owned
+        chunk = min(max(chunk, block), owned)
         work = self.ledger.empty(chunk, torch.float32, Category.MASTER, grad.device)
         scratch = self._scratch(store, chunk, grad.device)
         store.begin_step()
         state = opt.state.pop(param, {})
         first = not state  # every chunk then starts from the optimizer's own initial state
-        sliced = {k for k, v in state.items() if per_element(v, owned)}
+
+        def span(key: str, a: int, b: int) -> slice:
+            """Where elements ``[a, b)`` of a per-element state are, or of a per-block one (fp8 scales)."""
+            return slice(a // block, blocks(b, block)) if _per_block(key, block) else slice(a, b)
+        sliced = {k for k, v in state.items() if per_element(v, owned) or
+                  (_per_block(k, block) and isinstance(v, torch.Tensor) and v.numel() == blocks(owned, block))}
         scalars = {k: v for k, v in state.items() if k not in sliced}
         placeholder = param.data
         try:
@@ -121,17 +136,20 @@ class ChunkedStep:
                 param.data, param.grad = values, grad[a:b]
                 chunk_state: dict[str, Any] = {}
                 if not first:
-                    chunk_state = {k: state[k][a:b] for k in sliced}
+                    chunk_state = {k: state[k][span(k, a, b)] for k in sliced}
                     chunk_state.update({k: _copy_scalar(v) for k, v in scalars.items()})
                 opt.state[param] = chunk_state
                 opt.step()
                 for key, value in opt.state.pop(param).items():
-                    if key not in sliced and first and per_element(value, b - a):
-                        state[key] = self.ledger.zeros(owned, value.dtype, Category.OPTIM_STATE, value.device)
+                    if key not in sliced and first and (per_element(value, b - a) or _per_block(key, block)):
+                        whole = blocks(owned, block) if _per_block(key, block) else owned
+                        state[key] = torch.zeros(whole, dtype=value.dtype, device=value.device)
+                        self.ledger.track_new_states({key: state[key]}, Category.OPTIM_STATE)  # (multi-element ones)
                         sliced.add(key)
                     if key in sliced:
-                        if value.data_ptr() != state[key][a:b].data_ptr():
-                            state[key][a:b].copy_(value)
+                        part = state[key][span(key, a, b)]
+                        if value.data_ptr() != part.data_ptr():
+                            part.copy_(value)
                     else:
                         state[key] = value  # scalars: the last chunk's are the step's
                 store.write(a, values, scratch)
