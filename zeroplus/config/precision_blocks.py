@@ -29,4 +29,5 @@ class BF16Config(Block):
     bf16_master_weights_and_grads: bool = Field(
         False, description="The master weights kept in bf16, the weights the model computes with (as "
                            "zeroplus.master_weights.dtype bf16; its rounding applies); gradients are reduced in bf16 "
-                           "as in every bf16 run.")
+                           "as in every bf16 run and, over micro-batches, accumulated in bf16 at every stage (stages "
+                           "2-3 otherwise accumulate them in fp32).")

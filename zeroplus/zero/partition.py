@@ -178,7 +178,10 @@ class ZeroPartition:
         self.root = self.units[-1]
         self._adopt_units(model)
         overlap = True if zero.overlap_comm is None else zero.overlap_comm
-        accumulate_fp32 = self.stage.shards_gradients and gradient_accumulation_steps > 1
+        # stages 2-3 add each micro-batch's reduced gradient into the shard: in fp32, or in the compute dtype under bf16
+        # masters (DeepSpeed's bf16_master_weights_and_grads: gradients kept in bf16, 2 bytes an element, not 4)
+        accumulate_fp32 = (self.stage.shards_gradients and gradient_accumulation_steps > 1
+                           and master.bf16_rounding is None)
         reducer = GradReducer(self.stage, dp, zero.reduce_bucket_size, zero.reduce_scatter, overlap, ledger,
                               accumulate_fp32)
         self.stage3: Stage3Scheduler | None = None  # (stage 3: made as the model is hooked, after the per-use swaps)
