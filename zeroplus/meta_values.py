@@ -178,11 +178,14 @@ def _key(value: Any) -> Any:
     return None
 
 
-def _plain(results: tuple) -> bool:
+def _plain(results: tuple, inputs: list[torch.Tensor]) -> bool:
     """Whether each result has a storage of its own that ``empty_strided`` of its shape would make (the tracker
-    counts storages): none shared, none larger, none offset."""
+    counts storages): none shared, none an input's (``_unsafe_view``'s schema promises a new tensor and returns its
+    input's storage: a remembered one made a new storage, a logits-sized 125 MiB counted twice in a Llama's forward),
+    none larger, none offset."""
     storages = {t.untyped_storage()._cdata for t in results}
-    return len(storages) == len(results) and all(
+    given = {t.untyped_storage()._cdata for t in inputs}
+    return len(storages) == len(results) and not storages & given and all(
         t.storage_offset() == 0 and t.untyped_storage().nbytes()
         == torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta").untyped_storage().nbytes()
         for t in results)
@@ -226,7 +229,8 @@ class MetaValues:
                 self._shapes[key] = []
             elif key is not None and None not in key:
                 results = out if isinstance(out, tuple) else (out,)
-                if all(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in results) and _plain(results):
+                if all(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in results) and _plain(results,
+                                                                                                        metas):
                     self._shapes[key] = [(tuple(t.shape), t.stride(), t.dtype) for t in results]
             return out
         if func in _UNDEFINED:
