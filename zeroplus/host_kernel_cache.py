@@ -16,9 +16,10 @@ variables are read at the first such product, so settled before the script runs 
   to ``IDEEP_CAPACITY`` (no larger than oneDNN's, it then keeps nothing oneDNN dropped), each unless the process
   set it. What a full cache holds is measured once per machine (``runtime_probe``'s ``kernel_cache``) and the budget
   adds it from the first routed product on (``budget/estimate.py``): a routed model fills the cache within its
-  first steps. The price is kernels generated again where shapes vary (the Mixtral ``small`` alone at 1 x 64:
-  0.70 s a step against 0.62 with the default capacities, memory flat instead of +200 MiB; a Llama of the same size:
-  0.51 s either way; at 64 entries 0.75 s, at 1, 0.92 s).
+  first steps. The price is kernels generated again where shapes vary (the Mixtral ``small`` alone at 1 x 64, 40
+  steps, 2026-12-05: 0.70 s a step with oneDNN's at 128 and ideep's at 1, against 0.62 with the default capacities,
+  memory flat instead of +120 MiB; ideep's alone at 64 took 100 MiB off at 0.63 s; a Llama of the same size: 0.51 s
+  either way; oneDNN's at 64: 0.75 s, at 1: 0.92 s).
 - ``"keep"``: both as the process has them (the budget then says the caches grow beyond it).
 
 Accelerators other than the CPU: their matrix products are not oneDNN's; nothing is set.

@@ -19,7 +19,8 @@ peers is measured so) and prints, as JSON:
 - ``--kernel-cache``: then ``kernel_cache``: what the matrix-product kernel caches hold once full
   (``host_kernel_cache.py``), beyond the engine's own entries: the forward and both backward products of a
   ``KERNEL_SHAPE`` weight at ``CAPACITY`` batch sizes, in the compute dtype, resident memory after against before
-  (59 MiB here in bf16, 2026-12-05; in fp32 torch's products are MKL's, which keeps no such cache).
+  (49 and 67 MiB here in bf16 in two probes on 2026-12-05: resident code pages move by that much between processes;
+  in fp32 torch's products are MKL's, which keeps no such cache: 0.1 MiB).
 - ``code_built``, ``code_constructed``, ``code_trained``: torch's code resident after the model was
   built, after ``initialize`` and after training (``budget/first_use.py``), so a process that already
   holds some of it is predicted without it.
