@@ -16,6 +16,7 @@ See note: offload ratio (docs/design-notes.md).
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,6 +44,9 @@ def plan_sub_groups(owned: list[int], sub_group_size: int, ratio: float,
             resident += 1
         plan.append((chunks, resident))
     return plan
+
+
+StateForm = Callable[[dict[str, Any]], dict[str, Any]]  # one chunk's states into another form of them
 
 
 def scale_block(optimizer: Any) -> int:
@@ -124,7 +128,7 @@ class TieredStates:
                            for key, v in states.items()}
         self.window.written(self.tier, [v for v in self._stored[k].values() if isinstance(v, Stored)])
 
-    def full(self, owned: int, per_element_form: Any = None) -> dict[str, Any]:
+    def full(self, owned: int, per_element_form: StateForm | None = None) -> dict[str, Any]:
         """Every chunk's states concatenated (a checkpoint save): per-element tensors of ``owned``
         elements, scalars from the last chunk. Per-element: a tensor with dimensions as long as its chunk; a
         scalar (Adam's ``step``) has none, so a last chunk of one element is concatenated too (taking its
@@ -145,7 +149,7 @@ class TieredStates:
             self.put(k, states)
         return out
 
-    def load_full(self, states: dict[str, Any], owned: int, stored_form: Any = None) -> None:
+    def load_full(self, states: dict[str, Any], owned: int, stored_form: StateForm | None = None) -> None:
         """Replace every chunk's states from full-size ones (a checkpoint load); ``stored_form``: a chunk's
         per-element states as the optimizer keeps them (fp8 moments quantized with the chunk's blocks)."""
         self._resident.clear()

@@ -81,10 +81,10 @@ class StoredStates(torch.optim.Optimizer):
 
     def state_nbytes(self, numel: int) -> int:
         """The moments' bytes for a tensor of ``numel`` elements as the ledger counts them: each moment's values and,
-        fp8, its scales where they are more than one (the ledger counts no one-element tensor)."""
+        fp8, its scales, each where it is more than one element (the ledger counts no one-element tensor)."""
         total = 0
         for dtype in self.state_dtypes.values():
-            total += dtype.itemsize * numel
+            total += dtype.itemsize * numel if numel > 1 else 0
             if dtype == E4M3 and blocks(numel, self.block) > 1:
                 total += self.scale_dtype.itemsize * blocks(numel, self.block)
         return total
