@@ -146,14 +146,12 @@ def launch(engine: str, cell: dict[str, str]) -> dict[str, Any]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
                os.path.abspath(__file__), "--worker", engine, "--cell", json.dumps(cell), "--out", out]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        per_rank = []
-        for rank in range(ranks):
-            try:
-                with open(f"{out}.{rank}.json") as f:
-                    per_rank.append(json.load(f))
-            except FileNotFoundError:
-                errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line]
-                return {"failed": (errors[0] if errors else proc.stderr[-500:]).strip()}
+        sys.path.insert(0, os.path.join(ROOT, "bench"))
+        from bench_worker import LaunchFailed, rank_results
+        try:
+            per_rank = rank_results(out, ranks, f"{engine} {cell}", proc)
+        except LaunchFailed as failed:
+            return {"failed": failed.first_error}
     result: dict[str, Any] = {"peak": max(r["peak"] for r in per_rank),
                               "step": statistics.median(per_rank[0]["times"][2:]), "loss": per_rank[0]["losses"][-1]}
     if engine == "zeroplus":

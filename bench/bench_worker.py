@@ -30,16 +30,26 @@ def rss_bytes(field: str) -> int:
     raise RuntimeError(field)
 
 
+class LaunchFailed(RuntimeError):
+    """A launch with a rank that wrote no result; ``first_error``: the first line of its output naming an Error
+    (or its stderr's tail), for a table that records the failure and goes on."""
+
+    def __init__(self, what: str, proc: subprocess.CompletedProcess) -> None:
+        super().__init__(f"{what} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+        errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line]
+        self.first_error = (errors[0] if errors else proc.stderr[-500:]).strip()
+
+
 def rank_results(out: str, ranks: int, what: str, proc: subprocess.CompletedProcess) -> list[dict]:
     """Each rank's ``{out}.{rank}.json`` after a launch (``proc``: its completed process); a rank that wrote none
-    is an error with the launch's output tail."""
+    raises ``LaunchFailed`` with the launch's output tail."""
     results = []
     for rank in range(ranks):
         try:
             with open(f"{out}.{rank}.json") as f:
                 results.append(json.load(f))
         except FileNotFoundError:
-            raise RuntimeError(f"{what} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}") from None
+            raise LaunchFailed(what, proc) from None
     return results
 
 
