@@ -45,6 +45,7 @@ from .eager import compiled_modules, compiled_wrapper
 from .engine.build import build_engine
 from .engine.engine import Engine
 from .engine.rank_agreement import check_ranks_agree
+from .host_gemm_pool import held_bytes
 from .logs import log_rank0, setup_logging
 from .optim.build import describe_client_optimizer
 from .parallel.autotp import Undo
@@ -81,6 +82,7 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
         and cfg.zeroplus.parallel.pipeline == 1  # (a pipeline stage is not estimated: _estimate_source)
     # torch's code this process holds already (budget/first_use.py): read only where a budget is made
     code = code_resident() if predicts and accel.name == "cpu" else None
+    pooled = held_bytes() if predicts and accel.name == "cpu" else None  # MKL's buffer pool (host_gemm_pool.py)
     _set_up_process(cfg, accel, unimplemented)
     try:
         parallel = init_parallel(cfg)
@@ -88,18 +90,19 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
         raise ConfigError(f"config key 'zeroplus.parallel': {err}") from None
     split = split_by_plans(model, parallel, cfg.zeroplus.parallel.expert_capacity_factor)
     try:
-        return _assemble(model, cfg, parallel, accel, rss_at_start, code, wrapper, optimizer, lr_scheduler,
-                         model_parameters, process_group, init_fn)
+        return _assemble(model, cfg, parallel, accel, rss_at_start, (code, pooled), wrapper, optimizer,
+                         lr_scheduler, model_parameters, process_group, init_fn)
     except ConfigError:  # refused before anything moved: the model as it was given, whole
         split.undo()
         raise
 
 
 def _assemble(model: torch.nn.Module, cfg: Any, parallel: ParallelGroups, accel: Any, rss_at_start: int,
-              code: int | None, wrapper: Any, optimizer: Any, lr_scheduler: Any, model_parameters: Any,
-              process_group: Any, init_fn: Any) -> Engine:
+              held: tuple[int | None, int | None], wrapper: Any, optimizer: Any, lr_scheduler: Any,
+              model_parameters: Any, process_group: Any, init_fn: Any) -> Engine:
     """``initialize`` from the parallel groups on: the batch and the planner's choices resolved, the engine built
-    and its first-forward prediction attached."""
+    and its first-forward prediction attached. ``held``: torch's code and MKL's pool this process held at the
+    start (``estimate``'s ``code`` and ``pooled``)."""
     context = parallel.topology.context
     # ZeRO partitions and averages over data x context; a batch is split over the data ranks only
     dp = DataParallelGroup(process_group) if process_group is not None else parallel.zero
@@ -113,7 +116,7 @@ def _assemble(model: torch.nn.Module, cfg: Any, parallel: ParallelGroups, accel:
         check_ranks_agree(model, cfg, dp, parallel.topology.to_dict())
     _check_budget_covers(cfg, parallel)
     pipelined = parallel.topology.pipeline > 1
-    cfg = resolved(_plan(model, cfg, dp, code), recompute_unset=recompute_unset)  # frozen from here
+    cfg = resolved(_plan(model, cfg, dp, held), recompute_unset=recompute_unset)  # frozen from here
     _check_resolved(cfg, wrapper is not None, accel)
     # predicted at the first forward, from the shapes and dtypes of its real batch (whatever the model takes)
     source = _estimate_source(model, cfg, parallel, optimizer) if not pipelined else None
@@ -121,7 +124,7 @@ def _assemble(model: torch.nn.Module, cfg: Any, parallel: ParallelGroups, accel:
                           model_parameters=model_parameters, parallel=parallel, init_fn=init_fn, compiled=compiled)
     accel.release_host_memory()  # the whole parameters ZeRO freed (see note: host allocator)
     if source is not None:
-        engine.before_first_forward(_predictor(*source, code))
+        engine.before_first_forward(_predictor(*source, held))
     if wrapper is not None:
         engine.forward_through(wrapper)
     return engine
@@ -161,7 +164,8 @@ def _check_resolved(cfg: ResolvedConfig, compiled_wrapper_given: bool, accel: An
         warn_if_bf16_is_emulated()
 
 
-def _plan(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, code: int | None) -> ZeroplusConfig:
+def _plan(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any,
+          held: tuple[int | None, int | None]) -> ZeroplusConfig:
     """``zeroplus.memory_budget``: rank 0 plans (``zeroplus/budget/planner.py``) and every rank takes
     its choice, or raises its refusal, before anything is allocated."""
     autos = auto_keys(cfg)
@@ -174,7 +178,7 @@ def _plan(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any, code: int | None
     if dp.rank == 0:
         try:
             chosen = plan(meta_copy(model), cfg, world_size=dp.size, log=lambda m: log_rank0("%s", m),
-                          code=code)
+                          code=held[0], pooled=held[1])
             outcome = (chosen.settings, chosen.reason)
         except ConfigError as err:
             outcome = str(err)
@@ -234,10 +238,10 @@ def _estimate_source(model: torch.nn.Module, cfg: ResolvedConfig, parallel: Para
         return None
 
 
-def _predictor(model: torch.nn.Module, cfg: ResolvedConfig, code: int | None):
+def _predictor(model: torch.nn.Module, cfg: ResolvedConfig, held: tuple[int | None, int | None]):
     """The first-forward hook: this rank's memory budget for inputs shaped like the first batch
-    (``zeroplus.estimate`` on the meta copy, with torch's code this process held at ``initialize``); rank 0
-    logs it. A model the estimator cannot run is trained anyway."""
+    (``zeroplus.estimate`` on the meta copy, with torch's code and MKL's pool this process held at
+    ``initialize``); rank 0 logs it. A model the estimator cannot run is trained anyway."""
     def predict(engine: Engine, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         par = engine.parallel  # with tensor or expert parallelism: this rank of the whole world
         world, rank = ((par.topology.world_size, par.global_rank) if par is not None
@@ -248,7 +252,7 @@ def _predictor(model: torch.nn.Module, cfg: ResolvedConfig, code: int | None):
         deciding = recompute.by_default and recompute.enabled  # (the same on every rank: configs agree)
         try:
             budget = estimate(model, cfg, world_size=world, rank=rank, effects=True, example_inputs=args,
-                              example_kwargs=kwargs, code=code)
+                              example_kwargs=kwargs, code=held[0], pooled=held[1])
         except Exception as err:  # noqa: BLE001 - the prediction must never stop training
             logger.warning("memory estimate unavailable (%s: %s); zeroplus.memory_estimate false skips it",
                            type(err).__name__, err)

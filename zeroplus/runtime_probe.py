@@ -10,7 +10,8 @@ peers is measured so) and prints, as JSON:
   ``memory_report.py``; what building the model cost besides its tensors is baseline), minus the
   tensors the simulation predicts for the ``init`` phase. ``torch._dynamo``, which the first optimizer
   would import, came with ``import zeroplus`` and is in the baseline: ``budget/runtime_overhead.py``.
-- ``training``: the same over two training steps, minus the predicted training peak's tensors.
+- ``training``: the same over two training steps, minus the predicted training peak's tensors and MKL's buffer
+  pool as its prediction measured it (``host_gemm_pool.py``: a run's own pool is measured for its shapes).
 - ``profiled``: what a third step, run under the FLOPs profiler (DeepSpeed's ``flops_profiler``, which the main
   job turns on: every op of the step passes through Python dispatch), put on the peak beyond ``training``.
 - ``--simulations 2``: its engine's first forward simulates the run with resize recompute as well as the one
@@ -115,7 +116,8 @@ def main() -> None:
         raise RuntimeError("the runtime probe's engine made no memory prediction")
     result = {"code_built": code_built, "code_constructed": code_constructed, "code_trained": code_trained,
               "construction": max(0, constructed - _tensor_bytes(budget.phases["init"])),
-              "training": max(0, trained - _tensor_bytes(budget.phases[budget.training_peak_phase])),
+              "training": max(0, trained - _tensor_bytes(budget.phases[budget.training_peak_phase])
+                              - budget.host_buffers),
               "profiled": max(0, profiled)}
     if "--kernel-cache" in sys.argv:
         result["kernel_cache"] = _kernel_cache_bytes(DTYPES[dtype])

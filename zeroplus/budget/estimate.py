@@ -41,6 +41,7 @@ from ..activations.resize_recompute import TECHNIQUE as RECOMPUTE
 from ..config import ResolvedConfig, ZeroplusConfig, load_config
 from ..engine.build import compute_dtype
 from ..host_allocator import caveat as host_allocator_caveat
+from ..host_gemm_pool import pool_bytes
 from ..host_kernel_cache import caveat as kernel_cache_caveat
 from ..memory_view import CATEGORIES, LABELS, budget_chart
 from ..parallel.groups import current_groups, parallel_groups
@@ -82,6 +83,8 @@ class MemoryBudget:
     # techniques on by default that this run turns off, with what each would have taken off the training peak
     # (too little: ``recompute_pays``); the engine's first forward reads it and the technique stands down
     stood_down: dict[str, int] = dataclasses.field(default_factory=dict)
+    # what MKL's buffer pool adds from the first forward on (host_gemm_pool.py; in ``runtime``): CPU only
+    host_buffers: int = 0
 
     def resolve_effects(self) -> dict[str, int]:
         """``technique_effects``, computing them now if they were left pending."""
@@ -188,7 +191,8 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
              world_size: int, rank: int = 0, micro_batch_size: int | None = None, seq_len: int | None = None,
              example_inputs: tuple[Any, ...] | None = None, example_kwargs: dict[str, Any] | None = None,
              loss_fn: Callable[[Any], torch.Tensor] = default_loss, accelerator: str | None = None,
-             effects: bool = False, construction: str = "whole", code: int | None = None) -> MemoryBudget:
+             effects: bool = False, construction: str = "whole", code: int | None = None,
+             pooled: int | None = None) -> MemoryBudget:
     """Predict rank ``rank``'s memory for training ``model`` with ``config`` on ``world_size`` ranks.
 
     ``model``: a module (copied to the meta device; its own memory is untouched) or a function of
@@ -206,13 +210,15 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     ``"meta"`` (built on the meta device): the init phase's peak differs (``simulate.py``).
     ``code``: how much of torch's code the process that will train already holds
     (``first_use.code_resident``, read by ``initialize``); None for a fresh process (``runtime_overhead.py``).
+    ``pooled``: what MKL's buffer pool held in that process then (``host_gemm_pool.held_bytes``); None: a fresh
+    process.
     Resize recompute left unset (on by default) is simulated without it first, and with it only where what that run
     holds for backward at its peak could make 1% of the steps' peak (``steps_peak_bytes``); where it takes under 1%
     off, the budget returned is the run without it (``stood_down`` names at most what it would take off), which is
     how the engine then runs (see note: recompute where it pays).
     """
     common: dict[str, Any] = dict(world_size=world_size, rank=rank, micro_batch_size=micro_batch_size, seq_len=seq_len,
-                                  loss_fn=loss_fn, accelerator=accelerator, code=code)
+                                  loss_fn=loss_fn, accelerator=accelerator, code=code, pooled=pooled)
     examples = _meta(example_inputs) if example_inputs is not None else None  # shapes only: no batch kept
     kw_examples = _meta(example_kwargs) if example_kwargs is not None else None
     runs_without: dict[str, MemoryBudget] = {}  # (the default's decision and the effects share them)
@@ -282,7 +288,8 @@ def _estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: di
               *, world_size: int, rank: int, micro_batch_size: int | None, seq_len: int | None,
               example_inputs: tuple[Any, ...] | None, example_kwargs: dict[str, Any] | None,
               loss_fn: Callable[[Any], torch.Tensor], accelerator: str | None,
-              construction: str = "whole", code: int | None = None) -> tuple[MemoryBudget, Any]:
+              construction: str = "whole", code: int | None = None,
+              pooled: int | None = None) -> tuple[MemoryBudget, Any]:
     """One simulation's budget, and the config as the simulated engine resolved it."""
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -294,11 +301,16 @@ def _estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: di
                             workspace=cpu_workspace_bytes if kind == "cpu" else None,
                             runtime=runtime_bytes(kind, dtype, code, world_size, parsed.flops_profiler.enabled),
                             routed_kernels=kernel_cache_bytes(kind, dtype), construction=construction)
+    # MKL's pool, from the first forward on (host_gemm_pool): what the process pooled at initialize is its baseline
+    pool = max(0, pool_bytes(list(tracker.host_products)) - (pooled or 0)) if kind == "cpu" else 0
     phases = {}
     for phase in PHASES:
         peak = tracker.peaks[phase]
         entry = {c: peak.by_category.get(c, 0) for c in CATEGORIES}
         entry["total"] = peak.total
+        if phase != "init":
+            entry["runtime"] += pool
+            entry["total"] += pool
         phases[phase] = entry
     with _quiet():
         states = model_state_bytes(model if not isinstance(model, torch.nn.Module) else _module_builder(model),
@@ -307,7 +319,7 @@ def _estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: di
     return MemoryBudget(rank, world_size, cfg.train_micro_batch_size_per_gpu,
                         cfg.gradient_accumulation_steps, cfg.zero_optimization.stage, phases, states, kind,
                         category_peaks, tracker.saved_for_backward, tracker.checkpoint_copies, _split(cfg, world_size),
-                        caveats=caveats(kind, dtype, tracker.run_op.routed)), cfg
+                        caveats=caveats(kind, dtype, tracker.run_op.routed), host_buffers=pool), cfg
 
 
 def caveats(kind: str, dtype: str, routed: int) -> list[str]:

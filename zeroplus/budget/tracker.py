@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..cpu_precision import native_bf16
 from ..eager import EagerWhileActive
+from ..host_gemm_pool import POOLED, signature
 from ..ledger import Category, Ledger
 from ..meta_values import MetaValues
 
@@ -88,6 +89,8 @@ class MemoryTracker(EagerWhileActive, TorchDispatchMode):
         self._resize: Any = None
         self.runtime = 0                  # bytes the process holds beyond tensors (set by the estimator)
         self.routed_kernels = 0           # what full kernel caches hold, from the first routing on (set likewise)
+        # (CPU: a workspace given) MKL's float products as first run, in order: host_gemm_pool.pool_bytes
+        self.host_products: dict[tuple, None] = {}
         self.checkpoint_copies = 0        # bytes a checkpoint save copies (set by the estimator)
         self.category_peaks: dict[str, int] = {}  # each ledger category's peak while training (set by the estimator)
 
@@ -146,6 +149,10 @@ class MemoryTracker(EagerWhileActive, TorchDispatchMode):
     # -- observation ----------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = self.run_op(func, args, kwargs or {})
+        if self.workspace is not None and func in POOLED:
+            key = signature(func, args, kwargs or {})
+            if key is not None:
+                self.host_products.setdefault(key)
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._register(t.untyped_storage())
