@@ -4,8 +4,9 @@ The config's optimizer block builds one (``optim/build.py``), its moments stored
 ``zeroplus.optimizer_states`` or ``bf16.bf16_optimizer_states`` ask for (``optim/stored_states.py``); a client's is
 re-pointed at the shards. What cannot be assembled is refused on every rank before anything moves: both an optimizer
 and an optimizer block, an optimizer zeroplus does not know to update element by element, stored state dtypes with
-a client optimizer (its states are its own) or with the optimizer states on an offload tier or in virtual host
-memory (whose kernels step fp32 states only).
+the optimizer states in virtual host memory (whose kernel steps fp32 states only), or a client optimizer other
+than torch's Adam and AdamW (a client's Adam or AdamW is made its stored-states counterpart in place:
+``stored_states.adopt``).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from zeroplus.optim.build import (
 from zeroplus.optim.forward_only import ForwardOnly
 from zeroplus.optim.muon import muon_kwargs, takes_muon
 from zeroplus.optim.schedulers import build_scheduler
-from zeroplus.optim.stored_states import requested
+from zeroplus.optim.stored_states import adopt, check_group, requested, stored_states_class
 from zeroplus.zero import ZeroPartition
 from zeroplus.zero.use_grads import lookup
 
@@ -92,11 +93,17 @@ def check_optimizer_request(cfg: ResolvedConfig, optimizer: torch.optim.Optimize
     what = (f"rank {rank}: config key 'zeroplus.optimizer_states' (or 'bf16.bf16_optimizer_states') asks for "
             f"moments in {states['exp_avg_dtype']} and {states['exp_avg_sq_dtype']}")
     if optimizer is not None:
-        raise ConfigError(f"{what}, which zeroplus serves for the config's optimizer block; the client optimizer "
-                          f"{type(optimizer).__name__} keeps its own states (give the config an 'optimizer' block)")
+        try:
+            stored_states_class(type(optimizer))
+            for group in optimizer.param_groups:
+                check_group(group)
+        except ValueError as err:
+            raise ConfigError(f"{what}; the client optimizer {type(optimizer).__name__}: {err}") from None
     if cfg.zeroplus.virtual_optimizer_states:
         raise ConfigError(f"{what}, and the optimizer states are in virtual host memory "
                           f"(zeroplus.virtual_optimizer_states), whose NPU kernel steps fp32 states only")
+    if optimizer is not None:
+        return
     assert cfg.optimizer is not None
     try:
         build_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params), [{"params": [torch.zeros(1)]}], False,
@@ -135,6 +142,9 @@ def optimizer_and_schedule(cfg: ResolvedConfig, partition: ZeroPartition, groups
         return ForwardOnly(), lr_scheduler
     if optimizer is not None:
         opt = adopt_client_optimizer(optimizer, masters)
+        states = stored_states(cfg)
+        if states is not None:  # (checked: check_optimizer_request)
+            opt = adopt(opt, states)
     else:
         assert cfg.optimizer is not None
         opt_groups = [dict({k: v for k, v in g.items() if k != "params"}, params=m) for g, m in zip(groups, masters)]

@@ -14,8 +14,11 @@ and DeepSpeed's ``bf16.bf16_optimizer_states``.
   5 steps (the gradients reach the moments summed in another order, and a moment's last fp32 bit can move its bf16
   rounding, a change of 2^-8 of it, about 1e-4 of a weight at lr 1e-2; measured 2.1e-7 at 2 ranks and 1.9e-7 at 4,
   2026-12-04: no rounding moved), and the ledger's ``optim_state`` 4 bytes per owned element on every rank.
-- Refused, naming the key and the rank: a client optimizer, an optimizer other than Adam/AdamW, stochastic rounding
-  of fp16 moments. (Offloaded stored states: tests/offload/test_optimizer_offload.py.)
+- A client's torch AdamW at 2 ranks (stages 1 and 3): made the stored-states AdamW in place (the same object, its
+  scheduler bound before ``initialize`` still in force), bit for bit the config block's run.
+- Refused, naming the key and the rank: a client optimizer other than Adam/AdamW or with amsgrad, an optimizer block
+  other than Adam/AdamW, stochastic rounding of fp16 moments. (Offloaded stored states:
+  tests/offload/test_optimizer_offload.py.)
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import torch
 import zeroplus
 from tests.dist_helper import run_distributed
 from tests.models import ParityNet, make_batches
-from tests.reference import train_steps
+from tests.reference import engine_train, train_steps
 from zeroplus.config import ConfigError
 from zeroplus.kernels.stochastic_round import store
 from zeroplus.ledger import Category
@@ -175,12 +178,56 @@ def test_what_cannot_be_stored_is_refused_naming_the_key(change, message):
         zeroplus.initialize(ParityNet(), cfg)
 
 
-def test_a_client_optimizer_with_stored_states_is_refused():
+def _halving(step: int) -> float:
+    return 0.5 ** step
+
+
+def _client_or_block(stage: int, client: bool) -> tuple[dict, list[float], bool, set]:
+    """Five steps at ``stage`` with bf16 moments and a schedule halving the learning rate every step: the client's
+    AdamW with a ``LambdaLR`` bound to it before ``initialize`` (as the Trainer builds them), or the config's AdamW
+    with the same schedule made over it; (weights, losses, whether the engine steps the client's own object, the
+    moments' dtypes)."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    torch.manual_seed(0)
+    model = ParityNet()
+    cfg = _config(stage)
+    if client:
+        del cfg["optimizer"]
+        given = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.01)
+        schedule = torch.optim.lr_scheduler.LambdaLR(given, _halving)
+        engine = zeroplus.initialize(model, cfg, optimizer=given, lr_scheduler=schedule)
+    else:  # (the client's kernel: torch's loop, where the config's AdamW would be fused)
+        cfg["zeroplus"]["fused_optimizer"] = False
+        engine = zeroplus.initialize(model, cfg, lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, _halving))
+    losses = engine_train(engine, make_batches(5 * world, 2), 5, rank, world, 1)
+    dtypes = {t.dtype for state in engine.optimizer.state.values() for k, t in state.items() if k != "step"}
+    return engine.consolidated_fp32_state(), losses, engine.optimizer is (given if client else None), dtypes
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_client_adamw_stores_its_moments_in_place_and_trains_as_the_config_block(stage):
+    """A client's torch AdamW with ``bf16_optimizer_states``-style moments (what the Trainer hands over for a config
+    with no optimizer block) is made the stored-states AdamW in place: the engine steps the same object, the scheduler
+    bound to it before ``initialize`` still sets its rate, and the run is bit for bit the config block's."""
+    client = run_distributed(_client_or_block, 2, stage, True)
+    block = run_distributed(_client_or_block, 2, stage, False)
+    for rank in range(2):
+        weights, losses, same, dtypes = client[rank]
+        assert same and dtypes == {torch.bfloat16}, (rank, same, dtypes)
+        assert losses == block[rank][1], rank
+        assert all(torch.equal(weights[n], block[rank][0][n]) for n in weights), rank
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9), "client optimizer SGD: SGD keeps its states in fp32 only"),
+    (lambda ps: torch.optim.AdamW(ps, lr=LR, amsgrad=True), "client optimizer AdamW: .*amsgrad"),
+])
+def test_a_client_optimizer_the_moments_cannot_be_stored_for_is_refused(make, message):
     model = ParityNet()
     cfg = _config(2)
     del cfg["optimizer"]
-    with pytest.raises(ConfigError, match="client optimizer AdamW keeps its own states"):
-        zeroplus.initialize(model, cfg, optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
+    with pytest.raises(ConfigError, match=f"rank 0: config key 'zeroplus.optimizer_states'.*{message}"):
+        zeroplus.initialize(model, cfg, optimizer=make(model.parameters()))
 
 
 def _ranks(stage: int) -> dict:

@@ -23,6 +23,7 @@ See note: stored optimizer states (docs/design-notes.md).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -47,15 +48,18 @@ class StoredStates(torch.optim.Optimizer):
     def __init__(self, params: Any, *, exp_avg_dtype: torch.dtype = torch.float32,
                  exp_avg_sq_dtype: torch.dtype = torch.float32, rounding: str = "nearest", block: int = 128,
                  scale_dtype: torch.dtype = torch.float32, **kwargs: Any) -> None:
+        check_group(kwargs)
+        kwargs["foreach"] = False
+        super().__init__(params, **kwargs)  # type: ignore[call-arg]
+        self._store(exp_avg_dtype, exp_avg_sq_dtype, rounding, block, scale_dtype)
+
+    def _store(self, exp_avg_dtype: torch.dtype, exp_avg_sq_dtype: torch.dtype, rounding: str, block: int,
+               scale_dtype: torch.dtype) -> None:
         if rounding not in ("nearest", "stochastic"):
             raise ValueError(f"rounding {rounding!r}: 'nearest' or 'stochastic'")
         if (scale_dtype, block) != (E8M0, MX_BLOCK) and (scale_dtype != torch.float32 or block not in BLOCKS):
             raise ValueError(f"block {block!r} of {scale_dtype} scales: fp32 scales per {BLOCKS} elements, or e8m0 "
                              f"scales per {MX_BLOCK} (mxfp8)")
-        if kwargs.get("amsgrad") or kwargs.get("differentiable") or kwargs.get("capturable"):
-            raise ValueError("stored optimizer states: amsgrad, differentiable and capturable are not supported")
-        kwargs["foreach"] = False
-        super().__init__(params, **kwargs)  # type: ignore[call-arg]
         self.state_dtypes = {"exp_avg": exp_avg_dtype, "exp_avg_sq": exp_avg_sq_dtype}
         self.rounding = rounding
         self.block = block  # fp8 moments: elements per scale
@@ -273,6 +277,46 @@ def requested(exp_avg: str | None, exp_avg_sq: str | None, rounding: str | None,
     return {"exp_avg_dtype": DTYPES[names["exp_avg"]], "exp_avg_sq_dtype": DTYPES[names["exp_avg_sq"]],
             "rounding": rounding, "block": MX_BLOCK if "mxfp8" in scaled else (block or 128),
             "scale_dtype": E8M0 if "mxfp8" in scaled else torch.float32}
+
+
+def check_group(group: dict[str, Any]) -> None:
+    """ValueError where a param group (or constructor arguments) asks for what the stored-states step does not run."""
+    if group.get("amsgrad") or group.get("differentiable") or group.get("capturable"):
+        raise ValueError("stored optimizer states: amsgrad, differentiable and capturable are not supported")
+
+
+def adopt(optimizer: torch.optim.Optimizer, states: dict[str, Any]) -> StoredStates:
+    """A client's torch ``Adam`` or ``AdamW`` made, in place, its stored-states counterpart with ``states``
+    (``requested``'s arguments): the same object, so a scheduler bound to it still sets its learning rates and a
+    caller holding it steps it; its param groups and hyper-parameters as they are, its loop kernel the per-chunk one
+    (``foreach`` off, as the class's own constructor sets). ValueError for another class or what it cannot store."""
+    cls = stored_states_class(type(optimizer))
+    for group in optimizer.param_groups:
+        check_group(group)
+    optimizer.__class__ = cls
+    optimizer._patch_step_function()  # (torch's step hooks, on the class: a user's registered hooks still run)
+    if "step" in vars(optimizer):  # a scheduler's wrapper of the former class's step, which it tracks calls by
+        optimizer.step = _tracked_step(optimizer)  # type: ignore[method-assign]
+    for group in (optimizer.defaults, *optimizer.param_groups):
+        group["foreach"] = False
+    adopted: StoredStates = optimizer  # type: ignore[assignment]
+    adopted._store(**states)
+    return adopted
+
+
+def _tracked_step(optimizer: torch.optim.Optimizer) -> Any:
+    """The adopted class's step, marking each call as torch's learning-rate schedulers' wrapper does (their
+    ``_opt_called``, which a scheduler stepped before its optimizer warns by); held weakly, as theirs is."""
+    held = weakref.ref(optimizer)
+    own = type(optimizer).step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        opt = held()
+        assert opt is not None  # (called through the optimizer, which holds this)
+        opt._opt_called = True  # type: ignore[attr-defined]
+        return own(opt, *args, **kwargs)
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    return step
 
 
 def stored_states_class(cls: type[torch.optim.Optimizer]) -> type[StoredStates]:
