@@ -35,6 +35,7 @@ from zeroplus.parallel.plan_slices import slicer, slicing
 from zeroplus.parallel.tensor_layers import is_tensor_parallel
 from zeroplus.parallel.topology import check_supported
 from zeroplus.zero import ShardedStep, ZeroPartition
+from zeroplus.zero.init_shards import shard_of
 from zeroplus.zero.meta_init import has_meta_tensors, materialize_meta
 from zeroplus.zero.partition import ExpertSplit
 from zeroplus.zero.placement import UnitPlacement
@@ -181,6 +182,7 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
     model_bytes = _device_bytes(model, accel)  # already there: they count as the engine's, as in the estimate
     dtype = compute_dtype(cfg)
     experts = expert_split(parallel)
+    zero = _partition_group(model, cfg, dp, parallel, simulated is not None)
     if simulated is None and has_meta_tensors(model):  # (the estimator's models are meta by design)
         of = _split_by_plan_alone(model, parallel) if split else None
         if optimizer is not None or model_parameters is not None or (split and of is None):
@@ -193,13 +195,13 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
     group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
     ledger = Ledger() if ledger is None else ledger
     _choose_transport(cfg, dp, parallel, experts, ledger)
-    param_offload = param_offload_of(cfg, model, group_of, dp.size, accel, ledger)
+    param_offload = param_offload_of(cfg, model, group_of, zero.size, accel, ledger)
     stage = ZeroStage(cfg.zero_optimization.stage)
     remember_roles(model, cfg)
     flattened = {id(p) for p in model.parameters() if (p.requires_grad and id(p) in group_of)
                  or frozen_dtype(p, stage, experts, dtype) is not None}  # (units.py)
     try:
-        partition = make_partition(model, cfg, dp, ledger, dtype, group_of, param_offload, experts,
+        partition = make_partition(model, cfg, zero, ledger, dtype, group_of, param_offload, experts,
                                    UnitPlacement(accel.device(), dtype, _broadcast_group(dp, experts), flattened))
     except OSError as err:  # writing the offloaded shards failed (a full disk)
         if param_offload is None:
@@ -210,7 +212,7 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
     with _given_back_on_failure(partition):
         opt, scheduler = optimizer_and_schedule(cfg, partition, groups, optimizer, lr_scheduler, simulated)
         loss_scaler = LossScaler(cfg.fp16)
-        step = _sharded_step(cfg, partition, opt, dp, ledger, accel, parallel, experts, not loss_scaler.dynamic)
+        step = _sharded_step(cfg, partition, opt, zero, ledger, accel, parallel, experts, not loss_scaler.dynamic)
         context = parallel.topology.context if parallel is not None else 1
         _log_assembly(cfg, partition, opt, dp, dtype, context, parallel if split else None)
         activations, choices = assemble_activations(model, cfg, ledger, accel, context,
@@ -220,6 +222,28 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
             _split_sequences(model, parallel)
         return Engine(model, cfg, parts, dp, ledger, accel, rss_at_start - model_bytes, parallel,
                       observed=simulated is None)
+
+
+def _partition_group(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives,
+                     parallel: ParallelGroups | None, simulated: bool) -> Collectives:
+    """What ZeRO partitions over: ``dp``, or under MiCS (``zero_optimization.mics_shard_size``) this rank's shard
+    group, whose replicas average the gradients before the step (see note: mics). Refused where MiCS cannot run yet:
+    stage 0 (nothing to shard), a process group of the caller's, a model on the meta device or built under
+    ``zeroplus.Init`` (chunked over every rank, not a shard group; ``simulated``: the estimate's meta copy is not
+    such a model)."""
+    if parallel is None or not parallel.topology.shard:
+        return dp
+    where = (f"config key 'zero_optimization.mics_shard_size' is {parallel.topology.shard} (rank "
+             f"{parallel.global_rank})")
+    if not ZeroStage(cfg.zero_optimization.stage).partitions:
+        raise ConfigError(f"{where}, and ZeRO stage 0 shards nothing: use stage 1, 2 or 3")
+    if dp is not parallel.zero:
+        raise ConfigError(f"{where}, and initialize() was given its own process group: MiCS makes its groups from "
+                          f"the launch's ranks")
+    if any((p.device.type == "meta" and not simulated) or shard_of(p) is not None for p in model.parameters()):
+        raise ConfigError(f"{where}, and the model was built on the meta device or under zeroplus.Init, which MiCS "
+                          f"does not take yet: build it normally")
+    return parallel.shard
 
 
 def _split_by_plan_alone(model: torch.nn.Module, parallel: Any) -> Any:
@@ -280,6 +304,7 @@ def _sharded_step(cfg: ResolvedConfig, partition: ZeroPartition, opt: torch.opti
                                          _norm_split(experts, ZeroStage(cfg.zero_optimization.stage)))
         if parallel is not None and model_parallel else None,
         expert_group=parallel.expert if parallel is not None and experts is not None else None,
+        replicas=parallel.replica if parallel is not None and parallel.topology.shard else None,
         scalars_on_device=scalars_on_device))
 
 

@@ -37,7 +37,8 @@ def model_state_bytes(build_model: Callable[[], torch.nn.Module], config: dict[s
                       world_size: int, rank: int = 0) -> dict[str, int]:
     """Bytes per ledger category that ``rank`` of ``world_size`` holds in model states. With tensor,
     pipeline or expert parallelism in the config, the model is built as that rank builds it (its slice;
-    ``virtual_parallel.py``) and partitioned over its data group (experts over its expert-data group).
+    ``virtual_parallel.py``) and partitioned over its data group (experts over its expert-data group; under MiCS, its
+    shard group).
 
     ``build_model`` is called under ``torch.device("meta")``, so it must create its parameters on
     the current default device (the usual ``nn.Module`` constructors do).
@@ -50,7 +51,7 @@ def model_state_bytes(build_model: Callable[[], torch.nn.Module], config: dict[s
         model.to(dtype)
     group_of = {id(p): 0 for p in model.parameters() if p.requires_grad}
     ledger = Ledger()
-    partition = make_partition(model, cfg, groups.zero, ledger, dtype, group_of, None, expert_split(groups))
+    partition = make_partition(model, cfg, groups.shard, ledger, dtype, group_of, None, expert_split(groups))
     out = {c.value: ledger.live_bytes(c) for c in (Category.PARAM, Category.PARAM_GATHERED, Category.MASTER)}
     zero = resolved_zero(cfg.zero_optimization)  # make_partition refused anything still 'auto'
     if zero.stage.shards_parameters and zero.offloads_params:

@@ -117,7 +117,7 @@ class ZeroConfig(Block):
     ds_unimplemented = frozenset({
         "round_robin_gradients", "elastic_checkpoint", "load_from_fp32_weights",
         "ignore_unused_parameters", "zero_hpz_partition_size", "zero_quantized_weights",
-        "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "mics_shard_size",
+        "zero_quantized_nontrainable_weights", "zero_quantized_gradients",
         "mics_hierarchical_params_gather", "memory_efficient_linear", "stage3_module_granularity_threshold",
         "cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory", "legacy_stage1",
         "use_multi_rank_bucket_allreduce", "pipeline_loading_checkpoint", "override_module_apply",
@@ -149,6 +149,10 @@ class ZeroConfig(Block):
     sub_group_size: int = Field(1_000_000_000, ge=1, description="Elements per optimizer sub-group.")
     offload_optimizer: OffloadOptimizerConfig | None = None
     offload_param: OffloadParamConfig | None = None
+    mics_shard_size: int = Field(
+        -1, description="MiCS / HSDP: ZeRO shards over groups of this many consecutive data ranks and replicates "
+                        "across the groups, the gradients reduce-scattered within a group and all-reduced across "
+                        "(stages 1-3, beside data parallelism only; -1 or the data-parallel size: every data rank).")
 
     @field_validator("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
                      "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",

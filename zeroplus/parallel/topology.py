@@ -41,7 +41,7 @@ from typing import Any
 
 from ..config import ZeroStage
 
-KINDS = ("tensor", "data", "pipeline", "expert", "expert_data", "model", "context", "zero")
+KINDS = ("tensor", "data", "pipeline", "expert", "expert_data", "model", "context", "zero", "shard", "replica")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +64,10 @@ class Topology:
     expert: int = 1
     context: int = 1
     experts_span_tensor: bool = False  # the expert-data mode: expert groups drawn from data x tensor
+    # MiCS / HSDP (``zero_optimization.mics_shard_size``): ZeRO shards within groups of this many consecutive ranks of
+    # the zero group ("shard") and replicates across them ("replica": the ranks at one place in each); 0: the whole
+    # zero group is one shard group
+    shard: int = 0
 
     def __post_init__(self) -> None:
         for key in ("world_size", "tensor", "pipeline", "expert", "context"):
@@ -80,12 +84,31 @@ class Topology:
         if self.context > 1 and others:
             raise ValueError(f"context size {self.context} with {', '.join(f'{k} size {v}' for k, v in others.items())}"
                              f" is not supported yet: context parallelism runs beside data parallelism only")
+        if self.shard:
+            self._check_shard()
         if self.experts_span_tensor:
             self._check_span()
         elif self.data % self.expert:
             raise ValueError(f"expert-parallel size {self.expert} does not divide the data-parallel size {self.data} "
                              f"(world {self.world_size} / tensor {self.tensor} / pipeline {self.pipeline}): expert "
                              f"groups are carved out of the data-parallel ranks")
+
+    def _check_shard(self) -> None:
+        """MiCS / HSDP: shard groups tiling the zero group, beside data parallelism only."""
+        zero = self.data * self.context
+        where = f"zero_optimization.mics_shard_size {self.shard!r}"
+        if not isinstance(self.shard, int) or self.shard < 2 or zero % self.shard:
+            raise ValueError(f"{where}: the ranks ZeRO shards over, at least 2, dividing the data-parallel size "
+                             f"{zero} (shard groups of consecutive ranks, replicated across)")
+        others = {k: getattr(self, k) for k in ("tensor", "pipeline", "expert", "context") if getattr(self, k) > 1}
+        if others:
+            raise ValueError(f"{where} with {', '.join(f'{k} size {v}' for k, v in others.items())} is not "
+                             f"supported yet: MiCS shards beside plain data parallelism only")
+
+    @property
+    def replicas(self) -> int:
+        """How many shard groups replicate each shard (1: no MiCS)."""
+        return self.data * self.context // self.shard if self.shard else 1
 
     def _check_span(self) -> None:
         """The expert-data mode's sizes: whole tensor groups in each expert group, expert groups tiling data x
@@ -154,6 +177,12 @@ class Topology:
                     for p in range(P) for e in range(E) for c in range(C) for t in range(T)]
         if kind == "model":
             return [[at(t, d, p, c) for p in range(P) for t in range(T)] for d in range(D) for c in range(C)]
+        if kind in ("shard", "replica"):
+            size = self.shard or D * C
+            zero = self.groups("zero")
+            if kind == "shard":
+                return [z[i:i + size] for z in zero for i in range(0, len(z), size)]
+            return [z[j::size] for z in zero for j in range(size)]
         raise ValueError(f"unknown group kind {kind!r}; one of {KINDS}")
 
     def group_of(self, kind: str, rank: int) -> list[int]:
@@ -163,7 +192,8 @@ class Topology:
         out = {"world_size": self.world_size, "tensor": self.tensor, "pipeline": self.pipeline,
                "expert": self.expert, "data": self.data}
         return out | ({"context": self.context} if self.context > 1 else {}) | \
-            ({"experts_span_tensor": True} if self.experts_span_tensor else {})
+            ({"experts_span_tensor": True} if self.experts_span_tensor else {}) | \
+            ({"shard": self.shard} if self.shard else {})
 
     def describe(self) -> str:
         parts = [f"data {self.data}"] + ([f"context {self.context}"] if self.context > 1 else []) + \
@@ -171,7 +201,8 @@ class Topology:
         if self.expert > 1:
             over = " over data x tensor" if self.experts_span_tensor else ""
             parts.append(f"expert {self.expert}{over} (expert-data {self.expert_data})")
-        return f"{self.world_size} ranks = " + " x ".join(parts)
+        sharded = f"; ZeRO shards over {self.shard} ranks, {self.replicas} replicas (MiCS)" if self.shard else ""
+        return f"{self.world_size} ranks = " + " x ".join(parts) + sharded
 
 
 def check_supported(topology: Topology, zero_stage: int) -> None:

@@ -115,7 +115,9 @@ class StepPolicy:
     (``offload/virtual_host.py``) keeping the states in mapped host memory, or None.
     ``model_parallel``: how the norm counts parameters split over (or replicated on) the tensor and
     pipeline ranks; None without model parallelism. ``expert_group``: the expert-parallel group when
-    experts are split over ranks (the stage-0 norm sums over it). ``scalars_on_device``: the loss scale never
+    experts are split over ranks (the stage-0 norm sums over it). ``replicas``: under MiCS, the ranks holding this
+    rank's shards alike (one of each shard group), over which the reduced gradient shards are averaged before
+    anything reads them; None otherwise. ``scalars_on_device``: the loss scale never
     changes with an overflow (bf16, fp32, a static fp16 scale), so nothing on the host needs the step's
     overflow at once: where the optimizer's kernel takes them, the clip coefficient and the overflow flag stay
     device tensors (see note: no host sync)."""
@@ -126,6 +128,7 @@ class StepPolicy:
     virtual_kernels: Any = None
     model_parallel: ModelParallelNorm | None = None
     expert_group: Collectives | None = None
+    replicas: Collectives | None = None
     scalars_on_device: bool = False
 
 
@@ -157,6 +160,7 @@ class ShardedStep:
         self.ledger = ledger
         self.model_parallel = policy.model_parallel
         self.expert_group = policy.expert_group
+        self.replicas = policy.replicas
         # the last step's norm; until read, (the device's sum of squares, what its root is divided by)
         self._norm: float | tuple[torch.Tensor, float] | None = None
         offload, virtual_kernels = policy.offload, policy.virtual_kernels
@@ -235,6 +239,18 @@ class ShardedStep:
                 out[id(g)] = grads
         return out
 
+    def _average_over_replicas(self) -> None:
+        """MiCS: each trained group's reduced gradient shard (the mean over its shard group: ``grad_reducer.py``
+        divides by the group's size) summed over the replicas holding the same shard, one all-reduce a group, all in
+        flight at once, and divided by their number: every replica then holds the mean over every data rank, as flat
+        ZeRO's shard does (in another order of additions), and steps alike."""
+        assert self.replicas is not None
+        shards = [g.gradient.ensure_reduced() for g in self.partition.groups]
+        handles = [self.replicas.all_reduce(shard) for shard in shards]
+        for handle, shard in zip(handles, shards):
+            handle.wait()
+            shard.div_(self.replicas.size)
+
     def _squares(self, direct: dict[int, list[torch.Tensor]]) -> torch.Tensor:
         """The sum of the squares of every gradient element, over every rank (a 0-d device tensor)."""
         stage0 = not self.partition.stage.partitions
@@ -288,6 +304,8 @@ class ShardedStep:
         first = self.first_tiered
         if first is not None:  # offloaded states: the first reads overlap the norm's all-reduce
             first.window.ahead(first, -1, first.window.size)
+        if self.replicas is not None:
+            self._average_over_replicas()
         direct = self._direct_grads()
         total = self._squares(direct)
         if self.on_device and total.device.type != "meta" and free_for_scalars(self.optimizer):

@@ -1,0 +1,116 @@
+"""MiCS / HSDP (``zero_optimization.mics_shard_size``): ZeRO shards within groups of consecutive data ranks and
+replicates across them; gradients are reduce-scattered within a shard group and averaged across the replicas before
+the step (``parallel/topology.py``'s ``shard`` and ``replica`` groups, ``zero/sharded_step.py``; see note: mics).
+
+4 gloo ranks as 2 shard groups of 2 (what 2 nodes of 2 would run), ``ParityNet`` with accumulation 2 and binding
+clipping: at stages 1, 2 and 3 with AdamW, and at stage 3 with SGD (momentum: not invariant to the gradient's scale,
+so a wrong averaging factor shows), the losses, the global gradient norm and every trained weight equal the plain
+module's within ``test_parity``'s tolerance (1e-6 relative, 3e-6 of a tensor's largest value: the four parts of a
+gradient are summed in another order); each flat group is partitioned over 2 ranks (each rank owns half of it, where
+flat ZeRO over 4 owns a quarter) and every replica holds the same shards. A checkpoint saved under MiCS at stage 3
+loads into flat ZeRO-3 over the 4 ranks with the weights it saved, and the engine's memory estimate predicts each
+model-state category's peak as the ledger measures it. Refused on every rank, naming the key: stage 0, a
+shard size that does not divide the data ranks.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zeroplus
+from tests.dist_helper import rank_and_world, run_distributed
+from tests.models import ParityNet, make_batches
+from tests.reference import engine_train, reference_train
+from zeroplus.config import ConfigError
+from zeroplus.ledger import Category
+from zeroplus.parallel import reset_parallel
+
+STEPS, GAS, MICRO, LR, CLIP = 5, 2, 2, 1e-2, 0.5
+CASES = [(1, "AdamW"), (2, "AdamW"), (3, "AdamW"), (3, "SGD")]
+
+
+def _config(stage: int, optimizer: str = "AdamW", shard: int = 2, estimate: bool = False) -> dict:
+    params = {"lr": LR, "weight_decay": 0.01} | ({"momentum": 0.9} if optimizer == "SGD" else {})
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "gradient_clipping": CLIP,
+            "optimizer": {"type": optimizer, "params": params},
+            "zero_optimization": {"stage": stage, "mics_shard_size": shard, "reduce_bucket_size": 100,
+                                  "stage3_param_persistence_threshold": 0},
+            "zeroplus": {"log_level": "warning", "memory_estimate": estimate}}
+
+
+def _runs(root: str) -> list[dict]:
+    rank, world = rank_and_world()
+    out = []
+    for stage, optimizer in CASES:
+        torch.manual_seed(0)
+        estimated = (stage, optimizer) == (3, "AdamW")
+        engine = zeroplus.initialize(ParityNet(), _config(stage, optimizer, estimate=estimated))
+        batches = make_batches(STEPS * GAS * world, MICRO)
+        losses = engine_train(engine, batches, STEPS, rank, world, GAS)
+        shards = {g.name: (g.dp.size, g.owned_numel, g.numel) for g in engine.partition.groups}
+        masters = torch.cat([g.master_param.detach().reshape(-1) for g in engine.partition.groups])
+        result = {"losses": losses, "norm": engine.get_global_grad_norm(), "state": engine.consolidated_fp32_state(),
+                  "shards": shards, "data": engine.dp.size, "masters": masters}
+        if estimated:  # the budget's model states: what the ledger holds, partitioned over the shard group
+            assert engine.budget is not None
+            result["states"] = {c: (engine.ledger.peak_bytes(Category(c)), engine.budget.category_peaks[c])
+                                for c in ("param", "param_gathered", "grad", "master", "optim_state")}
+            result["states"]["kept"] = (engine.ledger.live_bytes(Category.MASTER), engine.budget.model_states["master"])
+            engine.save_checkpoint(root, tag="mics")
+            reset_parallel()  # (groups of another layout: another config's engine makes its own)
+            flat = zeroplus.initialize(ParityNet(), _config(3, shard=-1))
+            flat.load_checkpoint(root, tag="mics")
+            result["loaded"] = flat.consolidated_fp32_state()
+            result["flat_shards"] = {g.dp.size for g in flat.partition.groups}
+            flat.destroy()
+            reset_parallel()
+        engine.destroy()
+        out.append(result)
+    return out
+
+
+def test_mics_trains_the_plain_modules_model_with_shards_within_groups_of_two(tmp_path):
+    runs = run_distributed(_runs, 4, str(tmp_path))
+    for (stage, optimizer), *per_rank in zip(CASES, *runs):
+        label = f"stage {stage} {optimizer}"
+        torch.manual_seed(0)
+        ref_losses, ref_state = reference_train(ParityNet(), make_batches(STEPS * GAS * 4, MICRO), STEPS, 4, GAS, LR,
+                                                CLIP, optimizer=optimizer)
+        first = per_rank[0]
+        torch.testing.assert_close(torch.tensor(first["losses"]), torch.tensor(ref_losses), rtol=1e-6, atol=1e-6,
+                                   msg=lambda m: f"{label}: losses: {m}")
+        assert first["state"], label
+        for name, value in first["state"].items():  # (the trained weights: the frozen one is not in it)
+            ref = ref_state[name]
+            torch.testing.assert_close(value, ref, rtol=1e-6, atol=3e-6 * ref.abs().max().item(),
+                                       msg=lambda m, n=name: f"{label}: {n}: {m}")
+        for rank, result in enumerate(per_rank):
+            assert result["data"] == 4, (label, rank)
+            assert all(size == 2 and owned == -(-numel // 2) for size, owned, numel in result["shards"].values()), \
+                (label, rank, result["shards"])
+            assert result["norm"] == first["norm"], (label, rank)
+        for a, b in ((0, 2), (1, 3)):  # replicas: the same shards, bit for bit
+            assert torch.equal(per_rank[a]["masters"], per_rank[b]["masters"]), (label, a, b)
+        for result in per_rank if "states" in first else ():
+            assert all(measured == predicted for measured, predicted in result["states"].values()), result["states"]
+        if "loaded" in first:
+            assert first["flat_shards"] == {4}
+            for name, value in first["state"].items():
+                assert torch.equal(first["loaded"][name], value), f"{label}: loaded into flat ZeRO-3: {name}"
+
+
+def _refused(config: dict) -> str:
+    try:
+        zeroplus.initialize(ParityNet(), config)
+    except (ConfigError, ValueError) as err:
+        return str(err)
+    return "accepted"
+
+
+@pytest.mark.parametrize("stage,shard,message", [
+    (0, 2, "ZeRO stage 0 shards nothing"),
+    (3, 3, "mics_shard_size 3: the ranks ZeRO shards over, at least 2, dividing the data-parallel size 4"),
+])
+def test_what_mics_cannot_run_is_refused_on_every_rank(stage, shard, message):
+    said = run_distributed(_refused, 4, _config(stage, shard=shard))
+    assert all(message in line for line in said), said
