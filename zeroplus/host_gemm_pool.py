@@ -97,7 +97,7 @@ def pool_bytes(signatures: list[tuple]) -> int:
     lib.mkl_serv_free_buffers()
     with torch.no_grad(), _disable_current_modes():  # (no user's dispatch mode sees these: they are not the run's)
         for func, spec, keyed in signatures:
-            leaves = [torch.empty_strided(leaf[1], leaf[2], dtype=leaf[3])
+            leaves = [torch.empty_strided(leaf[1], leaf[2], dtype=leaf[3], device="cpu")
                       if isinstance(leaf, tuple) and leaf[:1] == ("tensor",) else leaf for leaf in keyed]
             args, kwargs = tree_unflatten(leaves, spec)
             try:

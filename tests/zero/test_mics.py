@@ -9,8 +9,8 @@ module's within ``test_parity``'s tolerance (1e-6 relative, 3e-6 of a tensor's l
 gradient are summed in another order); each flat group is partitioned over 2 ranks (each rank owns half of it, where
 flat ZeRO over 4 owns a quarter) and every replica holds the same shards. A checkpoint saved under MiCS at stage 3
 loads into flat ZeRO-3 over the 4 ranks with the weights it saved, and the engine's memory estimate predicts each
-model-state category's peak as the ledger measures it. Refused on every rank, naming the key: stage 0, a
-shard size that does not divide the data ranks.
+model-state category's peak as the ledger measures it. Refused on every rank, naming the key, the value and the
+rank: stage 0, a shard size that does not divide the data ranks.
 """
 from __future__ import annotations
 
@@ -117,4 +117,4 @@ def _refused() -> list[str]:
 def test_what_mics_cannot_run_is_refused_on_every_rank():
     for rank, said in enumerate(run_distributed(_refused, 4)):
         for (stage, shard, message), line in zip(REFUSED, said):
-            assert message in line, (rank, stage, shard, line)
+            assert message in line and f"rank {rank}" in line, (rank, stage, shard, line)

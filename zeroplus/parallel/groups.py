@@ -176,7 +176,10 @@ def init_parallel(spec: Any = None, replace: bool = False) -> ParallelGroups:
     world, rank = (dist.get_world_size(), dist.get_rank()) if launched else (1, 0)
     sizes = _sizes(spec) if spec is not None else (1, 1, 1, 1)
     shard = shard_size(spec, world)
-    topology = Topology(world, *sizes, experts_span_tensor=spec is not None and _span(spec), shard=shard)
+    try:
+        topology = Topology(world, *sizes, experts_span_tensor=spec is not None and _span(spec), shard=shard)
+    except ValueError as err:
+        raise ValueError(f"rank {rank}: {err}") from None
     if _CURRENT is not None and _CURRENT.world_group is _world_group():
         if sizes == (1, 1, 1, 1) and not shard and not _CURRENT.topology.shard and not replace:
             return _CURRENT  # a config without parallel sizes runs in the groups already made
