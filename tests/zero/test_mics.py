@@ -9,7 +9,9 @@ module's within ``test_parity``'s tolerance (1e-6 relative, 3e-6 of a tensor's l
 gradient are summed in another order); each flat group is partitioned over 2 ranks (each rank owns half of it, where
 flat ZeRO over 4 owns a quarter) and every replica holds the same shards. A checkpoint saved under MiCS at stage 3
 loads into flat ZeRO-3 over the 4 ranks with the weights it saved, and the engine's memory estimate predicts each
-model-state category's peak as the ledger measures it. Refused on every rank, naming the key, the value and the
+model-state category's peak as the ledger measures it. The comms log's bytes a step at stage 3: across the replicas
+(the link between nodes) one all-reduce of the shard, exactly; within a shard group a reduce-scatter of its elements
+per micro-batch, exactly, and at least two gathers. Refused on every rank, naming the key, the value and the
 rank: stage 0, a shard size that does not divide the data ranks.
 """
 from __future__ import annotations
@@ -43,13 +45,21 @@ def _runs(root: str) -> list[dict]:
     for stage, optimizer in CASES:
         torch.manual_seed(0)
         estimated = (stage, optimizer) == (3, "AdamW")
-        engine = zeroplus.initialize(ParityNet(), _config(stage, optimizer, estimate=estimated))
+        config = _config(stage, optimizer, estimate=estimated)
+        config["comms_logger"] = {"enabled": estimated}
+        engine = zeroplus.initialize(ParityNet(), config)
         batches = make_batches(STEPS * GAS * world, MICRO)
-        losses = engine_train(engine, batches, STEPS, rank, world, GAS)
+        losses = engine_train(engine, batches, 1, rank, world, GAS)
+        if estimated:
+            engine.comms_log.reset()  # (the first step's one-off collectives stay out of the count)
+        losses += engine_train(engine, batches, STEPS - 1, rank, world, GAS, start=1)
         shards = {g.name: (g.dp.size, g.owned_numel, g.numel) for g in engine.partition.groups}
         masters = torch.cat([g.master_param.detach().reshape(-1) for g in engine.partition.groups])
         result = {"losses": losses, "norm": engine.get_global_grad_norm(), "state": engine.consolidated_fp32_state(),
                   "shards": shards, "data": engine.dp.size, "masters": masters}
+        if estimated:  # the bytes each group moved a step, and a shard's elements (padded) in all
+            result["bytes"] = {group: engine.comms_log.bytes_by_kind(group) for group in ("shard", "replica")}
+            result["shard_numel"] = sum(g.shard_numel for g in engine.partition.groups)
         if estimated:  # the budget's model states: what the ledger holds, partitioned over the shard group
             assert engine.budget is not None
             result["states"] = {c: (engine.ledger.peak_bytes(Category(c)), engine.budget.category_peaks[c])
@@ -92,6 +102,13 @@ def test_mics_trains_the_plain_modules_model_with_shards_within_groups_of_two(tm
             assert torch.equal(per_rank[a]["masters"], per_rank[b]["masters"]), (label, a, b)
         for result in per_rank if "states" in first else ():
             assert all(measured == predicted for measured, predicted in result["states"].values()), result["states"]
+        for result in per_rank if "bytes" in first else ():
+            # within a shard group stage 3's 3 x its elements a micro-batch (gathered twice, reduce-scattered once);
+            # across the replicas the shard once a step: 2 (GAS) x 3 x 2 = 12 times fewer bytes over that link
+            shard, steps, within = 4 * result["shard_numel"], STEPS - 1, result["bytes"]["shard"]
+            assert result["bytes"]["replica"] == {"all_reduce": steps * shard}, result["bytes"]
+            assert within["all_gather"] >= steps * GAS * 2 * 2 * shard, within  # (the frozen layer's too, and more)
+            assert within["reduce_scatter"] == steps * GAS * 2 * shard, result["bytes"]  # (and the norm's scalars)
         if "loaded" in first:
             assert first["flat_shards"] == {4}
             for name, value in first["state"].items():
