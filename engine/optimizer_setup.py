@@ -25,7 +25,7 @@ from zeroplus.optim.build import (
 from zeroplus.optim.forward_only import ForwardOnly
 from zeroplus.optim.muon import muon_kwargs, takes_muon
 from zeroplus.optim.schedulers import build_scheduler
-from zeroplus.optim.stored_states import adopt, check_group, requested, stored_states_class
+from zeroplus.optim.stored_states import adopt, adoptable, requested
 from zeroplus.zero import ZeroPartition
 from zeroplus.zero.use_grads import lookup
 
@@ -94,9 +94,7 @@ def check_optimizer_request(cfg: ResolvedConfig, optimizer: torch.optim.Optimize
             f"moments in {states['exp_avg_dtype']} and {states['exp_avg_sq_dtype']}")
     if optimizer is not None:
         try:
-            stored_states_class(type(optimizer))
-            for group in optimizer.param_groups:
-                check_group(group)
+            adoptable(optimizer)
         except ValueError as err:
             raise ConfigError(f"{what}; the client optimizer {type(optimizer).__name__}: {err}") from None
     if cfg.zeroplus.virtual_optimizer_states:

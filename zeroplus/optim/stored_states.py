@@ -285,14 +285,21 @@ def check_group(group: dict[str, Any]) -> None:
         raise ValueError("stored optimizer states: amsgrad, differentiable and capturable are not supported")
 
 
+def adoptable(optimizer: torch.optim.Optimizer) -> type[StoredStates]:
+    """The stored-states class ``adopt`` would make ``optimizer``; ValueError for another class or a param group it
+    cannot step (nothing is changed)."""
+    cls = stored_states_class(type(optimizer))
+    for group in optimizer.param_groups:
+        check_group(group)
+    return cls
+
+
 def adopt(optimizer: torch.optim.Optimizer, states: dict[str, Any]) -> StoredStates:
     """A client's torch ``Adam`` or ``AdamW`` made, in place, its stored-states counterpart with ``states``
     (``requested``'s arguments): the same object, so a scheduler bound to it still sets its learning rates and a
     caller holding it steps it; its param groups and hyper-parameters as they are, its loop kernel the per-chunk one
     (``foreach`` off, as the class's own constructor sets). ValueError for another class or what it cannot store."""
-    cls = stored_states_class(type(optimizer))
-    for group in optimizer.param_groups:
-        check_group(group)
+    cls = adoptable(optimizer)
     optimizer.__class__ = cls
     optimizer._patch_step_function()  # (torch's step hooks, on the class: a user's registered hooks still run)
     if "step" in vars(optimizer):  # a scheduler's wrapper of the former class's step, which it tracks calls by
