@@ -112,7 +112,7 @@ def _choose_transport(cfg: ResolvedConfig, dp: Collectives, parallel: ParallelGr
     wanted = cfg.zeroplus.transport
     others = [] if parallel is None else [parallel.data, parallel.zero, parallel.tensor, parallel.context,
                                           parallel.context_ulysses, parallel.context_ring, parallel.expert,
-                                          parallel.expert_data]
+                                          parallel.expert_data, parallel.shard, parallel.replica, parallel.secondary]
     if experts is not None:
         others.append(experts.group)
     try:
@@ -183,6 +183,7 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
     dtype = compute_dtype(cfg)
     experts = expert_split(parallel)
     zero = _partition_group(model, cfg, dp, parallel, simulated is not None)
+    secondary = _secondary_group(cfg, dp, parallel)
     if simulated is None and has_meta_tensors(model):  # (the estimator's models are meta by design)
         of = _split_by_plan_alone(model, parallel) if split else None
         if optimizer is not None or model_parameters is not None or (split and of is None):
@@ -202,7 +203,8 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
                  or frozen_dtype(p, stage, experts, dtype) is not None}  # (units.py)
     try:
         partition = make_partition(model, cfg, zero, ledger, dtype, group_of, param_offload, experts,
-                                   UnitPlacement(accel.device(), dtype, _broadcast_group(dp, experts), flattened))
+                                   UnitPlacement(accel.device(), dtype, _broadcast_group(dp, experts), flattened),
+                                   secondary)
     except OSError as err:  # writing the offloaded shards failed (a full disk)
         if param_offload is None:
             raise
@@ -244,6 +246,24 @@ def _partition_group(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collective
         raise ConfigError(f"{where}, and the model was built on the meta device or under zeroplus.Init, which MiCS "
                           f"does not take yet: build it normally")
     return parallel.shard
+
+
+def _secondary_group(cfg: ResolvedConfig, dp: Collectives, parallel: ParallelGroups | None) -> Collectives | None:
+    """hpZ's group (``zero_optimization.zero_hpz_partition_size``): the ranks a stage-3 unit's secondary copy is split
+    over (see note: hpz), or None. Refused where hpZ cannot run: stages 0-2 (their parameters are whole on every rank:
+    nothing is gathered), a process group of the caller's."""
+    if parallel is None or not parallel.topology.secondary:
+        return None
+    where = (f"config key 'zero_optimization.zero_hpz_partition_size' is {parallel.topology.secondary} (rank "
+             f"{parallel.global_rank})")
+    stage = ZeroStage(cfg.zero_optimization.stage)
+    if not stage.shards_parameters:
+        raise ConfigError(f"{where}, and ZeRO stage {int(stage)} gathers no parameters: hpZ's secondary copy serves "
+                          f"stage 3's gathers; use stage 3, or leave the key at 1")
+    if dp is not parallel.zero:
+        raise ConfigError(f"{where}, and initialize() was given its own process group: hpZ makes its groups from the "
+                          f"launch's ranks")
+    return parallel.secondary
 
 
 def _split_by_plan_alone(model: torch.nn.Module, parallel: Any) -> Any:
@@ -353,10 +373,12 @@ def _check_request(model: torch.nn.Module, cfg: ResolvedConfig, parallel: Parall
 
 def make_partition(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Collectives, ledger: Ledger, dtype: torch.dtype,
                    group_of: dict[int, int], param_offload: ParamOffload | None,
-                   experts: ExpertSplit | None, placement: UnitPlacement | None = None) -> ZeroPartition:
+                   experts: ExpertSplit | None, placement: UnitPlacement | None = None,
+                   secondary: Collectives | None = None) -> ZeroPartition:
     """The partition of ``model`` as ``cfg`` asks (the engine's, and the budget's model-state count's, whose
     config has the ZeRO block resolved but may lack a batch triple). ``placement``: the engine moves the
-    model to the device and dtype through it, one unit at a time (``zero/placement.py``)."""
+    model to the device and dtype through it, one unit at a time (``zero/placement.py``). ``secondary``: hpZ's
+    group (``_secondary_group``)."""
     accumulation = cfg.gradient_accumulation_steps if isinstance(cfg.gradient_accumulation_steps, int) else 1
     return ZeroPartition(model, resolved_zero(cfg.zero_optimization), dp, ledger, dtype, group_of,
                          cfg.zeroplus.unit_modules, accumulation,
@@ -364,7 +386,7 @@ def make_partition(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Collectives,
                                       cfg.zeroplus.master_rounding == "like_shared", param_offload,
                                       bf16_masters(cfg)),
                          experts=experts, placement=placement,
-                         defer_param_gather=cfg.zeroplus.overlap_param_gather)
+                         defer_param_gather=cfg.zeroplus.overlap_param_gather, secondary=secondary)
 
 
 def _check_split(model: torch.nn.Module, parallel: ParallelGroups) -> None:

@@ -116,7 +116,7 @@ class OffloadParamConfig(Block):
 class ZeroConfig(Block):
     ds_unimplemented = frozenset({
         "round_robin_gradients", "elastic_checkpoint", "load_from_fp32_weights",
-        "ignore_unused_parameters", "zero_hpz_partition_size", "zero_quantized_weights",
+        "ignore_unused_parameters", "zero_quantized_weights",
         "zero_quantized_nontrainable_weights", "zero_quantized_gradients",
         "mics_hierarchical_params_gather", "memory_efficient_linear", "stage3_module_granularity_threshold",
         "cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory", "legacy_stage1",
@@ -153,6 +153,11 @@ class ZeroConfig(Block):
         -1, description="MiCS / HSDP: ZeRO shards over groups of this many consecutive data ranks and replicates "
                         "across the groups, the gradients reduce-scattered within a group and all-reduced across "
                         "(stages 1-3, beside data parallelism only; -1 or the data-parallel size: every data rank).")
+    zero_hpz_partition_size: int = Field(
+        1, description="hpZ (ZeRO++): at stage 3 each gathered unit's values are also kept split over groups of this "
+                       "many consecutive data ranks (a node), so its later gathers until the next step (backward, "
+                       "recompute, further micro-batches) stay within the group; 1 or the data-parallel size: off. "
+                       "Costs the unit's values / this size per rank in the compute dtype from forward to the step.")
 
     @field_validator("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
                      "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",

@@ -55,7 +55,8 @@ class ParallelGroups:
                 members = topology.group_of(kind, rank)
                 made[kind], self.ranks[kind] = virtual(members.index(rank), len(members)), members
         for kind in KINDS if virtual is None else ():
-            if (kind == "zero" and topology.context == 1) or (kind in ("shard", "replica") and not topology.shard):
+            if ((kind == "zero" and topology.context == 1) or (kind in ("shard", "replica") and not topology.shard)
+                    or (kind == "secondary" and not topology.secondary)):
                 continue  # the data group itself, the zero group, or one rank (below)
             for members in topology.groups(kind):
                 if len(members) == 1:
@@ -73,6 +74,8 @@ class ParallelGroups:
         if virtual is None and not topology.shard:
             made["shard"], self.ranks["shard"] = made["zero"], self.ranks["zero"]
             made["replica"], self.ranks["replica"] = _SingleRank(), [rank]
+        if virtual is None and not topology.secondary:
+            made["secondary"], self.ranks["secondary"] = _SingleRank(), [rank]
         self.tensor, self.data, self.pipeline = made["tensor"], made["data"], made["pipeline"]
         self.expert, self.expert_data, self.model = made["expert"], made["expert_data"], made["model"]
         self.context = made["context"]  # the ranks sharing each sequence (zeroplus/parallel/context.py)
@@ -80,6 +83,8 @@ class ParallelGroups:
         # what ZeRO partitions over: the zero group, or under MiCS its shard group, whose shards the replica group
         # (one rank of each shard group) holds alike and averages the gradients of (zero/sharded_step.py)
         self.shard, self.replica = made["shard"], made["replica"]
+        # hpZ: the ranks a stage-3 unit's secondary copy is split over (one rank when off; zero/flat_group.py)
+        self.secondary = made["secondary"]
         # the context ranks' two parts: the heads' all-to-all (Ulysses) and the K/V ring
         single = _SingleRank()
         self.context_ulysses, self.context_ring = self.context, single
@@ -155,6 +160,16 @@ def shard_size(spec: Any, world: int) -> int:
     return 0 if asked in (-1, world // (tensor * pipeline)) else asked
 
 
+def secondary_size(spec: Any, world: int) -> int:
+    """hpZ's secondary partition size for a parsed config or a ``Topology`` over ``world`` ranks (``zero_optimization.
+    zero_hpz_partition_size``): 0 where off (DeepSpeed's 1, or every rank ZeRO partitions over)."""
+    if isinstance(spec, Topology):
+        return spec.secondary
+    asked = spec.zero_optimization.zero_hpz_partition_size if spec is not None else 1
+    tensor, pipeline, _, _ = _sizes(spec) if spec is not None else (1, 1, 1, 1)
+    return 0 if asked in (1, world // (tensor * pipeline)) else asked
+
+
 def _span(spec: Any) -> bool:
     """The expert-data mode (``Topology.experts_span_tensor``)."""
     if isinstance(spec, Topology):
@@ -175,13 +190,15 @@ def init_parallel(spec: Any = None, replace: bool = False) -> ParallelGroups:
     launched = dist.is_available() and dist.is_initialized()
     world, rank = (dist.get_world_size(), dist.get_rank()) if launched else (1, 0)
     sizes = _sizes(spec) if spec is not None else (1, 1, 1, 1)
-    shard = shard_size(spec, world)
+    shard, secondary = shard_size(spec, world), secondary_size(spec, world)
     try:
-        topology = Topology(world, *sizes, experts_span_tensor=spec is not None and _span(spec), shard=shard)
+        topology = Topology(world, *sizes, experts_span_tensor=spec is not None and _span(spec), shard=shard,
+                            secondary=secondary)
     except ValueError as err:
         raise ValueError(f"rank {rank}: {err}") from None
     if _CURRENT is not None and _CURRENT.world_group is _world_group():
-        if sizes == (1, 1, 1, 1) and not shard and not _CURRENT.topology.shard and not replace:
+        hierarchical = shard or secondary or _CURRENT.topology.shard or _CURRENT.topology.secondary
+        if sizes == (1, 1, 1, 1) and not hierarchical and not replace:
             return _CURRENT  # a config without parallel sizes runs in the groups already made
         if _CURRENT.topology == topology:
             made, asked = _CURRENT.context_layout, _context_layout(spec, topology)

@@ -41,7 +41,8 @@ from typing import Any
 
 from ..config import ZeroStage
 
-KINDS = ("tensor", "data", "pipeline", "expert", "expert_data", "model", "context", "zero", "shard", "replica")
+KINDS = ("tensor", "data", "pipeline", "expert", "expert_data", "model", "context", "zero", "shard", "replica",
+         "secondary")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +69,10 @@ class Topology:
     # the zero group ("shard") and replicates across them ("replica": the ranks at one place in each); 0: the whole
     # zero group is one shard group
     shard: int = 0
+    # hpZ (``zero_optimization.zero_hpz_partition_size``): ZeRO-3 keeps a second copy of each gathered unit's values,
+    # split over groups of this many consecutive ranks of the zero group ("secondary"), for the gathers until the next
+    # step; 0: none
+    secondary: int = 0
 
     def __post_init__(self) -> None:
         for key in ("world_size", "tensor", "pipeline", "expert", "context"):
@@ -85,7 +90,10 @@ class Topology:
             raise ValueError(f"context size {self.context} with {', '.join(f'{k} size {v}' for k, v in others.items())}"
                              f" is not supported yet: context parallelism runs beside data parallelism only")
         if self.shard:
-            self._check_shard()
+            self._check_tiling("mics_shard_size", self.shard, "the ranks ZeRO shards over", "MiCS shards")
+        if self.secondary:
+            self._check_tiling("zero_hpz_partition_size", self.secondary, "the ranks of a node's secondary copy",
+                               "hpZ runs")
         if self.experts_span_tensor:
             self._check_span()
         elif self.data % self.expert:
@@ -93,17 +101,21 @@ class Topology:
                              f"(world {self.world_size} / tensor {self.tensor} / pipeline {self.pipeline}): expert "
                              f"groups are carved out of the data-parallel ranks")
 
-    def _check_shard(self) -> None:
-        """MiCS / HSDP: shard groups tiling the zero group, beside data parallelism only."""
+    def _check_tiling(self, key: str, size: int, ranks: str, mechanism: str) -> None:
+        """MiCS's shard groups or hpZ's secondary groups (``zero_optimization.<key>`` is ``size``): groups of at least 2
+        consecutive ranks tiling the zero group, beside plain data parallelism only, and not both."""
         zero = self.data * self.context
-        where = f"zero_optimization.mics_shard_size {self.shard!r}"
-        if not isinstance(self.shard, int) or self.shard < 2 or zero % self.shard:
-            raise ValueError(f"{where}: the ranks ZeRO shards over, at least 2, dividing the data-parallel size "
-                             f"{zero} (shard groups of consecutive ranks, replicated across)")
-        others = {k: getattr(self, k) for k in ("tensor", "pipeline", "expert", "context") if getattr(self, k) > 1}
+        where = f"zero_optimization.{key} {size!r}"
+        if not isinstance(size, int) or size < 2 or zero % size:
+            raise ValueError(f"{where}: {ranks}, at least 2, dividing the data-parallel size {zero} (groups of "
+                             f"consecutive ranks)")
+        others = {f"{k} size": getattr(self, k) for k in ("tensor", "pipeline", "expert", "context")
+                  if getattr(self, k) > 1}
+        if self.shard and self.secondary and key == "zero_hpz_partition_size":
+            others["mics_shard_size"] = self.shard
         if others:
-            raise ValueError(f"{where} with {', '.join(f'{k} size {v}' for k, v in others.items())} is not "
-                             f"supported yet: MiCS shards beside plain data parallelism only")
+            raise ValueError(f"{where} with {', '.join(f'{k} {v}' for k, v in others.items())} is not "
+                             f"supported yet: {mechanism} beside plain data parallelism only")
 
     @property
     def replicas(self) -> int:
@@ -183,6 +195,9 @@ class Topology:
             if kind == "shard":
                 return [z[i:i + size] for z in zero for i in range(0, len(z), size)]
             return [z[j::size] for z in zero for j in range(size)]
+        if kind == "secondary":
+            size = self.secondary or 1
+            return [z[i:i + size] for z in self.groups("zero") for i in range(0, len(z), size)]
         raise ValueError(f"unknown group kind {kind!r}; one of {KINDS}")
 
     def group_of(self, kind: str, rank: int) -> list[int]:
@@ -193,7 +208,7 @@ class Topology:
                "expert": self.expert, "data": self.data}
         return out | ({"context": self.context} if self.context > 1 else {}) | \
             ({"experts_span_tensor": True} if self.experts_span_tensor else {}) | \
-            ({"shard": self.shard} if self.shard else {})
+            ({"shard": self.shard} if self.shard else {}) | ({"secondary": self.secondary} if self.secondary else {})
 
     def describe(self) -> str:
         parts = [f"data {self.data}"] + ([f"context {self.context}"] if self.context > 1 else []) + \
@@ -202,6 +217,8 @@ class Topology:
             over = " over data x tensor" if self.experts_span_tensor else ""
             parts.append(f"expert {self.expert}{over} (expert-data {self.expert_data})")
         sharded = f"; ZeRO shards over {self.shard} ranks, {self.replicas} replicas (MiCS)" if self.shard else ""
+        if self.secondary:
+            sharded += f"; ZeRO-3 keeps a secondary copy over {self.secondary} ranks (hpZ)"
         return f"{self.world_size} ranks = " + " x ".join(parts) + sharded
 
 

@@ -116,14 +116,17 @@ class FlatParamGroup:
     def __init__(self, name: str, named_params: list[tuple[str, torch.nn.Parameter]], group_index: int,
                  stage: ZeroStage, dp: Collectives, compute_dtype: torch.dtype, ledger: Ledger,
                  master: MasterPolicy = MasterPolicy(), device: torch.device | None = None,
-                 trainable: bool = True, expert_ranks: list[int] | None = None) -> None:
+                 trainable: bool = True, expert_ranks: list[int] | None = None,
+                 secondary: Collectives | None = None) -> None:
         """``master``: shared storage, rounding, and the tier for the master shard (stage 3, ``tiered_master.py``).
         ``device``: where the flat buffer lives (default: the first parameter's device); the parameters are copied
         into it from wherever they are, cast to ``compute_dtype`` (a parameter ``zeroplus.Init`` partitioned is
         gathered first, one at a time), and every rank takes the group's first rank's values. ``trainable`` False
         (stage 3 only): frozen parameters, kept as this rank's shard in the compute dtype and nothing else (see
         note: frozen groups). ``expert_ranks``: an expert's parameters, partitioned over the expert-data group
-        ``dp``; the data rank whose checkpoint file holds each of its ranks' shards."""
+        ``dp``; the data rank whose checkpoint file holds each of its ranks' shards. ``secondary``: hpZ's group
+        (stage 3, consecutive ranks of ``dp``) over which the values gathered for a forward are kept until the next
+        step (``release(keep_secondary=True)``); None or one rank: none."""
         self.name = name
         self.trainable = trainable
         self.names = [n for n, _ in named_params]
@@ -139,6 +142,9 @@ class FlatParamGroup:
         self.pool = BufferPool(ledger, lookahead=0)  # (never opened: every buffer allocated and freed, until attach)
         self.ledger = ledger
         self.compute_dtype = compute_dtype
+        # hpZ (see note: hpz): the group the secondary copy is split over, and this rank's part while it holds one
+        self.secondary_group = secondary if secondary is not None and secondary.size > 1 else None
+        self._secondary: torch.Tensor | None = None
         self.device = self.params[0].device if device is None else torch.device(device)
         self._lay_out(dp, stage)
         start = self.owned_start
@@ -323,21 +329,32 @@ class FlatParamGroup:
             self.residency = Residency.GATHERED
 
     def all_gather_into_full(self) -> Handle:
-        """All-gather every rank's low-precision shard into ``full`` (which must be allocated)."""
+        """All-gather every rank's low-precision shard into ``full`` (which must be allocated); under hpZ, while a
+        secondary copy is held, its parts over the secondary group instead (the same values)."""
+        if self._secondary is not None:
+            assert self.secondary_group is not None
+            return self.secondary_group.all_gather(self._full_data, self._secondary)
         source = self.shard
         if source is None:  # stage 3, low precision: cast the master for the wire only
             source = self.ledger.empty(self.shard_numel, self.compute_dtype, Category.COMM_BUFFER, self.device)
             self.master_store.to_compute(source)
         return self.dp.all_gather(self._full_data, source)
 
-    def release(self) -> None:
+    def release(self, keep_secondary: bool = False) -> None:
         """Free the gathered buffer (stage 3). Each parameter then holds an empty tensor of its dtype and
         device (shape ``(0,)``) until the next gather (see note: released parameters); the views autograd
-        saved keep the buffer's storage object and read the values again once it is gathered."""
+        saved keep the buffer's storage object and read the values again once it is gathered.
+        ``keep_secondary`` (a forward's release, under hpZ): this rank's part of the values over the secondary group
+        is kept first, unless held already."""
         if self.residency is Residency.GATHERING:
             raise RuntimeError(f"{self.name}: released while its all-gather is in flight (wait for it and expose() "
                                f"first): the collective would write into a freed buffer")
         if self.gathered and not self.resident:
+            if keep_secondary and self.secondary_group is not None and self._secondary is None:
+                group = self.secondary_group
+                part = self.padded_numel // group.size
+                self._secondary = self.ledger.empty(part, self.full.dtype, Category.PARAM, self.device)
+                self._secondary.copy_(self._full_data[group.rank * part:(group.rank + 1) * part])
             if not self.pool.park(self.full, Category.PARAM_GATHERED):
                 self.full.untyped_storage().resize_(0)
                 self.ledger.resized(self.full)
@@ -345,6 +362,16 @@ class FlatParamGroup:
             for p in self.params:
                 p.data = self._released
             mark(self.params, ParamStatus.NOT_AVAILABLE)
+
+    def drop_secondary(self) -> None:
+        """hpZ: the values changed (a step, a load, a write) or the step is due: the secondary copy goes, and the next
+        gather reads the shards over ``dp``."""
+        self._secondary = None
+
+    @property
+    def secondary_numel(self) -> int:
+        """Elements of the secondary copy held now (0: none)."""
+        return 0 if self._secondary is None else self._secondary.numel()
 
     # -- the gradient's reductions and the parameters' gathers in flight -------------------------------
     def wait_pending(self) -> None:
@@ -394,6 +421,7 @@ class FlatParamGroup:
         off, n = self.offsets[index], self.numels[index]
         lo, hi = self.owned_start, self.owned_start + self.owned_numel
         start, end = max(off, lo), min(off + n, hi)
+        self.drop_secondary()
         if start < end:
             with torch.no_grad():
                 self.master_store.write(start - lo, flat[start - off:end - off])

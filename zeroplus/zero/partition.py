@@ -101,6 +101,7 @@ class _GroupMaker:
     device: torch.device | None
     bucket: int
     compute_dtype: torch.dtype
+    secondary: Collectives | None = None  # hpZ's group (stage 3), for every group partitioned over ``dp``
 
     def trained(self, name: str, by_group: dict[tuple[int, bool, bool], list[tuple[str, torch.nn.Parameter]]],
                 experts: ExpertSplit | None) -> list[FlatParamGroup]:
@@ -116,7 +117,8 @@ class _GroupMaker:
                     group_dp, label = split.group, label + split.suffix
                 groups.append(FlatParamGroup(label, named, gi, self.stage, group_dp, self.compute_dtype, self.ledger,
                                              self.master, self.device,
-                                             expert_ranks=None if split is None else split.data_ranks()))
+                                             expert_ranks=None if split is None else split.data_ranks(),
+                                             secondary=self.secondary if split is None else None))
         return groups
 
     def frozen(self, name: str, by_dtype: dict[torch.dtype, list[tuple[str, torch.nn.Parameter]]]
@@ -126,7 +128,8 @@ class _GroupMaker:
             runs = bucketed(named_of_dtype, self.bucket)
             label = f"{name}#frozen" + ("" if dtype == self.compute_dtype else f"-{str(dtype).split('.')[-1]}")
             frozen += [FlatParamGroup(label + (f".{k}" if len(runs) > 1 else ""), named, -1, self.stage, self.dp,
-                                      dtype, self.ledger, self.master, self.device, trainable=False)
+                                      dtype, self.ledger, self.master, self.device, trainable=False,
+                                      secondary=self.secondary)
                        for k, named in enumerate(runs)]
         return frozen
 
@@ -136,14 +139,16 @@ class ZeroPartition:
                  compute_dtype: torch.dtype, param_group_of: dict[int, int],
                  unit_class_names: list[str] | None = None, gradient_accumulation_steps: int = 1,
                  master: MasterPolicy = MasterPolicy(), experts: ExpertSplit | None = None,
-                 placement: UnitPlacement | None = None, defer_param_gather: bool = False) -> None:
+                 placement: UnitPlacement | None = None, defer_param_gather: bool = False,
+                 secondary: Collectives | None = None) -> None:
         """``master``: how flat groups keep their fp32 master shards; ``experts``: the expert-data group and
         expert rank when experts are split over ranks, else None. ``placement``: moves each unit's other
         tensors to the device just before its flat groups are built (``placement.py``: one unit at a
         time); None leaves every tensor where it is. At stages 2-3, per-use groups are reduced
         early and embeddings' rows sparsely (``early_per_use``). ``defer_param_gather``
         (``zeroplus.overlap_param_gather``): stages 1-2's post-step all-gathers are waited by each unit's next
-        forward instead of before ``after_step`` returns."""
+        forward instead of before ``after_step`` returns. ``secondary``: hpZ's group at stage 3 (``flat_group.py``;
+        see note: hpz), or None."""
         _refuse_partitioned(model, dp.rank)
         self.defer_param_gather = defer_param_gather
         self.stage = ZeroStage(zero.stage)
@@ -155,7 +160,8 @@ class ZeroPartition:
         device = placement.device if placement is not None else None
         assigned = assign_parameters(model, unit_modules, frozen_too)
         per_use, alone = self._per_use(model, assigned, param_group_of)
-        maker = _GroupMaker(self.stage, dp, ledger, master, device, zero.reduce_bucket_size, compute_dtype)
+        maker = _GroupMaker(self.stage, dp, ledger, master, device, zero.reduce_bucket_size, compute_dtype,
+                            secondary if self.stage.shards_parameters else None)
         for index, (name, module, params) in enumerate(assigned):
             if placement is not None:
                 placement.prepare(module, [m for _, m in unit_modules])
@@ -290,6 +296,8 @@ class ZeroPartition:
 
     def end_backward(self) -> None:
         self.backward.end()
+        if self.backward.at_boundary:  # hpZ: the step changes the values; its peak holds no secondary copy
+            self.drop_secondaries()
 
     @property
     def early_per_use(self) -> bool:
@@ -344,7 +352,13 @@ class ZeroPartition:
             elif handle is not None:
                 g.gathers.append(handle)
 
+    def drop_secondaries(self) -> None:
+        """hpZ: every group's secondary copy goes (the values are about to change, or changed)."""
+        for g in self.groups + self.frozen:
+            g.drop_secondary()
+
     def after_step(self) -> None:
+        self.drop_secondaries()
         self._push_masters()
         if not self.defer_param_gather:  # every parameter of the model object current when step() returns
             self.wait_all()
@@ -359,6 +373,7 @@ class ZeroPartition:
         follow them. Stage 3 drops whatever is gathered (it is stale) and re-gathers persistent
         units; stages 0-2 copy and all-gather as after a step."""
         self.wait_all()
+        self.drop_secondaries()
         if self.stage3 is not None:
             for unit in self.units:
                 unit.release(force=True)

@@ -134,7 +134,7 @@ class Stage3Scheduler:
                 for t in tree_flatten(output)[0]:
                     if isinstance(t, torch.Tensor) and t.requires_grad:
                         t.register_hook(self._make_pre_backward(unit))
-            unit.release()
+            unit.release(keep_secondary=torch.is_grad_enabled())  # (hpZ: its backward gathers within the node)
             return output
         return hook
 

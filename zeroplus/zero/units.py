@@ -129,13 +129,14 @@ class Unit:
         self.start_gather()
         self.wait_handles()
 
-    def release(self, force: bool = False) -> None:
-        """Free the gathered buffers (persistent units only with ``force``)."""
+    def release(self, force: bool = False, keep_secondary: bool = False) -> None:
+        """Free the gathered buffers (persistent units only with ``force``); ``keep_secondary``: hpZ's copy of the
+        values is kept first (``FlatParamGroup.release``)."""
         if self.persistent and not force:
             return
         self.wait_handles()  # an in-flight prefetch must land before its buffer goes away
         for g in self.all_groups:
-            g.release()
+            g.release(keep_secondary)
 
 
 def find_unit_modules(model: torch.nn.Module, class_names: list[str] | None,
