@@ -184,6 +184,7 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
     experts = expert_split(parallel)
     zero = _partition_group(model, cfg, dp, parallel, simulated is not None)
     secondary = _secondary_group(cfg, dp, parallel)
+    _check_quantized_weights(cfg, parallel.global_rank if parallel is not None else dp.rank)
     if simulated is None and has_meta_tensors(model):  # (the estimator's models are meta by design)
         of = _split_by_plan_alone(model, parallel) if split else None
         if optimizer is not None or model_parameters is not None or (split and of is None):
@@ -246,6 +247,16 @@ def _partition_group(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collective
         raise ConfigError(f"{where}, and the model was built on the meta device or under zeroplus.Init, which MiCS "
                           f"does not take yet: build it normally")
     return parallel.shard
+
+
+def _check_quantized_weights(cfg: ResolvedConfig, rank: int) -> None:
+    """qwZ (``zero_optimization.zero_quantized_weights``) quantizes stage 3's gathers; stages 0-2 gather no
+    parameter for compute (their post-step all-gathers write the weights the model keeps): refused there."""
+    stage = ZeroStage(cfg.zero_optimization.stage)
+    if cfg.zero_optimization.zero_quantized_weights and not stage.shards_parameters:
+        raise ConfigError(f"config key 'zero_optimization.zero_quantized_weights' is true (rank {rank}), and ZeRO "
+                          f"stage {int(stage)} gathers no parameters for compute: qwZ quantizes stage 3's gathers; "
+                          f"use stage 3, or set the key to false")
 
 
 def _secondary_group(cfg: ResolvedConfig, dp: Collectives, parallel: ParallelGroups | None) -> Collectives | None:

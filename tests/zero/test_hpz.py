@@ -9,7 +9,9 @@ from the secondary copy carries the same values). The comms log a step: the gath
 group are split between the two groups with no byte more or less, and the secondary group carries three of the four
 passes of every unit but the root (the first forward reads the shards, once a step), exactly. Memory: the ledger's
 ``param`` peak is flat ZeRO-3's plus half of every such unit's values (the secondary copy), nothing of it is live
-after the step, and the engine's estimate predicts the ``param`` and ``param_gathered`` peaks exactly. Refused on
+after the step, and the engine's estimate predicts the ``param`` and ``param_gathered`` peaks exactly. With qwZ's
+int8 gathers beside it (``zero_quantized_weights``), the copy holds the dequantized values: again the flat run's
+losses and masters bit for bit. Refused on
 every rank, naming the key, the value and the rank: stage 2, a size not dividing the data ranks, hpZ beside MiCS.
 """
 from __future__ import annotations
@@ -27,19 +29,20 @@ from zeroplus.parallel import reset_parallel
 STEPS, GAS, MICRO, LR, CLIP = 3, 2, 2, 1e-2, 0.5
 
 
-def _config(hpz: int, stage: int = 3, mics: int = -1) -> dict:
+def _config(hpz: int, stage: int = 3, mics: int = -1, quantized: bool = False) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "gradient_clipping": CLIP,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
             "zero_optimization": {"stage": stage, "zero_hpz_partition_size": hpz, "mics_shard_size": mics,
+                                  "zero_quantized_weights": quantized,
                                   "reduce_bucket_size": 100, "stage3_param_persistence_threshold": 0},
             "comms_logger": {"enabled": True},
             "zeroplus": {"log_level": "warning", "memory_estimate": True}}
 
 
-def _run(hpz: int) -> dict:
+def _run(hpz: int, quantized: bool = False) -> dict:
     rank, world = rank_and_world()
     torch.manual_seed(0)
-    engine = zeroplus.initialize(ParityNet(), _config(hpz))
+    engine = zeroplus.initialize(ParityNet(), _config(hpz, quantized=quantized))
     batches = make_batches(STEPS * GAS * world, MICRO)
     losses = engine_train(engine, batches, 1, rank, world, GAS)
     engine.comms_log.reset()  # (the first step's one-off collectives stay out of the count)
@@ -60,12 +63,15 @@ def _run(hpz: int) -> dict:
 
 
 def _both() -> list[dict]:
-    return [_run(1), _run(2)]
+    return [_run(1), _run(2), _run(1, quantized=True), _run(2, quantized=True)]
 
 
 def test_hpz_trains_flat_zero3s_model_bit_for_bit_with_backward_gathers_within_the_node():
     steps = STEPS - 1
-    for rank, (flat, hpz) in enumerate(run_distributed(_both, 4)):
+    for rank, (flat, hpz, flat_qwz, hpz_qwz) in enumerate(run_distributed(_both, 4)):
+        # with qwZ the copy holds the dequantized values the forward computed with: the same run again
+        assert hpz_qwz["losses"] == flat_qwz["losses"] != flat["losses"], rank
+        assert torch.equal(hpz_qwz["masters"], flat_qwz["masters"]), rank
         assert hpz["losses"] == flat["losses"], rank
         assert hpz["norm"] == flat["norm"], rank
         assert torch.equal(hpz["masters"], flat["masters"]), rank

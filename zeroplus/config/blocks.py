@@ -116,7 +116,7 @@ class OffloadParamConfig(Block):
 class ZeroConfig(Block):
     ds_unimplemented = frozenset({
         "round_robin_gradients", "elastic_checkpoint", "load_from_fp32_weights",
-        "ignore_unused_parameters", "zero_quantized_weights",
+        "ignore_unused_parameters",
         "zero_quantized_nontrainable_weights", "zero_quantized_gradients",
         "mics_hierarchical_params_gather", "memory_efficient_linear", "stage3_module_granularity_threshold",
         "cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory", "legacy_stage1",
@@ -158,6 +158,11 @@ class ZeroConfig(Block):
                        "many consecutive data ranks (a node), so its later gathers until the next step (backward, "
                        "recompute, further micro-batches) stay within the group; 1 or the data-parallel size: off. "
                        "Costs the unit's values / this size per rank in the compute dtype from forward to the step.")
+    zero_quantized_weights: bool = Field(
+        False, description="qwZ (ZeRO++): stage 3's training gathers send int8 codes with a scale per 256 elements "
+                           "(1.016 bytes an element on the wire); every rank computes with the same dequantized "
+                           "weights, each within max|block| / 254 of the exact value; shards, masters and states stay "
+                           "exact, and gathers for reading the model (state_dict, GatheredParameters) are exact.")
 
     @field_validator("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
                      "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",

@@ -54,7 +54,7 @@ from ..collectives import Collectives, Handle
 from ..config import ZeroStage
 from ..ledger import Category, Ledger
 from ..offload.policies import MasterPolicy
-from . import init_shards
+from . import init_shards, quantized_gather
 from .buffer_pool import BufferPool
 from .group_grad import GroupGrad
 from .master_store import Bf16Master, FullMaster, MasterStore, SharedMaster
@@ -145,6 +145,8 @@ class FlatParamGroup:
         # hpZ (see note: hpz): the group the secondary copy is split over, and this rank's part while it holds one
         self.secondary_group = secondary if secondary is not None and secondary.size > 1 else None
         self._secondary: torch.Tensor | None = None
+        self._secondary_quantized = False  # it copied dequantized values (qwZ)
+        self.quantized = False  # qwZ: ``full`` holds dequantized int8 codes (``all_gather_into_full``)
         self.device = self.params[0].device if device is None else torch.device(device)
         self._lay_out(dp, stage)
         start = self.owned_start
@@ -305,9 +307,9 @@ class FlatParamGroup:
         """The full buffer is allocated (``GATHERING`` or ``GATHERED``): read-only, ``Residency`` says which."""
         return self.residency is not Residency.RELEASED
 
-    def gather(self) -> Handle | None:
+    def gather(self, quantize: bool = False) -> Handle | None:
         """Start the all-gather of the shards into ``full``; ``None`` if already gathered. The parameters
-        see the values from ``expose()`` on."""
+        see the values from ``expose()`` on. ``quantize``: int8 codes on the wire (``all_gather_into_full``)."""
         if self.gathered:
             return None
         storage, nbytes = self.full.untyped_storage(), self.padded_numel * self.full.element_size()
@@ -316,7 +318,7 @@ class FlatParamGroup:
         self.ledger.resized(self.full)
         self.residency = Residency.GATHERING
         mark(self.params, ParamStatus.INFLIGHT)
-        return self.all_gather_into_full()
+        return self.all_gather_into_full(quantize)
 
     def expose(self) -> None:
         """Point every parameter at its view of the gathered buffer, once the gather has landed (``Unit``
@@ -328,17 +330,31 @@ class FlatParamGroup:
             mark(self.params, ParamStatus.AVAILABLE)
             self.residency = Residency.GATHERED
 
-    def all_gather_into_full(self) -> Handle:
+    def all_gather_into_full(self, quantize: bool = False, exact: bool = False) -> Handle:
         """All-gather every rank's low-precision shard into ``full`` (which must be allocated); under hpZ, while a
-        secondary copy is held, its parts over the secondary group instead (the same values)."""
-        if self._secondary is not None:
+        secondary copy is held, its parts over the secondary group instead (the values it copied). ``quantize`` (qwZ,
+        a floating-point group): the shards go as int8 codes with a scale per block, and ``full`` holds their
+        dequantized values on every rank (``quantized_gather.py``). ``exact``: the shards as they are, over ``dp``,
+        whatever the secondary copy holds. ``quantized`` says afterwards whether ``full`` holds dequantized values."""
+        if self._secondary is not None and not exact:
             assert self.secondary_group is not None
+            self.quantized = self._secondary_quantized
             return self.secondary_group.all_gather(self._full_data, self._secondary)
         source = self.shard
         if source is None:  # stage 3, low precision: cast the master for the wire only
             source = self.ledger.empty(self.shard_numel, self.compute_dtype, Category.COMM_BUFFER, self.device)
             self.master_store.to_compute(source)
+        self.quantized = quantize and not exact and self.full.is_floating_point()  # (packed 4-bit storage: as it is)
+        if self.quantized:
+            return quantized_gather.gather(self.dp, self._full_data, source, self.ledger)
         return self.dp.all_gather(self._full_data, source)
+
+    def make_exact(self) -> None:
+        """qwZ: a group gathered with int8 codes is gathered again exactly, in place (for a reader of the model's
+        values: ``state_dict``, ``GatheredParameters``, ``destroy``). A collective where any group is; every rank's
+        groups are alike."""
+        if self.quantized and self.residency is Residency.GATHERED:
+            self.all_gather_into_full(exact=True).wait()
 
     def release(self, keep_secondary: bool = False) -> None:
         """Free the gathered buffer (stage 3). Each parameter then holds an empty tensor of its dtype and
@@ -355,6 +371,7 @@ class FlatParamGroup:
                 part = self.padded_numel // group.size
                 self._secondary = self.ledger.empty(part, self.full.dtype, Category.PARAM, self.device)
                 self._secondary.copy_(self._full_data[group.rank * part:(group.rank + 1) * part])
+                self._secondary_quantized = self.quantized
             if not self.pool.park(self.full, Category.PARAM_GATHERED):
                 self.full.untyped_storage().resize_(0)
                 self.ledger.resized(self.full)

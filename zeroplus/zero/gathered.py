@@ -67,8 +67,8 @@ class GatheredParameters:
                 group.wait_pending()
                 unit = group.unit
                 if group.stage.shards_parameters and unit is not None and unit not in self._units:
-                    if group.gathered:  # gathered by the engine (a prefetch may be in flight): let it land
-                        unit.wait_handles()
+                    if group.gathered:  # gathered by the engine (a prefetch may be in flight): let it land, and
+                        unit.wait_gather()  # (qwZ) gather exactly what holds int8 codes
                     else:
                         unit.wait_gather()
                         self._units.append(unit)

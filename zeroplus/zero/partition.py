@@ -195,7 +195,7 @@ class ZeroPartition:
         self._hooks: list[Any] = []
         self.hooks_dropped = False  # drop_hooks()
         per_use -= self._embeddings_kept_whole(model)
-        self._install_hooks(model, per_use, zero.stage3_prefetch_bucket_size)
+        self._install_hooks(model, per_use, zero.stage3_prefetch_bucket_size, zero.zero_quantized_weights)
 
     def _adopt_units(self, model: torch.nn.Module) -> None:
         """The units' groups attached to this partition and its buffer pool, listed, and the parameters' status set."""
@@ -212,7 +212,8 @@ class ZeroPartition:
         if self.stage.shards_parameters:  # what Transformers and PEFT read of a released parameter (param_status.py)
             label_whole([(p, s) for g in self.groups + self.frozen for p, s in zip(g.params, g.shapes)])
 
-    def _install_hooks(self, model: torch.nn.Module, per_use: set[int], prefetch: int | None) -> None:
+    def _install_hooks(self, model: torch.nn.Module, per_use: set[int], prefetch: int | None,
+                       quantize: bool = False) -> None:
         """Every hook this partition puts on the model (``drop_hooks`` removes them all): each trained parameter's
         gradient hook and row sink, the per-use routing (``use_grads.py``), stages 1-2's waits for the post-step
         all-gathers, stage 3's scheduler and state-dict hooks."""
@@ -251,7 +252,8 @@ class ZeroPartition:
             self._hooks.append(model.register_state_dict_pre_hook(lambda *args: self.wait_all()))
         resident = all(g.resident for g in self.groups + self.frozen)  # one rank in fp32: nothing moves
         if self.stage.shards_parameters:
-            self.stage3 = Stage3Scheduler(self.units[:-1], self.root, prefetch, self.pool, hooked=not resident)
+            self.stage3 = Stage3Scheduler(self.units[:-1], self.root, prefetch, self.pool, hooked=not resident,
+                                          quantize=quantize)
             self.backward.stage3 = self.stage3
             self._hooks += install_state_dict_hooks(model, self.units)
 

@@ -44,11 +44,14 @@ from .units import Unit
 
 class Stage3Scheduler:
     def __init__(self, units: list[Unit], root: Unit, prefetch_numel: int | None, pool: BufferPool,
-                 hooked: bool = True) -> None:
+                 hooked: bool = True, quantize: bool = False) -> None:
         """``prefetch_numel``: elements gathered ahead of use; ``None`` means one unit ahead. ``hooked`` false: one
         rank with every group resident (``FlatParamGroup.resident``): nothing is ever gathered or released, so no unit
         gets a hook; a fault dump finds the unit computing on the error's stack (``fault_dumps.name_units``: a naming
-        hook alone cost about 4 us a unit, a whole forward's 12 blocks about 50 us of a host-bound step)."""
+        hook alone cost about 4 us a unit, a whole forward's 12 blocks about 50 us of a host-bound step).
+        ``quantize`` (qwZ): the gathers issued here carry int8 codes (``quantized_gather.py``); the persistent units'
+        and those for reading the model (``state_dict``, ``GatheredParameters``, ``destroy``) stay exact."""
+        self.quantize = quantize
         self.units = units
         self.root = root
         self.prefetch_numel = prefetch_numel
@@ -78,7 +81,7 @@ class Stage3Scheduler:
     # -- forward ------------------------------------------------------------------------------
     def begin_forward(self) -> None:
         self._recording = []
-        self.root.wait_gather()
+        self.root.wait_gather(self.quantize)
         if torch.is_grad_enabled():
             self.pool.open("forward")
 
@@ -94,7 +97,7 @@ class Stage3Scheduler:
         position = start
         for position in range(start, len(order)):
             unit = self.units[order[position]]
-            unit.start_gather()
+            unit.start_gather(self.quantize)
             budget -= 1 if self.prefetch_numel is None else unit.numel
             if budget <= 0:
                 break
@@ -106,7 +109,7 @@ class Stage3Scheduler:
     def prefetch_for_next_forward(self) -> None:
         """After a step: start gathering the root unit and the first unit(s) of the next forward,
         so their all-gathers overlap whatever runs between steps (data loading, logging)."""
-        self.root.start_gather()
+        self.root.start_gather(self.quantize)
         if self.forward_order and self.prefetch_numel != 0:
             self._prefetch(self.forward_order, 0)
 
@@ -115,7 +118,7 @@ class Stage3Scheduler:
             if self.paused:
                 return
             fault_dumps.set_unit(unit.name)
-            unit.wait_gather()
+            unit.wait_gather(self.quantize)
             if in_backward():  # an activation-checkpoint replay: gathered for its backward
                 self._hold(unit)
                 return
@@ -145,7 +148,7 @@ class Stage3Scheduler:
                 return None
             self._hold(unit)
             fault_dumps.set_unit(unit.name)
-            unit.wait_gather()
+            unit.wait_gather(self.quantize)
             order = list(reversed(self.forward_order))
             if unit.index in order and self.prefetch_numel != 0:
                 self._prefetch(order, order.index(unit.index) + 1)

@@ -101,9 +101,10 @@ class Unit:
     def numel(self) -> int:
         return sum(g.padded_numel for g in self.all_groups)
 
-    def start_gather(self) -> None:
+    def start_gather(self, quantize: bool = False) -> None:
+        """Start every group's gather (``quantize``: qwZ's int8 codes on the wire, ``FlatParamGroup.gather``)."""
         for g in self.all_groups:
-            handle = g.gather()
+            handle = g.gather(quantize)
             if handle is not None:
                 self.gather_handles.append(handle)
 
@@ -125,9 +126,14 @@ class Unit:
         for g in self.all_groups:
             g.expose()
 
-    def wait_gather(self) -> None:
-        self.start_gather()
+    def wait_gather(self, quantize: bool = False) -> None:
+        """Gather (unless gathered) and wait. Without ``quantize``, groups that hold qwZ's dequantized values
+        are gathered again exactly (``FlatParamGroup.make_exact``): the readers of the model's values ask so."""
+        self.start_gather(quantize)
         self.wait_handles()
+        if not quantize:
+            for g in self.all_groups:
+                g.make_exact()
 
     def release(self, force: bool = False, keep_secondary: bool = False) -> None:
         """Free the gathered buffers (persistent units only with ``force``); ``keep_secondary``: hpZ's copy of the
