@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 
 from zeroplus.accelerator import Accelerator
 from zeroplus.activations.tiled_loss import is_hf_causal_lm
@@ -125,7 +127,22 @@ def _choose_transport(cfg: ResolvedConfig, dp: Collectives, parallel: ParallelGr
             group.use_transport("gloo" if wanted == "pair" else wanted, ledger, shared_pair=False)
     except ValueError as err:
         raise ConfigError(f"config key 'zeroplus.transport' is {wanted!r}: {err}") from None
+    nodes = node_size(cfg)
+    for group in [dp, *others]:
+        group.place(nodes)
     return chosen
+
+
+def node_size(cfg: ResolvedConfig) -> int:
+    """Ranks per node: ``zeroplus.node_size``, else the launch's ``LOCAL_WORLD_SIZE`` (torchrun's ranks on this
+    host), else every rank on one node. Node n holds global ranks ``n * size .. (n + 1) * size - 1``, as torchrun
+    numbers them."""
+    launched = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if cfg.zeroplus.node_size is not None:
+        return cfg.zeroplus.node_size
+    if launched.isdigit() and int(launched) > 0:
+        return int(launched)
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _broadcast_group(dp: Collectives, experts: ExpertSplit | None) -> Callable[[torch.Tensor], Any]:

@@ -34,7 +34,8 @@ class Handle:
 
     def __init__(self, work: Any | None, on_done: Callable[[], None] | None = None,
                  failed: Callable[[BaseException], BaseException] | None = None,
-                 held: tuple[torch.Tensor, ...] = (), seen: tuple[str, str, int, int, float] | None = None) -> None:
+                 held: tuple[torch.Tensor, ...] = (), seen: tuple[str, str, int, int, float, str] | None = None
+                 ) -> None:
         self._work = work
         self._on_done = on_done
         self._failed = failed
@@ -56,8 +57,8 @@ class Handle:
         self._held = ()
         self.done = True
         if self._seen is not None:
-            kind, group, size, nbytes, issued = self._seen
-            event = Completed(kind, group, size, nbytes, issued, waited, time.perf_counter())
+            kind, group, size, nbytes, issued, link = self._seen
+            event = Completed(kind, group, size, nbytes, issued, waited, time.perf_counter(), link)
             for observer in list(comm_observers.OBSERVERS):
                 observer.completed(event)
         if self._on_done is not None:
@@ -113,6 +114,8 @@ class Collectives(Protocol):
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Handle: ...
 
     def use_transport(self, transport: str, ledger: Ledger, shared_pair: bool = True) -> str: ...
+
+    def place(self, node_size: int) -> str: ...
 
     def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor, output_sizes: list[int],
                      input_sizes: list[int]) -> None: ...

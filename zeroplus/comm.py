@@ -89,6 +89,7 @@ class DataParallelGroup:
         # the transport (use_transport; until an engine chooses one, auto without the pair)
         self.carrier: Native = PerRank() if self.gloo else NATIVE
         self.pair: SharedPair | None = None  # two gloo ranks of one host: large swaps through shared memory
+        self.link = ""  # intra_node / inter_node (``place``), what the observers are told of each collective
 
     @property
     def transport(self) -> str:
@@ -120,6 +121,17 @@ class DataParallelGroup:
             self.carrier = PerRank()
         return chosen
 
+    def place(self, node_size: int) -> str:
+        """Which link this group's collectives cross, with ``node_size`` consecutive global ranks a node:
+        ``intra_node`` where every member is on one node, else ``inter_node``; kept as ``link`` for the observers
+        (the comms log's split of bytes) and returned."""
+        world = dist.get_world_size() if self.initialized else 1
+        members = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(world))
+        if self.size == 1:
+            members = [dist.get_rank() if self.initialized else 0]
+        self.link = "intra_node" if len({m // node_size for m in members}) == 1 else "inter_node"
+        return self.link
+
     @property
     def pair_bytes(self) -> int:
         """What the shared pair maps while this group uses it (the ledger's comm buffers count it throughout)."""
@@ -136,7 +148,8 @@ class DataParallelGroup:
         """Issue one async backend work, ``call(*tensors)`` (fresh aliases of them on gloo, see the module
         docstring) of ``nbytes`` (the message, for the observers); its ``Handle``. A backend error becomes a
         ``CollectiveError`` that names the collective (now or at ``wait()``). The transports launch through it."""
-        seen = (kind, self.label, self.size, nbytes, time.perf_counter()) if comm_observers.OBSERVERS else None
+        seen = (kind, self.label, self.size, nbytes, time.perf_counter(), self.link) if comm_observers.OBSERVERS \
+            else None
         self.issued += 1
         seq = self.issued
 

@@ -3,7 +3,7 @@
 Every tensor collective of a ``DataParallelGroup`` is issued in ``_run`` and completes in ``Handle.wait``.
 While an observer is attached (``attach``), ``_run`` notes the issue time and ``wait`` reports, once the
 backend says the collective is done, a ``Completed``: its kind (``all_gather``, ``reduce_scatter``,
-``all_reduce``, ``all_to_all``, ``broadcast``, ``ring``), the group's label and size, the message bytes
+``all_reduce``, ``all_to_all``, ``broadcast``, ``ring``), the group's label, size and link, the message bytes
 (the textbook message: an all-gather's output, a reduce-scatter's input, an all-reduce's tensor, an
 all-to-all's input, a broadcast's tensor, what a ring step sends), when it was issued, when the caller began
 to wait and when the wait returned. With none attached, a collective costs one test of an empty list.
@@ -27,6 +27,7 @@ class Completed:
     issued: float  # time.perf_counter() at issue
     waited: float  # ... when the caller began to wait
     done: float    # ... when the wait returned
+    link: str = ""  # "intra_node" or "inter_node": whether the group's ranks share a node (``place``); "": not placed
 
     @property
     def latency(self) -> float:

@@ -7,10 +7,11 @@ names or DeepSpeed's: ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``a
 ``verbose`` logs each collective as it completes. The log is an observer of the collectives
 (``comm_observers.py``); it keeps one row per kind and group, not one entry per collective.
 
-Per row: count, bytes (the textbook message: an all-gather's output, a reduce-scatter's input, an
-all-reduce's tensor), latency (issue to the wait that saw it done: an upper bound where it overlapped
-compute), the time callers were blocked waiting, and bandwidth as nccl-tests and DeepSpeed define it:
-``algbw = bytes / latency``, ``busbw = algbw * factor`` with factor ``2 (n - 1) / n`` for an all-reduce,
+Per row: the link its group crosses (``intra_node`` where its ranks share a node, else ``inter_node``; nodes from
+``zeroplus.node_size`` or the launch's ``LOCAL_WORLD_SIZE``), count, bytes (the textbook message: an all-gather's
+output, a reduce-scatter's input, an all-reduce's tensor), latency (issue to the wait that saw it done: an upper bound
+where it overlapped compute), the time callers were blocked waiting, and bandwidth as nccl-tests and DeepSpeed define
+it: ``algbw = bytes / latency``, ``busbw = algbw * factor`` with factor ``2 (n - 1) / n`` for an all-reduce,
 ``(n - 1) / n`` for an all-gather, a reduce-scatter and an all-to-all, 1 for a broadcast or a ring step.
 
 The theory a data group's bytes per optimizer step follow (Ψ: the trained elements, padded to the group;
@@ -55,6 +56,7 @@ class Row:
     """One kind of collective in one group."""
 
     size: int
+    link: str = ""  # intra_node / inter_node (``DataParallelGroup.place``)
     count: int = 0
     nbytes: int = 0
     latency: float = 0.0
@@ -79,7 +81,7 @@ class CommsLog:
     def completed(self, event: Completed) -> None:
         if not self.prof_all and event.kind not in self.prof_ops:
             return
-        row = self.rows.setdefault((event.kind, event.group), Row(event.size))
+        row = self.rows.setdefault((event.kind, event.group), Row(event.size, event.link))
         row.count += 1
         row.nbytes += event.nbytes
         row.latency += event.latency
@@ -91,6 +93,15 @@ class CommsLog:
 
     def bytes_by_kind(self, group: str = "data") -> dict[str, int]:
         return {kind: row.nbytes for (kind, g), row in self.rows.items() if g == group}
+
+    def bytes_by_link(self) -> dict[str, int]:
+        """Bytes over the links between nodes (``inter_node``: a group whose ranks span nodes) and within one
+        (``intra_node``), every group and kind summed (``zeroplus.node_size``, else the launch's nodes)."""
+        out = {"intra_node": 0, "inter_node": 0}
+        for row in self.rows.values():
+            if row.link:
+                out[row.link] += row.nbytes
+        return out
 
     def reset(self) -> None:
         self.rows.clear()
@@ -110,12 +121,16 @@ class CommsLog:
 
     def summary(self) -> str:
         """The table ``log_summary()`` prints."""
-        lines = [f"{'collective':<16}{'group':<10}{'ranks':>6}{'count':>8}{'MB':>11}{'latency ms':>12}"
+        lines = [f"{'collective':<16}{'group':<10}{'link':<11}{'ranks':>6}{'count':>8}{'MB':>11}{'latency ms':>12}"
                  f"{'blocked ms':>12}{'algbw GB/s':>12}{'busbw GB/s':>12}"]
         for (kind, group), row in sorted(self.rows.items()):
-            lines.append(f"{kind:<16}{group:<10}{row.size:>6}{row.count:>8}{row.nbytes / 2**20:>11.2f}"
+            lines.append(f"{kind:<16}{group:<10}{row.link:<11}{row.size:>6}{row.count:>8}{row.nbytes / 2**20:>11.2f}"
                          f"{row.latency * 1e3:>12.1f}{row.blocked * 1e3:>12.1f}{row.algbw / 1e9:>12.3f}"
                          f"{row.algbw * bus_factor(kind, row.size) / 1e9:>12.3f}")
+        links = self.bytes_by_link()
+        if links["inter_node"] or links["intra_node"]:
+            lines.append(f"bytes within a node {links['intra_node'] / 2**20:.2f} MB, across nodes "
+                         f"{links['inter_node'] / 2**20:.2f} MB")
         if self.stragglers:
             rank, times = self.stragglers.most_common(1)[0]
             lines.append(f"straggler: rank {rank}, the one the others waited for at {times} of "

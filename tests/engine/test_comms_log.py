@@ -8,7 +8,8 @@ in backward and reduce-scatters Ψ (3Ψ); besides, only scalars (norms, flags) a
 1 sleeps 0.2 s before each backward: rank 0's breakdown puts that wait in ``bwd_allreduce`` (inside
 ``bwd``), rank 1's does not, and the log names rank 1 as the straggler (the rank the others waited for).
 ``deepspeed.comm.log_summary()`` prints the same table. Under Ulysses (context 2) the context group's
-all-to-all bytes per step are 9·L·b·s·h/C (4 per layer in forward, 5 in backward).
+all-to-all bytes per step are 9·L·b·s·h/C (4 per layer in forward, 5 in backward). Ranks per node come from
+``zeroplus.node_size``, else the launch's ``LOCAL_WORLD_SIZE``, else one node (the comms log's split by link).
 """
 from __future__ import annotations
 
@@ -125,3 +126,17 @@ def test_ulysses_moves_the_theorys_bytes_in_the_context_group():
     got = run_distributed(_ulysses, 2)[0]
     per_message = 2 * 32 * got["hidden"] // 2 * 4
     assert got["bytes"] / STEPS == 9 * got["layers"] * per_message, got
+
+
+def test_nodes_come_from_the_config_else_the_launch_else_one_node(monkeypatch):
+    from engine.build import node_size
+    from zeroplus.config import load_config, resolved
+
+    def nodes(block: dict) -> int:
+        return node_size(resolved(load_config({"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1,
+                                               "gradient_accumulation_steps": 1, "zeroplus": block})))
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert nodes({"node_size": 2}) == 2 and nodes({}) == 8
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert nodes({}) == 1  # (no process group here: one rank, one node)

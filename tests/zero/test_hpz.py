@@ -7,7 +7,8 @@ unit's later gathers until the step (its backward, the next micro-batch's forwar
 flat ZeRO-3 over the same 4 ranks: the losses, the global gradient norm and every master shard bit for bit (a gather
 from the secondary copy carries the same values). The comms log a step: the gathers flat ZeRO-3 runs over the data
 group are split between the two groups with no byte more or less, and the secondary group carries three of the four
-passes of every unit but the root (the first forward reads the shards, once a step), exactly. Memory: the ledger's
+passes of every unit but the root (the first forward reads the shards, once a step), exactly; with
+``zeroplus.node_size`` 2 its bytes are the only ones the log counts within a node. Memory: the ledger's
 ``param`` peak is flat ZeRO-3's plus half of every such unit's values (the secondary copy), nothing of it is live
 after the step, and the engine's estimate predicts the ``param`` and ``param_gathered`` peaks exactly. With qwZ's
 int8 gathers beside it (``zero_quantized_weights``), the copy holds the dequantized values: again the flat run's
@@ -36,7 +37,7 @@ def _config(hpz: int, stage: int = 3, mics: int = -1, quantized: bool = False) -
                                   "zero_quantized_weights": quantized,
                                   "reduce_bucket_size": 100, "stage3_param_persistence_threshold": 0},
             "comms_logger": {"enabled": True},
-            "zeroplus": {"log_level": "warning", "memory_estimate": True}}
+            "zeroplus": {"log_level": "warning", "memory_estimate": True, "node_size": 2}}
 
 
 def _run(hpz: int, quantized: bool = False) -> dict:
@@ -53,6 +54,7 @@ def _run(hpz: int, quantized: bool = False) -> dict:
               "masters": torch.cat([g.master_param.detach().reshape(-1) for g in engine.partition.groups]),
               "gathered": {group: engine.comms_log.bytes_by_kind(group).get("all_gather", 0)
                            for group in ("data", "secondary")},
+              "links": engine.comms_log.bytes_by_link(),
               "blocks": sum(4 * g.padded_numel for g in blocks),  # fp32 bytes of every unit but the root
               "param": engine.ledger.peak_bytes(Category.PARAM), "param_live": engine.ledger.live_bytes(Category.PARAM),
               "predicted": {c: (engine.ledger.peak_bytes(Category(c)), engine.budget.category_peaks[c])
@@ -79,6 +81,10 @@ def test_hpz_trains_flat_zero3s_model_bit_for_bit_with_backward_gathers_within_t
         assert hpz["gathered"]["data"] + hpz["gathered"]["secondary"] == flat["gathered"]["data"], (rank, hpz, flat)
         # per step: the second micro-batch's forward and both backwards of every unit but the root, from the node
         assert hpz["gathered"]["secondary"] == steps * (2 * GAS - 1) * hpz["blocks"], (rank, hpz["gathered"])
+        # (zeroplus.node_size 2: ranks 0-1 and 2-3 are nodes) the secondary group's gathers stay on the node
+        assert flat["links"]["intra_node"] == 0 and hpz["links"]["intra_node"] == hpz["gathered"]["secondary"], \
+            (rank, flat["links"], hpz["links"])
+        assert hpz["links"]["inter_node"] == flat["links"]["inter_node"] - hpz["gathered"]["secondary"], rank
         assert hpz["param"] - flat["param"] == hpz["blocks"] // 2, (rank, hpz["param"], flat["param"])
         assert hpz["param_live"] == flat["param_live"], rank
         for result in (flat, hpz):

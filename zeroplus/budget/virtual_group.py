@@ -44,6 +44,10 @@ class VirtualGroup:
         self.temporary: torch.Tensor | None = None
         self.pair: torch.Tensor | None = None
 
+    def place(self, node_size: int) -> str:
+        """Nothing is observed in a simulation: no link."""
+        return ""
+
     def use_transport(self, transport: str, ledger: Ledger, shared_pair: bool = True) -> str:
         """``DataParallelGroup.use_transport`` for the simulated group: the pair's bytes in the ledger where this
         process could map one (a two-rank gloo job over two hosts would not); the same errors."""
