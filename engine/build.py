@@ -201,7 +201,7 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
     experts = expert_split(parallel)
     zero = _partition_group(model, cfg, dp, parallel, simulated is not None)
     secondary = _secondary_group(cfg, dp, parallel)
-    _check_quantized_weights(cfg, parallel.global_rank if parallel is not None else dp.rank)
+    _check_quantized(cfg, parallel.global_rank if parallel is not None else dp.rank)
     if simulated is None and has_meta_tensors(model):  # (the estimator's models are meta by design)
         of = _split_by_plan_alone(model, parallel) if split else None
         if optimizer is not None or model_parameters is not None or (split and of is None):
@@ -266,14 +266,21 @@ def _partition_group(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collective
     return parallel.shard
 
 
-def _check_quantized_weights(cfg: ResolvedConfig, rank: int) -> None:
-    """qwZ (``zero_optimization.zero_quantized_weights``) quantizes stage 3's gathers; stages 0-2 gather no
-    parameter for compute (their post-step all-gathers write the weights the model keeps): refused there."""
-    stage = ZeroStage(cfg.zero_optimization.stage)
-    if cfg.zero_optimization.zero_quantized_weights and not stage.shards_parameters:
+def _check_quantized(cfg: ResolvedConfig, rank: int) -> None:
+    """ZeRO++'s quantized collectives where they have something to quantize: qwZ (``zero_quantized_weights``) at stage 3
+    (stages 0-2 gather no parameters for compute; their post-step all-gathers write the weights the model keeps), qgZ
+    (``zero_quantized_gradients``) on the reduce-scatter of stages 1-3. Refused otherwise, naming the key."""
+    zero = cfg.zero_optimization
+    stage = ZeroStage(zero.stage)
+    if zero.zero_quantized_weights and not stage.shards_parameters:
         raise ConfigError(f"config key 'zero_optimization.zero_quantized_weights' is true (rank {rank}), and ZeRO "
                           f"stage {int(stage)} gathers no parameters for compute: qwZ quantizes stage 3's gathers; "
                           f"use stage 3, or set the key to false")
+    if zero.zero_quantized_gradients and not (stage.partitions and zero.reduce_scatter):
+        why = "stage 0 all-reduces" if not stage.partitions else "'zero_optimization.reduce_scatter' false all-reduces"
+        raise ConfigError(f"config key 'zero_optimization.zero_quantized_gradients' is true (rank {rank}), and {why} "
+                          f"the gradients: qgZ quantizes the reduce-scatter of stages 1-3; use it, or set the key to "
+                          f"false")
 
 
 def _secondary_group(cfg: ResolvedConfig, dp: Collectives, parallel: ParallelGroups | None) -> Collectives | None:

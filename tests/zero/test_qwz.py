@@ -1,5 +1,5 @@
 """qwZ (ZeRO++'s quantized weights, ``zero_optimization.zero_quantized_weights``): stage 3's training gathers carry
-int8 codes and an fp32 scale per 256 elements (``zero/quantized_gather.py``; see note: qwz).
+int8 codes and an fp32 scale per 256 elements (``zero/quantized_comm.py``; see note: qwz).
 
 The quantizer: codes within [-127, 127], the padding's codes 0, an all-zero block's scale 1, and every dequantized
 value within ``max |block| / 254`` of the value quantized. Two gloo ranks, the tiny GPT at stage 3 in fp32, three
@@ -19,8 +19,8 @@ from tests.dist_helper import rank_and_world, run_distributed
 from zeroplus.config import ConfigError
 from zeroplus.ledger import Category
 from zeroplus.models.gpt import GPT, gpt_config
-from zeroplus.zero import quantized_gather
-from zeroplus.zero.quantized_gather import BLOCK
+from zeroplus.zero import quantized_comm
+from zeroplus.zero.quantized_comm import BLOCK
 
 STEPS, MICRO, SEQ = 3, 2, 32
 
@@ -29,11 +29,11 @@ def test_the_quantizer_keeps_every_value_within_half_a_step_of_its_block():
     g = torch.Generator().manual_seed(0)
     values = torch.randn(5 * BLOCK + 37, generator=g) * torch.logspace(-3, 2, 5 * BLOCK + 37)
     values[BLOCK:2 * BLOCK] = 0.0  # an all-zero block
-    count = quantized_gather.blocks(values.numel())
+    count = quantized_comm.blocks(values.numel())
     codes, scales = torch.empty(count * BLOCK, dtype=torch.int8), torch.empty(count)
-    quantized_gather.quantize(values, codes, scales)
+    quantized_comm.quantize(values, codes, scales)
     back = torch.empty_like(values)
-    quantized_gather.dequantize(codes, scales, back)
+    quantized_comm.dequantize(codes, scales, back)
     assert count == 6 and codes.abs().max() <= 127 and not codes[values.numel():].any()
     assert scales[1] == 1.0 and not codes[BLOCK:2 * BLOCK].any()
     padded = torch.zeros(count * BLOCK)
@@ -101,7 +101,7 @@ def _bound(exact: torch.Tensor, shards: list[tuple[int, int]], world: int) -> to
     for padded, shard in shards:
         values = torch.zeros(padded)
         values[:min(padded, exact.numel() - at)] = exact[at:at + padded]
-        count = quantized_gather.blocks(shard)
+        count = quantized_comm.blocks(shard)
         per_rank = torch.zeros(world, count * BLOCK)
         per_rank[:, :shard] = values.view(world, shard)
         amax = per_rank.view(world, count, BLOCK).abs().amax(2).repeat_interleave(BLOCK, dim=1)[:, :shard]
@@ -125,7 +125,7 @@ def test_qwz_gathers_int8_codes_and_trains_within_the_quantizers_bound():
         assert qwz["state_exact"] and plain["state_exact"], rank
         # every parameter gather a step sends codes and scales, whole blocks a rank, instead of 4 bytes an element
         # (the rest, the embedding's gradient rows, is the same in both runs)
-        saved = sum(n * (4 * padded - qwz["world"] * quantized_gather.blocks(shard) * (BLOCK + 4))
+        saved = sum(n * (4 * padded - qwz["world"] * quantized_comm.blocks(shard) * (BLOCK + 4))
                     for n, padded, shard in qwz["passes"])
         assert plain["gathered"] - qwz["gathered"] == (STEPS - 1) * saved, (rank, qwz["gathered"], plain["gathered"])
         for result in (plain, qwz):

@@ -54,7 +54,7 @@ from ..collectives import Collectives, Handle
 from ..config import ZeroStage
 from ..ledger import Category, Ledger
 from ..offload.policies import MasterPolicy
-from . import init_shards, quantized_gather
+from . import init_shards, quantized_comm
 from .buffer_pool import BufferPool
 from .group_grad import GroupGrad
 from .master_store import Bf16Master, FullMaster, MasterStore, SharedMaster
@@ -334,7 +334,7 @@ class FlatParamGroup:
         """All-gather every rank's low-precision shard into ``full`` (which must be allocated); under hpZ, while a
         secondary copy is held, its parts over the secondary group instead (the values it copied). ``quantize`` (qwZ,
         a floating-point group): the shards go as int8 codes with a scale per block, and ``full`` holds their
-        dequantized values on every rank (``quantized_gather.py``). ``exact``: the shards as they are, over ``dp``,
+        dequantized values on every rank (``quantized_comm.py``). ``exact``: the shards as they are, over ``dp``,
         whatever the secondary copy holds. ``quantized`` says afterwards whether ``full`` holds dequantized values."""
         if self._secondary is not None and not exact:
             assert self.secondary_group is not None
@@ -346,7 +346,7 @@ class FlatParamGroup:
             self.master_store.to_compute(source)
         self.quantized = quantize and not exact and self.full.is_floating_point()  # (packed 4-bit storage: as it is)
         if self.quantized:
-            return quantized_gather.gather(self.dp, self._full_data, source, self.ledger)
+            return quantized_comm.gather(self.dp, self._full_data, source, self.ledger)
         return self.dp.all_gather(self._full_data, source)
 
     def make_exact(self) -> None:

@@ -9,9 +9,10 @@ be smaller than one parameter. The reduced ``c1 - c0`` elements, divided by D, a
 shard in the compute dtype when gradients are reduced once per step (stage 1, or no accumulation at stages 2-3),
 else added into the fp32 gradient shard (or the shard an earlier reduction of this backward wrote). How the
 bytes move (one tensor collective, gloo's per-rank reduces or row exchange, the shared-memory pair) and which
-comm buffers that takes is the group's transport (``transports.py``), never asked here. With one rank in all
-there is nothing to reduce: the flat gradient becomes the reduced gradient as it is (``_keep_whole``), under
-either strategy.
+comm buffers that takes is the group's transport (``transports.py``), never asked here; under qgZ
+(``zero_quantized_gradients``) each bucket goes as int8 codes in two all-to-alls (``quantized_comm.py``). With one
+rank in all there is nothing to reduce: the flat gradient becomes the reduced gradient as it is (``_keep_whole``),
+under either strategy.
 
 N is the group's own partition size and D the data-parallel size: they differ for experts' groups (N = D / E,
 ``partition.py``). Memory in flight: at most one group's flat gradient (c * P) plus the comm buffers of the
@@ -28,13 +29,16 @@ from ..collectives import Collectives
 from ..config import ZeroStage
 from ..ledger import Ledger
 from ..transports import scaled_into
+from . import quantized_comm
 from .flat_group import FlatParamGroup
 
 
 class GradReducer:
     def __init__(self, stage: ZeroStage, dp: Collectives, bucket_numel: int, use_reduce_scatter: bool,
-                 overlap: bool, ledger: Ledger, accumulate_fp32: bool) -> None:
+                 overlap: bool, ledger: Ledger, accumulate_fp32: bool, quantize: bool = False) -> None:
+        """``quantize`` (qgZ): the reduce-scatter's buckets go as int8 codes (``quantized_comm.py``)."""
         self.stage = stage
+        self.quantize = quantize
         self.accumulate_fp32 = accumulate_fp32
         self.dp = dp
         self.bucket_numel = max(1, int(bucket_numel))
@@ -80,6 +84,10 @@ class GradReducer:
         target = self._shard(group, grad.dtype, accumulate)
         matrix, scale = grad.view(n, s), 1.0 / self.dp.size
         for c0, c1 in _spans(s, max(1, self.bucket_numel // n)):
+            if self.quantize:
+                group.gradient.issued(quantized_comm.reduce_scatter_rows(group.dp, matrix[:, c0:c1], target[c0:c1],
+                                                                         scale, accumulate, self.ledger))
+                continue
             group.gradient.issued(group.dp.reduce_scatter_rows(matrix[:, c0:c1], target[c0:c1], scale, accumulate,
                                                                self.ledger))
 

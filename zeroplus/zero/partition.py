@@ -189,7 +189,7 @@ class ZeroPartition:
         accumulate_fp32 = (self.stage.shards_gradients and gradient_accumulation_steps > 1
                            and master.bf16_rounding is None)
         reducer = GradReducer(self.stage, dp, zero.reduce_bucket_size, zero.reduce_scatter, overlap, ledger,
-                              accumulate_fp32)
+                              accumulate_fp32, zero.zero_quantized_gradients)
         self.stage3: Stage3Scheduler | None = None  # (stage 3: made as the model is hooked, after the per-use swaps)
         self.backward = BackwardSchedule(self.stage, dp, self.units, reducer, self.pool)
         self._hooks: list[Any] = []

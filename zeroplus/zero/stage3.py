@@ -49,7 +49,7 @@ class Stage3Scheduler:
         rank with every group resident (``FlatParamGroup.resident``): nothing is ever gathered or released, so no unit
         gets a hook; a fault dump finds the unit computing on the error's stack (``fault_dumps.name_units``: a naming
         hook alone cost about 4 us a unit, a whole forward's 12 blocks about 50 us of a host-bound step).
-        ``quantize`` (qwZ): the gathers issued here carry int8 codes (``quantized_gather.py``); the persistent units'
+        ``quantize`` (qwZ): the gathers issued here carry int8 codes (``quantized_comm.py``); the persistent units'
         and those for reading the model (``state_dict``, ``GatheredParameters``, ``destroy``) stay exact."""
         self.quantize = quantize
         self.units = units

@@ -1,0 +1,122 @@
+"""ZeRO++'s quantized collectives: int8 codes and an fp32 scale per block of ``BLOCK`` elements on the wire.
+
+**qwZ** (``zero_optimization.zero_quantized_weights``, ``gather``): stage 3's training gathers. Each rank quantizes
+the shard it sends (the compute-dtype values an exact gather would send) in blocks of ``BLOCK`` consecutive elements:
+``scale = max |x| / 127`` in fp32 (1 for an all-zero block), ``code = round(x / scale)`` in int8, the shard's last
+block padded with zeros. Two all-gathers run: the codes (``blocks * BLOCK`` bytes a rank) and the scales (4 bytes a
+block), then every rank, its own part included, writes ``code * scale`` into the gathered buffer in the compute dtype.
+So every rank computes with the same weights, and each differs from the exact value by at most half a step of its
+block: ``|w - code * scale| <= max |x| / 254`` (plus the compute dtype's own rounding of the product). The shards,
+masters and optimizer states stay exact: the error is in the forward's and backward's weights only, recomputed each
+gather, and does not accumulate.
+
+**qgZ** (``zero_optimization.zero_quantized_gradients``, ``reduce_scatter_rows``): the gradients' reduce-scatter
+(stages 1-3). Each rank quantizes each row of its bucket (row r: what rank r owns) in the same blocks; two
+all-to-alls bring every rank's row r to rank r (codes, scales); rank r dequantizes each in fp32, sums them in rank
+order, and writes (or adds) the sum times the scale into its gradient shard. Each element's error is at most the sum
+over ranks of half a step of that rank's block, ``sum_r max |g_r| / 254``, times the scale; the fp32 accumulation and
+the optimizer see it once per reduction.
+
+Bytes on the wire per element: 1 + 4 / ``BLOCK`` (1.016 for 256) against 2 (bf16) or 4 (fp32). Memory while a
+collective is in flight: the codes of every rank (rounded up to whole blocks a rank) and the scales, ledger
+``comm_buffer``, freed when it lands; quantizing and dequantizing one rank's part holds an fp32 copy of it for the
+moment it runs. See note: qwz; see note: qgz (docs/design-notes.md).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..collectives import Collectives, Handle
+from ..ledger import Category, Ledger
+
+BLOCK = 256  # elements per scale (DeepSpeed's qwZ default group size)
+
+
+def blocks(n: int) -> int:
+    """Blocks of ``BLOCK`` covering ``n`` elements."""
+    return -(-n // BLOCK)
+
+
+def quantize(values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
+    """``values`` (n elements, any float dtype) into ``codes`` (``blocks(n) * BLOCK`` int8, the tail zero) and
+    ``scales`` (``blocks(n)`` fp32)."""
+    n, count = values.numel(), scales.numel()
+    x = torch.zeros(count * BLOCK, dtype=torch.float32, device=values.device)
+    x[:n].copy_(values.reshape(-1))
+    x = x.view(count, BLOCK)
+    step = x.abs().amax(dim=1).div_(127.0)
+    step = torch.where(step > 0, step, torch.ones_like(step))
+    scales.copy_(step)
+    codes.view(count, BLOCK).copy_(x.div_(step[:, None]).round_().clamp_(-127, 127))
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    """``codes * scales`` block by block into ``out`` (its ``numel`` elements: the padding's codes are dropped)."""
+    count = scales.numel()
+    values = codes.view(count, BLOCK).to(torch.float32).mul_(scales[:, None])
+    out.copy_(values.view(-1)[:out.numel()])
+
+
+def gather(group: Collectives, full: torch.Tensor, source: torch.Tensor, ledger: Ledger) -> Handle:
+    """Start the quantized all-gather of every rank's ``source`` (``full.numel() / group.size`` elements) into
+    ``full``; the returned handle's ``wait()`` lands both collectives and dequantizes (the module docstring)."""
+    n, size = source.numel(), group.size
+    count = blocks(n)
+    device = full.device
+    codes = ledger.empty(size * count * BLOCK, torch.int8, Category.COMM_BUFFER, device)
+    scales = ledger.empty(size * count, torch.float32, Category.COMM_BUFFER, device)
+    mine_codes = codes[group.rank * count * BLOCK:(group.rank + 1) * count * BLOCK]
+    mine_scales = scales[group.rank * count:(group.rank + 1) * count]
+    with torch.no_grad():
+        quantize(source, mine_codes, mine_scales)
+    handles = [group.all_gather(scales, mine_scales), group.all_gather(codes, mine_codes)]
+
+    def land() -> None:
+        for handle in handles:
+            handle.wait()
+        with torch.no_grad():
+            for r in range(size):
+                dequantize(codes[r * count * BLOCK:(r + 1) * count * BLOCK], scales[r * count:(r + 1) * count],
+                           full[r * n:(r + 1) * n])
+        handles.clear()
+
+    return Handle(None, land)
+
+
+def reduce_scatter_rows(group: Collectives, rows: torch.Tensor, target: torch.Tensor, scale: float,
+                        accumulate: bool, ledger: Ledger) -> Handle:
+    """qgZ: the sum over ranks of row ``group.rank`` of every rank's ``rows`` (``(size, c)``, any strides), times
+    ``scale``, written into ``target`` (``c`` elements) or added into it (``accumulate``) when the handle is waited on;
+    int8 codes and block scales on the wire (the module docstring)."""
+    size, c = rows.shape
+    count = blocks(c)
+    device = rows.device
+    send_codes = ledger.empty(size * count * BLOCK, torch.int8, Category.COMM_BUFFER, device)
+    send_scales = ledger.empty(size * count, torch.float32, Category.COMM_BUFFER, device)
+    with torch.no_grad():
+        for r in range(size):
+            quantize(rows[r], send_codes[r * count * BLOCK:(r + 1) * count * BLOCK],
+                     send_scales[r * count:(r + 1) * count])
+    codes, scales = torch.empty_like(send_codes), torch.empty_like(send_scales)
+    ledger.track(codes, Category.COMM_BUFFER)
+    ledger.track(scales, Category.COMM_BUFFER)
+    handles = [group.all_to_all(scales, send_scales), group.all_to_all(codes, send_codes)]
+    sent = [send_codes, send_scales]  # held to the landing on every backend (the estimate's groups hold nothing)
+
+    def land() -> None:
+        for handle in handles:
+            handle.wait()
+        handles.clear()
+        sent.clear()
+        with torch.no_grad():
+            total = torch.zeros(c, dtype=torch.float32, device=device)
+            part = torch.empty(c, dtype=torch.float32, device=device)
+            for r in range(size):
+                dequantize(codes[r * count * BLOCK:(r + 1) * count * BLOCK], scales[r * count:(r + 1) * count], part)
+                total.add_(part)
+            if accumulate:
+                target.add_(total, alpha=scale)
+            else:
+                torch.mul(total, scale, out=target)
+
+    return Handle(None, land)
