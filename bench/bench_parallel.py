@@ -20,11 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 
 import torch
@@ -118,20 +114,9 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _launch(kind: str, args: argparse.Namespace) -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        prefix = os.path.join(tmp, kind)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-               "--worker", kind, "--out", prefix, "--size", args.size, "--seq", str(args.seq),
-               "--micro-batch", str(args.micro_batch), "--steps", str(args.steps)]
-        env = dict(os.environ, OMP_NUM_THREADS="1", ZEROPLUS_ACCELERATOR="cpu")
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if proc.returncode:
-            raise RuntimeError(f"{kind} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-        results = []
-        for rank in range(2):
-            with open(f"{prefix}.{rank}.json") as f:
-                results.append(json.load(f))
-        return results
+    from bench_worker import torchrun
+    return torchrun(__file__, ["--worker", kind, "--size", args.size, "--seq", str(args.seq), "--micro-batch",
+                               str(args.micro_batch), "--steps", str(args.steps)], 2, kind)
 
 
 def main() -> None:

@@ -13,6 +13,8 @@ import inspect
 import json
 import os
 import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -51,6 +53,18 @@ def rank_results(out: str, ranks: int, what: str, proc: subprocess.CompletedProc
         except FileNotFoundError:
             raise LaunchFailed(what, proc) from None
     return results
+
+
+def torchrun(script: str, args: list[str], ranks: int, what: str) -> list[dict]:
+    """``script`` launched by torchrun on ``ranks`` local gloo ranks (one thread each) with ``args`` and ``--out
+    PREFIX``; each rank's ``{PREFIX}.{rank}.json`` (``rank_results``: ``LaunchFailed`` where a rank wrote none)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        prefix = os.path.join(tmp, "rank")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", script,
+               *args, "--out", prefix]
+        env = dict(os.environ, OMP_NUM_THREADS="1", ZEROPLUS_ACCELERATOR="cpu", DS_ACCELERATOR="cpu")
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        return rank_results(prefix, ranks, what, proc)
 
 
 def start_measuring() -> tuple[int, int]:
