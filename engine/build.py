@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
-import torch.distributed as dist
 
 from zeroplus.accelerator import Accelerator
 from zeroplus.activations.tiled_loss import is_hf_causal_lm
@@ -30,7 +28,7 @@ from zeroplus.models.context_hf import context_parallel_hf
 from zeroplus.offload.policies import MasterPolicy, ParamOffload
 from zeroplus.optim.muon import split_groups
 from zeroplus.parallel.dropless_moe import DroplessMoE
-from zeroplus.parallel.groups import ParallelGroups
+from zeroplus.parallel.groups import ParallelGroups, ranks_per_node
 from zeroplus.parallel.moe import is_expert
 from zeroplus.parallel.pipeline import PipelineModule
 from zeroplus.parallel.plan_slices import slicer, slicing
@@ -114,7 +112,8 @@ def _choose_transport(cfg: ResolvedConfig, dp: Collectives, parallel: ParallelGr
     wanted = cfg.zeroplus.transport
     others = [] if parallel is None else [parallel.data, parallel.zero, parallel.tensor, parallel.context,
                                           parallel.context_ulysses, parallel.context_ring, parallel.expert,
-                                          parallel.expert_data, parallel.shard, parallel.replica, parallel.secondary]
+                                          parallel.expert_data, parallel.shard, parallel.replica, parallel.secondary,
+                                          parallel.node, parallel.across]
     if experts is not None:
         others.append(experts.group)
     try:
@@ -127,22 +126,10 @@ def _choose_transport(cfg: ResolvedConfig, dp: Collectives, parallel: ParallelGr
             group.use_transport("gloo" if wanted == "pair" else wanted, ledger, shared_pair=False)
     except ValueError as err:
         raise ConfigError(f"config key 'zeroplus.transport' is {wanted!r}: {err}") from None
-    nodes = node_size(cfg)
+    nodes = ranks_per_node(cfg)
     for group in [dp, *others]:
         group.place(nodes)
     return chosen
-
-
-def node_size(cfg: ResolvedConfig) -> int:
-    """Ranks per node: ``zeroplus.node_size``, else the launch's ``LOCAL_WORLD_SIZE`` (torchrun's ranks on this
-    host), else every rank on one node. Node n holds global ranks ``n * size .. (n + 1) * size - 1``, as torchrun
-    numbers them."""
-    launched = os.environ.get("LOCAL_WORLD_SIZE", "")
-    if cfg.zeroplus.node_size is not None:
-        return cfg.zeroplus.node_size
-    if launched.isdigit() and int(launched) > 0:
-        return int(launched)
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _broadcast_group(dp: Collectives, experts: ExpertSplit | None) -> Callable[[torch.Tensor], Any]:
@@ -222,7 +209,7 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
     try:
         partition = make_partition(model, cfg, zero, ledger, dtype, group_of, param_offload, experts,
                                    UnitPlacement(accel.device(), dtype, _broadcast_group(dp, experts), flattened),
-                                   secondary)
+                                   secondary, _node_groups(dp, parallel))
     except OSError as err:  # writing the offloaded shards failed (a full disk)
         if param_offload is None:
             raise
@@ -299,6 +286,14 @@ def _secondary_group(cfg: ResolvedConfig, dp: Collectives, parallel: ParallelGro
         raise ConfigError(f"{where}, and initialize() was given its own process group: hpZ makes its groups from the "
                           f"launch's ranks")
     return parallel.secondary
+
+
+def _node_groups(dp: Collectives, parallel: ParallelGroups | None) -> tuple[Collectives, Collectives] | None:
+    """qgZ's two levels (see note: qgz): this rank's node and the ranks at its place in every node, where the topology
+    has nodes (``parallel.groups.node_split``) and ZeRO partitions over its zero group; else None (one level)."""
+    if parallel is None or not parallel.topology.node or dp is not parallel.zero:
+        return None
+    return parallel.node, parallel.across
 
 
 def _split_by_plan_alone(model: torch.nn.Module, parallel: Any) -> Any:
@@ -409,11 +404,12 @@ def _check_request(model: torch.nn.Module, cfg: ResolvedConfig, parallel: Parall
 def make_partition(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Collectives, ledger: Ledger, dtype: torch.dtype,
                    group_of: dict[int, int], param_offload: ParamOffload | None,
                    experts: ExpertSplit | None, placement: UnitPlacement | None = None,
-                   secondary: Collectives | None = None) -> ZeroPartition:
+                   secondary: Collectives | None = None,
+                   nodes: tuple[Collectives, Collectives] | None = None) -> ZeroPartition:
     """The partition of ``model`` as ``cfg`` asks (the engine's, and the budget's model-state count's, whose
     config has the ZeRO block resolved but may lack a batch triple). ``placement``: the engine moves the
     model to the device and dtype through it, one unit at a time (``zero/placement.py``). ``secondary``: hpZ's
-    group (``_secondary_group``)."""
+    group (``_secondary_group``); ``nodes``: qgZ's two levels (``_node_groups``)."""
     accumulation = cfg.gradient_accumulation_steps if isinstance(cfg.gradient_accumulation_steps, int) else 1
     return ZeroPartition(model, resolved_zero(cfg.zero_optimization), dp, ledger, dtype, group_of,
                          cfg.zeroplus.unit_modules, accumulation,
@@ -421,7 +417,7 @@ def make_partition(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Collectives,
                                       cfg.zeroplus.master_rounding == "like_shared", param_offload,
                                       bf16_masters(cfg)),
                          experts=experts, placement=placement,
-                         defer_param_gather=cfg.zeroplus.overlap_param_gather, secondary=secondary)
+                         defer_param_gather=cfg.zeroplus.overlap_param_gather, secondary=secondary, nodes=nodes)
 
 
 def _check_split(model: torch.nn.Module, parallel: ParallelGroups) -> None:

@@ -129,8 +129,8 @@ def test_ulysses_moves_the_theorys_bytes_in_the_context_group():
 
 
 def test_nodes_come_from_the_config_else_the_launch_else_one_node(monkeypatch):
-    from engine.build import node_size
     from zeroplus.config import load_config, resolved
+    from zeroplus.parallel.groups import ranks_per_node as node_size
 
     def nodes(block: dict) -> int:
         return node_size(resolved(load_config({"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1,

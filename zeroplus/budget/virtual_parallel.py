@@ -25,7 +25,7 @@ from typing import Any, Callable, cast
 import torch
 
 from ..config import ZeroplusConfig
-from ..parallel.groups import ParallelGroups, secondary_size, shard_size, using
+from ..parallel.groups import ParallelGroups, node_split, secondary_size, shard_size, using
 from ..parallel.pipeline import PipelineModule
 from ..parallel.pipeline_schedule import _Links
 from ..parallel.topology import Topology
@@ -36,7 +36,7 @@ def topology_of(cfg: ZeroplusConfig, world_size: int) -> Topology:
     par = cfg.zeroplus.parallel
     return Topology(world_size, par.tensor, par.pipeline, par.expert, par.context,
                     experts_span_tensor=par.experts_span_tensor, shard=shard_size(cfg, world_size),
-                    secondary=secondary_size(cfg, world_size))
+                    secondary=secondary_size(cfg, world_size), node=node_split(cfg, world_size))
 
 
 def virtual_groups(cfg: ZeroplusConfig, world_size: int, rank: int, gloo_buffers: bool = False) -> ParallelGroups:

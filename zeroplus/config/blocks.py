@@ -434,8 +434,8 @@ class ZeroplusBlock(Block):
                            "zeroplus creates (torch's own default is 30 minutes).")
     node_size: PositiveInt | None = Field(
         None, description="Ranks per node (consecutive global ranks, as torchrun numbers them), for the comms log's "
-                          "split of bytes within and across nodes; unset: the launch's LOCAL_WORLD_SIZE, else every "
-                          "rank on one node.")
+                          "split of bytes within and across nodes and qgZ's two levels; unset: the launch's "
+                          "LOCAL_WORLD_SIZE, else every rank on one node.")
     transport: Literal["auto", "native", "gloo", "pair"] = Field(
         "auto", description="How the data-parallel group's all-gathers and gradient reductions move bytes, chosen "
                             "when the engine is assembled: native (the tensor collectives, one launch each, as NCCL "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
@@ -56,7 +57,8 @@ class ParallelGroups:
                 made[kind], self.ranks[kind] = virtual(members.index(rank), len(members)), members
         for kind in KINDS if virtual is None else ():
             if ((kind == "zero" and topology.context == 1) or (kind in ("shard", "replica") and not topology.shard)
-                    or (kind == "secondary" and not topology.secondary)):
+                    or (kind == "secondary" and not topology.secondary)
+                    or (kind in ("node", "across") and not topology.node)):
                 continue  # the data group itself, the zero group, or one rank (below)
             for members in topology.groups(kind):
                 if len(members) == 1:
@@ -74,8 +76,9 @@ class ParallelGroups:
         if virtual is None and not topology.shard:
             made["shard"], self.ranks["shard"] = made["zero"], self.ranks["zero"]
             made["replica"], self.ranks["replica"] = _SingleRank(), [rank]
-        if virtual is None and not topology.secondary:
-            made["secondary"], self.ranks["secondary"] = _SingleRank(), [rank]
+        for kind in ("secondary", "node", "across") if virtual is None else ():
+            if kind not in made:
+                made[kind], self.ranks[kind] = _SingleRank(), [rank]
         self.tensor, self.data, self.pipeline = made["tensor"], made["data"], made["pipeline"]
         self.expert, self.expert_data, self.model = made["expert"], made["expert_data"], made["model"]
         self.context = made["context"]  # the ranks sharing each sequence (zeroplus/parallel/context.py)
@@ -85,6 +88,8 @@ class ParallelGroups:
         self.shard, self.replica = made["shard"], made["replica"]
         # hpZ: the ranks a stage-3 unit's secondary copy is split over (one rank when off; zero/flat_group.py)
         self.secondary = made["secondary"]
+        # qgZ over several nodes: this rank's node and the ranks at its place in every node (one rank each when off)
+        self.node, self.across = made["node"], made["across"]
         # the context ranks' two parts: the heads' all-to-all (Ulysses) and the K/V ring
         single = _SingleRank()
         self.context_ulysses, self.context_ring = self.context, single
@@ -170,6 +175,34 @@ def secondary_size(spec: Any, world: int) -> int:
     return 0 if asked in (1, world // (tensor * pipeline)) else asked
 
 
+def ranks_per_node(spec: Any) -> int:
+    """Ranks per node: ``zeroplus.node_size``, else the launch's ``LOCAL_WORLD_SIZE`` (torchrun's ranks on this host),
+    else every rank on one node. Node n holds global ranks ``n * size .. (n + 1) * size - 1``, as torchrun numbers
+    them."""
+    asked = spec.zeroplus.node_size if spec is not None and hasattr(spec, "zeroplus") else None
+    if asked is not None:
+        return asked
+    launched = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if launched.isdigit() and int(launched) > 0:
+        return int(launched)
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def node_split(spec: Any, world: int) -> int:
+    """qgZ's two levels for a parsed config or a ``Topology`` over ``world`` ranks: the ranks per node where the
+    gradients are quantized (``zero_optimization.zero_quantized_gradients``) and the data ranks span whole nodes
+    (more than one, beside plain data parallelism), else 0 (one level)."""
+    if isinstance(spec, Topology):
+        return spec.node
+    if spec is None or not spec.zero_optimization.zero_quantized_gradients:
+        return 0
+    tensor, pipeline, expert, context = _sizes(spec)
+    zero = world // (tensor * pipeline)
+    size = ranks_per_node(spec)
+    plain = (tensor, pipeline, expert, context) == (1, 1, 1, 1) and shard_size(spec, world) == 0
+    return size if plain and 1 < size < zero and zero % size == 0 else 0
+
+
 def _span(spec: Any) -> bool:
     """The expert-data mode (``Topology.experts_span_tensor``)."""
     if isinstance(spec, Topology):
@@ -190,14 +223,15 @@ def init_parallel(spec: Any = None, replace: bool = False) -> ParallelGroups:
     launched = dist.is_available() and dist.is_initialized()
     world, rank = (dist.get_world_size(), dist.get_rank()) if launched else (1, 0)
     sizes = _sizes(spec) if spec is not None else (1, 1, 1, 1)
-    shard, secondary = shard_size(spec, world), secondary_size(spec, world)
+    shard, secondary, node = shard_size(spec, world), secondary_size(spec, world), node_split(spec, world)
     try:
         topology = Topology(world, *sizes, experts_span_tensor=spec is not None and _span(spec), shard=shard,
-                            secondary=secondary)
+                            secondary=secondary, node=node)
     except ValueError as err:
         raise ValueError(f"rank {rank}: {err}") from None
     if _CURRENT is not None and _CURRENT.world_group is _world_group():
-        hierarchical = shard or secondary or _CURRENT.topology.shard or _CURRENT.topology.secondary
+        old = _CURRENT.topology
+        hierarchical = shard or secondary or node or old.shard or old.secondary or old.node
         if sizes == (1, 1, 1, 1) and not hierarchical and not replace:
             return _CURRENT  # a config without parallel sizes runs in the groups already made
         if _CURRENT.topology == topology:

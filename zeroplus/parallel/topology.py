@@ -42,7 +42,7 @@ from typing import Any
 from ..config import ZeroStage
 
 KINDS = ("tensor", "data", "pipeline", "expert", "expert_data", "model", "context", "zero", "shard", "replica",
-         "secondary")
+         "secondary", "node", "across")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +73,9 @@ class Topology:
     # split over groups of this many consecutive ranks of the zero group ("secondary"), for the gathers until the next
     # step; 0: none
     secondary: int = 0
+    # qgZ's two levels (``zero_optimization.zero_quantized_gradients`` over several nodes): the zero group as nodes of
+    # this many consecutive ranks ("node") and the ranks at one place in each ("across"); 0: one level
+    node: int = 0
 
     def __post_init__(self) -> None:
         for key in ("world_size", "tensor", "pipeline", "expert", "context"):
@@ -195,9 +198,12 @@ class Topology:
             if kind == "shard":
                 return [z[i:i + size] for z in zero for i in range(0, len(z), size)]
             return [z[j::size] for z in zero for j in range(size)]
-        if kind == "secondary":
-            size = self.secondary or 1
+        if kind in ("secondary", "node"):
+            size = (self.secondary if kind == "secondary" else self.node) or 1
             return [z[i:i + size] for z in self.groups("zero") for i in range(0, len(z), size)]
+        if kind == "across":
+            size = self.node or D * C
+            return [z[j::size] for z in self.groups("zero") for j in range(size)]
         raise ValueError(f"unknown group kind {kind!r}; one of {KINDS}")
 
     def group_of(self, kind: str, rank: int) -> list[int]:
@@ -208,7 +214,7 @@ class Topology:
                "expert": self.expert, "data": self.data}
         return out | ({"context": self.context} if self.context > 1 else {}) | \
             ({"experts_span_tensor": True} if self.experts_span_tensor else {}) | \
-            ({"shard": self.shard} if self.shard else {}) | ({"secondary": self.secondary} if self.secondary else {})
+            {key: value for key in ("shard", "secondary", "node") if (value := getattr(self, key))}
 
     def describe(self) -> str:
         parts = [f"data {self.data}"] + ([f"context {self.context}"] if self.context > 1 else []) + \
@@ -219,6 +225,8 @@ class Topology:
         sharded = f"; ZeRO shards over {self.shard} ranks, {self.replicas} replicas (MiCS)" if self.shard else ""
         if self.secondary:
             sharded += f"; ZeRO-3 keeps a secondary copy over {self.secondary} ranks (hpZ)"
+        if self.node:
+            sharded += f"; gradients quantized in two levels over nodes of {self.node} ranks (qgZ)"
         return f"{self.world_size} ranks = " + " x ".join(parts) + sharded
 
 

@@ -35,10 +35,13 @@ from .flat_group import FlatParamGroup
 
 class GradReducer:
     def __init__(self, stage: ZeroStage, dp: Collectives, bucket_numel: int, use_reduce_scatter: bool,
-                 overlap: bool, ledger: Ledger, accumulate_fp32: bool, quantize: bool = False) -> None:
-        """``quantize`` (qgZ): the reduce-scatter's buckets go as int8 codes (``quantized_comm.py``)."""
+                 overlap: bool, ledger: Ledger, accumulate_fp32: bool, quantize: bool = False,
+                 nodes: tuple[Collectives, Collectives] | None = None) -> None:
+        """``quantize`` (qgZ): the reduce-scatter's buckets go as int8 codes (``quantized_comm.py``); ``nodes``: this
+        rank's node and the ranks at its place in every node, for qgZ's two levels over ``dp`` (None: one level)."""
         self.stage = stage
         self.quantize = quantize
+        self.nodes = nodes
         self.accumulate_fp32 = accumulate_fp32
         self.dp = dp
         self.bucket_numel = max(1, int(bucket_numel))
@@ -85,8 +88,9 @@ class GradReducer:
         matrix, scale = grad.view(n, s), 1.0 / self.dp.size
         for c0, c1 in _spans(s, max(1, self.bucket_numel // n)):
             if self.quantize:
+                nodes = self.nodes if group.dp is self.dp else None  # (experts' groups: one level)
                 group.gradient.issued(quantized_comm.reduce_scatter_rows(group.dp, matrix[:, c0:c1], target[c0:c1],
-                                                                         scale, accumulate, self.ledger))
+                                                                         scale, accumulate, self.ledger, nodes))
                 continue
             group.gradient.issued(group.dp.reduce_scatter_rows(matrix[:, c0:c1], target[c0:c1], scale, accumulate,
                                                                self.ledger))

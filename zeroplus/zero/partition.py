@@ -140,7 +140,7 @@ class ZeroPartition:
                  unit_class_names: list[str] | None = None, gradient_accumulation_steps: int = 1,
                  master: MasterPolicy = MasterPolicy(), experts: ExpertSplit | None = None,
                  placement: UnitPlacement | None = None, defer_param_gather: bool = False,
-                 secondary: Collectives | None = None) -> None:
+                 secondary: Collectives | None = None, nodes: tuple[Collectives, Collectives] | None = None) -> None:
         """``master``: how flat groups keep their fp32 master shards; ``experts``: the expert-data group and
         expert rank when experts are split over ranks, else None. ``placement``: moves each unit's other
         tensors to the device just before its flat groups are built (``placement.py``: one unit at a
@@ -148,7 +148,7 @@ class ZeroPartition:
         early and embeddings' rows sparsely (``early_per_use``). ``defer_param_gather``
         (``zeroplus.overlap_param_gather``): stages 1-2's post-step all-gathers are waited by each unit's next
         forward instead of before ``after_step`` returns. ``secondary``: hpZ's group at stage 3 (``flat_group.py``;
-        see note: hpz), or None."""
+        see note: hpz), or None. ``nodes``: qgZ's two levels (``grad_reducer.py``), or None."""
         _refuse_partitioned(model, dp.rank)
         self.defer_param_gather = defer_param_gather
         self.stage = ZeroStage(zero.stage)
@@ -189,7 +189,7 @@ class ZeroPartition:
         accumulate_fp32 = (self.stage.shards_gradients and gradient_accumulation_steps > 1
                            and master.bf16_rounding is None)
         reducer = GradReducer(self.stage, dp, zero.reduce_bucket_size, zero.reduce_scatter, overlap, ledger,
-                              accumulate_fp32, zero.zero_quantized_gradients)
+                              accumulate_fp32, zero.zero_quantized_gradients, nodes)
         self.stage3: Stage3Scheduler | None = None  # (stage 3: made as the model is hooked, after the per-use swaps)
         self.backward = BackwardSchedule(self.stage, dp, self.units, reducer, self.pool)
         self._hooks: list[Any] = []

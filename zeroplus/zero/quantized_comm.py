@@ -83,40 +83,77 @@ def gather(group: Collectives, full: torch.Tensor, source: torch.Tensor, ledger:
     return Handle(None, land)
 
 
+class _Exchange:
+    """One quantized all-to-all of ``len(rows)`` rows of ``c`` elements over ``group`` (the rows in chunks of equal
+    count, chunk i to rank i): issued at construction, ``sums(parts)`` waits and returns, for each of the ``parts``
+    row positions of a chunk, the fp32 sum over the chunks received. The send buffers are held to the landing on every
+    backend (the estimate's groups hold nothing)."""
+
+    def __init__(self, group: Collectives, rows: list[torch.Tensor], c: int, ledger: Ledger) -> None:
+        self.count, self.c = blocks(c), c
+        device = rows[0].device
+        n, width = len(rows), self.count * BLOCK
+        self.sent = [ledger.empty(n * width, torch.int8, Category.COMM_BUFFER, device),
+                     ledger.empty(n * self.count, torch.float32, Category.COMM_BUFFER, device)]
+        codes, scales = self.sent
+        with torch.no_grad():
+            for i, row in enumerate(rows):
+                quantize(row, codes[i * width:(i + 1) * width], scales[i * self.count:(i + 1) * self.count])
+        self.codes = ledger.track(torch.empty_like(codes), Category.COMM_BUFFER)
+        self.scales = ledger.track(torch.empty_like(scales), Category.COMM_BUFFER)
+        self.handles = [group.all_to_all(self.scales, scales), group.all_to_all(self.codes, codes)]
+        self.size = group.size
+
+    def sums(self, parts: int) -> torch.Tensor:
+        """``(parts, c)`` fp32: row j is the sum over the received chunks of their row j, in chunk order."""
+        for handle in self.handles:
+            handle.wait()
+        self.handles, self.sent = [], []
+        width, count = self.count * BLOCK, self.count
+        total = torch.zeros(parts, self.c, dtype=torch.float32, device=self.codes.device)
+        part = torch.empty(self.c, dtype=torch.float32, device=self.codes.device)
+        with torch.no_grad():
+            for i in range(self.size * parts):
+                dequantize(self.codes[i * width:(i + 1) * width], self.scales[i * count:(i + 1) * count], part)
+                total[i % parts].add_(part)
+        return total
+
+
+def _landed(target: torch.Tensor, total: torch.Tensor, scale: float, accumulate: bool) -> None:
+    if accumulate:
+        target.add_(total, alpha=scale)
+    else:
+        torch.mul(total, scale, out=target)
+
+
 def reduce_scatter_rows(group: Collectives, rows: torch.Tensor, target: torch.Tensor, scale: float,
-                        accumulate: bool, ledger: Ledger) -> Handle:
+                        accumulate: bool, ledger: Ledger, nodes: tuple[Collectives, Collectives] | None = None
+                        ) -> Handle:
     """qgZ: the sum over ranks of row ``group.rank`` of every rank's ``rows`` (``(size, c)``, any strides), times
     ``scale``, written into ``target`` (``c`` elements) or added into it (``accumulate``) when the handle is waited on;
-    int8 codes and block scales on the wire (the module docstring)."""
+    int8 codes and block scales on the wire (the module docstring). ``nodes``: (this rank's node, the ranks at its
+    place in every node), for ``group``'s rank r = node index x L + place: two levels (``_two_levels``)."""
     size, c = rows.shape
-    count = blocks(c)
-    device = rows.device
-    send_codes = ledger.empty(size * count * BLOCK, torch.int8, Category.COMM_BUFFER, device)
-    send_scales = ledger.empty(size * count, torch.float32, Category.COMM_BUFFER, device)
-    with torch.no_grad():
-        for r in range(size):
-            quantize(rows[r], send_codes[r * count * BLOCK:(r + 1) * count * BLOCK],
-                     send_scales[r * count:(r + 1) * count])
-    codes, scales = torch.empty_like(send_codes), torch.empty_like(send_scales)
-    ledger.track(codes, Category.COMM_BUFFER)
-    ledger.track(scales, Category.COMM_BUFFER)
-    handles = [group.all_to_all(scales, send_scales), group.all_to_all(codes, send_codes)]
-    sent = [send_codes, send_scales]  # held to the landing on every backend (the estimate's groups hold nothing)
+    if nodes is not None:
+        return _two_levels(nodes, rows, target, scale, accumulate, ledger)
+    exchange = _Exchange(group, [rows[r] for r in range(size)], c, ledger)
+    return Handle(None, lambda: _landed(target, exchange.sums(1)[0], scale, accumulate))
+
+
+def _two_levels(nodes: tuple[Collectives, Collectives], rows: torch.Tensor, target: torch.Tensor, scale: float,
+                accumulate: bool, ledger: Ledger) -> Handle:
+    """Hierarchical qgZ over M nodes of L ranks: each rank sends each node peer p the rows of the M ranks at place p
+    (quantized), and sums what its peers sent it (the node's partial sums for the ranks at its own place, fp32); when
+    that lands the M partial sums are quantized again and sent, one to each node's rank at this place, which sums
+    them. Across nodes each rank sends M rows instead of L x M, at the cost of a second quantization."""
+    node, across = nodes
+    L, M, c = node.size, across.size, rows.shape[1]
+    first = _Exchange(node, [rows[m * L + p] for p in range(L) for m in range(M)], c, ledger)
 
     def land() -> None:
-        for handle in handles:
-            handle.wait()
-        handles.clear()
-        sent.clear()
-        with torch.no_grad():
-            total = torch.zeros(c, dtype=torch.float32, device=device)
-            part = torch.empty(c, dtype=torch.float32, device=device)
-            for r in range(size):
-                dequantize(codes[r * count * BLOCK:(r + 1) * count * BLOCK], scales[r * count:(r + 1) * count], part)
-                total.add_(part)
-            if accumulate:
-                target.add_(total, alpha=scale)
-            else:
-                torch.mul(total, scale, out=target)
+        partial = first.sums(M)  # row m: this node's sum for the rank at this place in node m
+        second = _Exchange(across, [partial[m] for m in range(M)], c, ledger)
+        del partial
+        _landed(target, second.sums(1)[0], scale, accumulate)
 
     return Handle(None, land)
