@@ -263,6 +263,10 @@ def _check_quantized(cfg: ResolvedConfig, rank: int) -> None:
         raise ConfigError(f"config key 'zero_optimization.zero_quantized_weights' is true (rank {rank}), and ZeRO "
                           f"stage {int(stage)} gathers no parameters for compute: qwZ quantizes stage 3's gathers; "
                           f"use stage 3, or set the key to false")
+    if zero.zero_quantized_nontrainable_weights and not stage.shards_parameters:
+        raise ConfigError(f"config key 'zero_optimization.zero_quantized_nontrainable_weights' is true (rank {rank}), "
+                          f"and ZeRO stage {int(stage)} keeps frozen parameters whole on every rank: the key stores "
+                          f"stage 3's frozen shards as int8 codes; use stage 3, or set the key to false")
     if zero.zero_quantized_gradients and not (stage.partitions and zero.reduce_scatter):
         why = "stage 0 all-reduces" if not stage.partitions else "'zero_optimization.reduce_scatter' false all-reduces"
         raise ConfigError(f"config key 'zero_optimization.zero_quantized_gradients' is true (rank {rank}), and {why} "
@@ -415,7 +419,7 @@ def make_partition(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Collectives,
                          cfg.zeroplus.unit_modules, accumulation,
                          MasterPolicy(bool(cfg.zeroplus.shared_master_weights),
                                       cfg.zeroplus.master_rounding == "like_shared", param_offload,
-                                      bf16_masters(cfg)),
+                                      bf16_masters(cfg), cfg.zero_optimization.zero_quantized_nontrainable_weights),
                          experts=experts, placement=placement,
                          defer_param_gather=cfg.zeroplus.overlap_param_gather, secondary=secondary, nodes=nodes)
 

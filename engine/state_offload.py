@@ -61,7 +61,8 @@ def _tensors(engine: Engine, kinds: set[str]) -> list[torch.Tensor]:
         if kinds & {"lp_grads", "contiguous_grad_buffer"}:
             out += [g.gradient.flat, g.gradient.reduced, *g.gradient.kept]
     if "lp_params" in kinds:
-        out += [g.shard for g in part.frozen]
+        out += [t for g in part.frozen for t in (g.shard, getattr(g.master_store, "codes", None),
+                                                   getattr(g.master_store, "scales", None))]
     return [t for t in out if t is not None and t.device == device and t.untyped_storage().nbytes() > 0]
 
 

@@ -40,3 +40,4 @@ class MasterPolicy:
     round_like_shared: bool = False      # a separate bf16 copy rounds ties away from zero, as shared storage does
     offload: ParamOffload | None = None  # stage 3: the shard kept on a tier (zero_optimization.offload_param)
     bf16_rounding: str | None = None     # bf16 masters (zeroplus.master_weights): their rounding; None: not bf16
+    quantize_frozen: bool = False        # stage 3's frozen shards as int8 codes (zero_quantized_nontrainable_weights)

@@ -116,7 +116,7 @@ class OffloadParamConfig(Block):
 class ZeroConfig(Block):
     ds_unimplemented = frozenset({
         "round_robin_gradients", "elastic_checkpoint", "load_from_fp32_weights",
-        "ignore_unused_parameters", "zero_quantized_nontrainable_weights",
+        "ignore_unused_parameters",
         "mics_hierarchical_params_gather", "memory_efficient_linear", "stage3_module_granularity_threshold",
         "cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory", "legacy_stage1",
         "use_multi_rank_bucket_allreduce", "pipeline_loading_checkpoint", "override_module_apply",
@@ -162,6 +162,10 @@ class ZeroConfig(Block):
                            "(1.016 bytes an element on the wire); every rank computes with the same dequantized "
                            "weights, each within max|block| / 254 of the exact value; shards, masters and states stay "
                            "exact, and gathers for reading the model (state_dict, GatheredParameters) are exact.")
+    zero_quantized_nontrainable_weights: bool = Field(
+        False, description="ZeRO++: stage 3's frozen shards (parameters no optimizer trains, a LoRA model's base) kept "
+                           "as int8 codes with an fp32 scale per 256 elements, about 1 byte an element instead of 2 "
+                           "or 4, gathered as codes; each value within max|block| / 254 of the model's.")
     zero_quantized_gradients: bool = Field(
         False, description="qgZ (ZeRO++): the gradients' reduce-scatter (stages 1-3) sends int8 codes with a scale "
                            "per 256 elements in two all-to-alls; each rank sums the dequantized parts in fp32, each "

@@ -28,12 +28,13 @@ fp32 the same way). ``full`` at stage 3 is one tensor object whose storage is re
 released and back to ``c * P`` when gathered, so the views the parameters and autograd hold stay
 valid. A reduced shard in the compute dtype becomes fp32 one group at a time inside the step.
 
-Frozen groups (stage 3: parameters no optimizer trains, a LoRA model's base): this rank's shard in
-the group's dtype (the compute dtype, or a quantized weight's storage dtype: ``quantized.py``; its gathers
-copy, never cast), c * S, and nothing else: no master, no gradient buffer, no optimizer state; they
-are gathered and released with their unit like the rest (a 7B base in bf16 is 14 GB / N per rank, plus
-one unit gathered). They are not among the partition's trained groups (``ZeroPartition.frozen``), and
-not offloaded with ``offload_param`` (their shard stays on the device).
+Frozen groups (stage 3: parameters no optimizer trains, a LoRA model's base): this rank's shard in the group's dtype
+(the compute dtype, or a quantized weight's storage dtype: ``quantized.py``; its gathers copy, never cast), c * S, and
+nothing else: no master, no gradient buffer, no optimizer state; they are gathered and released with their unit like
+the rest (a 7B base in bf16 is 14 GB / N per rank, plus one unit gathered; with
+``zero_quantized_nontrainable_weights`` int8 codes and block scales, about 7.1 GB / N). They are not among the
+partition's trained groups (``ZeroPartition.frozen``), and not offloaded with ``offload_param`` (their shard stays on
+the device).
 
 With shared-storage master weights (``master_store.SharedMaster``, bf16 only) the fp32 master
 column becomes a 2-byte residual per owned element at stages 0-2 (the bf16 high halves are the
@@ -89,6 +90,8 @@ class MasterLayout(enum.Enum):
     the layout for the step.
 
     - ``FROZEN``: no master: ``shard``, c * S in the group's dtype, is all (stage 3, untrained parameters).
+    - ``FROZEN_CODES``: no master and no ``shard``: the master store keeps the frozen shard as int8 codes and fp32
+      block scales, about 1.016 * S bytes (``zero_quantized_nontrainable_weights``; ``quantized_comm.QuantizedShard``).
     - ``FP32_ALIAS``: fp32 training, the owned range of ``full`` is both ``shard`` and ``master`` (stages 0-2,
       and stage 3's ``resident`` group): 0 bytes beyond ``full``.
     - ``FP32_OWN``: fp32 at stage 3: ``full`` is released, so ``shard`` = ``master`` is its own 4 * S copy.
@@ -102,6 +105,7 @@ class MasterLayout(enum.Enum):
       ``shard`` and no ``master`` on the device."""
 
     FROZEN = "frozen"
+    FROZEN_CODES = "frozen codes"
     FP32_ALIAS = "fp32 alias"
     FP32_OWN = "fp32 own"
     LOW_PRECISION = "low precision"
@@ -239,10 +243,14 @@ class FlatParamGroup:
             if not sharded:
                 raise ValueError(f"flat group {self.name}: frozen parameters are partitioned at stage 3 only, "
                                  f"not {int(self.stage)}")
-            self.shard = owned_view if self.resident else self.ledger.empty(
-                self.shard_numel, self.compute_dtype, Category.PARAM, self.device).copy_(owned_view)
-            self.master_store: MasterStore = FullMaster(self.shard, False)
-            self.layout = MasterLayout.FROZEN
+            if master.quantize_frozen and not self.resident and self.compute_dtype.is_floating_point:
+                self.master_store: MasterStore = quantized_comm.QuantizedShard(owned_view, self.ledger)
+                self.layout = MasterLayout.FROZEN_CODES
+            else:
+                self.shard = owned_view if self.resident else self.ledger.empty(
+                    self.shard_numel, self.compute_dtype, Category.PARAM, self.device).copy_(owned_view)
+                self.master_store = FullMaster(self.shard, False)
+                self.layout = MasterLayout.FROZEN
             self.master_param = torch.nn.Parameter(torch.empty(0, dtype=self.compute_dtype, device=self.device),
                                                    requires_grad=False)
         elif master.shared:
@@ -340,6 +348,9 @@ class FlatParamGroup:
             assert self.secondary_group is not None
             self.quantized = self._secondary_quantized
             return self.secondary_group.all_gather(self._full_data, self._secondary)
+        if isinstance(self.master_store, quantized_comm.QuantizedShard):  # its codes are its values: never "quantized"
+            self.quantized = False
+            return quantized_comm.gather(self.dp, self._full_data, self.master_store, self.ledger)
         source = self.shard
         if source is None:  # stage 3, low precision: cast the master for the wire only
             source = self.ledger.empty(self.shard_numel, self.compute_dtype, Category.COMM_BUFFER, self.device)

@@ -28,6 +28,7 @@ import torch
 
 from ..collectives import Collectives, Handle
 from ..ledger import Category, Ledger
+from .master_store import _Resident
 
 BLOCK = 256  # elements per scale (DeepSpeed's qwZ default group size)
 
@@ -57,10 +58,11 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> 
     out.copy_(values.view(-1)[:out.numel()])
 
 
-def gather(group: Collectives, full: torch.Tensor, source: torch.Tensor, ledger: Ledger) -> Handle:
-    """Start the quantized all-gather of every rank's ``source`` (``full.numel() / group.size`` elements) into
-    ``full``; the returned handle's ``wait()`` lands both collectives and dequantizes (the module docstring)."""
-    n, size = source.numel(), group.size
+def gather(group: Collectives, full: torch.Tensor, source: torch.Tensor | QuantizedShard, ledger: Ledger) -> Handle:
+    """Start the quantized all-gather of every rank's ``source`` (``full.numel() / group.size`` elements, or their
+    codes already: ``QuantizedShard``) into ``full``; the returned handle's ``wait()`` lands both collectives and
+    dequantizes (the module docstring)."""
+    n, size = source.numel if isinstance(source, QuantizedShard) else source.numel(), group.size
     count = blocks(n)
     device = full.device
     codes = ledger.empty(size * count * BLOCK, torch.int8, Category.COMM_BUFFER, device)
@@ -68,7 +70,11 @@ def gather(group: Collectives, full: torch.Tensor, source: torch.Tensor, ledger:
     mine_codes = codes[group.rank * count * BLOCK:(group.rank + 1) * count * BLOCK]
     mine_scales = scales[group.rank * count:(group.rank + 1) * count]
     with torch.no_grad():
-        quantize(source, mine_codes, mine_scales)
+        if isinstance(source, QuantizedShard):
+            mine_codes.copy_(source.codes)
+            mine_scales.copy_(source.scales)
+        else:
+            quantize(source, mine_codes, mine_scales)
     handles = [group.all_gather(scales, mine_scales), group.all_gather(codes, mine_codes)]
 
     def land() -> None:
@@ -81,6 +87,50 @@ def gather(group: Collectives, full: torch.Tensor, source: torch.Tensor, ledger:
         handles.clear()
 
     return Handle(None, land)
+
+
+class QuantizedShard(_Resident):
+    """A frozen group's shard kept as int8 codes and fp32 block scales (``zero_quantized_nontrainable_weights``: about
+    1.016 bytes an element instead of the compute dtype's), as the group's master store: reads dequantize; a write
+    (a checkpoint or pretrained load, ``GatheredParameters(modifier_rank=...)``) dequantizes the blocks it touches,
+    overwrites its elements and quantizes those blocks again (their other elements within half their new step of what
+    they held); gathers send the codes as they are (``gather``). Ledger ``param``."""
+
+    shared = False
+    copied = True
+    scratch_rows = 1
+
+    def __init__(self, values: torch.Tensor, ledger: Ledger) -> None:
+        self.numel = values.numel()
+        count = blocks(self.numel)
+        self.codes = ledger.empty(count * BLOCK, torch.int8, Category.PARAM, values.device)
+        self.scales = ledger.empty(count, torch.float32, Category.PARAM, values.device)
+        with torch.no_grad():
+            quantize(values, self.codes, self.scales)
+
+    def _blocks(self, a: int, b: int) -> tuple[int, int, torch.Tensor]:
+        """The blocks covering elements ``[a, b)``: (first block, last block + 1, their values in fp32)."""
+        lo, hi = a // BLOCK, blocks(b)
+        out = torch.empty((hi - lo) * BLOCK, dtype=torch.float32, device=self.codes.device)
+        dequantize(self.codes[lo * BLOCK:hi * BLOCK], self.scales[lo:hi], out)
+        return lo, hi, out
+
+    def read(self, a: int, b: int) -> torch.Tensor:
+        lo, _, values = self._blocks(a, b)
+        return values[a - lo * BLOCK:b - lo * BLOCK]
+
+    def read_into(self, a: int, b: int, out: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+        return out.copy_(self.read(a, b))
+
+    def write(self, at: int, values: torch.Tensor, scratch: torch.Tensor | None = None) -> None:
+        lo, hi, block_values = self._blocks(at, at + values.numel())
+        block_values[at - lo * BLOCK:at - lo * BLOCK + values.numel()].copy_(values.reshape(-1))
+        with torch.no_grad():
+            quantize(block_values, self.codes[lo * BLOCK:hi * BLOCK], self.scales[lo:hi])
+
+    def to_compute(self, dst: torch.Tensor) -> torch.Tensor:
+        _, _, values = self._blocks(0, self.numel)
+        return dst.copy_(values[:self.numel])
 
 
 class _Exchange:
