@@ -624,3 +624,21 @@ def test_attention_arguments_a_path_does_not_honour_are_refused_at_the_first_for
     for rank, (softcap, packed) in enumerate(run_distributed(_refusals, 2, mode)):
         assert "softcap" in softcap and "Gemma2Attention" in softcap, f"rank {rank}: {softcap}"
         assert "packed sequences" in packed, f"rank {rank}: {packed}"
+
+
+def _imported_after_the_launch() -> float:
+    import importlib
+
+    from zeroplus.models import gpt
+    importlib.reload(gpt)  # (as a script that imports zeroplus after init_process_group has it)
+    torch.manual_seed(0)
+    model = gpt.GPT(gpt.gpt_config("tiny"))
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    return model(ids, ids).item()
+
+
+def test_a_gpt_outside_any_engine_keeps_whole_sequences_on_every_rank():
+    # no groups made: the context group is this rank alone, not the launched world (each rank would keep 1/W of the
+    # sequence and compute another loss: an FSDP2 or DDP script around the GPT trained on slices)
+    first, second = run_distributed(_imported_after_the_launch, 2)
+    assert first == second

@@ -26,7 +26,7 @@ from zeroplus.budget.virtual_group import VirtualGroup
 from zeroplus.models import GPT, gpt_config
 from zeroplus.models.gpt_tp import TensorParallelGPT
 from zeroplus.parallel.expert_tokens import TokenSplit
-from zeroplus.parallel.groups import _SingleRank
+from zeroplus.parallel.groups import SingleRank
 from zeroplus.parallel.moe import set_aux_grad_scale
 from zeroplus.parallel.topology import Topology
 
@@ -41,7 +41,7 @@ def _gpt_config():
 
 def _dense() -> GPT:
     torch.manual_seed(0)
-    return GPT(_gpt_config(), expert_group=_SingleRank())
+    return GPT(_gpt_config(), expert_group=SingleRank())
 
 
 def _batches() -> list:

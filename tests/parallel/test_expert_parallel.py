@@ -28,7 +28,7 @@ from tests.dist_helper import run_distributed
 from tests.parallel.model_states import assert_model_states_predicted, ledger_peaks
 from tests.reference import clip_global_norm, engine_train
 from zeroplus.models import GPT, gpt_config
-from zeroplus.parallel.groups import _SingleRank
+from zeroplus.parallel.groups import SingleRank
 from zeroplus.parallel.moe import set_aux_grad_scale
 
 STEPS, MICRO, SEQ, GAS, CLIP, LR, WORLD, EXPERTS = 3, 2, 16, 2, 0.5, 1e-2, 4, 4
@@ -41,7 +41,7 @@ def _gpt_config():
 
 def _reference_model() -> GPT:
     torch.manual_seed(0)
-    return GPT(_gpt_config(), expert_group=_SingleRank())
+    return GPT(_gpt_config(), expert_group=SingleRank())
 
 
 def _batches() -> list:

@@ -17,7 +17,7 @@ from torch import nn
 import zeroplus
 from zeroplus.models.gpt import GPT, gpt_config
 from zeroplus.parallel.grouped_experts import GroupedExperts, GroupedFFN, expert_loop
-from zeroplus.parallel.groups import _SingleRank
+from zeroplus.parallel.groups import SingleRank
 from zeroplus.parallel.moe import MoE, is_expert
 
 pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
@@ -59,8 +59,8 @@ def _copy_into(grouped: GroupedExperts, modules: nn.ModuleList) -> None:
 def test_moe_with_stacked_experts_equals_moe_with_expert_modules() -> None:
     torch.manual_seed(0)
     modules = MoE(8, lambda: nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)), 4, k=2,
-                  capacity_factor=1.0, ep=_SingleRank())
-    grouped = MoE(8, GroupedFFN(16, "gelu", bias=True), 4, k=2, capacity_factor=1.0, ep=_SingleRank())
+                  capacity_factor=1.0, ep=SingleRank())
+    grouped = MoE(8, GroupedFFN(16, "gelu", bias=True), 4, k=2, capacity_factor=1.0, ep=SingleRank())
     grouped.gate.load_state_dict(modules.gate.state_dict())
     _copy_into(grouped.experts, modules.experts)
     assert all(is_expert(p) for p in grouped.experts.parameters()) and not is_expert(grouped.gate.wg.weight)

@@ -16,7 +16,7 @@ from torch import nn
 
 from tests.dist_helper import run_distributed
 from zeroplus.parallel.grouped_experts import GroupedFFN
-from zeroplus.parallel.groups import _SingleRank, init_parallel
+from zeroplus.parallel.groups import SingleRank, init_parallel
 from zeroplus.parallel.moe import MoE, is_expert
 from zeroplus.parallel.topology import Topology
 
@@ -30,7 +30,7 @@ def _expert() -> nn.Module:
 def _full(grouped: bool = False) -> MoE:
     torch.manual_seed(0)
     return MoE(DIM, GroupedFFN(16, "gelu", bias=True) if grouped else _expert, EXPERTS, k=2, capacity_factor=1.0,
-               ep=_SingleRank())
+               ep=SingleRank())
 
 
 def _tokens(rank: int) -> tuple[torch.Tensor, torch.Tensor]:

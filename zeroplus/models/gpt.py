@@ -24,7 +24,7 @@ from ..comm import DataParallelGroup
 from ..parallel.context import check_heads, local_slice, positions, seq_to_heads
 from ..parallel.expert_tokens import TokenSplit
 from ..parallel.grouped_experts import GroupedFFN
-from ..parallel.groups import current_groups
+from ..parallel.groups import SingleRank, current_groups
 from ..parallel.moe import MoE, with_aux_loss
 from ..parallel.ring_attention import ring_attention, zigzag_positions, zigzag_slice
 from ..parallel.ulysses_output import output_exchanged
@@ -119,7 +119,7 @@ def hybrid_groups() -> tuple[DataParallelGroup, DataParallelGroup]:
     return (groups.context_ulysses, groups.context_ring) if groups is not None else (_ONE_RANK, _ONE_RANK)
 
 
-_ONE_RANK = DataParallelGroup(None)
+_ONE_RANK = SingleRank()  # (not DataParallelGroup(None): made after a launch, that is the whole world)
 
 
 class MLP(nn.Module):

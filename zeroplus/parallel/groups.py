@@ -26,7 +26,7 @@ from .topology import KINDS, Coordinates, Topology
 _CURRENT: ParallelGroups | None = None
 
 
-class _SingleRank(DataParallelGroup):
+class SingleRank(DataParallelGroup):
     """A group of this rank alone: every collective completes at once."""
 
     def __init__(self) -> None:
@@ -69,16 +69,16 @@ class ParallelGroups:
                 if rank in members:
                     made[kind] = DataParallelGroup(handle, kind)
                     self.ranks[kind] = members
-            made.setdefault(kind, _SingleRank())
+            made.setdefault(kind, SingleRank())
             self.ranks.setdefault(kind, [rank])
         if virtual is None and topology.context == 1:
             made["zero"], self.ranks["zero"] = made["data"], self.ranks["data"]
         if virtual is None and not topology.shard:
             made["shard"], self.ranks["shard"] = made["zero"], self.ranks["zero"]
-            made["replica"], self.ranks["replica"] = _SingleRank(), [rank]
+            made["replica"], self.ranks["replica"] = SingleRank(), [rank]
         for kind in ("secondary", "node", "across") if virtual is None else ():
             if kind not in made:
-                made[kind], self.ranks[kind] = _SingleRank(), [rank]
+                made[kind], self.ranks[kind] = SingleRank(), [rank]
         self.tensor, self.data, self.pipeline = made["tensor"], made["data"], made["pipeline"]
         self.expert, self.expert_data, self.model = made["expert"], made["expert_data"], made["model"]
         self.context = made["context"]  # the ranks sharing each sequence (zeroplus/parallel/context.py)
@@ -91,7 +91,7 @@ class ParallelGroups:
         # qgZ over several nodes: this rank's node and the ranks at its place in every node (one rank each when off)
         self.node, self.across = made["node"], made["across"]
         # the context ranks' two parts: the heads' all-to-all (Ulysses) and the K/V ring
-        single = _SingleRank()
+        single = SingleRank()
         self.context_ulysses, self.context_ring = self.context, single
         if context_mode == "ring":
             self.context_ulysses, self.context_ring = single, self.context
