@@ -26,7 +26,9 @@ from the tier (``tiered_master.py``), so the read overlaps compute and its gathe
 Peak gathered memory: the root unit, plus the unit computing, plus the prefetch window. On a CPU rank a released
 unit's bytes are parked for the next gather of their size in the same pass instead of going back to the kernel
 (``buffer_pool.py``: the pool is open from a forward's start to its last gather, and through a backward).
-Communication: every non-persistent unit is all-gathered twice per step (forward, backward).
+Communication: every non-persistent unit is all-gathered twice per step (forward, backward); under hpZ all but each
+step's first forward gather run within the secondary group (``flat_group.py``; see note: hpz), and under qwZ the
+gathers issued here carry int8 codes (``quantized_comm.py``; see note: qwz).
 See note: prefetch (docs/design-notes.md).
 """
 from __future__ import annotations
