@@ -318,6 +318,7 @@ def _check_and_warn(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives
     if simulated is None:
         check_packages(cfg, rank)
     _warn_inert_options(cfg)
+    _warn_flat_mics_gathers(cfg, parallel)
     _warn_mixed_dtypes(model, compute_dtype(cfg))
 
 
@@ -481,6 +482,22 @@ def _warn_mixed_dtypes(model: torch.nn.Module, dtype: torch.dtype) -> None:
                  for d, names in by_dtype.items() if d != dtype}
         log_rank0("the model's parameters come in %d dtypes; each is cast to the compute dtype %s (the forward "
                   "computes them in it): %s", len(by_dtype), str(dtype).split(".")[-1], other, level=logging.WARNING)
+
+
+def _warn_flat_mics_gathers(cfg: ResolvedConfig, parallel: ParallelGroups | None) -> None:
+    """``zero_optimization.mics_hierarchical_params_gather`` gathers a MiCS shard group in two levels where it spans
+    nodes; within one node (or without MiCS, as in DeepSpeed) there is nothing to change. Where the shard group spans
+    nodes, zeroplus gathers over it in one level (the same values): said once."""
+    if not cfg.zero_optimization.mics_hierarchical_params_gather:
+        return
+    shard = parallel.topology.shard if parallel is not None else 0
+    if not shard:
+        log_rank0("zero_optimization.mics_hierarchical_params_gather is set without mics_shard_size: it does "
+                  "nothing, as in DeepSpeed", level=logging.WARNING)
+    elif shard > ranks_per_node(cfg):
+        log_rank0("zero_optimization.mics_hierarchical_params_gather: the MiCS shard groups of %d ranks span nodes "
+                  "of %d, and zeroplus gathers them in one level (the same values; the two-level gather is not "
+                  "implemented yet)", shard, ranks_per_node(cfg), level=logging.WARNING)
 
 
 def _warn_inert_options(cfg: ResolvedConfig) -> None:

@@ -49,7 +49,7 @@ from .host_gemm_pool import held_bytes
 from .logs import log_rank0, setup_logging
 from .optim.build import describe_client_optimizer
 from .parallel.autotp import Undo
-from .parallel.groups import ParallelGroups, init_parallel
+from .parallel.groups import ParallelGroups, init_parallel, secondary_size, shard_size
 from .parallel.plans import split_by_own_plans, splits
 from .zero.init_shards import shard_of
 
@@ -117,6 +117,7 @@ def _assemble(model: torch.nn.Module, cfg: Any, parallel: ParallelGroups, accel:
     _check_budget_covers(cfg, parallel)
     pipelined = parallel.topology.pipeline > 1
     cfg = resolved(_plan(model, cfg, dp, held), recompute_unset=recompute_unset)  # frozen from here
+    parallel, dp = _groups_of_plan(cfg, parallel, dp, process_group)
     _check_resolved(cfg, wrapper is not None, accel)
     # predicted at the first forward, from the shapes and dtypes of its real batch (whatever the model takes)
     source = _estimate_source(model, cfg, parallel, optimizer) if not pipelined else None
@@ -189,6 +190,17 @@ def _plan(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any,
     settings, reason = outcome
     log_rank0("planner: %s", reason)
     return apply_settings(cfg, settings)
+
+
+def _groups_of_plan(cfg: Any, parallel: ParallelGroups, dp: Any, process_group: Any) -> tuple[ParallelGroups, Any]:
+    """The planner chose a layout with groups of its own ('auto' in ``mics_shard_size`` or ``zero_hpz_partition_size``,
+    see note: planner links): those groups, made now on every rank (each took rank 0's plan), and the data group
+    again; else the groups as they are."""
+    world = parallel.topology.world_size
+    if (parallel.topology.shard, parallel.topology.secondary) == (shard_size(cfg, world), secondary_size(cfg, world)):
+        return parallel, dp
+    parallel = init_parallel(cfg, replace=True)
+    return parallel, DataParallelGroup(process_group) if process_group is not None else parallel.zero
 
 
 def split_by_plans(model: torch.nn.Module, parallel: ParallelGroups, capacity_factor: float | None = None) -> Undo:

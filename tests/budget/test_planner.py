@@ -213,3 +213,54 @@ def test_sizes_and_config_errors():
         zeroplus.initialize(_model(), cfg)
     with pytest.raises(ConfigError, match="are 'auto'"):
         zeroplus.estimate(_model, _config("16GB"), world_size=2, seq_len=SEQ)
+
+
+def _tiny() -> GPT:
+    return GPT(gpt_config("tiny", block_size=SEQ))
+
+
+def _nodes_config(budget: int | None = None) -> dict:
+    """Stage 3 in fp32 on 4 ranks as 2 nodes of 2, MiCS and hpZ left to the planner."""
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 3, "mics_shard_size": "auto", "zero_hpz_partition_size": "auto"},
+            "zeroplus": {"log_level": "warning", "memory_budget": budget, "seq_len": SEQ, "node_size": 2,
+                         "resize_recompute": {"enabled": False}}}
+
+
+def test_across_nodes_the_layout_that_fits_with_the_fewest_bytes_between_nodes():
+    """MiCS over a node sends least across nodes (the gradient shards once a step), hpZ next (each step's first
+    gathers and the reductions), flat ZeRO-3 most; MiCS holds the most (model states over 2 ranks, not 4). A budget
+    MiCS fits gets MiCS; one only hpZ and flat fit gets hpZ; the reason says the bytes on each link."""
+    def peak(shard: int, secondary: int) -> int:
+        cfg = apply_settings(parse_config(_nodes_config())[0], Settings(3, None, False, False, shard=shard,
+                                                                         secondary=secondary))
+        return zeroplus.estimate(_tiny, cfg, world_size=4, seq_len=SEQ).peak_bytes
+
+    flat, mics, hpz = peak(0, 0), peak(2, 0), peak(0, 2)
+    assert flat <= hpz < mics, (flat, hpz, mics)  # (the tiny GPT's peak is its activations': hpZ's copy fits beside)
+    chosen = [plan(_tiny, _nodes_config(budget), world_size=4) for budget in (mics, hpz)]
+    assert [(c.settings.shard, c.settings.secondary) for c in chosen] == [(2, 0), (0, 2)], [c.reason for c in chosen]
+    assert all(c.links["inter_node"] > 0 and "across nodes" in c.reason for c in chosen), [c.reason for c in chosen]
+    assert chosen[0].links["inter_node"] < chosen[1].links["inter_node"], [c.links for c in chosen]
+
+
+def _planned_layout(budget: int) -> tuple[int, int]:
+    from zeroplus.parallel import reset_parallel
+    torch.manual_seed(0)
+    engine = zeroplus.initialize(_tiny(), _nodes_config(budget))
+    x = torch.randint(0, 256, (2, SEQ))
+    engine.backward(engine(x, x))
+    engine.step()
+    out = engine.partition.groups[0].dp.size, engine.config.zero_optimization.mics_shard_size
+    engine.destroy()
+    reset_parallel()
+    return out
+
+
+def test_initialize_makes_the_groups_of_the_layout_the_planner_chose():
+    """'auto' MiCS with room for it: every rank's engine partitions over its node's 2 ranks (the groups made after
+    the plan) and trains a step."""
+    budget = 4 * 2**30
+    for rank, (partitioned, shard) in enumerate(run_distributed(_planned_layout, 4, budget)):
+        assert (partitioned, shard) == (2, 2), (rank, partitioned, shard)

@@ -11,7 +11,7 @@ the token length the activations are predicted for (``initialize`` sees no input
 1. Candidates: every combination of the ``"auto"`` keys (stages 0-3; ratio none, 0.25, 0.5,
    0.75, 1 when an offload device is set; shared master weights off/on in bf16; resize
    recompute off/on; bf16 moments off/on for the config's Adam or AdamW; bf16 masters off/on in bf16, not beside
-   shared masters or offloaded parameters).
+   shared masters or offloaded parameters; over several nodes, MiCS and hpZ over a node off/on: ``links``).
 2. Each gets a cost before anything is simulated, in seconds per optimizer step on a nominal
    machine (``BANDWIDTH``): its collectives' bytes per rank (ring all-reduce 2 c P (N-1)/N;
    reduce-scatter and all-gather c P (N-1)/N each; stages 2-3 reduce every micro-batch, stage 3
@@ -42,6 +42,7 @@ import torch
 from ..config import ConfigError, ZeroplusConfig, ZeroStage, load_config, parse_bytes
 from ..optim.build import resolve_optimizer_class
 from ..optim.stored_states import stored_states_class
+from ..parallel.groups import ranks_per_node
 from .estimate import MemoryBudget, estimate
 
 # Nominal bandwidths (bytes/s) the costs are computed with: only their ratios order candidates.
@@ -63,9 +64,15 @@ class Settings:
     recompute: bool
     states: bool = False     # the 'auto' moments in bf16 (lossy)
     masters: bool = False    # bf16 master weights (lossy)
+    shard: int = 0           # MiCS over this many ranks (a node); 0: not MiCS
+    secondary: int = 0       # hpZ over this many ranks (a node); 0: not hpZ
 
     def describe(self) -> str:
         parts = [f"ZeRO stage {self.stage}"]
+        if self.shard:
+            parts.append(f"MiCS over {self.shard} ranks")
+        if self.secondary:
+            parts.append(f"hpZ over {self.secondary} ranks")
         if self.ratio is not None:
             parts.append(f"optimizer states offloaded at ratio {self.ratio:g}")
         if self.shared:
@@ -94,13 +101,17 @@ class Plan:
     budget_bytes: int
     reason: str
     tried: list[tuple[Settings, int]]  # (candidate, predicted peak) in the order simulated
+    links: dict[str, int] = dataclasses.field(default_factory=dict)  # the choice's bytes a step within / across nodes
 
     def apply(self, cfg: ZeroplusConfig) -> ZeroplusConfig:
         return apply_settings(cfg, self.settings)
 
 
-def _candidates(cfg: ZeroplusConfig) -> list[Settings]:
+def _candidates(cfg: ZeroplusConfig, world_size: int = 1) -> list[Settings]:
     zero, zp = cfg.zero_optimization, cfg.zeroplus
+    node = _node(cfg, world_size)
+    shards = [0, node] if zero.mics_shard_size == "auto" and node else [0]
+    secondaries = [0, node] if zero.zero_hpz_partition_size == "auto" and node else [0]
     stages = [0, 1, 2, 3] if zero.stage == "auto" else [int(zero.stage)]
     if zero.stage == "auto" and zp.parallel.pipeline > 1:  # stage 3 beside pipelines is refused (topology.py)
         stages = [0, 1, 2]
@@ -121,13 +132,25 @@ def _candidates(cfg: ZeroplusConfig) -> list[Settings]:
         _adam(cfg) else [False]
     masters = [False, True] if zp.master_weights.dtype == "auto" and bf16 and not zero.offloads_params else [False]
     out = []
-    for stage, ratio, sh, rc, st, ms in itertools.product(stages, ratios, shared, recompute, states, masters):
+    for stage, ratio, sh, rc, st, ms, shard, secondary in itertools.product(stages, ratios, shared, recompute, states,
+                                                                            masters, shards, secondaries):
         if ratio is not None and stage == 0:
             continue  # offload needs a partitioned optimizer
         if ms and sh:
             continue  # bf16 and shared masters exclude each other
-        out.append(Settings(stage, ratio, sh, rc, st, ms))
+        if (shard and (stage == 0 or secondary)) or (secondary and stage != 3):
+            continue  # MiCS shards at stages 1-3, hpZ serves stage 3's gathers, not both (topology.py)
+        out.append(Settings(stage, ratio, sh, rc, st, ms, shard, secondary))
     return out
+
+
+def _node(cfg: ZeroplusConfig, world_size: int) -> int:
+    """The ranks of a node where the data ranks span several whole nodes beside plain data parallelism (what MiCS
+    and hpZ can be laid over), else 0."""
+    par = cfg.zeroplus.parallel
+    node = ranks_per_node(cfg)
+    plain = (par.tensor, par.pipeline, par.expert, par.context) == (1, 1, 1, 1)
+    return node if plain and 1 < node < world_size and world_size % node == 0 else 0
 
 
 def _adam(cfg: ZeroplusConfig) -> bool:
@@ -159,16 +182,48 @@ def apply_settings(cfg: ZeroplusConfig, s: Settings) -> ZeroplusConfig:
             setattr(moments, key, "bf16" if s.states else "fp32")
     if out.zeroplus.master_weights.dtype == "auto":
         out.zeroplus.master_weights.dtype = "bf16" if s.masters else "fp32"
+    zero = out.zero_optimization
+    if zero.mics_shard_size == "auto":
+        zero.mics_shard_size = s.shard or -1
+    if zero.zero_hpz_partition_size == "auto":
+        zero.zero_hpz_partition_size = s.secondary or 1
     return out
 
 
-def cost(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int) -> float:
-    """Seconds per optimizer step spent moving bytes, on the nominal machine of ``BANDWIDTH``."""
+def links(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int) -> dict[str, int]:
+    """Bytes a rank sends a step within a node (``intra_node``) and across nodes (``inter_node``), as rings move them
+    (a collective's message times (n - 1) / n over its n ranks): stages 0-1 all-reduce or reduce-scatter and gather
+    the model once a step (2 c P), stage 2 reduces every micro-batch ((A + 1) c P), stage 3 gathers twice and reduces
+    once every micro-batch (3 A c P). On one node everything is within it; across several, a flat layout's groups span
+    them. MiCS over a node keeps its collectives within the node and all-reduces the gradient shard (fp32 when
+    accumulating) across the replicas once a step; hpZ gathers across only each step's first forward, the other
+    2A - 1 passes within the node (see note: planner links)."""
     c = 2 if (cfg.bf16.enabled is True or cfg.fp16.enabled is True) else 4
     ga = int(cfg.gradient_accumulation_steps or 1)
-    ring = (world_size - 1) / world_size
+    node = _node(cfg, world_size)
+
+    def ring(n: int) -> float:
+        return (n - 1) / n
+
     moved = {0: 2 * c * params, 1: 2 * c * params, 2: (ga + 1) * c * params, 3: 3 * ga * c * params}[s.stage]
-    seconds = ring * moved / BANDWIDTH["comm"]
+    if s.shard:
+        replicas, grad = world_size // s.shard, 4 if ga > 1 else c
+        return {"intra_node": int(ring(s.shard) * moved),
+                "inter_node": int(2 * ring(replicas) * grad * params / s.shard)}
+    if s.secondary:
+        return {"intra_node": int(ring(s.secondary) * (2 * ga - 1) * c * params),
+                "inter_node": int(ring(world_size) * (1 + ga) * c * params)}
+    return {"intra_node": 0 if node else int(ring(world_size) * moved),
+            "inter_node": int(ring(world_size) * moved) if node else 0}
+
+
+def cost(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int) -> float:
+    """Seconds per optimizer step spent moving bytes, on the nominal machine of ``BANDWIDTH``: at its ``comm``
+    bandwidth, where the ranks span several nodes across them and ``zeroplus.link_ratio`` times faster within one
+    (``links``)."""
+    moved = links(cfg, s, params, world_size)
+    within = moved["intra_node"] / (cfg.zeroplus.link_ratio if _node(cfg, world_size) else 1.0)
+    seconds = (moved["inter_node"] + within) / BANDWIDTH["comm"]
     owned = params / (world_size if ZeroStage(s.stage).partitions else 1)
     block = cfg.zero_optimization.offload_optimizer
     if s.ratio is not None and block is not None:
@@ -200,7 +255,8 @@ def plan(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dict[st
             raise ConfigError("planning to config key 'zeroplus.memory_budget' needs the input's length: set "
                               "'zeroplus.seq_len' (activations are predicted for micro-batches of that many tokens)")
     params = _count_params(model)
-    ordered = sorted(_candidates(cfg), key=lambda s: (s.lossy, cost(cfg, s, params, world_size), s.techniques))
+    ordered = sorted(_candidates(cfg, world_size),
+                     key=lambda s: (s.lossy, cost(cfg, s, params, world_size), s.techniques))
     if not ordered:
         raise ConfigError("config key 'zero_optimization.offload_optimizer' needs ZeRO stage 1, 2 or 3 (stage is 0), "
                           "so no choice is left to plan")
@@ -210,7 +266,9 @@ def plan(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dict[st
                         micro_batch_size=micro_batch_size, seq_len=seq_len, example_inputs=example_inputs,
                         code=code, pooled=pooled)
 
-    frugal = max(ordered, key=lambda s: (s.stage, s.ratio or 0.0, s.recompute, s.masters, s.shared, s.states))
+    # (MiCS keeps model states over a node's ranks only, hpZ a copy of the blocks: the frugal choice is neither)
+    frugal = max(ordered, key=lambda s: (s.stage, not s.shard, not s.secondary, s.ratio or 0.0, s.recompute,
+                                         s.masters, s.shared, s.states))
     least = predict(frugal)
     if log is not None:
         log(f"planner: the most frugal choice, {frugal.describe()}: predicted peak {_gib(least.peak_bytes)}")
@@ -228,12 +286,14 @@ def plan(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dict[st
             log(f"planner: {s.describe()}: predicted peak {_gib(predicted.peak_bytes)} in {predicted.peak_phase}")
         if predicted.peak_bytes <= limit:
             misses = "; ".join(f"{t.describe()} needs {_gib(p)}" for t, p in tried[:-1])
+            moved = links(cfg, s, params, world_size)
             reason = (f"{s.describe()} fits the budget of {_gib(limit)} with a predicted peak of "
                       f"{_gib(predicted.peak_bytes)} in {predicted.peak_phase}; of {len(ordered)} choices it is the "
-                      f"one that fits and moves the fewest bytes per step"
+                      f"one that fits and moves the fewest bytes per step (a rank's: {_gib(moved['inter_node'])} "
+                      f"across nodes, {_gib(moved['intra_node'])} within one)"
                       + (", and no exact choice fits" if s.lossy else "")
                       + (f" (cheaper ones do not fit: {misses})" if misses else ""))
-            return Plan(s, predicted, limit, reason, tried)
+            return Plan(s, predicted, limit, reason, tried, moved)
     raise AssertionError("the most frugal choice fitted, so some choice must")
 
 

@@ -117,7 +117,7 @@ class ZeroConfig(Block):
     ds_unimplemented = frozenset({
         "round_robin_gradients", "elastic_checkpoint", "load_from_fp32_weights",
         "ignore_unused_parameters",
-        "mics_hierarchical_params_gather", "memory_efficient_linear", "stage3_module_granularity_threshold",
+        "memory_efficient_linear", "stage3_module_granularity_threshold",
         "cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory", "legacy_stage1",
         "use_multi_rank_bucket_allreduce", "pipeline_loading_checkpoint", "override_module_apply",
         "log_trace_cache_warnings", "use_all_reduce_for_fetch_params", "save_muon_momentum_buffer_in_memory",
@@ -148,15 +148,21 @@ class ZeroConfig(Block):
     sub_group_size: int = Field(1_000_000_000, ge=1, description="Elements per optimizer sub-group.")
     offload_optimizer: OffloadOptimizerConfig | None = None
     offload_param: OffloadParamConfig | None = None
-    mics_shard_size: int = Field(
+    mics_shard_size: int | Auto = Field(
         -1, description="MiCS / HSDP: ZeRO shards over groups of this many consecutive data ranks and replicates "
                         "across the groups, the gradients reduce-scattered within a group and all-reduced across "
-                        "(stages 1-3, beside data parallelism only; -1 or the data-parallel size: every data rank).")
-    zero_hpz_partition_size: int = Field(
+                        "(stages 1-3, beside data parallelism only; -1 or the data-parallel size: every data rank); "
+                        "'auto': the planner chooses the node's ranks or -1 (zeroplus.memory_budget).")
+    mics_hierarchical_params_gather: bool = Field(
+        False, description="MiCS: gather a shard group that spans nodes in two levels. Within one node there is "
+                           "nothing to change; across nodes zeroplus gathers in one level (the same values) and "
+                           "says so.")
+    zero_hpz_partition_size: int | Auto = Field(
         1, description="hpZ (ZeRO++): at stage 3 each gathered unit's values are also kept split over groups of this "
                        "many consecutive data ranks (a node), so its later gathers until the next step (backward, "
                        "recompute, further micro-batches) stay within the group; 1 or the data-parallel size: off. "
-                       "Costs the unit's values / this size per rank in the compute dtype from forward to the step.")
+                       "Costs the unit's values / this size per rank in the compute dtype from forward to the step; "
+                       "'auto': the planner chooses the node's ranks or 1 (zeroplus.memory_budget).")
     zero_quantized_weights: bool = Field(
         False, description="qwZ (ZeRO++): stage 3's training gathers send int8 codes with a scale per 256 elements "
                            "(1.016 bytes an element on the wire); every rank computes with the same dequantized "
@@ -436,6 +442,10 @@ class ZeroplusBlock(Block):
         600.0, description="Seconds any collective may wait for the other ranks before every waiting rank raises, "
                            "naming the collective and the rank that did not arrive; applied to the process groups "
                            "zeroplus creates (torch's own default is 30 minutes).")
+    link_ratio: PositiveFloat = Field(
+        8.0, description="How many times faster a node's own links are than those between nodes: the planner weighs "
+                         "each layout's bytes within and across nodes by it ('auto' in mics_shard_size or "
+                         "zero_hpz_partition_size).")
     node_size: PositiveInt | None = Field(
         None, description="Ranks per node (consecutive global ranks, as torchrun numbers them), for the comms log's "
                           "split of bytes within and across nodes and qgZ's two levels; unset: the launch's "

@@ -232,4 +232,6 @@ def auto_keys(cfg: ZeroplusConfig) -> list[str]:
              if getattr(zp.optimizer_states, k) == "auto"]
     if zp.master_weights.dtype == "auto":
         keys.append("zeroplus.master_weights.dtype")
+    keys += [f"zero_optimization.{k}" for k in ("mics_shard_size", "zero_hpz_partition_size")
+             if getattr(zero, k) == "auto"]
     return keys

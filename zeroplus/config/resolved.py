@@ -47,6 +47,8 @@ class ResolvedZeroConfig(ZeroConfig):
     reduce_bucket_size: PositiveInt = 500_000_000
     stage3_prefetch_bucket_size: NonNegativeInt | None = None
     stage3_param_persistence_threshold: NonNegativeInt = 100_000
+    mics_shard_size: int = -1
+    zero_hpz_partition_size: int = 1
     offload_optimizer: ResolvedOffloadOptimizerConfig | None = None
 
 

@@ -161,6 +161,7 @@ def shard_size(spec: Any, world: int) -> int:
     if isinstance(spec, Topology):
         return spec.shard
     asked = spec.zero_optimization.mics_shard_size if spec is not None else -1
+    asked = -1 if asked == "auto" else asked  # (the planner's, once it has chosen: groups made again)
     tensor, pipeline, _, _ = _sizes(spec) if spec is not None else (1, 1, 1, 1)
     return 0 if asked in (-1, world // (tensor * pipeline)) else asked
 
@@ -171,6 +172,7 @@ def secondary_size(spec: Any, world: int) -> int:
     if isinstance(spec, Topology):
         return spec.secondary
     asked = spec.zero_optimization.zero_hpz_partition_size if spec is not None else 1
+    asked = 1 if asked == "auto" else asked  # (the planner's, once it has chosen: groups made again)
     tensor, pipeline, _, _ = _sizes(spec) if spec is not None else (1, 1, 1, 1)
     return 0 if asked in (1, world // (tensor * pipeline)) else asked
 
