@@ -143,3 +143,20 @@ class PlainLamb(torch.optim.Optimizer):
 def close_to(a: torch.Tensor, b: torch.Tensor, rel: float) -> bool:
     """``a`` within ``rel`` of the largest magnitude of ``b`` everywhere (a kernel's tolerance against its twin)."""
     return bool((a - b).abs().max() <= rel * b.abs().max())
+
+
+def initialize_says(build: Callable[[], torch.nn.Module], configs: list[dict]) -> list[str]:
+    """What ``zeroplus.initialize`` answers on this rank for each of ``configs``, a fresh ``build()`` each: its error's
+    text, or "accepted" (that engine destroyed); the parallel groups reset after each (a layout's groups stay until
+    then, and the next config may ask for another)."""
+    import zeroplus
+    from zeroplus.parallel import reset_parallel
+    said = []
+    for config in configs:
+        try:
+            zeroplus.initialize(build(), config).destroy()
+            said.append("accepted")
+        except (zeroplus.ConfigError, ValueError) as err:
+            said.append(str(err))
+        reset_parallel()
+    return said

@@ -22,8 +22,7 @@ import torch
 import zeroplus
 from tests.dist_helper import rank_and_world, run_distributed
 from tests.models import ParityNet, make_batches
-from tests.reference import engine_train
-from zeroplus.config import ConfigError
+from tests.reference import engine_train, initialize_says
 from zeroplus.ledger import Category
 from zeroplus.parallel import reset_parallel
 
@@ -99,15 +98,7 @@ REFUSED = [((2, 2, -1), "ZeRO stage 2 gathers no parameters"),
 
 
 def _refused() -> list[str]:
-    said = []
-    for (stage, hpz, mics), _ in REFUSED:
-        try:
-            zeroplus.initialize(ParityNet(), _config(hpz, stage, mics))
-            said.append("accepted")
-        except (ConfigError, ValueError) as err:
-            said.append(str(err))
-        reset_parallel()
-    return said
+    return initialize_says(ParityNet, [_config(hpz, stage, mics) for (stage, hpz, mics), _ in REFUSED])
 
 
 def test_what_hpz_cannot_run_is_refused_on_every_rank():

@@ -21,8 +21,7 @@ import torch
 import zeroplus
 from tests.dist_helper import rank_and_world, run_distributed
 from tests.models import ParityNet, make_batches
-from tests.reference import engine_train, reference_train
-from zeroplus.config import ConfigError
+from tests.reference import engine_train, initialize_says, reference_train
 from zeroplus.ledger import Category
 from zeroplus.parallel import reset_parallel
 
@@ -120,15 +119,7 @@ REFUSED = [(0, 2, "ZeRO stage 0 shards nothing"),
 
 
 def _refused() -> list[str]:
-    said = []
-    for stage, shard, _ in REFUSED:
-        try:
-            zeroplus.initialize(ParityNet(), _config(stage, shard=shard))
-            said.append("accepted")
-        except (ConfigError, ValueError) as err:
-            said.append(str(err))
-        reset_parallel()
-    return said
+    return initialize_says(ParityNet, [_config(stage, shard=shard) for stage, shard, _ in REFUSED])
 
 
 def test_what_mics_cannot_run_is_refused_on_every_rank():
