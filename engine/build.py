@@ -209,7 +209,7 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
     try:
         partition = make_partition(model, cfg, zero, ledger, dtype, group_of, param_offload, experts,
                                    UnitPlacement(accel.device(), dtype, _broadcast_group(dp, experts), flattened),
-                                   secondary, _node_groups(dp, parallel))
+                                   secondary, _node_groups(zero, parallel))
     except OSError as err:  # writing the offloaded shards failed (a full disk)
         if param_offload is None:
             raise
@@ -292,10 +292,14 @@ def _secondary_group(cfg: ResolvedConfig, dp: Collectives, parallel: ParallelGro
     return parallel.secondary
 
 
-def _node_groups(dp: Collectives, parallel: ParallelGroups | None) -> tuple[Collectives, Collectives] | None:
-    """qgZ's two levels (see note: qgz): this rank's node and the ranks at its place in every node, where the topology
-    has nodes (``parallel.groups.node_split``) and ZeRO partitions over its zero group; else None (one level)."""
-    if parallel is None or not parallel.topology.node or dp is not parallel.zero:
+def _node_groups(zero: Collectives, parallel: ParallelGroups | None) -> tuple[Collectives, Collectives] | None:
+    """Two-level collectives (qgZ's, see note: qgz; MiCS's gather, see note: mics hierarchical gather): this rank's
+    node and the ranks at its place in every node of the group ZeRO partitions over (``zero``), where the topology has
+    nodes (``parallel.groups.node_split``) and ``zero`` is its shard group (the zero group without MiCS); else None
+    (one level)."""
+    if parallel is None or not parallel.topology.node:
+        return None
+    if zero is not (parallel.shard if parallel.topology.shard else parallel.zero):
         return None
     return parallel.node, parallel.across
 
@@ -414,7 +418,7 @@ def make_partition(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Collectives,
     """The partition of ``model`` as ``cfg`` asks (the engine's, and the budget's model-state count's, whose
     config has the ZeRO block resolved but may lack a batch triple). ``placement``: the engine moves the
     model to the device and dtype through it, one unit at a time (``zero/placement.py``). ``secondary``: hpZ's
-    group (``_secondary_group``); ``nodes``: qgZ's two levels (``_node_groups``)."""
+    group (``_secondary_group``); ``nodes``: two-level collectives (``_node_groups``)."""
     accumulation = cfg.gradient_accumulation_steps if isinstance(cfg.gradient_accumulation_steps, int) else 1
     return ZeroPartition(model, resolved_zero(cfg.zero_optimization), dp, ledger, dtype, group_of,
                          cfg.zeroplus.unit_modules, accumulation,
@@ -485,19 +489,28 @@ def _warn_mixed_dtypes(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 def _warn_flat_mics_gathers(cfg: ResolvedConfig, parallel: ParallelGroups | None) -> None:
-    """``zero_optimization.mics_hierarchical_params_gather`` gathers a MiCS shard group in two levels where it spans
-    nodes; within one node (or without MiCS, as in DeepSpeed) there is nothing to change. Where the shard group spans
-    nodes, zeroplus gathers over it in one level (the same values): said once."""
-    if not cfg.zero_optimization.mics_hierarchical_params_gather:
+    """``zero_optimization.mics_hierarchical_params_gather`` gathers a MiCS shard group that spans nodes in two levels
+    (``zero/two_level_gather.py``); within one node there is nothing to change, and without ``mics_shard_size`` it does
+    nothing, as in DeepSpeed (said once). Where the shard groups do not split into whole nodes, the gathers run in one
+    level (the same values): said once."""
+    zero = cfg.zero_optimization
+    if not zero.mics_hierarchical_params_gather:
         return
-    shard = parallel.topology.shard if parallel is not None else 0
-    if not shard:
+    if zero.mics_shard_size == -1 or parallel is None:
         log_rank0("zero_optimization.mics_hierarchical_params_gather is set without mics_shard_size: it does "
                   "nothing, as in DeepSpeed", level=logging.WARNING)
-    elif shard > ranks_per_node(cfg):
-        log_rank0("zero_optimization.mics_hierarchical_params_gather: the MiCS shard groups of %d ranks span nodes "
-                  "of %d, and zeroplus gathers them in one level (the same values; the two-level gather is not "
-                  "implemented yet)", shard, ranks_per_node(cfg), level=logging.WARNING)
+        return
+    topology, node = parallel.topology, ranks_per_node(cfg)
+    part = topology.shard or topology.data * topology.context
+    if part <= node or node == 1:  # (nodes of one rank: the one level is the two)
+        return
+    if topology.node:
+        log_rank0("zero_optimization.mics_hierarchical_params_gather: the MiCS shard groups of %d ranks gather in two "
+                  "levels, across the %d nodes of %d ranks and then within each", part, part // node, node)
+    else:
+        log_rank0("zero_optimization.mics_hierarchical_params_gather: the MiCS shard groups of %d ranks do not split "
+                  "into whole nodes of %d (or run beside other parallelism), and zeroplus gathers them in one level "
+                  "(the same values)", part, node, level=logging.WARNING)
 
 
 def _warn_inert_options(cfg: ResolvedConfig) -> None:

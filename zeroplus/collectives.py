@@ -88,6 +88,16 @@ class ScalarSum(Protocol):
     def sum_scalar(self, value: torch.Tensor) -> torch.Tensor: ...
 
 
+class AllGather(Protocol):
+    """An all-gather over a group and its rank and size: ``Collectives`` provides it, and so does MiCS's two-level
+    gather (``zero/two_level_gather.py``), which the parameters' gathers take where the config asks for it."""
+
+    rank: int
+    size: int
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Handle: ...
+
+
 class Collectives(Protocol):
     """What the layers above ask of a data-parallel group: ``DataParallelGroup`` (a process group) and the
     estimator's ``VirtualGroup`` (one rank of any size simulated in one process, nothing moved:

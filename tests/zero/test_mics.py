@@ -126,26 +126,3 @@ def test_what_mics_cannot_run_is_refused_on_every_rank():
     for rank, said in enumerate(run_distributed(_refused, 4)):
         for (stage, shard, message), line in zip(REFUSED, said):
             assert message in line and f"rank {rank}" in line, (rank, stage, shard, line)
-
-
-def _hierarchical_warnings() -> list[bool]:
-    import logging
-    said: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("zeroplus").addHandler(handler)
-    out = []
-    for node in (1, 2):  # shard groups of 2 over nodes of 1 (spanning them), then of 2 (within one)
-        config = _config(3) | {"zeroplus": {"log_level": "warning", "node_size": node}}
-        config["zero_optimization"]["mics_hierarchical_params_gather"] = True
-        said.clear()
-        zeroplus.initialize(ParityNet(), config).destroy()
-        reset_parallel()
-        out.append(any("mics_hierarchical_params_gather" in line and "one level" in line for line in said))
-    logging.getLogger("zeroplus").removeHandler(handler)
-    return out
-
-
-def test_a_hierarchical_gather_over_shard_groups_that_span_nodes_is_said_to_run_in_one_level():
-    spans, within = run_distributed(_hierarchical_warnings, 4)[0]  # (rank 0 logs)
-    assert spans and not within

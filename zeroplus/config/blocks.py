@@ -154,9 +154,11 @@ class ZeroConfig(Block):
                         "(stages 1-3, beside data parallelism only; -1 or the data-parallel size: every data rank); "
                         "'auto': the planner chooses the node's ranks or -1 (zeroplus.memory_budget).")
     mics_hierarchical_params_gather: bool = Field(
-        False, description="MiCS: gather a shard group that spans nodes in two levels. Within one node there is "
-                           "nothing to change; across nodes zeroplus gathers in one level (the same values) and "
-                           "says so.")
+        False, description="MiCS: the parameters' gathers over a shard group that spans nodes run in two levels, "
+                           "across the nodes among the ranks at one place in each, then within each node, so each "
+                           "rank receives 1/(ranks per node) of the bytes across nodes it would in one level "
+                           "(zeroplus.node_size or the launch's LOCAL_WORLD_SIZE). Within one node there is nothing "
+                           "to change; without mics_shard_size it does nothing, as in DeepSpeed.")
     zero_hpz_partition_size: int | Auto = Field(
         1, description="hpZ (ZeRO++): at stage 3 each gathered unit's values are also kept split over groups of this "
                        "many consecutive data ranks (a node), so its later gathers until the next step (backward, "

@@ -191,18 +191,25 @@ def ranks_per_node(spec: Any) -> int:
 
 
 def node_split(spec: Any, world: int) -> int:
-    """qgZ's two levels for a parsed config or a ``Topology`` over ``world`` ranks: the ranks per node where the
-    gradients are quantized (``zero_optimization.zero_quantized_gradients``) and the data ranks span whole nodes
-    (more than one, beside plain data parallelism), else 0 (one level)."""
+    """Two-level collectives for a parsed config or a ``Topology`` over ``world`` ranks: the ranks per node where the
+    ranks ZeRO shards over (MiCS's shard group, else the zero group) span whole nodes, more than one, beside plain data
+    parallelism, and something runs in two levels there: qgZ's reduce-scatter (``zero_optimization.
+    zero_quantized_gradients``) or MiCS's gather (``mics_hierarchical_params_gather`` with ``mics_shard_size`` set,
+    as in DeepSpeed, the whole zero group included); else 0 (one level)."""
     if isinstance(spec, Topology):
         return spec.node
-    if spec is None or not spec.zero_optimization.zero_quantized_gradients:
+    if spec is None:
         return 0
+    zero_cfg = spec.zero_optimization
     tensor, pipeline, expert, context = _sizes(spec)
     zero = world // (tensor * pipeline)
+    part = shard_size(spec, world) or zero
+    gathers = zero_cfg.mics_hierarchical_params_gather and zero_cfg.mics_shard_size not in (-1, "auto")
+    if not (zero_cfg.zero_quantized_gradients or gathers):
+        return 0
     size = ranks_per_node(spec)
-    plain = (tensor, pipeline, expert, context) == (1, 1, 1, 1) and shard_size(spec, world) == 0
-    return size if plain and 1 < size < zero and zero % size == 0 else 0
+    plain = (tensor, pipeline, expert, context) == (1, 1, 1, 1)
+    return size if plain and 1 < size < part and part % size == 0 else 0
 
 
 def _span(spec: Any) -> bool:

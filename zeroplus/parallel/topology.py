@@ -73,7 +73,8 @@ class Topology:
     # split over groups of this many consecutive ranks of the zero group ("secondary"), for the gathers until the next
     # step; 0: none
     secondary: int = 0
-    # qgZ's two levels (``zero_optimization.zero_quantized_gradients`` over several nodes): the zero group as nodes of
+    # two-level collectives over several nodes (qgZ's reduce-scatter, ``zero_optimization.zero_quantized_gradients``;
+    # MiCS's gather, ``mics_hierarchical_params_gather``): each shard group (the zero group without MiCS) as nodes of
     # this many consecutive ranks ("node") and the ranks at one place in each ("across"); 0: one level
     node: int = 0
 
@@ -97,6 +98,11 @@ class Topology:
         if self.secondary:
             self._check_tiling("zero_hpz_partition_size", self.secondary, "the ranks of a node's secondary copy",
                                "hpZ runs")
+        if self.node:
+            part = self.shard or self.data * self.context
+            if not 1 < self.node < part or part % self.node:
+                raise ValueError(f"nodes of {self.node} ranks must tile the {part} ranks ZeRO shards over in at "
+                                 f"least 2 nodes for two-level collectives")
         if self.experts_span_tensor:
             self._check_span()
         elif self.data % self.expert:
@@ -201,9 +207,9 @@ class Topology:
         if kind in ("secondary", "node"):
             size = (self.secondary if kind == "secondary" else self.node) or 1
             return [z[i:i + size] for z in self.groups("zero") for i in range(0, len(z), size)]
-        if kind == "across":
-            size = self.node or D * C
-            return [z[j::size] for z in self.groups("zero") for j in range(size)]
+        if kind == "across":  # (within each shard group)
+            size = self.node or self.shard or D * C
+            return [s[j::size] for s in self.groups("shard") for j in range(size)]
         raise ValueError(f"unknown group kind {kind!r}; one of {KINDS}")
 
     def group_of(self, kind: str, rank: int) -> list[int]:
@@ -226,7 +232,7 @@ class Topology:
         if self.secondary:
             sharded += f"; ZeRO-3 keeps a secondary copy over {self.secondary} ranks (hpZ)"
         if self.node:
-            sharded += f"; gradients quantized in two levels over nodes of {self.node} ranks (qgZ)"
+            sharded += f"; two-level collectives over nodes of {self.node} ranks"
         return f"{self.world_size} ranks = " + " x ".join(parts) + sharded
 
 

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from ..collectives import Collectives, Handle
+from ..collectives import AllGather, Collectives, Handle
 from ..config import ZeroStage
 from ..ledger import Category, Ledger
 from ..offload.policies import MasterPolicy
@@ -61,6 +61,7 @@ from .group_grad import GroupGrad
 from .master_store import Bf16Master, FullMaster, MasterStore, SharedMaster
 from .param_status import ParamStatus, mark
 from .tiered_master import TieredMaster
+from .two_level_gather import TwoLevelGather
 
 FLAT_ATTR = "_zeroplus_flat_group"
 
@@ -121,7 +122,7 @@ class FlatParamGroup:
                  stage: ZeroStage, dp: Collectives, compute_dtype: torch.dtype, ledger: Ledger,
                  master: MasterPolicy = MasterPolicy(), device: torch.device | None = None,
                  trainable: bool = True, expert_ranks: list[int] | None = None,
-                 secondary: Collectives | None = None) -> None:
+                 secondary: Collectives | None = None, levels: TwoLevelGather | None = None) -> None:
         """``master``: shared storage, rounding, and the tier for the master shard (stage 3, ``tiered_master.py``).
         ``device``: where the flat buffer lives (default: the first parameter's device); the parameters are copied
         into it from wherever they are, cast to ``compute_dtype`` (a parameter ``zeroplus.Init`` partitioned is
@@ -130,7 +131,8 @@ class FlatParamGroup:
         note: frozen groups). ``expert_ranks``: an expert's parameters, partitioned over the expert-data group
         ``dp``; the data rank whose checkpoint file holds each of its ranks' shards. ``secondary``: hpZ's group
         (stage 3, consecutive ranks of ``dp``) over which the values gathered for a forward are kept until the next
-        step (``release(keep_secondary=True)``); None or one rank: none."""
+        step (``release(keep_secondary=True)``); None or one rank: none. ``levels``: MiCS's hierarchical gather over
+        ``dp`` (``two_level_gather.py``), which the parameters' gathers take instead of ``dp``'s; None: one level."""
         self.name = name
         self.trainable = trainable
         self.names = [n for n, _ in named_params]
@@ -138,6 +140,7 @@ class FlatParamGroup:
         self.group_index = group_index
         self.stage = stage
         self.dp = dp
+        self.values_group: AllGather = levels if levels is not None else dp  # what the parameters' gathers run over
         self.expert = expert_ranks is not None
         # the data rank whose checkpoint file holds each dp rank's shard
         self.file_ranks = list(range(dp.size)) if expert_ranks is None else list(expert_ranks)
@@ -350,15 +353,15 @@ class FlatParamGroup:
             return self.secondary_group.all_gather(self._full_data, self._secondary)
         if isinstance(self.master_store, quantized_comm.QuantizedShard):  # its codes are its values: never "quantized"
             self.quantized = False
-            return quantized_comm.gather(self.dp, self._full_data, self.master_store, self.ledger)
+            return quantized_comm.gather(self.values_group, self._full_data, self.master_store, self.ledger)
         source = self.shard
         if source is None:  # stage 3, low precision: cast the master for the wire only
             source = self.ledger.empty(self.shard_numel, self.compute_dtype, Category.COMM_BUFFER, self.device)
             self.master_store.to_compute(source)
         self.quantized = quantize and not exact and self.full.is_floating_point()  # (packed 4-bit storage: as it is)
         if self.quantized:
-            return quantized_comm.gather(self.dp, self._full_data, source, self.ledger)
-        return self.dp.all_gather(self._full_data, source)
+            return quantized_comm.gather(self.values_group, self._full_data, source, self.ledger)
+        return self.values_group.all_gather(self._full_data, source)
 
     def make_exact(self) -> None:
         """qwZ: a group gathered with int8 codes is gathered again exactly, in place (for a reader of the model's
@@ -428,7 +431,7 @@ class FlatParamGroup:
             with torch.no_grad():
                 self.master_store.to_compute(self.shard)
         if self.stage.gathers_after_step:
-            return self.dp.all_gather(self._full_data, self.shard)
+            return self.values_group.all_gather(self._full_data, self.shard)
         return None
 
     def gather_owned(self, owned: torch.Tensor) -> torch.Tensor:

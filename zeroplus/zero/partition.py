@@ -44,6 +44,7 @@ from .placement import UnitPlacement
 from .quantized import packed_storage, prepare_packed
 from .stage3 import Stage3Scheduler
 from .stage3_state_dict import install_state_dict_hooks
+from .two_level_gather import TwoLevelGather
 from .units import Named, Unit, assign_parameters, bucketed, find_unit_modules, frozen_dtype
 from .use_grads import UseGrads, UseSinks, routed, rows_into_grad, tied
 
@@ -102,6 +103,7 @@ class _GroupMaker:
     bucket: int
     compute_dtype: torch.dtype
     secondary: Collectives | None = None  # hpZ's group (stage 3), for every group partitioned over ``dp``
+    levels: TwoLevelGather | None = None  # MiCS's hierarchical gather over ``dp``, for every group partitioned over it
 
     def trained(self, name: str, by_group: dict[tuple[int, bool, bool], list[tuple[str, torch.nn.Parameter]]],
                 experts: ExpertSplit | None) -> list[FlatParamGroup]:
@@ -118,7 +120,8 @@ class _GroupMaker:
                 groups.append(FlatParamGroup(label, named, gi, self.stage, group_dp, self.compute_dtype, self.ledger,
                                              self.master, self.device,
                                              expert_ranks=None if split is None else split.data_ranks(),
-                                             secondary=self.secondary if split is None else None))
+                                             secondary=self.secondary if split is None else None,
+                                             levels=self.levels if split is None else None))
         return groups
 
     def frozen(self, name: str, by_dtype: dict[torch.dtype, list[tuple[str, torch.nn.Parameter]]]
@@ -129,7 +132,7 @@ class _GroupMaker:
             label = f"{name}#frozen" + ("" if dtype == self.compute_dtype else f"-{str(dtype).split('.')[-1]}")
             frozen += [FlatParamGroup(label + (f".{k}" if len(runs) > 1 else ""), named, -1, self.stage, self.dp,
                                       dtype, self.ledger, self.master, self.device, trainable=False,
-                                      secondary=self.secondary)
+                                      secondary=self.secondary, levels=self.levels)
                        for k, named in enumerate(runs)]
         return frozen
 
@@ -148,7 +151,9 @@ class ZeroPartition:
         early and embeddings' rows sparsely (``early_per_use``). ``defer_param_gather``
         (``zeroplus.overlap_param_gather``): stages 1-2's post-step all-gathers are waited by each unit's next
         forward instead of before ``after_step`` returns. ``secondary``: hpZ's group at stage 3 (``flat_group.py``;
-        see note: hpz), or None. ``nodes``: qgZ's two levels (``grad_reducer.py``), or None."""
+        see note: hpz), or None. ``nodes``: ``dp``'s nodes (this rank's node, the ranks at its place in each), for qgZ's
+        two levels (``grad_reducer.py``) and, where ``zero.mics_hierarchical_params_gather`` asks, the parameters'
+        gathers (``two_level_gather.py``); None: one level."""
         _refuse_partitioned(model, dp.rank)
         self.defer_param_gather = defer_param_gather
         self.stage = ZeroStage(zero.stage)
@@ -160,8 +165,10 @@ class ZeroPartition:
         device = placement.device if placement is not None else None
         assigned = assign_parameters(model, unit_modules, frozen_too)
         per_use, alone = self._per_use(model, assigned, param_group_of)
+        levels = TwoLevelGather(*nodes, ledger) if nodes is not None and zero.mics_hierarchical_params_gather \
+            else None
         maker = _GroupMaker(self.stage, dp, ledger, master, device, zero.reduce_bucket_size, compute_dtype,
-                            secondary if self.stage.shards_parameters else None)
+                            secondary if self.stage.shards_parameters else None, levels)
         for index, (name, module, params) in enumerate(assigned):
             if placement is not None:
                 placement.prepare(module, [m for _, m in unit_modules])

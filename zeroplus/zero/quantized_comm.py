@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ..collectives import Collectives, Handle
+from ..collectives import AllGather, Collectives, Handle
 from ..ledger import Category, Ledger
 from .master_store import _Resident
 
@@ -58,7 +58,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> 
     out.copy_(values.view(-1)[:out.numel()])
 
 
-def gather(group: Collectives, full: torch.Tensor, source: torch.Tensor | QuantizedShard, ledger: Ledger) -> Handle:
+def gather(group: AllGather, full: torch.Tensor, source: torch.Tensor | QuantizedShard, ledger: Ledger) -> Handle:
     """Start the quantized all-gather of every rank's ``source`` (``full.numel() / group.size`` elements, or their
     codes already: ``QuantizedShard``) into ``full``; the returned handle's ``wait()`` lands both collectives and
     dequantizes (the module docstring)."""
