@@ -222,6 +222,7 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
         step = _sharded_step(cfg, partition, opt, zero, ledger, accel, parallel, experts, not loss_scaler.dynamic)
         context = parallel.topology.context if parallel is not None else 1
         _log_assembly(cfg, partition, opt, dp, dtype, context, parallel if split else None)
+        _log_layout_over_nodes(cfg, parallel)
         activations, choices = assemble_activations(model, cfg, ledger, accel, context,
                                                     [u.module for u in partition.units if not u.is_root], compiled)
         parts = TrainingParts(partition, step, opt, scheduler, loss_scaler, activations, choices)
@@ -267,11 +268,16 @@ def _check_quantized(cfg: ResolvedConfig, rank: int) -> None:
         raise ConfigError(f"config key 'zero_optimization.zero_quantized_nontrainable_weights' is true (rank {rank}), "
                           f"and ZeRO stage {int(stage)} keeps frozen parameters whole on every rank: the key stores "
                           f"stage 3's frozen shards as int8 codes; use stage 3, or set the key to false")
-    if zero.zero_quantized_gradients and not (stage.partitions and zero.reduce_scatter):
+    # (at stage 3 qgZ's all-to-all is the reduction whatever reduce_scatter says, as in DeepSpeed, whose stage 3
+    # always partitions the gradients: its ZeRO++ tutorial sets reduce_scatter false beside qgZ)
+    if zero.zero_quantized_gradients and not (stage.partitions and (zero.reduce_scatter or stage.shards_parameters)):
         why = "stage 0 all-reduces" if not stage.partitions else "'zero_optimization.reduce_scatter' false all-reduces"
         raise ConfigError(f"config key 'zero_optimization.zero_quantized_gradients' is true (rank {rank}), and {why} "
                           f"the gradients: qgZ quantizes the reduce-scatter of stages 1-3; use it, or set the key to "
                           f"false")
+    if zero.zero_quantized_gradients and not zero.reduce_scatter and stage.shards_parameters:
+        log_rank0("zero_optimization.zero_quantized_gradients at stage 3: the gradients are reduced by qgZ's "
+                  "quantized all-to-all, and reduce_scatter false (an all-reduce) gives way to it, as in DeepSpeed")
 
 
 def _secondary_group(cfg: ResolvedConfig, dp: Collectives, parallel: ParallelGroups | None) -> Collectives | None:
@@ -381,6 +387,25 @@ def _log_assembly(cfg: ResolvedConfig, partition: ZeroPartition, opt: torch.opti
             log_rank0("memory estimate: not made for a pipeline stage at initialize (it needs every stage's "
                       "shapes; zeroplus estimate with a model factory predicts it); the report shows what is "
                       "measured")
+
+
+def _log_layout_over_nodes(cfg: ResolvedConfig, parallel: ParallelGroups | None) -> None:
+    """Rank 0's line of the layout over nodes (MiCS, hpZ, two-level collectives) and ZeRO++'s quantized collectives,
+    where any is on (``docs/nodes.md``)."""
+    zero, topology = cfg.zero_optimization, parallel.topology if parallel is not None else None
+    parts = []
+    if topology is not None and topology.shard:
+        parts.append(f"MiCS shards within groups of {topology.shard} ranks, {topology.replicas} replicas")
+    if topology is not None and topology.secondary:
+        parts.append(f"hpZ keeps a secondary copy over {topology.secondary} ranks")
+    if topology is not None and topology.node:
+        parts.append(f"two-level collectives over nodes of {topology.node} ranks")
+    parts += [text for on, text in ((zero.zero_quantized_weights, "qwZ: int8 weight gathers"),
+                                    (zero.zero_quantized_gradients, "qgZ: int8 gradient reductions"),
+                                    (zero.zero_quantized_nontrainable_weights, "frozen shards as int8 codes"))
+              if on]
+    if parts:
+        log_rank0("over nodes of %d ranks: %s", ranks_per_node(cfg), "; ".join(parts))
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
 """Launch a script on 2 gloo ranks through zeroplus's DeepSpeed API or through the real DeepSpeed.
 
 ``on_zeroplus``: ``zeroplus run --deepspeed-api -n 2 script args`` (the command a user types).
+``on_zeroplus_nodes``: the same as several nodes on this host (``--nnodes``, ``--node-rank``).
 ``on_deepspeed``: torchrun with ``real_deepspeed.py`` in front of the script. Both with a fresh
 rendezvous port, one OpenMP thread per rank, the CPU accelerator, and a time limit; a failure shows
 the command and both ranks' output.
@@ -37,6 +38,33 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
 def on_zeroplus(script: str, args: list[str], nproc: int = 2, timeout: float = 600) -> subprocess.CompletedProcess:
     return _run([sys.executable, "-m", "zeroplus.cli", "run", "--deepspeed-api", "-n", str(nproc),
                  f"--master-port={free_port()}", os.path.join(SCRIPTS, script), *args], timeout)
+
+
+def on_zeroplus_nodes(script: str, args: list[str], nnodes: int = 2, nproc: int = 2, timeout: float = 600
+                      ) -> list[subprocess.CompletedProcess]:
+    """``zeroplus run --deepspeed-api --nnodes N --node-rank i -n P`` once per simulated node, all at once on this
+    host (each launcher's ranks see ``LOCAL_WORLD_SIZE`` P, as on a node of their own); each launcher's output."""
+    port = free_port()
+    launches = [subprocess.Popen([sys.executable, "-m", "zeroplus.cli", "run", "--deepspeed-api", "-n", str(nproc),
+                                  "--nnodes", str(nnodes), "--node-rank", str(i), "--master-addr", "127.0.0.1",
+                                  f"--master-port={port}", os.path.join(SCRIPTS, script), *args],
+                                 cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for i in range(nnodes)]
+    done = []
+    for i, launch in enumerate(launches):
+        try:
+            out, err = launch.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for other in launches:
+                other.kill()
+            raise
+        if launch.returncode != 0:
+            for other in launches:
+                other.kill()
+            raise AssertionError(f"node {i} of {nnodes} exited with {launch.returncode}\n--- stdout\n{out[-6000:]}"
+                                 f"\n--- stderr\n{err[-12000:]}")
+        done.append(subprocess.CompletedProcess(launch.args, 0, out, err))
+    return done
 
 
 def on_deepspeed(script: str, args: list[str], nproc: int = 2, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -195,7 +195,9 @@ class ZeroPartition:
         # masters (DeepSpeed's bf16_master_weights_and_grads: gradients kept in bf16, 2 bytes an element, not 4)
         accumulate_fp32 = (self.stage.shards_gradients and gradient_accumulation_steps > 1
                            and master.bf16_rounding is None)
-        reducer = GradReducer(self.stage, dp, zero.reduce_bucket_size, zero.reduce_scatter, overlap, ledger,
+        # (qgZ at stage 3 reduce-scatters whatever reduce_scatter says: engine/build.py's _check_quantized)
+        reduce_scatter = zero.reduce_scatter or (zero.zero_quantized_gradients and self.stage.shards_parameters)
+        reducer = GradReducer(self.stage, dp, zero.reduce_bucket_size, reduce_scatter, overlap, ledger,
                               accumulate_fp32, zero.zero_quantized_gradients, nodes)
         self.stage3: Stage3Scheduler | None = None  # (stage 3: made as the model is hooked, after the per-use swaps)
         self.backward = BackwardSchedule(self.stage, dp, self.units, reducer, self.pool)
