@@ -6,6 +6,11 @@ built-in GPT in fp32, micro-batch x sequence and accumulation as given, AdamW. R
 - zeroplus: flat ZeRO-3; MiCS (``mics_shard_size`` 2: shards within a node, replicas across); hpZ
   (``zero_hpz_partition_size`` 2); qwZ + qgZ (``zero_quantized_weights``, ``zero_quantized_gradients``); ZeRO++ (hpZ
   + qwZ + qgZ). ``transport`` native: the tensor collectives a GPU job runs.
+- zeroplus ZeRO-3 2-level: one MiCS shard group of all 4 ranks (flat ZeRO-3's layout) with
+  ``mics_hierarchical_params_gather``: the gathers across the nodes first, then within each.
+- DeepSpeed 0.19.8 (CPU accelerator, torch's AdamW, ``stage3_param_persistence_threshold`` 0 so that every parameter
+  is partitioned as zeroplus partitions this model; its defaults otherwise): ZeRO-3, hpZ 2, and ZeRO++ (hpZ + qwZ +
+  qgZ), which does not run on a CPU (its int8 quantizer has no CPU kernel): the row says so.
 - FSDP2: ``fully_shard`` per block and the model over 4 ranks; HSDP, the same over a 2 x 2 mesh (replicate across
   the nodes, shard within: MiCS's layout), its best honest configuration for the link between nodes.
 
@@ -37,6 +42,11 @@ ROWS = {  # name: (framework, zero_optimization keys)
     "zeroplus qwZ + qgZ": ("zeroplus", {"zero_quantized_weights": True, "zero_quantized_gradients": True}),
     "zeroplus ZeRO++": ("zeroplus", {"zero_hpz_partition_size": NODE, "zero_quantized_weights": True,
                                      "zero_quantized_gradients": True}),
+    "zeroplus ZeRO-3 2-level": ("zeroplus", {"mics_shard_size": 4, "mics_hierarchical_params_gather": True}),
+    "DeepSpeed ZeRO-3": ("deepspeed", {}),
+    "DeepSpeed hpZ 2": ("deepspeed", {"zero_hpz_partition_size": NODE}),
+    "DeepSpeed ZeRO++": ("deepspeed", {"zero_hpz_partition_size": NODE, "zero_quantized_weights": True,
+                                       "zero_quantized_gradients": True}),
     "FSDP2": ("fsdp2", {}),
     "FSDP2 HSDP 2 x 2": ("hsdp", {}),
 }
@@ -87,14 +97,22 @@ def _worker(args: argparse.Namespace) -> None:
     from zeroplus.models import GPT, gpt_config
     torch.manual_seed(0)
     model = GPT(gpt_config(args.size, block_size=args.seq))
-    if framework == "zeroplus":
-        import zeroplus
-        cfg = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": args.accumulation,
-               "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
-               "zero_optimization": {"stage": 3, **keys},
-               "zeroplus": {"log_level": "warning", "memory_estimate": False, "transport": "native",
-                            "node_size": NODE}}
-        engine = zeroplus.initialize(model, cfg)
+    cfg = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": args.accumulation,
+           "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
+           "zero_optimization": {"stage": 3, **keys},
+           "zeroplus": {"log_level": "warning", "memory_estimate": False, "transport": "native", "node_size": NODE}}
+    if framework in ("zeroplus", "deepspeed"):
+        if framework == "zeroplus":
+            import zeroplus
+            engine = zeroplus.initialize(model, cfg)
+        else:  # (its CPU build: torch's AdamW; its defaults otherwise, as a DeepSpeed user runs it)
+            import deepspeed
+            cfg.pop("zeroplus")
+            cfg["optimizer"]["params"]["torch_adam"] = True
+            # every parameter partitioned, as zeroplus partitions this model (DeepSpeed's default of 1e5 elements a
+            # parameter would keep all of GPT small's gathered: ZeRO-2's bytes, at its memory)
+            cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+            engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=list(model.parameters()))
 
         def micro(x: torch.Tensor, last: bool) -> torch.Tensor:
             loss = engine(x, x)
@@ -161,8 +179,13 @@ def main() -> None:
           f"{args.accumulation}, fp32, ZeRO-3 / FSDP2; a step's bytes per link (rank 0), peak RSS above start, median "
           f"of the last {args.steps - 2} of {args.steps} steps")
     print(f"  {'row':<22}{'across MB':>11}{'within MB':>11}{'peak MiB (median)':>20}{'step s':>9}{'loss':>8}")
+    from bench_worker import LaunchFailed
     for row in args.rows.split(","):
-        ranks = _launch(row, args)
+        try:
+            ranks = _launch(row, args)
+        except LaunchFailed as failed:
+            print(f"  {row:<22}did not run: {failed.first_error[-150:]}")
+            continue
         first = ranks[0]
         last = first["volumes"][-1]
         peaks = sorted(r["peak"] for r in ranks)

@@ -49,7 +49,7 @@ from .host_gemm_pool import held_bytes
 from .logs import log_rank0, setup_logging
 from .optim.build import describe_client_optimizer
 from .parallel.autotp import Undo
-from .parallel.groups import ParallelGroups, init_parallel, secondary_size, shard_size
+from .parallel.groups import ParallelGroups, init_parallel, node_split, secondary_size, shard_size
 from .parallel.plans import split_by_own_plans, splits
 from .zero.init_shards import shard_of
 
@@ -193,11 +193,13 @@ def _plan(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any,
 
 
 def _groups_of_plan(cfg: Any, parallel: ParallelGroups, dp: Any, process_group: Any) -> tuple[ParallelGroups, Any]:
-    """The planner chose a layout with groups of its own ('auto' in ``mics_shard_size`` or ``zero_hpz_partition_size``,
-    see note: planner links): those groups, made now on every rank (each took rank 0's plan), and the data group
-    again; else the groups as they are."""
+    """The planner chose a layout with groups of its own ('auto' in ``mics_shard_size``, ``zero_hpz_partition_size`` or
+    ``zero_quantized_gradients`` over nodes; see note: planner links): those groups, made now on every rank (each took
+    rank 0's plan), and the data group again; else the groups as they are."""
     world = parallel.topology.world_size
-    if (parallel.topology.shard, parallel.topology.secondary) == (shard_size(cfg, world), secondary_size(cfg, world)):
+    top = parallel.topology
+    if (top.shard, top.secondary, top.node) == (shard_size(cfg, world), secondary_size(cfg, world),
+                                                node_split(cfg, world)):
         return parallel, dp
     parallel = init_parallel(cfg, replace=True)
     return parallel, DataParallelGroup(process_group) if process_group is not None else parallel.zero

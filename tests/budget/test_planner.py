@@ -25,7 +25,7 @@ import torch.distributed as dist
 import zeroplus
 from tests.cli_run import run_cli
 from tests.dist_helper import rank_and_world, run_distributed
-from zeroplus.budget.planner import Settings, apply_settings, plan
+from zeroplus.budget.planner import Settings, apply_settings, links, plan
 from zeroplus.budget.runtime_overhead import ALLOCATOR_ENV
 from zeroplus.config import ConfigError, parse_bytes, parse_config
 from zeroplus.models import GPT, gpt_config
@@ -245,22 +245,56 @@ def test_across_nodes_the_layout_that_fits_with_the_fewest_bytes_between_nodes()
     assert chosen[0].links["inter_node"] < chosen[1].links["inter_node"], [c.links for c in chosen]
 
 
-def _planned_layout(budget: int) -> tuple[int, int]:
+def _quantized_config(node: int) -> dict:
+    """Stage 3 in fp32 on 4 ranks as nodes of ``node``, ZeRO++'s quantized collectives left to the planner."""
+    config = _nodes_config(4 * 2**30)
+    config["zero_optimization"] = {"stage": 3, "zero_quantized_weights": "auto", "zero_quantized_gradients": "auto"}
+    config["zeroplus"]["node_size"] = node
+    return config
+
+
+def test_quantized_collectives_left_auto_are_chosen_across_nodes_for_their_bytes_and_named():
+    """qwZ and qgZ save bytes, not memory: over 2 nodes of 2 in fp32, with room for anything, the plan takes both
+    (the bytes across nodes they save outweigh their quantizing at the nominal bandwidths), names each with its
+    accuracy cost, and sends under a quarter of the exact layout's bytes across nodes; on one node of 4 it takes
+    neither. The config it applies says true and false, not 'auto'."""
+    across = plan(_tiny, _quantized_config(2), world_size=4)
+    assert (across.settings.qw, across.settings.qg) == (True, True), across.reason
+    assert "qwZ int8 weight gathers (lossy" in across.reason and "qgZ int8 gradient reductions (lossy" in across.reason
+    exact = links(parse_config(_quantized_config(2))[0], Settings(3, None, False, False), _count(_tiny), 4)
+    assert 0 < across.links["inter_node"] < exact["inter_node"] / 4, (across.links, exact)
+    applied = across.apply(parse_config(_quantized_config(2))[0]).zero_optimization
+    assert applied.zero_quantized_weights is True and applied.zero_quantized_gradients is True
+    one_node = plan(_tiny, _quantized_config(4), world_size=4)
+    assert (one_node.settings.qw, one_node.settings.qg) == (False, False), one_node.reason
+    assert "lossy" not in one_node.reason
+
+
+def _count(factory) -> int:
+    return sum(p.numel() for p in factory().parameters())
+
+
+def _planned_layout(budget: int) -> tuple[int, int, int]:
     from zeroplus.parallel import reset_parallel
-    torch.manual_seed(0)
-    engine = zeroplus.initialize(_tiny(), _nodes_config(budget))
-    x = torch.randint(0, 256, (2, SEQ))
-    engine.backward(engine(x, x))
-    engine.step()
-    out = engine.partition.groups[0].dp.size, engine.config.zero_optimization.mics_shard_size
-    engine.destroy()
-    reset_parallel()
-    return out
+    out = []
+    for config in (_nodes_config(budget), _quantized_config(2)):
+        torch.manual_seed(0)
+        engine = zeroplus.initialize(_tiny(), config)
+        x = torch.randint(0, 256, (2, SEQ))
+        engine.backward(engine(x, x))
+        engine.step()
+        nodes = engine.partition.backward.reducer.nodes
+        out.append((engine.partition.groups[0].dp.size, engine.config.zero_optimization.mics_shard_size,
+                    0 if nodes is None else nodes[0].size))
+        engine.destroy()
+        reset_parallel()
+    return out[0][:2] + out[1][2:]
 
 
 def test_initialize_makes_the_groups_of_the_layout_the_planner_chose():
     """'auto' MiCS with room for it: every rank's engine partitions over its node's 2 ranks (the groups made after
-    the plan) and trains a step."""
+    the plan) and trains a step; 'auto' quantized collectives: qgZ's reductions get their two levels over nodes of 2
+    (the node groups made after the plan)."""
     budget = 4 * 2**30
-    for rank, (partitioned, shard) in enumerate(run_distributed(_planned_layout, 4, budget)):
-        assert (partitioned, shard) == (2, 2), (rank, partitioned, shard)
+    for rank, (partitioned, shard, node) in enumerate(run_distributed(_planned_layout, 4, budget)):
+        assert (partitioned, shard, node) == (2, 2, 2), (rank, partitioned, shard, node)

@@ -11,7 +11,8 @@ the token length the activations are predicted for (``initialize`` sees no input
 1. Candidates: every combination of the ``"auto"`` keys (stages 0-3; ratio none, 0.25, 0.5,
    0.75, 1 when an offload device is set; shared master weights off/on in bf16; resize
    recompute off/on; bf16 moments off/on for the config's Adam or AdamW; bf16 masters off/on in bf16, not beside
-   shared masters or offloaded parameters; over several nodes, MiCS and hpZ over a node off/on: ``links``).
+   shared masters or offloaded parameters; over several nodes, MiCS and hpZ over a node off/on, and qwZ's and
+   qgZ's quantized collectives off/on: ``links``).
 2. Each gets a cost before anything is simulated, in seconds per optimizer step on a nominal
    machine (``BANDWIDTH``): its collectives' bytes per rank (ring all-reduce 2 c P (N-1)/N;
    reduce-scatter and all-gather c P (N-1)/N each; stages 2-3 reduce every micro-batch, stage 3
@@ -19,7 +20,9 @@ the token length the activations are predicted for (``initialize`` sees no input
    over the tier's bandwidth, and shared master weights' split and merge (8 bytes per owned
    element) over memory bandwidth. Ties go to the candidate with fewer techniques on. A lossy technique (bf16
    moments, bf16 masters) comes after every exact candidate: chosen only where nothing exact fits, and named in
-   the plan's reason with its stated accuracy cost (``LOSSY``).
+   the plan's reason with its stated accuracy cost (``LOSSY``). The quantized collectives save bytes, not memory:
+   left 'auto', they compete on cost (the bytes they save across nodes against their quantizing over memory
+   bandwidth) and are named in the reason with their accuracy cost (``QUANTIZED``); on one node they stay off.
 3. The most frugal candidate (highest stage and offload ratio, every technique on) is simulated
    first (``estimate.py``): if even it exceeds the budget, nothing fits, and the error names its
    predicted peak, the smallest budget that would fit, with its settings.
@@ -53,6 +56,11 @@ RATIOS = (0.25, 0.5, 0.75, 1.0)
 LOSSY = {"states": "bf16 optimizer states (lossy: the main job's loss within 0.05% of fp32 moments')",
          "masters": "bf16 master weights (lossy: rounded stochastically, the main job's loss within 0.03% of fp32 "
                     "masters'; to nearest +1.6%)"}
+# ZeRO++'s quantized collectives, chosen for bytes across nodes, not memory (the main job: GPT small, ZeRO-3 fp32,
+# 2 ranks, 300 steps, 2026-12-06; see note: qwz, see note: qgz)
+QUANTIZED = {"qw": "qwZ int8 weight gathers (lossy: each weight within max|block| / 254; the main job's loss +0.02%)",
+             "qg": "qgZ int8 gradient reductions (lossy: the main job's loss within 0.01%)"}
+CODE_BYTES = 1 + 4 / 256  # an element as an int8 code with an fp32 scale per 256 (zero/quantized_comm.py)
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
@@ -66,6 +74,8 @@ class Settings:
     masters: bool = False    # bf16 master weights (lossy)
     shard: int = 0           # MiCS over this many ranks (a node); 0: not MiCS
     secondary: int = 0       # hpZ over this many ranks (a node); 0: not hpZ
+    qw: bool = False         # qwZ: stage 3's gathers as int8 codes (lossy)
+    qg: bool = False         # qgZ: the gradients' reductions as int8 codes (lossy)
 
     def describe(self) -> str:
         parts = [f"ZeRO stage {self.stage}"]
@@ -83,11 +93,12 @@ class Settings:
             parts.append(LOSSY["states"])
         if self.masters:
             parts.append(LOSSY["masters"])
+        parts += [QUANTIZED[key] for key in ("qw", "qg") if getattr(self, key)]
         return " + ".join(parts)
 
     @property
     def techniques(self) -> int:
-        return (self.ratio is not None) + self.shared + self.recompute + self.lossy
+        return (self.ratio is not None) + self.shared + self.recompute + self.lossy + self.qw + self.qg
 
     @property
     def lossy(self) -> int:
@@ -131,16 +142,21 @@ def _candidates(cfg: ZeroplusConfig, world_size: int = 1) -> list[Settings]:
     states = [False, True] if "auto" in (zp.optimizer_states.exp_avg, zp.optimizer_states.exp_avg_sq) and \
         _adam(cfg) else [False]
     masters = [False, True] if zp.master_weights.dtype == "auto" and bf16 and not zero.offloads_params else [False]
+    # quantized collectives left 'auto': tried over several nodes, where they cut the bytes across them
+    qws = [False, True] if zero.zero_quantized_weights == "auto" and node else [zero.zero_quantized_weights is True]
+    qgs = [False, True] if zero.zero_quantized_gradients == "auto" and node else [zero.zero_quantized_gradients is True]
     out = []
-    for stage, ratio, sh, rc, st, ms, shard, secondary in itertools.product(stages, ratios, shared, recompute, states,
-                                                                            masters, shards, secondaries):
+    for stage, ratio, sh, rc, st, ms, shard, secondary, qw, qg in itertools.product(
+            stages, ratios, shared, recompute, states, masters, shards, secondaries, qws, qgs):
         if ratio is not None and stage == 0:
             continue  # offload needs a partitioned optimizer
         if ms and sh:
             continue  # bf16 and shared masters exclude each other
         if (shard and (stage == 0 or secondary)) or (secondary and stage != 3):
             continue  # MiCS shards at stages 1-3, hpZ serves stage 3's gathers, not both (topology.py)
-        out.append(Settings(stage, ratio, sh, rc, st, ms, shard, secondary))
+        if (qw and stage != 3) or (qg and (stage == 0 or not (zero.reduce_scatter or stage == 3))):
+            continue  # qwZ quantizes stage 3's gathers, qgZ a reduce-scatter (engine/build.py's _check_quantized)
+        out.append(Settings(stage, ratio, sh, rc, st, ms, shard, secondary, qw, qg))
     return out
 
 
@@ -187,6 +203,10 @@ def apply_settings(cfg: ZeroplusConfig, s: Settings) -> ZeroplusConfig:
         zero.mics_shard_size = s.shard or -1
     if zero.zero_hpz_partition_size == "auto":
         zero.zero_hpz_partition_size = s.secondary or 1
+    if zero.zero_quantized_weights == "auto":
+        zero.zero_quantized_weights = s.qw
+    if zero.zero_quantized_gradients == "auto":
+        zero.zero_quantized_gradients = s.qg
     return out
 
 
@@ -197,7 +217,9 @@ def links(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int) -> dic
     once every micro-batch (3 A c P). On one node everything is within it; across several, a flat layout's groups span
     them. MiCS over a node keeps its collectives within the node and all-reduces the gradient shard (fp32 when
     accumulating) across the replicas once a step; hpZ gathers across only each step's first forward, the other
-    2A - 1 passes within the node (see note: planner links)."""
+    2A - 1 passes within the node (its copy in the compute dtype). qwZ sends stage 3's gathers from the shards as
+    ``CODE_BYTES`` an element; qgZ the reductions, over several nodes in two levels: all within the node, then 1/L of
+    the elements across (see note: planner links)."""
     c = 2 if (cfg.bf16.enabled is True or cfg.fp16.enabled is True) else 4
     ga = int(cfg.gradient_accumulation_steps or 1)
     node = _node(cfg, world_size)
@@ -205,16 +227,31 @@ def links(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int) -> dic
     def ring(n: int) -> float:
         return (n - 1) / n
 
-    moved = {0: 2 * c * params, 1: 2 * c * params, 2: (ga + 1) * c * params, 3: 3 * ga * c * params}[s.stage]
+    gathered = c * params  # one gather's bytes: the first forward's of each step, as codes under qwZ
+    first = CODE_BYTES * params if s.qw else gathered
+    passes = {0: 0, 1: 1, 2: 1, 3: 2 * ga}[s.stage]  # gathers a step; the reductions' count and message:
+    reductions = {0: 1, 1: 1, 2: ga, 3: ga}[s.stage]
+    reduced: float = (2 * c if s.stage == 0 else c) * params
+    gathers = first + (passes - 1) * (first if s.stage == 3 else gathered) if passes else 0.0
+    if s.qg:
+        reduced = CODE_BYTES * params
     if s.shard:
         replicas, grad = world_size // s.shard, 4 if ga > 1 else c
-        return {"intra_node": int(ring(s.shard) * moved),
+        return {"intra_node": int(ring(s.shard) * (gathers + reductions * reduced)),
                 "inter_node": int(2 * ring(replicas) * grad * params / s.shard)}
-    if s.secondary:
-        return {"intra_node": int(ring(s.secondary) * (2 * ga - 1) * c * params),
-                "inter_node": int(ring(world_size) * (1 + ga) * c * params)}
-    return {"intra_node": 0 if node else int(ring(world_size) * moved),
-            "inter_node": int(ring(world_size) * moved) if node else 0}
+    out = {"intra_node": 0.0, "inter_node": 0.0}
+    far = "inter_node" if node else "intra_node"
+    if s.secondary:  # (hpZ's copy is in the compute dtype)
+        out["inter_node"] += ring(world_size) * first
+        out["intra_node"] += ring(s.secondary) * (2 * ga - 1) * gathered
+    else:
+        out[far] += ring(world_size) * gathers
+    if s.qg and node:  # two levels: every element within the node, 1/L of them across
+        out["intra_node"] += ring(node) * reductions * reduced
+        out["inter_node"] += ring(world_size // node) * reductions * reduced / node
+    else:
+        out[far] += ring(world_size) * reductions * reduced
+    return {link: int(value) for link, value in out.items()}
 
 
 def cost(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int) -> float:
@@ -234,6 +271,13 @@ def cost(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int) -> floa
         seconds += 2 * 12 * owned / BANDWIDTH["memory"]
     if s.masters:  # the master widened and stored back
         seconds += 6 * owned / BANDWIDTH["memory"]
+    ga = int(cfg.gradient_accumulation_steps or 1)
+    c = 2 if (cfg.bf16.enabled is True or cfg.fp16.enabled is True) else 4
+    n = world_size if ZeroStage(s.stage).partitions else 1
+    if s.qw:  # each gather: the shard quantized (c in, a code out), every part dequantized (a code in, c out)
+        seconds += 2 * ga * (1 + c) * params * (1 + 1 / n) / BANDWIDTH["memory"]
+    if s.qg:  # each reduction: the bucket quantized (c in, a code out), every row dequantized and summed in fp32
+        seconds += (1 if s.stage == 1 else ga) * (c + 6) * params / BANDWIDTH["memory"]
     return seconds
 
 

@@ -165,8 +165,9 @@ class ZeroConfig(Block):
                        "recompute, further micro-batches) stay within the group; 1 or the data-parallel size: off. "
                        "Costs the unit's values / this size per rank in the compute dtype from forward to the step; "
                        "'auto': the planner chooses the node's ranks or 1 (zeroplus.memory_budget).")
-    zero_quantized_weights: bool = Field(
-        False, description="qwZ (ZeRO++): stage 3's training gathers send int8 codes with a scale per 256 elements "
+    zero_quantized_weights: bool | Auto = Field(
+        False, description="qwZ (ZeRO++; 'auto': the planner chooses over several nodes, zeroplus.memory_budget): "
+                           "stage 3's training gathers send int8 codes with a scale per 256 elements "
                            "(1.016 bytes an element on the wire); every rank computes with the same dequantized "
                            "weights, each within max|block| / 254 of the exact value; shards, masters and states stay "
                            "exact, and gathers for reading the model (state_dict, GatheredParameters) are exact.")
@@ -174,8 +175,9 @@ class ZeroConfig(Block):
         False, description="ZeRO++: stage 3's frozen shards (parameters no optimizer trains, a LoRA model's base) kept "
                            "as int8 codes with an fp32 scale per 256 elements, about 1 byte an element instead of 2 "
                            "or 4, gathered as codes; each value within max|block| / 254 of the model's.")
-    zero_quantized_gradients: bool = Field(
-        False, description="qgZ (ZeRO++): the gradients' reduce-scatter (stages 1-3) sends int8 codes with a scale "
+    zero_quantized_gradients: bool | Auto = Field(
+        False, description="qgZ (ZeRO++; 'auto': the planner chooses over several nodes, zeroplus.memory_budget): "
+                           "the gradients' reduce-scatter (stages 1-3) sends int8 codes with a scale "
                            "per 256 elements in two all-to-alls; each rank sums the dequantized parts in fp32, each "
                            "element within the sum over ranks of max|block| / 254 of the exact sum (times 1/D).")
 

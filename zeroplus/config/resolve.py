@@ -232,6 +232,7 @@ def auto_keys(cfg: ZeroplusConfig) -> list[str]:
              if getattr(zp.optimizer_states, k) == "auto"]
     if zp.master_weights.dtype == "auto":
         keys.append("zeroplus.master_weights.dtype")
-    keys += [f"zero_optimization.{k}" for k in ("mics_shard_size", "zero_hpz_partition_size")
+    keys += [f"zero_optimization.{k}" for k in ("mics_shard_size", "zero_hpz_partition_size", "zero_quantized_weights",
+                                                 "zero_quantized_gradients")
              if getattr(zero, k) == "auto"]
     return keys

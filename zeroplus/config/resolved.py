@@ -49,6 +49,8 @@ class ResolvedZeroConfig(ZeroConfig):
     stage3_param_persistence_threshold: NonNegativeInt = 100_000
     mics_shard_size: int = -1
     zero_hpz_partition_size: int = 1
+    zero_quantized_weights: bool = False
+    zero_quantized_gradients: bool = False
     offload_optimizer: ResolvedOffloadOptimizerConfig | None = None
 
 

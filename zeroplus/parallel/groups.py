@@ -205,7 +205,7 @@ def node_split(spec: Any, world: int) -> int:
     zero = world // (tensor * pipeline)
     part = shard_size(spec, world) or zero
     gathers = zero_cfg.mics_hierarchical_params_gather and zero_cfg.mics_shard_size not in (-1, "auto")
-    if not (zero_cfg.zero_quantized_gradients or gathers):
+    if not (zero_cfg.zero_quantized_gradients is True or gathers):  # ('auto': off until the planner says)
         return 0
     size = ranks_per_node(spec)
     plain = (tensor, pipeline, expert, context) == (1, 1, 1, 1)
