@@ -17,8 +17,9 @@ built-in GPT in fp32, micro-batch x sequence and accumulation as given, AdamW. R
 Per row: the bytes a step crossing the link between nodes and staying within a node (every collective issued
 through ``torch.distributed``, counted by its group's ranks: an all-gather's output, a reduce-scatter's or all-to-all's
 input, an all-reduce's or broadcast's tensor), the process's resident peak above its start (rank 0; median of the
-ranks in brackets), the median step time and the last loss. On one host both links are shared memory, so the step
-times say what the mechanisms cost here, not what they save on a network.
+ranks in brackets), the median step time and the last loss; for zeroplus, the engine's estimate of rank 0's peak
+above ``initialize`` (what its memory line predicts), the peak measured, and the worst rank's error. On one host both
+links are shared memory, so the step times say what the mechanisms cost here, not what they save on a network.
 
     python bench/bench_nodes.py [--size small] [--seq 256] [--micro-batch 4] [--accumulation 2] [--steps 6]
 """
@@ -100,7 +101,8 @@ def _worker(args: argparse.Namespace) -> None:
     cfg = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": args.accumulation,
            "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
            "zero_optimization": {"stage": 3, **keys},
-           "zeroplus": {"log_level": "warning", "memory_estimate": False, "transport": "native", "node_size": NODE}}
+           "zeroplus": {"log_level": "warning", "memory_estimate": True, "transport": "native", "node_size": NODE,
+                        "seq_len": args.seq}}
     if framework in ("zeroplus", "deepspeed"):
         if framework == "zeroplus":
             import zeroplus
@@ -148,8 +150,13 @@ def _worker(args: argparse.Namespace) -> None:
             loss = micro(x, k == args.accumulation - 1)
         times.append(time.perf_counter() - t0)
         volumes.append(volume.take())
+    predicted = None  # zeroplus: the estimate's peak above initialize against the one measured, as its log says
+    if framework == "zeroplus":
+        report = engine.memory_report()
+        predicted = (report.predicted_peak_bytes, report.process_peak_above_start_bytes)
     with open(f"{args.out}.{rank}.json", "w") as f:
-        json.dump({"peak": rss_bytes("VmHWM") - start, "times": times, "volumes": volumes, "loss": loss.item()}, f)
+        json.dump({"peak": rss_bytes("VmHWM") - start, "times": times, "volumes": volumes, "loss": loss.item(),
+                   "predicted": predicted}, f)
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)
@@ -162,6 +169,15 @@ def _launch(row: str, args: argparse.Namespace) -> list[dict]:
     from bench_worker import torchrun
     forwarded = [item for key in OPTIONS for item in (f"--{key.replace('_', '-')}", str(getattr(args, key)))]
     return torchrun(__file__, ["--worker", row, *forwarded], 4, row)
+
+
+def _prediction(ranks: list[dict]) -> str:
+    """zeroplus's estimate of rank 0's peak above initialize, the peak measured, and the worst rank's error."""
+    if ranks[0]["predicted"] is None or ranks[0]["predicted"][0] is None:
+        return ""
+    predicted, measured = ranks[0]["predicted"]
+    worst = max((abs(p - m) / m, (p - m) / m) for p, m in (r["predicted"] for r in ranks))[1]
+    return f"{predicted / 2**20:>15.1f}{measured / 2**20:>10.1f}{100 * worst:>+7.1f}%"
 
 
 def main() -> None:
@@ -178,7 +194,8 @@ def main() -> None:
     print(f"4 ranks as 2 nodes of 2, GPT-{args.size}, micro-batch {args.micro_batch} x {args.seq}, accumulation "
           f"{args.accumulation}, fp32, ZeRO-3 / FSDP2; a step's bytes per link (rank 0), peak RSS above start, median "
           f"of the last {args.steps - 2} of {args.steps} steps")
-    print(f"  {'row':<22}{'across MB':>11}{'within MB':>11}{'peak MiB (median)':>20}{'step s':>9}{'loss':>8}")
+    print(f"  {'row':<22}{'across MB':>11}{'within MB':>11}{'peak MiB (median)':>20}{'step s':>9}{'loss':>8}"
+          f"{'predicted MiB':>15}{'measured':>10}{'error':>8}")
     from bench_worker import LaunchFailed
     for row in args.rows.split(","):
         try:
@@ -192,7 +209,7 @@ def main() -> None:
         step = statistics.median(first["times"][2:] or first["times"])
         print(f"  {row:<22}{last['inter_node'] / 2**20:>11.2f}{last['intra_node'] / 2**20:>11.2f}"
               f"{first['peak'] / 2**20:>10.0f} ({statistics.median(peaks) / 2**20:>5.0f})"
-              f"{step:>11.3f}{first['loss']:>8.3f}")
+              f"{step:>11.3f}{first['loss']:>8.3f}" + _prediction(ranks))
 
 
 if __name__ == "__main__":

@@ -1,22 +1,22 @@
 """AutoTP (``zeroplus/parallel/autotp.py``): a Hugging Face causal LM split by its own tensor-parallel plan when the
 config says ``"tensor_parallel": {"autotp_size": 2}``, against the model in one process.
 
-4 gloo ranks, tensor 2 x data 2, ZeRO stages 1 and 3 in one world: each rank builds the same tiny Llama, Qwen2,
-Mistral, Qwen3, Mixtral and a Llama with one key/value head and a tied head (hidden 64, 4 query heads, 2 key/value
-heads: one per tensor rank; Qwen2's q/k/v biases split with them; Qwen3's per-head q/k norms whole, their gradients
-summed over the tensor group), and ``initialize`` splits ``q/k/v/gate/up_proj`` by rows, ``o/down_proj`` by columns,
-the input embeddings and the head by vocabulary rows (the tied head sharing the embeddings' slice), Mixtral's
-experts' ``gate_up_proj`` by the rows of its gate and of its up projection each and ``down_proj`` by columns (the
-router whole), and keeps the one key/value head whole on both ranks, each computing it. The reference: the plain
-model on both data ranks' batches, SGD with momentum (Adam would turn a gradient's last-bit difference where it is
-near zero into a full step) and a clip the gradients exceed (a norm that counted the replicated norms twice would
+4 gloo ranks, tensor 2 x data 2, ZeRO stages 1 and 3 (the Llama at 0 and 2 too) in one world: each rank builds the same
+tiny Llama, Qwen2, Mistral, Qwen3, Mixtral and a Llama with one key/value head and a tied head (hidden 64, 4 query
+heads, 2 key/value heads: one per tensor rank; Qwen2's q/k/v biases split with them; Qwen3's per-head q/k norms whole,
+their gradients summed over the tensor group), and ``initialize`` splits ``q/k/v/gate/up_proj`` by rows,
+``o/down_proj`` by columns, the input embeddings and the head by vocabulary rows (the tied head sharing the embeddings'
+slice), Mixtral's experts' ``gate_up_proj`` by the rows of its gate and of its up projection each and ``down_proj`` by
+columns (the router whole), and keeps the one key/value head whole on both ranks, each computing it. The reference: the
+plain model on both data ranks' batches, SGD with momentum (Adam would turn a gradient's last-bit difference where it
+is near zero into a full step) and a clip the gradients exceed (a norm that counted the replicated norms twice would
 change every update). Checked: which modules are split, the losses each rank reports, the global gradient norm, and
 every parameter slice after training, within 1e-5 relative (absolute floor 1e-6); at ZeRO-3 the first forward's
 estimate predicts every model-state category of the split Llama as the ledger measures it, and so does
-``zeroplus.estimate`` of the Llama as built, unsplit (it splits its meta copy by the plan); ``save_pretrained``
-writes the whole trained model (its slices all-gathered over the tensor group and joined), which ``from_pretrained``
-loads equal to the reference; the same model built on the meta device and split gets, at ``initialize``, the
-normally built model's slices, and ``load_pretrained`` of the exported files reads the trained slices, bit for bit.
+``zeroplus.estimate`` of the Llama as built, unsplit (it splits its meta copy by the plan); ``save_pretrained`` writes
+the whole trained model (its slices all-gathered over the tensor group and joined), which ``from_pretrained`` loads
+equal to the reference; the same model built on the meta device and split gets, at ``initialize``, the normally built
+model's slices, and ``load_pretrained`` of the exported files reads the trained slices, bit for bit.
 Refused, naming the key, the rank and the reason, with the model left as it was:
 key/value heads T neither divides nor is a multiple of, a plan style not split yet (DeepSeek-V2's latent key/value
 projection), a head tied to embeddings the plan leaves whole, a model built under ``zeroplus.Init`` (partitioned
@@ -79,7 +79,7 @@ def _expected_split(family: str) -> list[str]:
 def _job(root: str) -> list[dict]:
     out = []
     for family in FAMILIES:
-        for stage in (1, 3):
+        for stage in (0, 1, 2, 3) if family == "llama" else (1, 3):
             cfg = _config(stage, estimate=(family, stage) == ("llama", 3))
             parallel = zeroplus.init_parallel(cfg)
             engine = zeroplus.initialize(_model(family), cfg)
