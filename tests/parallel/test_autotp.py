@@ -2,17 +2,17 @@
 config says ``"tensor_parallel": {"autotp_size": 2}``, against the model in one process.
 
 4 gloo ranks, tensor 2 x data 2, ZeRO stages 1 and 3 (the Llama at 0 and 2 too) in one world: each rank builds the same
-tiny Llama, Qwen2, Mistral, Qwen3, Mixtral and a Llama with one key/value head and a tied head (hidden 64, 4 query
-heads, 2 key/value heads: one per tensor rank; Qwen2's q/k/v biases split with them; Qwen3's per-head q/k norms whole,
-their gradients summed over the tensor group), and ``initialize`` splits ``q/k/v/gate/up_proj`` by rows,
+tiny Llama, Qwen2, Mistral, Qwen3, Mixtral, Qwen3-MoE and a Llama with one key/value head and a tied head (hidden 64, 4
+query heads, 2 key/value heads: one per tensor rank; Qwen2's q/k/v biases split with them; Qwen3's per-head q/k norms
+whole, their gradients summed over the tensor group), and ``initialize`` splits ``q/k/v/gate/up_proj`` by rows,
 ``o/down_proj`` by columns, the input embeddings and the head by vocabulary rows (the tied head sharing the embeddings'
-slice), Mixtral's experts' ``gate_up_proj`` by the rows of its gate and of its up projection each and ``down_proj`` by
-columns (the router whole), and keeps the one key/value head whole on both ranks, each computing it. The reference: the
-plain model on both data ranks' batches, SGD with momentum (Adam would turn a gradient's last-bit difference where it
-is near zero into a full step) and a clip the gradients exceed (a norm that counted the replicated norms twice would
-change every update). Checked: which modules are split, the losses each rank reports, the global gradient norm, and
-every parameter slice after training, within 1e-5 relative (absolute floor 1e-6); at ZeRO-3 the first forward's
-estimate predicts every model-state category of the split Llama as the ledger measures it, and so does
+slice), Mixtral's and Qwen3-MoE's experts' ``gate_up_proj`` by the rows of its gate and of its up projection each and
+``down_proj`` by columns (the router whole), and keeps the one key/value head whole on both ranks, each computing it.
+The reference: the plain model on both data ranks' batches, SGD with momentum (Adam would turn a gradient's last-bit
+difference where it is near zero into a full step) and a clip the gradients exceed (a norm that counted the replicated
+norms twice would change every update). Checked: which modules are split, the losses each rank reports, the global
+gradient norm, and every parameter slice after training, within 1e-5 relative (absolute floor 1e-6); at ZeRO-3 the
+first forward's estimate predicts every model-state category of the split Llama as the ledger measures it, and so does
 ``zeroplus.estimate`` of the Llama as built, unsplit (it splits its meta copy by the plan); ``save_pretrained`` writes
 the whole trained model (its slices all-gathered over the tensor group and joined), which ``from_pretrained`` loads
 equal to the reference; the same model built on the meta device and split gets, at ``initialize``, the normally built
@@ -43,7 +43,7 @@ from zeroplus.parallel.tensor_layers import (
 )
 
 STEPS, MICRO, SEQ, CLIP, LR = 3, 2, 16, 0.5, 0.05
-FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "mixtral", "llama-kv1")
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "mixtral", "qwen3_moe", "llama-kv1")
 COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
 ROWWISE = ("o_proj", "down_proj")
 SPLIT = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ReplicatedRowsLinear)
@@ -68,11 +68,15 @@ def _model(family: str) -> torch.nn.Module:
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=1, tie_word_embeddings=True))
+    if family == "qwen3_moe":  # (its experts packed as Mixtral's, per-head q/k norms as Qwen3's)
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2))
     return build(family, "tiny")
 
 
 def _expected_split(family: str) -> list[str]:
-    mlp = [] if family == "mixtral" else ["gate_proj", "up_proj", "down_proj"]  # (Mixtral's experts: weights)
+    mlp = [] if family in ("mixtral", "qwen3_moe") else ["gate_proj", "up_proj", "down_proj"]  # (experts: weights)
     return sorted(["q_proj", "k_proj", "v_proj", "o_proj", *mlp] * 2 + ["embed_tokens", "lm_head"])
 
 
