@@ -10,7 +10,8 @@ group are split between the two groups with no byte more or less, and the second
 passes of every unit but the root (the first forward reads the shards, once a step), exactly; with
 ``zeroplus.node_size`` 2 its bytes are the only ones the log counts within a node. Memory: the ledger's
 ``param`` peak is flat ZeRO-3's plus half of every such unit's values (the secondary copy), nothing of it is live
-after the step, and the engine's estimate predicts the ``param`` and ``param_gathered`` peaks exactly. With qwZ's
+after the step, and the engine's estimate predicts the ``param`` and ``param_gathered`` peaks exactly. A checkpoint
+saved under hpZ loads into flat ZeRO-3 over the same ranks with every weight it saved. With qwZ's
 int8 gathers beside it (``zero_quantized_weights``), the copy holds the dequantized values: again the flat run's
 losses and masters bit for bit. Refused on
 every rank, naming the key, the value and the rank: stage 2, a size not dividing the data ranks, hpZ beside MiCS.
@@ -39,7 +40,7 @@ def _config(hpz: int, stage: int = 3, mics: int = -1, quantized: bool = False) -
             "zeroplus": {"log_level": "warning", "memory_estimate": True, "node_size": 2}}
 
 
-def _run(hpz: int, quantized: bool = False) -> dict:
+def _run(hpz: int, quantized: bool = False, root: str | None = None) -> dict:
     rank, world = rank_and_world()
     torch.manual_seed(0)
     engine = zeroplus.initialize(ParityNet(), _config(hpz, quantized=quantized))
@@ -58,18 +59,29 @@ def _run(hpz: int, quantized: bool = False) -> dict:
               "param": engine.ledger.peak_bytes(Category.PARAM), "param_live": engine.ledger.live_bytes(Category.PARAM),
               "predicted": {c: (engine.ledger.peak_bytes(Category(c)), engine.budget.category_peaks[c])
                             for c in ("param", "param_gathered")}}
+    if root is not None:  # saved under hpZ, loaded by flat ZeRO-3 over the same ranks
+        engine.save_checkpoint(root, tag="hpz")
+        result["saved"] = engine.consolidated_fp32_state()
     engine.destroy()
     reset_parallel()
+    if root is not None:
+        torch.manual_seed(1)
+        flat = zeroplus.initialize(ParityNet(), _config(1))
+        flat.load_checkpoint(root, tag="hpz")
+        result["loaded"] = flat.consolidated_fp32_state()
+        flat.destroy()
+        reset_parallel()
     return result
 
 
-def _both() -> list[dict]:
-    return [_run(1), _run(2), _run(1, quantized=True), _run(2, quantized=True)]
+def _both(root: str) -> list[dict]:
+    return [_run(1), _run(2, root=root), _run(1, quantized=True), _run(2, quantized=True)]
 
 
-def test_hpz_trains_flat_zero3s_model_bit_for_bit_with_backward_gathers_within_the_node():
+def test_hpz_trains_flat_zero3s_model_bit_for_bit_with_backward_gathers_within_the_node(tmp_path):
     steps = STEPS - 1
-    for rank, (flat, hpz, flat_qwz, hpz_qwz) in enumerate(run_distributed(_both, 4)):
+    for rank, (flat, hpz, flat_qwz, hpz_qwz) in enumerate(run_distributed(_both, 4, str(tmp_path))):
+        assert hpz["saved"] and all(torch.equal(hpz["loaded"][n], v) for n, v in hpz["saved"].items()), rank
         # with qwZ the copy holds the dequantized values the forward computed with: the same run again
         assert hpz_qwz["losses"] == flat_qwz["losses"] != flat["losses"], rank
         assert torch.equal(hpz_qwz["masters"], flat_qwz["masters"]), rank
