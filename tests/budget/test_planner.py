@@ -245,6 +245,29 @@ def test_across_nodes_the_layout_that_fits_with_the_fewest_bytes_between_nodes()
     assert chosen[0].links["inter_node"] < chosen[1].links["inter_node"], [c.links for c in chosen]
 
 
+def test_mics_over_several_nodes_where_a_nodes_share_of_the_states_does_not_fit():
+    """8 ranks as 4 nodes of 2, MiCS left to the planner with two-level gathers: MiCS over a node holds the most
+    (states over 2 ranks), over 2 nodes less (over 4), flat ZeRO-3 least. A budget MiCS over 2 nodes fits and MiCS over
+    one does not gets MiCS over 2 nodes (fewer bytes across nodes than flat: its gathers cross in two levels, its
+    shards' all-reduce across the 2 replicas once a step)."""
+    config = _nodes_config()
+    config["zero_optimization"] = {"stage": 3, "mics_shard_size": "auto", "mics_hierarchical_params_gather": True}
+
+    def peak(shard: int) -> int:
+        cfg = apply_settings(parse_config(config)[0], Settings(3, None, False, False, shard=shard))
+        return zeroplus.estimate(_tiny, cfg, world_size=8, seq_len=SEQ).peak_bytes
+
+    flat, over_node, over_two = peak(0), peak(2), peak(4)
+    assert flat < over_two < over_node, (flat, over_two, over_node)
+    chosen = plan(_tiny, config | {"zeroplus": config["zeroplus"] | {"memory_budget": over_two}}, world_size=8)
+    assert chosen.settings.shard == 4, chosen.reason
+    assert "MiCS over 4 ranks" in chosen.reason, chosen.reason
+    cfg = parse_config(config)[0]
+    exact = links(cfg, Settings(3, None, False, False), _count(_tiny), 8)
+    assert chosen.links["inter_node"] < exact["inter_node"], (chosen.links, exact)
+    assert chosen.apply(cfg).zero_optimization.mics_shard_size == 4
+
+
 def _quantized_config(node: int) -> dict:
     """Stage 3 in fp32 on 4 ranks as nodes of ``node``, ZeRO++'s quantized collectives left to the planner."""
     config = _nodes_config(4 * 2**30)

@@ -11,8 +11,8 @@ the token length the activations are predicted for (``initialize`` sees no input
 1. Candidates: every combination of the ``"auto"`` keys (stages 0-3; ratio none, 0.25, 0.5,
    0.75, 1 when an offload device is set; shared master weights off/on in bf16; resize
    recompute off/on; bf16 moments off/on for the config's Adam or AdamW; bf16 masters off/on in bf16, not beside
-   shared masters or offloaded parameters; over several nodes, MiCS and hpZ over a node off/on, and qwZ's and
-   qgZ's quantized collectives off/on: ``links``).
+   shared masters or offloaded parameters; over several nodes, MiCS over a node or over several whole nodes, hpZ
+   over a node, and qwZ's and qgZ's quantized collectives off/on: ``links``).
 2. Each gets a cost before anything is simulated, in seconds per optimizer step on a nominal
    machine (``BANDWIDTH``): its collectives' bytes per rank (ring all-reduce 2 c P (N-1)/N;
    reduce-scatter and all-gather c P (N-1)/N each; stages 2-3 reduce every micro-batch, stage 3
@@ -121,7 +121,9 @@ class Plan:
 def _candidates(cfg: ZeroplusConfig, world_size: int = 1) -> list[Settings]:
     zero, zp = cfg.zero_optimization, cfg.zeroplus
     node = _node(cfg, world_size)
-    shards = [0, node] if zero.mics_shard_size == "auto" and node else [0]
+    # MiCS over a node, or over several whole nodes where a node's share of the states does not fit
+    shards = [0] + ([k * node for k in range(1, world_size // node) if world_size % (k * node) == 0]
+                    if zero.mics_shard_size == "auto" and node else [])
     secondaries = [0, node] if zero.zero_hpz_partition_size == "auto" and node else [0]
     stages = [0, 1, 2, 3] if zero.stage == "auto" else [int(zero.stage)]
     if zero.stage == "auto" and zp.parallel.pipeline > 1:  # stage 3 beside pipelines is refused (topology.py)
@@ -216,7 +218,8 @@ def links(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int) -> dic
     the model once a step (2 c P), stage 2 reduces every micro-batch ((A + 1) c P), stage 3 gathers twice and reduces
     once every micro-batch (3 A c P). On one node everything is within it; across several, a flat layout's groups span
     them. MiCS over a node keeps its collectives within the node and all-reduces the gradient shard (fp32 when
-    accumulating) across the replicas once a step; hpZ gathers across only each step's first forward, the other
+    accumulating) across the replicas once a step, and a shard group over several nodes gathers across them in two
+    levels where ``mics_hierarchical_params_gather`` asks; hpZ gathers across only each step's first forward, the other
     2A - 1 passes within the node (its copy in the compute dtype). qwZ sends stage 3's gathers from the shards as
     ``CODE_BYTES`` an element; qgZ the reductions, over several nodes in two levels: all within the node, then 1/L of
     the elements across (see note: planner links)."""
@@ -235,11 +238,27 @@ def links(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int) -> dic
     gathers = first + (passes - 1) * (first if s.stage == 3 else gathered) if passes else 0.0
     if s.qg:
         reduced = CODE_BYTES * params
-    if s.shard:
-        replicas, grad = world_size // s.shard, 4 if ga > 1 else c
-        return {"intra_node": int(ring(s.shard) * (gathers + reductions * reduced)),
-                "inter_node": int(2 * ring(replicas) * grad * params / s.shard)}
     out = {"intra_node": 0.0, "inter_node": 0.0}
+    if s.shard:  # the replicas all-reduce the gradient shard across nodes once a step (fp32 when accumulating)
+        replicas, grad = world_size // s.shard, 4 if ga > 1 else c
+        out["inter_node"] += 2 * ring(replicas) * grad * params / s.shard
+        if s.shard <= node or not node:  # within a node
+            out["intra_node"] += ring(s.shard) * (gathers + reductions * reduced)
+            return {link: int(value) for link, value in out.items()}
+        # a shard group over M whole nodes: its gathers in two levels where the config asks, else across; its
+        # reductions across, or under qgZ in two levels
+        M = s.shard // node
+        if cfg.zero_optimization.mics_hierarchical_params_gather:
+            out["inter_node"] += ring(M) * gathers / node
+            out["intra_node"] += ring(node) * gathers
+        else:
+            out["inter_node"] += ring(s.shard) * gathers
+        if s.qg:
+            out["intra_node"] += ring(node) * reductions * reduced
+            out["inter_node"] += ring(M) * reductions * reduced / node
+        else:
+            out["inter_node"] += ring(s.shard) * reductions * reduced
+        return {link: int(value) for link, value in out.items()}
     far = "inter_node" if node else "intra_node"
     if s.secondary:  # (hpZ's copy is in the compute dtype)
         out["inter_node"] += ring(world_size) * first
