@@ -521,9 +521,11 @@ def _warn_flat_mics_gathers(cfg: ResolvedConfig, parallel: ParallelGroups | None
     zero = cfg.zero_optimization
     if not zero.mics_hierarchical_params_gather:
         return
-    if zero.mics_shard_size == -1 or parallel is None:
+    if zero.mics_shard_size == -1:
         log_rank0("zero_optimization.mics_hierarchical_params_gather is set without mics_shard_size: it does "
                   "nothing, as in DeepSpeed", level=logging.WARNING)
+        return
+    if parallel is None:  # (an engine built without parallel groups: no shard groups to lay over nodes)
         return
     topology, node = parallel.topology, ranks_per_node(cfg)
     part = topology.shard or topology.data * topology.context

@@ -12,7 +12,9 @@ from another node instead of both), to the byte, and what they no longer send ac
 the across bytes: each node rank gathers both nodes' parts). Memory: the engine's estimate predicts the
 ``comm_buffer``, ``param`` and ``param_gathered`` peaks exactly (the across level's buffer, held until the second
 level lands). Said at initialize: two levels; with nodes of 3 the shard group does not split into whole nodes, so
-one level, and a warning; nothing where there is nothing to change (shard groups within a node, nodes of one rank).
+one level, and a warning; nothing where there is nothing to change (shard groups within a node, nodes of one rank);
+without ``mics_shard_size`` the key does nothing, as in DeepSpeed, though qgZ's two levels make node groups (the
+gathers stay one level, and initialize says so).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from tests.models import ParityNet, make_batches
 from tests.reference import engine_train
 from zeroplus.ledger import Category
 from zeroplus.parallel import reset_parallel
+from zeroplus.zero.two_level_gather import TwoLevelGather
 
 STEPS, GAS, MICRO, LR, CLIP = 3, 2, 2, 1e-2, 0.5
 
@@ -60,27 +63,30 @@ def _run(stage: int, levels: bool, quantized: bool = False) -> dict:
     return result
 
 
-def _said(node: int, shard: int) -> list[str]:
-    """What initialize says of the key with nodes of ``node`` ranks and shard groups of ``shard``."""
+def _said(node: int, shard: int, qgz: bool = False) -> tuple[list[str], bool]:
+    """What initialize says of the key with nodes of ``node`` ranks and shard groups of ``shard`` (``qgz``: with
+    quantized gradients, whose two levels make node groups), and whether its gathers run in two levels."""
     said: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("zeroplus").addHandler(handler)
     config = _config(3, True, node=node)
-    config["zero_optimization"]["mics_shard_size"] = shard
+    config["zero_optimization"] |= {"mics_shard_size": shard, "zero_quantized_gradients": qgz}
     config["zeroplus"]["log_level"] = "info"
     try:
-        zeroplus.initialize(ParityNet(), config).destroy()
+        engine = zeroplus.initialize(ParityNet(), config)
+        two = any(isinstance(g.values_group, TwoLevelGather) for g in engine.partition.groups)
+        engine.destroy()
     finally:
         logging.getLogger("zeroplus").removeHandler(handler)
         reset_parallel()
-    return [line for line in said if "mics_hierarchical_params_gather" in line]
+    return [line for line in said if "mics_hierarchical_params_gather" in line], two
 
 
 def _all() -> list:
     return [_run(stage, levels) for stage in (3, 1) for levels in (False, True)] + \
         [_run(3, levels, quantized=True) for levels in (False, True)] + \
-        [[_said(node, shard) for node, shard in ((2, 4), (3, 4), (2, 2), (1, 2))]]
+        [[_said(node, shard) for node, shard in ((2, 4), (3, 4), (2, 2), (1, 2))] + [_said(2, -1, qgz=True)]]
 
 
 def test_the_hierarchical_gather_sends_half_the_bytes_across_nodes_and_trains_the_same_model():
@@ -100,8 +106,12 @@ def test_the_hierarchical_gather_sends_half_the_bytes_across_nodes_and_trains_th
                 assert all(measured == predicted for measured, predicted in result["predicted"].values()), \
                     (label, result["predicted"])
         assert levels3["predicted"]["comm_buffer"][0] > flat3["predicted"]["comm_buffer"][0], rank
-        if rank == 0:  # (rank 0 logs) two levels; nodes of 3 do not tile 4: one level; within a node, or nodes of
-            two, one_level, within, single = said  # one rank: nothing to change
+        # two levels; nodes of 3 do not tile 4: one level; within a node, or nodes of one rank: nothing to change;
+        # without mics_shard_size nothing, as in DeepSpeed, though qgZ makes node groups
+        (two, in_two), (one_level, in_one), (within, _), (single, _), (unset, unset_two) = said
+        assert in_two and not in_one and not unset_two, (rank, said)
+        if rank == 0:  # (rank 0 logs)
             assert len(two) == 1 and "two levels" in two[0], two
             assert len(one_level) == 1 and "one level" in one_level[0], one_level
             assert within == single == [], said
+            assert len(unset) == 1 and "it does nothing, as in DeepSpeed" in unset[0], unset

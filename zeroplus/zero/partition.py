@@ -165,8 +165,10 @@ class ZeroPartition:
         device = placement.device if placement is not None else None
         assigned = assign_parameters(model, unit_modules, frozen_too)
         per_use, alone = self._per_use(model, assigned, param_group_of)
-        levels = TwoLevelGather(*nodes, ledger) if nodes is not None and zero.mics_hierarchical_params_gather \
-            else None
+        # (the key gathers MiCS's shard groups in two levels; without mics_shard_size it does nothing, as in DeepSpeed,
+        # though qgZ's nodes exist)
+        hierarchical = zero.mics_hierarchical_params_gather and zero.mics_shard_size != -1
+        levels = TwoLevelGather(*nodes, ledger) if nodes is not None and hierarchical else None
         maker = _GroupMaker(self.stage, dp, ledger, master, device, zero.reduce_bucket_size, compute_dtype,
                             secondary if self.stage.shards_parameters else None, levels)
         for index, (name, module, params) in enumerate(assigned):
