@@ -196,8 +196,8 @@ def _groups_of_plan(cfg: Any, parallel: ParallelGroups, dp: Any, process_group: 
     """The planner chose a layout with groups of its own ('auto' in ``mics_shard_size``, ``zero_hpz_partition_size`` or
     ``zero_quantized_gradients`` over nodes; see note: planner links): those groups, made now on every rank (each took
     rank 0's plan), and the data group again; else the groups as they are."""
-    world = parallel.topology.world_size
     top = parallel.topology
+    world = top.world_size
     if (top.shard, top.secondary, top.node) == (shard_size(cfg, world), secondary_size(cfg, world),
                                                 node_split(cfg, world)):
         return parallel, dp

@@ -45,7 +45,7 @@ import torch
 from ..config import ConfigError, ZeroplusConfig, ZeroStage, load_config, parse_bytes
 from ..optim.build import resolve_optimizer_class
 from ..optim.stored_states import stored_states_class
-from ..parallel.groups import ranks_per_node
+from ..parallel.groups import tiling_nodes
 from .estimate import MemoryBudget, estimate
 
 # Nominal bandwidths (bytes/s) the costs are computed with: only their ratios order candidates.
@@ -165,10 +165,13 @@ def _candidates(cfg: ZeroplusConfig, world_size: int = 1) -> list[Settings]:
 def _node(cfg: ZeroplusConfig, world_size: int) -> int:
     """The ranks of a node where the data ranks span several whole nodes beside plain data parallelism (what MiCS
     and hpZ can be laid over), else 0."""
-    par = cfg.zeroplus.parallel
-    node = ranks_per_node(cfg)
-    plain = (par.tensor, par.pipeline, par.expert, par.context) == (1, 1, 1, 1)
-    return node if plain and 1 < node < world_size and world_size % node == 0 else 0
+    return tiling_nodes(cfg, world_size)
+
+
+def _widths(cfg: ZeroplusConfig) -> tuple[int, int]:
+    """The compute dtype's bytes an element and the micro-batches a step."""
+    c = 2 if (cfg.bf16.enabled is True or cfg.fp16.enabled is True) else 4
+    return c, int(cfg.gradient_accumulation_steps or 1)
 
 
 def _adam(cfg: ZeroplusConfig) -> bool:
@@ -223,8 +226,7 @@ def links(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int) -> dic
     2A - 1 passes within the node (its copy in the compute dtype). qwZ sends stage 3's gathers from the shards as
     ``CODE_BYTES`` an element; qgZ the reductions, over several nodes in two levels: all within the node, then 1/L of
     the elements across (see note: planner links)."""
-    c = 2 if (cfg.bf16.enabled is True or cfg.fp16.enabled is True) else 4
-    ga = int(cfg.gradient_accumulation_steps or 1)
+    c, ga = _widths(cfg)
     node = _node(cfg, world_size)
 
     def ring(n: int) -> float:
@@ -239,37 +241,27 @@ def links(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int) -> dic
     if s.qg:
         reduced = CODE_BYTES * params
     out = {"intra_node": 0.0, "inter_node": 0.0}
+    group = s.shard or world_size  # the ranks ZeRO shards over
     if s.shard:  # the replicas all-reduce the gradient shard across nodes once a step (fp32 when accumulating)
         replicas, grad = world_size // s.shard, 4 if ga > 1 else c
         out["inter_node"] += 2 * ring(replicas) * grad * params / s.shard
         if s.shard <= node or not node:  # within a node
             out["intra_node"] += ring(s.shard) * (gathers + reductions * reduced)
             return {link: int(value) for link, value in out.items()}
-        # a shard group over M whole nodes: its gathers in two levels where the config asks, else across; its
-        # reductions across, or under qgZ in two levels
-        M = s.shard // node
-        if cfg.zero_optimization.mics_hierarchical_params_gather:
-            out["inter_node"] += ring(M) * gathers / node
-            out["intra_node"] += ring(node) * gathers
-        else:
-            out["inter_node"] += ring(s.shard) * gathers
-        if s.qg:
-            out["intra_node"] += ring(node) * reductions * reduced
-            out["inter_node"] += ring(M) * reductions * reduced / node
-        else:
-            out["inter_node"] += ring(s.shard) * reductions * reduced
-        return {link: int(value) for link, value in out.items()}
     far = "inter_node" if node else "intra_node"
     if s.secondary:  # (hpZ's copy is in the compute dtype)
         out["inter_node"] += ring(world_size) * first
         out["intra_node"] += ring(s.secondary) * (2 * ga - 1) * gathered
+    elif s.shard and cfg.zero_optimization.mics_hierarchical_params_gather:  # over several nodes, in two levels
+        out["inter_node"] += ring(group // node) * gathers / node
+        out["intra_node"] += ring(node) * gathers
     else:
-        out[far] += ring(world_size) * gathers
+        out[far] += ring(group) * gathers
     if s.qg and node:  # two levels: every element within the node, 1/L of them across
         out["intra_node"] += ring(node) * reductions * reduced
-        out["inter_node"] += ring(world_size // node) * reductions * reduced / node
+        out["inter_node"] += ring(group // node) * reductions * reduced / node
     else:
-        out[far] += ring(world_size) * reductions * reduced
+        out[far] += ring(group) * reductions * reduced
     return {link: int(value) for link, value in out.items()}
 
 
@@ -290,8 +282,7 @@ def cost(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int) -> floa
         seconds += 2 * 12 * owned / BANDWIDTH["memory"]
     if s.masters:  # the master widened and stored back
         seconds += 6 * owned / BANDWIDTH["memory"]
-    ga = int(cfg.gradient_accumulation_steps or 1)
-    c = 2 if (cfg.bf16.enabled is True or cfg.fp16.enabled is True) else 4
+    c, ga = _widths(cfg)
     n = world_size if ZeroStage(s.stage).partitions else 1
     if s.qw:  # each gather: the shard quantized (c in, a code out), every part dequantized (a code in, c out)
         seconds += 2 * ga * (1 + c) * params * (1 + 1 / n) / BANDWIDTH["memory"]

@@ -201,15 +201,21 @@ def node_split(spec: Any, world: int) -> int:
     if spec is None:
         return 0
     zero_cfg = spec.zero_optimization
-    tensor, pipeline, expert, context = _sizes(spec)
-    zero = world // (tensor * pipeline)
-    part = shard_size(spec, world) or zero
+    tensor, pipeline, _, _ = _sizes(spec)
+    part = shard_size(spec, world) or world // (tensor * pipeline)
     gathers = zero_cfg.mics_hierarchical_params_gather and zero_cfg.mics_shard_size not in (-1, "auto")
     if not (zero_cfg.zero_quantized_gradients is True or gathers):  # ('auto': off until the planner says)
         return 0
+    return tiling_nodes(spec, part)
+
+
+def tiling_nodes(spec: Any, ranks: int) -> int:
+    """The ranks per node (``ranks_per_node``) where they cut ``ranks`` (the ranks ZeRO shards over) into more than
+    one whole node beside plain data parallelism, else 0: what MiCS, hpZ and the two-level collectives are laid
+    over."""
     size = ranks_per_node(spec)
-    plain = (tensor, pipeline, expert, context) == (1, 1, 1, 1)
-    return size if plain and 1 < size < part and part % size == 0 else 0
+    plain = _sizes(spec) == (1, 1, 1, 1)
+    return size if plain and 1 < size < ranks and ranks % size == 0 else 0
 
 
 def _span(spec: Any) -> bool:
