@@ -27,17 +27,25 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _failed(what: str, code: int, out: str, err: str) -> AssertionError:
+    return AssertionError(f"{what} exited with {code}\n--- stdout\n{out[-6000:]}\n--- stderr\n{err[-12000:]}")
+
+
 def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited with {done.returncode}\n--- stdout\n{done.stdout[-6000:]}"
-                             f"\n--- stderr\n{done.stderr[-12000:]}")
+        raise _failed(" ".join(cmd), done.returncode, done.stdout, done.stderr)
     return done
 
 
+def _zeroplus_run(nproc: int) -> list[str]:
+    """The command a user types, up to its torchrun flags."""
+    return [sys.executable, "-m", "zeroplus.cli", "run", "--deepspeed-api", "-n", str(nproc)]
+
+
 def on_zeroplus(script: str, args: list[str], nproc: int = 2, timeout: float = 600) -> subprocess.CompletedProcess:
-    return _run([sys.executable, "-m", "zeroplus.cli", "run", "--deepspeed-api", "-n", str(nproc),
-                 f"--master-port={free_port()}", os.path.join(SCRIPTS, script), *args], timeout)
+    return _run([*_zeroplus_run(nproc), f"--master-port={free_port()}", os.path.join(SCRIPTS, script), *args],
+                timeout)
 
 
 def on_zeroplus_nodes(script: str, args: list[str], nnodes: int = 2, nproc: int = 2, timeout: float = 600
@@ -45,25 +53,22 @@ def on_zeroplus_nodes(script: str, args: list[str], nnodes: int = 2, nproc: int 
     """``zeroplus run --deepspeed-api --nnodes N --node-rank i -n P`` once per simulated node, all at once on this
     host (each launcher's ranks see ``LOCAL_WORLD_SIZE`` P, as on a node of their own); each launcher's output."""
     port = free_port()
-    launches = [subprocess.Popen([sys.executable, "-m", "zeroplus.cli", "run", "--deepspeed-api", "-n", str(nproc),
-                                  "--nnodes", str(nnodes), "--node-rank", str(i), "--master-addr", "127.0.0.1",
-                                  f"--master-port={port}", os.path.join(SCRIPTS, script), *args],
+    launches = [subprocess.Popen([*_zeroplus_run(nproc), "--nnodes", str(nnodes), "--node-rank", str(i),
+                                  "--master-addr", "127.0.0.1", f"--master-port={port}",
+                                  os.path.join(SCRIPTS, script), *args],
                                  cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                 for i in range(nnodes)]
     done = []
-    for i, launch in enumerate(launches):
-        try:
+    try:
+        for i, launch in enumerate(launches):
             out, err = launch.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for other in launches:
-                other.kill()
-            raise
-        if launch.returncode != 0:
-            for other in launches:
-                other.kill()
-            raise AssertionError(f"node {i} of {nnodes} exited with {launch.returncode}\n--- stdout\n{out[-6000:]}"
-                                 f"\n--- stderr\n{err[-12000:]}")
-        done.append(subprocess.CompletedProcess(launch.args, 0, out, err))
+            if launch.returncode != 0:
+                raise _failed(f"node {i} of {nnodes}", launch.returncode, out, err)
+            done.append(subprocess.CompletedProcess(launch.args, 0, out, err))
+    finally:
+        for launch in launches:  # (after a failure or a timeout: the other nodes' launchers too)
+            if launch.poll() is None:
+                launch.kill()
     return done
 
 
