@@ -84,6 +84,10 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     code = code_resident() if predicts and accel.name == "cpu" else None
     pooled = held_bytes() if predicts and accel.name == "cpu" else None  # MKL's buffer pool (host_gemm_pool.py)
     _set_up_process(cfg, accel, unimplemented)
+    # 'auto' in tensor_parallel.autotp_size: planned over the whole world, before any group splits the model
+    planned = cfg.tensor_parallel.autotp_size == "auto"
+    if planned:
+        cfg = _plan(model, cfg, DataParallelGroup(label="world"), (code, pooled))
     try:
         parallel = init_parallel(cfg)
     except ValueError as err:
@@ -91,7 +95,7 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     split = split_by_plans(model, parallel, cfg.zeroplus.parallel.expert_capacity_factor)
     try:
         return _assemble(model, cfg, parallel, accel, rss_at_start, (code, pooled), wrapper, optimizer,
-                         lr_scheduler, model_parameters, process_group, init_fn)
+                         lr_scheduler, model_parameters, process_group, init_fn, planned)
     except ConfigError:  # refused before anything moved: the model as it was given, whole
         split.undo()
         raise
@@ -99,10 +103,11 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
 
 def _assemble(model: torch.nn.Module, cfg: Any, parallel: ParallelGroups, accel: Any, rss_at_start: int,
               held: tuple[int | None, int | None], wrapper: Any, optimizer: Any, lr_scheduler: Any,
-              model_parameters: Any, process_group: Any, init_fn: Any) -> Engine:
+              model_parameters: Any, process_group: Any, init_fn: Any, planned: bool = False) -> Engine:
     """``initialize`` from the parallel groups on: the batch and the planner's choices resolved, the engine built
     and its first-forward prediction attached. ``held``: torch's code and MKL's pool this process held at the
-    start (``estimate``'s ``code`` and ``pooled``)."""
+    start (``estimate``'s ``code`` and ``pooled``). ``planned``: the planner chose the layout before the groups
+    (a tensor size among them), and the config holds its choice."""
     context = parallel.topology.context
     # ZeRO partitions and averages over data x context; a batch is split over the data ranks only
     dp = DataParallelGroup(process_group) if process_group is not None else parallel.zero
@@ -114,9 +119,11 @@ def _assemble(model: torch.nn.Module, cfg: Any, parallel: ParallelGroups, accel:
                  planned=cfg.zeroplus.memory_budget is not None)
     if dp.size > 1:
         check_ranks_agree(model, cfg, dp, parallel.topology.to_dict())
-    _check_budget_covers(cfg, parallel)
+    if not planned:
+        _check_budget_covers(cfg, parallel)
+        cfg = _plan(model, cfg, dp, held)
     pipelined = parallel.topology.pipeline > 1
-    cfg = resolved(_plan(model, cfg, dp, held), recompute_unset=recompute_unset)  # frozen from here
+    cfg = resolved(cfg, recompute_unset=recompute_unset)  # frozen from here
     parallel, dp = _groups_of_plan(cfg, parallel, dp, process_group)
     _check_resolved(cfg, wrapper is not None, accel)
     # predicted at the first forward, from the shapes and dtypes of its real batch (whatever the model takes)
@@ -167,8 +174,9 @@ def _check_resolved(cfg: ResolvedConfig, compiled_wrapper_given: bool, accel: An
 
 def _plan(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any,
           held: tuple[int | None, int | None]) -> ZeroplusConfig:
-    """``zeroplus.memory_budget``: rank 0 plans (``zeroplus/budget/planner.py``) and every rank takes
-    its choice, or raises its refusal, before anything is allocated."""
+    """``zeroplus.memory_budget``: rank 0 of ``dp`` plans for its ranks (``zeroplus/budget/planner.py``) and every
+    rank takes its choice, or raises its refusal, before anything is allocated. ``dp``: the data group, or the whole
+    world where the plan chooses the tensor size too."""
     autos = auto_keys(cfg)
     if not autos and cfg.zeroplus.memory_budget is None:
         return cfg

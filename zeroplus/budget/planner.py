@@ -12,7 +12,9 @@ the token length the activations are predicted for (``initialize`` sees no input
    0.75, 1 when an offload device is set; shared master weights off/on in bf16; resize
    recompute off/on; bf16 moments off/on for the config's Adam or AdamW; bf16 masters off/on in bf16, not beside
    shared masters or offloaded parameters; over several nodes, MiCS over a node or over several whole nodes, hpZ
-   over a node, and qwZ's and qgZ's quantized collectives off/on: ``links``).
+   over a node, and qwZ's and qgZ's quantized collectives off/on: ``links``); with ``tensor_parallel.autotp_size``
+   'auto', a Hugging Face model's tensor size: 1 and each size that divides the ranks and that the model's own plan
+   splits (``autotp.check_plan``), planned before any group splits the model (``initialize``).
 2. Each gets a cost before anything is simulated, in seconds per optimizer step on a nominal
    machine (``BANDWIDTH``): its collectives' bytes per rank (ring all-reduce 2 c P (N-1)/N;
    reduce-scatter and all-gather c P (N-1)/N each; stages 2-3 reduce every micro-batch, stage 3
@@ -23,6 +25,10 @@ the token length the activations are predicted for (``initialize`` sees no input
    the plan's reason with its stated accuracy cost (``LOSSY``). The quantized collectives save bytes, not memory:
    left 'auto', they compete on cost (the bytes they save across nodes against their quantizing over memory
    bandwidth) and are named in the reason with their accuracy cost (``QUANTIZED``); on one node they stay off.
+   Tensor parallelism is tried smallest size first (after the lossy order): its all-reduces sit on every layer's
+   critical path, where ZeRO's collectives overlap compute, so a byte count alone would favour it wrongly at small
+   batches; it is a way to fit, taken where no smaller size fits, its bytes (``autotp.exchanged_per_token``) in
+   its cost and reason (see note: planner tensor size).
 3. The most frugal candidate (highest stage and offload ratio, every technique on) is simulated
    first (``estimate.py``): if even it exceeds the budget, nothing fits, and the error names its
    predicted peak, the smallest budget that would fit, with its settings.
@@ -45,7 +51,9 @@ import torch
 from ..config import ConfigError, ZeroplusConfig, ZeroStage, load_config, parse_bytes
 from ..optim.build import resolve_optimizer_class
 from ..optim.stored_states import stored_states_class
-from ..parallel.groups import tiling_nodes
+from ..parallel.autotp import check_plan, exchanged_per_token
+from ..parallel.groups import ranks_per_node, tiling_nodes
+from ..parallel.topology import Topology
 from .estimate import MemoryBudget, estimate
 
 # Nominal bandwidths (bytes/s) the costs are computed with: only their ratios order candidates.
@@ -76,9 +84,12 @@ class Settings:
     secondary: int = 0       # hpZ over this many ranks (a node); 0: not hpZ
     qw: bool = False         # qwZ: stage 3's gathers as int8 codes (lossy)
     qg: bool = False         # qgZ: the gradients' reductions as int8 codes (lossy)
+    tensor: int = 1          # AutoTP over this many ranks ('auto' in tensor_parallel.autotp_size); 1: none
 
     def describe(self) -> str:
         parts = [f"ZeRO stage {self.stage}"]
+        if self.tensor > 1:
+            parts.insert(0, f"tensor parallel over {self.tensor} ranks (AutoTP)")
         if self.shard:
             parts.append(f"MiCS over {self.shard} ranks")
         if self.secondary:
@@ -98,7 +109,8 @@ class Settings:
 
     @property
     def techniques(self) -> int:
-        return (self.ratio is not None) + self.shared + self.recompute + self.lossy + self.qw + self.qg
+        return (self.ratio is not None) + self.shared + self.recompute + self.lossy + self.qw + self.qg + \
+            (self.tensor > 1)
 
     @property
     def lossy(self) -> int:
@@ -118,7 +130,10 @@ class Plan:
         return apply_settings(cfg, self.settings)
 
 
-def _candidates(cfg: ZeroplusConfig, world_size: int = 1) -> list[Settings]:
+def _candidates(cfg: ZeroplusConfig, world_size: int = 1, tensors: tuple[int, ...] = (1,)) -> list[Settings]:
+    """Every combination of the 'auto' keys' values that can run together; ``tensors``: the tensor sizes to try
+    (``_tensor_sizes``), beside which the layouts over nodes and the quantized collectives are not tried (refused
+    beside tensor parallelism: topology.py)."""
     zero, zp = cfg.zero_optimization, cfg.zeroplus
     node = _node(cfg, world_size)
     # MiCS over a node, or over several whole nodes where a node's share of the states does not fit
@@ -148,8 +163,10 @@ def _candidates(cfg: ZeroplusConfig, world_size: int = 1) -> list[Settings]:
     qws = [False, True] if zero.zero_quantized_weights == "auto" and node else [zero.zero_quantized_weights is True]
     qgs = [False, True] if zero.zero_quantized_gradients == "auto" and node else [zero.zero_quantized_gradients is True]
     out = []
-    for stage, ratio, sh, rc, st, ms, shard, secondary, qw, qg in itertools.product(
-            stages, ratios, shared, recompute, states, masters, shards, secondaries, qws, qgs):
+    combinations = itertools.product(stages, ratios, shared, recompute, states, masters, shards, secondaries, qws, qgs)
+    for (stage, ratio, sh, rc, st, ms, shard, secondary, qw, qg), tensor in itertools.product(combinations, tensors):
+        if tensor > 1 and (shard or secondary or qw or qg):
+            continue
         if ratio is not None and stage == 0:
             continue  # offload needs a partitioned optimizer
         if ms and sh:
@@ -158,8 +175,37 @@ def _candidates(cfg: ZeroplusConfig, world_size: int = 1) -> list[Settings]:
             continue  # MiCS shards at stages 1-3, hpZ serves stage 3's gathers, not both (topology.py)
         if (qw and stage != 3) or (qg and (stage == 0 or not (zero.reduce_scatter or stage == 3))):
             continue  # qwZ quantizes stage 3's gathers, qgZ a reduce-scatter (engine/build.py's _check_quantized)
-        out.append(Settings(stage, ratio, sh, rc, st, ms, shard, secondary, qw, qg))
+        out.append(Settings(stage, ratio, sh, rc, st, ms, shard, secondary, qw, qg, tensor))
     return out
+
+
+def _tensor_sizes(model: torch.nn.Module, cfg: ZeroplusConfig, world_size: int) -> tuple[int, ...]:
+    """The tensor sizes to plan over: 1 unless ``tensor_parallel.autotp_size`` is 'auto', then 1 and every size
+    that divides the ranks, fits the topology and that the model's own plan splits (``autotp.check_plan``: heads,
+    key/value heads, widths, vocabulary). A model without a plan is a ConfigError naming the key."""
+    if cfg.tensor_parallel.autotp_size != "auto":
+        return (1,)
+    where = "config key 'tensor_parallel.autotp_size' is 'auto'"
+    try:
+        check_plan(model, 1, where)
+    except ValueError as err:
+        raise ConfigError(f"{err}: the planner chooses tensor sizes for a model split by its plan only") from None
+    par = cfg.zeroplus.parallel
+    if par.pipeline > 1 or par.expert > 1:
+        raise ConfigError(f"{where} beside pipeline size {par.pipeline} and expert size {par.expert}: the planner "
+                          f"chooses tensor sizes beside data parallelism only so far; give a size")
+    sizes = [1]
+    for size in range(2, world_size + 1):
+        if world_size % size:
+            continue
+        try:
+            Topology(world_size, size, par.pipeline, par.expert, par.context,
+                     experts_span_tensor=par.experts_span_tensor)
+            check_plan(model, size, where)
+        except ValueError:
+            continue
+        sizes.append(size)
+    return tuple(sizes)
 
 
 def _node(cfg: ZeroplusConfig, world_size: int) -> int:
@@ -212,10 +258,13 @@ def apply_settings(cfg: ZeroplusConfig, s: Settings) -> ZeroplusConfig:
         zero.zero_quantized_weights = s.qw
     if zero.zero_quantized_gradients == "auto":
         zero.zero_quantized_gradients = s.qg
+    if out.tensor_parallel.autotp_size == "auto":
+        out.tensor_parallel.autotp_size = out.zeroplus.parallel.tensor = s.tensor
     return out
 
 
-def links(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int) -> dict[str, int]:
+def links(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int,
+          exchanged: tuple[int, int] = (0, 0)) -> dict[str, int]:
     """Bytes a rank sends a step within a node (``intra_node``) and across nodes (``inter_node``), as rings move them
     (a collective's message times (n - 1) / n over its n ranks): stages 0-1 all-reduce or reduce-scatter and gather
     the model once a step (2 c P), stage 2 reduces every micro-batch ((A + 1) c P), stage 3 gathers twice and reduces
@@ -225,8 +274,20 @@ def links(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int) -> dic
     levels where ``mics_hierarchical_params_gather`` asks; hpZ gathers across only each step's first forward, the other
     2A - 1 passes within the node (its copy in the compute dtype). qwZ sends stage 3's gathers from the shards as
     ``CODE_BYTES`` an element; qgZ the reductions, over several nodes in two levels: all within the node, then 1/L of
-    the elements across (see note: planner links)."""
+    the elements across (see note: planner links). With tensor parallelism (``s.tensor`` T), ZeRO's collectives run
+    over the world / T data ranks on a T-th of the parameters (across nodes where the ranks span several), and the
+    tensor group all-reduces and all-gathers ``exchanged`` elements a step (ring: 2 (T - 1) / T and (T - 1) / T of
+    them), within a node unless T is wider than one."""
     c, ga = _widths(cfg)
+    if s.tensor > 1:
+        T, node_size = s.tensor, ranks_per_node(cfg)
+        across = 1 < node_size < world_size
+        data = links(cfg, dataclasses.replace(s, tensor=1), params // T, world_size // T)
+        tensor = c * (T - 1) / T * (2 * exchanged[0] + exchanged[1])
+        out = {"intra_node": 0.0, "inter_node": 0.0}
+        out["inter_node" if across else "intra_node"] += sum(data.values())
+        out["inter_node" if across and T > node_size else "intra_node"] += tensor
+        return {link: int(value) for link, value in out.items()}
     node = _node(cfg, world_size)
 
     def ring(n: int) -> float:
@@ -265,13 +326,15 @@ def links(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int) -> dic
     return {link: int(value) for link, value in out.items()}
 
 
-def cost(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int) -> float:
+def cost(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int,
+         exchanged: tuple[int, int] = (0, 0)) -> float:
     """Seconds per optimizer step spent moving bytes, on the nominal machine of ``BANDWIDTH``: at its ``comm``
     bandwidth, where the ranks span several nodes across them and ``zeroplus.link_ratio`` times faster within one
     (``links``)."""
-    moved = links(cfg, s, params, world_size)
+    moved = links(cfg, s, params, world_size, exchanged)
     within = moved["intra_node"] / (cfg.zeroplus.link_ratio if _node(cfg, world_size) else 1.0)
     seconds = (moved["inter_node"] + within) / BANDWIDTH["comm"]
+    params, world_size = params // s.tensor, world_size // s.tensor  # (a rank's slice, over the data ranks)
     owned = params / (world_size if ZeroStage(s.stage).partitions else 1)
     block = cfg.zero_optimization.offload_optimizer
     if s.ratio is not None and block is not None:
@@ -308,9 +371,12 @@ def plan(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dict[st
         if seq_len is None:
             raise ConfigError("planning to config key 'zeroplus.memory_budget' needs the input's length: set "
                               "'zeroplus.seq_len' (activations are predicted for micro-batches of that many tokens)")
-    params = _count_params(model)
-    ordered = sorted(_candidates(cfg, world_size),
-                     key=lambda s: (s.lossy, cost(cfg, s, params, world_size), s.techniques))
+    module = _meta_module(model)
+    params = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    tensors = _tensor_sizes(module, cfg, world_size)
+    exchanged = _exchanged(module, cfg, tensors, micro_batch_size, seq_len, example_inputs)
+    ordered = sorted(_candidates(cfg, world_size, tensors),
+                     key=lambda s: (s.lossy, s.tensor, cost(cfg, s, params, world_size, exchanged), s.techniques))
     if not ordered:
         raise ConfigError("config key 'zero_optimization.offload_optimizer' needs ZeRO stage 1, 2 or 3 (stage is 0), "
                           "so no choice is left to plan")
@@ -321,7 +387,7 @@ def plan(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dict[st
                         code=code, pooled=pooled)
 
     # (MiCS keeps model states over a node's ranks only, hpZ a copy of the blocks: the frugal choice is neither)
-    frugal = max(ordered, key=lambda s: (s.stage, not s.shard, not s.secondary, s.ratio or 0.0, s.recompute,
+    frugal = max(ordered, key=lambda s: (s.tensor, s.stage, not s.shard, not s.secondary, s.ratio or 0.0, s.recompute,
                                          s.masters, s.shared, s.states))
     least = predict(frugal)
     if log is not None:
@@ -340,22 +406,41 @@ def plan(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dict[st
             log(f"planner: {s.describe()}: predicted peak {_gib(predicted.peak_bytes)} in {predicted.peak_phase}")
         if predicted.peak_bytes <= limit:
             misses = "; ".join(f"{t.describe()} needs {_gib(p)}" for t, p in tried[:-1])
-            moved = links(cfg, s, params, world_size)
+            moved = links(cfg, s, params, world_size, exchanged)
             reason = (f"{s.describe()} fits the budget of {_gib(limit)} with a predicted peak of "
                       f"{_gib(predicted.peak_bytes)} in {predicted.peak_phase}; of {len(ordered)} choices it is the "
                       f"one that fits and moves the fewest bytes per step (a rank's: {_gib(moved['inter_node'])} "
                       f"across nodes, {_gib(moved['intra_node'])} within one)"
                       + (", and no exact choice fits" if s.lossy else "")
+                      + (", and none with a smaller tensor size fits" if s.tensor > 1 else "")
                       + (f" (cheaper ones do not fit: {misses})" if misses else ""))
             return Plan(s, predicted, limit, reason, tried, moved)
     raise AssertionError("the most frugal choice fitted, so some choice must")
 
 
-def _count_params(model: torch.nn.Module | Callable[[], torch.nn.Module]) -> int:
-    if not isinstance(model, torch.nn.Module):
-        with torch.device("meta"):
-            model = model()
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+def _meta_module(model: torch.nn.Module | Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """The model, or the one ``model()`` builds on the meta device (its shapes only are read)."""
+    if isinstance(model, torch.nn.Module):
+        return model
+    with torch.device("meta"):
+        return model()
+
+
+def _exchanged(module: torch.nn.Module, cfg: ZeroplusConfig, tensors: tuple[int, ...], micro: int | None,
+               seq_len: int | None, example_inputs: tuple[Any, ...] | None) -> tuple[int, int]:
+    """The elements the tensor group exchanges a step (``autotp.exchanged_per_token`` times the tokens of a step's
+    micro-batches), where tensor sizes are planned; else none."""
+    if tensors == (1,):
+        return (0, 0)
+    if seq_len is not None:
+        given = micro or cfg.train_micro_batch_size_per_gpu
+        tokens = (given if isinstance(given, int) else 1) * seq_len
+    else:
+        first = (example_inputs or ())[0] if example_inputs else None
+        tokens = first.numel() if isinstance(first, torch.Tensor) else 1
+    tokens *= _widths(cfg)[1]
+    reduced, gathered = exchanged_per_token(module)
+    return reduced * tokens, gathered * tokens
 
 
 def _gib(nbytes: int) -> str:

@@ -318,10 +318,11 @@ class TensorParallelConfig(Block):
 
     ds_unimplemented = frozenset({"tp", "dtype", "keep_module_on_host", "tp_overlap_comm", "tp_grain_size",
                                   "injection_policy_tuple", "partition_config"})
-    autotp_size: PositiveInt = Field(1, description="Tensor-parallel size (the same as zeroplus.parallel.tensor): a "
-                                                    "Hugging Face model is split by its own tensor-parallel plan "
-                                                    "(zeroplus/parallel/autotp.py); other models are built with "
-                                                    "zeroplus.parallel's layers.")
+    autotp_size: PositiveInt | Auto = Field(
+        1, description="Tensor-parallel size (the same as zeroplus.parallel.tensor): a Hugging Face model is split by "
+                       "its own tensor-parallel plan (zeroplus/parallel/autotp.py); other models are built with "
+                       "zeroplus.parallel's layers. 'auto': the planner chooses it within zeroplus.memory_budget, "
+                       "among the sizes that divide the ranks and that the model's plan splits.")
 
 
 class ExpertParallelConfig(Block):

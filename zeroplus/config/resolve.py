@@ -75,10 +75,16 @@ def load_config(config: ZeroplusConfig | dict[str, Any] | str | os.PathLike) -> 
 def _merge_tensor_size(cfg: ZeroplusConfig) -> None:
     """DeepSpeed's ``tensor_parallel.autotp_size`` and ``zeroplus.parallel.tensor`` name one size."""
     ds, ours = cfg.tensor_parallel.autotp_size, cfg.zeroplus.parallel.tensor
+    if ds == "auto":  # the planner's (zeroplus.parallel.tensor stays 1 until it chooses: budget/planner.py)
+        if ours > 1:
+            raise ConfigError(f"config key 'tensor_parallel.autotp_size' is 'auto' and 'zeroplus.parallel.tensor' is "
+                              f"{ours}: give one tensor-parallel size, or 'auto' alone")
+        return
     if ds > 1 and ours > 1 and ds != ours:
         raise ConfigError(f"config keys 'tensor_parallel.autotp_size' ({ds}) and 'zeroplus.parallel.tensor' ({ours}) "
                           f"disagree; give one tensor-parallel size")
-    cfg.zeroplus.parallel.tensor = cfg.tensor_parallel.autotp_size = max(ds, ours)
+    size = max(ds, ours)
+    cfg.zeroplus.parallel.tensor = cfg.tensor_parallel.autotp_size = size
 
 
 def _merge_expert_size(cfg: ZeroplusConfig) -> None:
@@ -232,6 +238,8 @@ def auto_keys(cfg: ZeroplusConfig) -> list[str]:
              if getattr(zp.optimizer_states, k) == "auto"]
     if zp.master_weights.dtype == "auto":
         keys.append("zeroplus.master_weights.dtype")
+    if cfg.tensor_parallel.autotp_size == "auto":
+        keys.append("tensor_parallel.autotp_size")
     keys += [f"zero_optimization.{k}" for k in ("mics_shard_size", "zero_hpz_partition_size", "zero_quantized_weights",
                                                  "zero_quantized_gradients")
              if getattr(zero, k) == "auto"]

@@ -159,6 +159,39 @@ def split_by_plan(model: nn.Module, tp: DataParallelGroup, where: str) -> Undo:
     return done
 
 
+def check_plan(model: nn.Module, size: int, where: str) -> None:
+    """Whether ``model``'s plan splits over ``size`` tensor ranks, without splitting it: the ``ValueError``
+    ``split_by_plan`` would raise (a model without a plan included), or none."""
+    plan = tp_plan(model)
+    if plan is None:
+        raise ValueError(f"{where}: {type(model).__name__} has no tensor-parallel plan (a Hugging Face model's "
+                         f"base_model_tp_plan) to split it by")
+    _check(model, _targets(model, plan), _Heads.of(model, size), size, where)
+
+
+def exchanged_per_token(model: nn.Module) -> tuple[int, int]:
+    """(elements all-reduced, elements all-gathered) over the tensor group per token of a training micro-batch, forward
+    and backward, once ``model`` is split by its plan: a ``colwise`` module's input gradient (its input is copied to
+    every rank), a ``rowwise`` module's and the embedding's partial outputs, the head's input gradient and its logits
+    gathered, an experts module's input gradient and output. (Qwen3's per-head norms sum their gradients once a step:
+    weights, not tokens, left out.) Whole widths: a planner's nominal count, before any split."""
+    plan = tp_plan(model)
+    if plan is None:
+        return 0, 0
+    reduced = gathered = 0
+    hidden = int(getattr(getattr(model, "config", None), "hidden_size", 0) or 0)
+    for t in _targets(model, plan):
+        obj = t.obj
+        if t.style == EXPERTS:
+            reduced += 2 * hidden
+        elif isinstance(obj, nn.Linear) and t.style in LINEAR:
+            reduced += obj.out_features if t.style == "rowwise" else obj.in_features
+            gathered += obj.out_features if t.style == "colwise_gather_output" else 0
+        elif isinstance(obj, nn.Embedding) and t.style == EMBEDDING:
+            reduced += obj.embedding_dim
+    return reduced, gathered
+
+
 @dataclasses.dataclass(frozen=True)
 class _Heads:
     """The attention's head counts from the model's config (None where it does not say)."""
