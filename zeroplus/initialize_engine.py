@@ -84,8 +84,9 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     code = code_resident() if predicts and accel.name == "cpu" else None
     pooled = held_bytes() if predicts and accel.name == "cpu" else None  # MKL's buffer pool (host_gemm_pool.py)
     _set_up_process(cfg, accel, unimplemented)
-    # 'auto' in tensor_parallel.autotp_size: planned over the whole world, before any group splits the model
-    planned = cfg.tensor_parallel.autotp_size == "auto"
+    # 'auto' in tensor_parallel.autotp_size or expert_parallel.autoep_size: planned over the whole world, before any
+    # group splits the model (see note: planner tensor size)
+    planned = "auto" in (cfg.tensor_parallel.autotp_size, cfg.expert_parallel.autoep_size)
     if planned:
         cfg = _plan(model, cfg, DataParallelGroup(label="world"), (code, pooled))
     try:

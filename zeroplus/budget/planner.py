@@ -13,8 +13,9 @@ the token length the activations are predicted for (``initialize`` sees no input
    recompute off/on; bf16 moments off/on for the config's Adam or AdamW; bf16 masters off/on in bf16, not beside
    shared masters or offloaded parameters; over several nodes, MiCS over a node or over several whole nodes, hpZ
    over a node, and qwZ's and qgZ's quantized collectives off/on: ``links``); with ``tensor_parallel.autotp_size``
-   'auto', a Hugging Face model's tensor size: 1 and each size that divides the ranks and that the model's own plan
-   splits (``autotp.check_plan``), planned before any group splits the model (``initialize``).
+   or ``expert_parallel.autoep_size`` 'auto', a Hugging Face model's tensor or expert size: 1 and each size that
+   divides the ranks and that the model's own plan splits (``autotp.check_plan``, ``autoep.check_experts``), planned
+   before any group splits the model (``initialize``).
 2. Each gets a cost before anything is simulated, in seconds per optimizer step on a nominal
    machine (``BANDWIDTH``): its collectives' bytes per rank (ring all-reduce 2 c P (N-1)/N;
    reduce-scatter and all-gather c P (N-1)/N each; stages 2-3 reduce every micro-batch, stage 3
@@ -25,9 +26,10 @@ the token length the activations are predicted for (``initialize`` sees no input
    the plan's reason with its stated accuracy cost (``LOSSY``). The quantized collectives save bytes, not memory:
    left 'auto', they compete on cost (the bytes they save across nodes against their quantizing over memory
    bandwidth) and are named in the reason with their accuracy cost (``QUANTIZED``); on one node they stay off.
-   Tensor parallelism is tried smallest size first (after the lossy order): its all-reduces sit on every layer's
-   critical path, where ZeRO's collectives overlap compute, so a byte count alone would favour it wrongly at small
-   batches; it is a way to fit, taken where no smaller size fits, its bytes (``autotp.exchanged_per_token``) in
+   Splits are tried with the fewest ranks splitting the model first (after the lossy order): tensor parallelism's
+   all-reduces and expert parallelism's all-to-alls sit on the layers' critical path, where ZeRO's collectives
+   overlap compute, so a byte count alone would favour them wrongly at small batches; a split is a way to fit,
+   taken where no smaller one fits, its bytes (``autotp.exchanged_per_token``, ``autoep.exchanged_per_token``) in
    its cost and reason (see note: planner tensor size).
 3. The most frugal candidate (highest stage and offload ratio, every technique on) is simulated
    first (``estimate.py``): if even it exceeds the budget, nothing fits, and the error names its
@@ -48,10 +50,13 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import ConfigError, ZeroplusConfig, ZeroStage, load_config, parse_bytes
+from ..config import ConfigError, ZeroplusConfig, ZeroStage, auto_keys, load_config, parse_bytes
 from ..optim.build import resolve_optimizer_class
 from ..optim.stored_states import stored_states_class
-from ..parallel.autotp import check_plan, exchanged_per_token
+from ..parallel.autoep import check_experts, experts_modules
+from ..parallel.autoep import exchanged_per_token as experts_exchanged
+from ..parallel.autotp import check_plan
+from ..parallel.autotp import exchanged_per_token as tensor_exchanged
 from ..parallel.groups import ranks_per_node, tiling_nodes
 from ..parallel.topology import Topology
 from .estimate import MemoryBudget, estimate
@@ -85,9 +90,12 @@ class Settings:
     qw: bool = False         # qwZ: stage 3's gathers as int8 codes (lossy)
     qg: bool = False         # qgZ: the gradients' reductions as int8 codes (lossy)
     tensor: int = 1          # AutoTP over this many ranks ('auto' in tensor_parallel.autotp_size); 1: none
+    expert: int = 1          # AutoEP over this many ranks ('auto' in expert_parallel.autoep_size); 1: none
 
     def describe(self) -> str:
         parts = [f"ZeRO stage {self.stage}"]
+        if self.expert > 1:
+            parts.insert(0, f"expert parallel over {self.expert} ranks (AutoEP)")
         if self.tensor > 1:
             parts.insert(0, f"tensor parallel over {self.tensor} ranks (AutoTP)")
         if self.shard:
@@ -110,7 +118,12 @@ class Settings:
     @property
     def techniques(self) -> int:
         return (self.ratio is not None) + self.shared + self.recompute + self.lossy + self.qw + self.qg + \
-            (self.tensor > 1)
+            (self.tensor > 1) + (self.expert > 1)
+
+    @property
+    def split(self) -> int:
+        """How many ranks split the model (tensor x expert): 1 for ZeRO alone."""
+        return self.tensor * self.expert
 
     @property
     def lossy(self) -> int:
@@ -130,10 +143,11 @@ class Plan:
         return apply_settings(cfg, self.settings)
 
 
-def _candidates(cfg: ZeroplusConfig, world_size: int = 1, tensors: tuple[int, ...] = (1,)) -> list[Settings]:
-    """Every combination of the 'auto' keys' values that can run together; ``tensors``: the tensor sizes to try
-    (``_tensor_sizes``), beside which the layouts over nodes and the quantized collectives are not tried (refused
-    beside tensor parallelism: topology.py)."""
+def _candidates(cfg: ZeroplusConfig, world_size: int = 1,
+                layouts: tuple[tuple[int, int], ...] = ((1, 1),)) -> list[Settings]:
+    """Every combination of the 'auto' keys' values that can run together; ``layouts``: the (tensor, expert) sizes
+    to try (``_layouts``), beside which the layouts over nodes and the quantized collectives are not tried (refused
+    beside tensor and expert parallelism: topology.py)."""
     zero, zp = cfg.zero_optimization, cfg.zeroplus
     node = _node(cfg, world_size)
     # MiCS over a node, or over several whole nodes where a node's share of the states does not fit
@@ -164,8 +178,9 @@ def _candidates(cfg: ZeroplusConfig, world_size: int = 1, tensors: tuple[int, ..
     qgs = [False, True] if zero.zero_quantized_gradients == "auto" and node else [zero.zero_quantized_gradients is True]
     out = []
     combinations = itertools.product(stages, ratios, shared, recompute, states, masters, shards, secondaries, qws, qgs)
-    for (stage, ratio, sh, rc, st, ms, shard, secondary, qw, qg), tensor in itertools.product(combinations, tensors):
-        if tensor > 1 and (shard or secondary or qw or qg):
+    for (stage, ratio, sh, rc, st, ms, shard, secondary, qw, qg), (tensor, expert) in itertools.product(
+            combinations, layouts):
+        if tensor * expert > 1 and (shard or secondary or qw or qg):
             continue
         if ratio is not None and stage == 0:
             continue  # offload needs a partitioned optimizer
@@ -175,37 +190,52 @@ def _candidates(cfg: ZeroplusConfig, world_size: int = 1, tensors: tuple[int, ..
             continue  # MiCS shards at stages 1-3, hpZ serves stage 3's gathers, not both (topology.py)
         if (qw and stage != 3) or (qg and (stage == 0 or not (zero.reduce_scatter or stage == 3))):
             continue  # qwZ quantizes stage 3's gathers, qgZ a reduce-scatter (engine/build.py's _check_quantized)
-        out.append(Settings(stage, ratio, sh, rc, st, ms, shard, secondary, qw, qg, tensor))
+        out.append(Settings(stage, ratio, sh, rc, st, ms, shard, secondary, qw, qg, tensor, expert))
     return out
 
 
-def _tensor_sizes(model: torch.nn.Module, cfg: ZeroplusConfig, world_size: int) -> tuple[int, ...]:
-    """The tensor sizes to plan over: 1 unless ``tensor_parallel.autotp_size`` is 'auto', then 1 and every size
-    that divides the ranks, fits the topology and that the model's own plan splits (``autotp.check_plan``: heads,
-    key/value heads, widths, vocabulary). A model without a plan is a ConfigError naming the key."""
-    if cfg.tensor_parallel.autotp_size != "auto":
-        return (1,)
-    where = "config key 'tensor_parallel.autotp_size' is 'auto'"
-    try:
-        check_plan(model, 1, where)
-    except ValueError as err:
-        raise ConfigError(f"{err}: the planner chooses tensor sizes for a model split by its plan only") from None
+def _layouts(model: torch.nn.Module, cfg: ZeroplusConfig, world_size: int) -> tuple[tuple[int, int], ...]:
+    """The (tensor, expert) sizes to plan over: (1, 1) unless ``tensor_parallel.autotp_size`` or
+    ``expert_parallel.autoep_size`` is 'auto', then also every size of that key that divides the ranks, fits the
+    topology and that the model's own plan splits (``autotp.check_plan``: heads, widths, vocabulary;
+    ``autoep.check_experts``: expert counts), not both above 1 on a mixture of experts (``parallel/plans.py``). A
+    model without the plan an 'auto' key needs is a ConfigError naming the key."""
     par = cfg.zeroplus.parallel
-    if par.pipeline > 1 or par.expert > 1:
-        raise ConfigError(f"{where} beside pipeline size {par.pipeline} and expert size {par.expert}: the planner "
-                          f"chooses tensor sizes beside data parallelism only so far; give a size")
-    sizes = [1]
-    for size in range(2, world_size + 1):
-        if world_size % size:
+    keys = {"tensor": ("tensor_parallel.autotp_size", cfg.tensor_parallel.autotp_size, par.tensor, check_plan),
+            "expert": ("expert_parallel.autoep_size", cfg.expert_parallel.autoep_size, par.expert, check_experts)}
+    sizes: dict[str, list[int]] = {}
+    for kind, (key, value, given, check) in keys.items():
+        if value != "auto":
+            sizes[kind] = [given]
+            continue
+        where = f"config key '{key}' is 'auto'"
+        try:
+            check(model, 1, where)
+        except ValueError as err:
+            raise ConfigError(f"{err}: the planner chooses {kind} sizes for a model split by its plan only") from None
+        sizes[kind] = [size for size in range(1, world_size + 1) if world_size % size == 0 and _splits(check, model,
+                                                                                                    size, where)]
+    if par.pipeline > 1:
+        raise ConfigError(f"config keys {auto_keys(cfg)} are 'auto' beside pipeline size {par.pipeline}: the planner "
+                          f"chooses tensor and expert sizes beside data parallelism only so far; give sizes")
+    out = []
+    for tensor, expert in itertools.product(sizes["tensor"], sizes["expert"]):
+        if tensor > 1 and expert > 1 and experts_modules(model):
             continue
         try:
-            Topology(world_size, size, par.pipeline, par.expert, par.context,
-                     experts_span_tensor=par.experts_span_tensor)
-            check_plan(model, size, where)
+            Topology(world_size, tensor, par.pipeline, expert, par.context, experts_span_tensor=par.experts_span_tensor)
         except ValueError:
             continue
-        sizes.append(size)
-    return tuple(sizes)
+        out.append((tensor, expert))
+    return tuple(out)
+
+
+def _splits(check: Callable[[torch.nn.Module, int, str], None], model: torch.nn.Module, size: int, where: str) -> bool:
+    try:
+        check(model, size, where)
+    except ValueError:
+        return False
+    return True
 
 
 def _node(cfg: ZeroplusConfig, world_size: int) -> int:
@@ -260,11 +290,13 @@ def apply_settings(cfg: ZeroplusConfig, s: Settings) -> ZeroplusConfig:
         zero.zero_quantized_gradients = s.qg
     if out.tensor_parallel.autotp_size == "auto":
         out.tensor_parallel.autotp_size = out.zeroplus.parallel.tensor = s.tensor
+    if out.expert_parallel.autoep_size == "auto":
+        out.expert_parallel.autoep_size = out.zeroplus.parallel.expert = s.expert
     return out
 
 
 def links(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int,
-          exchanged: tuple[int, int] = (0, 0)) -> dict[str, int]:
+          exchanged: tuple[int, int, int] = (0, 0, 0)) -> dict[str, int]:
     """Bytes a rank sends a step within a node (``intra_node``) and across nodes (``inter_node``), as rings move them
     (a collective's message times (n - 1) / n over its n ranks): stages 0-1 all-reduce or reduce-scatter and gather
     the model once a step (2 c P), stage 2 reduces every micro-batch ((A + 1) c P), stage 3 gathers twice and reduces
@@ -277,16 +309,18 @@ def links(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int,
     the elements across (see note: planner links). With tensor parallelism (``s.tensor`` T), ZeRO's collectives run
     over the world / T data ranks on a T-th of the parameters (across nodes where the ranks span several), and the
     tensor group all-reduces and all-gathers ``exchanged`` elements a step (ring: 2 (T - 1) / T and (T - 1) / T of
-    them), within a node unless T is wider than one."""
+    them), within a node unless T is wider than one; with expert parallelism (``s.expert`` E) the expert group sends
+    (E - 1) / E of ``exchanged[2]`` elements by all-to-all, within a node unless E is wider than one."""
     c, ga = _widths(cfg)
-    if s.tensor > 1:
-        T, node_size = s.tensor, ranks_per_node(cfg)
+    if s.split > 1:
+        T, E, node_size = s.tensor, s.expert, ranks_per_node(cfg)
         across = 1 < node_size < world_size
-        data = links(cfg, dataclasses.replace(s, tensor=1), params // T, world_size // T)
-        tensor = c * (T - 1) / T * (2 * exchanged[0] + exchanged[1])
+        data = links(cfg, dataclasses.replace(s, tensor=1, expert=1), params // T, world_size // T)
         out = {"intra_node": 0.0, "inter_node": 0.0}
         out["inter_node" if across else "intra_node"] += sum(data.values())
-        out["inter_node" if across and T > node_size else "intra_node"] += tensor
+        out["inter_node" if across and T > node_size else "intra_node"] += \
+            c * (T - 1) / T * (2 * exchanged[0] + exchanged[1])
+        out["inter_node" if across and E > node_size else "intra_node"] += c * (E - 1) / E * exchanged[2]
         return {link: int(value) for link, value in out.items()}
     node = _node(cfg, world_size)
 
@@ -327,7 +361,7 @@ def links(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int,
 
 
 def cost(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int,
-         exchanged: tuple[int, int] = (0, 0)) -> float:
+         exchanged: tuple[int, int, int] = (0, 0, 0)) -> float:
     """Seconds per optimizer step spent moving bytes, on the nominal machine of ``BANDWIDTH``: at its ``comm``
     bandwidth, where the ranks span several nodes across them and ``zeroplus.link_ratio`` times faster within one
     (``links``)."""
@@ -373,10 +407,11 @@ def plan(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dict[st
                               "'zeroplus.seq_len' (activations are predicted for micro-batches of that many tokens)")
     module = _meta_module(model)
     params = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    tensors = _tensor_sizes(module, cfg, world_size)
-    exchanged = _exchanged(module, cfg, tensors, micro_batch_size, seq_len, example_inputs)
-    ordered = sorted(_candidates(cfg, world_size, tensors),
-                     key=lambda s: (s.lossy, s.tensor, cost(cfg, s, params, world_size, exchanged), s.techniques))
+    layouts = _layouts(module, cfg, world_size)
+    exchanged = _exchanged(module, cfg, layouts, micro_batch_size, seq_len, example_inputs)
+    ordered = sorted(_candidates(cfg, world_size, layouts),
+                     key=lambda s: (s.lossy, s.split, s.tensor, cost(cfg, s, params, world_size, exchanged),
+                                    s.techniques))
     if not ordered:
         raise ConfigError("config key 'zero_optimization.offload_optimizer' needs ZeRO stage 1, 2 or 3 (stage is 0), "
                           "so no choice is left to plan")
@@ -387,8 +422,8 @@ def plan(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dict[st
                         code=code, pooled=pooled)
 
     # (MiCS keeps model states over a node's ranks only, hpZ a copy of the blocks: the frugal choice is neither)
-    frugal = max(ordered, key=lambda s: (s.tensor, s.stage, not s.shard, not s.secondary, s.ratio or 0.0, s.recompute,
-                                         s.masters, s.shared, s.states))
+    frugal = max(ordered, key=lambda s: (s.split, s.tensor, s.stage, not s.shard, not s.secondary, s.ratio or 0.0,
+                                         s.recompute, s.masters, s.shared, s.states))
     least = predict(frugal)
     if log is not None:
         log(f"planner: the most frugal choice, {frugal.describe()}: predicted peak {_gib(least.peak_bytes)}")
@@ -412,7 +447,7 @@ def plan(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dict[st
                       f"one that fits and moves the fewest bytes per step (a rank's: {_gib(moved['inter_node'])} "
                       f"across nodes, {_gib(moved['intra_node'])} within one)"
                       + (", and no exact choice fits" if s.lossy else "")
-                      + (", and none with a smaller tensor size fits" if s.tensor > 1 else "")
+                      + (", and none with fewer ranks splitting the model fits" if s.split > 1 else "")
                       + (f" (cheaper ones do not fit: {misses})" if misses else ""))
             return Plan(s, predicted, limit, reason, tried, moved)
     raise AssertionError("the most frugal choice fitted, so some choice must")
@@ -426,12 +461,13 @@ def _meta_module(model: torch.nn.Module | Callable[[], torch.nn.Module]) -> torc
         return model()
 
 
-def _exchanged(module: torch.nn.Module, cfg: ZeroplusConfig, tensors: tuple[int, ...], micro: int | None,
-               seq_len: int | None, example_inputs: tuple[Any, ...] | None) -> tuple[int, int]:
-    """The elements the tensor group exchanges a step (``autotp.exchanged_per_token`` times the tokens of a step's
-    micro-batches), where tensor sizes are planned; else none."""
-    if tensors == (1,):
-        return (0, 0)
+def _exchanged(module: torch.nn.Module, cfg: ZeroplusConfig, layouts: tuple[tuple[int, int], ...], micro: int | None,
+               seq_len: int | None, example_inputs: tuple[Any, ...] | None) -> tuple[int, int, int]:
+    """The elements a step's micro-batches exchange: the tensor group's all-reduced and all-gathered
+    (``autotp.exchanged_per_token``), the expert group's all-to-all (``autoep.exchanged_per_token``), times the tokens,
+    where those sizes are planned; else none."""
+    if layouts == ((1, 1),):
+        return (0, 0, 0)
     if seq_len is not None:
         given = micro or cfg.train_micro_batch_size_per_gpu
         tokens = (given if isinstance(given, int) else 1) * seq_len
@@ -439,8 +475,8 @@ def _exchanged(module: torch.nn.Module, cfg: ZeroplusConfig, tensors: tuple[int,
         first = (example_inputs or ())[0] if example_inputs else None
         tokens = first.numel() if isinstance(first, torch.Tensor) else 1
     tokens *= _widths(cfg)[1]
-    reduced, gathered = exchanged_per_token(module)
-    return reduced * tokens, gathered * tokens
+    reduced, gathered = tensor_exchanged(module)
+    return reduced * tokens, gathered * tokens, experts_exchanged(module) * tokens
 
 
 def _gib(nbytes: int) -> str:

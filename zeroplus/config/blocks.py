@@ -336,8 +336,10 @@ class ExpertParallelConfig(Block):
                                   "comm_qp_margin", "comm_max_tokens_per_rank", "async_split_plan",
                                   "validate_folding_routing"})
     enabled: bool = Field(False, description="Expert parallelism for a Hugging Face mixture of experts.")
-    autoep_size: PositiveInt = Field(1, description="Expert-parallel size (the same as zeroplus.parallel.expert), "
-                                                    "read when enabled.")
+    autoep_size: PositiveInt | Auto = Field(
+        1, description="Expert-parallel size (the same as zeroplus.parallel.expert), read when enabled. 'auto': the "
+                       "planner chooses it within zeroplus.memory_budget, among the sizes that divide the data ranks "
+                       "and every experts module's expert count.")
     expert_tensor_parallel_size: Literal[1] = Field(1, description="Experts split over tensor ranks too: 1 only.")
 
 

@@ -91,6 +91,12 @@ def _merge_expert_size(cfg: ZeroplusConfig) -> None:
     """DeepSpeed's ``expert_parallel.autoep_size`` (when ``enabled``) and ``zeroplus.parallel.expert`` name one
     size; a size DeepSpeed would not read (not enabled) is refused rather than ignored."""
     block, ours = cfg.expert_parallel, cfg.zeroplus.parallel.expert
+    if block.autoep_size == "auto":  # the planner's (zeroplus.parallel.expert stays 1 until it chooses)
+        if not block.enabled or ours > 1:
+            raise ConfigError("config key 'expert_parallel.autoep_size' is 'auto' and " + (
+                f"'zeroplus.parallel.expert' is {ours}: give one expert-parallel size, or 'auto' alone" if ours > 1
+                else "'expert_parallel.enabled' is false: set enabled to true for expert parallelism"))
+        return
     if block.autoep_size > 1 and not block.enabled:
         raise ConfigError(f"config key 'expert_parallel.autoep_size' is {block.autoep_size} and "
                           f"'expert_parallel.enabled' is false: set enabled to true for expert parallelism, or "
@@ -238,8 +244,9 @@ def auto_keys(cfg: ZeroplusConfig) -> list[str]:
              if getattr(zp.optimizer_states, k) == "auto"]
     if zp.master_weights.dtype == "auto":
         keys.append("zeroplus.master_weights.dtype")
-    if cfg.tensor_parallel.autotp_size == "auto":
-        keys.append("tensor_parallel.autotp_size")
+    sizes = (("tensor_parallel.autotp_size", cfg.tensor_parallel.autotp_size),
+             ("expert_parallel.autoep_size", cfg.expert_parallel.autoep_size))
+    keys += [key for key, value in sizes if value == "auto"]
     keys += [f"zero_optimization.{k}" for k in ("mics_shard_size", "zero_hpz_partition_size", "zero_quantized_weights",
                                                  "zero_quantized_gradients")
              if getattr(zero, k) == "auto"]

@@ -160,6 +160,25 @@ def _routing(module: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.Tensor
     return values["hidden_states"], values["top_k_index"], values["top_k_weights"]
 
 
+def check_experts(model: nn.Module, size: int, where: str) -> None:
+    """Whether ``model``'s experts split over ``size`` expert ranks by its plan, without splitting them: the
+    ``ValueError`` ``split_experts`` would raise (a model without a plan or without experts included), or none."""
+    if ep_plan(model) is None:
+        raise ValueError(f"{where}: {type(model).__name__} has no expert-parallel plan (Transformers' model.ep_plan) "
+                         f"to split its experts by")
+    _check(model, experts_modules(model), size, where)
+
+
+def exchanged_per_token(model: nn.Module) -> int:
+    """Elements each token's rows send and receive by all-to-all a training micro-batch once ``model``'s experts are
+    split by its plan: per experts module, the k routed copies of its hidden row out and their outputs back, forward
+    and backward (4 k H; a planner's nominal count: routing taken as balanced, every row leaving its rank)."""
+    config = getattr(model, "config", None)
+    k = int(getattr(config, "num_experts_per_tok", 0) or 0)
+    hidden = int(getattr(config, "hidden_size", 0) or 0)
+    return 4 * k * hidden * len(experts_modules(model))
+
+
 def _check(model: nn.Module, found: list[tuple[str, nn.Module]], size: int, where: str) -> None:
     kind = type(model).__name__
     if not found:
@@ -183,4 +202,4 @@ def _check(model: nn.Module, found: list[tuple[str, nn.Module]], size: int, wher
                          f"{'; '.join(problems[:4])}")
 
 
-__all__ = ["DISPATCH", "ep_plan", "experts_modules", "split_experts"]
+__all__ = ["DISPATCH", "check_experts", "ep_plan", "exchanged_per_token", "experts_modules", "split_experts"]

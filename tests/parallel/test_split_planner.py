@@ -1,0 +1,134 @@
+"""The planner chooses how many ranks split a Hugging Face model: ``"tensor_parallel": {"autotp_size": "auto"}`` or
+``"expert_parallel": {"enabled": true, "autoep_size": "auto"}`` beside a memory budget.
+
+- 4 ranks; a Llama whose MLP is wide (a tensor split halves its gathered units and its activations) and a Mixtral
+  whose experts are (an expert split halves them): rank 0's budget halfway between the smallest predicted peak
+  (ZeRO stage 1 or 3) unsplit and split over 2. ``initialize`` plans before any group splits the model and takes a
+  split of 2 (nothing unsplit fits), every rank the same; the model is split by its plan (``q_proj`` holds half its
+  rows; each experts module half the experts); the first forward's prediction is within the budget; and the run
+  trains bit for bit the model the chosen settings written out train (the size and the stage, no budget).
+- With room for every choice, no split (it is a way to fit, tried with the fewest ranks first).
+- Refused, naming the key: 'auto' on a model without the plan it needs (zeroplus's GPT; a dense Llama for experts),
+  'auto' without a budget, 'auto' beside a size in ``zeroplus.parallel``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import zeroplus
+from tests.dist_helper import rank_and_world, run_distributed
+from zeroplus.budget.first_use import code_resident
+from zeroplus.budget.planner import Settings, apply_settings, plan
+from zeroplus.config import ConfigError, parse_config
+from zeroplus.host_gemm_pool import held_bytes
+from zeroplus.models import GPT, gpt_config
+
+SEQ, MICRO, STEPS = 32, 2, 2
+
+
+def _llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=4096, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2))
+
+
+def _mixtral() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2))
+
+
+MODELS = {"tensor": _llama, "expert": _mixtral}
+
+
+def _config(kind: str, budget: int | str | None, size: int | str = "auto", stage: int | str = "auto") -> dict:
+    split = {"tensor_parallel": {"autotp_size": size}} if kind == "tensor" else {
+        "expert_parallel": {"enabled": True, "autoep_size": size}}
+    return {"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **split,
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+            "zeroplus": {"log_level": "warning", "seq_len": SEQ, "memory_budget": budget,
+                         "resize_recompute": {"enabled": False}}}
+
+
+def _train(engine: zeroplus.Engine, data_rank: int) -> list[float]:
+    g = torch.Generator().manual_seed(1 + data_rank)
+    losses = []
+    for _ in range(STEPS):
+        x = torch.randint(0, 256, (MICRO, SEQ), generator=g)
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _smallest(kind: str, size: int) -> int:
+    """The smallest predicted peak split over ``size`` ranks on 4 (stage 1 or 3), for this process (as initialize)."""
+    cfg = parse_config(_config(kind, None, stage=0))[0]
+    return min(zeroplus.estimate(MODELS[kind], apply_settings(cfg, Settings(stage, None, False, False, **{kind: size})),
+                                 world_size=4, seq_len=SEQ, code=code_resident(), pooled=held_bytes()).peak_bytes
+               for stage in (1, 3))
+
+
+def _split_of(engine: zeroplus.Engine, kind: str) -> int:
+    """What this rank holds of the layer the split cuts: q_proj's rows, or the first experts module's experts."""
+    layer = engine.module.model.layers[0]
+    return layer.self_attn.q_proj.weight.shape[0] if kind == "tensor" else layer.mlp.experts.num_experts
+
+
+def _planned_job(kind: str) -> dict:
+    rank, _ = rank_and_world()
+    box = [(_smallest(kind, 1), _smallest(kind, 2)) if rank == 0 else None]
+    torch.distributed.broadcast_object_list(box, src=0)
+    whole, halves = box[0]
+    budget = (whole + halves) // 2
+    engine = zeroplus.initialize(MODELS[kind](), _config(kind, budget))
+    top = engine.parallel.topology
+    chosen = {"size": getattr(top, kind), "stage": engine.zero_optimization_stage(), "held": _split_of(engine, kind)}
+    data_rank = rank // top.tensor
+    losses = _train(engine, data_rank)
+    predicted = engine.budget.peak_bytes if engine.budget is not None else None
+    engine.destroy()
+    written = zeroplus.initialize(MODELS[kind](), _config(kind, None, chosen["size"], chosen["stage"]))
+    same = _train(written, data_rank)
+    written.destroy()
+    return {"whole": whole, "halves": halves, "budget": budget, **chosen, "losses": losses, "written": same,
+            "predicted": predicted}
+
+
+@pytest.mark.parametrize("kind,held", [("tensor", 64), ("expert", 2)])  # 4 heads of 32 / 4 experts, over 2 ranks
+def test_a_budget_only_a_split_fits_plans_a_split_of_2_and_trains_as_the_written_settings(kind, held):
+    results = run_distributed(_planned_job, 4, kind)
+    first = results[0]
+    assert first["halves"] < first["budget"] < first["whole"], first
+    for rank, r in enumerate(results):
+        assert (r["size"], r["stage"]) == (2, first["stage"]), (rank, r)
+        assert r["held"] == held, (rank, r["held"])
+        assert r["predicted"] is not None and r["predicted"] <= r["budget"], (rank, r)
+        assert r["losses"] == r["written"], (rank, r["losses"], r["written"])
+
+
+@pytest.mark.parametrize("kind", ["tensor", "expert"])
+def test_with_room_for_everything_the_plan_does_not_split(kind):
+    chosen = plan(MODELS[kind], _config(kind, "64GB"), world_size=4)
+    assert (chosen.settings.tensor, chosen.settings.expert, chosen.settings.stage) == (1, 1, 0), chosen.reason
+    assert "parallel over" not in chosen.reason
+
+
+def test_auto_sizes_are_refused_without_a_plan_a_budget_or_beside_a_size():
+    with pytest.raises(ConfigError, match=r"tensor_parallel.autotp_size' is 'auto'.*GPT has no tensor-parallel plan"):
+        zeroplus.initialize(GPT(gpt_config("tiny")), _config("tensor", "64GB"))
+    with pytest.raises(ConfigError, match=r"expert_parallel.autoep_size' is 'auto'.*LlamaForCausalLM has no "
+                                          r"(expert-parallel plan|experts module)"):
+        zeroplus.initialize(_llama(), _config("expert", "64GB"))
+    with pytest.raises(ConfigError, match=r"tensor_parallel.autotp_size.*'auto'.*zeroplus.memory_budget"):
+        zeroplus.initialize(_llama(), _config("tensor", None))
+    for kind in ("tensor", "expert"):
+        both = _config(kind, "64GB")
+        both["zeroplus"]["parallel"] = {kind: 2}
+        with pytest.raises(ConfigError, match=r"is 'auto' and 'zeroplus.parallel.%s' is 2" % kind):
+            zeroplus.initialize(MODELS[kind](), both)
