@@ -48,9 +48,12 @@ from .engine.rank_agreement import check_ranks_agree
 from .host_gemm_pool import held_bytes
 from .logs import log_rank0, setup_logging
 from .optim.build import describe_client_optimizer
-from .parallel.autotp import Undo
+from .parallel.autoep import ep_plan
+from .parallel.autotp import Undo, tp_plan
 from .parallel.groups import ParallelGroups, init_parallel, node_split, secondary_size, shard_size
+from .parallel.moe import is_expert
 from .parallel.plans import split_by_own_plans, splits
+from .parallel.tensor_layers import is_tensor_parallel
 from .zero.init_shards import shard_of
 
 logger = logging.getLogger("zeroplus.engine")
@@ -84,9 +87,7 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
     code = code_resident() if predicts and accel.name == "cpu" else None
     pooled = held_bytes() if predicts and accel.name == "cpu" else None  # MKL's buffer pool (host_gemm_pool.py)
     _set_up_process(cfg, accel, unimplemented)
-    # 'auto' in tensor_parallel.autotp_size or expert_parallel.autoep_size: planned over the whole world, before any
-    # group splits the model (see note: planner tensor size)
-    planned = "auto" in (cfg.tensor_parallel.autotp_size, cfg.expert_parallel.autoep_size)
+    planned = _plans_before_groups(model, cfg)
     if planned:
         cfg = _plan(model, cfg, DataParallelGroup(label="world"), (code, pooled))
     try:
@@ -152,8 +153,25 @@ def _set_up_process(cfg: ZeroplusConfig, accel: Any, unimplemented: list[str]) -
                   ", ".join(unimplemented), level=logging.WARNING)
 
 
+def _plans_before_groups(model: torch.nn.Module, cfg: ZeroplusConfig) -> bool:
+    """Whether the planner runs over the whole world before any group splits the model (see note: planner tensor
+    size): 'auto' in ``tensor_parallel.autotp_size`` or ``expert_parallel.autoep_size``, or a memory budget beside
+    tensor or expert sizes that split a Hugging Face model by its plans (the estimate simulates that split). zeroplus's
+    own tensor-parallel and MoE layers are built inside the groups: a budget beside them stays refused
+    (``_check_budget_covers``)."""
+    if "auto" in (cfg.tensor_parallel.autotp_size, cfg.expert_parallel.autoep_size):
+        return True
+    par = cfg.zeroplus.parallel
+    if cfg.zeroplus.memory_budget is None or par.pipeline > 1 or (par.tensor, par.expert) == (1, 1):
+        return False
+    if any(is_tensor_parallel(p) or is_expert(p) for p in model.parameters()):
+        return False
+    return (par.tensor == 1 or tp_plan(model) is not None) and (par.expert == 1 or ep_plan(model) is not None)
+
+
 def _check_budget_covers(cfg: ZeroplusConfig, parallel: ParallelGroups) -> None:
-    """A memory budget or 'auto' keys only where the estimate and planner cover the split (data x context)."""
+    """A memory budget or 'auto' keys only where the estimate and planner cover the split (data x context; a
+    Hugging Face model split by its plans is planned before the groups: ``_plans_before_groups``)."""
     split = parallel.model.size > 1 or parallel.expert.size > 1
     if split and (auto_keys(cfg) or cfg.zeroplus.memory_budget is not None):
         raise ConfigError(f"config key 'zeroplus.memory_budget' with {parallel.topology.describe()}: the memory "

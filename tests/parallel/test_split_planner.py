@@ -6,7 +6,8 @@
   (ZeRO stage 1 or 3) unsplit and split over 2. ``initialize`` plans before any group splits the model and takes a
   split of 2 (nothing unsplit fits), every rank the same; the model is split by its plan (``q_proj`` holds half its
   rows; each experts module half the experts); the first forward's prediction is within the budget; and the run
-  trains bit for bit the model the chosen settings written out train (the size and the stage, no budget).
+  trains bit for bit the model the chosen settings written out train (the size and the stage, no budget). The
+  budget beside the size given (2) and the stage 'auto' plans the same stage.
 - With room for every choice, no split (it is a way to fit, tried with the fewest ranks first).
 - Refused, naming the key: 'auto' on a model without the plan it needs (zeroplus's GPT; a dense Llama for experts),
   'auto' without a budget, 'auto' beside a size in ``zeroplus.parallel``.
@@ -96,8 +97,11 @@ def _planned_job(kind: str) -> dict:
     written = zeroplus.initialize(MODELS[kind](), _config(kind, None, chosen["size"], chosen["stage"]))
     same = _train(written, data_rank)
     written.destroy()
+    given = zeroplus.initialize(MODELS[kind](), _config(kind, budget, 2))  # the size given, the stage planned
+    given_stage = given.zero_optimization_stage()
+    given.destroy()
     return {"whole": whole, "halves": halves, "budget": budget, **chosen, "losses": losses, "written": same,
-            "predicted": predicted}
+            "predicted": predicted, "given_stage": given_stage}
 
 
 @pytest.mark.parametrize("kind,held", [("tensor", 64), ("expert", 2)])  # 4 heads of 32 / 4 experts, over 2 ranks
@@ -110,6 +114,7 @@ def test_a_budget_only_a_split_fits_plans_a_split_of_2_and_trains_as_the_written
         assert r["held"] == held, (rank, r["held"])
         assert r["predicted"] is not None and r["predicted"] <= r["budget"], (rank, r)
         assert r["losses"] == r["written"], (rank, r["losses"], r["written"])
+        assert r["given_stage"] == r["stage"], (rank, r)  # a budget beside a given size: planned the same
 
 
 @pytest.mark.parametrize("kind", ["tensor", "expert"])
