@@ -10,7 +10,7 @@
   budget beside the size given (2) and the stage 'auto' plans the same stage.
 - With room for every choice, no split (it is a way to fit, tried with the fewest ranks first).
 - Refused, naming the key: 'auto' on a model without the plan it needs (zeroplus's GPT; a dense Llama for experts),
-  'auto' without a budget, 'auto' beside a size in ``zeroplus.parallel``.
+  'auto' without a budget, 'auto' beside a size in ``zeroplus.parallel``, 'auto' beside a pipeline size.
 """
 from __future__ import annotations
 
@@ -132,6 +132,10 @@ def test_auto_sizes_are_refused_without_a_plan_a_budget_or_beside_a_size():
         zeroplus.initialize(_llama(), _config("expert", "64GB"))
     with pytest.raises(ConfigError, match=r"tensor_parallel.autotp_size.*'auto'.*zeroplus.memory_budget"):
         zeroplus.initialize(_llama(), _config("tensor", None))
+    piped = _config("tensor", "64GB")
+    piped["zeroplus"]["parallel"] = {"pipeline": 2}
+    with pytest.raises(ConfigError, match=r"'tensor_parallel.autotp_size'\] are 'auto' beside pipeline size 2"):
+        plan(_llama, piped, world_size=4)
     for kind in ("tensor", "expert"):
         both = _config(kind, "64GB")
         both["zeroplus"]["parallel"] = {kind: 2}

@@ -215,7 +215,7 @@ def _layouts(model: torch.nn.Module, cfg: ZeroplusConfig, world_size: int) -> tu
             raise ConfigError(f"{err}: the planner chooses {kind} sizes for a model split by its plan only") from None
         sizes[kind] = [size for size in range(1, world_size + 1) if world_size % size == 0 and _splits(check, model,
                                                                                                     size, where)]
-    if par.pipeline > 1:
+    if par.pipeline > 1 and "auto" in (cfg.tensor_parallel.autotp_size, cfg.expert_parallel.autoep_size):
         raise ConfigError(f"config keys {auto_keys(cfg)} are 'auto' beside pipeline size {par.pipeline}: the planner "
                           f"chooses tensor and expert sizes beside data parallelism only so far; give sizes")
     out = []
@@ -421,10 +421,14 @@ def plan(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dict[st
                         micro_batch_size=micro_batch_size, seq_len=seq_len, example_inputs=example_inputs,
                         code=code, pooled=pooled)
 
-    # (MiCS keeps model states over a node's ranks only, hpZ a copy of the blocks: the frugal choice is neither)
-    frugal = max(ordered, key=lambda s: (s.split, s.tensor, s.stage, not s.shard, not s.secondary, s.ratio or 0.0,
-                                         s.recompute, s.masters, s.shared, s.states))
-    least = predict(frugal)
+    # (MiCS keeps model states over a node's ranks only, hpZ a copy of the blocks: the frugal choice is neither.) With
+    # several (tensor, expert) sizes, each one's frugal choice: a wider split need not hold less (a vocabulary's
+    # logits gathered whole, a small model's replicated norms), so the least of them is the smallest peak
+    frugals = [max((s for s in ordered if (s.tensor, s.expert) == layout), key=lambda s: (
+        s.stage, not s.shard, not s.secondary, s.ratio or 0.0, s.recompute, s.masters, s.shared, s.states))
+        for layout in dict.fromkeys((s.tensor, s.expert) for s in ordered)]
+    predicted_frugal = {s: predict(s) for s in frugals}
+    frugal, least = min(predicted_frugal.items(), key=lambda item: item[1].peak_bytes)
     if log is not None:
         log(f"planner: the most frugal choice, {frugal.describe()}: predicted peak {_gib(least.peak_bytes)}")
     if least.peak_bytes > limit:
@@ -435,7 +439,7 @@ def plan(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dict[st
                           f"config")
     tried: list[tuple[Settings, int]] = []
     for s in ordered:
-        predicted = least if s == frugal else predict(s)
+        predicted = predicted_frugal[s] if s in predicted_frugal else predict(s)
         tried.append((s, predicted.peak_bytes))
         if log is not None:
             log(f"planner: {s.describe()}: predicted peak {_gib(predicted.peak_bytes)} in {predicted.peak_phase}")
