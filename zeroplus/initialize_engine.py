@@ -48,12 +48,9 @@ from .engine.rank_agreement import check_ranks_agree
 from .host_gemm_pool import held_bytes
 from .logs import log_rank0, setup_logging
 from .optim.build import describe_client_optimizer
-from .parallel.autoep import ep_plan
-from .parallel.autotp import Undo, tp_plan
+from .parallel.autotp import Undo
 from .parallel.groups import ParallelGroups, init_parallel, node_split, secondary_size, shard_size
-from .parallel.moe import is_expert
-from .parallel.plans import split_by_own_plans, splits
-from .parallel.tensor_layers import is_tensor_parallel
+from .parallel.plans import by_plans, split_by_own_plans, splits
 from .zero.init_shards import shard_of
 
 logger = logging.getLogger("zeroplus.engine")
@@ -164,9 +161,8 @@ def _plans_before_groups(model: torch.nn.Module, cfg: ZeroplusConfig) -> bool:
     par = cfg.zeroplus.parallel
     if cfg.zeroplus.memory_budget is None or par.pipeline > 1 or (par.tensor, par.expert) == (1, 1):
         return False
-    if any(is_tensor_parallel(p) or is_expert(p) for p in model.parameters()):
-        return False
-    return (par.tensor == 1 or tp_plan(model) is not None) and (par.expert == 1 or ep_plan(model) is not None)
+    tensor, expert = by_plans(model, par.tensor, par.expert)
+    return (par.tensor == 1 or tensor) and (par.expert == 1 or expert)
 
 
 def _check_budget_covers(cfg: ZeroplusConfig, parallel: ParallelGroups) -> None:

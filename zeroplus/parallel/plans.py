@@ -14,12 +14,17 @@ from .moe import is_expert
 from .tensor_layers import is_tensor_parallel
 
 
+def by_plans(model: torch.nn.Module, tensor: int, expert: int) -> tuple[bool, bool]:
+    """Whether a tensor size and an expert size would each split ``model`` by its own plans (the size above 1, the
+    model has that plan and is not split that way by zeroplus's own layers already)."""
+    params = list(model.parameters())
+    return (tensor > 1 and tp_plan(model) is not None and not any(is_tensor_parallel(p) for p in params),
+            expert > 1 and ep_plan(model) is not None and not any(is_expert(p) for p in params))
+
+
 def splits(model: torch.nn.Module, parallel: ParallelGroups) -> bool:
-    """Whether ``split_by_own_plans`` would split ``model`` (it has a plan for a size above 1, and is not split by
-    zeroplus's own layers already)."""
-    top, params = parallel.topology, list(model.parameters())
-    tensor = top.tensor > 1 and tp_plan(model) is not None and not any(is_tensor_parallel(p) for p in params)
-    return tensor or (top.expert > 1 and ep_plan(model) is not None and not any(is_expert(p) for p in params))
+    """Whether ``split_by_own_plans`` would split ``model`` (``by_plans`` of the groups' sizes, either)."""
+    return any(by_plans(model, parallel.topology.tensor, parallel.topology.expert))
 
 
 def split_by_own_plans(model: torch.nn.Module, parallel: ParallelGroups,
@@ -44,4 +49,4 @@ def split_by_own_plans(model: torch.nn.Module, parallel: ParallelGroups,
     return done
 
 
-__all__ = ["split_by_own_plans", "splits"]
+__all__ = ["by_plans", "split_by_own_plans", "splits"]
