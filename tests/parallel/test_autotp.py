@@ -2,7 +2,10 @@
 config says ``"tensor_parallel": {"autotp_size": 2}``, against the model in one process.
 
 4 gloo ranks, tensor 2 x data 2, ZeRO stages 1 and 3 (the Llama at 0 and 2 too) in one world: each rank builds the same
-tiny Llama, Qwen2, Mistral, Qwen3, Mixtral, Qwen3-MoE and a Llama with one key/value head and a tied head (hidden 64, 4
+tiny Llama, Qwen2, Mistral, Qwen3, Mixtral, Qwen3-MoE, a Llama with one key/value head and a tied head, and at
+ZeRO-3 only Olmo2 (attention run whole: ``o_proj`` takes its part of the input), DeepSeek-V2 (latent attention: the
+latent projection whole, its rotary part's gradient summed), Llama 4's text model (experts' weights laid out
+``(experts, in, out)``) and Granite-SWA (attention sinks cut by heads) (hidden 64, 4
 query heads, 2 key/value heads: one per tensor rank; Qwen2's q/k/v biases split with them; Qwen3's per-head q/k norms
 whole, their gradients summed over the tensor group), and ``initialize`` splits ``q/k/v/gate/up_proj`` by rows,
 ``o/down_proj`` by columns, the input embeddings and the head by vocabulary rows (the tied head sharing the embeddings'
@@ -18,9 +21,10 @@ the whole trained model (its slices all-gathered over the tensor group and joine
 equal to the reference; the same model built on the meta device and split gets, at ``initialize``, the normally built
 model's slices, and ``load_pretrained`` of the exported files reads the trained slices, bit for bit.
 Refused, naming the key, the rank and the reason, with the model left as it was:
-key/value heads T neither divides nor is a multiple of, a plan style not split yet (DeepSeek-V2's latent key/value
-projection), a head tied to embeddings the plan leaves whole, a model built under ``zeroplus.Init`` (partitioned
-parameters), and a refusal after the split (Muon under tensor parallelism), which puts the model's own modules back.
+key/value heads T neither divides nor is a multiple of, a plan style not split yet (a user's plan naming
+``sequence_parallel``), a head tied to embeddings the plan leaves whole, a model built under ``zeroplus.Init``
+(partitioned parameters), and a refusal after the split (Muon under tensor parallelism), which puts the model's own
+modules back.
 """
 from __future__ import annotations
 
@@ -43,8 +47,10 @@ from zeroplus.parallel.tensor_layers import (
 )
 
 STEPS, MICRO, SEQ, CLIP, LR = 3, 2, 16, 0.5, 0.05
-FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "mixtral", "qwen3_moe", "llama-kv1")
-COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "mixtral", "qwen3_moe", "llama-kv1", "olmo2", "deepseek_v2", "llama4",
+            "granite_swa")
+LATER = ("olmo2", "deepseek_v2", "llama4", "granite_swa")  # (ZeRO-3 only: their styles' slices, exports and loads)
+COLWISE = ("q_proj", "k_proj", "v_proj", "kv_b_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
 ROWWISE = ("o_proj", "down_proj")
 SPLIT = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ReplicatedRowsLinear)
 
@@ -68,6 +74,25 @@ def _model(family: str) -> torch.nn.Module:
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=1, tie_word_embeddings=True))
+    if family == "olmo2":  # q/k/v gathered for norms over all heads, attention whole, o_proj split from it
+        return transformers.Olmo2ForCausalLM(transformers.Olmo2Config(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, eos_token_id=0, pad_token_id=1))
+    if family == "deepseek_v2":  # latent attention; one dense layer, then experts beside shared experts
+        return transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(
+            vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+            kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+            first_k_dense_replace=1))
+    if family == "llama4":  # experts' weights (experts, in, out): gate_up_proj packed by columns
+        return transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=64, intermediate_size_mlp=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
+            interleave_moe_layer_step=1))
+    if family == "granite_swa":  # attention sinks, one per head: this rank's heads'; the head tied
+        return transformers.GraniteSWAForCausalLM(transformers.GraniteSWAConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, bos_token_id=0, eos_token_id=0))
     if family == "qwen3_moe":  # (its experts packed as Mixtral's, per-head q/k norms as Qwen3's)
         return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
@@ -77,13 +102,15 @@ def _model(family: str) -> torch.nn.Module:
 
 def _expected_split(family: str) -> list[str]:
     mlp = [] if family in ("mixtral", "qwen3_moe") else ["gate_proj", "up_proj", "down_proj"]  # (experts: weights)
+    if family == "deepseek_v2":  # (the latent kv_a_proj_with_mqa whole; layer 1's MLP its shared experts)
+        return sorted(["q_proj", "kv_b_proj", "o_proj", *mlp] * 2 + ["embed_tokens", "lm_head"])
     return sorted(["q_proj", "k_proj", "v_proj", "o_proj", *mlp] * 2 + ["embed_tokens", "lm_head"])
 
 
 def _job(root: str) -> list[dict]:
     out = []
     for family in FAMILIES:
-        for stage in (0, 1, 2, 3) if family == "llama" else (1, 3):
+        for stage in (0, 1, 2, 3) if family == "llama" else (3,) if family in LATER else (1, 3):
             cfg = _config(stage, estimate=(family, stage) == ("llama", 3))
             parallel = zeroplus.init_parallel(cfg)
             engine = zeroplus.initialize(_model(family), cfg)
@@ -137,10 +164,13 @@ def _reference(family: str) -> tuple[list[list[float]], list[float], dict[str, t
 
 def _slice(family: str, name: str, value: torch.Tensor, tensor_rank: int) -> torch.Tensor:
     module = name.rsplit(".", 2)[-2]
-    if name.endswith("experts.gate_up_proj"):  # (experts, [gate; up], hidden): this rank's rows of each
-        return torch.cat([part.chunk(2, 1)[tensor_rank] for part in value.chunk(2, 1)], 1)
-    if name.endswith("experts.down_proj"):  # (experts, hidden, intermediate)
-        return value.chunk(2, 2)[tensor_rank]
+    if name.endswith("experts.gate_up_proj"):  # (experts, [gate; up], hidden), Llama 4's (experts, hidden, [gate; up])
+        dim = 2 if family == "llama4" else 1
+        return torch.cat([part.chunk(2, dim)[tensor_rank] for part in value.chunk(2, dim)], dim)
+    if name.endswith("experts.down_proj"):  # (experts, hidden, intermediate), Llama 4's (experts, intermediate, hidden)
+        return value.chunk(2, 1 if family == "llama4" else 2)[tensor_rank]
+    if name.endswith("self_attn.sinks"):  # (heads,)
+        return value.chunk(2, 0)[tensor_rank]
     if family == "llama-kv1" and module in ("k_proj", "v_proj"):
         return value  # whole on every rank: one head, read by both
     if module in COLWISE:
@@ -194,12 +224,11 @@ def _uneven_key_value_heads() -> torch.nn.Module:
         num_key_value_heads=3))
 
 
-def _multi_head_latent_attention() -> torch.nn.Module:
-    """DeepSeek-V2's plan names its latent key/value projection 'mla_kv_a_proj', a style not split yet."""
-    return transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(
-        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16,
-        q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, first_k_dense_replace=1))
+def _sequence_parallel_norms() -> torch.nn.Module:
+    """A plan edited as a user may, naming Transformers' 'sequence_parallel' for the norms: a style not split yet."""
+    model = _model("llama")
+    model.tp_plan["model.layers.*.input_layernorm"] = "sequence_parallel"
+    return model
 
 
 def _tied_head_of_a_whole_embedding() -> torch.nn.Module:
@@ -238,19 +267,19 @@ def _refused_after_the_split() -> str:
 def _refusals() -> list[str]:
     with zeroplus.Init():  # (no config: partitioned over the world, as a script may build it)
         partitioned = _model("llama")
-    return [_refused(_uneven_key_value_heads()), _refused(_multi_head_latent_attention()),
+    return [_refused(_uneven_key_value_heads()), _refused(_sequence_parallel_norms()),
             _refused(_tied_head_of_a_whole_embedding()), _refused_after_the_split(), _refused(partitioned)]
 
 
 def test_what_autotp_cannot_split_is_refused_on_every_rank_naming_it():
-    for rank, (heads, latent, tied, later, partitioned) in enumerate(run_distributed(_refusals, 2)):
+    for rank, (heads, style, tied, later, partitioned) in enumerate(run_distributed(_refusals, 2)):
         assert "built under zeroplus.Init" in partitioned and f"(rank {rank})" in partitioned, partitioned
         assert "lm_head.weight is tied to model.embed_tokens's, which the plan does not split" in tied, tied
         assert "'optimizer.type' is 'Muon' and 'zeroplus.parallel.tensor' is set" in later, later
         assert f"'tensor_parallel.autotp_size' / 'zeroplus.parallel.tensor' is 2 (rank {rank})" in heads, heads
         assert "num_key_value_heads = 3 (neither a multiple nor a divisor of 2)" in heads, heads
-        assert "DeepseekV2ForCausalLM's tensor-parallel plan names styles" in latent, latent
-        assert "kv_a_proj_with_mqa: mla_kv_a_proj" in latent, latent
+        assert "LlamaForCausalLM's tensor-parallel plan names styles" in style, style
+        assert "model.layers.0.input_layernorm: sequence_parallel" in style, style
 
 
 def _made_before_initialize() -> list[dict]:

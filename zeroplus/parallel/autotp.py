@@ -11,13 +11,23 @@ the weights the model holds, becomes
   its query heads read, and the attention's ``num_key_value_groups`` set to this rank's query heads per key/value
   head. Transformers' attention reshapes by ``head_dim``, so this rank's heads attend as the whole model's would;
 - ``rowwise``: a ``RowParallelLinear`` (its columns of ``o_proj``/``down_proj``, the partial outputs all-reduced);
+  ``rowwise_split_input`` (Olmo2's, GLM-4's ``o_proj``, after an attention each rank runs whole because its
+  projections gather their outputs for a norm over all heads): the same, taking its part of the whole input, the
+  parts' gradients gathered back;
+- ``mla_kv_a_proj`` (DeepSeek-V2's latent ``kv_a_proj_with_mqa``): whole on every rank; the gradient of its rotary
+  part (the config's ``qk_rope_head_dim`` last outputs, read by this rank's heads only) summed over the tensor group,
+  as its latent part's already is by ``kv_b_proj``'s split;
 - ``colwise_gather_output`` (the head): this rank's vocabulary rows, the logits all-gathered for the model's loss;
 - ``embedding_rowwise``: a ``VocabParallelEmbedding`` (this rank's vocabulary rows, the lookups all-reduced); a head
   tied to it shares its slice, so the tie holds;
-- ``moe_tp_experts`` (Mixtral's, Qwen3-MoE's experts, their 3-D weights named by parameter): every expert's
-  ``gate_up_proj`` cut by rows (``packed_colwise``: the gate's rows and the up projection's rows each, so the
-  experts' own ``chunk(2)`` still parts them) and ``down_proj`` by columns (``rowwise``); the experts' inputs'
-  gradients and their output summed over the tensor group; the router whole;
+- ``moe_tp_experts`` (Mixtral's, Qwen3-MoE's, Llama 4's experts, their 3-D weights named by parameter): a weight
+  ``colwise`` or ``packed_colwise`` is cut along its second-to-last dimension, ``rowwise`` or ``packed_rowwise``
+  along its last, as Transformers cuts them whichever way the module multiplies (Mixtral's ``gate_up_proj``
+  ``(experts, 2 I, H)`` by rows, Llama 4's ``(experts, H, 2 I)`` by columns); a packed cut takes its share of the
+  gate's part and of the up projection's each, so the experts' own ``chunk(2)`` still parts them; the experts'
+  inputs' gradients and their output summed over the tensor group; the router whole;
+- ``local_params`` (Granite-SWA's attention): its own parameters named by the plan are cut as it names them (the
+  attention sinks, one per head, ``colwise``: this rank's heads'), the module otherwise as it is;
 - ``replicated_with_grad_allreduce`` (Qwen3's per-head ``q_norm``/``k_norm``): whole, each rank's gradient (from its
   own heads) summed over the tensor group by a hook on the parameter.
 
@@ -55,11 +65,14 @@ from .tensor_layers import (
     tensor_parallel_marks,
 )
 
-LINEAR = ("colwise", "rowwise", "colwise_gather_output")
-EMBEDDING, EXPERTS, PACKED = "embedding_rowwise", "moe_tp_experts", "packed_colwise"
+ROWWISE = ("rowwise", "rowwise_split_input")  # the input's last dimension split, or whole and split here
+LINEAR = ("colwise", *ROWWISE, "colwise_gather_output")
+EMBEDDING, EXPERTS, PACKED = "embedding_rowwise", "moe_tp_experts", ("packed_colwise", "packed_rowwise")
 REPLICATED_SUMMED = "replicated_with_grad_allreduce"  # Qwen3's per-head norms
-MODULE_STYLES = (*LINEAR, EMBEDDING, EXPERTS, REPLICATED_SUMMED)
-PARAMETER_STYLES = ("colwise", "rowwise", PACKED)  # an experts module's own 3-D weights
+LATENT = "mla_kv_a_proj"  # DeepSeek-V2's latent key/value projection: whole, its rotary part's gradient summed
+LOCAL = "local_params"  # a module whose own bare parameters the plan cuts (attention sinks, one per head)
+MODULE_STYLES = (*LINEAR, EMBEDDING, EXPERTS, REPLICATED_SUMMED, LATENT, LOCAL)
+PARAMETER_STYLES = ("colwise", "rowwise", *PACKED)  # an experts or local_params module's own weights
 
 
 _P = TypeVar("_P", bound=torch.Tensor)
@@ -185,8 +198,11 @@ def exchanged_per_token(model: nn.Module) -> tuple[int, int]:
         if t.style == EXPERTS:
             reduced += 2 * hidden
         elif isinstance(obj, nn.Linear) and t.style in LINEAR:
-            reduced += obj.out_features if t.style == "rowwise" else obj.in_features
+            reduced += obj.out_features if t.style in ROWWISE else obj.in_features
             gathered += obj.out_features if t.style == "colwise_gather_output" else 0
+            gathered += obj.in_features if t.style == "rowwise_split_input" else 0  # its input's gradient
+        elif isinstance(obj, nn.Linear) and t.style == LATENT:
+            reduced += int(getattr(model.config, "qk_rope_head_dim", 0) or 0)
         elif isinstance(obj, nn.Embedding) and t.style == EMBEDDING:
             reduced += obj.embedding_dim
     return reduced, gathered
@@ -199,6 +215,7 @@ class _Heads:
     key_value: int | None
     head_dim: int | None
     tensor: int
+    rope: int | None = None  # a latent attention's rotary width (``qk_rope_head_dim``)
 
     @classmethod
     def of(cls, model: nn.Module, tensor: int) -> _Heads:
@@ -207,7 +224,7 @@ class _Heads:
         key_value = getattr(config, "num_key_value_heads", None) or query
         head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // query if query and getattr(config, "hidden_size", None) else None)
-        return cls(query, key_value, head_dim, tensor)
+        return cls(query, key_value, head_dim, tensor, getattr(config, "qk_rope_head_dim", None))
 
     @property
     def replicated(self) -> bool:
@@ -224,6 +241,11 @@ def _split(t: _Target, tp: DataParallelGroup, heads: _Heads, sliced: set[int], d
     if t.style == REPLICATED_SUMMED:  # whole on every rank, each seeing its own heads: gradients summed over T
         params = [t.obj] if isinstance(t.obj, nn.Parameter) else list(t.obj.parameters(recurse=False))
         done.hooks += [p.register_hook(functools.partial(_summed_over, tp)) for p in params]
+    elif t.style == LOCAL:  # (its own parameters the plan names are targets of their own)
+        pass
+    elif t.style == LATENT:
+        assert heads.rope is not None and isinstance(t.obj, nn.Linear)  # (checked)
+        done.hooks.append(t.obj.register_forward_hook(functools.partial(_rotary_summed, tp, heads.rope)))
     elif t.style == EXPERTS:
         experts = t.obj
         assert isinstance(experts, nn.Module)  # (a module style)
@@ -265,13 +287,14 @@ def _split_linear(t: _Target, tp: DataParallelGroup, heads: _Heads, sliced: set[
         return ReplicatedRowsLinear(linear, head * heads.head_dim, (head + 1) * heads.head_dim, tp)
     bias = linear.bias is not None
     with torch.device("meta"):  # (no memory, no random draws: the model's own parameters go in below)
-        if t.style == "rowwise":
-            split: nn.Module = RowParallelLinear(linear.in_features, linear.out_features, bias=bias, tp=tp)
+        if t.style in ROWWISE:
+            split: nn.Module = RowParallelLinear(linear.in_features, linear.out_features, bias=bias, tp=tp,
+                                                 split_input=t.style == "rowwise_split_input")
         else:
             split = ColumnParallelLinear(linear.in_features, linear.out_features, bias=bias, tp=tp,
                                          gather_output=t.style == "colwise_gather_output")
     assert isinstance(split, (RowParallelLinear, ColumnParallelLinear))
-    cut = Cut(1 if t.style == "rowwise" else 0)
+    cut = Cut(1 if t.style in ROWWISE else 0)
     split.weight = _cut(linear.weight, cut, tp, sliced, done)
     if linear.bias is not None:  # a row-parallel bias is whole: added once, after the sum
         split.bias = _cut(linear.bias, cut, tp, sliced, done) if cut.dim == 0 else linear.bias
@@ -279,22 +302,28 @@ def _split_linear(t: _Target, tp: DataParallelGroup, heads: _Heads, sliced: set[
 
 
 def _parameter_cut(t: _Target) -> Cut:
-    """An experts module's 3-D weight ``(experts, out, in)`` (``(experts, in, out)`` where the module says
-    ``is_transposed``): ``colwise``/``packed_colwise`` along ``out``, ``rowwise`` along ``in``."""
+    """An experts module's weight of two or more dimensions, or a ``local_params`` module's own parameter (a 1-D one
+    along its one dimension): ``colwise``/``packed_colwise`` along its second-to-last,
+    ``rowwise``/``packed_rowwise`` along its last (Transformers' own placements: the plan names the dimension, not
+    which way the module multiplies); a packed cut in two parts where the gate and up projection are concatenated,
+    one where interleaved (``is_concatenated`` false: the pairs stay together)."""
     assert isinstance(t.obj, nn.Parameter)
     ndim = t.obj.dim()
-    transposed = bool(getattr(t.owner, "is_transposed", False))
-    out_dim, in_dim = (ndim - 1, ndim - 2) if transposed else (ndim - 2, ndim - 1)
-    if t.style == "rowwise":
-        return Cut(in_dim)
-    packed = 2 if t.style == PACKED and getattr(t.owner, "is_concatenated", True) else 1  # interleaved: pairs stay
-    return Cut(out_dim, packed)
+    packed = 2 if t.style in PACKED and getattr(t.owner, "is_concatenated", True) else 1
+    return Cut(ndim - 1 if t.style in ("rowwise", "packed_rowwise") else max(ndim - 2, 0), packed)
 
 
 def _summed_over(tp: DataParallelGroup, grad: torch.Tensor) -> torch.Tensor:
     """A replicated parameter's gradient from this rank's heads, summed over the tensor group (a collective every
     tensor rank's backward reaches in the same order)."""
     return all_reduce(grad.clone(memory_format=torch.contiguous_format), tp)
+
+
+def _rotary_summed(tp: DataParallelGroup, rope: int, module: nn.Module, args: tuple, output: Any) -> torch.Tensor:
+    """A latent projection's output, whole on every rank, with its last ``rope`` outputs' gradient (from this rank's
+    heads) summed over the tensor group."""
+    latent, rotary = output.split([output.shape[-1] - rope, rope], dim=-1)
+    return torch.cat([latent, copy_to_tensor(rotary, tp)], dim=-1)
 
 
 def _experts_in(tp: DataParallelGroup, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -321,12 +350,14 @@ def _check(model: nn.Module, targets: list[_Target], heads: _Heads, size: int, w
         raise ValueError(f"{where}: {kind}'s tensor-parallel plan names styles zeroplus does not split yet "
                          f"({', '.join(other[:4])}{' ...' if len(other) > 4 else ''}); splits modules "
                          f"{', '.join(MODULE_STYLES)} and an experts module's weights {', '.join(PARAMETER_STYLES)}")
-    experts = {id(t.obj) for t in targets if t.style == EXPERTS}
-    wrong = [f"{t.name} ({type(t.obj).__name__}, {t.style})" for t in targets if not _kind_fits(t, experts)]
+    owners = {id(t.obj): t.style for t in targets if t.style in (EXPERTS, LOCAL)}
+    wrong = [f"{t.name} ({type(t.obj).__name__}, {t.style})" for t in targets if not _kind_fits(t, owners, heads.rope)]
     if wrong:
         raise ValueError(f"{where}: {kind}'s plan names what its style does not split: {wrong[:4]} (linear styles "
                          f"split an nn.Linear, '{EMBEDDING}' an nn.Embedding without max_norm, sparse or frequency "
-                         f"scaling, weight styles the 2-D or wider weights of a '{EXPERTS}' module)")
+                         f"scaling, '{LATENT}' an nn.Linear wider than the config's qk_rope_head_dim ({heads.rope}), "
+                         f"weight styles the 2-D or wider weights of a '{EXPERTS}' module or the parameters of a "
+                         f"'{LOCAL}' one)")
     if not any(t.style in (*LINEAR, EMBEDDING) for t in targets):
         raise ValueError(f"{where}: {kind}'s tensor-parallel plan matches none of its modules")
     _check_ties(model, targets, f"{where}: {kind}")
@@ -364,11 +395,14 @@ def _check_ties(model: nn.Module, targets: list[_Target], where: str) -> None:
                                  f"a tied weight splits only by vocabulary rows on every holder")
 
 
-def _kind_fits(t: _Target, experts: set[int]) -> bool:
+def _kind_fits(t: _Target, owners: dict[int, str], rope: int | None) -> bool:
     if isinstance(t.obj, nn.Parameter):
-        return id(t.owner) in experts and t.obj.dim() >= 2
+        owner = owners.get(id(t.owner))
+        return owner == LOCAL and t.obj.dim() >= 1 or owner == EXPERTS and t.obj.dim() >= 2
     if t.style in LINEAR:
         return isinstance(t.obj, nn.Linear)
+    if t.style == LATENT:
+        return isinstance(t.obj, nn.Linear) and rope is not None and 0 < rope < t.obj.out_features
     if t.style == EMBEDDING:
         e = t.obj
         return isinstance(e, nn.Embedding) and e.max_norm is None and not e.sparse and not e.scale_grad_by_freq
@@ -384,8 +418,8 @@ def _widths(t: _Target, heads: _Heads) -> list[tuple[str, int]]:
                  obj.shape[cut.dim] // cut.packed)]
     if isinstance(obj, nn.Embedding):
         return [("num_embeddings", obj.num_embeddings)]
-    if isinstance(obj, nn.Linear) and t.style == "rowwise":
+    if isinstance(obj, nn.Linear) and t.style in ROWWISE:
         return [("in_features", obj.in_features)]
-    if isinstance(obj, nn.Linear) and not heads.is_key_value(obj):
+    if isinstance(obj, nn.Linear) and t.style in ("colwise", "colwise_gather_output") and not heads.is_key_value(obj):
         return [("out_features", obj.out_features)]
     return []

@@ -103,6 +103,11 @@ def gather_last_dim(x: torch.Tensor, tp: DataParallelGroup) -> torch.Tensor:
     return _apply(x, tp, _gather_last, lambda g, tp: _slice(g, tp, -1))
 
 
+def scatter_last_dim(x: torch.Tensor, tp: DataParallelGroup) -> torch.Tensor:
+    """This rank's part of a last dimension every rank holds whole; the parts' gradients gathered back."""
+    return _apply(x, tp, lambda x, tp: _slice(x, tp, -1), _gather_last)
+
+
 def scatter_to_sequence(x: torch.Tensor, tp: DataParallelGroup) -> torch.Tensor:
     return _apply(x, tp, lambda x, tp: _slice(x, tp, 0), all_gather_dim0)
 
@@ -120,5 +125,5 @@ def sum_grad_over_tensor(param: torch.Tensor, tp: DataParallelGroup) -> torch.Te
 
 
 __all__ = ["all_gather_dim0", "all_reduce", "copy_to_tensor", "gather_from_sequence", "gather_last_dim",
-           "reduce_from_tensor", "reduce_scatter_dim0", "reduce_scatter_sequence", "scatter_to_sequence",
-           "sum_grad_over_tensor"]
+           "reduce_from_tensor", "reduce_scatter_dim0", "reduce_scatter_sequence", "scatter_last_dim",
+           "scatter_to_sequence", "sum_grad_over_tensor"]

@@ -38,6 +38,7 @@ from .mappings import (
     gather_last_dim,
     reduce_from_tensor,
     reduce_scatter_sequence,
+    scatter_last_dim,
     sum_grad_over_tensor,
 )
 from .overlap import all_gather_matmul, matmul_reduce_scatter
@@ -98,13 +99,19 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
+    """``split_input``: the input arrives whole on every rank (Transformers' ``rowwise_split_input``: Olmo2's
+    ``o_proj`` after attention run whole), and this rank multiplies its part of the last dimension; the parts'
+    gradients are gathered back, so every rank's input gradient is whole as its input was."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, sequence_parallel: bool = False,
-                 overlap_chunks: int = 1, tp: DataParallelGroup | None = None) -> None:
+                 overlap_chunks: int = 1, split_input: bool = False, tp: DataParallelGroup | None = None) -> None:
         super().__init__()
         self.tp = tp if tp is not None else parallel_groups().tensor
         self.in_features, self.out_features = in_features, out_features
         self.in_per_rank = _divide(in_features, self.tp.size, "RowParallelLinear in_features")
-        self.sequence_parallel, self.overlap_chunks = sequence_parallel, overlap_chunks
+        self.sequence_parallel, self.overlap_chunks, self.split_input = sequence_parallel, overlap_chunks, split_input
+        if split_input and sequence_parallel:
+            raise ValueError("RowParallelLinear: split_input takes a whole input, sequence_parallel a sharded one")
         self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(out_features, self.in_per_rank)))  # (o, i/T)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None  # whole: added after the sum
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
@@ -113,6 +120,8 @@ class RowParallelLinear(nn.Module):
         if self.sequence_parallel:  # x: (s, b, i/T) -> (s/T, b, o)
             y = matmul_reduce_scatter(x, self.weight, self.tp, self.overlap_chunks)
             return y + sum_grad_over_tensor(self.bias, self.tp) if self.bias is not None else y
+        if self.split_input:
+            x = scatter_last_dim(x, self.tp)
         y = reduce_from_tensor(F.linear(x, self.weight), self.tp)
         return y + self.bias if self.bias is not None else y
 
@@ -125,7 +134,7 @@ class RowParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features} (this rank {self.in_per_rank}), out={self.out_features}, "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"sequence_parallel={self.sequence_parallel}" + (", split_input=True" if self.split_input else ""))
 
 
 class ReplicatedRowsLinear(nn.Module):
