@@ -4,7 +4,9 @@ process.
 
 4 gloo ranks in one world, its groups reset between cases: Mixtral and Qwen3-MoE (hidden 64, 4 experts, top-2;
 each rank its own batch) at expert 2 (ZeRO partitions the experts over the expert-data pairs) and expert 4 (one
-expert per rank), between them ZeRO-1, 2 and 3. The reference: the plain model on all four ranks' batches, SGD
+expert per rank), between them ZeRO-1, 2 and 3; at ZeRO-3, DeepSeek-V3 at expert 2 (grouped sigmoid routing, a
+shared expert, a dense first layer) and GPT-OSS at expert 4 (experts laid out ``(experts, in, out)`` with biases).
+The reference: the plain model on all four ranks' batches, SGD
 with momentum and a clip the gradients exceed (a norm that missed other ranks' experts, or counted the router
 twice, would change every update). Checked: each rank holds its experts only, the losses each rank reports, the
 global gradient norm, and every parameter after training (this rank's experts of each expert weight), within 1e-5
@@ -36,8 +38,9 @@ from tests.reference import clip_global_norm
 from zeroplus.config import ConfigError
 
 STEPS, MICRO, SEQ, CLIP, LR, WORLD = 3, 2, 16, 0.5, 0.05, 4
-FAMILIES = ("mixtral", "qwen3_moe")
-CASES = (("mixtral", 2, 1), ("mixtral", 2, 3), ("mixtral", 4, 2), ("qwen3_moe", 2, 2), ("qwen3_moe", 4, 3))
+FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
+CASES = (("mixtral", 2, 1), ("mixtral", 2, 3), ("mixtral", 4, 2), ("qwen3_moe", 2, 2), ("qwen3_moe", 4, 3),
+         ("deepseek_v3", 2, 3), ("gpt_oss", 4, 3))
 CAPACITY = ("mixtral", 2, 2, 1.0)  # (family, expert, stage, zeroplus.parallel.expert_capacity_factor)
 EXPERTS = 4
 ESTIMATED = ("mixtral", 2, 3)  # the case whose first forward's memory estimate is checked
@@ -53,6 +56,17 @@ def _config(expert: int, stage: int, estimate: bool = False) -> dict:
 
 def _model(family: str) -> torch.nn.Module:
     torch.manual_seed(0)
+    if family == "deepseek_v3":  # latent attention; a dense layer, then grouped sigmoid routing beside a shared expert
+        return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=EXPERTS, num_experts_per_tok=2, n_group=2,
+            topk_group=1, n_shared_experts=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=16, first_k_dense_replace=1))
+    if family == "gpt_oss":  # experts laid out (experts, in, out) with biases, gate and up interleaved; attention sinks
+        return transformers.GptOssForCausalLM(transformers.GptOssConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, num_local_experts=EXPERTS, num_experts_per_tok=2, sliding_window=8,
+            eos_token_id=0, pad_token_id=1))
     if family == "qwen3_moe":
         return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
