@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 
 from . import files as io
 from .dcp_save import param_group_of
-from .hf_export import whole_model_checkpoint, whole_parameter
+from .hf_export import whole_model_checkpoint
 
 
 def export_dcp(ckpt_dir: str, out_dir: str, tag: str | None = None) -> int:
@@ -43,12 +43,12 @@ def export_dcp(ckpt_dir: str, out_dir: str, tag: str | None = None) -> int:
         masters = [(s["lo"], s["hi"], s["master"]) for s in saved]
         for name, shape, offset in g["params"]:
             numel = math.prod(shape)
-            model[name] = whole_parameter(masters, offset, numel).view(shape)
+            model[name] = io.whole_parameter(masters, offset, numel).view(shape)
             entry: dict[str, Any] = {k: v.clone() if isinstance(v, torch.Tensor) else torch.tensor(float(v))
                                      for k, v in saved[0]["whole"].items()}
             for key in saved[0]["sliced"]:
                 ranges = [(s["lo"], s["hi"], s["sliced"][key]) for s in saved]
-                entry[key] = whole_parameter(ranges, offset, numel).view(shape)
+                entry[key] = io.whole_parameter(ranges, offset, numel).view(shape)
             state[name] = entry
             params.setdefault(gi, []).append(name)
     for name, value in io.exported_extra(meta, ranks[0]["module_extra"], ckpt_dir).items():

@@ -18,6 +18,7 @@ import torch
 from zeroplus.zero.frozen_values import read_frozen
 
 from . import files as io
+from .split_export import joined_checkpoint, split_by_plans
 
 if TYPE_CHECKING:
     from ..accessors import EngineAccessors as Engine  # the readings of an engine it uses
@@ -27,16 +28,14 @@ def load_fp32_state_dict(ckpt_dir: str, tag: str | None = None) -> dict[str, tor
     tag = io.resolve_tag(ckpt_dir, tag)
     path = os.path.join(ckpt_dir, tag)
     meta = io.read_metadata(path)
-    if "parts" in meta:
-        top = meta["topology"]
-        raise ValueError(f"checkpoint {path} holds a model split over tensor {top['tensor']} x pipeline "
-                         f"{top['pipeline']} ranks (slices {meta['parts']}); consolidating the slices into one "
-                         f"state dict is not supported yet: load it with the same tensor and pipeline sizes")
-    experts = sorted({p[0] for g in meta["groups"] for p in g["params"] if "@ep" in p[0]})
-    if experts:
-        raise ValueError(f"checkpoint {path} holds experts split over {meta['topology']['expert']} expert-parallel "
-                         f"ranks ({experts[0]}, ...); consolidating them into one state dict is not supported yet: "
-                         f"load it with the same expert-parallel size")
+    if split_by_plans(meta):  # a Hugging Face model split by its plans, joined (refused where it was split otherwise)
+        meta, tensors, extra = joined_checkpoint(path)
+        joined = {name: value.float() for name, value in tensors}
+        for name, value in io.exported_extra(meta, extra, path).items():
+            joined[name] = value.float() if value.is_floating_point() else value.clone()
+        for alias, name in meta.get("aliases", {}).items():
+            joined[alias] = joined[name].clone()
+        return joined
     files: dict[int, dict] = {}
     flats = {g["name"]: torch.zeros(g["numel"], dtype=torch.float32) for g in meta["groups"]}
     for rank_str, digest in sorted(meta["files"].items(), key=lambda kv: int(kv[0])):

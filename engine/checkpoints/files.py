@@ -57,6 +57,17 @@ def exported_extra(meta: dict[str, Any], extra: dict[str, torch.Tensor], path: s
     return {n: v for n, v in extra.items() if n not in set(skip)}
 
 
+def whole_parameter(pieces: list[tuple[int, int, torch.Tensor]], offset: int, numel: int) -> torch.Tensor:
+    """One parameter's elements ``[offset, offset + numel)`` of a flat group, from the ``(lo, hi, values)`` ranges
+    the rank files hold."""
+    out = torch.empty(numel, dtype=pieces[0][2].dtype)
+    for lo, hi, values in pieces:
+        a, b = max(lo, offset), min(hi, offset + numel)
+        if a < b:
+            out[a - offset:b - offset] = values[a - lo:b - lo]
+    return out
+
+
 def fault_point(name: str) -> None:
     """Die here, without cleanup, if the environment asks for it (crash-safety tests)."""
     if os.environ.get("ZEROPLUS_CHECKPOINT_FAULT") == name:

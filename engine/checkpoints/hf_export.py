@@ -33,6 +33,7 @@ from zeroplus.parallel.plan_slices import slicing, whole
 from zeroplus.zero.frozen_values import read_frozen
 
 from . import files as io
+from .split_export import joined_checkpoint, split_by_plans
 
 if TYPE_CHECKING:
     from ..accessors import EngineAccessors as Engine  # the readings of an engine it uses
@@ -114,17 +115,6 @@ class ShardWriter:
         return names
 
 
-def whole_parameter(pieces: list[tuple[int, int, torch.Tensor]], offset: int, numel: int) -> torch.Tensor:
-    """One parameter's elements ``[offset, offset + numel)`` of a flat group, from the ``(lo, hi, values)`` ranges
-    the rank files hold."""
-    out = torch.empty(numel, dtype=pieces[0][2].dtype)
-    for lo, hi, values in pieces:
-        a, b = max(lo, offset), min(hi, offset + numel)
-        if a < b:
-            out[a - offset:b - offset] = values[a - lo:b - lo]
-    return out
-
-
 def tied_aliases(module: torch.nn.Module) -> dict[str, str]:
     """Tied weights: each further name the plain ``state_dict`` uses for a parameter, mapped to its first."""
     canonical = {id(p): n for n, p in module.named_parameters()}
@@ -138,25 +128,38 @@ def whole_model_checkpoint(ckpt_dir: str, tag: str | None, what: str) -> tuple[d
     meta = io.read_metadata(path)
     if "parts" in meta or any("@ep" in p[0] for g in meta["groups"] for p in g["params"]):
         raise ValueError(f"checkpoint {path} holds a model split over tensor, pipeline or expert ranks; a {what} "
-                         f"export of one whole model from slices is not supported yet")
+                         f"export of one whole model from slices is built only for a Hugging Face model split by "
+                         f"its plans (AutoTP, AutoEP), to Hugging Face files (--format hf)")
     return meta, {int(r): io.map_rank_state(path, int(r), d) for r, d in meta["files"].items()}
 
 
 def export_checkpoint(ckpt_dir: str, out_dir: str, tag: str | None = None, dtype: str = "fp32",
                       max_shard_size: str | int = "5GB") -> tuple[list[str], int]:
-    """``zeroplus convert CKPT OUT_DIR --format hf``: the files written and the writer's peak tensor bytes."""
-    meta, ranks = whole_model_checkpoint(ckpt_dir, tag, "Hugging Face")
+    """``zeroplus convert CKPT OUT_DIR --format hf``: the files written and the writer's peak tensor bytes. A
+    checkpoint of a Hugging Face model split by its plans (AutoTP's parts, AutoEP's expert groups) is joined back
+    into the whole model, one tensor at a time (``split_export.py``)."""
+    path = os.path.join(ckpt_dir, io.resolve_tag(ckpt_dir, tag))
+    if split_by_plans(io.read_metadata(path)):
+        meta, tensors, extra = joined_checkpoint(path)
+    else:
+        meta, ranks = whole_model_checkpoint(ckpt_dir, tag, "Hugging Face")
+        tensors, extra = _whole_tensors(meta, ranks), ranks[0]["module_extra"]
     writer = ShardWriter(out_dir, shard_bytes(max_shard_size), export_dtype(dtype))
     try:
-        for g in meta["groups"]:
-            pieces = [(s["lo"], s["hi"], s["master"]) for s in (ranks[r]["groups"][g["name"]] for r in sorted(ranks))]
-            for name, shape, offset in g["params"]:
-                writer.add(name, whole_parameter(pieces, offset, math.prod(shape)).view(shape))
-        for name, value in io.exported_extra(meta, ranks[0]["module_extra"], ckpt_dir).items():
+        for name, value in tensors:
+            writer.add(name, value)
+        for name, value in io.exported_extra(meta, extra, ckpt_dir).items():
             writer.add(name, value)
         return writer.finish(meta.get("hf_config")), writer.peak_bytes
     finally:
         shutil.rmtree(writer.tmp, ignore_errors=True)
+
+
+def _whole_tensors(meta: dict[str, Any], ranks: dict[int, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    for g in meta["groups"]:
+        pieces = [(s["lo"], s["hi"], s["master"]) for s in (ranks[r]["groups"][g["name"]] for r in sorted(ranks))]
+        for name, shape, offset in g["params"]:
+            yield name, io.whole_parameter(pieces, offset, math.prod(shape)).view(shape)
 
 
 def _persistent_buffers(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

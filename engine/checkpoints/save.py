@@ -32,6 +32,7 @@ import torch
 
 from zeroplus.comm import DataParallelGroup
 from zeroplus.offload.optimizer_states import per_element
+from zeroplus.parallel.plan_slices import cut_of, slicing
 from zeroplus.parallel.topology import Topology
 from zeroplus.zero.flat_group import FlatParamGroup
 from zeroplus.zero.frozen_values import read_frozen
@@ -205,7 +206,21 @@ def _metadata(engine: Engine, tag: str, digests: list[str], exclude_frozen_param
             "frozen_parameters_excluded": exclude_frozen_parameters,
             "non_persistent_buffers": io.non_persistent_buffers(engine.module),
             "files": {str(r): d for r, d in enumerate(digests)}, "topology": _topology(engine),
-            "config": engine.config.model_dump(mode="json"), "hf_config": hf_config(engine.module)}
+            "config": engine.config.model_dump(mode="json"), "hf_config": hf_config(engine.module),
+            "cuts": _cuts(engine)}
+
+
+def _cuts(engine: Engine) -> dict[str, list[Any]] | None:
+    """How a Hugging Face model's plans cut each parameter (``[kind, dim, packed]`` by its whole-model name), so a
+    split checkpoint can be joined offline (``split_export.py``); {} for a model not split; None for one split by
+    zeroplus's own layers or pipeline stages, whose slices whole-model names do not address."""
+    try:
+        if slicing(engine.module, engine.parallel, "checkpoint") is None:
+            return {}
+    except ValueError:
+        return None
+    found = ((n, cut_of(p)) for n, p in engine.module.named_parameters())
+    return {n: [c[0], c[1].dim, c[1].packed] for n, c in found if c is not None}
 
 
 def _model_part(engine: Engine) -> str:

@@ -36,6 +36,7 @@ from tests.hf_models import build
 from tests.parallel.model_states import assert_model_states_predicted, hf_steps, ledger_peaks, local_params
 from tests.reference import clip_global_norm
 from zeroplus.config import ConfigError
+from zeroplus.engine.checkpoints.hf_export import export_checkpoint
 
 STEPS, MICRO, SEQ, CLIP, LR, WORLD = 3, 2, 16, 0.5, 0.05, 4
 FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
@@ -97,6 +98,7 @@ def _job(root: str) -> list[dict]:
                     "predicted": engine.budget.category_peaks if engine.budget is not None else None})
         if stage == 3:  # the whole model, each expert group's experts put back together, in Hugging Face's files
             engine.save_pretrained(f"{root}/{family}-{expert}", dtype="fp32")
+            engine.save_checkpoint(f"{root}/{family}-{expert}-checkpoint")
         engine.destroy()
         if stage == 3:
             out[-1]["built"], out[-1]["loaded"] = _on_meta_then_loaded(family, cfg, f"{root}/{family}-{expert}")
@@ -195,12 +197,21 @@ def test_hugging_face_experts_split_by_their_plan_train_as_one_process(tmp_path)
                     assert torch.equal(value, got["params"][name]), f"{label}: {name} loaded"
     for family, expert, stage in CASES:
         if stage == 3:
-            exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"{family}-{expert}",
-                                                                         dtype=torch.float32)
+            # every expert, whole (the slices: checked above): as save_pretrained wrote it, and as the checkpoint's
+            # expert groups join offline (zeroplus convert: Hugging Face files, one state dict)
+            checkpoint = str(tmp_path / f"{family}-{expert}-checkpoint")
+            export_checkpoint(checkpoint, str(tmp_path / f"{family}-{expert}-offline"))
+            state = zeroplus.load_fp32_state_dict(checkpoint)
             dense = references[(family,)][2]
-            for name, value in exported.named_parameters():  # every expert, whole (the slices: checked above)
-                torch.testing.assert_close(value.detach(), dense[name], rtol=1e-5, atol=1e-6,
-                                           msg=lambda m, n=name: f"{family}, expert {expert}, exported {n}: {m}")
+            for how in ("", "-offline"):
+                exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"{family}-{expert}{how}",
+                                                                             dtype=torch.float32)
+                for name, value in exported.named_parameters():
+                    torch.testing.assert_close(value.detach(), dense[name], rtol=1e-5, atol=1e-6,
+                                               msg=lambda m, n=name: f"{family}-{expert}{how}, {n}: {m}")
+            for name, value in dense.items():
+                torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m, n=name: f"{family}, expert {expert}, state dict {n}: {m}")
 
 
 def _refused(model: torch.nn.Module, cfg: dict) -> str:

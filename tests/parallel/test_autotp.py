@@ -39,6 +39,7 @@ from tests.hf_models import build
 from tests.parallel.model_states import assert_model_states_predicted, hf_steps, ledger_peaks, local_params
 from tests.reference import clip_global_norm
 from zeroplus.config import ConfigError
+from zeroplus.engine.checkpoints.hf_export import export_checkpoint
 from zeroplus.parallel.tensor_layers import (
     ColumnParallelLinear,
     ReplicatedRowsLinear,
@@ -117,8 +118,9 @@ def _job(root: str) -> list[dict]:
             split = {n: type(m).__name__ for n, m in engine.module.named_modules() if isinstance(m, SPLIT)}
             losses, norms = hf_steps(engine, _batches()[parallel.data.rank::2])
             params = local_params(engine)
-            if stage == 3:  # the whole model, its slices put back together, in Hugging Face's files
+            if stage == 3:  # the whole model, its slices put back together, in Hugging Face's files; its checkpoint
                 engine.save_pretrained(f"{root}/{family}", dtype="fp32")
+                engine.save_checkpoint(f"{root}/{family}-checkpoint")
             out.append({"family": family, "stage": stage, "losses": losses, "norms": norms, "params": params,
                         "split": split, "tensor_rank": parallel.tensor.rank, "data_rank": parallel.data.rank,
                         "ledger": ledger_peaks(engine),
@@ -211,10 +213,25 @@ def test_hugging_face_models_split_by_their_plan_train_as_one_process(tmp_path):
                             f"{label}: {name} built on meta"
                     for name, value in got["loaded"].items():
                         assert torch.equal(value, got["params"][name]), f"{label}: {name} loaded"
-        exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / family, dtype=torch.float32)
-        for name, value in exported.named_parameters():  # the ZeRO-3 run's, whole (its slices: checked above)
-            torch.testing.assert_close(value.detach(), dense[name], rtol=1e-5, atol=1e-6,
-                                       msg=lambda m, n=name: f"{family}, exported {n}: {m}")
+        _assert_exported_whole(tmp_path, family, dense)
+
+
+def _assert_exported_whole(root, family: str, dense: dict[str, torch.Tensor]) -> None:
+    """The ZeRO-3 run's model whole (its slices: checked above): as save_pretrained wrote it live, and as its
+    checkpoint's slices join offline (``zeroplus convert``'s two formats: Hugging Face files, one state dict)."""
+    export_checkpoint(str(root / f"{family}-checkpoint"), str(root / f"{family}-offline"))
+    state = zeroplus.load_fp32_state_dict(str(root / f"{family}-checkpoint"))
+    assert set(state) == set(dense) | {"lm_head.weight"}, f"{family}: {sorted(set(state) ^ set(dense))}"
+    for how in ("live", "offline", "state dict"):
+        if how == "state dict":
+            values = state
+        else:
+            path = root / (family if how == "live" else f"{family}-offline")
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            values = {n: p.detach() for n, p in model.named_parameters()}
+        for name, value in dense.items():
+            torch.testing.assert_close(values[name], value, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, n=name: f"{family}, exported {how}, {n}: {m}")
 
 
 def _uneven_key_value_heads() -> torch.nn.Module:

@@ -22,6 +22,7 @@ import zeroplus
 from tests.dist_helper import run_distributed
 from tests.parallel.model_states import assert_model_states_predicted, ledger_peaks, local_params
 from tests.reference import clip_global_norm, engine_train
+from zeroplus.engine.checkpoints.hf_export import export_checkpoint
 from zeroplus.models import GPT, gpt_config
 from zeroplus.models.gpt_tp import TensorParallelGPT
 
@@ -166,6 +167,9 @@ def test_tensor_parallel_checkpoint_resumes_and_refuses_another_tensor_size(tmp_
     for rank, got in enumerate(ranks):
         assert got["resumed"] == got["straight"][2:], f"rank {rank}: resume is not bit-exact"
         assert "saved with tensor 2 x pipeline 1" in got["error"] and "tensor 1 x pipeline 1" in got["error"], got
+    for convert in (zeroplus.load_fp32_state_dict, lambda p: export_checkpoint(p, str(tmp_path / "hf"))):
+        with pytest.raises(ValueError, match="does not record how its model was cut"):  # (own layers: no names)
+            convert(path)
 
 
 def _partitioned(partition: bool) -> dict:
