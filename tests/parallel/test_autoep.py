@@ -33,6 +33,7 @@ import transformers
 import zeroplus
 from tests.dist_helper import run_distributed
 from tests.hf_models import build
+from tests.parallel import test_autotp as autotp
 from tests.parallel.model_states import assert_model_states_predicted, hf_steps, ledger_peaks, local_params
 from tests.reference import clip_global_norm
 from zeroplus.config import ConfigError
@@ -232,9 +233,8 @@ def _refusals() -> list[str]:
     three = transformers.MixtralForCausalLM(transformers.MixtralConfig(
         vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=3, num_experts_per_tok=2))
-    both = dict(_config(2, 1), tensor_parallel={"autotp_size": 2})
     return [_refused(three, _config(2, 1)), _refused(build("llama", "tiny"), _config(2, 1)),
-            _refused(_model("mixtral"), both), _refused(_model("mixtral"), dict(
+            _refused(_model("mixtral"), dict(
                 _config(2, 1), expert_parallel={"autoep_size": 2})), _refused(_model("mixtral"), _capacity_alone())]
 
 
@@ -246,10 +246,70 @@ def _capacity_alone() -> dict:
 
 
 def test_what_autoep_cannot_split_is_refused_on_every_rank_naming_it():
-    for rank, (uneven, dense, both, disabled, alone) in enumerate(run_distributed(_refusals, 4)):
+    for rank, (uneven, dense, disabled, alone) in enumerate(run_distributed(_refusals, 4)):
         assert "'zeroplus.parallel.expert_capacity_factor' is 1.0" in alone and "no experts are split" in alone, alone
         key = f"'expert_parallel.autoep_size' / 'zeroplus.parallel.expert' is 2 (rank {rank})"
         assert key in uneven and "num_experts = 3, not divisible by 2" in uneven, uneven
         assert key in dense and "a LlamaForCausalLM, has no expert layer zeroplus splits" in dense, dense
-        assert "split both ways is not supported yet" in both, both
         assert "'expert_parallel.enabled' is false" in disabled, disabled
+
+
+def _both_ways(root: str) -> list[dict]:
+    """Mixtral at tensor 2 x expert 2 (data 2: each expert group two data ranks of one tensor rank), ZeRO-1 and 3:
+    attention, embeddings and head split by the tensor plan, the experts by the expert plan (the tensor plan's
+    entries on the experts left out), the router whole. At ZeRO-3: the first forward's estimate, save_pretrained,
+    a checkpoint, and the model built on meta and loaded back."""
+    out = []
+    for stage in (1, 3):
+        zeroplus.parallel.reset_parallel()
+        cfg = dict(autotp._config(stage, estimate=stage == 3), expert_parallel={"enabled": True, "autoep_size": 2})
+        parallel = zeroplus.init_parallel(cfg)
+        engine = zeroplus.initialize(_model("mixtral"), cfg)
+        losses, norms = hf_steps(engine, autotp._batches()[parallel.data.rank::2])
+        got = {"stage": stage, "losses": losses, "norms": norms, "params": _named(engine),
+               "tensor_rank": parallel.tensor.rank, "expert_rank": parallel.expert.rank,
+               "data_rank": parallel.data.rank,
+               "layout": parallel.topology.describe(), "ledger": ledger_peaks(engine),
+               "predicted": engine.budget.category_peaks if engine.budget is not None else None}
+        if stage == 3:
+            engine.save_pretrained(f"{root}/live", dtype="fp32")
+            engine.save_checkpoint(f"{root}/checkpoint")
+        engine.destroy()
+        if stage == 3:
+            got["built"], got["loaded"] = _on_meta_then_loaded("mixtral", cfg, f"{root}/live")
+        out.append(got)
+    zeroplus.parallel.reset_parallel()
+    return out
+
+
+def test_a_mixture_of_experts_split_both_ways_trains_as_one_process(tmp_path):
+    """Tensor 2 x expert 2 on 4 ranks against the plain model on the 2 data ranks' batches (``test_autotp``'s
+    reference): losses, gradient norms and every weight (this tensor rank's slice, this expert rank's experts)
+    within 1e-5; at ZeRO-3 the estimate's model states as the ledger measures them, and the whole model exported
+    live and joined offline from the checkpoint equal to the reference, and loaded back bit for bit."""
+    ranks = run_distributed(_both_ways, WORLD, str(tmp_path))
+    ref_losses, ref_norms, dense = autotp._reference("mixtral")
+    local = EXPERTS // 2
+    for rank, results in enumerate(ranks):
+        for got in results:
+            label = f"tensor 2 x expert 2, ZeRO-{got['stage']}, rank {rank}"
+            assert got["layout"].startswith("4 ranks = data 2 x tensor 2 x pipeline 1 x expert 2"), got["layout"]
+            assert got["losses"] == pytest.approx(ref_losses[got["data_rank"]], rel=1e-5), label
+            assert got["norms"] == pytest.approx(ref_norms, rel=1e-5), f"{label}: gradient norms"
+            if got["predicted"] is not None:
+                assert_model_states_predicted(got["ledger"], label, engine=got["predicted"])
+            first = got["expert_rank"] * local
+            for name, value in dense.items():
+                expected = value[first:first + local] if ".experts." in name else \
+                    autotp._slice("mixtral", name, value, got["tensor_rank"])
+                torch.testing.assert_close(got["params"][name], expected, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m, n=name: f"{label}, {n}: {m}")
+            for name, value in got.get("loaded", {}).items():
+                assert torch.equal(value, got["params"][name]), f"{label}: {name} loaded"
+        assert ranks[rank][-1]["predicted"] is not None, "the ZeRO-3 run's estimate"
+    export_checkpoint(str(tmp_path / "checkpoint"), str(tmp_path / "offline"))
+    for how in ("live", "offline"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / how, dtype=torch.float32)
+        for name, value in model.named_parameters():
+            torch.testing.assert_close(value.detach(), dense[name], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, n=name: f"exported {how}, {n}: {m}")

@@ -20,6 +20,7 @@ import transformers
 
 import zeroplus
 from tests.dist_helper import rank_and_world, run_distributed
+from zeroplus.budget import planner
 from zeroplus.budget.first_use import code_resident
 from zeroplus.budget.planner import Settings, apply_settings, plan
 from zeroplus.config import ConfigError, parse_config
@@ -141,3 +142,23 @@ def test_auto_sizes_are_refused_without_a_plan_a_budget_or_beside_a_size():
         both["zeroplus"]["parallel"] = {kind: 2}
         with pytest.raises(ConfigError, match=r"is 'auto' and 'zeroplus.parallel.%s' is 2" % kind):
             zeroplus.initialize(MODELS[kind](), both)
+
+
+def test_both_sizes_auto_on_a_mixture_of_experts_are_planned_as_pairs():
+    """Tensor and expert sizes both 'auto' on Mixtral over 4 ranks: every (tensor, expert) pair the topology takes is a
+    candidate, (2, 2) included (the experts split by expert, the rest by tensor: ``parallel/plans.py``), and there the
+    tensor group's bytes leave out what splitting the experts by tensor would have added."""
+    raw = _config("expert", "64GB")
+    raw["tensor_parallel"] = {"autotp_size": "auto"}
+    cfg = parse_config(raw)[0]
+    with torch.device("meta"):
+        model = _mixtral()
+    layouts = planner._layouts(model, cfg, 4)
+    assert set(layouts) == {(1, 1), (2, 1), (4, 1), (1, 2), (1, 4), (2, 2)}, layouts
+    exchanged = planner._exchanged(model, cfg, layouts, None, SEQ, None)
+    assert 0 < exchanged[3] < exchanged[0], exchanged
+    tensor_only, both = (planner.links(cfg, Settings(stage=1, ratio=None, shared=False, recompute=False, tensor=2,
+                                                     expert=e), 0, 4, exchanged) for e in (1, 2))
+    all_to_all = 4 * 1 / 2 * exchanged[2]  # fp32, (E - 1) / E of the rows
+    assert tensor_only["intra_node"] - both["intra_node"] == 4 * 1 / 2 * 2 * exchanged[3] - all_to_all, (tensor_only,
+                                                                                                         both)

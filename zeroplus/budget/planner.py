@@ -198,8 +198,9 @@ def _layouts(model: torch.nn.Module, cfg: ZeroplusConfig, world_size: int) -> tu
     """The (tensor, expert) sizes to plan over: (1, 1) unless ``tensor_parallel.autotp_size`` or
     ``expert_parallel.autoep_size`` is 'auto', then also every size of that key that divides the ranks, fits the
     topology and that the model's own plan splits (``autotp.check_plan``: heads, widths, vocabulary;
-    ``autoep.check_experts``: expert counts), not both above 1 on a mixture of experts (``parallel/plans.py``). A
-    model without the plan an 'auto' key needs is a ConfigError naming the key."""
+    ``autoep.check_experts``: expert counts; both above 1 on a mixture of experts: its experts split by expert, the
+    rest by tensor, ``parallel/plans.py``). A model without the plan an 'auto' key needs is a ConfigError naming the
+    key."""
     par = cfg.zeroplus.parallel
     keys = {"tensor": ("tensor_parallel.autotp_size", cfg.tensor_parallel.autotp_size, par.tensor, check_plan),
             "expert": ("expert_parallel.autoep_size", cfg.expert_parallel.autoep_size, par.expert, check_experts)}
@@ -220,8 +221,6 @@ def _layouts(model: torch.nn.Module, cfg: ZeroplusConfig, world_size: int) -> tu
                           f"chooses tensor and expert sizes beside data parallelism only so far; give sizes")
     out = []
     for tensor, expert in itertools.product(sizes["tensor"], sizes["expert"]):
-        if tensor > 1 and expert > 1 and experts_modules(model):
-            continue
         try:
             Topology(world_size, tensor, par.pipeline, expert, par.context, experts_span_tensor=par.experts_span_tensor)
         except ValueError:
@@ -296,7 +295,7 @@ def apply_settings(cfg: ZeroplusConfig, s: Settings) -> ZeroplusConfig:
 
 
 def links(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int,
-          exchanged: tuple[int, int, int] = (0, 0, 0)) -> dict[str, int]:
+          exchanged: tuple[int, int, int, int] = (0, 0, 0, 0)) -> dict[str, int]:
     """Bytes a rank sends a step within a node (``intra_node``) and across nodes (``inter_node``), as rings move them
     (a collective's message times (n - 1) / n over its n ranks): stages 0-1 all-reduce or reduce-scatter and gather
     the model once a step (2 c P), stage 2 reduces every micro-batch ((A + 1) c P), stage 3 gathers twice and reduces
@@ -310,7 +309,8 @@ def links(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int,
     over the world / T data ranks on a T-th of the parameters (across nodes where the ranks span several), and the
     tensor group all-reduces and all-gathers ``exchanged`` elements a step (ring: 2 (T - 1) / T and (T - 1) / T of
     them), within a node unless T is wider than one; with expert parallelism (``s.expert`` E) the expert group sends
-    (E - 1) / E of ``exchanged[2]`` elements by all-to-all, within a node unless E is wider than one."""
+    (E - 1) / E of ``exchanged[2]`` elements by all-to-all, within a node unless E is wider than one (and the tensor
+    group then leaves out ``exchanged[3]``, the experts' part of ``exchanged[0]``: the expert group splits them)."""
     c, ga = _widths(cfg)
     if s.split > 1:
         T, E, node_size = s.tensor, s.expert, ranks_per_node(cfg)
@@ -318,8 +318,9 @@ def links(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int,
         data = links(cfg, dataclasses.replace(s, tensor=1, expert=1), params // T, world_size // T)
         out = {"intra_node": 0.0, "inter_node": 0.0}
         out["inter_node" if across else "intra_node"] += sum(data.values())
+        summed = exchanged[0] - (exchanged[3] if E > 1 else 0)
         out["inter_node" if across and T > node_size else "intra_node"] += \
-            c * (T - 1) / T * (2 * exchanged[0] + exchanged[1])
+            c * (T - 1) / T * (2 * summed + exchanged[1])
         out["inter_node" if across and E > node_size else "intra_node"] += c * (E - 1) / E * exchanged[2]
         return {link: int(value) for link, value in out.items()}
     node = _node(cfg, world_size)
@@ -361,7 +362,7 @@ def links(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int,
 
 
 def cost(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int,
-         exchanged: tuple[int, int, int] = (0, 0, 0)) -> float:
+         exchanged: tuple[int, int, int, int] = (0, 0, 0, 0)) -> float:
     """Seconds per optimizer step spent moving bytes, on the nominal machine of ``BANDWIDTH``: at its ``comm``
     bandwidth, where the ranks span several nodes across them and ``zeroplus.link_ratio`` times faster within one
     (``links``)."""
@@ -466,12 +467,13 @@ def _meta_module(model: torch.nn.Module | Callable[[], torch.nn.Module]) -> torc
 
 
 def _exchanged(module: torch.nn.Module, cfg: ZeroplusConfig, layouts: tuple[tuple[int, int], ...], micro: int | None,
-               seq_len: int | None, example_inputs: tuple[Any, ...] | None) -> tuple[int, int, int]:
+               seq_len: int | None, example_inputs: tuple[Any, ...] | None) -> tuple[int, int, int, int]:
     """The elements a step's micro-batches exchange: the tensor group's all-reduced and all-gathered
-    (``autotp.exchanged_per_token``), the expert group's all-to-all (``autoep.exchanged_per_token``), times the tokens,
-    where those sizes are planned; else none."""
+    (``autotp.exchanged_per_token``), the expert group's all-to-all (``autoep.exchanged_per_token``), and the part of
+    the first the experts' own split adds (left out where the expert group splits them), times the tokens, where
+    those sizes are planned; else none."""
     if layouts == ((1, 1),):
-        return (0, 0, 0)
+        return (0, 0, 0, 0)
     if seq_len is not None:
         given = micro or cfg.train_micro_batch_size_per_gpu
         tokens = (given if isinstance(given, int) else 1) * seq_len
@@ -480,7 +482,8 @@ def _exchanged(module: torch.nn.Module, cfg: ZeroplusConfig, layouts: tuple[tupl
         tokens = first.numel() if isinstance(first, torch.Tensor) else 1
     tokens *= _widths(cfg)[1]
     reduced, gathered = tensor_exchanged(module)
-    return reduced * tokens, gathered * tokens, experts_exchanged(module) * tokens
+    beside = tensor_exchanged(module, tuple(name for name, _ in experts_modules(module)))[0]
+    return reduced * tokens, gathered * tokens, experts_exchanged(module) * tokens, (reduced - beside) * tokens
 
 
 def _gib(nbytes: int) -> str:

@@ -21,7 +21,7 @@ rank's tokens', and each expert's is every rank's tokens' for it. The expert par
 (``moe.mark_expert``): ZeRO partitions them over the expert-data group, as it does zeroplus's own ``MoE``
 layers'. Refused before anything changes, naming the key, the rank and the reason: no experts module in the plan,
 an expert count E does not divide, an experts module without ``num_experts`` or with a parameter that is not per
-expert, tensor parallelism beside it (not yet). Equal to one
+expert. Beside a tensor size, the experts are this split's and the rest AutoTP's (``plans.py``). Equal to one
 process (``tests/parallel/test_autoep.py``). Memory per rank: 1/E of the experts' weights, gradients, masters and
 states; the rows sent and received (``k x tokens x hidden`` each way at most). The memory estimate runs the
 layout on the meta device with every expert given an equal share of the pairs (the routing is data): its

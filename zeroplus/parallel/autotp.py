@@ -139,11 +139,13 @@ class _Target:
     attr: str
 
 
-def _targets(model: nn.Module, plan: dict[str, str]) -> list[_Target]:
+def _targets(model: nn.Module, plan: dict[str, str], leave: tuple[str, ...] = ()) -> list[_Target]:
     patterns = [(re.compile(re.escape(p).replace(r"\*", r"\d+")), style) for p, style in plan.items()]
     found = []
     named: list[tuple[str, Any]] = [*model.named_modules(), *model.named_parameters(remove_duplicate=False)]
     for name, obj in named:
+        if any(name == m or name.startswith(m + ".") for m in leave):
+            continue
         for regex, style in patterns:
             if name and regex.fullmatch(name):
                 owner_name, _, attr = name.rpartition(".")
@@ -151,15 +153,16 @@ def _targets(model: nn.Module, plan: dict[str, str]) -> list[_Target]:
     return found
 
 
-def split_by_plan(model: nn.Module, tp: DataParallelGroup, where: str) -> Undo:
+def split_by_plan(model: nn.Module, tp: DataParallelGroup, where: str, leave: tuple[str, ...] = ()) -> Undo:
     """Split ``model`` over ``tp`` by its plan, in place; what it changed (nothing: a model without a plan, or one
     already split by zeroplus's own tensor-parallel layers). ``where``: the key and rank for an error (a
-    ``ValueError``; the model is then as it was)."""
+    ``ValueError``; the model is then as it was). ``leave``: modules (by name) the plan's entries on which, and on
+    what they hold, are not applied (the experts modules AutoEP splits instead)."""
     done = Undo()
     plan = tp_plan(model)
     if plan is None or any(is_tensor_parallel(p) for p in model.parameters()):
         return done
-    targets = _targets(model, plan)
+    targets = _targets(model, plan, leave)
     heads = _Heads.of(model, tp.size)
     _check(model, targets, heads, tp.size, where)
     sliced: set[int] = set()  # the parameters cut so far (a head tied to the embeddings shares their slice)
@@ -182,18 +185,19 @@ def check_plan(model: nn.Module, size: int, where: str) -> None:
     _check(model, _targets(model, plan), _Heads.of(model, size), size, where)
 
 
-def exchanged_per_token(model: nn.Module) -> tuple[int, int]:
+def exchanged_per_token(model: nn.Module, leave: tuple[str, ...] = ()) -> tuple[int, int]:
     """(elements all-reduced, elements all-gathered) over the tensor group per token of a training micro-batch, forward
     and backward, once ``model`` is split by its plan: a ``colwise`` module's input gradient (its input is copied to
     every rank), a ``rowwise`` module's and the embedding's partial outputs, the head's input gradient and its logits
     gathered, an experts module's input gradient and output. (Qwen3's per-head norms sum their gradients once a step:
-    weights, not tokens, left out.) Whole widths: a planner's nominal count, before any split."""
+    weights, not tokens, left out.) Whole widths: a planner's nominal count, before any split. ``leave``: as
+    ``split_by_plan`` takes it (the experts modules AutoEP splits instead)."""
     plan = tp_plan(model)
     if plan is None:
         return 0, 0
     reduced = gathered = 0
     hidden = int(getattr(getattr(model, "config", None), "hidden_size", 0) or 0)
-    for t in _targets(model, plan):
+    for t in _targets(model, plan, leave):
         obj = t.obj
         if t.style == EXPERTS:
             reduced += 2 * hidden

@@ -1,6 +1,8 @@
 """A Hugging Face model split by its own plans for the layout the groups name: AutoTP over the tensor group
 (``autotp.py``), AutoEP over the expert group (``autoep.py``); the one entry ``initialize``, DeepSpeed's
 ``tp_model_init`` and the memory estimate (on its meta copy, with the simulated rank's groups) split a model by.
+With both sizes above 1, the experts modules go by the expert plan and the tensor plan's entries on them are left
+out (the expert groups lie within one tensor rank's data ranks: each tensor rank runs its experts whole).
 A ``ValueError`` names the key and the rank and leaves the model as it was; what it changed is returned (``Undo``).
 """
 from __future__ import annotations
@@ -34,13 +36,11 @@ def split_by_own_plans(model: torch.nn.Module, parallel: ParallelGroups,
               f"(rank {parallel.global_rank})")
     expert = (f"config key 'expert_parallel.autoep_size' / 'zeroplus.parallel.expert' is {top.expert} "
               f"(rank {parallel.global_rank})")
-    if top.tensor > 1 and top.expert > 1 and experts_modules(model):
-        raise ValueError(f"{tensor} and {expert}: a Hugging Face mixture of experts split both ways is not "
-                         f"supported yet; use one")
+    leave = tuple(name for name, _ in experts_modules(model)) if top.expert > 1 else ()
     done = Undo()
     try:
         if top.tensor > 1:
-            done = split_by_plan(model, parallel.tensor, tensor)
+            done = split_by_plan(model, parallel.tensor, tensor, leave)
         if top.expert > 1:
             split_experts(model, parallel.expert, expert, done, capacity_factor)
     except ValueError:
