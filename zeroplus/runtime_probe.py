@@ -19,9 +19,10 @@ peers is measured so) and prints, as JSON:
   ``training`` is the record's ``second_simulation``.
 - ``--kernel-cache``: then ``kernel_cache``: what the matrix-product kernel caches hold once full
   (``host_kernel_cache.py``), beyond the engine's own entries: the forward and both backward products of a
-  ``KERNEL_SHAPE`` weight at ``CAPACITY`` batch sizes, in the compute dtype, resident memory after against before
-  (49 and 67 MiB here in bf16 in two probes on 2026-12-05: resident code pages move by that much between processes;
-  in fp32 torch's products are MKL's, which keeps no such cache: 0.1 MiB).
+  ``KERNEL_SHAPE`` weight at ``CAPACITY / 2`` batch sizes (1.5 x the cache's entries), in the compute dtype,
+  resident memory after against before (49 and 67 MiB in bf16 in two probes on 2026-12-05, on a CPU computing bf16
+  natively: resident code pages move by that much between processes; in fp32 torch's products are MKL's, which
+  keeps no such cache: 0.1 MiB; 0 where bf16 is emulated, its products not oneDNN's either).
 - ``code_built``, ``code_constructed``, ``code_trained``: torch's code resident after the model was
   built, after ``initialize`` and after training (``budget/first_use.py``), so a process that already
   holds some of it is predicted without it.
@@ -73,7 +74,7 @@ def _kernel_cache_bytes(dtype: torch.dtype) -> int:
     accelerator = get_accelerator()
     accelerator.release_host_memory()
     before = accelerator.memory_allocated()
-    for rows in range(2, 2 + CAPACITY):  # three kernels each: the cache ends full of these
+    for rows in range(2, 2 + CAPACITY // 2):  # three kernels each, 1.5 x the capacity: the cache ends full of these
         product(rows)
     weight.grad = None
     accelerator.release_host_memory()
