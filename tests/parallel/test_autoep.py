@@ -233,7 +233,10 @@ def _refusals() -> list[str]:
     three = transformers.MixtralForCausalLM(transformers.MixtralConfig(
         vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=3, num_experts_per_tok=2))
+    spanning = dict(_config(2, 1), tensor_parallel={"autotp_size": 2})
+    spanning["zeroplus"] = dict(spanning["zeroplus"], parallel={"experts_span_tensor": True})
     return [_refused(three, _config(2, 1)), _refused(build("llama", "tiny"), _config(2, 1)),
+            _refused(_model("mixtral"), spanning),
             _refused(_model("mixtral"), dict(
                 _config(2, 1), expert_parallel={"autoep_size": 2})), _refused(_model("mixtral"), _capacity_alone())]
 
@@ -246,7 +249,10 @@ def _capacity_alone() -> dict:
 
 
 def test_what_autoep_cannot_split_is_refused_on_every_rank_naming_it():
-    for rank, (uneven, dense, disabled, alone) in enumerate(run_distributed(_refusals, 4)):
+    for rank, (uneven, dense, spanning, disabled, alone) in enumerate(run_distributed(_refusals, 4)):
+        # split both ways, expert groups drawn across tensor ranks: each token would reach the experts twice
+        assert "with 'zeroplus.parallel.experts_span_tensor'" in spanning and "set experts_span_tensor false" in \
+            spanning, spanning
         assert "'zeroplus.parallel.expert_capacity_factor' is 1.0" in alone and "no experts are split" in alone, alone
         key = f"'expert_parallel.autoep_size' / 'zeroplus.parallel.expert' is 2 (rank {rank})"
         assert key in uneven and "num_experts = 3, not divisible by 2" in uneven, uneven

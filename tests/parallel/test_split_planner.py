@@ -155,6 +155,8 @@ def test_both_sizes_auto_on_a_mixture_of_experts_are_planned_as_pairs():
         model = _mixtral()
     layouts = planner._layouts(model, cfg, 4)
     assert set(layouts) == {(1, 1), (2, 1), (4, 1), (1, 2), (1, 4), (2, 2)}, layouts
+    raw["zeroplus"]["parallel"] = {"experts_span_tensor": True}  # (both ways refused there: parallel/plans.py)
+    assert (2, 2) not in planner._layouts(model, parse_config(raw)[0], 4)
     exchanged = planner._exchanged(model, cfg, layouts, None, SEQ, None)
     assert 0 < exchanged[3] < exchanged[0], exchanged
     tensor_only, both = (planner.links(cfg, Settings(stage=1, ratio=None, shared=False, recompute=False, tensor=2,

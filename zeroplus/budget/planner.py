@@ -221,6 +221,8 @@ def _layouts(model: torch.nn.Module, cfg: ZeroplusConfig, world_size: int) -> tu
                           f"chooses tensor and expert sizes beside data parallelism only so far; give sizes")
     out = []
     for tensor, expert in itertools.product(sizes["tensor"], sizes["expert"]):
+        if tensor > 1 and expert > 1 and par.experts_span_tensor and experts_modules(model):
+            continue  # (refused: parallel/plans.py)
         try:
             Topology(world_size, tensor, par.pipeline, expert, par.context, experts_span_tensor=par.experts_span_tensor)
         except ValueError:
