@@ -31,6 +31,7 @@ import torch
 import transformers
 
 import zeroplus
+import zeroplus.deepspeed_api as deepspeed
 from tests.dist_helper import run_distributed
 from tests.hf_models import build
 from tests.parallel import test_autotp as autotp
@@ -235,8 +236,11 @@ def _refusals() -> list[str]:
         num_key_value_heads=2, num_local_experts=3, num_experts_per_tok=2))
     spanning = dict(_config(2, 1), tensor_parallel={"autotp_size": 2})
     spanning["zeroplus"] = dict(spanning["zeroplus"], parallel={"experts_span_tensor": True})
+    split_first = _model("mixtral")  # by tensor alone: DeepSpeed's tp_model_init given no config
+    deepspeed.tp_model_init(split_first, 2)
     return [_refused(three, _config(2, 1)), _refused(build("llama", "tiny"), _config(2, 1)),
             _refused(_model("mixtral"), spanning),
+            _refused(split_first, dict(_config(2, 1), tensor_parallel={"autotp_size": 2})),
             _refused(_model("mixtral"), dict(
                 _config(2, 1), expert_parallel={"autoep_size": 2})), _refused(_model("mixtral"), _capacity_alone())]
 
@@ -249,7 +253,8 @@ def _capacity_alone() -> dict:
 
 
 def test_what_autoep_cannot_split_is_refused_on_every_rank_naming_it():
-    for rank, (uneven, dense, spanning, disabled, alone) in enumerate(run_distributed(_refusals, 4)):
+    for rank, (uneven, dense, spanning, split_first, disabled, alone) in enumerate(run_distributed(_refusals, 4)):
+        assert "experts were split by tensor already" in split_first, split_first
         # split both ways, expert groups drawn across tensor ranks: each token would reach the experts twice
         assert "with 'zeroplus.parallel.experts_span_tensor'" in spanning and "set experts_span_tensor false" in \
             spanning, spanning

@@ -42,6 +42,11 @@ def split_by_own_plans(model: torch.nn.Module, parallel: ParallelGroups,
                          f"mixture of experts split both ways draws its expert groups from one tensor rank's data "
                          f"ranks (the tensor ranks share their tokens, which would reach the experts {top.tensor} "
                          f"times); set experts_span_tensor false")
+    cut = [n for n, m in experts_modules(model) for p in m.parameters(recurse=False) if is_tensor_parallel(p)]
+    if top.expert > 1 and cut:
+        raise ValueError(f"{expert}: {cut[0]}'s experts were split by tensor already (deepspeed.tp_model_init given "
+                         f"no expert size: its config without 'expert_parallel'); give tp_model_init the config "
+                         f"initialize gets, so the experts go by expert")
     leave = tuple(name for name, _ in experts_modules(model)) if top.expert > 1 else ()
     done = Undo()
     try:
