@@ -206,7 +206,7 @@ def exchanged_per_token(model: nn.Module, leave: tuple[str, ...] = ()) -> tuple[
             gathered += obj.out_features if t.style == "colwise_gather_output" else 0
             gathered += obj.in_features if t.style == "rowwise_split_input" else 0  # its input's gradient
         elif isinstance(obj, nn.Linear) and t.style == LATENT:
-            reduced += int(getattr(model.config, "qk_rope_head_dim", 0) or 0)
+            reduced += int(getattr(getattr(model, "config", None), "qk_rope_head_dim", 0) or 0)
         elif isinstance(obj, nn.Embedding) and t.style == EMBEDDING:
             reduced += obj.embedding_dim
     return reduced, gathered

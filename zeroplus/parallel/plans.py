@@ -36,18 +36,18 @@ def split_by_own_plans(model: torch.nn.Module, parallel: ParallelGroups,
               f"(rank {parallel.global_rank})")
     expert = (f"config key 'expert_parallel.autoep_size' / 'zeroplus.parallel.expert' is {top.expert} "
               f"(rank {parallel.global_rank})")
-    both = top.tensor > 1 and top.expert > 1 and bool(experts_modules(model))
-    if both and top.experts_span_tensor:  # (each tensor rank's copy of a token would reach the experts: gradients x T)
+    modules = experts_modules(model)
+    if top.tensor > 1 and top.expert > 1 and modules and top.experts_span_tensor:  # (each token T times: grads x T)
         raise ValueError(f"{tensor} and {expert} with 'zeroplus.parallel.experts_span_tensor': a Hugging Face "
                          f"mixture of experts split both ways draws its expert groups from one tensor rank's data "
                          f"ranks (the tensor ranks share their tokens, which would reach the experts {top.tensor} "
                          f"times); set experts_span_tensor false")
-    cut = [n for n, m in experts_modules(model) for p in m.parameters(recurse=False) if is_tensor_parallel(p)]
+    cut = [n for n, m in modules for p in m.parameters(recurse=False) if is_tensor_parallel(p)]
     if top.expert > 1 and cut:
         raise ValueError(f"{expert}: {cut[0]}'s experts were split by tensor already (deepspeed.tp_model_init given "
                          f"no expert size: its config without 'expert_parallel'); give tp_model_init the config "
                          f"initialize gets, so the experts go by expert")
-    leave = tuple(name for name, _ in experts_modules(model)) if top.expert > 1 else ()
+    leave = tuple(name for name, _ in modules) if top.expert > 1 else ()
     done = Undo()
     try:
         if top.tensor > 1:
