@@ -18,7 +18,8 @@ gradient norm, and every parameter slice after training, within 1e-5 relative (a
 first forward's estimate predicts every model-state category of the split Llama as the ledger measures it, and so does
 ``zeroplus.estimate`` of the Llama as built, unsplit (it splits its meta copy by the plan); ``save_pretrained`` writes
 the whole trained model (its slices all-gathered over the tensor group and joined), which ``from_pretrained`` loads
-equal to the reference; the same model built on the meta device and split gets, at ``initialize``, the normally built
+equal to the reference, as it does the checkpoint's parts joined offline (``zeroplus convert``'s files; and
+``load_fp32_state_dict``); the same model built on the meta device and split gets, at ``initialize``, the normally built
 model's slices, and ``load_pretrained`` of the exported files reads the trained slices, bit for bit.
 Refused, naming the key, the rank and the reason, with the model left as it was:
 key/value heads T neither divides nor is a multiple of, a plan style not split yet (a user's plan naming
