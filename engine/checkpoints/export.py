@@ -29,13 +29,20 @@ def load_fp32_state_dict(ckpt_dir: str, tag: str | None = None) -> dict[str, tor
     path = os.path.join(ckpt_dir, tag)
     meta = io.read_metadata(path)
     if split_by_plans(meta):  # a Hugging Face model split by its plans, joined (refused where it was split otherwise)
-        meta, tensors, extra = joined_checkpoint(path)
-        joined = {name: value.float() for name, value in tensors}
-        for name, value in io.exported_extra(meta, extra, path).items():
-            joined[name] = value.float() if value.is_floating_point() else value.clone()
-        for alias, name in meta.get("aliases", {}).items():
-            joined[alias] = joined[name].clone()
-        return joined
+        meta, tensors, mapped = joined_checkpoint(path, meta)
+        out = {name: value.float() for name, value in tensors}
+        extra = {name: value.clone() for name, value in mapped.items()}  # (owned: the rank files are mapped)
+    else:
+        out, extra = _whole_groups(path, meta)
+    for name, value in io.exported_extra(meta, extra, path).items():
+        out[name] = value.float() if value.is_floating_point() else value
+    for alias, name in meta.get("aliases", {}).items():
+        out[alias] = out[name].clone()
+    return out
+
+
+def _whole_groups(path: str, meta: dict) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Every flat group's parameters whole from the rank files, and rank 0's ``module_extra``."""
     files: dict[int, dict] = {}
     flats = {g["name"]: torch.zeros(g["numel"], dtype=torch.float32) for g in meta["groups"]}
     for rank_str, digest in sorted(meta["files"].items(), key=lambda kv: int(kv[0])):
@@ -53,11 +60,7 @@ def load_fp32_state_dict(ckpt_dir: str, tag: str | None = None) -> dict[str, tor
         for name, shape, offset in g["params"]:
             numel = math.prod(shape)
             out[name] = flat[offset:offset + numel].view(shape).clone()
-    for name, value in io.exported_extra(meta, files.get(0, {}).get("module_extra", {}), path).items():
-        out[name] = value.float() if value.is_floating_point() else value
-    for alias, name in meta.get("aliases", {}).items():
-        out[alias] = out[name].clone()
-    return out
+    return out, files.get(0, {}).get("module_extra", {})
 
 
 def write_state_dict(state: dict[str, torch.Tensor], out_path: str) -> None:

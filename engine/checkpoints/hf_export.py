@@ -139,8 +139,9 @@ def export_checkpoint(ckpt_dir: str, out_dir: str, tag: str | None = None, dtype
     checkpoint of a Hugging Face model split by its plans (AutoTP's parts, AutoEP's expert groups) is joined back
     into the whole model, one tensor at a time (``split_export.py``)."""
     path = os.path.join(ckpt_dir, io.resolve_tag(ckpt_dir, tag))
-    if split_by_plans(io.read_metadata(path)):
-        meta, tensors, extra = joined_checkpoint(path)
+    top = io.read_metadata(path)
+    if split_by_plans(top):
+        meta, tensors, extra = joined_checkpoint(path, top)
     else:
         meta, ranks = whole_model_checkpoint(ckpt_dir, tag, "Hugging Face")
         tensors, extra = _whole_tensors(meta, ranks), ranks[0]["module_extra"]

@@ -34,12 +34,12 @@ def _base(name: str) -> str:
     return name.split("@ep")[0]
 
 
-def joined_checkpoint(path: str) -> tuple[dict[str, Any], Iterator[tuple[str, torch.Tensor]], dict[str, Any]]:
+def joined_checkpoint(path: str, top: dict[str, Any]) -> tuple[dict[str, Any], Iterator[tuple[str, torch.Tensor]],
+                                                                dict[str, Any]]:
     """A split checkpoint's (first part's) metadata, every parameter whole by its name (a generator: one at a
-    time), and rank 0's ``module_extra``; a ``ValueError`` naming the checkpoint where it cannot be joined."""
-    top = io.read_metadata(path)
-    sizes = {"tensor": 1, "pipeline": 1, **top.get("topology", {})}
-    if sizes["pipeline"] > 1:
+    time), and rank 0's ``module_extra``; a ``ValueError`` naming the checkpoint where it cannot be joined. ``top``:
+    the metadata at ``path``."""
+    if top.get("topology", {}).get("pipeline", 1) > 1:
         raise ValueError(f"checkpoint {path} holds pipeline stages ({top.get('parts')}); joining them into one "
                          f"model is not supported: load it with the same pipeline size")
     parts = [os.path.join(path, p) for p in top["parts"]] if "parts" in top else [path]
@@ -70,7 +70,10 @@ def _read(files: dict[int, Any], group: dict[str, Any], shape: list[int], offset
 def _joined(metas: list[dict[str, Any]], files: list[dict[int, Any]],
             cuts: dict[str, tuple[str, Cut]]) -> Iterator[tuple[str, torch.Tensor]]:
     index = [{name: (g, shape, offset) for g in m["groups"] for name, shape, offset in g["params"]} for m in metas]
-    for name in dict.fromkeys(_base(n) for n in index[0]):  # whole names, in the order the first part lists them
+    named: dict[str, list[str]] = {}  # whole names, in the order the first part lists them: its saved names
+    for n in index[0]:
+        named.setdefault(_base(n), []).append(n)
+    for name, saved in named.items():
         found = cuts.get(name)
         if found is None:  # whole on every part
             yield name, _read(files[0], *index[0][name])
@@ -79,7 +82,7 @@ def _joined(metas: list[dict[str, Any]], files: list[dict[int, Any]],
         if kind == "tensor":  # one slice per part, in tensor rank order
             slices = [_read(f, *ix[name]) for f, ix in zip(files, index)]
         else:  # one slice per expert rank, each its own group's
-            ranked = sorted((n for n in index[0] if _base(n) == name), key=lambda n: int(n.split("@ep")[1]))
+            ranked = sorted(saved, key=lambda n: int(n.split("@ep")[1]))
             slices = [_read(files[0], *index[0][n]) for n in ranked]
         yield name, whole(torch.cat([s.reshape(-1) for s in slices]), slices[0].shape, cut)
 
