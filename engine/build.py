@@ -28,7 +28,7 @@ from zeroplus.models.context_hf import context_parallel_hf
 from zeroplus.offload.policies import MasterPolicy, ParamOffload
 from zeroplus.optim.muon import split_groups
 from zeroplus.parallel.dropless_moe import DroplessMoE
-from zeroplus.parallel.groups import ParallelGroups, ranks_per_node
+from zeroplus.parallel.groups import ParallelGroups, node_ranks, ranks_per_node
 from zeroplus.parallel.moe import is_expert
 from zeroplus.parallel.pipeline import PipelineModule
 from zeroplus.parallel.plan_slices import slicer, slicing
@@ -527,17 +527,17 @@ def _warn_flat_mics_gathers(cfg: ResolvedConfig, parallel: ParallelGroups | None
         return
     if parallel is None:  # (an engine built without parallel groups: no shard groups to lay over nodes)
         return
-    topology, node = parallel.topology, ranks_per_node(cfg)
+    topology, node = parallel.topology, node_ranks(cfg)
     part = topology.shard or topology.data * topology.context
-    if part <= node or node == 1:  # (nodes of one rank: the one level is the two)
+    if node == 1 or (node and part <= node):  # (a node's one rank of the group: the one level is the two)
         return
     if topology.node:
         log_rank0("zero_optimization.mics_hierarchical_params_gather: the MiCS shard groups of %d ranks gather in two "
                   "levels, across the %d nodes of %d ranks and then within each", part, part // node, node)
     else:
         log_rank0("zero_optimization.mics_hierarchical_params_gather: the MiCS shard groups of %d ranks do not split "
-                  "into whole nodes of %d (or run beside other parallelism), and zeroplus gathers them in one level "
-                  "(the same values)", part, node, level=logging.WARNING)
+                  "into whole nodes (%d ranks a node, tensor size %d), and zeroplus gathers them in one level (the "
+                  "same values)", part, ranks_per_node(cfg), topology.tensor, level=logging.WARNING)
 
 
 def _warn_inert_options(cfg: ResolvedConfig) -> None:

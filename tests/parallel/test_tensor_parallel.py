@@ -68,18 +68,18 @@ def _tp_job() -> list:
     return results
 
 
-def _reference() -> tuple[list[list[float]], list[float], GPT]:
+def _reference(data: int = 2, steps: int = STEPS) -> tuple[list[list[float]], list[float], GPT]:
     """Losses per data rank, the global gradient norm per step (float64 sum, as the engine computes it,
-    before clipping) and the trained model: the plain GPT on both data ranks' batches with AdamW."""
-    model, batches = _gpt(), _batches(2 * STEPS)
+    before clipping) and the trained model: the plain GPT on the ``data`` data ranks' batches with AdamW."""
+    model, batches = _gpt(), _batches(data * steps)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    losses: list[list[float]] = [[], []]
+    losses: list[list[float]] = [[] for _ in range(data)]
     norms = []
-    for s in range(STEPS):
-        for r in range(2):
-            x, y = batches[s * 2 + r]
+    for s in range(steps):
+        for r in range(data):
+            x, y = batches[s * data + r]
             loss = model(x, y)
-            (loss / 2).backward()
+            (loss / data).backward()
             losses[r].append(loss.item())
         norms.append(clip_global_norm(list(model.parameters()), CLIP))
         opt.step()

@@ -146,8 +146,8 @@ class Plan:
 def _candidates(cfg: ZeroplusConfig, world_size: int = 1,
                 layouts: tuple[tuple[int, int], ...] = ((1, 1),)) -> list[Settings]:
     """Every combination of the 'auto' keys' values that can run together; ``layouts``: the (tensor, expert) sizes
-    to try (``_layouts``), beside which the layouts over nodes and the quantized collectives are not tried (refused
-    beside tensor and expert parallelism: topology.py)."""
+    to try (``_layouts``), beside which the layouts over nodes and the quantized collectives are not tried
+    (``_node``)."""
     zero, zp = cfg.zero_optimization, cfg.zeroplus
     node = _node(cfg, world_size)
     # MiCS over a node, or over several whole nodes where a node's share of the states does not fit
@@ -241,8 +241,10 @@ def _splits(check: Callable[[torch.nn.Module, int, str], None], model: torch.nn.
 
 def _node(cfg: ZeroplusConfig, world_size: int) -> int:
     """The ranks of a node where the data ranks span several whole nodes beside plain data parallelism (what MiCS
-    and hpZ can be laid over), else 0."""
-    return tiling_nodes(cfg, world_size)
+    and hpZ can be laid over), else 0 (the planner lays them beside tensor parallelism only where the user sets its
+    sizes: ``_candidates``)."""
+    zp = cfg.zeroplus.parallel
+    return tiling_nodes(cfg, world_size) if (zp.tensor, zp.pipeline, zp.expert, zp.context) == (1, 1, 1, 1) else 0
 
 
 def _widths(cfg: ZeroplusConfig) -> tuple[int, int]:

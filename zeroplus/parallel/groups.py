@@ -191,9 +191,9 @@ def ranks_per_node(spec: Any) -> int:
 
 
 def node_split(spec: Any, world: int) -> int:
-    """Two-level collectives for a parsed config or a ``Topology`` over ``world`` ranks: the ranks per node where the
-    ranks ZeRO shards over (MiCS's shard group, else the zero group) span whole nodes, more than one, beside plain data
-    parallelism, and something runs in two levels there: qgZ's reduce-scatter (``zero_optimization.
+    """Two-level collectives for a parsed config or a ``Topology`` over ``world`` ranks: a node's ranks of one zero
+    group (``node_ranks``) where the ranks ZeRO shards over (MiCS's shard group, else the zero group) span whole nodes,
+    more than one, and something runs in two levels there: qgZ's reduce-scatter (``zero_optimization.
     zero_quantized_gradients``) or MiCS's gather (``mics_hierarchical_params_gather`` with ``mics_shard_size`` set,
     as in DeepSpeed, the whole zero group included); else 0 (one level)."""
     if isinstance(spec, Topology):
@@ -210,12 +210,20 @@ def node_split(spec: Any, world: int) -> int:
 
 
 def tiling_nodes(spec: Any, ranks: int) -> int:
-    """The ranks per node (``ranks_per_node``) where they cut ``ranks`` (the ranks ZeRO shards over) into more than
-    one whole node beside plain data parallelism, else 0: what MiCS, hpZ and the two-level collectives are laid
-    over."""
+    """A node's ranks of one zero group (``node_ranks``) where they cut ``ranks`` (the ranks ZeRO shards over, of one
+    zero group) into more than one whole node, else 0: what MiCS, hpZ and the two-level collectives are laid over."""
+    size = node_ranks(spec)
+    return size if 1 < size < ranks and ranks % size == 0 else 0
+
+
+def node_ranks(spec: Any) -> int:
+    """How many ranks of one zero group a node holds: ``ranks_per_node`` L over the tensor size T, since tensor ranks
+    are the fastest (node n holds the data ranks ``n L / T .. (n + 1) L / T - 1`` of every tensor rank); 0 where T does
+    not divide L (tensor groups across nodes) and beside pipeline, expert or context parallelism (MiCS, hpZ and the
+    two-level collectives run beside data and tensor parallelism only: ``Topology._check_tiling``)."""
+    tensor, pipeline, expert, context = _sizes(spec)
     size = ranks_per_node(spec)
-    plain = _sizes(spec) == (1, 1, 1, 1)
-    return size if plain and 1 < size < ranks and ranks % size == 0 else 0
+    return size // tensor if (pipeline, expert, context) == (1, 1, 1) and size % tensor == 0 else 0
 
 
 def _span(spec: Any) -> bool:
