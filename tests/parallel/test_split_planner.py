@@ -164,3 +164,25 @@ def test_both_sizes_auto_on_a_mixture_of_experts_are_planned_as_pairs():
     all_to_all = 4 * 1 / 2 * exchanged[2]  # fp32, (E - 1) / E of the rows
     assert tensor_only["intra_node"] - both["intra_node"] == 4 * 1 / 2 * 2 * exchanged[3] - all_to_all, (tensor_only,
                                                                                                          both)
+
+
+def test_beside_a_tensor_size_mics_and_hpz_are_laid_over_a_nodes_data_ranks():
+    """Llama at tensor 2 (given) on 8 ranks as 2 nodes of 4, stage 3, MiCS and hpZ left to the planner with room for
+    every choice: a node holds 2 data ranks of each tensor rank (``parallel.groups.node_ranks``), so MiCS and hpZ are
+    tried over 2, and the plan takes MiCS over 2, which sends fewer bytes across nodes than flat ZeRO-3 (the shards'
+    all-reduce once a step, against every gather and reduction); the config it applies says 2. On nodes of 2 a node
+    holds one data rank of each: nothing to lay over it."""
+    raw = _config("tensor", "64GB", size=2, stage=3)
+    raw["zero_optimization"] |= {"mics_shard_size": "auto", "zero_hpz_partition_size": "auto"}
+    raw["zeroplus"]["node_size"] = 4
+    cfg = parse_config(raw)[0]
+    assert {(s.shard, s.secondary) for s in planner._candidates(cfg, 8, ((2, 1),))} == {(0, 0), (2, 0), (0, 2)}
+    chosen = plan(_llama, raw, world_size=8)
+    assert (chosen.settings.tensor, chosen.settings.shard, chosen.settings.secondary) == (2, 2, 0), chosen.reason
+    assert chosen.apply(cfg).zero_optimization.mics_shard_size == 2
+    params = sum(p.numel() for p in _llama().parameters())
+    mics, flat = (planner.links(cfg, Settings(3, None, False, False, shard=shard, tensor=2), params, 8)
+                  for shard in (2, 0))
+    assert 0 < mics["inter_node"] < flat["inter_node"] / 4, (mics, flat)
+    raw["zeroplus"]["node_size"] = 2
+    assert {(s.shard, s.secondary) for s in planner._candidates(parse_config(raw)[0], 8, ((2, 1),))} == {(0, 0)}

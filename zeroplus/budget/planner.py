@@ -146,14 +146,9 @@ class Plan:
 def _candidates(cfg: ZeroplusConfig, world_size: int = 1,
                 layouts: tuple[tuple[int, int], ...] = ((1, 1),)) -> list[Settings]:
     """Every combination of the 'auto' keys' values that can run together; ``layouts``: the (tensor, expert) sizes
-    to try (``_layouts``), beside which the layouts over nodes and the quantized collectives are not tried
-    (``_node``)."""
+    to try (``_layouts``). The layouts over nodes and the quantized collectives are tried where a layout's data ranks
+    span several whole nodes (``_node``: beside tensor parallelism, in data ranks; not beside expert parallelism)."""
     zero, zp = cfg.zero_optimization, cfg.zeroplus
-    node = _node(cfg, world_size)
-    # MiCS over a node, or over several whole nodes where a node's share of the states does not fit
-    shards = [0] + ([k * node for k in range(1, world_size // node) if world_size % (k * node) == 0]
-                    if zero.mics_shard_size == "auto" and node else [])
-    secondaries = [0, node] if zero.zero_hpz_partition_size == "auto" and node else [0]
     stages = [0, 1, 2, 3] if zero.stage == "auto" else [int(zero.stage)]
     if zero.stage == "auto" and zp.parallel.pipeline > 1:  # stage 3 beside pipelines is refused (topology.py)
         stages = [0, 1, 2]
@@ -173,25 +168,35 @@ def _candidates(cfg: ZeroplusConfig, world_size: int = 1,
     states = [False, True] if "auto" in (zp.optimizer_states.exp_avg, zp.optimizer_states.exp_avg_sq) and \
         _adam(cfg) else [False]
     masters = [False, True] if zp.master_weights.dtype == "auto" and bf16 and not zero.offloads_params else [False]
-    # quantized collectives left 'auto': tried over several nodes, where they cut the bytes across them
-    qws = [False, True] if zero.zero_quantized_weights == "auto" and node else [zero.zero_quantized_weights is True]
-    qgs = [False, True] if zero.zero_quantized_gradients == "auto" and node else [zero.zero_quantized_gradients is True]
     out = []
-    combinations = itertools.product(stages, ratios, shared, recompute, states, masters, shards, secondaries, qws, qgs)
-    for (stage, ratio, sh, rc, st, ms, shard, secondary, qw, qg), (tensor, expert) in itertools.product(
-            combinations, layouts):
-        if tensor * expert > 1 and (shard or secondary or qw or qg):
-            continue
-        if ratio is not None and stage == 0:
-            continue  # offload needs a partitioned optimizer
-        if ms and sh:
-            continue  # bf16 and shared masters exclude each other
-        if (shard and (stage == 0 or secondary)) or (secondary and stage != 3):
-            continue  # MiCS shards at stages 1-3, hpZ serves stage 3's gathers, not both (topology.py)
-        if (qw and stage != 3) or (qg and (stage == 0 or not (zero.reduce_scatter or stage == 3))):
-            continue  # qwZ quantizes stage 3's gathers, qgZ a reduce-scatter (engine/build.py's _check_quantized)
-        out.append(Settings(stage, ratio, sh, rc, st, ms, shard, secondary, qw, qg, tensor, expert))
+    for tensor, expert in layouts:
+        node = _node(cfg, world_size // tensor, tensor) if expert == 1 else 0
+        # MiCS over a node, or over several whole nodes where a node's share of the states does not fit (in data ranks)
+        data = world_size // tensor
+        shards = [0] + ([k * node for k in range(1, data // node) if data % (k * node) == 0]
+                        if zero.mics_shard_size == "auto" and node else [])
+        secondaries = [0, node] if zero.zero_hpz_partition_size == "auto" and node else [0]
+        # quantized collectives left 'auto': tried over several nodes, where they cut the bytes across them
+        qws = [False, True] if zero.zero_quantized_weights == "auto" and node else [zero.zero_quantized_weights is True]
+        qgs = [False, True] if zero.zero_quantized_gradients == "auto" and node else \
+            [zero.zero_quantized_gradients is True]
+        combinations = itertools.product(stages, ratios, shared, recompute, states, masters, shards, secondaries, qws,
+                                         qgs)
+        out += [Settings(*combination, tensor, expert) for combination in combinations if _runs(combination, zero)]
     return out
+
+
+def _runs(combination: tuple[Any, ...], zero: Any) -> bool:
+    """Whether a candidate's settings (``Settings``' order, without the layout) can run together."""
+    stage, ratio, shared, _, _, masters, shard, secondary, qw, qg = combination
+    if ratio is not None and stage == 0:
+        return False  # offload needs a partitioned optimizer
+    if masters and shared:
+        return False  # bf16 and shared masters exclude each other
+    if (shard and (stage == 0 or secondary)) or (secondary and stage != 3):
+        return False  # MiCS shards at stages 1-3, hpZ serves stage 3's gathers, not both (topology.py)
+    # qwZ quantizes stage 3's gathers, qgZ a reduce-scatter (engine/build.py's _check_quantized)
+    return not ((qw and stage != 3) or (qg and (stage == 0 or not (zero.reduce_scatter or stage == 3))))
 
 
 def _layouts(model: torch.nn.Module, cfg: ZeroplusConfig, world_size: int) -> tuple[tuple[int, int], ...]:
@@ -239,12 +244,10 @@ def _splits(check: Callable[[torch.nn.Module, int, str], None], model: torch.nn.
     return True
 
 
-def _node(cfg: ZeroplusConfig, world_size: int) -> int:
-    """The ranks of a node where the data ranks span several whole nodes beside plain data parallelism (what MiCS
-    and hpZ can be laid over), else 0 (the planner lays them beside tensor parallelism only where the user sets its
-    sizes: ``_candidates``)."""
-    zp = cfg.zeroplus.parallel
-    return tiling_nodes(cfg, world_size) if (zp.tensor, zp.pipeline, zp.expert, zp.context) == (1, 1, 1, 1) else 0
+def _node(cfg: ZeroplusConfig, data: int, tensor: int = 1) -> int:
+    """A node's data ranks where the ``data`` ranks of a layout at tensor size ``tensor`` span several whole nodes
+    (what MiCS, hpZ and the two-level collectives are laid over: ``parallel.groups.tiling_nodes``), else 0."""
+    return tiling_nodes(cfg, data, tensor)
 
 
 def _widths(cfg: ZeroplusConfig) -> tuple[int, int]:
@@ -310,24 +313,34 @@ def links(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int,
     2A - 1 passes within the node (its copy in the compute dtype). qwZ sends stage 3's gathers from the shards as
     ``CODE_BYTES`` an element; qgZ the reductions, over several nodes in two levels: all within the node, then 1/L of
     the elements across (see note: planner links). With tensor parallelism (``s.tensor`` T), ZeRO's collectives run
-    over the world / T data ranks on a T-th of the parameters (across nodes where the ranks span several), and the
+    over the world / T data ranks on a T-th of the parameters (laid over nodes as above where a node holds whole
+    data ranks of each tensor rank, else across nodes where the ranks span several), and the
     tensor group all-reduces and all-gathers ``exchanged`` elements a step (ring: 2 (T - 1) / T and (T - 1) / T of
     them), within a node unless T is wider than one; with expert parallelism (``s.expert`` E) the expert group sends
     (E - 1) / E of ``exchanged[2]`` elements by all-to-all, within a node unless E is wider than one (and the tensor
     group then leaves out ``exchanged[3]``, the experts' part of ``exchanged[0]``: the expert group splits them)."""
-    c, ga = _widths(cfg)
-    if s.split > 1:
-        T, E, node_size = s.tensor, s.expert, ranks_per_node(cfg)
-        across = 1 < node_size < world_size
-        data = links(cfg, dataclasses.replace(s, tensor=1, expert=1), params // T, world_size // T)
-        out = {"intra_node": 0.0, "inter_node": 0.0}
+    if s.split == 1:
+        return _zero_links(cfg, s, params, world_size, _node(cfg, world_size))
+    c = _widths(cfg)[0]
+    T, E, node_size = s.tensor, s.expert, ranks_per_node(cfg)
+    across = 1 < node_size < world_size
+    node = _node(cfg, world_size // T, T) if E == 1 else 0
+    data = _zero_links(cfg, dataclasses.replace(s, tensor=1, expert=1), params // T, world_size // T, node)
+    out = {"intra_node": 0.0, "inter_node": 0.0}
+    if node:  # (the data ranks tile nodes: ZeRO's collectives as laid over them)
+        out = {link: float(value) for link, value in data.items()}
+    else:
         out["inter_node" if across else "intra_node"] += sum(data.values())
-        summed = exchanged[0] - (exchanged[3] if E > 1 else 0)
-        out["inter_node" if across and T > node_size else "intra_node"] += \
-            c * (T - 1) / T * (2 * summed + exchanged[1])
-        out["inter_node" if across and E > node_size else "intra_node"] += c * (E - 1) / E * exchanged[2]
-        return {link: int(value) for link, value in out.items()}
-    node = _node(cfg, world_size)
+    summed = exchanged[0] - (exchanged[3] if E > 1 else 0)
+    out["inter_node" if across and T > node_size else "intra_node"] += c * (T - 1) / T * (2 * summed + exchanged[1])
+    out["inter_node" if across and E > node_size else "intra_node"] += c * (E - 1) / E * exchanged[2]
+    return {link: int(value) for link, value in out.items()}
+
+
+def _zero_links(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int, node: int) -> dict[str, int]:
+    """``links`` of ZeRO's collectives over ``world_size`` data ranks holding ``params`` elements, in nodes of
+    ``node`` of them (0: one node, or not tiling nodes)."""
+    c, ga = _widths(cfg)
 
     def ring(n: int) -> float:
         return (n - 1) / n
@@ -371,7 +384,7 @@ def cost(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int,
     bandwidth, where the ranks span several nodes across them and ``zeroplus.link_ratio`` times faster within one
     (``links``)."""
     moved = links(cfg, s, params, world_size, exchanged)
-    within = moved["intra_node"] / (cfg.zeroplus.link_ratio if _node(cfg, world_size) else 1.0)
+    within = moved["intra_node"] / (cfg.zeroplus.link_ratio if 1 < ranks_per_node(cfg) < world_size else 1.0)
     seconds = (moved["inter_node"] + within) / BANDWIDTH["comm"]
     params, world_size = params // s.tensor, world_size // s.tensor  # (a rank's slice, over the data ranks)
     owned = params / (world_size if ZeroStage(s.stage).partitions else 1)

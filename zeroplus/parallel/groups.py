@@ -209,19 +209,21 @@ def node_split(spec: Any, world: int) -> int:
     return tiling_nodes(spec, part)
 
 
-def tiling_nodes(spec: Any, ranks: int) -> int:
+def tiling_nodes(spec: Any, ranks: int, tensor: int | None = None) -> int:
     """A node's ranks of one zero group (``node_ranks``) where they cut ``ranks`` (the ranks ZeRO shards over, of one
     zero group) into more than one whole node, else 0: what MiCS, hpZ and the two-level collectives are laid over."""
-    size = node_ranks(spec)
+    size = node_ranks(spec, tensor)
     return size if 1 < size < ranks and ranks % size == 0 else 0
 
 
-def node_ranks(spec: Any) -> int:
-    """How many ranks of one zero group a node holds: ``ranks_per_node`` L over the tensor size T, since tensor ranks
-    are the fastest (node n holds the data ranks ``n L / T .. (n + 1) L / T - 1`` of every tensor rank); 0 where T does
-    not divide L (tensor groups across nodes) and beside pipeline, expert or context parallelism (MiCS, hpZ and the
-    two-level collectives run beside data and tensor parallelism only: ``Topology._check_tiling``)."""
-    tensor, pipeline, expert, context = _sizes(spec)
+def node_ranks(spec: Any, tensor: int | None = None) -> int:
+    """How many ranks of one zero group a node holds: ``ranks_per_node`` L over the tensor size T (the config's, or
+    ``tensor``: a layout the planner weighs), since tensor ranks are the fastest (node n holds the data ranks
+    ``n L / T .. (n + 1) L / T - 1`` of every tensor rank); 0 where T does not divide L (tensor groups across nodes)
+    and beside pipeline, expert or context parallelism (MiCS, hpZ and the two-level collectives run beside data and
+    tensor parallelism only: ``Topology._check_tiling``)."""
+    given, pipeline, expert, context = _sizes(spec)
+    tensor = given if tensor is None else tensor
     size = ranks_per_node(spec)
     return size // tensor if (pipeline, expert, context) == (1, 1, 1) and size % tensor == 0 else 0
 
