@@ -451,7 +451,8 @@ def make_partition(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Collectives,
                                       cfg.zeroplus.master_rounding == "like_shared", param_offload,
                                       bf16_masters(cfg), cfg.zero_optimization.zero_quantized_nontrainable_weights),
                          experts=experts, placement=placement,
-                         defer_param_gather=cfg.zeroplus.overlap_param_gather, secondary=secondary, nodes=nodes)
+                         defer_param_gather=cfg.zeroplus.overlap_param_gather, secondary=secondary, nodes=nodes,
+                         gradient_bits=cfg.zeroplus.quantized_gradient_bits)
 
 
 def _check_split(model: torch.nn.Module, parallel: ParallelGroups) -> None:
@@ -551,6 +552,9 @@ def _warn_inert_options(cfg: ResolvedConfig) -> None:
     if zero.stage.shards_parameters:
         keys += ["stage3_max_live_parameters", "stage3_max_reuse_distance"]
     inert += [f"zero_optimization.{key}" for key in keys if getattr(zero, key) != getattr(defaults, key)]
+    if cfg.zeroplus.quantized_gradient_bits != 8 and not zero.zero_quantized_gradients:
+        inert.append("zeroplus.quantized_gradient_bits (qgZ's code width; zero_optimization.zero_quantized_gradients "
+                     "is off)")
     if zero.offload_param is not None:  # zeroplus reads whole shards of one unit ahead, no buffer pool
         param_defaults = type(zero.offload_param)()
         inert += [f"zero_optimization.offload_param.{key}" for key in ("buffer_size", "max_in_cpu")

@@ -285,9 +285,10 @@ def _quantized_config(node: int) -> dict:
 
 def test_quantized_collectives_left_auto_are_chosen_across_nodes_for_their_bytes_and_named():
     """qwZ and qgZ save bytes, not memory: over 2 nodes of 2 in fp32, with room for anything, the plan takes both
-    (the bytes across nodes they save outweigh their quantizing at the nominal bandwidths), names each with its
-    accuracy cost, and sends under a quarter of the exact layout's bytes across nodes; on one node of 4 it takes
-    neither. The config it applies says true and false, not 'auto'."""
+    (the bytes across nodes they save outweigh their quantizing at the nominal bandwidths), names each with its accuracy
+    cost, and sends under a quarter of the exact layout's bytes across nodes; on one node of 4 it takes neither. With
+    int4 gradient codes it says so and sends fewer bytes across. The config it applies says true and false, not
+    'auto'."""
     across = plan(_tiny, _quantized_config(2), world_size=4)
     assert (across.settings.qw, across.settings.qg) == (True, True), across.reason
     assert "qwZ int8 weight gathers (lossy" in across.reason and "qgZ int8 gradient reductions (lossy" in across.reason
@@ -298,6 +299,11 @@ def test_quantized_collectives_left_auto_are_chosen_across_nodes_for_their_bytes
     one_node = plan(_tiny, _quantized_config(4), world_size=4)
     assert (one_node.settings.qw, one_node.settings.qg) == (False, False), one_node.reason
     assert "lossy" not in one_node.reason
+    narrow = _quantized_config(2)  # int4 codes (zeroplus.quantized_gradient_bits): named so, fewer bytes across
+    narrow["zeroplus"]["quantized_gradient_bits"] = 4
+    four = plan(_tiny, narrow, world_size=4)
+    assert four.settings.qg and "qgZ int4 gradient reductions (lossy" in four.reason, four.reason
+    assert four.links["inter_node"] < across.links["inter_node"], (four.links, across.links)
 
 
 def _count(factory) -> int:

@@ -1,17 +1,17 @@
 """qgZ (ZeRO++'s quantized gradients, ``zero_optimization.zero_quantized_gradients``): the gradients' reduce-scatter
-sends int8 codes and an fp32 scale per 256 elements in two all-to-alls, each rank summing the dequantized rows in
-fp32 (``zero/quantized_comm.py``; see note: qgz).
+sends int8 codes (int4 with ``zeroplus.quantized_gradient_bits`` 4, two a byte) and an fp32 scale per 256 elements in
+two all-to-alls, each rank summing the dequantized rows in fp32 (``zero/quantized_comm.py``; see note: qgz).
 
 The collective alone, 4 gloo ranks, a strided bucket of 600 columns (a partial block), each rank's rows spanning five
-orders of magnitude: the landed shard, written or added into what the target held, is within the sum over ranks of
-half a step of each rank's block of the exact scaled sum (and not exact), on every rank; in two levels (nodes of 2),
-within that plus half a step of each node's partial sum. Four ranks as 2 nodes of 2 (``zeroplus.node_size``) train the
-tiny GPT within 1% of unquantized, sending 4 rows of codes a bucket within the node and 2 across, to the byte, and
-the estimate predicts the peaks. Two ranks, the tiny GPT at
-stage 2 in fp32, three steps against the same run unquantized: losses within 1%; every bucket's reduce-scatter
-bytes replaced by all-to-all bytes of codes and scales, to the byte; the estimate predicts the ``grad`` and
-``comm_buffer`` peaks as the ledger measures them. Stage 0 and ``reduce_scatter: false`` with the key are refused on
-every rank.
+orders of magnitude: the landed shard, written or added into what the target held, is within the sum over ranks of half
+a step of each rank's block of the exact scaled sum (and not exact), on every rank, at 8 and 4 bits (int4's error beyond
+int8's whole bound: its codes are narrower); in two levels (nodes of 2), within that plus half a step of each node's
+partial sum. Four ranks as 2 nodes of 2 (``zeroplus.node_size``) train the tiny GPT within 1% of unquantized, sending 4
+rows of codes a bucket within the node and 2 across, to the byte, and the estimate predicts the peaks. Two ranks, the
+tiny GPT at stage 2 in fp32, three steps against the same run unquantized, at 8 and 4 bits: losses within 1%; every
+bucket's reduce-scatter bytes replaced by all-to-all bytes of codes and scales, to the byte (half the codes' at 4 bits);
+the estimate predicts the ``grad`` and ``comm_buffer`` peaks as the ledger measures them. Stage 0 and
+``reduce_scatter: false`` with the key are refused on every rank.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from zeroplus.zero import quantized_comm
 from zeroplus.zero.quantized_comm import BLOCK
 
 COLUMNS, SCALE = 600, 0.25
+BITS = (8, 4)  # zeroplus.quantized_gradient_bits
 
 
 def _rows(rank: int, world: int) -> torch.Tensor:
@@ -44,21 +45,24 @@ def _reduce() -> list[torch.Tensor]:
     node = [DataParallelGroup(dist.new_group(r), "node") for r in ([0, 1], [2, 3])][rank // 2]
     across = [DataParallelGroup(dist.new_group(r), "across") for r in ([0, 2], [1, 3])][rank % 2]
     out = []
-    for nodes in (None, (node, across)):
-        for accumulate in (False, True):
-            target = torch.full((COLUMNS,), 1.5)
-            quantized_comm.reduce_scatter_rows(group, _rows(rank, world), target, SCALE, accumulate, Ledger(),
-                                               nodes).wait()
-            out.append(target)
+    for bits in BITS:
+        for nodes in (None, (node, across)):
+            for accumulate in (False, True):
+                target = torch.full((COLUMNS,), 1.5)
+                quantized_comm.reduce_scatter_rows(group, _rows(rank, world), target, SCALE, accumulate, Ledger(),
+                                                   nodes, bits).wait()
+                out.append(target)
     return out
 
 
-def _half_steps(rows: torch.Tensor) -> torch.Tensor:
-    """Half a quantization step for each element of each row: its block's largest magnitude over 254."""
+def _half_steps(rows: torch.Tensor, bits: int) -> torch.Tensor:
+    """Half a quantization step for each element of each row: its block's largest magnitude over 254 (int8) or 14
+    (int4)."""
     count = quantized_comm.blocks(COLUMNS)
     padded = torch.zeros(rows.shape[0], count * BLOCK)
     padded[:, :COLUMNS] = rows
-    return padded.view(-1, count, BLOCK).abs().amax(2).repeat_interleave(BLOCK, 1)[:, :COLUMNS] / 254
+    largest = padded.view(-1, count, BLOCK).abs().amax(2).repeat_interleave(BLOCK, 1)[:, :COLUMNS]
+    return largest / (2 * quantized_comm.LEVELS[bits])
 
 
 def test_the_quantized_reduce_scatter_lands_within_the_sum_of_each_ranks_half_step():
@@ -67,34 +71,39 @@ def test_the_quantized_reduce_scatter_lands_within_the_sum_of_each_ranks_half_st
     for rank, landed in enumerate(run_distributed(_reduce, world)):
         mine = torch.stack([r[rank] for r in rows])  # every rank's row for this rank
         exact = mine.sum(0) * SCALE
-        first = _half_steps(mine)
-        # two levels (nodes {0, 1} and {2, 3}): each node's partial sum is quantized again, its half step taken at
-        # the partial's largest magnitude plus what the first level may have added
-        partial = torch.stack([mine[:2].sum(0), mine[2:].sum(0)])
-        slack = torch.stack([first[:2].sum(0), first[2:].sum(0)])
-        second = _half_steps(partial.abs() + slack)
-        bounds = (first.sum(0), first.sum(0) + second.sum(0))
-        for level, bound in enumerate(bounds):
-            bound = bound * SCALE * (1 + 1e-5) + exact.abs() * 1e-6
-            for start, result in zip((0.0, 1.5), landed[2 * level:2 * level + 2]):
-                error = (result - start - exact).abs()
-                assert (error <= bound + 1e-6 * start).all(), (rank, level, start, (error - bound).max())
-                assert error.max() > 0, rank
+        for b, bits in enumerate(BITS):
+            first = _half_steps(mine, bits)
+            # two levels (nodes {0, 1} and {2, 3}): each node's partial sum is quantized again, its half step taken
+            # at the partial's largest magnitude plus what the first level may have added
+            partial = torch.stack([mine[:2].sum(0), mine[2:].sum(0)])
+            slack = torch.stack([first[:2].sum(0), first[2:].sum(0)])
+            second = _half_steps(partial.abs() + slack, bits)
+            bounds = (first.sum(0), first.sum(0) + second.sum(0))
+            for level, bound in enumerate(bounds):
+                bound = bound * SCALE * (1 + 1e-5) + exact.abs() * 1e-6
+                at = 4 * b + 2 * level
+                for start, result in zip((0.0, 1.5), landed[at:at + 2]):
+                    error = (result - start - exact).abs()
+                    assert (error <= bound + 1e-6 * start).all(), (rank, bits, level, start, (error - bound).max())
+                    # (int4's errors reach past int8's whole bound: the codes are 4 bits wide, not 8)
+                    floor = (_half_steps(mine, 8).sum(0) * SCALE).max() if bits == 4 else 0
+                    assert error.max() > floor, (rank, bits)
 
 
-def _config(quantized: bool, stage: int = 2, reduce_scatter: bool = True) -> dict:
+def _config(quantized: bool, stage: int = 2, reduce_scatter: bool = True, bits: int = 8) -> dict:
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
             "zero_optimization": {"stage": stage, "zero_quantized_gradients": quantized,
                                   "reduce_scatter": reduce_scatter},
             "comms_logger": {"enabled": True},
-            "zeroplus": {"log_level": "warning", "memory_estimate": True, "node_size": 2}}
+            "zeroplus": {"log_level": "warning", "memory_estimate": True, "node_size": 2,
+                         "quantized_gradient_bits": bits}}
 
 
-def _run(quantized: bool) -> dict:
+def _run(quantized: bool, bits: int = 8) -> dict:
     rank, world = rank_and_world()
     torch.manual_seed(0)
-    engine = zeroplus.initialize(GPT(gpt_config("tiny")), _config(quantized))
+    engine = zeroplus.initialize(GPT(gpt_config("tiny")), _config(quantized, bits=bits))
     g = torch.Generator().manual_seed(rank)
     losses = []
     for step in range(3):
@@ -116,8 +125,8 @@ def _run(quantized: bool) -> dict:
     return result
 
 
-def _both() -> list[dict]:
-    return [_run(False), _run(True)]
+def _both(bits: tuple[int, ...] = (8,)) -> list[dict]:
+    return [_run(False)] + [_run(True, b) for b in bits]
 
 
 def test_qgz_over_two_nodes_sends_a_node_sum_across_them():
@@ -137,17 +146,19 @@ def test_qgz_over_two_nodes_sends_a_node_sum_across_them():
 
 
 def test_qgz_trains_within_one_percent_and_sends_codes_for_every_bucket():
-    for rank, (plain, qgz) in enumerate(run_distributed(_both, 2)):
-        for a, b in zip(qgz["losses"], plain["losses"]):
-            assert abs(a - b) <= 0.01 * abs(b), (rank, qgz["losses"], plain["losses"])
-        assert qgz["losses"] != plain["losses"], rank
-        # two steps counted, one bucket a group a step (the embedding's rows too, scattered into its flat gradient):
-        # 4 bytes an element replaced by codes and scales
-        dense = sum(4 * padded for padded, _ in qgz["dense"])
-        coded = sum(qgz["world"] * quantized_comm.blocks(shard) * (BLOCK + 4) for _, shard in qgz["dense"])
-        assert plain["bytes"]["reduce_scatter"] - qgz["bytes"].get("reduce_scatter", 0) == 2 * dense, (rank, qgz)
-        assert qgz["bytes"]["all_to_all"] - plain["bytes"].get("all_to_all", 0) == 2 * coded, (rank, qgz)
-        for result in (plain, qgz):
+    for rank, (plain, *quantized) in enumerate(run_distributed(_both, 2, (8, 4))):
+        for bits, qgz in zip((8, 4), quantized):
+            for a, b in zip(qgz["losses"], plain["losses"]):
+                assert abs(a - b) <= 0.01 * abs(b), (rank, bits, qgz["losses"], plain["losses"])
+            assert qgz["losses"] != plain["losses"], (rank, bits)
+            # two steps counted, one bucket a group a step (the embedding's rows too, scattered into its flat
+            # gradient): 4 bytes an element replaced by codes (one or half a byte) and scales
+            dense = sum(4 * padded for padded, _ in qgz["dense"])
+            coded = sum(qgz["world"] * quantized_comm.blocks(shard) * (BLOCK * bits // 8 + 4)
+                        for _, shard in qgz["dense"])
+            assert plain["bytes"]["reduce_scatter"] - qgz["bytes"].get("reduce_scatter", 0) == 2 * dense, (rank, qgz)
+            assert qgz["bytes"]["all_to_all"] - plain["bytes"].get("all_to_all", 0) == 2 * coded, (rank, bits, qgz)
+        for result in (plain, *quantized):
             assert all(measured == predicted for measured, predicted in result["predicted"].values()), \
                 (rank, result["predicted"])
 

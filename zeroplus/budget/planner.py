@@ -72,7 +72,8 @@ LOSSY = {"states": "bf16 optimizer states (lossy: the main job's loss within 0.0
 # ZeRO++'s quantized collectives, chosen for bytes across nodes, not memory (the main job: GPT small, ZeRO-3 fp32,
 # 2 ranks, 300 steps, 2026-12-06; see note: qwz, see note: qgz)
 QUANTIZED = {"qw": "qwZ int8 weight gathers (lossy: each weight within max|block| / 254; the main job's loss +0.02%)",
-             "qg": "qgZ int8 gradient reductions (lossy: the main job's loss within 0.01%)"}
+             "qg": "qgZ int8 gradient reductions (lossy: the main job's loss within 0.01%)",
+             "qg4": "qgZ int4 gradient reductions (lossy: each rank's part within max|block| / 14)"}
 CODE_BYTES = 1 + 4 / 256  # an element as an int8 code with an fp32 scale per 256 (zero/quantized_comm.py)
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +92,7 @@ class Settings:
     qg: bool = False         # qgZ: the gradients' reductions as int8 codes (lossy)
     tensor: int = 1          # AutoTP over this many ranks ('auto' in tensor_parallel.autotp_size); 1: none
     expert: int = 1          # AutoEP over this many ranks ('auto' in expert_parallel.autoep_size); 1: none
+    qg_bits: int = 8         # qgZ's code width (zeroplus.quantized_gradient_bits: the config's, not chosen)
 
     def describe(self) -> str:
         parts = [f"ZeRO stage {self.stage}"]
@@ -112,7 +114,8 @@ class Settings:
             parts.append(LOSSY["states"])
         if self.masters:
             parts.append(LOSSY["masters"])
-        parts += [QUANTIZED[key] for key in ("qw", "qg") if getattr(self, key)]
+        parts += ([QUANTIZED["qw"]] if self.qw else []) + \
+            ([QUANTIZED["qg" if self.qg_bits == 8 else "qg4"]] if self.qg else [])
         return " + ".join(parts)
 
     @property
@@ -182,7 +185,8 @@ def _candidates(cfg: ZeroplusConfig, world_size: int = 1,
             [zero.zero_quantized_gradients is True]
         combinations = itertools.product(stages, ratios, shared, recompute, states, masters, shards, secondaries, qws,
                                          qgs)
-        out += [Settings(*combination, tensor, expert) for combination in combinations if _runs(combination, zero)]
+        out += [Settings(*combination, tensor, expert, zp.quantized_gradient_bits) for combination in combinations
+                if _runs(combination, zero)]
     return out
 
 
@@ -304,21 +308,21 @@ def apply_settings(cfg: ZeroplusConfig, s: Settings) -> ZeroplusConfig:
 def links(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int,
           exchanged: tuple[int, int, int, int] = (0, 0, 0, 0)) -> dict[str, int]:
     """Bytes a rank sends a step within a node (``intra_node``) and across nodes (``inter_node``), as rings move them
-    (a collective's message times (n - 1) / n over its n ranks): stages 0-1 all-reduce or reduce-scatter and gather
-    the model once a step (2 c P), stage 2 reduces every micro-batch ((A + 1) c P), stage 3 gathers twice and reduces
-    once every micro-batch (3 A c P). On one node everything is within it; across several, a flat layout's groups span
-    them. MiCS over a node keeps its collectives within the node and all-reduces the gradient shard (fp32 when
-    accumulating) across the replicas once a step, and a shard group over several nodes gathers across them in two
-    levels where ``mics_hierarchical_params_gather`` asks; hpZ gathers across only each step's first forward, the other
-    2A - 1 passes within the node (its copy in the compute dtype). qwZ sends stage 3's gathers from the shards as
-    ``CODE_BYTES`` an element; qgZ the reductions, over several nodes in two levels: all within the node, then 1/L of
-    the elements across (see note: planner links). With tensor parallelism (``s.tensor`` T), ZeRO's collectives run
-    over the world / T data ranks on a T-th of the parameters (laid over nodes as above where a node holds whole
-    data ranks of each tensor rank, else across nodes where the ranks span several), and the
-    tensor group all-reduces and all-gathers ``exchanged`` elements a step (ring: 2 (T - 1) / T and (T - 1) / T of
-    them), within a node unless T is wider than one; with expert parallelism (``s.expert`` E) the expert group sends
-    (E - 1) / E of ``exchanged[2]`` elements by all-to-all, within a node unless E is wider than one (and the tensor
-    group then leaves out ``exchanged[3]``, the experts' part of ``exchanged[0]``: the expert group splits them)."""
+    (a collective's message times (n - 1) / n over its n ranks): stages 0-1 all-reduce or reduce-scatter and gather the
+    model once a step (2 c P), stage 2 reduces every micro-batch ((A + 1) c P), stage 3 gathers twice and reduces once
+    every micro-batch (3 A c P). On one node everything is within it; across several, a flat layout's groups span them.
+    MiCS over a node keeps its collectives within the node and all-reduces the gradient shard (fp32 when accumulating)
+    across the replicas once a step, and a shard group over several nodes gathers across them in two levels where
+    ``mics_hierarchical_params_gather`` asks; hpZ gathers across only each step's first forward, the other 2A - 1 passes
+    within the node (its copy in the compute dtype). qwZ sends stage 3's gathers from the shards as ``CODE_BYTES`` an
+    element; qgZ the reductions (0.516 bytes an element at ``s.qg_bits`` 4), over several nodes in two levels: all
+    within the node, then 1/L of the elements across (see note: planner links). With tensor parallelism (``s.tensor``
+    T), ZeRO's collectives run over the world / T data ranks on a T-th of the parameters (laid over nodes as above where
+    a node holds whole data ranks of each tensor rank, else across nodes where the ranks span several), and the tensor
+    group all-reduces and all-gathers ``exchanged`` elements a step (ring: 2 (T - 1) / T and (T - 1) / T of them),
+    within a node unless T is wider than one; with expert parallelism (``s.expert`` E) the expert group sends (E - 1) /
+    E of ``exchanged[2]`` elements by all-to-all, within a node unless E is wider than one (and the tensor group then
+    leaves out ``exchanged[3]``, the experts' part of ``exchanged[0]``: the expert group splits them)."""
     if s.split == 1:
         return _zero_links(cfg, s, params, world_size, _node(cfg, world_size))
     c = _widths(cfg)[0]
@@ -352,7 +356,7 @@ def _zero_links(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int, 
     reduced: float = (2 * c if s.stage == 0 else c) * params
     gathers = first + (passes - 1) * (first if s.stage == 3 else gathered) if passes else 0.0
     if s.qg:
-        reduced = CODE_BYTES * params
+        reduced = (s.qg_bits / 8 + 4 / 256) * params  # (codes of qgZ's width)
     out = {"intra_node": 0.0, "inter_node": 0.0}
     group = s.shard or world_size  # the ranks ZeRO shards over
     if s.shard:  # the replicas all-reduce the gradient shard across nodes once a step (fp32 when accumulating)

@@ -453,6 +453,10 @@ class ZeroplusBlock(Block):
         8.0, description="How many times faster a node's own links are than those between nodes: the planner weighs "
                          "each layout's bytes within and across nodes by it ('auto' in mics_shard_size or "
                          "zero_hpz_partition_size).")
+    quantized_gradient_bits: Literal[8, 4] = Field(
+        8, description="Bits a code of qgZ's gradient reduce-scatter (zero_optimization.zero_quantized_gradients): "
+                       "8 (each rank's error within max|block| / 254) or 4, as DeepSpeed's qgZ sends (within "
+                       "max|block| / 14, two codes a byte: half the bytes).")
     node_size: PositiveInt | None = Field(
         None, description="Ranks per node (consecutive global ranks, as torchrun numbers them), for the comms log's "
                           "split of bytes within and across nodes and qgZ's two levels; unset: the launch's "

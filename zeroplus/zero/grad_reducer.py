@@ -36,11 +36,12 @@ from .flat_group import FlatParamGroup
 class GradReducer:
     def __init__(self, stage: ZeroStage, dp: Collectives, bucket_numel: int, use_reduce_scatter: bool,
                  overlap: bool, ledger: Ledger, accumulate_fp32: bool, quantize: bool = False,
-                 nodes: tuple[Collectives, Collectives] | None = None) -> None:
-        """``quantize`` (qgZ): the reduce-scatter's buckets go as int8 codes (``quantized_comm.py``); ``nodes``: this
-        rank's node and the ranks at its place in every node, for qgZ's two levels over ``dp`` (None: one level)."""
+                 nodes: tuple[Collectives, Collectives] | None = None, bits: int = 8) -> None:
+        """``quantize`` (qgZ): the reduce-scatter's buckets go as codes of ``bits`` (8 or 4: ``quantized_comm.py``);
+        ``nodes``: this rank's node and the ranks at its place in every node, for qgZ's two levels over ``dp`` (None:
+        one level)."""
         self.stage = stage
-        self.quantize = quantize
+        self.quantize, self.bits = quantize, bits
         self.nodes = nodes
         self.accumulate_fp32 = accumulate_fp32
         self.dp = dp
@@ -90,7 +91,8 @@ class GradReducer:
             if self.quantize:
                 nodes = self.nodes if group.dp is self.dp else None  # (experts' groups: one level)
                 group.gradient.issued(quantized_comm.reduce_scatter_rows(group.dp, matrix[:, c0:c1], target[c0:c1],
-                                                                         scale, accumulate, self.ledger, nodes))
+                                                                         scale, accumulate, self.ledger, nodes,
+                                                                         self.bits))
                 continue
             group.gradient.issued(group.dp.reduce_scatter_rows(matrix[:, c0:c1], target[c0:c1], scale, accumulate,
                                                                self.ledger))

@@ -143,7 +143,8 @@ class ZeroPartition:
                  unit_class_names: list[str] | None = None, gradient_accumulation_steps: int = 1,
                  master: MasterPolicy = MasterPolicy(), experts: ExpertSplit | None = None,
                  placement: UnitPlacement | None = None, defer_param_gather: bool = False,
-                 secondary: Collectives | None = None, nodes: tuple[Collectives, Collectives] | None = None) -> None:
+                 secondary: Collectives | None = None, nodes: tuple[Collectives, Collectives] | None = None,
+                 gradient_bits: int = 8) -> None:
         """``master``: how flat groups keep their fp32 master shards; ``experts``: the expert-data group and
         expert rank when experts are split over ranks, else None. ``placement``: moves each unit's other
         tensors to the device just before its flat groups are built (``placement.py``: one unit at a
@@ -153,7 +154,8 @@ class ZeroPartition:
         forward instead of before ``after_step`` returns. ``secondary``: hpZ's group at stage 3 (``flat_group.py``;
         see note: hpz), or None. ``nodes``: ``dp``'s nodes (this rank's node, the ranks at its place in each), for qgZ's
         two levels (``grad_reducer.py``) and, where ``zero.mics_hierarchical_params_gather`` asks, the parameters'
-        gathers (``two_level_gather.py``); None: one level."""
+        gathers (``two_level_gather.py``); None: one level. ``gradient_bits``: qgZ's code width
+        (``zeroplus.quantized_gradient_bits``)."""
         _refuse_partitioned(model, dp.rank)
         self.defer_param_gather = defer_param_gather
         self.stage = ZeroStage(zero.stage)
@@ -200,7 +202,7 @@ class ZeroPartition:
         # (qgZ at stage 3 reduce-scatters whatever reduce_scatter says: engine/build.py's _check_quantized)
         reduce_scatter = zero.reduce_scatter or (zero.zero_quantized_gradients and self.stage.shards_parameters)
         reducer = GradReducer(self.stage, dp, zero.reduce_bucket_size, reduce_scatter, overlap, ledger,
-                              accumulate_fp32, zero.zero_quantized_gradients, nodes)
+                              accumulate_fp32, zero.zero_quantized_gradients, nodes, gradient_bits)
         self.stage3: Stage3Scheduler | None = None  # (stage 3: made as the model is hooked, after the per-use swaps)
         self.backward = BackwardSchedule(self.stage, dp, self.units, reducer, self.pool)
         self._hooks: list[Any] = []

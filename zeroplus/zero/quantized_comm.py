@@ -1,4 +1,5 @@
-"""ZeRO++'s quantized collectives: int8 codes and an fp32 scale per block of ``BLOCK`` elements on the wire.
+"""ZeRO++'s quantized collectives: int8 (or, for qgZ, int4) codes and an fp32 scale per block of ``BLOCK`` elements on
+the wire.
 
 **qwZ** (``zero_optimization.zero_quantized_weights``, ``gather``): stage 3's training gathers. Each rank quantizes
 the shard it sends (the compute-dtype values an exact gather would send) in blocks of ``BLOCK`` consecutive elements:
@@ -15,12 +16,15 @@ gather, and does not accumulate.
 all-to-alls bring every rank's row r to rank r (codes, scales); rank r dequantizes each in fp32, sums them in rank
 order, and writes (or adds) the sum times the scale into its gradient shard. Each element's error is at most the sum
 over ranks of half a step of that rank's block, ``sum_r max |g_r| / 254``, times the scale; the fp32 accumulation and
-the optimizer see it once per reduction.
+the optimizer see it once per reduction. With ``zeroplus.quantized_gradient_bits`` 4 (DeepSpeed's qgZ sends int4)
+the codes are ``round(x / scale)`` with ``scale = max |x| / 7``, two to a byte (the element of even index in the low
+four bits, two's complement), so each rank's error is at most ``max |g_r| / 14`` of its block: 18 times int8's, for
+half the bytes.
 
-Bytes on the wire per element: 1 + 4 / ``BLOCK`` (1.016 for 256) against 2 (bf16) or 4 (fp32). Memory while a
-collective is in flight: the codes of every rank (rounded up to whole blocks a rank) and the scales, ledger
-``comm_buffer``, freed when it lands; quantizing and dequantizing one rank's part holds an fp32 copy of it for the
-moment it runs. See note: qwz; see note: qgz (docs/design-notes.md).
+Bytes on the wire per element: 1 + 4 / ``BLOCK`` (1.016 for 256; int4: 0.516) against 2 (bf16) or 4 (fp32).
+Memory while a collective is in flight: the codes of every rank (rounded up to whole blocks a rank) and the scales,
+ledger ``comm_buffer``, freed when it lands; quantizing and dequantizing one rank's part holds an fp32 copy of it for
+the moment it runs. See note: qwz; see note: qgz (docs/design-notes.md).
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from ..ledger import Category, Ledger
 from .master_store import _Resident
 
 BLOCK = 256  # elements per scale (DeepSpeed's qwZ default group size)
+LEVELS = {8: 127, 4: 7}  # the largest code of each width (symmetric: -LEVELS .. LEVELS)
 
 
 def blocks(n: int) -> int:
@@ -38,24 +43,40 @@ def blocks(n: int) -> int:
     return -(-n // BLOCK)
 
 
-def quantize(values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
-    """``values`` (n elements, any float dtype) into ``codes`` (``blocks(n) * BLOCK`` int8, the tail zero) and
-    ``scales`` (``blocks(n)`` fp32)."""
-    n, count = values.numel(), scales.numel()
+def code_bytes(count: int, bits: int = 8) -> int:
+    """Bytes of the codes of ``count`` blocks at ``bits`` a code."""
+    return count * BLOCK * bits // 8
+
+
+def quantize(values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int = 8) -> None:
+    """``values`` (n elements, any float dtype) into ``codes`` (``code_bytes(blocks(n), bits)`` int8, the tail zero;
+    at 4 bits two codes a byte) and ``scales`` (``blocks(n)`` fp32)."""
+    n, count, top = values.numel(), scales.numel(), LEVELS[bits]
     x = torch.zeros(count * BLOCK, dtype=torch.float32, device=values.device)
     x[:n].copy_(values.reshape(-1))
     x = x.view(count, BLOCK)
-    step = x.abs().amax(dim=1).div_(127.0)
+    step = x.abs().amax(dim=1).div_(float(top))
     step = torch.where(step > 0, step, torch.ones_like(step))
     scales.copy_(step)
-    codes.view(count, BLOCK).copy_(x.div_(step[:, None]).round_().clamp_(-127, 127))
+    q = x.div_(step[:, None]).round_().clamp_(-top, top)
+    if bits == 8:
+        codes.view(count, BLOCK).copy_(q)
+        return
+    pairs = q.to(torch.int8).view(count, BLOCK // 2, 2)  # (the even element low, the odd one high)
+    torch.bitwise_or(pairs[..., 0].bitwise_and(15), pairs[..., 1].bitwise_left_shift(4),
+                     out=codes.view(count, BLOCK // 2))
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, bits: int = 8) -> None:
     """``codes * scales`` block by block into ``out`` (its ``numel`` elements: the padding's codes are dropped)."""
     count = scales.numel()
-    values = codes.view(count, BLOCK).to(torch.float32).mul_(scales[:, None])
-    out.copy_(values.view(-1)[:out.numel()])
+    if bits == 8:
+        q = codes.view(count, BLOCK).to(torch.float32)
+    else:  # the low four bits sign-extended by (n ^ 8) - 8, the high four by an arithmetic shift
+        packed = codes.view(count, BLOCK // 2)
+        q = torch.stack([packed.bitwise_and(15).bitwise_xor_(8).sub_(8), packed.bitwise_right_shift(4)], dim=2)
+        q = q.view(count, BLOCK).to(torch.float32)
+    out.copy_(q.mul_(scales[:, None]).view(-1)[:out.numel()])
 
 
 def gather(group: AllGather, full: torch.Tensor, source: torch.Tensor | QuantizedShard, ledger: Ledger) -> Handle:
@@ -135,20 +156,20 @@ class QuantizedShard(_Resident):
 
 class _Exchange:
     """One quantized all-to-all of ``len(rows)`` rows of ``c`` elements over ``group`` (the rows in chunks of equal
-    count, chunk i to rank i): issued at construction, ``sums(parts)`` waits and returns, for each of the ``parts``
-    row positions of a chunk, the fp32 sum over the chunks received. The send buffers are held to the landing on every
-    backend (the estimate's groups hold nothing)."""
+    count, chunk i to rank i), codes of ``bits``: issued at construction, ``sums(parts)`` waits and returns, for each
+    of the ``parts`` row positions of a chunk, the fp32 sum over the chunks received. The send buffers are held to the
+    landing on every backend (the estimate's groups hold nothing)."""
 
-    def __init__(self, group: Collectives, rows: list[torch.Tensor], c: int, ledger: Ledger) -> None:
-        self.count, self.c = blocks(c), c
+    def __init__(self, group: Collectives, rows: list[torch.Tensor], c: int, ledger: Ledger, bits: int) -> None:
+        self.count, self.c, self.bits = blocks(c), c, bits
         device = rows[0].device
-        n, width = len(rows), self.count * BLOCK
+        n, width = len(rows), code_bytes(self.count, bits)
         self.sent = [ledger.empty(n * width, torch.int8, Category.COMM_BUFFER, device),
                      ledger.empty(n * self.count, torch.float32, Category.COMM_BUFFER, device)]
         codes, scales = self.sent
         with torch.no_grad():
             for i, row in enumerate(rows):
-                quantize(row, codes[i * width:(i + 1) * width], scales[i * self.count:(i + 1) * self.count])
+                quantize(row, codes[i * width:(i + 1) * width], scales[i * self.count:(i + 1) * self.count], bits)
         self.codes = ledger.track(torch.empty_like(codes), Category.COMM_BUFFER)
         self.scales = ledger.track(torch.empty_like(scales), Category.COMM_BUFFER)
         self.handles = [group.all_to_all(self.scales, scales), group.all_to_all(self.codes, codes)]
@@ -159,12 +180,13 @@ class _Exchange:
         for handle in self.handles:
             handle.wait()
         self.handles, self.sent = [], []
-        width, count = self.count * BLOCK, self.count
+        width, count = code_bytes(self.count, self.bits), self.count
         total = torch.zeros(parts, self.c, dtype=torch.float32, device=self.codes.device)
         part = torch.empty(self.c, dtype=torch.float32, device=self.codes.device)
         with torch.no_grad():
             for i in range(self.size * parts):
-                dequantize(self.codes[i * width:(i + 1) * width], self.scales[i * count:(i + 1) * count], part)
+                dequantize(self.codes[i * width:(i + 1) * width], self.scales[i * count:(i + 1) * count], part,
+                           self.bits)
                 total[i % parts].add_(part)
         return total
 
@@ -177,32 +199,32 @@ def _landed(target: torch.Tensor, total: torch.Tensor, scale: float, accumulate:
 
 
 def reduce_scatter_rows(group: Collectives, rows: torch.Tensor, target: torch.Tensor, scale: float,
-                        accumulate: bool, ledger: Ledger, nodes: tuple[Collectives, Collectives] | None = None
-                        ) -> Handle:
+                        accumulate: bool, ledger: Ledger, nodes: tuple[Collectives, Collectives] | None = None,
+                        bits: int = 8) -> Handle:
     """qgZ: the sum over ranks of row ``group.rank`` of every rank's ``rows`` (``(size, c)``, any strides), times
     ``scale``, written into ``target`` (``c`` elements) or added into it (``accumulate``) when the handle is waited on;
-    int8 codes and block scales on the wire (the module docstring). ``nodes``: (this rank's node, the ranks at its
-    place in every node), for ``group``'s rank r = node index x L + place: two levels (``_two_levels``)."""
+    codes of ``bits`` (8 or 4) and block scales on the wire (the module docstring). ``nodes``: (this rank's node, the
+    ranks at its place in every node), for ``group``'s rank r = node index x L + place: two levels (``_two_levels``)."""
     size, c = rows.shape
     if nodes is not None:
-        return _two_levels(nodes, rows, target, scale, accumulate, ledger)
-    exchange = _Exchange(group, [rows[r] for r in range(size)], c, ledger)
+        return _two_levels(nodes, rows, target, scale, accumulate, ledger, bits)
+    exchange = _Exchange(group, [rows[r] for r in range(size)], c, ledger, bits)
     return Handle(None, lambda: _landed(target, exchange.sums(1)[0], scale, accumulate))
 
 
 def _two_levels(nodes: tuple[Collectives, Collectives], rows: torch.Tensor, target: torch.Tensor, scale: float,
-                accumulate: bool, ledger: Ledger) -> Handle:
+                accumulate: bool, ledger: Ledger, bits: int) -> Handle:
     """Hierarchical qgZ over M nodes of L ranks: each rank sends each node peer p the rows of the M ranks at place p
     (quantized), and sums what its peers sent it (the node's partial sums for the ranks at its own place, fp32); when
     that lands the M partial sums are quantized again and sent, one to each node's rank at this place, which sums
     them. Across nodes each rank sends M rows instead of L x M, at the cost of a second quantization."""
     node, across = nodes
     L, M, c = node.size, across.size, rows.shape[1]
-    first = _Exchange(node, [rows[m * L + p] for p in range(L) for m in range(M)], c, ledger)
+    first = _Exchange(node, [rows[m * L + p] for p in range(L) for m in range(M)], c, ledger, bits)
 
     def land() -> None:
         partial = first.sums(M)  # row m: this node's sum for the rank at this place in node m
-        second = _Exchange(across, [partial[m] for m in range(M)], c, ledger)
+        second = _Exchange(across, [partial[m] for m in range(M)], c, ledger, bits)
         del partial
         _landed(target, second.sums(1)[0], scale, accumulate)
 
