@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import host_allocator, host_kernel_cache
+from . import flight_recorder, host_allocator, host_kernel_cache
 
 
 class _NullStream:
@@ -102,9 +102,11 @@ class Accelerator:
     def settle_host_allocator(self, mode: str) -> str:
         """The budget here is resident memory: freed memory goes back to the system as it predicts
         (``host_allocator.py``; ``mode`` from ``ZEROPLUS_HOST_ALLOCATOR``) and the matrix-product kernel caches
-        hold at most what it counts (``host_kernel_cache.py``). Returns what holds of the allocator."""
+        hold at most what it counts (``host_kernel_cache.py``), and torch's flight recorder keeps no ring of records
+        (``flight_recorder.py``). Returns what holds of the allocator."""
         held = host_allocator.settle(mode)  # (first: it refuses a mode it does not know)
         host_kernel_cache.settle(mode)
+        flight_recorder.settle(mode)
         return held
 
     def release_host_memory(self) -> None:

@@ -18,8 +18,8 @@ pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
 LAYERS = [
     ("leaves", ["accelerator.py", "cache_dir.py", "collective_faults.py", "collectives.py", "comm.py",
                 "comm_observers.py", "comms_log.py", "cpu_precision.py", "data.py", "eager.py", "fault_dumps.py",
-                "host_allocator.py", "host_gemm_pool.py", "host_kernel_cache.py", "ledger.py", "logs.py",
-                "memory_report.py", "memory_view.py", "meta_values.py", "shm_pair.py", "source_tree.py",
+                "flight_recorder.py", "host_allocator.py", "host_gemm_pool.py", "host_kernel_cache.py", "ledger.py",
+                "logs.py", "memory_report.py", "memory_view.py", "meta_values.py", "shm_pair.py", "source_tree.py",
                 "transports.py", "version.py"]),
     ("config", ["config"]),
     ("kernels", ["kernels"]),

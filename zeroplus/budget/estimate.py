@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 import torch
 
+from .. import flight_recorder
 from ..accelerator import get_accelerator
 from ..activations.resize_recompute import TECHNIQUE as RECOMPUTE
 from ..config import ResolvedConfig, ZeroplusConfig, load_config
@@ -153,9 +154,6 @@ class MemoryBudget:
         lines += [f"  {technique} (on by default) is off: it would take at most {effect / 2**20:.1f} MiB off the "
                   f"steps' peak, under {100 * RECOMPUTE_PAYS_FROM:g}%" for technique, effect in self.stood_down.items()]
         lines += [f"  not predicted: {caveat}" for caveat in self.caveats]
-        if self.accelerator == "cpu" and self.world_size > 1:  # (docs/benchmark.md: the main job on 2 ranks)
-            lines.append("  not predicted: gloo's own native memory beyond what the runtime probe's two ranks held "
-                         "after two steps, which creeps up by 1-4 MiB over the first tens of steps and levels off")
         tiers = {k: v for k, v in self.model_states.items() if k.endswith("_offloaded") and v}
         for key, value in tiers.items():
             lines.append(f"  on the offload tier, not in the device: {key} {value / 2**20:.1f} MiB")
@@ -319,10 +317,10 @@ def _estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: di
     return MemoryBudget(rank, world_size, cfg.train_micro_batch_size_per_gpu,
                         cfg.gradient_accumulation_steps, cfg.zero_optimization.stage, phases, states, kind,
                         category_peaks, tracker.saved_for_backward, tracker.checkpoint_copies, _split(cfg, world_size),
-                        caveats=caveats(kind, dtype, tracker.run_op.routed), host_buffers=pool), cfg
+                        caveats=caveats(kind, dtype, tracker.run_op.routed, world_size), host_buffers=pool), cfg
 
 
-def caveats(kind: str, dtype: str, routed: int) -> list[str]:
+def caveats(kind: str, dtype: str, routed: int, world_size: int = 1) -> list[str]:
     """What the prediction is known to leave out. A router's choice (``routed``: ``topk`` results the
     simulation made up) changes the experts' batch sizes every step; on CPU in 16 bits each new shape makes the
     matrix-product kernel caches keep a kernel, up to their capacities: the prediction counts them full from the
@@ -330,13 +328,15 @@ def caveats(kind: str, dtype: str, routed: int) -> list[str]:
     bf16: -19.0% to -43.1% before, with the default 1024 entries), and says they grow beyond it where the process
     keeps larger ones (``host_kernel_cache.caveat``). fp32 (MKL's products) and accelerators: no such cache. On
     CPU, ``ZEROPLUS_HOST_ALLOCATOR=keep``, and a process's own ``MALLOC_*`` variables with an mmap threshold above
-    zeroplus's, leave what glibc keeps out (``host_allocator.caveat``)."""
+    zeroplus's, leave what glibc keeps out (``host_allocator.caveat``); on CPU ranks running collectives (``world_size``
+    above 1), torch's flight recorder where it records (``flight_recorder.caveat``)."""
     found = []
     if routed and kind == "cpu" and dtype != "fp32":
         grows = kernel_cache_caveat()
         found += [grows] if grows else []
     kept = host_allocator_caveat() if kind == "cpu" else None
-    return found + ([kept] if kept else [])
+    recorded = flight_recorder.caveat(world_size) if kind == "cpu" else None
+    return found + [text for text in (kept, recorded) if text]
 
 
 def _compute_dtype_name(config: ZeroplusConfig) -> str:
