@@ -55,7 +55,7 @@ def _reduce() -> list[torch.Tensor]:
     return out
 
 
-def _half_steps(rows: torch.Tensor, bits: int) -> torch.Tensor:
+def _half_steps(rows: torch.Tensor, bits: int = 8) -> torch.Tensor:
     """Half a quantization step for each element of each row: its block's largest magnitude over 254 (int8) or 14
     (int4)."""
     count = quantized_comm.blocks(COLUMNS)
