@@ -74,7 +74,15 @@ LOSSY = {"states": "bf16 optimizer states (lossy: the main job's loss within 0.0
 QUANTIZED = {"qw": "qwZ int8 weight gathers (lossy: each weight within max|block| / 254; the main job's loss +0.02%)",
              "qg": "qgZ int8 gradient reductions (lossy: the main job's loss within 0.01%)",
              "qg4": "qgZ int4 gradient reductions (lossy: each rank's part within max|block| / 14)"}
-CODE_BYTES = 1 + 4 / 256  # an element as an int8 code with an fp32 scale per 256 (zero/quantized_comm.py)
+
+
+def _coded(bits: int) -> float:
+    """Bytes an element as a code of ``bits`` with an fp32 scale per 256 elements (zero/quantized_comm.py)."""
+    return bits / 8 + 4 / 256
+
+
+CODE_BYTES = _coded(8)  # qwZ's int8 codes
+
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
@@ -173,9 +181,9 @@ def _candidates(cfg: ZeroplusConfig, world_size: int = 1,
     masters = [False, True] if zp.master_weights.dtype == "auto" and bf16 and not zero.offloads_params else [False]
     out = []
     for tensor, expert in layouts:
-        node = _node(cfg, world_size // tensor, tensor) if expert == 1 else 0
-        # MiCS over a node, or over several whole nodes where a node's share of the states does not fit (in data ranks)
         data = world_size // tensor
+        node = _node(cfg, data, tensor) if expert == 1 else 0
+        # MiCS over a node, or over several whole nodes where a node's share of the states does not fit (in data ranks)
         shards = [0] + ([k * node for k in range(1, data // node) if data % (k * node) == 0]
                         if zero.mics_shard_size == "auto" and node else [])
         secondaries = [0, node] if zero.zero_hpz_partition_size == "auto" and node else [0]
@@ -356,7 +364,7 @@ def _zero_links(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int, 
     reduced: float = (2 * c if s.stage == 0 else c) * params
     gathers = first + (passes - 1) * (first if s.stage == 3 else gathered) if passes else 0.0
     if s.qg:
-        reduced = (s.qg_bits / 8 + 4 / 256) * params  # (codes of qgZ's width)
+        reduced = _coded(s.qg_bits) * params
     out = {"intra_node": 0.0, "inter_node": 0.0}
     group = s.shard or world_size  # the ranks ZeRO shards over
     if s.shard:  # the replicas all-reduce the gradient shard across nodes once a step (fp32 when accumulating)
