@@ -400,8 +400,10 @@ def _log_layout_over_nodes(cfg: ResolvedConfig, parallel: ParallelGroups | None)
         parts.append(f"hpZ keeps a secondary copy over {topology.secondary} ranks")
     if topology is not None and topology.node:
         parts.append(f"two-level collectives over nodes of {topology.node} ranks")
-    parts += [text for on, text in ((zero.zero_quantized_weights, "qwZ: int8 weight gathers"),
-                                    (zero.zero_quantized_gradients, "qgZ: int8 gradient reductions"),
+    parts += [text for on, text in ((zero.zero_quantized_weights,
+                                     f"qwZ: {cfg.zeroplus.quantized_weights_dtype} weight gathers"),
+                                    (zero.zero_quantized_gradients,
+                                     f"qgZ: int{cfg.zeroplus.quantized_gradient_bits} gradient reductions"),
                                     (zero.zero_quantized_nontrainable_weights, "frozen shards as int8 codes"))
               if on]
     if parts:
@@ -452,7 +454,8 @@ def make_partition(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Collectives,
                                       bf16_masters(cfg), cfg.zero_optimization.zero_quantized_nontrainable_weights),
                          experts=experts, placement=placement,
                          defer_param_gather=cfg.zeroplus.overlap_param_gather, secondary=secondary, nodes=nodes,
-                         gradient_bits=cfg.zeroplus.quantized_gradient_bits)
+                         gradient_bits=cfg.zeroplus.quantized_gradient_bits,
+                         weights_dtype=cfg.zeroplus.quantized_weights_dtype)
 
 
 def _check_split(model: torch.nn.Module, parallel: ParallelGroups) -> None:
@@ -555,6 +558,8 @@ def _warn_inert_options(cfg: ResolvedConfig) -> None:
     if cfg.zeroplus.quantized_gradient_bits != 8 and not zero.zero_quantized_gradients:
         inert.append("zeroplus.quantized_gradient_bits (qgZ's code width; zero_optimization.zero_quantized_gradients "
                      "is off)")
+    if cfg.zeroplus.quantized_weights_dtype != "int8" and not zero.zero_quantized_weights:
+        inert.append("zeroplus.quantized_weights_dtype (qwZ's codes; zero_optimization.zero_quantized_weights is off)")
     if zero.offload_param is not None:  # zeroplus reads whole shards of one unit ahead, no buffer pool
         param_defaults = type(zero.offload_param)()
         inert += [f"zero_optimization.offload_param.{key}" for key in ("buffer_size", "max_in_cpu")

@@ -287,8 +287,8 @@ def test_quantized_collectives_left_auto_are_chosen_across_nodes_for_their_bytes
     """qwZ and qgZ save bytes, not memory: over 2 nodes of 2 in fp32, with room for anything, the plan takes both
     (the bytes across nodes they save outweigh their quantizing at the nominal bandwidths), names each with its accuracy
     cost, and sends under a quarter of the exact layout's bytes across nodes; on one node of 4 it takes neither. With
-    int4 gradient codes it says so and sends fewer bytes across. The config it applies says true and false, not
-    'auto'."""
+    int4 gradient codes it says so and sends fewer bytes across; with fp8 weight codes, a few more. The config it
+    applies says true and false, not 'auto'."""
     across = plan(_tiny, _quantized_config(2), world_size=4)
     assert (across.settings.qw, across.settings.qg) == (True, True), across.reason
     assert "qwZ int8 weight gathers (lossy" in across.reason and "qgZ int8 gradient reductions (lossy" in across.reason
@@ -304,6 +304,11 @@ def test_quantized_collectives_left_auto_are_chosen_across_nodes_for_their_bytes
     four = plan(_tiny, narrow, world_size=4)
     assert four.settings.qg and "qgZ int4 gradient reductions (lossy" in four.reason, four.reason
     assert four.links["inter_node"] < across.links["inter_node"], (four.links, across.links)
+    wide = _quantized_config(2)  # fp8 weight codes (zeroplus.quantized_weights_dtype): named so, a few more bytes
+    wide["zeroplus"]["quantized_weights_dtype"] = "fp8"
+    fp8 = plan(_tiny, wide, world_size=4)
+    assert fp8.settings.qw and "qwZ fp8 weight gathers (lossy" in fp8.reason, fp8.reason
+    assert across.links["inter_node"] < fp8.links["inter_node"] < exact["inter_node"], (fp8.links, across.links)
 
 
 def _count(factory) -> int:

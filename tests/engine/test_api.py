@@ -141,7 +141,8 @@ def test_inert_and_unimplemented_options_are_warned_about_once(caplog):
     try:
         with caplog.at_level(logging.WARNING, logger="zeroplus"):
             zeroplus.initialize(ParityNet(), {
-                **BASE, "zeroplus": {"log_level": "warning"}, "eigenvalue": {"enabled": False},
+                **BASE, "zeroplus": {"log_level": "warning", "quantized_weights_dtype": "bf16"},
+                "eigenvalue": {"enabled": False},
                 "optimizer": {"type": "AdamW", "params": {"lr": 0.1, "torch_adam": True}},
                 "zero_optimization": {"stage": 1, "allgather_bucket_size": 2e8, "sub_group_size": 1e8}})
     finally:
@@ -149,6 +150,7 @@ def test_inert_and_unimplemented_options_are_warned_about_once(caplog):
     text = caplog.text
     assert "does not implement yet (ignored): eigenvalue" in text
     assert "accepted but without effect yet: zero_optimization.allgather_bucket_size; " \
-           "zero_optimization.sub_group_size" in text
+           "zero_optimization.sub_group_size; zeroplus.quantized_weights_dtype (qwZ's codes; " \
+           "zero_optimization.zero_quantized_weights is off)" in text
     assert "['torch_adam'] are DeepSpeed-only" in text
     assert text.count("without effect yet") == 1

@@ -9,6 +9,12 @@ within that bound of the exact values block by block of each rank's shard (and n
 codes after the step, is gathered again exactly); every parameter gather a step sends codes and scales (1.016 bytes
 an element against 4, whole blocks of 256 a rank), to the byte; the estimate predicts the
 ``param_gathered`` and ``comm_buffer`` peaks as the ledger measures them. Stage 2 with the key is refused on every rank.
+
+The other codes (``zeroplus.quantized_weights_dtype``), the same run against the same unquantized one: bf16 gathers the
+exact values rounded to nearest bf16, bit for bit; fp8 each rank's shard as ``kernels/block_fp8.py`` quantizes it in
+blocks of 128 from the shard's start, bit for bit, every weight within ``|w| / 16`` plus ``1 / 1024`` of its block's
+scale; the losses within 1%, ``state_dict()`` exact, the bytes a step (2, and 1 + 4 / 128 whole blocks a rank, an
+element) to the byte, the two categories predicted exactly.
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import torch
 import zeroplus
 from tests.dist_helper import rank_and_world, run_distributed
 from tests.reference import initialize_says
+from zeroplus.kernels import block_fp8
 from zeroplus.ledger import Category
 from zeroplus.models.gpt import GPT, gpt_config
 from zeroplus.zero import quantized_comm
@@ -43,20 +50,20 @@ def test_the_quantizer_keeps_every_value_within_half_a_step_of_its_block():
     assert (back != values).any()
 
 
-def _config(quantized: bool, stage: int = 3) -> dict:
+def _config(quantized: bool, stage: int = 3, dtype: str = "int8") -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
             "zero_optimization": {"stage": stage, "zero_quantized_weights": quantized,
                                   "stage3_param_persistence_threshold": 0},
             "comms_logger": {"enabled": True},
-            "zeroplus": {"log_level": "warning", "memory_estimate": True}}
+            "zeroplus": {"log_level": "warning", "memory_estimate": True, "quantized_weights_dtype": dtype}}
 
 
-def _run(quantized: bool) -> dict:
+def _run(quantized: bool, dtype: str = "int8") -> dict:
     rank, world = rank_and_world()
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny"))
-    engine = zeroplus.initialize(model, _config(quantized))
+    engine = zeroplus.initialize(model, _config(quantized, dtype=dtype))
     block = engine.partition.units[0]
     seen: list[torch.Tensor] = []
     hook = block.module.register_forward_pre_hook(  # (after the engine's: the unit is gathered)
@@ -131,6 +138,51 @@ def test_qwz_gathers_int8_codes_and_trains_within_the_quantizers_bound():
         for result in (plain, qwz):
             assert all(measured == predicted for measured, predicted in result["predicted"].values()), \
                 (rank, result["predicted"])
+
+
+def _formats() -> list[dict]:
+    return [_run(False), _run(True, "bf16"), _run(True, "fp8")]
+
+
+def _fp8_reference(exact: torch.Tensor, shards: list[tuple[int, int]], world: int) -> tuple[torch.Tensor, ...]:
+    """The values every rank computes with under fp8 codes (each rank's shard quantized in blocks of 128 from its
+    start), and each element's block scale."""
+    values, scales, at = [], [], 0
+    for padded, shard in shards:
+        whole = torch.zeros(padded)
+        whole[:min(padded, exact.numel() - at)] = exact[at:at + padded]
+        for r in range(world):
+            part = whole[r * shard:(r + 1) * shard]
+            codes = torch.empty(shard, dtype=block_fp8.E4M3)
+            scale = torch.empty(block_fp8.blocks(shard, quantized_comm.FP8_BLOCK))
+            block_fp8.quantize(part.clone(), codes, scale, quantized_comm.FP8_BLOCK)
+            values.append(block_fp8.dequantize_into(torch.empty(shard), codes, scale, quantized_comm.FP8_BLOCK))
+            scales.append(scale.repeat_interleave(quantized_comm.FP8_BLOCK)[:shard])
+        at += padded
+    return torch.cat(values), torch.cat(scales)
+
+
+def test_qwz_in_bf16_and_fp8_gathers_the_rounded_shards_bit_for_bit():
+    results = run_distributed(_formats, 2)
+    for rank, (plain, bf16, fp8) in enumerate(results):
+        exact = bf16["exact"]
+        padded = torch.cat([exact, torch.zeros(bf16["seen"].numel() - exact.numel())])
+        assert torch.equal(bf16["seen"], padded.bfloat16().float()), rank
+        expected, scales = _fp8_reference(exact, fp8["shards"], fp8["world"])
+        assert torch.equal(fp8["seen"], expected), rank
+        assert ((fp8["seen"] - padded).abs() <= padded.abs() / 16 + scales / 1024).all(), rank
+        for run, bytes_an_element in ((bf16, lambda shard: 2 * shard),
+                                      (fp8, lambda shard: shard + 4 * block_fp8.blocks(shard, 128))):
+            assert (run["seen"] != padded).any(), rank
+            assert torch.equal(run["seen"], results[0][[plain, bf16, fp8].index(run)]["seen"]), rank
+            for a, b in zip(run["losses"], plain["losses"]):
+                assert abs(a - b) <= 0.01 * abs(b), (rank, run["losses"], plain["losses"])
+            assert run["state_exact"], rank
+            saved = sum(n * (4 * padded_numel - run["world"] * bytes_an_element(shard))
+                        for n, padded_numel, shard in run["passes"])
+            assert plain["gathered"] - run["gathered"] == (STEPS - 1) * saved, (rank, run["gathered"])
+            assert all(measured == predicted for measured, predicted in run["predicted"].values()), \
+                (rank, run["predicted"])
 
 
 def _refused() -> str:

@@ -72,6 +72,8 @@ LOSSY = {"states": "bf16 optimizer states (lossy: the main job's loss within 0.0
 # ZeRO++'s quantized collectives, chosen for bytes across nodes, not memory (the main job: GPT small, ZeRO-3 fp32,
 # 2 ranks, 300 steps, 2026-12-06; see note: qwz, see note: qgz)
 QUANTIZED = {"qw": "qwZ int8 weight gathers (lossy: each weight within max|block| / 254; the main job's loss +0.02%)",
+             "qw_fp8": "qwZ fp8 weight gathers (lossy: each weight within |w| / 16 of its block)",
+             "qw_bf16": "qwZ bf16 weight gathers (lossy in fp32: each weight within |w| / 256)",
              "qg": "qgZ int8 gradient reductions (lossy: the main job's loss within 0.01%)",
              "qg4": "qgZ int4 gradient reductions (lossy: each rank's part within max|block| / 14)"}
 
@@ -82,6 +84,7 @@ def _coded(bits: int) -> float:
 
 
 CODE_BYTES = _coded(8)  # qwZ's int8 codes
+WEIGHT_CODE_BYTES = {"int8": CODE_BYTES, "fp8": 1 + 4 / 128, "bf16": 2.0}  # qwZ's, by zeroplus.quantized_weights_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +104,7 @@ class Settings:
     tensor: int = 1          # AutoTP over this many ranks ('auto' in tensor_parallel.autotp_size); 1: none
     expert: int = 1          # AutoEP over this many ranks ('auto' in expert_parallel.autoep_size); 1: none
     qg_bits: int = 8         # qgZ's code width (zeroplus.quantized_gradient_bits: the config's, not chosen)
+    qw_dtype: str = "int8"   # qwZ's codes (zeroplus.quantized_weights_dtype: the config's, not chosen)
 
     def describe(self) -> str:
         parts = [f"ZeRO stage {self.stage}"]
@@ -122,7 +126,7 @@ class Settings:
             parts.append(LOSSY["states"])
         if self.masters:
             parts.append(LOSSY["masters"])
-        parts += ([QUANTIZED["qw"]] if self.qw else []) + \
+        parts += ([QUANTIZED["qw" if self.qw_dtype == "int8" else f"qw_{self.qw_dtype}"]] if self.qw else []) + \
             ([QUANTIZED["qg" if self.qg_bits == 8 else "qg4"]] if self.qg else [])
         return " + ".join(parts)
 
@@ -193,7 +197,8 @@ def _candidates(cfg: ZeroplusConfig, world_size: int = 1,
             [zero.zero_quantized_gradients is True]
         combinations = itertools.product(stages, ratios, shared, recompute, states, masters, shards, secondaries, qws,
                                          qgs)
-        out += [Settings(*combination, tensor, expert, zp.quantized_gradient_bits) for combination in combinations
+        out += [Settings(*combination, tensor, expert, zp.quantized_gradient_bits, zp.quantized_weights_dtype)
+                for combination in combinations
                 if _runs(combination, zero)]
     return out
 
@@ -322,15 +327,16 @@ def links(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int,
     MiCS over a node keeps its collectives within the node and all-reduces the gradient shard (fp32 when accumulating)
     across the replicas once a step, and a shard group over several nodes gathers across them in two levels where
     ``mics_hierarchical_params_gather`` asks; hpZ gathers across only each step's first forward, the other 2A - 1 passes
-    within the node (its copy in the compute dtype). qwZ sends stage 3's gathers from the shards as ``CODE_BYTES`` an
-    element; qgZ the reductions (0.516 bytes an element at ``s.qg_bits`` 4), over several nodes in two levels: all
-    within the node, then 1/L of the elements across (see note: planner links). With tensor parallelism (``s.tensor``
-    T), ZeRO's collectives run over the world / T data ranks on a T-th of the parameters (laid over nodes as above where
-    a node holds whole data ranks of each tensor rank, else across nodes where the ranks span several), and the tensor
-    group all-reduces and all-gathers ``exchanged`` elements a step (ring: 2 (T - 1) / T and (T - 1) / T of them),
-    within a node unless T is wider than one; with expert parallelism (``s.expert`` E) the expert group sends (E - 1) /
-    E of ``exchanged[2]`` elements by all-to-all, within a node unless E is wider than one (and the tensor group then
-    leaves out ``exchanged[3]``, the experts' part of ``exchanged[0]``: the expert group splits them)."""
+    within the node (its copy in the compute dtype). qwZ sends stage 3's gathers from the shards as
+    ``WEIGHT_CODE_BYTES`` an element (int8 by default); qgZ the reductions (0.516 bytes an element at ``s.qg_bits`` 4),
+    over several nodes in two levels: all within the node, then 1/L of the elements across (see note: planner links).
+    With tensor parallelism (``s.tensor`` T), ZeRO's collectives run over the world / T data ranks on a T-th of the
+    parameters (laid over nodes as above where a node holds whole data ranks of each tensor rank, else across nodes
+    where the ranks span several), and the tensor group all-reduces and all-gathers ``exchanged`` elements a step (ring:
+    2 (T - 1) / T and (T - 1) / T of them), within a node unless T is wider than one; with expert parallelism
+    (``s.expert`` E) the expert group sends (E - 1) / E of ``exchanged[2]`` elements by all-to-all, within a node unless
+    E is wider than one (and the tensor group then leaves out ``exchanged[3]``, the experts' part of ``exchanged[0]``:
+    the expert group splits them)."""
     if s.split == 1:
         return _zero_links(cfg, s, params, world_size, _node(cfg, world_size))
     c = _widths(cfg)[0]
@@ -358,7 +364,7 @@ def _zero_links(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int, 
         return (n - 1) / n
 
     gathered = c * params  # one gather's bytes: the first forward's of each step, as codes under qwZ
-    first = CODE_BYTES * params if s.qw else gathered
+    first = WEIGHT_CODE_BYTES[s.qw_dtype] * params if s.qw else gathered
     passes = {0: 0, 1: 1, 2: 1, 3: 2 * ga}[s.stage]  # gathers a step; the reductions' count and message:
     reductions = {0: 1, 1: 1, 2: ga, 3: ga}[s.stage]
     reduced: float = (2 * c if s.stage == 0 else c) * params

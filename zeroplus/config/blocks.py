@@ -457,6 +457,11 @@ class ZeroplusBlock(Block):
         8, description="Bits a code of qgZ's gradient reduce-scatter (zero_optimization.zero_quantized_gradients): "
                        "8 (each rank's error within max|block| / 254) or 4, as DeepSpeed's qgZ sends (within "
                        "max|block| / 14, two codes a byte: half the bytes).")
+    quantized_weights_dtype: Literal["int8", "fp8", "bf16"] = Field(
+        "int8", description="Codes of qwZ's weight gathers (zero_optimization.zero_quantized_weights): int8 with a "
+                            "scale per 256 elements (each weight within max|block| / 254), fp8 (e4m3, a power-of-two "
+                            "scale per 128: within |w| / 16) or bf16 (within |w| / 256: FSDP2's param_dtype for fp32 "
+                            "masters); the shards stay exact. bf16 in a bf16 compute dtype gathers exactly.")
     node_size: PositiveInt | None = Field(
         None, description="Ranks per node (consecutive global ranks, as torchrun numbers them), for the comms log's "
                           "split of bytes within and across nodes and qgZ's two levels; unset: the launch's "

@@ -153,7 +153,7 @@ class FlatParamGroup:
         self.secondary_group = secondary if secondary is not None and secondary.size > 1 else None
         self._secondary: torch.Tensor | None = None
         self._secondary_quantized = False  # it copied dequantized values (qwZ)
-        self.quantized = False  # qwZ: ``full`` holds dequantized int8 codes (``all_gather_into_full``)
+        self.quantized = False  # qwZ: ``full`` holds dequantized codes (``all_gather_into_full``)
         self.device = self.params[0].device if device is None else torch.device(device)
         self._lay_out(dp, stage)
         start = self.owned_start
@@ -318,9 +318,10 @@ class FlatParamGroup:
         """The full buffer is allocated (``GATHERING`` or ``GATHERED``): read-only, ``Residency`` says which."""
         return self.residency is not Residency.RELEASED
 
-    def gather(self, quantize: bool = False) -> Handle | None:
+    def gather(self, quantize: str | None = None) -> Handle | None:
         """Start the all-gather of the shards into ``full``; ``None`` if already gathered. The parameters
-        see the values from ``expose()`` on. ``quantize``: int8 codes on the wire (``all_gather_into_full``)."""
+        see the values from ``expose()`` on. ``quantize``: codes of that dtype on the wire
+        (``all_gather_into_full``)."""
         if self.gathered:
             return None
         storage, nbytes = self.full.untyped_storage(), self.padded_numel * self.full.element_size()
@@ -341,12 +342,13 @@ class FlatParamGroup:
             mark(self.params, ParamStatus.AVAILABLE)
             self.residency = Residency.GATHERED
 
-    def all_gather_into_full(self, quantize: bool = False, exact: bool = False) -> Handle:
+    def all_gather_into_full(self, quantize: str | None = None, exact: bool = False) -> Handle:
         """All-gather every rank's low-precision shard into ``full`` (which must be allocated); under hpZ, while a
         secondary copy is held, its parts over the secondary group instead (the values it copied). ``quantize`` (qwZ,
-        a floating-point group): the shards go as int8 codes with a scale per block, and ``full`` holds their
-        dequantized values on every rank (``quantized_comm.py``). ``exact``: the shards as they are, over ``dp``,
-        whatever the secondary copy holds. ``quantized`` says afterwards whether ``full`` holds dequantized values."""
+        a floating-point group): the shards go as codes of that dtype (``quantized_comm.WEIGHT_DTYPES``: int8 or fp8
+        with a scale per block, or bf16), and ``full`` holds their dequantized values on every rank. ``exact``: the
+        shards as they are, over ``dp``, whatever the secondary copy holds. ``quantized`` says afterwards whether
+        ``full`` holds dequantized values."""
         if self._secondary is not None and not exact:
             assert self.secondary_group is not None
             self.quantized = self._secondary_quantized
@@ -358,13 +360,13 @@ class FlatParamGroup:
         if source is None:  # stage 3, low precision: cast the master for the wire only
             source = self.ledger.empty(self.shard_numel, self.compute_dtype, Category.COMM_BUFFER, self.device)
             self.master_store.to_compute(source)
-        self.quantized = quantize and not exact and self.full.is_floating_point()  # (packed 4-bit storage: as it is)
-        if self.quantized:
-            return quantized_comm.gather(self.values_group, self._full_data, source, self.ledger)
+        self.quantized = quantize is not None and not exact and self.full.is_floating_point()  # (packed storage: as is)
+        if quantize is not None and self.quantized:
+            return quantized_comm.gather(self.values_group, self._full_data, source, self.ledger, quantize)
         return self.values_group.all_gather(self._full_data, source)
 
     def make_exact(self) -> None:
-        """qwZ: a group gathered with int8 codes is gathered again exactly, in place (for a reader of the model's
+        """qwZ: a group gathered with codes is gathered again exactly, in place (for a reader of the model's
         values: ``state_dict``, ``GatheredParameters``, ``destroy``). A collective where any group is; every rank's
         groups are alike."""
         if self.quantized and self.residency is Residency.GATHERED:

@@ -144,7 +144,7 @@ class ZeroPartition:
                  master: MasterPolicy = MasterPolicy(), experts: ExpertSplit | None = None,
                  placement: UnitPlacement | None = None, defer_param_gather: bool = False,
                  secondary: Collectives | None = None, nodes: tuple[Collectives, Collectives] | None = None,
-                 gradient_bits: int = 8) -> None:
+                 gradient_bits: int = 8, weights_dtype: str = "int8") -> None:
         """``master``: how flat groups keep their fp32 master shards; ``experts``: the expert-data group and
         expert rank when experts are split over ranks, else None. ``placement``: moves each unit's other
         tensors to the device just before its flat groups are built (``placement.py``: one unit at a
@@ -155,7 +155,8 @@ class ZeroPartition:
         see note: hpz), or None. ``nodes``: ``dp``'s nodes (this rank's node, the ranks at its place in each), for qgZ's
         two levels (``grad_reducer.py``) and, where ``zero.mics_hierarchical_params_gather`` asks, the parameters'
         gathers (``two_level_gather.py``); None: one level. ``gradient_bits``: qgZ's code width
-        (``zeroplus.quantized_gradient_bits``)."""
+        (``zeroplus.quantized_gradient_bits``); ``weights_dtype``: qwZ's codes
+        (``zeroplus.quantized_weights_dtype``)."""
         _refuse_partitioned(model, dp.rank)
         self.defer_param_gather = defer_param_gather
         self.stage = ZeroStage(zero.stage)
@@ -208,7 +209,8 @@ class ZeroPartition:
         self._hooks: list[Any] = []
         self.hooks_dropped = False  # drop_hooks()
         per_use -= self._embeddings_kept_whole(model)
-        self._install_hooks(model, per_use, zero.stage3_prefetch_bucket_size, zero.zero_quantized_weights)
+        self._install_hooks(model, per_use, zero.stage3_prefetch_bucket_size,
+                            weights_dtype if zero.zero_quantized_weights else None)
 
     def _adopt_units(self, model: torch.nn.Module) -> None:
         """The units' groups attached to this partition and its buffer pool, listed, and the parameters' status set."""
@@ -226,7 +228,7 @@ class ZeroPartition:
             label_whole([(p, s) for g in self.groups + self.frozen for p, s in zip(g.params, g.shapes)])
 
     def _install_hooks(self, model: torch.nn.Module, per_use: set[int], prefetch: int | None,
-                       quantize: bool = False) -> None:
+                       quantize: str | None = None) -> None:
         """Every hook this partition puts on the model (``drop_hooks`` removes them all): each trained parameter's
         gradient hook and row sink, the per-use routing (``use_grads.py``), stages 1-2's waits for the post-step
         all-gathers, stage 3's scheduler and state-dict hooks."""

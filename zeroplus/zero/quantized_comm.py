@@ -11,6 +11,13 @@ block: ``|w - code * scale| <= max |x| / 254`` (plus the compute dtype's own rou
 masters and optimizer states stay exact: the error is in the forward's and backward's weights only, recomputed each
 gather, and does not accumulate.
 
+With ``zeroplus.quantized_weights_dtype`` the gathers carry other codes (``WEIGHT_DTYPES``), each rank still
+quantizing its own shard and every rank writing the same values: ``"fp8"``, e4m3 values with a power-of-two fp32 scale
+per ``FP8_BLOCK`` elements of each shard (``kernels/block_fp8.py``: each weight within ``|w| / 16``, or ``s / 1024``
+below e4m3's normal range, ``s`` its block's scale; 1.031 bytes an element), or ``"bf16"``, the shard rounded to
+nearest bf16 (``|w| / 256``; 2 bytes): the compute dtype FSDP2's ``param_dtype`` gathers in, here for fp32 masters
+and compute. In a bf16 compute dtype the shard already is bf16, so ``"bf16"`` gathers it exactly.
+
 **qgZ** (``zero_optimization.zero_quantized_gradients``, ``reduce_scatter_rows``): the gradients' reduce-scatter
 (stages 1-3). Each rank quantizes each row of its bucket (row r: what rank r owns) in the same blocks; two
 all-to-alls bring every rank's row r to rank r (codes, scales); rank r dequantizes each in fp32, sums them in rank
@@ -31,11 +38,14 @@ from __future__ import annotations
 import torch
 
 from ..collectives import AllGather, Collectives, Handle
+from ..kernels import block_fp8
 from ..ledger import Category, Ledger
 from .master_store import _Resident
 
 BLOCK = 256  # elements per scale (DeepSpeed's qwZ default group size)
 LEVELS = {8: 127, 4: 7}  # the largest code of each width (symmetric: -LEVELS .. LEVELS)
+WEIGHT_DTYPES = ("int8", "fp8", "bf16")  # qwZ's codes on the wire (zeroplus.quantized_weights_dtype)
+FP8_BLOCK = 128  # elements of a shard per fp8 gather's scale
 
 
 def blocks(n: int) -> int:
@@ -79,10 +89,16 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, bit
     out.copy_(q.mul_(scales[:, None]).view(-1)[:out.numel()])
 
 
-def gather(group: AllGather, full: torch.Tensor, source: torch.Tensor | QuantizedShard, ledger: Ledger) -> Handle:
+def gather(group: AllGather, full: torch.Tensor, source: torch.Tensor | QuantizedShard, ledger: Ledger,
+           dtype: str = "int8") -> Handle:
     """Start the quantized all-gather of every rank's ``source`` (``full.numel() / group.size`` elements, or their
-    codes already: ``QuantizedShard``) into ``full``; the returned handle's ``wait()`` lands both collectives and
-    dequantizes (the module docstring)."""
+    codes already: ``QuantizedShard``) into ``full`` as codes of ``dtype`` (``WEIGHT_DTYPES``; a ``QuantizedShard``
+    sends its int8 codes); the returned handle's ``wait()`` lands the collectives and dequantizes (the module
+    docstring)."""
+    if dtype == "bf16" and not isinstance(source, QuantizedShard):
+        return _gather_bf16(group, full, source, ledger)
+    if dtype == "fp8" and not isinstance(source, QuantizedShard):
+        return _gather_fp8(group, full, source, ledger)
     n, size = source.numel if isinstance(source, QuantizedShard) else source.numel(), group.size
     count = blocks(n)
     device = full.device
@@ -105,6 +121,54 @@ def gather(group: AllGather, full: torch.Tensor, source: torch.Tensor | Quantize
             for r in range(size):
                 dequantize(codes[r * count * BLOCK:(r + 1) * count * BLOCK], scales[r * count:(r + 1) * count],
                            full[r * n:(r + 1) * n])
+        handles.clear()
+
+    return Handle(None, land)
+
+
+def _gather_bf16(group: AllGather, full: torch.Tensor, source: torch.Tensor, ledger: Ledger) -> Handle:
+    """``gather`` of bf16 values: every rank's shard rounded to nearest bf16, written into ``full``."""
+    n, size = source.numel(), group.size
+    sent = ledger.empty(size * n, torch.bfloat16, Category.COMM_BUFFER, full.device)
+    mine = sent[group.rank * n:(group.rank + 1) * n]
+    with torch.no_grad():
+        mine.copy_(source.reshape(-1))
+    handle = group.all_gather(sent, mine)
+
+    def land() -> None:
+        handle.wait()
+        with torch.no_grad():
+            full[:size * n].copy_(sent)
+
+    return Handle(None, land)
+
+
+def _gather_fp8(group: AllGather, full: torch.Tensor, source: torch.Tensor, ledger: Ledger) -> Handle:
+    """``gather`` of e4m3 values with a power-of-two fp32 scale per ``FP8_BLOCK`` elements of each shard (sent as
+    bytes: gloo has no fp8 type), written into ``full`` (through an fp32 copy of one part where ``full`` is not
+    fp32)."""
+    n, size = source.numel(), group.size
+    count = block_fp8.blocks(n, FP8_BLOCK)
+    values = ledger.empty(size * n, block_fp8.E4M3, Category.COMM_BUFFER, full.device)
+    scales = ledger.empty(size * count, torch.float32, Category.COMM_BUFFER, full.device)
+    mine_values = values[group.rank * n:(group.rank + 1) * n]
+    mine_scales = scales[group.rank * count:(group.rank + 1) * count]
+    with torch.no_grad():
+        block_fp8.quantize(source.reshape(-1).to(torch.float32, copy=True), mine_values, mine_scales, FP8_BLOCK)
+    handles = [group.all_gather(scales, mine_scales),
+               group.all_gather(values.view(torch.uint8), mine_values.view(torch.uint8))]
+
+    def land() -> None:
+        for handle in handles:
+            handle.wait()
+        with torch.no_grad():
+            for r in range(size):
+                part = full[r * n:(r + 1) * n]
+                out = part if part.dtype == torch.float32 else torch.empty(n, dtype=torch.float32, device=full.device)
+                block_fp8.dequantize_into(out, values[r * n:(r + 1) * n], scales[r * count:(r + 1) * count],
+                                          FP8_BLOCK)
+                if out is not part:
+                    part.copy_(out)
         handles.clear()
 
     return Handle(None, land)

@@ -46,13 +46,14 @@ from .units import Unit
 
 class Stage3Scheduler:
     def __init__(self, units: list[Unit], root: Unit, prefetch_numel: int | None, pool: BufferPool,
-                 hooked: bool = True, quantize: bool = False) -> None:
+                 hooked: bool = True, quantize: str | None = None) -> None:
         """``prefetch_numel``: elements gathered ahead of use; ``None`` means one unit ahead. ``hooked`` false: one
         rank with every group resident (``FlatParamGroup.resident``): nothing is ever gathered or released, so no unit
         gets a hook; a fault dump finds the unit computing on the error's stack (``fault_dumps.name_units``: a naming
         hook alone cost about 4 us a unit, a whole forward's 12 blocks about 50 us of a host-bound step).
-        ``quantize`` (qwZ): the gathers issued here carry int8 codes (``quantized_comm.py``); the persistent units'
-        and those for reading the model (``state_dict``, ``GatheredParameters``, ``destroy``) stay exact."""
+        ``quantize`` (qwZ): the gathers issued here carry codes of that dtype (``quantized_comm.WEIGHT_DTYPES``);
+        the persistent units' and those for reading the model (``state_dict``, ``GatheredParameters``, ``destroy``)
+        stay exact."""
         self.quantize = quantize
         self.units = units
         self.root = root

@@ -101,8 +101,9 @@ class Unit:
     def numel(self) -> int:
         return sum(g.padded_numel for g in self.all_groups)
 
-    def start_gather(self, quantize: bool = False) -> None:
-        """Start every group's gather (``quantize``: qwZ's int8 codes on the wire, ``FlatParamGroup.gather``)."""
+    def start_gather(self, quantize: str | None = None) -> None:
+        """Start every group's gather (``quantize``: qwZ's codes of that dtype on the wire: ``FlatParamGroup.gather``).
+        """
         for g in self.all_groups:
             handle = g.gather(quantize)
             if handle is not None:
@@ -126,7 +127,7 @@ class Unit:
         for g in self.all_groups:
             g.expose()
 
-    def wait_gather(self, quantize: bool = False) -> None:
+    def wait_gather(self, quantize: str | None = None) -> None:
         """Gather (unless gathered) and wait. Without ``quantize``, groups that hold qwZ's dequantized values
         are gathered again exactly (``FlatParamGroup.make_exact``): the readers of the model's values ask so."""
         self.start_gather(quantize)
