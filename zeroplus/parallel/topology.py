@@ -112,19 +112,19 @@ class Topology:
 
     def _check_tiling(self, key: str, size: int, ranks: str, mechanism: str) -> None:
         """MiCS's shard groups or hpZ's secondary groups (``zero_optimization.<key>`` is ``size``): groups of at least 2
-        consecutive ranks tiling the zero group (of one tensor rank: sizes count data ranks), beside data and tensor
-        parallelism only, and not both."""
+        consecutive ranks tiling the zero group (of one tensor rank: sizes count its data x context ranks), beside
+        data, tensor and context parallelism only, and not both."""
         zero = self.data * self.context
         where = f"zero_optimization.{key} {size!r}"
         if not isinstance(size, int) or size < 2 or zero % size:
             raise ValueError(f"{where}: {ranks}, at least 2, dividing the data-parallel size {zero} (groups of "
                              f"consecutive ranks)")
-        others = {f"{k} size": getattr(self, k) for k in ("pipeline", "expert", "context") if getattr(self, k) > 1}
+        others = {f"{k} size": getattr(self, k) for k in ("pipeline", "expert") if getattr(self, k) > 1}
         if self.shard and self.secondary and key == "zero_hpz_partition_size":
             others["mics_shard_size"] = self.shard
         if others:
             raise ValueError(f"{where} with {', '.join(f'{k} {v}' for k, v in others.items())} is not "
-                             f"supported yet: {mechanism} beside data and tensor parallelism only")
+                             f"supported yet: {mechanism} beside data, tensor and context parallelism only")
 
     @property
     def replicas(self) -> int:
