@@ -20,12 +20,10 @@ import zeroplus
 from tests.dist_helper import run_distributed
 from tests.parallel.model_states import assert_model_states_predicted, ledger_peaks
 from tests.parallel.test_context_parallel import CLIP, LR, MICRO, STEPS, _batches, _model, _reference
+from tests.zero.test_nodes_beside_tensor import CASES  # (the same layouts over the ranks ZeRO shards over)
 from zeroplus.parallel import reset_parallel
 
 DATA, CONTEXT = 2, 2
-CASES = {"flat": (3, {}), "mics 1": (1, {"mics_shard_size": 2}), "mics 3": (3, {"mics_shard_size": 2}),
-         "hpz": (3, {"zero_hpz_partition_size": 2}),
-         "two-level": (3, {"mics_shard_size": 4, "mics_hierarchical_params_gather": True})}
 
 
 def _config(stage: int, zero: dict) -> dict:
