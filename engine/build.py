@@ -209,7 +209,8 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
     try:
         partition = make_partition(model, cfg, zero, ledger, dtype, group_of, param_offload, experts,
                                    UnitPlacement(accel.device(), dtype, _broadcast_group(dp, experts), flattened),
-                                   secondary, _node_groups(zero, parallel))
+                                   secondary, _node_groups(zero, parallel),
+                                   replicas=parallel.topology.replicas if parallel is not None else 1)
     except OSError as err:  # writing the offloaded shards failed (a full disk)
         if param_offload is None:
             raise
@@ -441,11 +442,12 @@ def make_partition(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Collectives,
                    group_of: dict[int, int], param_offload: ParamOffload | None,
                    experts: ExpertSplit | None, placement: UnitPlacement | None = None,
                    secondary: Collectives | None = None,
-                   nodes: tuple[Collectives, Collectives] | None = None) -> ZeroPartition:
+                   nodes: tuple[Collectives, Collectives] | None = None, replicas: int = 1) -> ZeroPartition:
     """The partition of ``model`` as ``cfg`` asks (the engine's, and the budget's model-state count's, whose
     config has the ZeRO block resolved but may lack a batch triple). ``placement``: the engine moves the
     model to the device and dtype through it, one unit at a time (``zero/placement.py``). ``secondary``: hpZ's
-    group (``_secondary_group``); ``nodes``: two-level collectives (``_node_groups``)."""
+    group (``_secondary_group``); ``nodes``: two-level collectives (``_node_groups``); ``replicas``: MiCS's shard
+    groups ``dp`` is one of."""
     accumulation = cfg.gradient_accumulation_steps if isinstance(cfg.gradient_accumulation_steps, int) else 1
     return ZeroPartition(model, resolved_zero(cfg.zero_optimization), dp, ledger, dtype, group_of,
                          cfg.zeroplus.unit_modules, accumulation,
@@ -455,7 +457,7 @@ def make_partition(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Collectives,
                          experts=experts, placement=placement,
                          defer_param_gather=cfg.zeroplus.overlap_param_gather, secondary=secondary, nodes=nodes,
                          gradient_bits=cfg.zeroplus.quantized_gradient_bits,
-                         weights_dtype=cfg.zeroplus.quantized_weights_dtype)
+                         weights_dtype=cfg.zeroplus.quantized_weights_dtype, replicas=replicas)
 
 
 def _check_split(model: torch.nn.Module, parallel: ParallelGroups) -> None:

@@ -220,13 +220,12 @@ def node_ranks(spec: Any, tensor: int | None = None) -> int:
     """How many ranks of one zero group a node holds: ``ranks_per_node`` L over the tensor size T (the config's, or
     ``tensor``: a layout the planner weighs), since tensor ranks are the fastest and a zero group's ranks (data x
     context, context the faster) are the next (node n holds the zero ranks ``n L / T .. (n + 1) L / T - 1`` of every
-    tensor rank); 0 where T does not divide L (tensor groups across nodes) and beside pipeline or expert parallelism
-    (MiCS, hpZ and the two-level collectives run beside data, tensor and context parallelism only:
-    ``Topology._check_tiling``)."""
-    given, pipeline, expert, _ = _sizes(spec)
+    tensor rank); 0 where T does not divide L (tensor groups across nodes) and beside pipeline parallelism (MiCS, hpZ
+    and the two-level collectives do not run there: ``Topology._check_tiling``)."""
+    given, pipeline, _, _ = _sizes(spec)
     tensor = given if tensor is None else tensor
     size = ranks_per_node(spec)
-    return size // tensor if (pipeline, expert) == (1, 1) and size % tensor == 0 else 0
+    return size // tensor if pipeline == 1 and size % tensor == 0 else 0
 
 
 def _span(spec: Any) -> bool:

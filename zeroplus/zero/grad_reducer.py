@@ -36,15 +36,19 @@ from .flat_group import FlatParamGroup
 class GradReducer:
     def __init__(self, stage: ZeroStage, dp: Collectives, bucket_numel: int, use_reduce_scatter: bool,
                  overlap: bool, ledger: Ledger, accumulate_fp32: bool, quantize: bool = False,
-                 nodes: tuple[Collectives, Collectives] | None = None, bits: int = 8) -> None:
+                 nodes: tuple[Collectives, Collectives] | None = None, bits: int = 8, replicas: int = 1) -> None:
         """``quantize`` (qgZ): the reduce-scatter's buckets go as codes of ``bits`` (8 or 4: ``quantized_comm.py``);
         ``nodes``: this rank's node and the ranks at its place in every node, for qgZ's two levels over ``dp`` (None:
-        one level)."""
+        one level). ``replicas``: under MiCS, the shard groups ``dp`` is one of; a group partitioned over ``dp`` is
+        divided by its size here and averaged over the replicas before the step (``sharded_step.py``), one
+        partitioned over another group (experts' expert-data group, which the replicas do not average) by D, the
+        size times the replicas."""
         self.stage = stage
         self.quantize, self.bits = quantize, bits
         self.nodes = nodes
         self.accumulate_fp32 = accumulate_fp32
         self.dp = dp
+        self.replicas = replicas
         self.bucket_numel = max(1, int(bucket_numel))
         self.use_reduce_scatter = use_reduce_scatter
         self.overlap = overlap
@@ -66,12 +70,16 @@ class GradReducer:
         if not self.overlap:
             group.gradient.wait()
 
+    def _scale(self, group: FlatParamGroup) -> float:
+        """What ``group``'s reduced gradient is multiplied by: 1 / D in all (``replicas``)."""
+        return 1.0 / (self.dp.size if group.dp is self.dp else self.dp.size * self.replicas)
+
     def _all_reduce(self, group: FlatParamGroup, grad: torch.Tensor) -> None:
         """All-reduce contiguous buckets of the flat gradient in place; at stages 1-3 keep the owned range, divided
         by D (``reduce_scatter: false``)."""
         accumulate = self._adds_into_shard(group)
         target = self._shard(group, grad.dtype, accumulate) if self.stage.partitions else None
-        lo, scale = group.owned_start, 1.0 / self.dp.size
+        lo, scale = group.owned_start, self._scale(group)
         for a in range(0, group.padded_numel, self.bucket_numel):
             b = min(group.padded_numel, a + self.bucket_numel)
             s, e = max(a, lo), min(b, lo + group.owned_numel)
@@ -86,7 +94,7 @@ class GradReducer:
         accumulate = self._adds_into_shard(group)
         n, s = group.dp.size, group.shard_numel
         target = self._shard(group, grad.dtype, accumulate)
-        matrix, scale = grad.view(n, s), 1.0 / self.dp.size
+        matrix, scale = grad.view(n, s), self._scale(group)
         for c0, c1 in _spans(s, max(1, self.bucket_numel // n)):
             if self.quantize:
                 nodes = self.nodes if group.dp is self.dp else None  # (experts' groups: one level)

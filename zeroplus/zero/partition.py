@@ -144,7 +144,7 @@ class ZeroPartition:
                  master: MasterPolicy = MasterPolicy(), experts: ExpertSplit | None = None,
                  placement: UnitPlacement | None = None, defer_param_gather: bool = False,
                  secondary: Collectives | None = None, nodes: tuple[Collectives, Collectives] | None = None,
-                 gradient_bits: int = 8, weights_dtype: str = "int8") -> None:
+                 gradient_bits: int = 8, weights_dtype: str = "int8", replicas: int = 1) -> None:
         """``master``: how flat groups keep their fp32 master shards; ``experts``: the expert-data group and
         expert rank when experts are split over ranks, else None. ``placement``: moves each unit's other
         tensors to the device just before its flat groups are built (``placement.py``: one unit at a
@@ -156,7 +156,8 @@ class ZeroPartition:
         two levels (``grad_reducer.py``) and, where ``zero.mics_hierarchical_params_gather`` asks, the parameters'
         gathers (``two_level_gather.py``); None: one level. ``gradient_bits``: qgZ's code width
         (``zeroplus.quantized_gradient_bits``); ``weights_dtype``: qwZ's codes
-        (``zeroplus.quantized_weights_dtype``)."""
+        (``zeroplus.quantized_weights_dtype``); ``replicas``: under MiCS, how many shard groups ``dp`` is one of
+        (``grad_reducer.py``)."""
         _refuse_partitioned(model, dp.rank)
         self.defer_param_gather = defer_param_gather
         self.stage = ZeroStage(zero.stage)
@@ -203,7 +204,7 @@ class ZeroPartition:
         # (qgZ at stage 3 reduce-scatters whatever reduce_scatter says: engine/build.py's _check_quantized)
         reduce_scatter = zero.reduce_scatter or (zero.zero_quantized_gradients and self.stage.shards_parameters)
         reducer = GradReducer(self.stage, dp, zero.reduce_bucket_size, reduce_scatter, overlap, ledger,
-                              accumulate_fp32, zero.zero_quantized_gradients, nodes, gradient_bits)
+                              accumulate_fp32, zero.zero_quantized_gradients, nodes, gradient_bits, replicas)
         self.stage3: Stage3Scheduler | None = None  # (stage 3: made as the model is hooked, after the per-use swaps)
         self.backward = BackwardSchedule(self.stage, dp, self.units, reducer, self.pool)
         self._hooks: list[Any] = []

@@ -243,9 +243,10 @@ class ShardedStep:
         """MiCS: each trained group's reduced gradient shard (the mean over its shard group: ``grad_reducer.py``
         divides by the group's size) summed over the replicas holding the same shard, one all-reduce a group, all in
         flight at once, and divided by their number: every replica then holds the mean over every data rank, as flat
-        ZeRO's shard does (in another order of additions), and steps alike."""
+        ZeRO's shard does (in another order of additions), and steps alike. Experts' groups, partitioned over their
+        expert-data group and divided by D already (``grad_reducer.py``), are not replicated: left as they are."""
         assert self.replicas is not None
-        shards = [g.gradient.ensure_reduced() for g in self.partition.groups]
+        shards = [g.gradient.ensure_reduced() for g in self.partition.groups if g.dp is self.partition.dp]
         handles = [self.replicas.all_reduce(shard) for shard in shards]
         for handle, shard in zip(handles, shards):
             handle.wait()
@@ -261,12 +262,15 @@ class ShardedStep:
         flat = [g for g in self.partition.groups if id(g) not in direct]
         longest = max((g.owned_numel for g in flat), default=1)
         scratch = torch.empty(min(_NORM_CHUNK, longest) if flat else 0, dtype=dtype, device=device)  # <= a source
-        # stage 0: the experts' part, summed over the expert group (no kernel where no group holds experts)
-        experts = torch.zeros_like(total) if stage0 and any(g.expert for g in flat) else total
+        # stage 0: the experts' part, summed over the expert group (no kernel where no group holds experts); under
+        # MiCS, summed over the shard group and then the replicas (each expert shard is on one rank of them all), where
+        # the rest is summed over the shard group only (each of its shards is on every replica)
+        apart = (stage0 or self.replicas is not None) and any(g.expert for g in flat)
+        experts = torch.zeros_like(total) if apart else total
         mp = self.model_parallel
         for g in flat:
             source = g.gradient.ensure_flat() if stage0 else g.gradient.ensure_reduced()
-            into = experts if stage0 and g.expert else total
+            into = experts if apart and g.expert else total
             if mp is None or not mp.has_replicated(g):
                 into += _sum_of_squares(source, scratch)
                 continue
@@ -274,10 +278,12 @@ class ShardedStep:
                         else g.param_segments())
             for i, a, b in segments:  # a parameter whole on every tensor rank counts 1/T on each
                 into += _sum_of_squares(source[a:b], scratch) * mp.weight(g.params[i])
-        if experts is not total and self.expert_group is not None:
+        if experts is not total and stage0 and self.expert_group is not None:
             total += self.expert_group.sum_scalar(experts)
         if not stage0:
             self.dp.sum_scalar(total)
+        if experts is not total and not stage0 and self.replicas is not None:
+            total += self.replicas.sum_scalar(self.dp.sum_scalar(experts))
         if mp is not None:
             mp.group.sum_scalar(total)
         return total

@@ -1,0 +1,73 @@
+"""MiCS, hpZ and MiCS's two-level gather beside expert parallelism: 4 gloo ranks as data 4 x expert 2 (the built-in
+GPT with 4 experts a block, ``test_expert_parallel``'s model, batches and AdamW with binding clipping, 2 micro-batches
+a step), ``zeroplus.node_size`` 2: expert groups {0, 1} and {2, 3} (a node each), expert-data groups {0, 2} and {1, 3}.
+The layouts apply to the dense parameters; the experts stay partitioned over their expert-data groups, divided by D
+where they are reduced and left out of the replicas' average (see note: nodes beside tensor).
+
+- MiCS (``mics_shard_size`` 2: shard groups within a node) at stages 1 and 3: the losses and the global gradient norm
+  of flat ZeRO-3 within 1e-6, every parameter within ``test_tensor_parallel``'s tolerance (the gradients are summed in
+  another order, and Adam turns a gradient that is rounding noise into a step of up to lr), the replicas' dense
+  masters bit for bit; the engine's estimate predicts each model-state peak. A wrong
+  expert scale, an expert group averaged over the replicas, or an expert shard counted twice or not at all in the
+  norm changes the norm or the weights.
+- hpZ (``zero_hpz_partition_size`` 2) and MiCS's two-level gather (one shard group of 4 over 2 nodes): flat ZeRO-3's
+  losses, norms and masters bit for bit.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zeroplus
+from tests.dist_helper import run_distributed
+from tests.parallel.model_states import assert_model_states_predicted, ledger_peaks
+from tests.parallel.test_expert_parallel import LR, WORLD, _batches, _config, _engine_model, _params, _train
+from zeroplus.parallel import reset_parallel
+
+CASES = {"flat": (3, {}), "mics 1": (1, {"mics_shard_size": 2}),
+         "mics 3": (3, {"mics_shard_size": 2}), "hpz": (3, {"zero_hpz_partition_size": 2}),
+         "two-level": (3, {"mics_shard_size": 4, "mics_hierarchical_params_gather": True})}
+
+
+def _job() -> dict[str, dict]:
+    out = {}
+    for case, (stage, zero) in CASES.items():
+        cfg = _config(stage, predict=case.startswith("mics"))
+        cfg["zero_optimization"] |= zero
+        cfg["zeroplus"]["node_size"] = 2
+        parallel = zeroplus.init_parallel(cfg)
+        model = _engine_model(parallel.expert.rank)
+        engine = zeroplus.initialize(model, cfg)
+        losses, norms = _train(engine, _batches(), parallel.data.rank, range(3))
+        dense = [g for g in engine.partition.groups if not g.expert]
+        out[case] = {"losses": losses, "norms": norms, "topology": parallel.topology,
+                     "params": _params(engine, model.blocks[0].mlp.moe.local),
+                     "masters": torch.cat([g.master_param.detach().reshape(-1) for g in engine.partition.groups]),
+                     "dense": torch.cat([g.master_param.detach().reshape(-1) for g in dense]),
+                     "shards": {g.dp.size for g in dense}, "ledger": ledger_peaks(engine),
+                     "predicted": engine.budget.category_peaks if engine.budget is not None else None}
+        engine.destroy()
+        reset_parallel()
+    return out
+
+
+def test_mics_and_hpz_beside_expert_parallelism_train_flat_zeros_model():
+    ranks = run_distributed(_job, WORLD)
+    for rank, runs in enumerate(ranks):
+        flat = runs["flat"]
+        for case in ("mics 1", "mics 3"):
+            run, where = runs[case], f"rank {rank} {case}"
+            assert run["topology"].shard == 2 and run["topology"].replicas == 2 and run["shards"] == {2}, where
+            assert run["losses"] == pytest.approx(flat["losses"], rel=1e-6), where
+            assert run["norms"] == pytest.approx(flat["norms"], rel=1e-6), where
+            for name, value in flat["params"].items():
+                torch.testing.assert_close(run["params"][name], value, rtol=1e-4, atol=LR / 10,
+                                           msg=lambda m, n=name: f"{where} {n}: {m}")
+            assert_model_states_predicted(run["ledger"], where, engine=run["predicted"])
+        for case in ("hpz", "two-level"):
+            run, where = runs[case], f"rank {rank} {case}"
+            assert run["losses"] == flat["losses"] and run["norms"] == flat["norms"], where
+            assert torch.equal(run["masters"], flat["masters"]), where
+    for case in ("mics 1", "mics 3"):  # replicas: ranks r and r + 2 hold the same dense shards
+        for a in range(2):
+            assert torch.equal(ranks[a][case]["dense"], ranks[a + 2][case]["dense"]), (case, a)
