@@ -12,6 +12,7 @@ where they are reduced and left out of the replicas' average (see note: nodes be
   norm changes the norm or the weights.
 - hpZ (``zero_hpz_partition_size`` 2) and MiCS's two-level gather (one shard group of 4 over 2 nodes): flat ZeRO-3's
   losses, norms and masters bit for bit.
+- MiCS's checkpoint at stage 3 loads into flat ZeRO-3 over the 4 ranks with every weight it saved, experts included.
 """
 from __future__ import annotations
 
@@ -29,16 +30,24 @@ CASES = {"flat": (3, {}), "mics 1": (1, {"mics_shard_size": 2}),
          "two-level": (3, {"mics_shard_size": 4, "mics_hierarchical_params_gather": True})}
 
 
-def _job() -> dict[str, dict]:
+def _job(path: str) -> dict[str, dict]:
     out = {}
-    for case, (stage, zero) in CASES.items():
+    for case, (stage, zero) in [*CASES.items(), ("loaded", (3, {}))]:
         cfg = _config(stage, predict=case.startswith("mics"))
         cfg["zero_optimization"] |= zero
         cfg["zeroplus"]["node_size"] = 2
         parallel = zeroplus.init_parallel(cfg)
         model = _engine_model(parallel.expert.rank)
         engine = zeroplus.initialize(model, cfg)
+        if case == "loaded":  # flat ZeRO-3 from MiCS's checkpoint
+            engine.load_checkpoint(path)
+            out[case] = {"params": _params(engine, model.blocks[0].mlp.moe.local)}
+            engine.destroy()
+            reset_parallel()
+            continue
         losses, norms = _train(engine, _batches(), parallel.data.rank, range(3))
+        if case == "mics 3":
+            engine.save_checkpoint(path)
         dense = [g for g in engine.partition.groups if not g.expert]
         out[case] = {"losses": losses, "norms": norms, "topology": parallel.topology,
                      "params": _params(engine, model.blocks[0].mlp.moe.local),
@@ -51,8 +60,8 @@ def _job() -> dict[str, dict]:
     return out
 
 
-def test_mics_and_hpz_beside_expert_parallelism_train_flat_zeros_model():
-    ranks = run_distributed(_job, WORLD)
+def test_mics_and_hpz_beside_expert_parallelism_train_flat_zeros_model(tmp_path):
+    ranks = run_distributed(_job, WORLD, str(tmp_path))
     for rank, runs in enumerate(ranks):
         flat = runs["flat"]
         for case in ("mics 1", "mics 3"):
@@ -68,6 +77,8 @@ def test_mics_and_hpz_beside_expert_parallelism_train_flat_zeros_model():
             run, where = runs[case], f"rank {rank} {case}"
             assert run["losses"] == flat["losses"] and run["norms"] == flat["norms"], where
             assert torch.equal(run["masters"], flat["masters"]), where
+        loaded, saved = runs["loaded"]["params"], runs["mics 3"]["params"]
+        assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved), rank
     for case in ("mics 1", "mics 3"):  # replicas: ranks r and r + 2 hold the same dense shards
         for a in range(2):
             assert torch.equal(ranks[a][case]["dense"], ranks[a + 2][case]["dense"]), (case, a)
