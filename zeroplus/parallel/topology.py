@@ -112,22 +112,26 @@ class Topology:
 
     def _check_tiling(self, key: str, size: int, ranks: str, mechanism: str) -> None:
         """MiCS's shard groups or hpZ's secondary groups (``zero_optimization.<key>`` is ``size``): groups of at least 2
-        consecutive ranks tiling the zero group (of one tensor rank: sizes count its data x context ranks), not beside
-        pipeline parallelism or the expert-data mode (``experts_span_tensor``), and not both. Beside experts they lay
-        out the dense parameters; the experts' stay partitioned over their expert-data groups."""
+        consecutive ranks tiling the zero group (of one tensor rank and pipeline stage: sizes count its data x context
+        ranks), not beside the expert-data mode (``experts_span_tensor``), hpZ not beside pipelines (stage 3), and not
+        both. Beside experts they lay out the dense parameters; the experts' stay partitioned over their expert-data
+        groups."""
         zero = self.data * self.context
         where = f"zero_optimization.{key} {size!r}"
         if not isinstance(size, int) or size < 2 or zero % size:
             raise ValueError(f"{where}: {ranks}, at least 2, dividing the data-parallel size {zero} (groups of "
                              f"consecutive ranks)")
-        others = {f"{k} size": getattr(self, k) for k in ("pipeline",) if getattr(self, k) > 1}
+        others: dict[str, object] = {}
+        if self.pipeline > 1 and key == "zero_hpz_partition_size":
+            others["pipeline size"] = self.pipeline
         if self.experts_span_tensor:
             others["experts_span_tensor"] = True
         if self.shard and self.secondary and key == "zero_hpz_partition_size":
             others["mics_shard_size"] = self.shard
         if others:
             raise ValueError(f"{where} with {', '.join(f'{k} {v}' for k, v in others.items())} is not "
-                             f"supported yet: {mechanism} beside data, tensor, context and expert parallelism only")
+                             f"supported yet: {mechanism} beside data, tensor, context and expert parallelism only "
+                             f"(MiCS beside pipelines too)")
 
     @property
     def replicas(self) -> int:
