@@ -10,12 +10,12 @@ ranks and the replicas' masters bit for bit.
 """
 from __future__ import annotations
 
-import pytest
 import torch
 
 import zeroplus
 from tests.dist_helper import run_distributed
-from tests.parallel.test_pipeline import GAS, LR, MICRO, SEQ, STEPS, _config, _gpt
+from tests.parallel.test_pipeline import GAS, MICRO, SEQ, STEPS, _config, _gpt
+from tests.zero.test_nodes_beside_experts import assert_mics_is_flat
 from zeroplus.models.gpt_pipe import gpt_pipeline_layers, gpt_pipeline_loss
 from zeroplus.parallel import reset_parallel
 from zeroplus.parallel.pipeline import PipelineModule
@@ -62,13 +62,7 @@ def test_mics_beside_pipeline_parallelism_trains_flat_zeros_model():
     ranks = run_distributed(_job, 2 * DATA)
     for rank, runs in enumerate(ranks):
         for stage in (1, 2):
-            run, flat, where = runs[f"mics {stage}"], runs[f"flat {stage}"], f"rank {rank} ZeRO {stage}"
-            assert run["topology"].shard == 2 and run["topology"].replicas == 2 and run["shards"] == {2}, where
-            assert run["losses"] == pytest.approx(flat["losses"], rel=1e-6), where
-            assert run["norms"] == pytest.approx(flat["norms"], rel=1e-6), where
-            for name, value in flat["params"].items():
-                torch.testing.assert_close(run["params"][name], value, rtol=1e-4, atol=LR / 10,
-                                           msg=lambda m, n=name: f"{where} {n}: {m}")
+            assert_mics_is_flat(runs[f"mics {stage}"], runs[f"flat {stage}"], f"rank {rank} ZeRO {stage}")
     for stage in (1, 2):  # replicas: data ranks d and d + 2 of one pipeline stage, global r and r + 2
         for a in (0, 1, 4, 5):
             assert torch.equal(ranks[a][f"mics {stage}"]["masters"], ranks[a + 2][f"mics {stage}"]["masters"]), \
