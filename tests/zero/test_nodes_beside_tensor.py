@@ -76,6 +76,22 @@ def _close(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], wher
         torch.testing.assert_close(got[name], value, rtol=1e-4, atol=LR / 10, msg=lambda m, n=name: f"{where} {n}: {m}")
 
 
+def assert_hpz_and_two_level_are_flat(runs: dict[str, dict], rank: int, zero_group: str) -> None:
+    """hpZ over 2 and the two-level gather over nodes of 2: flat ZeRO-3's losses, norms and masters bit for bit; hpZ's
+    gathers split between ``zero_group`` (the comms log's name of the group ZeRO shards over) and the secondary group
+    with no byte more or less, the secondary's all within the node."""
+    flat = runs["flat"]
+    for case in ("hpz", "two-level"):
+        run, where = runs[case], f"rank {rank} {case}"
+        assert run["losses"] == flat["losses"] and run["norms"] == flat["norms"], where
+        assert torch.equal(run["masters"], flat["masters"]), where
+    hpz, two = runs["hpz"], runs["two-level"]
+    assert hpz["topology"].secondary == 2 and two["topology"].node == 2, (rank, hpz["topology"], two["topology"])
+    assert flat["gathered"]["secondary"] == 0 < hpz["gathered"]["secondary"], (rank, hpz["gathered"])
+    assert hpz["gathered"][zero_group] + hpz["gathered"]["secondary"] == flat["gathered"][zero_group], (rank, hpz, flat)
+    assert hpz["links"]["inter_node"] == flat["links"]["inter_node"] - hpz["gathered"]["secondary"], rank
+
+
 def test_mics_and_hpz_beside_tensor_parallelism_train_flat_zero3s_model():
     ranks = run_distributed(_job, 2 * DATA)
     ref_losses, ref_norms, dense = _reference(DATA, STEPS)
@@ -92,16 +108,8 @@ def test_mics_and_hpz_beside_tensor_parallelism_train_flat_zero3s_model():
             assert run["norms"] == pytest.approx(flat["norms"], rel=1e-6), where
             _close(run["params"], flat["params"], where)
             assert_model_states_predicted(run["ledger"], where, engine=run["predicted"])
-        for case in ("hpz", "two-level"):
-            run, where = runs[case], f"rank {rank} {case}"
-            assert run["losses"] == flat["losses"] and run["norms"] == flat["norms"], where
-            assert torch.equal(run["masters"], flat["masters"]), where
-        hpz, two = runs["hpz"], runs["two-level"]
-        assert hpz["topology"].secondary == 2 and two["topology"].node == 2, (rank, hpz["topology"], two["topology"])
-        assert flat["gathered"]["secondary"] == 0 < hpz["gathered"]["secondary"], (rank, hpz["gathered"])
-        assert hpz["gathered"]["data"] + hpz["gathered"]["secondary"] == flat["gathered"]["data"], (rank, hpz, flat)
         # the secondary group (data ranks 2n, 2n + 1 of one tensor rank: global ranks 4n + t, 4n + 2 + t) is on a node
-        assert hpz["links"]["inter_node"] == flat["links"]["inter_node"] - hpz["gathered"]["secondary"], rank
+        assert_hpz_and_two_level_are_flat(runs, rank, "data")
     for case in ("mics 1", "mics 3"):  # replicas: data ranks d and d + 2 of one tensor rank, global r and r + 4
         for a in range(4):
             assert torch.equal(ranks[a][case]["masters"], ranks[a + 4][case]["masters"]), (case, a)

@@ -59,6 +59,7 @@ from ..parallel.autotp import check_plan
 from ..parallel.autotp import exchanged_per_token as tensor_exchanged
 from ..parallel.groups import ranks_per_node, tiling_nodes
 from ..parallel.topology import Topology
+from ..zero.quantized_comm import BLOCK, FP8_BLOCK
 from .estimate import MemoryBudget, estimate
 
 # Nominal bandwidths (bytes/s) the costs are computed with: only their ratios order candidates.
@@ -79,12 +80,13 @@ QUANTIZED = {"qw": "qwZ int8 weight gathers (lossy: each weight within max|block
 
 
 def _coded(bits: int) -> float:
-    """Bytes an element as a code of ``bits`` with an fp32 scale per 256 elements (zero/quantized_comm.py)."""
-    return bits / 8 + 4 / 256
+    """Bytes an element as a code of ``bits`` with an fp32 scale per ``BLOCK`` elements (zero/quantized_comm.py)."""
+    return bits / 8 + 4 / BLOCK
 
 
 CODE_BYTES = _coded(8)  # qwZ's int8 codes
-WEIGHT_CODE_BYTES = {"int8": CODE_BYTES, "fp8": 1 + 4 / 128, "bf16": 2.0}  # qwZ's, by zeroplus.quantized_weights_dtype
+# qwZ's, by zeroplus.quantized_weights_dtype
+WEIGHT_CODE_BYTES = {"int8": CODE_BYTES, "fp8": 1 + 4 / FP8_BLOCK, "bf16": 2.0}
 
 
 @dataclasses.dataclass(frozen=True)
