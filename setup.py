@@ -21,7 +21,7 @@ setup(
     python_requires=">=3.10",
     packages=PACKAGES + ["zeroplus.configs"],
     package_dir={"zeroplus.configs": "configs", **{f"zeroplus.{folder}": folder for folder in MAPPED}},
-    package_data={"zeroplus.configs": ["*.json"]},
+    package_data={"zeroplus.configs": ["*.json"], "zeroplus.kernels": ["*.c"]},
     install_requires=["torch>=2.4", "numpy", "psutil", "pydantic>=2", "tqdm", "safetensors"],
     extras_require={
         "deepspeed": ["deepspeed==0.19.8"],

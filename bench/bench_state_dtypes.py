@@ -10,12 +10,18 @@ the ``ds-keys`` row runs zeroplus under that same block (bf16 moments and bf16 m
 
     python bench/bench_state_dtypes.py                          # stages 1 and 3 (about 12 minutes)
     python bench/bench_state_dtypes.py --stages 1,2,3 --rows fp32,bf16
+    python bench/bench_state_dtypes.py --optimizer-only         # the optimizer's step alone, one thread
+
+``--optimizer-only``: one process, one thread, the step of one flat shard of ``--elements`` (55.4M: GPT 111M over 2
+ranks) with fp32 gradients: torch's fused AdamW over fp32 moments, against the stored-states AdamW over bf16 moments
+with the one-pass CPU loop (``kernels/native_adam.py``) and with the chunked step it replaces; median of 7 steps.
 """
 from __future__ import annotations
 
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_zero import measure, row_parser  # noqa: E402
@@ -44,7 +50,12 @@ def main() -> None:
     p.add_argument("--stages", default="1,3")
     p.add_argument("--json", help="also write the measured rows here")
     p.add_argument("--table", help="print the table of rows a --json file holds, and exit")
+    p.add_argument("--optimizer-only", action="store_true", help="time the optimizer's step alone, and exit")
+    p.add_argument("--elements", type=int, default=55_400_000)
     args = p.parse_args()
+    if args.optimizer_only:
+        optimizer_only(args.elements)
+        return
     if args.table:
         with open(args.table) as f:
             saved = json.load(f)
@@ -88,6 +99,41 @@ def print_table(table: list[dict], args: dict) -> None:
                  if r["framework"] == "zeroplus" else f"{'-':>14}{formula:>9.2f}{'-':>10}{'-':>11}")
         step = f"{r['step_s']:>8.2f}" if r["framework"] == "zeroplus" else f"{'-':>8}"
         print(f"{r['stage']:>5} {r['row']:<16}{shown}{r['peak_gib']:>9.3f}{step}{step_ratio:>7}{r['loss']:>8.4f}")
+
+
+def optimizer_only(elements: int) -> None:
+    import torch
+
+    from zeroplus.optim.stored_states import StoredStatesAdamW
+    torch.set_num_threads(1)
+    param = torch.nn.Parameter(torch.randn(elements))
+    param.grad = torch.randn(elements) * 1e-3
+    bf16 = {"exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16}
+    rows = [("fp32 moments, torch's fused AdamW", lambda: torch.optim.AdamW([param], lr=1e-4, fused=True), None)]
+    for rounding in ("nearest", "stochastic"):
+        for native in (True, False):
+            rows.append((f"bf16 moments, {rounding}, {'one-pass loop' if native else 'chunked step'}",
+                         lambda r=rounding: StoredStatesAdamW([param], lr=1e-4, fused=True, rounding=r, **bf16),
+                         native))
+    print(f"the optimizer's step over {elements / 1e6:.1f}M elements, one thread (median of 7, after one)")
+    base = None
+    for name, make, native in rows:
+        opt = make()
+        if native is not None and not native:
+            opt.native = None
+        elif native and opt.native is None:
+            print(f"{name}: the loop is unavailable here")
+            continue
+        opt.step()
+        times = []
+        for _ in range(7):
+            start = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - start)
+        median = sorted(times)[3] * 1e3
+        base = base or median
+        print(f"{name:<44}{median:8.1f} ms{median / base:7.2f}x")
+        del opt
 
 
 if __name__ == "__main__":

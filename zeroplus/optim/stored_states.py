@@ -7,6 +7,10 @@ runs (the fused one where the group is fused, which takes the engine's ``grad_sc
 does: ``zero/kernel_scale.py``) updates the parameter and the temporaries, and the moments are stored back rounded.
 Every element's update reads only that element, so a flat shard cut across parameters steps as each parameter
 would whole: zeroplus at any stage equals the plain module with this optimizer bit for bit.
+On the CPU, a fused group whose moments are fp32 or bf16 is stepped in one pass instead (``kernels/native_adam.py``:
+one read and one write of each element, where the chunks make five passes), with the same values bit for bit: the
+loop is checked against torch's kernel when it is loaded, and torch's kernel still takes each tensor's last few
+elements (its scalar loop's). Where the loop cannot be built or differs, the chunked step runs and the log says why.
 
 Rounding: ``nearest`` (torch's cast, ties to even) or, for bf16 and fp8, ``stochastic``
 (``kernels/stochastic_round.py``, ``kernels/block_fp8.py``: by a hash of the value and the step count, the same on any
@@ -14,8 +18,8 @@ layout); unset, stochastic where a moment is fp8 (to nearest, its 3 mantissa bit
 the main job's loss +3%).
 
 Memory: ``state_bytes`` per element for the moments (4 with both bf16, against 8 in fp32) and, while a step runs, two
-fp32 temporaries of ``CHUNK`` elements (8 MiB; stochastic rounding's hash 8 MiB more: ``workspace_bytes``), which
-the memory budget adds to the step.
+fp32 temporaries of ``CHUNK`` elements (8 MiB; stochastic rounding's hash 8 MiB more: ``workspace_bytes``; a few
+elements where the one-pass loop steps the rest), which the memory budget adds to the step.
 Loading a state dict keeps the configured dtypes: moments saved in another dtype are converted (rounded to
 nearest), where torch's ``load_state_dict`` would cast them to the parameter's dtype.
 See note: stored optimizer states (docs/design-notes.md).
@@ -23,6 +27,8 @@ See note: stored optimizer states (docs/design-notes.md).
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -30,6 +36,8 @@ from typing import Any
 import torch
 from torch.optim.adam import adam as _adam_functional
 
+from ..cache_dir import cache_root
+from ..kernels import native_adam
 from ..kernels.block_fp8 import E4M3, E8M0, MX_BLOCK, blocks, dequantize_into, quantize
 from ..kernels.stochastic_round import store
 
@@ -37,6 +45,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, 
 BLOCKS = (128, 256)  # fp8's (fp32 scales); mxfp8's is MX_BLOCK (e8m0 scales)
 MOMENTS = ("exp_avg", "exp_avg_sq")
 CHUNK = 1 << 20  # elements per fp32 temporary
+logger = logging.getLogger("zeroplus.optim")
 
 
 class StoredStates(torch.optim.Optimizer):
@@ -65,6 +74,20 @@ class StoredStates(torch.optim.Optimizer):
         self.block = block  # fp8 moments: elements per scale
         self.scale_dtype = scale_dtype  # fp8 moments: their scales' (fp32, or mxfp8's e8m0)
         self._held: dict[torch.device, torch.Tensor] | None = None  # chunk buffers kept across calls: holding()
+        self.native = self._native_kernel()
+
+    def _native_kernel(self) -> native_adam.NativeAdam | None:
+        """The one-pass CPU loop (``kernels/native_adam.py``) where it serves these moments and a parameter is on
+        the CPU: built and checked against torch's kernel once per process; None elsewhere (the chunked step)."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        if not set(self.state_dtypes.values()) <= set(native_adam.KINDS) or not any(
+                p.device.type == "cpu" and p.dtype == torch.float32 for p in params):
+            return None
+        directory = os.path.join(cache_root(), "native")
+        kernel = native_adam.load(directory)
+        if kernel is None:
+            logger.info("stored optimizer states: the chunked step (%s)", native_adam.unavailable(directory))
+        return kernel
 
     @contextlib.contextmanager
     def holding(self) -> Iterator[None]:
@@ -102,10 +125,21 @@ class StoredStates(torch.optim.Optimizer):
     @property
     def workspace_bytes(self) -> int:
         """The temporaries a step holds at once: one fp32 chunk of each moment, and stochastic rounding's two int32
-        chunks, a chunk as long as the longest parameter's where that is shorter than ``CHUNK`` (as ``step`` makes
-        them: a small model's shards were predicted 8% over the main job's peak with whole chunks)."""
-        longest = max((p.numel() for group in self.param_groups for p in group["params"]), default=0)
+        chunks, a chunk as long as the longest run the chunked step takes where that is shorter than ``CHUNK`` (as
+        ``step`` makes them: a small model's shards were predicted 8% over the main job's peak with whole chunks);
+        where the native loop steps a parameter, the chunked step takes only its last few elements."""
+        longest = max((self._chunked(p, group, p) for group in self.param_groups for p in group["params"]), default=0)
         return (4 if self.rounding == "stochastic" else 2) * min(CHUNK, longest) * 4
+
+    def _native_for(self, p: torch.Tensor, group: dict[str, Any], grad: torch.Tensor) -> bool:
+        """Whether the native loop steps ``p`` (its group fused, as the loop is torch's fused kernel's arithmetic)."""
+        return (self.native is not None and bool(group["fused"]) and p.device.type == "cpu"
+                and native_adam.fits(p, grad))
+
+    def _chunked(self, p: torch.Tensor, group: dict[str, Any], grad: torch.Tensor) -> int:
+        """How many of ``p``'s elements the chunked step takes: all, or the native loop's remainder."""
+        n = p.numel()
+        return n - self.native.covered(n) if self.native is not None and self._native_for(p, group, grad) else n
 
     def _state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]
@@ -127,20 +161,25 @@ class StoredStates(torch.optim.Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         stepped = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        # an overflow step leaves everything as it is (torch's kernel returns at once): the chunked step, whose
+        # kernel reads the flag, takes it whole
+        native = self.native is not None and (found_inf is None or not found_inf.item())
         sizes: dict[torch.device, int] = {}  # one set of chunk buffers per device, as long as its longest chunk
-        for p, _ in stepped:
-            sizes[p.device] = max(sizes.get(p.device, 0), min(CHUNK, p.numel()))
+        for p, group in stepped:
+            assert p.grad is not None
+            chunked = self._chunked(p, group, p.grad) if native else p.numel()
+            sizes[p.device] = max(sizes.get(p.device, 0), min(CHUNK, chunked))
         rows = 4 if self.rounding == "stochastic" else 2  # two fp32 moments (+ the hash's two int32 rows)
         scratch = self._held if self._held is not None else {}
         for device, size in sizes.items():
             if device not in scratch or scratch[device].shape[1] < size:
                 scratch[device] = torch.empty(rows, size, dtype=torch.float32, device=device)
         for p, group in stepped:
-            self._step_one(p, group, grad_scale, found_inf, scratch[p.device])
+            self._step_one(p, group, grad_scale, found_inf, scratch[p.device], native)
         return loss
 
     def _step_one(self, p: torch.Tensor, group: dict[str, Any], grad_scale: torch.Tensor | None,
-                  found_inf: torch.Tensor | None, scratch: torch.Tensor) -> None:
+                  found_inf: torch.Tensor | None, scratch: torch.Tensor, native: bool) -> None:
         grad = p.grad
         assert grad is not None
         if grad.is_sparse:
@@ -150,7 +189,16 @@ class StoredStates(torch.optim.Optimizer):
         count += 1
         flat_p, flat_g = p.view(-1), grad.view(-1)
         beta1, beta2 = group["betas"]
-        for a in range(0, p.numel(), CHUNK):  # (CHUNK is a multiple of every block: an fp8 block is in one chunk)
+        done = 0
+        if native and self._native_for(p, group, grad):
+            assert self.native is not None
+            done = self.native.step(flat_p, flat_g, state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
+                                    lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+                                    weight_decay=group["weight_decay"], eps=group["eps"], count=float(count),
+                                    decoupled=self.decoupled, maximize=group["maximize"],
+                                    grad_scale=None if grad_scale is None else float(grad_scale),
+                                    stochastic=self.rounding == "stochastic")
+        for a in range(done, p.numel(), CHUNK):  # (CHUNK is a multiple of every block: an fp8 block is in one chunk)
             b = min(a + CHUNK, p.numel())
             m = self._read(state, "exp_avg", a, b, scratch[0, :b - a])
             v = self._read(state, "exp_avg_sq", a, b, scratch[1, :b - a])

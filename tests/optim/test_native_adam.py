@@ -1,0 +1,131 @@
+"""The one-pass CPU loop of Adam/AdamW over bf16 or fp32 moments (``kernels/native_adam.py``, ``adam_stored.c``).
+
+- Built and loaded on this machine (a C compiler is present wherever the suite runs; skipped, with the reason,
+  where none is), and used by the stored-states optimizer for CPU parameters.
+- Against torch's fused kernel in one process, bit for bit: Adam and AdamW, decay on and off, ``maximize``, a
+  ``grad_scale`` (the gradient divided and stored back), bf16 and fp32 moments, rounded to nearest and
+  stochastically, six steps, tensors whose length leaves a tail (which torch's kernel then takes): the stored-states
+  optimizer with the loop equals the same optimizer without it (the chunked step: torch's kernel around fp32
+  copies), on one thread and on two.
+- An overflow step (``found_inf`` set) changes nothing, as torch's kernel.
+- The guard: a loop whose arithmetic differs from torch's (the second moment's fused multiply-add written as a
+  multiply and an add) is refused at load, naming what differs (the optimizer then runs the chunked step).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+import zeroplus
+from tests.models import ParityNet, make_batches
+from zeroplus.cache_dir import cache_root
+from zeroplus.kernels import native_adam
+from zeroplus.optim.stored_states import StoredStatesAdam, StoredStatesAdamW
+
+needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here: the chunked step runs")
+
+
+def _native() -> native_adam.NativeAdam:
+    directory = os.path.join(cache_root(), "native")
+    kernel = native_adam.load(directory)
+    assert kernel is not None, native_adam.unavailable(directory)
+    return kernel
+
+
+def _pair(cls: type, params: list[torch.Tensor], **kwargs) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer,
+                                                                      list[torch.Tensor], list[torch.Tensor]]:
+    ours = [p.detach().clone().requires_grad_() for p in params]
+    chunked = [p.detach().clone().requires_grad_() for p in params]
+    a, b = cls(ours, fused=True, **kwargs), cls(chunked, fused=True, **kwargs)
+    b.native = None
+    return a, b, ours, chunked
+
+
+@needs_compiler
+@pytest.mark.fast
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("cls,decay,maximize,scaled", [
+    (StoredStatesAdamW, 0.1, False, False), (StoredStatesAdam, 0.1, False, True), (StoredStatesAdamW, 0.0, True, False),
+])
+@pytest.mark.parametrize("moments,rounding", [("bf16", "nearest"), ("bf16", "stochastic"), ("mixed", "nearest")])
+def test_the_loop_equals_the_chunked_step_bit_for_bit(cls, decay, maximize, scaled, moments, rounding, threads):
+    kernel = _native()
+    dtypes = ({"exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16} if moments == "bf16" else
+              {"exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.float32})
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(n, generator=gen) for n in (4099, 3 * kernel.lanes, 7, 1 << 14)]
+    a, b, ours, chunked = _pair(cls, params, lr=1e-2, weight_decay=decay, maximize=maximize, rounding=rounding,
+                                **dtypes)
+    assert a.native is kernel and a.workspace_bytes < b.workspace_bytes
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for step in range(6):
+            grads = [torch.randn(p.shape, generator=gen) for p in params]
+            for opt, group in ((a, ours), (b, chunked)):
+                for p, g in zip(group, grads):
+                    p.grad = g.clone()
+                if scaled:
+                    opt.grad_scale = torch.tensor(2.0 ** (step % 3))
+                opt.step()
+            for x, y in zip(ours + [p.grad for p in ours], chunked + [p.grad for p in chunked]):
+                assert torch.equal(x, y), (step, x.numel())
+    finally:
+        torch.set_num_threads(before)
+    for p, q in zip(ours, chunked):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert a.state[p][key].dtype == b.state[q][key].dtype
+            assert torch.equal(a.state[p][key].view(torch.int16 if a.state[p][key].element_size() == 2 else
+                                                    torch.int32),
+                               b.state[q][key].view(torch.int16 if b.state[q][key].element_size() == 2 else
+                                                    torch.int32))
+
+
+@needs_compiler
+def test_an_overflow_step_changes_nothing():
+    _native()
+    params = [torch.randn(1000)]
+    a, _, ours, _ = _pair(StoredStatesAdamW, params, lr=1e-2, exp_avg_dtype=torch.bfloat16,
+                          exp_avg_sq_dtype=torch.bfloat16)
+    ours[0].grad = torch.randn(1000)
+    a.step()
+    kept = (ours[0].detach().clone(), a.state[ours[0]]["exp_avg"].clone(), a.state[ours[0]]["step"].clone())
+    a.found_inf = torch.tensor(1.0)
+    a.grad_scale = torch.tensor(4.0)
+    grad = torch.randn(1000)
+    ours[0].grad = grad.clone()
+    a.step()
+    assert torch.equal(ours[0], kept[0]) and torch.equal(a.state[ours[0]]["exp_avg"], kept[1])
+    assert torch.equal(a.state[ours[0]]["step"], kept[2]) and torch.equal(ours[0].grad, grad)
+
+
+@needs_compiler
+def test_the_engine_steps_bf16_moments_with_the_loop_on_the_cpu():
+    torch.manual_seed(0)
+    engine = zeroplus.initialize(ParityNet(), {
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 1},
+        "zeroplus": {"log_level": "warning", "memory_estimate": False,
+                     "optimizer_states": {"exp_avg": "bf16", "exp_avg_sq": "bf16"}}})
+    assert engine.optimizer.native is _native()
+    for x, y in make_batches(2, 2):
+        engine.backward(engine(x, y))
+        engine.step()
+    engine.destroy()
+
+
+@needs_compiler
+def test_a_loop_that_differs_from_torchs_kernel_is_refused(tmp_path, monkeypatch):
+    with open(native_adam.SOURCE) as f:
+        source = f.read()
+    exact = "v = fmaf(sq_coeff * g, g, v * beta2);"
+    assert exact in source
+    mutated = tmp_path / "adam_stored.c"
+    mutated.write_text(source.replace(exact, "v = v * beta2 + sq_coeff * g * g;"))
+    monkeypatch.setattr(native_adam, "SOURCE", str(mutated))
+    directory = str(tmp_path / "built")
+    assert native_adam.load(directory) is None
+    assert "differs from torch's fused kernel" in native_adam.unavailable(directory)
