@@ -26,6 +26,9 @@ peers is measured so) and prints, as JSON:
 - ``code_built``, ``code_constructed``, ``code_trained``: torch's code resident after the model was
   built, after ``initialize`` and after training (``budget/first_use.py``), so a process that already
   holds some of it is predicted without it.
+- ``block_scaled_states``: torch's code that a step over fp8 and then mxfp8 optimizer moments pages in beyond the
+  training above (``optim/stored_states.py``, stochastic rounding as their default; e4m3 and e8m0 conversions, the
+  blocks' scales): 2.7-2.9 MiB here, 2026-12-06, which a run with such moments holds from its first step on.
 
 The memory budget (``budget/runtime_overhead.py``) runs this once per machine and keeps the result.
 It is run with glibc as zeroplus sets it by default (returning freed memory: ``host_allocator.py``) and
@@ -50,6 +53,7 @@ from .budget.first_use import code_resident
 from .host_kernel_cache import CAPACITY
 from .initialize_engine import initialize
 from .models import GPT, gpt_config
+from .optim.stored_states import StoredStatesAdamW, requested
 
 SEQ = 32
 PROFILED_STEP = 3  # the steps before it are what an unprofiled run holds
@@ -79,6 +83,18 @@ def _kernel_cache_bytes(dtype: torch.dtype) -> int:
     weight.grad = None
     accelerator.release_host_memory()
     return max(0, accelerator.memory_allocated() - before)
+
+
+def _block_scaled_code() -> int:
+    """Resident bytes of torch's code that two steps over fp8, then mxfp8, moments page in (``block_scaled_states``)."""
+    before = code_resident() or 0
+    for name in ("fp8", "mxfp8"):
+        param = torch.nn.Parameter(torch.randn(4096))
+        param.grad = torch.randn(4096)
+        optimizer = StoredStatesAdamW([param], lr=1e-4, fused=True, **(requested(name, name, None, False) or {}))
+        optimizer.step()
+        optimizer.step()
+    return max(0, (code_resident() or 0) - before)
 
 
 def _arg(name: str, default: str) -> str:
@@ -112,6 +128,7 @@ def main() -> None:
             trained = engine.memory_report().process_peak_above_start_bytes
             code_trained = code_resident() or 0
     profiled = engine.memory_report().process_peak_above_start_bytes - trained
+    block_scaled = _block_scaled_code()
     budget = engine.budget
     if budget is None:
         raise RuntimeError("the runtime probe's engine made no memory prediction")
@@ -119,7 +136,7 @@ def main() -> None:
               "construction": max(0, constructed - _tensor_bytes(budget.phases["init"])),
               "training": max(0, trained - _tensor_bytes(budget.phases[budget.training_peak_phase])
                               - budget.host_buffers),
-              "profiled": max(0, profiled)}
+              "profiled": max(0, profiled), "block_scaled_states": block_scaled}
     if "--kernel-cache" in sys.argv:
         result["kernel_cache"] = _kernel_cache_bytes(DTYPES[dtype])
     print(json.dumps(result))

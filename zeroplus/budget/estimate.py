@@ -47,7 +47,7 @@ from ..host_kernel_cache import caveat as kernel_cache_caveat
 from ..memory_view import CATEGORIES, LABELS, budget_chart
 from ..parallel.groups import current_groups, parallel_groups
 from .model_states import model_state_bytes
-from .runtime_overhead import kernel_cache_bytes, runtime_bytes, second_simulation_bytes
+from .runtime_overhead import block_scaled_states_bytes, kernel_cache_bytes, runtime_bytes, second_simulation_bytes
 from .simulate import _meta, _quiet, default_loss, group_stand_ins, meta_copy, simulate
 from .tracker import PHASES, TRAINING_PHASES, cpu_workspace_bytes
 from .virtual_parallel import topology_of
@@ -294,10 +294,15 @@ def _estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: di
     kind = accelerator or get_accelerator().name
     parsed = load_config(config)  # (parsed once: the dtype and the profiler both read it)
     dtype = _compute_dtype_name(parsed)
+    construction_runtime, training_runtime = runtime_bytes(kind, dtype, code, world_size,
+                                                           parsed.flops_profiler.enabled)
+    moments = parsed.zeroplus.optimizer_states
+    if {moments.exp_avg, moments.exp_avg_sq} & {"fp8", "mxfp8"}:  # their step's code, from the first step on
+        training_runtime += block_scaled_states_bytes(kind, dtype)
     tracker, cfg = simulate(model, config, world_size, rank, micro_batch_size=micro_batch_size, seq_len=seq_len,
                             example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
                             workspace=cpu_workspace_bytes if kind == "cpu" else None,
-                            runtime=runtime_bytes(kind, dtype, code, world_size, parsed.flops_profiler.enabled),
+                            runtime=(construction_runtime, training_runtime),
                             routed_kernels=kernel_cache_bytes(kind, dtype), construction=construction)
     # MKL's pool, from the first forward on (host_gemm_pool): what the process pooled at initialize is its baseline
     pool = max(0, pool_bytes(list(tracker.host_products)) - (pooled or 0)) if kind == "cpu" else 0

@@ -9,7 +9,8 @@ run of a 0.3 MiB model), again with its first forward simulating twice, then in 
 (``host_allocator.py``: no ``MALLOC_*`` variables of the caller's, as a user's process starts), and keeps its
 numbers (from construction on, from the first backward on, how much of torch's code was resident after its model was
 built, after ``initialize`` and after training, what a rank of two held more, what a step under the FLOPs profiler
-added, what a second simulation at the first forward left, and what full kernel caches hold: ``kernel_cache_bytes``)
+added, what a second simulation at the first forward left, what full kernel caches hold: ``kernel_cache_bytes``, and
+the code an fp8 optimizer step pages in: ``block_scaled_states_bytes``)
 in a file keyed by host, Python, torch and zeroplus
 versions and the probe's own version, so later processes on the machine read them. Ranks that start together wait on
 one lock and probe once. ``initialize`` reads how much of torch's code its own process already holds, and the
@@ -67,11 +68,13 @@ ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(THRESHOLD), "MALLOC_TRIM_THRESHOL
 # buffers for its peer, the collectives' code); "profiled", "profiled_with_peer": what a step under the FLOPs profiler
 # put on the peak beyond that, in a rank alone and in a rank of two (Python dispatch around the collectives);
 # "second_simulation": what one more simulation of the first forward's estimate left resident (an engine whose resize
-# recompute was left unset simulates the run twice where it may pay; the probe's own engine, once)
+# recompute was left unset simulates the run twice where it may pay; the probe's own engine, once);
+# "block_scaled_states": torch's code a step over fp8 or mxfp8 moments pages in beyond training's
 RECORD = ("construction", "training", "code_built", "code_constructed", "code_trained", "peers", "profiled",
-          "profiled_with_peer", "second_simulation", "kernel_cache")
+          "profiled_with_peer", "second_simulation", "kernel_cache", "block_scaled_states")
 # GPT-tiny, fp32, a 2-core machine: one gloo rank; peers from two; no kernel cache (fp32's products keep none)
-FALLBACK_BYTES = (12 * 2**20, 24 * 2**20, 40 * 2**20, 45 * 2**20, 62 * 2**20, 2 * 2**20, 2**19, 3 * 2**19, 2**16, 0)
+FALLBACK_BYTES = (12 * 2**20, 24 * 2**20, 40 * 2**20, 45 * 2**20, 62 * 2**20, 2 * 2**20, 2**19, 3 * 2**19, 2**16, 0,
+                  3 * 2**20)
 LAZY_IMPORTS = ("torch._dynamo",)  # what torch imports lazily for an engine: imported above, with zeroplus
 DTYPES = ("fp32", "bf16", "fp16")  # compute dtypes, each probed apart
 # what the probe measures changed (2: the step's norm scratch no longer counted whole in the tensors
@@ -85,9 +88,9 @@ DTYPES = ("fp32", "bf16", "fp16")  # compute dtypes, each probed apart
 # profiler; 12: its engine simulates once where resize recompute cannot pay, and one more simulation's residue is
 # measured; 13: glibc's thresholds at 32 KiB, not 128; 14: what full kernel caches hold, measured; 15: its training
 # figure without MKL's buffer pool, which a run's own prediction measures for its shapes; 16: torch's flight recorder
-# off in its ranks, as zeroplus sets it on CPU): a kept result from an earlier meaning is probed again, whatever the
-# package version
-PROBE_VERSION = "16"
+# off in its ranks, as zeroplus sets it on CPU; 17: the code an fp8 and an mxfp8 optimizer step page in): a kept result
+# from an earlier meaning is probed again, whatever the package version
+PROBE_VERSION = "17"
 # a launcher's variables would make the probe's engine join the caller's job
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
@@ -136,6 +139,15 @@ def kernel_cache_bytes(kind: str, dtype: str = "fp32") -> int:
     if kind != "cpu" or os.environ.get(ENV) is not None:
         return 0
     return held_bytes(_measured(dtype)[9])
+
+
+def block_scaled_states_bytes(kind: str, dtype: str = "fp32") -> int:
+    """What a run whose optimizer moments are fp8 or mxfp8 holds more from its first step on, on accelerator
+    ``kind``: torch's code for their conversions and scales (the probe's ``block_scaled_states``); 0 on CUDA and NPU,
+    and where ``ZEROPLUS_RUNTIME_BYTES`` gives the overhead by hand."""
+    if kind != "cpu" or os.environ.get(ENV) is not None:
+        return 0
+    return _measured(dtype)[10]
 
 
 @functools.lru_cache(maxsize=None)
@@ -227,7 +239,8 @@ def _describe(measured: tuple[int, ...]) -> str:
             f"backward, {(measured[4] - measured[2]) / 2**20:.1f} MiB of it torch's code paged in, "
             f"{measured[5] / 2**20:.1f} MiB more with a peer; a step under the FLOPs profiler "
             f"{measured[6] / 2**20:.1f} MiB more, {measured[7] / 2**20:.1f} with a peer; a second simulation "
-            f"{measured[8] / 2**20:.1f} MiB; full kernel caches {measured[9] / 2**20:.1f} MiB")
+            f"{measured[8] / 2**20:.1f} MiB; full kernel caches {measured[9] / 2**20:.1f} MiB; fp8 optimizer moments' "
+            f"code {measured[10] / 2**20:.1f} MiB")
 
 
 def _cache_key(dtype: str) -> dict[str, str]:
