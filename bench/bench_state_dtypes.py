@@ -14,7 +14,8 @@ the ``ds-keys`` row runs zeroplus under that same block (bf16 moments and bf16 m
 
 ``--optimizer-only``: one process, one thread, the step of one flat shard of ``--elements`` (55.4M: GPT 111M over 2
 ranks) with fp32 gradients: torch's fused AdamW over fp32 moments, against the stored-states AdamW over bf16 moments
-with the one-pass CPU loop (``kernels/native_adam.py``) and with the chunked step it replaces; median of 7 steps.
+with the one-pass CPU loop (``kernels/native_adam.py``) and with the chunked step it replaces, and the same for fp8
+and mxfp8 moments (stochastic, their default); median of 7 steps.
 """
 from __future__ import annotations
 
@@ -104,17 +105,22 @@ def print_table(table: list[dict], args: dict) -> None:
 def optimizer_only(elements: int) -> None:
     import torch
 
+    from zeroplus.kernels.block_fp8 import E4M3, E8M0, MX_BLOCK
     from zeroplus.optim.stored_states import StoredStatesAdamW
     torch.set_num_threads(1)
     param = torch.nn.Parameter(torch.randn(elements))
     param.grad = torch.randn(elements) * 1e-3
-    bf16 = {"exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16}
+    kinds = {"bf16": {"exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16},
+             "fp8": {"exp_avg_dtype": E4M3, "exp_avg_sq_dtype": E4M3},
+             "mxfp8": {"exp_avg_dtype": E4M3, "exp_avg_sq_dtype": E4M3, "block": MX_BLOCK, "scale_dtype": E8M0}}
     rows = [("fp32 moments, torch's fused AdamW", lambda: torch.optim.AdamW([param], lr=1e-4, fused=True), None)]
-    for rounding in ("nearest", "stochastic"):
-        for native in (True, False):
-            rows.append((f"bf16 moments, {rounding}, {'one-pass loop' if native else 'chunked step'}",
-                         lambda r=rounding: StoredStatesAdamW([param], lr=1e-4, fused=True, rounding=r, **bf16),
-                         native))
+    for kind, roundings in (("bf16", ("nearest", "stochastic")), ("fp8", ("stochastic",)), ("mxfp8", ("stochastic",))):
+        for rounding in roundings:
+            for native in (True, False):
+                rows.append((f"{kind} moments, {rounding}, {'one-pass loop' if native else 'chunked step'}",
+                             lambda r=rounding, k=kind: StoredStatesAdamW([param], lr=1e-4, fused=True, rounding=r,
+                                                                          **kinds[k]),
+                             native))
     print(f"the optimizer's step over {elements / 1e6:.1f}M elements, one thread (median of 7, after one)")
     base = None
     for name, make, native in rows:
@@ -132,7 +138,7 @@ def optimizer_only(elements: int) -> None:
             times.append(time.perf_counter() - start)
         median = sorted(times)[3] * 1e3
         base = base or median
-        print(f"{name:<44}{median:8.1f} ms{median / base:7.2f}x")
+        print(f"{name:<46}{median:8.1f} ms{median / base:7.2f}x")
         del opt
 
 

@@ -1,11 +1,15 @@
-/* One pass of Adam/AdamW over fp32 parameters and gradients whose two moments are each kept in fp32 or bf16.
+/* One pass of Adam/AdamW over fp32 parameters and gradients whose two moments are each kept in fp32 or bf16, or both
+   in e4m3 with a power-of-two scale per block (fp8: fp32 scales; mxfp8: e8m0 scales).
 
    Each element is computed in fp32 with the operations, in the order and with the fused multiply-adds, of torch's
    vectorised CPU kernel (torch._fused_adam_ / torch._fused_adamw_, the elements its vector loop takes), and a bf16
    moment is stored rounded to nearest even (torch's cast) or stochastically (kernels/stochastic_round.py's hash of
-   the value and the step count). Built with -ffp-contract=off, so the fused multiply-adds are the explicit fmaf
-   calls and no others; kernels/native_adam.py checks the result against torch's kernel bit for bit before it is
-   used, and gives torch the last elements its scalar loop would take.
+   the value and the step count). e4m3 moments are read, stepped and stored a block at a time as
+   kernels/block_fp8.py quantizes them (the second moment as its correctly rounded square root). Built with
+   -ffp-contract=off, so the fused multiply-adds are the explicit fmaf calls and no others; kernels/native_adam.py
+   checks the result against torch's kernel and the fp8 codec bit for bit before it is used, and leaves the caller
+   the last elements torch's scalar loop would take (and, fp8, the block they are in). Selects are written as masks
+   where a branch kept a loop from being vectorised.
 
    Plain C, no torch headers: the caller passes data pointers (kernels/native_adam.py, through ctypes). */
 #include <math.h>
@@ -13,7 +17,7 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { FP32 = 0, BF16 = 1 };
+enum { FP32 = 0, BF16 = 1, E4M3 = 2 };
 
 typedef struct {
   float *param;
@@ -40,6 +44,12 @@ typedef struct {
   float grad_scale;    /* the gradient is divided by it and stored back, as torch's kernel does; 0: none */
   int stochastic;
   uint32_t step_hash;  /* (int32) count * golden ratio, the stochastic draw's seed */
+  /* e4m3 moments (both): one power-of-two scale per `block` elements, fp32 or e8m0 (`e8m0_scales`); the second
+     moment kept as its square root (kernels/block_fp8.py) */
+  void *exp_avg_scales;
+  void *exp_avg_sq_scales;
+  int e8m0_scales;
+  int64_t block;
 } Job;
 
 static inline float load(const void *base, int kind, int64_t i) {
@@ -76,6 +86,15 @@ static inline void store(void *base, int kind, int64_t i, float x, int stochasti
 
 enum { NO_DECAY = 0, DECOUPLED = 1, L2 = 2 };
 
+#define CONSTANTS(job)                                                                                  \
+  const float decay = (job)->decay, weight_decay = (job)->weight_decay;                                 \
+  const float sign = (job)->maximize ? -1.0f : 1.0f;                                                    \
+  const float lerp_coeff = (job)->lerp_coeff, sq_coeff = (job)->sq_coeff;                               \
+  const float beta2 = (job)->beta2, bias2_sqrt = (job)->bias2_sqrt, eps = (job)->eps;                   \
+  const float neg_step_size = (job)->neg_step_size;                                                     \
+  const int lerp_small = (job)->lerp_small;                                                             \
+  const uint32_t step_hash = (job)->step_hash;
+
 /* The loop for one choice of kinds, decay and rounding, each a constant where it is inlined (run), so that each
    copy is vectorised with its loads, stores and branches fixed. */
 static inline __attribute__((always_inline)) void step_range(const Job *job, int mk, int vk, int decay_mode,
@@ -84,12 +103,7 @@ static inline __attribute__((always_inline)) void step_range(const Job *job, int
   const float *restrict grad = job->grad;
   void *restrict exp_avg = job->exp_avg;
   void *restrict exp_avg_sq = job->exp_avg_sq;
-  const float decay = job->decay, weight_decay = job->weight_decay, sign = job->maximize ? -1.0f : 1.0f;
-  const float lerp_coeff = job->lerp_coeff, sq_coeff = job->sq_coeff;
-  const float beta2 = job->beta2, bias2_sqrt = job->bias2_sqrt, eps = job->eps;
-  const float neg_step_size = job->neg_step_size;
-  const int lerp_small = job->lerp_small;
-  const uint32_t step_hash = job->step_hash;
+  CONSTANTS(job)
   for (int64_t i = job->begin; i < job->end; i++) {
     float p = param[i];
     float g = grad[i] * sign; /* (times one: exact) */
@@ -106,6 +120,161 @@ static inline __attribute__((always_inline)) void step_range(const Job *job, int
   }
 }
 
+/* fp32 to e4m3, rounded to nearest even, as torch casts (out of range and NaN: NaN, 0x7f with the sign); both
+   roundings computed and one selected, so that a loop of it is vectorised. */
+static inline uint8_t e4m3_nearest(float f) {
+  uint32_t bits;
+  memcpy(&bits, &f, 4);
+  const uint32_t sign = bits & 0x80000000u;
+  bits ^= sign;
+  const uint32_t denorm = 141u << 23; /* below e4m3's normals: added to 2^14, whose last bits are then the code */
+  float magnitude, offset;
+  memcpy(&magnitude, &bits, 4);
+  memcpy(&offset, &denorm, 4);
+  magnitude = magnitude + offset;
+  uint32_t sum;
+  memcpy(&sum, &magnitude, 4);
+  const uint32_t small = sum - denorm;
+  const uint32_t normal = (bits + ((uint32_t)(7 - 127) << 23) + 0x7FFFFu + ((bits >> 20) & 1u)) >> 20;
+  const uint32_t nan = 0u - (uint32_t)(bits >= (1087u << 20)), below = 0u - (uint32_t)(bits < (121u << 23));
+  const uint32_t out = (nan & 0x7Fu) | (~nan & ((below & small) | (~below & normal)));
+  return (uint8_t)((out & 0xFFu) | (sign >> 24));
+}
+
+static inline uint32_t draw16(uint32_t u, uint32_t step_hash) {
+  uint32_t h = (u ^ step_hash) * 0x85EBCA6Bu;
+  h = (uint32_t)((int32_t)h ^ ((int32_t)h >> 13)) * 0xC2B2AE35u;
+  return (uint32_t)((int32_t)h >> 16) & 0xFFFFu;
+}
+
+/* An e4m3 code's fp32 value, as torch casts it (exactly: normals rebiased, subnormals m * 2^-9; NaN codes NaN). */
+static inline float e4m3_value(uint8_t code) {
+  const uint32_t c = code, sign = (c & 0x80u) << 24, exponent = (c >> 3) & 0xFu, mantissa = c & 7u;
+  const uint32_t normal = sign | ((exponent + 120u) << 23) | (mantissa << 20);
+  const float magnitude = (float)(int32_t)mantissa * 0x1p-9f;
+  uint32_t small;
+  memcpy(&small, &magnitude, 4);
+  small |= sign;
+  const uint32_t nan = 0u - (uint32_t)((c & 0x7Fu) == 0x7Fu), subnormal = 0u - (uint32_t)(exponent == 0);
+  const uint32_t bits = (nan & (sign | 0x7FC00000u)) | (~nan & ((subnormal & small) | (~subnormal & normal)));
+  float out;
+  memcpy(&out, &bits, 4);
+  return out;
+}
+
+/* 2^e in fp32, exactly (a subnormal from 2^-149, 0 below), as ldexpf(1, e) for e < 128. */
+static inline float pow2(int e) {
+  const uint32_t bits = e >= -126 ? (uint32_t)(e + 127) << 23 : (e >= -149 ? 1u << (e + 149) : 0u);
+  float out;
+  memcpy(&out, &bits, 4);
+  return out;
+}
+
+/* frexpf(x, &e)'s exponent for a finite non-negative x (0 for 0, as frexpf), and whether its mantissa is 0.5 (x a
+   power of two). */
+static inline int frexp_exponent(float x, int *half) {
+  uint32_t bits;
+  memcpy(&bits, &x, 4);
+  const uint32_t biased = (bits >> 23) & 0xFFu, fraction = bits & 0x7FFFFFu;
+  if (biased != 0) {
+    *half = fraction == 0;
+    return (int)biased - 126;
+  }
+  if (fraction == 0) {
+    *half = 0;
+    return 0;
+  }
+  *half = (fraction & (fraction - 1u)) == 0;
+  return 32 - __builtin_clz(fraction) - 149;
+}
+
+static inline float block_scale(const void *scales, int e8m0, int64_t b) {
+  if (!e8m0) return ((const float *)scales)[b];
+  return pow2((int)((const uint8_t *)scales)[b] - 127);
+}
+
+/* x[0, count) / scale (or times its exact reciprocal, `multiply`) into e4m3 codes, rounded to nearest or
+   stochastically. */
+static inline __attribute__((always_inline)) void quantize_values(const float *restrict x, int64_t count,
+                                                                  uint8_t *restrict codes, float factor, int multiply,
+                                                                  int stochastic, uint32_t step_hash) {
+  for (int64_t i = 0; i < count; i++) {
+    float y = multiply ? x[i] * factor : x[i] / factor;
+    if (stochastic) { /* (in integers: a magnitude above 448's, infinity included and NaN not, becomes 448's) */
+      uint32_t u;
+      memcpy(&u, &y, 4);
+      u = (u + (draw16(u, step_hash) << 4)) & ~0xFFFFFu;
+      const uint32_t magnitude = u & 0x7FFFFFFFu;
+      const uint32_t over = 0u - (uint32_t)(magnitude > 0x43E00000u && magnitude <= 0x7F800000u);
+      u = (over & ((u & 0x80000000u) | 0x43E00000u)) | (~over & u);
+      memcpy(&y, &u, 4);
+    }
+    codes[i] = e4m3_nearest(y);
+  }
+}
+
+/* x[0, count) into e4m3 codes and one scale, as kernels/block_fp8.quantize: the smallest power of two s with
+   max|x| / s <= 448 (1 for zeros; no smaller than 2^-127 for e8m0), then x / s rounded (stochastically: 16 hashed
+   bits added to the 20 bits e4m3 drops, truncated, clamped to 448). */
+static inline __attribute__((always_inline)) void quantize_block(const float *restrict x, int64_t count,
+                                                                 uint8_t *restrict codes, void *scales, int e8m0,
+                                                                 int64_t b, int stochastic, uint32_t step_hash) {
+  uint32_t largest = 0; /* of |x|'s bits: ordered as the magnitudes, and a NaN's above them all, as torch's max */
+  for (int64_t i = 0; i < count; i++) {
+    uint32_t u;
+    memcpy(&u, &x[i], 4);
+    u &= 0x7FFFFFFFu;
+    largest = u > largest ? u : largest;
+  }
+  float amax;
+  memcpy(&amax, &largest, 4);
+  int exponent = 0, half = 0;
+  if (largest < 0x7F800000u) exponent = frexp_exponent(amax / 448.0f, &half); /* (inf and NaN: 0, as frexpf) */
+  exponent -= half;
+  if (e8m0 && exponent < -127) exponent = -127;
+  float scale = amax == 0.0f ? 1.0f : pow2(exponent);
+  if (e8m0) ((uint8_t *)scales)[b] = (uint8_t)(amax == 0.0f ? 127 : exponent + 127);
+  else ((float *)scales)[b] = scale;
+  /* x / 2^e is x * 2^-e exactly where 2^-e is an fp32 value (e >= -127): a multiply instead of a divide */
+  if (amax != 0.0f && exponent >= -127) quantize_values(x, count, codes, pow2(-exponent), 1, stochastic, step_hash);
+  else quantize_values(x, count, codes, scale, 0, stochastic, step_hash);
+}
+
+#define MAX_BLOCK 256
+
+/* Whole blocks of e4m3 moments between begin and end (multiples of the block): each block read into fp32 (the
+   second moment squared), stepped, and stored again with a scale of its own (the second as its square root,
+   correctly rounded: kernels/block_fp8.root_). */
+static inline __attribute__((always_inline)) void step_blocks(const Job *job, int decay_mode, int stochastic) {
+  float *restrict param = job->param;
+  const float *restrict grad = job->grad;
+  uint8_t *m_codes = (uint8_t *)job->exp_avg, *v_codes = (uint8_t *)job->exp_avg_sq;
+  const int64_t block = job->block;
+  CONSTANTS(job)
+  float m[MAX_BLOCK], v[MAX_BLOCK];
+  for (int64_t a = job->begin; a < job->end; a += block) {
+    const int64_t b = a / block;
+    const float sm = block_scale(job->exp_avg_scales, job->e8m0_scales, b);
+    const float sv = block_scale(job->exp_avg_sq_scales, job->e8m0_scales, b);
+    for (int64_t i = 0; i < block; i++) { /* (step_range's operations) */
+      float p = param[a + i];
+      float g = grad[a + i] * sign;
+      if (decay_mode == DECOUPLED) p = p * decay;
+      if (decay_mode == L2) g = fmaf(p, weight_decay, g);
+      float mi = e4m3_value(m_codes[a + i]) * sm;
+      mi = fmaf(lerp_coeff, g - mi, lerp_small ? mi : g);
+      float root = e4m3_value(v_codes[a + i]) * sv;
+      float vi = fmaf(sq_coeff * g, g, (root * root) * beta2);
+      float denom = sqrtf(vi) / bias2_sqrt + eps;
+      param[a + i] = p + (neg_step_size * mi) / denom;
+      m[i] = mi;
+      v[i] = sqrtf(vi);
+    }
+    quantize_block(m, block, m_codes + a, job->exp_avg_scales, job->e8m0_scales, b, stochastic, step_hash);
+    quantize_block(v, block, v_codes + a, job->exp_avg_sq_scales, job->e8m0_scales, b, stochastic, step_hash);
+  }
+}
+
 #define KINDS(MODE, ST)                                                                    \
   if (job->exp_avg_kind == BF16 && job->exp_avg_sq_kind == BF16) step_range(job, BF16, BF16, MODE, ST); \
   else if (job->exp_avg_kind == BF16) step_range(job, BF16, FP32, MODE, ST);             \
@@ -117,40 +286,37 @@ static inline __attribute__((always_inline)) void step_range(const Job *job, int
   else if (job->decoupled) { KINDS(DECOUPLED, ST) }                                       \
   else { KINDS(L2, ST) }
 
+#define BLOCK_MODES(ST)                                                                    \
+  if (!job->has_decay) step_blocks(job, NO_DECAY, ST);                                    \
+  else if (job->decoupled) step_blocks(job, DECOUPLED, ST);                               \
+  else step_blocks(job, L2, ST);
+
 static void *run(void *arg) {
   const Job *job = (const Job *)arg;
   if (job->grad_scale != 0.0f) { /* as torch's kernel: the gradient divided, and stored back, before it is used */
     for (int64_t i = job->begin; i < job->end; i++) job->grad[i] = job->grad[i] / job->grad_scale;
   }
-  if (job->stochastic) { MODES(1) } else { MODES(0) }
+  if (job->exp_avg_kind == E4M3) {
+    if (job->stochastic) { BLOCK_MODES(1) } else { BLOCK_MODES(0) }
+  } else if (job->stochastic) { MODES(1) } else { MODES(0) }
   return NULL;
 }
 
 #define MAX_THREADS 256
 
-/* Elements [0, n) of one tensor; `threads` contiguous ranges of whole cache lines, each on its own thread (the
-   caller's thread runs the first). Returns 0, or -1 where a thread could not be started (nothing then stepped
-   twice: the ranges not started are run on the caller's thread). */
-int zeroplus_adam_stored(float *param, float *grad, void *exp_avg, int exp_avg_kind, void *exp_avg_sq,
-                         int exp_avg_sq_kind, int64_t n, double lr, double beta1, double beta2, double weight_decay,
-                         double eps, double count, int decoupled, int maximize, float grad_scale, int stochastic,
-                         int threads) {
+static Job constants(float *param, float *grad, double lr, double beta1, double beta2, double weight_decay,
+                     double eps, double count, int decoupled, int maximize, float grad_scale, int stochastic) {
   double bias1 = 1 - pow(beta1, count);
   double bias2 = 1 - pow(beta2, count);
-  double lerp_weight = 1 - beta1;
   Job base;
   memset(&base, 0, sizeof base);
   base.param = param;
   base.grad = grad;
-  base.exp_avg = exp_avg;
-  base.exp_avg_sq = exp_avg_sq;
-  base.exp_avg_kind = exp_avg_kind;
-  base.exp_avg_sq_kind = exp_avg_sq_kind;
   base.decoupled = decoupled;
   base.has_decay = weight_decay != 0;
   base.decay = (float)(1 - lr * weight_decay);
   base.weight_decay = (float)weight_decay;
-  float w = (float)lerp_weight;
+  float w = (float)(1 - beta1);
   base.lerp_small = fabsf(w) < 0.5f;
   base.lerp_coeff = base.lerp_small ? w : w - 1.0f;
   base.sq_coeff = (float)(1 - beta2);
@@ -162,16 +328,23 @@ int zeroplus_adam_stored(float *param, float *grad, void *exp_avg, int exp_avg_k
   base.grad_scale = grad_scale;
   base.stochastic = stochastic;
   base.step_hash = (uint32_t)(int32_t)(float)count * 0x9E3779B1u;
+  return base;
+}
+
+/* Elements [0, n) in `threads` contiguous ranges, each a multiple of `align` elements, on threads of their own (the
+   caller's runs the first). Returns 0, or -1 where a thread could not be started (its range then runs on the
+   caller's thread: nothing is stepped twice or left out). */
+static int run_ranges(const Job *base, int64_t n, int64_t align, int threads) {
   if (threads < 1) threads = 1;
   if (threads > MAX_THREADS) threads = MAX_THREADS;
   int64_t per = (n + threads - 1) / threads;
-  per = (per + 15) / 16 * 16;
+  per = (per + align - 1) / align * align;
   Job jobs[MAX_THREADS];
   pthread_t ids[MAX_THREADS];
   int started[MAX_THREADS];
   int count_jobs = 0;
-  for (int64_t a = 0; a < n; a += per) {
-    jobs[count_jobs] = base;
+  for (int64_t a = 0; a < n && count_jobs < MAX_THREADS; a += per) {
+    jobs[count_jobs] = *base;
     jobs[count_jobs].begin = a;
     jobs[count_jobs].end = a + per < n ? a + per : n;
     count_jobs++;
@@ -187,4 +360,38 @@ int zeroplus_adam_stored(float *param, float *grad, void *exp_avg, int exp_avg_k
     else run(&jobs[t]);
   }
   return failed ? -1 : 0;
+}
+
+/* fp32 or bf16 moments (`*_kind`: FP32, BF16), elements [0, n). */
+int zeroplus_adam_stored(float *param, float *grad, void *exp_avg, int exp_avg_kind, void *exp_avg_sq,
+                         int exp_avg_sq_kind, int64_t n, double lr, double beta1, double beta2, double weight_decay,
+                         double eps, double count, int decoupled, int maximize, float grad_scale, int stochastic,
+                         int threads) {
+  Job base = constants(param, grad, lr, beta1, beta2, weight_decay, eps, count, decoupled, maximize, grad_scale,
+                       stochastic);
+  base.exp_avg = exp_avg;
+  base.exp_avg_sq = exp_avg_sq;
+  base.exp_avg_kind = exp_avg_kind;
+  base.exp_avg_sq_kind = exp_avg_sq_kind;
+  return run_ranges(&base, n, 16, threads);
+}
+
+/* e4m3 moments with a scale per `block` elements (fp32, or e8m0 where `e8m0_scales`), elements [0, n), n a multiple
+   of the block. Returns -2 for a block over MAX_BLOCK or an n that is
+   not a multiple of it (nothing done). */
+int zeroplus_adam_blocks(float *param, float *grad, uint8_t *exp_avg, void *exp_avg_scales, uint8_t *exp_avg_sq,
+                         void *exp_avg_sq_scales, int e8m0_scales, int64_t block,
+                         int64_t n, double lr, double beta1, double beta2, double weight_decay, double eps,
+                         double count, int decoupled, int maximize, float grad_scale, int stochastic, int threads) {
+  if (block < 1 || block > MAX_BLOCK || n % block != 0) return -2;
+  Job base = constants(param, grad, lr, beta1, beta2, weight_decay, eps, count, decoupled, maximize, grad_scale,
+                       stochastic);
+  base.exp_avg = exp_avg;
+  base.exp_avg_sq = exp_avg_sq;
+  base.exp_avg_kind = base.exp_avg_sq_kind = E4M3;
+  base.exp_avg_scales = exp_avg_scales;
+  base.exp_avg_sq_scales = exp_avg_sq_scales;
+  base.e8m0_scales = e8m0_scales;
+  base.block = block;
+  return run_ranges(&base, n, block, threads);
 }

@@ -77,6 +77,16 @@ def stochastic(y: torch.Tensor, step: torch.Tensor, work: torch.Tensor | None = 
     y.copy_(bits.bitwise_and_(~0xFFFFF).view(torch.float32)).clamp_(-E4M3_MAX, E4M3_MAX)
 
 
+def root_(x: torch.Tensor) -> torch.Tensor:
+    """The square root of fp32 ``x`` in place, correctly rounded (IEEE's, as C's ``sqrtf``), and ``x``: what the
+    second moment is stored as. torch's CPU ``sqrt`` is MKL's vector function, within a unit in the last place (20%
+    of values a unit off here, 2026-12-06); the root taken in double (within a unit of double's last place) and
+    rounded once is the correctly rounded one: an fp32 value's exact root is never within 2^-50 of it of a midpoint
+    between two fp32 values (the midpoint's square has 49 or more significant bits, the value 24), four times
+    double's error. Memory: a double copy of ``x`` while it runs."""
+    return x.copy_(x.double().sqrt_())
+
+
 def dequantize_into(out: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
     """``values * scale`` of each block into ``out`` (fp32, as long as ``values``); returns ``out``."""
     n = values.numel()

@@ -1,23 +1,27 @@
-"""Adam/AdamW over bf16 (or fp32) moments in one pass on the CPU: ``adam_stored.c``, built here and loaded by ctypes.
+"""Adam/AdamW over bf16, fp32 or fp8 moments in one pass on the CPU: ``adam_stored.c``, built here, loaded by ctypes.
 
-The stored-states step (``zeroplus/optim/stored_states.py``) otherwise reads each bf16 moment into an fp32
-temporary, runs torch's fused kernel and stores the moments back: five passes over memory, 52 bytes an element
-against the fp32 kernel's 28. The native loop reads and writes each element once (20 bytes with both moments bf16)
-and computes exactly what torch's vectorised CPU kernel computes: the same fp32 operations, the same fused
-multiply-adds, the same bf16 rounding (to nearest even, or ``kernels/stochastic_round.py``'s stochastic draw).
+The stored-states step (``zeroplus/optim/stored_states.py``) otherwise reads each stored moment into an fp32
+temporary, runs torch's fused kernel and stores the moments back: five passes over memory for bf16, 52 bytes an
+element against the fp32 kernel's 28, and about ten eager passes for fp8. The native loop reads and writes each
+element once (20 bytes with both moments bf16, 10 with fp8) and computes exactly what torch's vectorised CPU kernel
+computes: the same fp32 operations, the same fused multiply-adds, the same bf16 rounding (to nearest even, or
+``kernels/stochastic_round.py``'s stochastic draw), and for e4m3 moments ``kernels/block_fp8.py``'s codec a block at a
+time (its scales, its stochastic draw, the second moment's correctly rounded root: ``block_fp8.root_``).
 
 ``load(directory)`` compiles the source once per machine into ``directory`` (named by a hash of the source, the
 compiler's version and the host's CPU; ``-march=native``, ``-ffp-contract=off``) and then checks the kernel
 against torch's ``_fused_adam_`` and ``_fused_adamw_`` on random values, bit for bit (decay on and off, Adam and
-AdamW, ``maximize``, a ``grad_scale``, and both bf16 roundings against their torch twins). It returns a
-``NativeAdam``, or None with the reason in ``unavailable()``: no compiler, a failed build, or a result that differs
-(a compiler or CPU whose arithmetic torch's kernel does not share). Nothing else changes then: the caller's own
-path runs, with the same values.
+AdamW, ``maximize``, a ``grad_scale``, both bf16 roundings against their torch twins, fp8 per 128 with fp32 scales
+and mxfp8 per 32 with e8m0 scales through the codec, both roundings, and blocks whose largest value is 448 times a
+power of two). It returns a ``NativeAdam``, or None with the reason in ``unavailable()``: no compiler, a failed
+build, or a result that differs (a compiler or CPU whose arithmetic torch's kernel does not share). Nothing else
+changes then: the caller's own path runs, with the same values.
 
 Torch's kernel takes the last ``n % lanes`` elements of each tensor in a scalar loop whose rounding can differ
 from its vector loop's (``lanes``: 8 floats with AVX2, 16 with AVX-512); ``NativeAdam.step`` leaves those to the
-caller, which runs torch's kernel over them, so every element is what torch's kernel gives it on one thread.
-Memory: none beyond the tensors given. Held by ``tests/optim/test_native_adam.py``.
+caller (``step_blocks``: with the fp8 block they are in), which runs torch's kernel over them, so every element is
+what torch's kernel gives it on one thread. Memory: none beyond the tensors given (a block's fp32 values on each
+thread's stack). Held by ``tests/optim/test_native_adam.py``.
 See note: stored states in one pass (docs/design-notes.md).
 """
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import Any
 
 import torch
 
+from .block_fp8 import E4M3, E8M0, MX_BLOCK, blocks, dequantize_into, quantize, root_
 from .stochastic_round import store
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "adam_stored.c")
@@ -52,6 +57,11 @@ class NativeAdam:
         pointer, integer, double = ctypes.c_void_p, ctypes.c_int, ctypes.c_double
         self._fn.argtypes = (pointer, pointer, pointer, integer, pointer, integer, ctypes.c_int64, double, double,
                              double, double, double, double, integer, integer, ctypes.c_float, integer, integer)
+        self._blocks = library.zeroplus_adam_blocks
+        self._blocks.restype = ctypes.c_int
+        self._blocks.argtypes = (pointer, pointer, pointer, pointer, pointer, pointer, integer, ctypes.c_int64,
+                                 ctypes.c_int64, double, double, double, double, double, double, integer, integer,
+                                 ctypes.c_float, integer, integer)
         self.lanes = 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
 
     def covered(self, numel: int) -> int:
@@ -77,6 +87,40 @@ class NativeAdam:
         self._fn(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), KINDS[exp_avg.dtype],
                  exp_avg_sq.data_ptr(), KINDS[exp_avg_sq.dtype], n, lr, beta1, beta2, weight_decay, eps, count,
                  int(decoupled), int(maximize), grad_scale or 0.0, int(stochastic), torch.get_num_threads())
+        return n
+
+
+    def covered_blocks(self, numel: int, block: int) -> int:
+        """How many leading elements ``step_blocks`` computes: the whole blocks within ``covered(numel)``."""
+        return self.covered(numel) // block * block
+
+    def step_blocks(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_scales: torch.Tensor,
+                    exp_avg_sq: torch.Tensor, exp_avg_sq_scales: torch.Tensor, *, block: int, lr: float,
+                    beta1: float, beta2: float, weight_decay: float, eps: float, count: float, decoupled: bool,
+                    maximize: bool, grad_scale: float | None, stochastic: bool) -> int:
+        """``step`` over e4m3 moments with a power-of-two scale per ``block`` elements (fp32 or e8m0 scales), the
+        second moment kept as its square root, as ``kernels/block_fp8.py`` stores them: each whole block within
+        ``covered`` read into fp32, stepped and stored again (the root correctly rounded: ``block_fp8.root_``).
+        Returns how many elements were stepped."""
+        n = self.covered_blocks(param.numel(), block)
+        if not fits(param, grad) or not all(
+                t.dtype == E4M3 and t.is_contiguous() and t.device.type == "cpu" and t.numel() == param.numel()
+                for t in (exp_avg, exp_avg_sq)) or not all(
+                t.dtype == exp_avg_scales.dtype and t.dtype in (torch.float32, E8M0) and t.is_contiguous()
+                and t.device.type == "cpu" and t.numel() >= n // block for t in (exp_avg_scales, exp_avg_sq_scales)):
+            raise ValueError(f"native Adam step over fp8 moments: {param.dtype} parameter, {grad.dtype} gradient, "
+                             f"moments {exp_avg.dtype} and {exp_avg_sq.dtype}, scales {exp_avg_scales.dtype} and "
+                             f"{exp_avg_sq_scales.dtype}: it takes contiguous CPU tensors, e4m3 moments with fp32 "
+                             f"or e8m0 scales")
+        if n == 0:
+            return 0
+        code = self._blocks(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_scales.data_ptr(),
+                            exp_avg_sq.data_ptr(), exp_avg_sq_scales.data_ptr(), int(exp_avg_scales.dtype == E8M0),
+                            block, n, lr, beta1, beta2, weight_decay, eps, count,
+                            int(decoupled), int(maximize), grad_scale or 0.0, int(stochastic),
+                            torch.get_num_threads())
+        if code == -2:
+            raise ValueError(f"native Adam step over fp8 moments: blocks of {block} elements (at most 256)")
         return n
 
 
@@ -183,20 +227,68 @@ def _differs_from_torch(kernel: NativeAdam) -> str:
             for name in got:
                 if not torch.equal(_bits(got[name][:done]), _bits(want[name][:done])):
                     return f"{name} with {case}, moments {stored} rounded {rounding}"
+        for block, scale_dtype in ((128, torch.float32), (MX_BLOCK, E8M0)):
+            for rounding in ("nearest", "stochastic"):
+                want = _reference_blocks(base, case, hyper, block, scale_dtype, rounding)
+                got = _stored_blocks(base, block, scale_dtype)
+                done = kernel.step_blocks(got["param"], got["grad"], got["exp_avg"], got["exp_avg_scale"],
+                                          got["exp_avg_sq"], got["exp_avg_sq_scale"], block=block, count=3.0,
+                                          stochastic=rounding == "stochastic", **case, **hyper)
+                for name in got:
+                    upto = done // block if name.endswith("_scale") else done
+                    if not torch.equal(_bits(got[name][:upto]), _bits(want[name][:upto])):
+                        return f"{name} with {case}, fp8 moments per {block} ({scale_dtype}) rounded {rounding}"
+    # moments that a step leaves as they are (beta1 = beta2 = 1, the parameter then NaN and not compared), whose
+    # blocks' largest magnitude is 448 times a power of two: their scale is that power, not twice it
+    held: dict[str, Any] = {"decoupled": True, "weight_decay": 0.0, "maximize": False, "grad_scale": None}
+    still: dict[str, Any] = {"lr": 0.0, "beta1": 1.0, "beta2": 1.0, "eps": 1e-8}
+    edge = dict(base, exp_avg=base["exp_avg"].clone(), exp_avg_sq=base["exp_avg_sq"].clone())
+    edge["exp_avg"][::MX_BLOCK] = 448 * 2.0 ** -6
+    edge["exp_avg_sq"][::MX_BLOCK] = (448 * 2.0 ** -8) ** 2
+    for block, scale_dtype in ((128, torch.float32), (MX_BLOCK, E8M0)):
+        want = _reference_blocks(edge, held, still, block, scale_dtype, "nearest")
+        got = _stored_blocks(edge, block, scale_dtype)
+        done = kernel.step_blocks(got["param"], got["grad"], got["exp_avg"], got["exp_avg_scale"], got["exp_avg_sq"],
+                                  got["exp_avg_sq_scale"], block=block, count=3.0, stochastic=False, **held, **still)
+        for name in ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale"):
+            upto = done // block if name.endswith("_scale") else done
+            if not torch.equal(_bits(got[name][:upto]), _bits(want[name][:upto])):
+                return f"{name} of fp8 moments per {block} ({scale_dtype}) whose largest is 448 times a power of two"
     return ""
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+def _stored_blocks(base: dict[str, torch.Tensor], block: int, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``base`` with its moments as fp8 states hold them: e4m3 codes and a scale per block, the second moment as
+    its square root."""
+    out = {"param": base["param"].clone(), "grad": base["grad"].clone()}
+    n = base["param"].numel()
+    for key, value in (("exp_avg", base["exp_avg"].clone()), ("exp_avg_sq", root_(base["exp_avg_sq"].clone()))):
+        out[key] = torch.empty(n, dtype=E4M3)
+        out[f"{key}_scale"] = torch.empty(blocks(n, block), dtype=scale_dtype)
+        quantize(value, out[key], out[f"{key}_scale"], block)
+    return out
 
 
-def _reference(base: dict[str, torch.Tensor], case: dict[str, Any], hyper: dict[str, Any], stored: torch.dtype,
-               rounding: str) -> dict[str, torch.Tensor]:
-    """torch's fused kernel over the moments as ``stored`` holds them (read into fp32), each stored back as
-    ``rounding`` says; on one thread (on more, torch's kernel splits the tensor's last elements between threads, and
-    each piece ends in its scalar loop)."""
-    ref = {k: v.clone() for k, v in base.items()}
-    m32, v32 = ref["exp_avg"].to(stored).float(), ref["exp_avg_sq"].to(stored).float()
+def _reference_blocks(base: dict[str, torch.Tensor], case: dict[str, Any], hyper: dict[str, Any], block: int,
+                      scale_dtype: torch.dtype, rounding: str) -> dict[str, torch.Tensor]:
+    """The chunked step's fp8 path on one thread: each moment read into fp32 (the second squared), torch's fused
+    kernel, each stored again with its blocks (the second as its correctly rounded square root)."""
+    ref = _stored_blocks(base, block, scale_dtype)
+    n = ref["param"].numel()
+    m32 = dequantize_into(torch.empty(n), ref["exp_avg"], ref["exp_avg_scale"], block)
+    v32 = dequantize_into(torch.empty(n), ref["exp_avg_sq"], ref["exp_avg_sq_scale"], block).square_()
+    count = _fused_on_one_thread(ref, m32, v32, case, hyper)
+    step = count if rounding == "stochastic" else None
+    quantize(m32, ref["exp_avg"], ref["exp_avg_scale"], block, step)
+    quantize(root_(v32), ref["exp_avg_sq"], ref["exp_avg_sq_scale"], block, step)
+    return ref
+
+
+def _fused_on_one_thread(ref: dict[str, torch.Tensor], m32: torch.Tensor, v32: torch.Tensor, case: dict[str, Any],
+                         hyper: dict[str, Any]) -> torch.Tensor:
+    """torch's fused kernel over ``ref``'s parameter and gradient and the fp32 moments, in place, at step 3, on one
+    thread (on more, torch's kernel splits the tensor's last elements between threads, and each piece ends in its
+    scalar loop); returns the step count."""
     fused = torch._fused_adamw_ if case["decoupled"] else torch._fused_adam_
     scale = None if case["grad_scale"] is None else torch.tensor(case["grad_scale"])
     count = torch.tensor(3.0)
@@ -208,6 +300,20 @@ def _reference(base: dict[str, torch.Tensor], case: dict[str, Any], hyper: dict[
               **hyper)
     finally:
         torch.set_num_threads(threads)
+    return count
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _reference(base: dict[str, torch.Tensor], case: dict[str, Any], hyper: dict[str, Any], stored: torch.dtype,
+               rounding: str) -> dict[str, torch.Tensor]:
+    """torch's fused kernel over the moments as ``stored`` holds them (read into fp32), each stored back as
+    ``rounding`` says."""
+    ref = {k: v.clone() for k, v in base.items()}
+    m32, v32 = ref["exp_avg"].to(stored).float(), ref["exp_avg_sq"].to(stored).float()
+    count = _fused_on_one_thread(ref, m32, v32, case, hyper)
     for key, value in (("exp_avg", m32), ("exp_avg_sq", v32)):
         ref[key] = torch.empty_like(value, dtype=stored)
         store(ref[key], value, rounding, count)

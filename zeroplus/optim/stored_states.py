@@ -7,10 +7,12 @@ runs (the fused one where the group is fused, which takes the engine's ``grad_sc
 does: ``zero/kernel_scale.py``) updates the parameter and the temporaries, and the moments are stored back rounded.
 Every element's update reads only that element, so a flat shard cut across parameters steps as each parameter
 would whole: zeroplus at any stage equals the plain module with this optimizer bit for bit.
-On the CPU, a fused group whose moments are fp32 or bf16 is stepped in one pass instead (``kernels/native_adam.py``:
-one read and one write of each element, where the chunks make five passes), with the same values bit for bit: the
-loop is checked against torch's kernel when it is loaded, and torch's kernel still takes each tensor's last few
-elements (its scalar loop's). Where the loop cannot be built or differs, the chunked step runs and the log says why.
+On the CPU, a fused group whose moments are fp32 or bf16, or both fp8 (or mxfp8), is stepped in one pass instead
+(``kernels/native_adam.py``: one read and one write of each element, where the chunks make five passes; fp8 a block
+at a time), with the same values bit for bit: the loop is checked against torch's kernel and the fp8 codec when it is
+loaded, and the chunked step still takes each tensor's last few elements (torch's scalar loop's, and the block they
+are in). Where the loop cannot be built or differs, the chunked step runs and the log says why. The fp8 second
+moment's root is correctly rounded (``block_fp8.root_``: torch's CPU ``sqrt`` is within a unit in the last place).
 
 Rounding: ``nearest`` (torch's cast, ties to even) or, for bf16 and fp8, ``stochastic``
 (``kernels/stochastic_round.py``, ``kernels/block_fp8.py``: by a hash of the value and the step count, the same on any
@@ -38,7 +40,7 @@ from torch.optim.adam import adam as _adam_functional
 
 from ..cache_dir import cache_root
 from ..kernels import native_adam
-from ..kernels.block_fp8 import E4M3, E8M0, MX_BLOCK, blocks, dequantize_into, quantize
+from ..kernels.block_fp8 import E4M3, E8M0, MX_BLOCK, blocks, dequantize_into, quantize, root_
 from ..kernels.stochastic_round import store
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": E4M3, "mxfp8": E4M3}
@@ -80,7 +82,8 @@ class StoredStates(torch.optim.Optimizer):
         """The one-pass CPU loop (``kernels/native_adam.py``) where it serves these moments and a parameter is on
         the CPU: built and checked against torch's kernel once per process; None elsewhere (the chunked step)."""
         params = [p for group in self.param_groups for p in group["params"]]
-        if not set(self.state_dtypes.values()) <= set(native_adam.KINDS) or not any(
+        dtypes = set(self.state_dtypes.values())
+        if not (dtypes <= set(native_adam.KINDS) or dtypes == {E4M3}) or not any(
                 p.device.type == "cpu" and p.dtype == torch.float32 for p in params):
             return None
         directory = os.path.join(cache_root(), "native")
@@ -127,9 +130,11 @@ class StoredStates(torch.optim.Optimizer):
         """The temporaries a step holds at once: one fp32 chunk of each moment, and stochastic rounding's two int32
         chunks, a chunk as long as the longest run the chunked step takes where that is shorter than ``CHUNK`` (as
         ``step`` makes them: a small model's shards were predicted 8% over the main job's peak with whole chunks);
-        where the native loop steps a parameter, the chunked step takes only its last few elements."""
+        where the native loop steps a parameter, the chunked step takes only its last few elements. An fp8 second
+        moment's root is taken in double (``block_fp8.root_``): 8 bytes an element more while it is stored."""
         longest = max((self._chunked(p, group, p) for group in self.param_groups for p in group["params"]), default=0)
-        return (4 if self.rounding == "stochastic" else 2) * min(CHUNK, longest) * 4
+        root = 8 if self.state_dtypes["exp_avg_sq"] == E4M3 else 0
+        return ((4 if self.rounding == "stochastic" else 2) * 4 + root) * min(CHUNK, longest)
 
     def _native_for(self, p: torch.Tensor, group: dict[str, Any], grad: torch.Tensor) -> bool:
         """Whether the native loop steps ``p`` (its group fused, as the loop is torch's fused kernel's arithmetic)."""
@@ -139,7 +144,9 @@ class StoredStates(torch.optim.Optimizer):
     def _chunked(self, p: torch.Tensor, group: dict[str, Any], grad: torch.Tensor) -> int:
         """How many of ``p``'s elements the chunked step takes: all, or the native loop's remainder."""
         n = p.numel()
-        return n - self.native.covered(n) if self.native is not None and self._native_for(p, group, grad) else n
+        if self.native is None or not self._native_for(p, group, grad):
+            return n
+        return n - (self.native.covered_blocks(n, self.block) if self.block_scaled else self.native.covered(n))
 
     def _state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]
@@ -192,12 +199,17 @@ class StoredStates(torch.optim.Optimizer):
         done = 0
         if native and self._native_for(p, group, grad):
             assert self.native is not None
-            done = self.native.step(flat_p, flat_g, state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
-                                    lr=float(group["lr"]), beta1=beta1, beta2=beta2,
-                                    weight_decay=group["weight_decay"], eps=group["eps"], count=float(count),
-                                    decoupled=self.decoupled, maximize=group["maximize"],
-                                    grad_scale=None if grad_scale is None else float(grad_scale),
-                                    stochastic=self.rounding == "stochastic")
+            hyper = {"lr": float(group["lr"]), "beta1": beta1, "beta2": beta2, "weight_decay": group["weight_decay"],
+                     "eps": group["eps"], "count": float(count), "decoupled": self.decoupled,
+                     "maximize": group["maximize"], "grad_scale": None if grad_scale is None else float(grad_scale),
+                     "stochastic": self.rounding == "stochastic"}
+            if self.block_scaled:
+                done = self.native.step_blocks(flat_p, flat_g, state["exp_avg"].view(-1), state["exp_avg_scale"],
+                                               state["exp_avg_sq"].view(-1), state["exp_avg_sq_scale"],
+                                               block=self.block, **hyper)
+            else:
+                done = self.native.step(flat_p, flat_g, state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
+                                        **hyper)
         for a in range(done, p.numel(), CHUNK):  # (CHUNK is a multiple of every block: an fp8 block is in one chunk)
             b = min(a + CHUNK, p.numel())
             m = self._read(state, "exp_avg", a, b, scratch[0, :b - a])
@@ -237,7 +249,7 @@ class StoredStates(torch.optim.Optimizer):
         if stored.dtype != E4M3:
             store(stored, value, self.rounding, count, work)
             return
-        quantize(value.sqrt_() if key == "exp_avg_sq" else value, stored,
+        quantize(root_(value) if key == "exp_avg_sq" else value, stored,
                  state[f"{key}_scale"][a // self.block:blocks(b, self.block)], self.block,
                  count if self.rounding == "stochastic" else None, work)
 
