@@ -67,13 +67,17 @@ static inline uint16_t bf16_nearest(float x) {
   return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* kernels/stochastic_round.random_bits: 16 bits hashed from a value's bits and the step */
+static inline uint32_t draw16(uint32_t u, uint32_t step_hash) {
+  uint32_t h = (u ^ step_hash) * 0x85EBCA6Bu;
+  h = (uint32_t)((int32_t)h ^ ((int32_t)h >> 13)) * 0xC2B2AE35u;
+  return (uint32_t)((int32_t)h >> 16) & 0xFFFFu;
+}
+
 static inline uint16_t bf16_stochastic(float x, uint32_t step_hash) {
   uint32_t u;
   memcpy(&u, &x, 4);
-  uint32_t h = (u ^ step_hash) * 0x85EBCA6Bu;
-  h = (uint32_t)((int32_t)h ^ ((int32_t)h >> 13)) * 0xC2B2AE35u;
-  uint32_t draw = (uint32_t)((int32_t)h >> 16) & 0xFFFFu;
-  return (uint16_t)(uint32_t)((int32_t)(u + draw) >> 16);
+  return (uint16_t)(uint32_t)((int32_t)(u + draw16(u, step_hash)) >> 16);
 }
 
 static inline void store(void *base, int kind, int64_t i, float x, int stochastic, uint32_t step_hash) {
@@ -139,12 +143,6 @@ static inline uint8_t e4m3_nearest(float f) {
   const uint32_t nan = 0u - (uint32_t)(bits >= (1087u << 20)), below = 0u - (uint32_t)(bits < (121u << 23));
   const uint32_t out = (nan & 0x7Fu) | (~nan & ((below & small) | (~below & normal)));
   return (uint8_t)((out & 0xFFu) | (sign >> 24));
-}
-
-static inline uint32_t draw16(uint32_t u, uint32_t step_hash) {
-  uint32_t h = (u ^ step_hash) * 0x85EBCA6Bu;
-  h = (uint32_t)((int32_t)h ^ ((int32_t)h >> 13)) * 0xC2B2AE35u;
-  return (uint32_t)((int32_t)h >> 16) & 0xFFFFu;
 }
 
 /* An e4m3 code's fp32 value, as torch casts it (exactly: normals rebiased, subnormals m * 2^-9; NaN codes NaN). */

@@ -50,8 +50,7 @@ _reasons: dict[str, str] = {}
 class NativeAdam:
     """The compiled loop; ``step`` runs it over the leading elements of one tensor."""
 
-    def __init__(self, library: ctypes.CDLL, path: str) -> None:
-        self.path = path
+    def __init__(self, library: ctypes.CDLL) -> None:
         self._fn = library.zeroplus_adam_stored
         self._fn.restype = ctypes.c_int
         pointer, integer, double = ctypes.c_void_p, ctypes.c_int, ctypes.c_double
@@ -88,7 +87,6 @@ class NativeAdam:
                  exp_avg_sq.data_ptr(), KINDS[exp_avg_sq.dtype], n, lr, beta1, beta2, weight_decay, eps, count,
                  int(decoupled), int(maximize), grad_scale or 0.0, int(stochastic), torch.get_num_threads())
         return n
-
 
     def covered_blocks(self, numel: int, block: int) -> int:
         """How many leading elements ``step_blocks`` computes: the whole blocks within ``covered(numel)``."""
@@ -145,8 +143,12 @@ def load(directory: str) -> NativeAdam | None:
     return _loaded[directory]
 
 
+def _compiler() -> str:
+    return os.environ.get("CC") or "cc"
+
+
 def _host_key() -> str:
-    compiler = os.environ.get("CC") or "cc"
+    compiler = _compiler()
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
@@ -165,7 +167,7 @@ def _host_key() -> str:
 
 def _build(directory: str) -> tuple[str | None, str]:
     """The shared library's path (built here unless a build is already there), or None and why."""
-    compiler = os.environ.get("CC") or "cc"
+    compiler = _compiler()
     if shutil.which(compiler) is None:
         return None, f"no C compiler ({compiler!r} not found)"
     path = os.path.join(directory, f"adam_stored-{_host_key()}.so")
@@ -196,7 +198,7 @@ def _build_and_check(directory: str) -> tuple[NativeAdam | None, str]:
     if path is None:
         return None, reason
     try:
-        kernel = NativeAdam(ctypes.CDLL(path), path)
+        kernel = NativeAdam(ctypes.CDLL(path))
     except OSError as err:
         return None, f"cannot load {path}: {err}"
     differs = _differs_from_torch(kernel)
