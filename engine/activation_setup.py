@@ -13,6 +13,7 @@ from zeroplus.accelerator import Accelerator
 from zeroplus.activations import ResizeRecompute, SavedTensorRouter, SwapAttention, checkpointing, module_roles
 from zeroplus.activations.choices import TechniqueChoice, technique_choices
 from zeroplus.activations.lean_loss import LeanCrossEntropy
+from zeroplus.activations.saved_tensors import ForwardMode
 from zeroplus.activations.tiled import per_rank_tile, tile_mlps
 from zeroplus.activations.tiled_loss import is_hf_causal_lm, tile_loss
 from zeroplus.activations.training_cache import drop_training_cache
@@ -104,8 +105,9 @@ def activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: L
                             num_checkpoints=ac.number_checkpoints, checkpoint_in_cpu=ac.cpu_checkpointing,
                             synchronize=ac.synchronize_checkpoint_boundary, profile=ac.profile, tier=tier,
                             ledger=ledger)
-    return SavedTensorRouter(claimers, scope=scope, around=[LeanCrossEntropy()] if zp.lean_cross_entropy else [],
-                             late=not compiled)
+    lean: list[ForwardMode] = ([LeanCrossEntropy(choices["lean_cross_entropy"])] if zp.lean_cross_entropy is not False
+                               else [])
+    return SavedTensorRouter(claimers, scope=scope, around=lean, late=not compiled)
 
 
 def remember_roles(model: torch.nn.Module, cfg: ResolvedConfig) -> None:

@@ -22,7 +22,7 @@ import torch
 
 from . import fault_dumps
 from .accelerator import get_accelerator
-from .budget.estimate import RECOMPUTE, RECOMPUTE_PAYS_FROM, estimate
+from .budget.estimate import RECOMPUTE, RECOMPUTE_PAYS_FROM, estimate, left_unset
 from .budget.first_use import code_resident
 from .budget.planner import apply_settings, plan
 from .budget.simulate import group_stand_ins, meta_copy
@@ -286,7 +286,7 @@ def _predictor(model: torch.nn.Module, cfg: ResolvedConfig, held: tuple[int | No
         recompute = cfg.zeroplus.resize_recompute
         if recompute.by_default and (engine.is_compiled or compiled_modules(engine.module)):
             recompute.enabled = False  # (it stands down at this forward: see note: recompute by default)
-        deciding = recompute.by_default and recompute.enabled  # (the same on every rank: configs agree)
+        deciding = left_unset(cfg)  # (the same on every rank: configs agree)
         try:
             budget = estimate(model, cfg, world_size=world, rank=rank, effects=True, example_inputs=args,
                               example_kwargs=kwargs, code=held[0], pooled=held[1])
@@ -295,8 +295,8 @@ def _predictor(model: torch.nn.Module, cfg: ResolvedConfig, held: tuple[int | No
                            type(err).__name__, err)
             budget = None
         gc.collect()  # the simulation's reference cycles, freed before the real forward (see note: runtime overhead)
-        if deciding:  # see note: recompute where it pays
-            _stand_recompute_down(engine, budget)
+        if deciding:  # see notes: recompute where it pays, techniques by default
+            _stand_down(engine, budget, deciding)
         if budget is None:
             return
         budget.compiled = engine.is_compiled or bool(compiled_modules(engine.module))
@@ -308,20 +308,25 @@ def _predictor(model: torch.nn.Module, cfg: ResolvedConfig, held: tuple[int | No
     return predict
 
 
-def _stand_recompute_down(engine: Engine, budget: Any) -> None:
-    """Turn resize recompute, on by default, off where ``budget`` (this rank's, None if it failed) found it takes
-    under ``RECOMPUTE_PAYS_FROM`` off the peak; kept on every rank if any rank found it pays (or has no budget), so
-    the ranks run alike. One flag's all-reduce over the data group (see note: recompute where it pays)."""
-    pays_here = budget is None or RECOMPUTE not in budget.stood_down
-    if engine.dp.max_flag(pays_here):
-        if budget is not None:
-            budget.stood_down.pop(RECOMPUTE, None)  # (kept: its phases, without it, over-predict by under 1%)
-        return
-    why = (f"off: it would take at most {budget.stood_down[RECOMPUTE] / 2**20:.1f} MiB off this rank's predicted "
-           f"training peak of {(budget.steps_peak_bytes - budget.stood_down[RECOMPUTE]) / 2**20:.1f} MiB, under "
-           f"{100 * RECOMPUTE_PAYS_FROM:g}%")
-    engine.choices[RECOMPUTE].stand_down(why)  # (it stands down at this forward's start)
-    log_rank0("resize_recompute (on by default) is %s (set zeroplus.resize_recompute.enabled true to keep it)", why)
+def _stand_down(engine: Engine, budget: Any, techniques: list[str]) -> None:
+    """Turn each of ``techniques``, on by default, off where ``budget`` (this rank's, None if it failed) found the
+    run fits without it (``not_needed``) or, for resize recompute, that it takes under ``RECOMPUTE_PAYS_FROM`` off
+    the peak; kept on every rank if any rank keeps it (or has no budget), so the ranks run alike. One flag's
+    all-reduce over the data group per technique (see notes: recompute where it pays, techniques by default)."""
+    for technique in techniques:
+        why = None if budget is None else budget.not_needed.get(technique)
+        if why is None and budget is not None and technique in budget.stood_down:
+            effect = budget.stood_down[technique]
+            why = (f"off: it would take at most {effect / 2**20:.1f} MiB off this rank's predicted training peak of "
+                   f"{(budget.steps_peak_bytes - effect) / 2**20:.1f} MiB, under {100 * RECOMPUTE_PAYS_FROM:g}%")
+        if engine.dp.max_flag(why is None) or why is None:
+            if budget is not None:  # (kept: the budget's phases, without it, over-predict)
+                budget.stood_down.pop(technique, None)
+                budget.not_needed.pop(technique, None)
+            continue
+        engine.choices[technique].stand_down(why)  # (it stands down at this forward's start)
+        key = "resize_recompute.enabled" if technique == RECOMPUTE else technique
+        log_rank0("%s (on by default) is %s (set zeroplus.%s true to keep it)", technique, why, key)
 
 
 __all__ = ["initialize"]

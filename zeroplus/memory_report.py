@@ -135,6 +135,11 @@ class MemoryReport:
             lines.append(f"  {'baseline before initialize':<26}{_mib(self.baseline_bytes)}  (imports, data, earlier "
                          "engines: outside the budget, not error)")
             lines.append(f"  {'process peak':<26}{_mib(self.baseline_bytes + self.process_peak_above_start_bytes)}")
+        for technique, why in (self.predicted or {}).get("not_needed", {}).items():  # see note: techniques by default
+            lines.append(f"  {technique} (on by default) is {why}")
+        for technique, effect in (self.predicted or {}).get("stood_down", {}).items():
+            lines.append(f"  {technique} (on by default) is off: it would take at most {effect / 2**20:.1f} MiB off "
+                         f"the steps' predicted peak")
         if self.saved:
             effects = self.technique_effects
             lines.append(f"  {'not held, by technique':<30}{'live':>10}{'most':>10}{'off peak':>10}")

@@ -1,11 +1,11 @@
 """Which activation techniques an engine runs, and why: the engine's decisions, kept apart from its config.
 
-The resolved config is frozen (see note: frozen config): it says what the user asked for, resolved, and is
-never written afterwards. What the engine decides at run time lives here: resize recompute left unset is on
-by default, and stands down at a forward when the model turns out compiled or the memory budget finds it
-keeps nothing off the peak (see note: recompute where it pays). ``engine.choices`` holds one
-``TechniqueChoice`` per technique; each says whether it runs and why, and the technique reads it at each
-forward. Memory: a few strings.
+The resolved config is frozen (see note: frozen config): it says what the user asked for, resolved, and is never written
+afterwards. What the engine decides at run time lives here: resize recompute and the lean loss left unset are on by
+default, and stand down at the first forward where the memory budget finds the run fits without them on a device whose
+defaults are "where needed" (see note: techniques by default), or resize recompute keeps nothing off the peak (see note:
+recompute where it pays) or the model turns out compiled. ``engine.choices`` holds one ``TechniqueChoice`` per
+technique; each says whether it runs and why, and the technique reads it at each forward. Memory: a few strings.
 """
 from __future__ import annotations
 
@@ -39,8 +39,12 @@ def technique_choices(cfg: Any) -> dict[str, TechniqueChoice]:
     else:
         why = f"zeroplus.resize_recompute.enabled is {str(bool(recompute.enabled)).lower()}"
     swap = cfg.zeroplus.swap_attention
+    lean = cfg.zeroplus.lean_cross_entropy
+    lean_why = ("on by default (zeroplus.lean_cross_entropy unset)" if lean is None
+                else f"zeroplus.lean_cross_entropy is {str(lean).lower()}")
     return {"resize_recompute": TechniqueChoice("resize_recompute", bool(recompute.enabled), bool(recompute.by_default),
                                                 why),
+            "lean_cross_entropy": TechniqueChoice("lean_cross_entropy", lean is not False, lean is None, lean_why),
             "swap_attention": TechniqueChoice("swap_attention", bool(swap.enabled), False,
                                               f"zeroplus.swap_attention.enabled is {str(bool(swap.enabled)).lower()}")}
 

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..kernels.cross_entropy_rows import block_rows, cross_entropy_rows, supported
+from .choices import TechniqueChoice
 from .saved_tensors import storage_key
 
 _SIGNATURE = inspect.signature(F.cross_entropy)
@@ -44,11 +45,20 @@ class LeanCrossEntropy(TorchFunctionMode):
 
     late = True  # a loss comes after the blocks: entered when the last one's forward ends (see note: idle modes)
 
-    def __init__(self) -> None:
+    def __init__(self, choice: TechniqueChoice | None = None) -> None:
         super().__init__()
         self.taken = 0
         self.kept: set[int] = set()
-        self.idle = False  # the first training forward took no call: not entered again (the router's to set)
+        self._idle = False  # the first training forward took no call: not entered again (the router's to set)
+        self.choice = choice  # the engine's: stood down (the run fits without it), it is idle from then on
+
+    @property
+    def idle(self) -> bool:
+        return self._idle or (self.choice is not None and not self.choice.on)
+
+    @idle.setter
+    def idle(self, value: bool) -> None:
+        self._idle = value
 
     def __enter__(self) -> LeanCrossEntropy:
         self.kept = set()

@@ -32,14 +32,15 @@ See note: meta estimate (docs/design-notes.md).
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable
 
 import torch
 
 from .. import flight_recorder
-from ..accelerator import get_accelerator
+from ..accelerator import get_accelerator, techniques_by_default
 from ..activations.resize_recompute import TECHNIQUE as RECOMPUTE
-from ..config import ResolvedConfig, ZeroplusConfig, load_config
+from ..config import ResolvedConfig, ZeroplusConfig, load_config, parse_bytes
 from ..engine.build import compute_dtype
 from ..host_allocator import caveat as host_allocator_caveat
 from ..host_gemm_pool import pool_bytes
@@ -84,6 +85,9 @@ class MemoryBudget:
     # techniques on by default that this run turns off, with what each would have taken off the training peak
     # (too little: ``recompute_pays``); the engine's first forward reads it and the technique stands down
     stood_down: dict[str, int] = dataclasses.field(default_factory=dict)
+    # techniques on by default that this run turns off because it fits without them (``techniques_by_default``
+    # "where_needed"), each with why; the budget is the run without them (see note: techniques by default)
+    not_needed: dict[str, str] = dataclasses.field(default_factory=dict)
     # what MKL's buffer pool adds from the first forward on (host_gemm_pool.py; in ``runtime``): CPU only
     host_buffers: int = 0
 
@@ -153,6 +157,7 @@ class MemoryBudget:
                          "other tensors); the compiler's own memory (about 50 MiB resident on CPU) is not included")
         lines += [f"  {technique} (on by default) is off: it would take at most {effect / 2**20:.1f} MiB off the "
                   f"steps' peak, under {100 * RECOMPUTE_PAYS_FROM:g}%" for technique, effect in self.stood_down.items()]
+        lines += [f"  {technique} (on by default) is {why}" for technique, why in self.not_needed.items()]
         lines += [f"  not predicted: {caveat}" for caveat in self.caveats]
         tiers = {k: v for k, v in self.model_states.items() if k.endswith("_offloaded") and v}
         for key, value in tiers.items():
@@ -190,7 +195,7 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
              example_inputs: tuple[Any, ...] | None = None, example_kwargs: dict[str, Any] | None = None,
              loss_fn: Callable[[Any], torch.Tensor] = default_loss, accelerator: str | None = None,
              effects: bool = False, construction: str = "whole", code: int | None = None,
-             pooled: int | None = None) -> MemoryBudget:
+             pooled: int | None = None, capacity: int | None = None) -> MemoryBudget:
     """Predict rank ``rank``'s memory for training ``model`` with ``config`` on ``world_size`` ranks.
 
     ``model``: a module (copied to the meta device; its own memory is untouched) or a function of
@@ -214,26 +219,44 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     holds for backward at its peak could make 1% of the steps' peak (``steps_peak_bytes``); where it takes under 1%
     off, the budget returned is the run without it (``stood_down`` names at most what it would take off), which is
     how the engine then runs (see note: recompute where it pays).
+    Where ``zeroplus.techniques_by_default`` is (or the accelerator makes ``"auto"``) ``"where_needed"``, the
+    techniques left unset (resize recompute, the lean loss) are first simulated off together; where that run's
+    training peak is within ``NEEDED_FROM`` of ``capacity`` (default: ``zeroplus.memory_budget``, else this
+    machine's device's, ``rank_capacity``), it is the budget (``not_needed`` says why), as the engine then runs (see
+    note: techniques by default).
     """
     common: dict[str, Any] = dict(world_size=world_size, rank=rank, micro_batch_size=micro_batch_size, seq_len=seq_len,
                                   loss_fn=loss_fn, accelerator=accelerator, code=code, pooled=pooled)
     examples = _meta(example_inputs) if example_inputs is not None else None  # shapes only: no batch kept
     kw_examples = _meta(example_kwargs) if example_kwargs is not None else None
-    runs_without: dict[str, MemoryBudget] = {}  # (the default's decision and the effects share them)
+    runs_without: dict[tuple[str, ...], MemoryBudget] = {}  # (the defaults' decisions and the effects share them)
 
-    def without(technique: str) -> MemoryBudget:
-        """The same run with ``technique`` off (its own effects pending), simulated once."""
-        if technique not in runs_without:
+    def without(*techniques: str) -> MemoryBudget:
+        """The same run with ``techniques`` off (its own effects pending), simulated once."""
+        if techniques not in runs_without:
             cfg = load_config(config)
-            block = getattr(cfg.zeroplus, technique)
-            block.enabled = False
-            if hasattr(block, "by_default"):
-                block.by_default = False
-            runs_without[technique] = estimate(model, cfg, example_inputs=examples, example_kwargs=kw_examples,
-                                               construction=construction, effects=effects, **common)
-        return runs_without[technique]
+            for technique in techniques:
+                if technique == LEAN:
+                    cfg.zeroplus.lean_cross_entropy = False
+                    continue
+                block = getattr(cfg.zeroplus, technique)
+                block.enabled = False
+                if hasattr(block, "by_default"):
+                    block.by_default = False
+            runs_without[techniques] = estimate(model, cfg, example_inputs=examples, example_kwargs=kw_examples,
+                                                construction=construction, effects=effects, **common)
+        return runs_without[techniques]
 
-    deciding = _recompute_left_unset(config)
+    unset = left_unset(config)
+    if unset and default_policy(config, accelerator) == "where_needed":  # see note: techniques by default
+        off = without(*unset)
+        limit, source = (capacity, "given") if capacity is not None else rank_capacity(config, accelerator, world_size)
+        if limit is not None and off.training_peak_bytes <= NEEDED_FROM * limit:
+            why = (f"off: not needed, the run's predicted peak without it, {off.training_peak_bytes / 2**30:.3f} GiB, "
+                   f"is within {NEEDED_FROM:.0%} of this rank's memory, {limit / 2**30:.3f} GiB ({source})")
+            off.not_needed = {technique: why for technique in unset}
+            return off
+    deciding = RECOMPUTE in unset
     if deciding:  # see note: recompute where it pays
         off = without(RECOMPUTE)
         bound = droppable_at_peak(off)
@@ -272,11 +295,41 @@ def recompute_pays(effect: int, peak: int) -> bool:
     return effect >= RECOMPUTE_PAYS_FROM * peak
 
 
-def _recompute_left_unset(config: dict[str, Any] | str | ZeroplusConfig) -> bool:
-    """Whether the config leaves resize recompute for the estimate to decide (``enabled`` unset, or an engine's
-    resolved config marking it on ``by_default``)."""
-    block = load_config(config).zeroplus.resize_recompute
-    return block.enabled is None or (bool(getattr(block, "by_default", False)) and block.enabled is True)
+LEAN = "lean_cross_entropy"
+# under techniques_by_default "where_needed", the techniques left unset run only where the run's predicted training
+# peak without them passes this fraction of the rank's memory (the budget's own tolerance, 5%, kept free)
+NEEDED_FROM = 0.95
+
+
+def left_unset(config: dict[str, Any] | str | ZeroplusConfig) -> list[str]:
+    """The techniques the config leaves for the estimate to decide: resize recompute (``enabled`` unset, or an
+    engine's resolved config marking it on ``by_default``) and the lean loss (``lean_cross_entropy`` unset)."""
+    zp = load_config(config).zeroplus
+    block = zp.resize_recompute
+    recompute = block.enabled is None or (bool(getattr(block, "by_default", False)) and block.enabled is True)
+    return [RECOMPUTE] * recompute + [LEAN] * (zp.lean_cross_entropy is None)
+
+
+def default_policy(config: dict[str, Any] | str | ZeroplusConfig, accelerator: str | None) -> str:
+    """``zeroplus.techniques_by_default``, its ``"auto"`` the accelerator's (``Accelerator.techniques_by_default``)."""
+    chosen = load_config(config).zeroplus.techniques_by_default
+    return chosen if chosen != "auto" else techniques_by_default(accelerator or get_accelerator().name)
+
+
+def rank_capacity(config: dict[str, Any] | str | ZeroplusConfig, accelerator: str | None,
+                  world_size: int) -> tuple[int | None, str]:
+    """The memory a rank trains in, and where it comes from: ``zeroplus.memory_budget``, else this machine's
+    accelerator's (``capacity_bytes``, its host shared by ``LOCAL_WORLD_SIZE`` ranks, or all ``world_size``); None
+    for a budget of another kind of device than this machine has."""
+    budget = load_config(config).zeroplus.memory_budget
+    if budget is not None:
+        return parse_bytes(budget), "zeroplus.memory_budget"
+    accel = get_accelerator()
+    if accelerator not in (None, accel.name):
+        return None, f"a {accelerator} device's, unknown on this machine"
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
+    return accel.capacity_bytes(ranks), (f"the {accel.name} device's" if not accel.host_is_device
+                                         else f"this host's over {ranks} rank(s)")
 
 
 ACTIVATION_TECHNIQUES = ("swap_attention", "resize_recompute")

@@ -414,11 +414,20 @@ class ZeroplusBlock(Block):
     resize_recompute: ResizeRecomputeConfig = Field(default_factory=ResizeRecomputeConfig)
     swap_attention: SwapAttentionConfig = Field(default_factory=SwapAttentionConfig)
     tiled: TiledConfig = Field(default_factory=TiledConfig)
-    lean_cross_entropy: bool = Field(
-        True, description="The model's own F.cross_entropy calls over (tokens, classes) logits with class targets "
+    lean_cross_entropy: bool | None = Field(
+        None, description="The model's own F.cross_entropy calls over (tokens, classes) logits with class targets "
                           "(a loss computed in its forward) run by blocks of rows while the engine's forward runs: "
                           "bitwise the same loss and gradients, one logits' worth less memory at the loss's "
-                          "backward (zeroplus/activations/lean_loss.py); false: torch's own.")
+                          "backward (zeroplus/activations/lean_loss.py); false: torch's own. Unset: on, and "
+                          "where techniques_by_default is 'where_needed' only where the run needs its memory.")
+    techniques_by_default: Literal["auto", "where_they_pay", "where_needed"] = Field(
+        "auto", description="Which memory techniques left unset (resize_recompute.enabled, lean_cross_entropy) run: "
+                            "'where_they_pay' (the lean loss on, resize recompute where it takes 1% or more off the "
+                            "predicted peak), "
+                            "'where_needed' (only where the predicted peak without them passes 95% of this rank's "
+                            "memory: memory_budget, else the device's), 'auto': the device's (CPU: where they pay, "
+                            "measured to cost a few percent there; CUDA and NPU: where needed). Decided at the first "
+                            "forward from the memory estimate (see note: techniques by default).")
     fused_ops: bool | Literal["compiled", "liger", "fastest"] = Field(
         False, description="The Llama family's RMSNorms and gated (SwiGLU) MLPs run the device's fused kernels "
                            "(zeroplus/fused_ops.py): bitwise equal to eager, fewer tensors kept for "

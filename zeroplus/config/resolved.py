@@ -79,8 +79,9 @@ class ResolvedConfig(ZeroplusConfig):
 
 _BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 # keys whose "auto" is a value: what it means is decided when the engine is assembled, from the groups it runs on
-# (zeroplus.transport: comm.DataParallelGroup.use_transport), not by resolution
-_ASSEMBLY_CHOICES = ("zeroplus.transport",)
+# (zeroplus.transport: comm.DataParallelGroup.use_transport; zeroplus.techniques_by_default: the accelerator's), not by
+# resolution
+_ASSEMBLY_CHOICES = ("zeroplus.transport", "zeroplus.techniques_by_default")
 
 
 def _unresolved(data: Any, path: str) -> list[str]:
