@@ -111,10 +111,12 @@ def optimizer_only(elements: int) -> None:
     param = torch.nn.Parameter(torch.randn(elements))
     param.grad = torch.randn(elements) * 1e-3
     kinds = {"bf16": {"exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16},
+             "fp16": {"exp_avg_dtype": torch.float16, "exp_avg_sq_dtype": torch.float16},
              "fp8": {"exp_avg_dtype": E4M3, "exp_avg_sq_dtype": E4M3},
              "mxfp8": {"exp_avg_dtype": E4M3, "exp_avg_sq_dtype": E4M3, "block": MX_BLOCK, "scale_dtype": E8M0}}
     rows = [("fp32 moments, torch's fused AdamW", lambda: torch.optim.AdamW([param], lr=1e-4, fused=True), None)]
-    for kind, roundings in (("bf16", ("nearest", "stochastic")), ("fp8", ("stochastic",)), ("mxfp8", ("stochastic",))):
+    for kind, roundings in (("bf16", ("nearest", "stochastic")), ("fp16", ("nearest",)), ("fp8", ("stochastic",)),
+                            ("mxfp8", ("stochastic",))):
         for rounding in roundings:
             for native in (True, False):
                 rows.append((f"{kind} moments, {rounding}, {'one-pass loop' if native else 'chunked step'}",

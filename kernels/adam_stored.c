@@ -1,10 +1,12 @@
-/* One pass of Adam/AdamW over fp32 parameters and gradients whose two moments are each kept in fp32 or bf16, or both
-   in e4m3 with a power-of-two scale per block (fp8: fp32 scales; mxfp8: e8m0 scales).
+/* One pass of Adam/AdamW over fp32 parameters and gradients whose two moments are each kept in fp32, bf16 or fp16, or
+   both in e4m3 with a power-of-two scale per block (fp8: fp32 scales; mxfp8: e8m0 scales).
 
    Each element is computed in fp32 with the operations, in the order and with the fused multiply-adds, of torch's
    vectorised CPU kernel (torch._fused_adam_ / torch._fused_adamw_, the elements its vector loop takes), and a bf16
    moment is stored rounded to nearest even (torch's cast) or stochastically (kernels/stochastic_round.py's hash of
-   the value and the step count). e4m3 moments are read, stepped and stored a block at a time as
+   the value and the step count), an fp16 one to nearest even (torch's cast). fp16 moments are stepped a tile at a
+   time: widened into fp32 and narrowed again with the F16C conversions torch's own cast uses (GCC leaves a _Float16
+   conversion in a loop scalar; integer conversions cost this CPU twice bf16's step), exact integer ones elsewhere. e4m3 moments are read, stepped and stored a block at a time as
    kernels/block_fp8.py quantizes them (the second moment as its correctly rounded square root). Built with
    -ffp-contract=off, so the fused multiply-adds are the explicit fmaf calls and no others; kernels/native_adam.py
    checks the result against torch's kernel and the fp8 codec bit for bit before it is used, and leaves the caller
@@ -16,8 +18,11 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
-enum { FP32 = 0, BF16 = 1, E4M3 = 2 };
+enum { FP32 = 0, BF16 = 1, E4M3 = 2, FP16 = 3 };
 
 typedef struct {
   float *param;
@@ -51,6 +56,47 @@ typedef struct {
   int e8m0_scales;
   int64_t block;
 } Job;
+
+/* An fp16 value in fp32, exactly: a normal's exponent rebiased, a subnormal's fraction times 2^-24 (converted from an
+   integer: no subnormal fp32 operand, which costs this CPU a slow path), infinities with fp32's exponent, NaN quieted
+   with its payload (torch's vector loop). */
+static inline float f16_value(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, rest = (uint32_t)(h & 0x7FFFu) << 13;
+  const float fraction = (float)(int32_t)(h & 0x3FFu) * 0x1p-24f;
+  uint32_t small;
+  memcpy(&small, &fraction, 4);
+  const uint32_t normal = rest + ((uint32_t)(127 - 15) << 23);
+  const uint32_t quiet = 0u - (uint32_t)(rest > (0x7C00u << 13));
+  const uint32_t special = 0u - (uint32_t)(rest >= (0x7C00u << 13)), subnormal = 0u - (uint32_t)(rest < (0x400u << 13));
+  const uint32_t bits = sign | (special & (rest | 0x7F800000u | (quiet & 0x400000u))) |
+                        (~special & ((subnormal & small) | (~subnormal & normal)));
+  float out;
+  memcpy(&out, &bits, 4);
+  return out;
+}
+
+/* fp32 to fp16, rounded to nearest even as torch casts (overflow: infinity; NaN quieted with the top of its payload,
+   as torch's vector loop); the three cases computed and one selected, so that a loop of it is vectorised. */
+static inline uint16_t f16_nearest(float f) {
+  uint32_t bits;
+  memcpy(&bits, &f, 4);
+  const uint32_t sign = bits & 0x80000000u;
+  bits ^= sign;
+  const uint32_t denorm = 126u << 23; /* below fp16's normals: added to 0.5, whose last bits are then the code */
+  float magnitude, offset;
+  memcpy(&magnitude, &bits, 4);
+  memcpy(&offset, &denorm, 4);
+  magnitude = magnitude + offset;
+  uint32_t sum;
+  memcpy(&sum, &magnitude, 4);
+  const uint32_t small = sum - denorm;
+  const uint32_t normal = (bits + ((uint32_t)(15 - 127) << 23) + 0xFFFu + ((bits >> 13) & 1u)) >> 13;
+  const uint32_t big = 0u - (uint32_t)(bits >= (143u << 23)), below = 0u - (uint32_t)(bits < (113u << 23));
+  const uint32_t nan = 0u - (uint32_t)(bits > (255u << 23));
+  const uint32_t special = (nan & (0x7E00u | ((bits >> 13) & 0x3FFu))) | (~nan & 0x7C00u);
+  const uint32_t out = (big & special) | (~big & ((below & small) | (~below & normal)));
+  return (uint16_t)((out & 0xFFFFu) | (sign >> 16));
+}
 
 static inline float load(const void *base, int kind, int64_t i) {
   if (kind == FP32) return ((const float *)base)[i];
@@ -274,10 +320,73 @@ static inline __attribute__((always_inline)) void step_blocks(const Job *job, in
 }
 
 #define KINDS(MODE, ST)                                                                    \
-  if (job->exp_avg_kind == BF16 && job->exp_avg_sq_kind == BF16) step_range(job, BF16, BF16, MODE, ST); \
-  else if (job->exp_avg_kind == BF16) step_range(job, BF16, FP32, MODE, ST);             \
-  else if (job->exp_avg_sq_kind == BF16) step_range(job, FP32, BF16, MODE, ST);          \
-  else step_range(job, FP32, FP32, MODE, ST);
+  if (job->exp_avg_kind == FP16 || job->exp_avg_sq_kind == FP16) step_tiles(job, MODE, ST); \
+  else kinds(job, MODE, ST);
+
+/* fp16 codes [0, n) into fp32 and back (the F16C instructions torch's cast uses; the last few, or every one without
+   F16C, by f16_value and f16_nearest, which give the same bits). */
+static void widen16(const uint16_t *restrict codes, float *restrict out, int64_t n) {
+  int64_t i = 0;
+#ifdef __F16C__
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(codes + i))));
+#endif
+  for (; i < n; i++) out[i] = f16_value(codes[i]);
+}
+
+static void narrow16(const float *restrict values, uint16_t *restrict codes, int64_t n) {
+  int64_t i = 0;
+#ifdef __F16C__
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128((__m128i *)(codes + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(values + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; i < n; i++) codes[i] = f16_nearest(values[i]);
+}
+
+/* step_range for fp32 and bf16 moments, the kinds dispatched */
+static inline __attribute__((always_inline)) void kinds(const Job *job, int mode, int stochastic) {
+  if (job->exp_avg_kind == BF16 && job->exp_avg_sq_kind == BF16) step_range(job, BF16, BF16, mode, stochastic);
+  else if (job->exp_avg_kind == BF16) step_range(job, BF16, FP32, mode, stochastic);
+  else if (job->exp_avg_sq_kind == BF16) step_range(job, FP32, BF16, mode, stochastic);
+  else step_range(job, FP32, FP32, mode, stochastic);
+}
+
+enum { TILE = 512 };
+
+/* An fp16 moment a tile at a time: widened into fp32 (in cache), stepped as an fp32 one, narrowed back. */
+static inline __attribute__((always_inline)) void step_tiles(const Job *job, int mode, int stochastic) {
+  float m_tile[TILE], v_tile[TILE];
+  for (int64_t a = job->begin; a < job->end; a += TILE) {
+    const int64_t len = job->end - a < TILE ? job->end - a : TILE;
+    Job tile = *job;
+    tile.param = job->param + a;
+    tile.grad = job->grad + a;
+    tile.begin = 0;
+    tile.end = len;
+    void *moments[2] = {job->exp_avg, job->exp_avg_sq};
+    const int kinds_of[2] = {job->exp_avg_kind, job->exp_avg_sq_kind};
+    float *tiles[2] = {m_tile, v_tile};
+    void *placed[2];
+    int placed_kinds[2];
+    for (int k = 0; k < 2; k++) {
+      if (kinds_of[k] == FP16) {
+        widen16((const uint16_t *)moments[k] + a, tiles[k], len);
+        placed[k] = tiles[k];
+        placed_kinds[k] = FP32;
+      } else {
+        placed[k] = kinds_of[k] == FP32 ? (void *)((float *)moments[k] + a) : (void *)((uint16_t *)moments[k] + a);
+        placed_kinds[k] = kinds_of[k];
+      }
+    }
+    tile.exp_avg = placed[0];
+    tile.exp_avg_sq = placed[1];
+    tile.exp_avg_kind = placed_kinds[0];
+    tile.exp_avg_sq_kind = placed_kinds[1];
+    kinds(&tile, mode, stochastic);
+    for (int k = 0; k < 2; k++)
+      if (kinds_of[k] == FP16) narrow16(tiles[k], (uint16_t *)moments[k] + a, len);
+  }
+}
 
 #define MODES(ST)                                                                          \
   if (!job->has_decay) { KINDS(NO_DECAY, ST) }                                            \
@@ -360,7 +469,7 @@ static int run_ranges(const Job *base, int64_t n, int64_t align, int threads) {
   return failed ? -1 : 0;
 }
 
-/* fp32 or bf16 moments (`*_kind`: FP32, BF16), elements [0, n). */
+/* fp32, bf16 or fp16 moments (`*_kind`: FP32, BF16, FP16), elements [0, n). */
 int zeroplus_adam_stored(float *param, float *grad, void *exp_avg, int exp_avg_kind, void *exp_avg_sq,
                          int exp_avg_sq_kind, int64_t n, double lr, double beta1, double beta2, double weight_decay,
                          double eps, double count, int decoupled, int maximize, float grad_scale, int stochastic,

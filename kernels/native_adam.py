@@ -1,17 +1,18 @@
-"""Adam/AdamW over bf16, fp32 or fp8 moments in one pass on the CPU: ``adam_stored.c``, built here, loaded by ctypes.
+"""Adam/AdamW over bf16, fp16, fp32 or fp8 moments in one pass on the CPU: ``adam_stored.c``, built here, loaded by
+ctypes.
 
-The stored-states step (``zeroplus/optim/stored_states.py``) otherwise reads each stored moment into an fp32
-temporary, runs torch's fused kernel and stores the moments back: five passes over memory for bf16, 52 bytes an
-element against the fp32 kernel's 28, and about ten eager passes for fp8. The native loop reads and writes each
-element once (20 bytes with both moments bf16, 10 with fp8) and computes exactly what torch's vectorised CPU kernel
-computes: the same fp32 operations, the same fused multiply-adds, the same bf16 rounding (to nearest even, or
-``kernels/stochastic_round.py``'s stochastic draw), and for e4m3 moments ``kernels/block_fp8.py``'s codec a block at a
-time (its scales, its stochastic draw, the second moment's correctly rounded root: ``block_fp8.root_``).
+The stored-states step (``zeroplus/optim/stored_states.py``) otherwise reads each stored moment into an fp32 temporary,
+runs torch's fused kernel and stores the moments back: five passes over memory for bf16, 52 bytes an element against the
+fp32 kernel's 28, and about ten eager passes for fp8. The native loop reads and writes each element once (20 bytes with
+both moments bf16, 10 with fp8) and computes exactly what torch's vectorised CPU kernel computes: the same fp32
+operations, the same fused multiply-adds, the same bf16 rounding (to nearest even, or ``kernels/stochastic_round.py``'s
+stochastic draw), torch's fp16 cast (a tile at a time), and for e4m3 moments ``kernels/block_fp8.py``'s codec a block at
+a time (its scales, its stochastic draw, the second moment's correctly rounded root: ``block_fp8.root_``).
 
 ``load(directory)`` compiles the source once per machine into ``directory`` (named by a hash of the source, the
 compiler's version and the host's CPU; ``-march=native``, ``-ffp-contract=off``) and then checks the kernel
 against torch's ``_fused_adam_`` and ``_fused_adamw_`` on random values, bit for bit (decay on and off, Adam and
-AdamW, ``maximize``, a ``grad_scale``, both bf16 roundings against their torch twins, fp8 per 128 with fp32 scales
+AdamW, ``maximize``, a ``grad_scale``, both bf16 roundings against their torch twins, fp16, fp8 per 128 with fp32 scales
 and mxfp8 per 32 with e8m0 scales through the codec, both roundings, and blocks whose largest value is 448 times a
 power of two). It returns a ``NativeAdam``, or None with the reason in ``unavailable()``: no compiler, a failed
 build, or a result that differs (a compiler or CPU whose arithmetic torch's kernel does not share). Nothing else
@@ -42,7 +43,7 @@ from .stochastic_round import store
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "adam_stored.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-pthread")
-KINDS = {torch.float32: 0, torch.bfloat16: 1}  # the moments' dtypes the loop stores
+KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 3}  # the moments' dtypes the loop stores
 _loaded: dict[str, NativeAdam | None] = {}
 _reasons: dict[str, str] = {}
 
@@ -71,7 +72,7 @@ class NativeAdam:
              lr: float, beta1: float, beta2: float, weight_decay: float, eps: float, count: float, decoupled: bool,
              maximize: bool, grad_scale: float | None, stochastic: bool) -> int:
         """One step over the first ``covered(n)`` elements of contiguous CPU tensors (fp32 ``param`` and ``grad``,
-        fp32 or bf16 moments), in place; ``count``: the step count after this step's increment, as torch's kernel
+        fp32, bf16 or fp16 moments), in place; ``count``: the step count after this step's increment, as torch's kernel
         reads it; ``grad_scale``: the gradient divided by it and stored back, as torch's kernel does. Returns how
         many elements were stepped."""
         n = self.covered(param.numel())
@@ -80,7 +81,7 @@ class NativeAdam:
                                             and m.numel() == param.numel() for m in moments):
             raise ValueError(f"native Adam step: {param.dtype} {param.device} parameter, {grad.dtype} gradient, "
                              f"moments {exp_avg.dtype} and {exp_avg_sq.dtype}: it takes contiguous CPU tensors of "
-                             f"one length, fp32 parameter and gradient, fp32 or bf16 moments")
+                             f"one length, fp32 parameter and gradient, fp32, bf16 or fp16 moments")
         if n == 0:
             return 0
         self._fn(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), KINDS[exp_avg.dtype],
@@ -221,7 +222,7 @@ def _differs_from_torch(kernel: NativeAdam) -> str:
     hyper: dict[str, Any] = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
     for case in cases:
         for stored, rounding in ((torch.float32, "nearest"), (torch.bfloat16, "nearest"),
-                                 (torch.bfloat16, "stochastic")):
+                                 (torch.bfloat16, "stochastic"), (torch.float16, "nearest")):
             want = _reference(base, case, hyper, stored, rounding)
             got = {k: v.clone().to(stored) if k.startswith("exp_avg") else v.clone() for k, v in base.items()}
             done = kernel.step(got["param"], got["grad"], got["exp_avg"], got["exp_avg_sq"], count=3.0,
