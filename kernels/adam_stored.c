@@ -57,6 +57,19 @@ typedef struct {
   int64_t block;
 } Job;
 
+/* The code of a value below a narrow format's normals (its magnitude's bits, `bits`): the value added to the power of
+   two `magic` (the format's smallest normal times its fraction's width), whose last bits are then the code, rounded
+   to nearest even by the addition. */
+static inline uint32_t code_below_normals(uint32_t bits, uint32_t magic) {
+  float magnitude, offset;
+  memcpy(&magnitude, &bits, 4);
+  memcpy(&offset, &magic, 4);
+  magnitude = magnitude + offset;
+  uint32_t sum;
+  memcpy(&sum, &magnitude, 4);
+  return sum - magic;
+}
+
 /* An fp16 value in fp32, exactly: a normal's exponent rebiased, a subnormal's fraction times 2^-24 (converted from an
    integer: no subnormal fp32 operand, which costs this CPU a slow path), infinities with fp32's exponent, NaN quieted
    with its payload (torch's vector loop). */
@@ -82,14 +95,7 @@ static inline uint16_t f16_nearest(float f) {
   memcpy(&bits, &f, 4);
   const uint32_t sign = bits & 0x80000000u;
   bits ^= sign;
-  const uint32_t denorm = 126u << 23; /* below fp16's normals: added to 0.5, whose last bits are then the code */
-  float magnitude, offset;
-  memcpy(&magnitude, &bits, 4);
-  memcpy(&offset, &denorm, 4);
-  magnitude = magnitude + offset;
-  uint32_t sum;
-  memcpy(&sum, &magnitude, 4);
-  const uint32_t small = sum - denorm;
+  const uint32_t small = code_below_normals(bits, 126u << 23); /* (0.5) */
   const uint32_t normal = (bits + ((uint32_t)(15 - 127) << 23) + 0xFFFu + ((bits >> 13) & 1u)) >> 13;
   const uint32_t big = 0u - (uint32_t)(bits >= (143u << 23)), below = 0u - (uint32_t)(bits < (113u << 23));
   const uint32_t nan = 0u - (uint32_t)(bits > (255u << 23));
@@ -177,14 +183,7 @@ static inline uint8_t e4m3_nearest(float f) {
   memcpy(&bits, &f, 4);
   const uint32_t sign = bits & 0x80000000u;
   bits ^= sign;
-  const uint32_t denorm = 141u << 23; /* below e4m3's normals: added to 2^14, whose last bits are then the code */
-  float magnitude, offset;
-  memcpy(&magnitude, &bits, 4);
-  memcpy(&offset, &denorm, 4);
-  magnitude = magnitude + offset;
-  uint32_t sum;
-  memcpy(&sum, &magnitude, 4);
-  const uint32_t small = sum - denorm;
+  const uint32_t small = code_below_normals(bits, 141u << 23); /* (2^14) */
   const uint32_t normal = (bits + ((uint32_t)(7 - 127) << 23) + 0x7FFFFu + ((bits >> 20) & 1u)) >> 20;
   const uint32_t nan = 0u - (uint32_t)(bits >= (1087u << 20)), below = 0u - (uint32_t)(bits < (121u << 23));
   const uint32_t out = (nan & 0x7Fu) | (~nan & ((below & small) | (~below & normal)));
