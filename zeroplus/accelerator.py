@@ -51,9 +51,9 @@ class Accelerator:
 
     name = "cpu"
     comm_backend = "gloo"
-    # which memory techniques left unset run (zeroplus.techniques_by_default "auto"): on the CPU they cost at most a few
-    # percent of a step (GPT 111M, one rank, 4 x 256: 0.97x the plain module with both, 1.02x without) and the lean loss
-    # saves time with a large vocabulary, so each runs where it takes memory off (see note: techniques by default)
+    # which memory techniques left unset run (zeroplus.techniques_by_default "auto"): on the CPU each runs where it
+    # takes memory off (GPT 111M at 4 x 256: one rank 0.97x the plain module with both, 1.02x without; two ranks at
+    # ZeRO-3 0.80x FSDP2's peak with them, 0.99x without; see note: techniques by default)
     techniques_by_default = "where_they_pay"
 
     def device(self, index: int | None = None) -> torch.device:

@@ -423,11 +423,10 @@ class ZeroplusBlock(Block):
     techniques_by_default: Literal["auto", "where_they_pay", "where_needed"] = Field(
         "auto", description="Which memory techniques left unset (resize_recompute.enabled, lean_cross_entropy) run: "
                             "'where_they_pay' (the lean loss on, resize recompute where it takes 1% or more off the "
-                            "predicted peak), "
-                            "'where_needed' (only where the predicted peak without them passes 95% of this rank's "
-                            "memory: memory_budget, else the device's), 'auto': the device's (CPU: where they pay, "
-                            "measured to cost a few percent there; CUDA and NPU: where needed). Decided at the first "
-                            "forward from the memory estimate (see note: techniques by default).")
+                            "predicted peak), 'where_needed' (only where the predicted peak without them passes 95% "
+                            "of this rank's memory: memory_budget, else the device's), 'auto': the device's (CPU: "
+                            "where they pay, at 3-17% of a step at 4 x 256; CUDA and NPU: where needed). Decided at "
+                            "the first forward from the memory estimate (see note: techniques by default).")
     fused_ops: bool | Literal["compiled", "liger", "fastest"] = Field(
         False, description="The Llama family's RMSNorms and gated (SwiGLU) MLPs run the device's fused kernels "
                            "(zeroplus/fused_ops.py): bitwise equal to eager, fewer tensors kept for "
