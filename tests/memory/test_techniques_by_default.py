@@ -70,6 +70,10 @@ def test_where_needed_the_budget_is_the_run_without_them_until_it_would_not_fit(
     assert budget(NEEDED, edge).not_needed.keys() == {RECOMPUTE, LEAN}
     needed = budget(NEEDED, edge - 2)  # a byte more than 95% of it: the run with them, as where they pay
     assert needed.phases == pay.phases and needed.not_needed == {}
+    assert fits.caveats == [] and needed.caveats == []
+    elsewhere = zeroplus.estimate(_model, _config({}), world_size=1, seq_len=SEQ, accelerator="cuda")
+    assert elsewhere.not_needed == {} and "unknown on this machine; give zeroplus.memory_budget" in \
+        elsewhere.caveats[-1]  # (a device this machine does not have: its memory unknown here, and said)
     written = budget({**NEEDED, "lean_cross_entropy": True})  # a key written out is kept
     assert written.not_needed.keys() == {RECOMPUTE}
     assert written.phases == budget({"resize_recompute": {"enabled": False}}).phases

@@ -248,6 +248,12 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
         return runs_without[techniques]
 
     unset = left_unset(config)
+    unknown: list[str] = []  # (where the rank's memory is not known here, the techniques stay on, and it says so)
+
+    def said(result: MemoryBudget) -> MemoryBudget:
+        result.caveats += unknown
+        return result
+
     if unset and default_policy(config, accelerator) == "where_needed":  # see note: techniques by default
         off = without(*unset)
         limit, source = (capacity, "given") if capacity is not None else rank_capacity(config, accelerator, world_size)
@@ -256,24 +262,27 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
                    f"is within {NEEDED_FROM:.0%} of this rank's memory, {limit / 2**30:.3f} GiB ({source})")
             off.not_needed = {technique: why for technique in unset}
             return off
+        if limit is None:
+            unknown = [f"{' and '.join(unset)} run as where they pay: whether the run needs them is judged "
+                       f"against this rank's memory, {source}; give zeroplus.memory_budget"]
     deciding = RECOMPUTE in unset
     if deciding:  # see note: recompute where it pays
         off = without(RECOMPUTE)
         bound = droppable_at_peak(off)
         if not recompute_pays(bound, off.steps_peak_bytes - bound):  # it cannot pay: the run with it not simulated
             off.stood_down = {**off.stood_down, RECOMPUTE: bound}
-            return off
+            return said(off)
     budget, resolved_cfg = _estimate(model, config, example_inputs=example_inputs, example_kwargs=example_kwargs,
                                      construction=construction, **common)
     if deciding and _recompute_chosen(off, budget, resolved_cfg, accelerator, config) is off:
-        return off
+        return said(off)
     if effects:
         def measure() -> dict[str, int]:
             return {technique: without(technique).training_peak_bytes - budget.training_peak_bytes
                     for technique in ACTIVATION_TECHNIQUES
                     if getattr(resolved_cfg.zeroplus, technique).enabled is True}
         budget.pending_effects = measure
-    return budget
+    return said(budget)
 
 
 def droppable_at_peak(off: MemoryBudget) -> int:
