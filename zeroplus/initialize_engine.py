@@ -22,7 +22,7 @@ import torch
 
 from . import fault_dumps
 from .accelerator import get_accelerator
-from .budget.estimate import RECOMPUTE, RECOMPUTE_PAYS_FROM, estimate, left_unset
+from .budget.estimate import RECOMPUTE, RECOMPUTE_PAYS_FROM, default_policy, estimate, left_unset
 from .budget.first_use import code_resident
 from .budget.planner import apply_settings, plan
 from .budget.simulate import group_stand_ins, meta_copy
@@ -286,7 +286,10 @@ def _predictor(model: torch.nn.Module, cfg: ResolvedConfig, held: tuple[int | No
         recompute = cfg.zeroplus.resize_recompute
         if recompute.by_default and (engine.is_compiled or compiled_modules(engine.module)):
             recompute.enabled = False  # (it stands down at this forward: see note: recompute by default)
-        deciding = left_unset(cfg)  # (the same on every rank: configs agree)
+        # what the budget may stand down (the same on every rank: configs agree): recompute, and where the device's
+        # rule is "where needed" the lean loss too (see note: techniques by default)
+        needed_only = default_policy(cfg, get_accelerator().name) == "where_needed"
+        deciding = [t for t in left_unset(cfg) if t == RECOMPUTE or needed_only]
         try:
             budget = estimate(model, cfg, world_size=world, rank=rank, effects=True, example_inputs=args,
                               example_kwargs=kwargs, code=held[0], pooled=held[1])
@@ -319,7 +322,7 @@ def _stand_down(engine: Engine, budget: Any, techniques: list[str]) -> None:
             effect = budget.stood_down[technique]
             why = (f"off: it would take at most {effect / 2**20:.1f} MiB off this rank's predicted training peak of "
                    f"{(budget.steps_peak_bytes - effect) / 2**20:.1f} MiB, under {100 * RECOMPUTE_PAYS_FROM:g}%")
-        if engine.dp.max_flag(why is None) or why is None:
+        if engine.dp.max_flag(why is None) or why is None:  # (the second: only where the first is, for the checker)
             if budget is not None:  # (kept: the budget's phases, without it, over-predict)
                 budget.stood_down.pop(technique, None)
                 budget.not_needed.pop(technique, None)
