@@ -232,9 +232,11 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     runs_without: dict[tuple[str, ...], MemoryBudget] = {}  # (the defaults' decisions and the effects share them)
 
     def without(*techniques: str) -> MemoryBudget:
-        """The same run with ``techniques`` off (its own effects pending), simulated once."""
+        """The same run with ``techniques`` off (its own effects pending), simulated once; what it leaves unset runs as
+        where they pay (whether the run needs them is decided here, once)."""
         if techniques not in runs_without:
             cfg = load_config(config)
+            cfg.zeroplus.techniques_by_default = "where_they_pay"
             for technique in techniques:
                 if technique == LEAN:
                     cfg.zeroplus.lean_cross_entropy = False
