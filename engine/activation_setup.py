@@ -11,7 +11,7 @@ import torch
 from zeroplus import fused_ops
 from zeroplus.accelerator import Accelerator
 from zeroplus.activations import ResizeRecompute, SavedTensorRouter, SwapAttention, checkpointing, module_roles
-from zeroplus.activations.choices import TechniqueChoice, technique_choices
+from zeroplus.activations.choices import TechniqueChoice
 from zeroplus.activations.lean_loss import LeanCrossEntropy
 from zeroplus.activations.saved_tensors import ForwardMode
 from zeroplus.activations.tiled import per_rank_tile, tile_mlps
@@ -27,13 +27,13 @@ from .model_patches import remember
 
 
 def assemble_activations(model: torch.nn.Module, cfg: ResolvedConfig, ledger: Ledger, accel: Accelerator, context: int,
-                         scope: list[torch.nn.Module], compiled: bool
-                         ) -> tuple[SavedTensorRouter, dict[str, TechniqueChoice]]:
-    """The activation techniques (``activation_techniques``) and the engine's choices (what runs, the engine's to
-    change: see note: frozen config). The forwards and settings the techniques change are given back by ``destroy``;
-    where one of them is refused after others were made, at once, with the hooks of those made before it."""
+                         scope: list[torch.nn.Module], compiled: bool, choices: dict[str, TechniqueChoice]
+                         ) -> SavedTensorRouter:
+    """The activation techniques (``activation_techniques``), each reading its entry of the engine's ``choices``
+    (what runs, the engine's to change: see note: frozen config). The forwards and settings the techniques change are
+    given back by ``destroy``; where one of them is refused after others were made, at once, with the hooks of those
+    made before it."""
     as_built = remember(model)
-    choices = technique_choices(cfg)
     claimers: list[Any] = []
     try:
         router = activation_techniques(model, cfg, ledger, accel, context, scope, compiled, choices, claimers)
@@ -43,7 +43,7 @@ def assemble_activations(model: torch.nn.Module, cfg: ResolvedConfig, ledger: Le
         as_built()
         raise
     router.undo.append(as_built)
-    return router, choices
+    return router
 
 
 def activation_techniques(model: torch.nn.Module, cfg: ResolvedConfig, ledger: Ledger,

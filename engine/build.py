@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from zeroplus.accelerator import Accelerator
+from zeroplus.activations.choices import TechniqueChoice, technique_choices
 from zeroplus.activations.tiled_loss import is_hf_causal_lm
 from zeroplus.collectives import Collectives
 from zeroplus.config import ConfigError, ResolvedConfig, ZeroplusConfig, ZeroStage, resolved_zero
@@ -206,11 +207,13 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
     remember_roles(model, cfg)
     flattened = {id(p) for p in model.parameters() if (p.requires_grad and id(p) in group_of)
                  or frozen_dtype(p, stage, experts, dtype) is not None}  # (units.py)
+    choices = technique_choices(cfg)  # (the engine's decisions: the partition reads embedding_rows')
     try:
         partition = make_partition(model, cfg, zero, ledger, dtype, group_of, param_offload, experts,
                                    UnitPlacement(accel.device(), dtype, _broadcast_group(dp, experts), flattened),
                                    secondary, _node_groups(zero, parallel),
-                                   replicas=parallel.topology.replicas if parallel is not None else 1)
+                                   replicas=parallel.topology.replicas if parallel is not None else 1,
+                                   rows=choices["embedding_rows"])
     except OSError as err:  # writing the offloaded shards failed (a full disk)
         if param_offload is None:
             raise
@@ -224,8 +227,8 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
         context = parallel.topology.context if parallel is not None else 1
         _log_assembly(cfg, partition, opt, dp, dtype, context, parallel if split else None)
         _log_layout_over_nodes(cfg, parallel)
-        activations, choices = assemble_activations(model, cfg, ledger, accel, context,
-                                                    [u.module for u in partition.units if not u.is_root], compiled)
+        activations = assemble_activations(model, cfg, ledger, accel, context,
+                                           [u.module for u in partition.units if not u.is_root], compiled, choices)
         parts = TrainingParts(partition, step, opt, scheduler, loss_scaler, activations, choices)
         if context > 1 and parallel is not None:
             _split_sequences(model, parallel)
@@ -442,12 +445,13 @@ def make_partition(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Collectives,
                    group_of: dict[int, int], param_offload: ParamOffload | None,
                    experts: ExpertSplit | None, placement: UnitPlacement | None = None,
                    secondary: Collectives | None = None,
-                   nodes: tuple[Collectives, Collectives] | None = None, replicas: int = 1) -> ZeroPartition:
+                   nodes: tuple[Collectives, Collectives] | None = None, replicas: int = 1,
+                   rows: TechniqueChoice | None = None) -> ZeroPartition:
     """The partition of ``model`` as ``cfg`` asks (the engine's, and the budget's model-state count's, whose
     config has the ZeRO block resolved but may lack a batch triple). ``placement``: the engine moves the
     model to the device and dtype through it, one unit at a time (``zero/placement.py``). ``secondary``: hpZ's
     group (``_secondary_group``); ``nodes``: two-level collectives (``_node_groups``); ``replicas``: MiCS's shard
-    groups ``dp`` is one of."""
+    groups ``dp`` is one of; ``rows``: the engine's choice of embedding rows (None: always)."""
     accumulation = cfg.gradient_accumulation_steps if isinstance(cfg.gradient_accumulation_steps, int) else 1
     return ZeroPartition(model, resolved_zero(cfg.zero_optimization), dp, ledger, dtype, group_of,
                          cfg.zeroplus.unit_modules, accumulation,
@@ -457,7 +461,7 @@ def make_partition(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Collectives,
                          experts=experts, placement=placement,
                          defer_param_gather=cfg.zeroplus.overlap_param_gather, secondary=secondary, nodes=nodes,
                          gradient_bits=cfg.zeroplus.quantized_gradient_bits,
-                         weights_dtype=cfg.zeroplus.quantized_weights_dtype, replicas=replicas)
+                         weights_dtype=cfg.zeroplus.quantized_weights_dtype, replicas=replicas, rows=rows)
 
 
 def _check_split(model: torch.nn.Module, parallel: ParallelGroups) -> None:

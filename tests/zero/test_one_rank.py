@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import zeroplus
+from tests.graph_nodes import graph_nodes
 from tests.models import ParityNet, SmallHeadNet, make_batches
 from tests.reference import train_steps
 from zeroplus.activations.forward_census import ForwardCensus
@@ -203,22 +204,28 @@ class RowsFirst(nn.Module):
         return (scores.tanh().sum(-1, keepdim=True) * e).square().mean()
 
 
+@pytest.mark.parametrize("rows", [None, False], ids=["rows", "dense"])
 @pytest.mark.parametrize("stage", [0, 3])
-def test_one_rank_tied_rows_before_the_dense_use_and_without_one(stage: int) -> None:
+def test_one_rank_tied_rows_before_the_dense_use_and_without_one(stage: int, rows: bool | None) -> None:
     """Rows into ``.grad`` (see note: one-rank tied rows) where they come first: ``.grad`` is made of zeros and the
     rows, the dense use's gradient is added in later by autograd; and a weight shared by two embeddings only.
-    Bit for bit as the plain module over three steps, with two micro-batches each."""
+    Bit for bit as the plain module over three steps, with two micro-batches each. ``zeroplus.embedding_rows``
+    false: the embeddings run on the weights themselves, autograd's own path (no rows function in the graph)."""
     torch.manual_seed(0)
     net = RowsFirst()
     plain = copy.deepcopy(net)
-    engine = zeroplus.initialize(net, _config(stage, "AdamW", 2))
+    cfg = _config(stage, "AdamW", 2)
+    cfg["zeroplus"]["embedding_rows"] = rows
+    engine = zeroplus.initialize(net, cfg)
     assert engine.partition.use_grads.row_receivers == {id(net.embed.weight), id(net.lookup.weight)}
     opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=0.01, fused=True)
     g = torch.Generator().manual_seed(5)
     for _ in range(3):
         for _ in range(2):
             x, ids = torch.randn(2, 4, 6, generator=g), torch.randint(0, 23, (2, 4), generator=g)
-            engine.backward(engine(x, ids))
+            loss = engine(x, ids)
+            assert ("EmbeddingRowsIntoFlatBackward" in graph_nodes(loss)) is (rows is None)
+            engine.backward(loss)
             engine.step()
             (plain(x, ids) / 2).backward()
         opt.step()
@@ -295,7 +302,7 @@ def test_one_rank_binding_clip_is_applied_inside_the_fused_step(stage: int, fuse
     by ``1 / coef`` in its kernel, with no pass of its own over the gradients (no ``_foreach_mul_``) and no
     ``grad_scale`` left on the optimizer; without the fused kernel the gradients are multiplied first. Either way
     the weights are the plain module's (``clip_grad_norm_`` + AdamW) within the stated tolerance (coefficients that
-    differ by an ulp: 1e-5 relative after four steps)."""
+    differ by an ulp: 1e-5 relative after four steps). The norm itself is ``clip_grad_norm_``'s bit for bit."""
     torch.manual_seed(0)
     net = ParityNet()
     plain = copy.deepcopy(net)
@@ -304,7 +311,7 @@ def test_one_rank_binding_clip_is_applied_inside_the_fused_step(stage: int, fuse
     engine = zeroplus.initialize(net, config)
     trained = [p for p in plain.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trained, lr=LR, weight_decay=0.01, fused=True)
-    for x, y in make_batches(4, 2):
+    for step, (x, y) in enumerate(make_batches(4, 2)):
         engine.backward(engine(x, y))
         with _Ops() as ops:
             engine.step()
@@ -315,7 +322,9 @@ def test_one_rank_binding_clip_is_applied_inside_the_fused_step(stage: int, fuse
         else:
             assert "_foreach_mul_" in ops.names and not any(n.startswith("_fused_adamw_") for n in ops.names)
         plain(x, y).backward()
-        torch.nn.utils.clip_grad_norm_(trained, 0.01)
+        plain_norm = torch.nn.utils.clip_grad_norm_(trained, 0.01)
+        if step == 0:  # the same weights: the norm formed as clip_grad_norm_ forms it
+            assert engine.get_global_grad_norm() == plain_norm.item()
         opt.step()
         opt.zero_grad(set_to_none=True)
     state = engine.consolidated_fp32_state()

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import zeroplus
+from tests.graph_nodes import graph_nodes
 from tests.models import PlainGPT, SmallHeadNet
 from tests.new_storage import NewStorageBytes
 from zeroplus.ledger import Category
@@ -150,20 +151,23 @@ class PlainLM(PlainGPT):
         return nn.functional.cross_entropy(super().forward(ids).flatten(0, 1), targets.flatten())
 
 
+@pytest.mark.parametrize("rows", [None, False], ids=["rows", "dense"])
 @pytest.mark.parametrize("stage", [0, 3])
 @pytest.mark.parametrize("make", [_gpt, SmallHeadNet, DirectHeadNet, PlainLM],
                          ids=["tied-gpt", "embedding-padding", "use-outside-holder", "own-classes"])
-def test_gradients_equal_autograds_bit_for_bit(stage, make, flat_gradients):
+def test_gradients_equal_autograds_bit_for_bit(stage, make, rows, flat_gradients):
     """The engine's gradients (in the flat buffer at stage 0 and the reduced gradient at stage 3, as at world size
     > 1, where an untied embedding sends rows) equal the plain module's ``.grad`` exactly from the same parameters;
     after each step the parameters differ in the last bits (the tied weight's uses are summed in another order
     than autograd's, and this reference is torch's unfused AdamW), so later steps' losses and gradients are
-    compared within tolerance."""
+    compared within tolerance. ``zeroplus.embedding_rows`` false: the embeddings' dense gradients go in as any other
+    use, the same sums (no rows in the graph)."""
     torch.manual_seed(0)
     model = make()
     reference = make()
     reference.load_state_dict(model.state_dict())
-    engine = zeroplus.initialize(model, _config(stage))
+    engine = zeroplus.initialize(model, {**_config(stage), "zeroplus": {**_config(stage)["zeroplus"],
+                                                                         "embedding_rows": rows}})
     assert any(g.gradient.arrival.per_use for g in engine.partition.groups)
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1)
     ref_params = dict(reference.named_parameters())
@@ -172,6 +176,7 @@ def test_gradients_equal_autograds_bit_for_bit(stage, make, flat_gradients):
         ids = torch.randint(0, 24, (2, 16), generator=g)  # repeated tokens, padding id 0 among them
         loss, ref_loss = engine(ids, ids), reference(ids, ids)
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+        assert ("EmbeddingRowsIntoFlatBackward" in graph_nodes(loss)) is (rows is None)
         engine.backward(loss)
         ref_loss.backward()
         for group in engine.partition.groups:
@@ -255,3 +260,43 @@ def test_holders_get_their_parameters_back_even_when_the_forward_raises():
     with pytest.raises(IndexError):
         engine(torch.full((2, 8), VOCAB + 5), torch.ones(2, 8, dtype=torch.long))
     assert isinstance(model.wte.weight, nn.Parameter) and model.lm_head.weight is model.wte.weight
+
+
+class LateOutsideNet(nn.Module):
+    """A tied head held by its module and, once ``outside`` is set, read directly too (``F.linear``): that use's
+    gradient reaches the weight's own hook, after the head's use has let the group be reduced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 64)
+        self.block = nn.Linear(64, 64)
+        self.head = nn.Linear(64, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+        self.outside = False
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.block(self.emb(ids)))
+        logits = self.head(x)
+        if self.outside:
+            logits = logits + nn.functional.linear(x, self.emb.weight)
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.parametrize("rows", [None, False], ids=["rows", "dense"])
+def test_a_use_outside_the_holders_first_seen_after_the_first_backward_is_refused(rows, flat_gradients):
+    """The first backward showed no late use on any rank (``late_uses`` False), so a per-use group reduced early is not
+    reduced again at the end of backward (no flag asked each step): a use outside its holders appearing later would be
+    lost, and is refused instead, naming the rank, the group and the parameter (see note: early per-use reduction)."""
+    torch.manual_seed(0)
+    model = LateOutsideNet()
+    config = _config(3)
+    config["zeroplus"]["embedding_rows"] = rows
+    engine = zeroplus.initialize(model, config)
+    ids = torch.randint(0, 24, (2, 16), generator=torch.Generator().manual_seed(3))
+    engine.backward(engine(ids, ids))
+    engine.step()
+    assert engine.partition.backward.late_uses is False
+    model.outside = True
+    late = r"rank 0: a gradient of <root>#0-uses's parameter emb\.weight arrived after the group was reduced"
+    with pytest.raises(RuntimeError, match=late):
+        engine.backward(engine(ids, ids))

@@ -1,11 +1,12 @@
 """Which activation techniques an engine runs, and why: the engine's decisions, kept apart from its config.
 
 The resolved config is frozen (see note: frozen config): it says what the user asked for, resolved, and is never written
-afterwards. What the engine decides at run time lives here: resize recompute and the lean loss left unset are on by
-default, and stand down at the first forward where the memory budget finds the run fits without them on a device whose
-defaults are "where needed" (see note: techniques by default), or resize recompute keeps nothing off the peak (see note:
-recompute where it pays) or the model turns out compiled. ``engine.choices`` holds one ``TechniqueChoice`` per
-technique; each says whether it runs and why, and the technique reads it at each forward. Memory: a few strings.
+afterwards. What the engine decides at run time lives here: resize recompute, the lean loss and embedding rows left
+unset are on by default, and stand down at the first forward where the memory budget finds the run fits without them on
+a device whose defaults are "where needed" (see note: techniques by default), or resize recompute keeps nothing off the
+peak (see note: recompute where it pays) or the model turns out compiled. ``engine.choices`` holds one
+``TechniqueChoice`` per technique; each says whether it runs and why, and the technique reads it at each forward.
+Memory: a few strings.
 """
 from __future__ import annotations
 
@@ -42,9 +43,13 @@ def technique_choices(cfg: Any) -> dict[str, TechniqueChoice]:
     lean = cfg.zeroplus.lean_cross_entropy
     lean_why = ("on by default (zeroplus.lean_cross_entropy unset)" if lean is None
                 else f"zeroplus.lean_cross_entropy is {str(lean).lower()}")
+    rows = cfg.zeroplus.embedding_rows
+    rows_why = ("on by default (zeroplus.embedding_rows unset)" if rows is None
+                else f"zeroplus.embedding_rows is {str(rows).lower()}")
     return {"resize_recompute": TechniqueChoice("resize_recompute", bool(recompute.enabled), bool(recompute.by_default),
                                                 why),
             "lean_cross_entropy": TechniqueChoice("lean_cross_entropy", lean is not False, lean is None, lean_why),
+            "embedding_rows": TechniqueChoice("embedding_rows", rows is not False, rows is None, rows_why),
             "swap_attention": TechniqueChoice("swap_attention", bool(swap.enabled), False,
                                               f"zeroplus.swap_attention.enabled is {str(bool(swap.enabled)).lower()}")}
 

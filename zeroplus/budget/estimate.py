@@ -220,8 +220,8 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     off, the budget returned is the run without it (``stood_down`` names at most what it would take off), which is
     how the engine then runs (see note: recompute where it pays).
     Where ``zeroplus.techniques_by_default`` is (or the accelerator makes ``"auto"``) ``"where_needed"``, the
-    techniques left unset (resize recompute, the lean loss) are first simulated off together; where that run's
-    training peak is within ``NEEDED_FROM`` of ``capacity`` (default: ``zeroplus.memory_budget``, else this
+    techniques left unset (resize recompute, the lean loss, embedding rows) are first simulated off together; where
+    that run's training peak is within ``NEEDED_FROM`` of ``capacity`` (default: ``zeroplus.memory_budget``, else this
     machine's device's, ``rank_capacity``), it is the budget (``not_needed`` says why), as the engine then runs (see
     note: techniques by default).
     """
@@ -238,8 +238,8 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
             cfg = load_config(config)
             cfg.zeroplus.techniques_by_default = "where_they_pay"
             for technique in techniques:
-                if technique == LEAN:
-                    cfg.zeroplus.lean_cross_entropy = False
+                if technique in (LEAN, ROWS):
+                    setattr(cfg.zeroplus, technique, False)
                     continue
                 block = getattr(cfg.zeroplus, technique)
                 block.enabled = False
@@ -307,6 +307,7 @@ def recompute_pays(effect: int, peak: int) -> bool:
 
 
 LEAN = "lean_cross_entropy"
+ROWS = "embedding_rows"
 # under techniques_by_default "where_needed", the techniques left unset run only where the run's predicted training
 # peak without them passes this fraction of the rank's memory (the budget's own tolerance, 5%, kept free)
 NEEDED_FROM = 0.95
@@ -314,11 +315,12 @@ NEEDED_FROM = 0.95
 
 def left_unset(config: dict[str, Any] | str | ZeroplusConfig) -> list[str]:
     """The techniques the config leaves for the estimate to decide: resize recompute (``enabled`` unset, or an
-    engine's resolved config marking it on ``by_default``) and the lean loss (``lean_cross_entropy`` unset)."""
+    engine's resolved config marking it on ``by_default``), the lean loss (``lean_cross_entropy`` unset) and an
+    embedding's gradient by rows (``embedding_rows`` unset)."""
     zp = load_config(config).zeroplus
     block = zp.resize_recompute
     recompute = block.enabled is None or (bool(getattr(block, "by_default", False)) and block.enabled is True)
-    return [RECOMPUTE] * recompute + [LEAN] * (zp.lean_cross_entropy is None)
+    return [RECOMPUTE] * recompute + [LEAN] * (zp.lean_cross_entropy is None) + [ROWS] * (zp.embedding_rows is None)
 
 
 def default_policy(config: dict[str, Any] | str | ZeroplusConfig, accelerator: str | None) -> str:

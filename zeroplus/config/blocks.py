@@ -420,13 +420,21 @@ class ZeroplusBlock(Block):
                           "bitwise the same loss and gradients, one logits' worth less memory at the loss's "
                           "backward (zeroplus/activations/lean_loss.py); false: torch's own. Unset: on, and "
                           "where techniques_by_default is 'where_needed' only where the run needs its memory.")
+    embedding_rows: bool | None = Field(
+        None, description="An embedding lookup's gradient (a tied table's, or a root unit's plain lookup) goes to the "
+                          "engine as one summed row per token instead of autograd's dense table-sized gradient, "
+                          "reduced sparsely at stages 2-3 (zeroplus/zero/use_grads.py): no vocabulary x hidden "
+                          "temporary in backward, for a sort and scatter of the tokens; false: autograd's dense "
+                          "gradient, added into the flat gradient as any other use. Unset: on, and where "
+                          "techniques_by_default is 'where_needed' only where the run needs its memory.")
     techniques_by_default: Literal["auto", "where_they_pay", "where_needed"] = Field(
-        "auto", description="Which memory techniques left unset (resize_recompute.enabled, lean_cross_entropy) run: "
-                            "'where_they_pay' (the lean loss on, resize recompute where it takes 1% or more off the "
-                            "predicted peak), 'where_needed' (only where the predicted peak without them passes 95% "
-                            "of this rank's memory: memory_budget, else the device's), 'auto': the device's (CPU: "
-                            "where they pay, at 3-17% of a step at 4 x 256; CUDA and NPU: where needed). Decided at "
-                            "the first forward from the memory estimate (see note: techniques by default).")
+        "auto", description="Which memory techniques left unset (resize_recompute.enabled, lean_cross_entropy, "
+                            "embedding_rows) run: 'where_they_pay' (the lean loss and embedding rows on, resize "
+                            "recompute where it takes 1% or more off the predicted peak), 'where_needed' (only where "
+                            "the predicted peak without them passes 95% of this rank's memory: memory_budget, else the"
+                            " device's), 'auto': the device's (CPU: where they pay, at 3-17% of a step at 4 x 256; "
+                            "CUDA and NPU: where needed). Decided at the first forward from the memory estimate (see "
+                            "note: techniques by default).")
     fused_ops: bool | Literal["compiled", "liger", "fastest"] = Field(
         False, description="The Llama family's RMSNorms and gated (SwiGLU) MLPs run the device's fused kernels "
                            "(zeroplus/fused_ops.py): bitwise equal to eager, fewer tensors kept for "

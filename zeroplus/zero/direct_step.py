@@ -15,14 +15,15 @@ at the same addresses; after each step the group's step count is the first view'
 is copied into the views (one call) only when something other than this step wrote it (its version counter
 moved: a checkpoint, a user's reset).
 
-The gradient norm sums one fp32 norm per gradient (``torch._foreach_norm``, as ``clip_grad_norm_``)
-squared in float64: at one rank no sharding exists whose sum it would have to agree with.
+The gradient norm is ``clip_grad_norm_``'s, formed as it forms it: one fp32 norm per gradient (``torch._foreach_norm``)
+and the norm of those (``ShardedStep._lone_root``): at one rank no sharding exists whose float64 sum it would have to
+agree with, and it takes three kernels where the squares in float64 and their root take five.
 
 Exactness: torch's fused CPU kernels treat each tensor's last few elements (a scalar tail) apart, an ulp
 away from the vector lanes, so a flat step differs from the plain module's per-parameter step there. Stepping
 per parameter makes one rank's update the plain module's bit for bit (same gradients, same kernel over the
-same tensors) when clipping does not bind; a binding clip scales by a coefficient computed in float64 here
-and in fp32 by ``clip_grad_norm_`` (1e-7 relative).
+same tensors) when clipping does not bind; a binding clip scales by the same norm's coefficient, applied in the
+fused kernel as a division by its inverse (``kernel_scale.py``: within an ulp of ``clip_grad_norm_``'s product).
 
 A binding clip (or a loss scale) is applied inside the fused Adam kernel where it can be (``kernel_scale.py``):
 no pass of its own over the gradients.

@@ -28,6 +28,7 @@ import collections
 
 import torch
 
+from ..activations.choices import TechniqueChoice
 from ..collectives import Collectives
 from ..config import ZeroStage
 from .buffer_pool import BufferPool
@@ -50,7 +51,9 @@ class BackwardSchedule:
     stage 3's scheduler, told when a unit's gradients are all in."""
 
     def __init__(self, stage: ZeroStage, dp: Collectives, units: list[Unit], reducer: GradReducer,
-                 pool: BufferPool) -> None:
+                 pool: BufferPool, rows: TechniqueChoice | None = None) -> None:
+        """``rows``: whether embeddings send rows (``zeroplus.embedding_rows``, agreed by every rank; None: always);
+        where they do not, no rows are reduced at the end of backward."""
         self.stage = stage
         self.dp = dp
         self.units = units
@@ -58,6 +61,7 @@ class BackwardSchedule:
         self.groups: list[FlatParamGroup] = [g for u in units for g in u.groups]
         self.reducer = reducer
         self.pool = pool
+        self.rows = rows
         self.stage3: Stage3Scheduler | None = None
         self.taken_at_end: list[FlatParamGroup] = []
         self._all_keep = bool(self.groups) and all(g.gradient.keeps for g in self.groups)  # one rank (early_per_use)
@@ -67,6 +71,10 @@ class BackwardSchedule:
         self._unit_of_group = {id(g): u for u in units for g in u.groups}
         self._deferred: list[FlatParamGroup] = []  # per-use groups whose dense use just arrived (dense_use_arrived)
         self.release_root_early = True  # cleared for good by a use outside the holders or a replay
+        # whether a gradient can reach a per-use group after its early reduction (a use outside its holders, a
+        # holder replayed inside backward): agreed by every rank at the end of the first backward that reduces one;
+        # None until then (see note: early per-use reduction)
+        self.late_uses: bool | None = None
         self._backwards_seen = 0
 
     def root_trusted(self) -> bool:
@@ -98,8 +106,19 @@ class BackwardSchedule:
         starts at the next gradient hook or at the end of backward, not here: ``grad`` (a table-sized tied
         head's gradient) is alive until this returns, and the reduction's landing shard beside it would raise
         the peak by the shard."""
+        self._refuse_late(group, index)
         group.gradient.dense_use_arrived(index, grad, self.early_per_use)
         self._deferred.append(group)
+
+    def _refuse_late(self, group: FlatParamGroup, index: int) -> None:
+        """A gradient for a per-use group already reduced in this backward, where the ranks agreed no such late use
+        happens (``late_uses`` False: its reduction is not repeated, so it would be lost): refused, loudly."""
+        if self.late_uses is False and id(group) in self._ready and group.gradient.arrival.per_use:
+            raise RuntimeError(
+                f"rank {self.dp.rank}: a gradient of {group.name}'s parameter {group.names[index]} arrived after the "
+                f"group was reduced (a use outside the modules holding it, or one replayed inside backward), which "
+                f"the first backward showed on no rank; zeroplus reduces such groups once at the end of backward "
+                f"only where the first backward shows one: use the parameter the same way from the first step")
 
     def _reduce_deferred(self) -> None:
         """Start the early reductions ``dense_use_arrived`` left (every rank at the same hook: one graph)."""
@@ -176,6 +195,7 @@ class BackwardSchedule:
         if grad is None and not by_rows and gradient.arrival.routed(index):  # its uses' gradients went there
             return
         if gradient.arrival.routed(index):  # a use outside its holders: its saved tensors may need the values late
+            self._refuse_late(group, index)
             self.release_root_early = False
         if grad is None and not by_rows:  # torch calls this hook only after accumulating a gradient
             raise RuntimeError(f"{group.name}: parameter {index} reached its gradient hook without a gradient")
@@ -218,7 +238,8 @@ class BackwardSchedule:
                                         and not self.at_boundary and not g.gradient.arrival.rows)
             if g.gradient.arrival.per_use and self.early_per_use and not untouched_until_boundary:
                 self._finish_per_use(g)
-                with_rows += [g] if g.gradient.arrival.row_params and not g.gradient.arrival.rows_dense else []
+                with_rows += [g] if (g.gradient.arrival.row_params and not g.gradient.arrival.rows_dense
+                                     and (self.rows is None or self.rows.on)) else []
             elif id(g) not in self._ready and (g.gradient.flat is not None or self.reduce_this_backward) \
                     and not untouched_until_boundary:
                 self._group_ready(g)
@@ -228,6 +249,8 @@ class BackwardSchedule:
             g.wait_pending()
         self._in_flight.clear()
         self._backwards_seen += 1
+        if self.late_uses is None and self.early_per_use and any(g.gradient.arrival.per_use for g in self.groups):
+            self.late_uses = self.dp.max_flag(not self.release_root_early)  # (once: a read on the host)
         shard_dtype = torch.float32 if self.reducer.accumulate_fp32 else None
         for g in with_rows:  # after the dense reductions landed: their first one writes the shard
             rows = g.gradient.arrival.take_rows()
@@ -248,9 +271,11 @@ class BackwardSchedule:
         holds something is agreed first (a one-element all-reduce), so every rank issues the same
         collectives; a group whose only gradients are embedding rows reduces nothing dense. A group whose rows
         go dense (``row_reduce.choose_dense``, the same on every rank) holds them now: reduced on every rank
-        without asking (zeros where a rank holds nothing)."""
+        without asking (zeros where a rank holds nothing). A group reduced early where the ranks agreed no late use
+        happens (``late_uses`` False) holds nothing more: nothing asked, nothing reduced."""
         gradient = group.gradient
-        anything = gradient.arrival.rows_dense or group.dp.max_flag(gradient.flat is not None)
+        settled = id(group) in self._ready and self.late_uses is False  # (anything late is refused: _refuse_late)
+        anything = gradient.arrival.rows_dense or not settled and group.dp.max_flag(gradient.flat is not None)
         if id(group) not in self._ready:  # without dense gradients anywhere the rows alone make the shard
             self._group_ready(group, reduce=anything or not group.gradient.arrival.row_params)
         elif anything:  # arrived after the early reduction (a use outside its holders): added to it

@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..activations.choices import TechniqueChoice
 from ..activations.grad_rows import RowsSink, offer_rows
 from ..collectives import Collectives
 from ..config import ResolvedZeroConfig, ZeroStage
@@ -144,7 +145,8 @@ class ZeroPartition:
                  master: MasterPolicy = MasterPolicy(), experts: ExpertSplit | None = None,
                  placement: UnitPlacement | None = None, defer_param_gather: bool = False,
                  secondary: Collectives | None = None, nodes: tuple[Collectives, Collectives] | None = None,
-                 gradient_bits: int = 8, weights_dtype: str = "int8", replicas: int = 1) -> None:
+                 gradient_bits: int = 8, weights_dtype: str = "int8", replicas: int = 1,
+                 rows: TechniqueChoice | None = None) -> None:
         """``master``: how flat groups keep their fp32 master shards; ``experts``: the expert-data group and
         expert rank when experts are split over ranks, else None. ``placement``: moves each unit's other
         tensors to the device just before its flat groups are built (``placement.py``: one unit at a
@@ -157,7 +159,8 @@ class ZeroPartition:
         gathers (``two_level_gather.py``); None: one level. ``gradient_bits``: qgZ's code width
         (``zeroplus.quantized_gradient_bits``); ``weights_dtype``: qwZ's codes
         (``zeroplus.quantized_weights_dtype``); ``replicas``: under MiCS, how many shard groups ``dp`` is one of
-        (``grad_reducer.py``)."""
+        (``grad_reducer.py``). ``rows``: whether embeddings send their gradients as rows (``use_grads.py``), read at
+        each forward; None: always."""
         _refuse_partitioned(model, dp.rank)
         self.defer_param_gather = defer_param_gather
         self.stage = ZeroStage(zero.stage)
@@ -206,7 +209,8 @@ class ZeroPartition:
         reducer = GradReducer(self.stage, dp, zero.reduce_bucket_size, reduce_scatter, overlap, ledger,
                               accumulate_fp32, zero.zero_quantized_gradients, nodes, gradient_bits, replicas)
         self.stage3: Stage3Scheduler | None = None  # (stage 3: made as the model is hooked, after the per-use swaps)
-        self.backward = BackwardSchedule(self.stage, dp, self.units, reducer, self.pool)
+        self.backward = BackwardSchedule(self.stage, dp, self.units, reducer, self.pool, rows)
+        self._rows = rows
         self._hooks: list[Any] = []
         self.hooks_dropped = False  # drop_hooks()
         per_use -= self._embeddings_kept_whole(model)
@@ -256,7 +260,7 @@ class ZeroPartition:
                                             functools.partial(self.backward.dense_use_made, g))
                 elif id(p) in into_grad:
                     sinks[id(p)] = UseSinks(None, rows_into_grad(p), _nothing)
-        self.use_grads = UseGrads(model, sinks, on_replay=self.backward.holder_replayed)
+        self.use_grads = UseGrads(model, sinks, on_replay=self.backward.holder_replayed, rows=self._rows)
         for g in self.groups:
             for i, p in enumerate(g.params):
                 if id(p) in per_use:

@@ -6,7 +6,8 @@
    loss scale. Experts' groups (partitioned over the expert-data group): at stages 1-3 their shards join
    the same sum over the data group (expert-data x expert = data, so each expert counts once); at
    stage 0 their full gradients are summed over the expert group (other ranks, other experts) first.
-   A non-finite norm is an overflow on every rank at once: the step is skipped.
+   A non-finite norm is an overflow on every rank at once: the step is skipped. One rank stepping its
+   kept gradients (nothing sharded) forms the norm as ``clip_grad_norm_`` does instead (``_lone_root``).
 2. One coefficient per step: ``1 / (N at stage 0) / loss_scale * min(1, clip / (norm + 1e-6))``
    (torch's ``clip_grad_norm_`` rule, applied to unscaled gradients). With torch's fused Adam the step's
    kernel divides by its inverse, with no pass of its own (``kernel_scale.py``): the direct, flat, chunked
@@ -161,7 +162,7 @@ class ShardedStep:
         self.model_parallel = policy.model_parallel
         self.expert_group = policy.expert_group
         self.replicas = policy.replicas
-        # the last step's norm; until read, (the device's sum of squares, what its root is divided by)
+        # the last step's norm; until read, (the device's root of the sum of squares, what it is divided by)
         self._norm: float | tuple[torch.Tensor, float] | None = None
         offload, virtual_kernels = policy.offload, policy.virtual_kernels
         self._options = {id(p): pg for pg in optimizer.param_groups for p in pg["params"]}
@@ -220,9 +221,9 @@ class ShardedStep:
         """The last step's global gradient norm (unscaled, before clipping; inf on overflow), read from the device
         the first time it is asked for."""
         if isinstance(self._norm, tuple):
-            total, divisor = self._norm
-            squares = total.item()  # (a read from the device: asked for)
-            self._norm = math.sqrt(squares) / divisor if math.isfinite(squares) else float("inf")
+            root, divisor = self._norm
+            value = root.item()  # (a read from the device: asked for)
+            self._norm = value / divisor if math.isfinite(value) else float("inf")
         return self._norm
 
     def _direct_grads(self) -> dict[int, list[torch.Tensor]]:
@@ -288,11 +289,22 @@ class ShardedStep:
             mp.group.sum_scalar(total)
         return total
 
-    def _host_norm(self, total: torch.Tensor, loss_scale: float) -> float:
+    def _lone_root(self, direct: dict[int, list[torch.Tensor]]) -> torch.Tensor | None:
+        """One rank whose every group steps over its kept gradients, nothing split over other ranks: the global
+        norm as the plain module's ``clip_grad_norm_`` forms it (one fp32 norm per gradient, then the norm of those:
+        three kernels, where the squares summed in float64 and their root take five). None elsewhere: the squares
+        are summed over shards and ranks (``_squares``), in float64 so the sum hardly depends on the sharding."""
+        if (self.dp.size > 1 or not direct or len(direct) < len(self.partition.groups) or self.replicas is not None
+                or self.model_parallel is not None or self.expert_group is not None):
+            return None
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm([t for ts in direct.values() for t in ts])))
+
+    def _host_norm(self, total: torch.Tensor, loss_scale: float, root: torch.Tensor | None = None) -> float:
+        """The norm read on the host, from the squares ``total`` or, where given, their ``root``."""
         if total.device.type == "meta":  # the estimator's simulated step: no values, clipping is free
             return 0.0
-        squares = total.item()  # (one read from the device: a synchronisation)
-        norm = math.sqrt(squares) if math.isfinite(squares) else float("inf")
+        value = (total if root is None else root).item()  # (one read from the device: a synchronisation)
+        norm = (math.sqrt(value) if root is None else value) if math.isfinite(value) else float("inf")
         if not self.partition.stage.partitions:
             norm /= self.dp.size
         return norm / loss_scale
@@ -313,10 +325,11 @@ class ShardedStep:
         if self.replicas is not None:
             self._average_over_replicas()
         direct = self._direct_grads()
-        total = self._squares(direct)
+        root = self._lone_root(direct)
+        total = self._squares(direct) if root is None else root
         if self.on_device and total.device.type != "meta" and free_for_scalars(self.optimizer):
-            return self._step_on_device(total, loss_scale, direct)
-        norm = self._host_norm(total, loss_scale)
+            return self._step_on_device(total.sqrt() if root is None else root, loss_scale, direct)
+        norm = self._host_norm(total, loss_scale, root)
         self._norm = norm
         if not math.isfinite(norm):
             return StepOutcome(False)
@@ -333,23 +346,23 @@ class ShardedStep:
                 self._step_group(g, coef, 1.0 if in_kernel else coef)
         return StepOutcome(True)
 
-    def _step_on_device(self, total: torch.Tensor, loss_scale: float,
+    def _step_on_device(self, root: torch.Tensor, loss_scale: float,
                         direct: dict[int, list[torch.Tensor]]) -> StepOutcome:
         """The step with its scalars as device tensors, in as few kernels as the arithmetic allows (each is a launch
         on a GPU): ``grad_scale = max(1, (norm + 1e-6) / clip) / base``, the host path's ``1 / coef`` where the clip
-        does not bind and within an fp32 ulp where it does; ``found_inf`` 1.0 where the squares are not finite (a
-        sum of squares is finite exactly when zero times it is zero). The norm itself is worked out when it is read.
-        No value is read on the host (see note: no host sync)."""
-        divisor = loss_scale * (1 if self.partition.stage.partitions else self.dp.size)  # norm = sqrt(total) / it
-        self._norm = (total, divisor)
+        does not bind and within an fp32 ulp where it does; ``found_inf`` 1.0 where ``root`` (the root of the sum of
+        squares) is not finite (a value is finite exactly when zero times it is zero). The norm itself is worked out
+        when it is read. No value is read on the host (see note: no host sync)."""
+        divisor = loss_scale * (1 if self.partition.stage.partitions else self.dp.size)  # norm = root / it
+        self._norm = (root, divisor)
         if self.clip > 0:
-            root = total.sqrt()
-            ratio = (root if divisor == 1 else root / divisor).add_(1e-6).div_(self.clip).clamp_(min=1.0)
+            # (``root`` is kept for the norm: the first op makes a new tensor)
+            ratio = ((root / divisor).add_(1e-6) if divisor != 1 else root + 1e-6).div_(self.clip).clamp_(min=1.0)
             grad_scale = (ratio if divisor == 1 else ratio.mul_(divisor)).to(torch.float32)
         else:
-            grad_scale = torch.full((), divisor, dtype=torch.float32, device=total.device)
-        # 0 * squares is 0 where they are finite and NaN where they are inf or NaN: two kernels, written as fp32
-        found_inf = torch.ne(total * 0, 0, out=torch.empty((), dtype=torch.float32, device=total.device))
+            grad_scale = torch.full((), divisor, dtype=torch.float32, device=root.device)
+        # 0 * root is 0 where it is finite and NaN where it is inf or NaN: two kernels, written as fp32
+        found_inf = torch.ne(root * 0, 0, out=torch.empty((), dtype=torch.float32, device=root.device))
         with scalars_in_kernel(self.optimizer, grad_scale, found_inf):
             self.direct.step([(g, direct[id(g)]) for g in self.partition.groups if id(g) in direct], None)
             for g in self.partition.groups:

@@ -38,6 +38,11 @@ None): the other uses reach autograd's accumulator as in the plain module (the f
 ``.grad`` as made, later ones are added in place: no more than the sink holds) and ``rows_into_grad`` adds the
 rows into ``.grad`` (see note: one-rank tied rows).
 
+The embeddings' rows are a memory technique the engine chooses (``zeroplus.embedding_rows``, read at each forward
+through its ``TechniqueChoice``): off, an embedding is a dense holder like any other (``AddIntoFlatGrad``, its dense
+table-sized gradient added into the flat buffer as one more counted use), or, where the parameter's dense uses are left
+to autograd, it runs on the parameter itself, as in the plain module.
+
 A group holding such a parameter cannot count its gradients to know when they are all in (a
 module may run any number of times): it is reduced when the backward ends (``partition.py``),
 which for the root unit is when its last gradient arrives anyway. Uses outside a holding module
@@ -54,6 +59,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..activations.choices import TechniqueChoice
 from ..eager import eager, in_backward
 
 DenseSink = Callable[[torch.Tensor], None]
@@ -247,8 +253,11 @@ class UseGrads:
     place. Everything is put back after the forward, also when it raises."""
 
     def __init__(self, model: torch.nn.Module, sinks: dict[int, UseSinks],
-                 on_replay: Callable[[], None] = lambda: None) -> None:
-        """``on_replay``: told when a holder's forward runs inside backward (an activation-checkpoint replay)."""
+                 on_replay: Callable[[], None] = lambda: None, rows: TechniqueChoice | None = None) -> None:
+        """``on_replay``: told when a holder's forward runs inside backward (an activation-checkpoint replay).
+        ``rows``: whether embeddings send rows (``zeroplus.embedding_rows``), read at each forward; where it is off
+        an embedding is a dense use like any other holder (``AddIntoFlatGrad``, counted), or, where the parameter's
+        dense uses are left to autograd (``UseSinks.dense`` None), runs on the parameter itself. None: always on."""
         self._handles: list[Any] = []
         by_module: dict[int, tuple[torch.nn.Module, list[str]]] = {}
         for where in holders(model, set(sinks)).values():
@@ -264,33 +273,41 @@ class UseGrads:
                     continue
             if embedding:
                 self.row_receivers.add(id(module._parameters[names[0]]))
-            swap_in = eager(self._swap_in(names, sinks, embedding, on_replay))
+            swap_in = eager(self._swap_in(names, sinks, (True if rows is None else rows) if embedding else False,
+                                          on_replay))
             swap_out = eager(self._swap_out(sinks, found))
             self._handles.append(module.register_forward_pre_hook(swap_in))
             self._handles.append(module.register_forward_hook(swap_out, always_call=True))
 
     @staticmethod
-    def _swap_in(names: list[str], sinks: dict[int, UseSinks], embedding: bool, on_replay: Callable[[], None]):
+    def _swap_in(names: list[str], sinks: dict[int, UseSinks], embedding: TechniqueChoice | bool | None,
+                 on_replay: Callable[[], None]):
+        """``embedding``: the module is an embedding, and whether it sends rows (a choice read at each forward, or
+        True: always); false or None: a dense holder."""
         def hook(module: torch.nn.Module, args: Any) -> None:
             if not torch.is_grad_enabled():
                 return
             replay = in_backward()
             if replay:
                 on_replay()
+            by_rows = embedding is True or isinstance(embedding, TechniqueChoice) and embedding.on
             saved = {}
             for name in names:
                 param = module._parameters[name]
                 if param is None or id(param) not in sinks or not param.requires_grad:
                     continue
+                if not by_rows and sinks[id(param)].dense is None:  # its uses left to autograd: this one too
+                    continue
                 saved[name] = param
-                if embedding:
+                if by_rows:
                     module._parameters[name] = param.detach()  # type: ignore[assignment]
                     continue
                 module._parameters[name] = AddIntoFlatGrad.apply(param, sinks[id(param)].dense)  # type: ignore[arg-type]
                 if not replay:  # a checkpoint replay's uses were not counted in the forward
                     sinks[id(param)].made()
-            ids = args[0] if embedding and args else None
-            module.__dict__.setdefault("_zeroplus_use_saved", []).append((saved, ids))  # a stack: forwards nest
+            ids = args[0] if by_rows and args else None
+            stack = module.__dict__.setdefault("_zeroplus_use_saved", [])  # a stack: forwards nest
+            stack.append((saved, ids, by_rows))
         return hook
 
     @staticmethod
@@ -299,10 +316,10 @@ class UseGrads:
             stack = module.__dict__.get("_zeroplus_use_saved")
             if not stack:  # the forward ran without gradients: nothing was swapped
                 return None
-            saved, ids = stack.pop()
+            saved, ids, by_rows = stack.pop()
             for name, param in saved.items():
                 module._parameters[name] = param
-            if found is not None and saved and isinstance(output, torch.Tensor):
+            if found is not None and saved and by_rows and isinstance(output, torch.Tensor):
                 (param,) = saved.values()
                 sink = sinks[id(param)]
                 anchor = param if sink.dense is not None else output.new_empty(0).requires_grad_()
