@@ -210,12 +210,11 @@ class ZeroPartition:
                               accumulate_fp32, zero.zero_quantized_gradients, nodes, gradient_bits, replicas)
         self.stage3: Stage3Scheduler | None = None  # (stage 3: made as the model is hooked, after the per-use swaps)
         self.backward = BackwardSchedule(self.stage, dp, self.units, reducer, self.pool, rows)
-        self._rows = rows
         self._hooks: list[Any] = []
         self.hooks_dropped = False  # drop_hooks()
         per_use -= self._embeddings_kept_whole(model)
         self._install_hooks(model, per_use, zero.stage3_prefetch_bucket_size,
-                            weights_dtype if zero.zero_quantized_weights else None)
+                            weights_dtype if zero.zero_quantized_weights else None, rows)
 
     def _adopt_units(self, model: torch.nn.Module) -> None:
         """The units' groups attached to this partition and its buffer pool, listed, and the parameters' status set."""
@@ -233,7 +232,7 @@ class ZeroPartition:
             label_whole([(p, s) for g in self.groups + self.frozen for p, s in zip(g.params, g.shapes)])
 
     def _install_hooks(self, model: torch.nn.Module, per_use: set[int], prefetch: int | None,
-                       quantize: str | None = None) -> None:
+                       quantize: str | None = None, rows: TechniqueChoice | None = None) -> None:
         """Every hook this partition puts on the model (``drop_hooks`` removes them all): each trained parameter's
         gradient hook and row sink, the per-use routing (``use_grads.py``), stages 1-2's waits for the post-step
         all-gathers, stage 3's scheduler and state-dict hooks."""
@@ -260,7 +259,7 @@ class ZeroPartition:
                                             functools.partial(self.backward.dense_use_made, g))
                 elif id(p) in into_grad:
                     sinks[id(p)] = UseSinks(None, rows_into_grad(p), _nothing)
-        self.use_grads = UseGrads(model, sinks, on_replay=self.backward.holder_replayed, rows=self._rows)
+        self.use_grads = UseGrads(model, sinks, on_replay=self.backward.holder_replayed, rows=rows)
         for g in self.groups:
             for i, p in enumerate(g.params):
                 if id(p) in per_use:

@@ -274,23 +274,23 @@ class UseGrads:
             if embedding:
                 self.row_receivers.add(id(module._parameters[names[0]]))
             swap_in = eager(self._swap_in(names, sinks, (True if rows is None else rows) if embedding else False,
-                                          on_replay))
+                                          on_replay))  # (a dense holder: never rows)
             swap_out = eager(self._swap_out(sinks, found))
             self._handles.append(module.register_forward_pre_hook(swap_in))
             self._handles.append(module.register_forward_hook(swap_out, always_call=True))
 
     @staticmethod
-    def _swap_in(names: list[str], sinks: dict[int, UseSinks], embedding: TechniqueChoice | bool | None,
+    def _swap_in(names: list[str], sinks: dict[int, UseSinks], rows: TechniqueChoice | bool,
                  on_replay: Callable[[], None]):
-        """``embedding``: the module is an embedding, and whether it sends rows (a choice read at each forward, or
-        True: always); false or None: a dense holder."""
+        """``rows``: whether the module, an embedding, sends rows: a choice read at each forward, or True (always);
+        False: a dense holder."""
         def hook(module: torch.nn.Module, args: Any) -> None:
             if not torch.is_grad_enabled():
                 return
             replay = in_backward()
             if replay:
                 on_replay()
-            by_rows = embedding is True or isinstance(embedding, TechniqueChoice) and embedding.on
+            by_rows = rows.on if isinstance(rows, TechniqueChoice) else rows
             saved = {}
             for name in names:
                 param = module._parameters[name]
