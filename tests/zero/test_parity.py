@@ -1,15 +1,15 @@
 """fp32 parity of ZeRO stages 0-3 with the single-process reference (``tests/reference.py``).
 
-Grid: stage x reduce bucket size (11 elements, smaller than any parameter (13 the smallest); 100; one bucket per
-group) x world size (1, 2, 4), with gradient accumulation (2) and binding global-norm clipping,
-on ``ParityNet`` (sizes not divisible by the world size, tied weights, a frozen layer, a parameter
-used twice, parameters outside the repeated blocks). Losses of rank 0 and the final fp32
-parameters must agree within 1e-6 relative (``assert_close`` with rtol=1e-6 and an absolute floor
-of 3e-6 times the tensor's largest value: at world 4 the order in which a gradient's four parts are
-summed follows which rank owns it, and after 5 AdamW steps ``out_bias`` sits 1.2-1.6e-6 of its
-largest value from the reference at every bucket size, measured). A failure names the case: which stage, bucket size and
-world size, and which parameter, localises the fault to the reduction (bucket), the gather
-(stage 3) or the shard bookkeeping (world size).
+Grid: stage x reduce bucket size (11 elements, smaller than any parameter (13 the smallest); 100; one bucket per group)
+x world size (1, 2, 4), with gradient accumulation (2) and binding global-norm clipping, on ``ParityNet`` (sizes not
+divisible by the world size, tied weights, a frozen layer, a parameter used twice, parameters outside the repeated
+blocks); at 2 and 4 ranks also with the embeddings' rows off (``zeroplus.embedding_rows`` false, as an accelerator's
+defaults run where the memory is not needed). Losses of rank 0 and the final fp32 parameters must agree within 1e-6
+relative (``assert_close`` with rtol=1e-6 and an absolute floor of 3e-6 times the tensor's largest value: at world 4 the
+order in which a gradient's four parts are summed follows which rank owns it, and after 5 AdamW steps ``out_bias`` sits
+1.2-1.6e-6 of its largest value from the reference at every bucket size, measured). A failure names the case: which
+stage, bucket size and world size, and which parameter, localises the fault to the reduction (bucket), the gather (stage
+3) or the shard bookkeeping (world size).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def _config(case: dict) -> dict:
                               "overlap_comm": case.get("overlap", True),
                               "stage3_param_persistence_threshold": case.get("persist", 0),
                               "stage3_prefetch_bucket_size": case.get("prefetch", 200)},
-        "zeroplus": {"log_level": "warning", "memory_estimate": False},
+        "zeroplus": {"log_level": "warning", "memory_estimate": False, "embedding_rows": case.get("rows")},
     }
 
 
@@ -102,12 +102,12 @@ def test_parity_world_1():
 def test_parity_distributed(world):
     extra = [dict(stage=2, bucket=100, reduce_scatter=False), dict(stage=3, bucket=100, overlap=False),
              dict(stage=3, bucket=100, persist=10**6), dict(stage=3, bucket=100, prefetch=0),
-             dict(stage=1, bucket=7, reduce_scatter=False)]
+             dict(stage=1, bucket=7, reduce_scatter=False)] + [dict(stage=s, bucket=100, rows=False) for s in (2, 3)]
     # Four ranks share two cores: keep the per-collective count down there (buckets of 200 elements
     # still cut every weight matrix (481 elements) in pieces; 11-element buckets run at two ranks). Data groups
     # of 4 at every stage, with AdamW and clipping, are also in tests/parallel/test_expert_parallel.py.
     cases = GRID + extra if world == 2 else [dict(stage=s, bucket=200) for s in (1, 2)] \
-        + [dict(stage=s, bucket=200, opt="SGD", clip=0.0) for s in (0, 3)]
+        + [dict(stage=s, bucket=200, opt="SGD", clip=0.0) for s in (0, 3)] + [dict(stage=3, bucket=200, rows=False)]
     results = run_distributed(run_cases, world, cases)
     _check_all(world, cases, results[0])
     for r in range(1, world):  # every rank holds the same consolidated master
