@@ -207,7 +207,7 @@ def build_engine(model: torch.nn.Module, cfg: ResolvedConfig, dp: Collectives, a
     remember_roles(model, cfg)
     flattened = {id(p) for p in model.parameters() if (p.requires_grad and id(p) in group_of)
                  or frozen_dtype(p, stage, experts, dtype) is not None}  # (units.py)
-    choices = technique_choices(cfg)  # (the engine's decisions: the partition reads embedding_rows')
+    choices = technique_choices(cfg)  # (the engine's decisions: the partition reads embedding_rows)
     try:
         partition = make_partition(model, cfg, zero, ledger, dtype, group_of, param_offload, experts,
                                    UnitPlacement(accel.device(), dtype, _broadcast_group(dp, experts), flattened),

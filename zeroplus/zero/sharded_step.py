@@ -299,12 +299,12 @@ class ShardedStep:
             return None
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm([t for ts in direct.values() for t in ts])))
 
-    def _host_norm(self, total: torch.Tensor, loss_scale: float, root: torch.Tensor | None = None) -> float:
-        """The norm read on the host, from the squares ``total`` or, where given, their ``root``."""
-        if total.device.type == "meta":  # the estimator's simulated step: no values, clipping is free
+    def _host_norm(self, root: torch.Tensor, loss_scale: float) -> float:
+        """The norm read on the host from ``root``, the root of the sum of squares."""
+        if root.device.type == "meta":  # the estimator's simulated step: no values, clipping is free
             return 0.0
-        value = (total if root is None else root).item()  # (one read from the device: a synchronisation)
-        norm = (math.sqrt(value) if root is None else value) if math.isfinite(value) else float("inf")
+        value = root.item()  # (one read from the device: a synchronisation)
+        norm = value if math.isfinite(value) else float("inf")
         if not self.partition.stage.partitions:
             norm /= self.dp.size
         return norm / loss_scale
@@ -326,10 +326,11 @@ class ShardedStep:
             self._average_over_replicas()
         direct = self._direct_grads()
         root = self._lone_root(direct)
-        total = self._squares(direct) if root is None else root
-        if self.on_device and total.device.type != "meta" and free_for_scalars(self.optimizer):
-            return self._step_on_device(total.sqrt() if root is None else root, loss_scale, direct)
-        norm = self._host_norm(total, loss_scale, root)
+        if root is None:
+            root = self._squares(direct).sqrt()  # (float64: correctly rounded, as math.sqrt)
+        if self.on_device and root.device.type != "meta" and free_for_scalars(self.optimizer):
+            return self._step_on_device(root, loss_scale, direct)
+        norm = self._host_norm(root, loss_scale)
         self._norm = norm
         if not math.isfinite(norm):
             return StepOutcome(False)
