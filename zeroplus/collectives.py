@@ -118,6 +118,9 @@ class Collectives(Protocol):
     def all_gather(self, output: torch.Tensor, input: torch.Tensor,
                    on_done: Callable[[], None] | None = None) -> Handle: ...
 
+    def all_gather_joined(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                          on_done: Callable[[], None] | None = None) -> Handle: ...
+
     def reduce_scatter_rows(self, rows: torch.Tensor, target: torch.Tensor, scale: float, accumulate: bool,
                             buffers: Ledger) -> Handle: ...
 

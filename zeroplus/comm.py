@@ -42,7 +42,7 @@ from .collective_faults import collective_failed, current_timeout_seconds, set_t
 from .collectives import Collectives, Handle
 from .ledger import Category, Ledger
 from .shm_pair import MAPPING_BYTES, MIN_BYTES, SharedPair, open_pair
-from .transports import NATIVE, Native, Pair, PerRank, Works, requested_transport, scaled_into, without_pair
+from .transports import NATIVE, Native, Pair, PerRank, Works, native_on, requested_transport, scaled_into, without_pair
 
 DEFAULT_TIMEOUT_SECONDS = 600.0
 
@@ -114,7 +114,7 @@ class DataParallelGroup:
             if self.pair is None:
                 chosen = without_pair(transport, where, self.size)
         if chosen == "native":
-            self.carrier = NATIVE
+            self.carrier = native_on(backend) if self.size > 1 else NATIVE
         elif chosen == "pair" and self.pair is not None:
             self.carrier = Pair(self.pair, MIN_BYTES)
         else:
@@ -201,6 +201,15 @@ class DataParallelGroup:
                 output.copy_(input)
             return Handle(None, on_done)
         return self.carrier.all_gather(self, output, input, on_done, self._count("all_gather", output))
+
+    def all_gather_joined(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                          on_done: Callable[[], None] | None = None) -> Handle:
+        """``all_gather(output, input)`` for each pair, issued together: one launch where the transport joins them
+        (the native one on NCCL and gloo: see ``transports.Native``), one handle either way."""
+        if self.size == 1 or len(pairs) == 1:
+            return Handle(Works([self.all_gather(o, i) for o, i in pairs]), on_done)
+        nbytes = self._count("all_gather", *(o for o, _ in pairs))
+        return self.carrier.all_gather_joined(self, pairs, on_done, nbytes)
 
     def global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank

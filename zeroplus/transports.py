@@ -8,9 +8,10 @@ x86-64 host, else gloo). ``comm.DataParallelGroup.use_transport`` and the estima
 by ``requested_transport``, so the prediction simulates the collectives the run takes.
 
 A transport is private to its group (``comm.DataParallelGroup``): the layers above ask the group for semantic
-operations only (all-gather into, reduce-scatter into, the rows of a matrix reduce-scattered into a shard,
-all-reduce, ...) and never learn which transport, backend or host carries them. ``Native`` issues the tensor
-collectives. ``PerRank`` (``gloo``) builds the all-gather from one in-place broadcast per rank and the rows'
+operations only (all-gather into, several all-gathers together, reduce-scatter into, the rows of a matrix
+reduce-scattered into a shard, all-reduce, ...) and never learn which transport, backend or host carries them.
+``Native`` issues the tensor collectives, several all-gathers as one call where the backend joins them (see note:
+joined gathers). ``PerRank`` (``gloo``) builds the all-gather from one in-place broadcast per rank and the rows'
 reduce-scatter from one in-place reduce per rank onto its owner, or at two ranks writing a fresh shard from one
 point-to-point exchange: gloo's own all-gather and reduce-scatter copy their whole buffer and run 2-4x longer
 (see note: gloo broadcasts and reduces; see note: gloo exchange). ``Pair`` is ``PerRank`` with two ranks of one
@@ -42,6 +43,13 @@ EXCHANGE_TAG = 83
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _all_gather_joined(group: Any, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> Any:
+    """Every ``inputs[k]`` of every rank into ``outputs[k]``, as one backend call (the process group's coalesced
+    all-gather: on NCCL one group of collectives, one launch); its work."""
+    pg: Any = group if group is not None else dist.group.WORLD
+    return pg.allgather_into_tensor_coalesced(outputs, inputs)
 
 Done = Callable[[], None] | None
 # (output, input, on_done) -> Handle: a group's reduce-scatter of ``input`` into ``output`` (``scatter_rows``)
@@ -131,9 +139,14 @@ class Works:
 
 
 class Native:
-    """The tensor collectives, one launch each: what NCCL and HCCL run, and gloo too."""
+    """The tensor collectives, one launch each: what NCCL and HCCL run, and gloo too. ``join``: several all-gathers
+    of one group and dtype issued together go as one backend call (``allgather_into_tensor_coalesced``: one NCCL
+    group, one launch), where the backend has it (``JOINING_BACKENDS``); else one launch each."""
 
     name = "native"
+
+    def __init__(self, join: bool = False) -> None:
+        self.join = join
 
     def all_reduce(self, g: Launcher, tensor: torch.Tensor, op: Any, on_done: Done, nbytes: int) -> Handle:
         op = dist.ReduceOp.SUM if op is None else op
@@ -149,6 +162,19 @@ class Native:
         return g.launch("all_gather", lambda o, i: _all_gather(o, i, group=g.group, async_op=True), (output, input),
                         on_done, nbytes)
 
+    def all_gather_joined(self, g: Launcher, pairs: list[tuple[torch.Tensor, torch.Tensor]], on_done: Done,
+                          nbytes: int) -> Handle:
+        """Each ``(output, input)`` of ``pairs`` an all-gather, issued together: one launch where the transport
+        joins them (``join``, more than one pair), else one each under one handle."""
+        if not self.join or len(pairs) == 1:
+            return Handle(Works([self.all_gather(g, o, i, None, o.numel() * o.element_size()) for o, i in pairs]),
+                          on_done)
+        n = len(pairs)
+
+        tensors = tuple(o for o, _ in pairs) + tuple(i for _, i in pairs)
+        return g.launch("all_gather", lambda *ts: _all_gather_joined(g.group, list(ts[:n]), list(ts[n:])), tensors,
+                        on_done, nbytes)
+
     def reduce_scatter_rows(self, g: Launcher, rows: torch.Tensor, target: torch.Tensor, scale: float,
                             accumulate: bool, buffers: Ledger, nbytes: int) -> Handle:
         return scatter_rows(lambda o, i, done: self.reduce_scatter(g, o, i, done, nbytes), rows, target, scale,
@@ -161,6 +187,9 @@ class PerRank(Native):
     what gloo holds for a few MiB; the bytes of the native collective."""
 
     name = "gloo"
+
+    def __init__(self) -> None:
+        super().__init__(join=False)
 
     def all_gather(self, g: Launcher, output: torch.Tensor, input: torch.Tensor, on_done: Done, nbytes: int) -> Handle:
         if not (output.device.type == "cpu" and output.is_contiguous() and input.is_contiguous()):
@@ -223,6 +252,7 @@ class Pair(PerRank):
     name = "pair"
 
     def __init__(self, pair: SharedPair, min_bytes: int) -> None:
+        super().__init__()
         self.pair = pair
         self.min_bytes = min_bytes
 
@@ -257,4 +287,10 @@ class Pair(PerRank):
                         scaled_into(target, recv, scale, accumulate), nbytes)
 
 
-NATIVE = Native()
+JOINING_BACKENDS = ("nccl", "gloo")  # whose process groups run allgather_into_tensor_coalesced as one call
+NATIVE = Native()  # one launch each: a group of one rank, or a backend that does not join
+
+
+def native_on(backend: str) -> Native:
+    """The native transport of a group of ranks on ``backend``: joined gathers where it runs them as one call."""
+    return Native(join=backend in JOINING_BACKENDS)

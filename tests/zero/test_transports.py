@@ -11,7 +11,8 @@ into one tensor, one launch per collective. gloo runs those collectives too, so 
 - every transport against every other at 2 ranks, bitwise (the sum of two numbers does not depend on its order),
   in fp32 and bf16, with the optimizer offloaded: any difference between transports is a failure;
 - which collectives ran: a counting wrapper around the transports' tensor collectives and per-rank paths shows the
-  native transport launching ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` and none of the per-rank
+  native transport launching ``reduce_scatter_tensor``, ``all_gather_into_tensor`` and (a stage-3 unit's groups
+  gathered together) the coalesced all-gather, and none of the per-rank
   broadcasts, reduces or row exchanges, and the ``gloo`` transport the reverse (so a native run that fell back
   to the per-rank path fails here, where its values alone would agree);
 - tensor, context and expert parallel jobs at 2 ranks take the transport on every group they move bytes over:
@@ -37,7 +38,7 @@ from zeroplus.models.split import split_gpt
 from zeroplus.parallel import parallel_groups, reset_parallel
 
 PER_RANK = ("gather_chunks", "reduce_each", "exchange")  # the gloo and pair transports' paths (transports.py)
-NATIVE = ("_reduce_scatter", "_all_gather")  # the tensor collectives NCCL and HCCL run
+NATIVE = ("_reduce_scatter", "_all_gather", "_all_gather_joined")  # the tensor collectives NCCL and HCCL run
 
 
 def _counting() -> collections.Counter[str]:
@@ -95,7 +96,10 @@ def _assert_took(case: dict, result: dict) -> None:
         return  # all-reduces on every transport
     if case["transport"] == "native":
         assert native > 0 and per_rank == 0, (case, calls)
-        if case["stage"] == 3:  # the units' gathers
+        # the gathers after the step (1-2: every group's as one) or the units' (3: a unit's groups as one; a bucket of
+        # 200 splits them), joined (see note: joined gathers)
+        assert calls.get("_all_gather_joined", 0) > 0, (case, calls)
+        if case["stage"] == 3:
             assert calls.get("_all_gather", 0) > 0, (case, calls)
         if case["stage"] > 0 and case.get("reduce_scatter", True):
             assert calls.get("_reduce_scatter", 0) > 0, (case, calls)

@@ -81,6 +81,18 @@ class VirtualGroup:
             return Handle(None, on_done)  # broadcasts in place
         return self._held(output, on_done)  # gloo's own all-gather holds a copy of its output (native)
 
+    def all_gather_joined(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                          on_done: Callable[[], None] | None = None) -> Handle:
+        """Several all-gathers issued together: the native transport joins them into one call, for which gloo holds
+        every input and every output flattened at once (measured: 2 x 64 MiB outputs at 2 ranks, 322 MiB at the
+        peak against 230-258 one at a time)."""
+        if len(pairs) == 1:
+            return self.all_gather(*pairs[0], on_done=on_done)
+        if self.per_rank or not (self.gloo_buffers and self.size > 1):
+            return Handle(None, on_done)  # broadcasts in place; a device backend's in place
+        numel = sum(o.numel() + i.numel() for o, i in pairs)
+        return self._held(torch.empty(numel, dtype=pairs[0][0].dtype, device=pairs[0][0].device), on_done)
+
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
                        on_done: Callable[[], None] | None = None) -> Handle:
         return self._held(input, on_done)

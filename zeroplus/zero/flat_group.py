@@ -64,6 +64,8 @@ from .tiered_master import TieredMaster
 from .two_level_gather import TwoLevelGather
 
 FLAT_ATTR = "_zeroplus_flat_group"
+# gathers to issue together (``FlatParamGroup.gather``): per group and dtype, each ``(output, input)``
+Joined = dict[tuple[Collectives, torch.dtype], list[tuple[torch.Tensor, torch.Tensor]]]
 
 
 class Residency(enum.Enum):
@@ -318,10 +320,12 @@ class FlatParamGroup:
         """The full buffer is allocated (``GATHERING`` or ``GATHERED``): read-only, ``Residency`` says which."""
         return self.residency is not Residency.RELEASED
 
-    def gather(self, quantize: str | None = None) -> Handle | None:
+    def gather(self, quantize: str | None = None, joined: Joined | None = None) -> Handle | None:
         """Start the all-gather of the shards into ``full``; ``None`` if already gathered. The parameters
         see the values from ``expose()`` on. ``quantize``: codes of that dtype on the wire
-        (``all_gather_into_full``)."""
+        (``all_gather_into_full``). ``joined``: where the gather is a plain all-gather of the shard over ``dp``,
+        its ``(output, input)`` is added there under ``(dp, dtype)`` and ``None`` returned; the caller issues
+        each entry as one collective (``Unit.start_gather``)."""
         if self.gathered:
             return None
         storage, nbytes = self.full.untyped_storage(), self.padded_numel * self.full.element_size()
@@ -330,7 +334,30 @@ class FlatParamGroup:
         self.ledger.resized(self.full)
         self.residency = Residency.GATHERING
         mark(self.params, ParamStatus.INFLIGHT)
+        if joined is not None and self.join_gather(joined, quantize):
+            return None
         return self.all_gather_into_full(quantize)
+
+    def join_gather(self, joined: Joined, quantize: str | None = None) -> bool:
+        """Where this group's gather (``all_gather_into_full``) is a plain all-gather of its shard over ``dp``,
+        add its ``(output, input)`` to ``joined`` under ``(dp, dtype)`` and return True: the caller issues each
+        entry as one collective. False (nothing added) for hpZ's secondary copy, qwZ's codes, a quantized store
+        or MiCS's two-level gather."""
+        if (self.values_group is not self.dp or self._secondary is not None or quantize is not None
+                or isinstance(self.master_store, quantized_comm.QuantizedShard)):
+            return False
+        self.quantized = False
+        joined.setdefault((self.dp, self.full.dtype), []).append((self._full_data, self._wire_source()))
+        return True
+
+    def _wire_source(self) -> torch.Tensor:
+        """What this rank sends in a gather of its shard: the shard, or (stage 3, low precision) the master cast
+        into a comm buffer for the wire only."""
+        if self.shard is not None:
+            return self.shard
+        source = self.ledger.empty(self.shard_numel, self.compute_dtype, Category.COMM_BUFFER, self.device)
+        self.master_store.to_compute(source)
+        return source
 
     def expose(self) -> None:
         """Point every parameter at its view of the gathered buffer, once the gather has landed (``Unit``
@@ -356,10 +383,7 @@ class FlatParamGroup:
         if isinstance(self.master_store, quantized_comm.QuantizedShard):  # its codes are its values: never "quantized"
             self.quantized = False
             return quantized_comm.gather(self.values_group, self._full_data, self.master_store, self.ledger)
-        source = self.shard
-        if source is None:  # stage 3, low precision: cast the master for the wire only
-            source = self.ledger.empty(self.shard_numel, self.compute_dtype, Category.COMM_BUFFER, self.device)
-            self.master_store.to_compute(source)
+        source = self._wire_source()
         self.quantized = quantize is not None and not exact and self.full.is_floating_point()  # (packed storage: as is)
         if quantize is not None and self.quantized:
             return quantized_comm.gather(self.values_group, self._full_data, source, self.ledger, quantize)
@@ -425,16 +449,20 @@ class FlatParamGroup:
         return out.copy_(values)
 
     # -- after the optimizer step -------------------------------------------------------------
-    def master_to_params(self) -> Handle | None:
-        """Write the stepped master into the compute-dtype parameters; start the all-gather (1, 2)."""
+    def master_to_params(self, joined: Joined | None = None) -> Handle | None:
+        """Write the stepped master into the compute-dtype parameters; start the all-gather (1, 2), or, with
+        ``joined`` and a group of several ranks gathering over ``dp``, add its ``(output, input)`` there under
+        ``(dp, dtype)`` for the caller to issue together (``join_gather``) and return None."""
         if self.stage.shards_parameters or self.shard is None:
             return None  # stage 3: the next gather reads the master (stages 1-2 always hold a shard)
         if self.layout is not MasterLayout.FP32_ALIAS:  # (an alias: the shard is the master, nothing to write)
             with torch.no_grad():
                 self.master_store.to_compute(self.shard)
-        if self.stage.gathers_after_step:
-            return self.values_group.all_gather(self._full_data, self.shard)
-        return None
+        if not self.stage.gathers_after_step:
+            return None
+        if joined is not None and self.dp.size > 1 and self.join_gather(joined):
+            return None
+        return self.values_group.all_gather(self._full_data, self.shard)
 
     def gather_owned(self, owned: torch.Tensor) -> torch.Tensor:
         """The whole group-length tensor (``numel``, unpadded) from every rank's owned-range piece

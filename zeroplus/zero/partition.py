@@ -37,7 +37,7 @@ from ..eager import eager
 from ..ledger import Ledger
 from ..offload.policies import MasterPolicy
 from .buffer_pool import BufferPool
-from .flat_group import FLAT_ATTR, FlatParamGroup
+from .flat_group import FLAT_ATTR, FlatParamGroup, Joined
 from .grad_reducer import GradReducer
 from .grad_schedule import BackwardSchedule
 from .param_status import ParamStatus, label_whole, mark
@@ -46,7 +46,7 @@ from .quantized import packed_storage, prepare_packed
 from .stage3 import Stage3Scheduler
 from .stage3_state_dict import install_state_dict_hooks
 from .two_level_gather import TwoLevelGather
-from .units import Named, Unit, assign_parameters, bucketed, find_unit_modules, frozen_dtype
+from .units import Named, Unit, assign_parameters, bucketed, find_unit_modules, frozen_dtype, issue_joined
 from .use_grads import UseGrads, UseSinks, routed, rows_into_grad, tied
 
 logger = logging.getLogger("zeroplus.zero")
@@ -364,14 +364,25 @@ class ZeroPartition:
 
     # -- after the optimizer step ------------------------------------------------------------
     def _push_masters(self) -> None:
-        """Write every master into its low-precision parameters (stages 1-2 also start the
-        all-gathers), root first: the next forward needs the embeddings before any block."""
-        for g in self.root.groups + [g for u in self.units[:-1] for g in u.groups]:
-            handle = g.master_to_params()
-            if handle is not None and g.dp.size == 1:  # (complete: no forward hook waits at one rank)
-                handle.wait()
-            elif handle is not None:
-                g.gathers.append(handle)
+        """Write every master into its low-precision parameters (stages 1-2 also start the all-gathers), root
+        first: the next forward needs the embeddings before any block. The gathers are joined (see note: joined
+        gathers): each unit's as one collective where the forward waits for them unit by unit
+        (``defer_param_gather``), else every group's as one, which ``after_step`` waits for at once."""
+        joined: Joined = {}
+        joining: list[FlatParamGroup] = []
+        for groups in [self.root.groups] + [u.groups for u in self.units[:-1]]:
+            for g in groups:
+                waiting = sum(map(len, joined.values()))
+                handle = g.master_to_params(joined)
+                if handle is not None and g.dp.size == 1:  # (complete: no forward hook waits at one rank)
+                    handle.wait()
+                elif handle is not None:
+                    g.gathers.append(handle)
+                elif sum(map(len, joined.values())) > waiting:
+                    joining.append(g)
+            if self.defer_param_gather:
+                issue_joined(joined, joining)
+        issue_joined(joined, joining)
 
     def drop_secondaries(self) -> None:
         """hpZ: every group's secondary copy goes (the values are about to change, or changed)."""

@@ -179,8 +179,7 @@ class Stage3Scheduler:
         """After a step, persistent units re-gather the new shards (they are never released)."""
         for unit in self.units + [self.root]:
             if unit.persistent:
-                for g in unit.groups:
-                    g.gathers.append(g.all_gather_into_full())
+                unit.regather()
 
     def remove(self) -> None:
         for h in self._handles:

@@ -28,7 +28,7 @@ import torch
 
 from ..collectives import Handle
 from ..config import ZeroStage
-from .flat_group import FlatParamGroup
+from .flat_group import FlatParamGroup, Joined
 from .quantized import packed_storage
 
 
@@ -42,6 +42,18 @@ class UnitPass(enum.Enum):
 
     FORWARD = "forward"
     BACKWARD = "backward"
+
+
+def issue_joined(joined: Joined, joining: list[FlatParamGroup]) -> None:
+    """Issue each list of ``joined`` as one collective (``all_gather_joined``); each group of ``joining`` (the
+    groups that added to it) waits on its list's handle (``FlatParamGroup.wait_pending``). ``joined`` is emptied."""
+    for (group, dtype), pairs in joined.items():
+        handle = group.all_gather_joined(pairs)
+        for g in joining:
+            if g.dp is group and g.full.dtype == dtype:
+                g.gathers.append(handle)
+    joined.clear()
+    joining.clear()
 
 
 @dataclasses.dataclass
@@ -104,10 +116,26 @@ class Unit:
     def start_gather(self, quantize: str | None = None) -> None:
         """Start every group's gather (``quantize``: qwZ's codes of that dtype on the wire: ``FlatParamGroup.gather``).
         """
+        joined: Joined = {}  # the plain ones: one collective per group and dtype (see note: joined gathers)
         for g in self.all_groups:
-            handle = g.gather(quantize)
+            handle = g.gather(quantize, joined)
             if handle is not None:
                 self.gather_handles.append(handle)
+        for (group, _), pairs in joined.items():
+            self.gather_handles.append(group.all_gather_joined(pairs))
+
+    def regather(self) -> None:
+        """A persistent unit after a step: its groups' new shards gathered again into their buffers (never
+        released), the plain ones joined as ``start_gather`` joins them; each group waits on its own handle
+        (``FlatParamGroup.wait_pending``)."""
+        joined: Joined = {}
+        joining: list[FlatParamGroup] = []
+        for g in self.groups:
+            if g.join_gather(joined):
+                joining.append(g)
+            else:
+                g.gathers.append(g.all_gather_into_full())
+        issue_joined(joined, joining)
 
     def start_fetch(self) -> None:
         """Start bringing offloaded shards back ahead of the gather (``offload_param``)."""
