@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ import torch
 import zeroplus.deepspeed_api as deepspeed
 from tests.deepspeed_api.launch import ROOT, _env
 from tests.models import ParityNet, make_batches
+from zeroplus.deepspeed_api.shim import environment_with_shim
 
 pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
 
@@ -154,11 +156,22 @@ except ModuleNotFoundError as err:
 """
 
 
-def test_import_deepspeed_is_zeroplus_under_the_launch_option(tmp_path):
+@pytest.mark.parametrize("launch", ["module", "shim in a moved cache"])
+def test_import_deepspeed_is_zeroplus_under_the_launch_option(tmp_path, monkeypatch, launch):
+    """``module``: ``python -m zeroplus.deepspeed_api script``. ``shim in a moved cache``: the script run as
+    ``zeroplus run --deepspeed-api`` runs each rank, the shim first on ``PYTHONPATH``, written where
+    ``ZEROPLUS_CACHE_DIR`` says, a folder whose path does not say zeroplus: the shim is still told from the real
+    DeepSpeed by a mark it sets, not by its path."""
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
-    done = subprocess.run([sys.executable, "-m", "zeroplus.deepspeed_api", str(script)], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=300)
+    with tempfile.TemporaryDirectory(prefix="cache-") as moved:
+        if launch == "module":
+            cmd, env = [sys.executable, "-m", "zeroplus.deepspeed_api", str(script)], _env()
+        else:
+            monkeypatch.setenv("ZEROPLUS_CACHE_DIR", moved)
+            cmd, env = [sys.executable, str(script)], environment_with_shim(_env())
+            assert env["PYTHONPATH"].startswith(moved), env["PYTHONPATH"]
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "refused: No module named 'deepspeed.launcher'" in done.stdout and "does not serve" in done.stdout
     assert done.stderr.count("serves DeepSpeed's API in this process") == 1, done.stderr[-2000:]

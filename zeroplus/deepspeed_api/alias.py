@@ -18,6 +18,7 @@ import os
 import sys
 from typing import Any
 
+from zeroplus.deepspeed_api.shim import SHIM_MARK
 from zeroplus.logs import setup_logging
 from zeroplus.version import __version__
 
@@ -69,8 +70,8 @@ def install() -> None:
     """Serve ``deepspeed`` and its served submodules from zeroplus in this process (idempotent)."""
     if served_by_zeroplus():
         return
-    real = sys.modules.get("deepspeed")
-    if real is not None and getattr(real, "__file__", None) and "zeroplus" not in str(real.__file__):
+    real = sys.modules.get("deepspeed")  # (the shim's package while its __init__ calls this: marked, wherever it is)
+    if real is not None and getattr(real, "__file__", None) and not getattr(real, SHIM_MARK, False):
         raise RuntimeError(f"the real DeepSpeed ({real.__file__}) was imported in this process before zeroplus could "
                            f"serve DeepSpeed's API: start the process through `zeroplus run --deepspeed-api` or "
                            f"`python -m zeroplus.deepspeed_api`, before anything imports deepspeed")

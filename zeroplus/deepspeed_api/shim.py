@@ -1,6 +1,6 @@
 """The directory that makes ``import deepspeed`` mean zeroplus for a whole process tree.
 
-It holds two things, written once per zeroplus version under the cache directory
+It holds two things, written once per zeroplus version and content under the cache directory
 (``zeroplus/cache_dir.py``): a package ``deepspeed`` whose ``__init__`` calls ``alias.install()``
 (which replaces it in ``sys.modules`` by ``zeroplus.deepspeed_api``), and the distribution metadata
 ``deepspeed-<version>.dist-info``, so Transformers' and Accelerate's availability and version checks
@@ -12,6 +12,7 @@ tests compare against.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -22,7 +23,9 @@ from zeroplus.version import __version__
 API_VERSION = "0.19.8"
 DIST_VERSION = f"{API_VERSION}+zeroplus"
 
-_INIT = '''"""Written by zeroplus: in this process tree `import deepspeed` is zeroplus.deepspeed_api."""
+SHIM_MARK = "ZEROPLUS_SHIM"  # a global of the shim's package: ``alias.install`` tells it from the real DeepSpeed
+_INIT = f'''"""Written by zeroplus: in this process tree `import deepspeed` is zeroplus.deepspeed_api."""
+{SHIM_MARK} = True
 from zeroplus.deepspeed_api.alias import install
 
 install()
@@ -36,7 +39,9 @@ Summary: DeepSpeed's API {API_VERSION}, served by zeroplus {__version__}
 
 def shim_dir() -> str:
     """The directory to put first on ``PYTHONPATH`` (written if missing; safe when ranks race)."""
-    final = os.path.join(cache_root(), f"deepspeed-api-{__version__}")
+    # (named by what it holds too: a shim written by another build of this version is never taken)
+    digest = hashlib.sha256((_INIT + _METADATA).encode()).hexdigest()[:12]
+    final = os.path.join(cache_root(), f"deepspeed-api-{__version__}-{digest}")
     if os.path.isfile(os.path.join(final, "deepspeed", "__init__.py")):
         return final
     os.makedirs(cache_root(), exist_ok=True)
