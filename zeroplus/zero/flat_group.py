@@ -449,19 +449,19 @@ class FlatParamGroup:
         return out.copy_(values)
 
     # -- after the optimizer step -------------------------------------------------------------
-    def master_to_params(self, joined: Joined | None = None) -> Handle | None:
-        """Write the stepped master into the compute-dtype parameters; start the all-gather (1, 2), or, with
-        ``joined`` and a group of several ranks gathering over ``dp``, add its ``(output, input)`` there under
-        ``(dp, dtype)`` for the caller to issue together (``join_gather``) and return None."""
+    def master_to_params(self) -> bool:
+        """Write the stepped master into the compute-dtype shard; whether the group is to be gathered now (stages
+        1-2: ``gather_shard``, or joined with others, ``join_gather``)."""
         if self.stage.shards_parameters or self.shard is None:
-            return None  # stage 3: the next gather reads the master (stages 1-2 always hold a shard)
+            return False  # stage 3: the next gather reads the master (stages 1-2 always hold a shard)
         if self.layout is not MasterLayout.FP32_ALIAS:  # (an alias: the shard is the master, nothing to write)
             with torch.no_grad():
                 self.master_store.to_compute(self.shard)
-        if not self.stage.gathers_after_step:
-            return None
-        if joined is not None and self.dp.size > 1 and self.join_gather(joined):
-            return None
+        return self.stage.gathers_after_step
+
+    def gather_shard(self) -> Handle:
+        """Stages 1-2: start the all-gather of every rank's shard into the parameters' buffer."""
+        assert self.shard is not None
         return self.values_group.all_gather(self._full_data, self.shard)
 
     def gather_owned(self, owned: torch.Tensor) -> torch.Tensor:

@@ -372,14 +372,14 @@ class ZeroPartition:
         joining: list[FlatParamGroup] = []
         for groups in [self.root.groups] + [u.groups for u in self.units[:-1]]:
             for g in groups:
-                waiting = sum(map(len, joined.values()))
-                handle = g.master_to_params(joined)
-                if handle is not None and g.dp.size == 1:  # (complete: no forward hook waits at one rank)
-                    handle.wait()
-                elif handle is not None:
-                    g.gathers.append(handle)
-                elif sum(map(len, joined.values())) > waiting:
+                if not g.master_to_params():
+                    continue
+                if g.dp.size == 1:  # (complete at once: no forward hook waits at one rank)
+                    g.gather_shard().wait()
+                elif g.join_gather(joined):
                     joining.append(g)
+                else:
+                    g.gathers.append(g.gather_shard())
             if self.defer_param_gather:
                 issue_joined(joined, joining)
         issue_joined(joined, joining)
