@@ -164,13 +164,13 @@ class Native:
 
     def all_gather_joined(self, g: Launcher, pairs: list[tuple[torch.Tensor, torch.Tensor]], on_done: Done,
                           nbytes: int) -> Handle:
-        """Each ``(output, input)`` of ``pairs`` an all-gather, issued together: one launch where the transport
-        joins them (``join``, more than one pair), else one each under one handle."""
-        if not self.join or len(pairs) == 1:
+        """Each ``(output, input)`` of ``pairs`` (more than one: ``DataParallelGroup.all_gather_joined``) an
+        all-gather, issued together: one launch where the transport joins them (``join``), else one each under one
+        handle."""
+        if not self.join:
             return Handle(Works([self.all_gather(g, o, i, None, o.numel() * o.element_size()) for o, i in pairs]),
                           on_done)
         n = len(pairs)
-
         tensors = tuple(o for o, _ in pairs) + tuple(i for _, i in pairs)
         return g.launch("all_gather", lambda *ts: _all_gather_joined(g.group, list(ts[:n]), list(ts[n:])), tensors,
                         on_done, nbytes)

@@ -64,8 +64,9 @@ from .tiered_master import TieredMaster
 from .two_level_gather import TwoLevelGather
 
 FLAT_ATTR = "_zeroplus_flat_group"
-# gathers to issue together (``FlatParamGroup.gather``): per group and dtype, each ``(output, input)``
-Joined = dict[tuple[Collectives, torch.dtype], list[tuple[torch.Tensor, torch.Tensor]]]
+# gathers to issue together (``FlatParamGroup.join_gather``): per process group and dtype, each flat group with its
+# ``(output, input)``
+Joined = dict[tuple[Collectives, torch.dtype], list[tuple["FlatParamGroup", torch.Tensor, torch.Tensor]]]
 
 
 class Residency(enum.Enum):
@@ -340,14 +341,14 @@ class FlatParamGroup:
 
     def join_gather(self, joined: Joined, quantize: str | None = None) -> bool:
         """Where this group's gather (``all_gather_into_full``) is a plain all-gather of its shard over ``dp``,
-        add its ``(output, input)`` to ``joined`` under ``(dp, dtype)`` and return True: the caller issues each
-        entry as one collective. False (nothing added) for hpZ's secondary copy, qwZ's codes, a quantized store
-        or MiCS's two-level gather."""
+        add it with its ``(output, input)`` to ``joined`` under ``(dp, dtype)`` and return True: the caller issues
+        each entry as one collective (``units.issue_joined``). False (nothing added) for hpZ's secondary copy, qwZ's
+        codes, a quantized store or MiCS's two-level gather."""
         if (self.values_group is not self.dp or self._secondary is not None or quantize is not None
                 or isinstance(self.master_store, quantized_comm.QuantizedShard)):
             return False
         self.quantized = False
-        joined.setdefault((self.dp, self.full.dtype), []).append((self._full_data, self._wire_source()))
+        joined.setdefault((self.dp, self.full.dtype), []).append((self, self._full_data, self._wire_source()))
         return True
 
     def _wire_source(self) -> torch.Tensor:

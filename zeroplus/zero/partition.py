@@ -369,20 +369,17 @@ class ZeroPartition:
         gathers): each unit's as one collective where the forward waits for them unit by unit
         (``defer_param_gather``), else every group's as one, which ``after_step`` waits for at once."""
         joined: Joined = {}
-        joining: list[FlatParamGroup] = []
         for groups in [self.root.groups] + [u.groups for u in self.units[:-1]]:
             for g in groups:
                 if not g.master_to_params():
                     continue
                 if g.dp.size == 1:  # (complete at once: no forward hook waits at one rank)
                     g.gather_shard().wait()
-                elif g.join_gather(joined):
-                    joining.append(g)
-                else:
+                elif not g.join_gather(joined):
                     g.gathers.append(g.gather_shard())
             if self.defer_param_gather:
-                issue_joined(joined, joining)
-        issue_joined(joined, joining)
+                issue_joined(joined)
+        issue_joined(joined)
 
     def drop_secondaries(self) -> None:
         """hpZ: every group's secondary copy goes (the values are about to change, or changed)."""

@@ -44,16 +44,18 @@ class UnitPass(enum.Enum):
     BACKWARD = "backward"
 
 
-def issue_joined(joined: Joined, joining: list[FlatParamGroup]) -> None:
-    """Issue each list of ``joined`` as one collective (``all_gather_joined``); each group of ``joining`` (the
-    groups that added to it) waits on its list's handle (``FlatParamGroup.wait_pending``). ``joined`` is emptied."""
-    for (group, dtype), pairs in joined.items():
-        handle = group.all_gather_joined(pairs)
-        for g in joining:
-            if g.dp is group and g.full.dtype == dtype:
-                g.gathers.append(handle)
+def issue_joined(joined: Joined, groups_wait: bool = True) -> list[Handle]:
+    """Issue each list of ``joined`` as one collective (``all_gather_joined``); with ``groups_wait`` each flat group
+    in it waits on its list's handle (``FlatParamGroup.wait_pending``), else the caller does (a unit's gather).
+    ``joined`` is emptied; the handles, one per list."""
+    handles = []
+    for (group, _), entries in joined.items():
+        handle = group.all_gather_joined([(output, input) for _, output, input in entries])
+        for g, _, _ in entries if groups_wait else ():
+            g.gathers.append(handle)
+        handles.append(handle)
     joined.clear()
-    joining.clear()
+    return handles
 
 
 @dataclasses.dataclass
@@ -121,21 +123,17 @@ class Unit:
             handle = g.gather(quantize, joined)
             if handle is not None:
                 self.gather_handles.append(handle)
-        for (group, _), pairs in joined.items():
-            self.gather_handles.append(group.all_gather_joined(pairs))
+        self.gather_handles += issue_joined(joined, groups_wait=False)
 
     def regather(self) -> None:
         """A persistent unit after a step: its groups' new shards gathered again into their buffers (never
         released), the plain ones joined as ``start_gather`` joins them; each group waits on its own handle
         (``FlatParamGroup.wait_pending``)."""
         joined: Joined = {}
-        joining: list[FlatParamGroup] = []
         for g in self.groups:
-            if g.join_gather(joined):
-                joining.append(g)
-            else:
+            if not g.join_gather(joined):
                 g.gathers.append(g.all_gather_into_full())
-        issue_joined(joined, joining)
+        issue_joined(joined)
 
     def start_fetch(self) -> None:
         """Start bringing offloaded shards back ahead of the gather (``offload_param``)."""
