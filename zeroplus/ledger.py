@@ -74,7 +74,7 @@ class Ledger:
         self._bytes = {c: CategoryBytes() for c in Category}
         self._entries: dict[int, tuple[Category, int]] = {}
         # entry key -> its storage's identity (``_cdata``), or the storages themselves (``count_each``)
-        self._storage_of: dict[int, int | tuple[torch.UntypedStorage, ...]] = {}
+        self._storage_of: dict[int, int | tuple[torch.Tensor, ...]] = {}  # an entry's storage, or count_each's tensors
         self.total = CategoryBytes()
         self.at_peak: dict[Category, int] = {}  # live bytes per category when the total last reached its peak
         self._next_id = 0
@@ -127,18 +127,18 @@ class Ledger:
                 self._storage_of[key] = storage._cdata
                 tensor._zeroplus_ledger_key = key  # type: ignore[attr-defined]
 
-    def count_each(self, entries: list[tuple[list[torch.UntypedStorage], int]], category: Category) -> list[int]:
-        """Count each ``(storages, nbytes)`` (``nbytes`` their total, as the caller read them) under ``category`` as one
-        entry until ``release_key`` of its key (returned in order), in one section: no finalizer, no mark on a tensor,
-        and the entry holds the storages until then (``zero/kept_grads.py``: one rank's gradients of a whole group,
-        which the group holds as long)."""
+    def count_each(self, entries: list[tuple[list[torch.Tensor], int]], category: Category) -> list[int]:
+        """Count each ``(tensors, nbytes)`` (``nbytes`` their storages' total, as the caller knows it) under
+        ``category`` as one entry until ``release_key`` of its key (returned in order), in one section: no finalizer,
+        no mark on a tensor, and the entry holds the tensors (so their storages) until then (``zero/kept_grads.py``:
+        one rank's gradients of a whole group, which the group holds as long)."""
         keys = []
         with self.locked():
-            for storages, nbytes in entries:
+            for tensors, nbytes in entries:
                 self._next_id += 1
                 keys.append(self._next_id)
                 self._add_held(self._next_id, category, nbytes)
-                self._storage_of[self._next_id] = tuple(storages)
+                self._storage_of[self._next_id] = tuple(tensors)
         return keys
 
     def release_key(self, key: int) -> None:
@@ -148,12 +148,12 @@ class Ledger:
     def recount(self, key: int) -> None:
         """Count ``count_each``'s entry ``key`` at its storages' sizes now (``resized`` for such an entry)."""
         with self.locked():
-            entry, storages = self._entries.get(key), self._storage_of.get(key)
-            if entry is None or not isinstance(storages, tuple):
+            entry, tensors = self._entries.get(key), self._storage_of.get(key)
+            if entry is None or not isinstance(tensors, tuple):
                 raise AssertionError(f"recount() of ledger entry {key}: not a live count_each entry")
             self._remove_held(key)
-            self._add_held(key, entry[0], sum(s.nbytes() for s in storages))
-            self._storage_of[key] = storages
+            self._add_held(key, entry[0], sum(t.untyped_storage().nbytes() for t in tensors))
+            self._storage_of[key] = tensors
 
     def track_new_states(self, states: dict[str, Any], category: Category) -> None:
         """Count the multi-element tensors among ``states`` the ledger does not count yet
@@ -253,7 +253,7 @@ class Ledger:
             for k in self._entries:
                 ident = self._storage_of.get(k)
                 if isinstance(ident, tuple):
-                    out.update(s._cdata for s in ident)
+                    out.update(t.untyped_storage()._cdata for t in ident)
                 elif ident is not None:
                     out.add(ident)
             return out

@@ -113,6 +113,51 @@ def test_one_rank_holds_autograds_gradients_and_no_flat_buffer(stage: int) -> No
     engine.destroy()
 
 
+class CatNet(nn.Module):
+    """A weight used through ``torch.cat`` with an activation: autograd's ``.grad`` of it is a view of the cat's
+    whole gradient (its rows and the activation's), which holds twice its bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.a = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        w = torch.cat([self.a, self.proj(x[:8])])  # (16, 8)
+        return F.mse_loss(x @ w.t(), y)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_one_rank_keeps_no_gradient_that_is_a_view_of_more(stage: int) -> None:
+    """A ``.grad`` whose storage is larger than it (a view) is not kept: it goes into the flat buffer, so the ledger's
+    ``grad`` is every byte the gradients hold (a kept view would hold the rest of its storage uncounted), and the
+    engine trains as the plain module (the flat step: within the fused kernels' scalar tail)."""
+    torch.manual_seed(0)
+    net = CatNet()
+    plain = copy.deepcopy(net)
+    engine = zeroplus.initialize(net, _config(stage, "AdamW", 1))
+    opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    grads = engine.partition.groups[0].gradient
+    for _ in range(3):
+        x, y = torch.randn(8, 8), torch.randn(8, 16)
+        engine.backward(engine(x, y))
+        assert net.a.grad is None or net.a.grad.untyped_storage().nbytes() == net.a.grad.nbytes  # (not the view)
+        kept = [t for t in grads.kept if t is not None]
+        assert all(t.untyped_storage().nbytes() == t.nbytes for t in kept)
+        held = sum(t.nbytes for t in kept) + sum(t.untyped_storage().nbytes() for t in (grads.flat, grads.reduced)
+                                                 if t is not None)
+        assert grads.flat is not None or grads.reduced is not None
+        assert engine.ledger.live_bytes(Category.GRAD) == held
+        engine.step()
+        plain(x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    state = engine.consolidated_fp32_state()
+    for name, value in plain.named_parameters():
+        torch.testing.assert_close(state[name], value.detach(), rtol=1e-6, atol=1e-7)
+    engine.destroy()
+
+
 def test_one_rank_resumes_from_a_checkpoint_bitwise_and_lets_the_replaced_states_go(tmp_path) -> None:
     """The per-parameter views are made once and kept (``direct_step._Views``): after ``load_checkpoint`` the step
     count they carry is the loaded one (Adam's bias correction; a stale count changes every weight), and the

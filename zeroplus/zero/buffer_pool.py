@@ -76,7 +76,8 @@ class BufferPool:
         if self.state is PoolState.OPEN:
             self._plans[self._pass] = self._asked
         self.state = PoolState.CLOSED
-        self._free([*self._parked])
+        if self._parked:
+            self._free([*self._parked])
 
     def _free(self, requests: list[int]) -> None:
         spares = [self._parked.pop(r) for r in requests]

@@ -33,10 +33,11 @@ When it applies (``DirectStep.grads``): torch's elementwise optimizers and Adam/
 update reads only that element, so a slice steps as the flat tensor would); the group's states exist before the
 step (Adam and AdamW's are made here as torch makes them, zeros and a step count; SGD with momentum makes
 its buffer from the first gradient, so its first step is flat); no model-parallel weighting of the norm, no
-offloaded states. See note: one-rank gradients (docs/design-notes.md).
+offloaded states. See note: one-rank gradients; see note: one-rank step bookkeeping (docs/design-notes.md).
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from contextlib import nullcontext
 from typing import Any
 
@@ -125,31 +126,35 @@ class DirectStep:
                 self._call(call)
 
     def _call(self, work: list[tuple[FlatParamGroup, list[torch.Tensor]]]) -> None:
-        """One ``optimizer.step()`` over the views of ``work``'s groups."""
+        """One ``optimizer.step()`` over the views of ``work``'s groups. For the call the optimizer's param groups
+        hold the views and its ``state`` is a dict of the views' states alone (their ``_Views.state_of``, merged
+        without hashing a tensor again): no entry is added to the optimizer's own state and taken out after."""
         swapped: dict[int, tuple[dict[str, Any], list[torch.Tensor]]] = {}  # id(param group) -> (it, its views)
-        firsts = []
+        made = []
+        state_of: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
         for g, grads in work:
-            views = self._views(g, grads)
+            group_views = self._views(g, grads)
             options = self.options[id(g.master_param)]
-            swapped.setdefault(id(options), (options, []))[1].extend(views)
-            firsts.append((g, views))
+            swapped.setdefault(id(options), (options, []))[1].extend(group_views.views)
+            state_of.update(group_views.state_of)
+            made.append((g, group_views))
         saved = {key: options["params"] for key, (options, _) in swapped.items()}
+        own = self.optimizer.state
         try:
             for options, views in swapped.values():  # groups with no direct work keep masters with no gradient:
                 options["params"] = views  # torch skips them
+            self.optimizer.state = state_of
             self.optimizer.step()
         finally:
+            self.optimizer.state = own
             for key, (options, _) in swapped.items():
                 options["params"] = saved[key]
-            for g, views in firsts:
-                state, first = self.optimizer.state[g.master_param], self.optimizer.state[views[0]]
-                made = self._made[id(g)]
-                for k in made.scalars:  # the rest (the step count): every view advanced its own copy alike, so the
+            for g, done in made:
+                state, first = own[g.master_param], done.states[0]
+                for k in done.scalars:  # the rest (the step count): every view advanced its own copy alike, so the
                     state[k] = first[k]  # group's is the first view's own tensor from now on (no copy kernel)
                     if isinstance(first[k], torch.Tensor):
-                        made.versions[k] = first[k]._version  # (as the views hold it: ``sync`` has nothing to copy)
-                for view in views:
-                    del self.optimizer.state[view]
+                        done.versions[k] = first[k]._version  # (as the views hold it: ``sync`` has nothing to copy)
             for view in self._gave_grad:  # (a kept gradient still in its parameter's .grad goes when it is dropped)
                 view.grad = None
             self._gave_grad = []
@@ -158,20 +163,19 @@ class DirectStep:
         """Drop ``g``'s views (its states are being replaced: the views would keep the old ones alive)."""
         self._made.pop(id(g), None)
 
-    def _views(self, g: FlatParamGroup, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _views(self, g: FlatParamGroup, grads: list[torch.Tensor]) -> _Views:
         """One parameter per tensor of ``g``: its slice of the flat master, with its gradient and its slices of
-        the flat states (scalar states as the group's now), entered in the optimizer's state for this step."""
+        the flat states (scalar states as the group's now)."""
         state = self.optimizer.state[g.master_param]
         made = self._made.get(id(g))
         if made is None or not made.stands(g.master_param, state):
             made = self._made[id(g)] = _Views(g, state)
         made.sync(state)
-        for view, grad, view_state in zip(made.views, grads, made.states):
+        for view, grad in zip(made.views, grads):
             if view.grad is not grad:  # (a parameter's own kept gradient is there already: kept_grads.py)
                 view.grad = grad
                 self._gave_grad.append(view)
-            self.optimizer.state[view] = view_state
-        return made.views
+        return made
 
 
 class _Views:
@@ -190,18 +194,28 @@ class _Views:
             self.states.append({k: (flat[k][off:off + n].view(shape) if k in flat
                                     else v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()})
         self.scalars = [k for k in state if k not in flat]
+        self.state_of = dict(zip(self.views, self.states))  # the optimizer's ``state`` for the step (``_call``)
         # each scalar state tensor's version counter when the views last held its value (none yet: copied)
         self.versions: dict[str, int] = {}
-        self._params = g.params
-        self.key = self._key(g.master_param, state)
+        # what the views depend on: the master (object, address, size), each flat state (object, address, size),
+        # the states' names (a step count is copied into the views by value: ``sync``; the group's own becomes the
+        # first view's after each step), and the address of each parameter stepped as itself (it must still be
+        # the master's slice)
+        self._master = (g.master_param, g.master_param.data_ptr(), g.master_param.numel())
+        self._names = list(state)
+        self._flat = [(k, t, t.data_ptr(), t.numel()) for k, t in flat.items()]
+        self._own = [p for p, view in zip(g.params, self.views) if view is p]
+        self._addresses = list(map(torch.Tensor.data_ptr, self._own))
 
     def stands(self, master: torch.Tensor, state: dict[str, Any]) -> bool:
         """Whether the master and the states are still the tensors (and addresses) the views were made over, and
-        each parameter still where it was (a parameter stepped as a view must still be the master's slice)."""
-        return self._key(master, state) == self.key
-
-    def _key(self, master: torch.Tensor, state: dict[str, Any]) -> tuple:
-        return _identity(master, state), tuple(p.data_ptr() for p in self._params)
+        each parameter stepped as itself still where it was. Each is compared with what ``__init__`` recorded (a
+        few calls a group, and one mapped over the parameters)."""
+        held, address, numel = self._master
+        return (master is held and master.data_ptr() == address and master.numel() == numel
+                and list(state) == self._names
+                and all([state[k] is t and t.data_ptr() == a and t.numel() == n for k, t, a, n in self._flat])
+                and list(map(torch.Tensor.data_ptr, self._own)) == self._addresses)
 
     def sync(self, state: dict[str, Any]) -> None:
         """Each view's scalar states set to the group's (a step count loaded or advanced elsewhere); a tensor not
@@ -221,16 +235,6 @@ def _same(p: torch.Tensor, piece: torch.Tensor) -> bool:
     """Whether parameter ``p`` is the tensor ``piece`` is: the same memory, shape, strides, dtype and device."""
     return (p.data_ptr() == piece.data_ptr() and p.shape == piece.shape and p.stride() == piece.stride()
             and p.dtype == piece.dtype and p.device == piece.device)
-
-
-def _identity(master: torch.Tensor, state: dict[str, Any]) -> tuple:
-    """What the views depend on: the master's and each flat state tensor's object, address and size, and the
-    other states' keys (a step count is copied into the views by value: ``_Views.sync``; the group's own becomes
-    the first view's after each step)."""
-    flat = _flat_states(state, master.numel())
-    return (id(master), master.data_ptr(), master.numel(),
-            tuple((k, id(v), v.data_ptr(), v.numel(), v.dtype, v.device) if k in flat else (k,)
-                  for k, v in state.items()))
 
 
 def _flat_states(state: dict[str, Any], owned: int) -> dict[str, torch.Tensor]:

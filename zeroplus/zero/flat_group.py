@@ -435,9 +435,10 @@ class FlatParamGroup:
     def wait_pending(self) -> None:
         """Land everything in flight on this group: its gradient's reductions, then its parameters' gathers."""
         self.gradient.wait()
-        for handle in self.gathers:
-            handle.wait()
-        self.gathers.clear()
+        if self.gathers:
+            for handle in self.gathers:
+                handle.wait()
+            self.gathers.clear()
 
     def free_grads(self) -> None:
         """After the step: the gradient's stores let go (``GroupGrad.free``), the master's ``.grad`` too."""

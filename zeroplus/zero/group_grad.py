@@ -70,7 +70,7 @@ class GroupGrad:
         self.padded_numel, self.owned_numel = padded_numel, owned_numel
         self.dtype, self.device, self._ledger = dtype, device, ledger
         self.keeps, self._partitions = keeps, partitions
-        self.kept = KeptGrads(len(shapes), dtype, ledger)
+        self.kept = KeptGrads(self._numels, dtype, ledger)
         self.flat: torch.Tensor | None = None
         self.written: list[bool] = []  # which parameters' views of ``flat`` hold values
         self.reduced: torch.Tensor | None = None
@@ -249,12 +249,14 @@ class GroupGrad:
 
     def wait(self) -> None:
         """Land every reduction in flight, in issue order, and stop counting the flat gradients they read."""
-        for handle in self.pending:
-            handle.wait()
-        self.pending.clear()
-        for grad in self._read_by_pending:
-            self._ledger.release(grad)
-        self._read_by_pending.clear()
+        if self.pending:
+            for handle in self.pending:
+                handle.wait()
+            self.pending.clear()
+        if self._read_by_pending:
+            for grad in self._read_by_pending:
+                self._ledger.release(grad)
+            self._read_by_pending.clear()
 
     def free(self) -> None:
         """After the step: nothing held (``EMPTY``), the arrival count restarted."""

@@ -3,8 +3,8 @@
 At world size 1 in fp32 nothing is reduced (``GroupGrad.keeps``), so a group's flat gradient buffer
 would only be a copy. ``KeptGrads`` holds each parameter's gradient tensor as autograd made it, adds a later
 micro-batch's into it in place, and counts them in the ledger as ``grad``: the c * P bytes the flat buffer would
-hold, with no copy. A gradient is kept only if it owns its storage whole (the compute dtype, contiguous, the
-storage no larger than it, so at offset 0): a view would hold the rest of its storage uncounted.
+hold, with no copy. A gradient is kept only if it owns its storage whole (its storage holds exactly its elements in
+the group's dtype; one kept alone is asked to be contiguous too): a view would hold the rest of its storage uncounted.
 
 Ledger entries: the gradients ``keep_all`` takes when the backward ends (every one of the group's: the usual
 case) are one entry for the group, since an entry per gradient cost about 1.5 us each way, for a hundred or
@@ -19,24 +19,30 @@ runs the optimizer over the parameters themselves with those gradients (``direct
 cleared when the backward ends and set again for the step (about 1 us each). See note: one-rank grads in place.
 
 ``keep_all_at_once`` is ``keep_all`` for every group of a backward (one rank: all of them), each check made once over
-all their gradients and the ledger entered once. See note: one-rank take at once.
+all their gradients and the ledger entered once. See note: one-rank take at once; see note: one-rank step bookkeeping.
 """
 from __future__ import annotations
 
-from itertools import accumulate
+from itertools import accumulate, chain, repeat
+from operator import attrgetter, is_, is_not
 from typing import Callable, Iterator
 
 import torch
 
 from ..ledger import Category, Ledger
 
+_GRAD = attrgetter("grad")
+
 
 class KeptGrads:
     """The kept gradient of each of a group's parameters (None where none is kept), in parameter order."""
 
-    def __init__(self, count: int, dtype: torch.dtype, ledger: Ledger) -> None:
-        self.tensors: list[torch.Tensor | None] = [None] * count
+    def __init__(self, numels: list[int], dtype: torch.dtype, ledger: Ledger) -> None:
+        """``numels``: the parameters' sizes in elements, in order."""
+        self.tensors: list[torch.Tensor | None] = [None] * len(numels)
         self._dtype = dtype
+        self._sizes = [n * dtype.itemsize for n in numels]  # the bytes of each gradient, which must own its storage
+        self._total = sum(self._sizes)
         self._ledger = ledger
         self._entry: int | None = None  # the ledger entry of what ``keep_all`` took (None: an entry each)
         self._in_grad: list[torch.nn.Parameter] = []  # whose ``.grad`` is still what ``keep_all`` took
@@ -48,11 +54,11 @@ class KeptGrads:
         return self.tensors[index]
 
     def holds(self) -> bool:
-        return any(t is not None for t in self.tensors)
+        return any(map(is_not, self.tensors, repeat(None)))
 
     def whole(self) -> list[torch.Tensor] | None:
         """Every parameter's kept gradient, or None if one has none."""
-        return None if any(t is None for t in self.tensors) else list(self.tensors)  # type: ignore[arg-type]
+        return None if any(map(is_, self.tensors, repeat(None))) else list(self.tensors)  # type: ignore[arg-type]
 
     def keep(self, index: int, grad: torch.Tensor) -> bool:
         """Keep ``grad`` as parameter ``index``'s (a ledger entry of its own), or add it into the one kept; False
@@ -124,23 +130,25 @@ class KeptGrads:
 
 def keep_all_at_once(kept: list[KeptGrads], params: list[list[torch.nn.Parameter]]) -> bool:
     """``kept[i].keep_all(params[i])`` for every ``i``, if each would keep all (else False, nothing changed): every
-    ``.grad`` exists and owns its storage whole (``_whole_storage``: each property tested over the whole list at once)
-    and none is kept yet. One ledger entry per group, made in one section (the groups share one ledger)."""
+    ``.grad`` exists and owns its storage whole, and none is kept yet. One ledger entry per group, made in one section
+    (the groups share one ledger).
+
+    The test is one list comparison: each gradient's storage holds exactly its parameter's elements in the group's
+    dtype (``_sizes``). torch holds a ``.grad`` to its parameter's shape and dtype, so a storage of that many bytes is
+    the gradient's alone (a view of a larger tensor has a larger storage), read by torch's own methods mapped over the
+    list: no Python frame per gradient, and no pass for what torch guarantees. (Its layout is not asked: the step,
+    the norm and a move into the flat buffer read any strides.)"""
     if not kept or any([k.holds() for k in kept]):
         return False
-    flat = [p for ps in params for p in ps]
-    grads = [p.grad for p in flat]
-    if any([g is None for g in grads]):
+    grads = list(map(_GRAD, chain.from_iterable(params)))
+    if any(map(is_, grads, repeat(None))):
         return False
-    storages = [g.untyped_storage() for g in grads]  # type: ignore[union-attr]
-    sizes = [s.nbytes() for s in storages]
-    dtypes = [k._dtype for k, ps in zip(kept, params) for _ in ps]
-    if sizes != [g.nbytes for g in grads] or [g.dtype for g in grads] != dtypes or not all(  # type: ignore[union-attr]
-            [g.is_contiguous() for g in grads]):  # type: ignore[union-attr]
+    sizes = list(map(torch.UntypedStorage.nbytes, map(torch.Tensor.untyped_storage, grads)))
+    if sizes != list(chain.from_iterable(k._sizes for k in kept)):
         return False
-    ends = list(accumulate(len(ps) for ps in params))
-    spans = list(zip([0] + ends[:-1], ends))
-    keys = kept[0]._ledger.count_each([(storages[a:b], sum(sizes[a:b])) for a, b in spans], Category.GRAD)
-    for k, ps, (a, b), key in zip(kept, params, spans, keys):
-        k._took(grads[a:b], ps, key)  # type: ignore[arg-type]
+    ends = list(accumulate(map(len, params)))
+    taken = [grads[a:b] for a, b in zip([0] + ends[:-1], ends)]
+    keys = kept[0]._ledger.count_each([(t, k._total) for k, t in zip(kept, taken)], Category.GRAD)
+    for k, ps, t, key in zip(kept, params, taken, keys):
+        k._took(t, ps, key)  # type: ignore[arg-type]
     return True

@@ -221,6 +221,9 @@ class ZeroPartition:
         # stage 3: freed gathered units reused within a pass (CPU buffers); a parked buffer's request may be two
         # units' gathers ahead
         self.pool = BufferPool(self.ledger, lookahead=2 * max(len(u.all_groups) for u in self.units))
+        # nothing gathered or released (stages 0-2; stage 3 at one rank in fp32, every group resident): never opened
+        self.pool.enabled &= self.stage.shards_parameters and not all(
+            g.resident for u in self.units for g in u.all_groups)
         for u in self.units:
             for g in u.all_groups:
                 g.attach(u, self, self.pool)

@@ -128,9 +128,12 @@ class Unit:
     def regather(self) -> None:
         """A persistent unit after a step: its groups' new shards gathered again into their buffers (never
         released), the plain ones joined as ``start_gather`` joins them; each group waits on its own handle
-        (``FlatParamGroup.wait_pending``)."""
+        (``FlatParamGroup.wait_pending``). A resident group (one rank in fp32) has nothing to gather: its full
+        buffer is its shard, the master the step wrote."""
         joined: Joined = {}
         for g in self.groups:
+            if g.resident:
+                continue
             if not g.join_gather(joined):
                 g.gathers.append(g.all_gather_into_full())
         issue_joined(joined)
