@@ -24,7 +24,7 @@ all their gradients and the ledger entered once. See note: one-rank take at once
 from __future__ import annotations
 
 from itertools import accumulate, chain, repeat
-from operator import attrgetter, is_, is_not
+from operator import attrgetter, is_
 from typing import Callable, Iterator
 
 import torch
@@ -40,6 +40,7 @@ class KeptGrads:
     def __init__(self, numels: list[int], dtype: torch.dtype, ledger: Ledger) -> None:
         """``numels``: the parameters' sizes in elements, in order."""
         self.tensors: list[torch.Tensor | None] = [None] * len(numels)
+        self._held = 0  # how many of ``tensors`` are not None (``holds`` and ``whole`` read it, not the list)
         self._dtype = dtype
         self._sizes = [n * dtype.itemsize for n in numels]  # the bytes of each gradient, which must own its storage
         self._total = sum(self._sizes)
@@ -54,11 +55,11 @@ class KeptGrads:
         return self.tensors[index]
 
     def holds(self) -> bool:
-        return any(map(is_not, self.tensors, repeat(None)))
+        return self._held > 0
 
     def whole(self) -> list[torch.Tensor] | None:
         """Every parameter's kept gradient, or None if one has none."""
-        return None if any(map(is_, self.tensors, repeat(None))) else list(self.tensors)  # type: ignore[arg-type]
+        return list(self.tensors) if self._held == len(self.tensors) else None  # type: ignore[arg-type]
 
     def keep(self, index: int, grad: torch.Tensor) -> bool:
         """Keep ``grad`` as parameter ``index``'s (a ledger entry of its own), or add it into the one kept; False
@@ -68,6 +69,7 @@ class KeptGrads:
             kept.add_(grad)
         elif self._whole_storage(grad) is not None:
             self.tensors[index] = self._ledger.count(grad, Category.GRAD)
+            self._held += 1
         else:
             return False
         return True
@@ -79,6 +81,7 @@ class KeptGrads:
 
     def _took(self, grads: list[torch.Tensor], params: list[torch.nn.Parameter], entry: int) -> None:
         self._entry, self.tensors, self._in_grad = entry, grads, params  # type: ignore[assignment]
+        self._held = len(grads)
 
     def out_of_grad(self) -> None:
         """The parameters' ``.grad`` no longer shows the kept gradients (held here all the same)."""
@@ -96,6 +99,7 @@ class KeptGrads:
                 view_of(index).copy_(grad)
                 self._ledger.release(grad)
                 self.tensors[index] = None
+                self._held -= 1
                 moved.append(index)
         self._release_entry()
         return moved
@@ -106,6 +110,7 @@ class KeptGrads:
         if not self._release_entry():
             self._ledger.release_all(self.tensors)
         self.tensors = [None] * len(self.tensors)
+        self._held = 0
 
     def resized(self) -> None:
         """Their storages were resized (``offload_states``): the ledger counts them at their sizes now, and no
