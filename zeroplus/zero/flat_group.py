@@ -498,3 +498,11 @@ class FlatParamGroup:
             if s < e:
                 out.append((i, s - lo, e - lo))
         return out
+
+
+def wait_all(groups: list[FlatParamGroup]) -> None:
+    """``wait_pending`` on each of ``groups`` that has anything in flight, in order (a group with nothing in flight,
+    the usual case at one rank, costs one attribute test, not a call)."""
+    for g in groups:
+        if g.gathers or g.gradient.pending:
+            g.wait_pending()

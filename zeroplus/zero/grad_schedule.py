@@ -32,7 +32,7 @@ from ..activations.choices import TechniqueChoice
 from ..collectives import Collectives
 from ..config import ZeroStage
 from .buffer_pool import BufferPool
-from .flat_group import FlatParamGroup
+from .flat_group import FlatParamGroup, wait_all
 from .grad_reducer import GradReducer
 from .kept_grads import keep_all_at_once
 from .row_reduce import choose_dense, reduce_rows, row_widths
@@ -245,8 +245,7 @@ class BackwardSchedule:
                 self._group_ready(g)
             g.gradient.arrival.end_backward()
         self.pool.close()  # every unit of this backward is gathered
-        for g in self.groups:
-            g.wait_pending()
+        wait_all(self.groups)
         self._in_flight.clear()
         self._backwards_seen += 1
         if self.late_uses is None and self.early_per_use and any(g.gradient.arrival.per_use for g in self.groups):

@@ -37,7 +37,7 @@ from ..eager import eager
 from ..ledger import Ledger
 from ..offload.policies import MasterPolicy
 from .buffer_pool import BufferPool
-from .flat_group import FLAT_ATTR, FlatParamGroup, Joined
+from .flat_group import FLAT_ATTR, FlatParamGroup, Joined, wait_all
 from .grad_reducer import GradReducer
 from .grad_schedule import BackwardSchedule
 from .param_status import ParamStatus, label_whole, mark
@@ -290,8 +290,7 @@ class ZeroPartition:
 
     def _make_wait_hook(self, unit: Unit):
         def hook(module: torch.nn.Module, args: object) -> None:
-            for g in unit.groups:
-                g.wait_pending()
+            wait_all(unit.groups)
         return hook
 
     def after_forward(self) -> None:
@@ -417,8 +416,7 @@ class ZeroPartition:
         self.wait_all()  # (a load is no place to overlap: the model object reads current values after it)
 
     def wait_all(self) -> None:
-        for g in self.groups:
-            g.wait_pending()
+        wait_all(self.groups)
 
     def remove(self) -> None:
         """Give the model back (``Engine.destroy``): every collective waited for; at stage 3 every unit gathered
