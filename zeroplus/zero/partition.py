@@ -229,6 +229,8 @@ class ZeroPartition:
                 g.attach(u, self, self.pool)
         self.groups: list[FlatParamGroup] = [g for u in self.units for g in u.groups]
         self.frozen: list[FlatParamGroup] = [g for u in self.units for g in u.frozen]  # stage 3 (units.py)
+        # hpZ: the groups that can hold a secondary copy (``drop_secondaries`` has nothing to do for the others)
+        self._with_secondary = [g for g in self.groups + self.frozen if g.secondary_group is not None]
         flat = {id(p) for g in self.groups + self.frozen for p in g.params}
         mark([p for p in model.parameters() if id(p) not in flat], ParamStatus.AVAILABLE)  # never partitioned
         if self.stage.shards_parameters:  # what Transformers and PEFT read of a released parameter (param_status.py)
@@ -385,7 +387,7 @@ class ZeroPartition:
 
     def drop_secondaries(self) -> None:
         """hpZ: every group's secondary copy goes (the values are about to change, or changed)."""
-        for g in self.groups + self.frozen:
+        for g in self._with_secondary:
             g.drop_secondary()
 
     def after_step(self) -> None:
