@@ -73,8 +73,8 @@ class Ledger:
         self._section = _Section(self)
         self._bytes = {c: CategoryBytes() for c in Category}
         self._entries: dict[int, tuple[Category, int]] = {}
-        # entry key -> its storage's identity (``_cdata``), or the storages themselves (``count_each``)
-        self._storage_of: dict[int, int | tuple[torch.Tensor, ...]] = {}  # an entry's storage, or count_each's tensors
+        # entry key -> its storage's identity (``_cdata``), or the tensors ``count_each`` counted (their storages)
+        self._storage_of: dict[int, int | tuple[torch.Tensor, ...]] = {}
         self.total = CategoryBytes()
         self.at_peak: dict[Category, int] = {}  # live bytes per category when the total last reached its peak
         self._next_id = 0
