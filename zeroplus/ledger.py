@@ -132,14 +132,14 @@ class Ledger:
         ``category`` as one entry until ``release_key`` of its key (returned in order), in one section: no finalizer,
         no mark on a tensor, and the entry holds the tensors (so their storages) until then (``zero/kept_grads.py``:
         one rank's gradients of a whole group, which the group holds as long)."""
-        keys = []
         with self.locked():
-            for tensors, nbytes in entries:
-                self._next_id += 1
-                keys.append(self._next_id)
-                self._add_held(self._next_id, category, nbytes)
-                self._storage_of[self._next_id] = tuple(tensors)
-        return keys
+            first = self._next_id + 1
+            for key, (tensors, nbytes) in enumerate(entries, first):
+                self._entries[key] = (category, nbytes)
+                self._storage_of[key] = tuple(tensors)
+            self._next_id += len(entries)
+            self._grow(category, sum([nbytes for _, nbytes in entries]))  # (one rise: the peaks one by one would reach)
+            return list(range(first, self._next_id + 1))
 
     def release_key(self, key: int) -> None:
         """Stop counting the entry ``count_each`` returned."""
@@ -197,6 +197,10 @@ class Ledger:
     def _add_held(self, key: int, category: Category, nbytes: int) -> None:
         """``_add`` inside a section this thread holds."""
         self._entries[key] = (category, nbytes)
+        self._grow(category, nbytes)
+
+    def _grow(self, category: Category, nbytes: int) -> None:
+        """Live bytes of ``category`` rise by ``nbytes`` (inside a section this thread holds); peaks follow."""
         cat = self._bytes[category]
         cat.live_bytes += nbytes
         if cat.live_bytes > cat.peak_bytes:

@@ -43,3 +43,23 @@ def test_a_storage_dying_while_the_ledger_is_locked_is_counted_off_without_deadl
     worker.join(10)
     assert not worker.is_alive(), "the ledger deadlocked on a finalizer run inside its lock"
     assert ledger.live_bytes(Category.PARAM) == 0 and ledger.live_bytes() == 0
+
+
+def test_entries_counted_together_reach_the_counts_and_peaks_of_entries_counted_one_by_one():
+    """``count_each`` raises its category once for all its entries: the live bytes, the peaks and the breakdown at the
+    total peak are those its entries counted one at a time reach, and each key releases its own entry's bytes."""
+    tensors = [[torch.zeros(n) for n in (3, 5)], [torch.zeros(7)], [torch.zeros(2) for _ in range(3)]]
+    entries = [(t, sum(x.nbytes for x in t)) for t in tensors]
+    together, apart = Ledger(), Ledger()
+    masters = [ledger.empty(10, torch.float32, Category.MASTER) for ledger in (together, apart)]  # (held)
+    keys = together.count_each(entries, Category.GRAD)
+    apart_keys = [apart.count_each([entry], Category.GRAD)[0] for entry in entries]
+    assert len(set(keys)) == len(entries)
+    assert together.live_bytes(Category.GRAD) == apart.live_bytes(Category.GRAD) == 4 * (3 + 5 + 7 + 6)
+    assert together.peak_bytes(Category.GRAD) == apart.peak_bytes(Category.GRAD) == 84
+    assert together.peak_bytes() == apart.peak_bytes() == 124
+    assert together.at_peak == apart.at_peak == {Category.MASTER: 40, Category.GRAD: 84}
+    together.release_key(keys[1])
+    apart.release_key(apart_keys[1])
+    assert together.live_bytes(Category.GRAD) == apart.live_bytes(Category.GRAD) == 4 * (3 + 5 + 6)
+    del masters

@@ -34,7 +34,7 @@ from ..config import ZeroStage
 from .buffer_pool import BufferPool
 from .flat_group import FlatParamGroup, wait_all
 from .grad_reducer import GradReducer
-from .kept_grads import keep_all_at_once
+from .kept_grads import KeepAllAtOnce
 from .row_reduce import choose_dense, reduce_rows, row_widths
 from .stage3 import Stage3Scheduler
 from .units import Unit
@@ -63,7 +63,8 @@ class BackwardSchedule:
         self.pool = pool
         self.rows = rows
         self.stage3: Stage3Scheduler | None = None
-        self.taken_at_end: list[FlatParamGroup] = []
+        self._taken_at_end: list[FlatParamGroup] = []
+        self._keep_all = KeepAllAtOnce([], [])
         self._all_keep = bool(self.groups) and all(g.gradient.keeps for g in self.groups)  # one rank (early_per_use)
         self._in_flight: collections.deque[FlatParamGroup] = collections.deque()
         self.at_boundary = True  # this backward ends an accumulation (begin)
@@ -76,6 +77,17 @@ class BackwardSchedule:
         # None until then (see note: early per-use reduction)
         self.late_uses: bool | None = None
         self._backwards_seen = 0
+
+    @property
+    def taken_at_end(self) -> list[FlatParamGroup]:
+        """One rank's groups whose gradients are taken from ``.grad`` when the backward ends (set by the partition;
+        what taking them all at once reads is laid out when set)."""
+        return self._taken_at_end
+
+    @taken_at_end.setter
+    def taken_at_end(self, groups: list[FlatParamGroup]) -> None:
+        self._taken_at_end = groups
+        self._keep_all = KeepAllAtOnce([g.gradient.kept for g in groups], [g.params for g in groups])
 
     def root_trusted(self) -> bool:
         """Stage 3: a first backward showed no use of a root parameter outside its holders and no holder
@@ -175,8 +187,7 @@ class BackwardSchedule:
         """The gradients of the groups ``_takes_at_end`` chose, each as its hook would have taken it: in the usual
         case (every gradient in .grad, none held yet) all groups' at once (see note: one-rank take at once)."""
         groups = self.taken_at_end
-        at_once = all([g.gradient.may_keep_all() for g in groups]) and keep_all_at_once(
-            [g.gradient.kept for g in groups], [g.params for g in groups])
+        at_once = all([g.gradient.may_keep_all() for g in groups]) and self._keep_all()
         for g in groups:
             if at_once or (g.gradient.may_keep_all() and g.gradient.kept.keep_all(g.params)):
                 g.gradient.arrival.seen()

@@ -18,7 +18,7 @@ next backward begins, they move into a flat buffer, their storages are resized, 
 runs the optimizer over the parameters themselves with those gradients (``direct_step.py``), so no ``.grad`` is
 cleared when the backward ends and set again for the step (about 1 us each). See note: one-rank grads in place.
 
-``keep_all_at_once`` is ``keep_all`` for every group of a backward (one rank: all of them), each check made once over
+``KeepAllAtOnce`` is ``keep_all`` for every group of a backward (one rank: all of them), each check made once over
 all their gradients and the ledger entered once. See note: one-rank take at once; see note: one-rank step bookkeeping.
 """
 from __future__ import annotations
@@ -77,7 +77,7 @@ class KeptGrads:
     def keep_all(self, params: list[torch.nn.Parameter]) -> bool:
         """Keep every one of ``params``' ``.grad`` (left there until ``out_of_grad``), counted as one ledger entry, if
         each exists and owns its storage whole and none is kept yet; else False, nothing changed."""
-        return keep_all_at_once([self], [params])
+        return KeepAllAtOnce([self], [params])()
 
     def _took(self, grads: list[torch.Tensor], params: list[torch.nn.Parameter], entry: int) -> None:
         self._entry, self.tensors, self._in_grad = entry, grads, params  # type: ignore[assignment]
@@ -133,27 +133,38 @@ class KeptGrads:
         return storage if storage.nbytes() == g.nbytes else None
 
 
-def keep_all_at_once(kept: list[KeptGrads], params: list[list[torch.nn.Parameter]]) -> bool:
-    """``kept[i].keep_all(params[i])`` for every ``i``, if each would keep all (else False, nothing changed): every
-    ``.grad`` exists and owns its storage whole, and none is kept yet. One ledger entry per group, made in one section
-    (the groups share one ledger).
+class KeepAllAtOnce:
+    """``kept[i].keep_all(params[i])`` for every ``i`` at once (``__call__``), if each would keep all (else False,
+    nothing changed): every ``.grad`` exists and owns its storage whole, and none is kept yet. One ledger entry per
+    group, made in one section (the groups share one ledger). What does not change between backwards (the parameters
+    in one list, their sizes, where each group's begin) is laid out once, when made: one rank's backward schedule
+    makes one for the groups it takes at the end.
 
     The test is one list comparison: each gradient's storage holds exactly its parameter's elements in the group's
     dtype (``_sizes``). torch holds a ``.grad`` to its parameter's shape and dtype, so a storage of that many bytes is
     the gradient's alone (a view of a larger tensor has a larger storage), read by torch's own methods mapped over the
     list: no Python frame per gradient, and no pass for what torch guarantees. (Its layout is not asked: the step,
     the norm and a move into the flat buffer read any strides.)"""
-    if not kept or any([k.holds() for k in kept]):
-        return False
-    grads = list(map(_GRAD, chain.from_iterable(params)))
-    if any(map(is_, grads, repeat(None))):
-        return False
-    sizes = list(map(torch.UntypedStorage.nbytes, map(torch.Tensor.untyped_storage, grads)))
-    if sizes != list(chain.from_iterable(k._sizes for k in kept)):
-        return False
-    ends = list(accumulate(map(len, params)))
-    taken = [grads[a:b] for a, b in zip([0] + ends[:-1], ends)]
-    keys = kept[0]._ledger.count_each([(t, k._total) for k, t in zip(kept, taken)], Category.GRAD)
-    for k, ps, t, key in zip(kept, params, taken, keys):
-        k._took(t, ps, key)  # type: ignore[arg-type]
-    return True
+
+    def __init__(self, kept: list[KeptGrads], params: list[list[torch.nn.Parameter]]) -> None:
+        self._kept, self._params = kept, params
+        self._flat = list(chain.from_iterable(params))
+        self._sizes = list(chain.from_iterable(k._sizes for k in kept))
+        ends = list(accumulate(map(len, params)))
+        self._bounds = list(zip([0] + ends[:-1], ends))
+        self._totals = [k._total for k in kept]
+
+    def __call__(self) -> bool:
+        kept = self._kept
+        if not kept or any([k.holds() for k in kept]):
+            return False
+        grads = list(map(_GRAD, self._flat))
+        if any(map(is_, grads, repeat(None))):
+            return False
+        if list(map(torch.UntypedStorage.nbytes, map(torch.Tensor.untyped_storage, grads))) != self._sizes:
+            return False
+        taken = [grads[a:b] for a, b in self._bounds]
+        keys = kept[0]._ledger.count_each(list(zip(taken, self._totals)), Category.GRAD)
+        for k, ps, t, key in zip(kept, self._params, taken, keys):
+            k._took(t, ps, key)  # type: ignore[arg-type]
+        return True
