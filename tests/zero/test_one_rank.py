@@ -279,6 +279,35 @@ def test_one_rank_tied_rows_before_the_dense_use_and_without_one(stage: int, row
 
 
 @pytest.mark.parametrize("stage", [0, 3])
+def test_one_rank_embeddings_lose_their_hooks_when_rows_stand_down(stage: int) -> None:
+    """Where no dense use is routed (one rank in fp32: every tied weight's gradient stays autograd's), an embedding's
+    hooks do nothing once rows are off: they go when ``embedding_rows`` stands down (as the budget stands it down under
+    ``where_needed``; see note: one-rank hooks), and the model trains on bit for bit as the plain module, the step
+    before with rows and the steps after without."""
+    torch.manual_seed(0)
+    net = RowsFirst()
+    plain = copy.deepcopy(net)
+    engine = zeroplus.initialize(net, _config(stage, "AdamW", 1))
+    embeddings = [net.embed, net.lookup, net.again]
+    assert all(m._forward_pre_hooks and m._forward_hooks for m in embeddings)
+    opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    g = torch.Generator().manual_seed(7)
+    for step in range(3):
+        if step == 1:
+            engine.choices["embedding_rows"].stand_down("off: a test")
+            assert not any(m._forward_pre_hooks or m._forward_hooks for m in embeddings)
+        x, ids = torch.randn(2, 4, 6, generator=g), torch.randint(0, 23, (2, 4), generator=g)
+        loss = engine(x, ids)
+        assert ("EmbeddingRowsIntoFlatBackward" in graph_nodes(loss)) is (step == 0)
+        engine.backward(loss)
+        engine.step()
+        plain(x, ids).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    _assert_plain(engine, plain, f"stage {stage}, rows stood down")
+
+
+@pytest.mark.parametrize("stage", [0, 3])
 def test_one_rank_tied_rows_hold_nothing_the_plain_module_does_not(stage: int) -> None:
     """What one forward leaves alive for backward (outside the weights) is what the plain module's leaves: the
     embedding's rows function is made to run by an empty tensor of its own, not by its output made to require

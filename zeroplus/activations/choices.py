@@ -10,8 +10,8 @@ Memory: a few strings.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 
 @dataclass
@@ -23,10 +23,21 @@ class TechniqueChoice:
     on: bool
     by_default: bool
     why: str
+    # told once when the technique stands down (``when_off``): what exists only to run it may go then
+    _when_off: list[Callable[[], None]] = field(default_factory=list, repr=False, compare=False)
 
     def stand_down(self, why: str) -> None:
-        """Off from the next forward on, for ``why``."""
-        self.on, self.why = False, why
+        """Off from the next forward on, for ``why`` (for good: nothing turns a technique on again)."""
+        was_on, self.on, self.why = self.on, False, why
+        while was_on and self._when_off:
+            self._when_off.pop(0)()
+
+    def when_off(self, call: Callable[[], None]) -> None:
+        """``call()`` when this technique stands down; at once if it is off already."""
+        if self.on:
+            self._when_off.append(call)
+        else:
+            call()
 
     def describe(self) -> str:
         return f"{self.technique} {'on' if self.on else 'off'}: {self.why}"

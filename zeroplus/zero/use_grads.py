@@ -53,6 +53,7 @@ See note: per-use gradients (docs/design-notes.md).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from typing import Any, Callable
 
@@ -259,6 +260,12 @@ class UseGrads:
         an embedding is a dense use like any other holder (``AddIntoFlatGrad``, counted), or, where the parameter's
         dense uses are left to autograd (``UseSinks.dense`` None), runs on the parameter itself. None: always on."""
         self._handles: list[Any] = []
+        # With rows off, an embedding whose parameter leaves its dense uses to autograd does nothing in its hooks
+        # but tell ``on_replay``, which matters only where a dense use is routed (no sink with ``dense``: none is);
+        # then its hooks go when rows stand down, for good (about 20 us a forward on the one-rank stand-in).
+        # See note: one-rank hooks.
+        idle_without_rows = isinstance(rows, TechniqueChoice) and all(s.dense is None for s in sinks.values())
+        idle: list[Any] = []
         by_module: dict[int, tuple[torch.nn.Module, list[str]]] = {}
         for where in holders(model, set(sinks)).values():
             for module, name in where:
@@ -276,8 +283,14 @@ class UseGrads:
             swap_in = eager(self._swap_in(names, sinks, (True if rows is None else rows) if embedding else False,
                                           on_replay))  # (a dense holder: never rows)
             swap_out = eager(self._swap_out(sinks, found))
-            self._handles.append(module.register_forward_pre_hook(swap_in))
-            self._handles.append(module.register_forward_hook(swap_out, always_call=True))
+            handles = [module.register_forward_pre_hook(swap_in),
+                       module.register_forward_hook(swap_out, always_call=True)]
+            self._handles += handles
+            if embedding and idle_without_rows:
+                idle += handles
+        if idle:
+            assert isinstance(rows, TechniqueChoice)
+            rows.when_off(functools.partial(self._drop, idle))
 
     @staticmethod
     def _swap_in(names: list[str], sinks: dict[int, UseSinks], rows: TechniqueChoice | bool,
@@ -326,6 +339,13 @@ class UseGrads:
                 return EmbeddingRowsIntoFlat.apply(output, anchor, ids, found.padding_idx, sink.rows)
             return None
         return hook
+
+    def _drop(self, handles: list[Any]) -> None:
+        """Remove ``handles`` (hooks with nothing left to do), if still here."""
+        for h in handles:
+            if h in self._handles:
+                h.remove()
+                self._handles.remove(h)
 
     def remove(self) -> None:
         for h in self._handles:
