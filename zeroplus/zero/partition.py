@@ -43,7 +43,7 @@ from .grad_schedule import BackwardSchedule
 from .param_status import ParamStatus, label_whole, mark
 from .placement import UnitPlacement
 from .quantized import packed_storage, prepare_packed
-from .stage3 import Stage3Scheduler
+from .stage3 import ResidentScheduler, Stage3Scheduler
 from .stage3_state_dict import install_state_dict_hooks
 from .two_level_gather import TwoLevelGather
 from .units import Named, Unit, assign_parameters, bucketed, find_unit_modules, frozen_dtype, issue_joined
@@ -276,8 +276,8 @@ class ZeroPartition:
             self._hooks.append(model.register_state_dict_pre_hook(lambda *args: self.wait_all()))
         resident = all(g.resident for g in self.groups + self.frozen)  # one rank in fp32: nothing moves
         if self.stage.shards_parameters:
-            self.stage3 = Stage3Scheduler(self.units[:-1], self.root, prefetch, self.pool, hooked=not resident,
-                                          quantize=quantize)
+            scheduler = ResidentScheduler if resident else Stage3Scheduler  # (nothing moves: nothing scheduled)
+            self.stage3 = scheduler(self.units[:-1], self.root, prefetch, self.pool, quantize=quantize)
             self.backward.stage3 = self.stage3
             self._hooks += install_state_dict_hooks(model, self.units)
 

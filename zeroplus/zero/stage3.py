@@ -185,3 +185,33 @@ class Stage3Scheduler:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+class ResidentScheduler(Stage3Scheduler):
+    """Stage 3 at one rank with every group resident (``FlatParamGroup.resident``, one rank in fp32): nothing is ever
+    gathered or released, so no forward, backward or step has anything to schedule, and these make no call over the
+    units (about 15 us a step on the one-rank stand-in, each a pass of gathers and releases that return at once). The
+    scheduler stays for what reads, names or pauses the model (state-dict hooks, ``GatheredParameters``, fault dumps).
+    Chosen when the partition is assembled; see note: one-rank take at once."""
+
+    def __init__(self, units: list[Unit], root: Unit, prefetch_numel: int | None, pool: BufferPool,
+                 quantize: str | None = None) -> None:
+        super().__init__(units, root, prefetch_numel, pool, hooked=False, quantize=quantize)
+
+    def begin_forward(self) -> None:
+        pass
+
+    def end_forward(self) -> None:
+        pass
+
+    def on_unit_grads_done(self, unit: Unit) -> None:
+        pass
+
+    def end_backward(self) -> None:
+        pass
+
+    def refresh_persistent(self) -> None:
+        pass
+
+    def prefetch_for_next_forward(self) -> None:
+        pass
