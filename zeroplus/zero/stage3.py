@@ -189,10 +189,10 @@ class Stage3Scheduler:
 
 class ResidentScheduler(Stage3Scheduler):
     """Stage 3 at one rank with every group resident (``FlatParamGroup.resident``, one rank in fp32): nothing is ever
-    gathered or released, so no forward, backward or step has anything to schedule, and these make no call over the
-    units (about 15 us a step on the one-rank stand-in, each a pass of gathers and releases that return at once). The
-    scheduler stays for what reads, names or pauses the model (state-dict hooks, ``GatheredParameters``, fault dumps).
-    Chosen when the partition is assembled; see note: one-rank take at once."""
+    gathered or released, so no forward, backward or step has anything to schedule, and these make no pass over the
+    units (gathers and releases that would return at once: within the launch-to-launch spread of the one-rank
+    stand-in, under 20 us a step). The scheduler stays for what reads, names or pauses the model (state-dict hooks,
+    ``GatheredParameters``, fault dumps). Chosen when the partition is assembled; see note: one-rank take at once."""
 
     def __init__(self, units: list[Unit], root: Unit, prefetch_numel: int | None, pool: BufferPool,
                  quantize: str | None = None) -> None:
