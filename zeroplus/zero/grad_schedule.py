@@ -65,6 +65,7 @@ class BackwardSchedule:
         self.stage3: Stage3Scheduler | None = None
         self._taken_at_end: list[FlatParamGroup] = []
         self._keep_all = KeepAllAtOnce([], [])
+        self._all_taken = False  # (taken_at_end)
         self._all_keep = bool(self.groups) and all(g.gradient.keeps for g in self.groups)  # one rank (early_per_use)
         self._in_flight: collections.deque[FlatParamGroup] = collections.deque()
         self.at_boundary = True  # this backward ends an accumulation (begin)
@@ -88,6 +89,8 @@ class BackwardSchedule:
     def taken_at_end(self, groups: list[FlatParamGroup]) -> None:
         self._taken_at_end = groups
         self._keep_all = KeepAllAtOnce([g.gradient.kept for g in groups], [g.params for g in groups])
+        # every group taken at the end (one rank, none routes a use: ``early_per_use`` is off, no rows are kept)
+        self._all_taken = bool(groups) and [id(g) for g in groups] == [id(g) for g in self.groups] and self._all_keep
 
     def root_trusted(self) -> bool:
         """Stage 3: a first backward showed no use of a root parameter outside its holders and no holder
@@ -183,11 +186,15 @@ class BackwardSchedule:
         for g in self.taken_at_end:  # (accumulating: this backward's gradients are fresh in .grad, added to the kept)
             g.gradient.kept.out_of_grad()
 
-    def _take_at_end(self) -> None:
+    def _take_at_end(self) -> bool:
         """The gradients of the groups ``_takes_at_end`` chose, each as its hook would have taken it: in the usual
-        case (every gradient in .grad, none held yet) all groups' at once (see note: one-rank take at once)."""
+        case (every gradient in .grad, none held yet) all groups' at once (see note: one-rank take at once), and
+        then, where those are every group, True and nothing more: no group is reduced, routes a use or sends rows,
+        and nothing is in flight, so no group's count, unit or release waits on it (``end`` returns at once)."""
         groups = self.taken_at_end
         at_once = all([g.gradient.may_keep_all() for g in groups]) and self._keep_all()
+        if at_once and self._all_taken:
+            return True
         for g in groups:
             if at_once or (g.gradient.may_keep_all() and g.gradient.kept.keep_all(g.params)):
                 g.gradient.arrival.seen()
@@ -196,6 +203,7 @@ class BackwardSchedule:
             for i, p in enumerate(g.params):
                 if p.grad is not None or g.gradient.arrival.came_by_rows(i, clear=False):
                     self.arrived(g, i, p)
+        return False
 
     def arrived(self, group: FlatParamGroup, index: int, param: torch.nn.Parameter) -> None:
         """Parameter ``index`` of ``group`` has its gradient in ``.grad`` (or sent it by rows): keep it, or add
@@ -241,7 +249,12 @@ class BackwardSchedule:
         """Reduce groups some of whose parameters got no gradient, then wait for every reduction. A
         group with no gradient at all waits for the boundary at stage 2 (a pipeline chunk's backward
         touches only its own groups; the others are reduced in their own backwards)."""
-        self._take_at_end()
+        if self._take_at_end():  # (one rank, every group kept whole at once)
+            self.pool.close()
+            self._backwards_seen += 1
+            if self.stage3 is not None:
+                self.stage3.end_backward()
+            return
         self._reduce_deferred()
         with_rows = []
         for g in self.groups:  # fixed order: every rank issues the same collectives
