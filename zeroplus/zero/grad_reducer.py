@@ -53,13 +53,14 @@ class GradReducer:
         self.use_reduce_scatter = use_reduce_scatter
         self.overlap = overlap
         self.ledger = ledger
+        self._one_rank = dp.size == 1  # (decided here: nothing to reduce over)
 
     def reduce(self, group: FlatParamGroup) -> None:
         """Start reducing ``group``'s flat gradient; results land when ``group.gradient.wait()`` runs."""
-        if self.dp.size == 1 and group.gradient.kept_whole() is not None:
+        if self._one_rank and group.gradient.kept_whole() is not None:
             return  # one rank: the kept gradients stay where autograd put them (see note: one-rank gradients)
         grad = group.gradient.ensure_flat()
-        if self.stage.partitions and group.dp.size == self.dp.size == 1:
+        if self.stage.partitions and self._one_rank and group.dp.size == 1:
             self._keep_whole(group, grad, self._adds_into_shard(group))
         elif self.stage.partitions and self.use_reduce_scatter:
             self._reduce_scatter(group, grad)

@@ -162,6 +162,9 @@ class ShardedStep:
         self.model_parallel = policy.model_parallel
         self.expert_group = policy.expert_group
         self.replicas = policy.replicas
+        # one rank with nothing split over other ranks (decided here): the norm may be the plain module's (_lone_root)
+        self._alone = (dp.size == 1 and self.replicas is None and self.model_parallel is None
+                       and self.expert_group is None)
         # the last step's norm; until read, (the device's root of the sum of squares, what it is divided by)
         self._norm: float | tuple[torch.Tensor, float] | None = None
         offload, virtual_kernels = policy.offload, policy.virtual_kernels
@@ -294,8 +297,7 @@ class ShardedStep:
         norm as the plain module's ``clip_grad_norm_`` forms it (one fp32 norm per gradient, then the norm of those:
         three kernels, where the squares summed in float64 and their root take five). None elsewhere: the squares
         are summed over shards and ranks (``_squares``), in float64 so the sum hardly depends on the sharding."""
-        if (self.dp.size > 1 or not direct or len(direct) < len(self.partition.groups) or self.replicas is not None
-                or self.model_parallel is not None or self.expert_group is not None):
+        if not self._alone or not direct or len(direct) < len(self.partition.groups):
             return None
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm([t for ts in direct.values() for t in ts])))
 
