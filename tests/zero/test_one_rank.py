@@ -231,6 +231,38 @@ def test_one_rank_takes_gradients_without_hooks_and_keeps_an_untied_embeddings_o
     _assert_plain(engine, plain, f"stage {stage}, an untied embedding")
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("kind", ["loop", "foreach", "fused"])
+def test_one_rank_client_optimizer_steps_a_large_parameter_in_pieces(stage: int, kind: str) -> None:
+    """A client optimizer that is not fused steps a parameter of more than ``zeroplus.master_step_chunk`` elements as
+    pieces of at most that many (rounded down to 1024s), so its temporaries are the pieces' size (torch's for-loop
+    AdamW holds two of the largest tensor it steps); bit for bit as the plain module stepping it whole. A fused one
+    steps it whole (its kernel treats each tensor's last elements apart)."""
+    torch.manual_seed(0)
+    net = SmallHeadNet(vocab=4096)  # a 4096 x 64 embedding: 262144 elements
+    plain = copy.deepcopy(net)
+    options = {"loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[kind]
+    cfg = _config(stage, "AdamW", 1)
+    del cfg["optimizer"]
+    cfg["zeroplus"]["master_step_chunk"] = 10000  # pieces of 9216
+    client = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.01, **options)
+    stepped: list[int] = []  # the largest tensor each optimizer step was given
+    client.register_step_pre_hook(
+        lambda opt, args, kwargs: stepped.append(max(p.numel() for pg in opt.param_groups for p in pg["params"])))
+    engine = zeroplus.initialize(net, cfg, optimizer=client)
+    opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=0.01, **options)
+    g = torch.Generator().manual_seed(11)
+    for _ in range(3):
+        ids, targets = torch.randint(0, 4096, (2, 9), generator=g), torch.randint(0, 8, (2, 9), generator=g)
+        engine.backward(engine(ids, targets))
+        engine.step()
+        plain(ids, targets).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert stepped and max(stepped) == (4096 * 64 if kind == "fused" else 9216), stepped
+    _assert_plain(engine, plain, f"stage {stage}, a client AdamW ({kind})")
+
+
 class RowsFirst(nn.Module):
     """A tied weight whose embedding's backward runs before its dense use's (the embedding is called last), and
     one that is only ever looked up (two embeddings share it, no dense use)."""

@@ -523,7 +523,9 @@ class ZeroplusBlock(Block):
         None, gt=0, description="Peak TFLOP/s of one device in the compute dtype, for the FLOPs profiler's MFU "
                                 "(default: the datasheet's for known GPUs and NPUs, a measured matmul on CPU).")
     master_step_chunk: PositiveInt = Field(
-        1 << 20, description="Elements per chunk when the optimizer steps a shared (split) master.")
+        1 << 20, description="Elements per chunk when the optimizer steps a shared (split) master; at one rank, the "
+                              "largest piece an optimizer that is not fused steps of a parameter (rounded down to "
+                              "1024s).")
 
     @field_validator("unit_modules")
     @classmethod

@@ -61,11 +61,16 @@ def squared_norm(grads: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
 class DirectStep:
     """Steps the flat groups that keep their gradients (one rank, fp32) through per-parameter views."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, options: dict[int, dict[str, Any]], ledger: Ledger) -> None:
-        """``options``: the optimizer's param group of each master parameter, by id."""
+    def __init__(self, optimizer: torch.optim.Optimizer, options: dict[int, dict[str, Any]], ledger: Ledger,
+                 piece_numel: int = 1 << 20) -> None:
+        """``options``: the optimizer's param group of each master parameter, by id. ``piece_numel``: where the
+        optimizer is not fused, a parameter of more elements is stepped as pieces of at most this many (see
+        ``_Views``)."""
         self.optimizer = optimizer
         self.options = options
         self.ledger = ledger
+        # whole multiples of 1024 elements: every piece but a parameter's last ends on a boundary of the vector loops
+        self.piece_numel = max(1024, piece_numel // 1024 * 1024)
         self.enabled = type(optimizer) in ELEMENTWISE or (isinstance(optimizer, StoredStates)
                                                           and not optimizer.block_scaled)  # (fp8: blocks, not views)
         self._made: dict[int, _Views] = {}  # id(group) -> its views, while their tensors stand
@@ -169,9 +174,10 @@ class DirectStep:
         state = self.optimizer.state[g.master_param]
         made = self._made.get(id(g))
         if made is None or not made.stands(g.master_param, state):
-            made = self._made[id(g)] = _Views(g, state)
+            whole = self.options[id(g.master_param)].get("fused") or type(self.optimizer) not in ELEMENTWISE
+            made = self._made[id(g)] = _Views(g, state, None if whole else self.piece_numel)
         made.sync(state)
-        for view, grad in zip(made.views, grads):
+        for view, grad in zip(made.views, made.pieces_of(grads)):
             if view.grad is not grad:  # (a parameter's own kept gradient is there already: kept_grads.py)
                 view.grad = grad
                 self._gave_grad.append(view)
@@ -181,18 +187,39 @@ class DirectStep:
 class _Views:
     """A group's per-parameter views and their optimizer states, made once: the master's slices (the model's own
     parameters where they are those slices: one rank's fp32 alias), the flat states' slices, and a copy of each
-    other state (a step count) that ``sync`` sets to the group's."""
+    other state (a step count) that ``sync`` sets to the group's.
 
-    def __init__(self, g: FlatParamGroup, state: dict[str, Any]) -> None:
+    ``piece_numel`` (an optimizer that is not fused): a parameter of more elements is stepped as consecutive 1-D
+    pieces of that many (its last the rest), each a view with its gradient's and its states' same pieces. Such an
+    optimizer's temporaries are the size of the tensors it steps (torch's for-loop Adam holds two the size of the
+    largest: 96 MiB for GPT 111M's embedding), so they are then at most the pieces'. Its kernels are elementwise,
+    and every piece but the last ends on a multiple of 1024 elements, where no vector loop of a whole tensor has a
+    tail: each element goes through the same loop, vector or scalar, as in the whole parameter, so the values are
+    the whole parameter's bit for bit. (A fused kernel treats each tensor's last elements apart: its parameters
+    stay whole, and it makes no temporaries anyway.) See note: one-rank step pieces."""
+
+    def __init__(self, g: FlatParamGroup, state: dict[str, Any], piece_numel: int | None = None) -> None:
         flat = _flat_states(state, g.master_param.numel())
         master = g.master_param.detach()
         self.views: list[torch.Tensor] = []
         self.states: list[dict[str, Any]] = []
-        for p, off, n, shape in zip(g.params, g.offsets, g.numels, g.shapes):
+        # each view's (parameter index, first element, end) where the parameter is in pieces; None: every one whole
+        self._pieces: list[tuple[int, int, int]] | None = None
+        for i, (p, off, n, shape) in enumerate(zip(g.params, g.offsets, g.numels, g.shapes)):
+            if piece_numel is not None and n > piece_numel:
+                if self._pieces is None:
+                    self._pieces = [(j, 0, -1) for j in range(i)]  # (the parameters before: whole)
+                for a in range(0, n, piece_numel):
+                    b = min(n, a + piece_numel)
+                    self.views.append(torch.nn.Parameter(master[off + a:off + b], requires_grad=False))
+                    self.states.append(_state_piece(state, flat, off + a, off + b, (b - a,)))
+                    self._pieces.append((i, a, b))
+                continue
             piece = master[off:off + n].view(shape)
             self.views.append(p if _same(p, piece) else torch.nn.Parameter(piece, requires_grad=False))
-            self.states.append({k: (flat[k][off:off + n].view(shape) if k in flat
-                                    else v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()})
+            self.states.append(_state_piece(state, flat, off, off + n, shape))
+            if self._pieces is not None:
+                self._pieces.append((i, 0, -1))
         self.scalars = [k for k in state if k not in flat]
         self.state_of = dict(zip(self.views, self.states))  # the optimizer's ``state`` for the step (``_call``)
         # each scalar state tensor's version counter when the views last held its value (none yet: copied)
@@ -204,8 +231,15 @@ class _Views:
         self._master = (g.master_param, g.master_param.data_ptr(), g.master_param.numel())
         self._names = list(state)
         self._flat = [(k, t, t.data_ptr(), t.numel()) for k, t in flat.items()]
-        self._own = [p for p, view in zip(g.params, self.views) if view is p]
+        params = {id(p) for p in g.params}
+        self._own = [view for view in self.views if id(view) in params]  # (the parameters stepped as themselves)
         self._addresses = list(map(torch.Tensor.data_ptr, self._own))
+
+    def pieces_of(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The gradients of ``views``, in their order: each parameter's (``grads``), or its pieces."""
+        if self._pieces is None:
+            return grads
+        return [grads[i] if end < 0 else grads[i].reshape(-1)[a:end] for i, a, end in self._pieces]
 
     def stands(self, master: torch.Tensor, state: dict[str, Any]) -> bool:
         """Whether the master and the states are still the tensors (and addresses) the views were made over, and
@@ -229,6 +263,13 @@ class _Views:
             else:
                 for s in self.states:
                     s[k] = v
+
+
+def _state_piece(state: dict[str, Any], flat: dict[str, torch.Tensor], lo: int, hi: int,
+                 shape: tuple[int, ...] | torch.Size) -> dict[str, Any]:
+    """A view's optimizer state: each flat state's elements ``lo:hi`` in ``shape``, a copy of every other."""
+    return {k: (flat[k][lo:hi].view(shape) if k in flat else v.clone() if isinstance(v, torch.Tensor) else v)
+            for k, v in state.items()}
 
 
 def _same(p: torch.Tensor, piece: torch.Tensor) -> bool:

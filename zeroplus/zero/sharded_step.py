@@ -190,7 +190,8 @@ class ShardedStep:
                 self.steps[id(g)] = (ChunkedMasterStep(optimizer, ledger, chunked) if store.copied
                                      else WholeStep(optimizer, ledger))
         self.first_tiered = tiered[0] if tiered else None  # its first reads overlap the norm's all-reduce
-        self.direct = DirectStep(optimizer, self._options, ledger)  # one rank: autograd's gradients as they are
+        # one rank: autograd's gradients as they are (a parameter over the chunk stepped in pieces where not fused)
+        self.direct = DirectStep(optimizer, self._options, ledger, policy.master_chunk_numel)
         self.direct.enabled &= offload is None and virtual_kernels is None
         if isinstance(optimizer, SegmentedOptimizer):  # a capability (Lamb's per-parameter trust ratio), not a class
             for g in partition.groups:
