@@ -34,10 +34,23 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..cpu_precision import native_bf16
-from ..eager import EagerWhileActive
+from ..eager import EagerWhileActive, in_backward
 from ..host_gemm_pool import POOLED, signature
 from ..ledger import Category, Ledger
 from ..meta_values import MetaValues
+
+aten = torch.ops.aten
+
+# Backward formulas that build a gradient as zeros with values put in (a lookup's by index, index_select or gather)
+# do it in place, except where a tensor is "subclass-like": a meta tensor, or any tensor while a dispatch
+# mode is on (ATen's ``isTensorSubclassLike``), which is how the estimator sees them. There they put the values into a
+# copy of the zeros, two tensors of the weight's size at once where the eager run holds one (GPT 111M's embedding
+# looked up as ``weight[ids]``: 48 MiB predicted too many at the end of backward). The tracker runs such an op in
+# place when its input is the zeros the operation before it made, inside backward, as eager autograd does
+# (see note: backward in place).
+_IN_PLACE_OF = {aten.index_put.default: aten.index_put_.default, aten.scatter_add.default: aten.scatter_add_.default,
+                aten.index_add.default: aten.index_add_.default}
+_ZEROS = {aten.new_zeros.default, aten.zeros.default, aten.zeros_like.default}
 
 PHASES = ("init", "forward", "backward", "step", "save")
 TRAINING_PHASES = PHASES[:4]
@@ -79,6 +92,7 @@ class MemoryTracker(EagerWhileActive, TorchDispatchMode):
         self.peaks = {p: PhasePeak() for p in PHASES}
         self.live = 0                     # bytes of every storage alive
         self._refs: dict[int, weakref.ref] = {}
+        self._zeros: int | None = None    # the storage the last operation made as zeros (see _IN_PLACE_OF)
         self._size: dict[int, int] = {}
         self._saved: set[int] = set()     # storages the last forward left for backward
         self._saved_live = 0
@@ -148,7 +162,13 @@ class MemoryTracker(EagerWhileActive, TorchDispatchMode):
 
     # -- observation ----------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        fresh, self._zeros = self._zeros, None
+        if (fresh is not None and func in _IN_PLACE_OF and args and isinstance(args[0], torch.Tensor)
+                and args[0].untyped_storage()._cdata == fresh and in_backward()):
+            func = _IN_PLACE_OF[func]  # (see _IN_PLACE_OF)
         out = self.run_op(func, args, kwargs or {})
+        if func in _ZEROS and isinstance(out, torch.Tensor):
+            self._zeros = out.untyped_storage()._cdata
         if self.workspace is not None and func in POOLED:
             key = signature(func, args, kwargs or {})
             if key is not None:
