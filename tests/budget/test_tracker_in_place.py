@@ -59,3 +59,31 @@ def test_a_copy_the_forward_makes_of_zeros_is_counted():
         out = zeros.index_put((torch.tensor([1, 2]),), torch.ones(2, WIDTH))
         both = tracker.live - start
     assert both >= 2 * ROWS * WIDTH * 4 and out.untyped_storage().data_ptr() != zeros.untyped_storage().data_ptr()
+
+
+class _PutIntoZeros(torch.autograd.Function):
+    """Identity forward; a backward written out of place on zeros, as user code (or a recompute) may be."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, first = torch.tensor([0]), grad[:1]  # (made first: the zeros are the operation just before the put)
+        zeros = grad.new_zeros(grad.shape)
+        return zeros.index_put((rows,), first, accumulate=True)
+
+
+def test_code_run_inside_backward_keeps_the_copy_it_asks_for():
+    """Only ATen's own formulas are run in place (the autograd node running names them): a backward of the user's, or
+    a recompute replayed in backward, that puts values into a copy of zeros has both counted."""
+    tracker = MemoryTracker(Ledger())
+    x = torch.randn(ROWS, WIDTH, requires_grad=True)
+    with tracker:
+        loss = _PutIntoZeros.apply(x).sum()
+        tracker.enter("backward")
+        start = tracker.live
+        tracker.peaks["backward"].total = 0
+        loss.backward()
+    assert tracker.peaks["backward"].total - start >= 2 * ROWS * WIDTH * 4  # (the zeros and the copy)

@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..cpu_precision import native_bf16
-from ..eager import EagerWhileActive, in_backward
+from ..eager import EagerWhileActive
 from ..host_gemm_pool import POOLED, signature
 from ..ledger import Category, Ledger
 from ..meta_values import MetaValues
@@ -46,11 +46,20 @@ aten = torch.ops.aten
 # mode is on (ATen's ``isTensorSubclassLike``), which is how the estimator sees them. There they put the values into a
 # copy of the zeros, two tensors of the weight's size at once where the eager run holds one (GPT 111M's embedding
 # looked up as ``weight[ids]``: 48 MiB predicted too many at the end of backward). The tracker runs such an op in
-# place when its input is the zeros the operation before it made, inside backward, as eager autograd does
-# (see note: backward in place).
+# place when its input is the zeros the operation before it made inside one of those formulas (the autograd node
+# running, ``torch._C._current_autograd_node``: not code a recompute replays), as eager autograd does.
+# See note: backward in place.
 _IN_PLACE_OF = {aten.index_put.default: aten.index_put_.default, aten.scatter_add.default: aten.scatter_add_.default,
                 aten.index_add.default: aten.index_add_.default}
+_FORMULAS = {"IndexBackward0", "IndexSelectBackward0", "GatherBackward0"}
 _ZEROS = {aten.new_zeros.default, aten.zeros.default, aten.zeros_like.default}
+
+
+def _in_formula() -> bool:
+    """Whether the autograd node running now is one of ``_FORMULAS``."""
+    node = torch._C._current_autograd_node()
+    return node is not None and node.name() in _FORMULAS
+
 
 PHASES = ("init", "forward", "backward", "step", "save")
 TRAINING_PHASES = PHASES[:4]
@@ -164,7 +173,7 @@ class MemoryTracker(EagerWhileActive, TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         fresh, self._zeros = self._zeros, None
         if (fresh is not None and func in _IN_PLACE_OF and args and isinstance(args[0], torch.Tensor)
-                and args[0].untyped_storage()._cdata == fresh and in_backward()):
+                and args[0].untyped_storage()._cdata == fresh and _in_formula()):
             func = _IN_PLACE_OF[func]  # (see _IN_PLACE_OF)
         out = self.run_op(func, args, kwargs or {})
         if func in _ZEROS and isinstance(out, torch.Tensor):
