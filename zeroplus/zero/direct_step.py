@@ -203,23 +203,24 @@ class _Views:
         master = g.master_param.detach()
         self.views: list[torch.Tensor] = []
         self.states: list[dict[str, Any]] = []
-        # each view's (parameter index, first element, end) where the parameter is in pieces; None: every one whole
-        self._pieces: list[tuple[int, int, int]] | None = None
+        # each view's parameter index and its slice of the parameter's elements (None: the whole parameter), where
+        # a parameter is in pieces; None: every parameter whole
+        self._pieces: list[tuple[int, slice | None]] | None = None
         for i, (p, off, n, shape) in enumerate(zip(g.params, g.offsets, g.numels, g.shapes)):
             if piece_numel is not None and n > piece_numel:
                 if self._pieces is None:
-                    self._pieces = [(j, 0, -1) for j in range(i)]  # (the parameters before: whole)
+                    self._pieces = [(j, None) for j in range(i)]  # (the parameters before: whole)
                 for a in range(0, n, piece_numel):
                     b = min(n, a + piece_numel)
                     self.views.append(torch.nn.Parameter(master[off + a:off + b], requires_grad=False))
                     self.states.append(_state_piece(state, flat, off + a, off + b, (b - a,)))
-                    self._pieces.append((i, a, b))
+                    self._pieces.append((i, slice(a, b)))
                 continue
             piece = master[off:off + n].view(shape)
             self.views.append(p if _same(p, piece) else torch.nn.Parameter(piece, requires_grad=False))
             self.states.append(_state_piece(state, flat, off, off + n, shape))
             if self._pieces is not None:
-                self._pieces.append((i, 0, -1))
+                self._pieces.append((i, None))
         self.scalars = [k for k in state if k not in flat]
         self.state_of = dict(zip(self.views, self.states))  # the optimizer's ``state`` for the step (``_call``)
         # each scalar state tensor's version counter when the views last held its value (none yet: copied)
@@ -239,7 +240,7 @@ class _Views:
         """The gradients of ``views``, in their order: each parameter's (``grads``), or its pieces."""
         if self._pieces is None:
             return grads
-        return [grads[i] if end < 0 else grads[i].reshape(-1)[a:end] for i, a, end in self._pieces]
+        return [grads[i] if part is None else grads[i].reshape(-1)[part] for i, part in self._pieces]
 
     def stands(self, master: torch.Tensor, state: dict[str, Any]) -> bool:
         """Whether the master and the states are still the tensors (and addresses) the views were made over, and

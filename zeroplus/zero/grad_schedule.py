@@ -90,7 +90,7 @@ class BackwardSchedule:
         self._taken_at_end = groups
         self._keep_all = KeepAllAtOnce([g.gradient.kept for g in groups], [g.params for g in groups])
         # every group taken at the end (one rank, none routes a use: ``early_per_use`` is off, no rows are kept)
-        self._all_taken = bool(groups) and [id(g) for g in groups] == [id(g) for g in self.groups] and self._all_keep
+        self._all_taken = bool(groups) and groups == self.groups and self._all_keep  # (groups compare as objects)
 
     def root_trusted(self) -> bool:
         """Stage 3: a first backward showed no use of a root parameter outside its holders and no holder
