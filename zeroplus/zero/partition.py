@@ -274,6 +274,10 @@ class ZeroPartition:
                 self._hooks.append(unit.module.register_forward_pre_hook(eager(self._make_wait_hook(unit))))
             # and any state_dict() for all of them, even called on the model
             self._hooks.append(model.register_state_dict_pre_hook(lambda *args: self.wait_all()))
+        # after each step, root first: each unit's groups whose gather completes at once (a data-parallel group of
+        # one rank: no forward hook waits there) and those whose gathers are joined (``_push_masters``)
+        self._push_order = [([g for g in groups if g.dp.size == 1], [g for g in groups if g.dp.size > 1])
+                            for groups in [self.root.groups] + [u.groups for u in self.units[:-1]]]
         resident = all(g.resident for g in self.groups + self.frozen)  # one rank in fp32: nothing moves
         if self.stage.shards_parameters:
             scheduler = ResidentScheduler if resident else Stage3Scheduler  # (nothing moves: nothing scheduled)
@@ -373,13 +377,12 @@ class ZeroPartition:
         gathers): each unit's as one collective where the forward waits for them unit by unit
         (``defer_param_gather``), else every group's as one, which ``after_step`` waits for at once."""
         joined: Joined = {}
-        for groups in [self.root.groups] + [u.groups for u in self.units[:-1]]:
-            for g in groups:
-                if not g.master_to_params():
-                    continue
-                if g.dp.size == 1:  # (complete at once: no forward hook waits at one rank)
+        for alone, shared in self._push_order:
+            for g in alone:
+                if g.master_to_params():
                     g.gather_shard().wait()
-                elif not g.join_gather(joined):
+            for g in shared:
+                if g.master_to_params() and not g.join_gather(joined):
                     g.gathers.append(g.gather_shard())
             if self.defer_param_gather:
                 issue_joined(joined)
