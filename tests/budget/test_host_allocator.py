@@ -142,3 +142,16 @@ def test_the_matrix_corners_are_predicted_within_the_tolerance_with_glibc_as_lef
         if all(abs(e) <= TOLERANCE for e in result["errors"]):
             break
     assert all(abs(e) <= TOLERANCE for e in result["errors"]), result
+    # the ledger at the peak, which names why a cell is over the lead's target: ZeRO-3 over 2 ranks holds half the
+    # fp32 masters (4 bytes a parameter) and twice that of Adam's moments
+    params = sum(p.numel() for p in matrix.build(model, 64, "test").parameters())
+    held = result["ledger_at_peak"]
+    assert held["master"] == pytest.approx(4 * params / 2, rel=0.01), held
+    assert held["optim_state"] == 2 * held["master"], held
+    # a cell over the target (FSDP2's best set to zeroplus's own peak: 1.00x) is listed with that reason
+    key = matrix.fsdp_key(cell)
+    records = [{"engine": "zeroplus", "key": key, "cell": cell, "result": result}] + [
+        {"engine": "fsdp2", "key": matrix.fsdp_key({**cell, "allocs": a}), "cell": {**cell, "allocs": a},
+         "result": {"peak": result["peak"], "step": 1.0}} for a in ("left", "return")]
+    listed = matrix.table(records).split("cells over the target")[1]
+    assert "1.00x; model states" in listed and f"master {held['master'] / 2**20:.0f}" in listed, listed
