@@ -408,7 +408,9 @@ def test_one_rank_binding_clip_is_applied_inside_the_fused_step(stage: int, fuse
     by ``1 / coef`` in its kernel, with no pass of its own over the gradients (no ``_foreach_mul_``) and no
     ``grad_scale`` left on the optimizer; without the fused kernel the gradients are multiplied first. Either way
     the weights are the plain module's (``clip_grad_norm_`` + AdamW) within the stated tolerance (coefficients that
-    differ by an ulp: 1e-5 relative after four steps). The norm itself is ``clip_grad_norm_``'s bit for bit."""
+    differ by an ulp: 1e-5 relative after four steps). The norm itself is ``clip_grad_norm_``'s bit for bit: its
+    per-gradient norms stacked in ``model.parameters()``'s order (in another order, 16-lane AVX-512 sums differ by an
+    ulp)."""
     torch.manual_seed(0)
     net = ParityNet()
     plain = copy.deepcopy(net)

@@ -165,6 +165,9 @@ class ShardedStep:
         # one rank with nothing split over other ranks (decided here): the norm may be the plain module's (_lone_root)
         self._alone = (dp.size == 1 and self.replicas is None and self.model_parallel is None
                        and self.expert_group is None)
+        # the groups' parameters in the module's order: the stacked norms' sum depends on it (its vector width)
+        params = [p for g in partition.groups for p in g.params]
+        self._lone_order = sorted(range(len(params)), key=lambda i: partition.module_order.get(id(params[i]), i))
         # the last step's norm; until read, (the device's root of the sum of squares, what it is divided by)
         self._norm: float | tuple[torch.Tensor, float] | None = None
         offload, virtual_kernels = policy.offload, policy.virtual_kernels
@@ -295,12 +298,14 @@ class ShardedStep:
 
     def _lone_root(self, direct: dict[int, list[torch.Tensor]]) -> torch.Tensor | None:
         """One rank whose every group steps over its kept gradients, nothing split over other ranks: the global
-        norm as the plain module's ``clip_grad_norm_`` forms it (one fp32 norm per gradient, then the norm of those:
-        three kernels, where the squares summed in float64 and their root take five). None elsewhere: the squares
-        are summed over shards and ranks (``_squares``), in float64 so the sum hardly depends on the sharding."""
+        norm as the plain module's ``clip_grad_norm_`` forms it (one fp32 norm per gradient, in ``model.parameters()``'s
+        order, then the norm of those: three kernels, where the squares summed in float64 and their root take five).
+        None elsewhere: the squares are summed over shards and ranks (``_squares``), in float64 so the sum hardly
+        depends on the sharding."""
         if not self._alone or not direct or len(direct) < len(self.partition.groups):
             return None
-        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm([t for ts in direct.values() for t in ts])))
+        grads = [t for ts in direct.values() for t in ts]
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm([grads[i] for i in self._lone_order])))
 
     def _host_norm(self, root: torch.Tensor, loss_scale: float) -> float:
         """The norm read on the host from ``root``, the root of the sum of squares."""
