@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import flight_recorder, host_allocator, host_kernel_cache
+from . import flight_recorder, host_allocator, host_gemm_pool, host_kernel_cache
 
 
 class _NullStream:
@@ -123,8 +123,9 @@ class Accelerator:
         return held
 
     def release_host_memory(self) -> None:
-        """The free memory glibc holds goes back to the system, as the budget predicts (unless the process
-        keeps it: ``host_allocator.release``)."""
+        """MKL's buffer pool (a cache: ``host_gemm_pool.release``) and the free memory glibc holds go back to the
+        system, as the budget predicts (unless the process keeps it: ``host_allocator.release``)."""
+        host_gemm_pool.release()
         host_allocator.release()
 
     def reset_peak_memory_stats(self) -> None:

@@ -3,24 +3,26 @@
 On x86 CPUs torch's fp32 and fp64 matrix products (``mm``, ``addmm``, ``bmm``, ``baddbmm``, and the blocks of its CPU
 attention kernel) are MKL's. Each call packs its operands into a buffer from MKL's own memory manager, which keeps
 every buffer it allocated in a pool for later calls and returns none: a call takes a pooled buffer large enough or
-allocates one more, so the pool grows to a chain of sizes set by the order of the run's shapes and stays. A buffer is
-0.1 to 5.3 MiB by the product's shape and transposition and the CPU's kernels (measured on a 2-core AMD EPYC with
-torch 2.13's MKL, 2026-12-05: 161 KiB at a 64-wide output, growing 0.75 KiB per output column to 4.8 MiB): a GPT of
-d 768 and vocabulary 16384 ends its first step with 12.4 MiB pooled, the runtime probe's GPT ``tiny`` with under
-1 MiB. Nothing tensor-shaped shows it, and ``MKL_DISABLE_FAST_MM``, the switch that turns the pool off, is read when
-torch loads MKL, before ``import zeroplus`` can set it.
+allocates one more, so the pool grows to a chain of sizes set by the order of the run's shapes and stays. What the
+pool costs is the part of its buffers the products wrote, which depends on the CPU's kernels: on a 2-core AMD EPYC
+with torch 2.13's MKL (2026-12-05, AVX2) the buffers were 0.1 to 5.3 MiB and written whole, a GPT of d 768 and
+vocabulary 16384 ending its first step with 12.4 MiB pooled; on a 2-core Intel Xeon with AVX-512 (2026-12-07) MKL
+counted 56 MiB for eight such shapes and 1.4 MiB of it was resident. Nothing tensor-shaped shows it, and
+``MKL_DISABLE_FAST_MM``, the switch that turns the pool off, is read when torch loads MKL, before ``import zeroplus``
+can set it.
 
 So it is measured, not modeled: the memory simulation records each distinct float product it runs in the order it
 first runs them (``signature``: operation and operands' shapes, strides and dtypes), and ``pool_bytes`` empties the
-pool (``mkl_serv_free_buffers``: a cache, freed to the system), runs each of those once on empty operands of the
-same layout, and reads MKL's own count of its pool (``mkl_serv_mem_stat``). The run's products, which repeat those
-shapes in that order, find the pool as this left it: the budget adds that figure from the first forward on, less
-what the process pooled when ``initialize`` started (``held_bytes``: it is in the process's baseline and was freed
-here). ``tests/budget/test_host_gemm_pool.py`` holds that the pool after training is the figure predicted.
+pool (``release``: ``mkl_serv_free_buffers``, a cache, freed to the system), runs each of those once on empty
+operands of the same layout, and empties it again, reading how much anonymous resident memory that gave back: the
+pool's written pages. The run's products repeat those shapes in that order from an empty pool (``initialize``
+releases the process's pool before its start is measured: ``CpuAccelerator.release_host_memory``), so the budget adds
+that figure from the first forward on. ``tests/budget/test_host_gemm_pool.py`` holds that what the pool gives back
+after training is the figure predicted.
 
 Where torch carries no MKL (other CPUs, other builds), or on accelerators: 0, and nothing runs.
 Memory: a replay's operands, one product at a time, no more than that product's in the run. Time: the distinct
-products once per prediction (its further simulations of the same products find the pool as the first left it).
+products once per prediction (its further simulations of the same products read the figure kept).
 See note: mkl buffer pool.
 """
 from __future__ import annotations
@@ -43,7 +45,8 @@ POOLED = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.
                     aten._scaled_dot_product_flash_attention_for_cpu.default,
                     aten._scaled_dot_product_flash_attention_for_cpu_backward.default})
 _FLOATS = (torch.float32, torch.float64)  # MKL's sgemm and dgemm; 16-bit products are oneDNN's
-_last: list[tuple[tuple, int]] = []  # the last replay: its signatures, and what the pool held after it
+_last: list[tuple[tuple, int]] = []  # the last replay: its signatures, and the pool's resident bytes after it
+_STATUS = "/proc/self/status"
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,9 +65,34 @@ def _mkl() -> Any:
 
 
 def held_bytes() -> int:
-    """What MKL's pool holds in this process now (0 without MKL)."""
+    """What MKL's pool holds in this process now, by MKL's own count of its buffers (0 without MKL): more than
+    it costs where the products write part of each buffer (see the module's docstring)."""
     lib = _mkl()
     return 0 if lib is None else int(lib.mkl_serv_mem_stat(ctypes.byref(ctypes.c_int(0))))
+
+
+def _anonymous_resident() -> int | None:
+    """This process's resident anonymous memory (``RssAnon``), or None where ``/proc`` does not give it."""
+    try:
+        with open(_STATUS) as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def release() -> int:
+    """Empty MKL's pool (its buffers go back to the system; the products allocate again as they need) and return
+    the resident bytes that gave back: 0 without MKL; MKL's own count where ``/proc`` gives no resident figure."""
+    lib = _mkl()
+    if lib is None:
+        return 0
+    counted, before = held_bytes(), _anonymous_resident()
+    lib.mkl_serv_free_buffers()
+    after = _anonymous_resident()
+    return counted if before is None or after is None else max(0, before - after)
 
 
 def signature(func: Any, args: tuple, kwargs: dict) -> tuple | None:
@@ -86,15 +114,14 @@ def signature(func: Any, args: tuple, kwargs: dict) -> tuple | None:
 
 
 def pool_bytes(signatures: list[tuple]) -> int:
-    """What MKL's pool holds once ``signatures`` (in the order the run first calls them) have each run once from
-    an empty pool; 0 without MKL. Empties this process's pool first (its buffers go back to the system)."""
+    """The resident bytes MKL's pool holds once ``signatures`` (in the order the run first calls them) have each run
+    once from an empty pool; 0 without MKL. Empties this process's pool before and after (``release``)."""
     key = tuple(signatures)
-    lib = _mkl()
-    if lib is None or not signatures:
+    if _mkl() is None or not signatures:
         return 0
-    if _last and _last[0][0] == key and _last[0][1] == held_bytes():  # (the same prediction simulating again)
+    if _last and _last[0][0] == key:  # (the same prediction simulating again)
         return _last[0][1]
-    lib.mkl_serv_free_buffers()
+    release()
     with torch.no_grad(), _disable_current_modes():  # (no user's dispatch mode sees these: they are not the run's)
         for func, spec, keyed in signatures:
             leaves = [torch.empty_strided(leaf[1], leaf[2], dtype=leaf[3], device="cpu")
@@ -105,5 +132,5 @@ def pool_bytes(signatures: list[tuple]) -> int:
             except RuntimeError as err:  # (none known: a product the simulation ran runs here too)
                 logger.warning("memory budget: MKL's pool not measured for %s (%s); predicted without it", func, err)
             del leaves, args, kwargs
-    _last[:] = [(key, held_bytes())]
+    _last[:] = [(key, release())]
     return _last[0][1]

@@ -45,7 +45,6 @@ from .eager import compiled_modules, compiled_wrapper
 from .engine.build import build_engine
 from .engine.engine import Engine
 from .engine.rank_agreement import check_ranks_agree
-from .host_gemm_pool import held_bytes
 from .logs import log_rank0, setup_logging
 from .optim.build import describe_client_optimizer
 from .parallel.autotp import Undo
@@ -82,18 +81,17 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
         and cfg.zeroplus.parallel.pipeline == 1  # (a pipeline stage is not estimated: _estimate_source)
     # torch's code this process holds already (budget/first_use.py): read only where a budget is made
     code = code_resident() if predicts and accel.name == "cpu" else None
-    pooled = held_bytes() if predicts and accel.name == "cpu" else None  # MKL's buffer pool (host_gemm_pool.py)
     _set_up_process(cfg, accel, unimplemented)
     planned = _plans_before_groups(model, cfg)
     if planned:
-        cfg = _plan(model, cfg, DataParallelGroup(label="world"), (code, pooled))
+        cfg = _plan(model, cfg, DataParallelGroup(label="world"), code)
     try:
         parallel = init_parallel(cfg)
     except ValueError as err:
         raise ConfigError(f"config key 'zeroplus.parallel': {err}") from None
     split = split_by_plans(model, parallel, cfg.zeroplus.parallel.expert_capacity_factor)
     try:
-        return _assemble(model, cfg, parallel, accel, rss_at_start, (code, pooled), wrapper, optimizer,
+        return _assemble(model, cfg, parallel, accel, rss_at_start, code, wrapper, optimizer,
                          lr_scheduler, model_parameters, process_group, init_fn, planned)
     except ConfigError:  # refused before anything moved: the model as it was given, whole
         split.undo()
@@ -101,11 +99,11 @@ def initialize(model: torch.nn.Module, config: dict[str, Any] | str | os.PathLik
 
 
 def _assemble(model: torch.nn.Module, cfg: Any, parallel: ParallelGroups, accel: Any, rss_at_start: int,
-              held: tuple[int | None, int | None], wrapper: Any, optimizer: Any, lr_scheduler: Any,
+              code: int | None, wrapper: Any, optimizer: Any, lr_scheduler: Any,
               model_parameters: Any, process_group: Any, init_fn: Any, planned: bool = False) -> Engine:
     """``initialize`` from the parallel groups on: the batch and the planner's choices resolved, the engine built
-    and its first-forward prediction attached. ``held``: torch's code and MKL's pool this process held at the
-    start (``estimate``'s ``code`` and ``pooled``). ``planned``: the planner chose the layout before the groups
+    and its first-forward prediction attached. ``code``: torch's code this process held at the start
+    (``estimate``'s ``code``). ``planned``: the planner chose the layout before the groups
     (a tensor size among them), and the config holds its choice."""
     context = parallel.topology.context
     # ZeRO partitions and averages over data x context; a batch is split over the data ranks only
@@ -120,7 +118,7 @@ def _assemble(model: torch.nn.Module, cfg: Any, parallel: ParallelGroups, accel:
         check_ranks_agree(model, cfg, dp, parallel.topology.to_dict())
     if not planned:
         _check_budget_covers(cfg, parallel)
-        cfg = _plan(model, cfg, dp, held)
+        cfg = _plan(model, cfg, dp, code)
     pipelined = parallel.topology.pipeline > 1
     cfg = resolved(cfg, recompute_unset=recompute_unset)  # frozen from here
     parallel, dp = _groups_of_plan(cfg, parallel, dp, process_group)
@@ -131,7 +129,7 @@ def _assemble(model: torch.nn.Module, cfg: Any, parallel: ParallelGroups, accel:
                           model_parameters=model_parameters, parallel=parallel, init_fn=init_fn, compiled=compiled)
     accel.release_host_memory()  # the whole parameters ZeRO freed (see note: host allocator)
     if source is not None:
-        engine.before_first_forward(_predictor(*source, held))
+        engine.before_first_forward(_predictor(*source, code))
     if wrapper is not None:
         engine.forward_through(wrapper)
     return engine
@@ -188,7 +186,7 @@ def _check_resolved(cfg: ResolvedConfig, compiled_wrapper_given: bool, accel: An
 
 
 def _plan(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any,
-          held: tuple[int | None, int | None]) -> ZeroplusConfig:
+          code: int | None) -> ZeroplusConfig:
     """``zeroplus.memory_budget``: rank 0 of ``dp`` plans for its ranks (``zeroplus/budget/planner.py``) and every
     rank takes its choice, or raises its refusal, before anything is allocated. ``dp``: the data group, or the whole
     world where the plan chooses the tensor size too."""
@@ -202,7 +200,7 @@ def _plan(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any,
     if dp.rank == 0:
         try:
             chosen = plan(meta_copy(model), cfg, world_size=dp.size, log=lambda m: log_rank0("%s", m),
-                          code=held[0], pooled=held[1])
+                          code=code)
             outcome = (chosen.settings, chosen.reason)
         except ConfigError as err:
             outcome = str(err)
@@ -275,10 +273,10 @@ def _estimate_source(model: torch.nn.Module, cfg: ResolvedConfig, parallel: Para
         return None
 
 
-def _predictor(model: torch.nn.Module, cfg: ResolvedConfig, held: tuple[int | None, int | None]):
+def _predictor(model: torch.nn.Module, cfg: ResolvedConfig, code: int | None):
     """The first-forward hook: this rank's memory budget for inputs shaped like the first batch
-    (``zeroplus.estimate`` on the meta copy, with torch's code and MKL's pool this process held at
-    ``initialize``); rank 0 logs it. A model the estimator cannot run is trained anyway."""
+    (``zeroplus.estimate`` on the meta copy, with torch's code this process held at ``initialize``; MKL's
+    pool was released there); rank 0 logs it. A model the estimator cannot run is trained anyway."""
     def predict(engine: Engine, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         par = engine.parallel  # with tensor or expert parallelism: this rank of the whole world
         world, rank = ((par.topology.world_size, par.global_rank) if par is not None
@@ -292,7 +290,7 @@ def _predictor(model: torch.nn.Module, cfg: ResolvedConfig, held: tuple[int | No
         deciding = [t for t in left_unset(cfg) if t == RECOMPUTE or needed_only]
         try:
             budget = estimate(model, cfg, world_size=world, rank=rank, effects=True, example_inputs=args,
-                              example_kwargs=kwargs, code=held[0], pooled=held[1])
+                              example_kwargs=kwargs, code=code)
         except Exception as err:  # noqa: BLE001 - the prediction must never stop training
             logger.warning("memory estimate unavailable (%s: %s); zeroplus.memory_estimate false skips it",
                            type(err).__name__, err)

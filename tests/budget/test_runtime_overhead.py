@@ -61,9 +61,10 @@ def test_measured_once_per_compute_dtype_kept_and_read_back(suite_probe, monkeyp
     assert {"host", "python", "torch", "zeroplus", "probe"} <= set(record)
     paged_in = record["code_trained"] - record["code_built"]
     assert paged_in > 5 * 2**20, "a fresh process pages torch's training code in"
-    # a process holding that code already is predicted without it; one holding less, with what it lacks
+    # a process holding that code already is predicted without it; one holding less, with what it lacks (never below
+    # 0: on a 2-core Intel Xeon on 2026-12-07 the probe's training paged in 21.7 MiB of code and held 16.3 MiB more)
     assert runtime_bytes("cpu", code=record["code_trained"]) == (
-        max(0, construction - (record["code_constructed"] - record["code_built"])), training - paged_in)
+        max(0, construction - (record["code_constructed"] - record["code_built"])), max(0, training - paged_in))
     assert runtime_bytes("cpu", code=record["code_built"]) == (construction, training)
     assert runtime_bytes("cpu", code=0) == (construction, training)
 

@@ -24,7 +24,6 @@ from zeroplus.budget import planner
 from zeroplus.budget.first_use import code_resident
 from zeroplus.budget.planner import Settings, apply_settings, plan
 from zeroplus.config import ConfigError, parse_config
-from zeroplus.host_gemm_pool import held_bytes
 from zeroplus.models import GPT, gpt_config
 
 SEQ, MICRO, STEPS = 32, 2, 2
@@ -72,7 +71,7 @@ def _smallest(kind: str, size: int) -> int:
     """The smallest predicted peak split over ``size`` ranks on 4 (stage 1 or 3), for this process (as initialize)."""
     cfg = parse_config(_config(kind, None, stage=0))[0]
     return min(zeroplus.estimate(MODELS[kind], apply_settings(cfg, Settings(stage, None, False, False, **{kind: size})),
-                                 world_size=4, seq_len=SEQ, code=code_resident(), pooled=held_bytes()).peak_bytes
+                                 world_size=4, seq_len=SEQ, code=code_resident()).peak_bytes
                for stage in (1, 3))
 
 

@@ -61,11 +61,12 @@ def _job(path: str) -> dict[str, dict]:
 
 
 def assert_mics_is_flat(run: dict, flat: dict, where: str) -> None:
-    """MiCS over 2 in 2 replicas: flat ZeRO's losses and norms within 1e-6, its weights within lr / 10 (Adam turns a
-    gradient that is rounding noise into a step of up to lr)."""
+    """MiCS over 2 in 2 replicas: flat ZeRO's losses and norms within 5e-6, its weights within lr / 10 (Adam turns a
+    gradient that is rounding noise into a step of up to lr; a loss after one step read 1.2e-6 apart on a 2-core
+    Intel Xeon, whose AVX-512 sums round otherwise than AVX2's, on 2026-12-07, and under 1e-6 on an AMD EPYC)."""
     assert run["topology"].shard == 2 and run["topology"].replicas == 2 and run["shards"] == {2}, where
-    assert run["losses"] == pytest.approx(flat["losses"], rel=1e-6), where
-    assert run["norms"] == pytest.approx(flat["norms"], rel=1e-6), where
+    assert run["losses"] == pytest.approx(flat["losses"], rel=5e-6), where
+    assert run["norms"] == pytest.approx(flat["norms"], rel=5e-6), where
     for name, value in flat["params"].items():
         torch.testing.assert_close(run["params"][name], value, rtol=1e-4, atol=LR / 10,
                                    msg=lambda m, n=name: f"{where} {n}: {m}")

@@ -195,7 +195,7 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
              example_inputs: tuple[Any, ...] | None = None, example_kwargs: dict[str, Any] | None = None,
              loss_fn: Callable[[Any], torch.Tensor] = default_loss, accelerator: str | None = None,
              effects: bool = False, construction: str = "whole", code: int | None = None,
-             pooled: int | None = None, capacity: int | None = None) -> MemoryBudget:
+             capacity: int | None = None) -> MemoryBudget:
     """Predict rank ``rank``'s memory for training ``model`` with ``config`` on ``world_size`` ranks.
 
     ``model``: a module (copied to the meta device; its own memory is untouched) or a function of
@@ -213,8 +213,6 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     ``"meta"`` (built on the meta device): the init phase's peak differs (``simulate.py``).
     ``code``: how much of torch's code the process that will train already holds
     (``first_use.code_resident``, read by ``initialize``); None for a fresh process (``runtime_overhead.py``).
-    ``pooled``: what MKL's buffer pool held in that process then (``host_gemm_pool.held_bytes``); None: a fresh
-    process.
     Resize recompute left unset (on by default) is simulated without it first, and with it only where what that run
     holds for backward at its peak could make 1% of the steps' peak (``steps_peak_bytes``); where it takes under 1%
     off, the budget returned is the run without it (``stood_down`` names at most what it would take off), which is
@@ -226,7 +224,7 @@ def estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dic
     note: techniques by default).
     """
     common: dict[str, Any] = dict(world_size=world_size, rank=rank, micro_batch_size=micro_batch_size, seq_len=seq_len,
-                                  loss_fn=loss_fn, accelerator=accelerator, code=code, pooled=pooled)
+                                  loss_fn=loss_fn, accelerator=accelerator, code=code)
     examples = _meta(example_inputs) if example_inputs is not None else None  # shapes only: no batch kept
     kw_examples = _meta(example_kwargs) if example_kwargs is not None else None
     runs_without: dict[tuple[str, ...], MemoryBudget] = {}  # (the defaults' decisions and the effects share them)
@@ -352,8 +350,7 @@ def _estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: di
               *, world_size: int, rank: int, micro_batch_size: int | None, seq_len: int | None,
               example_inputs: tuple[Any, ...] | None, example_kwargs: dict[str, Any] | None,
               loss_fn: Callable[[Any], torch.Tensor], accelerator: str | None,
-              construction: str = "whole", code: int | None = None,
-              pooled: int | None = None) -> tuple[MemoryBudget, Any]:
+              construction: str = "whole", code: int | None = None) -> tuple[MemoryBudget, Any]:
     """One simulation's budget, and the config as the simulated engine resolved it."""
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -370,8 +367,8 @@ def _estimate(model: torch.nn.Module | Callable[[], torch.nn.Module], config: di
                             workspace=cpu_workspace_bytes if kind == "cpu" else None,
                             runtime=(construction_runtime, training_runtime),
                             routed_kernels=kernel_cache_bytes(kind, dtype), construction=construction)
-    # MKL's pool, from the first forward on (host_gemm_pool): what the process pooled at initialize is its baseline
-    pool = max(0, pool_bytes(list(tracker.host_products)) - (pooled or 0)) if kind == "cpu" else 0
+    # MKL's pool, from the first forward on (host_gemm_pool): initialize released the process's own before its start
+    pool = pool_bytes(list(tracker.host_products)) if kind == "cpu" else 0
     phases = {}
     for phase in PHASES:
         peak = tracker.peaks[phase]

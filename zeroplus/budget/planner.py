@@ -429,10 +429,10 @@ def cost(cfg: ZeroplusConfig, s: Settings, params: int, world_size: int,
 def plan(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dict[str, Any] | str | ZeroplusConfig, *,
          world_size: int, budget: str | int | None = None, rank: int = 0, micro_batch_size: int | None = None,
          seq_len: int | None = None, example_inputs: tuple[Any, ...] | None = None,
-         log: Callable[[str], None] | None = None, code: int | None = None, pooled: int | None = None) -> Plan:
+         log: Callable[[str], None] | None = None, code: int | None = None) -> Plan:
     """The cheapest candidate whose predicted peak fits ``budget`` (default: the config's
     ``zeroplus.memory_budget``); ``ConfigError`` naming the smallest budget that fits if none does.
-    ``code``, ``pooled``: as ``estimate`` takes them (``initialize`` plans for its own process)."""
+    ``code``: as ``estimate`` takes it (``initialize`` plans for its own process)."""
     cfg = load_config(config)
     raw = budget if budget is not None else cfg.zeroplus.memory_budget
     if raw is None:
@@ -457,7 +457,7 @@ def plan(model: torch.nn.Module | Callable[[], torch.nn.Module], config: dict[st
     def predict(s: Settings) -> MemoryBudget:
         return estimate(model, apply_settings(cfg, s), world_size=world_size, rank=rank,
                         micro_batch_size=micro_batch_size, seq_len=seq_len, example_inputs=example_inputs,
-                        code=code, pooled=pooled)
+                        code=code)
 
     # (MiCS keeps model states over a node's ranks only, hpZ a copy of the blocks: the frugal choice is neither.) With
     # several (tensor, expert) sizes, each one's frugal choice: a wider split need not hold less (a vocabulary's

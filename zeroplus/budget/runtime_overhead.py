@@ -88,9 +88,10 @@ DTYPES = ("fp32", "bf16", "fp16")  # compute dtypes, each probed apart
 # profiler; 12: its engine simulates once where resize recompute cannot pay, and one more simulation's residue is
 # measured; 13: glibc's thresholds at 32 KiB, not 128; 14: what full kernel caches hold, measured; 15: its training
 # figure without MKL's buffer pool, which a run's own prediction measures for its shapes; 16: torch's flight recorder
-# off in its ranks, as zeroplus sets it on CPU; 17: the code an fp8 and an mxfp8 optimizer step page in): a kept result
+# off in its ranks, as zeroplus sets it on CPU; 17: the code an fp8 and an mxfp8 optimizer step page in; 18: MKL's
+# pool taken off as the resident bytes it gives back, not MKL's count of its buffers): a kept result
 # from an earlier meaning is probed again, whatever the package version
-PROBE_VERSION = "17"
+PROBE_VERSION = "18"
 # a launcher's variables would make the probe's engine join the caller's job
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
