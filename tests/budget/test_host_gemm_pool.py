@@ -6,7 +6,8 @@ products wrote (all of it on an AMD EPYC with AVX2, about a fortieth on an Intel
 releases the process's pool before its start; the budget runs the simulation's distinct products once, in the order
 the run first calls them, from an empty pool, and adds the resident bytes that pool gave back when emptied, from the
 first forward on. The run then grows the pool as the replay did: after training, emptying it gives back exactly the
-bytes predicted, neither more (a product the replay missed, or shapes in another order) nor fewer.
+bytes predicted within the spread of one figure between processes (``tests/same_budget.py``), neither more (a
+product the replay missed, or shapes in another order) nor fewer.
 
 One rank in its own process: a GPT written with its own module classes at ZeRO-3 and the built-in GPT (``torch.nn``
 classes) at ZeRO-1, then the first again in the same process, whose pool holds the second's buffers when it starts.
@@ -19,6 +20,7 @@ import torch
 import zeroplus
 from tests.dist_helper import run_distributed
 from tests.models import PlainGPT
+from tests.same_budget import POOL_SPREAD
 from zeroplus.host_gemm_pool import _mkl, held_bytes, release
 from zeroplus.models import GPT, gpt_config
 
@@ -50,15 +52,13 @@ def _runs() -> dict[str, tuple[int, int, int | None]]:
     return {"own": _train("own", 3), "nn": _train("nn", 1, empty_after=False), "own again": _train("own", 3)}
 
 
-# what emptying the pool gives back differs from the replay's by a few pages that other allocations move (one page to
-# 17 here, 2026-12-07): the run's pool within 32 pages of the figure predicted
-PAGES = 32 * 4096
 
 
 def test_the_pool_after_training_is_the_pool_predicted():
     runs = run_distributed(_runs, 1)[0]
     start, predicted, after = runs["own"]
-    assert start == 0 and predicted > 0 and abs(after - predicted) <= PAGES, runs  # a fresh process
+    assert start == 0 and predicted > 0 and abs(after - predicted) <= POOL_SPREAD, runs  # a fresh process
     assert runs["nn"][0] == 0 and runs["nn"][1] > 0, runs
     start, predicted, after = runs["own again"]  # the nn GPT's buffers pooled: released at initialize, not counted
-    assert start > 0 and abs(predicted - runs["own"][1]) <= PAGES and abs(after - predicted) <= PAGES, runs
+    assert start > 0 and abs(predicted - runs["own"][1]) <= POOL_SPREAD, runs
+    assert abs(after - predicted) <= POOL_SPREAD, runs
