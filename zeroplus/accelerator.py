@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from . import flight_recorder, host_allocator, host_gemm_pool, host_kernel_cache
+from .proc_status import status_bytes
 
 
 class _NullStream:
@@ -214,22 +215,13 @@ class NpuAccelerator(_StreamAccelerator):
         self.module = torch.npu  # type: ignore[attr-defined]
 
 
-def _read_status_kib(field: str) -> int | None:
-    with contextlib.suppress(OSError):
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    return None
-
-
 def _peak_rss_bytes() -> int:
-    value = _read_status_kib("VmHWM")
+    value = status_bytes("VmHWM")
     return value if value is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _current_rss_bytes() -> int:
-    value = _read_status_kib("VmRSS")
+    value = status_bytes("VmRSS")
     return value if value is not None else _peak_rss_bytes()
 
 

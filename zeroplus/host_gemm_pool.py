@@ -37,6 +37,8 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .proc_status import status_bytes
+
 logger = logging.getLogger("zeroplus")
 
 aten = torch.ops.aten
@@ -46,7 +48,6 @@ POOLED = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.
                     aten._scaled_dot_product_flash_attention_for_cpu_backward.default})
 _FLOATS = (torch.float32, torch.float64)  # MKL's sgemm and dgemm; 16-bit products are oneDNN's
 _last: list[tuple[tuple, int]] = []  # the last replay: its signatures, and the pool's resident bytes after it
-_STATUS = "/proc/self/status"
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,27 +72,15 @@ def held_bytes() -> int:
     return 0 if lib is None else int(lib.mkl_serv_mem_stat(ctypes.byref(ctypes.c_int(0))))
 
 
-def _anonymous_resident() -> int | None:
-    """This process's resident anonymous memory (``RssAnon``), or None where ``/proc`` does not give it."""
-    try:
-        with open(_STATUS) as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def release() -> int:
     """Empty MKL's pool (its buffers go back to the system; the products allocate again as they need) and return
     the resident bytes that gave back: 0 without MKL; MKL's own count where ``/proc`` gives no resident figure."""
     lib = _mkl()
     if lib is None:
         return 0
-    counted, before = held_bytes(), _anonymous_resident()
+    counted, before = held_bytes(), status_bytes("RssAnon")
     lib.mkl_serv_free_buffers()
-    after = _anonymous_resident()
+    after = status_bytes("RssAnon")
     return counted if before is None or after is None else max(0, before - after)
 
 
