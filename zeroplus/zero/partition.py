@@ -162,8 +162,6 @@ class ZeroPartition:
         (``grad_reducer.py``). ``rows``: whether embeddings send their gradients as rows (``use_grads.py``), read at
         each forward; None: always."""
         _refuse_partitioned(model, dp.rank)
-        # each parameter's place in model.parameters(): the order a plain clip_grad_norm_ sums its norms in
-        self.module_order = {id(p): i for i, p in enumerate(model.parameters())}
         self.defer_param_gather = defer_param_gather
         self.stage = ZeroStage(zero.stage)
         self.dp = dp

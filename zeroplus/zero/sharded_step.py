@@ -165,9 +165,13 @@ class ShardedStep:
         # one rank with nothing split over other ranks (decided here): the norm may be the plain module's (_lone_root)
         self._alone = (dp.size == 1 and self.replicas is None and self.model_parallel is None
                        and self.expert_group is None)
-        # the groups' parameters in the module's order: the stacked norms' sum depends on it (its vector width)
-        params = [p for g in partition.groups for p in g.params]
-        self._lone_order = sorted(range(len(params)), key=lambda i: partition.module_order.get(id(params[i]), i))
+        # there, the groups' parameters in the model's (the root unit's module) order, as a plain clip_grad_norm_ over
+        # model.parameters() stacks their norms: the stacked norms' sum depends on it (its vector width)
+        self._lone_order: list[int] = []
+        if self._alone:
+            place = {id(p): i for i, p in enumerate(partition.root.module.parameters())}
+            params = [p for g in partition.groups for p in g.params]
+            self._lone_order = sorted(range(len(params)), key=lambda i: place.get(id(params[i]), i))
         # the last step's norm; until read, (the device's root of the sum of squares, what it is divided by)
         self._norm: float | tuple[torch.Tensor, float] | None = None
         offload, virtual_kernels = policy.offload, policy.virtual_kernels
