@@ -19,6 +19,7 @@ import datetime
 import io
 import os
 import queue
+import random
 import socket
 import time
 import traceback
@@ -34,8 +35,47 @@ def rank_and_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+_PORTS = (10000, 30000)  # a band a test's store listens in, kept below the ephemeral range when the host allows
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port nothing listens on, outside the range the kernel hands out for outgoing connections.
+
+    Asking the kernel for a free port (bind to 0) returns one from its ephemeral range; between that
+    check and the store's listen, a gloo connection of a rank of another test (another xdist worker)
+    can be given the same port as its local end, and the store fails with EADDRINUSE (seen once in a
+    full suite). Ports outside that range are never given to a connection; each xdist worker draws from
+    its own residue class, so two workers never pick the same one.
+    """
+    low, high = _PORTS
+    eph_low, eph_high = _ephemeral_range()
+    if not (high <= eph_low or low > eph_high):
+        low, high = (1024, eph_low) if eph_low - 1024 >= 2000 else (eph_high + 1, 65536)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(200):
+        port = rng.randrange(low, high)
+        port -= (port - index) % max(count, 1)
+        if port < low:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the band is full: the kernel's choice, as before
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -69,9 +69,14 @@ def _outcome(engine: Any) -> dict:
 
 
 def _plan_and_train_job(config: Callable[..., dict] = _config, micro: int = 2, steps: int = 3) -> dict:
-    """A budget halfway between the predicted peaks of stages 0 and 1; ``initialize`` plans within it."""
+    """A budget halfway between the predicted peaks of stages 0 and 1; ``initialize`` plans within it. Rank 0's
+    estimates give every rank the budget: the estimate measures MKL's pool in its own process (note: mkl buffer
+    pool), so two ranks' figures may differ by some KiB, and ranks given different configs are refused."""
     rank, world = rank_and_world()
-    stage0, stage1 = (_peak(Settings(s, None, False, False), world, config) for s in (0, 1))
+    box = [tuple(_peak(Settings(s, None, False, False), world, config) for s in (0, 1)) if rank == 0 else None]
+    if world > 1:
+        dist.broadcast_object_list(box, src=0)
+    stage0, stage1 = box[0]
     budget = (stage0 + stage1) // 2
     engine = _train(config(budget), micro, steps)
     return {"budget": budget, "stage0": stage0, "stage1": stage1, **_outcome(engine)}
