@@ -36,6 +36,7 @@ from tests.cli_run import run_cli
 from tests.dist_helper import rank_and_world, run_distributed
 from tests.new_storage import NewStorageBytes
 from tests.saved_bytes import saved_in_real_step
+from zeroplus import meta_values
 from zeroplus.budget.command import _builder, ranks_needed
 from zeroplus.budget.planner import plan
 from zeroplus.ledger import Category
@@ -230,6 +231,23 @@ def test_an_op_whose_result_is_its_inputs_storage_gives_it_again_when_remembered
         viewed = values(torch.ops.aten._unsafe_view.default, (product, [2, 4, 6]), {})
         assert viewed.untyped_storage()._cdata == product.untyped_storage()._cdata
         assert product.untyped_storage()._cdata not in (a.untyped_storage()._cdata, b.untyped_storage()._cdata)
+
+
+def test_a_later_simulation_runs_no_kernel_an_earlier_one_ran_and_predicts_the_same():
+    """The result shapes a meta kernel gave are remembered for the process (``meta_values._SHAPES``), not for one
+    simulation: the estimate's second run (without a technique), the planner's runs and a later engine's prediction
+    run none of the kernels an earlier one ran. Held by counting kernels run for keys not yet remembered, and by the
+    second estimate of the same model equal to the first in every category and phase."""
+    meta_values._SHAPES.clear()  # (an earlier test of this process may have run this product)
+    a, b = torch.empty(8, 5, device="meta"), torch.empty(5, 7, device="meta")
+    first, second = MetaValues(), MetaValues()
+    made = first(torch.ops.aten.mm.default, (a, b), {})
+    again = second(torch.ops.aten.mm.default, (a, b), {})
+    assert first.ran == 1 and second.ran == 0
+    assert again.shape == made.shape == (8, 7) and again.untyped_storage()._cdata != made.untyped_storage()._cdata
+    budgets = [zeroplus.estimate(lambda: GPT(gpt_config("tiny")), _config(3, "fp32"), world_size=2, seq_len=16)
+               for _ in range(2)]
+    assert budgets[0].to_dict() == budgets[1].to_dict()
 
 
 def test_command_line_prints_the_full_budget(tmp_path, capsys):
