@@ -13,7 +13,6 @@ See note: first forward (docs/design-notes.md).
 """
 from __future__ import annotations
 
-import gc
 import logging
 import os
 from typing import Any, Callable, Iterable, cast
@@ -44,6 +43,7 @@ from .cpu_precision import warn_if_bf16_is_emulated
 from .eager import compiled_modules, compiled_wrapper
 from .engine.build import build_engine
 from .engine.engine import Engine
+from .engine.lifecycle import collecting_what_it_leaves
 from .engine.rank_agreement import check_ranks_agree
 from .logs import log_rank0, setup_logging
 from .optim.build import describe_client_optimizer
@@ -198,13 +198,13 @@ def _plan(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any,
                           f"'zeroplus.memory_budget': set it (e.g. '16GB') or give those keys values")
     outcome: Any = None
     if dp.rank == 0:
-        try:
-            chosen = plan(meta_copy(model), cfg, world_size=dp.size, log=lambda m: log_rank0("%s", m),
-                          code=code)
-            outcome = (chosen.settings, chosen.reason)
-        except ConfigError as err:
-            outcome = str(err)
-        gc.collect()  # the simulations' reference cycles (see note: runtime overhead)
+        with collecting_what_it_leaves():  # the simulations' reference cycles
+            try:
+                chosen = plan(meta_copy(model), cfg, world_size=dp.size, log=lambda m: log_rank0("%s", m),
+                              code=code)
+                outcome = (chosen.settings, chosen.reason)
+            except ConfigError as err:
+                outcome = str(err)
     outcome = dp.broadcast_object(outcome)
     if isinstance(outcome, str):
         raise ConfigError(outcome)
@@ -288,14 +288,14 @@ def _predictor(model: torch.nn.Module, cfg: ResolvedConfig, code: int | None):
         # rule is "where needed" the lean loss too (see note: techniques by default)
         needed_only = default_policy(cfg, get_accelerator().name) == "where_needed"
         deciding = [t for t in left_unset(cfg) if t == RECOMPUTE or needed_only]
-        try:
-            budget = estimate(model, cfg, world_size=world, rank=rank, effects=True, example_inputs=args,
-                              example_kwargs=kwargs, code=code)
-        except Exception as err:  # noqa: BLE001 - the prediction must never stop training
-            logger.warning("memory estimate unavailable (%s: %s); zeroplus.memory_estimate false skips it",
-                           type(err).__name__, err)
-            budget = None
-        gc.collect()  # the simulation's reference cycles, freed before the real forward (see note: runtime overhead)
+        with collecting_what_it_leaves():  # the simulation's reference cycles, freed before the real forward
+            try:
+                budget = estimate(model, cfg, world_size=world, rank=rank, effects=True, example_inputs=args,
+                                  example_kwargs=kwargs, code=code)
+            except Exception as err:  # noqa: BLE001 - the prediction must never stop training
+                logger.warning("memory estimate unavailable (%s: %s); zeroplus.memory_estimate false skips it",
+                               type(err).__name__, err)
+                budget = None
         if deciding:  # see notes: recompute where it pays, techniques by default
             _stand_down(engine, budget, deciding)
         if budget is None:
