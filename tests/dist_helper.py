@@ -64,7 +64,7 @@ def free_port() -> int:
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     index = int(worker[2:]) if worker[2:].isdigit() else 0
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
-    for _ in range(200):
+    for _ in range(200 if high - low >= 2 * max(count, 1) else 0):  # (no band outside the range: the kernel's)
         port = rng.randrange(low, high)
         port -= (port - index) % max(count, 1)
         if port < low:
