@@ -214,7 +214,6 @@ class MetaValues:
     def __init__(self) -> None:
         self.routed = 0
         self.ran = 0  # kernels run for a key not remembered yet (what the process-wide memory spares)
-        self._shapes = _SHAPES
 
     def __call__(self, func: Any, args: tuple, kwargs: dict) -> Any:
         tensors = _tensor_args(args, kwargs)
@@ -223,29 +222,29 @@ class MetaValues:
             return func(*args, **kwargs)  # nothing simulated (a real CPU tensor, e.g. the estimate's own)
         if metas and func not in _SPECIAL and not any(hasattr(t, SHADOW) for t in metas):
             inplace = _pointwise_inplace(func)
-            key = (func, _key(args), _key(kwargs)) if inplace or _fresh(func) else None  # (None in it: not kept)
-            if key is not None and None not in key:
-                shapes = self._shapes.get(key)
-                if shapes is not None and inplace:  # (checked once for these shapes: the write is its own result)
-                    return args[0]
-                if shapes is not None:
-                    made = [torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-                            for shape, stride, dtype in shapes]
-                    return made[0] if len(made) == 1 else tuple(made)
+            key = (func, _key(args), _key(kwargs)) if inplace or _fresh(func) else None
+            key = None if key is not None and None in key else key  # (an argument not plain: not kept)
+            shapes = _SHAPES.get(key) if key is not None else None
+            if shapes is not None and inplace:  # (checked once for these shapes: the write is its own result)
+                return args[0]
+            if shapes is not None:
+                made = [torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+                        for shape, stride, dtype in shapes]
+                return made[0] if len(made) == 1 else tuple(made)
             try:  # the common case: values unknown, and none to keep or drop
                 out = func(*args, **kwargs)
             except (NotImplementedError, RuntimeError) as err:
                 raise _cannot_run(func, err) from None
-            self.ran += key is not None and None not in key
-            if key is not None and None not in key and len(self._shapes) >= SHAPES_KEPT:
-                self._shapes.clear()
-            if key is not None and None not in key and inplace:
-                self._shapes[key] = []
-            elif key is not None and None not in key:
+            if key is not None:
+                self.ran += 1
+                if len(_SHAPES) >= SHAPES_KEPT:
+                    _SHAPES.clear()
                 results = out if isinstance(out, tuple) else (out,)
-                if all(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in results) and _plain(results,
-                                                                                                        metas):
-                    self._shapes[key] = [(tuple(t.shape), t.stride(), t.dtype) for t in results]
+                metas_only = all(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in results)
+                if inplace:
+                    _SHAPES[key] = []
+                elif metas_only and _plain(results, metas):
+                    _SHAPES[key] = [(tuple(t.shape), t.stride(), t.dtype) for t in results]
             return out
         if func in _UNDEFINED:
             return func(*args, **kwargs)
