@@ -35,6 +35,16 @@ def rank_and_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
+def rank0_value(make: Callable[[], Any]) -> Any:
+    """``make()`` on rank 0, given to every rank (``make`` itself where no process group exists): for a figure a
+    rank measures in its own process, as a budget from ``zeroplus.estimate``, that all ranks must agree on."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return make()
+    box = [make() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def _ephemeral_range() -> tuple[int, int]:
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
@@ -61,12 +71,13 @@ def free_port() -> int:
     if not (high <= eph_low or low > eph_high):
         low, high = (1024, eph_low) if eph_low - 1024 >= 2000 else (eph_high + 1, 65536)
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     index = int(worker[2:]) if worker[2:].isdigit() else 0
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
-    for _ in range(200 if high - low >= 2 * max(count, 1) else 0):  # (no band outside the range: the kernel's)
+    tries = 200 if high - low >= 2 * workers else 0  # (no band outside the range: the kernel's choice below)
+    for _ in range(tries):
         port = rng.randrange(low, high)
-        port -= (port - index) % max(count, 1)
+        port -= (port - index) % workers
         if port < low:
             continue
         with socket.socket() as s:

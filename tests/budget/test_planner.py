@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import zeroplus
 from tests.cli_run import run_cli
-from tests.dist_helper import rank_and_world, run_distributed
+from tests.dist_helper import rank0_value, rank_and_world, run_distributed
 from zeroplus.budget.planner import Settings, apply_settings, links, plan
 from zeroplus.budget.runtime_overhead import ALLOCATOR_ENV
 from zeroplus.config import ConfigError, parse_bytes, parse_config
@@ -72,11 +72,8 @@ def _plan_and_train_job(config: Callable[..., dict] = _config, micro: int = 2, s
     """A budget halfway between the predicted peaks of stages 0 and 1; ``initialize`` plans within it. Rank 0's
     estimates give every rank the budget: the estimate measures MKL's pool in its own process (note: mkl buffer
     pool), so two ranks' figures may differ by some KiB, and ranks given different configs are refused."""
-    rank, world = rank_and_world()
-    box = [tuple(_peak(Settings(s, None, False, False), world, config) for s in (0, 1)) if rank == 0 else None]
-    if world > 1:
-        dist.broadcast_object_list(box, src=0)
-    stage0, stage1 = box[0]
+    _, world = rank_and_world()
+    stage0, stage1 = rank0_value(lambda: tuple(_peak(Settings(s, None, False, False), world, config) for s in (0, 1)))
     budget = (stage0 + stage1) // 2
     engine = _train(config(budget), micro, steps)
     return {"budget": budget, "stage0": stage0, "stage1": stage1, **_outcome(engine)}

@@ -19,7 +19,7 @@ import torch
 import transformers
 
 import zeroplus
-from tests.dist_helper import rank_and_world, run_distributed
+from tests.dist_helper import rank0_value, rank_and_world, run_distributed
 from zeroplus.budget import planner
 from zeroplus.budget.first_use import code_resident
 from zeroplus.budget.planner import Settings, apply_settings, plan
@@ -83,9 +83,7 @@ def _split_of(engine: zeroplus.Engine, kind: str) -> int:
 
 def _planned_job(kind: str) -> dict:
     rank, _ = rank_and_world()
-    box = [(_smallest(kind, 1), _smallest(kind, 2)) if rank == 0 else None]
-    torch.distributed.broadcast_object_list(box, src=0)
-    whole, halves = box[0]
+    whole, halves = rank0_value(lambda: (_smallest(kind, 1), _smallest(kind, 2)))
     budget = (whole + halves) // 2
     engine = zeroplus.initialize(MODELS[kind](), _config(kind, budget))
     top = engine.parallel.topology
