@@ -7,17 +7,26 @@ every parameter's and buffer's name, shape, dtype and trainability, the topology
 exchange the 32-byte digests: one small all-gather when all agree. When they do not, they exchange the
 descriptions themselves and every rank raises the same ``ConfigError`` naming the first difference
 and the ranks that differ.
+
+``zeroplus.memory_budget`` must be set on every rank or on none, but its value may differ: a budget made per rank
+(from ``zeroplus.estimate``, or a machine's memory) differs between ranks by the bytes each process measured, and
+heterogeneous hosts differ by more. Every rank then trains in the smallest (``agree_on_budget``), which holds on
+each rank; the ranks' values are logged, as a warning where they differ by over 1%. See note: budget per rank
+(docs/design-notes.md).
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
+import logging
 from typing import Any
 
 import torch
 
 from zeroplus.collectives import Collectives
-from zeroplus.config import ConfigError, ZeroplusConfig
+from zeroplus.config import ConfigError, ZeroplusConfig, parse_bytes
+from zeroplus.logs import log_rank0
 
 from .embedding_tables import table_buffer_names
 
@@ -36,6 +45,9 @@ def describe_rank(model: torch.nn.Module, cfg: ZeroplusConfig, topology: dict[st
             holder = holder.get(block) if isinstance(holder, dict) else None
         if isinstance(holder, dict):
             holder.pop(leaf, None)
+    ours = config.get("zeroplus")
+    if isinstance(ours, dict) and ours.get("memory_budget") is not None:
+        ours["memory_budget"] = "set"  # its value may differ (agree_on_budget)
     return {"config": config, "topology": topology,
             "parameters": [[n, list(p.shape), str(p.dtype).replace("torch.", ""), p.requires_grad]
                            for n, p in model.named_parameters()],
@@ -82,3 +94,20 @@ def check_ranks_agree(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Collectiv
                       f"and rank{'s' if len(odd) > 1 else ''} {', '.join(map(str, odd))} differ; the first difference "
                       f"(rank 0 vs rank {odd[0]}): {difference}. Every rank must pass the same config and the same "
                       f"model")
+
+
+def agree_on_budget(cfg: ZeroplusConfig, dp: Collectives) -> ZeroplusConfig:
+    """``cfg`` with the smallest ``zeroplus.memory_budget`` of the ranks of ``dp`` (all of which set one): a budget
+    that holds on every rank. ``cfg`` itself where they all gave the same bytes."""
+    assert cfg.zeroplus.memory_budget is not None
+    mine = parse_bytes(cfg.zeroplus.memory_budget)
+    budgets = [int(b) for b in dp.all_gather_objects(mine)]
+    least, most = min(budgets), max(budgets)
+    if least == most:
+        return cfg
+    level = logging.WARNING if most > least * 1.01 else logging.INFO
+    log_rank0("config key 'zeroplus.memory_budget' differs between ranks (%s bytes, rank by rank): every rank "
+              "plans and trains in the smallest, %d", ", ".join(map(str, budgets)), least, level=level)
+    out = copy.deepcopy(cfg)
+    out.zeroplus.memory_budget = least
+    return out

@@ -37,7 +37,7 @@ def rank_and_world() -> tuple[int, int]:
 
 def rank0_value(make: Callable[[], Any]) -> Any:
     """``make()`` on rank 0, given to every rank (``make`` itself where no process group exists): for a figure a
-    rank measures in its own process, as a budget from ``zeroplus.estimate``, that all ranks must agree on."""
+    rank measures in its own process, as a budget from ``zeroplus.estimate``, that a test holds every rank to."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return make()
     box = [make() if dist.get_rank() == 0 else None]

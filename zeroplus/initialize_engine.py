@@ -44,7 +44,7 @@ from .eager import compiled_modules, compiled_wrapper
 from .engine.build import build_engine
 from .engine.engine import Engine
 from .engine.lifecycle import collecting_what_it_leaves
-from .engine.rank_agreement import check_ranks_agree
+from .engine.rank_agreement import agree_on_budget, check_ranks_agree
 from .logs import log_rank0, setup_logging
 from .optim.build import describe_client_optimizer
 from .parallel.autotp import Undo
@@ -196,6 +196,8 @@ def _plan(model: torch.nn.Module, cfg: ZeroplusConfig, dp: Any,
     if autos and cfg.zeroplus.memory_budget is None:
         raise ConfigError(f"config keys {autos} are 'auto', which the planner resolves within config key "
                           f"'zeroplus.memory_budget': set it (e.g. '16GB') or give those keys values")
+    if cfg.zeroplus.memory_budget is not None and dp.size > 1:
+        cfg = agree_on_budget(cfg, dp)  # the smallest of the ranks' budgets holds on every rank
     outcome: Any = None
     if dp.rank == 0:
         with collecting_what_it_leaves():  # the simulations' reference cycles

@@ -1,9 +1,9 @@
 """No silent hangs: ranks that disagree fail at ``initialize``; a stalled rank ends the others in time.
 
 - Disagreement (2 ranks, one spawn): rank 1 given another ZeRO stage, another accumulation, a model
-  with a block fewer, a tensor of another size, or another dtype: every rank raises the same
-  ``ConfigError`` at ``initialize`` naming the first difference (before, each hung or was filled in
-  silently by the initial broadcast).
+  with a block fewer, a tensor of another size, another dtype, or a memory budget where rank 0 has none:
+  every rank raises the same ``ConfigError`` at ``initialize`` naming the first difference (before, each
+  hung or was filled in silently by the initial broadcast).
 - A stall (zeroplus creates the process group from the launcher's environment, with
   ``zeroplus.collective_timeout`` 3 s): rank 1 stalls before its backward until rank 0 has ended (8 s at
   most); rank 0 raises a ``CollectiveError`` within the timeout plus the roll call, naming the collective
@@ -43,12 +43,20 @@ def _wider() -> ParityNet:
     return model
 
 
+def _budgeted() -> dict:
+    config = _config()
+    config["zeroplus"].update(memory_budget="8GB", seq_len=8)
+    return config
+
+
 CASES = {  # name: (what rank 1 gets, the difference named)
     "stage": (lambda: (ParityNet(), _config(stage=3)), "zero_optimization.stage: 2 vs 3"),
     "accumulation": (lambda: (ParityNet(), _config(gas=2)), "gradient_accumulation_steps: 1 vs 2"),
     "blocks": (lambda: (ParityNet(n_blocks=2), _config()), "parameters: "),
     "shape": (lambda: (_wider(), _config()), "out_bias', [37], 'float32', True] vs ['out_bias', [40]"),
     "dtype": (lambda: (ParityNet().double(), _config()), "[37], 'float32', True] vs ['out_bias', [37], 'float64'"),
+    # a budget's value may differ between ranks (each trains in the smallest), its presence may not
+    "budget": (lambda: (ParityNet(), _budgeted()), "zeroplus.memory_budget: None vs 'set'"),
 }
 
 

@@ -455,7 +455,8 @@ class ZeroplusBlock(Block):
     memory_budget: str | int | None = Field(
         None, description="Bytes per rank ('16GB', '16GiB' or a number): initialize refuses a config predicted to "
                           "exceed it, and resolves 'auto' in zero_optimization.stage, offload_optimizer.ratio, "
-                          "shared_master_weights and resize_recompute.enabled to the cheapest choice that fits.")
+                          "shared_master_weights and resize_recompute.enabled to the cheapest choice that fits. Set on "
+                          "every rank or none; where the ranks' values differ, each trains in the smallest.")
     seq_len: PositiveInt | None = Field(
         None, description="Tokens per sequence the memory budget is planned for (the planner runs before any input).")
     memory_estimate: bool = Field(
