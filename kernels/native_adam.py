@@ -12,11 +12,11 @@ a time (its scales, its stochastic draw, the second moment's correctly rounded r
 ``load(directory)`` compiles the source once per machine into ``directory`` (named by a hash of the source, the
 compiler's version and the host's CPU; ``-march=native``, ``-ffp-contract=off``) and then checks the kernel
 against torch's ``_fused_adam_`` and ``_fused_adamw_`` on random values, bit for bit (decay on and off, Adam and
-AdamW, ``maximize``, a ``grad_scale``, both bf16 roundings against their torch twins, fp16, fp8 per 128 with fp32 scales
-and mxfp8 per 32 with e8m0 scales through the codec, both roundings, and blocks whose largest value is 448 times a
-power of two). It returns a ``NativeAdam``, or None with the reason in ``unavailable()``: no compiler, a failed
-build, or a result that differs (a compiler or CPU whose arithmetic torch's kernel does not share). Nothing else
-changes then: the caller's own path runs, with the same values.
+AdamW, ``maximize``, a ``grad_scale``, both bf16 roundings against their torch twins, fp16, fp8 per 128 and 256
+with fp32 scales and mxfp8 per 32 with e8m0 scales through the codec, both roundings, and blocks whose largest
+value is 448 times a power of two). It returns a ``NativeAdam``, or None with the reason in ``unavailable()``: no
+compiler, a failed build, or a result that differs (a compiler or CPU whose arithmetic torch's kernel does not
+share). Nothing else changes then: the caller's own path runs, with the same values.
 
 Torch's kernel takes the last ``n % lanes`` elements of each tensor in a scalar loop whose rounding can differ
 from its vector loop's (``lanes``: 8 floats with AVX2, 16 with AVX-512); ``NativeAdam.step`` leaves those to the
@@ -230,7 +230,7 @@ def _differs_from_torch(kernel: NativeAdam) -> str:
             for name in got:
                 if not torch.equal(_bits(got[name][:done]), _bits(want[name][:done])):
                     return f"{name} with {case}, moments {stored} rounded {rounding}"
-        for block, scale_dtype in ((128, torch.float32), (MX_BLOCK, E8M0)):
+        for block, scale_dtype in ((128, torch.float32), (256, torch.float32), (MX_BLOCK, E8M0)):
             for rounding in ("nearest", "stochastic"):
                 want = _reference_blocks(base, case, hyper, block, scale_dtype, rounding)
                 got = _stored_blocks(base, block, scale_dtype)
@@ -248,7 +248,7 @@ def _differs_from_torch(kernel: NativeAdam) -> str:
     edge = dict(base, exp_avg=base["exp_avg"].clone(), exp_avg_sq=base["exp_avg_sq"].clone())
     edge["exp_avg"][::MX_BLOCK] = 448 * 2.0 ** -6
     edge["exp_avg_sq"][::MX_BLOCK] = (448 * 2.0 ** -8) ** 2
-    for block, scale_dtype in ((128, torch.float32), (MX_BLOCK, E8M0)):
+    for block, scale_dtype in ((128, torch.float32), (256, torch.float32), (MX_BLOCK, E8M0)):
         want = _reference_blocks(edge, held, still, block, scale_dtype, "nearest")
         got = _stored_blocks(edge, block, scale_dtype)
         done = kernel.step_blocks(got["param"], got["grad"], got["exp_avg"], got["exp_avg_scale"], got["exp_avg_sq"],

@@ -3,11 +3,11 @@
 - Built and loaded on this machine (a C compiler is present wherever the suite runs; skipped, with the reason,
   where none is), and used by the stored-states optimizer for CPU parameters.
 - Against torch's fused kernel in one process, bit for bit: Adam and AdamW, decay on and off, ``maximize``, a
-  ``grad_scale`` (the gradient divided and stored back), bf16, fp16 (a tile at a time), fp32, fp8 (fp32 scales per 128)
-  and mxfp8 (e8m0 per 32) moments, rounded to nearest and stochastically, six steps, tensors whose length leaves a tail
-  (which torch's kernel then takes, with the fp8 block it is in): the stored-states optimizer with the loop equals the
-  same optimizer without it (the chunked step: torch's kernel around fp32 copies), moments, scales and parameters, on
-  one thread and on two.
+  ``grad_scale`` (the gradient divided and stored back), bf16, fp16 (a tile at a time), fp32, fp8 (fp32 scales per
+  128 and per 256: each block size its own compiled loop) and mxfp8 (e8m0 per 32) moments, rounded to nearest and
+  stochastically, six steps, tensors whose length leaves a tail (which torch's kernel then takes, with the fp8 block
+  it is in): the stored-states optimizer with the loop equals the same optimizer without it (the chunked step:
+  torch's kernel around fp32 copies), moments, scales and parameters, on one thread and on two.
 - An overflow step (``found_inf`` set) changes nothing, as torch's kernel.
 - The guard: a loop whose arithmetic differs from torch's (the second moment's fused multiply-add written as a
   multiply and an add) is refused at load, naming what differs (the optimizer then runs the chunked step).
@@ -54,7 +54,8 @@ def _pair(cls: type, params: list[torch.Tensor], **kwargs) -> tuple[torch.optim.
 ])
 @pytest.mark.parametrize("moments,rounding", [("bf16", "nearest"), ("bf16", "stochastic"), ("mixed", "nearest"),
                                               ("fp16", "nearest"), ("fp16-bf16", "nearest"),
-                                              ("fp8", "stochastic"), ("fp8", "nearest"), ("mxfp8", "stochastic")])
+                                              ("fp8", "stochastic"), ("fp8", "nearest"), ("fp8-256", "stochastic"),
+                                              ("mxfp8", "stochastic")])
 def test_the_loop_equals_the_chunked_step_bit_for_bit(cls, decay, maximize, scaled, moments, rounding, threads):
     kernel = _native()
     dtypes = {"bf16": {"exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16},
@@ -62,6 +63,7 @@ def test_the_loop_equals_the_chunked_step_bit_for_bit(cls, decay, maximize, scal
               "fp16": {"exp_avg_dtype": torch.float16, "exp_avg_sq_dtype": torch.float16},
               "fp16-bf16": {"exp_avg_dtype": torch.float16, "exp_avg_sq_dtype": torch.bfloat16},
               "fp8": {"exp_avg_dtype": E4M3, "exp_avg_sq_dtype": E4M3},
+              "fp8-256": {"exp_avg_dtype": E4M3, "exp_avg_sq_dtype": E4M3, "block": 256},
               "mxfp8": {"exp_avg_dtype": E4M3, "exp_avg_sq_dtype": E4M3, "block": MX_BLOCK, "scale_dtype": E8M0},
               }[moments]
     gen = torch.Generator().manual_seed(0)
