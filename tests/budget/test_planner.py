@@ -263,12 +263,15 @@ def test_ranks_given_budgets_that_differ_plan_in_the_smallest(spread):
     2026-12-07; now every rank takes the smallest, logged with every rank's value (a warning over a 1% spread)."""
     results = run_distributed(_budgets_that_differ_job, 2, spread)
     for rank, r in enumerate(results):
-        assert r["given"][1] - r["given"][0] >= spread, r  # the ranks were given different budgets
+        # the ranks were given different budgets: rank 1's spread above (less twice the estimates' few KiB apart)
+        assert r["given"][0] != r["given"][1] and abs(r["given"][1] - r["given"][0] - spread) < 2**20, r
         assert parse_bytes(r["budget"]) == min(r["given"]), r
         assert r["stage"] == results[0]["stage"]
     said = results[0]["said"]
     assert len(said) == 1 and str(min(results[0]["given"])) in said[0][1], said
-    assert said[0][0] == (logging.WARNING if spread == 2**30 else logging.INFO)
+    given = results[0]["given"]
+    assert said[0][0] == (logging.WARNING if max(given) > 1.01 * min(given) else logging.INFO)
+    assert said[0][0] == (logging.WARNING if spread == 2**30 else logging.INFO)  # (the estimates' KiB are under 1%)
     assert results[1]["said"] == []  # (rank 0 says it)
 
 
