@@ -442,6 +442,29 @@ def test_one_rank_binding_clip_is_applied_inside_the_fused_step(stage: int, fuse
     engine.destroy()
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_one_rank_flat_groups_norm_is_clip_grad_norms(stage: int) -> None:
+    """One rank whose groups step flat (fp8 moments: per-parameter views cannot cut their blocks) forms the norm as
+    ``clip_grad_norm_`` does too, over views of the flat gradient: bit for bit the plain module's norm, with no pass
+    of float64 squares (no ``dot``, no copy into a float64 buffer)."""
+    torch.manual_seed(0)
+    net = ParityNet()
+    plain = copy.deepcopy(net)
+    config = _config(stage, "AdamW", 1) | {"gradient_clipping": 0.01}
+    config["zeroplus"] |= {"optimizer_states": {"exp_avg": "fp8", "exp_avg_sq": "fp8"}}
+    engine = zeroplus.initialize(net, config)
+    assert not engine._step.direct.enabled  # (the flat step, not the direct one)
+    x, y = make_batches(1, 2)[0]
+    engine.backward(engine(x, y))
+    with _Ops() as ops:
+        engine.step()
+    plain(x, y).backward()
+    plain_norm = torch.nn.utils.clip_grad_norm_([p for p in plain.parameters() if p.requires_grad], 0.01)
+    assert engine.get_global_grad_norm() == plain_norm.item() > 0.01
+    assert "dot" not in ops.names, ops.names
+    engine.destroy()
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_flat_step_takes_the_clip_inside_the_fused_kernel(fused: bool) -> None:
     """The flat step (bf16 here: one rank's gradients go through the flat buffer) applies a binding clip inside torch's

@@ -6,8 +6,9 @@
    loss scale. Experts' groups (partitioned over the expert-data group): at stages 1-3 their shards join
    the same sum over the data group (expert-data x expert = data, so each expert counts once); at
    stage 0 their full gradients are summed over the expert group (other ranks, other experts) first.
-   A non-finite norm is an overflow on every rank at once: the step is skipped. One rank stepping its
-   kept gradients (nothing sharded) forms the norm as ``clip_grad_norm_`` does instead (``_lone_root``).
+   A non-finite norm is an overflow on every rank at once: the step is skipped. One rank (nothing sharded) with
+   fp32 gradients forms the norm as ``clip_grad_norm_`` does instead (``_lone_root``), over its kept gradients
+   and its flat groups' alike.
 2. One coefficient per step: ``1 / (N at stage 0) / loss_scale * min(1, clip / (norm + 1e-6))``
    (torch's ``clip_grad_norm_`` rule, applied to unscaled gradients). With torch's fused Adam the step's
    kernel divides by its inverse, with no pass of its own (``kernel_scale.py``): the direct, flat, chunked
@@ -301,14 +302,25 @@ class ShardedStep:
         return total
 
     def _lone_root(self, direct: dict[int, list[torch.Tensor]]) -> torch.Tensor | None:
-        """One rank whose every group steps over its kept gradients, nothing split over other ranks: the global
-        norm as the plain module's ``clip_grad_norm_`` forms it (one fp32 norm per gradient, in ``model.parameters()``'s
-        order, then the norm of those: three kernels, where the squares summed in float64 and their root take five).
-        None elsewhere: the squares are summed over shards and ranks (``_squares``), in float64 so the sum hardly
-        depends on the sharding."""
-        if not self._alone or not direct or len(direct) < len(self.partition.groups):
+        """One rank, nothing split over other ranks, fp32 gradients: the global norm as the plain module's
+        ``clip_grad_norm_`` forms it (one fp32 norm per gradient, in ``model.parameters()``'s order, then the norm of
+        those: three kernels, where the squares summed in float64 through a buffer take three per 2^20 elements and
+        a copy of every gradient element), over the kept gradients and over views of the flat groups' (a parameter
+        without a gradient counts as its zeros there). None elsewhere: the squares are summed over shards and ranks
+        (``_squares``), in float64 so the sum hardly depends on the sharding."""
+        if not self._alone:
             return None
-        grads = [t for ts in direct.values() for t in ts]
+        grads: list[torch.Tensor] = []
+        for g in self.partition.groups:
+            kept = direct.get(id(g))
+            if kept is None:  # a flat group (fp8 moments, an optimizer that is not elementwise): its parameters' views
+                source = g.gradient.ensure_reduced() if self.partition.stage.partitions else g.gradient.ensure_flat()
+                if source.dtype != torch.float32:
+                    return None
+                kept = [source[o:o + n] for o, n in zip(g.offsets, g.numels)]
+            grads.extend(kept)
+        if not grads:
+            return None
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm([grads[i] for i in self._lone_order])))
 
     def _host_norm(self, root: torch.Tensor, loss_scale: float) -> float:
