@@ -87,8 +87,7 @@ class DirectStep:
         if kept is not None:
             return kept
         g.gradient.settle_kept()
-        flat = g.gradient.ensure_reduced() if g.stage.partitions else g.gradient.ensure_flat()
-        return [flat[off:off + n].view(shape) for off, n, shape in zip(g.offsets, g.numels, g.shapes)]
+        return g.step_gradient_views()
 
     def _states_ready(self, g: FlatParamGroup) -> bool:
         """Whether ``g``'s optimizer states exist as flat tensors before the step (made here for Adam and AdamW

@@ -489,6 +489,17 @@ class FlatParamGroup:
             with torch.no_grad():
                 self.master_store.write(start - lo, flat[start - off:end - off])
 
+    def step_gradient(self) -> torch.Tensor:
+        """The gradient the step reads: the reduced one of the owned range (stages 1-3), else the whole flat one
+        (stage 0), zeros where none arrived."""
+        return self.gradient.ensure_reduced() if self.stage.partitions else self.gradient.ensure_flat()
+
+    def step_gradient_views(self) -> list[torch.Tensor]:
+        """One rank (the owned range is the whole group): each parameter's view of ``step_gradient()``, in its
+        shape."""
+        flat = self.step_gradient()
+        return [flat[off:off + n].view(shape) for off, n, shape in zip(self.offsets, self.numels, self.shapes)]
+
     def param_segments(self) -> list[tuple[int, int, int]]:
         """``(param_index, start, end)`` of each parameter inside this rank's owned range."""
         lo, hi = self.owned_start, self.owned_start + self.owned_numel

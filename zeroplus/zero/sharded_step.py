@@ -282,7 +282,7 @@ class ShardedStep:
         experts = torch.zeros_like(total) if apart else total
         mp = self.model_parallel
         for g in flat:
-            source = g.gradient.ensure_flat() if stage0 else g.gradient.ensure_reduced()
+            source = g.step_gradient()
             into = experts if apart and g.expert else total
             if mp is None or not mp.has_replicated(g):
                 into += _sum_of_squares(source, scratch)
@@ -314,10 +314,9 @@ class ShardedStep:
         for g in self.partition.groups:
             kept = direct.get(id(g))
             if kept is None:  # a flat group (fp8 moments, an optimizer that is not elementwise): its parameters' views
-                source = g.gradient.ensure_reduced() if self.partition.stage.partitions else g.gradient.ensure_flat()
-                if source.dtype != torch.float32:
+                if g.step_gradient().dtype != torch.float32:
                     return None
-                kept = [source[o:o + n] for o, n in zip(g.offsets, g.numels)]
+                kept = g.step_gradient_views()
             grads.extend(kept)
         if not grads:
             return None
@@ -334,7 +333,7 @@ class ShardedStep:
         return norm / loss_scale
 
     def _master_grad(self, g: FlatParamGroup, coef: float) -> torch.Tensor:
-        grad = g.gradient.ensure_reduced() if self.partition.stage.partitions else g.gradient.ensure_flat()
+        grad = g.step_gradient()
         if grad.dtype != torch.float32:  # low precision: this group's fp32 gradient only, for its step
             grad = self.ledger.empty(grad.numel(), torch.float32, Category.GRAD, grad.device).copy_(grad)
         return grad.mul_(coef) if coef != 1.0 else grad
