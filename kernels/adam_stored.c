@@ -55,6 +55,13 @@ typedef struct {
   void *exp_avg_sq_scales;
   int e8m0_scales;
   int64_t block;
+  /* e4m3 moments whose gradient is not one tensor (`grad` NULL): `segments` tensors, the t-th holding elements
+     [segment_begins[t], segment_ends[t]) (ascending, apart), zeros between them (one rank's kept gradients:
+     zero/direct_step.py) */
+  float **segments;
+  const int64_t *segment_begins;
+  const int64_t *segment_ends;
+  int64_t nsegments;
 } Job;
 
 /* The code of a value below a narrow format's normals (its magnitude's bits, `bits`): the value added to the power of
@@ -285,6 +292,25 @@ static inline __attribute__((always_inline)) void quantize_block(const float *re
 
 #define MAX_BLOCK 256
 
+/* The gradient of elements [a, a + block) where it is in segments: a pointer into the one segment holding them all,
+   or `gathered` filled from the segments it meets (zeros between). `cursor`: the first segment that may still hold
+   an element at or after `a` (blocks are visited in ascending order). */
+static inline const float *block_gradient(const Job *job, int64_t a, int64_t block, int64_t *cursor,
+                                          float *gathered) {
+  int64_t s = *cursor;
+  while (s < job->nsegments && job->segment_ends[s] <= a) s++;
+  *cursor = s;
+  if (s < job->nsegments && job->segment_begins[s] <= a && a + block <= job->segment_ends[s])
+    return job->segments[s] + (a - job->segment_begins[s]);
+  memset(gathered, 0, (size_t)block * sizeof(float));
+  for (int64_t t = s; t < job->nsegments && job->segment_begins[t] < a + block; t++) {
+    const int64_t lo = job->segment_begins[t] > a ? job->segment_begins[t] : a;
+    const int64_t hi = job->segment_ends[t] < a + block ? job->segment_ends[t] : a + block;
+    memcpy(gathered + (lo - a), job->segments[t] + (lo - job->segment_begins[t]), (size_t)(hi - lo) * sizeof(float));
+  }
+  return gathered;
+}
+
 /* Whole blocks of e4m3 moments between begin and end (multiples of the block): each block read into fp32 (the
    second moment squared), stepped, and stored again with a scale of its own (the second as its square root,
    correctly rounded: kernels/block_fp8.root_). */
@@ -294,14 +320,16 @@ static inline __attribute__((always_inline)) void step_blocks(const Job *job, in
   const float *restrict grad = job->grad;
   uint8_t *m_codes = (uint8_t *)job->exp_avg, *v_codes = (uint8_t *)job->exp_avg_sq;
   CONSTANTS(job)
-  float m[MAX_BLOCK], v[MAX_BLOCK];
+  float m[MAX_BLOCK], v[MAX_BLOCK], gathered[MAX_BLOCK];
+  int64_t cursor = 0;
   for (int64_t a = job->begin; a < job->end; a += block) {
     const int64_t b = a / block;
     const float sm = block_scale(job->exp_avg_scales, job->e8m0_scales, b);
     const float sv = block_scale(job->exp_avg_sq_scales, job->e8m0_scales, b);
+    const float *restrict g_at = grad != NULL ? grad + a : block_gradient(job, a, block, &cursor, gathered);
     for (int64_t i = 0; i < block; i++) { /* (step_range's operations) */
       float p = param[a + i];
-      float g = grad[a + i] * sign;
+      float g = g_at[i] * sign;
       if (decay_mode == DECOUPLED) p = p * decay;
       if (decay_mode == L2) g = fmaf(p, weight_decay, g);
       float mi = e4m3_value(m_codes[a + i]) * sm;
@@ -426,7 +454,15 @@ static void step_all_blocks(const Job *job) {
 static void *run(void *arg) {
   const Job *job = (const Job *)arg;
   if (job->grad_scale != 0.0f) { /* as torch's kernel: the gradient divided, and stored back, before it is used */
-    for (int64_t i = job->begin; i < job->end; i++) job->grad[i] = job->grad[i] / job->grad_scale;
+    if (job->grad != NULL) {
+      for (int64_t i = job->begin; i < job->end; i++) job->grad[i] = job->grad[i] / job->grad_scale;
+    }
+    for (int64_t t = 0; t < job->nsegments; t++) { /* (segments: the parts within [begin, end)) */
+      const int64_t lo = job->segment_begins[t] > job->begin ? job->segment_begins[t] : job->begin;
+      const int64_t hi = job->segment_ends[t] < job->end ? job->segment_ends[t] : job->end;
+      float *seg = job->segments[t] - job->segment_begins[t];
+      for (int64_t i = lo; i < hi; i++) seg[i] = seg[i] / job->grad_scale;
+    }
   }
   if (job->exp_avg_kind == E4M3) step_all_blocks(job);
   else if (job->stochastic) { MODES(1) } else { MODES(0) }
@@ -508,13 +544,21 @@ int zeroplus_adam_stored(float *param, float *grad, void *exp_avg, int exp_avg_k
 }
 
 /* e4m3 moments with a scale per `block` elements (fp32, or e8m0 where `e8m0_scales`), elements [0, n), n a multiple
-   of the block. Returns -2 for a block over MAX_BLOCK or an n that is
-   not a multiple of it (nothing done). */
+   of the block. The gradient is `grad`, or where that is NULL the `nsegments` tensors `segments` (Job), each of
+   fp32 elements [segment_begins[t], segment_ends[t]), ascending and apart, zeros between them. Returns -2 for a block
+   over MAX_BLOCK or an n that is not a multiple of it, -3 for segments out of order or a NULL `grad` with none
+   (nothing done). */
 int zeroplus_adam_blocks(float *param, float *grad, uint8_t *exp_avg, void *exp_avg_scales, uint8_t *exp_avg_sq,
                          void *exp_avg_sq_scales, int e8m0_scales, int64_t block,
                          int64_t n, double lr, double beta1, double beta2, double weight_decay, double eps,
-                         double count, int decoupled, int maximize, float grad_scale, int stochastic, int threads) {
+                         double count, int decoupled, int maximize, float grad_scale, int stochastic, int threads,
+                         float **segments, const int64_t *segment_begins, const int64_t *segment_ends,
+                         int64_t nsegments) {
   if (block < 1 || block > MAX_BLOCK || n % block != 0) return -2;
+  if (grad == NULL && nsegments < 1) return -3;
+  for (int64_t t = 0; grad == NULL && t < nsegments; t++) {
+    if (segment_begins[t] < (t > 0 ? segment_ends[t - 1] : 0) || segment_ends[t] < segment_begins[t]) return -3;
+  }
   Job base = constants(param, grad, lr, beta1, beta2, weight_decay, eps, count, decoupled, maximize, grad_scale,
                        stochastic);
   base.exp_avg = exp_avg;
@@ -524,5 +568,11 @@ int zeroplus_adam_blocks(float *param, float *grad, uint8_t *exp_avg, void *exp_
   base.exp_avg_sq_scales = exp_avg_sq_scales;
   base.e8m0_scales = e8m0_scales;
   base.block = block;
+  if (grad == NULL) {
+    base.segments = segments;
+    base.segment_begins = segment_begins;
+    base.segment_ends = segment_ends;
+    base.nsegments = nsegments;
+  }
   return run_ranges(&base, n, block, threads);
 }

@@ -61,7 +61,7 @@ class NativeAdam:
         self._blocks.restype = ctypes.c_int
         self._blocks.argtypes = (pointer, pointer, pointer, pointer, pointer, pointer, integer, ctypes.c_int64,
                                  ctypes.c_int64, double, double, double, double, double, double, integer, integer,
-                                 ctypes.c_float, integer, integer)
+                                 ctypes.c_float, integer, integer, pointer, pointer, pointer, ctypes.c_int64)
         self.lanes = 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
 
     def covered(self, numel: int) -> int:
@@ -93,13 +93,16 @@ class NativeAdam:
         """How many leading elements ``step_blocks`` computes: the whole blocks within ``covered(numel)``."""
         return self.covered(numel) // block * block
 
-    def step_blocks(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_scales: torch.Tensor,
-                    exp_avg_sq: torch.Tensor, exp_avg_sq_scales: torch.Tensor, *, block: int, lr: float,
-                    beta1: float, beta2: float, weight_decay: float, eps: float, count: float, decoupled: bool,
-                    maximize: bool, grad_scale: float | None, stochastic: bool) -> int:
+    def step_blocks(self, param: torch.Tensor, grad: torch.Tensor | GradientSegments, exp_avg: torch.Tensor,
+                    exp_avg_scales: torch.Tensor, exp_avg_sq: torch.Tensor, exp_avg_sq_scales: torch.Tensor, *,
+                    block: int, lr: float, beta1: float, beta2: float, weight_decay: float, eps: float, count: float,
+                    decoupled: bool, maximize: bool, grad_scale: float | None, stochastic: bool) -> int:
         """``step`` over e4m3 moments with a power-of-two scale per ``block`` elements (fp32 or e8m0 scales), the
         second moment kept as its square root, as ``kernels/block_fp8.py`` stores them: each whole block within
         ``covered`` read into fp32, stepped and stored again (the root correctly rounded: ``block_fp8.root_``).
+        ``grad`` may be ``GradientSegments``: read where they are (a block across two of them gathered on the stack),
+        the same values as their gathered tensor, each divided by ``grad_scale`` in place within the elements
+        stepped.
         Returns how many elements were stepped."""
         n = self.covered_blocks(param.numel(), block)
         if not fits(param, grad) or not all(
@@ -113,18 +116,78 @@ class NativeAdam:
                              f"or e8m0 scales")
         if n == 0:
             return 0
-        code = self._blocks(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_scales.data_ptr(),
+        if isinstance(grad, GradientSegments):
+            pointers, begins, ends, count_segments = grad.arrays()
+            address = None
+        else:
+            pointers = begins = ends = None
+            address, count_segments = grad.data_ptr(), 0
+        code = self._blocks(param.data_ptr(), address, exp_avg.data_ptr(), exp_avg_scales.data_ptr(),
                             exp_avg_sq.data_ptr(), exp_avg_sq_scales.data_ptr(), int(exp_avg_scales.dtype == E8M0),
                             block, n, lr, beta1, beta2, weight_decay, eps, count,
                             int(decoupled), int(maximize), grad_scale or 0.0, int(stochastic),
-                            torch.get_num_threads())
+                            torch.get_num_threads(), pointers, begins, ends, count_segments)
         if code == -2:
             raise ValueError(f"native Adam step over fp8 moments: blocks of {block} elements (at most 256)")
+        if code == -3:
+            raise ValueError(f"native Adam step over fp8 moments: gradient segments {grad}: ascending and apart")
         return n
 
 
-def fits(param: torch.Tensor, grad: torch.Tensor) -> bool:
-    """Whether ``NativeAdam.step`` serves this parameter and gradient: contiguous fp32 CPU tensors of one length."""
+class GradientSegments:
+    """A flat gradient of ``numel`` fp32 elements held as several tensors: ``tensors[t]``'s elements (row-major)
+    at ``offsets[t]``, zeros between them and after the last (one rank's kept gradients, each parameter's own
+    tensor, laid out as its flat group: ``zero/direct_step.py``). ``NativeAdam.step_blocks`` reads them where they
+    are; ``gather`` copies a range into one tensor (the chunked step's)."""
+
+    def __init__(self, tensors: list[torch.Tensor], offsets: list[int], numel: int) -> None:
+        placed = [(o, t) for o, t in zip(offsets, tensors) if t.numel() > 0]
+        ends = [o + t.numel() for o, t in placed]
+        if any(o < (ends[i - 1] if i else 0) for i, (o, _) in enumerate(placed)) or (ends and ends[-1] > numel):
+            raise ValueError(f"gradient segments at {offsets} of {[t.numel() for t in tensors]} elements in a flat "
+                             f"tensor of {numel}: ascending, apart and within it")
+        self.tensors = [t for _, t in placed]
+        self.offsets = [o for o, _ in placed]
+        self.numel = numel
+
+    def __repr__(self) -> str:
+        return f"GradientSegments({len(self.tensors)} tensors at {self.offsets[:4]}..., {self.numel} elements)"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensors[0].dtype if self.tensors else torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors[0].device if self.tensors else torch.device("cpu")
+
+    def fits(self) -> bool:
+        """Whether the native loop reads them: contiguous fp32 CPU tensors."""
+        return all(t.device.type == "cpu" and t.is_contiguous() and t.dtype == torch.float32 for t in self.tensors)
+
+    def arrays(self) -> tuple[Any, Any, Any, int]:
+        """The C arrays the loop takes: each tensor's address, first and end element."""
+        k = len(self.tensors)
+        pointers = (ctypes.c_void_p * k)(*[t.data_ptr() for t in self.tensors])
+        begins = (ctypes.c_int64 * k)(*self.offsets)
+        ends = (ctypes.c_int64 * k)(*[o + t.numel() for o, t in zip(self.offsets, self.tensors)])
+        return pointers, begins, ends, k
+
+    def gather(self, a: int, b: int, out: torch.Tensor) -> torch.Tensor:
+        """Elements ``[a, b)`` in ``out`` (``b - a`` elements), zeros where no tensor is."""
+        out.zero_()
+        for o, t in zip(self.offsets, self.tensors):
+            lo, hi = max(a, o), min(b, o + t.numel())
+            if lo < hi:
+                out[lo - a:hi - a].copy_(t.reshape(-1)[lo - o:hi - o])
+        return out
+
+
+def fits(param: torch.Tensor, grad: torch.Tensor | GradientSegments) -> bool:
+    """Whether ``NativeAdam.step`` serves this parameter and gradient: contiguous fp32 CPU tensors of one length
+    (``step_blocks``: or ``GradientSegments`` of that length that fit)."""
+    if isinstance(grad, GradientSegments):
+        return grad.fits() and grad.numel == param.numel() and fits(param, param)
     return all(t.device.type == "cpu" and t.is_contiguous() and t.dtype == torch.float32 for t in (param, grad)) and (
         grad.numel() == param.numel())
 

@@ -150,6 +150,11 @@ def test_a_state_dict_loads_back_in_the_stored_form_and_steps_on_bit_for_bit(blo
     # or, where the native loop steps its whole blocks, as the last block and the few elements torch's kernel ends on
     chunked = n if opt.native is None else n - opt.native.covered_blocks(n, block)
     assert opt.workspace_bytes == (4 * 4 + 8) * chunked and (opt.native is None or chunked < block + 16)  # (+ root_'s)
+    # the estimate's stand-in (meta, unfused) predicts that for the CPU, and the whole parameter for a device
+    meta = StoredStatesAdamW([torch.nn.Parameter(torch.empty(n, device="meta"))], **dict(kwargs, fused=False))
+    assert meta.native is None and meta.workspace_bytes == (4 * 4 + 8) * n
+    assert meta.predicted_workspace_bytes(on_cpu=True) == opt.workspace_bytes
+    assert meta.predicted_workspace_bytes(on_cpu=False) == (4 * 4 + 8) * n
     for grad in grads[2:]:
         p.grad, q.grad = grad.clone(), grad.clone()
         opt.step()

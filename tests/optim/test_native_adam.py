@@ -93,6 +93,56 @@ def test_the_loop_equals_the_chunked_step_bit_for_bit(cls, decay, maximize, scal
             assert torch.equal(_bits(a.state[p][key]), _bits(b.state[q][key])), key
 
 
+@needs_compiler
+@pytest.mark.fast
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("loop", [True, False])
+@pytest.mark.parametrize("moments", ["fp8", "fp8-256", "mxfp8"])
+def test_gradient_segments_step_as_their_gathered_tensor(moments, loop, threads):
+    """One rank's kept gradients handed to the step as segments of a flat parameter (``GradientSegments``: gaps of
+    zeros between them and after the last, blocks that span two, a segment inside one block, a ``grad_scale``):
+    parameter, moments and scales bit for bit the step over their gathered tensor, with the loop (each block read
+    where it is) and without it (the chunked step gathers a chunk at a time)."""
+    kernel = _native()
+    dtypes = {"fp8": {}, "fp8-256": {"block": 256}, "mxfp8": {"block": MX_BLOCK, "scale_dtype": E8M0}}[moments]
+    gen = torch.Generator().manual_seed(0)
+    layout = [(0, 100), (100, 300), (450, 1000), (1500, 37), (1600, 3000), (4700, 5)]  # (offset, numel)
+    numel = 4800 + 2 * kernel.lanes + 3
+    flat = torch.randn(numel, generator=gen) * 0.1
+    ours, ref = flat.clone().requires_grad_(), flat.clone().requires_grad_()
+    opts = [StoredStatesAdamW([p], fused=True, lr=1e-2, weight_decay=0.1, exp_avg_dtype=E4M3, exp_avg_sq_dtype=E4M3,
+                              rounding="stochastic", **dtypes) for p in (ours, ref)]
+    opts[0].takes_gradient_segments = True
+    if not loop:
+        opts[0].native = None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for step in range(4):
+            tensors = [torch.randn(n, generator=gen) for _, n in layout]
+            segments = native_adam.GradientSegments(tensors, [o for o, _ in layout], numel)
+            ref.grad = segments.gather(0, numel, torch.empty(numel))
+            scale = torch.tensor(2.0 ** (step % 3))
+            for opt in opts:
+                opt.grad_scale = scale
+            with opts[0].given({ours: segments}):
+                opts[0].step()
+            opts[1].step()
+            assert torch.equal(ours, ref), step
+    finally:
+        torch.set_num_threads(before)
+    assert ours.grad is None and opts[0].state[ours].keys() == opts[1].state[ref].keys()
+    for key in opts[1].state[ref]:
+        assert torch.equal(_bits(opts[0].state[ours][key]), _bits(opts[1].state[ref][key])), key
+
+
+def test_gradient_segments_out_of_order_are_refused():
+    with pytest.raises(ValueError, match="ascending, apart and within it"):
+        native_adam.GradientSegments([torch.zeros(10), torch.zeros(10)], [0, 5], 100)
+    with pytest.raises(ValueError, match="ascending, apart and within it"):
+        native_adam.GradientSegments([torch.zeros(10)], [95], 100)
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 

@@ -444,14 +444,13 @@ def test_one_rank_binding_clip_is_applied_inside_the_fused_step(stage: int, fuse
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_one_rank_flat_groups_norm_is_clip_grad_norms(stage: int) -> None:
-    """One rank whose groups step flat (fp8 moments: per-parameter views cannot cut their blocks) forms the norm as
-    ``clip_grad_norm_`` does too, over views of the flat gradient: bit for bit the plain module's norm, with no pass
-    of float64 squares (no ``dot``, no copy into a float64 buffer)."""
+    """One rank whose groups step flat (LAMB: its trust ratio is a parameter's whole norm, not elementwise) forms the
+    norm as ``clip_grad_norm_`` does too, over views of the flat gradient: bit for bit the plain module's norm, with
+    no pass of float64 squares (no ``dot``, no copy into a float64 buffer)."""
     torch.manual_seed(0)
     net = ParityNet()
     plain = copy.deepcopy(net)
-    config = _config(stage, "AdamW", 1) | {"gradient_clipping": 0.01}
-    config["zeroplus"] |= {"optimizer_states": {"exp_avg": "fp8", "exp_avg_sq": "fp8"}}
+    config = _config(stage, "Lamb", 1) | {"gradient_clipping": 0.01}
     engine = zeroplus.initialize(net, config)
     assert not engine._step.direct.enabled  # (the flat step, not the direct one)
     x, y = make_batches(1, 2)[0]
@@ -463,6 +462,61 @@ def test_one_rank_flat_groups_norm_is_clip_grad_norms(stage: int) -> None:
     assert engine.get_global_grad_norm() == plain_norm.item() > 0.01
     assert "dot" not in ops.names, ops.names
     engine.destroy()
+
+
+def _fp8_run(stage: int, rounding: str, segments: bool) -> tuple[zeroplus.Engine, list[dict], list[int]]:
+    """Three steps of two micro-batches with fp8 moments and a binding clip; ``segments`` False: the same engine
+    with the direct step off (the flat step, the kept gradients copied into the flat buffer first). Returns the
+    engine (``segments``: with its memory estimate), each step's optimizer state of every group, and the ledger's
+    ``grad`` bytes before each step."""
+    torch.manual_seed(0)
+    config = _config(stage, "AdamW", 2) | {"gradient_clipping": 0.01}
+    config["zeroplus"] |= {"optimizer_states": {"exp_avg": "fp8", "exp_avg_sq": "fp8", "rounding": rounding},
+                           "memory_estimate": segments}
+    engine = zeroplus.initialize(ParityNet(), config)
+    engine._step.direct.enabled = segments
+    states, held = [], []
+    batches = make_batches(6, 2)
+    for step in range(3):
+        for micro, (x, y) in enumerate(batches[2 * step:2 * step + 2]):
+            engine.backward(engine(x, y))
+            if micro == 1:
+                held.append(engine.ledger.live_bytes(Category.GRAD))
+            engine.step()
+        assert engine.get_global_grad_norm() > 0.01  # (the clip binds: the kernel divides the gradients)
+        states.append([{k: v.clone() for k, v in engine.optimizer_state(g).items()} for g in engine.partition.groups])
+    return engine, states, held
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_one_rank_fp8_moments_step_the_kept_gradients_where_they_are(stage: int, rounding: str) -> None:
+    """fp8 moments at one rank (their blocks span parameters, so no parameter's view holds whole blocks): each flat
+    group steps whole over autograd's kept gradients as segments at the parameters' offsets, which the native loop
+    reads where they are, so no flat gradient buffer is made and no gradient copied into one. Weights, moments and
+    scales bit for bit the flat step's, which copies them into the flat buffer first (the same engine with the
+    direct step off), with a binding clip (each gradient divided in the kernel) over two micro-batches; the ledger's
+    ``grad`` holds the kept gradients' bytes and nothing more (the flat step's peak adds the flat buffer), and the
+    estimate predicts exactly that."""
+    engine, states, held = _fp8_run(stage, rounding, segments=True)
+    flat_engine, flat_states, flat_held = _fp8_run(stage, rounding, segments=False)
+    assert engine._step.direct.segmented and engine.optimizer.takes_gradient_segments
+    groups = engine.partition.groups
+    assert all(g.gradient.flat is None for g in groups)
+    kept = 4 * sum(p.numel() for g in groups for p in g.params)
+    assert held == flat_held == [kept] * 3  # (before the step: kept in both)
+    # the estimate steps the same way: its gradient peak is the kept bytes, as measured (the flat step's is more)
+    assert engine.budget.category_peaks[Category.GRAD.value] == engine.ledger.peak_bytes(Category.GRAD) == kept
+    assert flat_engine.ledger.peak_bytes(Category.GRAD) > kept
+    for ours, theirs in zip(states, flat_states):
+        for a, b in zip(ours, theirs):
+            assert a.keys() == b.keys()
+            for key in a:
+                assert torch.equal(a[key], b[key]), key
+    mine, flat = engine.consolidated_fp32_state(), flat_engine.consolidated_fp32_state()
+    assert all(torch.equal(mine[n], flat[n]) for n in flat)
+    engine.destroy()
+    flat_engine.destroy()
 
 
 @pytest.mark.parametrize("fused", [True, False])

@@ -243,6 +243,9 @@ class MemoryTracker(EagerWhileActive, TorchDispatchMode):
                 self._new_states = sum(t.untyped_storage().nbytes() for state in optimizer.state.values()
                                        for t in state.values() if isinstance(t, torch.Tensor) and t.numel() > 1
                                        and not hasattr(t, "_zeroplus_ledger_key"))
-                self.observe(getattr(optimizer, "workspace_bytes", 0))  # (stored states' chunk temporaries)
+                # (stored states' chunk temporaries, as on the device predicted for: CPU where a workspace is given)
+                predicted = getattr(optimizer, "predicted_workspace_bytes", None)
+                self.observe(predicted(self.workspace is not None) if predicted is not None
+                             else getattr(optimizer, "workspace_bytes", 0))
                 self._new_states = 0
         return run

@@ -22,6 +22,8 @@ the main job's loss +3%).
 Memory: ``state_bytes`` per element for the moments (4 with both bf16, against 8 in fp32) and, while a step runs, two
 fp32 temporaries of ``CHUNK`` elements (8 MiB; stochastic rounding's hash 8 MiB more: ``workspace_bytes``; a few
 elements where the one-pass loop steps the rest), which the memory budget adds to the step.
+A step may be handed a flat parameter's gradient as segments instead of its ``.grad`` (``given``: one rank's kept
+gradients, ``zero/direct_step.py``; see note: one-rank fp8 segments): the same values, read where they are.
 Loading a state dict keeps the configured dtypes: moments saved in another dtype are converted (rounded to
 nearest), where torch's ``load_state_dict`` would cast them to the parameter's dtype.
 See note: stored optimizer states (docs/design-notes.md).
@@ -33,7 +35,7 @@ import logging
 import os
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Union
 
 import torch
 from torch.optim.adam import adam as _adam_functional
@@ -47,6 +49,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, 
 BLOCKS = (128, 256)  # fp8's (fp32 scales); mxfp8's is MX_BLOCK (e8m0 scales)
 MOMENTS = ("exp_avg", "exp_avg_sq")
 CHUNK = 1 << 20  # elements per fp32 temporary
+Gradient = Union[torch.Tensor, native_adam.GradientSegments]  # a step's gradient: one tensor, or one rank's segments
 logger = logging.getLogger("zeroplus.optim")
 
 
@@ -76,15 +79,25 @@ class StoredStates(torch.optim.Optimizer):
         self.block = block  # fp8 moments: elements per scale
         self.scale_dtype = scale_dtype  # fp8 moments: their scales' (fp32, or mxfp8's e8m0)
         self._held: dict[torch.device, torch.Tensor] | None = None  # chunk buffers kept across calls: holding()
+        # parameters whose gradient a ``given`` call hands the step (``native_adam.GradientSegments``), by parameter
+        self._given: dict[torch.Tensor, native_adam.GradientSegments] = {}
+        # whether gradients may come as segments (one rank: ``zero/direct_step.py``, set when the engine is
+        # assembled): where the native loop does not read them, a chunk of them is gathered into one more row
+        self.takes_gradient_segments = False
         self.native = self._native_kernel()
 
     def _native_kernel(self) -> native_adam.NativeAdam | None:
         """The one-pass CPU loop (``kernels/native_adam.py``) where it serves these moments and a parameter is on
         the CPU: built and checked against torch's kernel once per process; None elsewhere (the chunked step)."""
         params = [p for group in self.param_groups for p in group["params"]]
+        if not any(p.device.type == "cpu" and p.dtype == torch.float32 for p in params):
+            return None
+        return self._loop_here()
+
+    def _loop_here(self) -> native_adam.NativeAdam | None:
+        """The one-pass loop where it serves these moments' dtypes and builds on this machine, else None."""
         dtypes = set(self.state_dtypes.values())
-        if not (dtypes <= set(native_adam.KINDS) or dtypes == {E4M3}) or not any(
-                p.device.type == "cpu" and p.dtype == torch.float32 for p in params):
+        if not (dtypes <= set(native_adam.KINDS) or dtypes == {E4M3}):
             return None
         directory = os.path.join(cache_root(), "native")
         kernel = native_adam.load(directory)
@@ -102,6 +115,20 @@ class StoredStates(torch.optim.Optimizer):
             yield
         finally:
             self._held = None
+
+    @contextlib.contextmanager
+    def given(self, grads: dict[torch.Tensor, native_adam.GradientSegments]) -> Iterator[None]:
+        """Inside, ``step`` steps each parameter of ``grads`` (a flat one, with no ``.grad``) over that gradient, held
+        as segments (one rank's kept gradients: ``zero/direct_step.py``): the values ``step`` gives with the segments
+        gathered into its ``.grad``, bit for bit. The native loop reads them where they are; the chunked step
+        (another device, or the last few elements) gathers a chunk at a time."""
+        if not self.takes_gradient_segments:
+            raise RuntimeError("stored optimizer states: gradients as segments, but takes_gradient_segments is not set")
+        self._given = grads
+        try:
+            yield
+        finally:
+            self._given = {}
 
     @property
     def state_bytes(self) -> float:
@@ -133,15 +160,35 @@ class StoredStates(torch.optim.Optimizer):
         where the native loop steps a parameter, the chunked step takes only its last few elements. An fp8 second
         moment's root is taken in double (``block_fp8.root_``): 8 bytes an element more while it is stored."""
         longest = max((self._chunked(p, group, p) for group in self.param_groups for p in group["params"]), default=0)
-        root = 8 if self.state_dtypes["exp_avg_sq"] == E4M3 else 0
-        return ((4 if self.rounding == "stochastic" else 2) * 4 + root) * min(CHUNK, longest)
+        return self._workspace(longest)
 
-    def _native_for(self, p: torch.Tensor, group: dict[str, Any], grad: torch.Tensor) -> bool:
+    def predicted_workspace_bytes(self, on_cpu: bool) -> int:
+        """``workspace_bytes`` as the step holds it on the device a simulated step (on the meta device, unfused)
+        stands in for, with its groups fused: on the CPU, where the one-pass loop serves these moments on this
+        machine, only the last few elements of each parameter go through the chunked step; elsewhere all of them."""
+        native = self._loop_here() if on_cpu else None
+        params = [p for group in self.param_groups for p in group["params"]]
+        if native is None:
+            return self._workspace(max((p.numel() for p in params), default=0))
+        tails = [p.numel() - (native.covered_blocks(p.numel(), self.block) if self.block_scaled
+                              else native.covered(p.numel())) for p in params]
+        return self._workspace(max(tails, default=0))
+
+    def _workspace(self, longest: int) -> int:
+        root = 8 if self.state_dtypes["exp_avg_sq"] == E4M3 else 0
+        return (self._rows() * 4 + root) * min(CHUNK, longest)
+
+    def _rows(self) -> int:
+        """fp32 rows of the step's scratch: the two moments, stochastic rounding's two int32 rows of the hash, and
+        a gathered gradient's where gradients may come as segments (its last row)."""
+        return (4 if self.rounding == "stochastic" else 2) + int(self.takes_gradient_segments)
+
+    def _native_for(self, p: torch.Tensor, group: dict[str, Any], grad: Gradient) -> bool:
         """Whether the native loop steps ``p`` (its group fused, as the loop is torch's fused kernel's arithmetic)."""
         return (self.native is not None and bool(group["fused"]) and p.device.type == "cpu"
                 and native_adam.fits(p, grad))
 
-    def _chunked(self, p: torch.Tensor, group: dict[str, Any], grad: torch.Tensor) -> int:
+    def _chunked(self, p: torch.Tensor, group: dict[str, Any], grad: Gradient) -> int:
         """How many of ``p``'s elements the chunked step takes: all, or the native loop's remainder."""
         n = p.numel()
         if self.native is None or not self._native_for(p, group, grad):
@@ -167,34 +214,36 @@ class StoredStates(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        stepped = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        stepped: list[tuple[torch.Tensor, dict[str, Any], Gradient]] = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                grad = self._given.get(p, p.grad)
+                if grad is not None:
+                    stepped.append((p, group, grad))
         # an overflow step leaves everything as it is (torch's kernel returns at once): the chunked step, whose
         # kernel reads the flag, takes it whole
         native = self.native is not None and (found_inf is None or not found_inf.item())
         sizes: dict[torch.device, int] = {}  # one set of chunk buffers per device, as long as its longest chunk
-        for p, group in stepped:
-            assert p.grad is not None
-            chunked = self._chunked(p, group, p.grad) if native else p.numel()
+        for p, group, grad in stepped:
+            chunked = self._chunked(p, group, grad) if native else p.numel()
             sizes[p.device] = max(sizes.get(p.device, 0), min(CHUNK, chunked))
-        rows = 4 if self.rounding == "stochastic" else 2  # two fp32 moments (+ the hash's two int32 rows)
         scratch = self._held if self._held is not None else {}
         for device, size in sizes.items():
             if device not in scratch or scratch[device].shape[1] < size:
-                scratch[device] = torch.empty(rows, size, dtype=torch.float32, device=device)
-        for p, group in stepped:
-            self._step_one(p, group, grad_scale, found_inf, scratch[p.device], native)
+                scratch[device] = torch.empty(self._rows(), size, dtype=torch.float32, device=device)
+        for p, group, grad in stepped:
+            self._step_one(p, group, grad, grad_scale, found_inf, scratch[p.device], native)
         return loss
 
-    def _step_one(self, p: torch.Tensor, group: dict[str, Any], grad_scale: torch.Tensor | None,
-                  found_inf: torch.Tensor | None, scratch: torch.Tensor, native: bool) -> None:
-        grad = p.grad
-        assert grad is not None
-        if grad.is_sparse:
+    def _step_one(self, p: torch.Tensor, group: dict[str, Any], grad: Gradient,
+                  grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None, scratch: torch.Tensor,
+                  native: bool) -> None:
+        if isinstance(grad, torch.Tensor) and grad.is_sparse:
             raise RuntimeError("stored optimizer states: sparse gradients are not supported")
         state = self._state(p, group)
         count = state["step"]
         count += 1
-        flat_p, flat_g = p.view(-1), grad.view(-1)
+        flat_p = p.view(-1)
         beta1, beta2 = group["betas"]
         done = 0
         if native and self._native_for(p, group, grad):
@@ -204,30 +253,36 @@ class StoredStates(torch.optim.Optimizer):
                      "maximize": group["maximize"], "grad_scale": None if grad_scale is None else float(grad_scale),
                      "stochastic": self.rounding == "stochastic"}
             if self.block_scaled:
+                flat_g = grad if isinstance(grad, native_adam.GradientSegments) else grad.view(-1)
                 done = self.native.step_blocks(flat_p, flat_g, state["exp_avg"].view(-1), state["exp_avg_scale"],
                                                state["exp_avg_sq"].view(-1), state["exp_avg_sq_scale"],
                                                block=self.block, **hyper)
             else:
-                done = self.native.step(flat_p, flat_g, state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
-                                        **hyper)
+                assert isinstance(grad, torch.Tensor)  # (segments come with fp8 moments only: direct_step.py)
+                done = self.native.step(flat_p, grad.view(-1), state["exp_avg"].view(-1),
+                                        state["exp_avg_sq"].view(-1), **hyper)
         for a in range(done, p.numel(), CHUNK):  # (CHUNK is a multiple of every block: an fp8 block is in one chunk)
             b = min(a + CHUNK, p.numel())
+            if isinstance(grad, native_adam.GradientSegments):
+                g_ab = grad.gather(a, b, scratch[-1, :b - a])
+            else:
+                g_ab = grad.view(-1)[a:b]
             m = self._read(state, "exp_avg", a, b, scratch[0, :b - a])
             v = self._read(state, "exp_avg_sq", a, b, scratch[1, :b - a])
             if group["fused"]:
                 kernel = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
-                kernel([flat_p[a:b]], [flat_g[a:b]], [m], [v], [], [count], amsgrad=False, lr=group["lr"],
+                kernel([flat_p[a:b]], [g_ab], [m], [v], [], [count], amsgrad=False, lr=group["lr"],
                        beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
                        maximize=group["maximize"], grad_scale=grad_scale, found_inf=found_inf)
             else:  # torch's own single-tensor step, which advances the count it is given: a copy per chunk
                 if grad_scale is not None or found_inf is not None:
                     raise RuntimeError("stored optimizer states: grad_scale and found_inf need the fused kernel")
-                _adam_functional([flat_p[a:b]], [flat_g[a:b]], [m], [v], [], [count - 1], foreach=False,
+                _adam_functional([flat_p[a:b]], [g_ab], [m], [v], [], [count - 1], foreach=False,
                                  capturable=False, differentiable=False, fused=False, grad_scale=None,
                                  found_inf=None, has_complex=False, amsgrad=False, beta1=beta1, beta2=beta2,
                                  lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
                                  maximize=group["maximize"], decoupled_weight_decay=self.decoupled)
-            work = scratch[2:].view(torch.int32) if self.rounding == "stochastic" else None
+            work = scratch[2:4].view(torch.int32) if self.rounding == "stochastic" else None
             self._write(state, "exp_avg", a, b, m, count, work)
             self._write(state, "exp_avg_sq", a, b, v, count, work)
         if found_inf is not None:  # as torch's fused step: an overflow takes the count back

@@ -34,6 +34,11 @@ update reads only that element, so a slice steps as the flat tensor would); the 
 step (Adam and AdamW's are made here as torch makes them, zeros and a step count; SGD with momentum makes
 its buffer from the first gradient, so its first step is flat); no model-parallel weighting of the norm, no
 offloaded states. See note: one-rank gradients; see note: one-rank step bookkeeping (docs/design-notes.md).
+
+fp8 moments (a scale per block of the flat group, and a block may span two parameters, so no view holds whole
+blocks): each group steps whole, its master and states as the flat step has them, over its kept gradients handed
+to the step as segments at the parameters' offsets (``_step_segments``, ``StoredStates.given``): the flat step's
+values with no flat gradient buffer and no copy into one. See note: one-rank fp8 segments.
 """
 from __future__ import annotations
 
@@ -43,6 +48,7 @@ from typing import Any
 
 import torch
 
+from ..kernels.native_adam import GradientSegments
 from ..ledger import Category, Ledger
 from ..optim.stored_states import StoredStates
 from .flat_group import FlatParamGroup
@@ -71,8 +77,10 @@ class DirectStep:
         self.ledger = ledger
         # whole multiples of 1024 elements: every piece but a parameter's last ends on a boundary of the vector loops
         self.piece_numel = max(1024, piece_numel // 1024 * 1024)
-        self.enabled = type(optimizer) in ELEMENTWISE or (isinstance(optimizer, StoredStates)
-                                                          and not optimizer.block_scaled)  # (fp8: blocks, not views)
+        # fp8 moments: a block of 128 may span two parameters, so no view of a parameter holds whole blocks; the
+        # flat group steps whole over its parameters' kept gradients as segments (``_step_segments``)
+        self.segmented = isinstance(optimizer, StoredStates) and optimizer.block_scaled
+        self.enabled = type(optimizer) in ELEMENTWISE or isinstance(optimizer, StoredStates)
         self._made: dict[int, _Views] = {}  # id(group) -> its views, while their tensors stand
         self._gave_grad: list[torch.Tensor] = []  # views whose .grad this step set (cleared after it)
 
@@ -80,12 +88,15 @@ class DirectStep:
         """``g``'s gradients, one tensor per parameter, when this step takes the group: the kept ones, or views
         of the flat (stages 1-3: reduced) gradient they went into. None: the flat step takes it, with any kept
         gradient moved into the flat buffer first (``settle_kept``)."""
-        if not (self.enabled and g.gradient.keeps and self._states_ready(g)):
+        if not (self.enabled and g.gradient.keeps and (self.segmented or self._states_ready(g))):
             g.gradient.settle_kept()
             return None
         kept = g.gradient.kept_whole()
-        if kept is not None:
+        if kept is not None and (not self.segmented or all(t.is_contiguous() for t in kept)):
             return kept
+        if self.segmented:  # (a gradient in rows, or laid out otherwise: the flat buffer, as the flat step reads it)
+            g.gradient.settle_kept()
+            return None
         g.gradient.settle_kept()
         return g.step_gradient_views()
 
@@ -126,8 +137,31 @@ class DirectStep:
         fused = all(pg.get("fused") for pg in self.optimizer.param_groups)
         with divided_in_kernel(self.optimizer, coef, work[0][1][0].device) if in_kernel and coef is not None \
                 else nullcontext():
+            if self.segmented:
+                self._step_segments(work)
+                return
             for call in [work] if fused else [[one] for one in work]:
                 self._call(call)
+
+    def _step_segments(self, work: list[tuple[FlatParamGroup, list[torch.Tensor]]]) -> None:
+        """One ``optimizer.step()`` over the flat masters of ``work``'s groups, each given its kept gradients as
+        segments at the parameters' offsets (``StoredStates.given``: the flat step's values, with no flat
+        gradient buffer and no copy into one); the states it makes go into the ledger as the flat step's do."""
+        assert isinstance(self.optimizer, StoredStates)
+        given: dict[torch.Tensor, GradientSegments] = {
+            g.master_param: GradientSegments(grads, g.offsets, g.master_param.numel()) for g, grads in work}
+        masters = {id(g.master_param) for g, _ in work}
+        saved = [(options, options["params"]) for options in self.optimizer.param_groups]
+        try:
+            for options in self.optimizer.param_groups:  # (other groups' masters have no gradient: skipped anyway)
+                options["params"] = [p for p in options["params"] if id(p) in masters]
+            with self.optimizer.given(given):
+                self.optimizer.step()
+        finally:
+            for options, params in saved:
+                options["params"] = params
+        for g, _ in work:
+            self.ledger.track_new_states(self.optimizer.state.get(g.master_param, {}), Category.OPTIM_STATE)
 
     def _call(self, work: list[tuple[FlatParamGroup, list[torch.Tensor]]]) -> None:
         """One ``optimizer.step()`` over the views of ``work``'s groups. For the call the optimizer's param groups
