@@ -7,6 +7,8 @@
   tail), so this fails when groups step flat.
 - Memory: a group whose parameters all got a gradient holds autograd's gradients and no flat buffer; the
   ledger counts them (``grad``: 4 bytes per element of every gradient held), and nothing after the step.
+- The norm as ``clip_grad_norm_`` forms it wherever every gradient is whole on the rank: one rank, and stage 0 on
+  two ranks.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import zeroplus
+from tests.dist_helper import rank_and_world, run_distributed
 from tests.graph_nodes import graph_nodes
 from tests.models import ParityNet, SmallHeadNet, make_batches
 from tests.reference import train_steps
@@ -462,6 +465,37 @@ def test_one_rank_flat_groups_norm_is_clip_grad_norms(stage: int) -> None:
     assert engine.get_global_grad_norm() == plain_norm.item() > 0.01
     assert "dot" not in ops.names, ops.names
     engine.destroy()
+
+
+def _stage0_norms(_: None) -> dict:
+    """One rank of two at stage 0 (an MLP: no tied weight, so each rank's gradient is the plain module's of its
+    batch bit for bit), a binding clip: the engine's norm, the norm of the plain module's gradients of both ranks'
+    batches accumulated (the ranks' sum), and whether a ``dot`` ran in the step."""
+    rank, _ = rank_and_world()
+    torch.manual_seed(0)
+    net = Mlp()
+    plain = copy.deepcopy(net)
+    engine = zeroplus.initialize(net, _config(0, "AdamW", 1) | {"gradient_clipping": 0.01})
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(2, 37, generator=gen), torch.randn(2, 11, generator=gen)) for _ in range(2)]
+    engine.backward(engine(*batches[rank]))
+    with _Ops() as ops:
+        engine.step()
+    for x, y in batches:
+        plain(x, y).backward()
+    plain_norm = torch.nn.utils.clip_grad_norm_(list(plain.parameters()), 0.01)
+    out = {"norm": engine.get_global_grad_norm(), "plain": plain_norm.item(), "dot": "dot" in ops.names}
+    engine.destroy()
+    return out
+
+
+def test_stage_0_on_ranks_forms_the_norm_as_clip_grad_norm() -> None:
+    """Stage 0 on two ranks (see note: gradient norm): every rank holds the whole all-reduced sum of the gradients,
+    so each forms the norm as ``clip_grad_norm_`` does, with no collective and no float64 pass: on both ranks the
+    norm of the ranks' summed gradients over two (their mean's), bit for bit."""
+    out = run_distributed(_stage0_norms, 2, None)
+    assert out[0]["norm"] == out[1]["norm"] == out[0]["plain"] / 2 > 0.01, out
+    assert not any(o["dot"] for o in out), out
 
 
 def _fp8_run(stage: int, rounding: str, segments: bool) -> tuple[zeroplus.Engine, list[dict], list[int]]:

@@ -495,8 +495,8 @@ class FlatParamGroup:
         return self.gradient.ensure_reduced() if self.stage.partitions else self.gradient.ensure_flat()
 
     def step_gradient_views(self) -> list[torch.Tensor]:
-        """One rank (the owned range is the whole group): each parameter's view of ``step_gradient()``, in its
-        shape."""
+        """One rank, or stage 0 (the owned range is the whole group): each parameter's view of ``step_gradient()``, in
+        its shape."""
         flat = self.step_gradient()
         return [flat[off:off + n].view(shape) for off, n, shape in zip(self.offsets, self.numels, self.shapes)]
 

@@ -163,9 +163,11 @@ class ShardedStep:
         self.model_parallel = policy.model_parallel
         self.expert_group = policy.expert_group
         self.replicas = policy.replicas
-        # one rank with nothing split over other ranks (decided here): the norm may be the plain module's (_lone_root)
-        self._alone = (dp.size == 1 and self.replicas is None and self.model_parallel is None
-                       and self.expert_group is None)
+        # every gradient whole on this rank, nothing split over other ranks (decided here): one rank, or stage 0 at any
+        # world size (each rank holds the whole all-reduced gradient, the same values on every rank); the norm may
+        # then be the plain module's (_lone_root)
+        self._alone = ((dp.size == 1 or not partition.stage.partitions) and self.replicas is None
+                       and self.model_parallel is None and self.expert_group is None)
         # there, the groups' parameters in the model's (the root unit's module) order, as a plain clip_grad_norm_ over
         # model.parameters() stacks their norms: the stacked norms' sum depends on it (its vector width)
         self._lone_order: list[int] = []
@@ -304,18 +306,20 @@ class ShardedStep:
         return total
 
     def _lone_root(self, direct: dict[int, list[torch.Tensor]]) -> torch.Tensor | None:
-        """One rank, nothing split over other ranks, fp32 gradients: the global norm as the plain module's
-        ``clip_grad_norm_`` forms it (one fp32 norm per gradient, in ``model.parameters()``'s order, then the norm of
-        those: three kernels, where the squares summed in float64 through a buffer take three per 2^20 elements and
-        a copy of every gradient element), over the kept gradients and over views of the flat groups' (a parameter
-        without a gradient counts as its zeros there). None elsewhere: the squares are summed over shards and ranks
-        (``_squares``), in float64 so the sum hardly depends on the sharding."""
+        """Every gradient whole on this rank (one rank; stage 0 at any world size, where each rank holds the same
+        all-reduced sum and so forms the same norm with no collective), nothing split over other ranks, fp32
+        gradients: the global norm as the plain module's ``clip_grad_norm_`` forms it (one fp32 norm per gradient,
+        in ``model.parameters()``'s order, then the norm of those: three kernels, where the squares summed in
+        float64 through a buffer take three per 2^20 elements and a copy of every gradient element), over the kept
+        gradients and over views of the flat groups' (a parameter without a gradient counts as its zeros there).
+        None elsewhere: the squares are summed over shards and ranks (``_squares``), in float64 so the sum hardly
+        depends on the sharding."""
         if not self._alone:
             return None
         grads: list[torch.Tensor] = []
         for g in self.partition.groups:
             kept = direct.get(id(g))
-            if kept is None:  # a flat group (fp8 moments, an optimizer that is not elementwise): its parameters' views
+            if kept is None:  # a flat group (stage 0 on ranks, an optimizer that is not elementwise): its views
                 if g.step_gradient().dtype != torch.float32:
                     return None
                 kept = g.step_gradient_views()
