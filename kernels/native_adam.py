@@ -27,6 +27,7 @@ See note: stored states in one pass (docs/design-notes.md).
 """
 from __future__ import annotations
 
+import bisect
 import ctypes
 import hashlib
 import os
@@ -148,6 +149,7 @@ class GradientSegments:
                              f"tensor of {numel}: ascending, apart and within it")
         self.tensors = [t for _, t in placed]
         self.offsets = [o for o, _ in placed]
+        self.ends = ends
         self.numel = numel
 
     def __repr__(self) -> str:
@@ -170,16 +172,18 @@ class GradientSegments:
         k = len(self.tensors)
         pointers = (ctypes.c_void_p * k)(*[t.data_ptr() for t in self.tensors])
         begins = (ctypes.c_int64 * k)(*self.offsets)
-        ends = (ctypes.c_int64 * k)(*[o + t.numel() for o, t in zip(self.offsets, self.tensors)])
+        ends = (ctypes.c_int64 * k)(*self.ends)
         return pointers, begins, ends, k
 
     def gather(self, a: int, b: int, out: torch.Tensor) -> torch.Tensor:
         """Elements ``[a, b)`` in ``out`` (``b - a`` elements), zeros where no tensor is."""
         out.zero_()
-        for o, t in zip(self.offsets, self.tensors):
-            lo, hi = max(a, o), min(b, o + t.numel())
-            if lo < hi:
-                out[lo - a:hi - a].copy_(t.reshape(-1)[lo - o:hi - o])
+        for k in range(bisect.bisect_right(self.ends, a), len(self.tensors)):  # (the first ending after a)
+            o, t = self.offsets[k], self.tensors[k]
+            if o >= b:
+                break
+            lo, hi = max(a, o), min(b, self.ends[k])
+            out[lo - a:hi - a].copy_(t.reshape(-1)[lo - o:hi - o])
         return out
 
 
