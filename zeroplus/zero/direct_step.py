@@ -84,6 +84,14 @@ class DirectStep:
         self._made: dict[int, _Views] = {}  # id(group) -> its views, while their tensors stand
         self._gave_grad: list[torch.Tensor] = []  # views whose .grad this step set (cleared after it)
 
+    def declare_segments(self, groups: list[FlatParamGroup]) -> None:
+        """When the engine is assembled (``enabled`` settled): where this step will hand fp8 groups their kept
+        gradients as segments (a group keeps them: one rank), the optimizer is told, so its step's scratch and
+        ``workspace_bytes`` include the row a gathered chunk of them takes."""
+        if self.enabled and self.segmented and any(g.gradient.keeps for g in groups):
+            assert isinstance(self.optimizer, StoredStates)
+            self.optimizer.takes_gradient_segments = True
+
     def grads(self, g: FlatParamGroup) -> list[torch.Tensor] | None:
         """``g``'s gradients, one tensor per parameter, when this step takes the group: the kept ones, or views
         of the flat (stages 1-3: reduced) gradient they went into. None: the flat step takes it, with any kept

@@ -203,8 +203,7 @@ class ShardedStep:
         # one rank: autograd's gradients as they are (a parameter over the chunk stepped in pieces where not fused)
         self.direct = DirectStep(optimizer, self._options, ledger, policy.master_chunk_numel)
         self.direct.enabled &= offload is None and virtual_kernels is None
-        if self.direct.enabled and self.direct.segmented and any(g.gradient.keeps for g in partition.groups):
-            optimizer.takes_gradient_segments = True  # type: ignore[attr-defined]  # (fp8 moments: StoredStates)
+        self.direct.declare_segments(partition.groups)
         if isinstance(optimizer, SegmentedOptimizer):  # a capability (Lamb's per-parameter trust ratio), not a class
             for g in partition.groups:
                 optimizer.set_segments(g.master_param, g.param_segments(), len(g.params),
