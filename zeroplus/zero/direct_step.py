@@ -93,20 +93,19 @@ class DirectStep:
             self.optimizer.takes_gradient_segments = True
 
     def grads(self, g: FlatParamGroup) -> list[torch.Tensor] | None:
-        """``g``'s gradients, one tensor per parameter, when this step takes the group: the kept ones, or views
-        of the flat (stages 1-3: reduced) gradient they went into. None: the flat step takes it, with any kept
-        gradient moved into the flat buffer first (``settle_kept``)."""
+        """``g``'s gradients, one tensor per parameter, when this step takes the group: the kept ones (fp8
+        moments: each contiguous, handed to the step as segments), or views of the flat (stages 1-3: reduced)
+        gradient they went into. None: the flat step takes it, with any kept gradient moved into the flat buffer
+        first (``settle_kept``)."""
         if not (self.enabled and g.gradient.keeps and (self.segmented or self._states_ready(g))):
             g.gradient.settle_kept()
             return None
         kept = g.gradient.kept_whole()
         if kept is not None and (not self.segmented or all(t.is_contiguous() for t in kept)):
             return kept
-        if self.segmented:  # (a gradient in rows, or laid out otherwise: the flat buffer, as the flat step reads it)
-            g.gradient.settle_kept()
-            return None
         g.gradient.settle_kept()
-        return g.step_gradient_views()
+        # (fp8: a gradient in rows, or one laid out otherwise, goes into the flat buffer for the flat step)
+        return None if self.segmented else g.step_gradient_views()
 
     def _states_ready(self, g: FlatParamGroup) -> bool:
         """Whether ``g``'s optimizer states exist as flat tensors before the step (made here for Adam and AdamW
