@@ -111,7 +111,8 @@ class NativeAdam:
                 for t in (exp_avg, exp_avg_sq)) or not all(
                 t.dtype == exp_avg_scales.dtype and t.dtype in (torch.float32, E8M0) and t.is_contiguous()
                 and t.device.type == "cpu" and t.numel() >= n // block for t in (exp_avg_scales, exp_avg_sq_scales)):
-            raise ValueError(f"native Adam step over fp8 moments: {param.dtype} parameter, {grad.dtype} gradient, "
+            got = grad.dtype if isinstance(grad, torch.Tensor) else grad  # (segments: fp32 CPU tensors, contiguous)
+            raise ValueError(f"native Adam step over fp8 moments: {param.dtype} parameter, {got} gradient, "
                              f"moments {exp_avg.dtype} and {exp_avg_sq.dtype}, scales {exp_avg_scales.dtype} and "
                              f"{exp_avg_sq_scales.dtype}: it takes contiguous CPU tensors, e4m3 moments with fp32 "
                              f"or e8m0 scales")
@@ -154,14 +155,6 @@ class GradientSegments:
 
     def __repr__(self) -> str:
         return f"GradientSegments({len(self.tensors)} tensors at {self.offsets[:4]}..., {self.numel} elements)"
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.tensors[0].dtype if self.tensors else torch.float32
-
-    @property
-    def device(self) -> torch.device:
-        return self.tensors[0].device if self.tensors else torch.device("cpu")
 
     def fits(self) -> bool:
         """Whether the native loop reads them: contiguous fp32 CPU tensors."""

@@ -168,11 +168,8 @@ class StoredStates(torch.optim.Optimizer):
         machine, only the last few elements of each parameter go through the chunked step; elsewhere all of them."""
         native = self._loop_here() if on_cpu else None
         params = [p for group in self.param_groups for p in group["params"]]
-        if native is None:
-            return self._workspace(max((p.numel() for p in params), default=0))
-        tails = [p.numel() - (native.covered_blocks(p.numel(), self.block) if self.block_scaled
-                              else native.covered(p.numel())) for p in params]
-        return self._workspace(max(tails, default=0))
+        chunked = [p.numel() if native is None else self._tail(native, p.numel()) for p in params]
+        return self._workspace(max(chunked, default=0))
 
     def _workspace(self, longest: int) -> int:
         root = 8 if self.state_dtypes["exp_avg_sq"] == E4M3 else 0
@@ -193,7 +190,11 @@ class StoredStates(torch.optim.Optimizer):
         n = p.numel()
         if self.native is None or not self._native_for(p, group, grad):
             return n
-        return n - (self.native.covered_blocks(n, self.block) if self.block_scaled else self.native.covered(n))
+        return self._tail(self.native, n)
+
+    def _tail(self, native: native_adam.NativeAdam, n: int) -> int:
+        """The last elements of a tensor of ``n`` the native loop leaves to the chunked step (fp8: with their block)."""
+        return n - (native.covered_blocks(n, self.block) if self.block_scaled else native.covered(n))
 
     def _state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]

@@ -157,16 +157,8 @@ class DirectStep:
         assert isinstance(self.optimizer, StoredStates)
         given: dict[torch.Tensor, GradientSegments] = {
             g.master_param: GradientSegments(grads, g.offsets, g.master_param.numel()) for g, grads in work}
-        masters = {id(g.master_param) for g, _ in work}
-        saved = [(options, options["params"]) for options in self.optimizer.param_groups]
-        try:
-            for options in self.optimizer.param_groups:  # (other groups' masters have no gradient: skipped anyway)
-                options["params"] = [p for p in options["params"] if id(p) in masters]
-            with self.optimizer.given(given):
-                self.optimizer.step()
-        finally:
-            for options, params in saved:
-                options["params"] = params
+        with self.optimizer.given(given):  # (every other master has no gradient now: the step skips it)
+            self.optimizer.step()
         for g, _ in work:
             self.ledger.track_new_states(self.optimizer.state.get(g.master_param, {}), Category.OPTIM_STATE)
 

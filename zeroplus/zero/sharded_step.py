@@ -6,9 +6,9 @@
    loss scale. Experts' groups (partitioned over the expert-data group): at stages 1-3 their shards join
    the same sum over the data group (expert-data x expert = data, so each expert counts once); at
    stage 0 their full gradients are summed over the expert group (other ranks, other experts) first.
-   A non-finite norm is an overflow on every rank at once: the step is skipped. One rank (nothing sharded) with
-   fp32 gradients forms the norm as ``clip_grad_norm_`` does instead (``_lone_root``), over its kept gradients
-   and its flat groups' alike.
+   A non-finite norm is an overflow on every rank at once: the step is skipped. Where every gradient is whole on
+   the rank (one rank, or stage 0: nothing sharded) in fp32, the norm is formed as ``clip_grad_norm_`` forms it
+   instead (``_lone_root``), over the kept gradients and the flat groups' alike.
 2. One coefficient per step: ``1 / (N at stage 0) / loss_scale * min(1, clip / (norm + 1e-6))``
    (torch's ``clip_grad_norm_`` rule, applied to unscaled gradients). With torch's fused Adam the step's
    kernel divides by its inverse, with no pass of its own (``kernel_scale.py``): the direct, flat, chunked
@@ -319,9 +319,9 @@ class ShardedStep:
         for g in self.partition.groups:
             kept = direct.get(id(g))
             if kept is None:  # a flat group (stage 0 on ranks, an optimizer that is not elementwise): its views
-                if g.step_gradient().dtype != torch.float32:
-                    return None
                 kept = g.step_gradient_views()
+                if kept[0].dtype != torch.float32:
+                    return None
             grads.extend(kept)
         if not grads:
             return None
