@@ -553,6 +553,46 @@ def test_one_rank_fp8_moments_step_the_kept_gradients_where_they_are(stage: int,
     flat_engine.destroy()
 
 
+def _fp8_overflow_run(rounding: str, segments: bool) -> list[tuple[list[dict], dict]]:
+    """Four fp32 steps with fp8 moments and a binding clip, the third a loss of inf (its gradients not finite);
+    each step's optimizer states of every group and fp32 weights."""
+    torch.manual_seed(0)
+    config = _config(0, "AdamW", 1) | {"gradient_clipping": 0.01}
+    config["zeroplus"] |= {"optimizer_states": {"exp_avg": "fp8", "exp_avg_sq": "fp8", "rounding": rounding}}
+    engine = zeroplus.initialize(ParityNet(), config)
+    engine._step.direct.enabled = segments
+    assert engine._step.direct.segmented and all(g.gradient.keeps for g in engine.partition.groups)
+    out = []
+    for step, (x, y) in enumerate(make_batches(4, 2)):
+        loss = engine(x, y)
+        engine.backward(loss * float("inf") if step == 2 else loss)
+        engine.step()
+        out.append(([{k: v.clone() for k, v in engine.optimizer_state(g).items()} for g in engine.partition.groups],
+                    engine.consolidated_fp32_state()))
+    assert engine.skipped_steps == 1
+    engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_one_rank_fp8_moments_skip_a_step_whose_gradients_are_not_finite(rounding: str) -> None:
+    """A step whose gradients are not finite, one rank, fp8 moments stepping the kept gradients as segments: the
+    overflow flag stays on the device and the chunked step takes every group whole (torch's kernel reads the flag and
+    returns), so weights, moments, scales and step counts are left as they were, bit for bit (stochastic rounding
+    stores the moments again from their dequantized values: the same codes and scales); the steps around it equal the
+    flat step's."""
+    ours, flat = _fp8_overflow_run(rounding, True), _fp8_overflow_run(rounding, False)
+    for (states, weights), (flat_states, flat_weights) in zip(ours, flat):
+        assert all(torch.equal(a[k], b[k]) for a, b in zip(states, flat_states) for k in b)
+        assert all(torch.equal(weights[n], flat_weights[n]) for n in flat_weights)
+    (before, weights_before), (after, weights_after) = ours[1], ours[2]
+    for a, b in zip(before, after):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), [k for k in a
+                                                                             if not torch.equal(a[k], b[k])]
+    assert all(torch.equal(weights_before[n], weights_after[n]) for n in weights_before)
+    assert not all(torch.equal(a[k], b[k]) for a, b in zip(ours[2][0], ours[3][0]) for k in a)  # (the next step steps)
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_flat_step_takes_the_clip_inside_the_fused_kernel(fused: bool) -> None:
     """The flat step (bf16 here: one rank's gradients go through the flat buffer) applies a binding clip inside torch's
