@@ -46,7 +46,8 @@ typedef struct {
   float eps;
   float neg_step_size;
   int maximize;
-  float grad_scale;    /* the gradient is divided by it and stored back, as torch's kernel does; 0: none */
+  float grad_scale;    /* the gradient is divided by it and stored back as it is read, as torch's kernel does; 0:
+                          none (1 too: x / 1 is x, so that step changes nothing by skipping it) */
   int stochastic;
   uint32_t step_hash;  /* (int32) count * golden ratio, the stochastic draw's seed */
   /* e4m3 moments (both): one power-of-two scale per `block` elements, fp32 or e8m0 (`e8m0_scales`); the second
@@ -163,13 +164,19 @@ enum { NO_DECAY = 0, DECOUPLED = 1, L2 = 2 };
 static inline __attribute__((always_inline)) void step_range(const Job *job, int mk, int vk, int decay_mode,
                                                              int stochastic) {
   float *restrict param = job->param;
-  const float *restrict grad = job->grad;
+  float *restrict grad = job->grad;
   void *restrict exp_avg = job->exp_avg;
   void *restrict exp_avg_sq = job->exp_avg_sq;
   CONSTANTS(job)
+  const float grad_scale = job->grad_scale;
   for (int64_t i = job->begin; i < job->end; i++) {
     float p = param[i];
-    float g = grad[i] * sign; /* (times one: exact) */
+    float g = grad[i];
+    if (grad_scale != 0.0f) { /* (the loop is unswitched on it) */
+      g = g / grad_scale;
+      grad[i] = g;
+    }
+    g = g * sign; /* (times one: exact) */
     if (decay_mode == DECOUPLED) p = p * decay;
     if (decay_mode == L2) g = fmaf(p, weight_decay, g);
     float m = load(exp_avg, mk, i);
@@ -292,10 +299,18 @@ static inline __attribute__((always_inline)) void quantize_block(const float *re
 
 #define MAX_BLOCK 256
 
+/* x[0, n) divided by `scale` in place (a block's gradient, while it is in cache), as torch's kernel divides and
+   stores back. */
+static inline void divide(float *restrict x, int64_t n, float scale) {
+  for (int64_t i = 0; i < n; i++) x[i] = x[i] / scale;
+}
+
 /* The gradient of elements [a, a + block) where it is in segments: a pointer into the one segment holding them all,
    or `gathered` filled from the segments it meets (zeros between). `cursor`: the first segment that may still hold
-   an element at or after `a` (blocks are visited in ascending order). */
-static inline const float *block_gradient(const Job *job, int64_t a, int64_t block, int64_t *cursor,
+   an element at or after `a` (blocks are visited in ascending order). A gathered block's pieces are divided by the
+   job's grad_scale where they are first (a piece lies in one block only), as step_blocks divides a block read in
+   place. */
+static inline float *block_gradient(const Job *job, int64_t a, int64_t block, int64_t *cursor,
                                           float *gathered) {
   int64_t s = *cursor;
   while (s < job->nsegments && job->segment_ends[s] <= a) s++;
@@ -306,7 +321,9 @@ static inline const float *block_gradient(const Job *job, int64_t a, int64_t blo
   for (int64_t t = s; t < job->nsegments && job->segment_begins[t] < a + block; t++) {
     const int64_t lo = job->segment_begins[t] > a ? job->segment_begins[t] : a;
     const int64_t hi = job->segment_ends[t] < a + block ? job->segment_ends[t] : a + block;
-    memcpy(gathered + (lo - a), job->segments[t] + (lo - job->segment_begins[t]), (size_t)(hi - lo) * sizeof(float));
+    float *piece = job->segments[t] + (lo - job->segment_begins[t]);
+    if (job->grad_scale != 0.0f) divide(piece, hi - lo, job->grad_scale);
+    memcpy(gathered + (lo - a), piece, (size_t)(hi - lo) * sizeof(float));
   }
   return gathered;
 }
@@ -317,7 +334,7 @@ static inline const float *block_gradient(const Job *job, int64_t a, int64_t blo
 static inline __attribute__((always_inline)) void step_blocks(const Job *job, int decay_mode, int stochastic,
                                                               int64_t block) {
   float *restrict param = job->param;
-  const float *restrict grad = job->grad;
+  float *grad = job->grad;
   uint8_t *m_codes = (uint8_t *)job->exp_avg, *v_codes = (uint8_t *)job->exp_avg_sq;
   CONSTANTS(job)
   float m[MAX_BLOCK], v[MAX_BLOCK], gathered[MAX_BLOCK];
@@ -326,7 +343,9 @@ static inline __attribute__((always_inline)) void step_blocks(const Job *job, in
     const int64_t b = a / block;
     const float sm = block_scale(job->exp_avg_scales, job->e8m0_scales, b);
     const float sv = block_scale(job->exp_avg_sq_scales, job->e8m0_scales, b);
-    const float *restrict g_at = grad != NULL ? grad + a : block_gradient(job, a, block, &cursor, gathered);
+    float *g_here = grad != NULL ? grad + a : block_gradient(job, a, block, &cursor, gathered);
+    if (job->grad_scale != 0.0f && g_here != gathered) divide(g_here, block, job->grad_scale);
+    const float *restrict g_at = g_here;
     for (int64_t i = 0; i < block; i++) { /* (step_range's operations) */
       float p = param[a + i];
       float g = g_at[i] * sign;
@@ -453,17 +472,6 @@ static void step_all_blocks(const Job *job) {
 
 static void *run(void *arg) {
   const Job *job = (const Job *)arg;
-  if (job->grad_scale != 0.0f) { /* as torch's kernel: the gradient divided, and stored back, before it is used */
-    if (job->grad != NULL) {
-      for (int64_t i = job->begin; i < job->end; i++) job->grad[i] = job->grad[i] / job->grad_scale;
-    }
-    for (int64_t t = 0; t < job->nsegments; t++) { /* (segments: the parts within [begin, end)) */
-      const int64_t lo = job->segment_begins[t] > job->begin ? job->segment_begins[t] : job->begin;
-      const int64_t hi = job->segment_ends[t] < job->end ? job->segment_ends[t] : job->end;
-      float *seg = job->segments[t] - job->segment_begins[t];
-      for (int64_t i = lo; i < hi; i++) seg[i] = seg[i] / job->grad_scale;
-    }
-  }
   if (job->exp_avg_kind == E4M3) step_all_blocks(job);
   else if (job->stochastic) { MODES(1) } else { MODES(0) }
   return NULL;
@@ -492,7 +500,7 @@ static Job constants(float *param, float *grad, double lr, double beta1, double 
   base.eps = (float)eps;
   base.neg_step_size = (float)(-(lr / bias1));
   base.maximize = maximize;
-  base.grad_scale = grad_scale;
+  base.grad_scale = grad_scale == 1.0f ? 0.0f : grad_scale;
   base.stochastic = stochastic;
   base.step_hash = (uint32_t)(int32_t)(float)count * 0x9E3779B1u;
   return base;
