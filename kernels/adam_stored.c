@@ -204,6 +204,20 @@ static inline uint8_t e4m3_nearest(float f) {
   return (uint8_t)((out & 0xFFu) | (sign >> 24));
 }
 
+/* e4m3_nearest of a value whose 20 bits below e4m3's fraction are zero (the stochastic draw added and truncated), its
+   magnitude above 448's first made 448's (infinity included, NaN not): a normal is then exact, so its code is its
+   bits rebiased with no rounding; below the normals, and NaN, as e4m3_nearest. */
+static inline uint8_t e4m3_truncated(uint32_t u) {
+  const uint32_t magnitude = u & 0x7FFFFFFFu;
+  const uint32_t nan = 0u - (uint32_t)(magnitude > 0x7F800000u);
+  const uint32_t bits = magnitude < 0x43E00000u ? magnitude : 0x43E00000u;
+  const uint32_t small = code_below_normals(bits, 141u << 23); /* (2^14) */
+  const uint32_t normal = (bits - (120u << 23)) >> 20;
+  const uint32_t below = 0u - (uint32_t)(bits < (121u << 23));
+  const uint32_t out = (nan & 0x7Fu) | (~nan & ((below & small) | (~below & normal)));
+  return (uint8_t)((out & 0xFFu) | ((u & 0x80000000u) >> 24));
+}
+
 /* An e4m3 code's fp32 value, as torch casts it (exactly: normals rebiased, subnormals m * 2^-9; NaN codes NaN). */
 static inline float e4m3_value(uint8_t code) {
   const uint32_t c = code, sign = (c & 0x80u) << 24, exponent = (c >> 3) & 0xFu, mantissa = c & 7u;
@@ -257,16 +271,14 @@ static inline __attribute__((always_inline)) void quantize_values(const float *r
                                                                   int stochastic, uint32_t step_hash) {
   for (int64_t i = 0; i < count; i++) {
     float y = multiply ? x[i] * factor : x[i] / factor;
-    if (stochastic) { /* (in integers: a magnitude above 448's, infinity included and NaN not, becomes 448's) */
+    if (stochastic) {
       uint32_t u;
       memcpy(&u, &y, 4);
       u = (u + (draw16(u, step_hash) << 4)) & ~0xFFFFFu;
-      const uint32_t magnitude = u & 0x7FFFFFFFu;
-      const uint32_t over = 0u - (uint32_t)(magnitude > 0x43E00000u && magnitude <= 0x7F800000u);
-      u = (over & ((u & 0x80000000u) | 0x43E00000u)) | (~over & u);
-      memcpy(&y, &u, 4);
+      codes[i] = e4m3_truncated(u);
+    } else {
+      codes[i] = e4m3_nearest(y);
     }
-    codes[i] = e4m3_nearest(y);
   }
 }
 
