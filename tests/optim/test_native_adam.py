@@ -165,6 +165,41 @@ def test_an_overflow_step_changes_nothing():
     assert torch.equal(a.state[ours[0]]["step"], kept[2]) and torch.equal(ours[0].grad, grad)
 
 
+def _fp8_values(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, torch.Tensor]:
+    state = opt.state[p]
+    return {key: state[key].float() * state[f"{key}_scale"].repeat_interleave(128)
+            for key in ("exp_avg", "exp_avg_sq")}
+
+
+@needs_compiler
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_an_overflow_step_leaves_fp8_moments_as_they_were(rounding: str) -> None:
+    """fp8 moments, a block whose largest code is 224 (half the top of e4m3's range): an overflow step stores nothing
+    where the native loop is built (the states' bytes as they were), and elsewhere (the chunked step, as on a device)
+    leaves their values as they were, though it stores the moments again from them (that block then at half its scale
+    with twice its codes)."""
+    _native()
+    a, b, ours, chunked = _pair(StoredStatesAdamW, [torch.randn(512)], lr=1e-2, exp_avg_dtype=E4M3,
+                                exp_avg_sq_dtype=E4M3, rounding=rounding)
+    for opt, p in ((a, ours[0]), (b, chunked[0])):
+        p.grad = torch.randn(512)
+        opt.step()
+        for key in ("exp_avg", "exp_avg_sq"):  # block 0: codes of 1 and one of 224, its scale 2^-10
+            opt.state[p][key][:128] = torch.tensor([224.0] + [1.0] * 127).to(E4M3)
+            opt.state[p][f"{key}_scale"][0] = 2.0 ** -10
+    kept = {key: value.clone() for key, value in a.state[ours[0]].items()}
+    values = _fp8_values(b, chunked[0])
+    for opt, p in ((a, ours[0]), (b, chunked[0])):
+        opt.found_inf = torch.tensor(1.0)
+        opt.grad_scale = torch.tensor(1.0)
+        weight = p.detach().clone()
+        p.grad = torch.randn(512)
+        opt.step()
+        assert torch.equal(p, weight)
+    assert all(torch.equal(_bits(a.state[ours[0]][key]), _bits(kept[key])) for key in kept), rounding
+    assert all(torch.equal(v, values[key]) for key, v in _fp8_values(b, chunked[0]).items())
+
+
 @needs_compiler
 def test_the_engine_steps_bf16_moments_with_the_loop_on_the_cpu():
     torch.manual_seed(0)

@@ -221,9 +221,16 @@ class StoredStates(torch.optim.Optimizer):
                 grad = self._given.get(p, p.grad)
                 if grad is not None:
                     stepped.append((p, group, grad))
-        # an overflow step leaves everything as it is (torch's kernel returns at once): the chunked step, whose
-        # kernel reads the flag, takes it whole
-        native = self.native is not None and (found_inf is None or not found_inf.item())
+        # an overflow step leaves everything as it is. Where the native loop is built (the CPU) the flag is read here
+        # and nothing is stepped or stored: the states are made, as torch's step makes them, and left. Elsewhere the
+        # chunked step's kernel reads the flag on the device and returns at once, and each moment is stored again
+        # from its dequantized values: the same values, though an fp8 block whose largest code is 224 is stored
+        # again at half its scale with twice its codes (the smallest scale that holds the block's largest value)
+        if self.native is not None and found_inf is not None and found_inf.item():
+            for p, group, _ in stepped:
+                self._state(p, group)
+            return loss
+        native = self.native is not None
         sizes: dict[torch.device, int] = {}  # one set of chunk buffers per device, as long as its longest chunk
         for p, group, grad in stepped:
             chunked = self._chunked(p, group, grad) if native else p.numel()
