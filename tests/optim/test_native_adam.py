@@ -24,7 +24,7 @@ import zeroplus
 from tests.models import ParityNet, make_batches
 from zeroplus.cache_dir import cache_root
 from zeroplus.kernels import native_adam
-from zeroplus.kernels.block_fp8 import E4M3, E8M0, MX_BLOCK
+from zeroplus.kernels.block_fp8 import E4M3, E8M0, MX_BLOCK, dequantize_into
 from zeroplus.optim.stored_states import StoredStatesAdam, StoredStatesAdamW
 
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here: the chunked step runs")
@@ -167,7 +167,7 @@ def test_an_overflow_step_changes_nothing():
 
 def _fp8_values(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, torch.Tensor]:
     state = opt.state[p]
-    return {key: state[key].float() * state[f"{key}_scale"].repeat_interleave(128)
+    return {key: dequantize_into(torch.empty(p.numel()), state[key], state[f"{key}_scale"], 128)
             for key in ("exp_avg", "exp_avg_sq")}
 
 
